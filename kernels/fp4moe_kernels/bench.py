@@ -1,0 +1,420 @@
+"""Kernel benchmark (SPEC §8, issue P1 part E): ``python -m fp4moe_kernels.bench --help``.
+
+For every conversion at 32768x7168 (dense and ragged over 32 experts) and 32768x2048 it measures the
+median of CUDA-event timings after warm-up (``triton.testing.do_bench``), the achieved GB/s counted from
+the *minimum* bytes the conversion must read and write, and that as a percentage of the device-to-device
+copy bandwidth measured in the same run. Side by side in the same run:
+
+* the unfused round trip the fused kernels replace: MXFP4 -> BF16 in HBM -> FP8 with torch ops, eager and
+  ``torch.compile``d (each stage its own graph, so BF16 goes through memory, like separate
+  quantize/dequantize ops), plus the whole round trip compiled as one graph;
+* torchao's peers when torchao is importable: ``to_mx`` to MXFP4 (compiled) against BF16ToFP4Row, and
+  torchao's blockwise-FP8 Triton quantizers against our BF16 -> FP8 row / column.
+
+Writes ``kernels_<gpu>_<date>.{json,csv,md}`` into ``--out``. Needs a CUDA GPU (sm_89+).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from . import ops
+from .formats import MXFP4Tensor, Segments
+from .selfcheck import make_counts
+
+# ----------------------------------------------------------------------------------------- bytes
+
+
+def min_bytes(kernel: str, m: int, k: int, seg: Segments) -> int:
+    """Fewest bytes a conversion must move: each input read once, each output written once."""
+    fp4 = m * k // 2 + m * k // 32  # data + UE8M0 scales
+    fp8_row = m * k + 4 * m * k // 128
+    mp = seg.padded_total
+    fp8_col = k * mp + 4 * k * mp // 128
+    bf16 = 2 * m * k
+    return {
+        "bf16_to_fp4_row": bf16 + fp4,
+        "fp4_to_bf16": fp4 + bf16,
+        "fp4_row_to_fp8_row": fp4 + fp8_row,
+        "fp4_row_to_fp8_col": fp4 + fp8_col,
+        "fp8_row_to_fp4": fp8_row + fp4,
+        "bf16_to_fp8_row": bf16 + fp8_row,
+        "bf16_to_fp8_col": bf16 + fp8_col,
+        "bf16_to_fp4_and_fp8_row": bf16 + fp4 + fp8_row,
+    }[kernel]
+
+
+# ------------------------------------------------------------------- unfused torch-op round trips
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def torch_fp4_to_bf16(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Dequantize MXFP4 with plain torch ops (the 'separate dequantize' of the round trip)."""
+    m = data.shape[0]
+    lut = torch.tensor(_E2M1, dtype=torch.float32, device=data.device)
+    codes = torch.stack([data & 0xF, data >> 4], dim=-1).reshape(m, -1, 32).long()
+    s = torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return (lut[codes] * s).reshape(m, -1).to(torch.bfloat16)
+
+
+def torch_bf16_to_fp8_row(x: torch.Tensor):
+    """Quantize to FP8 1x128 rows with torch ops (power-of-two scales; the 'separate quantize')."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // 128, 128)
+    amax = xg.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    q = (xg / scale).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(m, k)
+    return q, scale.reshape(m, k // 128).t().contiguous()
+
+
+def torch_bf16_to_fp8_col(x: torch.Tensor):
+    """FP8 of x^T [K, M] with 1x128 scales along tokens, torch ops (M a multiple of 128: pad first)."""
+    return torch_bf16_to_fp8_row(x.t().contiguous())
+
+
+def pad_index(seg: Segments, device) -> torch.Tensor:
+    """Destination row of every token in the 128-padded per-expert layout (for the ragged torch baseline)."""
+    idx = [p + i for r0, c, p in zip(seg.offsets, seg.counts, seg.padded_offsets) for i in range(c)]
+    return torch.tensor(idx, dtype=torch.long, device=device)
+
+
+def torch_pad(x: torch.Tensor, dest: torch.Tensor, mp: int) -> torch.Tensor:
+    return torch.zeros(mp, x.shape[1], dtype=x.dtype, device=x.device).index_copy_(0, dest, x)
+
+
+# --------------------------------------------------------------------------------------- timing
+
+
+TIMING = {"method": "cuda-graph"}
+
+
+def do_bench(fn, warmup_ms: int, rep_ms: int) -> float:
+    """Median milliseconds per call. Replays of a CUDA graph of the call (``do_bench_cudagraph``: no host
+    launch overhead, which otherwise dominates Python-heavy peers); falls back to plain CUDA-event timing
+    (``do_bench``, L2 flushed between runs) when the call cannot be captured. Every input here is several
+    times the 60 MB L2, so graph replays without a flush do not time the cache."""
+    from triton.testing import do_bench as _db
+    from triton.testing import do_bench_cudagraph as _dbg
+
+    fn()  # warm-up outside any capture: compilation, autotuning, cached tables
+    torch.cuda.synchronize()
+    if TIMING["method"] == "cuda-graph":
+        try:
+            return float(_dbg(fn, rep=rep_ms, return_mode="median"))
+        except Exception:  # noqa: BLE001 - not capturable: time with events instead
+            torch.cuda.synchronize()
+    return float(_db(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth_gbps(warmup_ms: int, rep_ms: int, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy of a 1 GiB BF16 tensor, counting bytes read + written (GB/s, 1e9)."""
+    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup_ms, rep_ms)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+@dataclass
+class Row:
+    """One timed implementation of one conversion at one shape."""
+
+    shape: str
+    kernel: str
+    impl: str  # "fp4moe" | "torch eager (unfused)" | ... | "torchao ..."
+    ms: float
+    bytes: int  # minimum bytes of the conversion (same for every impl of it)
+    gbps: float = 0.0
+    pct_copy: float = 0.0
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Shape:
+    name: str
+    m: int
+    k: int
+    counts: list[int] | None
+
+    @property
+    def seg(self) -> Segments:
+        return Segments.of(self.counts, self.m)
+
+
+def default_shapes(tokens: int = 32768, experts: int = 32, seed: int = 0) -> list[Shape]:
+    return [
+        Shape(f"{tokens}x7168", tokens, 7168, None),
+        Shape(f"{tokens}x7168 ragged {experts}e", tokens, 7168, make_counts(tokens, experts, seed, zero_frac=0.1)),
+        Shape(f"{tokens}x2048 ragged {experts}e", tokens, 2048, make_counts(tokens, experts, seed + 1, zero_frac=0.1)),
+    ]
+
+
+def _ours(shape: Shape, x, a: MXFP4Tensor, f):
+    counts = shape.counts
+    return {
+        "bf16_to_fp4_row": lambda: ops.bf16_to_fp4_row(x),
+        "fp4_to_bf16": lambda: ops.fp4_to_bf16(a),
+        "fp4_row_to_fp8_row": lambda: ops.fp4_row_to_fp8_row(a, counts),
+        "fp4_row_to_fp8_col": lambda: ops.fp4_row_to_fp8_col(a, counts),
+        "fp8_row_to_fp4": lambda: ops.fp8_row_to_fp4(f),
+        "bf16_to_fp8_row": lambda: ops.bf16_to_fp8_row(x, counts),
+        "bf16_to_fp8_col": lambda: ops.bf16_to_fp8_col(x, counts),
+        "bf16_to_fp4_and_fp8_row": lambda: ops.bf16_to_fp4_and_fp8_row(x, counts),
+    }
+
+
+def _round_trips(shape: Shape, a: MXFP4Tensor):
+    """name -> (kernel it competes with, callable) for the unfused MXFP4 -> BF16 -> FP8 round trips."""
+    seg = shape.seg
+    ragged = shape.counts is not None
+    dest = pad_index(seg, a.device) if ragged else None
+    mp = seg.padded_total
+
+    def row_eager():
+        return torch_bf16_to_fp8_row(torch_fp4_to_bf16(a.data, a.scales))
+
+    def col_eager():
+        x = torch_fp4_to_bf16(a.data, a.scales)
+        return torch_bf16_to_fp8_col(torch_pad(x, dest, mp) if ragged else x)
+
+    deq_c = torch.compile(torch_fp4_to_bf16)
+    row_c = torch.compile(torch_bf16_to_fp8_row)
+    col_c = torch.compile(torch_bf16_to_fp8_col)
+    pad_c = torch.compile(torch_pad)
+
+    def row_compiled():
+        return row_c(deq_c(a.data, a.scales))
+
+    def col_compiled():
+        x = deq_c(a.data, a.scales)
+        return col_c(pad_c(x, dest, mp) if ragged else x)
+
+    whole_row = torch.compile(lambda d, s: torch_bf16_to_fp8_row(torch_fp4_to_bf16(d, s)))
+    return {
+        "torch eager (unfused)": [("fp4_row_to_fp8_row", row_eager), ("fp4_row_to_fp8_col", col_eager)],
+        "torch.compile (unfused, BF16 in HBM)": [("fp4_row_to_fp8_row", row_compiled), ("fp4_row_to_fp8_col", col_compiled)],
+        "torch.compile (one graph)": [("fp4_row_to_fp8_row", lambda: whole_row(a.data, a.scales))],
+    }
+
+
+def _peers(x):
+    """torchao peers (name -> (kernel it competes with, callable)), or a reason they are missing."""
+    try:
+        from .bench_peers import torchao_peers
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        return {}, f"torchao peers unavailable: {e}"
+    try:
+        peers = torchao_peers()
+    except Exception as e:  # noqa: BLE001 - report any import/setup failure of the optional peer
+        return {}, f"torchao peers unavailable: {type(e).__name__}: {e}"
+    out = {}
+    for name, (kernel, make) in peers.items():
+        out[name] = (kernel, make(x))
+    return out, ""
+
+
+def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, log=print) -> tuple[float, list[Row], list[str]]:
+    copy = copy_bandwidth_gbps(warmup_ms, rep_ms)
+    log(f"copy bandwidth (1 GiB bf16 D2D, read+write): {copy:.0f} GB/s")
+    rows: list[Row] = []
+    notes: list[str] = []
+    for shape in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(shape.m, shape.k, device="cuda", dtype=torch.bfloat16, generator=g)
+        a = ops.bf16_to_fp4_row(x)
+        f = ops.bf16_to_fp8_row(x, shape.counts)
+        seg = shape.seg
+
+        def add(kernel, impl, fn, note=""):
+            ms = do_bench(fn, warmup_ms, rep_ms)
+            nb = min_bytes(kernel, shape.m, shape.k, seg)
+            gbps = nb / (ms * 1e-3) / 1e9
+            rows.append(Row(shape.name, kernel, impl, ms, nb, gbps, 100 * gbps / copy, note))
+            log(f"  {shape.name:>24} {kernel:>24} {impl:<38} {ms * 1e3:9.1f} us {gbps:7.0f} GB/s {100 * gbps / copy:5.1f}%")
+
+        for kernel, fn in _ours(shape, x, a, f).items():
+            add(kernel, "fp4moe", fn)
+        for impl, items in _round_trips(shape, a).items():
+            for kernel, fn in items:
+                add(kernel, impl, fn)
+        if peers:
+            peer_fns, why = _peers(x)
+            if why and why not in notes:
+                notes.append(why)
+                log(why)
+            for impl, (kernel, fn) in peer_fns.items():
+                if shape.counts is not None and kernel.endswith("_col"):
+                    continue  # torchao's column quantizer has no ragged segments: dense shape only
+                add(kernel, impl, fn)
+        del x, a, f
+        torch.cuda.empty_cache()
+    return copy, rows, notes
+
+
+def sweep(shape: Shape, warmup_ms: int, rep_ms: int, log=print) -> list[dict]:
+    """Time each kernel under several (tile, warps) configs; returns one record per config."""
+    from .triton_kernels import launch
+
+    x = torch.randn(shape.m, shape.k, device="cuda", dtype=torch.bfloat16)
+    a = ops.bf16_to_fp4_row(x)
+    f = ops.bf16_to_fp8_row(x, shape.counts)
+    fns = _ours(shape, x, a, f)
+    out = []
+    saved = dict(launch.TILES)
+    try:
+        for kernel, fn in fns.items():
+            if kernel.endswith("_col"):
+                configs = [(bn, 0, w) for bn in (32, 64, 128) for w in (4, 8)]
+            else:
+                configs = [(bm, bk, w) for bm in (8, 16, 32) for bk in (128, 256, 512) for w in (4, 8)
+                           if bm * bk <= 8192]
+            for t in configs:
+                launch.TILES[kernel] = t
+                try:
+                    ms = do_bench(fn, warmup_ms, rep_ms)
+                except Exception as e:  # noqa: BLE001 - a config may exceed resources; record and go on
+                    out.append(dict(kernel=kernel, tile=list(t), ms=None, error=str(e)[:200]))
+                    continue
+                gbps = min_bytes(kernel, shape.m, shape.k, shape.seg) / (ms * 1e-3) / 1e9
+                out.append(dict(kernel=kernel, tile=list(t), ms=ms, gbps=gbps))
+                log(f"  sweep {kernel:>24} tile {t}: {ms * 1e3:8.1f} us {gbps:6.0f} GB/s")
+            launch.TILES[kernel] = saved[kernel]
+    finally:
+        launch.TILES.update(saved)
+    return out
+
+
+# --------------------------------------------------------------------------------------- output
+
+
+def environment(command: str, commit: str | None) -> dict:
+    def _git():
+        try:
+            return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    import triton
+
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit or os.environ.get("FP4MOE_COMMIT") or _git() or "unknown",
+        "gpu": torch.cuda.get_device_name(),
+        "gpu_count": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "command": command,
+    }
+
+
+def summary(rows: list[Row]) -> list[dict]:
+    """One line per (shape, kernel): our time, GB/s, % copy and the ratio over every other implementation."""
+    out = []
+    for r in rows:
+        if r.impl != "fp4moe":
+            continue
+        line = {"shape": r.shape, "kernel": r.kernel, "us": round(r.ms * 1e3, 1), "GB/s": round(r.gbps),
+                "% copy": round(r.pct_copy, 1)}
+        for o in rows:
+            if o.shape == r.shape and o.kernel == r.kernel and o.impl != "fp4moe":
+                line[f"x vs {o.impl}"] = round(o.ms / r.ms, 2)
+        out.append(line)
+    return out
+
+
+def markdown(env: dict, copy: float, rows: list[Row], notes: list[str]) -> str:
+    lines = [
+        f"# Kernel benchmark: {env['gpu']}",
+        "",
+        f"Measured {env['date']} at commit `{env['commit']}` on {env['gpu']} (torch {env['torch']}, triton "
+        f"{env['triton']}, CUDA {env['cuda']}). Command: `{env['command']}`.",
+        "",
+        f"Copy bandwidth measured in the same run: **{copy:.0f} GB/s** (1 GiB BF16 device-to-device, read + write).",
+        "Times are medians of CUDA-event timings after warm-up; GB/s counts the minimum bytes of the conversion.",
+        "",
+        "| shape | kernel | impl | time (us) | GB/s | % copy |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r.shape} | {r.kernel} | {r.impl} | {r.ms * 1e3:.1f} | {r.gbps:.0f} | {r.pct_copy:.1f} |")
+    lines += ["", "## Ratios (their time / our time; > 1 means fp4moe is faster)", ""]
+    summ = summary(rows)
+    impls = sorted({k for s in summ for k in s if k.startswith("x vs ")})
+    lines.append("| shape | kernel | us | % copy | " + " | ".join(i[5:] for i in impls) + " |")
+    lines.append("|---|---|---:|---:|" + "---:|" * len(impls))
+    for s in summ:
+        lines.append(f"| {s['shape']} | {s['kernel']} | {s['us']} | {s['% copy']} | "
+                     + " | ".join(str(s.get(i, "")) for i in impls) + " |")
+    if notes:
+        lines += ["", "Notes:"] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write(out_dir: str, env: dict, copy: float, rows: list[Row], notes: list[str], sweep_rows=None) -> str:
+    """Write json/csv/md; return the path stem. Files are written to a temporary name and renamed."""
+    os.makedirs(out_dir, exist_ok=True)
+    gpu = env["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
+    stem = os.path.join(out_dir, f"kernels_{gpu}_{env['date'][:10]}")
+    payload = {"env": env, "copy_gbps": copy, "rows": [asdict(r) for r in rows], "summary": summary(rows),
+               "notes": notes, "sweep": sweep_rows or []}
+    for ext, text in (("json", json.dumps(payload, indent=1)), ("md", markdown(env, copy, rows, notes))):
+        with open(f"{stem}.{ext}.tmp", "w") as fh:
+            fh.write(text)
+        os.replace(f"{stem}.{ext}.tmp", f"{stem}.{ext}")
+    with open(f"{stem}.csv.tmp", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["date", "commit", "gpu", "command", "copy_gbps", "shape", "kernel", "impl", "time_us", "bytes", "gbps", "pct_copy"])
+        for r in rows:
+            w.writerow([env["date"], env["commit"], env["gpu"], env["command"], f"{copy:.0f}", r.shape, r.kernel,
+                        r.impl, f"{r.ms * 1e3:.2f}", r.bytes, f"{r.gbps:.1f}", f"{r.pct_copy:.2f}"])
+    os.replace(f"{stem}.csv.tmp", f"{stem}.csv")
+    return stem
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fp4moe_kernels.bench", description=__doc__.splitlines()[0],
+                                epilog="Needs a CUDA GPU with FP8 (sm_89+); run the self-check first.")
+    p.add_argument("--out", default="results/kernels", help="directory for json/csv/md (default results/kernels)")
+    p.add_argument("--tokens", type=int, default=32768, help="tokens per shape (default 32768)")
+    p.add_argument("--experts", type=int, default=32, help="experts of the ragged shapes (default 32)")
+    p.add_argument("--warmup-ms", type=int, default=25)
+    p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument("--no-peers", action="store_true", help="skip the torchao peers")
+    p.add_argument("--sweep", action="store_true", help="also sweep tile/warp configs per kernel (slow)")
+    p.add_argument("--commit", default=None, help="git commit to record (default: FP4MOE_COMMIT or git)")
+    p.add_argument("--timing", choices=("cuda-graph", "events"), default="cuda-graph",
+                   help="cuda-graph replays (default) or plain CUDA events around each call")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the kernel benchmark needs a CUDA GPU (H100/H200); results measured on an H200 are in results/kernels/",
+              file=sys.stderr)
+        return 2
+    command = "python -m fp4moe_kernels.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    TIMING["method"] = args.timing
+    env = environment(command.strip(), args.commit)
+    env["timing"] = args.timing
+    print(f"kernel benchmark on {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
+    shapes = default_shapes(args.tokens, args.experts)
+    sweep_rows = sweep(shapes[1], args.warmup_ms, args.rep_ms) if args.sweep else None
+    copy, rows, notes = run(shapes, args.warmup_ms, args.rep_ms, peers=not args.no_peers)
+    stem = write(args.out, env, copy, rows, notes, sweep_rows)
+    print()
+    print(markdown(env, copy, rows, notes).split("## Ratios")[1])
+    print(f"wrote {stem}.json/.csv/.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

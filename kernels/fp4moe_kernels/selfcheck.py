@@ -1,0 +1,205 @@
+"""Kernels against the reference, bit for bit, on adversarial random inputs: ``python -m fp4moe_kernels.selfcheck``.
+
+On a CUDA GPU this checks every Triton kernel at DeepSeek-V3 shapes; on the CPU it runs the same kernels
+under the Triton interpreter (``TRITON_INTERPRET=1``, set automatically when no GPU is present) at small
+shapes. The tests (``tests/kernels/test_kernels_exact.py``) use the same inputs and comparisons.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import reference as ref
+from .formats import FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
+
+CONVERSIONS = (
+    "bf16_to_fp4_row",
+    "bf16_to_fp4_row_floor",
+    "fp4_to_bf16",
+    "fp4_row_to_fp8_row",
+    "fp4_row_to_fp8_col",
+    "fp8_row_to_fp4",
+    "bf16_to_fp8_row",
+    "bf16_to_fp8_col",
+    "bf16_to_fp4_and_fp8_row",
+)
+
+
+def make_input(m: int, k: int, seed: int, device="cpu", special: bool = True) -> torch.Tensor:
+    """BF16 ``[M, K]`` that exercises the formats: per-row magnitudes over ~2**+-12, per-32-block exponent
+    offsets 0..30 (spreads inside 128-groups), exact zeros, -0.0, all-zero blocks, BF16 denormals, and
+    (``special``) a few NaN / +-Inf. Never all zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g, dtype=torch.float64)
+    row = torch.exp2(torch.randint(-12, 13, (m, 1), generator=g).double())
+    blk = torch.exp2(-torch.randint(0, 31, (m, k // 32, 1), generator=g).double())
+    blk = torch.where(torch.rand(m, k // 32, 1, generator=g) < 0.7, torch.ones_like(blk), blk)
+    x = (x.reshape(m, k // 32, 32) * blk).reshape(m, k) * row
+    x[torch.rand(m, k, generator=g) < 0.03] = 0.0
+    x[torch.rand(m, k, generator=g) < 0.01] = -0.0
+    zb = torch.rand(m, k // 32, generator=g) < 0.03
+    x = x.reshape(m, k // 32, 32).masked_fill(zb.unsqueeze(-1), 0.0).reshape(m, k)
+    if m > 0:
+        x[torch.randint(0, m, (max(1, m // 16),), generator=g), torch.randint(0, k, (max(1, m // 16),), generator=g)] = 3e-39
+    if special and m > 0:
+        n = max(1, m * k // 4096)
+        for v in (float("nan"), float("inf"), float("-inf")):
+            x[torch.randint(0, m, (n,), generator=g), torch.randint(0, k, (n,), generator=g)] = v
+    return x.to(torch.bfloat16).to(device)
+
+
+def make_counts(m: int, experts: int, seed: int, zero_frac: float = 0.2) -> list[int]:
+    """Ragged per-expert token counts summing to M, some experts empty (seeded multinomial)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(experts, generator=g)
+    w[torch.rand(experts, generator=g) < zero_frac] = 0
+    if w.sum() == 0:
+        w[0] = 1
+    return torch.bincount(torch.multinomial(w, m, replacement=True, generator=g), minlength=experts).tolist() if m else [0] * experts
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
+
+
+def _diff_float(a: torch.Tensor, b: torch.Tensor, name: str) -> list[str]:
+    """Bitwise comparison of FP8/BF16 tensors; NaN positions must match (NaN payload bits may differ)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return [f"{name}: shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"]
+    na, nb = torch.isnan(a.float()), torch.isnan(b.float())
+    bad = (na != nb) | (~na & (_bits(a) != _bits(b)))
+    n = int(bad.sum())
+    if n == 0:
+        return []
+    i = bad.nonzero()[0].tolist()
+    return [f"{name}: {n} of {a.numel()} differ, first at {i}: {a[tuple(i)].float().item()} vs {b[tuple(i)].float().item()}"]
+
+
+def _diff_exact(a: torch.Tensor, b: torch.Tensor, name: str) -> list[str]:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return [f"{name}: shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"]
+    bad = a != b
+    n = int(bad.sum())
+    if n == 0:
+        return []
+    i = bad.nonzero()[0].tolist()
+    return [f"{name}: {n} of {a.numel()} differ, first at {i}: {a[tuple(i)].item()} vs {b[tuple(i)].item()}"]
+
+
+def compare(got, want, name: str = "out") -> list[str]:
+    """Differences between two conversion results (any of the formats, a tensor, or a tuple); [] if equal."""
+    if isinstance(want, tuple):
+        return [d for i, (g, w) in enumerate(zip(got, want)) for d in compare(g, w, f"{name}[{i}]")]
+    if type(got) is not type(want):
+        return [f"{name}: type {type(got).__name__} vs {type(want).__name__}"]
+    if isinstance(want, MXFP4Tensor):
+        return _diff_exact(got.data.cpu(), want.data.cpu(), f"{name}.data") + _diff_exact(
+            got.scales.cpu(), want.scales.cpu(), f"{name}.scales")
+    if isinstance(want, (FP8RowTensor, FP8ColTensor)):
+        seg = [] if got.segments == want.segments else [f"{name}: segments differ"]
+        return seg + _diff_float(got.data.cpu(), want.data.cpu(), f"{name}.data") + _diff_exact(
+            got.scales.cpu(), want.scales.cpu(), f"{name}.scales")
+    return _diff_float(got.cpu(), want.cpu(), name)
+
+
+@dataclass
+class Case:
+    conversion: str
+    m: int
+    k: int
+    counts: list[int] | None
+    seed: int
+
+    @property
+    def label(self) -> str:
+        seg = "1 segment" if self.counts is None else f"{len(self.counts)} experts ({sum(c == 0 for c in self.counts)} empty)"
+        return f"{self.conversion} {self.m}x{self.k} {seg}"
+
+
+def _impl(kind: str):
+    """'ops': the public API (CUDA -> kernels, CPU -> reference); 'triton': the kernel launchers on any
+    device (CPU needs TRITON_INTERPRET=1)."""
+    if kind == "ops":
+        from . import ops
+
+        return ops
+    from .triton_kernels import launch
+
+    return launch
+
+
+def run_case(case: Case, device, impl: str = "ops") -> list[str]:
+    """Run one conversion with the kernels and the reference on the same input; return the differences."""
+    lib = _impl(impl)
+    x = make_input(case.m, case.k, case.seed, device)
+    seg = Segments.of(case.counts, case.m)
+    name = case.conversion
+    if name.startswith("bf16_to_fp4_row"):
+        rule = "floor" if name.endswith("floor") else "ceil"
+        return compare(lib.bf16_to_fp4_row(x, rule), ref.bf16_to_fp4_row(x, rule))
+    if name == "bf16_to_fp8_row":
+        return compare(lib.bf16_to_fp8_row(x, seg), ref.bf16_to_fp8_row(x, seg))
+    if name == "bf16_to_fp8_col":
+        return compare(lib.bf16_to_fp8_col(x, seg), ref.bf16_to_fp8_col(x, seg))
+    if name == "bf16_to_fp4_and_fp8_row":
+        return compare(lib.bf16_to_fp4_and_fp8_row(x, seg), ref.bf16_to_fp4_and_fp8_row(x, seg))
+    a = ref.bf16_to_fp4_row(x)
+    if name == "fp4_to_bf16":
+        return compare(lib.fp4_to_bf16(a), ref.fp4_to_bf16(a))
+    if name == "fp4_row_to_fp8_row":
+        return compare(lib.fp4_row_to_fp8_row(a, seg), ref.fp4_row_to_fp8_row(a, seg))
+    if name == "fp4_row_to_fp8_col":
+        return compare(lib.fp4_row_to_fp8_col(a, seg), ref.fp4_row_to_fp8_col(a, seg))
+    if name == "fp8_row_to_fp4":
+        f = ref.bf16_to_fp8_row(x, seg)
+        return compare(lib.fp8_row_to_fp4(f), ref.fp8_row_to_fp4(f))
+    raise ValueError(f"unknown conversion {name!r}; known: {CONVERSIONS}")
+
+
+def gpu_cases(seed: int = 0) -> list[Case]:
+    """DeepSeek-V3 shapes: tokens x 7168 (hidden), x 2048 (expert ffn), ragged over 32 experts, and odd sizes."""
+    shapes = [
+        (4096, 7168, None),
+        (4096, 2048, None),
+        (8192, 7168, make_counts(8192, 32, seed + 1)),
+        (3000, 2048, make_counts(3000, 32, seed + 2, zero_frac=0.4)),
+        (1, 7168, None),
+        (129, 256, [0, 129, 0]),
+    ]
+    return [Case(c, m, k, cnt, seed + i) for i, (m, k, cnt) in enumerate(shapes) for c in CONVERSIONS]
+
+
+def cpu_cases(seed: int = 0) -> list[Case]:
+    """Small shapes for the Triton interpreter: tails, empty experts, a 0-row input."""
+    shapes = [(200, 256, [10, 0, 130, 60]), (64, 128, None), (130, 384, make_counts(130, 5, seed + 3)), (0, 128, None)]
+    return [Case(c, m, k, cnt, seed + i) for i, (m, k, cnt) in enumerate(shapes) for c in CONVERSIONS]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fp4moe_kernels.selfcheck", description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=0, help="input seed (default 0); use fresh seeds to re-check")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+    device = "cuda" if cuda else "cpu"
+    cases = gpu_cases(args.seed) if cuda else cpu_cases(args.seed)
+    where = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter)"
+    print(f"kernel self-check on {where}: {len(cases)} cases, kernels vs reference, bit for bit")
+    failed = 0
+    t0 = time.time()
+    for case in cases:
+        diffs = run_case(case, device, impl="ops" if cuda else "triton")
+        failed += bool(diffs)
+        print(f"  {'ok  ' if not diffs else 'FAIL'} {case.label}" + ("" if not diffs else "\n       " + "\n       ".join(diffs)))
+    print(f"{len(cases) - failed} passed, {failed} failed ({time.time() - t0:.1f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

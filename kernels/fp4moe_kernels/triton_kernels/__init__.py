@@ -1,0 +1,1 @@
+"""Triton GPU kernels for the conversions; ``launch`` holds the host-side launchers."""

@@ -1,0 +1,156 @@
+"""Device functions shared by the conversion kernels (element codecs, exact power-of-two scale rules).
+
+All arithmetic is exact FP32/int32 so that results match ``fp4moe_kernels.reference`` bit for bit.
+FP8 values move as raw uint8 bits. On the GPU they are produced/consumed by the hardware E4M3
+conversions (``cvt.rn.satfinite``: nearest-even); under ``TRITON_INTERPRET=1`` (CPU tests) the
+interpreter's own float8 casts are wrong, so ``EMULATE_FP8`` switches to an exact integer emulation.
+"""
+import os
+
+import triton
+import triton.language as tl
+
+# Read once at import, like triton.jit itself: kernels are interpreted iff this is set.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+_RNE_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 to an integer, ties to even
+
+
+@triton.jit
+def rne_int(x):
+    """Round float32 ``0 <= x < 2**22`` to the nearest integer, ties to even (result float32)."""
+    return (x + _RNE_MAGIC) - _RNE_MAGIC
+
+
+@triton.jit
+def exp2_i(e):
+    """2**e as float32 for int32 ``-126 <= e <= 127`` (built from bits: exact, no libdevice)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def ceil_log2_ratio(amax, LIMIT_EXP: tl.constexpr, LIMIT_MANT: tl.constexpr):
+    """Smallest int k with ``amax <= limit * 2**k`` where limit = (1 + LIMIT_MANT/2**23) * 2**LIMIT_EXP.
+
+    ``amax`` float32 > 0. FP32 denormals are treated as exponent -127 (all callers clamp the result
+    far above that)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    m = bits & 0x7FFFFF
+    return e - LIMIT_EXP + (m > LIMIT_MANT).to(tl.int32)
+
+
+@triton.jit
+def floor_log2(amax):
+    bits = amax.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def mx_scale_code(amax, all_finite, RULE_CEIL: tl.constexpr):
+    """UE8M0 code (int32) of a 32-block with finite max magnitude ``amax``: reference._mx_codes."""
+    safe = tl.where(amax > 0, amax, 1.0)
+    if RULE_CEIL:
+        k = ceil_log2_ratio(safe, 2, 0x400000)  # limit 6 = 1.5 * 2**2
+    else:
+        k = floor_log2(safe) - 2
+    code = tl.minimum(tl.maximum(k + 127, 0), 254)
+    code = tl.where(amax > 0, code, 0)
+    return tl.where(all_finite, code, 255)
+
+
+@triton.jit
+def load_f32(ptrs, mask, IS_BF16: tl.constexpr):
+    """Load float32 values; BF16 inputs arrive as int16 bits and are widened by a shift (exact, also for
+    BF16 denormals, which the Triton interpreter's own bf16 conversion flushes)."""
+    if IS_BF16:
+        b = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        return ((b & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def bf16_bits_exact(v):
+    """int16 BF16 bits of float32 ``v`` that BF16 represents exactly (or +-Inf/NaN): the top half."""
+    return (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+
+
+@triton.jit
+def with_sign(mag, negative):
+    """Set the sign bit of float32 ``mag >= 0`` where ``negative`` (keeps -0.0, unlike ``0 - x``)."""
+    return (mag.to(tl.int32, bitcast=True) | tl.where(negative, -2147483648, 0)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_code(q):
+    """Magnitude code 0..7 (int32) of float32 ``q >= 0``: nearest-even on the E2M1 grid, saturating at 6."""
+    a = tl.minimum(q, 6.0)
+    r_lo = rne_int(a * 2.0) * 0.5
+    r_mid = rne_int(a)
+    r_hi = rne_int(a * 0.5) * 2.0
+    r = tl.where(a < 2.0, r_lo, tl.where(a < 4.0, r_mid, r_hi))
+    r = tl.minimum(r, 6.0)
+    code = tl.where(r < 2.0, r * 2.0, tl.where(r < 4.0, r + 2.0, r * 0.5 + 4.0))
+    return code.to(tl.int32)
+
+
+@triton.jit
+def e2m1_value(nib):
+    """float32 value of 4-bit codes ``nib`` (int32, bit 3 = sign); -0 for code 8."""
+    c = nib & 7
+    e = c >> 1
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.5, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    return with_sign(mag, (nib & 8) != 0)
+
+
+@triton.jit
+def e8m0_value(code):
+    """float32 2**(code-127) for UE8M0 codes 0..254 (code 0 is the FP32 denormal 2**-127)."""
+    return ((code << 23) | tl.where(code == 0, 0x400000, 0)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_scale_exp(amax):
+    """Power-of-two FP8 scale exponent (int32) for a group's finite max magnitude: reference._fp8_group_exponent."""
+    safe = tl.where(amax > 0, amax, 1.0)
+    k = ceil_log2_ratio(safe, 8, 0x600000)  # limit 448 = 1.75 * 2**8
+    k = tl.minimum(tl.maximum(k, -126), 127)
+    return tl.where(amax > 0, k, 0)
+
+
+@triton.jit
+def e4m3_bits(v, EMULATE: tl.constexpr):
+    """float32 ``v`` with |v| <= 448, or NaN -> E4M3 bits (uint8), nearest-even. NaN -> NaN.
+
+    Callers map +-Inf to NaN before (satfinite would clamp it to 448)."""
+    if EMULATE:
+        a = tl.abs(v)
+        bits = a.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127
+        qe = tl.maximum(e, -6) - 3  # exponent of one E4M3 step at this magnitude
+        r = rne_int(a * exp2_i(-qe)) * exp2_i(qe)  # exact: rounded to a multiple of 2**qe
+        rb = r.to(tl.int32, bitcast=True)
+        normal = (((((rb >> 23) & 0xFF) - 127 + 7) << 3) | ((rb >> 20) & 7))
+        sub = (r * 512.0).to(tl.int32)
+        out = tl.where(r >= 0.015625, normal, sub)
+        out = out | tl.where(v.to(tl.int32, bitcast=True) < 0, 0x80, 0)
+        out = tl.where(v != v, 0x7F, out)
+        return out.to(tl.uint8)
+    else:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def e4m3_value(b, EMULATE: tl.constexpr):
+    """E4M3 bits (uint8) -> float32 (exact). NaN bits -> NaN."""
+    if EMULATE:
+        bi = b.to(tl.int32)
+        e = (bi >> 3) & 0xF
+        m = (bi & 7).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * exp2_i(tl.maximum(e, 1) - 10))
+        mag = tl.where((bi & 0x7F) == 0x7F, float("nan"), mag)
+        return with_sign(mag, (bi & 0x80) != 0)
+    else:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)

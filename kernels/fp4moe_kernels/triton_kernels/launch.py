@@ -1,0 +1,176 @@
+"""Launchers: allocate outputs in the ``formats`` layouts, build segment tables, pick tile sizes, launch.
+
+Inputs are assumed validated (``fp4moe_kernels.ops`` does that). The small per-segment tables are cached
+per (segments, device), so repeated calls with the same expert counts do no host-to-device copy (and can
+be captured in a CUDA graph). Tensors must be on a CUDA device, or on
+the CPU under ``TRITON_INTERPRET=1`` (then FP8 conversions are emulated exactly, see ``common``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ..formats import FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
+from . import col, row
+from .common import INTERPRET
+
+# Per kernel: row kernels (tokens BM, largest channel tile BK, num_warps); column kernels (channels BN,
+# unused, num_warps). Chosen by ``python -m fp4moe_kernels.bench --sweep`` on an H200 (results/kernels/).
+TILES = {
+    "bf16_to_fp4_row": (16, 256, 4),
+    "bf16_to_fp8_row": (16, 256, 4),
+    "bf16_to_fp4_and_fp8_row": (16, 256, 4),
+    "fp4_row_to_fp8_row": (16, 256, 4),
+    "fp4_to_bf16": (16, 256, 4),
+    "fp8_row_to_fp4": (16, 256, 4),
+    "fp4_row_to_fp8_col": (64, 0, 4),
+    "bf16_to_fp8_col": (64, 0, 4),
+}
+
+
+def _bk(k: int, quantum: int, most: int) -> int:
+    """Largest power-of-two channel tile <= ``most`` (at least ``quantum``) that divides K."""
+    bk = max(most, quantum)
+    while bk > quantum and k % bk:
+        bk //= 2
+    if k % bk:
+        raise ValueError(f"K={k} is not a multiple of {quantum}")
+    return bk
+
+
+@functools.lru_cache(maxsize=64)
+def _seg_args(seg: Segments, m: int, device):
+    """(single, row_seg int32 [M], seg_off int32 [E+1]) for the segment-major FP8 row scales."""
+    if seg.num == 1:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return True, dummy, dummy
+    counts = torch.tensor(seg.counts, dtype=torch.int64)
+    row_seg = torch.repeat_interleave(torch.arange(seg.num, dtype=torch.int32), counts, output_size=m)
+    seg_off = torch.tensor(seg.offsets, dtype=torch.int32)
+    return False, row_seg.to(device, non_blocking=True), seg_off.to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _col_tiles(seg: Segments, device) -> torch.Tensor:
+    """int32 [T, 5] tile table (see ``col`` module docstring)."""
+    rows = []
+    for r0, c, p, mp in zip(seg.offsets[:-1], seg.counts, seg.padded_offsets[:-1], seg.padded_counts):
+        for t0 in range(0, mp, col.TILE_T):
+            rows.append((r0 + t0, min(col.TILE_T, c - t0), p, mp, t0))
+    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, col.TILE_FIELDS)
+    return t.to(device, non_blocking=True)
+
+
+def _x(x: torch.Tensor):
+    """(kernel argument, X_BF16): BF16 goes in as int16 bits (see common.load_f32)."""
+    return (x.view(torch.int16), True) if x.dtype == torch.bfloat16 else (x, False)
+
+
+def _row_launch(name: str, m: int, k: int, quantum: int):
+    """(grid, meta-kwargs) for a row kernel whose channel tile must be a multiple of ``quantum``."""
+    bm, most, warps = TILES[name]
+    bk = _bk(k, quantum, most)
+    return (triton.cdiv(m, bm), k // bk), dict(BM=bm, BK=bk, num_warps=warps)
+
+
+def bf16_to_fp4_row(x: torch.Tensor, rule: str = "ceil") -> MXFP4Tensor:
+    m, k = x.shape
+    xa, xb = _x(x)
+    q = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+    s = torch.empty(m, k // 32, dtype=torch.uint8, device=x.device)
+    if m:
+        grid, meta = _row_launch("bf16_to_fp4_row", m, k, 32)
+        row.bf16_to_fp4_row_kernel[grid](xa, q, s, m, k, RULE_CEIL=(rule == "ceil"), X_BF16=xb, **meta)
+    return MXFP4Tensor(q, s, (m, k))
+
+
+def bf16_to_fp8_row(x: torch.Tensor, seg: Segments) -> FP8RowTensor:
+    m, k = x.shape
+    xa, xb = _x(x)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m * (k // 128), dtype=torch.float32, device=x.device)
+    single, row_seg, seg_off = _seg_args(seg, m, x.device)
+    if m:
+        grid, meta = _row_launch("bf16_to_fp8_row", m, k, 128)
+        row.bf16_to_fp8_row_kernel[grid](xa, q.view(torch.uint8), s, row_seg, seg_off, m, k,
+                                         SINGLE_SEGMENT=single, EMULATE=INTERPRET, X_BF16=xb, **meta)
+    return FP8RowTensor(q, s, seg)
+
+
+def bf16_to_fp4_and_fp8_row(x: torch.Tensor, seg: Segments, rule: str = "ceil"):
+    m, k = x.shape
+    xa, xb = _x(x)
+    q4 = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+    s4 = torch.empty(m, k // 32, dtype=torch.uint8, device=x.device)
+    q8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s8 = torch.empty(m * (k // 128), dtype=torch.float32, device=x.device)
+    single, row_seg, seg_off = _seg_args(seg, m, x.device)
+    if m:
+        grid, meta = _row_launch("bf16_to_fp4_and_fp8_row", m, k, 128)
+        row.bf16_to_fp4_and_fp8_row_kernel[grid](
+            xa, q4, s4, q8.view(torch.uint8), s8, row_seg, seg_off, m, k, RULE_CEIL=(rule == "ceil"),
+            SINGLE_SEGMENT=single, EMULATE=INTERPRET, X_BF16=xb, **meta)
+    return MXFP4Tensor(q4, s4, (m, k)), FP8RowTensor(q8, s8, seg)
+
+
+def fp4_row_to_fp8_row(a: MXFP4Tensor, seg: Segments) -> FP8RowTensor:
+    m, k = a.shape
+    o = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=a.device)
+    s = torch.empty(m * (k // 128), dtype=torch.float32, device=a.device)
+    single, row_seg, seg_off = _seg_args(seg, m, a.device)
+    if m:
+        grid, meta = _row_launch("fp4_row_to_fp8_row", m, k, 128)
+        row.fp4_row_to_fp8_row_kernel[grid](a.data, a.scales, o.view(torch.uint8), s, row_seg, seg_off, m, k,
+                                            SINGLE_SEGMENT=single, EMULATE=INTERPRET, **meta)
+    return FP8RowTensor(o, s, seg)
+
+
+def fp4_to_bf16(a: MXFP4Tensor) -> torch.Tensor:
+    m, k = a.shape
+    o = torch.empty(m, k, dtype=torch.bfloat16, device=a.device)
+    if m:
+        grid, meta = _row_launch("fp4_to_bf16", m, k, 32)
+        row.fp4_to_bf16_kernel[grid](a.data, a.scales, o.view(torch.int16), m, k, **meta)
+    return o
+
+
+def fp8_row_to_fp4(f: FP8RowTensor, rule: str = "ceil") -> MXFP4Tensor:
+    m, k = f.shape
+    q = torch.empty(m, k // 2, dtype=torch.uint8, device=f.data.device)
+    s = torch.empty(m, k // 32, dtype=torch.uint8, device=f.data.device)
+    single, row_seg, seg_off = _seg_args(f.segments, m, f.data.device)
+    if m:
+        grid, meta = _row_launch("fp8_row_to_fp4", m, k, 128)
+        row.fp8_row_to_fp4_kernel[grid](f.data.view(torch.uint8), f.scales, row_seg, seg_off, q, s, m, k,
+                                        RULE_CEIL=(rule == "ceil"), SINGLE_SEGMENT=single, EMULATE=INTERPRET, **meta)
+    return MXFP4Tensor(q, s, (m, k))
+
+
+def _col_launch(name: str, seg: Segments, k: int, device):
+    """(output data, output scales, tile table, grid, meta-kwargs) for a column kernel."""
+    bn, _, warps = TILES[name]
+    mp = seg.padded_total
+    o = torch.empty(k * mp, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty(mp // 128, k, dtype=torch.float32, device=device)
+    tiles = _col_tiles(seg, device)
+    return o, s, tiles, (tiles.shape[0], k // bn), dict(BN=bn, num_warps=warps)
+
+
+def fp4_row_to_fp8_col(a: MXFP4Tensor, seg: Segments) -> FP8ColTensor:
+    m, k = a.shape
+    o, s, tiles, grid, meta = _col_launch("fp4_row_to_fp8_col", seg, k, a.device)
+    if tiles.shape[0]:
+        col.fp4_row_to_fp8_col_kernel[grid](a.data, a.scales, o.view(torch.uint8), s, tiles, k,
+                                            EMULATE=INTERPRET, **meta)
+    return FP8ColTensor(o, s, seg, k)
+
+
+def bf16_to_fp8_col(x: torch.Tensor, seg: Segments) -> FP8ColTensor:
+    m, k = x.shape
+    xa, xb = _x(x)
+    o, s, tiles, grid, meta = _col_launch("bf16_to_fp8_col", seg, k, x.device)
+    if tiles.shape[0]:
+        col.bf16_to_fp8_col_kernel[grid](xa, o.view(torch.uint8), s, tiles, k, EMULATE=INTERPRET, X_BF16=xb, **meta)
+    return FP8ColTensor(o, s, seg, k)
