@@ -13,7 +13,7 @@ import triton.language as tl
 # Read once at import, like triton.jit itself: kernels are interpreted iff this is set.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-_RNE_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 to an integer, ties to even
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (x + M) - M rounds |x| < 2**22 to an integer, ties to even
 
 
 @triton.jit
