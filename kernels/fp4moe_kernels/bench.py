@@ -117,10 +117,15 @@ def do_bench(fn, warmup_ms: int, rep_ms: int) -> float:
 
 
 def copy_bandwidth_gbps(warmup_ms: int, rep_ms: int, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy of a 1 GiB BF16 tensor, counting bytes read + written (GB/s, 1e9)."""
+    """Device-to-device copy of a 1 GiB BF16 tensor, counting bytes read + written (GB/s, 1e9): the best of
+    graph-replay and plain-event timings, after 0.5 s of copies to bring the clocks up."""
+    from triton.testing import do_bench as _db
+
     src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup_ms, rep_ms)
+    _db(lambda: dst.copy_(src), warmup=500, rep=50)
+    ms = min(do_bench(lambda: dst.copy_(src), warmup_ms, rep_ms),
+             float(_db(lambda: dst.copy_(src), warmup=warmup_ms, rep=rep_ms, return_mode="median")))
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -276,8 +281,8 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, log=print) -> list[dict]:
             if kernel.endswith("_col"):
                 configs = [(bn, 0, w) for bn in (32, 64, 128) for w in (4, 8)]
             else:
-                configs = [(bm, bk, w) for bm in (8, 16, 32) for bk in (128, 256, 512) for w in (4, 8)
-                           if bm * bk <= 8192]
+                configs = [(bm, bk, w) for bm in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (4, 8)
+                           if 2048 <= bm * bk <= 8192]
             for t in configs:
                 launch.TILES[kernel] = t
                 try:
@@ -409,6 +414,13 @@ def main(argv=None) -> int:
     shapes = default_shapes(args.tokens, args.experts)
     sweep_rows = sweep(shapes[1], args.warmup_ms, args.rep_ms) if args.sweep else None
     copy, rows, notes = run(shapes, args.warmup_ms, args.rep_ms, peers=not args.no_peers)
+    copy_end = copy_bandwidth_gbps(args.warmup_ms, args.rep_ms)
+    if copy_end > copy:  # report against the best copy seen in the run, and say so
+        notes.append(f"copy bandwidth re-measured after the kernels: {copy_end:.0f} GB/s (was {copy:.0f}); "
+                     "percentages use the higher")
+        for r in rows:
+            r.pct_copy = 100 * r.gbps / copy_end
+        copy = copy_end
     stem = write(args.out, env, copy, rows, notes, sweep_rows)
     print()
     print(markdown(env, copy, rows, notes).split("## Ratios")[1])

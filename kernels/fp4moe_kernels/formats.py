@@ -31,6 +31,11 @@ from typing import Sequence
 
 import torch
 
+try:  # numpy is optional: only used to accept numpy integer counts
+    import numpy as _np
+except ImportError:  # pragma: no cover
+    _np = None
+
 from .constants import COL_SEGMENT_ALIGN, FP8_GROUP, MX_BLOCK
 
 
@@ -40,6 +45,27 @@ class FormatError(ValueError):
 
 def _ceil_to(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def _count_as_int(c, index: int) -> int:
+    """One element of a counts sequence -> int. Only integers are accepted (Python ``int``, numpy integer
+    scalars, 0-d integer tensors); floats (even integral ones such as 2.0), bools and strings are rejected
+    rather than silently truncated by ``int()``."""
+    if isinstance(c, bool) or (_np is not None and isinstance(c, _np.bool_)):
+        ok = False
+    elif isinstance(c, int) or (_np is not None and isinstance(c, _np.integer)):
+        ok = True
+    elif isinstance(c, torch.Tensor):
+        ok = c.dim() == 0 and not (c.dtype.is_floating_point or c.dtype.is_complex or c.dtype == torch.bool)
+    else:
+        ok = False
+    if not ok:
+        raise FormatError(
+            f"counts must be integers (Python int, numpy integer or a 1-D integer tensor), got {c!r:.40} "
+            f"({type(c).__name__}) at index {index}; floats are rejected even when integral (2.0): "
+            "convert them with int(...) yourself"
+        )
+    return int(c)
 
 
 @dataclass(frozen=True)
@@ -57,28 +83,44 @@ class Segments:
     def __post_init__(self):
         if len(self.counts) == 0:
             raise FormatError("counts is empty: pass at least one segment (or counts=None for one segment)")
-        if any((not isinstance(c, int)) or c < 0 for c in self.counts):
+        if any((not isinstance(c, int)) or isinstance(c, bool) or c < 0 for c in self.counts):
             raise FormatError(f"counts must be non-negative ints, got {list(self.counts)[:8]}...")
 
     @staticmethod
     def of(counts, total_rows: int) -> "Segments":
-        """Build from ``None`` (one segment of ``total_rows``), a sequence of ints or a 1-D int tensor.
+        """Build from ``None`` (one segment of ``total_rows``), a sequence of ints (Python ``int`` or numpy
+        integer scalars), a 1-D integer numpy array or a 1-D integer tensor.
 
+        Anything else is a ``FormatError``: floats (even integral ones such as ``2.0``), bools, strings.
         A device tensor is copied to the host once (one synchronisation)."""
         if counts is None:
             return Segments((int(total_rows),))
         if isinstance(counts, Segments):
             seg = counts
         elif isinstance(counts, torch.Tensor):
-            if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype == torch.bool:
+            if (
+                counts.dim() != 1
+                or counts.dtype.is_floating_point
+                or counts.dtype.is_complex
+                or counts.dtype == torch.bool
+            ):
                 raise FormatError(
                     f"counts must be a 1-D integer tensor, got shape {tuple(counts.shape)} dtype {counts.dtype}"
                 )
             seg = Segments(tuple(int(c) for c in counts.tolist()))
-        elif isinstance(counts, Sequence):
-            seg = Segments(tuple(int(c) for c in counts))
+        elif _np is not None and isinstance(counts, _np.ndarray):
+            if counts.ndim != 1 or counts.dtype.kind not in "iu":
+                raise FormatError(
+                    f"counts must be a 1-D integer array, got shape {counts.shape} dtype {counts.dtype}: "
+                    "counts must be integers"
+                )
+            seg = Segments(tuple(int(c) for c in counts.tolist()))
+        elif isinstance(counts, Sequence) and not isinstance(counts, (str, bytes, bytearray)):
+            seg = Segments(tuple(_count_as_int(c, i) for i, c in enumerate(counts)))
         else:
-            raise FormatError(f"counts must be None, a sequence of ints or a 1-D int tensor, got {type(counts)}")
+            raise FormatError(
+                f"counts must be None, a sequence of ints or a 1-D int tensor, got {type(counts).__name__} {counts!r:.60}"
+            )
         if seg.total != total_rows:
             raise FormatError(
                 f"counts sum to {seg.total} but the tensor has {total_rows} rows: counts must cover every row"

@@ -40,9 +40,21 @@ from .constants import (
     MX_BLOCK,
     SCALE_RULES,
 )
-from .formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
+from .formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments, check_2d
 
 _F64 = torch.float64
+# High-precision inputs the reference quantizes (their values are taken exactly, in float64).
+_HIGH_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _check_high(x: torch.Tensor, k_multiple: int) -> torch.Tensor:
+    """Validate a [M, K] float input (formats.check_2d: 2-D, float dtype, K % k_multiple == 0).
+
+    Unlike the kernels, the reference accepts non-contiguous input (it is made contiguous first)."""
+    if isinstance(x, torch.Tensor):
+        x = x.contiguous()
+    check_2d(x, "x", _HIGH_DTYPES, k_multiple)
+    return x
 
 
 def _e2m1_lut(device) -> torch.Tensor:
@@ -98,6 +110,7 @@ def e2m1_round(q: torch.Tensor) -> torch.Tensor:
 
 def quantize_mxfp4(x: torch.Tensor, rule: str = "ceil") -> MXFP4Tensor:
     """Any float [M, K] (K % 32 == 0) -> MXFP4Tensor. The values are taken exactly (float64)."""
+    x = _check_high(x, MX_BLOCK)
     m, k = x.shape
     xb = x.to(_F64).reshape(m, k // MX_BLOCK, MX_BLOCK)
     finite = torch.isfinite(xb).all(dim=-1)
@@ -131,12 +144,23 @@ def dequantize_mxfp4(a: MXFP4Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- FP8
 
 
+# E4M3: 3 mantissa bits, smallest normal exponent -6 (subnormal step 2**-9).
+_E4M3_MANT_BITS = 3
+_E4M3_MIN_NORMAL_EXP = -6
+
+
 def _to_e4m3(v: torch.Tensor) -> torch.Tensor:
     """float64 values with |v| <= 448 (or non-finite) -> float8_e4m3fn, RNE; NaN/Inf -> NaN.
 
-    The values reaching here carry at most 24 significant bits, so the float32 step is exact."""
+    Rounded once, exactly, in float64 (any float64 input, not only values with <= 24 significant bits):
+    the quantum of v is 2**qe with qe = max(floor(log2|v|), -6) - 3, and round(v / 2**qe) * 2**qe
+    (torch.round: half to even; power-of-two scalings are exact) is an E4M3 value, or -0/0; the float32
+    and float8 casts of it are then exact. (|v| > 448 is outside the contract: the final cast saturates.)"""
     v = torch.where(torch.isfinite(v), v, torch.full_like(v, float("nan")))
-    return v.to(torch.float32).to(torch.float8_e4m3fn)
+    _, e = torch.frexp(v)  # v = m * 2**e, m in [0.5, 1): floor(log2|v|) = e - 1 (0 -> e = 0, harmless)
+    qe = (e.to(torch.int64) - 1).clamp(min=_E4M3_MIN_NORMAL_EXP) - _E4M3_MANT_BITS
+    r = torch.ldexp(torch.round(torch.ldexp(v, (-qe).to(_F64))), qe.to(_F64))
+    return r.to(torch.float32).to(torch.float8_e4m3fn)
 
 
 def _fp8_group_exponent(amax: torch.Tensor) -> torch.Tensor:
@@ -158,6 +182,7 @@ def _row_scales_segment_major(scale_mg: torch.Tensor, seg: Segments) -> torch.Te
 
 def quantize_fp8_row(x: torch.Tensor, counts=None) -> FP8RowTensor:
     """Any float [M, K] (K % 128 == 0) -> FP8RowTensor with 1x128 groups along K."""
+    x = _check_high(x, FP8_GROUP)
     m, k = x.shape
     seg = Segments.of(counts, m)
     xg = x.to(_F64).reshape(m, k // FP8_GROUP, FP8_GROUP)
@@ -175,7 +200,8 @@ def dequantize_fp8_row(f: FP8RowTensor) -> torch.Tensor:
 
 def quantize_fp8_col(x: torch.Tensor, counts=None) -> FP8ColTensor:
     """Any float [M, K] -> FP8ColTensor: per segment the transpose [K, m_e], zero-padded to 128 tokens,
-    with one scale per (128-token group, channel)."""
+    with one scale per (128-token group, channel). K % 128 == 0."""
+    x = _check_high(x, FP8_GROUP)
     m, k = x.shape
     seg = Segments.of(counts, m)
     x64 = x.to(_F64)
@@ -263,4 +289,5 @@ def bf16_to_fp8_col(x: torch.Tensor, counts=None) -> FP8ColTensor:
 
 def bf16_to_fp4_and_fp8_row(x: torch.Tensor, counts=None, rule: str = "ceil") -> tuple[MXFP4Tensor, FP8RowTensor]:
     """Fused BF16 -> (MXFP4 rows, FP8 1x128 rows): one read of x, both outputs as the separate ops."""
+    x = _check_high(x, FP8_GROUP)  # K % 128 (the FP8 output's group), before either output is built
     return quantize_mxfp4(x, rule), quantize_fp8_row(x, counts)

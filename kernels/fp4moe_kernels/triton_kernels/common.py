@@ -82,6 +82,86 @@ def with_sign(mag, negative):
     return (mag.to(tl.int32, bitcast=True) | tl.where(negative, -2147483648, 0)).to(tl.float32, bitcast=True)
 
 
+
+@triton.jit
+def load_pairs(x_ptr, r, col0, K, mask, BM: tl.constexpr, BK: tl.constexpr, X_BF16: tl.constexpr):
+    """Load channels ``col0 .. col0+BK`` of rows ``r`` ([BM, 1] int64) as float32 bit patterns of
+    element pairs: (even elements [BM, BK/2] int32, odd elements [BM, BK/2] int32).
+
+    BF16 rows are read as int32 words (two elements each, element 2j in the low half) and widened by
+    shifts: exact, also for BF16 denormals (which the interpreter's own bf16 conversion flushes)."""
+    j = col0 // 2 + tl.arange(0, BK // 2)
+    if X_BF16:
+        w = tl.load(x_ptr + r * (K // 2) + j[None, :], mask=mask, other=0)
+        return w << 16, w & -65536
+    else:
+        lo = tl.load(x_ptr + r * K + 2 * j[None, :], mask=mask, other=0)
+        hi = tl.load(x_ptr + r * K + 2 * j[None, :] + 1, mask=mask, other=0)
+        return lo, hi
+
+
+@triton.jit
+def mx_code_from_amax_bits(amax_bits, RULE_CEIL: tl.constexpr):
+    """UE8M0 code (int32) of a 32-block from the int32 bits of its max magnitude (>= 0x7F800000 when the
+    block holds NaN/Inf): reference._mx_codes. Zero and FP32-denormal maxima clamp to code 0."""
+    e = amax_bits >> 23
+    if RULE_CEIL:
+        code = e - 2 + ((amax_bits & 0x7FFFFF) > 0x400000).to(tl.int32)  # 127 + ceil(log2(amax / 6))
+    else:
+        code = e - 2  # 127 + floor(log2(amax)) - 2
+    code = tl.minimum(tl.maximum(code, 0), 254)
+    return tl.where(amax_bits < 0x7F800000, code, 255)
+
+
+@triton.jit
+def _thr(n: tl.constexpr, n_exp: tl.constexpr, n_bits: tl.constexpr, s):
+    """int32 float bits of n * 2**(s-2) (n an integer, n_exp = floor(log2 n), n_bits = bits of float(n))."""
+    normal = n_bits + ((s - 2) << 23)
+    sub = n << tl.minimum(tl.maximum(s + 147, 0), 30)
+    return tl.where(n_exp + s - 2 >= -126, normal, sub)
+
+
+@triton.jit
+def e2m1_codes_from_bits(b, code):
+    """E2M1 magnitude codes 0..7 (int32) of magnitudes with float32 bits ``b`` ([BM, NB, E] int32) in
+    blocks with UE8M0 codes ``code`` ([BM, NB]): nearest-even on the grid {0,.5,1,1.5,2,3,4,6} x 2**(code-127),
+    saturating at 6. Counts the rounding thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (x scale) that the
+    value passes; ties go to the even code, hence > and >= alternate. Integer compares only: exact for
+    every input, FP32 denormals included."""
+    s = (code - 127)[:, :, None]
+    c = (b > _thr(1, 0, 0x3F800000, s)).to(tl.int32)
+    c += (b >= _thr(3, 1, 0x40400000, s)).to(tl.int32)
+    c += (b > _thr(5, 2, 0x40A00000, s)).to(tl.int32)
+    c += (b >= _thr(7, 2, 0x40E00000, s)).to(tl.int32)
+    c += (b > _thr(10, 3, 0x41200000, s)).to(tl.int32)
+    c += (b >= _thr(14, 3, 0x41600000, s)).to(tl.int32)
+    c += (b > _thr(20, 4, 0x41A00000, s)).to(tl.int32)
+    return c
+
+
+@triton.jit
+def fp8_exp_from_amax_bits(amax_bits):
+    """Power-of-two FP8 scale exponent (int32) from the bits of a group's finite max magnitude:
+    ceil(log2(amax/448)) clamped to [-126, 127]; 0 for an all-zero group (reference._fp8_group_exponent)."""
+    k = (amax_bits >> 23) - 135 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # 448 = 1.75 * 2**8
+    k = tl.minimum(tl.maximum(k, -126), 127)
+    return tl.where(amax_bits > 0, k, 0)
+
+
+@triton.jit
+def e4m3x2(lo, hi, EMULATE: tl.constexpr):
+    """Two tensors of float32 bits (int32; values |v| <= 448 or NaN) -> int16 holding their E4M3 bytes (lo in
+    the low byte), nearest-even. One ``cvt.rn.satfinite.e4m3x2.f32`` per pair on the GPU."""
+    if EMULATE:
+        blo = e4m3_bits(lo.to(tl.float32, bitcast=True), True).to(tl.int32)
+        bhi = e4m3_bits(hi.to(tl.float32, bitcast=True), True).to(tl.int32)
+        return (blo | (bhi << 8)).to(tl.int16)
+    else:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r", [lo, hi],
+            dtype=tl.int16, is_pure=True, pack=1)
+
+
 @triton.jit
 def e2m1_code(q):
     """Magnitude code 0..7 (int32) of float32 ``q >= 0``: nearest-even on the E2M1 grid, saturating at 6."""

@@ -19,12 +19,12 @@ from .common import INTERPRET
 # Per kernel: row kernels (tokens BM, largest channel tile BK, num_warps); column kernels (channels BN,
 # unused, num_warps). Chosen by ``python -m fp4moe_kernels.bench --sweep`` on an H200 (results/kernels/).
 TILES = {
-    "bf16_to_fp4_row": (16, 256, 4),
-    "bf16_to_fp8_row": (16, 256, 4),
-    "bf16_to_fp4_and_fp8_row": (16, 256, 4),
-    "fp4_row_to_fp8_row": (16, 256, 4),
-    "fp4_to_bf16": (16, 256, 4),
-    "fp8_row_to_fp4": (16, 256, 4),
+    "bf16_to_fp4_row": (8, 512, 4),
+    "bf16_to_fp8_row": (8, 512, 4),
+    "bf16_to_fp4_and_fp8_row": (8, 512, 4),
+    "fp4_row_to_fp8_row": (8, 512, 4),
+    "fp4_to_bf16": (8, 512, 4),
+    "fp8_row_to_fp4": (8, 512, 4),
     "fp4_row_to_fp8_col": (64, 0, 4),
     "bf16_to_fp8_col": (64, 0, 4),
 }
@@ -64,7 +64,13 @@ def _col_tiles(seg: Segments, device) -> torch.Tensor:
 
 
 def _x(x: torch.Tensor):
-    """(kernel argument, X_BF16): BF16 goes in as int16 bits (see common.load_f32)."""
+    """(kernel argument, X_BF16): BF16 goes in as int32 words of two elements (see common.load_pairs),
+    float32 as its int32 bits."""
+    return (x.view(torch.int32), x.dtype == torch.bfloat16)
+
+
+def _x16(x: torch.Tensor):
+    """(kernel argument, X_BF16) for the column kernels: BF16 as int16 bits (see common.load_f32)."""
     return (x.view(torch.int16), True) if x.dtype == torch.bfloat16 else (x, False)
 
 
@@ -72,7 +78,7 @@ def _row_launch(name: str, m: int, k: int, quantum: int):
     """(grid, meta-kwargs) for a row kernel whose channel tile must be a multiple of ``quantum``."""
     bm, most, warps = TILES[name]
     bk = _bk(k, quantum, most)
-    return (triton.cdiv(m, bm), k // bk), dict(BM=bm, BK=bk, num_warps=warps)
+    return (triton.cdiv(m, bm),), dict(BM=bm, BK=bk, num_warps=warps)
 
 
 def bf16_to_fp4_row(x: torch.Tensor, rule: str = "ceil") -> MXFP4Tensor:
@@ -94,7 +100,7 @@ def bf16_to_fp8_row(x: torch.Tensor, seg: Segments) -> FP8RowTensor:
     single, row_seg, seg_off = _seg_args(seg, m, x.device)
     if m:
         grid, meta = _row_launch("bf16_to_fp8_row", m, k, 128)
-        row.bf16_to_fp8_row_kernel[grid](xa, q.view(torch.uint8), s, row_seg, seg_off, m, k,
+        row.bf16_to_fp8_row_kernel[grid](xa, q.view(torch.int16), s, row_seg, seg_off, m, k,
                                          SINGLE_SEGMENT=single, EMULATE=INTERPRET, X_BF16=xb, **meta)
     return FP8RowTensor(q, s, seg)
 
@@ -110,7 +116,7 @@ def bf16_to_fp4_and_fp8_row(x: torch.Tensor, seg: Segments, rule: str = "ceil"):
     if m:
         grid, meta = _row_launch("bf16_to_fp4_and_fp8_row", m, k, 128)
         row.bf16_to_fp4_and_fp8_row_kernel[grid](
-            xa, q4, s4, q8.view(torch.uint8), s8, row_seg, seg_off, m, k, RULE_CEIL=(rule == "ceil"),
+            xa, q4, s4, q8.view(torch.int16), s8, row_seg, seg_off, m, k, RULE_CEIL=(rule == "ceil"),
             SINGLE_SEGMENT=single, EMULATE=INTERPRET, X_BF16=xb, **meta)
     return MXFP4Tensor(q4, s4, (m, k)), FP8RowTensor(q8, s8, seg)
 
@@ -122,7 +128,7 @@ def fp4_row_to_fp8_row(a: MXFP4Tensor, seg: Segments) -> FP8RowTensor:
     single, row_seg, seg_off = _seg_args(seg, m, a.device)
     if m:
         grid, meta = _row_launch("fp4_row_to_fp8_row", m, k, 128)
-        row.fp4_row_to_fp8_row_kernel[grid](a.data, a.scales, o.view(torch.uint8), s, row_seg, seg_off, m, k,
+        row.fp4_row_to_fp8_row_kernel[grid](a.data, a.scales, o.view(torch.int16), s, row_seg, seg_off, m, k,
                                             SINGLE_SEGMENT=single, EMULATE=INTERPRET, **meta)
     return FP8RowTensor(o, s, seg)
 
@@ -132,7 +138,7 @@ def fp4_to_bf16(a: MXFP4Tensor) -> torch.Tensor:
     o = torch.empty(m, k, dtype=torch.bfloat16, device=a.device)
     if m:
         grid, meta = _row_launch("fp4_to_bf16", m, k, 32)
-        row.fp4_to_bf16_kernel[grid](a.data, a.scales, o.view(torch.int16), m, k, **meta)
+        row.fp4_to_bf16_kernel[grid](a.data, a.scales, o.view(torch.int32), m, k, **meta)
     return o
 
 
@@ -143,7 +149,7 @@ def fp8_row_to_fp4(f: FP8RowTensor, rule: str = "ceil") -> MXFP4Tensor:
     single, row_seg, seg_off = _seg_args(f.segments, m, f.data.device)
     if m:
         grid, meta = _row_launch("fp8_row_to_fp4", m, k, 128)
-        row.fp8_row_to_fp4_kernel[grid](f.data.view(torch.uint8), f.scales, row_seg, seg_off, q, s, m, k,
+        row.fp8_row_to_fp4_kernel[grid](f.data.view(torch.int16), f.scales, row_seg, seg_off, q, s, m, k,
                                         RULE_CEIL=(rule == "ceil"), SINGLE_SEGMENT=single, EMULATE=INTERPRET, **meta)
     return MXFP4Tensor(q, s, (m, k))
 
@@ -155,7 +161,7 @@ def _col_launch(name: str, seg: Segments, k: int, device):
     o = torch.empty(k * mp, dtype=torch.float8_e4m3fn, device=device)
     s = torch.empty(mp // 128, k, dtype=torch.float32, device=device)
     tiles = _col_tiles(seg, device)
-    return o, s, tiles, (tiles.shape[0], k // bn), dict(BN=bn, num_warps=warps)
+    return o, s, tiles, (k // bn, tiles.shape[0]), dict(BN=bn, num_warps=warps)
 
 
 def fp4_row_to_fp8_col(a: MXFP4Tensor, seg: Segments) -> FP8ColTensor:
@@ -169,7 +175,7 @@ def fp4_row_to_fp8_col(a: MXFP4Tensor, seg: Segments) -> FP8ColTensor:
 
 def bf16_to_fp8_col(x: torch.Tensor, seg: Segments) -> FP8ColTensor:
     m, k = x.shape
-    xa, xb = _x(x)
+    xa, xb = _x16(x)
     o, s, tiles, grid, meta = _col_launch("bf16_to_fp8_col", seg, k, x.device)
     if tiles.shape[0]:
         col.bf16_to_fp8_col_kernel[grid](xa, o.view(torch.uint8), s, tiles, k, EMULATE=INTERPRET, X_BF16=xb, **meta)
