@@ -280,9 +280,10 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, log=print) -> list[dict]:
         for kernel, fn in fns.items():
             if kernel.endswith("_col"):
                 configs = [(bn, 0, w) for bn in (32, 64, 128) for w in (4, 8)]
-            else:
-                configs = [(bm, bk, w) for bm in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (4, 8)
-                           if 2048 <= bm * bk <= 8192]
+            elif kernel in ("bf16_to_fp4_row", "fp4_to_bf16"):  # R = 32-element blocks per program
+                configs = [(r, 0, w) for r in (32, 64, 128, 256) for w in (4, 8)]
+            else:  # R = 128-element groups per program
+                configs = [(r, 0, w) for r in (8, 16, 32, 64) for w in (4, 8)]
             for t in configs:
                 launch.TILES[kernel] = t
                 try:

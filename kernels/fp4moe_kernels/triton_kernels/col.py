@@ -53,9 +53,10 @@ def _tile(tiles_ptr):
     t = tl.program_id(1)
     row0 = tl.load(tiles_ptr + t * 5 + 0).to(tl.int64)
     valid = tl.load(tiles_ptr + t * 5 + 1)
-    p_e = tl.load(tiles_ptr + t * 5 + 2).to(tl.int64)
-    mp_e = tl.load(tiles_ptr + t * 5 + 3).to(tl.int64)
-    tok0 = tl.load(tiles_ptr + t * 5 + 4).to(tl.int64)
+    # padded offsets and lengths are multiples of 128: tell the compiler, so that stores vectorize
+    p_e = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 2), 128).to(tl.int64)
+    mp_e = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 3), 128).to(tl.int64)
+    tok0 = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 4), 128).to(tl.int64)
     toks = tl.arange(0, 128)
     return row0 + toks.to(tl.int64)[:, None], (toks < valid)[:, None], p_e, mp_e, tok0
 

@@ -123,12 +123,12 @@ def _thr(n: tl.constexpr, n_exp: tl.constexpr, n_bits: tl.constexpr, s):
 
 @triton.jit
 def e2m1_codes_from_bits(b, code):
-    """E2M1 magnitude codes 0..7 (int32) of magnitudes with float32 bits ``b`` ([BM, NB, E] int32) in
-    blocks with UE8M0 codes ``code`` ([BM, NB]): nearest-even on the grid {0,.5,1,1.5,2,3,4,6} x 2**(code-127),
+    """E2M1 magnitude codes 0..7 (int32) of magnitudes with float32 bits ``b`` ([R, E] int32) in blocks
+    with UE8M0 codes ``code`` ([R]): nearest-even on the grid {0,.5,1,1.5,2,3,4,6} x 2**(code-127),
     saturating at 6. Counts the rounding thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (x scale) that the
     value passes; ties go to the even code, hence > and >= alternate. Integer compares only: exact for
     every input, FP32 denormals included."""
-    s = (code - 127)[:, :, None]
+    s = (code - 127)[:, None]
     c = (b > _thr(1, 0, 0x3F800000, s)).to(tl.int32)
     c += (b >= _thr(3, 1, 0x40400000, s)).to(tl.int32)
     c += (b > _thr(5, 2, 0x40A00000, s)).to(tl.int32)

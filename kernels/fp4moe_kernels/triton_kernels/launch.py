@@ -16,28 +16,19 @@ from ..formats import FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
 from . import col, row
 from .common import INTERPRET
 
-# Per kernel: row kernels (tokens BM, largest channel tile BK, num_warps); column kernels (channels BN,
-# unused, num_warps). Chosen by ``python -m fp4moe_kernels.bench --sweep`` on an H200 (results/kernels/).
+# Per kernel: (R = 32-element blocks (MXFP4-only kernels) or 128-element groups per program for row
+# kernels / BN = channels per program for column kernels, unused, num_warps). Chosen by
+# ``python -m fp4moe_kernels.bench --sweep`` on an H200 (results/kernels/).
 TILES = {
-    "bf16_to_fp4_row": (8, 512, 4),
-    "bf16_to_fp8_row": (8, 512, 4),
-    "bf16_to_fp4_and_fp8_row": (8, 512, 4),
-    "fp4_row_to_fp8_row": (8, 512, 4),
-    "fp4_to_bf16": (8, 512, 4),
-    "fp8_row_to_fp4": (8, 512, 4),
+    "bf16_to_fp4_row": (64, 0, 4),
+    "fp4_to_bf16": (64, 0, 4),
+    "bf16_to_fp8_row": (16, 0, 4),
+    "bf16_to_fp4_and_fp8_row": (16, 0, 4),
+    "fp4_row_to_fp8_row": (16, 0, 4),
+    "fp8_row_to_fp4": (16, 0, 4),
     "fp4_row_to_fp8_col": (64, 0, 4),
     "bf16_to_fp8_col": (64, 0, 4),
 }
-
-
-def _bk(k: int, quantum: int, most: int) -> int:
-    """Largest power-of-two channel tile <= ``most`` (at least ``quantum``) that divides K."""
-    bk = max(most, quantum)
-    while bk > quantum and k % bk:
-        bk //= 2
-    if k % bk:
-        raise ValueError(f"K={k} is not a multiple of {quantum}")
-    return bk
 
 
 @functools.lru_cache(maxsize=64)
@@ -74,11 +65,10 @@ def _x16(x: torch.Tensor):
     return (x.view(torch.int16), True) if x.dtype == torch.bfloat16 else (x, False)
 
 
-def _row_launch(name: str, m: int, k: int, quantum: int):
-    """(grid, meta-kwargs) for a row kernel whose channel tile must be a multiple of ``quantum``."""
-    bm, most, warps = TILES[name]
-    bk = _bk(k, quantum, most)
-    return (triton.cdiv(m, bm),), dict(BM=bm, BK=bk, num_warps=warps)
+def _row_launch(name: str, m: int, k: int, unit: int):
+    """(grid, meta-kwargs) for a flat row kernel over M*K/unit blocks (unit 32) or groups (unit 128)."""
+    r, _, warps = TILES[name]
+    return (triton.cdiv(m * k // unit, r),), dict(R=r, num_warps=warps)
 
 
 def bf16_to_fp4_row(x: torch.Tensor, rule: str = "ceil") -> MXFP4Tensor:
@@ -88,7 +78,7 @@ def bf16_to_fp4_row(x: torch.Tensor, rule: str = "ceil") -> MXFP4Tensor:
     s = torch.empty(m, k // 32, dtype=torch.uint8, device=x.device)
     if m:
         grid, meta = _row_launch("bf16_to_fp4_row", m, k, 32)
-        row.bf16_to_fp4_row_kernel[grid](xa, q, s, m, k, RULE_CEIL=(rule == "ceil"), X_BF16=xb, **meta)
+        row.bf16_to_fp4_row_kernel[grid](xa, q, s, m * k // 32, RULE_CEIL=(rule == "ceil"), X_BF16=xb, **meta)
     return MXFP4Tensor(q, s, (m, k))
 
 
@@ -138,7 +128,7 @@ def fp4_to_bf16(a: MXFP4Tensor) -> torch.Tensor:
     o = torch.empty(m, k, dtype=torch.bfloat16, device=a.device)
     if m:
         grid, meta = _row_launch("fp4_to_bf16", m, k, 32)
-        row.fp4_to_bf16_kernel[grid](a.data, a.scales, o.view(torch.int32), m, k, **meta)
+        row.fp4_to_bf16_kernel[grid](a.data, a.scales, o.view(torch.int32), m * k // 32, **meta)
     return o
 
 

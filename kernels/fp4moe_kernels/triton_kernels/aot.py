@@ -1,0 +1,125 @@
+"""Compile the kernels for Hopper (sm_90) without a GPU: ``python -m fp4moe_kernels.triton_kernels.aot``.
+
+Uses Triton's own ptxas/cuobjdump (shipped in the triton wheel). Reports, per kernel, registers, spill
+bytes, shared memory and a SASS instruction census (memory ops, FP8 conversions), so that a compile
+error, a register spill or a lost vector load shows up on a CPU machine before any GPU time is spent.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import col, launch, row
+
+_FP8 = {"M": "i32", "K": "constexpr", "R": "constexpr"}
+
+# kernel name -> (jit function, signature: argument name -> Triton type or "constexpr")
+KERNELS = {
+    "bf16_to_fp4_row": (row.bf16_to_fp4_row_kernel,
+                        {"x_ptr": "*i32", "q_ptr": "*u8", "s_ptr": "*u8", "NB": "i32", "R": "constexpr",
+                         "RULE_CEIL": "constexpr", "X_BF16": "constexpr"}),
+    "fp4_to_bf16": (row.fp4_to_bf16_kernel,
+                    {"q_ptr": "*u8", "s_ptr": "*u8", "o_ptr": "*i32", "NB": "i32", "R": "constexpr"}),
+    "bf16_to_fp8_row": (row.bf16_to_fp8_row_kernel,
+                        {"x_ptr": "*i32", "q_ptr": "*i16", "s_ptr": "*fp32", "row_seg_ptr": "*i32",
+                         "seg_off_ptr": "*i32", **_FP8, "SINGLE_SEGMENT": "constexpr", "EMULATE": "constexpr",
+                         "X_BF16": "constexpr"}),
+    "bf16_to_fp4_and_fp8_row": (row.bf16_to_fp4_and_fp8_row_kernel,
+                                {"x_ptr": "*i32", "q4_ptr": "*u8", "s4_ptr": "*u8", "q8_ptr": "*i16", "s8_ptr": "*fp32",
+                                 "row_seg_ptr": "*i32", "seg_off_ptr": "*i32", **_FP8, "RULE_CEIL": "constexpr",
+                                 "SINGLE_SEGMENT": "constexpr", "EMULATE": "constexpr", "X_BF16": "constexpr"}),
+    "fp4_row_to_fp8_row": (row.fp4_row_to_fp8_row_kernel,
+                           {"q_ptr": "*u8", "s_ptr": "*u8", "o_ptr": "*i16", "os_ptr": "*fp32", "row_seg_ptr": "*i32",
+                            "seg_off_ptr": "*i32", **_FP8, "SINGLE_SEGMENT": "constexpr", "EMULATE": "constexpr"}),
+    "fp8_row_to_fp4": (row.fp8_row_to_fp4_kernel,
+                       {"q_ptr": "*i16", "s_ptr": "*fp32", "row_seg_ptr": "*i32", "seg_off_ptr": "*i32",
+                        "o_ptr": "*u8", "os_ptr": "*u8", **_FP8, "RULE_CEIL": "constexpr",
+                        "SINGLE_SEGMENT": "constexpr", "EMULATE": "constexpr"}),
+    "fp4_row_to_fp8_col": (col.fp4_row_to_fp8_col_kernel,
+                           {"q_ptr": "*u8", "s_ptr": "*u8", "o_ptr": "*u8", "os_ptr": "*fp32", "tiles_ptr": "*i32",
+                            "K": "constexpr", "BN": "constexpr", "EMULATE": "constexpr"}),
+    "bf16_to_fp8_col": (col.bf16_to_fp8_col_kernel,
+                        {"x_ptr": "*i16", "o_ptr": "*u8", "os_ptr": "*fp32", "tiles_ptr": "*i32",
+                         "K": "constexpr", "BN": "constexpr", "EMULATE": "constexpr", "X_BF16": "constexpr"}),
+}
+
+
+@dataclass
+class Report:
+    kernel: str
+    config: dict
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    sass: dict  # instruction class -> count
+
+    def line(self) -> str:
+        s = " ".join(f"{k}={v}" for k, v in self.sass.items())
+        return (f"{self.kernel:26s} {self.config} regs={self.registers} spill={self.spill_bytes}B "
+                f"smem={self.shared_bytes}B {s}")
+
+
+def _bin(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
+    """Compile kernel ``name`` for sm_90 with channel count ``k`` and the launcher's tile (or ``tile``)."""
+    fn, sig = KERNELS[name]
+    size, _, warps = tile or launch.TILES[name]
+    consts = {"K": k, "EMULATE": False, "BN": size, "R": size}
+    for c in ("RULE_CEIL", "X_BF16", "SINGLE_SEGMENT"):
+        if c in sig:
+            consts[c] = flags.get(c, True)
+    consts = {c: v for c, v in consts.items() if c in sig}
+    # the JIT specializes 16-byte-aligned pointers (torch allocations are); say so, or loads stay scalar
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as fh:
+            fh.write(compiled.asm["ptx"])
+        out = subprocess.run([_bin("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([_bin("cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"Used (\d+) registers", out).group(1))
+    spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\d+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    census = {
+        "instr": len(ops),
+        "LDG": sum(o.startswith("LDG") for o in ops),
+        "STG": sum(o.startswith("STG") for o in ops),
+        "LDL/STL": sum(o.startswith(("LDL", "STL")) for o in ops),
+        "F2FP": sum(o.startswith("F2FP") for o in ops),
+        "wide LDG/STG": sum(o.startswith(("LDG", "STG")) and (".128" in o or ".64" in o) for o in ops),
+        "ops": sorted(set(o for o in ops if o.startswith(("LDG", "STG")))),
+    }
+    return Report(name, consts, regs, spill, compiled.metadata.shared, census)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fp4moe_kernels.triton_kernels.aot", description=__doc__.splitlines()[0])
+    p.add_argument("--k", type=int, default=7168, help="channels (default 7168)")
+    p.add_argument("kernels", nargs="*", default=list(KERNELS), help="kernel names (default all)")
+    args = p.parse_args(argv)
+    bad = 0
+    for name in args.kernels:
+        r = compile_kernel(name, args.k)
+        bad += r.spill_bytes > 0
+        print(r.line())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
