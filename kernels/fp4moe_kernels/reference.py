@@ -64,7 +64,16 @@ def _e2m1_lut(device) -> torch.Tensor:
 
 
 def _exp2(e: torch.Tensor) -> torch.Tensor:
-    return torch.ldexp(torch.ones_like(e, dtype=_F64), e.to(_F64))
+    """Exactly 2**e as float64 for integer ``e`` in [-1022, 1023], built from its bits.
+
+    (``torch.ldexp`` multiplies by ``pow(2, e)``, which is not exact on CUDA: a value on a rounding tie
+    then lands a hair off it and rounds the wrong way.)"""
+    return ((e.to(torch.int64) + 1023) << 52).view(_F64)
+
+
+def _ldexp(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """x * 2**e, exact for float64 x and integer e with every result and 2**e normal."""
+    return x * _exp2(e)
 
 
 def ceil_log2_ratio(amax: torch.Tensor, limit: float) -> torch.Tensor:
@@ -116,7 +125,7 @@ def quantize_mxfp4(x: torch.Tensor, rule: str = "ceil") -> MXFP4Tensor:
     finite = torch.isfinite(xb).all(dim=-1)
     amax = torch.where(torch.isfinite(xb), xb.abs(), torch.zeros_like(xb)).amax(dim=-1)
     code = _mx_codes(amax, finite, rule)  # [M, K/32]
-    q = torch.ldexp(xb.abs(), (E8M0_BIAS - code).clamp(min=-E8M0_BIAS).unsqueeze(-1).to(_F64))
+    q = _ldexp(xb.abs(), (E8M0_BIAS - code).clamp(min=-E8M0_BIAS).unsqueeze(-1))
     mag = e2m1_round(torch.nan_to_num(q, nan=0.0, posinf=0.0))
     sign = torch.signbit(xb).to(torch.uint8) << 3
     nib = torch.where(finite.unsqueeze(-1), mag | sign, torch.zeros_like(mag)).reshape(m, k)
@@ -159,7 +168,7 @@ def _to_e4m3(v: torch.Tensor) -> torch.Tensor:
     v = torch.where(torch.isfinite(v), v, torch.full_like(v, float("nan")))
     _, e = torch.frexp(v)  # v = m * 2**e, m in [0.5, 1): floor(log2|v|) = e - 1 (0 -> e = 0, harmless)
     qe = (e.to(torch.int64) - 1).clamp(min=_E4M3_MIN_NORMAL_EXP) - _E4M3_MANT_BITS
-    r = torch.ldexp(torch.round(torch.ldexp(v, (-qe).to(_F64))), qe.to(_F64))
+    r = _ldexp(torch.round(_ldexp(v, -qe)), qe)
     return r.to(torch.float32).to(torch.float8_e4m3fn)
 
 
@@ -187,7 +196,7 @@ def quantize_fp8_row(x: torch.Tensor, counts=None) -> FP8RowTensor:
     seg = Segments.of(counts, m)
     xg = x.to(_F64).reshape(m, k // FP8_GROUP, FP8_GROUP)
     e = _fp8_group_exponent(_finite_amax(xg, -1))  # [M, K/128]
-    q = _to_e4m3(torch.ldexp(xg, (-e).unsqueeze(-1).to(_F64))).reshape(m, k)
+    q = _to_e4m3(_ldexp(xg, (-e).unsqueeze(-1))).reshape(m, k)
     return FP8RowTensor(q, _row_scales_segment_major(_exp2(e), seg), seg)
 
 
@@ -213,7 +222,7 @@ def quantize_fp8_col(x: torch.Tensor, counts=None) -> FP8ColTensor:
         xs[: r1 - r0] = x64[r0:r1]
         xt = xs.t().reshape(k, mp // FP8_GROUP, FP8_GROUP)  # [K, groups, 128]
         e = _fp8_group_exponent(_finite_amax(xt, -1))  # [K, groups]
-        q = _to_e4m3(torch.ldexp(xt, (-e).unsqueeze(-1).to(_F64))).reshape(k, mp)
+        q = _to_e4m3(_ldexp(xt, (-e).unsqueeze(-1))).reshape(k, mp)
         datas.append(q.reshape(-1))
         scales.append(_exp2(e).t())  # [groups, K]
     data = torch.cat(datas) if datas else torch.empty(0, dtype=torch.float8_e4m3fn, device=x.device)
@@ -259,7 +268,7 @@ def fp4_row_to_fp8_row(a: MXFP4Tensor, counts=None) -> FP8RowTensor:
     e_max = torch.where(finite, code, torch.full_like(code, -1)).amax(dim=-1)  # [M, K/128]
     g = (e_max - FP4_TO_FP8_EXP_SHIFT).clamp(min=FP4_TO_FP8_MIN_GROUP_CODE)
     vals = _e2m1_lut(a.device)[unpack_codes(a).long()].reshape(m, k // FP8_GROUP, 4, MX_BLOCK)
-    shifted = torch.ldexp(vals, (code - g.unsqueeze(-1)).unsqueeze(-1).to(_F64))
+    shifted = _ldexp(vals, (code - g.unsqueeze(-1)).unsqueeze(-1))
     shifted = torch.where(finite.unsqueeze(-1), shifted, torch.full_like(shifted, float("nan")))
     q = _to_e4m3(shifted).reshape(m, k)
     return FP8RowTensor(q, _row_scales_segment_major(_exp2(g - E8M0_BIAS), seg), seg)

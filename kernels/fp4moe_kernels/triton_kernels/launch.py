@@ -20,14 +20,14 @@ from .common import INTERPRET
 # kernels / BN = channels per program for column kernels, unused, num_warps). Chosen by
 # ``python -m fp4moe_kernels.bench --sweep`` on an H200 (results/kernels/).
 TILES = {
-    "bf16_to_fp4_row": (64, 0, 4),
-    "fp4_to_bf16": (64, 0, 4),
-    "bf16_to_fp8_row": (16, 0, 4),
-    "bf16_to_fp4_and_fp8_row": (16, 0, 4),
-    "fp4_row_to_fp8_row": (16, 0, 4),
-    "fp8_row_to_fp4": (16, 0, 4),
-    "fp4_row_to_fp8_col": (64, 0, 4),
-    "bf16_to_fp8_col": (64, 0, 4),
+    "bf16_to_fp4_row": (128, 0, 4),
+    "fp4_to_bf16": (128, 0, 4),
+    "bf16_to_fp8_row": (64, 0, 8),
+    "bf16_to_fp4_and_fp8_row": (64, 0, 8),
+    "fp4_row_to_fp8_row": (32, 0, 4),
+    "fp8_row_to_fp4": (64, 0, 4),
+    "fp4_row_to_fp8_col": (128, 0, 4),
+    "bf16_to_fp8_col": (32, 0, 4),
 }
 
 
