@@ -266,8 +266,9 @@ def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, lo
     return copy, rows, notes
 
 
-def sweep(shape: Shape, warmup_ms: int, rep_ms: int, log=print) -> list[dict]:
-    """Time each kernel under several (tile, warps) configs; returns one record per config."""
+def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) -> list[dict]:
+    """Time each kernel (all, or ``kernels``) under several (tile, warps) configs; one record per config.
+    Leaves the launcher's TILES unchanged (see ``adopt_best``)."""
     from .triton_kernels import launch
 
     x = torch.randn(shape.m, shape.k, device="cuda", dtype=torch.bfloat16)
@@ -278,12 +279,14 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, log=print) -> list[dict]:
     saved = dict(launch.TILES)
     try:
         for kernel, fn in fns.items():
+            if kernels and kernel not in kernels:
+                continue
             if kernel.endswith("_col"):
-                configs = [(bn, 0, w) for bn in (32, 64, 128) for w in (4, 8)]
+                configs = [(32, 0, 4), (64, 0, 4), (64, 0, 8), (128, 0, 8)]
             elif kernel in ("bf16_to_fp4_row", "fp4_to_bf16"):  # R = 32-element blocks per program
                 configs = [(r, 0, w) for r in (32, 64, 128, 256) for w in (4, 8)]
             else:  # R = 128-element groups per program
-                configs = [(r, 0, w) for r in (8, 16, 32, 64) for w in (4, 8)]
+                configs = [(16, 0, 4), (32, 0, 4), (32, 0, 8), (64, 0, 8)]
             for t in configs:
                 launch.TILES[kernel] = t
                 try:
@@ -298,6 +301,19 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, log=print) -> list[dict]:
     finally:
         launch.TILES.update(saved)
     return out
+
+
+def adopt_best(sweep_rows: list[dict]) -> dict:
+    """Set the launcher's TILES to the fastest swept config of each kernel; return what was set."""
+    from .triton_kernels import launch
+
+    best = {}
+    for r in sweep_rows:
+        if r.get("ms") is not None and (r["kernel"] not in best or r["ms"] < best[r["kernel"]]["ms"]):
+            best[r["kernel"]] = r
+    for kernel, r in best.items():
+        launch.TILES[kernel] = tuple(r["tile"])
+    return {k: list(v["tile"]) for k, v in best.items()}
 
 
 # --------------------------------------------------------------------------------------- output
@@ -348,7 +364,9 @@ def markdown(env: dict, copy: float, rows: list[Row], notes: list[str]) -> str:
         f"{env['triton']}, CUDA {env['cuda']}). Command: `{env['command']}`.",
         "",
         f"Copy bandwidth measured in the same run: **{copy:.0f} GB/s** (1 GiB BF16 device-to-device, read + write).",
-        "Times are medians of CUDA-event timings after warm-up; GB/s counts the minimum bytes of the conversion.",
+        ("Times are medians over CUDA-graph replays of each call (triton do_bench_cudagraph) after a warm-up call"
+         if env.get("timing") == "cuda-graph" else "Times are medians of CUDA-event timings after warm-up")
+        + "; GB/s counts the minimum bytes of the conversion.",
         "",
         "| shape | kernel | impl | time (us) | GB/s | % copy |",
         "|---|---|---|---:|---:|---:|",
@@ -398,7 +416,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--no-peers", action="store_true", help="skip the torchao peers")
-    p.add_argument("--sweep", action="store_true", help="also sweep tile/warp configs per kernel (slow)")
+    p.add_argument("--sweep", action="store_true",
+                   help="first sweep tile/warp configs per kernel and use the fastest for the table (slow)")
+    p.add_argument("--sweep-kernels", default="", help="comma-separated kernels to sweep (default: all)")
     p.add_argument("--commit", default=None, help="git commit to record (default: FP4MOE_COMMIT or git)")
     p.add_argument("--timing", choices=("cuda-graph", "events"), default="cuda-graph",
                    help="cuda-graph replays (default) or plain CUDA events around each call")
@@ -413,7 +433,14 @@ def main(argv=None) -> int:
     env["timing"] = args.timing
     print(f"kernel benchmark on {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
     shapes = default_shapes(args.tokens, args.experts)
-    sweep_rows = sweep(shapes[1], args.warmup_ms, args.rep_ms) if args.sweep else None
+    sweep_rows = None
+    if args.sweep:
+        sweep_rows = sweep(shapes[1], args.warmup_ms, args.rep_ms,
+                           kernels=[k for k in args.sweep_kernels.split(",") if k] or None)
+        env["tiles_adopted"] = adopt_best(sweep_rows)
+    from .triton_kernels import launch
+
+    env["tiles"] = {k: list(v) for k, v in launch.TILES.items()}
     copy, rows, notes = run(shapes, args.warmup_ms, args.rep_ms, peers=not args.no_peers)
     copy_end = copy_bandwidth_gbps(args.warmup_ms, args.rep_ms)
     if copy_end > copy:  # report against the best copy seen in the run, and say so

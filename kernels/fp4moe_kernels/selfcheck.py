@@ -30,14 +30,16 @@ CONVERSIONS = (
 )
 
 
-def make_input(m: int, k: int, seed: int, device="cpu", special: bool = True) -> torch.Tensor:
-    """BF16 ``[M, K]`` that exercises the formats: per-row magnitudes over ~2**+-12, per-32-block exponent
-    offsets 0..30 (spreads inside 128-groups), exact zeros, -0.0, all-zero blocks, BF16 denormals, and
-    (``special``) a few NaN / +-Inf. Never all zeros."""
+def make_input(m: int, k: int, seed: int, device="cpu", special: bool = True, spread: int = 30) -> torch.Tensor:
+    """BF16 ``[M, K]`` that exercises the formats: per-row magnitudes over 2**+-min(12, spread), per-32-block
+    exponent offsets 0..``spread`` (spreads inside 128-groups: 30 reaches every slow path, 4 is typical of real
+    activations and keeps the kernels' fast paths), exact zeros, -0.0, all-zero blocks, BF16 denormals,
+    and (``special``) a few NaN / +-Inf. Never all zeros."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g, dtype=torch.float64)
-    row = torch.exp2(torch.randint(-12, 13, (m, 1), generator=g).double())
-    blk = torch.exp2(-torch.randint(0, 31, (m, k // 32, 1), generator=g).double())
+    rs = min(12, spread)
+    row = torch.exp2(torch.randint(-rs, rs + 1, (m, 1), generator=g).double())
+    blk = torch.exp2(-torch.randint(0, spread + 1, (m, k // 32, 1), generator=g).double())
     blk = torch.where(torch.rand(m, k // 32, 1, generator=g) < 0.7, torch.ones_like(blk), blk)
     x = (x.reshape(m, k // 32, 32) * blk).reshape(m, k) * row
     x[torch.rand(m, k, generator=g) < 0.03] = 0.0
@@ -114,11 +116,13 @@ class Case:
     k: int
     counts: list[int] | None
     seed: int
+    spread: int = 30
+    special: bool = True  # NaN / Inf present (forces the kernels' general paths where they appear)
 
     @property
     def label(self) -> str:
         seg = "1 segment" if self.counts is None else f"{len(self.counts)} experts ({sum(c == 0 for c in self.counts)} empty)"
-        return f"{self.conversion} {self.m}x{self.k} {seg}"
+        return f"{self.conversion} {self.m}x{self.k} {seg} spread {self.spread}"
 
 
 def _impl(kind: str):
@@ -136,7 +140,7 @@ def _impl(kind: str):
 def run_case(case: Case, device, impl: str = "ops") -> list[str]:
     """Run one conversion with the kernels and the reference on the same input; return the differences."""
     lib = _impl(impl)
-    x = make_input(case.m, case.k, case.seed, device)
+    x = make_input(case.m, case.k, case.seed, device, special=case.special, spread=case.spread)
     seg = Segments.of(case.counts, case.m)
     name = case.conversion
     if name.startswith("bf16_to_fp4_row"):
@@ -171,13 +175,19 @@ def gpu_cases(seed: int = 0) -> list[Case]:
         (1, 7168, None),
         (129, 256, [0, 129, 0]),
     ]
-    return [Case(c, m, k, cnt, seed + i) for i, (m, k, cnt) in enumerate(shapes) for c in CONVERSIONS]
+    cases = [Case(c, m, k, cnt, seed + i) for i, (m, k, cnt) in enumerate(shapes) for c in CONVERSIONS]
+    # small exponent spreads, as in real activations: the kernels' integer fast paths
+    cases += [Case(c, 4096, 7168, make_counts(4096, 32, seed + 9), seed + 9, spread=3, special=False)
+              for c in CONVERSIONS]
+    return cases
 
 
 def cpu_cases(seed: int = 0) -> list[Case]:
     """Small shapes for the Triton interpreter: tails, empty experts, a 0-row input."""
-    shapes = [(200, 256, [10, 0, 130, 60]), (64, 128, None), (130, 384, make_counts(130, 5, seed + 3)), (0, 128, None)]
-    return [Case(c, m, k, cnt, seed + i) for i, (m, k, cnt) in enumerate(shapes) for c in CONVERSIONS]
+    shapes = [(200, 256, [10, 0, 130, 60], 30), (64, 128, None, 30), (130, 384, make_counts(130, 5, seed + 3), 30),
+              (0, 128, None, 30), (160, 256, [100, 0, 60], 3)]
+    return [Case(c, m, k, cnt, seed + i, sp, special=sp > 4) for i, (m, k, cnt, sp) in enumerate(shapes)
+            for c in CONVERSIONS]
 
 
 def main(argv=None) -> int:

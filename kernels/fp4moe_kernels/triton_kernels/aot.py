@@ -1,5 +1,7 @@
 """Compile the kernels for Hopper (sm_90) without a GPU: ``python -m fp4moe_kernels.triton_kernels.aot``.
 
+Run it with ``TRITON_INTERPRET=0`` (under the interpreter ``triton.jit`` yields no compilable kernels).
+
 Uses Triton's own ptxas/cuobjdump (shipped in the triton wheel). Reports, per kernel, registers, spill
 bytes, shared memory and a SASS instruction census (memory ops, FP8 conversions), so that a compile
 error, a register spill or a lost vector load shows up on a CPU machine before any GPU time is spent.
@@ -7,6 +9,8 @@ error, a register spill or a lost vector load shows up on a CPU machine before a
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -111,13 +115,14 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fp4moe_kernels.triton_kernels.aot", description=__doc__.splitlines()[0])
     p.add_argument("--k", type=int, default=7168, help="channels (default 7168)")
+    p.add_argument("--json", action="store_true", help="print one JSON report per line instead of text")
     p.add_argument("kernels", nargs="*", default=list(KERNELS), help="kernel names (default all)")
     args = p.parse_args(argv)
     bad = 0
     for name in args.kernels:
         r = compile_kernel(name, args.k)
         bad += r.spill_bytes > 0
-        print(r.line())
+        print(json.dumps(dataclasses.asdict(r)) if args.json else r.line())
     return 1 if bad else 0
 
 

@@ -16,7 +16,16 @@ token offset of the tile inside the segment)``. Tokens past the valid rows are w
 import triton
 import triton.language as tl
 
-from .common import ceil_log2_ratio, e2m1_value, e4m3_bits, e8m0_value, exp2_i, load_f32
+from .common import (
+    ceil_log2_ratio,
+    e2m1_to_e4m3_shifted,
+    e2m1_value,
+    e4m3_bits,
+    e8m0_value,
+    exp2_i,
+    fp8_exp_from_amax_bits,
+    load_f32,
+)
 
 TILE_T = 128  # tokens per tile = one 1x128 scale group along tokens
 TILE_FIELDS = 5
@@ -40,9 +49,10 @@ def _quant_cols(v, amax_bias):
 
 
 @triton.jit
-def _store_cols(q, k, o_ptr, os_ptr, chs, p_e, mp_e, tok0, K: tl.constexpr, EMULATE: tl.constexpr):
-    """Store quantized ``q`` [128 tokens, N] transposed as rows ``chs`` [N] of the segment's [K, Mp_e] block."""
-    bits = tl.trans(e4m3_bits(q, EMULATE))  # [N, 128]
+def _store_cols(bits, k, o_ptr, os_ptr, chs, p_e, mp_e, tok0, K: tl.constexpr):
+    """Store E4M3 ``bits`` [128 tokens, N] (uint8) transposed as rows ``chs`` [N] of the segment's
+    [K, Mp_e] block, and the scales 2**k [N]."""
+    bits = tl.trans(bits)  # [N, 128]
     toks = tl.arange(0, 128)
     tl.store(o_ptr + K * p_e + chs.to(tl.int64)[:, None] * mp_e + tok0 + toks[None, :], bits)
     tl.store(os_ptr + ((p_e + tok0) // 128) * K + chs, exp2_i(k))
@@ -70,16 +80,44 @@ def fp4_row_to_fp8_col_kernel(q_ptr, s_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.cons
                      mask=mask, other=0).to(tl.int32)
     code = tl.load(s_ptr + r * (K // 32) + (pid_n * (BN // 32) + tl.arange(0, BN // 32))[None, :],
                    mask=mask, other=0).to(tl.int32)
-    # value * 2**-8 keeps 6 * 2**127 finite in float32; exact (the smallest, 2**-136, is a float32 denormal)
-    f = tl.where(code == 255, float("nan"), e8m0_value(code) * 0.00390625)[:, :, None]  # [128, BN/32, 1]
     p3 = tl.reshape(packed, (128, BN // 32, 16))
-    vlo = tl.reshape(e2m1_value(p3 & 0xF) * f, (128, BN // 2))
-    vhi = tl.reshape(e2m1_value(p3 >> 4) * f, (128, BN // 2))
+    lo_nib = p3 & 0xF
+    hi_nib = p3 >> 4
+    e = code[:, :, None]
+    # fast path: |value| bits built by integer arithmetic (exact while e >= 2: normal float32), per-channel
+    # amax as an integer max, and the E4M3 byte by re-biasing (exact while it is an E4M3 normal)
+    vlo = _mag_bits(lo_nib, e)
+    vhi = _mag_bits(hi_nib, e)
+    klo = fp8_exp_from_amax_bits(tl.max(vlo, axis=0))  # [BN/32, 16]
+    khi = fp8_exp_from_amax_bits(tl.max(vhi, axis=0))
+    dlo = e - 127 - klo[None, :, :]
+    dhi = e - 127 - khi[None, :, :]
+    slow = ((((lo_nib & 7) != 0) & ((e < 2) | (dlo < -5))) | (((hi_nib & 7) != 0) & ((e < 2) | (dhi < -5)))
+            | (e == 255))
+    if tl.max(slow.to(tl.int32)) == 0:
+        blo = tl.reshape(e2m1_to_e4m3_shifted(lo_nib, dlo), (128, BN // 2)).to(tl.uint8)
+        bhi = tl.reshape(e2m1_to_e4m3_shifted(hi_nib, dhi), (128, BN // 2)).to(tl.uint8)
+        kl = tl.reshape(klo, (BN // 2,))
+        kh = tl.reshape(khi, (BN // 2,))
+    else:
+        # general path: exact float32 values (times 2**-8, which keeps 6 * 2**127 finite; the smallest,
+        # 2**-136, is a float32 denormal), hardware E4M3 rounding
+        f = tl.where(code == 255, float("nan"), e8m0_value(code) * 0.00390625)[:, :, None]
+        qlo, kl = _quant_cols(tl.reshape(e2m1_value(lo_nib) * f, (128, BN // 2)), 8)
+        qhi, kh = _quant_cols(tl.reshape(e2m1_value(hi_nib) * f, (128, BN // 2)), 8)
+        blo = e4m3_bits(qlo, EMULATE)
+        bhi = e4m3_bits(qhi, EMULATE)
     ch = pid_n * BN + 2 * tl.arange(0, BN // 2)
-    qlo, klo = _quant_cols(vlo, 8)
-    _store_cols(qlo, klo, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K, EMULATE)
-    qhi, khi = _quant_cols(vhi, 8)
-    _store_cols(qhi, khi, o_ptr, os_ptr, ch + 1, p_e, mp_e, tok0, K, EMULATE)
+    _store_cols(blo, kl, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)
+    _store_cols(bhi, kh, o_ptr, os_ptr, ch + 1, p_e, mp_e, tok0, K)
+
+
+@triton.jit
+def _mag_bits(nib, e):
+    """float32 bits of |E2M1 code| * 2**(e-127) (int32), exact for e >= 2; 0 for a zero code."""
+    c = nib & 7
+    fb = tl.where(c >= 2, (c + 252) << 22, 252 << 22)  # 1.0..6.0, or 0.5 for c == 1
+    return tl.where(c == 0, 0, fb + ((e - 127) << 23))
 
 
 @triton.jit
@@ -90,4 +128,4 @@ def bf16_to_fp8_col_kernel(x_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN:
     ch = pid_n * BN + tl.arange(0, BN)
     x = load_f32(x_ptr + r * K + ch[None, :], mask, X_BF16)
     q, k = _quant_cols(x, 0)
-    _store_cols(q, k, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K, EMULATE)
+    _store_cols(e4m3_bits(q, EMULATE), k, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)

@@ -140,6 +140,17 @@ def e2m1_codes_from_bits(b, code):
 
 
 @triton.jit
+def e2m1_to_e4m3_shifted(nib, d):
+    """E4M3 bits (int32) of the E2M1 code ``nib`` (4 bits, bit 3 = sign) times 2**d, by integer arithmetic:
+    for magnitude code c >= 2 the byte is 4c + 8(6 + d), for c = 1 (0.5) it is 8(6 + d), for 0 it is 0.
+    Exact only while the result is an E4M3 normal: callers check ``d >= -5`` (c != 0) and ``d <= 6``."""
+    c = nib & 7
+    base = (6 + d) << 3
+    mag = tl.where(c >= 2, 4 * c + base, tl.where(c == 1, base, 0))
+    return mag | ((nib & 8) << 4)
+
+
+@triton.jit
 def fp8_exp_from_amax_bits(amax_bits):
     """Power-of-two FP8 scale exponent (int32) from the bits of a group's finite max magnitude:
     ceil(log2(amax/448)) clamped to [-126, 127]; 0 for an all-zero group (reference._fp8_group_exponent)."""
