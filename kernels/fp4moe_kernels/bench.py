@@ -390,7 +390,7 @@ def write(out_dir: str, env: dict, copy: float, rows: list[Row], notes: list[str
     """Write json/csv/md; return the path stem. Files are written to a temporary name and renamed."""
     os.makedirs(out_dir, exist_ok=True)
     gpu = env["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
-    stem = os.path.join(out_dir, f"kernels_{gpu}_{env['date'][:10]}")
+    stem = os.path.join(out_dir, f"kernels_{gpu}_{env['date'][:10]}_{env['commit'][:7]}")
     payload = {"env": env, "copy_gbps": copy, "rows": [asdict(r) for r in rows], "summary": summary(rows),
                "notes": notes, "sweep": sweep_rows or []}
     for ext, text in (("json", json.dumps(payload, indent=1)), ("md", markdown(env, copy, rows, notes))):

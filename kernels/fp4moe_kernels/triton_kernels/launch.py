@@ -26,7 +26,7 @@ TILES = {
     "bf16_to_fp4_and_fp8_row": (64, 0, 8),
     "fp4_row_to_fp8_row": (32, 0, 4),
     "fp8_row_to_fp4": (64, 0, 4),
-    "fp4_row_to_fp8_col": (64, 0, 8),
+    "fp4_row_to_fp8_col": (32, 0, 4),
     "bf16_to_fp8_col": (32, 0, 4),
 }
 

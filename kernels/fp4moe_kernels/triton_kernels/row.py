@@ -15,7 +15,6 @@ import triton.language as tl
 
 from .common import (
     e2m1_codes_from_bits,
-    e2m1_to_e4m3_shifted,
     e2m1_value,
     e4m3_value,
     e4m3x2,
@@ -152,20 +151,12 @@ def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_
     # each pair's UE8M0 code (the same byte for 16 pairs; served by L1)
     code = tl.load(s_ptr + g[:, None] * 4 + j // 16, mask=mask[:, None], other=0).to(tl.int32)
     gcode = tl.maximum(tl.max(tl.where(code == 255, -1, code), axis=1) - 6, 1)  # [R] group code G
+    # element = fp4 * 2**(e_k - G): exact in float32; below 2**-126 everything rounds to 0 in E4M3
+    f = exp2_i(tl.maximum(tl.where(code == 255, 0, code - gcode[:, None]), -126))
     nan_blk = code == 255
-    d = tl.where(nan_blk, 0, code - gcode[:, None])  # element = fp4 * 2**d, d <= 6
-    # fast path (every nonzero element lands on an E4M3 normal, no NaN block): pure integer re-biasing
-    lo_nib = packed & 0xF
-    hi_nib = packed >> 4
-    slow = ((((lo_nib & 7) != 0) | ((hi_nib & 7) != 0)) & (d < -5)) | nan_blk
-    if tl.max(slow.to(tl.int32)) == 0:
-        pairs = (e2m1_to_e4m3_shifted(lo_nib, d) | (e2m1_to_e4m3_shifted(hi_nib, d) << 8)).to(tl.int16)
-    else:
-        # general path: exact float32 value, hardware E4M3 rounding (subnormals); below 2**-126 -> 0
-        f = exp2_i(tl.maximum(d, -126))
-        vlo = tl.where(nan_blk, float("nan"), e2m1_value(lo_nib) * f)
-        vhi = tl.where(nan_blk, float("nan"), e2m1_value(hi_nib) * f)
-        pairs = e4m3x2(vlo.to(tl.int32, bitcast=True), vhi.to(tl.int32, bitcast=True), EMULATE)
+    vlo = tl.where(nan_blk, float("nan"), e2m1_value(packed & 0xF) * f)
+    vhi = tl.where(nan_blk, float("nan"), e2m1_value(packed >> 4) * f)
+    pairs = e4m3x2(vlo.to(tl.int32, bitcast=True), vhi.to(tl.int32, bitcast=True), EMULATE)
     tl.store(o_ptr + g[:, None] * 64 + j, pairs, mask=mask[:, None])
     so = _row_scale_offset(g, M, K, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT)
     tl.store(os_ptr + so, exp2_i(gcode - 127), mask=mask)
