@@ -11,7 +11,7 @@ copy bandwidth measured in the same run. Side by side in the same run:
 * torchao's peers when torchao is importable: ``to_mx`` to MXFP4 (compiled) against BF16ToFP4Row, and
   torchao's blockwise-FP8 Triton quantizers against our BF16 -> FP8 row / column.
 
-Writes ``kernels_<gpu>_<date>.{json,csv,md}`` into ``--out``. Needs a CUDA GPU (sm_89+).
+Writes ``kernels_<gpu>_<date>_<commit>.{json,csv,md}`` into ``--out``. Needs a CUDA GPU (sm_89+).
 """
 from __future__ import annotations
 

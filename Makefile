@@ -1,0 +1,60 @@
+# fp4moe: `make help` lists the targets. CPU work runs in a local .venv; GPU targets use the
+# GPU machine's system python3 (no venv, no internet there: torch, triton, pytest, hypothesis and
+# ml_dtypes come preinstalled), with the two source roots on PYTHONPATH.
+
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+VENV ?= .venv
+GPU_PYTHON ?= python3
+BENCH_ARGS ?=
+BENCH_OUT ?= results/kernels
+STAMP := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help venv test test-gpu bench-kernels log-bench reproduce-table clean
+
+help: ## show this list
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+venv: $(STAMP) ## create/update .venv (pip install -e '.[test]'; reruns only when pyproject.toml changes)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+test: venv ## run the CPU test suite (GPU tests skip themselves)
+	$(VENV)/bin/python -m pytest -q
+
+test-gpu: ## run the GPU tests with the system python3 (GPU machine)
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m pytest -q -m gpu tests
+
+# The benchmark writes $(BENCH_OUT)/kernels_<gpu>_<date>_<commit>.{json,csv,md}; set BENCH_OUT, not --out, to
+# move it. Then its JSON is logged to MLflow with the first python that imports mlflow (the venv's,
+# else $(GPU_PYTHON)); the GPU image has none, so the command to run elsewhere is printed instead.
+# Logging is idempotent: earlier files in $(BENCH_OUT) that are already logged add nothing.
+bench-kernels: ## run the kernel benchmark on the GPU, then log it to MLflow (args: BENCH_ARGS="...")
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m fp4moe_kernels.bench --out $(BENCH_OUT) $(BENCH_ARGS)
+	@files="$$(ls $(BENCH_OUT)/kernels_*.json 2>/dev/null)"; \
+	if [ -z "$$files" ]; then echo "no $(BENCH_OUT)/kernels_*.json to log"; exit 1; fi; \
+	for py in $(VENV)/bin/python $(GPU_PYTHON); do \
+	  if PYTHONPATH=src $$py -c 'import mlflow' >/dev/null 2>&1; then \
+	    echo "PYTHONPATH=src $$py -m fp4moe.bench_log" $$files; \
+	    PYTHONPATH=src $$py -m fp4moe.bench_log $$files; exit $$?; \
+	  fi; \
+	done; \
+	echo "mlflow is not importable here, so the results were NOT logged to MLflow."; \
+	echo "Copy $(BENCH_OUT)/ to a machine with the venv and run there, in the repository root:"; \
+	echo "  make log-bench    # = $(VENV)/bin/python -m fp4moe.bench_log" $$files
+
+log-bench: venv ## log every results/kernels/kernels_*.json (BENCH_OUT) to MLflow with the venv (idempotent)
+	@files="$$(ls $(BENCH_OUT)/kernels_*.json 2>/dev/null)"; \
+	if [ -z "$$files" ]; then echo "no $(BENCH_OUT)/kernels_*.json to log (make bench-kernels on a GPU writes them)"; exit 1; fi; \
+	echo "$(VENV)/bin/python -m fp4moe.bench_log" $$files; \
+	$(VENV)/bin/python -m fp4moe.bench_log $$files
+
+reproduce-table: venv ## run what exists of the reproduction and list what does not yet
+	$(VENV)/bin/python -m fp4moe.reproduce
+
+clean: ## remove .venv, build outputs and caches (keeps mlruns/ and results/)
+	rm -rf $(VENV) build .pytest_cache .hypothesis
+	find . -path ./.git -prune -o \( -name __pycache__ -o -name '*.egg-info' \) -prune -exec rm -rf {} +

@@ -1,0 +1,18 @@
+"""fp4moe: FP4-stored, FP8-computed MoE training on Hopper GPUs (arXiv 2603.02731, reproduced).
+
+Packages, lowest first (each imports only those below it; see DESIGN.md):
+
+- ``fp4moe_kernels`` (separate root ``kernels/``): MXFP4/FP8 formats, the pure-PyTorch reference
+  that specifies them, Triton GPU kernels and their benchmark.
+- ``fp4moe.ops``: autograd functions (FP8 linear, grouped experts, quantized all-to-all,
+  FP4 saved-tensor storage).
+- ``fp4moe.moe``: the recipe-aware MoE layer (bf16 / fp8 / mxfp4).
+- ``fp4moe.model``: megatron-core model build for the DeepSeek-V3-like models.
+- ``fp4moe.train``: the Hydra training app; ``fp4moe.launch``: Slurm helpers;
+  ``fp4moe.scale``: the paper-scale memory/all-to-all model; ``fp4moe.report``: MLflow -> results/.
+- Leaves: ``fp4moe.tracking`` (MLflow helpers) and ``fp4moe.reproduce`` (``make reproduce-table``).
+
+Only the leaves exist so far; the others arrive with their issues.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,226 @@
+"""``python -m fp4moe.reproduce`` (``make reproduce-table``): run what exists of the reproduction.
+
+Steps, in order:
+  1. print the hardware found (CUDA GPU name and capability, or CPU);
+  2. kernel self-check: ``fp4moe_kernels.selfcheck.main()`` (kernels against the reference on the
+     hardware present), when that module exists;
+  3. on a CUDA GPU, the kernel benchmark ``fp4moe_kernels.bench.main(argv)``, which writes
+     ``results/kernels/kernels_<gpu>_<date>_<commit>.{json,csv,md}``; the JSON it wrote is then logged to
+     MLflow by ``fp4moe.bench_log`` (the same code as ``make log-bench``), or, where mlflow is not
+     installed (the GPU image), the command that logs it elsewhere is printed; on CPU, the
+     benchmark files already in results/kernels/ are listed (or their absence said);
+  4. a list of what is NOT YET IMPLEMENTED, by issue (P1 = issue 2 ... P6 = issue 7).
+
+Exit status: 0 when every part that exists passes, 1 when one fails. Parts that do not exist yet are
+reported, never counted as passed, and never stand in with made-up numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from fp4moe import bench_log
+
+RESULTS_KERNELS = "results/kernels"
+
+# What is missing, by issue: (label, issue number, what). Keep in step with README.md "Status".
+# P1 (issue 2: foundation, formats, reference, kernels, benchmark) exists; its measured table is
+# reported by the benchmark step, not here.
+NOT_YET_IMPLEMENTED = (
+    ("P2", 3, "the FP4 MoE recipe: Recipe (bf16 / fp8 / mxfp4 and the FP4 switches), FP8 blockwise "
+              "linear and grouped experts, quantized all-to-all, FP4-saved activations; the "
+              "DeepSeek-V3-shaped MoE layer benchmark on 1 and 2 H200s"),
+    ("P3", 4, "the megatron-core DeepSeek-V3 model with the recipe, `python -m fp4moe.train` "
+              "(Hydra), real tokenized data, per-step MLflow metrics; the H200 proxy's T1-shaped "
+              "table and the bf16 / fp8 / mxfp4 convergence comparison"),
+    ("P4", 5, "Hydra configs for every paper experiment (T1, T2, F3/F4, F5 and scaled-down twins), "
+              "Slurm submission through submitit, multirun sweeps, dry runs"),
+    ("P5", 6, "this command's headline table: results/ (Markdown, CSV, plots) read from MLflow, "
+              "the paper-scale memory / throughput model checked against measured runs, notebooks"),
+    ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "
+              "nvidia-h200-x8"),
+)
+
+
+def _find(label: str, module: str) -> bool | None:
+    """Whether ``module`` exists: True, False (it or its package is missing), or None when its
+    package fails to import (a bug or a missing dependency: a failure, traceback printed)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError as exc:
+        if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+            return False
+        traceback.print_exc()
+    except Exception:
+        traceback.print_exc()
+    print(f"{label}: FAILED, {module.rsplit('.', 1)[0]} does not import (traceback above)")
+    return None
+
+
+def _passed(result: object) -> bool:
+    """Read a ``main()`` outcome: None, 0 or True pass; a non-zero code or False fails."""
+    return result is None or result is True or result == 0
+
+
+def _call(fn: Callable[[], object]) -> tuple[bool, object]:
+    """Call ``fn``; a raised exception (traceback printed) or a non-zero exit is a failure."""
+    try:
+        result = fn()
+    except SystemExit as exc:
+        result = exc.code
+    except Exception:  # report and carry on, so the summary lists every part
+        traceback.print_exc()
+        return False, None
+    return _passed(result), result
+
+
+def print_hardware() -> bool:
+    """Print the accelerator found; return whether a CUDA GPU is present."""
+    import platform
+
+    import torch
+
+    print(f"torch {torch.__version__}, Python {platform.python_version()}")
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        print(f"hardware: CUDA GPU {torch.cuda.get_device_name(0)} (sm_{major}{minor}), "
+              f"{torch.cuda.device_count()} visible")
+        return True
+    print(f"hardware: CPU only ({platform.machine()}, {torch.get_num_threads()} threads); "
+          f"no CUDA GPU")
+    return False
+
+
+def run_selfcheck() -> bool:
+    """Run ``fp4moe_kernels.selfcheck.main()`` if it exists; return False only on a failure."""
+    found = _find("kernel self-check", "fp4moe_kernels.selfcheck")
+    if found is None:
+        return False
+    if not found:
+        print("kernel self-check: not available yet (fp4moe_kernels.selfcheck is missing)")
+        return True
+    print("kernel self-check: running fp4moe_kernels.selfcheck.main()")
+    ok, _ = _call(lambda: importlib.import_module("fp4moe_kernels.selfcheck").main())
+    print(f"kernel self-check: {'passed' if ok else 'FAILED'}")
+    return ok
+
+
+def run_bench(bench_argv: Sequence[str], track: bool) -> bool:
+    """Run ``fp4moe_kernels.bench.main(argv)`` on the GPU, then log the JSON files it wrote under
+    ``--out`` (default ``<repo>/results/kernels``) to MLflow; return False only on a failure."""
+    found = _find("kernel benchmark", "fp4moe_kernels.bench")
+    if found is None:
+        return False
+    if not found:
+        print("kernel benchmark: not available yet (fp4moe_kernels.bench is missing)")
+        return True
+    argv = list(bench_argv)
+    out = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
+    if "--out" in argv[:-1]:
+        out = argv[argv.index("--out") + 1]
+    if out is None:
+        from fp4moe.tracking import repo_root
+
+        out = str(repo_root() / RESULTS_KERNELS)
+        argv += ["--out", out]
+    out_dir = Path(out)
+    started = time.time()
+    print(f"kernel benchmark: running fp4moe_kernels.bench.main({argv})")
+    ok, _ = _call(lambda: importlib.import_module("fp4moe_kernels.bench").main(argv))
+    if not ok:
+        print("kernel benchmark: FAILED")
+        return False
+    written = sorted(p for p in out_dir.glob(bench_log.GLOB)
+                     if p.stat().st_mtime >= started - 1)
+    if not written:
+        print(f"kernel benchmark: FAILED, it wrote no JSON results under {out_dir}")
+        return False
+    if not track:
+        print(f"kernel benchmark: wrote {[str(p) for p in written]} (MLflow logging off)")
+        return True
+    if importlib.util.find_spec("mlflow") is None:
+        print(f"kernel benchmark: wrote {[str(p) for p in written]}; NOT logged to MLflow: mlflow "
+              f"is not installed here. Copy {out_dir}/ to a machine with the venv and run "
+              f"`make log-bench` there, or: {bench_log.command_for(written)}")
+        return True
+    try:
+        return bench_log.log_files(written, log=lambda line: print(f"kernel benchmark: {line}"))
+    except Exception:
+        traceback.print_exc()
+        print("kernel benchmark: measured, but logging to MLflow FAILED (traceback above)")
+        return False
+
+
+def report_results_on_disk(track: bool) -> bool:
+    """Without a GPU: list the benchmark results already in the repo (measured on a GPU, each file
+    naming its GPU, date and commit) and log them to MLflow (idempotent), or say there are none yet."""
+    from fp4moe.tracking import repo_root
+
+    found = sorted((repo_root() / RESULTS_KERNELS).glob(bench_log.GLOB))
+    if not found:
+        print(f"kernel benchmark: skipped, it needs a Hopper GPU (sm_90); no measured results in "
+              f"{RESULTS_KERNELS}/ yet (P1, issue 2)")
+        return True
+    names = ", ".join(p.name for p in found)
+    print(f"kernel benchmark: skipped, it needs a Hopper GPU (sm_90); results measured on a GPU are in "
+          f"{RESULTS_KERNELS}/: {names} (summary: {RESULTS_KERNELS}/README.md)")
+    if not track:
+        return True
+    try:
+        return bench_log.log_files(found, log=lambda line: print(f"kernel benchmark: {line}"))
+    except Exception:
+        traceback.print_exc()
+        print("kernel benchmark: logging the measured results to MLflow FAILED (traceback above)")
+        return False
+
+
+def print_not_yet_implemented() -> None:
+    print("\nNOT YET IMPLEMENTED (no numbers are shown for these, measured or made up):")
+    for label, issue, what in NOT_YET_IMPLEMENTED:
+        print(f"  - [{label}, issue {issue}] {what}")
+    print("  Paper numbers to compare with: conf/paper/numbers.yaml")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fp4moe.reproduce",
+        description="Run what exists of the fp4moe reproduction (hardware, kernel self-check, "
+                    "kernel benchmark on a GPU) and list what is not implemented yet. Exits 0 "
+                    "when every existing part passes.",
+    )
+    parser.add_argument("--bench-args", default="", metavar="ARGS",
+                        help="arguments for fp4moe_kernels.bench.main, one shell-quoted string "
+                             "(default: its own defaults, with --out results/kernels)")
+    parser.add_argument("--skip-bench", action="store_true",
+                        help="do not run the kernel benchmark even on a GPU")
+    parser.add_argument("--no-tracking", action="store_true",
+                        help="do not log benchmark rows to MLflow")
+    args = parser.parse_args(argv)
+
+    has_gpu = print_hardware()
+    results = {"kernel self-check": run_selfcheck()}
+    if args.skip_bench:
+        print("kernel benchmark: skipped (--skip-bench)")
+    elif has_gpu:
+        results["kernel benchmark"] = run_bench(shlex.split(args.bench_args),
+                                                track=not args.no_tracking)
+    else:
+        results["logging measured kernel results"] = report_results_on_disk(track=not args.no_tracking)
+    print_not_yet_implemented()
+
+    failed = [name for name, ok in results.items() if not ok]
+    verdict = f"FAILED: {', '.join(failed)}" if failed else "all existing parts passed"
+    print(f"\nreproduce: {verdict}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

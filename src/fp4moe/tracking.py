@@ -1,0 +1,225 @@
+"""MLflow helpers for benchmarks and the trainer: where runs go; one call logs a run or a table.
+
+Where: ``$MLFLOW_TRACKING_URI`` if set, else an embedded SQLite store at ``<repo>/mlruns/mlflow.db``
+with artifacts beside it in ``<repo>/mlruns/artifacts/``. The repo root is ``$FP4MOE_HOME`` if set,
+else the nearest folder holding a ``pyproject.toml`` above this file or, failing that, above the
+working directory. No server is needed; ``mlflow ui`` (from the full ``mlflow`` package) can browse
+the same store.
+
+mlflow is imported inside the functions, so ``import fp4moe.tracking`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from urllib.parse import urlparse
+
+HTTP_TIMEOUT_S = 3.0
+
+
+class TrackingUnavailable(RuntimeError):
+    """The MLflow tracking store cannot be used; the message names the URI and the fix."""
+
+
+def repo_root() -> Path:
+    """The project root: ``$FP4MOE_HOME``, else the nearest parent holding ``pyproject.toml``."""
+    if home := os.environ.get("FP4MOE_HOME"):
+        return Path(home).expanduser().resolve()
+    for start in (Path(__file__).resolve().parent, Path.cwd().resolve()):
+        for folder in (start, *start.parents):
+            if (folder / "pyproject.toml").is_file():
+                return folder
+    return Path.cwd().resolve()
+
+
+def tracking_uri() -> str:
+    """``$MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo>/mlruns/mlflow.db`` (dir created)."""
+    if uri := os.environ.get("MLFLOW_TRACKING_URI"):
+        return uri
+    store = repo_root() / "mlruns"
+    store.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{store / 'mlflow.db'}"
+
+
+def _local_store_dir(uri: str) -> Path | None:
+    """The folder a local store (sqlite file or file store) lives in; None for remote stores."""
+    if uri.startswith("sqlite:///"):
+        db = uri.removeprefix("sqlite:///")
+        return None if db in ("", ":memory:") else Path(db).expanduser().resolve().parent
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        return Path(parsed.path).resolve()
+    if parsed.scheme == "" or len(parsed.scheme) == 1:  # a plain path (or a Windows drive letter)
+        return Path(uri).expanduser().resolve()
+    return None
+
+
+def check_reachable(uri: str) -> None:
+    """Raise TrackingUnavailable unless ``uri`` can take runs.
+
+    http(s): the server answers ``GET <uri>/health`` within HTTP_TIMEOUT_S seconds.
+    sqlite / file / plain path: the store's folder (or its nearest existing parent) is writable.
+    Other schemes (databricks, ...) are left to mlflow.
+    """
+    if urlparse(uri).scheme in ("http", "https"):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S):
+                return
+        except urllib.error.HTTPError as err:
+            if err.code < 500:  # something answered; auth or routing is mlflow's business
+                return
+            reason = f"HTTP {err.code}"
+        except (urllib.error.URLError, OSError) as err:
+            reason = str(getattr(err, "reason", err))
+        raise TrackingUnavailable(
+            f"MLflow tracking server {uri} is not reachable ({reason} on GET {url}). "
+            f"Start it (e.g. `mlflow server --backend-store-uri sqlite:///mlruns/mlflow.db "
+            f"--host 127.0.0.1 --port 5000`, needs the full `mlflow` package) or unset "
+            f"MLFLOW_TRACKING_URI to log to the local store under {repo_root() / 'mlruns'}."
+        )
+    folder = _local_store_dir(uri)
+    if folder is None:
+        return
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        raise TrackingUnavailable(
+            f"MLflow store {uri} is not writable: {existing} is not a writable folder. "
+            f"Fix its permissions, or point MLFLOW_TRACKING_URI (or FP4MOE_HOME) elsewhere."
+        )
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(repo_root()), *args],
+            capture_output=True, text=True, timeout=10, check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def environment_tags() -> dict[str, str]:
+    """Tags every run carries: git commit (and whether the tree was dirty), host, Python, torch."""
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "mlflow.source.git.commit": _git("rev-parse", "HEAD") or "unknown",
+        "git_dirty": "unknown" if status is None else str(bool(status)).lower(),
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch_version,
+    }
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _experiment_id(client, experiment: str, uri: str) -> str:
+    """Id of ``experiment``, created if new; a local store keeps artifacts beside its database."""
+    found = client.get_experiment_by_name(experiment)
+    if found is not None:
+        return found.experiment_id
+    folder = _local_store_dir(uri) if uri.startswith("sqlite:") else None
+    location = (folder / "artifacts" / experiment).as_uri() if folder else None
+    return client.create_experiment(experiment, artifact_location=location)
+
+
+def log_run(
+    experiment: str,
+    run_name: str,
+    params: Mapping[str, object],
+    metrics: Mapping[str, float | None],
+    tags: Mapping[str, str] | None = None,
+    artifacts: Iterable[str | os.PathLike] = (),
+    *,
+    uri: str | None = None,
+) -> str:
+    """Log one finished run and return its run id.
+
+    Params are stored as strings; metrics as floats at step 0, a None metric is skipped (e.g. the
+    throughput of an out-of-memory cell). ``environment_tags()`` are added; ``tags`` override them.
+    ``uri`` defaults to ``tracking_uri()``; it is checked with ``check_reachable`` first.
+    """
+    from mlflow.entities import Metric, Param, RunTag
+
+    uri = uri or tracking_uri()
+    check_reachable(uri)
+    client = _client(uri)
+    run = client.create_run(_experiment_id(client, experiment, uri), run_name=run_name)
+    run_id = run.info.run_id
+    try:
+        now_ms = int(time.time() * 1000)
+        all_tags = {**environment_tags(), **(tags or {})}
+        client.log_batch(
+            run_id,
+            metrics=[Metric(k, float(v), now_ms, 0) for k, v in metrics.items() if v is not None],
+            params=[Param(k, str(v)) for k, v in params.items()],
+            tags=[RunTag(k, str(v)) for k, v in all_tags.items()],
+        )
+        for path in artifacts:
+            client.log_artifact(run_id, str(path))
+    except BaseException:
+        client.set_terminated(run_id, status="FAILED")
+        raise
+    client.set_terminated(run_id, status="FINISHED")
+    return run_id
+
+
+def log_table(
+    experiment: str,
+    rows: Sequence[Mapping[str, object]],
+    key_cols: Sequence[str],
+    metric_cols: Sequence[str],
+    common_params: Mapping[str, object] | None = None,
+    tags: Mapping[str, str] | None = None,
+    *,
+    uri: str | None = None,
+) -> list[str]:
+    """Log one run per row and return the run ids, in row order.
+
+    A row's params are ``common_params`` plus its ``key_cols`` (which win on a clash); its metrics
+    are its ``metric_cols`` (None or NaN skipped). The run is named ``key=value/...`` from the key
+    columns. Other columns are ignored. A row missing a key or metric column raises KeyError before
+    anything is logged.
+    """
+    for i, row in enumerate(rows):
+        missing = [c for c in (*key_cols, *metric_cols) if c not in row]
+        if missing:
+            raise KeyError(f"log_table: row {i} lacks columns {missing}: {dict(row)}")
+    uri = uri or tracking_uri()
+    run_ids = []
+    for row in rows:
+        metrics = {}
+        for col in metric_cols:
+            value = row[col]
+            if value is not None and not (isinstance(value, float) and math.isnan(value)):
+                metrics[col] = value
+        run_ids.append(
+            log_run(
+                experiment,
+                run_name="/".join(f"{c}={row[c]}" for c in key_cols),
+                params={**(common_params or {}), **{c: row[c] for c in key_cols}},
+                metrics=metrics,
+                tags=tags,
+                uri=uri,
+            )
+        )
+    return run_ids
