@@ -246,9 +246,8 @@ BENCH_JSON = {  # the shape of fp4moe_kernels.bench's JSON output, trimmed
 }
 
 
-def test_reproduce_logs_what_the_benchmark_wrote(monkeypatch, tmp_path):
-    from mlflow import MlflowClient
-
+def _fake_bench_writing_json(monkeypatch):
+    """A fake benchmark that writes BENCH_JSON as kernels_h200.json into its --out folder and succeeds."""
     def main(argv):
         out = Path(argv[argv.index("--out") + 1])
         out.mkdir(parents=True, exist_ok=True)
@@ -256,6 +255,12 @@ def test_reproduce_logs_what_the_benchmark_wrote(monkeypatch, tmp_path):
         return 0
 
     _fake_bench(monkeypatch, main)
+
+
+def test_reproduce_logs_what_the_benchmark_wrote(monkeypatch, tmp_path):
+    from mlflow import MlflowClient
+
+    _fake_bench_writing_json(monkeypatch)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     assert reproduce.run_bench(["--out", str(tmp_path / "res")], track=True)
@@ -270,13 +275,7 @@ def test_reproduce_logs_what_the_benchmark_wrote(monkeypatch, tmp_path):
 
 
 def test_reproduce_without_mlflow_prints_the_log_command(monkeypatch, tmp_path, capsys):
-    def main(argv):
-        out = Path(argv[argv.index("--out") + 1])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "kernels_h200.json").write_text(json.dumps(BENCH_JSON))
-        return 0
-
-    _fake_bench(monkeypatch, main)
+    _fake_bench_writing_json(monkeypatch)
     real_find_spec = reproduce.importlib.util.find_spec
     monkeypatch.setattr(reproduce.importlib.util, "find_spec",
                         lambda name, *a: None if name == "mlflow" else real_find_spec(name, *a))

@@ -3,42 +3,25 @@ checked against independent oracles: ``ml_dtypes.float8_e4m3fn`` casts, an exact
 the E4M3 grid, exact scale exponents, and hand dequantization (bits -> ml_dtypes value * scale)."""
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from fp4moe_kernels import reference as R
 from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
-
-PROFILE = settings(
-    max_examples=50,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+from oracles import (PROFILE, ceil_log2_ratio_exact, ceil_log2_ratio_np, hand_decode, nibbles_of, oracle_mxfp4,
+                     rand_bf16, rne_index, to64)
 
 F8 = ml_dtypes.float8_e4m3fn
-F4 = ml_dtypes.float4_e2m1fn
-E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 E4M3_GRID = np.arange(127, dtype=np.uint8).view(F8).astype(np.float64)  # codes 0..126: 0 .. 448 ascending
 
 
 # ----------------------------------------------------------------------------------------------- oracles
-
-
-def rne_index(mag: np.ndarray, grid: np.ndarray) -> np.ndarray:
-    """Exact round-to-nearest-even of float64 magnitudes onto an ascending grid whose index is the code."""
-    mids = (grid[:-1] + grid[1:]) / 2
-    idx = np.searchsorted(mids, mag, side="left")
-    at = np.minimum(idx, len(mids) - 1)
-    tie = (idx < len(mids)) & (mids[at] == mag) & (idx % 2 == 1)
-    return (idx + tie).astype(np.int64)
 
 
 def e4m3_bits(q: np.ndarray, how: str = "ml_dtypes") -> np.ndarray:
@@ -47,25 +30,6 @@ def e4m3_bits(q: np.ndarray, how: str = "ml_dtypes") -> np.ndarray:
     if how == "ml_dtypes":
         return q.astype(F8).view(np.uint8)
     return (rne_index(np.abs(q), E4M3_GRID) | (np.signbit(q).astype(np.int64) << 7)).astype(np.uint8)
-
-
-def ceil_log2_ratio_exact(amax: float, limit: float) -> int:
-    a, lim = Fraction(amax), Fraction(limit)
-    k = round(math.log2(amax) - math.log2(limit))
-    while a > lim * Fraction(2) ** k:
-        k += 1
-    while a <= lim * Fraction(2) ** (k - 1):
-        k -= 1
-    return k
-
-
-def ceil_log2_ratio_np(amax: np.ndarray, limit: float) -> np.ndarray:
-    k = np.ceil(np.log2(amax) - np.log2(limit)).astype(np.int64)
-    for _ in range(3):
-        k = np.where(amax > np.ldexp(limit, k), k + 1, k)
-        k = np.where(amax <= np.ldexp(limit, k - 1), k - 1, k)
-    assert np.all(amax <= np.ldexp(limit, k)) and np.all(amax > np.ldexp(limit, k - 1))
-    return k
 
 
 def oracle_fp8_groups(v: np.ndarray, how: str = "ml_dtypes"):
@@ -93,38 +57,6 @@ def oracle_fp8_col_segment(x: np.ndarray, how: str = "ml_dtypes"):
     xs[:m] = x
     bits, nan, e = oracle_fp8_groups(xs.T.reshape(k, mp // 128, 128), how)
     return bits.reshape(k, mp), nan.reshape(k, mp), e
-
-
-def hand_decode(nib: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    m, k = nib.shape
-    mag = E2M1_GRID[nib & 7]
-    val = np.where(nib & 8, -mag, mag).reshape(m, k // 32, 32)
-    c = codes.astype(np.int64)
-    out = np.ldexp(val, np.where(c == 255, 0, c - 127)[..., None])
-    return np.where((c == 255)[..., None], np.nan, out).reshape(m, k)
-
-
-def oracle_mxfp4(x: np.ndarray):
-    """float64 [M, K] (values whose x/scale is float32-exact) -> (nibbles, codes), rule "ceil"."""
-    m, k = x.shape
-    xb = x.reshape(m, k // 32, 32)
-    fin_el = np.isfinite(xb)
-    finite = fin_el.all(-1)
-    amax = np.where(fin_el, np.abs(np.where(fin_el, xb, 0.0)), 0.0).max(-1, initial=0.0)
-    pos = amax > 0
-    code = np.clip(ceil_log2_ratio_np(np.where(pos, amax, 1.0), 6.0) + 127, 0, 254)
-    code = np.where(finite, np.where(pos, code, 0), 255)
-    q = np.ldexp(np.where(fin_el, xb, 0.0), (127 - np.minimum(code, 254))[..., None])
-    nib = np.where(finite[..., None], q.astype(F4).view(np.uint8), 0)
-    return nib.reshape(m, k).astype(np.uint8), code.astype(np.uint8)
-
-
-def nibbles_of(a: MXFP4Tensor) -> np.ndarray:
-    d = a.data.numpy()
-    out = np.empty((d.shape[0], d.shape[1] * 2), dtype=np.uint8)
-    out[:, 0::2] = d & 0xF
-    out[:, 1::2] = d >> 4
-    return out
 
 
 def make_mx(nib: np.ndarray, codes: np.ndarray) -> MXFP4Tensor:
@@ -167,25 +99,6 @@ def row_scale_matrix_by_hand(f: FP8RowTensor) -> np.ndarray:
         out[r0 : r0 + c] = flat[g * r0 : g * (r0 + c)].reshape(g, c).T
         r0 += c
     return out
-
-
-def to64(x: torch.Tensor) -> np.ndarray:
-    return x.to(torch.float64).numpy()
-
-
-def rand_bf16(rng, m, k, *, exp_lo=-60.0, exp_hi=60.0, p_zero_block=0.1, p_zero=0.05, p_denorm=0.02,
-              p_nonfinite=0.0, block=32) -> torch.Tensor:
-    x = rng.standard_normal((m, k))
-    nb = k // block
-    x = x * np.repeat(np.exp2(rng.uniform(exp_lo, exp_hi, size=(m, nb))), block, axis=1)
-    x[np.repeat(rng.random((m, nb)) < p_zero_block, block, axis=1)] = 0.0
-    z = rng.random((m, k)) < p_zero
-    x[z] = np.where(rng.random(int(z.sum())) < 0.5, 0.0, -0.0)
-    d = rng.random((m, k)) < p_denorm
-    x[d] = rng.integers(1, 128, int(d.sum())) * 2.0**-133 * rng.choice([-1.0, 1.0], int(d.sum()))
-    nf = rng.random((m, k)) < p_nonfinite
-    x[nf] = rng.choice([np.nan, np.inf, -np.inf], int(nf.sum()))
-    return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
 
 
 def rand_mxfp4_row(rng, m, k, spread, *, lo=0, hi=254, p_zero_nib=0.15, p_zero_block=0.0, p_nan_block=0.0):
