@@ -1,0 +1,25 @@
+"""fp4moe.ops: autograd-level building blocks on plain torch tensors (no megatron), over ``fp4moe_kernels``.
+
+- ``fp8_gemm``: the 128x128 weight quantizer and ``fp8_mm``, the three blockwise FP8 GEMMs of a linear
+  (fprop, dgrad, wgrad) over ``F.scaled_mm`` on CUDA, an exact-math emulation on CPU (SPEC §7).
+- ``fp8_linear``: ``FP8Linear`` / ``fp8_linear``, a linear whose GEMMs run in FP8 and whose saved input follows
+  the recipe (FP8 row + column copies for fp8, MXFP4 for mxfp4's save_fp4), and ``linear_saved_bytes``.
+- ``all_to_all``: ``quantized_all_to_all``, the expert-parallel all-to-all with an MXFP4 / FP8 / BF16 wire
+  format forward and BF16 / FP8 backward, and its byte accounting (``A2AStats``, ``a2a_payload_bytes``).
+
+Status: CPU-tested (gloo for the all-to-all); the CUDA paths (``F.scaled_mm`` layouts, NCCL) have GPU
+tests that have not run on a GPU yet (issue 3).
+"""
+from .fp8_gemm import dequantize_weight_128x128, fp8_mm, quantize_weight_128x128, transpose_weight_128x128
+from .fp8_linear import FP8Linear, fp8_linear, linear_saved_bytes, saved_bytes
+
+__all__ = [
+    "FP8Linear",
+    "dequantize_weight_128x128",
+    "fp8_linear",
+    "fp8_mm",
+    "linear_saved_bytes",
+    "quantize_weight_128x128",
+    "saved_bytes",
+    "transpose_weight_128x128",
+]

@@ -1,0 +1,313 @@
+"""quantized_all_to_all (fp4moe.ops.all_to_all) on two real processes, and its byte accounting.
+
+Two ranks (torch.multiprocessing, gloo on 127.0.0.1, CPU; ``-m gpu``: NCCL on two GPUs) exchange tokens with
+uneven splits, a rank sending 0 rows to its peer, and a rank with no tokens at all, for every forward codec
+(mxfp4, fp8, bf16) and backward codec (bf16, fp8). Each rank saves its outputs and input gradients; the
+test process recomputes them in a single process with ``fp4moe_kernels`` and the float64 reference,
+exactly as the wire does, and compares bit for bit:
+
+* forward: rank r's output = concat over senders s of ``dequantize(quantize(x_s))`` restricted to the
+  rows s sends to r (quantization is per row, so quantizing all of x_s and slicing is the same);
+* backward: rank s's input gradient = concat over destinations r of ``Q_bwd(g_r)`` restricted to the rows
+  r received from s (``g_r`` = the upstream gradient on r, ``Q_bwd`` = BF16 cast or FP8 1x128
+  quantize -> dequantize).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fp4moe.ops.all_to_all import (
+    A2AStats,
+    BACKWARD_CODECS,
+    FORWARD_CODECS,
+    DispatchedMXFP4,
+    a2a_payload_bytes,
+    quantized_all_to_all,
+)
+from fp4moe_kernels import ops as kops
+from fp4moe_kernels import reference as R
+
+WORLD = 2
+H = 256  # two FP8 1x128 groups, eight MXFP4 blocks per row
+# rows each rank sends to (rank 0, rank 1); T on a rank = the sum of its row.
+CASES = {
+    "uneven": {0: [2, 3], 1: [3, 1]},
+    "zero_to_peer": {0: [4, 0], 1: [1, 2]},  # rank 0 sends nothing to rank 1
+    "empty_rank": {0: [3, 2], 1: [0, 0]},  # rank 1 has T = 0
+}
+COMBOS = [(f, b) for f in FORWARD_CODECS for b in BACKWARD_CODECS]
+
+
+def _in_splits(case: str, rank: int) -> list[int]:
+    return list(CASES[case][rank])
+
+
+def _out_splits(case: str, rank: int) -> list[int]:
+    return [CASES[case][src][rank] for src in range(WORLD)]
+
+
+def _rows(seed: int, t: int) -> torch.Tensor:
+    """bf16 [t, H]: normal values, each row scaled by its own power of two (so the scales differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, H, generator=gen, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-6, 7, (t, 1), generator=gen).to(torch.float64))
+    x[:, 5] = 0.0  # exact zeros survive every codec
+    return x.to(torch.bfloat16)
+
+
+def make_x(case: str, rank: int) -> torch.Tensor:
+    return _rows(1000 * list(CASES).index(case) + rank, sum(_in_splits(case, rank)))
+
+
+def make_grad(case: str, rank: int) -> torch.Tensor:
+    return _rows(5000 + 1000 * list(CASES).index(case) + rank, sum(_out_splits(case, rank)))
+
+
+def wire(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """What the receiver gets for rows x (bf16) in ``codec``, computed with the kernels' API and reference."""
+    if codec == "mxfp4":
+        return kops.fp4_to_bf16(kops.bf16_to_fp4_row(x))
+    if codec == "fp8":
+        return R.dequantize_fp8_row(kops.bf16_to_fp8_row(x)).to(torch.bfloat16)
+    return x.to(torch.bfloat16)
+
+
+def expected_forward(case: str, codec: str, rank: int) -> torch.Tensor:
+    parts = []
+    for src in range(WORLD):
+        q = wire(make_x(case, src), codec)
+        off = sum(_in_splits(case, src)[:rank])
+        parts.append(q[off : off + _in_splits(case, src)[rank]])
+    return torch.cat(parts)
+
+
+def expected_grad(case: str, codec: str, rank: int) -> torch.Tensor:
+    parts = []
+    for dst in range(WORLD):
+        q = wire(make_grad(case, dst), codec)
+        off = sum(_out_splits(case, dst)[:rank])  # rows dst received from `rank` sit after lower senders'
+        parts.append(q[off : off + _out_splits(case, dst)[rank]])
+    return torch.cat(parts)
+
+
+# ------------------------------------------------------------------------------------------- the ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out_dir: str, backend: str) -> None:
+    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    res: dict = {}
+    try:
+        for case in CASES:
+            ins, outs = _in_splits(case, rank), _out_splits(case, rank)
+            g = make_grad(case, rank).to(device)
+            for fc, bc in COMBOS:
+                x = make_x(case, rank).to(device).requires_grad_(True)
+                stats = A2AStats()
+                y = quantized_all_to_all(x, ins, outs, None, fc, bc, stats=stats, check_splits=True)
+                y.backward(g)
+                res[(case, fc, bc)] = dict(y=y.detach().cpu(), grad=x.grad.cpu(), stats=stats.as_dict())
+            for bc in BACKWARD_CODECS:
+                x = make_x(case, rank).to(device).requires_grad_(True)
+                stats = A2AStats()
+                d = quantized_all_to_all(x, ins, outs, None, "mxfp4", bc, keep_fp4=True, stats=stats)
+                z = d.dequantize_ste()
+                z.backward(g)
+                res[(case, "keep_fp4", bc)] = dict(
+                    type=type(d).__name__, data=d.data.cpu(), scales=d.scales.cpu(), shape=d.shape,
+                    z=z.detach().cpu(), grad=x.grad.cpu(), stats=stats.as_dict(),
+                    anchor_bytes=d.grad_anchor.untyped_storage().nbytes(),
+                )
+        # errors: both ranks make the same mistake, so neither waits in a collective
+        x = make_x("uneven", rank).to(device)
+        try:
+            quantized_all_to_all(x, [1, 1], _out_splits("uneven", rank), None, "mxfp4", "bf16")
+        except ValueError as e:
+            res["err_sum"] = str(e)
+        bad_outs = _out_splits("uneven", rank)
+        if rank == 0:
+            bad_outs = [bad_outs[0], bad_outs[1] + 1]  # one rank believes it receives one more row
+        try:
+            quantized_all_to_all(x, _in_splits("uneven", rank), bad_outs, None, "mxfp4", "bf16", check_splits=True)
+        except ValueError as e:
+            res["err_check"] = str(e)
+    finally:
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _run_ranks(out_dir: str, backend: str) -> list[dict]:
+    mp.spawn(_worker, args=(_free_port(), out_dir, backend), nprocs=WORLD, join=True)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    return _run_ranks(str(tmp_path_factory.mktemp("a2a_gloo")), "gloo")
+
+
+def _check_against_single_process(results: list[dict]) -> None:
+    for rank in range(WORLD):
+        for case in CASES:
+            t = sum(_in_splits(case, rank))
+            t_out = sum(_out_splits(case, rank))
+            for fc, bc in COMBOS:
+                r = results[rank][(case, fc, bc)]
+                where = f"rank {rank} case {case} fwd {fc} bwd {bc}"
+                assert r["y"].dtype == torch.bfloat16 and r["y"].shape == (t_out, H), where
+                assert torch.equal(r["y"], expected_forward(case, fc, rank)), f"forward differs: {where}"
+                assert torch.equal(r["grad"], expected_grad(case, bc, rank)), f"input gradient differs: {where}"
+                st = r["stats"]
+                assert st["forward_sent_bytes"] == a2a_payload_bytes(t, H, fc), where
+                assert st["forward_received_bytes"] == a2a_payload_bytes(t_out, H, fc), where
+                assert st["backward_sent_bytes"] == a2a_payload_bytes(t_out, H, bc), where
+                assert st["backward_received_bytes"] == a2a_payload_bytes(t, H, bc), where
+            for bc in BACKWARD_CODECS:
+                r = results[rank][(case, "keep_fp4", bc)]
+                where = f"rank {rank} case {case} keep_fp4 bwd {bc}"
+                assert r["type"] == "DispatchedMXFP4" and r["shape"] == (t_out, H), where
+                parts = []
+                for src in range(WORLD):
+                    q = kops.bf16_to_fp4_row(make_x(case, src))
+                    off = sum(_in_splits(case, src)[:rank])
+                    parts.append((q.data[off : off + _in_splits(case, src)[rank]],
+                                  q.scales[off : off + _in_splits(case, src)[rank]]))
+                assert torch.equal(r["data"], torch.cat([p[0] for p in parts])), where
+                assert torch.equal(r["scales"], torch.cat([p[1] for p in parts])), where
+                assert torch.equal(r["z"], expected_forward(case, "mxfp4", rank)), where
+                # straight-through: the same gradient as the decoding path
+                assert torch.equal(r["grad"], expected_grad(case, bc, rank)), where
+                assert r["anchor_bytes"] == 2, where  # the anchor is a stride-0 view, not a [T_out, H] buffer
+
+
+def test_ep2_gloo_matches_single_process(gloo_results):
+    _check_against_single_process(gloo_results)
+
+
+def test_ep2_bytes_sent_by_hand(gloo_results):
+    """case 'uneven', H = 256: rank 0 has 5 rows (2 stay, 3 go to rank 1), rank 1 has 4 rows (3 to rank 0,
+    1 stays). MXFP4 row = 128 + 8 = 136 bytes; FP8 row = 256 + 4*2 = 264; BF16 row = 512."""
+    st0 = gloo_results[0][("uneven", "mxfp4", "bf16")]["stats"]
+    st1 = gloo_results[1][("uneven", "mxfp4", "bf16")]["stats"]
+    assert st0 == dict(
+        forward_calls=1, forward_sent_bytes=5 * 136, forward_sent_remote_bytes=3 * 136, forward_received_bytes=5 * 136,
+        backward_calls=1, backward_sent_bytes=5 * 512, backward_sent_remote_bytes=3 * 512,
+        backward_received_bytes=5 * 512,
+    )
+    assert st1 == dict(
+        forward_calls=1, forward_sent_bytes=4 * 136, forward_sent_remote_bytes=3 * 136, forward_received_bytes=4 * 136,
+        backward_calls=1, backward_sent_bytes=4 * 512, backward_sent_remote_bytes=3 * 512,
+        backward_received_bytes=4 * 512,
+    )
+    fp8 = gloo_results[0][("uneven", "fp8", "fp8")]["stats"]
+    assert fp8["forward_sent_bytes"] == 5 * 264 and fp8["backward_sent_bytes"] == 5 * 264
+    bf16 = gloo_results[0][("uneven", "bf16", "bf16")]["stats"]
+    # measured payload ratio MXFP4 / BF16 = (H/2 + H/32) / (2H)
+    assert st0["forward_sent_bytes"] * (2 * H) == bf16["forward_sent_bytes"] * (H // 2 + H // 32)
+    # a rank with no tokens sends nothing but still receives its share of the gradient exchange
+    empty = gloo_results[1][("empty_rank", "mxfp4", "bf16")]["stats"]
+    assert empty["forward_sent_bytes"] == 0 and empty["forward_received_bytes"] == 2 * 136
+    assert empty["backward_sent_bytes"] == 2 * 512 and empty["backward_received_bytes"] == 0
+
+
+def test_ep2_errors(gloo_results):
+    for rank in range(WORLD):
+        msg = gloo_results[rank]["err_sum"]
+        assert "sum to 2 but x has" in msg and "summing to x.shape[0]" in msg, msg
+        msg = gloo_results[rank]["err_check"]
+        assert "output_splits do not match" in msg, msg
+
+
+# --------------------------------------------------------------------------------- single process
+
+
+def test_payload_bytes_by_hand():
+    assert a2a_payload_bytes(1, 7168, "mxfp4") == 3808  # 3584 data + 224 scales
+    assert a2a_payload_bytes(1, 7168, "bf16") == 14336
+    assert a2a_payload_bytes(1, 7168, "fp8") == 7168 + 4 * 56  # 7392
+    assert a2a_payload_bytes(3, 256, "mxfp4") == 3 * 136
+    assert a2a_payload_bytes(0, 256, "fp8") == 0
+    for h in (32, 256, 2048, 7168):
+        rows = 37
+        assert a2a_payload_bytes(rows, h, "mxfp4") * 2 * h == a2a_payload_bytes(rows, h, "bf16") * (h // 2 + h // 32)
+    assert a2a_payload_bytes(4096, 7168, "mxfp4") / a2a_payload_bytes(4096, 7168, "bf16") == 3808 / 14336
+    with pytest.raises(ValueError, match="multiple of 128"):
+        a2a_payload_bytes(1, 96, "fp8")
+    with pytest.raises(ValueError, match="not one of"):
+        a2a_payload_bytes(1, 256, "fp4")
+
+
+def test_world_size_one_is_local_quantization():
+    """Without torch.distributed: the exchange is the identity, quantization and gradient codec included."""
+    x = _rows(7, 6).requires_grad_(True)
+    g = _rows(8, 6)
+    for fc, bc in COMBOS:
+        x.grad = None
+        stats = A2AStats()
+        y = quantized_all_to_all(x, [6], [6], None, fc, bc, stats=stats)
+        y.backward(g)
+        assert torch.equal(y, wire(x.detach(), fc)), (fc, bc)
+        assert torch.equal(x.grad, wire(g, bc)), (fc, bc)
+        assert stats.forward_sent_bytes == a2a_payload_bytes(6, H, fc) and stats.forward_sent_remote_bytes == 0
+    y = quantized_all_to_all(x, [6], [6], forward_codec="bf16")
+    assert y.data_ptr() != x.data_ptr()  # never an alias of the input
+
+
+def test_keep_fp4_is_an_mxfp4_tensor():
+    x = _rows(9, 4)
+    d = quantized_all_to_all(x, [4], [4], keep_fp4=True)
+    assert isinstance(d, DispatchedMXFP4)
+    q = kops.bf16_to_fp4_row(x)
+    assert torch.equal(d.data, q.data) and torch.equal(d.scales, q.scales)
+    f = kops.fp4_row_to_fp8_row(d)  # the kernels take it as an MXFP4Tensor
+    assert f.shape == (4, H)
+
+
+def test_errors_name_the_fix():
+    x = _rows(1, 4)
+    with pytest.raises(ValueError, match=r"sum to 3 but x has 4 rows.*summing to x.shape\[0\]"):
+        quantized_all_to_all(x, [3], [3])
+    with pytest.raises(ValueError, match="one row count per rank"):
+        quantized_all_to_all(x, [2, 2], [2, 2])
+    with pytest.raises(ValueError, match="is not an int"):
+        quantized_all_to_all(x, [4.0], [4])
+    with pytest.raises(ValueError, match="negative"):
+        quantized_all_to_all(x, [-1], [4])
+    with pytest.raises(ValueError, match="keep_fp4=True needs forward_codec='mxfp4'"):
+        quantized_all_to_all(x, [4], [4], forward_codec="fp8", keep_fp4=True)
+    with pytest.raises(ValueError, match="never sent in FP4"):
+        quantized_all_to_all(x, [4], [4], backward_codec="mxfp4")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantized_all_to_all(_rows(1, 4)[:, :96].contiguous(), [4], [4], forward_codec="mxfp4", backward_codec="fp8")
+    with pytest.raises(ValueError, match="2-D"):
+        quantized_all_to_all(x.view(2, 2, H), [2], [2])
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        quantized_all_to_all(x.to(torch.float16), [4], [4])
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs (NCCL)")
+def test_ep2_nccl_matches_single_process(tmp_path):
+    _check_against_single_process(_run_ranks(str(tmp_path), "nccl"))
