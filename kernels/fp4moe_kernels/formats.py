@@ -175,6 +175,14 @@ def check_2d(x: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], k_mult
         raise FormatError(f"{name} is not contiguous (strides {x.stride()}): call .contiguous() first")
 
 
+def _check_pair(data: torch.Tensor, scales: torch.Tensor, what: str) -> None:
+    """data and scales of one quantized tensor: contiguous and on one device."""
+    if data.device != scales.device:
+        raise FormatError(f"{what} data is on {data.device} but its scales on {scales.device}: move both to one device")
+    if not (data.is_contiguous() and scales.is_contiguous()):
+        raise FormatError(f"{what} data and scales must be contiguous: call .contiguous() on them")
+
+
 @dataclass(frozen=True)
 class MXFP4Tensor:
     """MXFP4 rows: ``data [M, K/2] uint8`` (two E2M1 codes per byte), ``scales [M, K/32] uint8`` (UE8M0)."""
@@ -241,6 +249,7 @@ class FP8RowTensor:
             )
         if self.segments.total != m:
             raise FormatError(f"segments cover {self.segments.total} rows, data has {m}")
+        _check_pair(self.data, self.scales, "FP8RowTensor")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -284,6 +293,7 @@ class FP8ColTensor:
             raise FormatError(
                 f"FP8ColTensor.scales must be float32 [{mp // FP8_GROUP}, {k}], got {self.scales.dtype} {tuple(self.scales.shape)}"
             )
+        _check_pair(self.data, self.scales, "FP8ColTensor")
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,45 @@
+"""The public API rejects bad input with a FormatError that names the problem and the fix."""
+import pytest
+import torch
+
+from fp4moe_kernels import FormatError, FP8RowTensor, MXFP4Tensor, Segments, ops
+
+
+def x_bf16(m=4, k=256):
+    return torch.randn(m, k).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: ops.bf16_to_fp4_row(x_bf16(256, 256).t()), "contiguous"),
+        (lambda: ops.bf16_to_fp4_row(x_bf16()[:, ::2]), "contiguous"),
+        (lambda: ops.bf16_to_fp4_row(torch.randn(4, 256).half()), "dtype"),
+        (lambda: ops.bf16_to_fp4_row(torch.ones(4, 256, dtype=torch.int32)), "dtype"),
+        (lambda: ops.bf16_to_fp4_row(torch.randn(256).bfloat16()), "2-D"),
+        (lambda: ops.bf16_to_fp4_row(x_bf16(4, 48)), "multiple of 32"),
+        (lambda: ops.bf16_to_fp8_row(x_bf16(4, 192)), "multiple of 128"),
+        (lambda: ops.bf16_to_fp8_col(x_bf16(), counts=[1, 2]), "counts sum to 3"),
+        (lambda: ops.bf16_to_fp4_row(x_bf16(), rule="round"), "scale rule"),
+        (lambda: ops.fp4_row_to_fp8_row(x_bf16()), "MXFP4Tensor"),
+        (lambda: ops.fp8_row_to_fp4(x_bf16()), "FP8RowTensor"),
+        (lambda: ops.fp4_row_to_fp8_col(ops.bf16_to_fp4_row(x_bf16(4, 96))), "multiple of 128"),
+    ],
+)
+def test_bad_input_raises_format_error_naming_the_fix(call, match):
+    with pytest.raises(FormatError, match=match):
+        call()
+
+
+def test_containers_reject_mixed_devices_and_strided_scales():
+    f = ops.bf16_to_fp8_row(x_bf16(8, 256))
+    with pytest.raises(FormatError, match="device"):
+        FP8RowTensor(f.data, f.scales.to("meta"), f.segments)
+    strided = torch.empty(2 * f.scales.numel(), dtype=torch.float32)[::2]
+    with pytest.raises(FormatError, match="contiguous"):
+        FP8RowTensor(f.data, strided, f.segments)
+    a = ops.bf16_to_fp4_row(x_bf16(8, 256))
+    with pytest.raises(FormatError, match="scales on meta|device"):
+        MXFP4Tensor(a.data, a.scales.to("meta"), a.shape)
+    with pytest.raises(FormatError, match="segments cover"):
+        FP8RowTensor(f.data, f.scales, Segments((3, 4)))
