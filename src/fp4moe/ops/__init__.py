@@ -6,18 +6,23 @@
   the recipe (FP8 row + column copies for fp8, MXFP4 for mxfp4's save_fp4), and ``linear_saved_bytes``.
 - ``all_to_all``: ``quantized_all_to_all``, the expert-parallel all-to-all with an MXFP4 / FP8 / BF16 wire
   format forward and BF16 / FP8 backward, and its byte accounting (``A2AStats``, ``a2a_payload_bytes``).
+- ``grouped_experts``: ``grouped_expert_mlp``, the routed experts of one rank over ragged per-expert counts
+  (FP8 GEMM loop, weighted SwiGLU, saved tensors per recipe) and ``expert_saved_bytes``.
 
 Status: CPU-tested (gloo for the all-to-all); the CUDA paths (``F.scaled_mm`` layouts, NCCL) have GPU
 tests that have not run on a GPU yet (issue 3).
 """
 from .fp8_gemm import dequantize_weight_128x128, fp8_mm, quantize_weight_128x128, transpose_weight_128x128
 from .fp8_linear import FP8Linear, fp8_linear, linear_saved_bytes, saved_bytes
+from .grouped_experts import expert_saved_bytes, grouped_expert_mlp
 
 __all__ = [
     "FP8Linear",
     "dequantize_weight_128x128",
+    "expert_saved_bytes",
     "fp8_linear",
     "fp8_mm",
+    "grouped_expert_mlp",
     "linear_saved_bytes",
     "quantize_weight_128x128",
     "saved_bytes",

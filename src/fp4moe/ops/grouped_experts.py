@@ -1,0 +1,298 @@
+"""Routed experts of one rank over ragged per-expert token counts, as one autograd function (SPEC §4).
+
+``grouped_expert_mlp(x, counts, w1, w2, probs, recipe)``: for every expert e with rows ``r0:r1`` of x
+(``counts[e]`` tokens, any count including 0, experts in order)::
+
+    h = x_e W1_e^T                    [m, 2F]  fc1 (gate rows 0..F-1 of W1_e, up rows F..2F-1)
+    z = silu(h_gate) * h_up * p       [m, F]   weighted SwiGLU in float32 (p = probs[r0:r1], megatron's order)
+    y = z W2_e^T                      [m, H]   fc2
+
+Backend: a loop over the non-empty experts of ``fp8_mm`` (blockwise FP8; ``F.scaled_mm`` on CUDA, the exact
+emulation on CPU) for recipes fp8 / mxfp4, plain BF16 ``@`` for bf16. The SwiGLU runs once over all rows.
+
+What is saved for backward (the weights are saved by reference and re-quantized in backward, as FP8Linear):
+
+    tensor             bf16            fp8                              mxfp4 (paper preset)
+    fc1 input x        x (2TH)         FP8 rows + FP8 cols              MXFP4 (when expert_input_fp4 or save_fp4)
+    SwiGLU input h     h (4TF)         h bf16 (4TF)                     MXFP4 when activation_fp4_store
+    fc2 input z        z (2TF)         FP8 rows + FP8 cols              MXFP4 when save_fp4
+    probs              fp32 (4T)       fp32                             fp32
+
+``expert_saved_bytes`` gives these bytes from the formats (everything but the weights). The FP8 row copies are
+kept although backward does not read them (Transformer Engine's Float8BlockScaling holds both; see
+``fp8_linear``). Under ``activation_fp4_store`` the forward SwiGLU uses the exact h; backward uses the decoded
+MXFP4 h (``fp4_to_bf16``), so dprobs and dh carry the E2M1 error of h.
+
+Input x: a ``[T, H]`` bf16 tensor, or an ``MXFP4Tensor`` / ``DispatchedMXFP4`` (the dispatch's ``keep_fp4``
+output). With ``recipe.expert_input_fp4`` fc1's FP8 rows come from ``fp4_row_to_fp8_row`` of the MXFP4 (a bf16 x
+is first quantized with ``bf16_to_fp4_row``) and the saved input is that MXFP4; the gradient of x is returned
+to the bf16 x or to the ``grad_anchor`` of a ``DispatchedMXFP4`` (straight-through: dL/dx_hat). Without
+``expert_input_fp4`` an MXFP4 input is decoded first (``DispatchedMXFP4.dequantize_ste``).
+
+Gradients: x (bf16), w1, w2 (FP32 accumulation, returned in the weights' dtype; empty experts get zeros),
+probs (float32). dgrad GEMMs quantize the upstream gradient to FP8 1x128 rows, wgrad GEMMs use FP8 1x128
+columns per expert (tokens padded to 128). Shapes: H, F multiples of 128 on the FP8 paths.
+"""
+from __future__ import annotations
+
+import torch
+
+from fp4moe_kernels import ops as kops
+from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
+from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
+
+from ..recipe import Recipe
+from .fp8_gemm import fp8_mm, quantize_weight_128x128, transpose_weight_128x128
+
+_BF16 = torch.bfloat16
+
+
+def _pad128(n: int) -> int:
+    return -(-n // FP8_GROUP) * FP8_GROUP
+
+
+def _uses_fp4_input(recipe: Recipe, x_is_fp4: bool) -> bool:
+    return recipe.fp8_compute and (recipe.expert_input_fp4 or (recipe.save_fp4 and not x_is_fp4))
+
+
+def _fp8_bytes_row_col(t: int, k: int, mp: int) -> int:
+    return (t * k + 4 * t * k // FP8_GROUP) + (k * mp + 4 * k * mp // FP8_GROUP)
+
+
+def _fp4_bytes(t: int, k: int) -> int:
+    return t * k // 2 + t * k // MX_BLOCK
+
+
+def expert_saved_bytes(counts, hidden: int, ffn: int, recipe: Recipe) -> int:
+    """Bytes ``grouped_expert_mlp`` saves for backward (weights excluded; probs included), from the formats.
+
+    T = sum(counts), Mp = sum over experts of counts padded to 128. fc1 input ``[T, H]``: bf16 2TH, FP8
+    row+col ``TH + 4TH/128 + H Mp + 4H Mp/128``, MXFP4 ``TH/2 + TH/32``; SwiGLU input ``[T, 2F]``: bf16 4TF or
+    MXFP4 ``TF + TF/16``; fc2 input ``[T, F]``: bf16 2TF, FP8 row+col, or MXFP4; probs 4T."""
+    seg = Segments.of(list(counts), sum(int(c) for c in counts))
+    t, mp, h, f = seg.total, seg.padded_total, hidden, ffn
+    if not recipe.fp8_compute:
+        return 2 * t * h + 2 * t * 2 * f + 2 * t * f + 4 * t
+    x_b = _fp4_bytes(t, h) if (recipe.expert_input_fp4 or recipe.save_fp4) else _fp8_bytes_row_col(t, h, mp)
+    h_b = _fp4_bytes(t, 2 * f) if recipe.activation_fp4_store else 2 * t * 2 * f
+    z_b = _fp4_bytes(t, f) if recipe.save_fp4 else _fp8_bytes_row_col(t, f, mp)
+    return x_b + h_b + z_b + 4 * t
+
+
+# ------------------------------------------------------------------------------------------ GEMM helpers
+
+
+def _per_expert_gemm(row: FP8RowTensor, w: torch.Tensor, seg: Segments, n: int, kind: str) -> torch.Tensor:
+    """[T, n] bf16, per expert e: rows_e (FP8) times W_e in FP8 (128x128 blocks). ``kind`` 'fprop':
+    W = w [E, n, K], out = rows_e W_e^T; 'dgrad': W = w [E, N, n], out = dY_e W_e (transposed blocks)."""
+    out = torch.empty(seg.total, n, dtype=_BF16, device=row.data.device)
+    for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
+        if r1 == r0:
+            continue
+        a, sa = row.segment(e)
+        wq = quantize_weight_128x128(w[e])
+        if kind == "dgrad":
+            wq = transpose_weight_128x128(*wq)
+        out[r0:r1] = fp8_mm(a, sa, *wq, kind)
+    return out
+
+
+def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
+    """dW [E, n, k] float32: per expert dY_e^T X_e (FP8 columns); zeros for empty experts."""
+    out = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    for e, c in enumerate(seg.counts):
+        if c == 0:
+            continue
+        a, sa = dy_col.segment(e)
+        b, sb = x_col.segment(e)
+        out[e] = fp8_mm(a, sa, b, sb, "wgrad", out_dtype=torch.float32)
+    return out
+
+
+def _bf16_mm_per_expert(x: torch.Tensor, w: torch.Tensor, seg: Segments, transpose_w: bool) -> torch.Tensor:
+    """BF16 path: out_e = x_e @ W_e^T (transpose_w) or x_e @ W_e."""
+    n = w.shape[1] if transpose_w else w.shape[2]
+    out = torch.zeros(seg.total, n, dtype=_BF16, device=x.device)
+    for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
+        if r1 == r0:
+            continue
+        we = w[e].to(_BF16)
+        out[r0:r1] = x[r0:r1] @ (we.t() if transpose_w else we)
+    return out
+
+
+def _bf16_wgrad(dy: torch.Tensor, x: torch.Tensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
+        if r1 > r0:
+            out[e] = (dy[r0:r1].t() @ x[r0:r1]).float()
+    return out
+
+
+def _swiglu(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    f = h.shape[1] // 2
+    g, u = h[:, :f].float(), h[:, f:].float()
+    return (torch.nn.functional.silu(g) * u * probs.unsqueeze(1)).to(_BF16)
+
+
+def _swiglu_backward(h: torch.Tensor, probs: torch.Tensor, dz: torch.Tensor):
+    """(dh [T, 2F] bf16, dprobs [T] float32) of z = silu(g) u p, all in float32."""
+    f = h.shape[1] // 2
+    g, u = h[:, :f].float(), h[:, f:].float()
+    s = torch.sigmoid(g)
+    silu = g * s
+    dzf = dz.float()
+    dprobs = (dzf * silu * u).sum(1)
+    da = dzf * probs.unsqueeze(1)
+    dg = da * u * (s * (1 + g * (1 - s)))
+    du = da * silu
+    return torch.cat([dg, du], dim=1).to(_BF16), dprobs
+
+
+# ------------------------------------------------------------------------------------- autograd function
+
+
+def _weight_grad(s: dict, name: str, d_out: torch.Tensor, seg, w: torch.Tensor, k: int, fp8: bool) -> torch.Tensor:
+    """dW of one grouped GEMM from its saved input ``name``: the MXFP4 copy (wgrad operand rebuilt with
+    FP4RowToFP8Col), the FP8 column copy, or (bf16 recipe) the BF16 input itself; ``k`` its channels."""
+    if not fp8:
+        return _bf16_wgrad(d_out, s[name], seg, w)
+    if f"{name}_fp4_data" in s:
+        mx = MXFP4Tensor(s[f"{name}_fp4_data"], s[f"{name}_fp4_scales"], (seg.total, k))
+        col = kops.fp4_row_to_fp8_col(mx, seg)
+    else:
+        col = FP8ColTensor(s[f"{name}_col_data"], s[f"{name}_col_scales"], seg, k)
+    return _wgrad(kops.bf16_to_fp8_col(d_out, seg), col, seg, w)
+
+
+class GroupedExpertMLP(torch.autograd.Function):
+    """Use through ``grouped_expert_mlp``. forward(x_hp, w1, w2, probs, x_fp4, recipe, seg) -> y [T, H] bf16.
+
+    ``x_hp``: the bf16 input, or the ``grad_anchor`` of a dispatched MXFP4 (values unused then), or None;
+    ``x_fp4``: the MXFP4 input (expert_input_fp4) or None. ``ctx.saved_activation_bytes`` = what was saved."""
+
+    @staticmethod
+    def forward(ctx, x_hp, w1, w2, probs, x_fp4, recipe: Recipe, seg: Segments):
+        e_num, f2, h = w1.shape
+        f = f2 // 2
+        fp8 = recipe.fp8_compute
+        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        saved: dict[str, torch.Tensor] = {}
+        # ---- fc1
+        if not fp8:
+            hmat = _bf16_mm_per_expert(x_hp, w1, seg, True)
+            saved["x"] = x_hp
+        else:
+            if x_fp4 is not None:
+                x_row = kops.fp4_row_to_fp8_row(x_fp4, seg)
+            elif recipe.save_fp4:
+                x_fp4, x_row = kops.bf16_to_fp4_and_fp8_row(x_hp, seg, rule=recipe.scale_rule)
+            else:
+                x_row = kops.bf16_to_fp8_row(x_hp, seg)
+            hmat = _per_expert_gemm(x_row, w1, seg, f2, "fprop")
+            if x_fp4 is not None:
+                saved["x_fp4_data"], saved["x_fp4_scales"] = x_fp4.data, x_fp4.scales
+            elif need_w:
+                x_col = kops.bf16_to_fp8_col(x_hp, seg)
+                saved.update(x_row_data=x_row.data, x_row_scales=x_row.scales, x_col_data=x_col.data,
+                             x_col_scales=x_col.scales)
+        # ---- SwiGLU (float32), weighted by the routing probabilities
+        z = _swiglu(hmat, probs)
+        if recipe.activation_fp4_store:
+            h4 = kops.bf16_to_fp4_row(hmat, recipe.scale_rule)
+            saved["h_fp4_data"], saved["h_fp4_scales"] = h4.data, h4.scales
+        else:
+            saved["h"] = hmat
+        # ---- fc2
+        if not fp8:
+            y = _bf16_mm_per_expert(z, w2, seg, True)
+            saved["z"] = z
+        else:
+            if recipe.save_fp4:
+                z4, z_row = kops.bf16_to_fp4_and_fp8_row(z, seg, rule=recipe.scale_rule)
+                saved["z_fp4_data"], saved["z_fp4_scales"] = z4.data, z4.scales
+            else:
+                z_row = kops.bf16_to_fp8_row(z, seg)
+                z_col = kops.bf16_to_fp8_col(z, seg)
+                saved.update(z_row_data=z_row.data, z_row_scales=z_row.scales, z_col_data=z_col.data,
+                             z_col_scales=z_col.scales)
+            y = _per_expert_gemm(z_row, w2, seg, h, "fprop")
+        saved["probs"] = probs
+        ctx.names = list(saved)
+        ctx.meta = (recipe, seg, h, f, w1.dtype, w2.dtype)
+        ctx.saved_activation_bytes = sum(
+            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved.values()}.values()
+        )
+        ctx.save_for_backward(w1, w2, *saved.values())
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        w1, w2, *vals = ctx.saved_tensors
+        s = dict(zip(ctx.names, vals))
+        recipe, seg, h, f, w1_dtype, w2_dtype = ctx.meta
+        t = seg.total
+        fp8 = recipe.fp8_compute
+        dy = dy.to(_BF16).contiguous()
+        probs = s["probs"]
+        # ---- fc2 backward
+        if fp8:
+            dz = _per_expert_gemm(kops.bf16_to_fp8_row(dy, seg), w2, seg, f, "dgrad")
+        else:
+            dz = _bf16_mm_per_expert(dy, w2, seg, False)
+        dw2 = _weight_grad(s, "z", dy, seg, w2, f, fp8).to(w2_dtype) if ctx.needs_input_grad[2] else None
+        # ---- SwiGLU backward (from the saved, possibly MXFP4-decoded, h)
+        if "h" in s:
+            hmat = s["h"]
+        else:
+            hmat = kops.fp4_to_bf16(MXFP4Tensor(s["h_fp4_data"], s["h_fp4_scales"], (t, 2 * f)))
+        dh, dprobs = _swiglu_backward(hmat, probs, dz)
+        # ---- fc1 backward
+        dx = dw1 = None
+        if ctx.needs_input_grad[0]:
+            dx = _per_expert_gemm(kops.bf16_to_fp8_row(dh, seg), w1, seg, h, "dgrad") if fp8 else _bf16_mm_per_expert(dh, w1, seg, False)
+        if ctx.needs_input_grad[1]:
+            dw1 = _weight_grad(s, "x", dh, seg, w1, h, fp8).to(w1_dtype)
+        dp = dprobs.to(probs.dtype) if ctx.needs_input_grad[3] else None
+        return dx, dw1, dw2, dp, None, None, None
+
+
+def grouped_expert_mlp(x, counts, w1: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """Routed experts (module docstring). x ``[T, H]`` bf16 or an ``MXFP4Tensor`` / ``DispatchedMXFP4``;
+    counts: tokens per expert (E ints >= 0 summing to T); w1 ``[E, 2F, H]``; w2 ``[E, H, F]``; probs ``[T]``
+    float32. Returns ``[T, H]`` bf16. ``y.grad_fn.saved_activation_bytes``: bytes saved for backward."""
+    from .all_to_all import DispatchedMXFP4  # local import: all_to_all does not need this module
+
+    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != w2.shape[0]:
+        raise FormatError(f"w1 must be [E, 2F, H] and w2 [E, H, F], got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    e_num, f2, h = w1.shape
+    if f2 % 2 or tuple(w2.shape[1:]) != (h, f2 // 2):
+        raise FormatError(f"w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} do not match: need [E, 2F, H] and [E, H, F]")
+    is_fp4 = isinstance(x, MXFP4Tensor)
+    x_hp, x_fp4 = None, None
+    if is_fp4:
+        if tuple(x.shape)[1] != h:
+            raise FormatError(f"x has {x.shape[1]} channels, w1 expects H={h}")
+        anchor = x.grad_anchor if isinstance(x, DispatchedMXFP4) else None
+        if recipe.fp8_compute and recipe.expert_input_fp4:
+            x_hp, x_fp4 = anchor, (x.mxfp4() if isinstance(x, DispatchedMXFP4) else x)
+        else:  # decode (straight-through to the anchor when there is one)
+            x_hp = x.dequantize_ste() if anchor is not None else kops.fp4_to_bf16(x)
+    else:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != h:
+            raise FormatError(f"x must be [T, {h}], got {getattr(x, 'shape', type(x).__name__)}")
+        x_hp = x.to(_BF16).contiguous()
+        if recipe.fp8_compute and recipe.expert_input_fp4:
+            x_fp4 = kops.bf16_to_fp4_row(x_hp.detach(), recipe.scale_rule)
+    t = x.shape[0]
+    seg = Segments.of(counts, t)
+    if seg.num != e_num:
+        raise FormatError(f"counts has {seg.num} experts but w1 has {e_num}")
+    if probs.shape != (t,):
+        raise FormatError(f"probs must be [T] = [{t}], got {tuple(probs.shape)}")
+    if recipe.fp8_compute and (h % FP8_GROUP or (f2 // 2) % FP8_GROUP):
+        raise FormatError(f"FP8 experts need H ({h}) and F ({f2 // 2}) multiples of {FP8_GROUP}")
+    return GroupedExpertMLP.apply(x_hp, w1, w2, probs.float(), x_fp4, recipe, seg)
+
+
+__all__ = ["GroupedExpertMLP", "expert_saved_bytes", "grouped_expert_mlp"]

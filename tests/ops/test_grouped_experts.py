@@ -1,0 +1,242 @@
+"""grouped_expert_mlp (fp4moe.ops.grouped_experts) against float64, per recipe, and its saved-bytes accounting.
+
+Error model and tolerances (see tests/ops/test_fp8_linear.py for the single-GEMM version):
+
+* Every FP8 (E4M3, 1x128 or 128x128 power-of-two scales) operand of a GEMM carries an independent relative
+  rounding error of RMS ``E8 = 0.02655`` (RNE to 3 mantissa bits, log-uniform mantissas).
+* MXFP4 operands (fc1 input under expert_input_fp4, SwiGLU input under activation_fp4_store, fc2 input's wgrad
+  copy under save_fp4) carry the exact E2M1 error of the reference quantizer; FP4RowToFP8Col adds an E4M3
+  rounding on top (FP4RowToFP8Row is lossless here).
+* The error of the two-GEMM MLP and of its backward is that error propagated through fc1 -> SwiGLU -> fc2 and
+  back. The test computes the *prediction* by running the same float64 forward/backward formulas with each
+  quantized operand replaced by its modelled value (multiplicative Gaussian noise of RMS E8 for E4M3, the
+  real MXFP4 round trip for E2M1; the same noise for a weight in fprop and dgrad, since both use one
+  quantized copy), and requires the measured relative Frobenius error of y, dx, dw1, dw2 and dprobs to be
+  within [0.8, 1.25] x the prediction (measured ratios are printed with -s; they lie in ~0.9-1.1). The
+  lower end catches a path that silently skipped quantization, the upper one a wrong scale or rounding.
+* bf16: only BF16 roundings of h, z, y and of the gradients (u = 2**-8): relative error < 4e-3.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp4moe.ops.all_to_all import quantized_all_to_all
+from fp4moe.ops.grouped_experts import expert_saved_bytes, grouped_expert_mlp
+from fp4moe.recipe import Recipe
+from fp4moe_kernels import reference as R
+
+F64 = torch.float64
+E8 = 2.0**-3 / math.sqrt(12) * math.sqrt(3 / (8 * math.log(2)))
+H, F = 256, 128
+COUNTS = [70, 0, 150, 37, 0, 63]  # two experts without tokens, none a multiple of 128
+
+
+def case(counts, seed=0, h=H, f=F):
+    g = torch.Generator().manual_seed(seed)
+    t, e = sum(counts), len(counts)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(e, 2 * f, h, generator=g) * h**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, f, generator=g) * f**-0.5).to(torch.bfloat16)
+    p = torch.rand(t, generator=g) * 0.9 + 0.1
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    return x, w1, w2, p, dy
+
+
+def run(x, counts, w1, w2, p, dy, recipe):
+    xx, a, b, pp = (t.clone().requires_grad_() for t in (x, w1, w2, p))
+    y = grouped_expert_mlp(xx, counts, a, b, pp, recipe)
+    y.backward(dy)
+    return dict(y=y.detach(), dx=xx.grad, dw1=a.grad, dw2=b.grad, dp=pp.grad)
+
+
+def offsets(counts):
+    o = [0]
+    for c in counts:
+        o.append(o[-1] + c)
+    return list(zip(o[:-1], o[1:]))
+
+
+def model(x, counts, w1, w2, p, dy, q):
+    """float64 forward + backward with explicit formulas; q[site](tensor) models the quantization at a site
+    (identity when absent): x_f / x_c (fc1 input, fprop / wgrad), w1, w2, z_f / z_c, dy_r / dy_c, dh_r / dh_c,
+    h_s (the SwiGLU input backward reads)."""
+    Q = lambda s, t: q[s](t) if s in q else t  # noqa: E731
+    x, w1, w2, p, dy = (t.to(F64) for t in (x, w1, w2, p, dy))
+    f = w2.shape[2]
+    w1q = torch.stack([Q("w1", w) for w in w1]) if len(w1) else w1
+    w2q = torch.stack([Q("w2", w) for w in w2]) if len(w2) else w2
+    sl = offsets(counts)
+    xf, xc = Q("x_f", x), Q("x_c", x)
+    hm = torch.cat([xf[a:b] @ w1q[e].t() for e, (a, b) in enumerate(sl)])
+    g, u = hm[:, :f], hm[:, f:]
+    z = torch.nn.functional.silu(g) * u * p[:, None]
+    zf, zc = Q("z_f", z), Q("z_c", z)
+    y = torch.cat([zf[a:b] @ w2q[e].t() for e, (a, b) in enumerate(sl)])
+    dyr, dyc = Q("dy_r", dy), Q("dy_c", dy)
+    dz = torch.cat([dyr[a:b] @ w2q[e] for e, (a, b) in enumerate(sl)])
+    dw2 = torch.stack([dyc[a:b].t() @ zc[a:b] for a, b in sl])
+    hs = Q("h_s", hm)
+    g, u = hs[:, :f], hs[:, f:]
+    s = torch.sigmoid(g)
+    dp = (dz * g * s * u).sum(1)
+    da = dz * p[:, None]
+    dh = torch.cat([da * u * s * (1 + g * (1 - s)), da * g * s], 1)
+    dhr, dhc = Q("dh_r", dh), Q("dh_c", dh)
+    dx = torch.cat([dhr[a:b] @ w1q[e] for e, (a, b) in enumerate(sl)])
+    dw1 = torch.stack([dhc[a:b].t() @ xc[a:b] for a, b in sl])
+    return dict(y=y, dx=dx, dw1=dw1, dw2=dw2, dp=dp)
+
+
+def error_model(recipe: Recipe, seed=123):
+    g = torch.Generator().manual_seed(seed)
+    e8 = lambda t: t * (1 + E8 * torch.randn(t.shape, generator=g, dtype=F64))  # noqa: E731
+    fp4 = lambda t: R.dequantize_mxfp4(R.quantize_mxfp4(t)).to(F64)  # noqa: E731
+    if not recipe.fp8_compute:
+        return {}
+    q = {k: e8 for k in ("x_f", "x_c", "w1", "w2", "z_f", "z_c", "dy_r", "dy_c", "dh_r", "dh_c")}
+    if recipe.expert_input_fp4 or recipe.save_fp4:
+        x4 = {}
+        q["x_f"] = lambda t: x4.setdefault("v", fp4(t))  # noqa: E731  (FP4RowToFP8Row: lossless)
+        q["x_c"] = lambda t: e8(x4.setdefault("v", fp4(t)))  # noqa: E731  (FP4RowToFP8Col)
+    if recipe.save_fp4:
+        q["z_c"] = lambda t: e8(fp4(t))  # noqa: E731
+    if recipe.activation_fp4_store:
+        q["h_s"] = fp4
+    return q
+
+
+def rel(got, ref):
+    return ((got.to(F64) - ref).norm() / ref.norm()).item()
+
+
+def autograd_reference(x, counts, w1, w2, p, dy):
+    x, w1, w2, p = (t.to(F64).requires_grad_() for t in (x, w1, w2, p))
+    f = w2.shape[2]
+    outs = []
+    for e, (a, b) in enumerate(offsets(counts)):
+        hm = x[a:b] @ w1[e].t()
+        z = torch.nn.functional.silu(hm[:, :f]) * hm[:, f:] * p[a:b, None]
+        outs.append(z @ w2[e].t())
+    y = torch.cat(outs)
+    y.backward(dy.to(F64))
+    return dict(y=y.detach(), dx=x.grad, dw1=w1.grad, dw2=w2.grad, dp=p.grad)
+
+
+def test_reference_formulas_match_autograd():
+    x, w1, w2, p, dy = case(COUNTS)
+    a, b = model(x, COUNTS, w1, w2, p, dy, {}), autograd_reference(x, COUNTS, w1, w2, p, dy)
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-10, atol=1e-10), k
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "mxfp4"])
+def test_against_float64(name):
+    recipe = Recipe.preset(name)
+    x, w1, w2, p, dy = case(COUNTS, seed=1)
+    got = run(x, COUNTS, w1, w2, p, dy, recipe)
+    ref = model(x, COUNTS, w1, w2, p, dy, {})
+    assert got["y"].dtype == torch.bfloat16 and got["dx"].dtype == torch.bfloat16
+    assert got["dw1"].dtype == w1.dtype and got["dp"].dtype == torch.float32
+    for e, c in enumerate(COUNTS):  # experts without tokens: zero weight gradients
+        if c == 0:
+            assert not got["dw1"][e].any() and not got["dw2"][e].any()
+    if name == "bf16":
+        for k in ref:
+            assert rel(got[k], ref[k]) < 4e-3, (k, rel(got[k], ref[k]))
+        return
+    pred = model(x, COUNTS, w1, w2, p, dy, error_model(recipe))
+    for k in ref:
+        m, pr = rel(got[k], ref[k]), rel(pred[k], ref[k])
+        print(f"{name} {k}: measured {m:.4f} predicted {pr:.4f} ratio {m / pr:.3f}")
+        assert 0.8 * pr <= m <= 1.25 * pr, (name, k, m, pr)
+    if name == "fp8":  # sanity of the model itself: fc1 output error is sqrt(2) E8 before propagation
+        assert 0.03 < rel(got["y"], ref["y"]) < 0.08
+
+
+def test_mxfp4_vs_fp8_bounded():
+    x, w1, w2, p, dy = case(COUNTS, seed=2)
+    a = run(x, COUNTS, w1, w2, p, dy, Recipe.fp8())
+    b = run(x, COUNTS, w1, w2, p, dy, Recipe.mxfp4())
+    ref = model(x, COUNTS, w1, w2, p, dy, {})
+    for k in a:
+        # both carry their own error; their difference is at most the sum of the two (triangle inequality)
+        d = rel(b[k], a[k].to(F64))
+        assert d <= rel(a[k], ref[k]) + rel(b[k], ref[k]) + 1e-9, k
+        assert d < 0.35, (k, d)
+
+
+def test_dispatched_mxfp4_input_is_the_same_computation():
+    """DispatchedMXFP4 input (keep_fp4) == bf16 input quantized inside (expert_input_fp4), bit for bit,
+    and the gradient goes through the dispatch's anchor to the sender's x."""
+    recipe = Recipe.mxfp4()
+    x, w1, w2, p, dy = case(COUNTS, seed=3)
+    ref = run(x, COUNTS, w1, w2, p, dy, recipe)
+    xx = x.clone().requires_grad_()
+    d = quantized_all_to_all(xx, [x.shape[0]], [x.shape[0]], keep_fp4=True)
+    a, b, pp = (t.clone().requires_grad_() for t in (w1, w2, p))
+    y = grouped_expert_mlp(d, COUNTS, a, b, pp, recipe)
+    y.backward(dy)
+    for k, v in dict(y=y.detach(), dx=xx.grad, dw1=a.grad, dw2=b.grad, dp=pp.grad).items():
+        assert torch.equal(v, ref[k]), k
+
+
+def test_no_tokens_at_all():
+    counts = [0, 0, 0]
+    x, w1, w2, p, dy = case(counts)
+    for name in ("bf16", "fp8", "mxfp4"):
+        got = run(x, counts, w1, w2, p, dy, Recipe.preset(name))
+        assert got["y"].shape == (0, H) and got["dx"].shape == (0, H)
+        assert not got["dw1"].any() and not got["dw2"].any()
+
+
+# ------------------------------------------------------------------------------------------- saved bytes
+
+
+def count_saved(fn, exclude):
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = fn()
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    st = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in packed}
+    return sum(v for k, v in st.items() if k not in skip), out
+
+
+SAVE_RECIPES = {
+    "bf16": Recipe.bf16(),
+    "fp8": Recipe.fp8(),
+    "mxfp4": Recipe.mxfp4(),
+    "mxfp4_no_save_fp4": Recipe(name="mxfp4", dispatch_fp4=True, expert_input_fp4=True, activation_fp4_store=True),
+    "mxfp4_act_only": Recipe(name="mxfp4", activation_fp4_store=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SAVE_RECIPES))
+def test_saved_bytes_match_the_saved_tensors(name):
+    recipe = SAVE_RECIPES[name]
+    x, w1, w2, p, _ = case(COUNTS, seed=4)
+    xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    nbytes, y = count_saved(lambda: grouped_expert_mlp(xx, COUNTS, a, b, p, recipe), [a, b])
+    want = expert_saved_bytes(COUNTS, H, F, recipe)
+    assert nbytes == want == y.grad_fn.saved_activation_bytes, (name, nbytes, want)
+
+
+def test_saved_bytes_by_hand_and_deepseek_like_ratio():
+    counts = [128] * 8  # H=256, F=128, 8 experts, 1024 tokens: per token bytes
+    t = 1024
+    by_hand = {
+        "bf16": t * (2 * 256 + 4 * 128 + 2 * 128 + 4),
+        "fp8": t * ((256 + 8 + 256 + 8) + 4 * 128 + (128 + 4 + 128 + 4) + 4),  # x row+col, h bf16, z row+col, p
+        "mxfp4": t * ((128 + 8) + (128 + 8) + (64 + 4) + 4),  # x, h, z MXFP4, p
+    }
+    for name, want in by_hand.items():
+        assert expert_saved_bytes(counts, 256, 128, Recipe.preset(name)) == want, name
+    x, w1, w2, p, _ = case(counts, seed=5)
+    got = {}
+    for name in ("fp8", "mxfp4"):
+        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        got[name], _ = count_saved(lambda: grouped_expert_mlp(x, counts, a, b, p, Recipe.preset(name)), [a, b])
+        assert got[name] == by_hand[name]
+    assert got["mxfp4"] <= 0.5 * got["fp8"]  # 344 / 1308 = 0.26 per token
