@@ -35,9 +35,9 @@ RESULTS_KERNELS = "results/kernels"
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark) exists; its measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P2", 3, "the FP4 MoE recipe: grouped experts with FP4-saved activations and the MoE layer, "
-              "and the DeepSeek-V3-shaped MoE layer benchmark on 1 and 2 H200s (Recipe, FP8 GEMMs / "
-              "FP8Linear and the quantized all-to-all exist, CPU-tested; their GPU tests have not run)"),
+    ("P2", 3, "the DeepSeek-V3-shaped MoE layer benchmark on 1 and 2 H200s (the recipe, FP8 linear, "
+              "quantized all-to-all, grouped experts and MoELayer exist, CPU-tested; their GPU tests "
+              "have not run)"),
     ("P3", 4, "the megatron-core DeepSeek-V3 model with the recipe, `python -m fp4moe.train` "
               "(Hydra), real tokenized data, per-step MLflow metrics; the H200 proxy's T1-shaped "
               "table and the bf16 / fp8 / mxfp4 convergence comparison"),
