@@ -1,0 +1,313 @@
+"""Checks and derived quantities of a composed Hydra config (conf/train.yaml and its groups).
+
+No torch import: this runs at composition time, before anything heavy, in the trainer (P3), the launcher's dry
+run (P4) and the tests. Three entry points::
+
+    check(cfg)          raise ConfigError (a ValueError) naming the fix when the config cannot run
+    derived(cfg)        world size, tokens per step, gradient accumulation, steps for a token budget, ...
+    param_counts(model) total and activated parameters of a conf/model/ entry (never hard-coded in YAML)
+
+Rules checked (``check``), each with its own message:
+
+1. world size: ``parallel.world_size == cluster.nodes * cluster.gpus_per_node``.
+2. dense grid: ``TP * PP * CP * DP == parallel.world_size`` (megatron-core's decoder rank grid).
+3. experts: ``model.moe.num_experts % EP == 0`` (megatron-core: every EP rank holds the same number of experts).
+4. expert grid (megatron-core ``initialize_model_parallel``, MoE parallel folding): the expert grid is
+   ETP x EP x EDP x PP over the same ranks, ETP defaulting to TP, so ``world_size % (ETP * EP * PP) == 0``,
+   i.e. ``ETP * EP`` must divide ``TP * CP * DP``; the expert data-parallel size is world / (ETP * EP * PP).
+5. batch: ``global_batch % (micro_batch * DP) == 0`` (gradient accumulation steps = the quotient).
+6. pipeline: ``num_layers % PP == 0``, unless ``parallel.pipeline_layout`` spells the stages explicitly in
+   megatron-core's ``--pipeline-model-parallel-layout`` syntax (e.g. the paper's ``E|(tt|)*30,tmL``): then it must
+   have PP * VPP stages, exactly ``num_layers`` 't' and ``mtp_num_layers`` 'm', one 'E' first and one 'L' last.
+7. recompute: a module handed to megatron-core (``recompute.megatron_modules``) that needs Transformer Engine
+   there (``layernorm``: output-discarding checkpoint crashes without TE; ``moe_act``: needs TE's grouped MLP)
+   is refused while ``backend.transformer_impl`` is 'local'; such modules go in ``recompute.fp4moe_modules``.
+8. data: ``data.path`` must be set for a user corpus; precision must load with ``Recipe.from_config``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from fp4moe.recipe import Recipe, RecipeError
+
+# megatron-core recompute_modules (TransformerConfig) and those that need Transformer Engine there.
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "moe", "shared_experts")
+TE_ONLY_RECOMPUTE_MODULES = {
+    "layernorm": "megatron-core's output-discarding layernorm checkpoint crashes without TE (random.py)",
+    "moe_act": "megatron-core recomputes the expert activation only inside TEGroupedMLP",
+}
+# Modules fp4moe recomputes itself (P3): the layernorms (our output-discarding checkpoint) and the routed-expert
+# MLP ("moe_expert" of the FP8-Flow-MoE fork: fc1 -> SwiGLU -> fc2 of the experts, dispatch not re-run).
+FP4MOE_RECOMPUTE_MODULES = ("layernorm", "moe_expert")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+class ConfigError(ValueError):
+    """A composed config that cannot run; the message names the offending keys and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    v = OmegaConf.select(cfg, dotted, default=default) if isinstance(cfg, (DictConfig, ListConfig)) else None
+    if v is None and not isinstance(cfg, (DictConfig, ListConfig)):
+        cur = cfg
+        for part in dotted.split("."):
+            if not isinstance(cur, dict) or part not in cur:
+                return default
+            cur = cur[part]
+        v = cur
+    return default if v is None else v
+
+
+def _as_cfg(cfg: Any) -> DictConfig:
+    return cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+
+
+def parse_pipeline_layout(layout: str) -> list[str]:
+    """megatron-core's ``PipelineParallelLayerLayout.parse_str_to_list`` grammar, without torch: commas are
+    cosmetic, ``(group)*n`` and ``x*n`` repeat, '|' separates stages; letters E (embedding), t (transformer
+    layer), m (MTP layer), L (loss). Returns one string per stage."""
+    s = layout.replace(",", "").replace(" ", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        s = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), s)
+    stages = s.split("|")
+    bad = sorted(set(s) - set("EtmL|"))
+    if bad:
+        raise ConfigError(f"parallel.pipeline_layout={layout!r} has unknown letters {bad}: use E, t, m, L, '|', "
+                          "'(..)*n' and ',' (megatron-core --pipeline-model-parallel-layout)")
+    return stages
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+
+def _attention_params(m: Any) -> int:
+    h, heads = int(m.hidden_size), int(m.num_attention_heads)
+    mla = m.mla
+    nope, rope, v = int(mla.qk_head_dim), int(mla.qk_pos_emb_head_dim), int(mla.v_head_dim)
+    qk = nope + rope
+    q_lora = mla.get("q_lora_rank")
+    if q_lora:  # q down-projection, its RMSNorm, q up-projection
+        q = h * q_lora + q_lora + q_lora * heads * qk
+    else:
+        q = h * heads * qk
+    kv_lora = int(mla.kv_lora_rank)
+    kv = h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v)  # down (+ shared rope key), norm, up
+    out = heads * v * h
+    return q + kv + out
+
+
+def _moe_layer_params(m: Any) -> tuple[int, int]:
+    """(total, activated) of one MoE MLP (router, routed experts, shared experts), without the layer norms."""
+    h, moe = int(m.hidden_size), m.moe
+    f, e, k = int(moe.ffn_hidden_size), int(moe.num_experts), int(moe.router_topk)
+    expert = 3 * h * f  # SwiGLU: fc1 (gate + up) 2*h*f, fc2 f*h
+    shared = 3 * h * f * int(moe.get("shared_experts", 0) or 0)
+    router = h * e
+    return router + e * expert + shared, router + k * expert + shared
+
+
+def param_counts(model_cfg: Any) -> dict[str, int]:
+    """Total and activated (per token) parameter counts of a ``conf/model`` entry.
+
+    Counts what megatron-core builds: embedding, untied output head, MLA projections with their q/kv latent
+    RMSNorms, two RMSNorms per layer, dense SwiGLU MLPs for the first ``moe.first_k_dense`` layers, router +
+    routed + shared SwiGLU experts for the others, the final norm. Left out: router expert bias (a buffer) and
+    rotary tables. ``total`` / ``active`` are the main model, as DeepSeek quotes them (671B / 37B); the MTP
+    modules (a MoE layer + 2 norms + eh_proj each, embedding and head shared) are in ``mtp`` (and in
+    ``total_with_mtp``). ``active`` includes the embedding and output head.
+    """
+    m = _as_cfg(model_cfg)
+    h, layers, vocab = int(m.hidden_size), int(m.num_layers), int(m.vocab_size)
+    dense_k = int(m.moe.first_k_dense)
+    attn = _attention_params(m)
+    norms = 2 * h
+    dense_layer = attn + norms + 3 * h * int(m.ffn_hidden_size)
+    moe_total, moe_active = _moe_layer_params(m)
+    moe_layer_total, moe_layer_active = attn + norms + moe_total, attn + norms + moe_active
+    embed = vocab * h
+    head = 0 if m.get("tie_embeddings", False) else vocab * h
+    n_moe = layers - dense_k
+    total = embed + head + h + dense_k * dense_layer + n_moe * moe_layer_total
+    active = embed + head + h + dense_k * dense_layer + n_moe * moe_layer_active
+    n_mtp = int(m.get("mtp_num_layers", 0) or 0)
+    mtp_module = 2 * h + 2 * h * h + h  # enorm, hnorm, eh_proj, its final norm
+    mtp = n_mtp * (mtp_module + moe_layer_total)
+    return {
+        "total": total,
+        "active": active,
+        "embedding": embed + head,
+        "mtp": mtp,
+        "total_with_mtp": total + mtp,
+        "active_with_mtp": active + n_mtp * (mtp_module + moe_layer_active),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- derived
+
+def world_size(cfg: Any) -> int:
+    return int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
+
+
+def derived(cfg: Any) -> dict[str, Any]:
+    """Quantities computed from the config, never written in YAML: world size, tokens per step, gradient
+    accumulation steps, training steps (``train.steps``, or ceil(``train.tokens`` / tokens per step)),
+    warm-up steps (``train.schedule.warmup_steps`` or ceil(``warmup_tokens`` / tokens per step)), expert
+    data-parallel size, experts per EP rank, and the model's parameter counts."""
+    cfg = _as_cfg(cfg)
+    p = cfg.parallel
+    world = world_size(cfg)
+    tp, pp, dp, ep = (int(p.tensor), int(p.pipeline), int(p.data), int(p.expert))
+    etp = int(p.expert_tensor) if p.get("expert_tensor") is not None else tp
+    micro, gbs, seq = int(p.micro_batch), int(p.global_batch), int(p.seq_length)
+    tokens_per_step = gbs * seq
+    t = cfg.train
+    if t.get("steps") is not None:
+        steps = int(t.steps)
+    elif t.get("tokens") is not None:
+        steps = math.ceil(float(t.tokens) / tokens_per_step)
+    else:
+        raise ConfigError("train.steps and train.tokens are both null: set one (a step count or a token budget)")
+    sched = t.get("schedule") or {}
+    if sched.get("warmup_steps") is not None:
+        warmup = int(sched.warmup_steps)
+    elif sched.get("warmup_tokens") is not None:
+        warmup = math.ceil(float(sched.warmup_tokens) / tokens_per_step)
+    else:
+        warmup = 0
+    counts = param_counts(cfg.model)
+    return {
+        "world_size": world,
+        "tokens_per_step": tokens_per_step,
+        "grad_accum_steps": gbs // (micro * dp) if micro * dp else 0,
+        "steps": steps,
+        "tokens": steps * tokens_per_step,
+        "warmup_steps": warmup,
+        "expert_tensor": etp,
+        "expert_data_parallel": world // (etp * ep * pp) if etp * ep * pp else 0,
+        "experts_per_rank": int(cfg.model.moe.num_experts) // ep if ep else 0,
+        "params_total": counts["total"],
+        "params_active": counts["active"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------- check
+
+def check(cfg: Any) -> dict[str, Any]:
+    """Raise ``ConfigError`` naming the fix when ``cfg`` cannot run; return ``derived(cfg)`` otherwise."""
+    cfg = _as_cfg(cfg)
+    p, m, c = cfg.parallel, cfg.model, cfg.cluster
+    tp, pp, cp, dp, ep = (int(p.tensor), int(p.pipeline), int(p.context), int(p.data), int(p.expert))
+    vpp = int(p.get("virtual_pipeline") or 1)
+    etp = int(p.expert_tensor) if p.get("expert_tensor") is not None else tp
+    for key, v in (("tensor", tp), ("pipeline", pp), ("context", cp), ("data", dp), ("expert", ep),
+                   ("expert_tensor", etp)):
+        if v < 1:
+            raise ConfigError(f"parallel.{key}={v} must be >= 1")
+
+    # 1. world size vs cluster
+    world, nodes, gpn = int(p.world_size), int(c.nodes), int(c.gpus_per_node)
+    if world != nodes * gpn:
+        fix = f"cluster.nodes={world // gpn}" if world % gpn == 0 else f"a parallel layout for {nodes * gpn} GPUs"
+        raise ConfigError(
+            f"parallel.world_size={world} but cluster {c.name!r} gives cluster.nodes x cluster.gpus_per_node = "
+            f"{nodes} x {gpn} = {nodes * gpn}: set {fix}, or change parallel.world_size and parallel.data together")
+    # 2. dense grid
+    if tp * pp * cp * dp != world:
+        want = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else None
+        fix = (f"parallel.data={want}" if want else
+               f"tensor x pipeline x context (now {tp * pp * cp}) to a divisor of {world}, then data = the quotient")
+        raise ConfigError(
+            f"parallel.tensor x pipeline x context x data = {tp} x {pp} x {cp} x {dp} = {tp * pp * cp * dp} != "
+            f"parallel.world_size={world}: set {fix}")
+    # 3. experts split evenly over EP
+    n_exp = int(m.moe.num_experts)
+    if n_exp % ep:
+        raise ConfigError(
+            f"model.moe.num_experts={n_exp} is not divisible by parallel.expert={ep}: every EP rank must hold the "
+            f"same number of experts; pick parallel.expert from the divisors of {n_exp}")
+    # 4. expert grid (megatron-core MoE parallel folding)
+    if (tp * cp * dp) % (etp * ep):
+        raise ConfigError(
+            f"parallel.expert_tensor x expert = {etp} x {ep} = {etp * ep} must divide tensor x context x data = "
+            f"{tp} x {cp} x {dp} = {tp * cp * dp} (megatron-core: world_size % (ETP x EP x PP) == 0, the expert "
+            f"grid folds onto the same ranks as the dense one): lower parallel.expert or raise parallel.data")
+    # 5. batch
+    micro, gbs = int(p.micro_batch), int(p.global_batch)
+    if micro < 1 or gbs % (micro * dp):
+        raise ConfigError(
+            f"parallel.global_batch={gbs} is not a multiple of micro_batch x data = {micro} x {dp} = {micro * dp}: "
+            f"set parallel.global_batch to a multiple of {micro * dp} (gradient accumulation = the quotient)")
+    # 6. pipeline stages
+    layers, n_mtp = int(m.num_layers), int(m.get("mtp_num_layers", 0) or 0)
+    layout = p.get("pipeline_layout")
+    if layout:
+        stages = parse_pipeline_layout(str(layout))
+        joined = "".join(stages)
+        problems = []
+        if len(stages) != pp * vpp:
+            problems.append(f"{len(stages)} stages, pipeline x virtual_pipeline = {pp * vpp}")
+        if joined.count("t") != layers:
+            problems.append(f"{joined.count('t')} 't' layers, model.num_layers = {layers}")
+        if joined.count("m") != n_mtp:
+            problems.append(f"{joined.count('m')} 'm' layers, model.mtp_num_layers = {n_mtp}")
+        if joined.count("E") != 1 or not stages[0].startswith("E") or joined.count("L") != 1 \
+                or not stages[-1].endswith("L"):
+            problems.append("needs one 'E' at the start of the first stage and one 'L' at the end of the last")
+        if problems:
+            raise ConfigError(f"parallel.pipeline_layout={str(layout)!r} does not fit: {'; '.join(problems)}: "
+                              "fix the layout string or parallel.pipeline")
+    elif layers % (pp * vpp):
+        raise ConfigError(
+            f"model.num_layers={layers} is not divisible by parallel.pipeline x virtual_pipeline = {pp * vpp}: "
+            "choose a pipeline size dividing the layer count, or spell an uneven split in parallel.pipeline_layout "
+            "(megatron-core syntax, e.g. 'E|(tt|)*30,tmL')")
+    # 7. recompute vs backend
+    impl = str(_get(cfg, "backend.transformer_impl", "local"))
+    if impl not in TRANSFORMER_IMPLS:
+        raise ConfigError(f"backend.transformer_impl={impl!r}: pick one of {', '.join(TRANSFORMER_IMPLS)}")
+    r = cfg.recompute
+    gran = r.get("granularity")
+    mods = list(r.get("megatron_modules") or [])
+    own = list(r.get("fp4moe_modules") or [])
+    if gran not in (None, "selective", "full"):
+        raise ConfigError(f"recompute.granularity={gran!r}: pick null, selective or full")
+    if gran != "selective" and (mods or own):
+        raise ConfigError(f"recompute.megatron_modules/fp4moe_modules are set but recompute.granularity={gran!r}: "
+                          "set granularity: selective, or empty the module lists")
+    unknown = [x for x in mods if x not in MEGATRON_RECOMPUTE_MODULES]
+    if unknown:
+        raise ConfigError(f"recompute.megatron_modules has {unknown}, not megatron-core recompute modules "
+                          f"({', '.join(MEGATRON_RECOMPUTE_MODULES)}): move fp4moe-only ones to recompute.fp4moe_modules")
+    unknown = [x for x in own if x not in FP4MOE_RECOMPUTE_MODULES]
+    if unknown:
+        raise ConfigError(f"recompute.fp4moe_modules has {unknown}: fp4moe implements {', '.join(FP4MOE_RECOMPUTE_MODULES)}")
+    if impl == "local":
+        te = [x for x in mods if x in TE_ONLY_RECOMPUTE_MODULES]
+        if te:
+            why = "; ".join(f"{x}: {TE_ONLY_RECOMPUTE_MODULES[x]}" for x in te)
+            alt = [x for x in te if x in FP4MOE_RECOMPUTE_MODULES]
+            fix = (f"move {alt} to recompute.fp4moe_modules (our implementation)" if alt else
+                   "drop them (for the expert activation use fp4moe_modules: [moe_expert])")
+            raise ConfigError(
+                f"recompute.megatron_modules {te} need Transformer Engine in megatron-core, but backend.transformer_impl"
+                f"='local' ({why}): {fix}, or pick another recompute scope")
+    if gran == "full" and r.get("method") not in ("uniform", "block"):
+        raise ConfigError(f"recompute.granularity=full needs recompute.method uniform or block, got {r.get('method')!r}")
+    # 8. precision and data
+    try:
+        Recipe.from_config(cfg.precision)
+    except RecipeError as e:
+        raise ConfigError(f"precision: {e}") from e
+    if cfg.data.get("name") == "user_corpus" and not cfg.data.get("path"):
+        raise ConfigError("data=user_corpus needs a corpus: export FP4MOE_CORPUS=/path/to/text-or-jsonl-or-prefix "
+                          "or pass data.path=...")
+    return derived(cfg)
+
+
+__all__ = ["ConfigError", "check", "derived", "param_counts", "parse_pipeline_layout", "world_size",
+           "MEGATRON_RECOMPUTE_MODULES", "TE_ONLY_RECOMPUTE_MODULES", "FP4MOE_RECOMPUTE_MODULES"]

@@ -1,0 +1,217 @@
+"""The Hydra config tree (conf/) composes, passes fp4moe.config.check, and says what SPEC §5 says.
+
+Fast (no torch): every experiment is composed through Hydra's compose API, as the trainer and launcher will.
+"""
+import math
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from fp4moe.config import ConfigError, check, derived, param_counts, parse_pipeline_layout
+from fp4moe.recipe import Recipe
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+PAPER = OmegaConf.load(CONF / "paper" / "numbers.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    # Paper-scale experiments read the user's corpus from the environment; check() refuses it unset.
+    monkeypatch.setenv("FP4MOE_CORPUS", "/nonexistent/corpus.jsonl")
+    for var in ("FP4MOE_SLURM_PARTITION", "FP4MOE_SLURM_ACCOUNT", "NCCL_IB_HCA", "FP4MOE_SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _compose(*overrides, hydra_cfg=False):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+def _sweep(cfg):
+    params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+    return {k: [v.strip() for v in str(vals).split(",")] for k, vals in params.items()}
+
+
+def _cells(name):
+    sweep = _sweep(_compose(f"experiment={name}", hydra_cfg=True))
+    cells = [[]]
+    for key, values in sweep.items():
+        cells = [c + [f"{key}={v}"] for c in cells for v in values]
+    return cells
+
+
+def test_experiments_exist():
+    assert set(EXPERIMENTS) >= {"paper_t1", "paper_t2", "paper_f5", "proxy_t1_1gpu", "proxy_t1_2gpu", "tiny_cpu"}
+
+
+def test_root_composes_and_checks():
+    cfg = _compose()
+    d = check(cfg)
+    assert d["world_size"] == 1 and cfg.model.name == "tiny_cpu"
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_sweep_cell_composes_and_checks(name):
+    for cell in _cells(name):
+        cfg = _compose(f"experiment={name}", *cell)
+        OmegaConf.resolve(cfg)  # every interpolation resolves
+        check(cfg)
+        Recipe.from_config(cfg.precision)
+
+
+def test_paper_t1():
+    cfg = _compose("experiment=paper_t1", hydra_cfg=True)
+    d = check(cfg)
+    setup = PAPER.t1.setup
+    assert d["world_size"] == setup.nodes * setup.gpus_per_node == 256
+    assert cfg.cluster.gpus_per_node == 8 and cfg.cluster.nodes == 32 and cfg.cluster.gpu_memory_gb == setup.gpu_memory_gb
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size) == (61, 7168, 128, 18432)
+    assert (m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.qk_head_dim, m.mla.qk_pos_emb_head_dim, m.mla.v_head_dim) \
+        == (1536, 512, 128, 64, 128)
+    assert (m.moe.first_k_dense, m.moe.num_experts, m.moe.shared_experts, m.moe.router_topk, m.moe.ffn_hidden_size) \
+        == (3, 256, 1, 8, 2048)
+    assert (m.moe.score_function, m.moe.topk_scaling_factor, m.vocab_size, m.mtp_num_layers) == ("sigmoid", 2.5, 129280, 1)
+    p = cfg.parallel
+    assert (p.tensor, p.pipeline, p.expert, p.data, p.context) == (1, 32, 8, 8, 1)
+    assert (p.micro_batch, p.global_batch, p.seq_length, p.distributed_optimizer) == (1, 15360, 4096, True)
+    stages = parse_pipeline_layout(p.pipeline_layout)
+    assert len(stages) == 32 and stages[0] == "E" and stages[-1] == "tmL" and all(s == "tt" for s in stages[1:-1])
+    # the 9-cell sweep, one multirun, precisions x the paper's recompute scopes
+    assert cfg.hydra.mode.name == "MULTIRUN"
+    sweep = _sweep(cfg)
+    assert sweep == {"precision": list(PAPER.t1.recipes), "recompute": list(PAPER.t1.scopes)}
+    assert len(_cells("paper_t1")) == 9
+    assert d["grad_accum_steps"] == 15360 // (1 * 8) and d["experts_per_rank"] == 32
+
+
+def test_recompute_labels_match_paper_rows():
+    for scope, row in PAPER.t1.scopes.items():
+        cfg = _compose(f"recompute={scope}")
+        assert cfg.recompute.paper_label == row.label
+        assert cfg.recompute.name == scope
+
+
+def test_paper_t2():
+    cfg = _compose("experiment=paper_t2", hydra_cfg=True)
+    d = check(cfg)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.moe.num_experts, m.moe.router_topk, m.moe.shared_experts,
+            m.moe.ffn_hidden_size) == (60, 5120, 160, 6, 2, 1536)
+    assert d["world_size"] == 256
+    assert _sweep(cfg) == {"precision": ["bf16", "fp8", "mxfp4_mlp_shared", "mxfp4"]}
+    first = Recipe.from_config(_compose("precision=mxfp4_mlp_shared").precision)
+    assert first.name == "mxfp4" and not first.dispatch_fp4 and not first.expert_input_fp4 and first.save_fp4
+
+
+def test_paper_f5_steps():
+    cfg = _compose("experiment=paper_f5", hydra_cfg=True)
+    d = check(cfg)
+    setup = PAPER.f5.setup
+    assert cfg.train.steps is None and cfg.train.tokens == setup.tokens_b * 1e9   # steps are derived, not written
+    assert (cfg.parallel.global_batch, cfg.parallel.seq_length) == (setup.global_batch_seqs, setup.seq_len)
+    assert (cfg.parallel.expert, cfg.parallel.pipeline, cfg.parallel.micro_batch) == (4, 1, 5)
+    # 160e9 / (4800 * 4096) = 8138.02: ceil gives 8139 steps (8138 steps would be 409,600 tokens short of 160B).
+    assert d["tokens_per_step"] == 4800 * 4096 == 19_660_800
+    assert d["steps"] == math.ceil(160e9 / (4800 * 4096)) == 8139
+    assert 8138 * 19_660_800 < 160e9 <= 8139 * 19_660_800
+    assert d["warmup_steps"] == math.ceil(37.7e9 / 19_660_800)
+    assert (cfg.train.optimizer.lr, cfg.train.optimizer.min_lr) == (4.2e-4, 4.2e-5)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.mla.kv_lora_rank, m.mla.q_lora_rank, m.moe.num_experts, m.moe.router_topk,
+            m.moe.shared_experts, m.moe.ffn_hidden_size, m.moe.first_k_dense) == (28, 2048, 512, None, 64, 6, 2, 1408, 0)
+    assert _sweep(cfg) == {"precision": ["bf16", "fp8", "mxfp4"]}
+
+
+def test_train_defaults():
+    t = _compose().train
+    assert list(t.optimizer.betas) == [0.9, 0.95] and t.optimizer.weight_decay == 0.1 and t.optimizer.grad_clip == 1.0
+    assert t.schedule.name == "cosine" and t.schedule.warmup_steps > 0
+
+
+# Tolerances: DeepSeek quotes totals to 3 significant figures (671B, 236B) and activated counts to 2 (37B, 21B).
+# Our count follows megatron-core's modules (embedding + untied head, MLA with latent norms, RMSNorms, routers)
+# without the router bias buffers and with MTP counted apart (DeepSeek-V3's 671B excludes its 11.6B MTP module).
+# Totals land within 0.2 %; activated counts include the 0.9B / 0.5B input-embedding lookup, which DeepSeek may
+# not count (37.55B with it, 36.6B without): 2 % covers that ambiguity and the 2-figure rounding.
+@pytest.mark.parametrize("name,total_b,active_b", [("dsv3_671b", 671, 37), ("dsv2_236b", 236, 21)])
+def test_param_counts(name, total_b, active_b):
+    c = param_counts(OmegaConf.load(CONF / "model" / f"{name}.yaml"))
+    assert abs(c["total"] / (total_b * 1e9) - 1) < 0.015
+    assert abs(c["active"] / (active_b * 1e9) - 1) < 0.02
+    assert abs(c["active"] - c["embedding"] / 2 - active_b * 1e9) / (active_b * 1e9) < 0.02
+
+
+def test_param_counts_small_models():
+    assert abs(param_counts(OmegaConf.load(CONF / "model" / "moe_16b.yaml"))["total"] / 16e9 - 1) < 0.075
+    assert param_counts(OmegaConf.load(CONF / "model" / "dsv3_671b.yaml"))["mtp"] > 10e9
+    proxy = param_counts(OmegaConf.load(CONF / "model" / "proxy_h200.yaml"))
+    assert proxy["total"] * 18 < 40e9   # weights + grads + Adam states leave most of 141 GB to activations
+
+
+def test_derived_has_no_hardcoded_counts():
+    for p in (CONF / "model").glob("*.yaml"):
+        cfg = OmegaConf.load(p)
+        assert not any("param" in str(k) for k in cfg.keys()), f"{p.name} hard-codes a parameter count"
+
+
+# ------------------------------------------------------------------------------------------ check() failures
+
+@pytest.mark.parametrize("overrides,message", [
+    # 1. world size != nodes x gpus_per_node
+    (["experiment=paper_t1", "cluster.nodes=16"], "cluster.nodes=32"),
+    # 2. TP*PP*CP*DP != world size
+    (["experiment=paper_t1", "parallel.tensor=3"], "tensor x pipeline x context x data"),
+    # 3. experts % EP
+    (["experiment=paper_t1", "parallel.expert=3"], "not divisible by parallel.expert=3"),
+    # 4. EP (x ETP) must divide TP*CP*DP (megatron-core: world_size % (ETP x EP x PP) == 0)
+    (["experiment=paper_t1", "parallel.expert=16"], "must divide tensor x context x data"),
+    # 5. global batch % (micro x DP)
+    (["experiment=paper_f5", "parallel.global_batch=4801"], "not a multiple of micro_batch x data"),
+    # 6a. layers over PP without a layout
+    (["experiment=paper_t1", "parallel.pipeline_layout=null"], "not divisible by parallel.pipeline"),
+    # 6b. an explicit layout that does not fit
+    (["experiment=paper_t1", "parallel.pipeline_layout='E|(tt|)*30,tL'"], "'m' layers"),
+    # 7. a recompute module megatron-core can only do with TE, on our TE-less backend
+    (["recompute=attn_ln_mlp", "recompute.megatron_modules=[core_attn,layernorm]"], "need Transformer Engine"),
+    (["recompute=attn_ln_mlp", "recompute.megatron_modules=[moe_act]"], "need Transformer Engine"),
+    # 8. precision that Recipe refuses, user corpus without a path
+    (["precision=fp8", "+precision.dispatch_fp4=true"], "precision:"),   # a key the file lacks takes "+"
+    (["data=user_corpus", "data.path=null"], "FP4MOE_CORPUS"),
+])
+def test_check_failures(overrides, message):
+    cfg = _compose(*overrides)
+    with pytest.raises(ConfigError) as err:
+        check(cfg)
+    assert message in str(err.value), str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_te_recompute_allowed_with_te_backend():
+    check(_compose("recompute=attn_ln_mlp", "recompute.megatron_modules=[core_attn,layernorm]",
+                   "backend.transformer_impl=transformer_engine"))
+
+
+def test_paper_16b_layout_accepts_other_dp():
+    cfg = _compose("experiment=paper_f5", "cluster.nodes=8", "parallel.world_size=64", "parallel.data=64")
+    assert derived(cfg)["grad_accum_steps"] == 15 and check(cfg)["steps"] == 8139
+
+
+def test_pipeline_layout_parser_matches_megatron_example():
+    # megatron-core docstring: "Ettt|(tt|)*29,m|L" -> [E t t t] + [t t]*29 + [m] + [L]
+    assert parse_pipeline_layout("Ettt|(tt|)*29,m|L") == ["Ettt"] + ["tt"] * 29 + ["m", "L"]
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_values_win_over_root(name):
+    # train.yaml lists _self_ first: an experiment's values (task_name, ...) override the root file's.
+    assert _compose(f"experiment={name}").task_name == name
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "precision").glob("*.yaml")))
+def test_precision_files_load_as_recipes(name):
+    r = Recipe.from_config(OmegaConf.load(CONF / "precision" / f"{name}.yaml"))
+    assert r.name == name.split("_")[0]
