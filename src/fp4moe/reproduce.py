@@ -41,8 +41,8 @@ NOT_YET_IMPLEMENTED = (
     ("P3", 4, "the megatron-core DeepSeek-V3 model with the recipe, `python -m fp4moe.train` "
               "(Hydra), real tokenized data, per-step MLflow metrics; the H200 proxy's T1-shaped "
               "table and the bf16 / fp8 / mxfp4 convergence comparison"),
-    ("P4", 5, "Hydra configs for every paper experiment (T1, T2, F3/F4, F5 and scaled-down twins), "
-              "Slurm submission through submitit, multirun sweeps, dry runs"),
+    ("P4", 5, "Slurm submission through submitit (launcher profiles, requeue, dry run) and the F3/F4 "
+              "presets; the experiment configs and their checks exist (conf/, fp4moe.config)"),
     ("P5", 6, "this command's headline table: results/ (Markdown, CSV, plots) read from MLflow, "
               "the paper-scale memory / throughput model checked against measured runs, notebooks"),
     ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "
