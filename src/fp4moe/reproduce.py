@@ -151,11 +151,16 @@ def run_bench(bench_argv: Sequence[str], track: bool) -> bool:
               f"is not installed here. Copy {out_dir}/ to a machine with the venv and run "
               f"`make log-bench` there, or: {bench_log.command_for(written)}")
         return True
+    return _log_to_mlflow(written, "measured, but logging to MLflow FAILED")
+
+
+def _log_to_mlflow(files: Sequence[Path], failure: str) -> bool:
+    """bench_log.log_files, reporting each line; False (traceback printed) on any failure."""
     try:
-        return bench_log.log_files(written, log=lambda line: print(f"kernel benchmark: {line}"))
+        return bench_log.log_files(files, log=lambda line: print(f"kernel benchmark: {line}"))
     except Exception:
         traceback.print_exc()
-        print("kernel benchmark: measured, but logging to MLflow FAILED (traceback above)")
+        print(f"kernel benchmark: {failure} (traceback above)")
         return False
 
 
@@ -174,12 +179,7 @@ def report_results_on_disk(track: bool) -> bool:
           f"{RESULTS_KERNELS}/: {names} (summary: {RESULTS_KERNELS}/README.md)")
     if not track:
         return True
-    try:
-        return bench_log.log_files(found, log=lambda line: print(f"kernel benchmark: {line}"))
-    except Exception:
-        traceback.print_exc()
-        print("kernel benchmark: logging the measured results to MLflow FAILED (traceback above)")
-        return False
+    return _log_to_mlflow(found, "logging the measured results to MLflow FAILED")
 
 
 def print_not_yet_implemented() -> None:
