@@ -1,0 +1,659 @@
+"""Per-GPU memory of a megatron-core DeepSeek-V3-style training run, from first principles (issue 6, P5).
+
+FIRST, UNCALIBRATED VERSION. Every term below is a tensor shape times bytes per element, an optimizer byte count
+per parameter, or a count of micro-batches in flight; nothing is fitted. P5 checks it against measured H200 runs
+(``torch.cuda.max_memory_allocated``, SPEC §8) and only then applies it to the paper's configs. Known gaps are
+named fields of ``MemoryAssumptions`` (allocator overhead, DeepEP buffers) that default to 0 until measured.
+No torch import: configs and arithmetic only.
+
+Units: bytes internally; ``Breakdown.gb(component)`` and ``total_gb`` are GB = 2**30 bytes (GiB, as torch memory reports are usually read;
+an "80 GB" H100/H800 has 80 GiB of HBM). Whether the paper's "% of 80 GB" uses 10**9 or 2**30 is not known.
+
+(a) Parameters, gradients, optimizer state (megatron-core DDP + distributed optimizer, BF16 training)
+------------------------------------------------------------------------------------------------------
+Per parameter held by a GPU (``MemoryAssumptions`` defaults):
+
+    BF16 model parameter                      2 B   every rank that holds the parameter
+    FP32 main-gradient buffer                 4 B   full size on every rank (megatron's grad buffer; the
+                                                    reduce-scatter writes into it, the buffer is not sharded)
+    FP32 main parameter + Adam m + Adam v    12 B   / shard size with the distributed optimizer
+
+i.e. megatron's documented "6 + 12/d" bytes per parameter for BF16 params with FP32 grads. The shard size d is
+the data-parallel group (DP x CP) for dense parameters (attention, norms, router, shared experts, dense MLPs,
+embedding, head) and the expert-data-parallel group EDP = world / (ETP x EP x PP) for routed-expert parameters.
+Without ``parallel.distributed_optimizer`` d = 1. The sister scripts of the paper's lab used a
+"precision-aware optimizer with BF16 main grads" and optimizer offload (notes/paper-details.md §1.2); that is
+``MemoryAssumptions(grad_bytes=2, optimizer_offload=True)`` here and is NOT the default (open question for P5).
+
+Parameters of a pipeline stage: the letters of ``parallel.pipeline_layout`` (``config.parse_pipeline_layout``:
+E embedding, t transformer layer, m MTP layer, L final norm + output head + loss), else num_layers / PP
+contiguous layers with E on the first and m, L on the last stage. Transformer layer i < moe.first_k_dense is a
+dense layer (MLA + SwiGLU MLP), the others MoE (MLA + router + E/EP routed experts + shared experts). An 'm'
+stage also holds a copy of the embedding (megatron-core's MTP needs it on the last stage). Dense matrices are
+divided by TP, norms and the router replicated, expert matrices divided by ETP (exact for TP = ETP = 1, the
+paper's likely layout; approximate otherwise: megatron duplicates some MLA down-projections over TP).
+
+(b) Activations saved for backward, one micro-batch, tensor by tensor
+---------------------------------------------------------------------
+T = micro_batch x seq_length / CP tokens on the GPU (/ TP as well for hidden-size tensors with sequence
+parallelism); R = T x topk rows reach the experts of a GPU (balanced routing: each GPU sends T x k rows and, on
+average, receives as many). Per element: bf16 2 B, fp32 4 B, int64 8 B; a GEMM input saved by an FP8 linear
+as FP8 rows + FP8 columns (Transformer Engine Float8BlockScaling, our ``fp8_linear``) costs
+``M K + 4 M K/128 + K Mp + 4 K Mp/128`` (~2.06 B/elem; Mp = rows padded to 128 per expert); saved as MXFP4
+(``save_fp4``) ``M K/2 + M K/32`` (0.53 B/elem). These are the formulas of ``fp4moe.ops.fp8_linear
+.linear_saved_bytes``, ``fp4moe.ops.grouped_experts.expert_saved_bytes`` (checked equal in the tests).
+
+A tensor held by several consumers is counted once (a ledger of holders; a recompute scope removes holders or
+frees storage). What a layer saves without recompute (names as in ``layer_saved_tensors``):
+
+MLA attention (both layer kinds)
+    attn.ln_in        [T,H] bf16        input_layernorm input (the residual stream)
+    attn.ln_rstd      [T] fp32          RMSNorm 1/rms
+    attn.ln_out       [T,H] bf16        input of q_down / kv_down (held by BF16 linears)
+    attn.q_latent     [T,q_lora] bf16   q_layernorm input (q_down output)      (no q_lora: absent)
+    attn.q_ln_out     [T,q_lora] bf16   q_up input
+    attn.kv_latent    [T,kv_lora+rope]  kv_down output (kv_layernorm input and the shared RoPE key)
+    attn.kv_ln_out    [T,kv_lora] bf16  kv_up input
+    attn.q / k / v    [T,n,192/192/128] core-attention inputs (flash attention keeps them)
+    attn.o            [T,n*v] bf16      flash-attention output = linear_proj input
+    attn.lse          [n,T] fp32        flash-attention softmax log-sum-exp (no [T,T] softmax is stored)
+    *_q               quantized copies when a dense linear is in the recipe's scope (scope all_linears)
+Dense SwiGLU MLP (the first first_k_dense layers)
+    mlp.ln_in, mlp.ln_rstd, mlp.ln_out [T,H]; mlp.swiglu_in [T,2F] bf16 (megatron's fused SwiGLU saves its
+    input only); mlp.fc2_in [T,F]
+MoE layer
+    moe.ln_in, moe.ln_rstd, moe.ln_out (held by the router, which saves its BF16 input, and by a BF16 shared fc1)
+    moe.router_scores, moe.router_aux  [T,E] fp32 (sigmoid output; normalized scores of the seq aux loss)
+    moe.router_topk   [T,k] fp32 probs + int64 indices
+    moe.routing_idx   [R] int64 x 2 (permutation and un-permutation indices)
+    moe.expert_fc1_in [R,H]   bf16 | FP8 row+col | MXFP4 (expert_input_fp4 or save_fp4)
+    moe.expert_swiglu_in [R,2F] bf16 | MXFP4 (activation_fp4_store)
+    moe.expert_fc2_in [R,F]   bf16 | FP8 row+col | MXFP4 (save_fp4)
+    moe.expert_probs  [R] fp32
+    moe.shared_fc1_in_q, moe.shared_swiglu_in [T,2Fs] bf16, moe.shared_fc2_in [T,Fs]
+    (routing probabilities are applied inside the SwiGLU, megatron's and our order, so the combine saves nothing;
+    the dispatch/combine buffers are transient, part (d))
+Head (stage with L): head.ln_in, head.ln_rstd, head.ln_out [T,H]; head.softmax [T,V/TP] fp32 (vocab-parallel
+    cross entropy keeps the fp32 softmax). MTP (m): an MLA + MoE layer as above, mtp.eh_in [T,2H] bf16, the
+    norm inputs of the embedding and hidden streams (2 x [T,H]) and its own head tensors.
+
+Recompute scopes (conf/recompute/*.yaml) and what each keeps:
+
+    none             everything above
+    attn_ln_experts  core_attn: attn.lse dropped; q, k, v kept (they are the checkpoint's inputs); attn.o kept
+                     (linear_proj input). layernorm (output-discarding, input/pre-MLP norms): *.ln_out storage
+                     and *.ln_rstd freed, *.ln_in kept; quantized copies made from ln_out are kept. moe_expert:
+                     expert_fc1_in / swiglu_in / fc2_in dropped; the checkpoint keeps the dispatched rows
+                     (moe.expert_ckpt_in: MXFP4 when dispatch_fp4 and expert_input_fp4, else [R,H] bf16) + probs.
+    attn_ln_mlp      core_attn + layernorm as above; mlp (dense MLPs only, normal checkpoint): dense-MLP internals
+                     dropped, its input kept (= mlp.ln_out, freed anyway by the layernorm recompute). Routed
+                     experts keep everything: why BF16/FP8 OOM in the paper.
+    mla_up_proj      q/kv up-projections + RoPE recomputed from the stashed latents (attn.q_latent, attn.kv_latent
+                     kept): attn.q_ln_out, attn.kv_ln_out, q_layernorm/kv_layernorm rstd and attn.q/k/v freed
+                     after core attention; attn.o and attn.lse kept. Everything else as none.
+    full             megatron full/uniform, 1 layer per chunk: each transformer layer keeps only its input [T,H]
+                     bf16; the head/MTP tensors are not recomputed.
+
+``MemoryAssumptions.attn_recompute``: the paper's "attention" is the FP8-Flow-MoE fork's ``attn`` module, mapped
+by conf/recompute to megatron's ``core_attn``. If the fork's module recomputes the whole self-attention block,
+use ``attn_recompute='self_attention'``: then only the block input (attn.ln_out) is kept from the attention.
+Open question for P5; with core_attn, mla_up_proj saves less than attn_ln_mlp, the reverse of the paper's order.
+
+Recompute transient: while one layer's backward runs, what the scope recomputed exists again for that layer and
+micro-batch: ``recompute_transient`` = max over the stage's layers of (saved under none - saved under scope).
+
+(c) Micro-batches in flight (1F1B)
+----------------------------------
+M = global_batch / (micro_batch x DP) micro-batches per step. Without interleaving, pipeline rank r holds the
+activations of min(PP - r, M) micro-batches at its peak (PP on the first stage, 1 on the last). With
+``virtual_pipeline`` v > 1 (megatron's interleaved schedule) rank r holds min((PP - r - 1) x 2 + (v - 1) x PP + 1,
+M v) model chunks in flight; each is charged the mean per-micro-batch activation of the rank's chunks (an
+approximation). Each rank's peak is taken at the end of its warm-up; the model reports every rank and
+``per_gpu_memory`` the one with the largest total.
+
+(d) All-to-all buffers (transient, one MoE layer and micro-batch at a time)
+---------------------------------------------------------------------------
+send + receive buffers of the largest of the four all-to-alls of a MoE layer: dispatch forward (R rows of the
+dispatch codec + fp32 probs), combine forward (R x 2H bf16), and the two gradient all-to-alls (R rows of
+``recipe.backward_a2a``). DeepEP's (``dispatcher: flex``) pre-allocated NVLink/RDMA buffers are not modelled
+from first principles: ``MemoryAssumptions.a2a_static_buffer_bytes`` (0 until measured).
+
+Not modelled (to be measured in P5 and then named here): allocator fragmentation / reserved-minus-allocated,
+GEMM workspaces, backward gradient buffers (dX of a layer while the next one runs), CUDA context (not part of
+``max_memory_allocated`` anyway), NCCL buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..config import parse_pipeline_layout
+from ..recipe import Recipe
+
+GB = 2**30  # bytes per "GB" in this module (GiB)
+BF16, FP32, INT64 = 2, 4, 8  # bytes per element
+FP8_GROUP = 128  # 1x128 FP8 activation groups (fp4moe_kernels.constants.FP8_GROUP; that package imports torch)
+MX_BLOCK = 32  # MXFP4 elements per UE8M0 scale (fp4moe_kernels.constants.MX_BLOCK)
+FP8_SCALE_BYTES = 4  # one FP32 scale per 1x128 group
+
+SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full")
+ATTN_RECOMPUTE = ("core_attn", "self_attention")
+CONF = Path(__file__).resolve().parents[3] / "conf"
+
+
+# ---------------------------------------------------------------------------------------------- formats
+
+def _pad128(n: int) -> int:
+    return -(-n // FP8_GROUP) * FP8_GROUP
+
+
+def fp8_row_col_bytes(m: int, k: int, mp: int | None = None) -> int:
+    """FP8 rows (E4M3 [m,k] + FP32 scales [m,k/128]) + FP8 columns (E4M3 [k,mp] + FP32 scales [k,mp/128])."""
+    mp = _pad128(m) if mp is None else mp
+    return (m * k + FP8_SCALE_BYTES * m * k // FP8_GROUP) + (k * mp + FP8_SCALE_BYTES * k * mp // FP8_GROUP)
+
+
+def mxfp4_bytes(m: int, k: int) -> int:
+    """MXFP4: E2M1 codes (2 per byte) + one UE8M0 scale byte per 32 elements."""
+    return m * k // 2 + m * k // MX_BLOCK
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+@dataclass(frozen=True)
+class MemoryAssumptions:
+    """Every assumption of the model that is not in the config, with its unit. Defaults are megatron-core's
+    standard BF16 + distributed optimizer setup; measured quantities default to 0 until P5 measures them."""
+
+    param_bytes: int = 2             # B/param, BF16 model weights
+    grad_bytes: int = 4              # B/param, FP32 main-grad buffer (2: precision-aware optimizer, BF16 grads)
+    main_param_bytes: int = 4        # B/param, FP32 master copy (sharded with the distributed optimizer)
+    adam_state_bytes: int = 8        # B/param, FP32 exp_avg + exp_avg_sq (sharded)
+    optimizer_offload: bool = False  # True: master params + Adam states live in host memory (0 on the GPU)
+    attn_recompute: str = "core_attn"   # what the scopes' "attention" recomputes (module docstring)
+    a2a_static_buffer_bytes: int = 0    # DeepEP pre-allocated buffers per GPU: to be measured (P5)
+    allocator_overhead_bytes: int = 0   # fragmentation etc.: to be measured on H200 (P5)
+
+    def __post_init__(self):
+        if self.attn_recompute not in ATTN_RECOMPUTE:
+            raise ValueError(f"attn_recompute={self.attn_recompute!r}: pick one of {ATTN_RECOMPUTE}")
+
+
+def compose_cfg(model: str, parallel: str, recompute: str, precision: str) -> DictConfig:
+    """The four groups this model reads, loaded from conf/<group>/<name>.yaml (no Hydra needed)."""
+    return OmegaConf.create({g: OmegaConf.load(CONF / g / f"{n}.yaml") for g, n in
+                             (("model", model), ("parallel", parallel), ("recompute", recompute),
+                              ("precision", precision))})
+
+
+def _as_cfg(cfg: Any) -> DictConfig:
+    return cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+
+
+def _scope(cfg: DictConfig) -> str:
+    r = cfg.recompute
+    name = r.get("name")
+    if name in SCOPES:
+        return name
+    gran = r.get("granularity")
+    if gran is None:
+        return "none"
+    if gran == "full":
+        return "full"
+    mods = set(r.get("megatron_modules") or []) | set(r.get("fp4moe_modules") or [])
+    for s, want in (("attn_ln_experts", {"core_attn", "layernorm", "moe_expert"}),
+                    ("attn_ln_mlp", {"core_attn", "layernorm", "mlp"}), ("mla_up_proj", {"mla_up_proj"})):
+        if mods == want:
+            return s
+    raise ValueError(f"recompute modules {sorted(mods)} are not one of the modelled scopes {SCOPES}")
+
+
+@dataclass
+class _Dims:
+    h: int; n: int; q_lora: int | None; kv_lora: int; nope: int; rope: int; v: int
+    ffn: int; e: int; k: int; f: int; fs: int; vocab: int; first_dense: int
+    t_tok: int; t_hid: int; tp: int; ep: int; etp: int
+
+
+def _dims(cfg: DictConfig) -> _Dims:
+    m, p = cfg.model, cfg.parallel
+    tp, cp = int(p.tensor), int(p.context)
+    t_tok = int(p.micro_batch) * int(p.seq_length) // cp
+    sp = bool(p.get("sequence_parallel", False)) and tp > 1
+    etp = int(p.expert_tensor) if p.get("expert_tensor") is not None else tp
+    return _Dims(h=int(m.hidden_size), n=int(m.num_attention_heads), q_lora=m.mla.get("q_lora_rank"),
+                 kv_lora=int(m.mla.kv_lora_rank), nope=int(m.mla.qk_head_dim), rope=int(m.mla.qk_pos_emb_head_dim),
+                 v=int(m.mla.v_head_dim), ffn=int(m.ffn_hidden_size), e=int(m.moe.num_experts),
+                 k=int(m.moe.router_topk), f=int(m.moe.ffn_hidden_size),
+                 fs=int(m.moe.ffn_hidden_size) * int(m.moe.get("shared_experts", 0) or 0),
+                 vocab=int(m.vocab_size), first_dense=int(m.moe.first_k_dense),
+                 t_tok=t_tok, t_hid=t_tok // tp if sp else t_tok, tp=tp, ep=int(p.expert), etp=etp)
+
+
+# ---------------------------------------------------------------------------------------------- (b) ledger
+
+@dataclass
+class SavedTensor:
+    """One tensor saved for backward: ``bytes`` for one micro-batch; ``holders`` the autograd nodes / checkpoints
+    that keep it; ``tag`` 'ln_out' / 'ln_rstd' marks what an output-discarding layernorm recompute frees."""
+
+    name: str
+    shape: tuple
+    fmt: str
+    bytes: int
+    holders: set = field(default_factory=set)
+    tag: str = ""
+
+
+class _Ledger:
+    def __init__(self):
+        self.t: dict[str, SavedTensor] = {}
+
+    def add(self, name, shape, fmt, nbytes, holders, tag=""):
+        self.t[name] = SavedTensor(name, tuple(shape), fmt, int(nbytes), set(holders), tag)
+
+    def drop(self, *names):
+        for n in names:
+            self.t.pop(n, None)
+
+    def drop_prefix(self, prefix, keep=()):
+        for n in [n for n in self.t if n.startswith(prefix) and n not in keep]:
+            del self.t[n]
+
+    def tensors(self) -> list[SavedTensor]:
+        return [s for s in self.t.values() if s.holders]
+
+
+def _linear_input(led: _Ledger, src: str, consumer: str, m: int, k: int, kind: str, recipe: Recipe,
+                  mp: int | None = None) -> None:
+    """A linear that reads the saved tensor ``src`` [m, k]: a BF16 linear holds ``src``; an FP8 one saves its own
+    quantized copy ``<consumer>_q`` (FP8 row+col, or MXFP4 under save_fp4) and does not hold ``src``."""
+    if recipe.fp8_compute and recipe.applies_to(kind):
+        if recipe.save_fp4:
+            led.add(f"{consumer}_q", (m, k), "mxfp4", mxfp4_bytes(m, k), {consumer})
+        else:
+            led.add(f"{consumer}_q", (m, k), "fp8_row_col", fp8_row_col_bytes(m, k, mp), {consumer})
+    else:
+        led.t[src].holders.add(consumer)
+
+
+def _norm(led: _Ledger, prefix: str, norm: str, t: int, width: int, out_holders=()) -> None:
+    led.add(f"{prefix}.ln_in", (t, width), "bf16", BF16 * t * width, {norm})
+    led.add(f"{prefix}.ln_rstd", (t,), "fp32", FP32 * t, {norm}, tag="ln_rstd")
+    led.add(f"{prefix}.ln_out", (t, width), "bf16", BF16 * t * width, set(out_holders), tag="ln_out")
+
+
+def _attention(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
+    t, th, n = d.t_tok, d.t_hid, d.n // d.tp
+    qk = d.nope + d.rope
+    _norm(led, "attn", "input_ln", th, d.h)
+    if d.q_lora:
+        _linear_input(led, "attn.ln_out", "attn.q_down_in", th, d.h, "dense", recipe)
+        led.add("attn.q_latent", (t, d.q_lora), "bf16", BF16 * t * d.q_lora, {"q_ln"})
+        led.add("attn.q_ln_rstd", (t,), "fp32", FP32 * t, {"q_ln"})
+        led.add("attn.q_ln_out", (t, d.q_lora), "bf16", BF16 * t * d.q_lora, set())
+        _linear_input(led, "attn.q_ln_out", "attn.q_up_in", t, d.q_lora, "dense", recipe)
+    else:
+        _linear_input(led, "attn.ln_out", "attn.q_proj_in", th, d.h, "dense", recipe)
+    _linear_input(led, "attn.ln_out", "attn.kv_down_in", th, d.h, "dense", recipe)
+    led.add("attn.kv_latent", (t, d.kv_lora + d.rope), "bf16", BF16 * t * (d.kv_lora + d.rope), {"kv_ln"})
+    led.add("attn.kv_ln_rstd", (t,), "fp32", FP32 * t, {"kv_ln"})
+    led.add("attn.kv_ln_out", (t, d.kv_lora), "bf16", BF16 * t * d.kv_lora, set())
+    _linear_input(led, "attn.kv_ln_out", "attn.kv_up_in", t, d.kv_lora, "dense", recipe)
+    for name, w in (("q", qk), ("k", qk), ("v", d.v)):
+        led.add(f"attn.{name}", (t, n, w), "bf16", BF16 * t * n * w, {"core_attn"})
+    led.add("attn.o", (t, n * d.v), "bf16", BF16 * t * n * d.v, {"core_attn"})
+    _linear_input(led, "attn.o", "attn.proj_in", t, n * d.v, "dense", recipe)
+    led.add("attn.lse", (n, t), "fp32", FP32 * n * t, {"core_attn"})
+
+
+def _dense_mlp(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
+    th, f = d.t_hid, d.ffn // d.tp
+    _norm(led, "mlp", "pre_mlp_ln", th, d.h)
+    _linear_input(led, "mlp.ln_out", "mlp.fc1_in", th, d.h, "dense", recipe)
+    led.add("mlp.swiglu_in", (d.t_tok, 2 * f), "bf16", BF16 * d.t_tok * 2 * f, {"mlp.swiglu"})
+    led.add("mlp.fc2_in", (d.t_tok, f), "bf16", BF16 * d.t_tok * f, set())
+    _linear_input(led, "mlp.fc2_in", "mlp.fc2", d.t_tok, f, "dense", recipe)
+
+
+def _expert_rows(d: _Dims) -> tuple[int, int, int]:
+    """(R rows on this GPU's experts, local experts, Mp = rows padded to 128 per expert), balanced routing."""
+    r = d.t_tok * d.k
+    el = d.e // d.ep
+    per = -(-r // el)
+    return r, el, el * _pad128(per)
+
+
+def _moe(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
+    t, th = d.t_tok, d.t_hid
+    h, f, fs = d.h, d.f // d.etp, d.fs // d.tp
+    r, _, mp = _expert_rows(d)
+    _norm(led, "moe", "pre_mlp_ln", th, h, out_holders={"router"})
+    led.add("moe.router_scores", (t, d.e), "fp32", FP32 * t * d.e, {"router"})
+    led.add("moe.router_aux", (t, d.e), "fp32", FP32 * t * d.e, {"router"})
+    led.add("moe.router_topk", (t, d.k), "fp32+int64", (FP32 + INT64) * t * d.k, {"router"})
+    led.add("moe.routing_idx", (2, r), "int64", 2 * INT64 * r, {"permute"})
+    fp8 = recipe.fp8_compute
+    if not fp8:
+        x_fmt, x_b = "bf16", BF16 * r * h
+    elif recipe.expert_input_fp4 or recipe.save_fp4:
+        x_fmt, x_b = "mxfp4", mxfp4_bytes(r, h)
+    else:
+        x_fmt, x_b = "fp8_row_col", fp8_row_col_bytes(r, h, mp)
+    led.add("moe.expert_fc1_in", (r, h), x_fmt, x_b, {"experts"})
+    if recipe.activation_fp4_store:
+        led.add("moe.expert_swiglu_in", (r, 2 * f), "mxfp4", mxfp4_bytes(r, 2 * f), {"experts"})
+    else:
+        led.add("moe.expert_swiglu_in", (r, 2 * f), "bf16", BF16 * r * 2 * f, {"experts"})
+    if not fp8:
+        led.add("moe.expert_fc2_in", (r, f), "bf16", BF16 * r * f, {"experts"})
+    elif recipe.save_fp4:
+        led.add("moe.expert_fc2_in", (r, f), "mxfp4", mxfp4_bytes(r, f), {"experts"})
+    else:
+        led.add("moe.expert_fc2_in", (r, f), "fp8_row_col", fp8_row_col_bytes(r, f, mp), {"experts"})
+    led.add("moe.expert_probs", (r,), "fp32", FP32 * r, {"experts"})
+    if fs:
+        _linear_input(led, "moe.ln_out", "moe.shared_fc1_in", th, h, "shared_expert", recipe)
+        # megatron's fused SwiGLU saves its BF16 input; activation_fp4_store covers the routed experts only (as
+        # fp4moe.moe.layer implements it).
+        led.add("moe.shared_swiglu_in", (t, 2 * fs), "bf16", BF16 * t * 2 * fs, {"shared.swiglu"})
+        led.add("moe.shared_fc2_in", (t, fs), "bf16", BF16 * t * fs, set())
+        _linear_input(led, "moe.shared_fc2_in", "moe.shared_fc2", t, fs, "shared_expert", recipe)
+
+
+def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
+    if scope == "none":
+        return
+    if scope == "full":
+        led.t.clear()
+        led.add("layer.input", (d.t_hid, d.h), "bf16", BF16 * d.t_hid * d.h, {"full_ckpt"})
+        return
+    if scope in ("attn_ln_experts", "attn_ln_mlp"):
+        # layernorm (output-discarding): outputs and rstd freed, inputs kept.
+        for s in list(led.t.values()):
+            if s.tag in ("ln_out", "ln_rstd"):
+                del led.t[s.name]
+        # attention
+        if a.attn_recompute == "core_attn":
+            led.drop("attn.lse")
+            for x in ("attn.q", "attn.k", "attn.v"):
+                led.t[x].holders = {"core_attn_ckpt"}
+            if "attn.o" in led.t:
+                led.t["attn.o"].holders.discard("core_attn")
+                if not led.t["attn.o"].holders:
+                    del led.t["attn.o"]
+        else:  # whole self-attention block: only its input (attn.ln_out, freed by the layernorm recompute) kept
+            led.drop_prefix("attn.", keep=("attn.ln_in",))
+        if scope == "attn_ln_experts" and kind == "moe":
+            led.drop("moe.expert_fc1_in", "moe.expert_swiglu_in", "moe.expert_fc2_in")
+            r = d.t_tok * d.k
+            if recipe.dispatch_fp4 and recipe.expert_input_fp4:
+                led.add("moe.expert_ckpt_in", (r, d.h), "mxfp4", mxfp4_bytes(r, d.h), {"moe_expert_ckpt"})
+            else:
+                led.add("moe.expert_ckpt_in", (r, d.h), "bf16", BF16 * r * d.h, {"moe_expert_ckpt"})
+        if scope == "attn_ln_mlp" and kind == "dense":
+            led.drop_prefix("mlp.", keep=("mlp.ln_in",))  # mlp checkpoint input = mlp.ln_out, already freed
+        return
+    if scope == "mla_up_proj":
+        led.drop("attn.q_ln_rstd", "attn.q_ln_out", "attn.q_up_in_q", "attn.kv_ln_rstd", "attn.kv_ln_out",
+                 "attn.kv_up_in_q", "attn.q", "attn.k", "attn.v")
+        return
+    raise ValueError(f"unknown recompute scope {scope!r}: one of {SCOPES}")
+
+
+def layer_saved_tensors(cfg: Any, kind: str, scope: str | None = None,
+                        assumptions: MemoryAssumptions | None = None) -> list[SavedTensor]:
+    """Tensors one transformer layer of ``kind`` ('dense' | 'moe') saves for backward for ONE micro-batch under
+    the config's recipe and ``scope`` (default: the config's recompute scope)."""
+    cfg = _as_cfg(cfg)
+    a = assumptions or MemoryAssumptions()
+    d = _dims(cfg)
+    recipe = Recipe.from_config(cfg.precision)
+    scope = scope or _scope(cfg)
+    led = _Ledger()
+    _attention(led, d, recipe)
+    if kind == "dense":
+        _dense_mlp(led, d, recipe)
+    elif kind == "moe":
+        _moe(led, d, recipe)
+    else:
+        raise ValueError(f"kind={kind!r}: 'dense' or 'moe'")
+    _apply_scope(led, kind, scope, d, recipe, a)
+    return led.tensors()
+
+
+def _head_tensors(d: _Dims) -> list[SavedTensor]:
+    t = d.t_hid
+    return [SavedTensor("head.ln_in", (t, d.h), "bf16", BF16 * t * d.h, {"final_ln"}),
+            SavedTensor("head.ln_rstd", (t,), "fp32", FP32 * t, {"final_ln"}),
+            SavedTensor("head.ln_out", (t, d.h), "bf16", BF16 * t * d.h, {"output_layer"}),
+            SavedTensor("head.softmax", (d.t_tok, d.vocab // d.tp), "fp32", FP32 * d.t_tok * (d.vocab // d.tp),
+                        {"cross_entropy"})]
+
+
+def _mtp_extra_tensors(d: _Dims) -> list[SavedTensor]:
+    t = d.t_hid
+    return [SavedTensor("mtp.enorm_in", (t, d.h), "bf16", BF16 * t * d.h, {"mtp.enorm"}),
+            SavedTensor("mtp.hnorm_in", (t, d.h), "bf16", BF16 * t * d.h, {"mtp.hnorm"}),
+            SavedTensor("mtp.eh_in", (t, 2 * d.h), "bf16", BF16 * t * 2 * d.h, {"mtp.eh_proj"})]
+
+
+# ---------------------------------------------------------------------------------------------- (a) params
+
+def _attn_params(d: _Dims) -> tuple[int, int]:
+    """(matrix params, replicated norm params) of one MLA block."""
+    qk = d.nope + d.rope
+    if d.q_lora:
+        q_mat, q_norm = d.h * d.q_lora + d.q_lora * d.n * qk, d.q_lora
+    else:
+        q_mat, q_norm = d.h * d.n * qk, 0
+    kv_mat = d.h * (d.kv_lora + d.rope) + d.kv_lora * d.n * (d.nope + d.v)
+    return q_mat + kv_mat + d.n * d.v * d.h, q_norm + d.kv_lora
+
+
+def _stage_params(letters: str, first_layer: int, d: _Dims) -> tuple[float, float]:
+    """(dense params, routed-expert params) held by one GPU of a stage with these layout letters."""
+    attn_mat, attn_norm = _attn_params(d)
+    dense, expert = 0.0, 0.0
+    moe_dense = attn_mat / d.tp + attn_norm + 2 * d.h + d.h * d.e + 3 * d.h * d.fs / d.tp
+    moe_expert = (d.e // d.ep) * 3 * d.h * d.f / d.etp
+    layer = first_layer
+    for c in letters:
+        if c == "E":
+            dense += d.vocab * d.h / d.tp
+        elif c == "t":
+            if layer < d.first_dense:
+                dense += attn_mat / d.tp + attn_norm + 2 * d.h + 3 * d.h * d.ffn / d.tp
+            else:
+                dense += moe_dense
+                expert += moe_expert
+            layer += 1
+        elif c == "m":  # MTP: enorm, hnorm, eh_proj, final norm, a MoE layer, and a copy of the embedding
+            dense += 3 * d.h + 2 * d.h * d.h / d.tp + moe_dense + d.vocab * d.h / d.tp
+            expert += moe_expert
+        elif c == "L":
+            dense += d.h + d.vocab * d.h / d.tp
+    return dense, expert
+
+
+def _stages(cfg: DictConfig) -> list[str]:
+    p, m = cfg.parallel, cfg.model
+    pp, vpp = int(p.pipeline), int(p.get("virtual_pipeline") or 1)
+    if p.get("pipeline_layout"):
+        return parse_pipeline_layout(str(p.pipeline_layout))
+    n = int(m.num_layers) // (pp * vpp)
+    out = ["t" * n for _ in range(pp * vpp)]
+    out[0] = "E" + out[0]
+    out[-1] = out[-1] + "m" * int(m.get("mtp_num_layers", 0) or 0) + "L"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+@dataclass
+class Breakdown:
+    """Predicted peak memory of one GPU (one pipeline rank), by named component. Bytes in ``*_bytes``; GB
+    (2**30 B) properties. Uncalibrated (P5 calibrates against measured H200 runs)."""
+
+    pipeline_rank: int
+    stage_letters: str
+    recipe: str
+    scope: str
+    in_flight: int                 # micro-batches (model chunks with vpp) whose activations are held
+    params_bytes: int              # BF16 weights: (dense + expert params) x param_bytes
+    grads_bytes: int               # main-grad buffer: params x grad_bytes
+    optimizer_bytes: int           # FP32 master + Adam m, v, sharded over DP (dense) / EDP (experts)
+    activations_bytes: int         # in_flight x per-micro-batch saved activations of this stage
+    a2a_buffers_bytes: int         # send + receive of the largest all-to-all of a MoE layer (transient)
+    recompute_transient_bytes: int  # tensors the scope recomputes, for one layer and micro-batch (transient)
+    static_buffers_bytes: int      # assumed DeepEP buffers + allocator overhead (0 until measured)
+    per_microbatch_activation_bytes: int
+    dense_params: float
+    expert_params: float
+    tensors: list = field(default_factory=list, repr=False)   # (layer letter/index, SavedTensor) per micro-batch
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.a2a_buffers_bytes + self.recompute_transient_bytes + self.static_buffers_bytes)
+
+    @property
+    def total_gb(self) -> float:
+        return self.total_bytes / GB
+
+    def fits(self, gpu_memory_gb: float) -> bool:
+        """Whether the predicted peak is at most ``gpu_memory_gb`` GB (2**30 B); no margin is added."""
+        return self.total_gb <= gpu_memory_gb
+
+    def gb(self, component: str) -> float:
+        """One component in GB (2**30 B): params, grads, optimizer, activations, a2a_buffers,
+        recompute_transient or static_buffers."""
+        return getattr(self, f"{component}_bytes") / GB
+
+    def table(self) -> list[tuple[str, float]]:
+        """(component, GB) rows, then the total."""
+        labels = {"params": "params (bf16)", "activations": f"activations ({self.in_flight} in flight)",
+                  "static_buffers": "static buffers (assumed)"}
+        return [(labels.get(c, c.replace("_", " ")), self.gb(c)) for c in COMPONENTS] + [("total", self.total_gb)]
+
+
+COMPONENTS = ("params", "grads", "optimizer", "activations", "a2a_buffers", "recompute_transient", "static_buffers")
+
+
+def _a2a_buffer_bytes(d: _Dims, recipe: Recipe) -> int:
+    r = d.t_tok * d.k
+    disp = (d.h // 2 + d.h // MX_BLOCK) if recipe.dispatch_fp4 else BF16 * d.h
+    bwd = (d.h + FP8_SCALE_BYTES * d.h // FP8_GROUP) if recipe.backward_a2a == "fp8" else BF16 * d.h
+    rows = max(disp + FP32, BF16 * d.h, bwd)
+    return 2 * r * rows  # send + receive
+
+
+def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> list[Breakdown]:
+    """One ``Breakdown`` per pipeline rank (see the module docstring for every term)."""
+    cfg = _as_cfg(cfg)
+    a = assumptions or MemoryAssumptions()
+    p = cfg.parallel
+    d = _dims(cfg)
+    recipe = Recipe.from_config(cfg.precision)
+    scope = _scope(cfg)
+    pp, vpp = int(p.pipeline), int(p.get("virtual_pipeline") or 1)
+    dp = int(p.data) * int(p.context)
+    world = int(p.world_size)
+    edp = world // (d.etp * d.ep * pp)
+    micro = int(p.micro_batch) * int(p.data)
+    n_micro = max(1, int(p.global_batch) // micro)
+    dist_opt = bool(p.get("distributed_optimizer", False))
+    stages = _stages(cfg)
+    if len(stages) != pp * vpp:
+        raise ValueError(f"{len(stages)} pipeline stages for pipeline x virtual_pipeline = {pp * vpp}")
+    # first transformer-layer index of every stage
+    firsts, idx = [], 0
+    for s in stages:
+        firsts.append(idx)
+        idx += s.count("t")
+    per_layer = {kind: layer_saved_tensors(cfg, kind, scope, a) for kind in ("dense", "moe")}
+    none_layer = {kind: layer_saved_tensors(cfg, kind, "none", a) for kind in ("dense", "moe")}
+    size = {k: sum(t.bytes for t in v) for k, v in per_layer.items()}
+    transient = {k: sum(t.bytes for t in none_layer[k]) - size[k] for k in size}
+
+    def chunk(i: int):
+        letters, layer = stages[i], firsts[i]
+        tensors, trans, has_moe = [], 0, False
+        for c in letters:
+            if c == "t":
+                kind = "dense" if layer < d.first_dense else "moe"
+                tensors += [(f"t{layer}", x) for x in per_layer[kind]]
+                trans = max(trans, transient[kind])
+                has_moe |= kind == "moe"
+                layer += 1
+            elif c == "m":
+                tensors += [("m", x) for x in per_layer["moe"] + _mtp_extra_tensors(d) + _head_tensors(d)]
+                trans = max(trans, transient["moe"])
+                has_moe = True
+            elif c == "L":
+                tensors += [("L", x) for x in _head_tensors(d)]
+            elif c == "E":
+                tensors.append(("E", SavedTensor("embed.ids", (d.t_tok,), "int64", INT64 * d.t_tok, {"embedding"})))
+        return tensors, trans, has_moe
+
+    out = []
+    for rank in range(pp):
+        chunks = [rank + j * pp for j in range(vpp)]
+        dense_p = expert_p = 0.0
+        tensors, trans, has_moe, act_sum = [], 0, False, 0
+        for i in chunks:
+            dn, ex = _stage_params(stages[i], firsts[i], d)
+            dense_p, expert_p = dense_p + dn, expert_p + ex
+            ts, tr, hm = chunk(i)
+            tensors += ts
+            trans, has_moe = max(trans, tr), has_moe or hm
+            act_sum += sum(x.bytes for _, x in ts)
+        if vpp == 1:
+            in_flight = min(pp - rank, n_micro)
+            per_mb = act_sum
+        else:
+            in_flight = min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, n_micro * vpp)
+            per_mb = act_sum // vpp  # mean over the rank's chunks
+        n_params = dense_p + expert_p
+        opt_per = 0 if a.optimizer_offload else a.main_param_bytes + a.adam_state_bytes
+        opt = opt_per * (dense_p / (dp if dist_opt else 1) + expert_p / (edp if dist_opt else 1))
+        out.append(Breakdown(
+            pipeline_rank=rank, stage_letters="|".join(stages[i] for i in chunks), recipe=recipe.name, scope=scope,
+            in_flight=in_flight, params_bytes=round(n_params * a.param_bytes),
+            grads_bytes=round(n_params * a.grad_bytes), optimizer_bytes=round(opt),
+            activations_bytes=in_flight * per_mb,
+            a2a_buffers_bytes=_a2a_buffer_bytes(d, recipe) if has_moe else 0,
+            recompute_transient_bytes=trans,
+            static_buffers_bytes=a.allocator_overhead_bytes + (a.a2a_static_buffer_bytes if has_moe else 0),
+            per_microbatch_activation_bytes=per_mb, dense_params=dense_p, expert_params=expert_p, tensors=tensors))
+    return out
+
+
+def per_gpu_memory(cfg: Any, assumptions: MemoryAssumptions | None = None,
+                   pipeline_rank: int | None = None) -> Breakdown:
+    """Predicted peak memory of one GPU: the pipeline rank with the largest total (or ``pipeline_rank``)."""
+    stages = per_stage_memory(cfg, assumptions)
+    if pipeline_rank is not None:
+        return stages[pipeline_rank]
+    return max(stages, key=lambda b: b.total_bytes)
+
+
+def paper_t1_prediction(assumptions: MemoryAssumptions | None = None, gpu_memory_gb: float = 80.0) -> dict:
+    """This model's UNCALIBRATED prediction of the T1 cells: dsv3_671b with parallel=paper_671b (the likely
+    layout TP1 PP32 EP8 DP8, micro 1, seq 4096), recipes bf16/fp8/mxfp4 x scopes attn_ln_experts / attn_ln_mlp /
+    mla_up_proj. Returns ``{scope: {recipe: Breakdown}}``; ``fits(gpu_memory_gb)`` says OOM or not.
+
+    Not a comparison with the paper: the comparison with the paper's 59-74 % figures happens in P5, after this
+    model is calibrated on measured H200 runs (issue 6). Nothing here was tuned to those figures."""
+    out: dict = {}
+    for scope in ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj"):
+        out[scope] = {rec: per_gpu_memory(compose_cfg("dsv3_671b", "paper_671b", scope, rec), assumptions)
+                      for rec in ("bf16", "fp8", "mxfp4")}
+    return out
+
+
+__all__ = ["GB", "SCOPES", "Breakdown", "MemoryAssumptions", "SavedTensor", "compose_cfg", "fp8_row_col_bytes",
+           "layer_saved_tensors", "mxfp4_bytes", "paper_t1_prediction", "per_gpu_memory", "per_stage_memory"]
