@@ -44,7 +44,8 @@ NOT_YET_IMPLEMENTED = (
     ("P4", 5, "Slurm submission through submitit (launcher profiles, requeue, dry run) and the F3/F4 "
               "presets; the experiment configs and their checks exist (conf/, fp4moe.config)"),
     ("P5", 6, "this command's headline table: results/ (Markdown, CSV, plots) read from MLflow, "
-              "the paper-scale memory / throughput model checked against measured runs, notebooks"),
+              "the paper-scale model checked against measured runs (an uncalibrated first version "
+              "exists: fp4moe.scale), notebooks"),
     ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "
               "nvidia-h200-x8"),
 )
