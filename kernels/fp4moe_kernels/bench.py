@@ -1,9 +1,12 @@
 """Kernel benchmark (SPEC §8, issue P1 part E): ``python -m fp4moe_kernels.bench --help``.
 
-For every conversion at 32768x7168 (dense and ragged over 32 experts) and 32768x2048 it measures the
-median of CUDA-event timings after warm-up (``triton.testing.do_bench``), the achieved GB/s counted from
-the *minimum* bytes the conversion must read and write, and that as a percentage of the device-to-device
-copy bandwidth measured in the same run. Side by side in the same run:
+For every conversion at 32768x7168 (one segment, and ragged over 32 experts) and 32768x2048 (ragged over
+32 experts; --tokens / --experts change these) it measures the median time per call over CUDA-graph
+replays after a warm-up call (``--timing events``: plain CUDA events, ``triton.testing.do_bench``), the
+achieved GB/s counted from the *minimum* bytes the conversion must read and write, and that as a
+percentage of the device-to-device copy bandwidth measured in the same run (before and after the
+kernels; the higher is used). ``--sweep`` first times several tile / warp configs per kernel and uses
+the fastest. Side by side in the same run:
 
 * the unfused round trip the fused kernels replace: MXFP4 -> BF16 in HBM -> FP8 with torch ops, eager and
   ``torch.compile``d (each stage its own graph, so BF16 goes through memory, like separate
@@ -408,7 +411,8 @@ def write(out_dir: str, env: dict, copy: float, rows: list[Row], notes: list[str
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp4moe_kernels.bench", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m fp4moe_kernels.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Needs a CUDA GPU with FP8 (sm_89+); run the self-check first.")
     p.add_argument("--out", default="results/kernels", help="directory for json/csv/md (default results/kernels)")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per shape (default 32768)")
