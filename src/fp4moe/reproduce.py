@@ -41,8 +41,9 @@ NOT_YET_IMPLEMENTED = (
     ("P3", 4, "the megatron-core DeepSeek-V3 model with the recipe, `python -m fp4moe.train` "
               "(Hydra), real tokenized data, per-step MLflow metrics; the H200 proxy's T1-shaped "
               "table and the bf16 / fp8 / mxfp4 convergence comparison"),
-    ("P4", 5, "Slurm submission through submitit (launcher profiles, requeue, dry run) and the F3/F4 "
-              "presets; the experiment configs and their checks exist (conf/, fp4moe.config)"),
+    ("P4", 5, "real Slurm submission (needs the trainer), requeue and resume, the local Slurm tool, "
+              "slurm/ templates and the F3/F4 presets; the configs, their checks, the launcher profiles "
+              "and the dry run exist (conf/, fp4moe.config, fp4moe.launch)"),
     ("P5", 6, "this command's headline table: results/ (Markdown, CSV, plots) read from MLflow, "
               "the paper-scale model checked against measured runs (an uncalibrated first version "
               "exists: fp4moe.scale), notebooks"),

@@ -1,0 +1,114 @@
+"""P4 dry run (fp4moe.launch): the sbatch scripts of the paper's T1 sweep, built by submitit from the
+conf/hydra/launcher profiles, and the check's refusal of a broken cell. No Slurm needed, nothing submitted."""
+import re
+import shlex
+
+import pytest
+from omegaconf import OmegaConf
+
+from fp4moe import launch
+from fp4moe.config import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.setenv("FP4MOE_CORPUS", "/nonexistent/corpus.jsonl")
+    for var in ("FP4MOE_SLURM_PARTITION", "FP4MOE_SLURM_ACCOUNT", "FP4MOE_SLURM_QOS", "FP4MOE_SLURM_CONSTRAINT",
+                "FP4MOE_SLURM_CPUS_PER_TASK", "NCCL_IB_HCA", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "NCCL_IB_GID_INDEX",
+                "NCCL_NVLS_ENABLE", "FP4MOE_ROOT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def t1():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FP4MOE_CORPUS", "/nonexistent/corpus.jsonl")
+    try:
+        return launch.sbatch_scripts("paper_t1")
+    finally:
+        mp.undo()
+
+
+def _command(script):
+    return [ln for ln in script.splitlines() if ln.startswith("srun ")][0]
+
+
+def test_t1_has_nine_cells_precision_by_recompute(t1):
+    assert len(t1) == 9
+    cells = [tuple(o for o in ov if o.split("=")[0] in ("precision", "recompute")) for ov, _ in t1]
+    assert cells == [(f"precision={p}", f"recompute={r}") for p in ("bf16", "fp8", "mxfp4")
+                     for r in ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")]
+
+
+def test_t1_sbatch_resources_time_signal(t1):
+    cfg = launch._compose(["experiment=paper_t1"])
+    for _, script in t1:
+        assert "#SBATCH --nodes=32" in script
+        assert "#SBATCH --ntasks-per-node=8" in script
+        assert "#SBATCH --gpus-per-node=8" in script  # submitit 1.5.4 writes --gpus-per-node, not --gres
+        assert f"#SBATCH --time={cfg.cluster.time_limit_min}" in script and cfg.cluster.time_limit_min == 120
+        assert f"#SBATCH --signal=USR2@{cfg.cluster.signal_delay_s}" in script
+        assert "#SBATCH --partition=gpu" in script and "#SBATCH --job-name=paper_t1" in script
+        assert "--account" not in script and "--qos" not in script  # null in the cluster profile: left out
+    # one sweep directory for the whole multirun
+    assert len({re.search(r"--output=(\S+)", s).group(1) for _, s in t1}) == 1
+
+
+def test_t1_sbatch_exports_every_cluster_env_key(t1):
+    env = OmegaConf.to_container(launch._compose(["experiment=paper_t1"]).cluster.env, resolve=True)
+    for _, script in t1:
+        setup = script.split("# setup\n")[1].split("# command")[0]
+        assert setup.index("NCCL") < script.index("srun ")
+        for key, value in env.items():
+            assert f"export {key}='{value}'" in setup, key
+    assert "export NCCL_SOCKET_IFNAME='^lo,docker'" in t1[0][1]
+
+
+def test_t1_sbatch_runs_the_trainer_with_the_cell_overrides(t1):
+    for overrides, script in t1:
+        cmd = shlex.split(_command(script))
+        i = cmd.index("python")
+        assert cmd[i:i + 4] == ["python", "-m", "fp4moe.train", "hydra.mode=RUN"]
+        assert cmd[i + 4:] == overrides
+        assert "experiment=paper_t1" in overrides and "hydra/launcher=slurm_h100" in overrides
+
+
+def test_env_reaches_the_script(monkeypatch):
+    monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0,mlx5_1")
+    monkeypatch.setenv("FP4MOE_SLURM_ACCOUNT", "proj42")
+    (_, script), *_ = launch.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp"])
+    assert "export NCCL_IB_HCA='mlx5_0,mlx5_1'" in script and "#SBATCH --account=proj42" in script
+
+
+def test_requeue_count_reaches_submitit():
+    cfg = launch._compose(["experiment=paper_t1", "hydra/launcher=slurm_h200", "cluster=slurm_h200"])
+    assert cfg.hydra.launcher.max_num_timeout > 0 and cfg.hydra.launcher.nodes == 32
+
+
+def test_broken_parallel_layout_exits_nonzero_with_the_check_message(capsys):
+    assert launch.main(["dry-run", "experiment=paper_t1", "parallel.tensor=3", "--summary"]) == 1
+    err = capsys.readouterr().err
+    assert "ConfigError: parallel.tensor x pipeline x context x data = 3 x 32 x 1 x 8" in err
+    with pytest.raises(ConfigError, match="!= parallel.world_size=256"):
+        launch.sbatch_scripts("paper_t1", ["parallel.tensor=3"])
+
+
+def test_unknown_experiment_is_refused(capsys):
+    assert launch.main(["dry-run", "experiment=paper_t9"]) == 2
+    assert "no conf/experiment/paper_t9.yaml" in capsys.readouterr().err
+
+
+def test_dry_run_prints_config_and_script(capsys):
+    assert launch.main(["dry-run", "experiment=paper_t1", "precision=fp8", "recompute=mla_up_proj"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("# ===== cell") == 1 and "#SBATCH --nodes=32" in out and "num_experts: 256" in out
+
+
+def test_tiny_cpu_with_local_launcher_composes(capsys):
+    cfg = launch._compose(["experiment=tiny_cpu", "hydra/launcher=local"])
+    assert cfg.hydra.launcher._target_.endswith("BasicLauncher")
+    assert "partition" not in cfg.hydra.launcher
+    cells, failures = launch.dry_run(["experiment=tiny_cpu", "hydra/launcher=local"])
+    assert not failures and len(cells) == 3 and all(c.sbatch is None for c in cells)
+    assert launch.main(["dry-run", "experiment=tiny_cpu", "hydra/launcher=local", "--summary"]) == 0
+    assert "not Slurm, no sbatch script" in capsys.readouterr().out
