@@ -1,0 +1,172 @@
+"""Every shim megatron-core 0.16.1 needs to build and run fp4moe's GPTModel without a GPU (and without TE).
+
+``apply()`` patches, once and idempotently. Without Transformer Engine (on any machine, CPU or GPU):
+
+0. ``megatron.core.transformer.multi_latent_attention.HAVE_TE`` -> the real TE availability. Without TE,
+   megatron/core/extensions/transformer_engine.py:74-77 replaces ``transformer_engine`` by a ``MagicMock``, so
+   multi_latent_attention.py:54-62 imports ``TELinear`` (a MagicMock, not a class) successfully and sets
+   ``HAVE_TE = True``; then multi_latent_attention.py:183-185 ``isinstance(self.linear_proj, TELinear)`` raises
+   ``TypeError: isinstance() arg 2 must be a type`` when MLA is built.
+0b. ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` -> ``None``. moe_utils.py:22-39 imports it only
+   when TE is present, but ``RouterGatingLinearFunction`` (moe_utils.py:1192, :1225, used whenever
+   ``moe_router_dtype`` is set, e.g. fp32) tests ``te_general_gemm is not None`` -> ``NameError`` without TE.
+
+Only when CUDA is absent (CPU machine, gloo):
+
+1. ``torch.cuda.current_device`` -> ``"cpu"``. MLA builds its RotaryEmbedding / YarnRotaryEmbedding without
+   passing ``use_cpu_initialization`` (megatron/core/transformer/multi_latent_attention.py:130-148), so
+   megatron/core/models/common/embeddings/rotary_pos_embedding.py:78 (and :162, :297) ask for the current CUDA
+   device; megatron/core/tensor_parallel/mappings.py (``_AllToAll``, gathers) and the global memory buffer
+   allocate on ``torch.cuda.current_device()`` too.
+2. ``torch.cuda.Stream`` / ``torch.cuda.stream`` / ``torch.cuda.current_stream`` -> no-op stand-ins.
+   ``MoEAlltoAllTokenDispatcher.__init__`` creates ``torch.cuda.Stream()`` (megatron/core/transformer/moe/
+   token_dispatcher.py:444-445) and its device-to-host sync uses the stream/events.
+3. megatron/core/tensor_parallel/random.py CUDA RNG: ``get_cuda_rng_tracker()`` (random.py:346) gets a
+   :class:`CPURNGStatesTracker` (named CPU RNG states; ``fork`` of an unknown name is a null context) in place of
+   ``CudaRNGStatesTracker`` (random.py:159-278, ``torch.cuda.get_rng_state``/``manual_seed``), and
+   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (random.py:41, :72) use the CPU generator. Activation
+   recompute needs both: ``CheckpointFunction.forward`` saves ``_get_all_rng_states()`` (random.py:514 -> :447
+   -> :55 ``torch.cuda.random.get_rng_state``) and restores them in backward (recompute ``full`` and
+   ``mla_up_proj`` fail with "Torch not compiled with CUDA enabled" without this).
+
+Only what the tests in tests/model exercise is patched; megatron's optimizer and pipeline schedules
+(``device='cuda'`` in megatron/core/optimizer/optimizer.py, megatron/core/pipeline_parallel/schedules.py) are not
+shimmed: on CPU use a plain torch loop and optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+_APPLIED = False
+
+
+class _NullStream:
+    """Stand-in for ``torch.cuda.Stream`` on CPU (token_dispatcher.py:445)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> Any:
+        return _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _NullEvent:
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class CPURNGStatesTracker:
+    """CPU stand-in for megatron's ``CudaRNGStatesTracker`` (tensor_parallel/random.py:159): named CPU RNG
+    states; ``fork`` runs the block under the named state (a null context for unknown names)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def is_initialized(self) -> bool:
+        return bool(self.states_)
+
+    def reset(self) -> None:
+        self.states_, self.seeds_ = {}, set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+        self.seeds_.add(seed)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            yield
+            return
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+_NO_TE_APPLIED = False
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply_no_te() -> bool:
+    """Shim 0 (see the module docstring): needed whenever Transformer Engine is absent. Returns True if applied."""
+    global _NO_TE_APPLIED
+    from megatron.core.extensions import transformer_engine as mte
+
+    if mte.HAVE_TE:
+        return False
+    if not _NO_TE_APPLIED:
+        from megatron.core.transformer import multi_latent_attention as mla
+
+        from megatron.core.transformer.moe import moe_utils
+
+        mla.HAVE_TE = False  # multi_latent_attention.py:62 sets True from a MagicMock TELinear
+        if not hasattr(moe_utils, "te_general_gemm"):  # moe_utils.py:1192/:1225 NameError without TE
+            moe_utils.te_general_gemm = None
+        _NO_TE_APPLIED = True
+    return True
+
+
+def apply() -> bool:
+    """Apply the no-TE shim when TE is absent, and the CPU shims when CUDA is absent. Returns True when the CPU
+    shims are active."""
+    global _APPLIED
+    apply_no_te()
+    if not needed():
+        return False
+    if _APPLIED:
+        return True
+    # 1. rotary_pos_embedding.py:78/:162/:297, tensor_parallel/mappings.py device=torch.cuda.current_device()
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # 2. transformer/moe/token_dispatcher.py:445 torch.cuda.Stream() in MoEAlltoAllTokenDispatcher.__init__
+    torch.cuda.Stream = _NullStream  # type: ignore[assignment,misc]
+    torch.cuda.Event = _NullEvent  # type: ignore[assignment,misc]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    # 3. tensor_parallel/random.py:346 get_cuda_rng_tracker, :41/:72 _get/_set_cuda_rng_state (recompute, :514)
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = CPURNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    _APPLIED = True
+    return True
+
+
+__all__ = ["apply", "apply_no_te", "needed", "CPURNGStatesTracker"]
