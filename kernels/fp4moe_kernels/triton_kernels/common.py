@@ -3,7 +3,8 @@
 All arithmetic is exact FP32/int32 so that results match ``fp4moe_kernels.reference`` bit for bit.
 FP8 values move as raw uint8 bits. On the GPU they are produced/consumed by the hardware E4M3
 conversions (``cvt.rn.satfinite``: nearest-even); under ``TRITON_INTERPRET=1`` (CPU tests) the
-interpreter's own float8 casts are wrong, so ``EMULATE_FP8`` switches to an exact integer emulation.
+interpreter's own float8 casts are wrong, so the kernels' ``EMULATE`` flag switches to an exact integer
+emulation (the only remaining use of the float rounding trick ``rne_int``, which is exact under numpy).
 """
 import os
 
@@ -41,25 +42,6 @@ def ceil_log2_ratio(amax, LIMIT_EXP: tl.constexpr, LIMIT_MANT: tl.constexpr):
 
 
 @triton.jit
-def floor_log2(amax):
-    bits = amax.to(tl.int32, bitcast=True)
-    return ((bits >> 23) & 0xFF) - 127
-
-
-@triton.jit
-def mx_scale_code(amax, all_finite, RULE_CEIL: tl.constexpr):
-    """UE8M0 code (int32) of a 32-block with finite max magnitude ``amax``: reference._mx_codes."""
-    safe = tl.where(amax > 0, amax, 1.0)
-    if RULE_CEIL:
-        k = ceil_log2_ratio(safe, 2, 0x400000)  # limit 6 = 1.5 * 2**2
-    else:
-        k = floor_log2(safe) - 2
-    code = tl.minimum(tl.maximum(k + 127, 0), 254)
-    code = tl.where(amax > 0, code, 0)
-    return tl.where(all_finite, code, 255)
-
-
-@triton.jit
 def load_f32(ptrs, mask, IS_BF16: tl.constexpr):
     """Load float32 values; BF16 inputs arrive as int16 bits and are widened by a shift (exact, also for
     BF16 denormals, which the Triton interpreter's own bf16 conversion flushes)."""
@@ -71,33 +53,9 @@ def load_f32(ptrs, mask, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def bf16_bits_exact(v):
-    """int16 BF16 bits of float32 ``v`` that BF16 represents exactly (or +-Inf/NaN): the top half."""
-    return (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
-
-
-@triton.jit
 def with_sign(mag, negative):
     """Set the sign bit of float32 ``mag >= 0`` where ``negative`` (keeps -0.0, unlike ``0 - x``)."""
     return (mag.to(tl.int32, bitcast=True) | tl.where(negative, -2147483648, 0)).to(tl.float32, bitcast=True)
-
-
-
-@triton.jit
-def load_pairs(x_ptr, r, col0, K, mask, BM: tl.constexpr, BK: tl.constexpr, X_BF16: tl.constexpr):
-    """Load channels ``col0 .. col0+BK`` of rows ``r`` ([BM, 1] int64) as float32 bit patterns of
-    element pairs: (even elements [BM, BK/2] int32, odd elements [BM, BK/2] int32).
-
-    BF16 rows are read as int32 words (two elements each, element 2j in the low half) and widened by
-    shifts: exact, also for BF16 denormals (which the interpreter's own bf16 conversion flushes)."""
-    j = col0 // 2 + tl.arange(0, BK // 2)
-    if X_BF16:
-        w = tl.load(x_ptr + r * (K // 2) + j[None, :], mask=mask, other=0)
-        return w << 16, w & -65536
-    else:
-        lo = tl.load(x_ptr + r * K + 2 * j[None, :], mask=mask, other=0)
-        hi = tl.load(x_ptr + r * K + 2 * j[None, :] + 1, mask=mask, other=0)
-        return lo, hi
 
 
 @triton.jit
@@ -174,19 +132,6 @@ def e4m3x2(lo, hi, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def e2m1_code(q):
-    """Magnitude code 0..7 (int32) of float32 ``q >= 0``: nearest-even on the E2M1 grid, saturating at 6."""
-    a = tl.minimum(q, 6.0)
-    r_lo = rne_int(a * 2.0) * 0.5
-    r_mid = rne_int(a)
-    r_hi = rne_int(a * 0.5) * 2.0
-    r = tl.where(a < 2.0, r_lo, tl.where(a < 4.0, r_mid, r_hi))
-    r = tl.minimum(r, 6.0)
-    code = tl.where(r < 2.0, r * 2.0, tl.where(r < 4.0, r + 2.0, r * 0.5 + 4.0))
-    return code.to(tl.int32)
-
-
-@triton.jit
 def e2m1_value(nib):
     """float32 value of 4-bit codes ``nib`` (int32, bit 3 = sign); -0 for code 8."""
     c = nib & 7
@@ -200,15 +145,6 @@ def e2m1_value(nib):
 def e8m0_value(code):
     """float32 2**(code-127) for UE8M0 codes 0..254 (code 0 is the FP32 denormal 2**-127)."""
     return ((code << 23) | tl.where(code == 0, 0x400000, 0)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def fp8_scale_exp(amax):
-    """Power-of-two FP8 scale exponent (int32) for a group's finite max magnitude: reference._fp8_group_exponent."""
-    safe = tl.where(amax > 0, amax, 1.0)
-    k = ceil_log2_ratio(safe, 8, 0x600000)  # limit 448 = 1.75 * 2**8
-    k = tl.minimum(tl.maximum(k, -126), 127)
-    return tl.where(amax > 0, k, 0)
 
 
 @triton.jit

@@ -55,7 +55,7 @@ def _col_tiles(seg: Segments, device) -> torch.Tensor:
 
 
 def _x(x: torch.Tensor):
-    """(kernel argument, X_BF16): BF16 goes in as int32 words of two elements (see common.load_pairs),
+    """(kernel argument, X_BF16): BF16 goes in as int32 words of two elements (see row._load_words),
     float32 as its int32 bits."""
     return (x.view(torch.int32), x.dtype == torch.bfloat16)
 
