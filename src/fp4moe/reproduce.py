@@ -53,16 +53,22 @@ NOT_YET_IMPLEMENTED = (
 
 
 def _find(label: str, module: str) -> bool | None:
-    """Whether ``module`` exists: True, False (it or its package is missing), or None when its
-    package fails to import (a bug or a missing dependency: a failure, traceback printed)."""
+    """Whether ``module`` exists: True; False when it or its package is missing (said, not a failure);
+    None when its package fails to import (a bug or a missing dependency: a failure, traceback printed)."""
     try:
-        return importlib.util.find_spec(module) is not None
+        if importlib.util.find_spec(module) is not None:
+            return True
+        missing = True
     except ModuleNotFoundError as exc:
-        if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
-            return False
-        traceback.print_exc()
+        missing = bool(exc.name) and (module == exc.name or module.startswith(exc.name + "."))
+        if not missing:
+            traceback.print_exc()
     except Exception:
+        missing = False
         traceback.print_exc()
+    if missing:
+        print(f"{label}: not available yet ({module} is missing)")
+        return False
     print(f"{label}: FAILED, {module.rsplit('.', 1)[0]} does not import (traceback above)")
     return None
 
@@ -104,11 +110,8 @@ def print_hardware() -> bool:
 def run_selfcheck() -> bool:
     """Run ``fp4moe_kernels.selfcheck.main()`` if it exists; return False only on a failure."""
     found = _find("kernel self-check", "fp4moe_kernels.selfcheck")
-    if found is None:
-        return False
     if not found:
-        print("kernel self-check: not available yet (fp4moe_kernels.selfcheck is missing)")
-        return True
+        return found is False  # missing: reported, nothing failed; None: it failed to import
     print("kernel self-check: running fp4moe_kernels.selfcheck.main()")
     ok, _ = _call(lambda: importlib.import_module("fp4moe_kernels.selfcheck").main())
     print(f"kernel self-check: {'passed' if ok else 'FAILED'}")
@@ -119,11 +122,8 @@ def run_bench(bench_argv: Sequence[str], track: bool) -> bool:
     """Run ``fp4moe_kernels.bench.main(argv)`` on the GPU, then log the JSON files it wrote under
     ``--out`` (default ``<repo>/results/kernels``) to MLflow; return False only on a failure."""
     found = _find("kernel benchmark", "fp4moe_kernels.bench")
-    if found is None:
-        return False
     if not found:
-        print("kernel benchmark: not available yet (fp4moe_kernels.bench is missing)")
-        return True
+        return found is False  # missing: reported, nothing failed; None: it failed to import
     argv = list(bench_argv)
     out = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
     if "--out" in argv[:-1]:
