@@ -499,3 +499,28 @@ def test_fp8_mm_gpu_matches_cpu(kind):
     y_g = fp8_mm(a.cuda(), sa.cuda(), b.cuda(), sb.cuda(), kind)  # M = 200: fprop/dgrad pad rows to 16
     tol = 2.0**-7 * y_c.to(F64).abs() + 2.0**-6 * (a_hp.abs() @ b_hp.abs().t())
     assert_bounded(y_g.cpu(), y_c.to(F64), tol, f"{kind} GPU vs CPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with blockwise FP8 GEMMs (sm_90)")
+@pytest.mark.parametrize("kind", ["fprop", "dgrad"])
+def test_fp8_mm_gpu_unpadded_ragged_rows(kind, monkeypatch):
+    """Decides GPU_ROW_MULTIPLE: the experts of a ragged FP8RowTensor (row counts and row offsets not multiples
+    of 16, so data and M-major scale slices start at unaligned rows) through F.scaled_mm *without* the zero-row
+    padding give the same bits as with it. If cuBLAS rejected or mis-read such operands this fails."""
+    import fp4moe.ops.fp8_gemm as G
+
+    counts = [37, 0, 150, 13, 63]
+    m, k, n = sum(counts), 512, 384
+    x = randn(21, m, k) if kind == "fprop" else randn(21, m, n)
+    w = randn(22, n, k, dtype=torch.float32, std=0.05).cuda()
+    f = kops.bf16_to_fp8_row(x.cuda(), counts)
+    wq = quantize_weight_128x128(w)
+    if kind == "dgrad":
+        wq = transpose_weight_128x128(*wq)
+    outs = {}
+    for mult in (16, 1):
+        monkeypatch.setattr(G, "GPU_ROW_MULTIPLE", mult)
+        outs[mult] = [fp8_mm(*f.segment(e), *wq, kind) for e in range(len(counts)) if counts[e]]
+    for a, b in zip(outs[16], outs[1]):
+        assert torch.equal(a, b), f"{kind}: unpadded rows differ from padded rows"

@@ -154,9 +154,12 @@ def scaled_mm_args(a, a_scale, b, b_scale, kind):
         sb = _m_major(b_scale)
     else:
         g4 = -(-g // 4) * 4
-        buf = torch.ones(b_scale.shape[0], g4, dtype=torch.float32, device=b_scale.device)
-        buf[:, :g] = b_scale
-        sb = buf.t()
+        if g4 == g and b_scale.is_contiguous():
+            sb = b_scale.t()  # rows already 16-byte multiples: no copy
+        else:
+            buf = torch.ones(b_scale.shape[0], g4, dtype=torch.float32, device=b_scale.device)
+            buf[:, :g] = b_scale
+            sb = buf.t()
     return a, b.t(), sa, sb, r
 
 

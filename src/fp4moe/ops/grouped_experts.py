@@ -42,7 +42,7 @@ from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
 from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
 
 from ..recipe import Recipe
-from .fp8_gemm import fp8_mm, quantize_weight_128x128, transpose_weight_128x128
+from .fp8_gemm import fp8_mm, quantize_weight_128x128
 
 _BF16 = torch.bfloat16
 
@@ -82,18 +82,33 @@ def expert_saved_bytes(counts, hidden: int, ffn: int, recipe: Recipe) -> int:
 # ------------------------------------------------------------------------------------------ GEMM helpers
 
 
+def quantize_experts_128x128(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """All experts' weights ``w [E, N, K]`` quantized 128x128 in one call: (data ``[E, N, K]`` E4M3, scale
+    ``[E, N/128, K/128]`` float32), bit-equal to ``quantize_weight_128x128(w[e])`` per expert (N is a multiple
+    of 128, so no block straddles two experts). ``transpose``: the blocks of every ``W_e^T`` instead
+    (``[E, K, N]``, ``[E, K/128, N/128]``; exact, see ``transpose_weight_128x128``)."""
+    e, n, k = w.shape
+    data, scale = quantize_weight_128x128(w.reshape(e * n, k))
+    data, scale = data.view(e, n, k), scale.view(e, n // FP8_GROUP, k // FP8_GROUP)
+    if transpose:
+        return data.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()
+    return data, scale
+
+
 def _per_expert_gemm(row: FP8RowTensor, w: torch.Tensor, seg: Segments, n: int, kind: str) -> torch.Tensor:
     """[T, n] bf16, per expert e: rows_e (FP8) times W_e in FP8 (128x128 blocks). ``kind`` 'fprop':
-    W = w [E, n, K], out = rows_e W_e^T; 'dgrad': W = w [E, N, n], out = dY_e W_e (transposed blocks)."""
+    W = w [E, n, K], out = rows_e W_e^T; 'dgrad': W = w [E, N, n], out = dY_e W_e (transposed blocks).
+    The weights of all experts are quantized in one call (``quantize_experts_128x128``), then one
+    ``fp8_mm`` per non-empty expert."""
     out = torch.empty(seg.total, n, dtype=_BF16, device=row.data.device)
+    if seg.total == 0:
+        return out
+    wd, ws = quantize_experts_128x128(w, transpose=kind == "dgrad")
     for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
         if r1 == r0:
             continue
         a, sa = row.segment(e)
-        wq = quantize_weight_128x128(w[e])
-        if kind == "dgrad":
-            wq = transpose_weight_128x128(*wq)
-        out[r0:r1] = fp8_mm(a, sa, *wq, kind)
+        out[r0:r1] = fp8_mm(a, sa, wd[e], ws[e], kind)
     return out
 
 
@@ -295,4 +310,4 @@ def grouped_expert_mlp(x, counts, w1: torch.Tensor, w2: torch.Tensor, probs: tor
     return GroupedExpertMLP.apply(x_hp, w1, w2, probs.float(), x_fp4, recipe, seg)
 
 
-__all__ = ["GroupedExpertMLP", "expert_saved_bytes", "grouped_expert_mlp"]
+__all__ = ["GroupedExpertMLP", "expert_saved_bytes", "grouped_expert_mlp", "quantize_experts_128x128"]
