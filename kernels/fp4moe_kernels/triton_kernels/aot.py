@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import col, launch, row
+from . import col, launch, row, weight
 
 _FP8 = {"M": "i32", "K": "constexpr", "R": "constexpr"}
 
@@ -54,6 +54,10 @@ KERNELS = {
     "bf16_to_fp8_col": (col.bf16_to_fp8_col_kernel,
                         {"x_ptr": "*i16", "o_ptr": "*u8", "os_ptr": "*fp32", "tiles_ptr": "*i32",
                          "K": "constexpr", "BN": "constexpr", "EMULATE": "constexpr", "X_BF16": "constexpr"}),
+    "quantize_weight_128x128": (weight.quantize_weight_128x128_kernel,
+                                {"w_ptr": "*i16", "q_ptr": "*i16", "s_ptr": "*fp32", "qt_ptr": "*u8", "st_ptr": "*fp32",
+                                 "K": "constexpr", "N": "constexpr", "W_BF16": "constexpr", "TRANSPOSE": "constexpr",
+                                 "EMULATE": "constexpr"}),
 }
 
 
@@ -80,8 +84,8 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
     """Compile kernel ``name`` for sm_90 with channel count ``k`` and the launcher's tile (or ``tile``)."""
     fn, sig = KERNELS[name]
     size, _, warps = tile or launch.TILES[name]
-    consts = {"K": k, "EMULATE": False, "BN": size, "R": size}
-    for c in ("RULE_CEIL", "X_BF16", "SINGLE_SEGMENT"):
+    consts = {"K": k, "EMULATE": False, "BN": size, "R": size, "N": 4096}
+    for c in ("RULE_CEIL", "X_BF16", "SINGLE_SEGMENT", "W_BF16", "TRANSPOSE"):
         if c in sig:
             consts[c] = flags.get(c, True)
     consts = {c: v for c, v in consts.items() if c in sig}

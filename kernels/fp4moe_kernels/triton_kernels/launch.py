@@ -28,6 +28,7 @@ TILES = {
     "fp8_row_to_fp4": (64, 0, 4),
     "fp4_row_to_fp8_col": (32, 0, 4),
     "bf16_to_fp8_col": (32, 0, 4),
+    "quantize_weight_128x128": (0, 0, 8),  # one 128x128 block per program; not swept
 }
 
 
@@ -170,3 +171,28 @@ def bf16_to_fp8_col(x: torch.Tensor, seg: Segments) -> FP8ColTensor:
     if tiles.shape[0]:
         col.bf16_to_fp8_col_kernel[grid](xa, o.view(torch.uint8), s, tiles, k, EMULATE=INTERPRET, X_BF16=xb, **meta)
     return FP8ColTensor(o, s, seg, k)
+
+
+def quantize_weight_128x128(w: torch.Tensor, rows_per_expert: int | None = None, transpose: bool = False):
+    """W ``[R, K]`` bf16/float32 contiguous (R, K multiples of 128) -> (data ``[R, K]`` float8_e4m3fn, scale
+    ``[R/128, K/128]`` float32) and, with ``transpose``, (data ``[E, K, N]``, scale ``[E, K/128, N/128]``) of
+    every expert's W_e^T for ``N = rows_per_expert`` (default R: one matrix). See ``weight``."""
+    from . import weight
+
+    r, k = w.shape
+    n = r if rows_per_expert is None else rows_per_expert
+    e = r // n
+    q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(r // 128, k // 128, dtype=torch.float32, device=w.device)
+    if transpose:
+        qt = torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=w.device)
+        st = torch.empty(e, k // 128, n // 128, dtype=torch.float32, device=w.device)
+    else:
+        qt, st = q, s  # unused
+    bf16 = w.dtype == torch.bfloat16
+    wv = w.view(torch.int16) if bf16 else w.view(torch.int32)
+    if r and k:
+        weight.quantize_weight_128x128_kernel[(r // 128, k // 128)](
+            wv, q.view(torch.int16), s, qt.view(torch.uint8), st, K=k, N=n, W_BF16=bf16, TRANSPOSE=transpose,
+            EMULATE=INTERPRET, num_warps=TILES["quantize_weight_128x128"][2])
+    return (q, s, qt, st) if transpose else (q, s)

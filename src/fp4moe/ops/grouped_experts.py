@@ -88,6 +88,11 @@ def quantize_experts_128x128(w: torch.Tensor, transpose: bool = False) -> tuple[
     of 128, so no block straddles two experts). ``transpose``: the blocks of every ``W_e^T`` instead
     (``[E, K, N]``, ``[E, K/128, N/128]``; exact, see ``transpose_weight_128x128``)."""
     e, n, k = w.shape
+    if w.is_cuda and w.dtype in (torch.bfloat16, torch.float32) and e * n and k:  # one Triton launch
+        from fp4moe_kernels.triton_kernels import launch
+
+        out = launch.quantize_weight_128x128(w.detach().reshape(e * n, k).contiguous(), n, transpose)
+        return (out[2], out[3]) if transpose else (out[0].view(e, n, k), out[1].view(e, n // FP8_GROUP, k // FP8_GROUP))
     data, scale = quantize_weight_128x128(w.reshape(e * n, k))
     data, scale = data.view(e, n, k), scale.view(e, n // FP8_GROUP, k // FP8_GROUP)
     if transpose:
@@ -113,14 +118,16 @@ def _per_expert_gemm(row: FP8RowTensor, w: torch.Tensor, seg: Segments, n: int, 
 
 
 def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
-    """dW [E, n, k] float32: per expert dY_e^T X_e (FP8 columns); zeros for empty experts."""
-    out = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    """dW [E, n, k] in ``like.dtype``: per expert dY_e^T X_e (FP8 columns, FP32 accumulation, one rounding to
+    the weight dtype); zeros for empty experts."""
+    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     for e, c in enumerate(seg.counts):
         if c == 0:
+            out[e].zero_()
             continue
         a, sa = dy_col.segment(e)
         b, sb = x_col.segment(e)
-        out[e] = fp8_mm(a, sa, b, sb, "wgrad", out_dtype=torch.float32)
+        out[e] = fp8_mm(a, sa, b, sb, "wgrad", out_dtype=like.dtype)
     return out
 
 
@@ -137,10 +144,12 @@ def _bf16_mm_per_expert(x: torch.Tensor, w: torch.Tensor, seg: Segments, transpo
 
 
 def _bf16_wgrad(dy: torch.Tensor, x: torch.Tensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
         if r1 > r0:
-            out[e] = (dy[r0:r1].t() @ x[r0:r1]).float()
+            out[e] = dy[r0:r1].t() @ x[r0:r1]
+        else:
+            out[e].zero_()
     return out
 
 
@@ -255,7 +264,7 @@ class GroupedExpertMLP(torch.autograd.Function):
             dz = _per_expert_gemm(kops.bf16_to_fp8_row(dy, seg), w2, seg, f, "dgrad")
         else:
             dz = _bf16_mm_per_expert(dy, w2, seg, False)
-        dw2 = _weight_grad(s, "z", dy, seg, w2, f, fp8).to(w2_dtype) if ctx.needs_input_grad[2] else None
+        dw2 = _weight_grad(s, "z", dy, seg, w2, f, fp8) if ctx.needs_input_grad[2] else None
         # ---- SwiGLU backward (from the saved, possibly MXFP4-decoded, h)
         if "h" in s:
             hmat = s["h"]
@@ -267,7 +276,7 @@ class GroupedExpertMLP(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _per_expert_gemm(kops.bf16_to_fp8_row(dh, seg), w1, seg, h, "dgrad") if fp8 else _bf16_mm_per_expert(dh, w1, seg, False)
         if ctx.needs_input_grad[1]:
-            dw1 = _weight_grad(s, "x", dh, seg, w1, h, fp8).to(w1_dtype)
+            dw1 = _weight_grad(s, "x", dh, seg, w1, h, fp8)
         dp = dprobs.to(probs.dtype) if ctx.needs_input_grad[3] else None
         return dx, dw1, dw2, dp, None, None, None
 
