@@ -1,7 +1,7 @@
 """The 128x128 FP8 weight quantizer kernel (triton_kernels.weight) equals the torch implementation bit for bit.
 
-CPU: under the Triton interpreter (FP8 casts emulated), small shapes with zero, NaN and Inf blocks, bf16 and
-float32, several experts and the transposed copy. GPU (``-m gpu``): compiled, at the DeepSeek-V3 expert shape.
+CPU: under the Triton interpreter (FP8 casts emulated), small shapes with zero, NaN and Inf blocks, several
+experts and the transposed copy (bf16, the only input the kernel takes). GPU (``-m gpu``): compiled, at the DeepSeek-V3 expert shape.
 """
 import os
 
@@ -45,15 +45,20 @@ def check(w, n, dev):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_weight_kernel_interpreted(dtype):
+def test_weight_kernel_interpreted():
+    dtype = torch.bfloat16
     check(weights(3, 256, 384, dtype), 256, "cpu")
     check(weights(1, 128, 128, dtype, seed=1), 128, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_weight_kernel_gpu(dtype):
+def test_weight_kernel_gpu():
+    dtype = torch.bfloat16
     check(weights(4, 4096, 7168, dtype, seed=2), 4096, "cuda")
     check(weights(2, 7168, 2048, dtype, seed=3), 7168, "cuda")
+
+
+def test_weight_kernel_rejects_float32():
+    with pytest.raises(TypeError, match="bfloat16 only"):
+        launch.quantize_weight_128x128(torch.zeros(128, 128))

@@ -56,7 +56,7 @@ KERNELS = {
                          "K": "constexpr", "BN": "constexpr", "EMULATE": "constexpr", "X_BF16": "constexpr"}),
     "quantize_weight_128x128": (weight.quantize_weight_128x128_kernel,
                                 {"w_ptr": "*i16", "q_ptr": "*i16", "s_ptr": "*fp32", "qt_ptr": "*u8", "st_ptr": "*fp32",
-                                 "K": "constexpr", "N": "constexpr", "W_BF16": "constexpr", "TRANSPOSE": "constexpr",
+                                 "K": "constexpr", "N": "constexpr", "TRANSPOSE": "constexpr",
                                  "EMULATE": "constexpr"}),
 }
 
@@ -85,7 +85,7 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
     fn, sig = KERNELS[name]
     size, _, warps = tile or launch.TILES[name]
     consts = {"K": k, "EMULATE": False, "BN": size, "R": size, "N": 4096}
-    for c in ("RULE_CEIL", "X_BF16", "SINGLE_SEGMENT", "W_BF16", "TRANSPOSE"):
+    for c in ("RULE_CEIL", "X_BF16", "SINGLE_SEGMENT", "TRANSPOSE"):
         if c in sig:
             consts[c] = flags.get(c, True)
     consts = {c: v for c, v in consts.items() if c in sig}

@@ -174,11 +174,13 @@ def bf16_to_fp8_col(x: torch.Tensor, seg: Segments) -> FP8ColTensor:
 
 
 def quantize_weight_128x128(w: torch.Tensor, rows_per_expert: int | None = None, transpose: bool = False):
-    """W ``[R, K]`` bf16/float32 contiguous (R, K multiples of 128) -> (data ``[R, K]`` float8_e4m3fn, scale
+    """W ``[R, K]`` bf16 contiguous (R, K multiples of 128) -> (data ``[R, K]`` float8_e4m3fn, scale
     ``[R/128, K/128]`` float32) and, with ``transpose``, (data ``[E, K, N]``, scale ``[E, K/128, N/128]``) of
     every expert's W_e^T for ``N = rows_per_expert`` (default R: one matrix). See ``weight``."""
     from . import weight
 
+    if w.dtype != torch.bfloat16:
+        raise TypeError(f"the weight kernel takes bfloat16 only, got {w.dtype}: use the torch path")
     r, k = w.shape
     n = r if rows_per_expert is None else rows_per_expert
     e = r // n
@@ -189,10 +191,8 @@ def quantize_weight_128x128(w: torch.Tensor, rows_per_expert: int | None = None,
         st = torch.empty(e, k // 128, n // 128, dtype=torch.float32, device=w.device)
     else:
         qt, st = q, s  # unused
-    bf16 = w.dtype == torch.bfloat16
-    wv = w.view(torch.int16) if bf16 else w.view(torch.int32)
     if r and k:
         weight.quantize_weight_128x128_kernel[(r // 128, k // 128)](
-            wv, q.view(torch.int16), s, qt.view(torch.uint8), st, K=k, N=n, W_BF16=bf16, TRANSPOSE=transpose,
+            w.view(torch.int16), q.view(torch.int16), s, qt.view(torch.uint8), st, K=k, N=n, TRANSPOSE=transpose,
             EMULATE=INTERPRET, num_warps=TILES["quantize_weight_128x128"][2])
     return (q, s, qt, st) if transpose else (q, s)

@@ -64,7 +64,7 @@ def quantize_weight_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     Scale 2**ceil(log2(amax/448)) per 128x128 block over its finite values, the exponent computed exactly
     (``ceil_log2_ratio``, as the activation quantizers) and clamped to [-126, 127]; an all-zero block gets
     scale 1. Elements are w / scale (exact: a power of two) rounded to E4M3 nearest-even; NaN/Inf become NaN.
-    CUDA (bf16/float32): the Triton kernel ``fp4moe_kernels.triton_kernels.weight`` (bit-equal, tested against
+    CUDA bf16: the Triton kernel ``fp4moe_kernels.triton_kernels.weight`` (bit-equal, tested against
     ``quantize_weight_128x128_torch``); otherwise torch ops. Not differentiable (detaches)."""
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise FormatError(f"weight must be a 2-D [N, K] tensor, got {getattr(w, 'shape', type(w).__name__)}")
@@ -75,7 +75,7 @@ def quantize_weight_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         raise FormatError(
             f"weight [N={n}, K={k}]: 128x128 blocks need N and K multiples of {FP8_GROUP}: pad the weight"
         )
-    if w.is_cuda and w.dtype in (torch.bfloat16, torch.float32):  # one Triton pass, the same bits
+    if w.is_cuda and w.dtype == torch.bfloat16:  # one Triton pass, the same bits
         from fp4moe_kernels.triton_kernels import launch
 
         return launch.quantize_weight_128x128(w.detach().contiguous())
@@ -165,9 +165,7 @@ def scaled_mm_args(a, a_scale, b, b_scale, kind):
             a_p = torch.zeros(r + pad, c, dtype=torch.uint8, device=a.device)
             a_p[:r] = a.view(torch.uint8)
             a = a_p.view(_FP8)
-        s_p = torch.ones(g, r + pad, dtype=torch.float32, device=a.device)
-        s_p[:, :r] = sa.t()
-        sa = s_p.t()
+        sa = torch.nn.functional.pad(sa.t(), (0, pad), value=1.0).t()  # [R', G] M-major, one kernel
     if kind == "wgrad":
         sb = _m_major(b_scale)
     else:
@@ -230,6 +228,7 @@ def fp8_mm(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     compute_dtype: torch.dtype = torch.float32,
+    check: bool = True,
 ) -> torch.Tensor:
     """``a @ b.T`` of blockwise-scaled FP8 operands, for ``kind`` 'fprop' | 'dgrad' | 'wgrad' (module docstring).
 
@@ -237,8 +236,11 @@ def fp8_mm(
     b ``[S, C]`` float8_e4m3fn row-major, ``b_scale`` ``[S/128, C/128]`` (128x128, 'fprop'/'dgrad') or
     ``[S, C/128]`` (1x128 along C, 'wgrad'). Returns ``[R, S]`` ``out_dtype``.
     CUDA: ``F.scaled_mm`` (FP32 accumulation, one rounding to out_dtype); CPU: exact dequantization and a
-    ``compute_dtype`` matmul (an emulation of the math, not of the GPU's accumulation order)."""
-    _check(a, a_scale, b, b_scale, kind)
+    ``compute_dtype`` matmul (an emulation of the math, not of the GPU's accumulation order).
+    ``check=False`` skips the operand validation (internal callers whose operands come from our quantizers; it
+    costs host time on every call of a per-expert loop)."""
+    if check:
+        _check(a, a_scale, b, b_scale, kind)
     if a.shape[0] == 0 or b.shape[0] == 0 or a.shape[1] == 0:  # empty expert / no tokens: nothing to launch
         return torch.zeros(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
     if a.is_cuda:
