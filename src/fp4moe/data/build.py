@@ -68,7 +68,12 @@ def model_vocab_size(cfg: Any) -> int:
 
 
 def _tokenizer_vocab_target(cfg: Any) -> int:
-    return int(_get(cfg, "data.tokenizer.vocab_size", model_vocab_size(cfg)))
+    """Ids of a BPE to train: ``data.tokenizer.vocab_size``, default ``model.vocab_size`` (never above it)."""
+    v, m = int(_get(cfg, "data.tokenizer.vocab_size", model_vocab_size(cfg))), model_vocab_size(cfg)
+    if v > m:
+        raise DataError(f"data.tokenizer.vocab_size={v} > model.vocab_size={m}: the model could not embed every id; "
+                        f"set model.vocab_size>={v} or lower data.tokenizer.vocab_size")
+    return v
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -179,7 +184,7 @@ def _build_into(tmp: Path, cfg: Any, source: dict, tok_spec: dict, key: str) -> 
             raise DataError(f"{source['prefix']} holds {n_docs} document(s): train and valid need at least one each")
         k = min(n_docs - 1, max(1, math.ceil(source["valid_fraction"] * n_docs)))
         cut = int(starts[n_docs - k])
-        first_doc_last = I.open_indexed(source["prefix"])[0][-1] if lay["tokens"] else None
+        first_doc_last = I.first_document(source["prefix"])[-1] if lay["tokens"] else None
         if first_doc_last is not None and int(first_doc_last) != eod_id:
             warnings.warn(f"{source['prefix']}: the first document does not end with EOD id {eod_id} ({eod_tok!r}); "
                           "samples will run documents together (megatron's preprocess_data --append-eod adds it)")

@@ -66,24 +66,31 @@ def open_indexed(prefix: str | os.PathLike):
 
 
 def read_documents(prefix: str | os.PathLike) -> list[np.ndarray]:
-    """Every sequence of ``prefix`` as read by megatron-core's reader (tests, checks)."""
+    """Every sequence of ``prefix`` as read by megatron-core's reader (tests, checks), copied: the reader's
+    arrays are views of its mmap, which it closes when garbage-collected (a view outliving it segfaults)."""
     ds = open_indexed(prefix)
-    return [np.asarray(ds[i]) for i in range(len(ds))]
+    return [np.array(ds[i]) for i in range(len(ds))]
+
+
+def first_document(prefix: str | os.PathLike) -> np.ndarray:
+    """Sequence 0 of ``prefix`` (copied, see ``read_documents``)."""
+    ds = open_indexed(prefix)
+    return np.array(ds[0])
 
 
 def layout(prefix: str | os.PathLike) -> dict:
     """dtype name, sequence count, token count and the token offset where each megatron document starts
     (``doc_token_starts``, length documents + 1), read from the ``.idx`` by megatron-core's reader."""
     ds = open_indexed(prefix)
-    lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
+    lengths = np.array(ds.sequence_lengths, dtype=np.int64)          # copies: ds's mmap dies with ds
     seq_starts = np.concatenate([[0], np.cumsum(lengths)])
-    pointers = np.asarray(ds.index.sequence_pointers, dtype=np.int64)
+    pointers = np.array(ds.index.sequence_pointers, dtype=np.int64)
     if not np.array_equal(pointers, seq_starts[:-1] * np.dtype(ds.index.dtype).itemsize):
         raise DataError(f"{prefix}.bin is not one contiguous token stream (its sequence pointers leave gaps): "
                         "rewrite it with megatron-core's IndexedDatasetBuilder")
-    doc_idx = np.asarray(ds.document_indices, dtype=np.int64)       # sequence index where each document starts
+    doc_idx = np.array(ds.document_indices, dtype=np.int64)       # sequence index where each document starts
     return {"dtype": np.dtype(ds.index.dtype).name, "sequences": int(lengths.size), "tokens": int(seq_starts[-1]),
             "doc_token_starts": seq_starts[doc_idx]}
 
 
-__all__ = ["layout", "open_indexed", "read_documents", "token_dtype", "write_indexed"]
+__all__ = ["first_document", "layout", "open_indexed", "read_documents", "token_dtype", "write_indexed"]
