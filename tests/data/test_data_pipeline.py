@@ -371,3 +371,15 @@ def test_cli(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "prepare" in capsys.readouterr().out
+
+
+def test_epochs_and_truncated_bin(tmp_path):
+    bin_path = tmp_path / "x.bin"
+    np.arange(1000, dtype=np.uint16).tofile(bin_path)
+    ds = TokenWindows(bin_path, np.uint16, 0, 1000, 10, seed=5)
+    assert np.array_equal(ds.with_epoch(0).order, ds.order)
+    e1 = ds.with_epoch(1)
+    assert not np.array_equal(e1.order, ds.order) and sorted(e1.order.tolist()) == list(range(len(ds)))
+    assert np.array_equal(e1.order, TokenWindows(bin_path, np.uint16, 0, 1000, 10, seed=5, epoch=1).order)
+    with pytest.raises(DataError, match="truncated copy"):
+        TokenWindows(bin_path, np.uint16, 0, 1001, 10)

@@ -34,7 +34,8 @@ def build_token_datasets(cfg: Any, log=print) -> tuple[TokenWindows, TokenWindow
     Each dataset is map-style: ``len(ds)`` samples, ``ds[i]`` a torch.int64 tensor [seq_length + 1] (inputs
     ``[:-1]``, labels ``[1:]``), consecutive windows of the split's documents as stored, EOD after each document
     (fp4moe.data.samples). Training windows are shuffled by the seed (sample i is the same window on every
-    machine); validation windows are in stream order.
+    machine); validation windows are in stream order. For more passes than one, ``train_ds.with_epoch(e)`` gives
+    the same windows reshuffled for pass ``e`` (fp4moe.data.samples.epoch_seed).
 
     ``info``: tokenizer_path, vocab_size (tokenizer ids), model_vocab_size, eod_id, eod_token, train_tokens,
     valid_tokens, train_samples, valid_samples, seq_length, seed, dataset_prefix (the training split's
