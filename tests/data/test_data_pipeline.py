@@ -383,3 +383,17 @@ def test_epochs_and_truncated_bin(tmp_path):
     assert np.array_equal(e1.order, TokenWindows(bin_path, np.uint16, 0, 1000, 10, seed=5, epoch=1).order)
     with pytest.raises(DataError, match="truncated copy"):
         TokenWindows(bin_path, np.uint16, 0, 1001, 10)
+
+
+def test_prebuilt(tmp_path):
+    f = tmp_path / "corpus.txt"
+    f.write_text("\n<|endoftext|>\n".join(_docs(7, 30)))
+    _, _, info = build_token_datasets(_user_cfg(tmp_path, f))
+    moved = tmp_path / "elsewhere"
+    Path(info["dataset_dir"]).rename(moved)                   # carried to another machine, source gone
+    f.unlink()
+    tr, va, again = build_token_datasets(_user_cfg(tmp_path, f, f"data.prebuilt={moved}"))
+    assert again["reused"] and again["key"] == info["key"] and again["dataset_prefix"] == str(moved / "train")
+    assert again["train_tokens"] == info["train_tokens"] and len(tr) == info["train_samples"]
+    with pytest.raises(DataError, match="has no manifest.json"):
+        B.prepare(_user_cfg(tmp_path, f, f"data.prebuilt={tmp_path}"))

@@ -19,6 +19,9 @@ a failure removes the temp directory, so a reader sees a whole build or none. Bu
 serialise on ``fcntl.flock`` of ``<data.dir>/.lock`` (several ranks may call ``prepare`` at once; the first
 builds, the others reuse), and the lock holder deletes temp directories that killed builds left behind.
 
+``data.prebuilt: <build directory>`` skips all of this and uses that build as it is (e.g. a user corpus built
+on the CPU machine and carried to the GPU machine, where the source files are absent).
+
 A user's megatron-core indexed prefix (``data.format=megatron_indexed``, or ``auto`` and ``<path>.idx`` exists)
 is not copied: the build directory holds the tokenizer and manifest only, and the manifest points at the
 prefix, holding out its last ``ceil(valid_fraction * documents)`` documents (a contiguous token range).
@@ -256,10 +259,25 @@ def load_manifest(directory: Path) -> dict:
     return m
 
 
+def _prebuilt(cfg: Any, directory: Path) -> dict:
+    """The manifest of a finished build used as it is (``data.prebuilt``): no source, no key check."""
+    if not (directory / MANIFEST).is_file():
+        raise DataError(f"data.prebuilt={str(directory)!r} has no {MANIFEST}: give a finished build directory "
+                        "(<data.dir>/<kind><vocab>-<key>/ as printed by `python -m fp4moe.data prepare`), or null")
+    m = load_manifest(directory)
+    n, v = m["tokenizer"]["vocab_size"], model_vocab_size(cfg)
+    if n > v:
+        raise DataError(f"data.prebuilt={directory} has {n} token ids but model.vocab_size={v}: set "
+                        f"model.vocab_size>={n} or use a build made for this model")
+    return {**m, "reused": True}
+
+
 def prepare(cfg: Any, log=print) -> dict:
-    """Build ``cfg``'s tokenizer and indexed files, or reuse a finished build with the same inputs; return the
-    manifest plus ``dir`` (absolute build directory) and ``reused`` (bool)."""
+    """Build ``cfg``'s tokenizer and indexed files, or reuse a finished build with the same inputs (or the one
+    ``data.prebuilt`` names); return the manifest plus ``dir`` (absolute build directory) and ``reused`` (bool)."""
     cfg = _as_cfg(cfg)
+    if _get(cfg, "data.prebuilt"):
+        return _prebuilt(cfg, Path(str(cfg.data.prebuilt)))
     final, source, tok_spec, key = build_dir(cfg)
     if (final / MANIFEST).is_file():
         return {**load_manifest(final), "reused": True}
