@@ -408,3 +408,18 @@ def test_prebuilt(tmp_path):
     assert again["train_tokens"] == info["train_tokens"] and len(tr) == info["train_samples"]
     with pytest.raises(DataError, match="has no manifest.json"):
         B.prepare(_user_cfg(tmp_path, f, f"data.prebuilt={tmp_path}"))
+
+
+def test_concurrent_builders(tmp_path):
+    """Two builders of one config at once (as ranks would): one builds under the lock, the other reuses."""
+    import threading
+    f = tmp_path / "corpus.txt"
+    f.write_text("\n<|endoftext|>\n".join(_docs(8, 30)))
+    cfg = _user_cfg(tmp_path, f)
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(B.prepare(cfg, log=lambda s: None))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(m["reused"] for m in out) == [False, True] and out[0]["dir"] == out[1]["dir"]
