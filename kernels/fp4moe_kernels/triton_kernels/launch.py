@@ -196,3 +196,65 @@ def quantize_weight_128x128(w: torch.Tensor, rows_per_expert: int | None = None,
             w.view(torch.int16), q.view(torch.int16), s, qt.view(torch.uint8), st, K=k, N=n, TRANSPOSE=transpose,
             EMULATE=INTERPRET, num_warps=TILES["quantize_weight_128x128"][2])
     return (q, s, qt, st) if transpose else (q, s)
+
+
+# ------------------------------------------------------------------------------------- grouped FP8 GEMMs
+
+GEMM_TILES = {"rows": (128, 128, 8, 8, 4), "wgrad": (128, 64, 8, 3)}  # (BM, BN, GROUP_M, warps, stages) / (BN, BK, warps, stages)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_tiles(seg: Segments, bm: int, device):
+    """(tiles int32 [n, 3] = (expert, first row, rows), seg_off int32 [E+1]) for ``grouped_rows_kernel``."""
+    rows = [(e, r0 + t0, min(bm, c - t0)) for e, (r0, c) in enumerate(zip(seg.offsets[:-1], seg.counts))
+            for t0 in range(0, c, bm)]
+    tiles = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
+    off = torch.tensor(seg.offsets, dtype=torch.int32)
+    return tiles.to(device, non_blocking=True), off.to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _padded_offsets(seg: Segments, device):
+    return torch.tensor(seg.padded_offsets, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _fp8_arg(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if INTERPRET else t
+
+
+def grouped_fp8_rows(a: FP8RowTensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """C ``[T, N]`` = per expert e ``A_e @ B_e^T`` (``gemm.grouped_rows_kernel``). a: ``FP8RowTensor`` ``[T, Kc]``
+    over E segments; b ``[E, N, Kc]`` E4M3 contiguous; b_scale ``[E, N/128, Kc/128]`` float32 contiguous."""
+    from . import gemm
+
+    t, kc = a.data.shape
+    e, n, _ = b.shape
+    seg = a.segments
+    bm, bn, group_m, warps, stages = GEMM_TILES["rows"]
+    c = torch.empty(t, n, dtype=out_dtype, device=a.data.device)
+    tiles, off = _row_tiles(seg, bm, a.data.device)
+    n_tiles = tiles.shape[0]
+    if n_tiles and n:
+        grid = (n_tiles * triton.cdiv(n, bn),)
+        gemm.grouped_rows_kernel[grid](_fp8_arg(a.data), a.scales, _fp8_arg(b), b_scale, c, tiles, off, n, n_tiles,
+                                       KC=kc, BM=bm, BN=bn, GROUP_M=group_m, EMULATE=INTERPRET,
+                                       num_warps=warps, num_stages=stages)
+    return c
+
+
+def grouped_fp8_wgrad(a: FP8ColTensor, b: FP8ColTensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """C ``[E, N, K]`` = per expert ``A_e B_e^T`` over its (padded) tokens (``gemm.grouped_wgrad_kernel``);
+    a: columns of N channels, b: columns of K channels, over the same segments."""
+    from . import gemm
+
+    seg = a.segments
+    n, k = a.channels, b.channels
+    bn, bk, warps, stages = GEMM_TILES["wgrad"]
+    c = torch.empty(seg.num, n, k, dtype=out_dtype, device=a.data.device)
+    if seg.num and n and k:
+        grid = (triton.cdiv(n, bn), triton.cdiv(k, bk), seg.num)
+        gemm.grouped_wgrad_kernel[grid](_fp8_arg(a.data), a.scales, _fp8_arg(b.data), b.scales, c,
+                                        _padded_offsets(seg, a.data.device), n, k,
+                                        max(seg.padded_counts) // 128 if INTERPRET else 0, BN=bn, BK=bk, EMULATE=INTERPRET,
+                                        num_warps=warps, num_stages=stages)
+    return c

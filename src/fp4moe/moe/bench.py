@@ -17,12 +17,14 @@ expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights
 * ``dispatch_*_bytes`` / ``combine_*_bytes``: payload bytes of the two all-to-alls (``A2AStats``) for one
   forward + backward; ``dispatch_ms`` / ``combine_ms``: time of the same ``quantized_all_to_all`` calls alone
   (encode + exchange + decode, forward + backward, same splits and codecs);
+* the expert GEMMs run on ``gemm_backend`` (the grouped Triton kernel on CUDA; ``FP4MOE_GROUPED_GEMM=loop``
+  selects the per-expert ``F.scaled_mm`` loop);
 * ``profile``: CUDA kernel time per iteration by category (FP8/BF16 GEMMs, our Triton kernels, NCCL,
   elementwise/other) and the top kernels, from ``torch.profiler`` (``--no-profile`` skips it).
 
-And once: ``gemm``: the fp8 expert GEMMs as the layer runs them (one ``F.scaled_mm`` per expert over the
-routed counts, weights pre-quantized) against one dense ``F.scaled_mm`` of the same total size
-(M = all routed rows), TFLOP/s and their ratio, for fc1/fc2 fprop, dgrad and wgrad.
+And once: ``gemm``: the fp8 expert GEMMs over the routed counts (weights pre-quantized), as the grouped Triton
+kernel and as the per-expert ``F.scaled_mm`` loop, against one dense ``F.scaled_mm`` of the same total size
+(M = all routed rows): TFLOP/s and ratios, for fc1/fc2 fprop, dgrad and wgrad.
 
 Output: ``<out>/moe_layer_<gpu>_ep<W>_<date>_<commit>.{json,md}`` (rank 0 writes). On CPU (``--device cpu``
 and small ``--hidden/--ffn``) the same code runs as a smoke test; times are then meaningless and memory is
@@ -44,7 +46,7 @@ import torch.distributed as dist
 
 from ..ops.all_to_all import A2AStats, quantized_all_to_all
 from ..ops.fp8_gemm import fp8_mm
-from ..ops.grouped_experts import expert_saved_bytes, quantize_experts_128x128
+from ..ops.grouped_experts import expert_saved_bytes, gemm_backend, quantize_experts_128x128
 from ..recipe import Recipe
 from .layer import MoELayer
 
@@ -280,9 +282,14 @@ def _a2a_times(layer: MoELayer, recipe: Recipe, idx, x, args, dev) -> dict:
 
 
 def _gemm_compare(layer: MoELayer, counts: list[int], args, dev) -> list[dict]:
-    """Grouped (one fp8_mm per expert, as the layer runs them) vs one dense fp8_mm of the same total size."""
+    """The expert GEMMs three ways over the routed counts: ``triton`` (one grouped launch,
+    ``fp4moe_kernels.triton_kernels.gemm``), ``loop`` (one ``fp8_mm`` = ``F.scaled_mm`` per expert) and
+    ``dense`` (one ``fp8_mm`` of the same total size, M = all routed rows). Weights and activations are quantized
+    beforehand (not timed)."""
     from fp4moe_kernels import ops as kops
     from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels.common import INTERPRET
 
     h, f = layer.hidden, layer.ffn
     t = sum(counts)
@@ -290,6 +297,7 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(5)
     x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
     dy2 = torch.randn(t, 2 * f, device=dev, generator=g).to(torch.bfloat16)
+    use_triton = dev.type == "cuda" or INTERPRET
     cases = []
     for name, a_src, w, n, k, kind in (
         ("fc1 fprop", x, layer.w1, 2 * f, h, "fprop"),
@@ -298,23 +306,30 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev) -> list[dict]:
         ("fc1 wgrad", None, layer.w1, 2 * f, h, "wgrad"),
     ):
         if kind == "wgrad":
-            a_col = kops.bf16_to_fp8_col(dy2, seg)
-            b_col = kops.bf16_to_fp8_col(x, seg)
+            a_col, b_col = kops.bf16_to_fp8_col(dy2, seg), kops.bf16_to_fp8_col(x, seg)
             ops = [(a_col.segment(e), b_col.segment(e)) for e in range(seg.num) if counts[e]]
-            grouped = lambda ops=ops: [fp8_mm(*a, *b, "wgrad", out_dtype=torch.bfloat16, check=False) for a, b in ops]  # noqa: E731
+            fns = {
+                "triton": lambda a_col=a_col, b_col=b_col: launch.grouped_fp8_wgrad(a_col, b_col),
+                "loop": lambda ops=ops: [fp8_mm(*a, *b, "wgrad", check=False) for a, b in ops],
+            }
             dense_a, dense_b = kops.bf16_to_fp8_col(dy2), kops.bf16_to_fp8_col(x)
-            dense = lambda: fp8_mm(*dense_a.segment(0), *dense_b.segment(0), "wgrad", out_dtype=torch.bfloat16, check=False)  # noqa: E731
-            flops = 2 * t * n * k
+            fns["dense"] = lambda: fp8_mm(*dense_a.segment(0), *dense_b.segment(0), "wgrad", check=False)  # noqa: E731
         else:
             row = kops.bf16_to_fp8_row(a_src, seg)
             wd, ws = quantize_experts_128x128(w, transpose=kind == "dgrad")
             ops = [(row.segment(e), wd[e], ws[e]) for e in range(seg.num) if counts[e]]
-            grouped = lambda ops=ops, kind=kind: [fp8_mm(*a, bw, bs, kind, check=False) for a, bw, bs in ops]  # noqa: E731
             drow = kops.bf16_to_fp8_row(a_src)
-            dense = lambda drow=drow, wd=wd, ws=ws, kind=kind: fp8_mm(*drow.segment(0), wd[0], ws[0], kind, check=False)  # noqa: E731
-            flops = 2 * t * n * k
+            fns = {
+                "triton": lambda row=row, wd=wd, ws=ws: launch.grouped_fp8_rows(row, wd, ws),
+                "loop": lambda ops=ops, kind=kind: [fp8_mm(*a, bw, bs, kind, check=False) for a, bw, bs in ops],
+                "dense": lambda drow=drow, wd=wd, ws=ws, kind=kind: fp8_mm(*drow.segment(0), wd[0], ws[0], kind,
+                                                                           check=False),
+            }
+        if not use_triton:
+            del fns["triton"]
+        flops = 2 * t * n * k
         out = {"gemm": name, "M": t, "N": n, "K": k, "experts": sum(1 for c in counts if c)}
-        for label, fn in (("grouped", grouped), ("dense", dense)):
+        for label, fn in fns.items():
             fn()
             with _Timer(dev) as tm:
                 for _ in range(max(1, args.iters)):
@@ -322,7 +337,9 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev) -> list[dict]:
             ms = tm.ms / max(1, args.iters)
             out[f"{label}_ms"] = ms
             out[f"{label}_tflops"] = flops / ms / 1e9
-        out["grouped_over_dense"] = out["grouped_tflops"] / out["dense_tflops"]
+        out["loop_over_dense"] = out["loop_tflops"] / out["dense_tflops"]
+        if "triton_tflops" in out:
+            out["triton_over_dense"] = out["triton_tflops"] / out["dense_tflops"]
         cases.append(out)
     return cases
 
@@ -376,11 +393,14 @@ def _markdown(doc: dict) -> str:
     if doc.get("ratios"):
         L += ["", "Ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in doc["ratios"].items())]
     if doc.get("gemm"):
-        L += ["", "## FP8 expert GEMMs: grouped (one F.scaled_mm per expert) vs one dense F.scaled_mm", "",
-              "| GEMM | M | N | K | experts | grouped TFLOP/s | dense TFLOP/s | grouped / dense |", "|---|---|---|---|---|---|---|---|"]
+        L += ["", "## FP8 expert GEMMs: grouped Triton kernel and per-expert F.scaled_mm loop vs one dense F.scaled_mm",
+              "", "| GEMM | M | N | K | experts | triton TFLOP/s | loop TFLOP/s | dense TFLOP/s | triton / dense "
+              "| loop / dense |", "|---|---|---|---|---|---|---|---|---|---|"]
         for g in doc["gemm"]:
-            L.append(f"| {g['gemm']} | {g['M']} | {g['N']} | {g['K']} | {g['experts']} | {g['grouped_tflops']:.0f} | "
-                     f"{g['dense_tflops']:.0f} | {g['grouped_over_dense']:.3f} |")
+            tri = f"{g['triton_tflops']:.0f}" if "triton_tflops" in g else "-"
+            tri_r = f"{g['triton_over_dense']:.3f}" if "triton_over_dense" in g else "-"
+            L.append(f"| {g['gemm']} | {g['M']} | {g['N']} | {g['K']} | {g['experts']} | {tri} | "
+                     f"{g['loop_tflops']:.0f} | {g['dense_tflops']:.0f} | {tri_r} | {g['loop_over_dense']:.3f} |")
     for r in rows:
         pr = r.get("profile")
         if not pr:
@@ -440,7 +460,8 @@ def main(argv=None) -> dict:
     doc = {
         "env": {"date": datetime.date.today().isoformat(), "commit": _commit(args.commit), "gpu": _gpu_name(dev),
                 "world_size": world, "torch": torch.__version__, "python": platform.python_version(),
-                "command": cmd, "warmup": args.warmup, "iters": args.iters, "device": str(dev)},
+                "command": cmd, "warmup": args.warmup, "iters": args.iters, "device": str(dev),
+                "grouped_gemm": gemm_backend(dev)},
         "shape": {"hidden": args.hidden, "ffn": args.ffn, "local_experts": args.local_experts, "experts": experts,
                   "top_k": args.top_k, "tokens": args.tokens, "shared_ffn": args.shared_ffn},
         "recipes": rows, "ratios": ratios, "gemm": gemm,

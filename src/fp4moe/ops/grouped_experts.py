@@ -7,8 +7,10 @@
     z = silu(h_gate) * h_up * p       [m, F]   weighted SwiGLU in float32 (p = probs[r0:r1], megatron's order)
     y = z W2_e^T                      [m, H]   fc2
 
-Backend: a loop over the non-empty experts of ``fp8_mm`` (blockwise FP8; ``F.scaled_mm`` on CUDA, the exact
-emulation on CPU) for recipes fp8 / mxfp4, plain BF16 ``@`` for bf16. The SwiGLU runs once over all rows.
+Backend for recipes fp8 / mxfp4 (``gemm_backend``): on CUDA one Triton launch per GEMM for all experts
+(``fp4moe_kernels.triton_kernels.gemm``: ragged rows, 1x128 x 128x128 scales, FP32 promotion every 128 of K),
+else a loop over the non-empty experts of ``fp8_mm`` (``F.scaled_mm`` on CUDA, the exact emulation on CPU);
+plain BF16 ``@`` per expert for bf16. The SwiGLU runs once over all rows.
 
 What is saved for backward (the weights are saved by reference and re-quantized in backward, as FP8Linear):
 
@@ -34,6 +36,8 @@ probs (float32). dgrad GEMMs quantize the upstream gradient to FP8 1x128 rows, w
 columns per expert (tokens padded to 128). Shapes: H, F multiples of 128 on the FP8 paths.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -100,6 +104,18 @@ def quantize_experts_128x128(w: torch.Tensor, transpose: bool = False) -> tuple[
     return data, scale
 
 
+def gemm_backend(device: torch.device) -> str:
+    """'triton' (one grouped launch per GEMM, ``fp4moe_kernels.triton_kernels.gemm``) on CUDA, 'loop' (one
+    ``fp8_mm`` per expert: ``F.scaled_mm`` on CUDA, the exact emulation on CPU) otherwise or when the
+    environment sets ``FP4MOE_GROUPED_GEMM=loop`` (the benchmark compares both)."""
+    if device.type != "cuda":
+        return "loop"
+    choice = os.environ.get("FP4MOE_GROUPED_GEMM", "triton")
+    if choice not in ("triton", "loop"):
+        raise ValueError(f"FP4MOE_GROUPED_GEMM={choice!r}: use 'triton' or 'loop'")
+    return choice
+
+
 def _per_expert_gemm(row: FP8RowTensor, w: torch.Tensor, seg: Segments, n: int, kind: str) -> torch.Tensor:
     """[T, n] bf16, per expert e: rows_e (FP8) times W_e in FP8 (128x128 blocks). ``kind`` 'fprop':
     W = w [E, n, K], out = rows_e W_e^T; 'dgrad': W = w [E, N, n], out = dY_e W_e (transposed blocks).
@@ -109,6 +125,10 @@ def _per_expert_gemm(row: FP8RowTensor, w: torch.Tensor, seg: Segments, n: int, 
     if seg.total == 0:
         return out
     wd, ws = quantize_experts_128x128(w, transpose=kind == "dgrad")
+    if gemm_backend(row.data.device) == "triton":
+        from fp4moe_kernels.triton_kernels import launch
+
+        return launch.grouped_fp8_rows(row, wd, ws)
     for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
         if r1 == r0:
             continue
@@ -120,6 +140,10 @@ def _per_expert_gemm(row: FP8RowTensor, w: torch.Tensor, seg: Segments, n: int, 
 def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
     """dW [E, n, k] in ``like.dtype``: per expert dY_e^T X_e (FP8 columns, FP32 accumulation, one rounding to
     the weight dtype); zeros for empty experts."""
+    if gemm_backend(like.device) == "triton":
+        from fp4moe_kernels.triton_kernels import launch
+
+        return launch.grouped_fp8_wgrad(dy_col, x_col, out_dtype=like.dtype)
     out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     for e, c in enumerate(seg.counts):
         if c == 0:
@@ -319,4 +343,4 @@ def grouped_expert_mlp(x, counts, w1: torch.Tensor, w2: torch.Tensor, probs: tor
     return GroupedExpertMLP.apply(x_hp, w1, w2, probs.float(), x_fp4, recipe, seg)
 
 
-__all__ = ["GroupedExpertMLP", "expert_saved_bytes", "grouped_expert_mlp", "quantize_experts_128x128"]
+__all__ = ["GroupedExpertMLP", "expert_saved_bytes", "gemm_backend", "grouped_expert_mlp", "quantize_experts_128x128"]
