@@ -94,3 +94,13 @@ def test_grouped_wgrad_gpu():
     got = launch.grouped_fp8_wgrad(a, b)
     assert not got[7].any()
     assert rel(got, loop_wgrad(a, b, counts, torch.bfloat16)) < 1e-3
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_grouped_rows_other_tiles_interpreted(monkeypatch):
+    """BN = 256 (two weight scale blocks per tile, a partial last N tile at N = 384) and BM = 64."""
+    monkeypatch.setitem(launch.GEMM_TILES, "rows", (64, 256, 2, 4, 2))
+    launch._row_tiles.cache_clear()
+    a, wd, ws = rows_case(COUNTS, 256, 384, "fprop", "cpu", seed=7)
+    got = launch.grouped_fp8_rows(a, wd, ws, out_dtype=torch.float32)
+    assert rel(got, loop_rows(a, wd, ws, COUNTS, "fprop", torch.float32)) < 1e-5

@@ -70,15 +70,15 @@ def grouped_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tiles_ptr, seg_off_
     a_ptrs = a_ptr + r[:, None] * KC + rk[None, :]
     b_ptrs = b_ptr + (e.to(tl.int64) * N + rn[:, None]) * KC + rk[None, :]
     sa_ptrs = sa_ptr + seg0.to(tl.int64) * G + (r - seg0)  # + g * m_e
-    sb_ptrs = sb_ptr + (e.to(tl.int64) * tl.cdiv(N, 128) + tn * BN // 128) * G  # + g (BN <= 128)
+    sb_ptrs = sb_ptr + (e.to(tl.int64) * tl.cdiv(N, 128) + rn // 128) * G  # [BN], + g
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for g in range(0, G):
         a = _load_fp8(a_ptrs + g * 128, mmask[:, None], EMULATE)
         b = _load_fp8(b_ptrs + g * 128, nmask[:, None], EMULATE)
         part = _dot_t(a, b, EMULATE)
         sa = tl.load(sa_ptrs + g * m_e, mask=mmask, other=0.0)
-        sb = tl.load(sb_ptrs + g)
-        acc += part * (sa[:, None] * sb)
+        sb = tl.load(sb_ptrs + g, mask=nmask, other=0.0)
+        acc += (part * sa[:, None]) * sb[None, :]
     c_ptrs = c_ptr + r[:, None] * N + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 

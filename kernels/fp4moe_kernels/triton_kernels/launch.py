@@ -200,7 +200,31 @@ def quantize_weight_128x128(w: torch.Tensor, rows_per_expert: int | None = None,
 
 # ------------------------------------------------------------------------------------- grouped FP8 GEMMs
 
-GEMM_TILES = {"rows": (128, 128, 8, 8, 4), "wgrad": (128, 64, 8, 3)}  # (BM, BN, GROUP_M, warps, stages) / (BN, BK, warps, stages)
+# rows: (BM, BN, GROUP_M, num_warps, num_stages); wgrad: (BN, BK, num_warps, num_stages). Chosen by
+# ``python -m fp4moe.moe.bench --sweep-gemm`` on an H200 (results/moe_layer/); FP4MOE_GEMM_TILES (JSON, e.g.
+# '{"rows": [128, 256, 8, 8, 3]}') overrides them for a run.
+GEMM_TILES = {"rows": (128, 128, 8, 8, 4), "wgrad": (128, 64, 8, 3)}
+
+
+def _gemm_tiles_from_env() -> None:
+    import json
+    import os
+
+    raw = os.environ.get("FP4MOE_GEMM_TILES")
+    if not raw:
+        return
+    try:
+        over = json.loads(raw)
+        for key, val in over.items():
+            if key not in GEMM_TILES or len(val) != len(GEMM_TILES[key]):
+                raise ValueError(f"{key}={val}")
+            GEMM_TILES[key] = tuple(int(v) for v in val)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"FP4MOE_GEMM_TILES={raw!r} is not valid ({exc}): give JSON like "
+                         '\'{"rows": [128, 128, 8, 8, 4], "wgrad": [128, 64, 8, 3]}\'') from None
+
+
+_gemm_tiles_from_env()
 
 
 @functools.lru_cache(maxsize=64)

@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu (smoke test)")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler kernel breakdown")
     p.add_argument("--no-gemm", action="store_true", help="skip the grouped-vs-dense GEMM comparison")
+    p.add_argument("--sweep-gemm", action="store_true",
+                   help="first time the grouped Triton GEMMs under several tile configs and use the fastest")
     p.add_argument("--out", default="results/moe_layer", help="output folder")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     return p
@@ -281,7 +283,7 @@ def _a2a_times(layer: MoELayer, recipe: Recipe, idx, x, args, dev) -> dict:
     return res
 
 
-def _gemm_compare(layer: MoELayer, counts: list[int], args, dev) -> list[dict]:
+def _gemm_compare(layer: MoELayer, counts: list[int], args, dev, only: str | None = None) -> list[dict]:
     """The expert GEMMs three ways over the routed counts: ``triton`` (one grouped launch,
     ``fp4moe_kernels.triton_kernels.gemm``), ``loop`` (one ``fp8_mm`` = ``F.scaled_mm`` per expert) and
     ``dense`` (one ``fp8_mm`` of the same total size, M = all routed rows). Weights and activations are quantized
@@ -327,6 +329,8 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev) -> list[dict]:
             }
         if not use_triton:
             del fns["triton"]
+        if only:
+            fns = {only: fns[only]}
         flops = 2 * t * n * k
         out = {"gemm": name, "M": t, "N": n, "K": k, "experts": sum(1 for c in counts if c)}
         for label, fn in fns.items():
@@ -337,14 +341,53 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev) -> list[dict]:
             ms = tm.ms / max(1, args.iters)
             out[f"{label}_ms"] = ms
             out[f"{label}_tflops"] = flops / ms / 1e9
-        out["loop_over_dense"] = out["loop_tflops"] / out["dense_tflops"]
-        if "triton_tflops" in out:
+        if "loop_tflops" in out:
+            out["loop_over_dense"] = out["loop_tflops"] / out["dense_tflops"]
+        if "triton_tflops" in out and "dense_tflops" in out:
             out["triton_over_dense"] = out["triton_tflops"] / out["dense_tflops"]
         cases.append(out)
     return cases
 
 
+ROWS_TILES = [(128, 128, 8, 8, 4), (128, 128, 8, 8, 3), (128, 256, 8, 8, 3), (256, 128, 8, 8, 3),
+              (128, 128, 8, 4, 4), (64, 128, 8, 4, 4)]
+WGRAD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (128, 256, 8, 3)]
+
+
+def _sweep_gemm(layer: MoELayer, counts: list[int], args, dev) -> dict:
+    """Time the grouped Triton GEMMs under each tile config (rows: fc1/fc2 fprop + fc1 dgrad, wgrad: fc1 wgrad),
+    adopt the fastest into ``launch.GEMM_TILES`` for the rest of the run, and return every time."""
+    from fp4moe_kernels.triton_kernels import launch
+
+    out = {"rows": [], "wgrad": []}
+    for key, configs, names in (("rows", ROWS_TILES, ("fc1 fprop", "fc2 fprop", "fc1 dgrad")),
+                                ("wgrad", WGRAD_TILES, ("fc1 wgrad",))):
+        default = launch.GEMM_TILES[key]
+        for cfg in configs:
+            launch.GEMM_TILES[key] = cfg
+            launch._row_tiles.cache_clear()
+            try:
+                rows = [r for r in _gemm_compare(layer, counts, args, dev, only="triton") if r["gemm"] in names]
+                out[key].append({"tiles": list(cfg), "ms": sum(r["triton_ms"] for r in rows)})
+            except Exception as exc:  # a config that does not compile or fit: recorded, skipped
+                out[key].append({"tiles": list(cfg), "ms": None, "error": str(exc)[:200]})
+        ok = [r for r in out[key] if r["ms"] is not None]
+        launch.GEMM_TILES[key] = tuple(min(ok, key=lambda r: r["ms"])["tiles"]) if ok else default
+        launch._row_tiles.cache_clear()
+        out[f"best_{key}"] = list(launch.GEMM_TILES[key])
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"sweep {key}: " + ", ".join(f"{r['tiles']}={r['ms']}" for r in out[key]) +
+                  f" -> {launch.GEMM_TILES[key]}", flush=True)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- reporting
+
+
+def _tiles() -> dict:
+    from fp4moe_kernels.triton_kernels import launch
+
+    return {k: list(v) for k, v in launch.GEMM_TILES.items()}
 
 
 def _commit(arg):
@@ -377,7 +420,8 @@ def _markdown(doc: dict) -> str:
          f"Shape (per GPU): hidden {doc['shape']['hidden']}, expert ffn {doc['shape']['ffn']}, top-"
          f"{doc['shape']['top_k']} of {doc['shape']['experts']} experts ({doc['shape']['local_experts']} local), "
          f"{doc['shape']['tokens']} tokens, shared ffn {doc['shape']['shared_ffn']}. torch {env['torch']}, "
-         f"timing: CUDA events, {env['iters']} iterations after {env['warmup']} warm-up.", "",
+         f"timing: {'CUDA events' if env['gpu'] != 'cpu' else 'perf_counter'}, {env['iters']} iterations after {env['warmup']} warm-up. Expert GEMMs: "
+         f"{env.get('grouped_gemm')}, tiles {env.get('gemm_tiles')}.", "",
          "| recipe | ms/iter | tokens/s | vs fp8 | peak GiB | peak over base GiB | saved MiB | saved B/token "
          "| expert saved MiB | dispatch fwd MiB | dispatch ms | combine ms |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -432,6 +476,11 @@ def main(argv=None) -> dict:
     g = torch.Generator(device=dev).manual_seed(args.seed + 1 + rank)
     x = torch.randn(args.tokens, args.hidden, device=dev, generator=g).to(torch.bfloat16)
     dy = (torch.randn(args.tokens, args.hidden, device=dev, generator=g) * 1e-3).to(torch.bfloat16)
+    sweep = None
+    if args.sweep_gemm:
+        with torch.no_grad():
+            layer(x)
+        sweep = _sweep_gemm(layer, _local_counts(layer, layer.last_routing[0]), args, dev)
     rows = []
     for r in recipes:
         rows.append(_bench_recipe(layer, r, x, dy, args, dev))
@@ -461,10 +510,10 @@ def main(argv=None) -> dict:
         "env": {"date": datetime.date.today().isoformat(), "commit": _commit(args.commit), "gpu": _gpu_name(dev),
                 "world_size": world, "torch": torch.__version__, "python": platform.python_version(),
                 "command": cmd, "warmup": args.warmup, "iters": args.iters, "device": str(dev),
-                "grouped_gemm": gemm_backend(dev)},
+                "grouped_gemm": gemm_backend(dev), "gemm_tiles": _tiles()},
         "shape": {"hidden": args.hidden, "ffn": args.ffn, "local_experts": args.local_experts, "experts": experts,
                   "top_k": args.top_k, "tokens": args.tokens, "shared_ffn": args.shared_ffn},
-        "recipes": rows, "ratios": ratios, "gemm": gemm,
+        "recipes": rows, "ratios": ratios, "gemm": gemm, "gemm_sweep": sweep,
     }
     if rank == 0:
         out = Path(args.out)
