@@ -203,7 +203,7 @@ def quantize_weight_128x128(w: torch.Tensor, rows_per_expert: int | None = None,
 # rows: (BM, BN, GROUP_M, num_warps, num_stages); wgrad: (BN, BK, num_warps, num_stages). Chosen by
 # ``python -m fp4moe.moe.bench --sweep-gemm`` on an H200 (results/moe_layer/); FP4MOE_GEMM_TILES (JSON, e.g.
 # '{"rows": [128, 256, 8, 8, 3]}') overrides them for a run.
-GEMM_TILES = {"rows": (128, 128, 8, 8, 4), "wgrad": (128, 64, 8, 3)}
+GEMM_TILES = {"rows": (64, 128, 8, 4, 4), "wgrad": (64, 128, 4, 3)}  # H200 sweep at 96ab870
 
 
 def _gemm_tiles_from_env() -> None:

@@ -14,7 +14,8 @@ rank r owning experts ``r*E/W .. (r+1)*E/W - 1``):
 4. the received rows (ordered by source rank, then local expert) are regrouped expert-major and go through
    ``grouped_expert_mlp`` (weighted SwiGLU); then back to source-major order.
 5. combine: ``quantized_all_to_all`` with forward codec bf16 (backward ``recipe.backward_a2a``), then the
-   k weighted expert outputs of each token are summed (float32, ``index_add``) and cast to bf16.
+   k weighted expert outputs of each token are summed (float32, ``index_add``) and cast to bf16; only the
+   token indices are saved for backward.
 6. optional shared expert: SwiGLU MLP through ``fp8_linear(..., layer_kind='shared_expert')`` and ``swiglu``
    (its input saved as MXFP4 under ``activation_fp4_store``, else BF16).
 
@@ -87,6 +88,23 @@ class _RouterLinear(torch.autograd.Function):
         dx = (g @ w.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
         dw = (g.t() @ x.float()).to(w.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw
+
+
+class _CombineSum(torch.autograd.Function):
+    """out ``[T, H]`` bf16: the k weighted expert rows of each token (``y [T*k, H]``, token ``tok[i]`` for row i)
+    summed in float32, rounded once. Saves only ``tok`` (autograd's ``index_add`` would keep a float32 copy of
+    y: 4H bytes per routed row); the gradient of row i is the token's gradient, ``g[tok[i]]``."""
+
+    @staticmethod
+    def forward(ctx, y, tok, t):
+        ctx.save_for_backward(tok)
+        out = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device).index_add_(0, tok, y.float())
+        return out.to(_BF16)
+
+    @staticmethod
+    def backward(ctx, g):
+        (tok,) = ctx.saved_tensors
+        return g.index_select(0, tok).to(_BF16), None, None
 
 
 class _PermuteAnchor(torch.autograd.Function):
@@ -220,8 +238,7 @@ class MoELayer(torch.nn.Module):
         y_src = y_e[inv]
         # ---- combine and un-permute
         y_back = quantized_all_to_all(y_src, outs, ins, self.group, "bf16", r.backward_a2a, stats=self.combine_stats)
-        out = torch.zeros(t, h, dtype=torch.float32, device=x2.device).index_add(0, tok, y_back.float())
-        out = out.to(_BF16)
+        out = _CombineSum.apply(y_back, tok, t)
         if self.shared_ffn:
             out = out + self._shared(x2)
         return out.reshape(*lead, h)
