@@ -42,7 +42,7 @@ def test_tiny_model_trains_and_mlflow_holds_the_run(tmp_path, store, precision):
 
     from fp4moe.train.loop import train
 
-    steps = 6
+    steps = 5
     cfg = _compose(tmp_path, f"precision={precision}", f"train.steps={steps}", "train.eval_interval=3",
                    "train.checkpoint_interval=null")
     r = train(cfg)
@@ -51,7 +51,7 @@ def test_tiny_model_trains_and_mlflow_holds_the_run(tmp_path, store, precision):
     assert all(math.isfinite(v) for v in r.losses.values())
     assert r.losses[1] > 5.5                                   # ~ln(512) at init
     assert r.losses[steps] < r.losses[1] - 0.5                 # it learns the byte statistics
-    assert sorted(r.eval_losses) == [3, 6] and r.eval_losses[6] < r.losses[1] - 0.5
+    assert sorted(r.eval_losses) == [3, 5] and r.eval_losses[5] < r.losses[1] - 0.5
 
     c = _client(store)
     run = c.get_run(r.run_id)
@@ -74,48 +74,48 @@ def test_tiny_model_trains_and_mlflow_holds_the_run(tmp_path, store, precision):
 
 
 def test_stop_by_signal_and_kill_then_resume_give_the_same_losses(tmp_path, store):
-    """Uninterrupted run A; run B stopped by SIGTERM after step 3 then resumed; run C killed (an exception) after
-    step 5 with its last checkpoint at step 4, then resumed. B and C reproduce A's losses bit for bit, and each
-    continues its own MLflow run."""
+    """Uninterrupted run A; run B stopped by SIGTERM after step 1 then resumed; run C killed (an exception) after
+    step 3 with its last checkpoint at step 2, then resumed. B and C reproduce A's losses bit for bit (BF16
+    parameters, fp32 masters and AdamW moments restored), and each continues its own MLflow run."""
     from fp4moe.train.loop import train
 
-    common = ["train.steps=6", "train.checkpoint_interval=2", "train.eval_interval=3"]
+    common = ["train.steps=4", "train.checkpoint_interval=2", "train.eval_interval=2"]
     a = train(_compose(tmp_path / "a", *common))
-    assert sorted(a.losses) == list(range(1, 7))
+    assert sorted(a.losses) == [1, 2, 3, 4] and sorted(a.eval_losses) == [2, 4]
 
-    def sigterm_at_3(step, metrics):
-        if step == 3:
+    def sigterm_at_1(step, metrics):
+        if step == 1:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    b1 = train(_compose(tmp_path / "b", *common), after_step=sigterm_at_3)
-    assert b1.stopped_by == signal.SIGTERM and b1.step == 3 and b1.checkpoint.name == "step_0000003"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+    before = signal.getsignal(signal.SIGTERM)
+    b1 = train(_compose(tmp_path / "b", *common), after_step=sigterm_at_1)
+    assert b1.stopped_by == signal.SIGTERM and b1.step == 1 and b1.checkpoint.name == "step_0000001"
+    assert signal.getsignal(signal.SIGTERM) == before       # our handler is gone again
     assert _client(store).get_run(b1.run_id).info.status == "KILLED"
     b2 = train(_compose(tmp_path / "b", *common))
-    assert b2.start_step == 3 and b2.run_id == b1.run_id and sorted(b2.losses) == [4, 5, 6]
+    assert b2.start_step == 1 and b2.run_id == b1.run_id and sorted(b2.losses) == [2, 3, 4]
     assert {**b1.losses, **b2.losses} == a.losses           # bit for bit
-    assert b2.eval_losses == {6: a.eval_losses[6]}
+    assert b2.eval_losses == a.eval_losses
 
     class Crash(RuntimeError):
         pass
 
-    def crash_at_5(step, metrics):
-        if step == 5:
+    def crash_at_3(step, metrics):
+        if step == 3:
             raise Crash("simulated kill")
 
     with pytest.raises(Crash):
-        train(_compose(tmp_path / "c", *common), after_step=crash_at_5)
+        train(_compose(tmp_path / "c", *common), after_step=crash_at_3)
     ckpts = sorted(p.name for p in (tmp_path / "c" / "ckpt" / "train").iterdir())
-    assert ckpts == ["step_0000002", "step_0000004"]          # keep_checkpoints = 2, no temp folder left
+    assert ckpts == ["step_0000002"]                          # no temporary folder left behind
     c2 = train(_compose(tmp_path / "c", *common))
-    assert c2.start_step == 4 and sorted(c2.losses) == [5, 6]
-    assert c2.losses == {5: a.losses[5], 6: a.losses[6]}
+    assert c2.start_step == 2 and c2.losses == {3: a.losses[3], 4: a.losses[4]}
 
     client = _client(store)
     run = client.get_run(b2.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
     assert _history(client, b2.run_id, "loss") == a.losses
-    assert _history(client, c2.run_id, "loss") == a.losses    # step 5 logged twice, with the same value
+    assert _history(client, c2.run_id, "loss") == a.losses    # step 3 logged twice, with the same value
 
 
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, store):
@@ -189,3 +189,24 @@ def test_schedule_and_sampler():
     # 2 DP ranks x 2 micro-batches of 3: the global batch of 12 starting at 100 is split without overlap
     got = [micro_batch_indices(100, k, 3, r, 2) for k in range(2) for r in range(2)]
     assert sorted(i for g in got for i in g) == list(range(100, 112))
+
+
+def test_slurm_task_environment(monkeypatch):
+    """A Slurm task (srun, one task): the rendezvous comes from submitit's TorchDistributedEnvironment."""
+    from omegaconf import OmegaConf
+
+    from fp4moe.train.dist import init_distributed, teardown
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(k, raising=False)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+             "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_ID": "0",
+             "MASTER_PORT": str(_closed_port())}
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    info = init_distributed(OmegaConf.create({"parallel": {"world_size": 1}}))
+    try:
+        assert (info.launcher, info.rank, info.world_size, info.backend) == ("slurm", 0, 1, "gloo")
+        assert os.environ["MASTER_ADDR"] == "localhost" and os.environ["WORLD_SIZE"] == "1"
+    finally:
+        teardown(info)
