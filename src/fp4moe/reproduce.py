@@ -39,8 +39,9 @@ NOT_YET_IMPLEMENTED = (
               "quantized all-to-all, grouped experts and MoELayer exist, CPU-tested; their GPU tests "
               "have not run)"),
     ("P3", 4, "the recipe inside the megatron-core model (the model itself builds: fp4moe.model), "
-              "`python -m fp4moe.train` (Hydra), real tokenized data, per-step MLflow metrics; the H200 "
-              "proxy's T1-shaped table and the bf16 / fp8 / mxfp4 convergence comparison"),
+              "real tokenized data (fp4moe.data; `python -m fp4moe.train` exists and is CPU-tested on test "
+              "text), multi-GPU and GPU runs of the trainer; the H200 proxy's T1-shaped table and the "
+              "bf16 / fp8 / mxfp4 convergence comparison"),
     ("P4", 5, "real Slurm submission (needs the trainer), requeue and resume, the local Slurm tool, "
               "slurm/ templates and the F3/F4 presets; the configs, their checks, the launcher profiles "
               "and the dry run exist (conf/, fp4moe.config, fp4moe.launch)"),
