@@ -211,3 +211,16 @@ def test_slurm_task_environment(monkeypatch):
         assert os.environ["MASTER_ADDR"] == "localhost" and os.environ["WORLD_SIZE"] == "1"
     finally:
         teardown(info)
+
+
+def test_checkpoint_folders_of_multirun_cells_are_separate(tmp_path):
+    from fp4moe.train.checkpoint import fingerprint, run_dir
+
+    cfg = _compose(tmp_path, "task_name=proxy")
+    assert run_dir(cfg) == tmp_path / "ckpt" / "proxy"
+    assert run_dir(cfg, "precision=bf16,recompute=mla_up_proj") == tmp_path / "ckpt" / "proxy" / "precision=bf16,recompute=mla_up_proj"
+    # run length and intervals may change between a run and its resume; what is trained may not
+    longer = _compose(tmp_path, "task_name=proxy", "train.steps=99", "train.eval_interval=7")
+    assert fingerprint(longer) == fingerprint(cfg)
+    other = fingerprint(_compose(tmp_path, "task_name=proxy", "precision=fp8"))
+    assert [k for k in other if other[k] != fingerprint(cfg)[k]] == ["precision"]

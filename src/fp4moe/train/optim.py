@@ -25,6 +25,7 @@ import torch.distributed as dist
 from fp4moe.config import ConfigError
 
 SCHEDULES = ("cosine", "constant")
+BUCKET_NUMEL = 2 ** 26  # fp32 elements per gradient all-reduce bucket (256 MiB)
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int, name: str = "cosine") -> float:
@@ -92,7 +93,7 @@ class Optimizer:
         self.grad_clip = None if o.get("grad_clip") is None else float(o.grad_clip)
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": float(o.weight_decay)}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=float(o.lr), betas=betas, eps=float(o.eps), foreach=False)
+            lr=float(o.lr), betas=betas, eps=float(o.eps))  # torch's default: foreach on CUDA, a loop on CPU
 
     # -- gradients
     def accumulate(self) -> None:
@@ -116,20 +117,26 @@ class Optimizer:
         return [m.grad for m in self.masters]
 
     def reduce_grads(self, dp_group: Any, dp_size: int, expert_dp_group: Any) -> None:
-        """Average gradients over data parallelism (dense: DP group; experts: expert-DP group, divided by DP)."""
+        """Average gradients over data parallelism (dense: DP group; experts: expert-DP group, divided by DP),
+        in flat buckets of at most BUCKET_NUMEL elements (one all-reduce each)."""
         if dp_size == 1:
             return
         grads = self.main_grads()
         for expert, group in ((False, dp_group), (True, expert_dp_group)):
             sel = [g for g, e in zip(grads, self.expert) if e == expert]
-            if not sel:
-                continue
-            flat = torch._utils._flatten_dense_tensors(sel)
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(flat, group=group)
-            flat.div_(dp_size)
-            for g, r in zip(sel, torch._utils._unflatten_dense_tensors(flat, sel)):
-                g.copy_(r)
+            bucket: list[torch.Tensor] = []
+            size = 0
+            for i, g in enumerate(sel):
+                bucket.append(g)
+                size += g.numel()
+                if size >= BUCKET_NUMEL or i == len(sel) - 1:
+                    flat = torch._utils._flatten_dense_tensors(bucket)
+                    if dist.get_world_size(group) > 1:
+                        dist.all_reduce(flat, group=group)
+                    flat.div_(dp_size)
+                    for b, r in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                        b.copy_(r)
+                    bucket, size = [], 0
 
     def grad_norm(self, expert_parallel_group: Any = None) -> torch.Tensor:
         """Global L2 norm of the (reduced) gradients, fp32 scalar: dense gradients are replicated on every rank;
@@ -138,8 +145,11 @@ class Optimizer:
         dense = [g for g, e in zip(grads, self.expert) if not e]
         experts = [g for g, e in zip(grads, self.expert) if e]
         zero = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-        sq_dense = sum((g.float().pow(2).sum() for g in dense), zero)
-        sq_expert = sum((g.float().pow(2).sum() for g in experts), zero.clone())
+
+        def sq(gs: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack(torch._foreach_norm(gs)).pow(2).sum() if gs else zero.clone()
+
+        sq_dense, sq_expert = sq(dense), sq(experts)
         if expert_parallel_group is not None and dist.get_world_size(expert_parallel_group) > 1:
             dist.all_reduce(sq_expert, group=expert_parallel_group)
         return (sq_dense + sq_expert).sqrt()
@@ -149,8 +159,7 @@ class Optimizer:
         if self.grad_clip is None:
             return
         coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
-        for g in self.main_grads():
-            g.mul_(coef)
+        torch._foreach_mul_(self.main_grads(), coef)
 
     # -- update
     def step(self, lr: float) -> None:
