@@ -68,6 +68,7 @@ def test_tiny_model_trains_and_mlflow_holds_the_run(tmp_path, store, precision):
     # measure.warmup_steps = 1 in train/short_cpu: step 1 is not measured
     assert sorted(_history(c, r.run_id, "tokens_per_gpu_per_s")) == list(range(2, steps + 1))
     assert _history(c, r.run_id, "eval_loss") == r.eval_losses
+    assert sorted(_history(c, r.run_id, "moe/seq_load_balancing_loss")) == list(range(1, steps + 1))
     assert "peak_mem_allocated_gb" not in last and "summary/peak_mem_allocated_gb" not in last  # CPU: skipped
     assert last["summary/measured_steps"] == steps - 1 and last["summary/tgs_mean"] > 0
     assert last["summary/final_loss"] == r.losses[steps]

@@ -146,6 +146,18 @@ def _build_data(cfg: Any, info: Any):
     return train_ds, valid_ds, dinfo
 
 
+def _moe_losses(mcfg: Any, accum: int) -> dict[str, float]:
+    """megatron-core's MoE auxiliary losses of the step just done (e.g. ``moe/seq_load_balancing_loss``), the
+    mean over MoE layers of the per-micro-batch mean, reduced across ranks; clears megatron's tracker. Collective:
+    every rank calls it."""
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    out: dict[str, Any] = {}
+    track_moe_metrics(loss_scale=1.0 / accum, iteration=0, total_loss_dict=out, num_layers=mcfg.num_layers,
+                      moe_layer_freq=mcfg.moe_layer_freq, mtp_num_layers=mcfg.mtp_num_layers)
+    return {f"moe/{k}": float(v) for k, v in out.items()}
+
+
 def _evaluate(model: Any, valid_ds: Any, cfg: Any, derived: dict[str, Any], info: Any, pos: Any) -> float:
     """Mean LM loss (nats/token) over the first ``eval_steps`` global batches of the validation split (the same
     samples every time), averaged over DP ranks."""
@@ -337,6 +349,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                 m: dict[str, float | None] = {"loss": loss_v, "lr": lr, "grad_norm": norm_v,
                                               "consumed_samples": float(consumed)}
                 m.update(meter.after_step(dt))
+                m.update(_moe_losses(mcfg, accum))
                 result.losses[step], result.lrs[step], result.grad_norms[step] = loss_v, lr, norm_v
                 result.step = step
                 if not math.isfinite(loss_v):

@@ -12,7 +12,9 @@ whose id its checkpoint holds.
   ``lr``, ``grad_norm`` (before clipping), ``step_time_s``, ``tokens_per_gpu_per_s`` (measured steps only: the
   first ``measure.warmup_steps`` steps of each process start are left out, SPEC §8), ``peak_mem_allocated_gb`` /
   ``peak_mem_reserved_gb`` (CUDA only, since the memory-stats reset at the end of the warm-up; NOT logged on CPU,
-  the run carries the tag ``peak_memory=not measured (CPU)``), ``eval_loss``.
+  the run carries the tag ``peak_memory=not measured (CPU)``), ``eval_loss``, and megatron-core's MoE auxiliary
+  losses as its tracker reports them (``moe/seq_load_balancing_loss``: mean over MoE layers, before the
+  coefficient ``model.moe.aux_loss_coeff``).
 - summary metrics at the end (also written to ``summary.json`` in the Hydra output folder): ``summary/tgs_mean``,
   ``summary/tgs_median``, ``summary/tgs_min``, ``summary/tgs_max``, ``summary/measured_steps``,
   ``summary/step_time_median_s``, ``summary/peak_mem_allocated_gb``, ``summary/peak_mem_reserved_gb``,
