@@ -1,0 +1,12 @@
+"""The trainer (P3, issue 4): ``python -m fp4moe.train`` (a Hydra app over conf/train.yaml).
+
+- :mod:`fp4moe.train.loop`: :func:`~fp4moe.train.loop.train`, the run (checks, set-up, steps, eval, checkpoints)
+- :mod:`fp4moe.train.dist`: torch.distributed (single process, torchrun, Slurm) and megatron parallel state
+- :mod:`fp4moe.train.data`: the one door to ``fp4moe.data.build_token_datasets`` and the resumable sampler
+- :mod:`fp4moe.train.optim`: AdamW with fp32 master weights, warm-up + cosine schedule, gradient reduction/clipping
+- :mod:`fp4moe.train.checkpoint`: atomic per-rank checkpoints, resume checks
+- :mod:`fp4moe.train.metrics`: MLflow run (params, tags, per-step metrics, summary), tokens/GPU/s, peak memory
+- :mod:`fp4moe.train.signals`: checkpoint-and-stop on SIGTERM / SIGUSR1 / SIGUSR2
+
+Importing this package imports neither torch nor megatron-core.
+"""

@@ -1,0 +1,72 @@
+"""``python -m fp4moe.train [overrides...]``: train per conf/train.yaml (Hydra app; see conf/README.md).
+
+    python -m fp4moe.train                                        # tiny model on CPU (the root config's defaults)
+    python -m fp4moe.train train=short_cpu train.params_dtype=fp32
+    torchrun --nproc-per-node 2 -m fp4moe.train parallel=two_gpu_ep2 cluster=workstation_2gpu
+    python -m fp4moe.train experiment=paper_t1 hydra/launcher=slurm_h100    # Slurm via submitit (P4)
+
+Exit status: 0 finished; 2 the config, the data or the MLflow store cannot be used (one message, no traceback,
+before training starts); 3 out of GPU memory (recorded in MLflow as ``outcome=OOM``; in a multirun the sweep goes
+on); 128 + N stopped by signal N after writing a checkpoint (rerun the same command to resume).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from fp4moe.config import ConfigError
+from fp4moe.recipe import RecipeError
+from fp4moe.tracking import TrackingUnavailable
+from fp4moe.train.data import DataUnavailable
+
+CONF_DIR = Path(os.environ.get("FP4MOE_CONF_DIR", Path(__file__).resolve().parents[3] / "conf"))
+EXIT_CONFIG, EXIT_OOM = 2, 3
+log = logging.getLogger("fp4moe.train")
+
+
+def _hydra_context() -> tuple[str | None, str | None, bool]:
+    """(multirun cell name, output folder, is multirun) of the current Hydra job."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None, None, False
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    cell = (hc.job.override_dirname or f"job{hc.job.num}") if multirun else None
+    return cell, hc.runtime.output_dir, multirun
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    cell, out, multirun = _hydra_context()
+    try:
+        from fp4moe.train.loop import train
+
+        result = train(cfg, multirun_cell=cell, output_dir=out)
+    except (ConfigError, RecipeError, TrackingUnavailable, DataUnavailable) as e:
+        print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    except Exception as e:  # noqa: BLE001 - only out-of-memory is a result (an OOM cell of a table); the rest raises
+        if type(e).__name__ != "OutOfMemoryError":
+            raise
+        print(f"fp4moe.train: out of GPU memory (recorded in MLflow as outcome=OOM): {e}".splitlines()[0],
+              file=sys.stderr)
+        if not multirun:
+            sys.exit(EXIT_OOM)
+        return
+    if result.stopped_by:
+        sys.exit(128 + result.stopped_by)
+    s = result.summary
+    log.info("done: step %d/%d, loss %s, eval loss %s, tokens/GPU/s median %s, MLflow run %s", result.step,
+             result.total_steps, s.get("summary/final_loss"), s.get("summary/final_eval_loss"),
+             s.get("summary/tgs_median"), result.run_id)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Atomic, resumable checkpoints: ``<run dir>/step_NNNNNNN/{meta.json, rank_RRRRR.pt}``.
+
+Each rank writes its own ``rank_RRRRR.pt`` (model state dict incl. the router expert-bias buffers, optimizer with
+fp32 masters and AdamW moments, schedule, RNG states of python / numpy / torch / CUDA / megatron's tracker) into a
+hidden temporary folder ``.step_NNNNNNN.tmp``; after a barrier rank 0 writes ``meta.json`` (step, consumed
+samples, MLflow run id, the run's fingerprint, world size) and renames the folder into place. A folder without
+``meta.json`` is never a checkpoint, so a run killed mid-save resumes from the previous one. The newest
+``keep`` checkpoints are kept.
+
+Resuming needs the same world size and the same fingerprint (:func:`fingerprint`: the config groups that
+change what is trained); run length, intervals and logging may differ.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from fp4moe.config import ConfigError
+from fp4moe.train.dist import barrier
+
+STEP_RE = re.compile(r"^step_(\d{7,})$")
+# Config keys whose change makes a checkpoint belong to another run. train.* run length, intervals, measure and
+# checkpointing knobs are left out on purpose (extending a run is a resume).
+FINGERPRINT_KEYS = ("model", "precision", "recompute", "parallel", "data", "backend", "train.seed",
+                    "train.params_dtype", "train.optimizer", "train.schedule")
+
+
+def fingerprint(cfg: Any) -> dict[str, str]:
+    """sha256 (16 hex digits) of each FINGERPRINT_KEYS entry of the resolved config."""
+    out = {}
+    for key in FINGERPRINT_KEYS:
+        node = OmegaConf.select(cfg, key)
+        value = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        out[key] = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return out
+
+
+def run_dir(cfg: Any, multirun_cell: str | None = None) -> Path:
+    """``train.checkpoint_dir / task_name [/ cell]``: a multirun cell (Hydra's ``override_dirname``) gets its own
+    folder so that the cells of a sweep never resume from each other."""
+    d = Path(str(cfg.train.checkpoint_dir)).expanduser() / str(cfg.get("task_name") or "train")
+    return d / multirun_cell if multirun_cell else d
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:07d}"
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = STEP_RE.match(d.name)
+        if m and d.is_dir() and (d / "meta.json").is_file():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def latest(root: Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+# ---------------------------------------------------------------------------------------------- RNG
+
+def rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+             "megatron_tracker": mrandom.get_cuda_rng_tracker().get_states()}
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    mrandom.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+
+# ---------------------------------------------------------------------------------------------- save / load
+
+def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size: int, model: torch.nn.Module,
+         optimizer: Any, schedule: Any, mlflow_run_id: str | None, fingerprint_: dict[str, str],
+         keep: int = 2) -> Path:
+    """Write the checkpoint of ``step`` (collective: every rank calls it). Returns the final folder."""
+    final = _step_dir(root, step)
+    tmp = root / f".{final.name}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+               "rng": rng_state(), "step": step, "consumed_samples": consumed_samples, "rank": rank}
+    path = tmp / f"rank_{rank:05d}.pt"
+    with open(path, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    barrier()
+    if rank == 0:
+        meta = {"step": step, "consumed_samples": consumed_samples, "world_size": world_size,
+                "mlflow_run_id": mlflow_run_id, "fingerprint": fingerprint_, "time": time.time()}
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # the same step saved again (e.g. a signal right after a periodic save)
+            trash = root / f".{final.name}.old"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        for _, old in complete_checkpoints(root)[:-max(1, keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "meta.json").read_text())
+
+
+def check_compatible(folder: Path, meta: dict[str, Any], *, world_size: int, fingerprint_: dict[str, str]) -> None:
+    """ConfigError naming what differs when the checkpoint in ``folder`` belongs to another run."""
+    if int(meta["world_size"]) != world_size:
+        raise ConfigError(f"checkpoint {folder} was written by {meta['world_size']} processes, this run has "
+                          f"{world_size}: resume with the same parallel layout, or use another train.checkpoint_dir")
+    saved = meta.get("fingerprint") or {}
+    differs = [k for k in FINGERPRINT_KEYS if saved.get(k) != fingerprint_.get(k)]
+    if differs:
+        raise ConfigError(f"checkpoint {folder} belongs to a run with other {', '.join(differs)}: resume with the "
+                          "same config, point train.checkpoint_dir elsewhere, or set train.resume=false with an "
+                          "empty checkpoint folder")
+
+
+def load(folder: Path, *, rank: int, model: torch.nn.Module, optimizer: Any, schedule: Any) -> dict[str, Any]:
+    """Restore this rank's state from ``folder``; returns its ``meta.json`` (step, consumed samples, run id)."""
+    meta = read_meta(folder)
+    payload = torch.load(folder / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
+    model.load_state_dict(payload["model"], strict=True)
+    optimizer.load_state_dict(payload["optimizer"])
+    schedule.load_state_dict(payload["schedule"])
+    set_rng_state(payload["rng"])
+    if int(payload["step"]) != int(meta["step"]):
+        raise RuntimeError(f"{folder}: rank file step {payload['step']} != meta step {meta['step']}")
+    return meta
+
+
+__all__ = ["fingerprint", "run_dir", "complete_checkpoints", "latest", "save", "load", "read_meta",
+           "check_compatible", "rng_state", "set_rng_state", "FINGERPRINT_KEYS"]

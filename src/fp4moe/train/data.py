@@ -1,0 +1,49 @@
+"""The trainer's one door to the data pipeline, and its sampler.
+
+:func:`build_token_datasets` is ``fp4moe.data.build_token_datasets`` (the data pipeline of issue 4), imported
+on first use: ``train_ds, valid_ds, info = build_token_datasets(cfg)``. Each dataset is map-style and
+deterministic, ``ds[i]`` a LongTensor ``[seq_length + 1]`` (input ``[:-1]``, labels ``[1:]``); ``info`` holds
+``vocab_size, eod_id, train_tokens, valid_tokens, tokenizer_path, dataset_prefix``. The trainer calls this module
+attribute (never a copy of it), so tests can replace it in this one place.
+
+Sampling (:func:`micro_batch_indices`): global sample ``n`` is ``train_ds[n % len(train_ds)]``. A step consumes
+``global_batch`` consecutive samples from ``consumed_samples``; micro-batch ``k`` of data-parallel rank ``r``
+takes ``micro`` of them at offset ``(k * DP + r) * micro``. A resumed run starts at its checkpoint's
+``consumed_samples``, so it sees exactly the samples the uninterrupted run would.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class DataUnavailable(RuntimeError):
+    """The data pipeline cannot give the datasets; the message says why and what to do."""
+
+
+def build_token_datasets(cfg: Any):
+    try:
+        from fp4moe.data import build_token_datasets as build
+    except ModuleNotFoundError as e:
+        if e.name in ("fp4moe.data",):
+            raise DataUnavailable("fp4moe.data (the tokenizer + indexed-dataset pipeline, issue 4) is not in this "
+                                  "checkout yet, so fp4moe.train has no data to train on") from e
+        raise
+    return build(cfg)
+
+
+def micro_batch_indices(consumed: int, micro_index: int, micro: int, dp_rank: int, dp_size: int) -> list[int]:
+    """Global sample numbers of micro-batch ``micro_index`` of the step starting at ``consumed`` on ``dp_rank``."""
+    start = consumed + (micro_index * dp_size + dp_rank) * micro
+    return list(range(start, start + micro))
+
+
+def batch(ds: Any, indices: list[int]):
+    """(tokens, labels), each LongTensor [len(indices), seq_length], from samples ``indices`` (mod len(ds))."""
+    import torch
+
+    n = len(ds)
+    rows = torch.stack([torch.as_tensor(ds[i % n], dtype=torch.long) for i in indices])
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+__all__ = ["DataUnavailable", "build_token_datasets", "micro_batch_indices", "batch"]

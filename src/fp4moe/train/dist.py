@@ -1,0 +1,143 @@
+"""torch.distributed and megatron-core parallel state for the trainer.
+
+Three ways a process learns its rank, tried in this order:
+
+1. torchrun (or any launcher exporting ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): ``env://``.
+2. Slurm (``SLURM_PROCID``, ``SLURM_NTASKS`` and a job step id set: a task started by srun, e.g. by submitit):
+   ``submitit.helpers.TorchDistributedEnvironment().export()`` writes the ``env://`` variables (master = the first
+   node of the job, port = ``MASTER_PORT`` or one derived from the job id), then as 1. A batch script's own
+   process (no step id) counts as a single process.
+3. Neither: a single process on a free loopback port (world size 1).
+
+Backend: nccl when CUDA is present (device ``cuda:LOCAL_RANK``), gloo otherwise (device ``cpu``).
+The process count must equal ``parallel.world_size``. The trainer supports data and expert parallelism (the
+paper's layouts have TP1); TP, PP and CP > 1 raise a ConfigError saying so.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fp4moe.config import ConfigError
+
+
+@dataclass
+class DistInfo:
+    """Where this process sits: global rank / world size, local rank, device, backend, who launched it, and
+    whether this module created the process group (then :func:`teardown` destroys it)."""
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    launcher: str            # 'torchrun' | 'slurm' | 'single'
+    owns_group: bool
+    owns_model_parallel: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_supported(cfg: Any) -> None:
+    """Refuse parallel layouts the trainer does not run yet, with the reason (ConfigError)."""
+    p = cfg.parallel
+    unsupported = [(k, int(p.get(k) or 1)) for k in ("tensor", "pipeline", "context") if int(p.get(k) or 1) > 1]
+    if int(p.get("expert_tensor") or 1) > 1:
+        unsupported.append(("expert_tensor", int(p.expert_tensor)))
+    if unsupported:
+        what = ", ".join(f"parallel.{k}={v}" for k, v in unsupported)
+        raise ConfigError(
+            f"{what}: not supported by fp4moe.train yet (it runs data and expert parallelism: tensor, pipeline, "
+            "context and expert_tensor must be 1). Paper-scale layouts with PP>1 can be checked with "
+            "`python -m fp4moe.launch dry-run` but not trained yet")
+
+
+def init_distributed(cfg: Any) -> DistInfo:
+    """Initialise the default process group (see the module docstring) and check its size against
+    ``parallel.world_size``. Reuses a group that already exists (and then leaves it alone at teardown)."""
+    env = os.environ
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    owns = not dist.is_initialized()
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchrun"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        launcher = "slurm"
+        from submitit.helpers import TorchDistributedEnvironment
+
+        # submitit's JobEnvironment recognises Slurm by SUBMITIT_EXECUTOR, which a plain `srun` task lacks.
+        env.setdefault("SUBMITIT_EXECUTOR", "slurm")
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    else:
+        launcher = "single"
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if owns:
+        if launcher == "single":
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    info = DistInfo(rank=rank, world_size=world, local_rank=local_rank,
+                    device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
+                    backend=dist.get_backend(), launcher=launcher, owns_group=owns)
+    want = int(cfg.parallel.world_size)
+    if world != want:
+        if owns:
+            dist.destroy_process_group()
+        raise ConfigError(
+            f"{world} process(es) started ({launcher}) but parallel.world_size={want}: start {want} processes "
+            f"(torchrun --nproc-per-node {want}, or the Slurm launcher profile), or pick a parallel layout for "
+            f"{world} (parallel.world_size, parallel.data and cluster.gpus_per_node together)")
+    return info
+
+
+def init_model_parallel(cfg: Any, info: DistInfo) -> None:
+    """megatron-core ``parallel_state.initialize_model_parallel`` for the config's TP/PP/CP/EP/ETP (DP is what
+    is left of the world). Megatron also builds gloo copies of the data-parallel groups."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    p = cfg.parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=int(p.tensor),
+        pipeline_model_parallel_size=int(p.pipeline),
+        context_parallel_size=int(p.context),
+        expert_model_parallel_size=int(p.expert),
+        expert_tensor_parallel_size=int(p.get("expert_tensor") or p.tensor),
+    )
+    info.owns_model_parallel = True
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def teardown(info: DistInfo | None) -> None:
+    """Undo what :func:`init_distributed` / :func:`init_model_parallel` set up (only what they created)."""
+    if info is None:
+        return
+    if info.owns_model_parallel:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    if info.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+__all__ = ["DistInfo", "check_supported", "init_distributed", "init_model_parallel", "barrier", "teardown"]

@@ -1,0 +1,419 @@
+"""The training run: checks, distributed set-up, data, model, optimizer, resume, steps, evaluation, checkpoints,
+MLflow. Entry point :func:`train`; ``python -m fp4moe.train`` (fp4moe/train/__main__.py) wraps it in Hydra.
+
+One step (one optimizer update) = ``global_batch`` samples of ``seq_length`` tokens: ``grad_accum_steps`` micro-
+batches of ``micro_batch`` samples on each of the DP ranks. Per micro-batch: megatron-core ``GPTModel`` forward
+with labels -> per-token cross entropy [micro, seq] -> mean / grad_accum_steps -> backward (megatron's MoE
+auxiliary and MTP losses ride the same backward, scaled by 1 / grad_accum_steps as megatron's schedules do). Then:
+gradient average over DP, router expert-bias update (megatron-core's, from the tokens each expert got in the
+global batch), global gradient norm, clipping, AdamW at the schedule's learning rate.
+
+Order of the set-up, so that every mistake is reported before anything expensive: ``fp4moe.config.check`` and
+the trainer's own limits (ConfigError), the MLflow store (``TrackingUnavailable``), megatron-core's transformer
+config as fp4moe.model builds it (ConfigError for what cannot be built without TE), then torch.distributed,
+megatron parallel state, seeds, data, model, resume.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import OmegaConf
+
+from fp4moe import tracking
+from fp4moe.config import ConfigError, check
+from fp4moe.train import data as data_mod
+from fp4moe.train.dist import barrier, check_supported, init_distributed, init_model_parallel, teardown
+
+log = logging.getLogger("fp4moe.train")
+
+PARAMS_DTYPES = ("bf16", "fp32")
+
+
+@dataclass
+class TrainResult:
+    """What a call to :func:`train` did. Losses are nats/token, keyed by step (1-based optimizer update)."""
+    run_id: str | None
+    start_step: int
+    step: int
+    total_steps: int
+    losses: dict[int, float] = field(default_factory=dict)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    lrs: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    stopped_by: int = 0                  # signal number that stopped the run, 0 if it ran to the end
+    checkpoint: Path | None = None       # last checkpoint written by this call
+    summary: dict[str, float | None] = field(default_factory=dict)
+
+
+def preflight(cfg: Any) -> dict[str, Any]:
+    """Everything that can be refused without torch.distributed: ``fp4moe.config.check``, the trainer's limits,
+    the MLflow store, and megatron-core's ``MLATransformerConfig`` as fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError / TrackingUnavailable."""
+    derived = check(cfg)
+    check_supported(cfg)
+    dtype = str(OmegaConf.select(cfg, "train.params_dtype", default="bf16"))
+    if dtype not in PARAMS_DTYPES:
+        raise ConfigError(f"train.params_dtype={dtype!r}: pick one of {', '.join(PARAMS_DTYPES)}")
+    seq, max_pos = int(cfg.parallel.seq_length), int(cfg.model.max_position_embeddings)
+    if seq > max_pos:
+        raise ConfigError(f"parallel.seq_length={seq} > model.max_position_embeddings={max_pos}: shorten the "
+                          "sequence or raise model.max_position_embeddings")
+    from fp4moe.train.optim import Schedule
+
+    Schedule(cfg.train, derived)  # schedule name, min_lr <= lr
+    for key in ("eval_interval", "checkpoint_interval", "log_interval"):
+        v = cfg.train.get(key)
+        if v is not None and int(v) < 1:
+            raise ConfigError(f"train.{key}={v}: use a positive step count, or null to switch it off")
+    from fp4moe.train.metrics import resolve_uri
+
+    tracking.check_reachable(resolve_uri(cfg))
+    import torch
+
+    from fp4moe.model.build import transformer_config
+
+    # megatron-core's own config checks and what fp4moe.model cannot build (recompute scopes, dispatcher), now
+    transformer_config(cfg.model, cfg.parallel, cfg.recompute,
+                       params_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    return derived
+
+
+def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path | None = None,
+          after_step: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
+    """Train per the composed config ``cfg`` (conf/train.yaml and its groups).
+
+    ``multirun_cell``: Hydra's ``override_dirname`` of a sweep cell (its own checkpoint folder).
+    ``output_dir``: where ``summary.json`` goes (the Hydra run folder); None: not written.
+    ``after_step(step, metrics)``: called on every rank after each step (tests use it to send signals).
+    """
+    derived = preflight(cfg)
+    info = None
+    try:
+        info = init_distributed(cfg)
+        init_model_parallel(cfg, info)
+        return _run(cfg, derived, info, multirun_cell, output_dir, after_step)
+    finally:
+        teardown(info)
+
+
+def _without_credentials(uri: str) -> str:
+    """``uri`` without a ``user:password@`` part (it becomes an MLflow param)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
+def _seed_everything(seed: int) -> None:
+    """python, numpy, torch (CPU and CUDA) and megatron-core's model-parallel RNG tracker (TP/EP streams)."""
+    import numpy as np
+    import torch
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _build_data(cfg: Any, info: Any):
+    """Rank 0 builds first (tokenizer, indexed dataset, caches), the others then read what it wrote."""
+    if info.rank == 0:
+        out = data_mod.build_token_datasets(cfg)
+    barrier()
+    if info.rank != 0:
+        out = data_mod.build_token_datasets(cfg)
+    train_ds, valid_ds, dinfo = out
+    seq, vocab = int(cfg.parallel.seq_length), int(cfg.model.vocab_size)
+    if int(dinfo["vocab_size"]) > vocab:
+        raise ConfigError(f"the tokenizer has {dinfo['vocab_size']} tokens but model.vocab_size={vocab}: raise "
+                          "model.vocab_size or use a smaller tokenizer")
+    for name, ds in (("train", train_ds), ("valid", valid_ds)):
+        if len(ds) == 0:
+            raise ConfigError(f"the {name} split is empty at parallel.seq_length={seq}: use more text or a "
+                              "shorter sequence")
+        n = len(ds[0])
+        if n != seq + 1:
+            raise ConfigError(f"{name} samples have {n} tokens, the trainer needs parallel.seq_length + 1 = {seq + 1}")
+    return train_ds, valid_ds, dinfo
+
+
+def _moe_losses(mcfg: Any, accum: int) -> dict[str, float]:
+    """megatron-core's MoE auxiliary losses of the step just done (e.g. ``moe/seq_load_balancing_loss``), the
+    mean over MoE layers of the per-micro-batch mean, reduced across ranks; clears megatron's tracker. Collective:
+    every rank calls it."""
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+    out: dict[str, Any] = {}
+    track_moe_metrics(loss_scale=1.0 / accum, iteration=0, total_loss_dict=out, num_layers=mcfg.num_layers,
+                      moe_layer_freq=mcfg.moe_layer_freq, mtp_num_layers=mcfg.mtp_num_layers)
+    return {f"moe/{k}": float(v) for k, v in out.items()}
+
+
+def _evaluate(model: Any, valid_ds: Any, cfg: Any, derived: dict[str, Any], info: Any, pos: Any) -> float:
+    """Mean LM loss (nats/token) over the first ``eval_steps`` global batches of the validation split (the same
+    samples every time), averaged over DP ranks."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    micro, accum = int(cfg.parallel.micro_batch), int(derived["grad_accum_steps"])
+    dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    n_steps = int(cfg.train.get("eval_steps") or 1)
+    total = torch.zeros((), dtype=torch.float64, device=info.device)
+    model.eval()
+    with torch.no_grad():
+        for s in range(n_steps):
+            for k in range(accum):
+                idx = data_mod.micro_batch_indices(s * int(cfg.parallel.global_batch), k, micro, dp_rank, dp_size)
+                tokens, labels = (t.to(info.device) for t in data_mod.batch(valid_ds, idx))
+                total += model(tokens, pos, None, labels=labels).float().mean().double()
+    model.train()
+    total /= n_steps * accum
+    if dp_size > 1:
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        total /= dp_size
+    return float(total.item())
+
+
+def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
+         after_step: Any) -> TrainResult:
+    import torch
+
+    from fp4moe.model import cpu_shims
+
+    cpu_shims.apply()
+    # megatron-core's jit_fuser is torch.compile: on CPU it would spend ~20 s in inductor for nothing.
+    ctx = torch._dynamo.config.patch(disable=True) if info.device.type == "cpu" else contextlib.nullcontext()
+    with ctx:
+        return _loop(cfg, derived, info, multirun_cell, output_dir, after_step)
+
+
+def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
+          after_step: Any) -> TrainResult:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import (_update_router_expert_bias,
+                                                                reset_model_temporary_tensors)
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    from fp4moe.model.build import build_gpt_model
+    from fp4moe.train import checkpoint as ckpt
+    from fp4moe.train.metrics import Meter, Tracker, flatten, hardware_tags, resolve_uri
+    from fp4moe.train.optim import Optimizer, Schedule
+    from fp4moe.train.signals import StopOnSignal
+
+    t = cfg.train
+    device = info.device
+    _seed_everything(int(t.seed))
+    train_ds, valid_ds, dinfo = _build_data(cfg, info)
+
+    dtype = torch.bfloat16 if str(t.get("params_dtype", "bf16")) == "bf16" else torch.float32
+    model = build_gpt_model(cfg, params_dtype=dtype).to(device)
+    if dtype == torch.bfloat16:
+        # As megatron-core's Float16Module: everything BF16 (torch.nn.RMSNorm weights are created fp32 otherwise) ...
+        model.bfloat16()
+        # ... except the router's expert-bias state, which megatron keeps fp32 (router.py _maintain_float32_expert_bias;
+        # the token counts too here: BF16 counts are exact only up to 256).
+        for mod in model.modules():
+            for name in ("expert_bias", "local_tokens_per_expert"):
+                buf = getattr(mod, name, None)
+                if isinstance(buf, torch.Tensor):
+                    buf.data = buf.data.float()
+    mcfg = model.config
+    opt = Optimizer(model, t)
+    sched = Schedule(t, derived)
+
+    # ---- resume
+    root = ckpt.run_dir(cfg, multirun_cell)
+    fp = ckpt.fingerprint(cfg)
+    step, consumed, run_id = 0, 0, None
+    found = ckpt.latest(root)
+    if found is not None and not bool(t.get("resume", True)):
+        raise ConfigError(f"train.resume=false but {root} holds checkpoints ({found.name}): remove them, set "
+                          "train.checkpoint_dir elsewhere, or resume")
+    if found is not None:
+        meta = ckpt.read_meta(found)
+        ckpt.check_compatible(found, meta, world_size=info.world_size, fingerprint_=fp)
+        meta = ckpt.load(found, rank=info.rank, model=model, optimizer=opt, schedule=sched)
+        step, consumed, run_id = int(meta["step"]), int(meta["consumed_samples"]), meta.get("mlflow_run_id")
+        if info.is_main:
+            log.info("resumed from %s (step %d, %d samples consumed)", found, step, consumed)
+    start_step = step
+
+    # ---- MLflow (rank 0)
+    tracker = Tracker(resolve_uri(cfg), str(OmegaConf.select(cfg, "tracking.experiment") or "train"),
+                      enabled=info.is_main)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    params = flatten({k: v for k, v in resolved.items() if k != "hydra"})
+    params["tracking.uri"] = _without_credentials(resolve_uri(cfg))
+    params.update({f"derived.{k}": str(v) for k, v in derived.items()})
+    params.update({"recipe": str(cfg.precision.name), "git_commit": tracking.environment_tags()["mlflow.source.git.commit"],
+                   "data.vocab_size_tokenizer": str(dinfo.get("vocab_size")),
+                   "data.train_tokens": str(dinfo.get("train_tokens")), "data.valid_tokens": str(dinfo.get("valid_tokens")),
+                   "data.tokenizer_path": str(dinfo.get("tokenizer_path")),
+                   "data.dataset_prefix": str(dinfo.get("dataset_prefix"))})
+    tags = hardware_tags(device, info.world_size, info.launcher)
+    tags.update({"recipe": str(cfg.precision.name), "recompute": str(cfg.recompute.name), "model": str(cfg.model.name),
+                 "checkpoint_dir": str(root)})
+    run_name = f"{cfg.get('task_name', 'train')}/{cfg.model.name}/{cfg.precision.name}/{cfg.recompute.name}"
+    tracker.start(run_name, params, tags, resume_run_id=run_id)
+    result = TrainResult(run_id=tracker.run_id, start_step=start_step, step=step, total_steps=int(derived["steps"]))
+    if info.world_size > 1:  # every rank learns the run id (it goes into every checkpoint's meta via rank 0 only)
+        holder = [tracker.run_id]
+        dist.broadcast_object_list(holder, src=0)
+        result.run_id = holder[0]
+
+    # ---- loop constants
+    p = cfg.parallel
+    micro, gbs, seq = int(p.micro_batch), int(p.global_batch), int(p.seq_length)
+    accum = int(derived["grad_accum_steps"])
+    dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    dp_group = parallel_state.get_data_parallel_group()
+    edp_group = parallel_state.get_expert_data_parallel_group()
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    # The auxiliary (MoE load-balancing, MTP) losses' backward scale, 1 / accumulation steps like the main loss, as
+    # megatron's schedules set it. Assigned, not set_loss_scale(): that copies into whatever tensor an earlier model
+    # in this process left there (a 0-d one cannot take our [1]).
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.full((1,), 1.0 / accum, device=device)
+    if mcfg.mtp_num_layers:
+        MTPLossAutoScaler.main_loss_backward_scale = torch.full((1,), 1.0 / accum, device=device)
+    pos = torch.arange(seq, device=device).unsqueeze(0).expand(micro, -1)
+    total_steps = int(derived["steps"])
+    log_every = int(t.get("log_interval") or 1)
+    eval_every = t.get("eval_interval")
+    ckpt_every = t.get("checkpoint_interval")
+    measure = t.get("measure") or {}
+    meter = Meter(int(derived["tokens_per_step"]), info.world_size, int(measure.get("warmup_steps") or 0),
+                  None if measure.get("steps") is None else int(measure["steps"]), device)
+    keep = int(t.get("keep_checkpoints") or 2)
+
+    def save() -> Path:
+        path = ckpt.save(root, step=step, consumed_samples=consumed, rank=info.rank, world_size=info.world_size,
+                         model=model, optimizer=opt, schedule=sched, mlflow_run_id=result.run_id,
+                         fingerprint_=fp, keep=keep)
+        result.checkpoint = path
+        return path
+
+    bar = None
+    if info.is_main and bool(t.get("progress_bar", True)):
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_steps, initial=step, desc=f"train {cfg.precision.name}", unit="step", dynamic_ncols=True)
+    status = "FAILED"
+    last_saved = last_eval = -1
+    try:
+        model.train()
+        with StopOnSignal() as stop:
+            while step < total_steps:
+                meter.before_step()
+                t0 = time.perf_counter()
+                loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+                for k in range(accum):
+                    idx = data_mod.micro_batch_indices(consumed, k, micro, dp_rank, dp_size)
+                    tokens, labels = (x.to(device, non_blocking=True) for x in data_mod.batch(train_ds, idx))
+                    loss = model(tokens, pos, None, labels=labels).float().mean()
+                    (loss / accum).backward()
+                    opt.accumulate()
+                    loss_sum += loss.detach()
+                opt.reduce_grads(dp_group, dp_size, edp_group)
+                if mcfg.moe_router_enable_expert_bias:
+                    _update_router_expert_bias([model], mcfg)
+                reset_model_temporary_tensors(mcfg, [model])
+                norm = opt.grad_norm(ep_group)
+                opt.clip(norm)
+                lr = sched(step)
+                opt.step(lr)
+                opt.zero_grad()
+                step += 1
+                consumed += gbs
+                sched.last_step = step
+                loss_step = loss_sum / accum
+                if dp_size > 1:
+                    dist.all_reduce(loss_step, group=dp_group)
+                    loss_step /= dp_size
+                loss_v, norm_v = float(loss_step.item()), float(norm.item())
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+                m: dict[str, float | None] = {"loss": loss_v, "lr": lr, "grad_norm": norm_v,
+                                              "consumed_samples": float(consumed)}
+                m.update(meter.after_step(dt))
+                m.update(_moe_losses(mcfg, accum))
+                result.losses[step], result.lrs[step], result.grad_norms[step] = loss_v, lr, norm_v
+                result.step = step
+                if not math.isfinite(loss_v):
+                    raise FloatingPointError(f"loss is {loss_v} at step {step} (lr {lr:.3g}, grad norm {norm_v:.3g})")
+                if eval_every and (step % int(eval_every) == 0 or step == total_steps):
+                    m["eval_loss"] = result.eval_losses[step] = _evaluate(model, valid_ds, cfg, derived, info, pos)
+                    last_eval = step
+                if step % log_every == 0 or "eval_loss" in m or step == total_steps:
+                    tracker.log(step, m)
+                if bar is not None:
+                    tgs = m.get("tokens_per_gpu_per_s")
+                    bar.set_postfix(loss=f"{loss_v:.4f}", lr=f"{lr:.2e}",
+                                    tok_s=f"{derived['tokens_per_step'] / dt:.0f}",
+                                    tgs="warm-up" if tgs is None else f"{tgs:.0f}", refresh=False)
+                    bar.update(1)
+                if after_step is not None:
+                    after_step(step, m)
+                if ckpt_every and (step % int(ckpt_every) == 0 or step == total_steps):
+                    save()
+                    last_saved = step
+                sig = stop.poll(device)
+                if sig:
+                    if last_saved != step:
+                        save()
+                        last_saved = step
+                    result.stopped_by = sig
+                    log.warning("stopped by signal %d at step %d; checkpoint %s; rerun the same command to resume",
+                                sig, step, result.checkpoint)
+                    break
+        if eval_every and not result.stopped_by and last_eval != step and step > start_step:
+            result.eval_losses[step] = _evaluate(model, valid_ds, cfg, derived, info, pos)
+            tracker.log(step, {"eval_loss": result.eval_losses[step]})
+        summary = meter.summary()
+        for key in ("summary/peak_mem_allocated_gb", "summary/peak_mem_reserved_gb", "summary/peak_mem_pct"):
+            if key in summary and info.world_size > 1:  # the largest over the GPUs
+                v = torch.tensor([summary[key]], dtype=torch.float64, device=device)
+                dist.all_reduce(v, op=dist.ReduceOp.MAX)
+                summary[key] = float(v.item())
+        if result.losses:
+            summary["summary/final_loss"] = result.losses[max(result.losses)]
+        if result.eval_losses:
+            summary["summary/final_eval_loss"] = result.eval_losses[max(result.eval_losses)]
+        result.summary = summary
+        tracker.log(step, summary)
+        if output_dir is not None and info.is_main:
+            import json
+
+            out = {"run_id": result.run_id, "step": step, "total_steps": total_steps, "stopped_by": result.stopped_by,
+                   "recipe": str(cfg.precision.name), "recompute": str(cfg.recompute.name),
+                   "checkpoint": str(result.checkpoint) if result.checkpoint else None, **summary}
+            Path(output_dir, "summary.json").write_text(json.dumps(out, indent=1))
+        status = "KILLED" if result.stopped_by else "FINISHED"
+        if result.stopped_by:
+            tracker.set_tags({"stopped_by_signal": str(result.stopped_by)})
+    except torch.OutOfMemoryError:
+        tracker.set_tags({"outcome": "OOM", "oom_step": str(step + 1)})
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        tracker.finish(status)
+    if result.stopped_by:
+        stop.hand_over(result.stopped_by)
+    return result
+
+
+__all__ = ["train", "preflight", "TrainResult", "PARAMS_DTYPES"]

@@ -1,0 +1,214 @@
+"""MLflow for a training run (rank 0 only), throughput and memory measurement.
+
+One MLflow run per training run, in experiment ``tracking.experiment`` of store ``tracking.uri`` (else
+``fp4moe.tracking.tracking_uri()``: ``$MLFLOW_TRACKING_URI`` or ``<repo>/mlruns/mlflow.db``). The store is
+checked with ``fp4moe.tracking.check_reachable`` before anything is built. A resumed run continues the MLflow run
+whose id its checkpoint holds.
+
+- params: the resolved config flattened to dotted keys (lists as JSON), ``derived.*`` (fp4moe.config.derived),
+  ``recipe`` (precision.name), ``git_commit``.
+- tags: hardware, device, world size, launcher, torch / megatron-core / triton / CUDA versions, git state.
+- metrics, step = optimizer update (1-based): ``loss`` (LM cross entropy, nats/token, mean over the global batch),
+  ``lr``, ``grad_norm`` (before clipping), ``step_time_s``, ``tokens_per_gpu_per_s`` (measured steps only: the
+  first ``measure.warmup_steps`` steps of each process start are left out, SPEC §8), ``peak_mem_allocated_gb`` /
+  ``peak_mem_reserved_gb`` (CUDA only, since the memory-stats reset at the end of the warm-up; NOT logged on CPU,
+  the run carries the tag ``peak_memory=not measured (CPU)``), ``eval_loss``, and megatron-core's MoE auxiliary
+  losses as its tracker reports them (``moe/seq_load_balancing_loss``: mean over MoE layers, before the
+  coefficient ``model.moe.aux_loss_coeff``).
+- summary metrics at the end (also written to ``summary.json`` in the Hydra output folder): ``summary/tgs_mean``,
+  ``summary/tgs_median``, ``summary/tgs_min``, ``summary/tgs_max``, ``summary/measured_steps``,
+  ``summary/step_time_median_s``, ``summary/peak_mem_allocated_gb``, ``summary/peak_mem_reserved_gb``,
+  ``summary/peak_mem_pct`` (% of the GPU's total memory), ``summary/final_loss``, ``summary/final_eval_loss``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from importlib import metadata
+from typing import Any, Mapping
+
+from omegaconf import OmegaConf
+
+from fp4moe import tracking
+
+GB = 1024 ** 3
+MLFLOW_BATCH = 100  # log_batch limit on params per call
+
+
+def resolve_uri(cfg: Any) -> str:
+    uri = OmegaConf.select(cfg, "tracking.uri")
+    return str(uri) if uri else tracking.tracking_uri()
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, str]:
+    """Dotted keys -> string values of a nested dict (lists and scalars as JSON-ish strings)."""
+    out: dict[str, str] = {}
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    key = prefix[:-1]
+    out[key] = json.dumps(node) if isinstance(node, list) else str(node)
+    return out
+
+
+def _version(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def hardware_tags(device: Any, world_size: int, launcher: str) -> dict[str, str]:
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        hw = f"{world_size} x {props.name} ({props.total_memory / GB:.0f} GiB)"
+        mem = "torch.cuda.max_memory_allocated / max_memory_reserved"
+    else:
+        cpu = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+        except OSError:
+            pass
+        hw = f"{world_size} process(es) on CPU: {cpu}, {os.cpu_count()} cores"
+        mem = "not measured (CPU)"
+    return {"hardware": hw, "device": device.type, "world_size": str(world_size), "launcher": launcher,
+            "peak_memory": mem, "torch_version": torch.__version__, "megatron_core": _version("megatron-core"),
+            "triton": _version("triton"), "cuda": str(torch.version.cuda), "mlflow": _version("mlflow-skinny")}
+
+
+class Tracker:
+    """The MLflow run of this training run (rank 0); a no-op object on the other ranks."""
+
+    def __init__(self, uri: str, experiment: str, enabled: bool) -> None:
+        self.uri, self.experiment, self.enabled = uri, experiment, enabled
+        self.client = None
+        self.run_id: str | None = None
+
+    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str], resume_run_id: str | None) -> None:
+        """Create the run, or reopen ``resume_run_id`` (status RUNNING again; only params it lacks are added,
+        changed ones are listed in the tag ``resume.changed_params``)."""
+        if not self.enabled:
+            return
+        from mlflow.entities import Param, RunTag
+
+        self.client = tracking._client(self.uri)
+        client = self.client
+        existing = None
+        if resume_run_id:
+            try:
+                existing = client.get_run(resume_run_id)
+            except Exception:  # noqa: BLE001 - a store without that run: start a new one, say so in a tag
+                existing = None
+        if existing is not None:
+            self.run_id = resume_run_id
+            client.update_run(resume_run_id, status="RUNNING")
+            old = existing.data.params
+            changed = sorted(k for k, v in params.items() if k in old and old[k] != v)
+            params = {k: v for k, v in params.items() if k not in old}
+            tags = {**tags, "resume.changed_params": ",".join(changed) or "none",
+                    "resume.count": str(int(existing.data.tags.get("resume.count", "0")) + 1)}
+        else:
+            exp_id = tracking._experiment_id(client, self.experiment, self.uri)
+            self.run_id = client.create_run(exp_id, run_name=run_name).info.run_id
+            if resume_run_id:
+                tags = {**tags, "resumed_from_missing_run": resume_run_id}
+        items = [Param(k[:250], v[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), MLFLOW_BATCH):
+            client.log_batch(self.run_id, params=items[i:i + MLFLOW_BATCH])
+        all_tags = {**tracking.environment_tags(), **tags}
+        client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
+
+    def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        if not self.enabled or self.run_id is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        if self.enabled and self.run_id is not None:
+            for k, v in tags.items():
+                self.client.set_tag(self.run_id, k, str(v))
+
+    def finish(self, status: str) -> None:
+        """status: FINISHED, FAILED or KILLED (stopped by a signal; a resume sets it RUNNING again)."""
+        if self.enabled and self.run_id is not None:
+            self.client.set_terminated(self.run_id, status=status)
+
+
+class Meter:
+    """Step times, tokens/GPU/s and peak memory over the measured steps of this process (SPEC §8).
+
+    ``warmup`` steps after each process start are not measured; then ``measure_steps`` steps are (None: all).
+    On CUDA the peak-memory counters are reset when measurement starts."""
+
+    def __init__(self, tokens_per_step: int, world_size: int, warmup: int, measure_steps: int | None,
+                 device: Any) -> None:
+        self.tokens_per_step, self.world_size = tokens_per_step, world_size
+        self.warmup, self.measure_steps, self.device = warmup, measure_steps, device
+        self.seen = 0
+        self.tgs: list[float] = []
+        self.step_times: list[float] = []
+        self.peak_alloc = self.peak_reserved = 0.0
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def measuring(self) -> bool:
+        """Whether the step about to run is measured."""
+        done = self.seen - self.warmup
+        return done >= 0 and (self.measure_steps is None or done < self.measure_steps)
+
+    def before_step(self) -> None:
+        import torch
+
+        if self.cuda and self.seen == self.warmup:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def after_step(self, dt: float) -> dict[str, float | None]:
+        """Record a finished step of ``dt`` seconds; return its metrics (None where not measured)."""
+        import torch
+
+        measured = self.measuring()
+        self.seen += 1
+        out: dict[str, float | None] = {"step_time_s": dt, "tokens_per_gpu_per_s": None}
+        if measured:
+            tgs = self.tokens_per_step / (self.world_size * dt)
+            self.tgs.append(tgs)
+            self.step_times.append(dt)
+            out["tokens_per_gpu_per_s"] = tgs
+            if self.cuda:
+                self.peak_alloc = torch.cuda.max_memory_allocated(self.device) / GB
+                self.peak_reserved = torch.cuda.max_memory_reserved(self.device) / GB
+                out["peak_mem_allocated_gb"] = self.peak_alloc
+                out["peak_mem_reserved_gb"] = self.peak_reserved
+        return out
+
+    def summary(self) -> dict[str, float | None]:
+        import torch
+
+        s: dict[str, float | None] = {"summary/measured_steps": float(len(self.tgs))}
+        if self.tgs:
+            s.update({"summary/tgs_mean": statistics.fmean(self.tgs), "summary/tgs_median": statistics.median(self.tgs),
+                      "summary/tgs_min": min(self.tgs), "summary/tgs_max": max(self.tgs),
+                      "summary/step_time_median_s": statistics.median(self.step_times)})
+        if self.cuda and self.tgs:
+            total = torch.cuda.get_device_properties(self.device).total_memory / GB
+            s.update({"summary/peak_mem_allocated_gb": self.peak_alloc, "summary/peak_mem_reserved_gb": self.peak_reserved,
+                      "summary/peak_mem_pct": 100.0 * self.peak_alloc / total})
+        return s
+
+
+__all__ = ["resolve_uri", "flatten", "hardware_tags", "Tracker", "Meter"]

@@ -1,0 +1,123 @@
+"""``python -m fp4moe.train`` as a command: config typos and an unreachable MLflow server are one clear message
+and a non-zero exit (no traceback); a run stopped with SIGTERM exits 143 after a checkpoint and resumes into the
+same MLflow run; two processes (torchrun, DP=2) train like one."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def _run(args, tmp_path, env=None, timeout=120):
+    e = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **(env or {})}
+    return subprocess.run([sys.executable, *args, f"hydra.run.dir={tmp_path / 'out'}"], cwd=tmp_path, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.stpes=3", "Key 'stpes' is not in struct"),
+    ("precision=mxfp5", "Could not find 'precision/mxfp5'"),
+    ("parallel.micro_batch=3", "parallel.global_batch=4 is not a multiple of micro_batch x data = 3 x 1 = 3"),
+])
+def test_config_typos_are_one_message(tmp_path, override, message):
+    r = _run(["-m", "fp4moe.train", override], tmp_path)
+    assert r.returncode != 0
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_unreachable_mlflow_server(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _run(["-m", "fp4moe.train"], tmp_path, env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"})
+    assert r.returncode == 2
+    assert f"MLflow tracking server http://127.0.0.1:{port} is not reachable" in r.stderr
+    assert "Traceback" not in r.stderr and "step" not in r.stderr  # nothing trained
+
+
+def test_sigterm_checkpoints_then_the_run_resumes(tmp_path, monkeypatch):
+    """SIGTERM to the command: checkpoint at the next step, exit 143. The same overrides then resume it (in this
+    process, to save a second interpreter start) into the same MLflow run."""
+    from hydra import compose, initialize_config_dir
+    from mlflow import MlflowClient
+
+    from fp4moe.train.loop import train
+
+    overrides = ["train=short_cpu", "train.steps=8", "train.checkpoint_interval=2", "train.eval_interval=null",
+                 f"train.checkpoint_dir={tmp_path / 'ckpt'}"]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+    cmd = [sys.executable, str(HERE / "cli.py"), *overrides, f"hydra.run.dir={tmp_path / 'out'}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = tmp_path / "ckpt" / "train" / "step_0000002"
+    deadline = time.monotonic() + 120
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by signal 15" in out + err and "Traceback" not in err
+    stopped = max(int(p.name.split("_")[1]) for p in (tmp_path / "ckpt" / "train").glob("step_*"))
+    assert 2 <= stopped < 8
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs(client.get_experiment_by_name("train").experiment_id)
+    assert run.info.status == "KILLED" and run.data.tags["stopped_by_signal"] == "15"
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["stopped_by"] == 15 and summary["step"] == stopped and summary["run_id"] == run.info.run_id
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    r = train(cfg)
+    assert r.start_step == stopped and r.step == 8 and r.run_id == run.info.run_id
+    assert client.get_run(r.run_id).info.status == "FINISHED"
+    steps = sorted(m.step for m in client.get_metric_history(r.run_id, "loss"))
+    assert steps == list(range(1, 9))
+
+
+def test_two_processes_data_parallel_equal_one_process(tmp_path, monkeypatch):
+    """torchrun, 2 gloo processes, DP=2 x micro 2 (no accumulation) = 1 process, micro 2 x 2 accumulation steps:
+    the same samples, the same averaged gradients, so the same losses (fp32 params); both ranks write their
+    checkpoint file and rank 0 alone logs to MLflow."""
+    from hydra import compose, initialize_config_dir
+    from mlflow import MlflowClient
+
+    from fp4moe.train.loop import train
+
+    common = ["train=short_cpu", "train.params_dtype=fp32", "train.steps=3", "train.eval_interval=3",
+              "train.checkpoint_interval=3", "train.progress_bar=false"]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"}
+    dp2 = ["parallel.world_size=2", "cluster.gpus_per_node=2", "parallel.data=2", "task_name=dp2",
+           f"train.checkpoint_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / 'out'}"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(HERE / "cli.py"), *common, *dp2], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "dp2" / "step_0000003").iterdir()) == \
+        ["meta.json", "rank_00000.pt", "rank_00001.pt"]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs(client.get_experiment_by_name("dp2").experiment_id)
+    assert len(runs) == 1 and runs[0].data.tags["world_size"] == "2" and runs[0].data.tags["launcher"] == "torchrun"
+    got = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "loss")}
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[*common, "task_name=dp1", f"train.checkpoint_dir={tmp_path / 'ckpt'}"])
+    one = train(cfg)
+    assert sorted(got) == [1, 2, 3]
+    assert got == pytest.approx(one.losses, rel=1e-6, abs=0)

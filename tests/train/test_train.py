@@ -1,0 +1,227 @@
+"""fp4moe.train on CPU (gloo, one process): the tiny model trains under each recipe and MLflow holds the run;
+a run stopped by a signal, or killed, resumes to the same losses bit for bit; mistakes are clear errors before
+training. Data: the byte-level stand-in of conftest.py (tests/fixtures/sonnets.txt)."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from fp4moe.config import ConfigError
+from fp4moe.tracking import TrackingUnavailable
+
+pytest.importorskip("megatron.core")
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def _compose(tmp_path, *overrides):
+    base = ["train=short_cpu", "train.progress_bar=false", f"train.checkpoint_dir={tmp_path / 'ckpt'}"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=base + list(overrides))
+
+
+def _client(uri):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _history(client, run_id, key):
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "mxfp4"])
+def test_tiny_model_trains_and_mlflow_holds_the_run(tmp_path, store, precision):
+    import torch.distributed as dist
+
+    from fp4moe.train.loop import train
+
+    steps = 5
+    cfg = _compose(tmp_path, f"precision={precision}", f"train.steps={steps}", "train.eval_interval=3",
+                   "train.checkpoint_interval=null")
+    r = train(cfg)
+    assert not dist.is_initialized()  # torn down
+    assert sorted(r.losses) == list(range(1, steps + 1)) and r.stopped_by == 0
+    assert all(math.isfinite(v) for v in r.losses.values())
+    assert r.losses[1] > 5.5                                   # ~ln(512) at init
+    assert r.losses[steps] < r.losses[1] - 0.5                 # it learns the byte statistics
+    assert sorted(r.eval_losses) == [3, 5] and r.eval_losses[5] < r.losses[1] - 0.5
+
+    c = _client(store)
+    run = c.get_run(r.run_id)
+    assert run.info.status == "FINISHED"
+    p, tags, last = run.data.params, run.data.tags, run.data.metrics
+    assert p["recipe"] == precision and p["precision.name"] == precision and p["model.name"] == "tiny_cpu"
+    assert p["train.optimizer.lr"] == "0.0003" and p["derived.steps"] == str(steps) and p["train.optimizer.betas"] == "[0.9, 0.95]"
+    assert len(p["git_commit"]) in (40, 7) or p["git_commit"] == "unknown"
+    assert tags["megatron_core"] == "0.16.1" and tags["torch_version"].startswith("2.13") and "triton" in tags
+    assert tags["device"] == "cpu" and "CPU" in tags["hardware"] and tags["peak_memory"] == "not measured (CPU)"
+    assert _history(c, r.run_id, "loss") == r.losses           # bit for bit (float32 -> double)
+    assert sorted(_history(c, r.run_id, "lr")) == list(range(1, steps + 1))
+    assert sorted(_history(c, r.run_id, "grad_norm")) == list(range(1, steps + 1))
+    # measure.warmup_steps = 1 in train/short_cpu: step 1 is not measured
+    assert sorted(_history(c, r.run_id, "tokens_per_gpu_per_s")) == list(range(2, steps + 1))
+    assert _history(c, r.run_id, "eval_loss") == r.eval_losses
+    assert sorted(_history(c, r.run_id, "moe/seq_load_balancing_loss")) == list(range(1, steps + 1))
+    assert "peak_mem_allocated_gb" not in last and "summary/peak_mem_allocated_gb" not in last  # CPU: skipped
+    assert last["summary/measured_steps"] == steps - 1 and last["summary/tgs_mean"] > 0
+    assert last["summary/final_loss"] == r.losses[steps]
+
+
+def test_stop_by_signal_and_kill_then_resume_give_the_same_losses(tmp_path, store):
+    """Uninterrupted run A; run B stopped by SIGTERM after step 1 then resumed; run C killed (an exception) after
+    step 3 with its last checkpoint at step 2, then resumed. B and C reproduce A's losses bit for bit (BF16
+    parameters, fp32 masters and AdamW moments restored), and each continues its own MLflow run."""
+    from fp4moe.train.loop import train
+
+    common = ["train.steps=4", "train.checkpoint_interval=2", "train.eval_interval=2"]
+    a = train(_compose(tmp_path / "a", *common))
+    assert sorted(a.losses) == [1, 2, 3, 4] and sorted(a.eval_losses) == [2, 4]
+
+    def sigterm_at_1(step, metrics):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    b1 = train(_compose(tmp_path / "b", *common), after_step=sigterm_at_1)
+    assert b1.stopped_by == signal.SIGTERM and b1.step == 1 and b1.checkpoint.name == "step_0000001"
+    assert signal.getsignal(signal.SIGTERM) == before       # our handler is gone again
+    assert _client(store).get_run(b1.run_id).info.status == "KILLED"
+    b2 = train(_compose(tmp_path / "b", *common))
+    assert b2.start_step == 1 and b2.run_id == b1.run_id and sorted(b2.losses) == [2, 3, 4]
+    assert {**b1.losses, **b2.losses} == a.losses           # bit for bit
+    assert b2.eval_losses == a.eval_losses
+
+    class Crash(RuntimeError):
+        pass
+
+    def crash_at_3(step, metrics):
+        if step == 3:
+            raise Crash("simulated kill")
+
+    with pytest.raises(Crash):
+        train(_compose(tmp_path / "c", *common), after_step=crash_at_3)
+    ckpts = sorted(p.name for p in (tmp_path / "c" / "ckpt" / "train").iterdir())
+    assert ckpts == ["step_0000002"]                          # no temporary folder left behind
+    c2 = train(_compose(tmp_path / "c", *common))
+    assert c2.start_step == 2 and c2.losses == {3: a.losses[3], 4: a.losses[4]}
+
+    client = _client(store)
+    run = client.get_run(b2.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+    assert _history(client, b2.run_id, "loss") == a.losses
+    assert _history(client, c2.run_id, "loss") == a.losses    # step 3 logged twice, with the same value
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, store):
+    from fp4moe.train.loop import train
+
+    train(_compose(tmp_path, "train.steps=2", "train.checkpoint_interval=2", "train.eval_interval=null"))
+    with pytest.raises(ConfigError, match=r"belongs to a run with other precision"):
+        train(_compose(tmp_path, "train.steps=4", "precision=bf16", "train.eval_interval=null"))
+    with pytest.raises(ConfigError, match=r"train.resume=false but .* holds checkpoints"):
+        train(_compose(tmp_path, "train.steps=4", "train.resume=false"))
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_mlflow_is_a_clear_error_before_training(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    import fp4moe.train.data as data
+    from fp4moe.train.loop import train
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setattr(data, "build_token_datasets", lambda cfg: pytest.fail("data built before the store check"))
+    with pytest.raises(TrackingUnavailable, match=r"MLflow tracking server http://127.0.0.1:\d+ is not reachable"):
+        train(_compose(tmp_path))
+    assert not dist.is_initialized() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["parallel.data=2"], r"parallel.tensor x pipeline x context x data = 1 x 1 x 1 x 2 = 2 != parallel.world_size=1"),
+    (["parallel.world_size=2", "cluster.gpus_per_node=2", "parallel.pipeline=2"], r"parallel.pipeline=2: not supported"),
+    (["train.params_dtype=fp16"], r"train.params_dtype='fp16': pick one of bf16, fp32"),
+    (["train.schedule.name=linear"], r"train.schedule.name='linear'"),
+    (["precision.name=mxfp5"], r"precision: "),
+    (["parallel.seq_length=512"], r"parallel.seq_length=512 > model.max_position_embeddings=256"),
+    (["recompute=attn_ln_experts"], r"recompute scope 'attn_ln_experts': fp4moe_modules \['layernorm', 'moe_expert'\]"),
+])
+def test_config_mistakes_are_clear_errors(tmp_path, store, overrides, match):
+    import torch.distributed as dist
+
+    from fp4moe.train.loop import train
+
+    with pytest.raises(ConfigError, match=match):
+        train(_compose(tmp_path, *overrides))
+    assert not dist.is_initialized()
+
+
+def test_world_size_must_match_the_processes(tmp_path, store):
+    """A config for 2 processes started as 1 process: ConfigError after init, process group torn down."""
+    import torch.distributed as dist
+
+    from fp4moe.train.loop import train
+
+    cfg = _compose(tmp_path, "parallel.world_size=2", "cluster.gpus_per_node=2", "parallel.data=2",
+                   "parallel.global_batch=8")
+    with pytest.raises(ConfigError, match=r"1 process\(es\) started \(single\) but parallel.world_size=2"):
+        train(cfg)
+    assert not dist.is_initialized()
+
+
+def test_schedule_and_sampler():
+    from fp4moe.train.data import micro_batch_indices
+    from fp4moe.train.optim import lr_at
+
+    lrs = [lr_at(s, lr=1.0, min_lr=0.1, warmup=2, total=10) for s in range(10)]
+    assert lrs[:2] == [0.5, 1.0] and lrs[2] == 1.0 and lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+    assert lr_at(5, lr=1.0, min_lr=0.1, warmup=2, total=10, name="constant") == 1.0
+    # 2 DP ranks x 2 micro-batches of 3: the global batch of 12 starting at 100 is split without overlap
+    got = [micro_batch_indices(100, k, 3, r, 2) for k in range(2) for r in range(2)]
+    assert sorted(i for g in got for i in g) == list(range(100, 112))
+
+
+def test_slurm_task_environment(monkeypatch):
+    """A Slurm task (srun, one task): the rendezvous comes from submitit's TorchDistributedEnvironment."""
+    from omegaconf import OmegaConf
+
+    from fp4moe.train.dist import init_distributed, teardown
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(k, raising=False)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+             "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_ID": "0",
+             "MASTER_PORT": str(_closed_port())}
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    info = init_distributed(OmegaConf.create({"parallel": {"world_size": 1}}))
+    try:
+        assert (info.launcher, info.rank, info.world_size, info.backend) == ("slurm", 0, 1, "gloo")
+        assert os.environ["MASTER_ADDR"] == "localhost" and os.environ["WORLD_SIZE"] == "1"
+    finally:
+        teardown(info)
+
+
+def test_checkpoint_folders_of_multirun_cells_are_separate(tmp_path):
+    from fp4moe.train.checkpoint import fingerprint, run_dir
+
+    cfg = _compose(tmp_path, "task_name=proxy")
+    assert run_dir(cfg) == tmp_path / "ckpt" / "proxy"
+    assert run_dir(cfg, "precision=bf16,recompute=mla_up_proj") == tmp_path / "ckpt" / "proxy" / "precision=bf16,recompute=mla_up_proj"
+    # run length and intervals may change between a run and its resume; what is trained may not
+    longer = _compose(tmp_path, "task_name=proxy", "train.steps=99", "train.eval_interval=7")
+    assert fingerprint(longer) == fingerprint(cfg)
+    other = fingerprint(_compose(tmp_path, "task_name=proxy", "precision=fp8"))
+    assert [k for k in other if other[k] != fingerprint(cfg)[k]] == ["precision"]
