@@ -7,10 +7,13 @@ VENV ?= .venv
 GPU_PYTHON ?= python3
 BENCH_ARGS ?=
 BENCH_OUT ?= results/kernels
+LAYER_OUT ?= results/moe_layer
+LAYER_GPUS ?= 1
+LAYER_ARGS ?=
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-gpu bench-kernels log-bench reproduce-table clean
+.PHONY: help venv test test-gpu bench-kernels bench-layer log-bench reproduce-table clean
 
 help: ## show this list
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -26,7 +29,7 @@ test: venv ## run the CPU test suite (GPU tests skip themselves)
 	$(VENV)/bin/python -m pytest -q
 
 test-gpu: ## run the GPU tests with the system python3 (GPU machine)
-	PYTHONPATH=src:kernels $(GPU_PYTHON) -m pytest -q -m gpu tests
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m pytest -q -m gpu tests/kernels tests/ops tests/moe
 
 # The benchmark writes $(BENCH_OUT)/kernels_<gpu>_<date>_<commit>.{json,csv,md}; set BENCH_OUT, not --out, to
 # move it. Then its JSON is logged to MLflow with the first python that imports mlflow (the venv's,
@@ -45,6 +48,14 @@ bench-kernels: ## run the kernel benchmark on the GPU, then log it to MLflow (ar
 	echo "mlflow is not importable here, so the results were NOT logged to MLflow."; \
 	echo "Copy $(BENCH_OUT)/ to a machine with the venv and run there, in the repository root:"; \
 	echo "  make log-bench    # = $(VENV)/bin/python -m fp4moe.bench_log" $$files
+
+# The MoE layer benchmark (P2): bf16 / fp8 / mxfp4 side by side; LAYER_GPUS=2 runs EP=2 with torchrun.
+bench-layer: ## run the MoE layer benchmark on 1 GPU (LAYER_GPUS=2: EP=2), results in $(LAYER_OUT)
+ifeq ($(LAYER_GPUS),1)
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m fp4moe.moe.bench --out $(LAYER_OUT) $(LAYER_ARGS)
+else
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m torch.distributed.run --nproc-per-node $(LAYER_GPUS) -m fp4moe.moe.bench --out $(LAYER_OUT) --no-gemm $(LAYER_ARGS)
+endif
 
 log-bench: venv ## log every results/kernels/kernels_*.json (BENCH_OUT) to MLflow with the venv (idempotent)
 	@files="$$(ls $(BENCH_OUT)/kernels_*.json 2>/dev/null)"; \

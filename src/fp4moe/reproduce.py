@@ -30,14 +30,12 @@ from pathlib import Path
 from fp4moe import bench_log
 
 RESULTS_KERNELS = "results/kernels"
+RESULTS_LAYER = "results/moe_layer"
 
 # What is missing, by issue: (label, issue number, what). Keep in step with README.md "Status".
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark) exists; its measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P2", 3, "the DeepSeek-V3-shaped MoE layer benchmark on 1 and 2 H200s (the recipe, FP8 linear, "
-              "quantized all-to-all, grouped experts and MoELayer exist, CPU-tested; their GPU tests "
-              "have not run)"),
     ("P3", 4, "the recipe inside the megatron-core model (the model builds: fp4moe.model; real tokenized "
               "data: fp4moe.data; `python -m fp4moe.train` trains on CPU), multi-GPU and GPU runs of the "
               "trainer; the H200 proxy's T1-shaped table and the bf16 / fp8 / mxfp4 convergence comparison"),
@@ -184,6 +182,33 @@ def report_results_on_disk(track: bool) -> bool:
     return _log_to_mlflow(found, "logging the measured results to MLflow FAILED")
 
 
+def run_layer_bench(has_gpu: bool, track: bool) -> bool:
+    """The MoE layer benchmark (P2): on a GPU, run ``fp4moe.moe.bench`` (EP=1, DeepSeek-V3 shape) into
+    results/moe_layer/; then log every results/moe_layer/*.json to MLflow (idempotent). Without a GPU only
+    the second part (files measured on an H200 are in the repo)."""
+    from fp4moe import layer_bench_log
+    from fp4moe.tracking import repo_root
+
+    out = repo_root() / RESULTS_LAYER
+    if has_gpu:
+        print(f"MoE layer benchmark: running fp4moe.moe.bench (EP=1) into {RESULTS_LAYER}/")
+        ok, _ = _call(lambda: importlib.import_module("fp4moe.moe.bench").main(["--out", str(out)]))
+        if not ok:
+            print("MoE layer benchmark: FAILED")
+            return False
+    else:
+        print(f"MoE layer benchmark: skipped, it needs a Hopper GPU; results measured on H200s are in "
+              f"{RESULTS_LAYER}/ (summary: {RESULTS_LAYER}/README.md)")
+    if not track or not out.is_dir():
+        return True
+    try:
+        return layer_bench_log.log_files([out], log=lambda line: print(f"MoE layer benchmark: {line}"))
+    except Exception:
+        traceback.print_exc()
+        print("MoE layer benchmark: logging to MLflow FAILED (traceback above)")
+        return False
+
+
 def print_not_yet_implemented() -> None:
     print("\nNOT YET IMPLEMENTED (no numbers are shown for these, measured or made up):")
     for label, issue, what in NOT_YET_IMPLEMENTED:
@@ -195,14 +220,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fp4moe.reproduce",
         description="Run what exists of the fp4moe reproduction (hardware, kernel self-check, "
-                    "kernel benchmark on a GPU) and list what is not implemented yet. Exits 0 "
+                    "kernel and MoE layer benchmarks on a GPU, their measured results logged to MLflow) "
+                    "and list what is not implemented yet. Exits 0 "
                     "when every existing part passes.",
     )
     parser.add_argument("--bench-args", default="", metavar="ARGS",
                         help="arguments for fp4moe_kernels.bench.main, one shell-quoted string "
                              "(default: its own defaults, with --out results/kernels)")
     parser.add_argument("--skip-bench", action="store_true",
-                        help="do not run the kernel benchmark even on a GPU")
+                        help="do not run (or log) the kernel and layer benchmarks even on a GPU")
     parser.add_argument("--no-tracking", action="store_true",
                         help="do not log benchmark rows to MLflow")
     args = parser.parse_args(argv)
@@ -216,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 track=not args.no_tracking)
     else:
         results["logging measured kernel results"] = report_results_on_disk(track=not args.no_tracking)
+    if not args.skip_bench:
+        results["MoE layer benchmark"] = run_layer_bench(has_gpu, track=not args.no_tracking)
     print_not_yet_implemented()
 
     failed = [name for name, ok in results.items() if not ok]

@@ -10,8 +10,8 @@
   (FP8 GEMM loop, weighted SwiGLU, saved tensors per recipe) and ``expert_saved_bytes``.
 - ``swiglu``: the (unweighted) SwiGLU of dense/shared MLPs, saving its input as BF16 or MXFP4 per recipe.
 
-Status: CPU-tested (gloo for the all-to-all); the CUDA paths (``F.scaled_mm`` layouts, NCCL) have GPU
-tests that have not run on a GPU yet (issue 3).
+Status: CPU-tested (gloo for the all-to-all) and GPU-tested on H200s (``F.scaled_mm`` layouts, the grouped
+Triton GEMMs, NCCL with 2 GPUs): results/moe_layer/gpu_tests_*.log.
 """
 from .fp8_gemm import dequantize_weight_128x128, fp8_mm, quantize_weight_128x128, transpose_weight_128x128
 from .fp8_linear import FP8Linear, fp8_linear, linear_saved_bytes, saved_bytes

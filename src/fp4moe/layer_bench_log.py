@@ -1,0 +1,120 @@
+"""``python -m fp4moe.layer_bench_log <moe_layer_*.json | folder> ...``: log MoE layer benchmarks to MLflow.
+
+Reads what ``fp4moe.moe.bench`` writes (``moe_layer_<gpu>_ep<W>_<date>_<commit>.json``: ``env``, ``shape``,
+``recipes`` rows, ``ratios``, ``gemm``) and logs, into the MLflow experiment ``moe_layer``, one run per recipe
+row, named ``<gpu> EP=<W> <recipe>``: params gpu, world_size, commit, date, recipe, command, the shape; metrics
+ms_per_iter, tokens_per_s, peak_gib, peak_over_base_gib, saved_bytes(_per_token), expert_saved_bytes,
+dispatch/combine bytes and ms; tag ``layer_bench_id`` (hash of date, commit, gpu, world size: one benchmark
+run). Idempotent: rows whose (layer_bench_id, recipe) is already logged are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Iterable, Sequence
+
+EXPERIMENT = "moe_layer"
+GLOB = "moe_layer_*.json"
+METRICS = ("ms_per_iter", "tokens_per_s", "peak_gib", "peak_over_base_gib", "saved_bytes", "saved_bytes_per_token",
+           "expert_saved_bytes", "dispatch_fwd_bytes", "dispatch_bwd_bytes", "combine_fwd_bytes", "combine_bwd_bytes",
+           "dispatch_ms", "combine_ms")
+
+
+class LayerBenchFileError(ValueError):
+    """A file is not a layer-benchmark JSON; the message names the file and what is wrong."""
+
+
+def load(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LayerBenchFileError(f"{p}: cannot read a JSON document ({exc})") from None
+    for key in ("env", "shape", "recipes"):
+        if key not in doc:
+            raise LayerBenchFileError(f"{p}: no '{key}' key: not written by python -m fp4moe.moe.bench")
+    for key in ("date", "commit", "gpu", "world_size"):
+        if key not in doc["env"]:
+            raise LayerBenchFileError(f"{p}: env has no '{key}'")
+    return doc
+
+
+def layer_bench_id(env: dict) -> str:
+    key = f"{env['date']}|{env['commit']}|{env['gpu']}|{env['world_size']}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def expand(paths: Iterable[str | Path]) -> list[Path]:
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(p.glob(GLOB))
+        elif p.exists():
+            out.append(p)
+        else:
+            raise LayerBenchFileError(f"{p}: no such file or folder")
+    return out
+
+
+def _logged(uri: str, bid: str) -> set[str]:
+    from fp4moe.tracking import _client
+
+    client = _client(uri)
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    if exp is None:
+        return set()
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.layer_bench_id = '{bid}' and "
+                              "attributes.status = 'FINISHED'", max_results=1000)
+    return {r.data.params.get("recipe", "") for r in runs}
+
+
+def log_file(path: str | Path, uri: str | None = None) -> tuple[int, int]:
+    """(rows logged, rows already there) for one file."""
+    from fp4moe.tracking import check_reachable, log_run, tracking_uri
+
+    doc = load(path)
+    uri = uri or tracking_uri()
+    check_reachable(uri)
+    env = doc["env"]
+    bid = layer_bench_id(env)
+    done = _logged(uri, bid)
+    logged = 0
+    for row in doc["recipes"]:
+        if row["recipe"] in done:
+            continue
+        params = {"gpu": env["gpu"], "world_size": env["world_size"], "commit": env["commit"], "date": env["date"],
+                  "recipe": row["recipe"], "command": env.get("command", ""), **{f"shape.{k}": v for k, v in
+                                                                                doc["shape"].items()}}
+        metrics = {k: row.get(k) for k in METRICS}
+        tags = {"layer_bench_id": bid, "commit": env["commit"], "torch": env.get("torch", ""),
+                "source_file": Path(path).name}
+        log_run(EXPERIMENT, f"{env['gpu']} EP={env['world_size']} {row['recipe']}", params, metrics, tags, uri=uri)
+        logged += 1
+    return logged, len(doc["recipes"]) - logged
+
+
+def log_files(paths: Sequence[str | Path], uri: str | None = None, log=print) -> bool:
+    for p in expand(paths):
+        new, old = log_file(p, uri)
+        log(f"layer_bench_log: {p}: logged {new} runs to '{EXPERIMENT}'" + (f", {old} already there" if old else ""))
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fp4moe.layer_bench_log", description=__doc__.splitlines()[0])
+    ap.add_argument("paths", nargs="+", help="moe_layer_*.json files or folders holding them")
+    ap.add_argument("--uri", default=None, help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or the local store)")
+    args = ap.parse_args(argv)
+    try:
+        log_files(args.paths, args.uri)
+    except LayerBenchFileError as exc:
+        print(f"layer_bench_log: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""MoE layer benchmark JSON -> MLflow (fp4moe.layer_bench_log): real runs in a local store, idempotent."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fp4moe import layer_bench_log as L
+
+
+def _doc(tmp_path, name="moe_layer_h200_ep2_2026-11-30_abc1234.json"):
+    doc = {"env": {"date": "2026-11-30", "commit": "abc1234", "gpu": "h200", "world_size": 2, "command": "x"},
+           "shape": {"hidden": 7168, "tokens": 4096},
+           "recipes": [{"recipe": r, "ms_per_iter": ms, "tokens_per_s": 4096 / ms * 1e3, "peak_gib": None,
+                        "saved_bytes": 10} for r, ms in (("bf16", 30.0), ("fp8", 35.0), ("mxfp4", 37.0))]}
+    p = tmp_path / name
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def test_log_and_relog(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    p = _doc(tmp_path)
+    assert L.log_file(p, uri) == (3, 0)
+    assert L.log_file(p, uri) == (0, 3)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(L.EXPERIMENT)
+    runs = {r.data.params["recipe"]: r for r in client.search_runs([exp.experiment_id])}
+    assert sorted(runs) == ["bf16", "fp8", "mxfp4"]
+    assert runs["fp8"].data.metrics["ms_per_iter"] == 35.0 and runs["fp8"].data.params["world_size"] == "2"
+    assert "peak_gib" not in runs["fp8"].data.metrics  # None: not logged
+
+
+def test_bad_files(tmp_path):
+    bad = tmp_path / "moe_layer_x.json"
+    bad.write_text("{}")
+    with pytest.raises(L.LayerBenchFileError, match="no 'env' key"):
+        L.load(bad)
+    with pytest.raises(L.LayerBenchFileError, match="no such file"):
+        L.expand([tmp_path / "missing.json"])
+    assert L.main([str(bad)]) == 1
+
+
+def test_repo_results_load():
+    """Every layer benchmark file committed under results/moe_layer/ is readable."""
+    from fp4moe.tracking import repo_root
+
+    files = L.expand([repo_root() / "results" / "moe_layer"])
+    assert files, "no results/moe_layer/moe_layer_*.json in the repo"
+    for f in files:
+        doc = L.load(f)
+        assert {r["recipe"] for r in doc["recipes"]} == {"bf16", "fp8", "mxfp4"}
