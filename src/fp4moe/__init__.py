@@ -16,3 +16,16 @@ Only the leaves exist so far; the others arrive with their issues.
 """
 
 __version__ = "0.1.0"
+
+
+def _register_resolvers() -> None:
+    """OmegaConf resolvers the configs use (fp4moe.resolvers), there before any composition."""
+    from fp4moe import resolvers
+
+    try:
+        resolvers.register()
+    except ImportError:  # omegaconf absent (the GPU image's bare python): no configs to compose there
+        pass
+
+
+_register_resolvers()
