@@ -8,17 +8,18 @@
 #   sudo tools/local_slurm.sh down     # cancel the cluster's jobs, stop the daemons it started (by PID)
 #   tools/local_slurm.sh can           # exit 0 if `up` can work here (root + apt-get), else print why, exit 1
 #
-# Cluster: ClusterName=fp4moe, one node `localhost` with NODE_CPUS CPUs (default max(nproc, 4): sleepy test
-# jobs may share cores, SlurmdParameters=config_overrides), partition `debug` (default, no time limit),
+# Cluster: ClusterName=fp4moe, one node `localhost` with NODE_CPUS CPUs (default max(nproc, 8): the tests' jobs
+# mostly sleep or wait, so they may share cores; SlurmdParameters=config_overrides), partition `debug` (no limit),
 # DefMemPerCPU=512 MB, EnforcePartLimits=ALL (an impossible request fails at submit time instead of pending
-# forever). The PIDs live in STATE (default /tmp/fp4moe-slurm, one <daemon>.pid each); logs in /var/log/slurm.
+# forever), AuthInfo=cred_expire=5 and sched_interval=bf_interval=2 (a requeued job starts again after ~7 s, not
+# ~2 min). Settings apply when the daemons start: `down` then `up` after changing them. The PIDs live in STATE (default /tmp/fp4moe-slurm, one <daemon>.pid each); logs in /var/log/slurm.
 # Measured recipe and traps: ../shared/notes/local-slurm.md. It writes /etc/slurm/slurm.conf and slurmdbd.conf
 # and refuses to replace ones it did not write.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 
 STATE=${FP4MOE_SLURM_STATE:-/tmp/fp4moe-slurm}
-NODE_CPUS=${NODE_CPUS:-$(( $(nproc) > 4 ? $(nproc) : 4 ))}
+NODE_CPUS=${NODE_CPUS:-$(( $(nproc) > 8 ? $(nproc) : 8 ))}
 CLUSTER=fp4moe
 MARK="# written by fp4moe tools/local_slurm.sh"
 PACKAGES="munge slurm-client slurmctld slurmd slurmdbd mariadb-server"
