@@ -41,7 +41,10 @@ LAUNCH_TIMEOUT_S = 240
 def _slurm_missing() -> str | None:
     if shutil.which("sbatch") is None:
         return "no Slurm here (sbatch not on PATH); `sudo tools/local_slurm.sh up` starts a local one (.ci/run does)"
-    p = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    try:  # sinfo retries an absent controller for ~10 s: give up sooner
+        p = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=4)
+    except subprocess.TimeoutExpired:
+        return "Slurm does not answer (sinfo, 4 s); `sudo tools/local_slurm.sh up` starts a local one"
     if p.returncode != 0 or not p.stdout.strip():
         return f"Slurm does not answer (sinfo: {(p.stderr or p.stdout).strip()[:200]}); `sudo tools/local_slurm.sh up`"
     p = subprocess.run(["sacct", "-n", "-X", "-S", "now-1minutes"], capture_output=True, text=True, timeout=30)
