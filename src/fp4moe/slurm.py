@@ -21,8 +21,10 @@ the working example)::
                 preempt.requeue()                          # submitit re-pickles the job, scontrol requeue, exit
 
 With several ranks: every rank polls ``requested()`` and calls ``save(..., rank=, barrier=)`` and ``requeue()``; only
-rank 0 opens ``mlflow_run`` (the others use ``contextlib.nullcontext()``). The requeued job runs the same Hydra job again (same overrides, same output directory), finds the checkpoint and the
-MLflow run id in the same folder, and continues that run. ``SlurmCallback`` (``hydra.callbacks`` in conf/train.yaml)
+rank 0 opens ``mlflow_run`` (the others use ``contextlib.nullcontext()``).
+
+The requeued job runs the same Hydra job again (same overrides, same output directory), finds the checkpoint and
+the MLflow run id in the same folder, and continues that run. ``SlurmCallback`` (``hydra.callbacks`` in conf/train.yaml)
 creates the MLflow schema once before a sweep's jobs start, and makes a job whose task raised end FAILED in Slurm:
 Hydra catches the exception, so without it Slurm and ``sacct`` would say COMPLETED.
 """
