@@ -38,8 +38,8 @@ NOT_YET_IMPLEMENTED = (
     ("P2", 3, "the DeepSeek-V3-shaped MoE layer benchmark on 1 and 2 H200s (the recipe, FP8 linear, "
               "quantized all-to-all, grouped experts and MoELayer exist, CPU-tested; their GPU tests "
               "have not run)"),
-    ("P3", 4, "the recipe inside the megatron-core model (the model itself builds: fp4moe.model), "
-              "`python -m fp4moe.train` (Hydra), real tokenized data, per-step MLflow metrics; the H200 "
+    ("P3", 4, "the recipe inside the megatron-core model (the model itself builds: fp4moe.model; real "
+              "tokenized data exists: fp4moe.data), `python -m fp4moe.train` (Hydra), per-step MLflow metrics; the H200 "
               "proxy's T1-shaped table and the bf16 / fp8 / mxfp4 convergence comparison"),
     ("P4", 5, "submitting the trainer itself (needs fp4moe.train, P3) and the F3/F4 presets; the configs, "
               "checks, launcher profiles, dry run, checkpoint/requeue/resume helpers (fp4moe.slurm), "

@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import col, launch, row
+from . import col, gemm, launch, row, weight
 
 _FP8 = {"M": "i32", "K": "constexpr", "R": "constexpr"}
 
@@ -54,7 +54,28 @@ KERNELS = {
     "bf16_to_fp8_col": (col.bf16_to_fp8_col_kernel,
                         {"x_ptr": "*i16", "o_ptr": "*u8", "os_ptr": "*fp32", "tiles_ptr": "*i32",
                          "K": "constexpr", "BN": "constexpr", "EMULATE": "constexpr", "X_BF16": "constexpr"}),
+    "quantize_weight_128x128": (weight.quantize_weight_128x128_kernel,
+                                {"w_ptr": "*i16", "q_ptr": "*i16", "s_ptr": "*fp32", "qt_ptr": "*u8", "st_ptr": "*fp32",
+                                 "K": "constexpr", "N": "constexpr", "TRANSPOSE": "constexpr",
+                                 "EMULATE": "constexpr"}),
+    "grouped_fp8_rows": (gemm.grouped_rows_kernel,
+                         {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
+                          "tiles_ptr": "*i32", "seg_off_ptr": "*i32", "N": "i32", "n_tiles": "i32", "KC": "constexpr",
+                          "BM": "constexpr", "BN": "constexpr", "GROUP_M": "constexpr", "EMULATE": "constexpr"}),
+    "grouped_fp8_wgrad": (gemm.grouped_wgrad_kernel,
+                          {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
+                           "poff_ptr": "*i32", "N": "i32", "K": "i32", "MAXJ": "constexpr", "BN": "constexpr",
+                           "BK": "constexpr", "EMULATE": "constexpr"}),
 }
+
+
+def _gemm_consts(name: str, k: int) -> tuple[dict, int, int]:
+    """(constexprs, num_warps, num_stages) of a grouped GEMM kernel at contraction ``k``, the launcher's tiles."""
+    if name == "grouped_fp8_rows":
+        bm, bn, group_m, warps, stages = launch.GEMM_TILES["rows"]
+        return {"KC": k, "BM": bm, "BN": bn, "GROUP_M": group_m, "EMULATE": False}, warps, stages
+    bn, bk, warps, stages = launch.GEMM_TILES["wgrad"]
+    return {"MAXJ": 0, "BN": bn, "BK": bk, "EMULATE": False}, warps, stages
 
 
 @dataclass
@@ -79,16 +100,20 @@ def _bin(name: str) -> str:
 def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
     """Compile kernel ``name`` for sm_90 with channel count ``k`` and the launcher's tile (or ``tile``)."""
     fn, sig = KERNELS[name]
-    size, _, warps = tile or launch.TILES[name]
-    consts = {"K": k, "EMULATE": False, "BN": size, "R": size}
-    for c in ("RULE_CEIL", "X_BF16", "SINGLE_SEGMENT"):
-        if c in sig:
-            consts[c] = flags.get(c, True)
-    consts = {c: v for c, v in consts.items() if c in sig}
+    stages = 3
+    if name.startswith("grouped_fp8_"):
+        consts, warps, stages = _gemm_consts(name, k)
+    else:
+        size, _, warps = tile or launch.TILES[name]
+        consts = {"K": k, "EMULATE": False, "BN": size, "R": size, "N": 4096}
+        for c in ("RULE_CEIL", "X_BF16", "SINGLE_SEGMENT", "TRANSPOSE"):
+            if c in sig:
+                consts[c] = flags.get(c, True)
+        consts = {c: v for c, v in consts.items() if c in sig}
     # the JIT specializes 16-byte-aligned pointers (torch allocations are); say so, or loads stay scalar
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as fh:

@@ -28,6 +28,7 @@ TILES = {
     "fp8_row_to_fp4": (64, 0, 4),
     "fp4_row_to_fp8_col": (32, 0, 4),
     "bf16_to_fp8_col": (32, 0, 4),
+    "quantize_weight_128x128": (0, 0, 8),  # one 128x128 block per program; not swept
 }
 
 
@@ -170,3 +171,114 @@ def bf16_to_fp8_col(x: torch.Tensor, seg: Segments) -> FP8ColTensor:
     if tiles.shape[0]:
         col.bf16_to_fp8_col_kernel[grid](xa, o.view(torch.uint8), s, tiles, k, EMULATE=INTERPRET, X_BF16=xb, **meta)
     return FP8ColTensor(o, s, seg, k)
+
+
+def quantize_weight_128x128(w: torch.Tensor, rows_per_expert: int | None = None, transpose: bool = False):
+    """W ``[R, K]`` bf16 contiguous (R, K multiples of 128) -> (data ``[R, K]`` float8_e4m3fn, scale
+    ``[R/128, K/128]`` float32) and, with ``transpose``, (data ``[E, K, N]``, scale ``[E, K/128, N/128]``) of
+    every expert's W_e^T for ``N = rows_per_expert`` (default R: one matrix). See ``weight``."""
+    from . import weight
+
+    if w.dtype != torch.bfloat16:
+        raise TypeError(f"the weight kernel takes bfloat16 only, got {w.dtype}: use the torch path")
+    r, k = w.shape
+    n = r if rows_per_expert is None else rows_per_expert
+    e = r // n
+    q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(r // 128, k // 128, dtype=torch.float32, device=w.device)
+    if transpose:
+        qt = torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=w.device)
+        st = torch.empty(e, k // 128, n // 128, dtype=torch.float32, device=w.device)
+    else:
+        qt, st = q, s  # unused
+    if r and k:
+        weight.quantize_weight_128x128_kernel[(r // 128, k // 128)](
+            w.view(torch.int16), q.view(torch.int16), s, qt.view(torch.uint8), st, K=k, N=n, TRANSPOSE=transpose,
+            EMULATE=INTERPRET, num_warps=TILES["quantize_weight_128x128"][2])
+    return (q, s, qt, st) if transpose else (q, s)
+
+
+# ------------------------------------------------------------------------------------- grouped FP8 GEMMs
+
+# rows: (BM, BN, GROUP_M, num_warps, num_stages); wgrad: (BN, BK, num_warps, num_stages). Chosen by
+# ``python -m fp4moe.moe.bench --sweep-gemm`` on an H200 (results/moe_layer/); FP4MOE_GEMM_TILES (JSON, e.g.
+# '{"rows": [128, 256, 8, 8, 3]}') overrides them for a run.
+GEMM_TILES = {"rows": (64, 128, 8, 4, 4), "wgrad": (64, 128, 4, 3)}  # H200 sweep at 96ab870
+
+
+def _gemm_tiles_from_env() -> None:
+    import json
+    import os
+
+    raw = os.environ.get("FP4MOE_GEMM_TILES")
+    if not raw:
+        return
+    try:
+        over = json.loads(raw)
+        for key, val in over.items():
+            if key not in GEMM_TILES or len(val) != len(GEMM_TILES[key]):
+                raise ValueError(f"{key}={val}")
+            GEMM_TILES[key] = tuple(int(v) for v in val)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"FP4MOE_GEMM_TILES={raw!r} is not valid ({exc}): give JSON like "
+                         '\'{"rows": [128, 128, 8, 8, 4], "wgrad": [128, 64, 8, 3]}\'') from None
+
+
+_gemm_tiles_from_env()
+
+
+@functools.lru_cache(maxsize=64)
+def _row_tiles(seg: Segments, bm: int, device):
+    """(tiles int32 [n, 3] = (expert, first row, rows), seg_off int32 [E+1]) for ``grouped_rows_kernel``."""
+    rows = [(e, r0 + t0, min(bm, c - t0)) for e, (r0, c) in enumerate(zip(seg.offsets[:-1], seg.counts))
+            for t0 in range(0, c, bm)]
+    tiles = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
+    off = torch.tensor(seg.offsets, dtype=torch.int32)
+    return tiles.to(device, non_blocking=True), off.to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _padded_offsets(seg: Segments, device):
+    return torch.tensor(seg.padded_offsets, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _fp8_arg(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if INTERPRET else t
+
+
+def grouped_fp8_rows(a: FP8RowTensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """C ``[T, N]`` = per expert e ``A_e @ B_e^T`` (``gemm.grouped_rows_kernel``). a: ``FP8RowTensor`` ``[T, Kc]``
+    over E segments; b ``[E, N, Kc]`` E4M3 contiguous; b_scale ``[E, N/128, Kc/128]`` float32 contiguous."""
+    from . import gemm
+
+    t, kc = a.data.shape
+    e, n, _ = b.shape
+    seg = a.segments
+    bm, bn, group_m, warps, stages = GEMM_TILES["rows"]
+    c = torch.empty(t, n, dtype=out_dtype, device=a.data.device)
+    tiles, off = _row_tiles(seg, bm, a.data.device)
+    n_tiles = tiles.shape[0]
+    if n_tiles and n:
+        grid = (n_tiles * triton.cdiv(n, bn),)
+        gemm.grouped_rows_kernel[grid](_fp8_arg(a.data), a.scales, _fp8_arg(b), b_scale, c, tiles, off, n, n_tiles,
+                                       KC=kc, BM=bm, BN=bn, GROUP_M=group_m, EMULATE=INTERPRET,
+                                       num_warps=warps, num_stages=stages)
+    return c
+
+
+def grouped_fp8_wgrad(a: FP8ColTensor, b: FP8ColTensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """C ``[E, N, K]`` = per expert ``A_e B_e^T`` over its (padded) tokens (``gemm.grouped_wgrad_kernel``);
+    a: columns of N channels, b: columns of K channels, over the same segments."""
+    from . import gemm
+
+    seg = a.segments
+    n, k = a.channels, b.channels
+    bn, bk, warps, stages = GEMM_TILES["wgrad"]
+    c = torch.empty(seg.num, n, k, dtype=out_dtype, device=a.data.device)
+    if seg.num and n and k:
+        grid = (triton.cdiv(n, bn), triton.cdiv(k, bk), seg.num)
+        gemm.grouped_wgrad_kernel[grid](_fp8_arg(a.data), a.scales, _fp8_arg(b.data), b.scales, c,
+                                        _padded_offsets(seg, a.data.device), n, k,
+                                        max(seg.padded_counts) // 128 if INTERPRET else 0, BN=bn, BK=bk, EMULATE=INTERPRET,
+                                        num_warps=warps, num_stages=stages)
+    return c

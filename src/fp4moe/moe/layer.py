@@ -4,7 +4,8 @@ Data flow (SPEC §4), for x ``[T, H]`` on each rank of an EP group of size W wit
 rank r owning experts ``r*E/W .. (r+1)*E/W - 1``):
 
 1. router (float32): logits = x W_r^T, scores softmax (or sigmoid), top-k; softmax keeps the top-k
-   probabilities as they are, sigmoid renormalises them to sum 1 (DeepSeek-V3).
+   probabilities as they are, sigmoid renormalises them to sum 1 (DeepSeek-V3). The logits GEMM saves the
+   BF16 x itself, not a float32 copy.
 2. permutation: the T*k (token, expert) pairs sorted stably by global expert id, i.e. by destination rank
    then local expert, tokens in order inside each expert; counts per expert exchanged (int32 all-to-all).
 3. dispatch: ``quantized_all_to_all`` of the permuted rows (forward codec mxfp4 when ``dispatch_fp4``, else
@@ -13,8 +14,10 @@ rank r owning experts ``r*E/W .. (r+1)*E/W - 1``):
 4. the received rows (ordered by source rank, then local expert) are regrouped expert-major and go through
    ``grouped_expert_mlp`` (weighted SwiGLU); then back to source-major order.
 5. combine: ``quantized_all_to_all`` with forward codec bf16 (backward ``recipe.backward_a2a``), then the
-   k weighted expert outputs of each token are summed (float32, ``index_add``) and cast to bf16.
-6. optional shared expert: SwiGLU MLP through ``fp8_linear(..., layer_kind='shared_expert')``.
+   k weighted expert outputs of each token are summed (float32, ``index_add``) and cast to bf16; only the
+   token indices are saved for backward.
+6. optional shared expert: SwiGLU MLP through ``fp8_linear(..., layer_kind='shared_expert')`` and ``swiglu``
+   (its input saved as MXFP4 under ``activation_fp4_store``, else BF16).
 
 Within an expert the rows are the tokens of source rank 0, then rank 1, ..., each in token order, which
 is exactly the order a single process holding all ranks' tokens (concatenated by rank) sees. Every
@@ -36,6 +39,7 @@ import torch.distributed as dist
 from ..ops.all_to_all import A2AStats, DispatchedMXFP4, quantized_all_to_all
 from ..ops.fp8_linear import fp8_linear
 from ..ops.grouped_experts import grouped_expert_mlp
+from ..ops.swiglu import swiglu
 from ..recipe import Recipe
 
 _BF16 = torch.bfloat16
@@ -69,6 +73,40 @@ class _AllToAllF32(torch.autograd.Function):
         return out, None, None, None, None
 
 
+class _RouterLinear(torch.autograd.Function):
+    """logits ``[T, E]`` float32 = x ``[T, H]`` (bf16) @ W^T (float32 ``[E, H]``), computed in float32; saves the
+    BF16 x (the layer's input, no copy) instead of autograd's float32 copy of it (4H bytes per token)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x.float() @ w.float().t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        dx = (g @ w.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = (g.t() @ x.float()).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+class _CombineSum(torch.autograd.Function):
+    """out ``[T, H]`` bf16: the k weighted expert rows of each token (``y [T*k, H]``, token ``tok[i]`` for row i)
+    summed in float32, rounded once. Saves only ``tok`` (autograd's ``index_add`` would keep a float32 copy of
+    y: 4H bytes per routed row); the gradient of row i is the token's gradient, ``g[tok[i]]``."""
+
+    @staticmethod
+    def forward(ctx, y, tok, t):
+        ctx.save_for_backward(tok)
+        out = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device).index_add_(0, tok, y.float())
+        return out.to(_BF16)
+
+    @staticmethod
+    def backward(ctx, g):
+        (tok,) = ctx.saved_tensors
+        return g.index_select(0, tok).to(_BF16), None, None
+
+
 class _PermuteAnchor(torch.autograd.Function):
     """A fresh stride-0 zero anchor for rows reordered by ``perm``; its gradient is un-permuted back."""
 
@@ -99,13 +137,16 @@ class MoELayer(torch.nn.Module):
     hidden H, ffn F (per routed expert), num_experts E (global, divisible by the EP size), top_k, recipe,
     group (EP process group; None: the default group, or W = 1 without torch.distributed), shared_ffn
     (0: no shared expert), score 'softmax' | 'sigmoid', seed (deterministic init of the *global* weights, so
-    every EP size gets the same model), params_dtype of the expert weights (bf16 default).
+    every EP size gets the same model), params_dtype of the expert weights (bf16 default), init_device (where
+    the global weights are drawn: 'cpu' default; a CUDA device is much faster at DeepSeek-V3 sizes and gives
+    other values, from CUDA's generator; parameters stay on that device).
 
     Parameters: ``router`` [E, H] float32, ``w1`` [E/W, 2F, H], ``w2`` [E/W, H, F], and with a shared
     expert ``shared_w1`` [2Fs, H], ``shared_w2`` [H, Fs]."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, recipe: Recipe, group=None, *,
-                 shared_ffn: int = 0, score: str = "softmax", seed: int = 0, params_dtype=_BF16):
+                 shared_ffn: int = 0, score: str = "softmax", seed: int = 0, params_dtype=_BF16,
+                 init_device="cpu"):
         super().__init__()
         world, rank = _world(group)
         if num_experts % world:
@@ -117,18 +158,20 @@ class MoELayer(torch.nn.Module):
         self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
         self.recipe, self.group, self.score, self.world, self.rank = recipe, group, score, world, rank
         self.local_experts = num_experts // world
-        gen = torch.Generator().manual_seed(seed)
-        router = torch.randn(num_experts, hidden, generator=gen) * hidden**-0.5
-        w1 = torch.randn(num_experts, 2 * ffn, hidden, generator=gen) * hidden**-0.5
-        w2 = torch.randn(num_experts, hidden, ffn, generator=gen) * ffn**-0.5
+        dev = torch.device(init_device)
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        rnd = lambda *shape: torch.randn(*shape, generator=gen, device=dev)  # noqa: E731
+        router = rnd(num_experts, hidden) * hidden**-0.5
+        w1 = rnd(num_experts, 2 * ffn, hidden) * hidden**-0.5
+        w2 = rnd(num_experts, hidden, ffn) * ffn**-0.5
         lo, hi = rank * self.local_experts, (rank + 1) * self.local_experts
         self.router = torch.nn.Parameter(router)
         self.w1 = torch.nn.Parameter(w1[lo:hi].to(params_dtype).contiguous())
         self.w2 = torch.nn.Parameter(w2[lo:hi].to(params_dtype).contiguous())
         self.shared_ffn = shared_ffn
         if shared_ffn:
-            self.shared_w1 = torch.nn.Parameter((torch.randn(2 * shared_ffn, hidden, generator=gen) * hidden**-0.5).to(params_dtype))
-            self.shared_w2 = torch.nn.Parameter((torch.randn(hidden, shared_ffn, generator=gen) * shared_ffn**-0.5).to(params_dtype))
+            self.shared_w1 = torch.nn.Parameter((rnd(2 * shared_ffn, hidden) * hidden**-0.5).to(params_dtype))
+            self.shared_w2 = torch.nn.Parameter((rnd(hidden, shared_ffn) * shared_ffn**-0.5).to(params_dtype))
         self.dispatch_stats = A2AStats()
         self.combine_stats = A2AStats()
         self.last_routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (top-k indices, probs) of the last call
@@ -137,7 +180,7 @@ class MoELayer(torch.nn.Module):
 
     def route(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices [T, k] int64, probs [T, k] float32) of the float32 router."""
-        logits = x2.float() @ self.router.float().t()
+        logits = _RouterLinear.apply(x2, self.router)
         if self.score == "softmax":
             probs, idx = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
         else:
@@ -147,8 +190,7 @@ class MoELayer(torch.nn.Module):
 
     def _shared(self, x2: torch.Tensor) -> torch.Tensor:
         hmat = fp8_linear(x2, self.shared_w1, self.recipe, layer_kind="shared_expert")
-        f = self.shared_ffn
-        z = (torch.nn.functional.silu(hmat[:, :f].float()) * hmat[:, f:].float()).to(_BF16)
+        z = swiglu(hmat, self.recipe, "shared_expert")
         return fp8_linear(z, self.shared_w2, self.recipe, layer_kind="shared_expert")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +211,7 @@ class MoELayer(torch.nn.Module):
             dist.all_to_all_single(recv, counts, group=self.group)  # [W * El]: source s's counts for my experts
         else:
             recv = counts
-        recv = recv.view(w, el).to(torch.int64)
+        recv = recv.view(w, el).to(device="cpu", dtype=torch.int64)  # one host sync for all the split sizes
         ins = counts.view(w, el).sum(1).tolist()
         outs = recv.sum(1).tolist()
         # ---- dispatch
@@ -181,11 +223,13 @@ class MoELayer(torch.nn.Module):
         )
         pin = _AllToAllF32.apply(pp, ins, outs, self.group, w)
         # ---- regroup source-major -> expert-major
-        chunk = recv.reshape(-1)  # chunk (s, j) at position s*El + j
-        starts = torch.cumsum(chunk, 0) - chunk
-        emaj = [(s, j) for j in range(el) for s in range(w)]
-        perm = torch.cat([torch.arange(int(starts[s * el + j]), int(starts[s * el + j] + chunk[s * el + j]))
-                          for s, j in emaj]) if emaj else torch.zeros(0, dtype=torch.int64)
+        chunk = recv.reshape(-1).tolist()  # chunk (s, j) at position s*El + j
+        starts = [0]
+        for c in chunk[:-1]:
+            starts.append(starts[-1] + c)
+        emaj = [s * el + j for j in range(el) for s in range(w)]
+        perm = torch.cat([torch.arange(starts[i], starts[i] + chunk[i]) for i in emaj]) if emaj \
+            else torch.zeros(0, dtype=torch.int64)
         perm = perm.to(torch.int64).to(x2.device)
         local_counts = recv.sum(0).tolist()
         y_e = grouped_expert_mlp(_permute_rows(xin, perm), local_counts, self.w1, self.w2, pin[perm], r)
@@ -194,8 +238,7 @@ class MoELayer(torch.nn.Module):
         y_src = y_e[inv]
         # ---- combine and un-permute
         y_back = quantized_all_to_all(y_src, outs, ins, self.group, "bf16", r.backward_a2a, stats=self.combine_stats)
-        out = torch.zeros(t, h, dtype=torch.float32, device=x2.device).index_add(0, tok, y_back.float())
-        out = out.to(_BF16)
+        out = _CombineSum.apply(y_back, tok, t)
         if self.shared_ffn:
             out = out + self._shared(x2)
         return out.reshape(*lead, h)

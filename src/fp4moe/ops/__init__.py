@@ -8,6 +8,7 @@
   format forward and BF16 / FP8 backward, and its byte accounting (``A2AStats``, ``a2a_payload_bytes``).
 - ``grouped_experts``: ``grouped_expert_mlp``, the routed experts of one rank over ragged per-expert counts
   (FP8 GEMM loop, weighted SwiGLU, saved tensors per recipe) and ``expert_saved_bytes``.
+- ``swiglu``: the (unweighted) SwiGLU of dense/shared MLPs, saving its input as BF16 or MXFP4 per recipe.
 
 Status: CPU-tested (gloo for the all-to-all); the CUDA paths (``F.scaled_mm`` layouts, NCCL) have GPU
 tests that have not run on a GPU yet (issue 3).
@@ -15,6 +16,7 @@ tests that have not run on a GPU yet (issue 3).
 from .fp8_gemm import dequantize_weight_128x128, fp8_mm, quantize_weight_128x128, transpose_weight_128x128
 from .fp8_linear import FP8Linear, fp8_linear, linear_saved_bytes, saved_bytes
 from .grouped_experts import expert_saved_bytes, grouped_expert_mlp
+from .swiglu import swiglu
 
 __all__ = [
     "FP8Linear",
@@ -26,5 +28,6 @@ __all__ = [
     "linear_saved_bytes",
     "quantize_weight_128x128",
     "saved_bytes",
+    "swiglu",
     "transpose_weight_128x128",
 ]

@@ -21,10 +21,12 @@ scale layouts of SPEC §7 (``scaled_mm_args`` builds them; ``torch._scaled_mm``,
 the scale shapes, where ``F.scaled_mm`` is missing). torch itself checks C % 16 and S % 16 (here: multiples of
 128) and, for the 128x128 operand, wants its scale rows padded to a multiple of 4 floats (done here; a no-op
 for C % 512 == 0, e.g. 7168 and 2048). It does not check R (tokens); R that is not a multiple of 16 is padded
-here with zero rows (scale 1) and the result sliced back, for fprop/dgrad (one copy of a, only for such R):
-cuBLAS's M-major 1x128 scale tensor then has a 64-byte-aligned leading dimension. That padding is a
-precaution not yet measured against unpadded ragged R on an H200 (``GPU_ROW_MULTIPLE``). wgrad contracts over
-tokens padded to 128 already.
+here and the result sliced back, for fprop/dgrad: cuBLAS's M-major 1x128 scale tensor then has a
+64-byte-aligned leading dimension. Measured on an H200 (torch 2.11, CUDA 13): without it, ragged experts fail
+with CUBLAS_STATUS_NOT_SUPPORTED (tests/ops/test_fp8_linear.py, ``-m gpu``). The extra rows of a are the rows
+that follow it in its buffer when there are such (the next expert's: no copy; their outputs are discarded),
+else zero rows (a copy of a); the scales are always copied (R' x C/128 floats). wgrad contracts over tokens
+padded to 128 already.
 
 CPU: an emulation of the math, not of the GPU's accumulation order: both operands are dequantized exactly
 (E4M3 value times a power of two is exact in float32), multiplied in ``compute_dtype`` (float32 by default,
@@ -62,7 +64,8 @@ def quantize_weight_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     Scale 2**ceil(log2(amax/448)) per 128x128 block over its finite values, the exponent computed exactly
     (``ceil_log2_ratio``, as the activation quantizers) and clamped to [-126, 127]; an all-zero block gets
     scale 1. Elements are w / scale (exact: a power of two) rounded to E4M3 nearest-even; NaN/Inf become NaN.
-    The same torch ops run on CPU and CUDA, so both give the same bits. Not differentiable (detaches)."""
+    CUDA bf16: the Triton kernel ``fp4moe_kernels.triton_kernels.weight`` (bit-equal, tested against
+    ``quantize_weight_128x128_torch``); otherwise torch ops. Not differentiable (detaches)."""
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise FormatError(f"weight must be a 2-D [N, K] tensor, got {getattr(w, 'shape', type(w).__name__)}")
     if w.dtype not in _WEIGHT_DTYPES:
@@ -72,6 +75,16 @@ def quantize_weight_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         raise FormatError(
             f"weight [N={n}, K={k}]: 128x128 blocks need N and K multiples of {FP8_GROUP}: pad the weight"
         )
+    if w.is_cuda and w.dtype == torch.bfloat16:  # one Triton pass, the same bits
+        from fp4moe_kernels.triton_kernels import launch
+
+        return launch.quantize_weight_128x128(w.detach().contiguous())
+    return quantize_weight_128x128_torch(w)
+
+
+def quantize_weight_128x128_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch implementation of ``quantize_weight_128x128`` (CPU path and the kernel's reference)."""
+    n, k = w.shape
     wb = w.detach().to(torch.float32).reshape(n // FP8_GROUP, FP8_GROUP, k // FP8_GROUP, FP8_GROUP)
     amax = torch.where(torch.isfinite(wb), wb.abs(), torch.zeros_like(wb)).amax(dim=(1, 3))  # [N/128, K/128]
     e = ceil_log2_ratio(torch.where(amax > 0, amax, torch.ones_like(amax)), F8_E4M3_MAX)
@@ -132,7 +145,8 @@ def _check(a, a_scale, b, b_scale, kind):
 def scaled_mm_args(a, a_scale, b, b_scale, kind):
     """The operands ``F.scaled_mm`` gets for ``fp8_mm(a, a_scale, b, b_scale, kind)``, built on any device:
     ``(mat_a [R', C], mat_b = b.t() [C, S] column-major, scale_a, scale_b, R)`` with R' = R rounded up to
-    ``GPU_ROW_MULTIPLE`` for fprop/dgrad (zero rows, scale 1; the caller slices the result back to R rows).
+    ``GPU_ROW_MULTIPLE`` for fprop/dgrad (the rows after a in its buffer, else zero rows; scale 1; the caller
+    slices the result back to R rows).
 
     Layouts (torch's ``_scaled_block1x128_block128x128`` / ``_scaled_block1x128_block1x128`` checks, SPEC §7):
     scale_a ``[R', C/128]`` strides ``(1, R')``; 128x128 scale_b ``[round_up(C/128, 4), S/128]`` strides
@@ -144,19 +158,24 @@ def scaled_mm_args(a, a_scale, b, b_scale, kind):
     sa = _m_major(a_scale)
     pad = (-r) % GPU_ROW_MULTIPLE if kind != "wgrad" else 0
     if pad:
-        a_p = torch.zeros(r + pad, c, dtype=torch.uint8, device=a.device)
-        a_p[:r] = a.view(torch.uint8)
-        a = a_p.view(_FP8)
-        s_p = torch.ones(g, r + pad, dtype=torch.float32, device=a.device)
-        s_p[:, :r] = sa.t()
-        sa = s_p.t()
+        if a.untyped_storage().nbytes() >= (a.storage_offset() + (r + pad) * c) * a.element_size():
+            # rows follow in the same buffer (the next expert's): read them, their outputs are sliced off
+            a = torch.as_strided(a, (r + pad, c), (c, 1))
+        else:
+            a_p = torch.zeros(r + pad, c, dtype=torch.uint8, device=a.device)
+            a_p[:r] = a.view(torch.uint8)
+            a = a_p.view(_FP8)
+        sa = torch.nn.functional.pad(sa.t(), (0, pad), value=1.0).t()  # [R', G] M-major, one kernel
     if kind == "wgrad":
         sb = _m_major(b_scale)
     else:
         g4 = -(-g // 4) * 4
-        buf = torch.ones(b_scale.shape[0], g4, dtype=torch.float32, device=b_scale.device)
-        buf[:, :g] = b_scale
-        sb = buf.t()
+        if g4 == g and b_scale.is_contiguous():
+            sb = b_scale.t()  # rows already 16-byte multiples: no copy
+        else:
+            buf = torch.ones(b_scale.shape[0], g4, dtype=torch.float32, device=b_scale.device)
+            buf[:, :g] = b_scale
+            sb = buf.t()
     return a, b.t(), sa, sb, r
 
 
@@ -209,6 +228,7 @@ def fp8_mm(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     compute_dtype: torch.dtype = torch.float32,
+    check: bool = True,
 ) -> torch.Tensor:
     """``a @ b.T`` of blockwise-scaled FP8 operands, for ``kind`` 'fprop' | 'dgrad' | 'wgrad' (module docstring).
 
@@ -216,8 +236,11 @@ def fp8_mm(
     b ``[S, C]`` float8_e4m3fn row-major, ``b_scale`` ``[S/128, C/128]`` (128x128, 'fprop'/'dgrad') or
     ``[S, C/128]`` (1x128 along C, 'wgrad'). Returns ``[R, S]`` ``out_dtype``.
     CUDA: ``F.scaled_mm`` (FP32 accumulation, one rounding to out_dtype); CPU: exact dequantization and a
-    ``compute_dtype`` matmul (an emulation of the math, not of the GPU's accumulation order)."""
-    _check(a, a_scale, b, b_scale, kind)
+    ``compute_dtype`` matmul (an emulation of the math, not of the GPU's accumulation order).
+    ``check=False`` skips the operand validation (internal callers whose operands come from our quantizers; it
+    costs host time on every call of a per-expert loop)."""
+    if check:
+        _check(a, a_scale, b, b_scale, kind)
     if a.shape[0] == 0 or b.shape[0] == 0 or a.shape[1] == 0:  # empty expert / no tokens: nothing to launch
         return torch.zeros(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
     if a.is_cuda:
@@ -232,5 +255,6 @@ __all__ = [
     "dequantize_weight_128x128",
     "fp8_mm",
     "quantize_weight_128x128",
+    "quantize_weight_128x128_torch",
     "transpose_weight_128x128",
 ]

@@ -7,8 +7,10 @@
     z = silu(h_gate) * h_up * p       [m, F]   weighted SwiGLU in float32 (p = probs[r0:r1], megatron's order)
     y = z W2_e^T                      [m, H]   fc2
 
-Backend: a loop over the non-empty experts of ``fp8_mm`` (blockwise FP8; ``F.scaled_mm`` on CUDA, the exact
-emulation on CPU) for recipes fp8 / mxfp4, plain BF16 ``@`` for bf16. The SwiGLU runs once over all rows.
+Backend for recipes fp8 / mxfp4 (``gemm_backend``): on CUDA one Triton launch per GEMM for all experts
+(``fp4moe_kernels.triton_kernels.gemm``: ragged rows, 1x128 x 128x128 scales, FP32 promotion every 128 of K),
+else a loop over the non-empty experts of ``fp8_mm`` (``F.scaled_mm`` on CUDA, the exact emulation on CPU);
+plain BF16 ``@`` per expert for bf16. The SwiGLU runs once over all rows.
 
 What is saved for backward (the weights are saved by reference and re-quantized in backward, as FP8Linear):
 
@@ -35,6 +37,8 @@ columns per expert (tokens padded to 128). Shapes: H, F multiples of 128 on the 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fp4moe_kernels import ops as kops
@@ -42,7 +46,7 @@ from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
 from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
 
 from ..recipe import Recipe
-from .fp8_gemm import fp8_mm, quantize_weight_128x128, transpose_weight_128x128
+from .fp8_gemm import fp8_mm, quantize_weight_128x128
 
 _BF16 = torch.bfloat16
 
@@ -82,30 +86,72 @@ def expert_saved_bytes(counts, hidden: int, ffn: int, recipe: Recipe) -> int:
 # ------------------------------------------------------------------------------------------ GEMM helpers
 
 
+def quantize_experts_128x128(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """All experts' weights ``w [E, N, K]`` quantized 128x128 in one call: (data ``[E, N, K]`` E4M3, scale
+    ``[E, N/128, K/128]`` float32), bit-equal to ``quantize_weight_128x128(w[e])`` per expert (N is a multiple
+    of 128, so no block straddles two experts). ``transpose``: the blocks of every ``W_e^T`` instead
+    (``[E, K, N]``, ``[E, K/128, N/128]``; exact, see ``transpose_weight_128x128``)."""
+    e, n, k = w.shape
+    if w.is_cuda and w.dtype == torch.bfloat16 and e * n and k:  # one Triton launch
+        from fp4moe_kernels.triton_kernels import launch
+
+        out = launch.quantize_weight_128x128(w.detach().reshape(e * n, k).contiguous(), n, transpose)
+        return (out[2], out[3]) if transpose else (out[0].view(e, n, k), out[1].view(e, n // FP8_GROUP, k // FP8_GROUP))
+    data, scale = quantize_weight_128x128(w.reshape(e * n, k))
+    data, scale = data.view(e, n, k), scale.view(e, n // FP8_GROUP, k // FP8_GROUP)
+    if transpose:
+        return data.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()
+    return data, scale
+
+
+def gemm_backend(device: torch.device) -> str:
+    """'triton' (one grouped launch per GEMM, ``fp4moe_kernels.triton_kernels.gemm``) on CUDA, 'loop' (one
+    ``fp8_mm`` per expert: ``F.scaled_mm`` on CUDA, the exact emulation on CPU) otherwise or when the
+    environment sets ``FP4MOE_GROUPED_GEMM=loop`` (the benchmark compares both)."""
+    if device.type != "cuda":
+        return "loop"
+    choice = os.environ.get("FP4MOE_GROUPED_GEMM", "triton")
+    if choice not in ("triton", "loop"):
+        raise ValueError(f"FP4MOE_GROUPED_GEMM={choice!r}: use 'triton' or 'loop'")
+    return choice
+
+
 def _per_expert_gemm(row: FP8RowTensor, w: torch.Tensor, seg: Segments, n: int, kind: str) -> torch.Tensor:
     """[T, n] bf16, per expert e: rows_e (FP8) times W_e in FP8 (128x128 blocks). ``kind`` 'fprop':
-    W = w [E, n, K], out = rows_e W_e^T; 'dgrad': W = w [E, N, n], out = dY_e W_e (transposed blocks)."""
+    W = w [E, n, K], out = rows_e W_e^T; 'dgrad': W = w [E, N, n], out = dY_e W_e (transposed blocks).
+    The weights of all experts are quantized in one call (``quantize_experts_128x128``), then one
+    ``fp8_mm`` per non-empty expert."""
     out = torch.empty(seg.total, n, dtype=_BF16, device=row.data.device)
+    if seg.total == 0:
+        return out
+    wd, ws = quantize_experts_128x128(w, transpose=kind == "dgrad")
+    if gemm_backend(row.data.device) == "triton":
+        from fp4moe_kernels.triton_kernels import launch
+
+        return launch.grouped_fp8_rows(row, wd, ws)
     for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
         if r1 == r0:
             continue
         a, sa = row.segment(e)
-        wq = quantize_weight_128x128(w[e])
-        if kind == "dgrad":
-            wq = transpose_weight_128x128(*wq)
-        out[r0:r1] = fp8_mm(a, sa, *wq, kind)
+        out[r0:r1] = fp8_mm(a, sa, wd[e], ws[e], kind, check=False)
     return out
 
 
 def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
-    """dW [E, n, k] float32: per expert dY_e^T X_e (FP8 columns); zeros for empty experts."""
-    out = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    """dW [E, n, k] in ``like.dtype``: per expert dY_e^T X_e (FP8 columns, FP32 accumulation, one rounding to
+    the weight dtype); zeros for empty experts."""
+    if gemm_backend(like.device) == "triton":
+        from fp4moe_kernels.triton_kernels import launch
+
+        return launch.grouped_fp8_wgrad(dy_col, x_col, out_dtype=like.dtype)
+    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     for e, c in enumerate(seg.counts):
         if c == 0:
+            out[e].zero_()
             continue
         a, sa = dy_col.segment(e)
         b, sb = x_col.segment(e)
-        out[e] = fp8_mm(a, sa, b, sb, "wgrad", out_dtype=torch.float32)
+        out[e] = fp8_mm(a, sa, b, sb, "wgrad", out_dtype=like.dtype, check=False)
     return out
 
 
@@ -122,10 +168,12 @@ def _bf16_mm_per_expert(x: torch.Tensor, w: torch.Tensor, seg: Segments, transpo
 
 
 def _bf16_wgrad(dy: torch.Tensor, x: torch.Tensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
         if r1 > r0:
-            out[e] = (dy[r0:r1].t() @ x[r0:r1]).float()
+            out[e] = dy[r0:r1].t() @ x[r0:r1]
+        else:
+            out[e].zero_()
     return out
 
 
@@ -240,7 +288,7 @@ class GroupedExpertMLP(torch.autograd.Function):
             dz = _per_expert_gemm(kops.bf16_to_fp8_row(dy, seg), w2, seg, f, "dgrad")
         else:
             dz = _bf16_mm_per_expert(dy, w2, seg, False)
-        dw2 = _weight_grad(s, "z", dy, seg, w2, f, fp8).to(w2_dtype) if ctx.needs_input_grad[2] else None
+        dw2 = _weight_grad(s, "z", dy, seg, w2, f, fp8) if ctx.needs_input_grad[2] else None
         # ---- SwiGLU backward (from the saved, possibly MXFP4-decoded, h)
         if "h" in s:
             hmat = s["h"]
@@ -252,7 +300,7 @@ class GroupedExpertMLP(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _per_expert_gemm(kops.bf16_to_fp8_row(dh, seg), w1, seg, h, "dgrad") if fp8 else _bf16_mm_per_expert(dh, w1, seg, False)
         if ctx.needs_input_grad[1]:
-            dw1 = _weight_grad(s, "x", dh, seg, w1, h, fp8).to(w1_dtype)
+            dw1 = _weight_grad(s, "x", dh, seg, w1, h, fp8)
         dp = dprobs.to(probs.dtype) if ctx.needs_input_grad[3] else None
         return dx, dw1, dw2, dp, None, None, None
 
@@ -295,4 +343,4 @@ def grouped_expert_mlp(x, counts, w1: torch.Tensor, w2: torch.Tensor, probs: tor
     return GroupedExpertMLP.apply(x_hp, w1, w2, probs.float(), x_fp4, recipe, seg)
 
 
-__all__ = ["GroupedExpertMLP", "expert_saved_bytes", "grouped_expert_mlp"]
+__all__ = ["GroupedExpertMLP", "expert_saved_bytes", "gemm_backend", "grouped_expert_mlp", "quantize_experts_128x128"]

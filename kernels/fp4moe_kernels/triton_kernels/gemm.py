@@ -1,0 +1,120 @@
+"""Grouped blockwise-FP8 GEMMs over ragged experts, one launch for all experts (DeepSeek-V3 scaling).
+
+``grouped_rows_kernel`` (fprop / dgrad): for every expert e with rows ``r0_e .. r1_e`` of A::
+
+    C[r, :] = sum_g (A[r, g*128:(g+1)*128] @ B_e[:, g*128:(g+1)*128]^T) * sa[r, g] * sb_e[n // 128, g]
+
+A ``[T, Kc]`` E4M3 rows (an ``FP8RowTensor``: 1x128 scales in its segment-major buffer, expert e's block
+``[Kc/128, m_e]`` at ``Kc/128 * r0_e``), B ``[E, N, Kc]`` E4M3 with 128x128 scales ``[E, N/128, Kc/128]``
+(``quantize_experts_128x128``), C ``[T, N]`` bf16. Programs: one ``BM x BN`` output tile; the M tiles come from a
+host-built table (``tiles``: int32 ``[n_tiles, 3]`` = expert, first row, rows in tile), so no tile straddles two
+experts and empty experts have none.
+
+``grouped_wgrad_kernel``: for every expert e, ``C_e [N, K] = sum over its tokens t of A[n, t] B[k, t]`` with both
+operands ``FP8ColTensor`` columns (tokens padded to 128 per expert with zeros; 1x128 scales along tokens:
+``[Mp/128, N]`` and ``[Mp/128, K]``); C ``[E, N, K]`` in the weight dtype. Empty experts get zeros.
+
+Every 128-deep partial product is accumulated in FP32 by the tensor cores, then scaled and added to an FP32
+accumulator (the promotion DeepSeek-V3 describes), so the result differs from ``F.scaled_mm`` only by FP32
+summation order. Under the interpreter (``EMULATE``) the E4M3 operands are decoded to float32 first.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import e4m3_value
+
+
+@triton.jit
+def _load_fp8(ptrs, mask, EMULATE: tl.constexpr):
+    """E4M3 tile (pointers to uint8 under EMULATE, to float8e4nv otherwise) -> dot operand."""
+    if EMULATE:
+        return e4m3_value(tl.load(ptrs, mask=mask, other=0), True)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _dot_t(a, b, EMULATE: tl.constexpr):
+    """a @ b^T in FP32 (b given [n, 128], K-contiguous: the layout Hopper's FP8 wgmma wants)."""
+    if EMULATE:
+        return tl.dot(a, tl.trans(b), input_precision="ieee")
+    return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
+def grouped_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tiles_ptr, seg_off_ptr, N, n_tiles,
+                        KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+                        EMULATE: tl.constexpr):
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(N, BN)
+    # grouped ordering: GROUP_M consecutive M tiles sweep the N tiles together (L2 reuse of A and B)
+    per_group = GROUP_M * n_blocks
+    group = pid // per_group
+    first = group * GROUP_M
+    size = tl.minimum(n_tiles - first, GROUP_M)
+    tm = first + (pid % per_group) % size
+    tn = (pid % per_group) // size
+    e = tl.load(tiles_ptr + tm * 3)
+    row0 = tl.load(tiles_ptr + tm * 3 + 1)
+    rows = tl.load(tiles_ptr + tm * 3 + 2)
+    seg0 = tl.load(seg_off_ptr + e)
+    m_e = tl.load(seg_off_ptr + e + 1) - seg0
+    G: tl.constexpr = KC // 128
+    rm = tl.arange(0, BM)
+    rn = tn * BN + tl.arange(0, BN)
+    rk = tl.arange(0, 128)
+    mmask = rm < rows
+    nmask = rn < N
+    r = (row0 + rm).to(tl.int64)
+    a_ptrs = a_ptr + r[:, None] * KC + rk[None, :]
+    b_ptrs = b_ptr + (e.to(tl.int64) * N + rn[:, None]) * KC + rk[None, :]
+    sa_ptrs = sa_ptr + seg0.to(tl.int64) * G + (r - seg0)  # + g * m_e
+    sb_ptrs = sb_ptr + (e.to(tl.int64) * tl.cdiv(N, 128) + rn // 128) * G  # [BN], + g
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for g in range(0, G):
+        a = _load_fp8(a_ptrs + g * 128, mmask[:, None], EMULATE)
+        b = _load_fp8(b_ptrs + g * 128, nmask[:, None], EMULATE)
+        part = _dot_t(a, b, EMULATE)
+        sa = tl.load(sa_ptrs + g * m_e, mask=mmask, other=0.0)
+        sb = tl.load(sb_ptrs + g, mask=nmask, other=0.0)
+        acc += (part * sa[:, None]) * sb[None, :]
+    c_ptrs = c_ptr + r[:, None] * N + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _wgrad_step(acc, j, live, a_ptr, b_ptr, sa_ptr, sb_ptr, p0, mp, rn, rk, nmask, kmask, N, K, EMULATE: tl.constexpr):
+    """acc + the scaled partial product of token block j (128 tokens) of one expert. Pointers are formed here
+    from the index vectors (runtime row stride mp): precomputed [128, 128] pointer tiles would spill."""
+    rt = j * 128 + tl.arange(0, 128)
+    a = _load_fp8(a_ptr + N * p0 + rn[:, None].to(tl.int64) * mp + rt[None, :], nmask[:, None] & live, EMULATE)
+    b = _load_fp8(b_ptr + K * p0 + rk[:, None].to(tl.int64) * mp + rt[None, :], kmask[:, None] & live, EMULATE)
+    part = _dot_t(a, b, EMULATE)
+    sa = tl.load(sa_ptr + (p0 // 128 + j) * N + rn, mask=nmask & live, other=0.0)
+    sb = tl.load(sb_ptr + (p0 // 128 + j) * K + rk, mask=kmask & live, other=0.0)
+    return acc + (part * sa[:, None]) * sb[None, :]
+
+
+@triton.jit
+def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, poff_ptr, N, K, MAXJ: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr):
+    e = tl.program_id(2)
+    tn = tl.program_id(0)
+    tk = tl.program_id(1)
+    p0 = tl.multiple_of(tl.load(poff_ptr + e), 128).to(tl.int64)
+    mp = tl.multiple_of(tl.load(poff_ptr + e + 1) - tl.load(poff_ptr + e), 128).to(tl.int64)
+    rn = tn * BN + tl.arange(0, BN)
+    rk = tk * BK + tl.arange(0, BK)
+    nmask = rn < N
+    kmask = rk < K
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    nj = mp // 128
+    if EMULATE:  # the interpreter's range() needs a host int: loop to the largest expert (MAXJ), masked
+        for j in range(0, MAXJ):
+            acc = _wgrad_step(acc, j, j < nj, a_ptr, b_ptr, sa_ptr, sb_ptr, p0, mp, rn, rk, nmask, kmask, N, K, EMULATE)
+    else:
+        for j in range(0, nj):
+            acc = _wgrad_step(acc, j, True, a_ptr, b_ptr, sa_ptr, sb_ptr, p0, mp, rn, rk, nmask, kmask, N, K, EMULATE)
+    c_ptrs = c_ptr + (e.to(tl.int64) * N + rn[:, None]) * K + rk[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])

@@ -1,0 +1,534 @@
+"""MoE layer benchmark (issue 3, SPEC §5 F4): every recipe side by side, one command, one results file.
+
+    python -m fp4moe.moe.bench [--out results/moe_layer] [--commit SHA]                        # 1 GPU (EP=1)
+    python -m torch.distributed.run --nproc-per-node 2 -m fp4moe.moe.bench --commit SHA      # EP=2 (NCCL)
+
+Default shape: DeepSeek-V3's MoE layer as one EP rank holds it: hidden 7168, expert ffn 2048, top-8 of
+32 local experts per GPU (32 x W global, sigmoid scores), 4096 tokens per GPU per micro-batch, one shared
+expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights and tokens):
+
+* ``tokens_per_s``: tokens of this GPU per second of forward + backward (CUDA-event timing of ``--iters``
+  iterations after ``--warmup``; the slowest rank's time for EP > 1);
+* ``peak_gib`` / ``peak_over_base_gib``: ``torch.cuda.max_memory_allocated`` over one forward + backward
+  (stats reset right before it), absolute and above what was allocated before it (weights, inputs);
+* ``saved_bytes``: bytes autograd holds for backward after the forward, counted with
+  ``saved_tensors_hooks`` over distinct storages, parameters excluded (the whole layer: router, dispatch,
+  experts, combine, shared expert); ``expert_saved_bytes``: the routed experts' part;
+* ``dispatch_*_bytes`` / ``combine_*_bytes``: payload bytes of the two all-to-alls (``A2AStats``) for one
+  forward + backward; ``dispatch_ms`` / ``combine_ms``: time of the same ``quantized_all_to_all`` calls alone
+  (encode + exchange + decode, forward + backward, same splits and codecs);
+* the expert GEMMs run on ``gemm_backend`` (the grouped Triton kernel on CUDA; ``FP4MOE_GROUPED_GEMM=loop``
+  selects the per-expert ``F.scaled_mm`` loop);
+* ``profile``: CUDA kernel time per iteration by category (FP8/BF16 GEMMs, our Triton kernels, NCCL,
+  elementwise/other) and the top kernels, from ``torch.profiler`` (``--no-profile`` skips it).
+
+And once: ``gemm``: the fp8 expert GEMMs over the routed counts (weights pre-quantized), as the grouped Triton
+kernel and as the per-expert ``F.scaled_mm`` loop, against one dense ``F.scaled_mm`` of the same total size
+(M = all routed rows): TFLOP/s and ratios, for fc1/fc2 fprop, dgrad and wgrad.
+
+Output: ``<out>/moe_layer_<gpu>_ep<W>_<date>_<commit>.{json,md}`` (rank 0 writes). On CPU (``--device cpu``
+and small ``--hidden/--ffn``) the same code runs as a smoke test; times are then meaningless and memory is
+not measured (null).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..ops.all_to_all import A2AStats, quantized_all_to_all
+from ..ops.fp8_gemm import fp8_mm
+from ..ops.grouped_experts import expert_saved_bytes, gemm_backend, quantize_experts_128x128
+from ..recipe import Recipe
+from .layer import MoELayer
+
+RECIPES = ("bf16", "fp8", "mxfp4")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fp4moe.moe.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--ffn", type=int, default=2048, help="routed expert ffn size")
+    p.add_argument("--local-experts", type=int, default=32, help="experts per GPU (global = this x world size)")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per micro-batch")
+    p.add_argument("--shared-ffn", type=int, default=2048, help="shared expert ffn size (0: none)")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe presets")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu (smoke test)")
+    p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler kernel breakdown")
+    p.add_argument("--no-gemm", action="store_true", help="skip the grouped-vs-dense GEMM comparison")
+    p.add_argument("--sweep-gemm", action="store_true",
+                   help="first time the grouped Triton GEMMs under several tile configs and use the fastest")
+    p.add_argument("--out", default="results/moe_layer", help="output folder")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
+    return p
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class _Timer:
+    """Wall time of a block in ms: CUDA events on a GPU, perf_counter on CPU."""
+
+    def __init__(self, dev):
+        self.dev = dev
+
+    def __enter__(self):
+        _sync(self.dev)
+        if self.dev.type == "cuda":
+            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        else:
+            import time
+
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.dev.type == "cuda":
+            self.b.record()
+            self.b.synchronize()
+            self.ms = self.a.elapsed_time(self.b)
+        else:
+            import time
+
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+
+
+def _max_over_ranks(v: float, dev) -> float:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([v], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+    return v
+
+
+def _saved_bytes(fn, params):
+    """(distinct-storage bytes saved for backward by ``fn()``, parameters excluded; fn's output)."""
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    st = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in packed}
+    return sum(v for k, v in st.items() if k not in skip), out
+
+
+def _category(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n:
+        return "nccl"
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "wgmma", "matmul")):
+        return "gemm"
+    if n.endswith("_kernel") and ("fp4" in n or "fp8" in n):  # ours: fp4moe_kernels.triton_kernels
+        return "fp4moe_triton"
+    if n.startswith("triton"):  # torch.compile / inductor
+        return "triton_other"
+    if any(s in n for s in ("copy", "memcpy", "memset")):
+        return "copy"
+    if any(s in n for s in ("index", "gather", "scatter", "sort", "cumsum", "bincount", "topk")):
+        return "index/sort"
+    return "elementwise/other"
+
+
+def _profile(step, dev, iters: int = 2) -> dict:
+    """CUDA kernel time per iteration by category and the 12 longest kernels (us per iteration)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        _sync(dev)
+    per_kernel: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            per_kernel[ev.name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            counts[ev.name] += 1
+    cats: dict[str, float] = defaultdict(float)
+    for k, v in per_kernel.items():
+        cats[_category(k)] += v / iters
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "total_us": sum(cats.values()),
+        "by_category_us": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [{"name": k[:120], "us": v / iters, "calls": counts[k] // iters, "category": _category(k)}
+                        for k, v in top],
+    }
+
+
+# --------------------------------------------------------------------------------------------- the cases
+
+
+def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
+    layer.recipe = recipe
+    params = list(layer.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        xx = x.detach().requires_grad_()
+        y = layer(xx)
+        y.backward(dy)
+
+    for _ in range(args.warmup):
+        step()
+    with _Timer(dev) as t:
+        for _ in range(args.iters):
+            step()
+    ms = _max_over_ranks(t.ms / args.iters, dev)
+    res = {"recipe": recipe.name, "ms_per_iter": ms, "tokens_per_s": x.shape[0] / ms * 1e3}
+    # memory and saved bytes over one forward + backward
+    for p in params:
+        p.grad = None
+    _sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+    layer.dispatch_stats.reset()
+    layer.combine_stats.reset()
+    xx = x.detach().requires_grad_()
+    saved, y = _saved_bytes(lambda: layer(xx), params)
+    idx, _ = layer.last_routing
+    y.backward(dy)
+    _sync(dev)
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev)
+        res.update(peak_gib=peak / 2**30, peak_over_base_gib=(peak - base) / 2**30)
+    else:
+        res.update(peak_gib=None, peak_over_base_gib=None)
+    counts = _local_counts(layer, idx)
+    res.update(saved_bytes=saved, saved_bytes_per_token=saved / x.shape[0],
+               expert_saved_bytes=expert_saved_bytes(counts, layer.hidden, layer.ffn, recipe),
+               routed_rows=sum(counts), expert_counts=counts)
+    for name, st in (("dispatch", layer.dispatch_stats), ("combine", layer.combine_stats)):
+        d = st.as_dict()
+        res[f"{name}_fwd_bytes"] = d["forward_sent_bytes"]
+        res[f"{name}_bwd_bytes"] = d["backward_sent_bytes"]
+        res[f"{name}_fwd_remote_bytes"] = d["forward_sent_remote_bytes"]
+        res[f"{name}_bwd_remote_bytes"] = d["backward_sent_remote_bytes"]
+    res.update(_a2a_times(layer, recipe, idx, x, args, dev))
+    if not args.no_profile and dev.type == "cuda":
+        res["profile"] = _profile(step, dev)
+    return res
+
+
+def _local_counts(layer: MoELayer, idx: torch.Tensor) -> list[int]:
+    """Rows each local expert received in the last forward (summed over source ranks)."""
+    counts = torch.bincount(idx.reshape(-1), minlength=layer.num_experts).to(torch.int32)
+    if layer.world > 1:
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=layer.group)
+        counts = recv.view(layer.world, layer.local_experts).sum(0)
+    else:
+        counts = counts.view(layer.world, layer.local_experts).sum(0)
+    return [int(c) for c in counts.tolist()]
+
+
+def _a2a_times(layer: MoELayer, recipe: Recipe, idx, x, args, dev) -> dict:
+    """ms of the dispatch and combine all-to-alls alone (forward + backward), splits of the last routing."""
+    w, el = layer.world, layer.local_experts
+    counts = torch.bincount(idx.reshape(-1), minlength=layer.num_experts).to(torch.int32)
+    recv = torch.empty_like(counts)
+    if w > 1:
+        dist.all_to_all_single(recv, counts, group=layer.group)
+    else:
+        recv = counts
+    ins = counts.view(w, el).sum(1).tolist()
+    outs = recv.view(w, el).sum(1).tolist()
+    h = layer.hidden
+    rows_in = torch.randn(sum(ins), h, device=dev, dtype=torch.bfloat16)
+    rows_out = torch.randn(sum(outs), h, device=dev, dtype=torch.bfloat16)
+    keep = recipe.dispatch_fp4 and recipe.expert_input_fp4
+    fwd = "mxfp4" if recipe.dispatch_fp4 else "bf16"
+    res = {}
+    for name, rows, a, b, codec, kf in (("dispatch", rows_in, ins, outs, fwd, keep),
+                                        ("combine", rows_out, outs, ins, "bf16", False)):
+        def once():
+            r = rows.detach().requires_grad_()
+            out = quantized_all_to_all(r, a, b, layer.group, codec, recipe.backward_a2a, keep_fp4=kf,
+                                       rule=recipe.scale_rule)
+            anchor = out.grad_anchor if kf else out
+            g = torch.ones(anchor.shape, dtype=anchor.dtype, device=dev) if kf else torch.ones_like(out)
+            anchor.backward(g)
+
+        for _ in range(2):
+            once()
+        n = max(1, args.iters)
+        with _Timer(dev) as t:
+            for _ in range(n):
+                once()
+        res[f"{name}_ms"] = _max_over_ranks(t.ms / n, dev)
+    return res
+
+
+def _gemm_compare(layer: MoELayer, counts: list[int], args, dev, only: str | None = None) -> list[dict]:
+    """The expert GEMMs three ways over the routed counts: ``triton`` (one grouped launch,
+    ``fp4moe_kernels.triton_kernels.gemm``), ``loop`` (one ``fp8_mm`` = ``F.scaled_mm`` per expert) and
+    ``dense`` (one ``fp8_mm`` of the same total size, M = all routed rows). Weights and activations are quantized
+    beforehand (not timed)."""
+    from fp4moe_kernels import ops as kops
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels.common import INTERPRET
+
+    h, f = layer.hidden, layer.ffn
+    t = sum(counts)
+    seg = Segments.of(counts, t)
+    g = torch.Generator(device=dev).manual_seed(5)
+    x = torch.randn(t, h, device=dev, generator=g).to(torch.bfloat16)
+    dy2 = torch.randn(t, 2 * f, device=dev, generator=g).to(torch.bfloat16)
+    use_triton = dev.type == "cuda" or INTERPRET
+    cases = []
+    for name, a_src, w, n, k, kind in (
+        ("fc1 fprop", x, layer.w1, 2 * f, h, "fprop"),
+        ("fc2 fprop", x[:, :f].contiguous(), layer.w2, h, f, "fprop"),
+        ("fc1 dgrad", dy2, layer.w1, h, 2 * f, "dgrad"),
+        ("fc1 wgrad", None, layer.w1, 2 * f, h, "wgrad"),
+    ):
+        if kind == "wgrad":
+            a_col, b_col = kops.bf16_to_fp8_col(dy2, seg), kops.bf16_to_fp8_col(x, seg)
+            ops = [(a_col.segment(e), b_col.segment(e)) for e in range(seg.num) if counts[e]]
+            fns = {
+                "triton": lambda a_col=a_col, b_col=b_col: launch.grouped_fp8_wgrad(a_col, b_col),
+                "loop": lambda ops=ops: [fp8_mm(*a, *b, "wgrad", check=False) for a, b in ops],
+            }
+            dense_a, dense_b = kops.bf16_to_fp8_col(dy2), kops.bf16_to_fp8_col(x)
+            fns["dense"] = lambda: fp8_mm(*dense_a.segment(0), *dense_b.segment(0), "wgrad", check=False)  # noqa: E731
+        else:
+            row = kops.bf16_to_fp8_row(a_src, seg)
+            wd, ws = quantize_experts_128x128(w, transpose=kind == "dgrad")
+            ops = [(row.segment(e), wd[e], ws[e]) for e in range(seg.num) if counts[e]]
+            drow = kops.bf16_to_fp8_row(a_src)
+            fns = {
+                "triton": lambda row=row, wd=wd, ws=ws: launch.grouped_fp8_rows(row, wd, ws),
+                "loop": lambda ops=ops, kind=kind: [fp8_mm(*a, bw, bs, kind, check=False) for a, bw, bs in ops],
+                "dense": lambda drow=drow, wd=wd, ws=ws, kind=kind: fp8_mm(*drow.segment(0), wd[0], ws[0], kind,
+                                                                           check=False),
+            }
+        if not use_triton:
+            del fns["triton"]
+        if only:
+            fns = {only: fns[only]}
+        flops = 2 * t * n * k
+        out = {"gemm": name, "M": t, "N": n, "K": k, "experts": sum(1 for c in counts if c)}
+        for label, fn in fns.items():
+            fn()
+            with _Timer(dev) as tm:
+                for _ in range(max(1, args.iters)):
+                    fn()
+            ms = tm.ms / max(1, args.iters)
+            out[f"{label}_ms"] = ms
+            out[f"{label}_tflops"] = flops / ms / 1e9
+        if "loop_tflops" in out:
+            out["loop_over_dense"] = out["loop_tflops"] / out["dense_tflops"]
+        if "triton_tflops" in out and "dense_tflops" in out:
+            out["triton_over_dense"] = out["triton_tflops"] / out["dense_tflops"]
+        cases.append(out)
+    return cases
+
+
+ROWS_TILES = [(128, 128, 8, 8, 4), (128, 128, 8, 8, 3), (128, 256, 8, 8, 3), (256, 128, 8, 8, 3),
+              (128, 128, 8, 4, 4), (64, 128, 8, 4, 4)]
+WGRAD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (128, 256, 8, 3)]
+
+
+def _sweep_gemm(layer: MoELayer, counts: list[int], args, dev) -> dict:
+    """Time the grouped Triton GEMMs under each tile config (rows: fc1/fc2 fprop + fc1 dgrad, wgrad: fc1 wgrad),
+    adopt the fastest into ``launch.GEMM_TILES`` for the rest of the run, and return every time."""
+    from fp4moe_kernels.triton_kernels import launch
+
+    out = {"rows": [], "wgrad": []}
+    for key, configs, names in (("rows", ROWS_TILES, ("fc1 fprop", "fc2 fprop", "fc1 dgrad")),
+                                ("wgrad", WGRAD_TILES, ("fc1 wgrad",))):
+        default = launch.GEMM_TILES[key]
+        for cfg in configs:
+            launch.GEMM_TILES[key] = cfg
+            launch._row_tiles.cache_clear()
+            try:
+                rows = [r for r in _gemm_compare(layer, counts, args, dev, only="triton") if r["gemm"] in names]
+                out[key].append({"tiles": list(cfg), "ms": sum(r["triton_ms"] for r in rows)})
+            except Exception as exc:  # a config that does not compile or fit: recorded, skipped
+                out[key].append({"tiles": list(cfg), "ms": None, "error": str(exc)[:200]})
+        ok = [r for r in out[key] if r["ms"] is not None]
+        launch.GEMM_TILES[key] = tuple(min(ok, key=lambda r: r["ms"])["tiles"]) if ok else default
+        launch._row_tiles.cache_clear()
+        out[f"best_{key}"] = list(launch.GEMM_TILES[key])
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"sweep {key}: " + ", ".join(f"{r['tiles']}={r['ms']}" for r in out[key]) +
+                  f" -> {launch.GEMM_TILES[key]}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+
+
+def _tiles() -> dict:
+    from fp4moe_kernels.triton_kernels import launch
+
+    return {k: list(v) for k, v in launch.GEMM_TILES.items()}
+
+
+def _commit(arg):
+    if arg:
+        return arg
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _gpu_name(dev) -> str:
+    if dev.type != "cuda":
+        return "cpu"
+    n = torch.cuda.get_device_name(dev).lower()
+    for key in ("h200", "h100", "h800", "h20", "gh200", "a100"):
+        if key in n:
+            return key
+    return n.replace(" ", "-")[:24]
+
+
+def _markdown(doc: dict) -> str:
+    env, rows = doc["env"], doc["recipes"]
+    L = [f"# MoE layer benchmark: {env['gpu']} x{env['world_size']} (EP={env['world_size']}), {env['date']}, "
+         f"commit {env['commit']}", "",
+         f"Command: `{env['command']}`", "",
+         f"Shape (per GPU): hidden {doc['shape']['hidden']}, expert ffn {doc['shape']['ffn']}, top-"
+         f"{doc['shape']['top_k']} of {doc['shape']['experts']} experts ({doc['shape']['local_experts']} local), "
+         f"{doc['shape']['tokens']} tokens, shared ffn {doc['shape']['shared_ffn']}. torch {env['torch']}, "
+         f"timing: {'CUDA events' if env['gpu'] != 'cpu' else 'perf_counter'}, {env['iters']} iterations after {env['warmup']} warm-up. Expert GEMMs: "
+         f"{env.get('grouped_gemm')}, tiles {env.get('gemm_tiles')}.", "",
+         "| recipe | ms/iter | tokens/s | vs fp8 | peak GiB | peak over base GiB | saved MiB | saved B/token "
+         "| expert saved MiB | dispatch fwd MiB | dispatch ms | combine ms |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fp8 = next((r for r in rows if r["recipe"] == "fp8"), None)
+    for r in rows:
+        vs = f"{r['tokens_per_s'] / fp8['tokens_per_s']:.3f}" if fp8 else "-"
+        pk = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        po = "-" if r["peak_over_base_gib"] is None else f"{r['peak_over_base_gib']:.2f}"
+        L.append(f"| {r['recipe']} | {r['ms_per_iter']:.2f} | {r['tokens_per_s']:.0f} | {vs} | {pk} | {po} | "
+                 f"{r['saved_bytes'] / 2**20:.1f} | {r['saved_bytes_per_token']:.0f} | "
+                 f"{r['expert_saved_bytes'] / 2**20:.1f} | {r['dispatch_fwd_bytes'] / 2**20:.1f} | "
+                 f"{r['dispatch_ms']:.3f} | {r['combine_ms']:.3f} |")
+    if doc.get("ratios"):
+        L += ["", "Ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in doc["ratios"].items())]
+    if doc.get("gemm"):
+        L += ["", "## FP8 expert GEMMs: grouped Triton kernel and per-expert F.scaled_mm loop vs one dense F.scaled_mm",
+              "", "| GEMM | M | N | K | experts | triton TFLOP/s | loop TFLOP/s | dense TFLOP/s | triton / dense "
+              "| loop / dense |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for g in doc["gemm"]:
+            tri = f"{g['triton_tflops']:.0f}" if "triton_tflops" in g else "-"
+            tri_r = f"{g['triton_over_dense']:.3f}" if "triton_over_dense" in g else "-"
+            L.append(f"| {g['gemm']} | {g['M']} | {g['N']} | {g['K']} | {g['experts']} | {tri} | "
+                     f"{g['loop_tflops']:.0f} | {g['dense_tflops']:.0f} | {tri_r} | {g['loop_over_dense']:.3f} |")
+    for r in rows:
+        pr = r.get("profile")
+        if not pr:
+            continue
+        L += ["", f"## Profile {r['recipe']}: CUDA kernel time per iteration {pr['total_us'] / 1e3:.2f} ms", "",
+              "| category | ms |", "|---|---|"]
+        L += [f"| {k} | {v / 1e3:.3f} |" for k, v in pr["by_category_us"].items()]
+        L += ["", "| kernel | category | calls | ms |", "|---|---|---|---|"]
+        L += [f"| `{k['name'][:80]}` | {k['category']} | {k['calls']} | {k['us'] / 1e3:.3f} |" for k in pr["top_kernels"]]
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None) -> dict:
+    args = _parser().parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    recipes = [Recipe.preset(n.strip()) for n in args.recipes.split(",") if n.strip()]
+    experts = args.local_experts * world
+    layer = MoELayer(args.hidden, args.ffn, experts, args.top_k, recipes[0], shared_ffn=args.shared_ffn,
+                     score="sigmoid", seed=args.seed, init_device=dev)
+    g = torch.Generator(device=dev).manual_seed(args.seed + 1 + rank)
+    x = torch.randn(args.tokens, args.hidden, device=dev, generator=g).to(torch.bfloat16)
+    dy = (torch.randn(args.tokens, args.hidden, device=dev, generator=g) * 1e-3).to(torch.bfloat16)
+    sweep = None
+    if args.sweep_gemm:
+        with torch.no_grad():
+            layer(x)
+        sweep = _sweep_gemm(layer, _local_counts(layer, layer.last_routing[0]), args, dev)
+    rows = []
+    for r in recipes:
+        rows.append(_bench_recipe(layer, r, x, dy, args, dev))
+        if rank == 0:
+            print(f"{r.name}: {rows[-1]['tokens_per_s']:.0f} tokens/s, saved {rows[-1]['saved_bytes'] / 2**20:.1f} MiB",
+                  flush=True)
+    by = {r["recipe"]: r for r in rows}
+    ratios = {}
+    if "fp8" in by and "mxfp4" in by:
+        ratios["tokens_per_s mxfp4/fp8"] = by["mxfp4"]["tokens_per_s"] / by["fp8"]["tokens_per_s"]
+        ratios["saved_bytes mxfp4/fp8"] = by["mxfp4"]["saved_bytes"] / by["fp8"]["saved_bytes"]
+        ratios["expert_saved_bytes mxfp4/fp8"] = by["mxfp4"]["expert_saved_bytes"] / by["fp8"]["expert_saved_bytes"]
+        if by["mxfp4"]["peak_over_base_gib"] is not None:
+            ratios["peak_over_base mxfp4/fp8"] = by["mxfp4"]["peak_over_base_gib"] / by["fp8"]["peak_over_base_gib"]
+    if "bf16" in by and "mxfp4" in by:
+        ratios["dispatch_fwd_bytes mxfp4/bf16"] = by["mxfp4"]["dispatch_fwd_bytes"] / by["bf16"]["dispatch_fwd_bytes"]
+    gemm = None
+    if not args.no_gemm:
+        layer.recipe = recipes[0]
+        with torch.no_grad():
+            layer(x)
+        gemm = _gemm_compare(layer, _local_counts(layer, layer.last_routing[0]), args, dev)
+    cmd = " ".join(["python -m fp4moe.moe.bench"] + list(sys.argv[1:] if argv is None else argv))
+    if world > 1:
+        cmd = f"python -m torch.distributed.run --nproc-per-node {world} -m fp4moe.moe.bench " + cmd.split(" ", 3)[-1]
+    doc = {
+        "env": {"date": datetime.date.today().isoformat(), "commit": _commit(args.commit), "gpu": _gpu_name(dev),
+                "world_size": world, "torch": torch.__version__, "python": platform.python_version(),
+                "command": cmd, "warmup": args.warmup, "iters": args.iters, "device": str(dev),
+                "grouped_gemm": gemm_backend(dev), "gemm_tiles": _tiles()},
+        "shape": {"hidden": args.hidden, "ffn": args.ffn, "local_experts": args.local_experts, "experts": experts,
+                  "top_k": args.top_k, "tokens": args.tokens, "shared_ffn": args.shared_ffn},
+        "recipes": rows, "ratios": ratios, "gemm": gemm, "gemm_sweep": sweep,
+    }
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"moe_layer_{doc['env']['gpu']}_ep{world}_{doc['env']['date']}_{doc['env']['commit']}"
+        for suffix, text in ((".json", json.dumps(doc, indent=1)), (".md", _markdown(doc))):
+            tmp = out / (stem + suffix + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(out / (stem + suffix))
+        print(_markdown(doc))
+        doc["files"] = [str(out / (stem + s)) for s in (".json", ".md")]
+    if world > 1:
+        dist.barrier()
+    return doc
+
+
+if __name__ == "__main__":
+    main()

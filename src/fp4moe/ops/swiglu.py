@@ -1,0 +1,73 @@
+"""SwiGLU with a recipe-chosen saved copy of its input (SPEC §4, ``activation_fp4_store``).
+
+``swiglu(h, recipe, layer_kind)``: h ``[T, 2F]`` bf16 (gate columns 0..F-1, up columns F..2F-1) ->
+``z = silu(g) * u`` ``[T, F]`` bf16, computed in float32. Autograd would save float32 copies of g, silu(g)
+and u (12 bytes per output element); this saves h only: as BF16 (``4F`` bytes per token) or, when the recipe
+stores FP4 activations for ``layer_kind``, as MXFP4 (``F + F/16`` bytes per token; backward decodes it, so
+dh carries the E2M1 error of h while the forward used the exact h). The same formulas as the routed experts'
+weighted SwiGLU (``grouped_experts``) with probabilities 1.
+"""
+from __future__ import annotations
+
+import torch
+
+from fp4moe_kernels import ops as kops
+from fp4moe_kernels.formats import FormatError, MXFP4Tensor
+
+from ..recipe import Recipe
+
+_BF16 = torch.bfloat16
+
+
+def _forward(h: torch.Tensor) -> torch.Tensor:
+    f = h.shape[1] // 2
+    return (torch.nn.functional.silu(h[:, :f].float()) * h[:, f:].float()).to(_BF16)
+
+
+def _backward(h: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
+    f = h.shape[1] // 2
+    g, u = h[:, :f].float(), h[:, f:].float()
+    s = torch.sigmoid(g)
+    dzf = dz.float()
+    return torch.cat([dzf * u * (s * (1 + g * (1 - s))), dzf * g * s], dim=1).to(_BF16)
+
+
+class SwiGLU(torch.autograd.Function):
+    """Use through ``swiglu``. forward(h, fp4, rule) -> z; ``ctx.saved_activation_bytes``."""
+
+    @staticmethod
+    def forward(ctx, h, fp4: bool, rule: str):
+        z = _forward(h)
+        if fp4:
+            q = kops.bf16_to_fp4_row(h.detach(), rule)
+            ctx.save_for_backward(q.data, q.scales)
+            ctx.saved_activation_bytes = q.data.numel() + q.scales.numel()
+        else:
+            ctx.save_for_backward(h)
+            ctx.saved_activation_bytes = h.numel() * h.element_size()
+        ctx.fp4, ctx.shape = fp4, tuple(h.shape)
+        return z
+
+    @staticmethod
+    def backward(ctx, dz):
+        if ctx.fp4:
+            data, scales = ctx.saved_tensors
+            h = kops.fp4_to_bf16(MXFP4Tensor(data, scales, ctx.shape))
+        else:
+            (h,) = ctx.saved_tensors
+        return _backward(h, dz), None, None
+
+
+def swiglu(h: torch.Tensor, recipe: Recipe, layer_kind: str = "shared_expert") -> torch.Tensor:
+    """z = silu(h[:, :F]) * h[:, F:] (module docstring). h ``[T, 2F]`` bf16, 2F a multiple of 64 when stored
+    as MXFP4 (F a multiple of 32). Saves MXFP4 when ``recipe.activation_fp4_store`` and the recipe covers
+    ``layer_kind``, else BF16."""
+    if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] % 2:
+        raise FormatError(f"h must be [T, 2F] with an even last dim, got {getattr(h, 'shape', type(h).__name__)}")
+    if h.dtype != _BF16:
+        raise FormatError(f"h has dtype {h.dtype}; expected bfloat16: cast it with .to(torch.bfloat16)")
+    fp4 = bool(recipe.activation_fp4_store and recipe.applies_to(layer_kind))
+    return SwiGLU.apply(h.contiguous(), fp4, recipe.scale_rule)
+
+
+__all__ = ["SwiGLU", "swiglu"]

@@ -1,0 +1,64 @@
+"""The 128x128 FP8 weight quantizer kernel (triton_kernels.weight) equals the torch implementation bit for bit.
+
+CPU: under the Triton interpreter (FP8 casts emulated), small shapes with zero, NaN and Inf blocks, several
+experts and the transposed copy (bf16, the only input the kernel takes). GPU (``-m gpu``): compiled, at the DeepSeek-V3 expert shape.
+"""
+import os
+
+import pytest
+import torch
+
+from fp4moe.ops.fp8_gemm import quantize_weight_128x128_torch, transpose_weight_128x128
+from fp4moe_kernels.triton_kernels import launch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+CUDA = torch.cuda.is_available()
+
+
+def weights(e, n, k, dtype, seed=0, specials=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(e * n, k, generator=g)
+    # per-block magnitudes over a wide range, so that many scale exponents occur
+    scale = torch.exp2(torch.randint(-30, 20, (e * n // 128, k // 128), generator=g).float())
+    w = w * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    if specials and e * n >= 256 and k >= 256:
+        w[:128, :128] = 0  # all-zero block: scale 1
+        w[5, 200] = float("nan")
+        w[130, 7] = float("inf")
+        w[131, 9] = float("-inf")
+        w[-1, -1] = -0.0
+    return w.to(dtype)
+
+
+def bits_equal(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def check(w, n, dev):
+    e = w.shape[0] // n
+    q, s, qt, st = launch.quantize_weight_128x128(w.to(dev), n, transpose=True)
+    rq, rs = quantize_weight_128x128_torch(w)
+    assert bits_equal(q.cpu(), rq) and torch.equal(s.cpu(), rs)
+    for i in range(e):
+        tq, ts = transpose_weight_128x128(rq[i * n:(i + 1) * n], rs[i * n // 128:(i + 1) * n // 128])
+        assert bits_equal(qt[i].cpu(), tq) and torch.equal(st[i].cpu(), ts), f"expert {i} transposed"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_weight_kernel_interpreted():
+    dtype = torch.bfloat16
+    check(weights(3, 256, 384, dtype), 256, "cpu")
+    check(weights(1, 128, 128, dtype, seed=1), 128, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_weight_kernel_gpu():
+    dtype = torch.bfloat16
+    check(weights(4, 4096, 7168, dtype, seed=2), 4096, "cuda")
+    check(weights(2, 7168, 2048, dtype, seed=3), 7168, "cuda")
+
+
+def test_weight_kernel_rejects_float32():
+    with pytest.raises(TypeError, match="bfloat16 only"):
+        launch.quantize_weight_128x128(torch.zeros(128, 128))
