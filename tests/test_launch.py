@@ -112,3 +112,37 @@ def test_tiny_cpu_with_local_launcher_composes(capsys):
     assert not failures and len(cells) == 3 and all(c.sbatch is None for c in cells)
     assert launch.main(["dry-run", "experiment=tiny_cpu", "hydra/launcher=local", "--summary"]) == 0
     assert "not Slurm, no sbatch script" in capsys.readouterr().out
+
+
+def test_t1_sbatch_memory_and_requeue(t1):
+    for _, script in t1:
+        assert "#SBATCH --mem=0GB" in script      # cluster.mem_gb: 0 -> the whole node
+        assert "#SBATCH --requeue" in script and "--no-requeue" not in script
+
+
+@pytest.mark.parametrize("overrides, present, absent", [
+    (["cluster.mem_gb=512"], ["#SBATCH --mem=512GB"], []),
+    (["cluster.mem_gb=null"], [], ["--mem"]),
+    (["cluster.requeue=false"], ["#SBATCH --no-requeue"], ["#SBATCH --requeue"]),
+], ids=["mem-512", "mem-null", "no-requeue"])
+def test_cluster_memory_and_requeue_reach_sbatch(overrides, present, absent):
+    (_, script), *_ = launch.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp", *overrides])
+    for line in present:
+        assert line in script, line
+    for text in absent:
+        assert text not in script, text
+
+
+def test_requeue_must_be_a_bool():
+    with pytest.raises(Exception, match="cluster.requeue must be true or false"):
+        launch.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp", "cluster.requeue=maybe"])
+
+
+def test_local_slurm_profile_has_no_gpus_or_nccl():
+    cells, failures = launch.dry_run(["experiment=tiny_cpu", "cluster=slurm_local", "hydra/launcher=slurm_local"])
+    assert not failures and len(cells) == 3
+    script = cells[0].sbatch
+    for line in ("#SBATCH --partition=debug", "#SBATCH --mem=1GB", "#SBATCH --requeue", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --signal=USR2@30", "#SBATCH --time=10"):
+        assert line in script, line
+    assert "--gpus" not in script and "NCCL" not in script

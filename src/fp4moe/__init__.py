@@ -8,7 +8,8 @@ Packages, lowest first (each imports only those below it; see DESIGN.md):
   FP4 saved-tensor storage).
 - ``fp4moe.moe``: the recipe-aware MoE layer (bf16 / fp8 / mxfp4).
 - ``fp4moe.model``: megatron-core model build for the DeepSeek-V3-like models.
-- ``fp4moe.train``: the Hydra training app; ``fp4moe.launch``: Slurm helpers;
+- ``fp4moe.train``: the Hydra training app; ``fp4moe.launch``: the Slurm dry run; ``fp4moe.slurm``:
+  checkpoint on Slurm's signal, requeue, resume;
   ``fp4moe.scale``: the paper-scale memory/all-to-all model; ``fp4moe.report``: MLflow -> results/.
 - Leaves: ``fp4moe.tracking`` (MLflow helpers) and ``fp4moe.reproduce`` (``make reproduce-table``).
 
@@ -16,3 +17,16 @@ Only the leaves exist so far; the others arrive with their issues.
 """
 
 __version__ = "0.1.0"
+
+
+def _register_resolvers() -> None:
+    """OmegaConf resolvers the configs use (fp4moe.resolvers), there before any composition."""
+    from fp4moe import resolvers
+
+    try:
+        resolvers.register()
+    except ImportError:  # omegaconf absent (the GPU image's bare python): no configs to compose there
+        pass
+
+
+_register_resolvers()

@@ -1,0 +1,250 @@
+"""P4 on a real Slurm (marker ``slurm``): Hydra multiruns through hydra-submitit-launcher, no mocks.
+
+Needs a running Slurm with accounting, e.g. ``sudo tools/local_slurm.sh up`` (``.ci/run`` starts one where it can);
+without one every test here skips and says so. The launcher runs ``APP`` with the trainer's config
+(``experiment=tiny_cpu cluster=slurm_local hydra/launcher=slurm_local``); all three tests log to one MLflow sqlite
+store, whose schema the first launcher creates before anything else starts (parallel jobs race in its migrations).
+
+- a 3-cell sweep runs as one Slurm array, every cell logs to the shared store and its result comes back;
+- a cell that raises ends FAILED in ``sacct``, and the launcher exits non-zero with the cell's traceback;
+- a cell that runs past its 1-minute limit gets Slurm's signal, checkpoints, is requeued, and resumes from its
+  checkpoint into the same MLflow run: through the Hydra launcher (submitit requeues) and through the plain
+  template slurm/train.sbatch (the app runs `scontrol requeue`). Each waits 20-50 s for the signal (slurmctld checks
+  time limits every 30 s), so both start first, in the background, and the other tests run meanwhile.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# The Hydra app under test. When fp4moe.train exists (it must provide what tests/slurm_app/app.py does with
+# fp4moe.slurm), the same tests run against it with:  APP = [sys.executable, "-m", "fp4moe.train"]
+REPO = Path(__file__).resolve().parents[1]
+APP = [sys.executable, str(REPO / "tests" / "slurm_app" / "app.py")]
+BASE = ["experiment=tiny_cpu", "cluster=slurm_local", "hydra/launcher=slurm_local"]
+# The time-limit cell: 1-minute limit, signal 10 s before it (it comes 20-50 s after the start), 1 s per step on the
+# first attempt so that it cannot finish, full speed after the requeue: the second attempt must finish its remaining
+# steps within ~20 s of starting, or it is signalled and requeued again (max_num_timeout bounds that).
+STEPS = 100
+REQUEUE = [f"train.steps={STEPS}", "train.checkpoint_interval=25", "cluster.time_limit_min=1",
+           "cluster.signal_delay_s=10", "+fault.sleep_s=1"]
+LAUNCH_TIMEOUT_S = 240
+
+
+def _slurm_missing() -> str | None:
+    if shutil.which("sbatch") is None:
+        return "no Slurm here (sbatch not on PATH); `sudo tools/local_slurm.sh up` starts a local one (.ci/run does)"
+    try:  # sinfo retries an absent controller for ~10 s: give up sooner
+        p = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=4)
+    except subprocess.TimeoutExpired:
+        return "Slurm does not answer (sinfo, 4 s); `sudo tools/local_slurm.sh up` starts a local one"
+    if p.returncode != 0 or not p.stdout.strip():
+        return f"Slurm does not answer (sinfo: {(p.stderr or p.stdout).strip()[:200]}); `sudo tools/local_slurm.sh up`"
+    p = subprocess.run(["sacct", "-n", "-X", "-S", "now-1minutes"], capture_output=True, text=True, timeout=30)
+    if p.returncode != 0:
+        return f"Slurm has no accounting (sacct: {p.stderr.strip()[:200]}); tools/local_slurm.sh starts slurmdbd"
+    return None
+
+
+_MISSING = _slurm_missing()
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")]
+
+
+class Launch:
+    """One multirun of APP in its own folder (cwd, logs), logging to the shared store."""
+
+    def __init__(self, root: Path, name: str, overrides: list[str], uri: str):
+        self.dir = root / name
+        self.dir.mkdir(parents=True)
+        env = dict(os.environ, MLFLOW_TRACKING_URI=uri, MLFLOW_DISABLE_TELEMETRY="true", FP4MOE_ROOT=str(self.dir))
+        self.log = open(self.dir / "launcher.log", "w+")
+        self.proc = subprocess.Popen([*APP, "-m", *BASE, f"tracking.experiment={name}", *overrides], cwd=self.dir,
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+
+    def wait(self, timeout: float = LAUNCH_TIMEOUT_S) -> tuple[int, str]:
+        rc = self.proc.wait(timeout=timeout)
+        self.log.seek(0)
+        return rc, self.log.read()
+
+    def submitit_dirs(self) -> list[Path]:
+        """One folder per job (array task), named by its id: the ones holding a pickled job."""
+        return sorted({p.parent for p in self.dir.glob("logs/*/multiruns/*/.submitit/*/*_submitted.pkl")})
+
+    def job_ids(self) -> list[str]:
+        return [d.name for d in self.submitit_dirs()]
+
+    def results(self) -> list[tuple[str, object]]:
+        """Each job's (outcome, JobReturn or traceback), as submitit handed it to the launcher."""
+        return [pickle.loads(p.read_bytes()) for d in self.submitit_dirs() for p in sorted(d.glob("*_result.pkl"))]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+            ids = self.job_ids()
+            if ids:  # its jobs would outlive it
+                subprocess.run(["scancel", *{i.split("_")[0] for i in ids}], check=False)
+        self.log.close()
+
+
+def _sacct(job_id: str, duplicates: bool = False) -> list[str]:
+    """States of ``job_id``'s allocation, oldest first (with ``duplicates``: one per attempt of a requeued job)."""
+    cmd = ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id] + (["-D"] if duplicates else [])
+    for _ in range(20):  # slurmctld hands finished jobs to slurmdbd a moment later
+        rows = [ln.split("|") for ln in subprocess.run(cmd, capture_output=True, text=True, check=True)
+                .stdout.splitlines() if ln.strip()]
+        states = [state.split()[0] for jid, state in rows if jid == job_id]
+        if states and states[-1] not in ("RUNNING", "PENDING", "COMPLETING"):
+            return states
+        time.sleep(0.5)
+    return states
+
+
+def _runs(uri: str, experiment: str):
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    return mlflow.search_runs(experiment_names=[experiment])
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slurm")
+    return root, f"sqlite:///{root / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def time_limit_run(store):
+    """The time-limit multirun (REQUEUE), started in the background by the first test that asks for it."""
+    root, uri = store
+    launch = Launch(root, "slurm_requeue", ["precision=mxfp4", *REQUEUE], uri)
+    try:
+        # The first launcher creates the store's schema (SlurmCallback.on_multirun_start) before it submits; the
+        # other launchers start after that, so no two processes create it at once.
+        for _ in range(300):
+            if launch.submitit_dirs() or launch.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert launch.submitit_dirs(), launch.wait(timeout=5)[1][-4000:]
+        assert (root / "mlflow.db").is_file()
+        yield launch
+    finally:
+        launch.stop()
+
+
+@pytest.fixture(scope="module")
+def sbatch_run(store, time_limit_run):
+    """The same time-limit cell through slurm/train.sbatch (no Hydra launcher, no submitit): the app requeues
+    itself with `scontrol requeue`. Submitted once the store's schema exists; returns (job id, its folder)."""
+    root, uri = store
+    folder = root / "slurm_sbatch"
+    (folder / "logs" / "slurm").mkdir(parents=True)
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, MLFLOW_DISABLE_TELEMETRY="true", FP4MOE_ROOT=str(folder),
+               PYTHON=sys.executable, TRAIN=" ".join(APP[1:]))
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", "--job-name=sbatch", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
+         "--cpus-per-task=1", "--mem=1G", "--time=1", "--signal=USR2@10", str(REPO / "slurm" / "train.sbatch"),
+         *BASE[:2], "precision=fp8", "tracking.experiment=slurm_sbatch", *REQUEUE],
+        cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    yield job_id, folder
+    subprocess.run(["scancel", job_id], check=False)
+
+
+def test_sweep_runs_as_slurm_array_into_one_mlflow_store(store, time_limit_run, sbatch_run):
+    root, uri = store
+    launch = Launch(root, "slurm_sweep", ["train.steps=4"], uri)
+    try:
+        rc, out = launch.wait()
+    finally:
+        launch.stop()
+    assert rc == 0, out[-4000:]
+    script = next(launch.dir.glob("logs/*/multiruns/*/.submitit/*/*_submission.sh")).read_text()
+    for line in ("#SBATCH --array=0-2%3", "#SBATCH --mem=1GB", "#SBATCH --requeue", "#SBATCH --partition=debug",
+                 "#SBATCH --signal=USR2@30"):
+        assert line in script, line
+    ids = launch.job_ids()
+    assert len(ids) == 3 and len({i.split("_")[0] for i in ids}) == 1  # one array
+    results = launch.results()
+    assert [outcome for outcome, _ in results] == ["success"] * 3
+    values = [ret.return_value for _, ret in results]
+    assert len({v["slurm_job_id"] for v in values}) == 3  # array tasks are jobs of their own
+    assert all(v["steps"] == 4 and v["resumed_from"] == 0 for v in values)
+    assert all(_sacct(i) == ["COMPLETED"] for i in ids)
+    runs = _runs(uri, "slurm_sweep")
+    assert len(runs) == 3 and set(runs["status"]) == {"FINISHED"}
+    assert sorted(runs["params.precision"]) == ["bf16", "fp8", "mxfp4"]
+    assert set(runs["run_id"]) == {v["run_id"] for v in values}
+    assert sorted(runs["tags.slurm_array_task_id"]) == ["0", "1", "2"]
+    assert set(runs["tags.slurm_array_job_id"]) == {ids[0].split("_")[0]}
+    assert runs["metrics.loss"].notna().all()
+
+
+def test_failed_job_is_failed_in_sacct_and_in_the_launcher(store, time_limit_run, sbatch_run):
+    root, uri = store
+    launch = Launch(root, "slurm_fail", ["precision=fp8", "train.steps=4", "+fault.fail_at_step=1"], uri)
+    try:
+        rc, out = launch.wait()
+    finally:
+        launch.stop()
+    assert rc == 1, out[-4000:]
+    assert "FailedJobError" in out and "RuntimeError: fp4moe.slurm.inject_faults: fault.fail_at_step=1" in out
+    (job_id,) = launch.job_ids()
+    assert _sacct(job_id) == ["FAILED"]  # not COMPLETED, which Slurm reports without fp4moe.slurm.SlurmCallback
+    (outcome, _), = launch.results()
+    assert outcome == "error"
+    runs = _runs(uri, "slurm_fail")
+    assert list(runs["status"]) == ["FAILED"] and list(runs["tags.slurm_job_id"]) == [job_id]
+
+
+def test_time_limit_requeues_and_resumes_into_the_same_run(store, time_limit_run):
+    root, uri = store
+    rc, out = time_limit_run.wait()
+    assert rc == 0, out[-4000:]
+    (job_id,) = time_limit_run.job_ids()
+    states = _sacct(job_id, duplicates=True)
+    assert states[-1] == "COMPLETED" and "REQUEUED" in states[:-1], states
+    (outcome, ret), = time_limit_run.results()
+    value = ret.return_value
+    assert outcome == "success" and value["steps"] == STEPS
+    assert 0 < value["resumed_from"] < STEPS        # the second attempt started from the checkpoint...
+    assert (Path(value["checkpoint_dir"]) / f"step_{STEPS:09d}").exists()
+    runs = _runs(uri, "slurm_requeue")
+    assert len(runs) == 1 and runs["run_id"][0] == value["run_id"]   # ...and continued the same MLflow run
+    run = runs.iloc[0]
+    assert run["status"] == "FINISHED" and int(run["tags.slurm_restart_count"]) >= 1 and run["tags.requeued"] == "true"
+    import mlflow
+
+    history = mlflow.MlflowClient(uri).get_metric_history(value["run_id"], "loss")
+    assert sorted(m.step for m in history) == list(range(STEPS))   # every step once: none lost, none repeated
+
+
+def test_plain_sbatch_template_requeues_at_the_time_limit_and_resumes(store, sbatch_run):
+    root, uri = store
+    job_id, folder = sbatch_run
+    deadline = time.time() + LAUNCH_TIMEOUT_S
+    while time.time() < deadline:
+        states = _sacct(job_id, duplicates=True)
+        if states and states[-1] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL"):
+            break
+        time.sleep(2)
+    log = "".join(p.read_text() for p in sorted((folder / "logs" / "slurm").glob("*")))
+    assert states[-1] == "COMPLETED" and "REQUEUED" in states[:-1], (states, log[-4000:])
+    runs = _runs(uri, "slurm_sbatch")
+    assert len(runs) == 1, runs
+    run = runs.iloc[0]
+    assert run["status"] == "FINISHED" and run["tags.slurm_job_id"] == job_id and int(run["tags.slurm_restart_count"]) >= 1
+    import mlflow
+
+    history = mlflow.MlflowClient(uri).get_metric_history(run["run_id"], "loss")
+    assert sorted(m.step for m in history) == list(range(STEPS))
+    # the Hydra run dir is pinned to the job id, so both attempts used one checkpoint folder
+    (ckpt,) = folder.glob(f"logs/sbatch/slurm-{job_id}/checkpoints")
+    assert (ckpt / f"step_{STEPS:09d}").exists() and (ckpt / "mlflow_run_id").read_text().strip() == run["run_id"]
