@@ -9,6 +9,8 @@
 - ``grouped_experts``: ``grouped_expert_mlp``, the routed experts of one rank over ragged per-expert counts
   (FP8 GEMM loop, weighted SwiGLU, saved tensors per recipe) and ``expert_saved_bytes``.
 - ``swiglu``: the (unweighted) SwiGLU of dense/shared MLPs, saving its input as BF16 or MXFP4 per recipe.
+- ``fp4_store``: ``fp4_saved_tensors()``, a saved-tensors context that keeps eligible saved activations as MXFP4
+  (the generic mechanism for FP4 recompute caches).
 
 Status: CPU-tested (gloo for the all-to-all) and GPU-tested on H200s (``F.scaled_mm`` layouts, the grouped
 Triton GEMMs, NCCL with 2 GPUs): results/moe_layer/gpu_tests_*.log.
@@ -16,12 +18,15 @@ Triton GEMMs, NCCL with 2 GPUs): results/moe_layer/gpu_tests_*.log.
 from .fp8_gemm import dequantize_weight_128x128, fp8_mm, quantize_weight_128x128, transpose_weight_128x128
 from .fp8_linear import FP8Linear, fp8_linear, linear_saved_bytes, saved_bytes
 from .grouped_experts import expert_saved_bytes, grouped_expert_mlp
+from .fp4_store import FP4Store, fp4_saved_tensors
 from .swiglu import swiglu
 
 __all__ = [
+    "FP4Store",
     "FP8Linear",
     "dequantize_weight_128x128",
     "expert_saved_bytes",
+    "fp4_saved_tensors",
     "fp8_linear",
     "fp8_mm",
     "grouped_expert_mlp",
