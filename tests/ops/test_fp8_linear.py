@@ -41,6 +41,7 @@ from fp4moe.ops import (
     transpose_weight_128x128,
 )
 from fp4moe.ops.fp8_gemm import GPU_ROW_MULTIPLE, scaled_mm_args
+from fp4moe.ops.accounting import saved_bytes_during
 from fp4moe.recipe import Recipe
 from fp4moe_kernels import ops as kops
 from fp4moe_kernels import reference as R
@@ -408,23 +409,7 @@ def test_leading_dims_and_dtypes():
 # ------------------------------------------------------------------------------------------- saved bytes
 
 
-def count_saved(fn, exclude):
-    """Run fn under saved_tensors_hooks; bytes of the distinct storages it saved, except ``exclude``'s."""
-    packed = []
-
-    def pack(t):
-        packed.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    storages = {}
-    for t in packed:
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            storages[st.data_ptr()] = st.nbytes()
-    return sum(storages.values()), out
+count_saved = saved_bytes_during  # bytes autograd saved, storages of `exclude` left out
 
 
 @pytest.mark.parametrize("m, counts", [(256, None), (200, None), (200, [60, 70, 70]), (200, [0, 200])])

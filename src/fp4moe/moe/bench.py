@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..ops.all_to_all import A2AStats, quantized_all_to_all
+from ..ops.accounting import saved_bytes_during
+from ..ops.all_to_all import quantized_all_to_all
 from ..ops.fp8_gemm import fp8_mm
 from ..ops.grouped_experts import expert_saved_bytes, gemm_backend, quantize_experts_128x128
 from ..recipe import Recipe
@@ -118,21 +119,6 @@ def _max_over_ranks(v: float, dev) -> float:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
     return v
-
-
-def _saved_bytes(fn, params):
-    """(distinct-storage bytes saved for backward by ``fn()``, parameters excluded; fn's output)."""
-    packed = []
-
-    def pack(t):
-        packed.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    st = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in packed}
-    return sum(v for k, v in st.items() if k not in skip), out
 
 
 def _category(name: str) -> str:
@@ -209,7 +195,7 @@ def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
     layer.dispatch_stats.reset()
     layer.combine_stats.reset()
     xx = x.detach().requires_grad_()
-    saved, y = _saved_bytes(lambda: layer(xx), params)
+    saved, y = saved_bytes_during(lambda: layer(xx), params)
     idx, _ = layer.last_routing
     y.backward(dy)
     _sync(dev)
