@@ -7,7 +7,10 @@
 
 Exit status: 0 finished; 2 the config, the data or the MLflow store cannot be used (one message, no traceback,
 before training starts); 3 out of GPU memory (recorded in MLflow as ``outcome=OOM``; in a multirun the sweep goes
-on); 128 + N stopped by signal N after writing a checkpoint (rerun the same command to resume).
+on); 128 + N stopped by signal N (SIGTERM, SIGUSR1) after writing a checkpoint (rerun the same command to resume:
+with a relative ``train.checkpoint_dir``, pin ``hydra.run.dir``). In a Slurm job, SIGUSR2 (the time-limit /
+preemption signal of the launcher profiles) writes a checkpoint and requeues the job, which resumes from it into
+the same MLflow run (fp4moe.slurm).
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ def _hydra_context() -> tuple[str | None, str | None, bool]:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict | None:
+    """Train; returns a short result (in a multirun it reaches the launcher, e.g. through submitit)."""
     cell, out, multirun = _hydra_context()
     try:
         from fp4moe.train.loop import train
@@ -59,13 +63,17 @@ def main(cfg: DictConfig) -> None:
               file=sys.stderr)
         if not multirun:
             sys.exit(EXIT_OOM)
-        return
+        return {"outcome": "OOM"}
     if result.stopped_by:
         sys.exit(128 + result.stopped_by)
     s = result.summary
     log.info("done: step %d/%d, loss %s, eval loss %s, tokens/GPU/s median %s, MLflow run %s", result.step,
              result.total_steps, s.get("summary/final_loss"), s.get("summary/final_eval_loss"),
              s.get("summary/tgs_median"), result.run_id)
+    return {"outcome": "done", "run_id": result.run_id, "start_step": result.start_step, "step": result.step,
+            "total_steps": result.total_steps, "recipe": str(cfg.precision.name),
+            "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "final_loss": s.get("summary/final_loss")}
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from fp4moe import tracking
+from fp4moe import slurm, tracking
 from fp4moe.config import ConfigError, check
 from fp4moe.train import data as data_mod
 from fp4moe.train.dist import barrier, check_supported, init_distributed, init_model_parallel, teardown
@@ -89,7 +89,8 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
     """Train per the composed config ``cfg`` (conf/train.yaml and its groups).
 
     ``multirun_cell``: Hydra's ``override_dirname`` of a sweep cell (its own checkpoint folder).
-    ``output_dir``: where ``summary.json`` goes (the Hydra run folder); None: not written.
+    ``output_dir``: the Hydra job folder: ``summary.json`` goes there (None: not written), and a relative
+    ``train.checkpoint_dir`` is resolved in it (``checkpoint.run_dir``).
     ``after_step(step, metrics)``: called on every rank after each step (tests use it to send signals).
     """
     derived = preflight(cfg)
@@ -211,7 +212,6 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from fp4moe.train import checkpoint as ckpt
     from fp4moe.train.metrics import Meter, Tracker, flatten, hardware_tags, resolve_uri
     from fp4moe.train.optim import Optimizer, Schedule
-    from fp4moe.train.signals import StopOnSignal
 
     t = cfg.train
     device = info.device
@@ -235,7 +235,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     sched = Schedule(t, derived)
 
     # ---- resume
-    root = ckpt.run_dir(cfg, multirun_cell)
+    root = ckpt.run_dir(cfg, multirun_cell, output_dir)
     fp = ckpt.fingerprint(cfg)
     step, consumed, run_id = 0, 0, None
     found = ckpt.latest(root)
@@ -265,7 +265,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                    "data.dataset_prefix": str(dinfo.get("dataset_prefix"))})
     tags = hardware_tags(device, info.world_size, info.launcher)
     tags.update({"recipe": str(cfg.precision.name), "recompute": str(cfg.recompute.name), "model": str(cfg.model.name),
-                 "checkpoint_dir": str(root)})
+                 "checkpoint_dir": str(root), **slurm.job_tags()})
     run_name = f"{cfg.get('task_name', 'train')}/{cfg.model.name}/{cfg.precision.name}/{cfg.recompute.name}"
     tracker.start(run_name, params, tags, resume_run_id=run_id)
     result = TrainResult(run_id=tracker.run_id, start_step=start_step, step=step, total_steps=int(derived["steps"]))
@@ -314,7 +314,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     last_saved = last_eval = -1
     try:
         model.train()
-        with StopOnSignal() as stop:
+        with slurm.Preemption() as stop:
             while step < total_steps:
                 meter.before_step()
                 t0 = time.perf_counter()
@@ -367,6 +367,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                     bar.update(1)
                 if after_step is not None:
                     after_step(step, m)
+                slurm.inject_faults(cfg, step)  # test knobs +fault.* (tests/test_slurm.py); nothing without them
                 if ckpt_every and (step % int(ckpt_every) == 0 or step == total_steps):
                     save()
                     last_saved = step
@@ -376,8 +377,10 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                         save()
                         last_saved = step
                     result.stopped_by = sig
-                    log.warning("stopped by signal %d at step %d; checkpoint %s; rerun the same command to resume",
-                                sig, step, result.checkpoint)
+                    log.warning("stopped by signal %d at step %d; checkpoint %s; %s", sig, step, result.checkpoint,
+                                "requeued: the job resumes from it" if stop.will_requeue(sig) else
+                                "rerun the same command (same hydra.run.dir for a relative train.checkpoint_dir) "
+                                "to resume")
                     break
         if eval_every and not result.stopped_by and last_eval != step and step > start_step:
             result.eval_losses[step] = _evaluate(model, valid_ds, cfg, derived, info, pos)
@@ -403,7 +406,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             Path(output_dir, "summary.json").write_text(json.dumps(out, indent=1))
         status = "KILLED" if result.stopped_by else "FINISHED"
         if result.stopped_by:
-            tracker.set_tags({"stopped_by_signal": str(result.stopped_by)})
+            tracker.set_tags({"stopped_by_signal": str(result.stopped_by),
+                              **({"requeued": "true"} if stop.will_requeue(result.stopped_by) else {})})
     except torch.OutOfMemoryError:
         tracker.set_tags({"outcome": "OOM", "oom_step": str(step + 1)})
         raise
@@ -412,7 +416,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             bar.close()
         tracker.finish(status)
     if result.stopped_by:
-        stop.hand_over(result.stopped_by)
+        stop.leave(result.stopped_by)  # the preemption signal in a Slurm job: requeue (raises slurm.Requeued)
     return result
 
 
