@@ -28,16 +28,21 @@ def test_preemption_flag_from_a_real_signal_and_requeue_outside_slurm():
 
 
 def test_stop_signals_stop_and_only_the_preemption_signal_requeues_in_slurm(monkeypatch):
-    before = signal.getsignal(signal.SIGTERM)
-    with slurm.Preemption() as preempt:
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGUSR1)              # the first signal wins
-        assert preempt.poll() == signal.SIGTERM
-        monkeypatch.setenv("SLURM_JOB_ID", "42")
-        assert not preempt.will_requeue(signal.SIGTERM) and not preempt.will_requeue(signal.SIGUSR1)
-        assert preempt.will_requeue(signal.SIGUSR2)
-        preempt.leave(signal.SIGTERM)                     # no requeue: returns
-    assert signal.getsignal(signal.SIGTERM) == before
+    before, before_usr2 = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR2)
+    try:
+        with slurm.Preemption() as preempt:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGUSR1)          # the first signal wins
+            assert preempt.poll() == signal.SIGTERM
+            monkeypatch.setenv("SLURM_JOB_ID", "42")
+            assert not preempt.will_requeue(signal.SIGTERM) and not preempt.will_requeue(signal.SIGUSR1)
+            assert preempt.will_requeue(signal.SIGUSR2)
+            preempt.leave(signal.SIGTERM)                 # no requeue: returns
+        assert signal.getsignal(signal.SIGTERM) == before
+        # in a Slurm job a late time-limit signal is ignored: it must not kill a finished job
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR2, before_usr2)
 
 
 def test_preempt_signal_follows_submitit_setting(monkeypatch):

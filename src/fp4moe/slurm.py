@@ -104,6 +104,10 @@ class Preemption:
 
     def __exit__(self, *exc: Any) -> None:
         for s, h in self._previous.items():  # kept in _previous: requeue() calls submitit's handler after exit
+            if s == self.signal and "SLURM_JOB_ID" in os.environ:
+                # In a Slurm job the signal may come again, or late, after the loop: it must neither kill a finished
+                # job (its default action: FAILED) nor make submitit requeue it. requeue() calls the handler itself.
+                h = signal.SIG_IGN
             signal.signal(s, h if h is not None else signal.SIG_DFL)
 
     def _on_signal(self, signum: int, frame: Any) -> None:

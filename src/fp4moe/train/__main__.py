@@ -41,7 +41,9 @@ def _hydra_context() -> tuple[str | None, str | None, bool]:
         return None, None, False
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    cell = (hc.job.override_dirname or f"job{hc.job.num}") if multirun else None
+    from fp4moe.resolvers import dirname
+
+    cell = dirname(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None
     return cell, hc.runtime.output_dir, multirun
 
 
