@@ -4,6 +4,7 @@
     python -m fp4moe.train train=short_cpu train.params_dtype=fp32
     torchrun --nproc-per-node 2 -m fp4moe.train parallel=two_gpu_ep2 cluster=workstation_2gpu
     python -m fp4moe.train experiment=paper_t1 hydra/launcher=slurm_h100    # Slurm via submitit (P4)
+    python -m fp4moe.train experiment=paper_f4 hydra/launcher=slurm_h100    # a benchmark (F3/F4): fp4moe.bench_job
 
 Exit status: 0 finished; 2 the config, the data or the MLflow store cannot be used (one message, no traceback,
 before training starts); 3 out of GPU memory (recorded in MLflow as ``outcome=OOM``; in a multirun the sweep goes
@@ -51,6 +52,14 @@ def _hydra_context() -> tuple[str | None, str | None, bool]:
 def main(cfg: DictConfig) -> dict | None:
     """Train; returns a short result (in a multirun it reaches the launcher, e.g. through submitit)."""
     cell, out, multirun = _hydra_context()
+    from fp4moe import bench_job
+
+    if bench_job.is_bench(cfg):  # F3/F4: a benchmark, not training (fp4moe/bench_job.py)
+        try:
+            return bench_job.run(cfg)
+        except ConfigError as e:
+            print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG)
     try:
         from fp4moe.train.loop import train
 
