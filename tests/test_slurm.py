@@ -1,19 +1,24 @@
-"""P4 on a real Slurm (marker ``slurm``): Hydra multiruns through hydra-submitit-launcher, no mocks.
+"""P4 on a real Slurm (marker ``slurm``): the trainer ``python -m fp4moe.train`` submitted by Hydra multiruns through
+hydra-submitit-launcher (and once through slurm/train.sbatch), no mocks.
 
 Needs a running Slurm with accounting, e.g. ``sudo tools/local_slurm.sh up`` (``.ci/run`` starts one where it can);
-without one every test here skips and says so. The launcher runs ``APP`` with the trainer's config
-(``experiment=tiny_cpu cluster=slurm_local hydra/launcher=slurm_local``); all three tests log to one MLflow sqlite
-store, whose schema the first launcher creates before anything else starts (parallel jobs race in its migrations).
+without one every test here skips and says so. Every job trains the tiny CPU model on the real Shakespeare data
+(``experiment=tiny_cpu cluster=slurm_local hydra/launcher=slurm_local``, with ``recompute=none``: the experiment's
+``attn_ln_experts`` scope is refused by fp4moe.model until its own recompute lands). The data is built once, before
+anything is submitted (``python -m fp4moe.data prepare``). All jobs log to one MLflow sqlite store, whose schema the
+first launcher creates before anything else starts (parallel jobs race in its migrations).
 
-- a 3-cell sweep runs as one Slurm array, every cell logs to the shared store and its result comes back;
-- a cell that raises ends FAILED in ``sacct``, and the launcher exits non-zero with the cell's traceback;
+- a 3-cell sweep (bf16/fp8/mxfp4) runs as one Slurm array, every cell logs to the shared store, its result comes back;
+- a cell that raises ends FAILED in ``sacct``, and the launcher exits 1 with the cell's traceback;
 - a cell that runs past its 1-minute limit gets Slurm's signal, checkpoints, is requeued, and resumes from its
   checkpoint into the same MLflow run: through the Hydra launcher (submitit requeues) and through the plain
-  template slurm/train.sbatch (the app runs `scontrol requeue`). Each waits 20-50 s for the signal (slurmctld checks
-  time limits every 30 s), so both start first, in the background, and the other tests run meanwhile.
+  template slurm/train.sbatch (the trainer runs `scontrol requeue`). The signal comes 20-50 s after the start
+  (slurmctld checks time limits every 30 s), so both start first, in the background, and the other tests run
+  meanwhile.
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -24,17 +29,18 @@ from pathlib import Path
 
 import pytest
 
-# The Hydra app under test. When fp4moe.train exists (it must provide what tests/slurm_app/app.py does with
-# fp4moe.slurm), the same tests run against it with:  APP = [sys.executable, "-m", "fp4moe.train"]
 REPO = Path(__file__).resolve().parents[1]
-APP = [sys.executable, str(REPO / "tests" / "slurm_app" / "app.py")]
+APP = [sys.executable, "-m", "fp4moe.train"]
 BASE = ["experiment=tiny_cpu", "cluster=slurm_local", "hydra/launcher=slurm_local"]
-# The time-limit cell: 1-minute limit, signal 10 s before it (it comes 20-50 s after the start), 1 s per step on the
-# first attempt so that it cannot finish, full speed after the requeue: the second attempt must finish its remaining
-# steps within ~20 s of starting, or it is signalled and requeued again (max_num_timeout bounds that).
-STEPS = 100
-REQUEUE = [f"train.steps={STEPS}", "train.checkpoint_interval=25", "cluster.time_limit_min=1",
-           "cluster.signal_delay_s=10", "+fault.sleep_s=1"]
+FAST = ["recompute=none", "train.progress_bar=false", "train.eval_interval=null"]
+DATA_DIR = os.environ.get("FP4MOE_DATA_DIR") or str(REPO / "data")
+# The time-limit cell: 1-minute limit, signal 10 s before it (it comes 20-50 s after the start), 5 s of sleep per
+# step on the first attempt so that it cannot finish (12 steps > 60 s), full speed after the requeue: the second
+# attempt must finish within ~20 s of starting, or it is signalled and requeued again (max_num_timeout bounds that).
+# Checkpoints: on the signal, and at the end.
+STEPS = 12
+REQUEUE = [f"train.steps={STEPS}", f"train.checkpoint_interval={STEPS}", "cluster.time_limit_min=1",
+           "cluster.signal_delay_s=10", "+fault.sleep_s=5"]
 LAUNCH_TIMEOUT_S = 240
 
 
@@ -63,10 +69,10 @@ class Launch:
     def __init__(self, root: Path, name: str, overrides: list[str], uri: str):
         self.dir = root / name
         self.dir.mkdir(parents=True)
-        env = dict(os.environ, MLFLOW_TRACKING_URI=uri, MLFLOW_DISABLE_TELEMETRY="true", FP4MOE_ROOT=str(self.dir))
         self.log = open(self.dir / "launcher.log", "w+")
-        self.proc = subprocess.Popen([*APP, "-m", *BASE, f"tracking.experiment={name}", *overrides], cwd=self.dir,
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+        self.proc = subprocess.Popen([*APP, "-m", *BASE, *FAST, f"tracking.experiment={name}", *overrides],
+                                     cwd=self.dir, env=_env(uri, self.dir),
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
 
     def wait(self, timeout: float = LAUNCH_TIMEOUT_S) -> tuple[int, str]:
@@ -95,6 +101,13 @@ class Launch:
         self.log.close()
 
 
+def _env(uri: str, root: Path) -> dict[str, str]:
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, MLFLOW_DISABLE_TELEMETRY="true", FP4MOE_ROOT=str(root),
+               FP4MOE_DATA_DIR=DATA_DIR, OMP_NUM_THREADS="1")
+    env.pop("FP4MOE_CKPT_DIR", None)  # checkpoints in each Hydra job folder
+    return env
+
+
 def _sacct(job_id: str, duplicates: bool = False) -> list[str]:
     """States of ``job_id``'s allocation, oldest first (with ``duplicates``: one per attempt of a requeued job)."""
     cmd = ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id] + (["-D"] if duplicates else [])
@@ -117,6 +130,10 @@ def _runs(uri: str, experiment: str):
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
+    """The shared MLflow store; first the tokenized data, built once here so that the jobs only read it."""
+    p = subprocess.run([sys.executable, "-m", "fp4moe.data", "prepare", "model=tiny_cpu", "data=shakespeare"],
+                       env=dict(os.environ, FP4MOE_DATA_DIR=DATA_DIR), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
     root = tmp_path_factory.mktemp("slurm")
     return root, f"sqlite:///{root / 'mlflow.db'}"
 
@@ -129,7 +146,7 @@ def time_limit_run(store):
     try:
         # The first launcher creates the store's schema (SlurmCallback.on_multirun_start) before it submits; the
         # other launchers start after that, so no two processes create it at once.
-        for _ in range(300):
+        for _ in range(600):
             if launch.submitit_dirs() or launch.proc.poll() is not None:
                 break
             time.sleep(0.2)
@@ -142,17 +159,16 @@ def time_limit_run(store):
 
 @pytest.fixture(scope="module")
 def sbatch_run(store, time_limit_run):
-    """The same time-limit cell through slurm/train.sbatch (no Hydra launcher, no submitit): the app requeues
-    itself with `scontrol requeue`. Submitted once the store's schema exists; returns (job id, its folder)."""
+    """The same time-limit cell through slurm/train.sbatch (no Hydra launcher, no submitit): the trainer requeues
+    its job with `scontrol requeue`. Submitted once the store's schema exists; returns (job id, its folder)."""
     root, uri = store
     folder = root / "slurm_sbatch"
     (folder / "logs" / "slurm").mkdir(parents=True)
-    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, MLFLOW_DISABLE_TELEMETRY="true", FP4MOE_ROOT=str(folder),
-               PYTHON=sys.executable, TRAIN=" ".join(APP[1:]))
+    env = dict(_env(uri, folder), PYTHON=sys.executable)
     job_id = subprocess.run(
         ["sbatch", "--parsable", "--job-name=sbatch", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
          "--cpus-per-task=1", "--mem=1G", "--time=1", "--signal=USR2@10", str(REPO / "slurm" / "train.sbatch"),
-         *BASE[:2], "precision=fp8", "tracking.experiment=slurm_sbatch", *REQUEUE],
+         *BASE[:2], *FAST, "precision=fp8", "tracking.experiment=slurm_sbatch", *REQUEUE],
         cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     yield job_id, folder
     subprocess.run(["scancel", job_id], check=False)
@@ -160,7 +176,7 @@ def sbatch_run(store, time_limit_run):
 
 def test_sweep_runs_as_slurm_array_into_one_mlflow_store(store, time_limit_run, sbatch_run):
     root, uri = store
-    launch = Launch(root, "slurm_sweep", ["train.steps=4"], uri)
+    launch = Launch(root, "slurm_sweep", ["train.steps=3"], uri)
     try:
         rc, out = launch.wait()
     finally:
@@ -176,11 +192,16 @@ def test_sweep_runs_as_slurm_array_into_one_mlflow_store(store, time_limit_run, 
     assert [outcome for outcome, _ in results] == ["success"] * 3
     values = [ret.return_value for _, ret in results]
     assert len({v["slurm_job_id"] for v in values}) == 3  # array tasks are jobs of their own
-    assert all(v["steps"] == 4 and v["resumed_from"] == 0 for v in values)
+    assert all(v["outcome"] == "done" and v["step"] == 3 and v["start_step"] == 0 for v in values)
+    assert sorted(v["recipe"] for v in values) == ["bf16", "fp8", "mxfp4"]
+    # each cell checkpointed at its end into its own Hydra job folder
+    assert len({Path(v["checkpoint"]).parent for v in values}) == 3
+    assert all(launch.dir / "logs" in Path(v["checkpoint"]).parents for v in values)
     assert all(_sacct(i) == ["COMPLETED"] for i in ids)
     runs = _runs(uri, "slurm_sweep")
     assert len(runs) == 3 and set(runs["status"]) == {"FINISHED"}
-    assert sorted(runs["params.precision"]) == ["bf16", "fp8", "mxfp4"]
+    assert sorted(runs["params.recipe"]) == ["bf16", "fp8", "mxfp4"]
+    assert set(runs["params.data.tokenizer_path"].map(lambda p: str(Path(p).parents[1]))) == {f"{DATA_DIR}/shakespeare"}
     assert set(runs["run_id"]) == {v["run_id"] for v in values}
     assert sorted(runs["tags.slurm_array_task_id"]) == ["0", "1", "2"]
     assert set(runs["tags.slurm_array_job_id"]) == {ids[0].split("_")[0]}
@@ -189,7 +210,7 @@ def test_sweep_runs_as_slurm_array_into_one_mlflow_store(store, time_limit_run, 
 
 def test_failed_job_is_failed_in_sacct_and_in_the_launcher(store, time_limit_run, sbatch_run):
     root, uri = store
-    launch = Launch(root, "slurm_fail", ["precision=fp8", "train.steps=4", "+fault.fail_at_step=1"], uri)
+    launch = Launch(root, "slurm_fail", ["precision=fp8", "train.steps=3", "+fault.fail_at_step=1"], uri)
     try:
         rc, out = launch.wait()
     finally:
@@ -213,17 +234,19 @@ def test_time_limit_requeues_and_resumes_into_the_same_run(store, time_limit_run
     assert states[-1] == "COMPLETED" and "REQUEUED" in states[:-1], states
     (outcome, ret), = time_limit_run.results()
     value = ret.return_value
-    assert outcome == "success" and value["steps"] == STEPS
-    assert 0 < value["resumed_from"] < STEPS        # the second attempt started from the checkpoint...
-    assert (Path(value["checkpoint_dir"]) / f"step_{STEPS:09d}").exists()
+    assert outcome == "success" and value["step"] == STEPS
+    assert 0 < value["start_step"] < STEPS          # the last attempt started from a checkpoint...
+    assert Path(value["checkpoint"]).name == f"step_{STEPS:07d}"
+    assert time_limit_run.dir in Path(value["checkpoint"]).parents   # in the cell's Hydra job folder
     runs = _runs(uri, "slurm_requeue")
     assert len(runs) == 1 and runs["run_id"][0] == value["run_id"]   # ...and continued the same MLflow run
     run = runs.iloc[0]
     assert run["status"] == "FINISHED" and int(run["tags.slurm_restart_count"]) >= 1 and run["tags.requeued"] == "true"
+    assert int(run["tags.resume.count"]) >= 1
     import mlflow
 
     history = mlflow.MlflowClient(uri).get_metric_history(value["run_id"], "loss")
-    assert sorted(m.step for m in history) == list(range(STEPS))   # every step once: none lost, none repeated
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))   # every step once: none lost or repeated
 
 
 def test_plain_sbatch_template_requeues_at_the_time_limit_and_resumes(store, sbatch_run):
@@ -244,7 +267,8 @@ def test_plain_sbatch_template_requeues_at_the_time_limit_and_resumes(store, sba
     import mlflow
 
     history = mlflow.MlflowClient(uri).get_metric_history(run["run_id"], "loss")
-    assert sorted(m.step for m in history) == list(range(STEPS))
-    # the Hydra run dir is pinned to the job id, so both attempts used one checkpoint folder
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
+    # the Hydra run dir is pinned to the job id, so every attempt used one checkpoint folder
     (ckpt,) = folder.glob(f"logs/sbatch/slurm-{job_id}/checkpoints")
-    assert (ckpt / f"step_{STEPS:09d}").exists() and (ckpt / "mlflow_run_id").read_text().strip() == run["run_id"]
+    meta = json.loads((ckpt / f"step_{STEPS:07d}" / "meta.json").read_text())
+    assert meta["mlflow_run_id"] == run["run_id"] and meta["step"] == STEPS

@@ -1,5 +1,5 @@
-"""fp4moe.slurm without Slurm: checkpoints, the preemption flag (a real signal to this process), the resumed MLflow
-run, the test faults and the Hydra callback. The same pieces on a real Slurm: tests/test_slurm.py."""
+"""fp4moe.slurm without Slurm: the preemption/stop flag (a real signal to this process), the test faults and the
+Hydra callback. The same pieces in the trainer on a real Slurm: tests/test_slurm.py."""
 import os
 import signal
 
@@ -14,71 +14,41 @@ def _no_slurm(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def test_checkpoints_latest_keep_and_atomic_names(tmp_path):
-    ckpts = slurm.Checkpoints(tmp_path / "ckpt", keep=2)
-    assert ckpts.latest() is None and ckpts.run_id is None
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / ".tmp_step_000000009").write_text("half-written")  # a save cut short
-    for step in (3, 6, 9):
-        path = ckpts.save(step, lambda p, s=step: p.write_text(str(s)))
-        assert path.name == f"step_{step:09d}"
-    assert ckpts.latest() == (9, tmp_path / "ckpt" / "step_000000009")
-    assert ckpts.latest().path.read_text() == "9"
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000000006", "step_000000009"]
-    ckpts.save(9, lambda p: (p.mkdir(), (p / "shard0").write_text("again")))  # a folder replaces a file
-    assert (ckpts.latest().path / "shard0").read_text() == "again"
-    ckpts.run_id = "abc123"
-    assert slurm.Checkpoints(tmp_path / "ckpt").run_id == "abc123"
-
-
-def test_checkpoint_dir_relative_to_the_working_directory_outside_hydra(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert slurm.checkpoint_dir("checkpoints") == tmp_path / "checkpoints"
-    assert slurm.checkpoint_dir(tmp_path / "abs") == tmp_path / "abs"
-
-
 def test_preemption_flag_from_a_real_signal_and_requeue_outside_slurm():
     before = signal.getsignal(signal.SIGUSR2)
     with slurm.Preemption() as preempt:
-        assert not preempt.requested()
+        assert not preempt.requested() and preempt.poll() == 0
         os.kill(os.getpid(), signal.SIGUSR2)
-        assert preempt.requested()
+        assert preempt.requested() and preempt.poll() == signal.SIGUSR2
+        assert not preempt.will_requeue(signal.SIGUSR2)   # outside Slurm: leave() returns, the trainer exits 140
+        preempt.leave(signal.SIGUSR2)
         with pytest.raises(slurm.Requeued, match="preempted outside Slurm"):
             preempt.requeue()
     assert signal.getsignal(signal.SIGUSR2) == before
+
+
+def test_stop_signals_stop_and_only_the_preemption_signal_requeues_in_slurm(monkeypatch):
+    before, before_usr2 = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR2)
+    try:
+        with slurm.Preemption() as preempt:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGUSR1)          # the first signal wins
+            assert preempt.poll() == signal.SIGTERM
+            monkeypatch.setenv("SLURM_JOB_ID", "42")
+            assert not preempt.will_requeue(signal.SIGTERM) and not preempt.will_requeue(signal.SIGUSR1)
+            assert preempt.will_requeue(signal.SIGUSR2)
+            preempt.leave(signal.SIGTERM)                 # no requeue: returns
+        assert signal.getsignal(signal.SIGTERM) == before
+        # in a Slurm job a late time-limit signal is ignored: it must not kill a finished job
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR2, before_usr2)
 
 
 def test_preempt_signal_follows_submitit_setting(monkeypatch):
     assert slurm.preempt_signal() == signal.SIGUSR2
     monkeypatch.setenv("SUBMITIT_PREEMPT_SIGNAL", "USR1")
     assert slurm.preempt_signal() == signal.SIGUSR1
-
-
-def test_mlflow_run_is_continued_after_a_requeue(tmp_path, monkeypatch):
-    import mlflow
-
-    uri = slurm.prepare_tracking(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    ckpts = slurm.Checkpoints(tmp_path / "ckpt")
-    monkeypatch.setenv("SLURM_JOB_ID", "42")
-    with pytest.raises(slurm.Requeued):
-        with slurm.mlflow_run(ckpts, "resume", "cell", {"precision": "mxfp4"}, uri=uri) as run:
-            mlflow.log_metric("loss", 1.0, step=0)
-            raise slurm.Requeued(0)
-    first = run.info.run_id
-    client = mlflow.MlflowClient(uri)
-    assert client.get_run(first).info.status == "KILLED" and ckpts.run_id == first
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    with slurm.mlflow_run(ckpts, "resume", "cell", uri=uri) as run:
-        mlflow.log_metric("loss", 0.5, step=1)
-    got = client.get_run(first)
-    assert run.info.run_id == first and got.info.status == "FINISHED"
-    assert got.data.tags["slurm_job_id"] == "42" and got.data.tags["slurm_restart_count"] == "1"
-    assert got.data.params == {"precision": "mxfp4"}
-    assert [m.step for m in client.get_metric_history(first, "loss")] == [0, 1]
-    with pytest.raises(ZeroDivisionError):
-        with slurm.mlflow_run(slurm.Checkpoints(tmp_path / "other"), "resume", uri=uri) as run:
-            1 / 0
-    assert client.get_run(run.info.run_id).info.status == "FAILED"
 
 
 def test_inject_faults(monkeypatch):

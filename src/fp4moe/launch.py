@@ -177,6 +177,12 @@ def summary(cell: Cell) -> str:
         f"global {p.global_batch} seq {p.seq_length}  grad accum {d['grad_accum_steps']}",
         f"train: {d['steps']} steps, {d['tokens_per_step']} tokens/step, {d['tokens']} tokens",
     ]
+    from fp4moe import bench_job
+
+    if bench_job.is_bench(cfg):  # F3/F4: the job runs a benchmark; the model/train lines do not apply
+        lines = [lines[0], lines[3], f"parallel: EP{p.expert} world {d['world_size']}",
+                 f"bench: {cfg.bench.module}.main({' '.join(map(str, cfg.bench.args))}) in each of the "
+                 f"{d['world_size']} GPU process(es) (fp4moe.bench_job); without Hydra: {bench_job.command(cfg)}"]
     return "\n".join(lines)
 
 

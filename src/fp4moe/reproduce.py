@@ -39,10 +39,10 @@ NOT_YET_IMPLEMENTED = (
     ("P3", 4, "the recipe inside the megatron-core model (the model builds: fp4moe.model; real tokenized "
               "data: fp4moe.data; `python -m fp4moe.train` trains on CPU), multi-GPU and GPU runs of the "
               "trainer; the H200 proxy's T1-shaped table and the bf16 / fp8 / mxfp4 convergence comparison"),
-    ("P4", 5, "submitting the trainer itself through Slurm (the Slurm tests use a stand-in app) and the F3/F4 "
-              "presets; the configs, checks, launcher profiles, dry run, checkpoint/requeue/resume helpers "
-              "(fp4moe.slurm), slurm/ templates and the local Slurm tool exist, and sweep, failure and "
-              "time-limit requeue are tested on a real Slurm (tests/test_slurm.py)"),
+    ("P4", 5, "any GPU or multi-node Slurm job (the trainer and the F3/F4 benchmark jobs are submitted through "
+              "the same launcher path; on a real single-node CPU Slurm the trainer's sweep, failure and "
+              "time-limit requeue with resume are tested: tests/test_slurm.py), the paper-scale layouts "
+              "(TP/PP > 1 are refused by the trainer)"),
     ("P5", 6, "this command's headline table: results/ (Markdown, CSV, plots) read from MLflow, "
               "the paper-scale model checked against measured runs (an uncalibrated first version "
               "exists: fp4moe.scale), notebooks"),

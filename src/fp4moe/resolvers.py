@@ -2,6 +2,9 @@
 
 ``${fp4moe.requeue_flags:<bool>}``: ``cluster.requeue`` as sbatch flags for a launcher profile's
 ``additional_parameters``: ``{requeue: true}`` (``#SBATCH --requeue``) or ``{no_requeue: true}`` (``--no-requeue``).
+
+``${fp4moe.dirname:<text>}``: ``text`` as one path component: kept when short, else its first 80 characters and a
+12-digit hash of the whole (a multirun cell's ``override_dirname`` grows past the file-name limit of 255 bytes).
 """
 from __future__ import annotations
 
@@ -14,8 +17,22 @@ def requeue_flags(requeue: Any) -> dict[str, bool]:
     return {"requeue": True} if requeue else {"no_requeue": True}
 
 
+DIRNAME_MAX = 120
+
+
+def dirname(text: Any) -> str:
+    import hashlib
+
+    text = str(text).replace("/", "_")
+    if len(text.encode()) <= DIRNAME_MAX:
+        return text
+    return f"{text[:80]}...{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
 def register() -> None:
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("fp4moe.requeue_flags"):
         OmegaConf.register_new_resolver("fp4moe.requeue_flags", requeue_flags)
+    if not OmegaConf.has_resolver("fp4moe.dirname"):
+        OmegaConf.register_new_resolver("fp4moe.dirname", dirname)

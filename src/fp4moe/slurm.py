@@ -2,49 +2,37 @@
 
 A Slurm launcher profile (conf/hydra/launcher/) asks for ``--signal=USR2@<cluster.signal_delay_s>``: before the time
 limit (or on preemption) every task gets SIGUSR2. submitit's handler would requeue at once; a training loop must
-first finish its step and write a checkpoint. So the trainer's loop does, in this order (tests/slurm_app/app.py is
-the working example)::
+first finish its step and write a checkpoint. The trainer (fp4moe/train/loop.py) does, with its own atomic
+checkpoints (fp4moe/train/checkpoint.py, which also hold the MLflow run id)::
 
-    from fp4moe import slurm
-
-    ckpts = slurm.Checkpoints(slurm.checkpoint_dir(cfg.train.checkpoint_dir))   # per cell, stable across requeues
-    last = ckpts.latest()                                  # None, or (step, path) of the newest complete one
-    state, start = (load(last.path), last.step) if last else (fresh(), 0)
-    with slurm.mlflow_run(ckpts, experiment, run_name) as run, slurm.Preemption() as preempt:
+    with slurm.Preemption() as preempt:                    # SIGUSR2 (requeue), SIGTERM and SIGUSR1 (stop)
         for step in range(start, steps):
-            ...                                            # one step; mlflow.log_metric(..., step=step)
+            ...                                            # one step
             slurm.inject_faults(cfg, step)                 # test knobs `+fault.*`; no-op without them
-            stop = preempt.requested()                     # the signal, agreed by all ranks
-            if stop or (step + 1) % interval == 0:
-                ckpts.save(step + 1, lambda path: save(state, path))
-            if stop:
-                preempt.requeue()                          # submitit re-pickles the job, scontrol requeue, exit
+            signum = preempt.poll(device)                  # the signal, agreed by all ranks (0: none)
+            if signum:
+                save_checkpoint(); break
+    if signum:
+        preempt.leave(signum)                              # requeue (raises Requeued) or return: exit 128 + signum
 
-With several ranks: every rank polls ``requested()`` and calls ``save(..., rank=, barrier=)`` and ``requeue()``; only
-rank 0 opens ``mlflow_run`` (the others use ``contextlib.nullcontext()``).
-
-The requeued job runs the same Hydra job again (same overrides, same output directory), finds the checkpoint and
-the MLflow run id in the same folder, and continues that run. ``SlurmCallback`` (``hydra.callbacks`` in conf/train.yaml)
-creates the MLflow schema once before a sweep's jobs start, and makes a job whose task raised end FAILED in Slurm:
-Hydra catches the exception, so without it Slurm and ``sacct`` would say COMPLETED.
+The requeued job runs the same Hydra job again (same overrides, same output directory), finds its checkpoint in
+that folder and the MLflow run id in the checkpoint, and continues that run. ``SlurmCallback`` (``hydra.callbacks``
+in conf/train.yaml) creates the MLflow schema once before a sweep's jobs start, and makes a job whose task raised end
+FAILED in Slurm: Hydra catches the exception, so without it Slurm and ``sacct`` would say COMPLETED.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any
 
 from fp4moe import tracking
 
-RUN_ID_FILE = "mlflow_run_id"
-_STEP_DIR = re.compile(r"^step_(\d{9})$")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)   # checkpoint and stop, no requeue
 
 
 def preempt_signal() -> signal.Signals:
@@ -67,135 +55,7 @@ def _rank() -> int:
     return int(os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")))
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints
-
-def checkpoint_dir(path: str | os.PathLike) -> Path:
-    """``path`` made absolute: a relative one lives in this Hydra job's output directory (one per sweep cell, the
-    same after a requeue), or in the working directory outside Hydra."""
-    path = Path(path).expanduser()
-    if path.is_absolute():
-        return path
-    base = Path.cwd()
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():
-            base = Path(HydraConfig.get().runtime.output_dir)
-    except ImportError:
-        pass
-    return base / path
-
-
-class Checkpoint(NamedTuple):
-    step: int   # steps done: resume at this step
-    path: Path  # what the trainer's save function wrote (a file or a folder)
-
-
-class Checkpoints:
-    """A run's checkpoint folder: complete checkpoints ``step_<9 digits>`` and the MLflow run id (``mlflow_run_id``).
-
-    ``save`` lets the trainer write into a temporary name, then renames it: a job killed mid-save leaves no
-    checkpoint that ``latest`` would pick. With several ranks writing one checkpoint, every rank calls ``save``
-    with the same step and ``rank`` set: each writes the temporary path, rank 0 renames after ``barrier``.
-    """
-
-    def __init__(self, directory: str | os.PathLike, keep: int = 2):
-        self.dir = Path(directory)
-        self.keep = keep
-
-    def _all(self) -> list[Checkpoint]:
-        if not self.dir.is_dir():
-            return []
-        found = [Checkpoint(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _STEP_DIR.match(p.name))]
-        return sorted(found)
-
-    def latest(self) -> Checkpoint | None:
-        """The newest complete checkpoint, or None."""
-        found = self._all()
-        return found[-1] if found else None
-
-    def save(self, step: int, write: Callable[[Path], Any], *, rank: int = 0,
-             barrier: Callable[[], Any] | None = None) -> Path:
-        """Call ``write(tmp_path)``, then make it ``step_<step>`` (replacing one of the same step) and keep the
-        newest ``keep``. Returns the final path."""
-        final = self.dir / f"step_{step:09d}"
-        tmp = self.dir / f".tmp_step_{step:09d}"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        if barrier is not None:
-            barrier()
-        if rank == 0:
-            _remove(final)
-            os.replace(tmp, final)
-            for old in self._all()[:-self.keep]:
-                _remove(old.path)
-        if barrier is not None:
-            barrier()
-        return final
-
-    @property
-    def run_id(self) -> str | None:
-        """The MLflow run id recorded by the first attempt, or None."""
-        f = self.dir / RUN_ID_FILE
-        if not f.is_file():
-            return None
-        return f.read_text().strip() or None
-
-    @run_id.setter
-    def run_id(self, value: str) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{RUN_ID_FILE}.tmp"
-        tmp.write_text(value + "\n")
-        os.replace(tmp, self.dir / RUN_ID_FILE)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 # ---------------------------------------------------------------------------------------------- MLflow
-
-@contextlib.contextmanager
-def mlflow_run(ckpts: Checkpoints, experiment: str, run_name: str | None = None,
-               params: Mapping[str, object] | None = None, tags: Mapping[str, str] | None = None,
-               uri: str | None = None) -> Iterator[Any]:
-    """The active MLflow run for this job: the one whose id ``ckpts`` holds, else a new one (its id is written there
-    at once, so a requeue before the first checkpoint still continues it).
-
-    Tags: ``fp4moe.tracking.environment_tags()``, ``job_tags()`` (job id, restart count), ``tags``. Params are
-    logged by the first attempt only. Ends FINISHED; FAILED on an exception; KILLED when the job leaves to be
-    requeued (the next attempt sets it RUNNING again). ``uri`` defaults to ``fp4moe.tracking.tracking_uri()``.
-    """
-    import mlflow
-
-    uri = uri or tracking.tracking_uri()
-    tracking.check_reachable(uri)
-    mlflow.set_tracking_uri(uri)
-    run_id = ckpts.run_id
-    if run_id is None:
-        client = mlflow.MlflowClient(uri)
-        exp_id = tracking._experiment_id(client, experiment, uri)  # artifacts beside a local store
-        run = mlflow.start_run(experiment_id=exp_id, run_name=run_name)
-        ckpts.run_id = run.info.run_id
-        if params:
-            mlflow.log_params({k: str(v) for k, v in params.items()})
-    else:
-        run = mlflow.start_run(run_id=run_id)
-    mlflow.set_tags({**tracking.environment_tags(), **job_tags(), **(tags or {})})
-    try:
-        yield run
-    except Requeued:
-        mlflow.set_tag("requeued", "true")
-        mlflow.end_run("KILLED")
-        raise
-    except BaseException:
-        mlflow.end_run("FAILED")
-        raise
-    mlflow.end_run("FINISHED")
-
 
 def prepare_tracking(uri: str | None = None) -> str:
     """Create the MLflow store's schema now, in one process: parallel jobs opening a new sqlite file race in its
@@ -216,53 +76,89 @@ class Requeued(SystemExit):
 
 
 class Preemption:
-    """The preemption/time-limit signal as a flag the loop polls between steps; ``requeue()`` hands over to submitit.
+    """Stop signals as a flag the loop polls between steps; ``leave()`` then hands over to Slurm.
 
-    Inside a submitit job the previous handler is submitit's: ``requeue()`` calls it, and it pickles the job again
-    (hydra-submitit-launcher's ``checkpoint``: the same Hydra job), runs ``scontrol requeue`` and exits; it counts
-    time-outs against ``max_num_timeout`` and raises when they are used up (the job then ends FAILED). Without
-    submitit but in Slurm (slurm/ sbatch templates) rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` itself. Outside
-    Slurm it only exits. Install it in the main thread (Python's signal rule).
+    Watches the preemption signal (``preempt_signal()``, SIGUSR2: checkpoint, then requeue) and ``STOP_SIGNALS``
+    (SIGTERM from ``scancel`` or ``kill``, SIGUSR1 from ``sbatch --signal=USR1@...``: checkpoint, then stop).
+    The handler only records the first signal. Handlers are installed in the main thread only (Python's rule) and
+    the previous ones are restored on exit.
+
+    Requeue (``requeue()``, for the preemption signal inside a Slurm job): inside a submitit job the previous
+    handler is submitit's: it is called, pickles the job again (hydra-submitit-launcher's ``checkpoint``: the same
+    Hydra job), runs ``scontrol requeue`` and exits; it counts time-outs against ``max_num_timeout`` and raises when
+    they are used up (the job then ends FAILED). In a plain sbatch job (slurm/ templates) rank 0 runs
+    ``scontrol requeue $SLURM_JOB_ID`` itself.
     """
 
-    def __init__(self, sig: signal.Signals | None = None):
-        self.signal = sig or preempt_signal()
-        self._flag = False
-        self._previous: Any = None
+    def __init__(self, stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
+        self.signal = preempt_signal()
+        self.signals = tuple(dict.fromkeys((*stop_signals, self.signal)))
+        self.received = 0
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "Preemption":
-        self._previous = signal.signal(self.signal, self._on_signal)
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._on_signal)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        signal.signal(self.signal, self._previous if self._previous is not None else signal.SIG_DFL)
+        for s, h in self._previous.items():  # kept in _previous: requeue() calls submitit's handler after exit
+            if s == self.signal and "SLURM_JOB_ID" in os.environ:
+                # In a Slurm job the signal may come again, or late, after the loop: it must neither kill a finished
+                # job (its default action: FAILED) nor make submitit requeue it. requeue() calls the handler itself.
+                h = signal.SIG_IGN
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self._flag = True
-        print(f"fp4moe.slurm: got {signal.Signals(signum).name}: checkpoint after this step, then requeue",
+        if self.received:
+            return
+        self.received = signum
+        then = "requeue" if self.will_requeue(signum) else "stop"
+        print(f"fp4moe.slurm: got {signal.Signals(signum).name}: checkpoint after this step, then {then}",
               file=sys.stderr, flush=True)
 
-    def requested(self, sync: bool = True) -> bool:
-        """Whether the signal came. With torch.distributed running, all ranks agree (max over ranks), so they all
-        save at the same step; that costs one all-reduce of a scalar: call it every step or every few."""
-        flag = self._flag
+    def poll(self, device: Any = None) -> int:
+        """The signal every rank agrees on (the largest number any rank received), or 0. With torch.distributed
+        running this is one all-reduce of a scalar on ``device`` (default: the current CUDA device under nccl, else
+        CPU), so all ranks stop at the same step: call it on every rank, every step or every few."""
+        got = self.received
         dist = sys.modules.get("torch.distributed")
-        if sync and dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             import torch
 
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-            t = torch.tensor([1 if flag else 0], device=device)
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            t = torch.tensor([got], dtype=torch.int64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item())
-        return flag
+            got = int(t.item())
+        return got
+
+    def requested(self) -> bool:
+        """Whether any rank got one of the signals (collective, as ``poll``)."""
+        return bool(self.poll())
+
+    def _submitit_handler(self) -> Any:
+        previous = self._previous.get(self.signal)
+        owner = getattr(previous, "__self__", None)
+        return previous if owner is not None and type(owner).__module__.startswith("submitit.") else None
+
+    def will_requeue(self, signum: int) -> bool:
+        """Whether ``leave(signum)`` requeues: the preemption signal, inside a submitit or Slurm job."""
+        return signum == self.signal and (self._submitit_handler() is not None or "SLURM_JOB_ID" in os.environ)
+
+    def leave(self, signum: int) -> None:
+        """After the checkpoint: requeue when ``will_requeue(signum)`` (raises ``Requeued``), else return (the
+        caller exits, e.g. with 128 + signum)."""
+        if self.will_requeue(signum):
+            self.requeue()
 
     def requeue(self) -> None:
         """Requeue this job and leave (raises ``Requeued``); call after the checkpoint is written."""
-        previous = self._previous
-        owner = getattr(previous, "__self__", None)
-        if owner is not None and type(owner).__module__.startswith("submitit."):
+        handler = self._submitit_handler()
+        if handler is not None:
             try:
-                previous(self.signal, None)   # rank 0: requeues, then sys.exit; the other ranks return
+                handler(self.signal, None)   # rank 0: requeues, then sys.exit; the other ranks return
             except SystemExit as e:
                 raise Requeued(e.code) from None
             raise Requeued(0)

@@ -220,6 +220,10 @@ def test_checkpoint_folders_of_multirun_cells_are_separate(tmp_path):
     cfg = _compose(tmp_path, "task_name=proxy")
     assert run_dir(cfg) == tmp_path / "ckpt" / "proxy"
     assert run_dir(cfg, "precision=bf16,recompute=mla_up_proj") == tmp_path / "ckpt" / "proxy" / "precision=bf16,recompute=mla_up_proj"
+    # relative: inside the Hydra job folder (one per cell, reused by a requeued job); outside Hydra: from the cwd
+    rel = _compose(tmp_path, "task_name=proxy", "train.checkpoint_dir=ckpt")
+    assert run_dir(rel, "precision=bf16", tmp_path / "job0") == tmp_path / "job0" / "ckpt"
+    assert run_dir(rel) == Path.cwd() / "ckpt" / "proxy"
     # run length and intervals may change between a run and its resume; what is trained may not
     longer = _compose(tmp_path, "task_name=proxy", "train.steps=99", "train.eval_interval=7")
     assert fingerprint(longer) == fingerprint(cfg)

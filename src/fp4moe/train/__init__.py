@@ -5,8 +5,9 @@
 - :mod:`fp4moe.train.data`: the one door to ``fp4moe.data.build_token_datasets`` and the resumable sampler
 - :mod:`fp4moe.train.optim`: AdamW with fp32 master weights, warm-up + cosine schedule, gradient reduction/clipping
 - :mod:`fp4moe.train.checkpoint`: atomic per-rank checkpoints, resume checks
+- :mod:`fp4moe.slurm` (outside this package): checkpoint-and-stop on SIGTERM / SIGUSR1, checkpoint-and-requeue on
+  Slurm's SIGUSR2, the failed-job callback
 - :mod:`fp4moe.train.metrics`: MLflow run (params, tags, per-step metrics, summary), tokens/GPU/s, peak memory
-- :mod:`fp4moe.train.signals`: checkpoint-and-stop on SIGTERM / SIGUSR1 / SIGUSR2
 
 Importing this package imports neither torch nor megatron-core.
 """

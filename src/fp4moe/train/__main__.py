@@ -4,10 +4,14 @@
     python -m fp4moe.train train=short_cpu train.params_dtype=fp32
     torchrun --nproc-per-node 2 -m fp4moe.train parallel=two_gpu_ep2 cluster=workstation_2gpu
     python -m fp4moe.train experiment=paper_t1 hydra/launcher=slurm_h100    # Slurm via submitit (P4)
+    python -m fp4moe.train experiment=paper_f4 hydra/launcher=slurm_h100    # a benchmark (F3/F4): fp4moe.bench_job
 
 Exit status: 0 finished; 2 the config, the data or the MLflow store cannot be used (one message, no traceback,
 before training starts); 3 out of GPU memory (recorded in MLflow as ``outcome=OOM``; in a multirun the sweep goes
-on); 128 + N stopped by signal N after writing a checkpoint (rerun the same command to resume).
+on); 128 + N stopped by signal N (SIGTERM, SIGUSR1) after writing a checkpoint (rerun the same command to resume:
+with a relative ``train.checkpoint_dir``, pin ``hydra.run.dir``). In a Slurm job, SIGUSR2 (the time-limit /
+preemption signal of the launcher profiles) writes a checkpoint and requeues the job, which resumes from it into
+the same MLflow run (fp4moe.slurm).
 """
 from __future__ import annotations
 
@@ -38,13 +42,24 @@ def _hydra_context() -> tuple[str | None, str | None, bool]:
         return None, None, False
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    cell = (hc.job.override_dirname or f"job{hc.job.num}") if multirun else None
+    from fp4moe.resolvers import dirname
+
+    cell = dirname(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None
     return cell, hc.runtime.output_dir, multirun
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict | None:
+    """Train; returns a short result (in a multirun it reaches the launcher, e.g. through submitit)."""
     cell, out, multirun = _hydra_context()
+    from fp4moe import bench_job
+
+    if bench_job.is_bench(cfg):  # F3/F4: a benchmark, not training (fp4moe/bench_job.py)
+        try:
+            return bench_job.run(cfg)
+        except ConfigError as e:
+            print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG)
     try:
         from fp4moe.train.loop import train
 
@@ -59,13 +74,17 @@ def main(cfg: DictConfig) -> None:
               file=sys.stderr)
         if not multirun:
             sys.exit(EXIT_OOM)
-        return
+        return {"outcome": "OOM"}
     if result.stopped_by:
         sys.exit(128 + result.stopped_by)
     s = result.summary
     log.info("done: step %d/%d, loss %s, eval loss %s, tokens/GPU/s median %s, MLflow run %s", result.step,
              result.total_steps, s.get("summary/final_loss"), s.get("summary/final_eval_loss"),
              s.get("summary/tgs_median"), result.run_id)
+    return {"outcome": "done", "run_id": result.run_id, "start_step": result.start_step, "step": result.step,
+            "total_steps": result.total_steps, "recipe": str(cfg.precision.name),
+            "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "final_loss": s.get("summary/final_loss")}
 
 
 if __name__ == "__main__":

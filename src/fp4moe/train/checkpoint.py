@@ -1,4 +1,4 @@
-"""Atomic, resumable checkpoints: ``<run dir>/step_NNNNNNN/{meta.json, rank_RRRRR.pt}``.
+"""Atomic, resumable checkpoints: ``<run dir>/step_NNNNNNN/{meta.json, rank_RRRRR.pt}`` (:func:`run_dir`).
 
 Each rank writes its own ``rank_RRRRR.pt`` (model state dict incl. the router expert-bias buffers, optimizer with
 fp32 masters and AdamW moments, schedule, RNG states of python / numpy / torch / CUDA / megatron's tracker) into a
@@ -46,10 +46,20 @@ def fingerprint(cfg: Any) -> dict[str, str]:
     return out
 
 
-def run_dir(cfg: Any, multirun_cell: str | None = None) -> Path:
-    """``train.checkpoint_dir / task_name [/ cell]``: a multirun cell (Hydra's ``override_dirname``) gets its own
-    folder so that the cells of a sweep never resume from each other."""
-    d = Path(str(cfg.train.checkpoint_dir)).expanduser() / str(cfg.get("task_name") or "train")
+def run_dir(cfg: Any, multirun_cell: str | None = None, output_dir: str | Path | None = None) -> Path:
+    """This run's checkpoint folder (the same after a Slurm requeue, one per sweep cell).
+
+    A relative ``train.checkpoint_dir`` lives in the Hydra job's ``output_dir``, which is already one per run and
+    per multirun cell (and is reused by a requeued job): ``<output_dir>/<checkpoint_dir>``; outside Hydra
+    (``output_dir`` None) it is taken from the working directory as an absolute one. An absolute one is shared by
+    runs: ``<checkpoint_dir>/<task_name>[/<cell>]``, where a cell is Hydra's ``override_dirname``, so that the cells
+    of a sweep never resume from each other."""
+    d = Path(str(cfg.train.checkpoint_dir)).expanduser()
+    if not d.is_absolute():
+        if output_dir is not None:
+            return Path(output_dir) / d
+        d = Path.cwd() / d
+    d = d / str(cfg.get("task_name") or "train")
     return d / multirun_cell if multirun_cell else d
 
 

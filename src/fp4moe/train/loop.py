@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from fp4moe import tracking
+from fp4moe import slurm, tracking
 from fp4moe.config import ConfigError, check
 from fp4moe.train import data as data_mod
 from fp4moe.train.dist import barrier, check_supported, init_distributed, init_model_parallel, teardown
@@ -89,17 +89,24 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
     """Train per the composed config ``cfg`` (conf/train.yaml and its groups).
 
     ``multirun_cell``: Hydra's ``override_dirname`` of a sweep cell (its own checkpoint folder).
-    ``output_dir``: where ``summary.json`` goes (the Hydra run folder); None: not written.
+    ``output_dir``: the Hydra job folder: ``summary.json`` goes there (None: not written), and a relative
+    ``train.checkpoint_dir`` is resolved in it (``checkpoint.run_dir``).
     ``after_step(step, metrics)``: called on every rank after each step (tests use it to send signals).
     """
-    derived = preflight(cfg)
-    info = None
-    try:
-        info = init_distributed(cfg)
-        init_model_parallel(cfg, info)
-        return _run(cfg, derived, info, multirun_cell, output_dir, after_step)
-    finally:
-        teardown(info)
+    # The signals are caught from the start: one that comes during the set-up (a short Slurm time limit, a
+    # preemption) stops the run after its first step, with a checkpoint.
+    with slurm.Preemption() as preempt:
+        derived = preflight(cfg)
+        info = None
+        try:
+            info = init_distributed(cfg)
+            init_model_parallel(cfg, info)
+            result = _run(cfg, derived, info, multirun_cell, output_dir, after_step, preempt)
+        finally:
+            teardown(info)
+    if result.stopped_by:  # handlers restored: submitit's own now
+        preempt.leave(result.stopped_by)  # the preemption signal in a Slurm job: requeue (raises slurm.Requeued)
+    return result
 
 
 def _without_credentials(uri: str) -> str:
@@ -185,7 +192,7 @@ def _evaluate(model: Any, valid_ds: Any, cfg: Any, derived: dict[str, Any], info
 
 
 def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
-         after_step: Any) -> TrainResult:
+         after_step: Any, stop: slurm.Preemption) -> TrainResult:
     import torch
 
     from fp4moe.model import cpu_shims
@@ -194,11 +201,11 @@ def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None
     # megatron-core's jit_fuser is torch.compile: on CPU it would spend ~20 s in inductor for nothing.
     ctx = torch._dynamo.config.patch(disable=True) if info.device.type == "cpu" else contextlib.nullcontext()
     with ctx:
-        return _loop(cfg, derived, info, multirun_cell, output_dir, after_step)
+        return _loop(cfg, derived, info, multirun_cell, output_dir, after_step, stop)
 
 
 def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
-          after_step: Any) -> TrainResult:
+          after_step: Any, stop: slurm.Preemption) -> TrainResult:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -211,7 +218,6 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from fp4moe.train import checkpoint as ckpt
     from fp4moe.train.metrics import Meter, Tracker, flatten, hardware_tags, resolve_uri
     from fp4moe.train.optim import Optimizer, Schedule
-    from fp4moe.train.signals import StopOnSignal
 
     t = cfg.train
     device = info.device
@@ -235,7 +241,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     sched = Schedule(t, derived)
 
     # ---- resume
-    root = ckpt.run_dir(cfg, multirun_cell)
+    root = ckpt.run_dir(cfg, multirun_cell, output_dir)
     fp = ckpt.fingerprint(cfg)
     step, consumed, run_id = 0, 0, None
     found = ckpt.latest(root)
@@ -265,7 +271,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                    "data.dataset_prefix": str(dinfo.get("dataset_prefix"))})
     tags = hardware_tags(device, info.world_size, info.launcher)
     tags.update({"recipe": str(cfg.precision.name), "recompute": str(cfg.recompute.name), "model": str(cfg.model.name),
-                 "checkpoint_dir": str(root)})
+                 "checkpoint_dir": str(root), **slurm.job_tags()})
     run_name = f"{cfg.get('task_name', 'train')}/{cfg.model.name}/{cfg.precision.name}/{cfg.recompute.name}"
     tracker.start(run_name, params, tags, resume_run_id=run_id)
     result = TrainResult(run_id=tracker.run_id, start_step=start_step, step=step, total_steps=int(derived["steps"]))
@@ -314,71 +320,73 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     last_saved = last_eval = -1
     try:
         model.train()
-        with StopOnSignal() as stop:
-            while step < total_steps:
-                meter.before_step()
-                t0 = time.perf_counter()
-                loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-                for k in range(accum):
-                    idx = data_mod.micro_batch_indices(consumed, k, micro, dp_rank, dp_size)
-                    tokens, labels = (x.to(device, non_blocking=True) for x in data_mod.batch(train_ds, idx))
-                    loss = model(tokens, pos, None, labels=labels).float().mean()
-                    (loss / accum).backward()
-                    opt.accumulate()
-                    loss_sum += loss.detach()
-                opt.reduce_grads(dp_group, dp_size, edp_group)
-                if mcfg.moe_router_enable_expert_bias:
-                    _update_router_expert_bias([model], mcfg)
-                reset_model_temporary_tensors(mcfg, [model])
-                norm = opt.grad_norm(ep_group)
-                opt.clip(norm)
-                lr = sched(step)
-                opt.step(lr)
-                opt.zero_grad()
-                step += 1
-                consumed += gbs
-                sched.last_step = step
-                loss_step = loss_sum / accum
-                if dp_size > 1:
-                    dist.all_reduce(loss_step, group=dp_group)
-                    loss_step /= dp_size
-                loss_v, norm_v = float(loss_step.item()), float(norm.item())
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                dt = time.perf_counter() - t0
-                m: dict[str, float | None] = {"loss": loss_v, "lr": lr, "grad_norm": norm_v,
-                                              "consumed_samples": float(consumed)}
-                m.update(meter.after_step(dt))
-                m.update(_moe_losses(mcfg, accum))
-                result.losses[step], result.lrs[step], result.grad_norms[step] = loss_v, lr, norm_v
-                result.step = step
-                if not math.isfinite(loss_v):
-                    raise FloatingPointError(f"loss is {loss_v} at step {step} (lr {lr:.3g}, grad norm {norm_v:.3g})")
-                if eval_every and (step % int(eval_every) == 0 or step == total_steps):
-                    m["eval_loss"] = result.eval_losses[step] = _evaluate(model, valid_ds, cfg, derived, info, pos)
-                    last_eval = step
-                if step % log_every == 0 or "eval_loss" in m or step == total_steps:
-                    tracker.log(step, m)
-                if bar is not None:
-                    tgs = m.get("tokens_per_gpu_per_s")
-                    bar.set_postfix(loss=f"{loss_v:.4f}", lr=f"{lr:.2e}",
-                                    tok_s=f"{derived['tokens_per_step'] / dt:.0f}",
-                                    tgs="warm-up" if tgs is None else f"{tgs:.0f}", refresh=False)
-                    bar.update(1)
-                if after_step is not None:
-                    after_step(step, m)
-                if ckpt_every and (step % int(ckpt_every) == 0 or step == total_steps):
+        while step < total_steps:
+            meter.before_step()
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            for k in range(accum):
+                idx = data_mod.micro_batch_indices(consumed, k, micro, dp_rank, dp_size)
+                tokens, labels = (x.to(device, non_blocking=True) for x in data_mod.batch(train_ds, idx))
+                loss = model(tokens, pos, None, labels=labels).float().mean()
+                (loss / accum).backward()
+                opt.accumulate()
+                loss_sum += loss.detach()
+            opt.reduce_grads(dp_group, dp_size, edp_group)
+            if mcfg.moe_router_enable_expert_bias:
+                _update_router_expert_bias([model], mcfg)
+            reset_model_temporary_tensors(mcfg, [model])
+            norm = opt.grad_norm(ep_group)
+            opt.clip(norm)
+            lr = sched(step)
+            opt.step(lr)
+            opt.zero_grad()
+            step += 1
+            consumed += gbs
+            sched.last_step = step
+            loss_step = loss_sum / accum
+            if dp_size > 1:
+                dist.all_reduce(loss_step, group=dp_group)
+                loss_step /= dp_size
+            loss_v, norm_v = float(loss_step.item()), float(norm.item())
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            m: dict[str, float | None] = {"loss": loss_v, "lr": lr, "grad_norm": norm_v,
+                                          "consumed_samples": float(consumed)}
+            m.update(meter.after_step(dt))
+            m.update(_moe_losses(mcfg, accum))
+            result.losses[step], result.lrs[step], result.grad_norms[step] = loss_v, lr, norm_v
+            result.step = step
+            if not math.isfinite(loss_v):
+                raise FloatingPointError(f"loss is {loss_v} at step {step} (lr {lr:.3g}, grad norm {norm_v:.3g})")
+            if eval_every and (step % int(eval_every) == 0 or step == total_steps):
+                m["eval_loss"] = result.eval_losses[step] = _evaluate(model, valid_ds, cfg, derived, info, pos)
+                last_eval = step
+            if step % log_every == 0 or "eval_loss" in m or step == total_steps:
+                tracker.log(step, m)
+            if bar is not None:
+                tgs = m.get("tokens_per_gpu_per_s")
+                bar.set_postfix(loss=f"{loss_v:.4f}", lr=f"{lr:.2e}",
+                                tok_s=f"{derived['tokens_per_step'] / dt:.0f}",
+                                tgs="warm-up" if tgs is None else f"{tgs:.0f}", refresh=False)
+                bar.update(1)
+            if after_step is not None:
+                after_step(step, m)
+            slurm.inject_faults(cfg, step)  # test knobs +fault.* (tests/test_slurm.py); nothing without them
+            if ckpt_every and (step % int(ckpt_every) == 0 or step == total_steps):
+                save()
+                last_saved = step
+            sig = stop.poll(device)
+            if sig:
+                if last_saved != step:
                     save()
                     last_saved = step
-                sig = stop.poll(device)
-                if sig:
-                    if last_saved != step:
-                        save()
-                        last_saved = step
-                    result.stopped_by = sig
-                    log.warning("stopped by signal %d at step %d; checkpoint %s; rerun the same command to resume",
-                                sig, step, result.checkpoint)
-                    break
+                result.stopped_by = sig
+                log.warning("stopped by signal %d at step %d; checkpoint %s; %s", sig, step, result.checkpoint,
+                            "requeued: the job resumes from it" if stop.will_requeue(sig) else
+                            "rerun the same command (same hydra.run.dir for a relative train.checkpoint_dir) "
+                            "to resume")
+                break
         if eval_every and not result.stopped_by and last_eval != step and step > start_step:
             result.eval_losses[step] = _evaluate(model, valid_ds, cfg, derived, info, pos)
             tracker.log(step, {"eval_loss": result.eval_losses[step]})
@@ -403,7 +411,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             Path(output_dir, "summary.json").write_text(json.dumps(out, indent=1))
         status = "KILLED" if result.stopped_by else "FINISHED"
         if result.stopped_by:
-            tracker.set_tags({"stopped_by_signal": str(result.stopped_by)})
+            tracker.set_tags({"stopped_by_signal": str(result.stopped_by),
+                              **({"requeued": "true"} if stop.will_requeue(result.stopped_by) else {})})
     except torch.OutOfMemoryError:
         tracker.set_tags({"outcome": "OOM", "oom_step": str(step + 1)})
         raise
@@ -411,8 +420,6 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
         if bar is not None:
             bar.close()
         tracker.finish(status)
-    if result.stopped_by:
-        stop.hand_over(result.stopped_by)
     return result
 
 
