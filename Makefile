@@ -10,10 +10,11 @@ BENCH_OUT ?= results/kernels
 LAYER_OUT ?= results/moe_layer
 LAYER_GPUS ?= 1
 LAYER_ARGS ?=
+REPORT_ARGS ?=
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-gpu bench-kernels bench-layer log-bench reproduce-table clean
+.PHONY: help venv test test-gpu bench-kernels bench-layer log-bench reproduce-table report clean
 
 help: ## show this list
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -65,6 +66,9 @@ log-bench: venv ## log every results/kernels/kernels_*.json (BENCH_OUT) to MLflo
 
 reproduce-table: venv ## run what exists of the reproduction and list what does not yet
 	$(VENV)/bin/python -m fp4moe.reproduce
+
+report: venv ## write results/report/ (Markdown, CSV, PNG) from MLflow and conf/paper/numbers.yaml (args: REPORT_ARGS)
+	$(VENV)/bin/python -m fp4moe.report $(REPORT_ARGS)
 
 clean: ## remove .venv, build outputs and caches (keeps mlruns/ and results/)
 	rm -rf $(VENV) build .pytest_cache .hypothesis

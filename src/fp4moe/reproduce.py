@@ -9,7 +9,10 @@ Steps, in order:
      MLflow by ``fp4moe.bench_log`` (the same code as ``make log-bench``), or, where mlflow is not
      installed (the GPU image), the command that logs it elsewhere is printed; on CPU, the
      benchmark files already in results/kernels/ are listed (or their absence said);
-  4. a list of what is NOT YET IMPLEMENTED, by issue (P1 = issue 2 ... P6 = issue 7).
+  4. the report (``fp4moe.report``): every run in the MLflow store, beside the paper's numbers
+     (conf/paper/numbers.yaml) and the paper-scale model's uncalibrated prediction, written to
+     ``results/report/`` (Markdown, CSV, PNG); skipped, and said, where mlflow is not installed;
+  5. a list of what is NOT YET IMPLEMENTED, by issue (P1 = issue 2 ... P6 = issue 7).
 
 Exit status: 0 when every part that exists passes, 1 when one fails. Parts that do not exist yet are
 reported, never counted as passed, and never stand in with made-up numbers.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import shlex
 import sys
 import time
@@ -31,21 +35,26 @@ from fp4moe import bench_log
 
 RESULTS_KERNELS = "results/kernels"
 RESULTS_LAYER = "results/moe_layer"
+RESULTS_REPORT = "results/report"
 
 # What is missing, by issue: (label, issue number, what). Keep in step with README.md "Status".
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark) exists; its measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
     ("P3", 4, "the recipe inside the megatron-core model (the model builds: fp4moe.model; real tokenized "
-              "data: fp4moe.data; `python -m fp4moe.train` trains on CPU), multi-GPU and GPU runs of the "
-              "trainer; the H200 proxy's T1-shaped table and the bf16 / fp8 / mxfp4 convergence comparison"),
+              "data: fp4moe.data; `python -m fp4moe.train` trains on CPU and ran on one H200 with megatron's BF16 "
+              "path: results/train_proxy/), multi-GPU runs of the trainer; the H200 proxy's T1-shaped table "
+              "and the bf16 / fp8 / mxfp4 convergence comparison"),
     ("P4", 5, "any GPU or multi-node Slurm job (the trainer and the F3/F4 benchmark jobs are submitted through "
               "the same launcher path; on a real single-node CPU Slurm the trainer's sweep, failure and "
               "time-limit requeue with resume are tested: tests/test_slurm.py), the paper-scale layouts "
               "(TP/PP > 1 are refused by the trainer)"),
-    ("P5", 6, "this command's headline table: results/ (Markdown, CSV, plots) read from MLflow, "
-              "the paper-scale model checked against measured runs (an uncalibrated first version "
-              "exists: fp4moe.scale), notebooks"),
+    ("P5", 6, "the paper-scale model checked against measured runs (predicted peak memory within 5 % of the "
+              "H200 proxy's and the layer's): until then the report's model columns are labelled uncalibrated; "
+              "the model's throughput side (ratios between recipes and scopes); this command running the "
+              "trainer itself (CPU tiny proxy, the H200 proxy on one GPU, Slurm submission/collection) with a "
+              "progress display: it reports the trainer runs already in MLflow. The report (results/report/) "
+              "and the notebooks (notebooks/) exist"),
     ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "
               "nvidia-h200-x8"),
 )
@@ -210,6 +219,25 @@ def run_layer_bench(has_gpu: bool, track: bool) -> bool:
         return False
 
 
+def run_report() -> bool:
+    """Write results/report/ from the MLflow store (``fp4moe.tracking.tracking_uri()``, the store the steps above
+    logged to) with ``fp4moe.report``; without mlflow, say so (not a failure)."""
+    if importlib.util.find_spec("mlflow") is None:
+        print(f"report: skipped, mlflow is not installed for {sys.executable}; run `make reproduce-table` "
+              f"(or `.venv/bin/python -m fp4moe.report`) on a machine with the venv")
+        return True
+    found = _find("report", "fp4moe.report.__main__")
+    if not found:
+        return found is False
+    print(f"report: writing {RESULTS_REPORT}/ (python -m fp4moe.report)")
+    ok, _ = _call(lambda: importlib.import_module("fp4moe.report.__main__").main([]))
+    if ok:
+        print(f"report: see {RESULTS_REPORT}/report.md")
+    else:
+        print("report: FAILED")
+    return ok
+
+
 def print_not_yet_implemented() -> None:
     print("\nNOT YET IMPLEMENTED (no numbers are shown for these, measured or made up):")
     for label, issue, what in NOT_YET_IMPLEMENTED:
@@ -221,8 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fp4moe.reproduce",
         description="Run what exists of the fp4moe reproduction (hardware, kernel self-check, "
-                    "kernel and MoE layer benchmarks on a GPU, their measured results logged to MLflow) "
-                    "and list what is not implemented yet. Exits 0 "
+                    "kernel and MoE layer benchmarks on a GPU, their measured results logged to MLflow, "
+                    "the report in results/report/) and list what is not implemented yet. Exits 0 "
                     "when every existing part passes.",
     )
     parser.add_argument("--bench-args", default="", metavar="ARGS",
@@ -232,7 +260,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="do not run (or log) the kernel and layer benchmarks even on a GPU")
     parser.add_argument("--no-tracking", action="store_true",
                         help="do not log benchmark rows to MLflow")
+    parser.add_argument("--no-report", action="store_true",
+                        help=f"do not write the report ({RESULTS_REPORT}/) at the end")
+    parser.add_argument("--tracking-uri", default=None, metavar="URI",
+                        help="MLflow store (URI, .db file or folder) that the logging steps write and the "
+                             "report reads (default: $MLFLOW_TRACKING_URI, else mlruns/mlflow.db)")
     args = parser.parse_args(argv)
+    if args.tracking_uri:
+        from fp4moe.report.store import normalize_uri
+
+        os.environ["MLFLOW_TRACKING_URI"] = normalize_uri(args.tracking_uri)
 
     has_gpu = print_hardware()
     results = {"kernel self-check": run_selfcheck()}
@@ -245,6 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["logging measured kernel results"] = report_results_on_disk(track=not args.no_tracking)
     if not args.skip_bench:
         results["MoE layer benchmark"] = run_layer_bench(has_gpu, track=not args.no_tracking)
+    if args.no_report:
+        print("report: skipped (--no-report)")
+    else:
+        results["report"] = run_report()
     print_not_yet_implemented()
 
     failed = [name for name, ok in results.items() if not ok]

@@ -1,0 +1,14 @@
+"""The reproduction's report (issue 6, P5): MLflow runs + conf/paper/numbers.yaml + the paper-scale model ->
+``results/report/`` (Markdown, CSV, PNG). ``python -m fp4moe.report [--tracking-uri URI] [--out DIR]``.
+
+No torch: this package reads MLflow and the config only (checked by tests/report).
+
+- :mod:`fp4moe.report.paper`: the paper's numbers, from conf/paper/numbers.yaml only
+- :mod:`fp4moe.report.store`: runs read from an MLflow store (trainer, ``kernels``, ``moe_layer``)
+- :mod:`fp4moe.report.model`: the paper-scale model's T1 prediction (fp4moe.scale, uncalibrated) and what-ifs
+- :mod:`fp4moe.report.tables`: the tables (T1, F3, F4, F5) as rows of plain values
+- :mod:`fp4moe.report.render`: Markdown, CSV and plots, written atomically
+"""
+from .render import build_report, write_report
+
+__all__ = ["build_report", "write_report"]

@@ -1,0 +1,34 @@
+"""``python -m fp4moe.report [--tracking-uri URI] [--out DIR]``: write results/report/ from MLflow + numbers.yaml."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .render import build_report, write_report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from fp4moe.tracking import repo_root
+
+    ap = argparse.ArgumentParser(prog="python -m fp4moe.report", description=(
+        "Write the report (Markdown, CSV, PNG): the paper's T1/F3/F4/F5 numbers (conf/paper/numbers.yaml) beside "
+        "the runs measured in MLflow and the paper-scale model's (uncalibrated) prediction."))
+    ap.add_argument("--tracking-uri", default=None, metavar="URI",
+                    help="MLflow store: a URI, a .db file or a folder holding mlflow.db (default: "
+                         "$MLFLOW_TRACKING_URI, else <repo>/mlruns/mlflow.db)")
+    ap.add_argument("--out", default=None, metavar="DIR", help="output folder (default: <repo>/results/report)")
+    ap.add_argument("--no-model", action="store_true", help="leave out the paper-scale model's columns")
+    args = ap.parse_args(argv)
+    rep = build_report(args.tracking_uri, with_model=not args.no_model)
+    out = args.out or repo_root() / "results" / "report"
+    paths = write_report(rep, out)
+    print(f"report: {rep.counts['trainer']} trainer, {rep.counts['kernels']} kernels, {rep.counts['moe_layer']} "
+          f"moe_layer runs from {rep.store_label} -> {out}/ ({', '.join(p.name for p in paths)})")
+    if rep.model_error:
+        print(f"report: the paper-scale model failed: {rep.model_error}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

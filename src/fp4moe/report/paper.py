@@ -1,0 +1,37 @@
+"""The paper's numbers, read from conf/paper/numbers.yaml (the one place they live) and nowhere else."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+NUMBERS = Path(__file__).resolve().parents[3] / "conf" / "paper" / "numbers.yaml"
+
+
+def load(path: str | Path | None = None) -> dict[str, Any]:
+    """numbers.yaml as a plain dict."""
+    with open(path or NUMBERS) as f:
+        return yaml.safe_load(f)
+
+
+def t1_cells(numbers: dict[str, Any]) -> list[dict[str, Any]]:
+    """T1 cells in the paper's order (scope, then recipe): scope, scope_label, recipe, tgs, peak_memory_pct,
+    oom, source."""
+    t1 = numbers["t1"]
+    out = []
+    for scope, meta in t1["scopes"].items():
+        for recipe in t1["recipes"]:
+            cell = t1["cells"][scope][recipe]
+            out.append({"scope": scope, "scope_label": meta["label"], "recipe": recipe, "tgs": cell["tgs"],
+                        "peak_memory_pct": cell["peak_memory_pct"], "oom": bool(cell["oom"]),
+                        "source": cell.get("source", t1["source"])})
+    return out
+
+
+def source_of(numbers: dict[str, Any], key: str) -> str:
+    """The ``source`` of a top-level block (abstract / secondary-summary)."""
+    return str(numbers[key].get("source", "unknown"))
+
+
+__all__ = ["NUMBERS", "load", "t1_cells", "source_of"]

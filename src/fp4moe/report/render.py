@@ -1,0 +1,439 @@
+"""Build the report (tables from the store, numbers.yaml and the model) and write it: Markdown, CSV, PNG.
+
+Every file is written atomically (a temporary file in the same folder, then ``os.replace``). The output depends
+only on the store, numbers.yaml and the code: no clock time, store paths under the repository shown relative to
+it, so a rerun on the same store rewrites the same bytes. Report files of earlier runs that this run does not
+produce (a plot without data) are removed; other files in the folder are left alone.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+from urllib.parse import urlsplit, urlunsplit
+
+from . import paper as paper_mod
+from . import store as store_mod
+from . import tables
+from .model import MODEL_LABEL
+
+OUTPUTS = ("report.md", "t1.csv", "t1_model_components.csv", "f3_kernels.csv", "f4_layer.csv", "f5_loss.csv",
+           "t1_paper_vs_model.png", "t1_measured.png", "f3_kernels.png", "f4_layer.png", "f5_loss.png")
+RECIPE_COLORS = {"bf16": "#4C72B0", "fp8": "#DD8452", "mxfp4": "#55A868"}
+
+
+@dataclass
+class Report:
+    """Everything the report shows, before it is written."""
+
+    store_label: str
+    numbers: dict
+    gpu_memory_gb: float
+    t1: list[dict]
+    setups: list[tables.Setup]
+    model_rows: list[dict] | None
+    model_error: str | None
+    f3: list[dict]
+    f4: list[dict]
+    f5: list[dict]
+    loss_curves: dict[str, dict[str, list[tuple[int, float]]]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def _store_label(uri: str) -> str:
+    from fp4moe.tracking import repo_root
+
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        try:
+            return f"sqlite `{path.resolve().relative_to(repo_root())}` (in this repository)"
+        except ValueError:
+            return f"`{uri}`"
+    parts = urlsplit(uri)
+    if parts.username or parts.password:  # never print credentials
+        uri = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+    return f"`{uri}`"
+
+
+def build_report(where: str | os.PathLike | None = None, *, with_model: bool = True,
+                 numbers_path: str | os.PathLike | None = None) -> Report:
+    """Read the store (URI, ``.db`` file or folder; None: fp4moe.tracking's) and build every table."""
+    st = store_mod.load(where)
+    numbers = paper_mod.load(numbers_path)
+    gpu_gb = float(numbers["t1"]["setup"]["gpu_memory_gb"])
+    model_rows, model_error = None, None
+    if with_model:
+        from .model import t1_prediction
+
+        try:
+            model_rows = t1_prediction(gpu_gb)
+        except Exception as exc:  # noqa: BLE001 - the report still shows paper and measured numbers; it says why
+            model_error = f"{type(exc).__name__}: {exc}"
+    trainer, kernels, layer = tables.split_store(st.runs)
+    t1, found = tables.t1_rows(paper_mod.t1_cells(numbers), trainer, model_rows,
+                               paper_mod.source_of(numbers, "t1"), gpu_gb)
+    f5 = tables.f5_rows(trainer, st.history, dict(numbers["f5"]["loss_deviation_vs_bf16_pct"]))
+    curves: dict[str, dict[str, list]] = {}
+    for row in f5:
+        curves.setdefault(row["config"], {})[row["recipe"]] = st.history(row["run_id"], "loss")
+    return Report(_store_label(st.uri), numbers, gpu_gb, t1, found, model_rows, model_error,
+                  tables.f3_rows(kernels), tables.f4_rows(layer), f5, curves,
+                  {"trainer": len(trainer), "kernels": len(kernels), "moe_layer": len(layer), "all": len(st.runs)})
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+
+def _num(v: Any, digits: int = 0) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{float(v):.{digits}f}"
+
+
+def _md_table(header: Iterable[str], rows: Iterable[Iterable[Any]], align: str | None = None) -> str:
+    header = list(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align or ["---"] * len(header)) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _cell(rows: list[dict], scope: str, recipe: str, source: str, setup: str = "") -> dict | None:
+    return next((r for r in rows if r["scope"] == scope and r["recipe"] == recipe and r["source"].startswith(source)
+                 and (not setup or r["setup"] == setup)), None)
+
+
+def _paper_cells(c: dict | None) -> tuple[str, str]:
+    if c is None or c["status"] == "not in paper":
+        return "not in paper", "not in paper"
+    if c["status"] == tables.OOM:
+        return "OOM", "OOM"
+    return _num(c["tgs"]), f"{_num(c['peak_memory_pct'], 2)} %"
+
+
+def _measured_cells(c: dict | None) -> tuple[str, str]:
+    if c is None or c["status"] == tables.NOT_MEASURED:
+        return tables.NOT_MEASURED, tables.NOT_MEASURED
+    if c["status"] == tables.OOM:
+        return "OOM", "OOM"
+    tgs = f"{_num(c['tgs'])} ({_num(c['tgs_min'])}-{_num(c['tgs_max'])})"
+    if c.get("peak_memory_gb") is None:
+        mem = c.get("note") or tables.NOT_MEASURED
+    else:
+        mem = f"{_num(c['peak_memory_gb'], 1)} GiB ({_num(c['peak_memory_pct'], 1)} % of the GPU)"
+    return tgs, mem
+
+
+def _model_cells(c: dict | None) -> tuple[str, str]:
+    if c is None or c["status"] == "not modelled":
+        return "not modelled", "not modelled"
+    pct = f"{_num(c['peak_memory_pct'], 1)} %"
+    return _num(c["peak_memory_gb"], 1), (f"OOM ({pct})" if c["status"] == tables.OOM else pct)
+
+
+# ---------------------------------------------------------------------------------------------- markdown
+
+def markdown(rep: Report) -> str:
+    n = rep.numbers
+    t1_src = paper_mod.source_of(n, "t1")
+    out = ["# fp4moe report: the paper's numbers beside ours", "",
+           "Written by `python -m fp4moe.report` (also the last step of `make reproduce-table`). Each number says "
+           "where it comes from:", "",
+           f"- **paper**: `conf/paper/numbers.yaml` (arXiv {n['paper']['arxiv']}); its `source` field says whether "
+           "a number is from the abstract or from secondary summaries of the full text (not verified against it).",
+           f"- **measured**: runs in the MLflow store {rep.store_label}: {rep.counts['trainer']} trainer runs, "
+           f"{rep.counts['kernels']} `kernels` runs, {rep.counts['moe_layer']} `moe_layer` runs. Each measured "
+           "number names its hardware and scale; the MLflow run ids are in the CSV files.",
+           f"- **{MODEL_LABEL}**: `fp4moe.scale`, the paper-scale memory model from first principles (DeepSeek-V3 "
+           "671B, `conf/parallel/paper_671b.yaml`: TP1 PP32 EP8 DP8, micro-batch 1, seq 4096). It is NOT yet "
+           "checked against measured runs (issue 6), so its cells are predictions of its arithmetic, not results. "
+           "GB = 2^30 B.", ""]
+
+    # ---- T1
+    out += ["## T1: throughput and peak memory per recompute scope x recipe", ""]
+    labels = [f"M{i}" for i in range(1, len(rep.setups) + 1)]
+    if rep.setups:
+        out += ["Measured setups (throughput: tokens/GPU/s median over the measured steps, (min-max); peak memory: "
+                "`torch.cuda.max_memory_allocated`, % of that GPU's own memory, not of 80 GB):", ""]
+        out += [f"- **{lab}**: {s.label}" for lab, s in zip(labels, rep.setups)] + [""]
+    else:
+        out += ["Measured: **no trainer runs in the store yet**, so every measured cell says `not measured` "
+                "(`python -m fp4moe.train experiment=proxy_t1_1gpu` on an H200 fills them).", ""]
+    if rep.model_error:
+        out += [f"Model: could not be evaluated ({rep.model_error}).", ""]
+    header = ["recompute scope", "recipe", f"paper ({t1_src}): tokens/GPU/s",
+              f"paper ({t1_src}): peak memory, % of {rep.gpu_memory_gb:g} GB"]
+    for lab in labels or ["measured"]:
+        header += [f"{lab}: tokens/GPU/s", f"{lab}: peak memory"]
+    if rep.model_rows is not None:
+        header += [f"{MODEL_LABEL}: peak GB", f"{MODEL_LABEL}: % of {rep.gpu_memory_gb:g} GB"]
+    scope_labels = {k: v["label"] for k, v in n["t1"]["scopes"].items()}
+    rows = []
+    for scope, recipe in dict.fromkeys((r["scope"], r["recipe"]) for r in rep.t1):
+        row = [scope_labels.get(scope, scope), recipe, *_paper_cells(_cell(rep.t1, scope, recipe, "paper"))]
+        for lab in labels:
+            row += _measured_cells(_cell(rep.t1, scope, recipe, "measured", lab))
+        if not labels:
+            row += [tables.NOT_MEASURED, tables.NOT_MEASURED]
+        if rep.model_rows is not None:
+            row += _model_cells(_cell(rep.t1, scope, recipe, MODEL_LABEL))
+        rows.append(row)
+    out += [_md_table(header, rows), ""]
+    h = n["headline"]
+    out += [f"Paper headline ({h['source']}): peak memory {h['peak_memory_change_pp']:+g} points of 80 GB "
+            f"({h['peak_memory_change_gb']:+g} GB) and tokens/GPU/s {h['tgs_fp8']} -> {h['tgs_mxfp4']} "
+            f"({h['tgs_change_pct']:+g} %), FP8 at `attn_ln_experts` against MXFP4 at `mla_up_proj` (a lighter "
+            "scope only MXFP4 fits); at equal scope the gain is memory.", ""]
+    for lab in labels:
+        a = _cell(rep.t1, "attn_ln_experts", "fp8", "measured", lab)
+        b = _cell(rep.t1, "mla_up_proj", "mxfp4", "measured", lab)
+        if a and b and a.get("tgs") and b.get("tgs"):
+            out += [f"Same comparison, measured on {lab}: tokens/GPU/s {_num(a['tgs'])} -> {_num(b['tgs'])} "
+                    f"({100 * (b['tgs'] / a['tgs'] - 1):+.1f} %).", ""]
+    out += ["Plots: `t1_paper_vs_model.png` (paper and model)" + (", `t1_measured.png` (measured)" if rep.setups
+            else "") + ". Long-form table: `t1.csv`; the model's memory by component: `t1_model_components.csv`.", ""]
+
+    # ---- F3
+    f3 = n["f3"]
+    out += ["## F3: conversion kernels", "",
+            f"Paper ({f3['source']}): fused conversion kernels {f3['fused_speedup_min']}-{f3['fused_speedup_max']}x "
+            "faster than separate quantize/dequantize.", ""]
+    if not rep.f3:
+        out += ["Measured: **no `kernels` runs in the store yet** (`make bench-kernels` on a GPU, or "
+                "`make log-bench` for the results in `results/kernels/`).", ""]
+    else:
+        out += ["Measured (experiment `kernels`): our kernels, % of the device-to-device copy bandwidth measured in "
+                "the same run, and speedup = baseline time / our time for the same shape (`vs compiled unfused` is "
+                "the closest to the paper's comparison).", ""]
+        for bench in dict.fromkeys((r["gpu"], r["commit"], r["date"]) for r in rep.f3):
+            rs = [r for r in rep.f3 if (r["gpu"], r["commit"], r["date"]) == bench]
+            out += [f"**{bench[0]}**, commit {bench[1]}, {bench[2]} (copy {_num(rs[0]['copy_gbps'])} GB/s):", ""]
+            out += [_md_table(["shape", "kernel", "time (us)", "GB/s", "% of copy", "vs compiled unfused",
+                               "vs compiled one graph", "vs eager", "vs torchao"],
+                              [[r["shape"], r["kernel"], _num(r["time_us"], 1), _num(r["gbps"]),
+                                _num(r["pct_copy"], 1)] + [_x(r[c]) for _, c in tables.BASELINES] for r in rs]), ""]
+        out += ["Plot: `f3_kernels.png`. CSV: `f3_kernels.csv`.", ""]
+
+    # ---- F4
+    f4 = n["f4"]
+    out += ["## F4: the MoE layer", "",
+            f"Paper ({f4['source']}): against Transformer Engine FP8, dense linears "
+            f"{f4['dense_linear_overhead_min']}-{f4['dense_linear_overhead_max']}x overhead, expert GroupedLinear "
+            f"{f4['expert_grouped_linear_speedup_min']}-{f4['expert_grouped_linear_speedup_max']}x faster. Ours "
+            "compare the whole MoE layer (forward + backward) per recipe against our own FP8 recipe, not against "
+            "Transformer Engine: not the same quantity.", ""]
+    if not rep.f4:
+        out += ["Measured: **no `moe_layer` runs in the store yet** (`make bench-layer` on a GPU; "
+                "`make reproduce-table` logs `results/moe_layer/`).", ""]
+    else:
+        out += ["Measured (experiment `moe_layer`; DeepSeek-V3 layer shape per GPU, 4096 tokens, 32 local experts):",
+                ""]
+        out += [_md_table(["GPU", "EP", "commit", "tokens/s bf16", "fp8", "mxfp4", "mxfp4/fp8 tokens/s",
+                           "saved B/token bf16", "fp8", "mxfp4", "mxfp4/fp8 saved", "mxfp4/fp8 expert saved",
+                           "mxfp4/bf16 dispatch fwd bytes"],
+                          [[r["gpu"], r["world_size"], r["commit"], _num(r["tokens_per_s_bf16"]),
+                            _num(r["tokens_per_s_fp8"]), _num(r["tokens_per_s_mxfp4"]),
+                            _num(r["tokens_per_s_mxfp4_over_fp8"], 3), _num(r["saved_bytes_per_token_bf16"]),
+                            _num(r["saved_bytes_per_token_fp8"]), _num(r["saved_bytes_per_token_mxfp4"]),
+                            _num(r["saved_bytes_mxfp4_over_fp8"], 3), _num(r["expert_saved_bytes_mxfp4_over_fp8"], 3),
+                            _num(r["dispatch_fwd_bytes_mxfp4_over_bf16"], 4)] for r in rep.f4]), ""]
+        out += ["Plot: `f4_layer.png`. CSV: `f4_layer.csv`.", ""]
+
+    # ---- F5
+    f5 = n["f5"]
+    dev = f5["loss_deviation_vs_bf16_pct"]
+    out += ["## F5: loss deviation from BF16", "",
+            f"Paper ({f5['source']}; {f5['setup']['model_params_b']}B MoE, {f5['setup']['tokens_b']}B tokens): "
+            + ", ".join(f"{k} {v:+g} %" for k, v in dev.items()) + " final training loss relative to BF16.", ""]
+    if not rep.f5:
+        out += ["Measured: **no finished bf16 run with another recipe of the same config in the store yet** "
+                "(`python -m fp4moe.train experiment=tiny_cpu` runs one on CPU).", ""]
+    else:
+        out += [f"Measured: deviation = (loss - loss_bf16) / loss_bf16 at the end of the run, on the training loss "
+                f"smoothed over the last {tables.LOSS_SMOOTH_STEPS} logged steps (`summary/final_loss` where no "
+                "history was logged) and on the final held-out eval loss. "
+                "Short runs of small models: not the paper's scale.", ""]
+        for config in dict.fromkeys(r["config"] for r in rep.f5):
+            out += [f"Config: {config}", ""]
+            out += [_md_table(["recipe", "train loss (smoothed)", "deviation", "eval loss", "deviation",
+                               "paper deviation (16B, 160B tokens)"],
+                              [[r["recipe"], _num(r["train_loss_smoothed"], 4), _dev(r, r["train_loss_dev_pct"]),
+                                _num(r["eval_loss"], 4), _dev(r, r["eval_loss_dev_pct"]),
+                                _dev(r, r["paper_dev_pct"], "+g")]
+                               for r in rep.f5 if r["config"] == config]), ""]
+        out += ["Plot: `f5_loss.png`. CSV: `f5_loss.csv`.", ""]
+    return "\n".join(out)
+
+
+def _dev(row: dict, v: float | None, spec: str = "+.2f") -> str:
+    if row["recipe"] == "bf16":
+        return "reference"
+    return "-" if v is None else f"{v:{spec}} %"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+# ---------------------------------------------------------------------------------------------- CSV, plots
+
+def _csv(rows: list[dict], columns: Iterable[str]) -> bytes:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v)) for k, v in r.items()})
+    return buf.getvalue().encode()
+
+
+MODEL_COLUMNS = ("scope", "recipe", "total_gb", "pct_of_gpu", "fits", "pipeline_rank", "in_flight", "params_gb",
+                 "grads_gb", "optimizer_gb", "activations_gb", "a2a_buffers_gb", "recompute_transient_gb",
+                 "static_buffers_gb")
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _bars(ax, groups: list[str], series: dict[str, list[float | None]], labels_oom: dict[str, list[bool]] | None = None):
+    width = 0.8 / max(1, len(series))
+    for i, (name, vals) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [0 if v is None else v for v in vals], width, label=name,
+               color=RECIPE_COLORS.get(name.split()[0]))
+        for x, v, oom in zip(xs, vals, (labels_oom or {}).get(name, [False] * len(vals))):
+            if oom:
+                ax.text(x, 0, "OOM", rotation=90, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+
+
+def plots(rep: Report) -> dict[str, bytes]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: dict[str, bytes] = {}
+    scopes = list(dict.fromkeys(r["scope"] for r in rep.t1 if r["source"].startswith("paper")
+                                and r["status"] != "not in paper"))
+    recipes = list(dict.fromkeys(r["recipe"] for r in rep.t1 if r["source"].startswith("paper")
+                                 and r["status"] != "not in paper"))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    pc = {(s, r): _cell(rep.t1, s, r, "paper") for s in scopes for r in recipes}
+    _bars(a1, scopes, {r: [pc[s, r].get("tgs") for s in scopes] for r in recipes},
+          {r: [pc[s, r]["status"] == tables.OOM for s in scopes] for r in recipes})
+    a1.set_title("paper: tokens/GPU/s (671B, 256 GPUs)")
+    _bars(a2, scopes, {r: [pc[s, r].get("peak_memory_pct") for s in scopes] for r in recipes},
+          {r: [pc[s, r]["status"] == tables.OOM for s in scopes] for r in recipes})
+    if rep.model_rows is not None:
+        width = 0.8 / len(recipes)
+        for i, r in enumerate(recipes):
+            xs = [g + (i - (len(recipes) - 1) / 2) * width for g in range(len(scopes))]
+            ys = [(_cell(rep.t1, s, r, MODEL_LABEL) or {}).get("peak_memory_pct") for s in scopes]
+            a2.scatter(xs, [math.nan if y is None else y for y in ys], marker="D", color="black", zorder=3,
+                       label=MODEL_LABEL if i == 0 else None)
+    a2.axhline(100, color="red", lw=1, ls="--", label=f"{rep.gpu_memory_gb:g} GB")
+    a2.set_title(f"peak memory, % of {rep.gpu_memory_gb:g} GB: paper bars, model diamonds")
+    a2.legend(fontsize=8)
+    a1.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    out["t1_paper_vs_model.png"] = _png(fig)
+
+    if rep.setups:
+        labels = [f"M{i}" for i in range(1, len(rep.setups) + 1)]
+        fig, axes = plt.subplots(len(labels), 2, figsize=(12, 4 * len(labels)), squeeze=False)
+        mscopes = list(dict.fromkeys(r["scope"] for r in rep.t1))
+        mrecipes = list(dict.fromkeys(r["recipe"] for r in rep.t1))
+        for (a1, a2), lab in zip(axes, labels):
+            cells = {(s, r): _cell(rep.t1, s, r, "measured", lab) for s in mscopes for r in mrecipes}
+            oom = {r: [cells[s, r]["status"] == tables.OOM for s in mscopes] for r in mrecipes}
+            _bars(a1, mscopes, {r: [cells[s, r].get("tgs") for s in mscopes] for r in mrecipes}, oom)
+            _bars(a2, mscopes, {r: [cells[s, r].get("peak_memory_gb") for s in mscopes] for r in mrecipes}, oom)
+            a1.set_title(f"{lab}: tokens/GPU/s (median)", fontsize=9)
+            a2.set_title(f"{lab}: peak allocated GiB (blank: not measured)", fontsize=9)
+            a1.legend(fontsize=8)
+        fig.tight_layout()
+        out["t1_measured.png"] = _png(fig)
+
+    if rep.f3:
+        benches = list(dict.fromkeys((r["gpu"], r["commit"], r["date"]) for r in rep.f3))
+        fig, axes = plt.subplots(len(benches), 1, figsize=(10, 0.28 * len(rep.f3) + 1.5 * len(benches)), squeeze=False)
+        for ax, b in zip(axes[:, 0], benches):
+            rs = [r for r in rep.f3 if (r["gpu"], r["commit"], r["date"]) == b]
+            ax.barh(range(len(rs)), [r["pct_copy"] or 0 for r in rs], color="#4C72B0")
+            ax.set_yticks(range(len(rs)), [f"{r['kernel']} {r['shape']}" for r in rs], fontsize=7)
+            ax.axvline(100, color="red", ls="--", lw=1, label="copy bandwidth")
+            ax.set_xlim(0, 110)
+            ax.invert_yaxis()
+            ax.set_title(f"% of copy bandwidth: {b[0]}, commit {b[1]}, {b[2]}", fontsize=9)
+            ax.legend(fontsize=8, loc="lower right")
+        fig.tight_layout()
+        out["f3_kernels.png"] = _png(fig)
+
+    if rep.f4:
+        groups = [f"{r['gpu']} EP{r['world_size']}\n{r['commit']}" for r in rep.f4]
+        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(groups)), 4.5))
+        _bars(ax, groups, {rec: [r[f"tokens_per_s_{rec}"] for r in rep.f4] for rec in ("bf16", "fp8", "mxfp4")})
+        ax.set_ylabel("tokens/s per GPU (layer fwd + bwd)")
+        ax.set_title("MoE layer benchmark (measured)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        out["f4_layer.png"] = _png(fig)
+
+    if rep.loss_curves:
+        configs = list(rep.loss_curves)
+        fig, axes = plt.subplots(len(configs), 1, figsize=(9, 3.5 * len(configs)), squeeze=False)
+        for i, (ax, config) in enumerate(zip(axes[:, 0], configs), 1):
+            for rec, pts in rep.loss_curves[config].items():
+                ax.plot([s for s, _ in pts], [v for _, v in pts], label=rec, color=RECIPE_COLORS.get(rec))
+            ax.set_title(f"config {i} (see report.md): training loss", fontsize=9)
+            ax.set_xlabel("step")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        out["f5_loss.png"] = _png(fig)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def render(rep: Report) -> dict[str, bytes]:
+    """File name -> bytes of every output this report has."""
+    files = {"report.md": markdown(rep).encode(), "t1.csv": _csv(rep.t1, tables.T1_COLUMNS),
+             "f3_kernels.csv": _csv(rep.f3, tables.F3_COLUMNS), "f4_layer.csv": _csv(rep.f4, tables.F4_COLUMNS),
+             "f5_loss.csv": _csv(rep.f5, tables.F5_COLUMNS)}
+    if rep.model_rows is not None:
+        files["t1_model_components.csv"] = _csv(rep.model_rows, MODEL_COLUMNS)
+    files.update(plots(rep))
+    return files
+
+
+def write_report(rep: Report, out_dir: str | os.PathLike) -> list[Path]:
+    """Write every file atomically into ``out_dir`` (created); remove report files this run does not produce."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = render(rep)
+    written = []
+    for name, data in files.items():
+        path = out / name
+        if not (path.is_file() and path.read_bytes() == data):
+            _write_atomic(path, data)
+        written.append(path)
+    for name in set(OUTPUTS) - set(files):
+        (out / name).unlink(missing_ok=True)
+    return written
+
+
+__all__ = ["OUTPUTS", "Report", "build_report", "markdown", "render", "write_report"]

@@ -1,0 +1,270 @@
+"""The report's tables as plain rows (dicts), from paper numbers, run records and model rows. No I/O here.
+
+Every row says where its numbers come from: ``source`` is ``paper (<numbers.yaml source>)``, ``measured`` (with
+the setup: hardware, model config, layout, MLflow run id) or ``model, uncalibrated``. A value that does not exist
+is ``None`` with a ``status`` saying why (``OOM``, ``not measured``); nothing is filled in.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from .model import MODEL_LABEL
+from .store import KERNELS, MOE_LAYER, RunRecord
+
+NOT_MEASURED = "not measured"
+OOM = "OOM"
+LOSS_SMOOTH_STEPS = 10  # the smoothed training loss is the mean of the last this-many logged `loss` values
+
+
+# ---------------------------------------------------------------------------------------------- setups
+
+@dataclass(frozen=True, order=True)
+class Setup:
+    """Where and at what scale trainer runs were measured: one column group of the T1 table."""
+
+    experiment: str
+    model: str
+    hardware: str
+    world_size: str
+    layout: str       # TP/PP/EP/DP
+    batch: str        # micro x seq, global batch
+
+    @property
+    def label(self) -> str:
+        return (f"{self.model} on {self.hardware}, world size {self.world_size}, {self.layout}, {self.batch} "
+                f"(MLflow experiment `{self.experiment}`)")
+
+
+def setup_of(run: RunRecord) -> Setup:
+    p = run.params
+    layout = " ".join(f"{n}{p.get(f'parallel.{k}', '?')}" for n, k in
+                      (("TP", "tensor"), ("PP", "pipeline"), ("EP", "expert"), ("DP", "data")))
+    batch = (f"micro {p.get('parallel.micro_batch', '?')} x seq {p.get('parallel.seq_length', '?')}, "
+             f"global batch {p.get('parallel.global_batch', '?')}")
+    return Setup(run.experiment, run.tags["model"], run.tags["hardware"],
+                 run.tags.get("world_size", p.get("parallel.world_size", "?")), layout, batch)
+
+
+def _usable(run: RunRecord) -> bool:
+    """A finished run with throughput, or one that ran out of memory (tag ``outcome=OOM``)."""
+    return run.tags.get("outcome") == OOM or (run.status == "FINISHED" and "summary/tgs_median" in run.metrics)
+
+
+def _latest(runs: Iterable[RunRecord]) -> RunRecord | None:
+    runs = list(runs)
+    return max(runs, key=lambda r: (r.start_time, r.run_id)) if runs else None
+
+
+def setups(trainer_runs: Iterable[RunRecord]) -> list[Setup]:
+    return sorted({setup_of(r) for r in trainer_runs if _usable(r)})
+
+
+# ---------------------------------------------------------------------------------------------- T1
+
+def measured_cell(runs: Iterable[RunRecord], setup: Setup, scope: str, recipe: str) -> dict[str, Any]:
+    """The latest usable trainer run of (setup, scope, recipe): status measured / OOM / not measured."""
+    run = _latest(r for r in runs if _usable(r) and r.tags["recompute"] == scope and r.tags["recipe"] == recipe
+                  and setup_of(r) == setup)
+    cell: dict[str, Any] = {"status": NOT_MEASURED, "tgs": None, "tgs_min": None, "tgs_max": None,
+                            "peak_memory_gb": None, "peak_memory_pct": None, "run_id": None, "memory_note": ""}
+    if run is None:
+        return cell
+    cell["run_id"] = run.run_id
+    if run.tags.get("outcome") == OOM:
+        cell["status"] = OOM
+        return cell
+    m = run.metrics
+    cell.update(status="measured", tgs=m.get("summary/tgs_median"), tgs_min=m.get("summary/tgs_min"),
+                tgs_max=m.get("summary/tgs_max"), peak_memory_gb=m.get("summary/peak_mem_allocated_gb"),
+                peak_memory_pct=m.get("summary/peak_mem_pct"))
+    if cell["peak_memory_gb"] is None:
+        cell["memory_note"] = run.tags.get("peak_memory", NOT_MEASURED)
+    return cell
+
+
+def t1_rows(paper_cells: list[dict], trainer_runs: list[RunRecord], model_rows: list[dict] | None,
+            paper_source: str, gpu_memory_gb: float) -> tuple[list[dict], list[Setup]]:
+    """Long-form T1: one row per (scope, recipe, source[, setup]). Scopes and recipes: the paper's, then any
+    other that was measured. Peak memory pct: paper and model of ``gpu_memory_gb``; measured of the GPU's own."""
+    found = setups(trainer_runs)
+    scopes = list(dict.fromkeys(c["scope"] for c in paper_cells))
+    recipes = list(dict.fromkeys(c["recipe"] for c in paper_cells))
+    usable = [r for r in trainer_runs if _usable(r)]
+    scopes += sorted({r.tags["recompute"] for r in usable} - set(scopes))
+    recipes += sorted({r.tags["recipe"] for r in usable} - set(recipes))
+    paper = {(c["scope"], c["recipe"]): c for c in paper_cells}
+    model = {(m["scope"], m["recipe"]): m for m in model_rows or []}
+    rows = []
+    for scope in scopes:
+        for recipe in recipes:
+            base = {"scope": scope, "recipe": recipe}
+            c = paper.get((scope, recipe))
+            if c is None:
+                rows.append({**base, "source": f"paper ({paper_source})", "setup": "", "status": "not in paper"})
+            else:
+                rows.append({**base, "source": f"paper ({paper_source})", "setup": "",
+                             "status": OOM if c["oom"] else "reported", "tgs": c["tgs"],
+                             "peak_memory_pct": c["peak_memory_pct"], "pct_basis": f"{gpu_memory_gb:g} GB"})
+            if not found:
+                rows.append({**base, "source": "measured", "setup": "", "status": NOT_MEASURED})
+            for i, s in enumerate(found, 1):
+                cell = measured_cell(usable, s, scope, recipe)
+                rows.append({**base, "source": "measured", "setup": f"M{i}", "status": cell["status"],
+                             "tgs": cell["tgs"], "tgs_min": cell["tgs_min"], "tgs_max": cell["tgs_max"],
+                             "peak_memory_gb": cell["peak_memory_gb"], "peak_memory_pct": cell["peak_memory_pct"],
+                             "pct_basis": "the GPU's memory" if cell["peak_memory_pct"] is not None else "",
+                             "note": cell["memory_note"], "run_id": cell["run_id"] or ""})
+            m = model.get((scope, recipe))
+            if model_rows is not None:
+                if m is None:
+                    rows.append({**base, "source": MODEL_LABEL, "setup": "paper_671b", "status": "not modelled"})
+                else:
+                    rows.append({**base, "source": MODEL_LABEL, "setup": "paper_671b",
+                                 "status": "fits" if m["fits"] else OOM, "peak_memory_gb": m["total_gb"],
+                                 "peak_memory_pct": m["pct_of_gpu"], "pct_basis": f"{gpu_memory_gb:g} GB"})
+    return rows, found
+
+
+T1_COLUMNS = ("scope", "recipe", "source", "setup", "status", "tgs", "tgs_min", "tgs_max", "peak_memory_gb",
+              "peak_memory_pct", "pct_basis", "note", "run_id")
+
+
+# ---------------------------------------------------------------------------------------------- F3 kernels
+
+BASELINES = (("torch.compile (unfused", "vs_compiled_unfused"), ("torch.compile (one graph", "vs_compiled_one_graph"),
+             ("torch eager", "vs_eager"), ("torchao", "vs_torchao"))
+F3_COLUMNS = ("gpu", "commit", "date", "shape", "kernel", "time_us", "gbps", "pct_copy", "copy_gbps",
+              *(c for _, c in BASELINES), "run_id")
+
+
+def f3_rows(kernel_runs: list[RunRecord]) -> list[dict]:
+    """One row per (benchmark, shape, kernel) of our kernels (impl ``fp4moe``): time, GB/s, % of the copy
+    bandwidth measured in the same run, and speedups = baseline time / our time (same benchmark, shape, kernel)."""
+    by_bench: dict[str, list[RunRecord]] = defaultdict(list)
+    for r in kernel_runs:
+        if r.status == "FINISHED" and r.tags.get("bench_id"):
+            by_bench[r.tags["bench_id"]].append(r)
+    out = []
+    for runs in by_bench.values():
+        copy = next((r.metrics.get("copy_gbps") for r in runs if r.tags.get("kind") == "summary"), None)
+        rows = [r for r in runs if r.tags.get("kind") == "row"]
+        times: dict[tuple, dict[str, float]] = defaultdict(dict)
+        for r in rows:
+            t = r.metrics.get("time_us")
+            if t:
+                times[(r.params.get("shape"), r.params.get("kernel"))][r.params.get("impl", "")] = t
+        for r in rows:
+            p = r.params
+            if p.get("impl") != "fp4moe":
+                continue
+            ours = r.metrics.get("time_us")
+            row = {"gpu": p.get("gpu", "?"), "commit": p.get("commit", "?"), "date": p.get("date", "?"),
+                   "shape": p.get("shape"), "kernel": p.get("kernel"), "time_us": ours, "gbps": r.metrics.get("gbps"),
+                   "pct_copy": r.metrics.get("pct_copy"), "copy_gbps": copy, "run_id": r.run_id}
+            for prefix, col in BASELINES:
+                theirs = [t for impl, t in times[(p.get("shape"), p.get("kernel"))].items() if impl.startswith(prefix)]
+                row[col] = min(theirs) / ours if theirs and ours else None
+            out.append(row)
+    out.sort(key=lambda x: (x["gpu"], x["date"], x["commit"], x["shape"], x["kernel"]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- F4 layer
+
+F4_COLUMNS = ("gpu", "world_size", "commit", "date", "tokens_per_s_bf16", "tokens_per_s_fp8", "tokens_per_s_mxfp4",
+              "tokens_per_s_mxfp4_over_fp8", "saved_bytes_per_token_bf16", "saved_bytes_per_token_fp8",
+              "saved_bytes_per_token_mxfp4", "saved_bytes_mxfp4_over_fp8", "expert_saved_bytes_mxfp4_over_fp8",
+              "dispatch_fwd_bytes_mxfp4_over_bf16", "peak_over_base_mxfp4_over_fp8")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def f4_rows(layer_runs: list[RunRecord]) -> list[dict]:
+    """One row per layer benchmark (gpu, EP world size, commit): tokens/s and saved bytes per recipe, ratios."""
+    by_bench: dict[str, dict[str, RunRecord]] = defaultdict(dict)
+    for r in sorted(layer_runs, key=lambda r: (r.start_time, r.run_id)):
+        if r.status == "FINISHED" and r.tags.get("layer_bench_id"):
+            by_bench[r.tags["layer_bench_id"]][r.params.get("recipe", "")] = r
+    out = []
+    for recs in by_bench.values():
+        any_run = next(iter(recs.values()))
+        p = any_run.params
+        m = {rec: run.metrics for rec, run in recs.items()}
+        g = lambda rec, key: m.get(rec, {}).get(key)  # noqa: E731
+        out.append({"gpu": p.get("gpu", "?"), "world_size": p.get("world_size", "?"), "commit": p.get("commit", "?"),
+                    "date": p.get("date", "?"),
+                    **{f"tokens_per_s_{rec}": g(rec, "tokens_per_s") for rec in ("bf16", "fp8", "mxfp4")},
+                    "tokens_per_s_mxfp4_over_fp8": _ratio(g("mxfp4", "tokens_per_s"), g("fp8", "tokens_per_s")),
+                    **{f"saved_bytes_per_token_{rec}": g(rec, "saved_bytes_per_token") for rec in ("bf16", "fp8", "mxfp4")},
+                    "saved_bytes_mxfp4_over_fp8": _ratio(g("mxfp4", "saved_bytes"), g("fp8", "saved_bytes")),
+                    "expert_saved_bytes_mxfp4_over_fp8": _ratio(g("mxfp4", "expert_saved_bytes"),
+                                                                g("fp8", "expert_saved_bytes")),
+                    "dispatch_fwd_bytes_mxfp4_over_bf16": _ratio(g("mxfp4", "dispatch_fwd_bytes"),
+                                                                 g("bf16", "dispatch_fwd_bytes")),
+                    "peak_over_base_mxfp4_over_fp8": _ratio(g("mxfp4", "peak_over_base_gib"),
+                                                            g("fp8", "peak_over_base_gib"))})
+    out.sort(key=lambda x: (str(x["gpu"]), str(x["world_size"]), str(x["date"]), str(x["commit"])))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- F5 loss
+
+F5_COLUMNS = ("config", "recipe", "steps", "train_loss_smoothed", "train_loss_dev_pct", "eval_loss", "eval_loss_dev_pct",
+              "paper_dev_pct", "run_id")
+
+
+def config_key(run: RunRecord) -> tuple:
+    p = run.params
+    return (setup_of(run), run.tags["recompute"], p.get("train.steps", "?"), p.get("train.seed", "?"),
+            p.get("data.name", p.get("data.dataset_prefix", "?")))
+
+
+def config_label(key: tuple) -> str:
+    setup, scope, steps, seed, data = key
+    return f"{setup.label}; recompute {scope}; {steps} steps, seed {seed}, data {data}"
+
+
+def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tuple[int, float]]],
+            paper_dev: dict[str, float]) -> list[dict]:
+    """Per config (same setup, recompute, steps, seed, data) that has a finished bf16 run and another recipe:
+    smoothed final training loss (mean of the last LOSS_SMOOTH_STEPS logged values) and final eval loss per recipe,
+    and (x - bf16) / bf16 in %. The paper's deviation (F5, 16B model, 160B tokens) is beside it."""
+    groups: dict[tuple, dict[str, RunRecord]] = defaultdict(dict)
+    for r in sorted(trainer_runs, key=lambda r: (r.start_time, r.run_id)):
+        if r.status == "FINISHED" and "summary/final_loss" in r.metrics:
+            groups[config_key(r)][r.tags["recipe"]] = r
+    out = []
+    for key in sorted(groups):
+        recs = groups[key]
+        if "bf16" not in recs or len(recs) < 2:
+            continue
+        vals = {}
+        for rec, run in recs.items():
+            tail = [v for _, v in history(run.run_id, "loss")][-LOSS_SMOOTH_STEPS:]
+            vals[rec] = (statistics.fmean(tail) if tail else run.metrics["summary/final_loss"],
+                         run.metrics.get("summary/final_eval_loss"))
+        tb, eb = vals["bf16"]
+        order = ["bf16", "fp8", "mxfp4"] + sorted(set(recs) - {"bf16", "fp8", "mxfp4"})
+        for rec in (r for r in order if r in recs):
+            t, e = vals[rec]
+            out.append({"config": config_label(key), "recipe": rec, "steps": key[2], "train_loss_smoothed": t,
+                        "train_loss_dev_pct": 100.0 * (t - tb) / tb,
+                        "eval_loss": e, "eval_loss_dev_pct": 100.0 * (e - eb) / eb if e is not None and eb else None,
+                        "paper_dev_pct": 0.0 if rec == "bf16" else paper_dev.get(rec), "run_id": recs[rec].run_id})
+    return out
+
+
+def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord], list[RunRecord]]:
+    """(trainer runs, kernel runs, layer runs)."""
+    return ([r for r in runs if r.is_trainer], [r for r in runs if r.experiment == KERNELS],
+            [r for r in runs if r.experiment == MOE_LAYER])
+
+
+__all__ = ["F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
+           "config_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "setup_of", "setups", "split_store",
+           "t1_rows"]

@@ -1,0 +1,188 @@
+"""fp4moe.report on a fixture MLflow store (tests/report/fixture_store.py): exact table content, paper numbers from
+numbers.yaml only, no torch import, idempotent atomic output, and the empty store."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fp4moe.report import model as model_mod
+from fp4moe.report import paper
+from fp4moe.report.render import OUTPUTS, build_report, markdown, write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _section(md: str, title: str) -> str:
+    """The text of one '## title' section."""
+    return md.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def _table(text: str) -> list[str]:
+    """The lines of the first Markdown table in ``text``."""
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+T1_EXPECTED = [
+    "| recompute scope | recipe | paper (secondary-summary): tokens/GPU/s | paper (secondary-summary): peak memory, "
+    "% of 80 GB | M1: tokens/GPU/s | M1: peak memory | M2: tokens/GPU/s | M2: peak memory |",
+    "|---|---|---|---|---|---|---|---|",
+    "| attention + layernorm + MoE experts | bf16 | 1122 | 68.29 % | 5000 (4900-5100) | 90.5 GiB (64.6 % of the GPU) "
+    "| 300 (250-350) | not measured (CPU) |",
+    "| attention + layernorm + MoE experts | fp8 | 1157 | 74.20 % | 5200 (5100-5300) | 100.4 GiB (71.6 % of the GPU) "
+    "| 300 (250-350) | not measured (CPU) |",
+    "| attention + layernorm + MoE experts | mxfp4 | 1156 | 59.40 % | 5150 (5000-5250) | 80.0 GiB (57.1 % of the GPU) "
+    "| 300 (250-350) | not measured (CPU) |",
+    "| attention + layernorm + MLP | bf16 | OOM | OOM | OOM | OOM | not measured | not measured |",
+    "| attention + layernorm + MLP | fp8 | OOM | OOM | OOM | OOM | not measured | not measured |",
+    "| attention + layernorm + MLP | mxfp4 | 1248 | 60.62 % | 5600 (5500-5700) | 85.0 GiB (60.7 % of the GPU) "
+    "| not measured | not measured |",
+    "| MLA up-projection only | bf16 | OOM | OOM | OOM | OOM | not measured | not measured |",
+    "| MLA up-projection only | fp8 | OOM | OOM | not measured | not measured | not measured | not measured |",
+    "| MLA up-projection only | mxfp4 | 1302 | 70.11 % | 5800 (5700-5900) | 95.0 GiB (67.9 % of the GPU) "
+    "| not measured | not measured |",
+]
+
+
+@pytest.fixture(scope="module")
+def report(report_store):
+    return build_report(report_store, with_model=False)
+
+
+def test_t1_table_exact(report):
+    md = markdown(report)
+    t1 = _section(md, "T1")
+    assert _table(t1) == T1_EXPECTED
+    assert ("- **M1**: proxy_h200 on 1 x NVIDIA H200 (140 GiB), world size 1, TP1 PP1 EP1 DP1, micro 8 x seq 4096, "
+            "global batch 32 (MLflow experiment `proxy_t1_1gpu`)") in t1
+    assert ("- **M2**: tiny_cpu on 1 process(es) on CPU: Test CPU, 2 cores, world size 1, TP1 PP1 EP1 DP1, "
+            "micro 2 x seq 128, global batch 4 (MLflow experiment `tiny_cpu`)") in t1
+    assert "Same comparison, measured on M1: tokens/GPU/s 5200 -> 5800 (+11.5 %)." in t1
+    # every source is named at the top
+    for label in ("**paper**: `conf/paper/numbers.yaml`", "**measured**: runs in the MLflow store",
+                  "**model, uncalibrated**: `fp4moe.scale`"):
+        assert label in md
+
+
+def test_t1_csv_rows_say_their_source(report):
+    rows = {(r["scope"], r["recipe"], r["source"], r["setup"]): r for r in report.t1}
+    assert rows["attn_ln_mlp", "fp8", "paper (secondary-summary)", ""]["status"] == "OOM"
+    assert rows["attn_ln_mlp", "fp8", "measured", "M1"]["status"] == "OOM"
+    assert rows["mla_up_proj", "fp8", "measured", "M1"]["status"] == "not measured"
+    cell = rows["attn_ln_experts", "fp8", "measured", "M1"]
+    assert (cell["tgs"], cell["peak_memory_gb"], cell["pct_basis"]) == (5200.0, 100.4, "the GPU's memory")
+    assert rows["attn_ln_experts", "fp8", "paper (secondary-summary)", ""]["pct_basis"] == "80 GB"
+    assert all(r["source"] in ("paper (secondary-summary)", "measured") for r in report.t1)  # with_model=False
+
+
+def test_f3_f4_f5_tables_exact(report):
+    md = markdown(report)
+    assert _table(_section(md, "F3")) == [
+        "| shape | kernel | time (us) | GB/s | % of copy | vs compiled unfused | vs compiled one graph | vs eager "
+        "| vs torchao |",
+        "|---|---|---|---|---|---|---|---|---|",
+        "| 32768x7168 | bf16_to_fp4_row | 250.0 | 2000 | 50.0 | - | - | - | 2.00x |",
+        "| 32768x7168 | fp4_row_to_fp8_row | 300.0 | 1200 | 30.0 | 2.00x | - | 20.00x | - |",
+    ]
+    assert "Paper (secondary-summary): fused conversion kernels 1.6-1.9x faster" in md
+    assert _table(_section(md, "F4"))[2] == ("| h200 | 1 | abc1234 | 100000 | 80000 | 76000 | 0.950 | 240000 | 260000 "
+                                            "| 78000 | 0.300 | 0.250 | 0.2650 |")
+    f5 = _section(md, "F5")
+    assert "fp8 +0.29 %, mxfp4 +0.61 %" in f5
+    tiny = f5.split("Config: tiny_cpu", 1)[1]
+    assert _table(tiny)[2:5] == [
+        "| bf16 | 3.4500 | reference | 4.0000 | reference | reference |",
+        "| fp8 | 3.4845 | +1.00 % | 4.0400 | +1.00 % | +0.29 % |",
+        "| mxfp4 | 3.5190 | +2.00 % | 4.1000 | +2.50 % | +0.61 % |",
+    ]
+
+
+def test_model_columns_are_labelled_and_show_oom(report_store):
+    rep = build_report(report_store)
+    pred = {(r["scope"], r["recipe"]): r for r in model_mod.t1_prediction(80.0)}
+    lines = _table(_section(markdown(rep), "T1"))
+    assert lines[0].endswith("| model, uncalibrated: peak GB | model, uncalibrated: % of 80 GB |")
+    labels = {v["label"]: k for k, v in paper.load()["t1"]["scopes"].items()}
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        p = pred[labels[cells[0]], cells[1]]
+        pct = f"{100 * p['total_gb'] / 80:.1f} %"
+        assert cells[-2] == f"{p['total_gb']:.1f}"
+        assert cells[-1] == (pct if p["fits"] else f"OOM ({pct})")
+    assert "It is NOT yet checked against measured runs" in markdown(rep)
+
+
+def test_paper_numbers_come_from_numbers_yaml_only(report_store, tmp_path):
+    numbers = yaml.safe_load(paper.NUMBERS.read_text())
+    numbers["t1"]["cells"]["attn_ln_experts"]["bf16"] = {"tgs": 4321, "peak_memory_pct": 12.34, "oom": False}
+    numbers["t1"]["cells"]["mla_up_proj"]["mxfp4"] = {"tgs": None, "peak_memory_pct": None, "oom": True}
+    numbers["f5"]["loss_deviation_vs_bf16_pct"]["fp8"] = 9.87
+    path = tmp_path / "numbers.yaml"
+    path.write_text(yaml.safe_dump(numbers))
+    md = markdown(build_report(report_store, with_model=False, numbers_path=path))
+    lines = _table(_section(md, "T1"))
+    assert lines[2].startswith("| attention + layernorm + MoE experts | bf16 | 4321 | 12.34 % |")
+    assert lines[10].startswith("| MLA up-projection only | mxfp4 | OOM | OOM |")
+    assert "fp8 +9.87 %" in md
+    # and no paper number is written into the report's code
+    code = "\n".join(p.read_text() for p in (ROOT / "src/fp4moe/report").glob("*.py"))
+    for number in ("1122", "1157", "1156", "1248", "1302", "68.29", "74.2", "59.4", "60.62", "70.11", "0.29", "0.61",
+                   "14.8", "11.8", "12.5", "1.43", "1.53"):
+        assert not re.search(rf"(?<![\d.]){re.escape(number)}(?![\d])", code), number
+
+
+def test_cli_writes_every_file_without_importing_torch(report_store, tmp_path):
+    out = tmp_path / "out"
+    code = ("import runpy, sys; sys.argv = ['fp4moe.report', '--tracking-uri', sys.argv[1], '--out', sys.argv[2]]\n"
+            "try:\n    runpy.run_module('fp4moe.report', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\n"
+            "print('TORCH', sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    proc = subprocess.run([sys.executable, "-c", code, report_store, str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "TORCH []" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted(OUTPUTS)
+
+
+def test_rerun_is_idempotent_and_removes_stale_files(report, empty_store, tmp_path):
+    out = tmp_path / "rep"
+    first = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in write_report(report, out)}
+    second = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in write_report(report, out)}
+    assert first == second  # same bytes, not even rewritten
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left
+    (out / "notes.txt").write_text("mine")
+    write_report(build_report(empty_store, with_model=False), out)
+    names = {p.name for p in out.iterdir()}
+    assert {"f3_kernels.png", "f4_layer.png", "f5_loss.png", "t1_measured.png"}.isdisjoint(names)
+    assert "notes.txt" in names
+
+
+def test_empty_store_says_not_measured_and_creates_nothing(empty_store):
+    rep = build_report(empty_store, with_model=False)
+    md = markdown(rep)
+    assert "no trainer runs in the store yet" in md
+    assert "no `kernels` runs in the store yet" in md and "no `moe_layer` runs in the store yet" in md
+    rows = _table(_section(md, "T1"))
+    assert rows[5] == "| attention + layernorm + MLP | bf16 | OOM | OOM | not measured | not measured |"
+    assert all(r["status"] in ("reported", "OOM", "not measured") for r in rep.t1)
+    assert not Path(empty_store.removeprefix("sqlite:///")).exists()
+
+
+def test_store_paths_and_folders(report_store):
+    from fp4moe.report.store import normalize_uri
+
+    folder = Path(report_store.removeprefix("sqlite:///")).parent
+    assert normalize_uri(folder) == report_store
+    assert normalize_uri(folder / "mlflow.db") == report_store
+    assert normalize_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+
+
+def test_what_if_changes_layout():
+    rows = model_mod.what_if(expert=16, pipeline=16, micro_batch=2, scopes=("mla_up_proj",), recipes=("mxfp4",))
+    [r] = rows
+    assert (r["tp"], r["pp"], r["ep"], r["dp"], r["micro_batch"]) == (1, 16, 16, 16, 2)
+    assert model_mod.even_layout(5, 2, 1) == "Ettt|ttmL"
+    with pytest.raises(ValueError):
+        model_mod.what_if(pipeline=3)
