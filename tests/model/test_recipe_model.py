@@ -262,3 +262,16 @@ def test_mxfp4_mla_up_proj_cache_is_mxfp4(mp):
     names = [n for n in g0 if g0[n].norm() > 0]
     total = _rel(torch.cat([g1[n].float().flatten() for n in names]), torch.cat([g0[n].float().flatten() for n in names]))
     assert 0 < total < 0.08, total
+
+
+def test_moe_expert_recompute_with_bf16_dispatch_under_mxfp4(mp):
+    """precision mxfp4_mlp_shared (BF16 dispatch, experts quantize themselves) + recompute attn_ln_experts: the
+    experts' cache is MXFP4 of the BF16 rows, the forward is unchanged (same loss), gradients within the E2M1
+    rounding of the cache."""
+    base, rec = _model("mxfp4_mlp_shared", "none"), _model("mxfp4_mlp_shared", "attn_ln_experts")
+    l0, g0 = _loss_and_grads(base)
+    l1, g1 = _loss_and_grads(rec)
+    assert torch.equal(l0, l1)
+    names = [n for n in g0 if g0[n].norm() > 0]
+    total = _rel(torch.cat([g1[n].float().flatten() for n in names]), torch.cat([g0[n].float().flatten() for n in names]))
+    assert total < 0.08, total

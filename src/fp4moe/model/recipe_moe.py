@@ -242,59 +242,49 @@ def pack_parameters(params) -> None:
 class _ExpertRecompute(torch.autograd.Function):
     """Recompute of the routed experts (fp4moe recompute module ``moe_expert``): forward runs
     ``grouped_expert_mlp`` without saving anything but its inputs (the *recompute cache*: the received rows,
-    MXFP4 data + scales when they arrived MXFP4, else BF16; the probs; the weights by reference), backward runs
-    it again with autograd and back-propagates. No dispatch re-run.
+    the probs, the weights by reference), backward runs it again with autograd and back-propagates. No
+    dispatch re-run. Cache modes (``mode``):
 
-    Inputs: (x_or_anchor, data, scales, probs, w1, w2, counts, recipe, mx_shape)."""
+    ``'fp4'``       rows arrived MXFP4 (``DispatchedMXFP4``): x is the stride-0 anchor; data + scales are cached.
+    ``'bf16'``      rows are BF16 and cached as they are (bf16 / fp8 recipes): recompute is bit-exact.
+    ``'bf16_fp4'``  rows are BF16 (mxfp4 recipe without dispatch_fp4/expert_input_fp4): the forward uses x, the
+                    cache is MXFP4 of x (data + scales) and the backward recomputes from its dequantized rows.
+
+    Inputs: (x, data, scales, probs, w1, w2, counts, recipe, mode)."""
 
     @staticmethod
-    def forward(ctx, x, data, scales, probs, w1, w2, counts, recipe, mx_shape):
-        ctx.meta = (counts, recipe, mx_shape, x.dtype, tuple(x.shape))
-        ctx.is_fp4 = data is not None
+    def forward(ctx, x, data, scales, probs, w1, w2, counts, recipe, mode):
+        ctx.meta = (counts, recipe, mode, x.dtype, tuple(x.shape))
+        xin = DispatchedMXFP4(data, scales, tuple(x.shape), x) if mode == "fp4" else x
         with torch.no_grad():
-            y = grouped_expert_mlp(_rebuild(x, data, scales, mx_shape), counts, w1, w2, probs, recipe)
-        if ctx.is_fp4:  # x is the stride-0 anchor: nothing to keep but its shape
-            ctx.save_for_backward(data, scales, probs, w1, w2)
-        else:
+            y = grouped_expert_mlp(xin, counts, w1, w2, probs, recipe)
+        if mode == "bf16":
             ctx.save_for_backward(x, probs, w1, w2)
+        else:
+            ctx.save_for_backward(data, scales, probs, w1, w2)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        counts, recipe, mx_shape, x_dtype, x_shape = ctx.meta
-        if ctx.is_fp4:
-            data, scales, probs, w1, w2 = ctx.saved_tensors
-            x = torch.zeros((), dtype=x_dtype, device=data.device).expand(x_shape)
-        else:
+        counts, recipe, mode, x_dtype, x_shape = ctx.meta
+        data = scales = None
+        if mode == "bf16":
             x, probs, w1, w2 = ctx.saved_tensors
-            data = scales = None
-        ins = [t.detach().requires_grad_(t.requires_grad) for t in (x, probs, w1, w2)]
-        if ctx.is_fp4:
-            ins[0].requires_grad_(ctx.needs_input_grad[0])
+        else:
+            data, scales, probs, w1, w2 = ctx.saved_tensors
+            if mode == "fp4":
+                x = torch.zeros((), dtype=x_dtype, device=data.device).expand(x_shape)
+            else:
+                x = kops.fp4_to_bf16(MXFP4Tensor(data, scales, x_shape)).to(x_dtype)
+        ins = [t.detach().requires_grad_(need) for t, need in
+               zip((x, probs, w1, w2), (ctx.needs_input_grad[0], *ctx.needs_input_grad[3:6]))]
         with torch.enable_grad():
-            y = grouped_expert_mlp(_rebuild(ins[0], data, scales, mx_shape), counts, ins[2], ins[3], ins[1], recipe)
+            xin = DispatchedMXFP4(data, scales, x_shape, ins[0]) if mode == "fp4" else ins[0]
+            y = grouped_expert_mlp(xin, counts, ins[2], ins[3], ins[1], recipe)
         need = [t for t in ins if t.requires_grad]
         grads = iter(torch.autograd.grad(y, need, dy, allow_unused=True) if need else ())
         gx, gp, gw1, gw2 = (next(grads) if t.requires_grad else None for t in ins)
         return gx, None, None, gp, gw1, gw2, None, None, None
-
-
-def _rebuild(x, data, scales, mx_shape):
-    if data is None:
-        return x
-    return DispatchedMXFP4(data, scales, mx_shape, x)
-
-
-class _STEAnchor(torch.autograd.Function):
-    """Stride-0 zero ``[T, H]`` standing for x: its gradient is x's gradient (straight-through)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.zeros((), dtype=x.dtype, device=x.device).expand(x.shape)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
 
 
 class RecipeGroupedMLP(SequentialMLP):
@@ -303,8 +293,7 @@ class RecipeGroupedMLP(SequentialMLP):
 
     forward(x ``[R, H]`` tensor or ``DispatchedMXFP4``, tokens_per_expert ``[E_local]`` int, probs ``[R]``
     float32) -> (``[R, H]`` bf16, None). ``recompute=True``: :class:`_ExpertRecompute` (cache stored MXFP4
-    under the mxfp4 recipe: a BF16 input is quantized to MXFP4 first, and the experts then compute from
-    that MXFP4, as the paper's experts do when ``expert_input_fp4``)."""
+    under the mxfp4 recipe; the forward is unchanged)."""
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None, *, recipe: Recipe,
                  recompute: bool = False):
@@ -336,14 +325,14 @@ class RecipeGroupedMLP(SequentialMLP):
         probs = permuted_probs.float()
         if not self.recompute:
             return grouped_expert_mlp(x, counts, w1, w2, probs, self.recipe), None
+        r = self.recipe
         if isinstance(x, DispatchedMXFP4):
-            y = _ExpertRecompute.apply(x.grad_anchor, x.data, x.scales, probs, w1, w2, counts, self.recipe, x.shape)
-        elif self.recipe.name == "mxfp4":  # cache as MXFP4 (module docstring)
-            q = kops.bf16_to_fp4_row(x.detach().to(_BF16), self.recipe.scale_rule)
-            anchor = _STEAnchor.apply(x)
-            y = _ExpertRecompute.apply(anchor, q.data, q.scales, probs, w1, w2, counts, self.recipe, q.shape)
+            y = _ExpertRecompute.apply(x.grad_anchor, x.data, x.scales, probs, w1, w2, counts, r, "fp4")
+        elif r.name == "mxfp4":  # cache as MXFP4 (_ExpertRecompute 'bf16_fp4')
+            q = kops.bf16_to_fp4_row(x.detach().to(_BF16), r.scale_rule)
+            y = _ExpertRecompute.apply(x, q.data, q.scales, probs, w1, w2, counts, r, "bf16_fp4")
         else:
-            y = _ExpertRecompute.apply(x, None, None, probs, w1, w2, counts, self.recipe, None)
+            y = _ExpertRecompute.apply(x, None, None, probs, w1, w2, counts, r, "bf16")
         return y, None
 
 
