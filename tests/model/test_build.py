@@ -108,12 +108,18 @@ def test_recompute_scope_needing_te_is_a_clear_error():
         transformer_config(cfg.model, cfg.parallel, rec)
 
 
-def test_recompute_scope_with_fp4moe_modules_is_a_clear_error():
-    from fp4moe.model.build import transformer_config
+def test_recompute_scope_with_fp4moe_modules_maps_to_megatron():
+    """fp4moe's layernorm recompute runs megatron's own (fixed) norm checkpoint; moe_expert is ours alone."""
+    from fp4moe.model.build import fp4moe_recompute_modules, transformer_config
 
     cfg = _cfg(recompute="attn_ln_experts")
-    with pytest.raises(ConfigError, match=r"recompute scope 'attn_ln_experts'.*not implemented"):
-        transformer_config(cfg.model, cfg.parallel, cfg.recompute)
+    c = transformer_config(cfg.model, cfg.parallel, cfg.recompute)
+    assert c.recompute_granularity == "selective" and c.recompute_modules == ["core_attn", "layernorm"]
+    assert fp4moe_recompute_modules(cfg.recompute) == ["layernorm", "moe_expert"]
+    rec = OmegaConf.create({"name": "bogus", "granularity": "selective", "megatron_modules": [],
+                            "fp4moe_modules": ["attn"]})
+    with pytest.raises(ConfigError, match=r"recompute scope 'bogus'.*\['attn'\]"):
+        transformer_config(cfg.model, cfg.parallel, rec)
 
 
 def test_transformer_config_dsv3_671b():

@@ -155,7 +155,8 @@ def test_unreachable_mlflow_is_a_clear_error_before_training(tmp_path, monkeypat
     (["train.schedule.name=linear"], r"train.schedule.name='linear'"),
     (["precision.name=mxfp5"], r"precision: "),
     (["parallel.seq_length=512"], r"parallel.seq_length=512 > model.max_position_embeddings=256"),
-    (["recompute=attn_ln_experts"], r"recompute scope 'attn_ln_experts': fp4moe_modules \['layernorm', 'moe_expert'\]"),
+    (["recompute=attn_ln_experts", "recompute.megatron_modules=[core_attn,layernorm]"],
+     r"recompute.megatron_modules \['layernorm'\] need Transformer Engine.*move \['layernorm'\] to recompute.fp4moe_modules"),
 ])
 def test_config_mistakes_are_clear_errors(tmp_path, store, overrides, match):
     import torch.distributed as dist

@@ -3,6 +3,15 @@
 The layer spec is megatron's local (torch-native) spec with ``core_attention`` swapped for
 :class:`fp4moe.model.attention.SDPACoreAttention` (the local ``DotProductAttention`` rejects MLA's
 ``k_channels``/``v_channels``). Needs ``megatron.core.parallel_state.initialize_model_parallel`` to have run.
+
+Precision (``cfg.precision`` -> ``Recipe.from_config``): bf16 builds megatron's own modules unchanged; fp8 and
+mxfp4 swap the MoE layer, its dispatcher, routed experts and shared expert for the recipe's
+(:mod:`fp4moe.model.recipe_moe`, parameter names unchanged), and with ``scope: all_linears`` route the attention
+and dense-MLP linears through ``fp8_linear`` (:func:`apply_fp8_dense_linears`).
+
+Recompute (``cfg.recompute``): ``megatron_modules`` go to megatron's ``recompute_modules``; ``fp4moe_modules``
+are ours (:mod:`fp4moe.model.recompute`): ``layernorm`` (megatron's output-discarding norm checkpoint, fixed for
+no-TE, cache MXFP4 under mxfp4) and ``moe_expert`` (routed experts only, no dispatch re-run).
 """
 
 from __future__ import annotations
@@ -57,19 +66,53 @@ def _recompute_kwargs(recompute_cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"recompute scope {name!r}: megatron_modules {te} need Transformer Engine in megatron-core "
                           f"and fp4moe builds the model without it ({why}). Use recompute.fp4moe_modules "
                           f"({', '.join(FP4MOE_RECOMPUTE_MODULES)}) or another recompute scope")
-    if own:
-        raise ConfigError(f"recompute scope {name!r}: fp4moe_modules {own} (fp4moe's own layernorm / expert-MLP "
-                          "recompute) are not implemented in the model yet (P3): pick a scope without them "
-                          "(mla_up_proj, none, full) for now")
-    if not mods:
+    bad = [m for m in own if m not in FP4MOE_RECOMPUTE_MODULES]
+    if bad:
+        raise ConfigError(f"recompute scope {name!r}: fp4moe_modules {bad} are not fp4moe recompute modules "
+                          f"({', '.join(FP4MOE_RECOMPUTE_MODULES)})")
+    if not mods and not own:
         raise ConfigError(f"recompute scope {name!r}: granularity selective with no modules; use granularity: null")
+    if "layernorm" in own:  # megatron's output-discarding norm checkpoint, made to work without TE (recompute.py)
+        mods = mods + ["layernorm"]
+    if not mods:
+        return {}
     return {"recompute_granularity": "selective", "recompute_modules": mods}
 
 
+def fp4moe_recompute_modules(recompute_cfg: Any) -> list[str]:
+    """The ``recompute.fp4moe_modules`` that fp4moe implements itself ('layernorm', 'moe_expert')."""
+    r = _plain(recompute_cfg)
+    return list(r.get("fp4moe_modules") or []) if r.get("granularity") == "selective" else []
+
+
+def recipe_of(cfg: Any):
+    """``Recipe.from_config(cfg['precision'])``; bf16 when the config has no precision group."""
+    from fp4moe.recipe import Recipe
+
+    prec = cfg.get("precision") if hasattr(cfg, "get") else None
+    return Recipe.from_config(prec) if prec is not None else Recipe.bf16()
+
+
+def _check_recipe_parallel(recipe, config) -> None:
+    if not recipe.fp8_compute:
+        return
+    if config.expert_tensor_parallel_size != 1 or config.tensor_model_parallel_size != 1:
+        raise ConfigError(f"precision {recipe.name!r} needs parallel.tensor = parallel.expert_tensor = 1 (the "
+                          "quantized dispatcher does not all-gather MXFP4 rows over TP); use precision=bf16 for TP")
+    if config.moe_token_dispatcher_type != "alltoall":
+        raise ConfigError(f"precision {recipe.name!r} needs parallel.dispatcher=alltoall (the recipe's quantized "
+                          f"all-to-all), got {config.moe_token_dispatcher_type!r}")
+    if config.moe_expert_capacity_factor is not None or config.moe_pad_expert_input_to_capacity:
+        raise ConfigError(f"precision {recipe.name!r}: token dropping / capacity padding is not supported")
+    if config.moe_shared_expert_overlap:
+        raise ConfigError(f"precision {recipe.name!r}: moe_shared_expert_overlap is not supported")
+
+
 def transformer_config(model_cfg: Any, parallel_cfg: Any = None, recompute_cfg: Any = None, *,
-                       params_dtype: torch.dtype = torch.float32):
+                       params_dtype: torch.dtype = torch.float32, precision_cfg: Any = None):
     """Build megatron-core's ``MLATransformerConfig`` from ``conf/model``, ``conf/parallel`` and ``conf/recompute``
-    entries. Raises :class:`fp4moe.config.ConfigError` for what cannot run without TE."""
+    entries. Raises :class:`fp4moe.config.ConfigError` for what cannot run without TE (and, given
+    ``precision_cfg``, for parallel settings the recipe's modules do not support)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     m, p = _plain(model_cfg), _plain(parallel_cfg)
@@ -152,26 +195,108 @@ def transformer_config(model_cfg: Any, parallel_cfg: Any = None, recompute_cfg: 
     if mla.get("rope_type") == "yarn":
         kwargs["original_max_position_embeddings"] = int(mla.get("original_max_position_embeddings", 4096))
     kwargs.update(_recompute_kwargs(recompute_cfg))
-    return MLATransformerConfig(**kwargs)
+    config = MLATransformerConfig(**kwargs)
+    if precision_cfg is not None:
+        from fp4moe.recipe import Recipe
+
+        _check_recipe_parallel(Recipe.from_config(precision_cfg), config)
+    return config
 
 
-def layer_spec(config):
+def _moe_spec(mlp_spec, recipe, moe_expert_recompute: bool):
+    """The MoE layer spec for ``recipe`` (a copy; megatron's when bf16, with only the experts swapped for
+    :class:`RecomputedSequentialMLP` under bf16 + moe_expert recompute)."""
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from fp4moe.model.recipe_moe import RecipeGroupedMLP, RecipeMoELayer, RecipeSharedExpertMLP
+    from fp4moe.model.recompute import RecomputedSequentialMLP
+
+    sub = mlp_spec.submodules
+    experts, shared = sub.experts, sub.shared_experts
+    if not recipe.fp8_compute:
+        if not moe_expert_recompute:
+            return mlp_spec
+        experts = ModuleSpec(module=RecomputedSequentialMLP, submodules=experts.submodules)
+        return ModuleSpec(module=mlp_spec.module, submodules=MoESubmodules(experts=experts, shared_experts=shared,
+                                                                            router=sub.router),
+                          params=dict(mlp_spec.params), metainfo=dict(mlp_spec.metainfo))
+    experts = ModuleSpec(module=RecipeGroupedMLP, submodules=experts.submodules,
+                         params={"recipe": recipe, "recompute": moe_expert_recompute})
+    if shared is not None:
+        shared = ModuleSpec(module=RecipeSharedExpertMLP, submodules=shared.submodules, params={"recipe": recipe})
+    return ModuleSpec(module=RecipeMoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared,
+                                                                      router=sub.router),
+                      params={**mlp_spec.params, "recipe": recipe}, metainfo=dict(mlp_spec.metainfo))
+
+
+def layer_spec(config, recipe=None, recompute_modules: tuple[str, ...] = ()):
     """megatron's local decoder-block spec (dense layers for the first ``first_k_dense``, MoE after) with our
-    SDPA core attention in every layer's MLA."""
+    SDPA core attention in every layer's MLA and, for an fp8/mxfp4 ``recipe`` (fp4moe.recipe.Recipe; None =
+    bf16), the recipe's MoE modules. ``recompute_modules``: fp4moe's own ('moe_expert' changes the experts)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from fp4moe.recipe import Recipe
+
+    recipe = recipe or Recipe.bf16()
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
+    specs = []
     for spec in block.layer_specs:
-        attn = spec.submodules.self_attention
+        spec = copy.copy(spec)
+        spec.submodules = copy.copy(spec.submodules)
+        attn = spec.submodules.self_attention = copy.copy(spec.submodules.self_attention)
         attn.submodules = copy.copy(attn.submodules)
         attn.submodules.core_attention = SDPACoreAttention
+        mlp = spec.submodules.mlp
+        if getattr(mlp, "module", None) is MoELayer:
+            spec.submodules.mlp = _moe_spec(mlp, recipe, "moe_expert" in recompute_modules)
+        specs.append(spec)
+    block.layer_specs = specs
     return block
+
+
+def apply_fp8_dense_linears(model, recipe) -> list[str]:
+    """``scope: all_linears``: the attention and dense-MLP linears (megatron ``ColumnParallelLinear`` /
+    ``RowParallelLinear`` outside the MoE layers; not the embedding or output layer) compute through
+    ``fp8_linear(..., layer_kind='dense')`` by overriding each instance's ``_forward_impl`` (MLA accepts only
+    the exact linear classes, so the class stays, and so do parameter names). Linears whose in/out features are
+    not multiples of 128 stay BF16. Returns the names of the linears left in BF16. TP = 1 only."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from fp4moe.ops.fp8_linear import fp8_linear
+
+    if not recipe.applies_to("dense"):
+        return []
+    moe_prefixes = [n + "." for n, m in model.named_modules() if isinstance(m, MoELayer)]
+    skipped = []
+
+    def make_impl(rec):
+        def impl(input, weight, bias=None, *args, **kwargs):
+            y = fp8_linear(input, weight, rec, layer_kind="dense").to(input.dtype)
+            return y if bias is None else y + bias
+        return impl
+
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) or ".layers." not in f".{name}":
+            continue
+        if any(name.startswith(p) for p in moe_prefixes):
+            continue
+        n, k = mod.weight.shape
+        if n % 128 or k % 128:
+            skipped.append(name)
+            continue
+        mod._forward_impl = make_impl(recipe)
+    return skipped
 
 
 def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
                     pre_process: bool = True, post_process: bool = True):
     """``GPTModel`` (MLA + MoE, local spec, SDPA core attention) for the composed config ``cfg`` (groups
-    ``model``, ``parallel``, ``recompute``). Applies the CPU shims when CUDA is absent."""
+    ``model``, ``parallel``, ``recompute``, ``precision``; no precision = bf16). Applies the CPU shims when CUDA
+    is absent. ``model.fp4moe_recipe``: the Recipe; ``model.fp4moe_bf16_linears``: dense linears left BF16 under
+    ``scope: all_linears`` (dims not multiples of 128)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
@@ -182,13 +307,19 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
     # sized by the first model that logs (num_layers [+ mtp]); a model with more layers built later in the same
     # process would index past them (IndexError in save_to_aux_losses_tracker). Start each model with it empty.
     get_moe_layer_wise_logging_tracker().clear()
+    from fp4moe.model import recompute as fp4moe_recompute
+
+    fp4moe_recompute.install()  # the no-TE fix of megatron's output-discarding checkpoint (recompute.py)
     model_cfg = cfg["model"]
-    config = transformer_config(model_cfg, cfg.get("parallel"), cfg.get("recompute"), params_dtype=params_dtype)
-    block = layer_spec(config)
+    recipe = recipe_of(cfg)
+    own = fp4moe_recompute_modules(cfg.get("recompute"))
+    config = transformer_config(model_cfg, cfg.get("parallel"), cfg.get("recompute"), params_dtype=params_dtype,
+                                precision_cfg=recipe.to_dict())
+    block = layer_spec(config, recipe, tuple(own))
     mtp = None
     if config.mtp_num_layers:
         mtp = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=False)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=block,
         vocab_size=int(model_cfg["vocab_size"]),
@@ -199,6 +330,36 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
         position_embedding_type="none",  # MLA applies its own (decoupled) RoPE
         mtp_block_spec=mtp,
     )
+    model.fp4moe_recipe = recipe
+    model.fp4moe_bf16_linears = apply_fp8_dense_linears(model, recipe)
+    if recipe.name == "mxfp4":  # recompute caches stored MXFP4 (recompute.py)
+        for layer in _transformer_layers(model):
+            if "layernorm" in own:
+                for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
+                    setattr(norm, fp4moe_recompute.CACHE_ATTR, "mxfp4")
+            if getattr(layer.self_attention, "recompute_up_proj", False):
+                fp4moe_recompute.cache_mxfp4_inside(layer.self_attention)
+    return model
 
 
-__all__ = ["transformer_config", "build_gpt_model", "layer_spec", "DISPATCHERS"]
+def _transformer_layers(model):
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [m for m in model.modules() if isinstance(m, TransformerLayer)]
+
+
+def a2a_stats(model) -> dict[str, int]:
+    """All-to-all payload bytes of every recipe MoE layer of ``model``, summed (``RecipeMoELayer.a2a_stats``);
+    empty under bf16 (megatron's own dispatcher)."""
+    from fp4moe.model.recipe_moe import RecipeMoELayer
+
+    total: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, RecipeMoELayer):
+            for k, v in m.a2a_stats().items():
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+__all__ = ["transformer_config", "build_gpt_model", "layer_spec", "recipe_of", "apply_fp8_dense_linears", "a2a_stats",
+           "fp4moe_recompute_modules", "DISPATCHERS"]

@@ -29,6 +29,11 @@ Only when CUDA is absent (CPU machine, gloo):
    -> :55 ``torch.cuda.random.get_rng_state``) and restores them in backward (recompute ``full`` and
    ``mla_up_proj`` fail with "Torch not compiled with CUDA enabled" without this).
 
+4. ``maybe_move_tensor_to_cpu`` as the token dispatcher sees it (megatron/core/transformer/moe/token_dispatcher.py
+   ``_maybe_dtoh_and_synchronize``): upstream (moe_utils.py:1078) converts only CUDA tensors, so on CPU the
+   ``as_numpy=True`` split sizes stay tensors and gloo's ``all_to_all_single`` in ``tensor_parallel.mappings``
+   rejects them (EP > 1). The shim returns ``.numpy()`` for CPU tensors when ``as_numpy`` is asked.
+
 Only what the tests in tests/model exercise is patched; megatron's optimizer and pipeline schedules
 (``device='cuda'`` in megatron/core/optimizer/optimizer.py, megatron/core/pipeline_parallel/schedules.py) are not
 shimmed: on CPU use a plain torch loop and optimizer.
@@ -165,6 +170,17 @@ def apply() -> bool:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # 4. token_dispatcher.py _maybe_dtoh_and_synchronize: split sizes as numpy on CPU too (EP > 1 on gloo)
+    from megatron.core.transformer.moe import token_dispatcher
+
+    upstream = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     _APPLIED = True
     return True
 

@@ -1,0 +1,364 @@
+"""The precision recipe (fp4moe.recipe.Recipe, SPEC §4) inside megatron-core 0.16.1's MoE layer, no TE.
+
+What replaces what (fp8 / mxfp4 recipes; the bf16 recipe keeps megatron's modules untouched):
+
+=========================  ==================================  =============================================
+megatron (local spec)      ours                                what changes
+=========================  ==================================  =============================================
+``MoELayer``               :class:`RecipeMoELayer`             swaps in the dispatcher below; nothing else
+``MoEAlltoAllToken-``      :class:`QuantizedAlltoAllToken-`    the two EP all-to-alls go through
+``Dispatcher``             ``Dispatcher``                      ``fp4moe.ops.all_to_all.quantized_all_to_all``
+``SequentialMLP``          :class:`RecipeGroupedMLP`           ``grouped_expert_mlp`` over all local experts
+``SharedExpertMLP``        :class:`RecipeSharedExpertMLP`      ``fp8_linear`` + ``swiglu`` (recipe storage)
+=========================  ==================================  =============================================
+
+Dispatch (``token_dispatch``): the permuted tokens ``[T*k, H]`` go out as MXFP4 rows when
+``recipe.dispatch_fp4`` (else BF16), and stay MXFP4 on the receiver (a ``DispatchedMXFP4``) when also
+``recipe.expert_input_fp4``; the gradient all-to-all uses ``recipe.backward_a2a``. The routing probabilities
+travel with megatron's own (float32) all-to-all. Combine (``token_combine``): BF16 forward,
+``recipe.backward_a2a`` backward. Bytes: ``dispatch_stats`` / ``combine_stats`` (``A2AStats``) of the
+dispatcher, summed over calls (``RecipeMoELayer.a2a_stats()``).
+
+Routing probabilities are applied as megatron does for its experts (megatron/core/transformer/mlp.py
+``per_token_scale``): after the SwiGLU, before fc2 (``grouped_expert_mlp``'s weighted SwiGLU).
+
+Expert weights keep megatron's ``SequentialMLP`` names and shapes, so state_dict keys do not depend on the
+recipe::
+
+    experts.local_experts.{e}.linear_fc1.weight   [2F, H]   = grouped w1[e]  (gate rows 0..F-1, up rows F..2F-1)
+    experts.local_experts.{e}.linear_fc2.weight   [H, F]    = grouped w2[e]
+
+``RecipeGroupedMLP`` lays the local experts' weights out in one contiguous buffer per projection after every
+``.to()`` / ``.bfloat16()`` (``_apply``), so the grouped ``[E, 2F, H]`` / ``[E, H, F]`` operands are views,
+not copies; when something has re-allocated them separately (a foreign optimizer or DDP buffer) it falls back
+to ``torch.stack`` (a copy of the local expert weights per forward, held until backward).
+
+Limits: tensor parallelism and expert tensor parallelism 1 (no TP all-gather of MXFP4 rows), no token
+dropping/padding, no shared-expert overlap; ``build.py`` refuses these with a ConfigError.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from fp4moe_kernels import ops as kops
+from fp4moe_kernels.formats import MXFP4Tensor
+
+from ..ops.all_to_all import A2AStats, DispatchedMXFP4, quantized_all_to_all
+from ..ops.fp8_linear import fp8_linear
+from ..ops.grouped_experts import grouped_expert_mlp
+from ..ops.swiglu import swiglu
+from ..recipe import Recipe
+
+_BF16 = torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------ row helpers
+
+
+class _PermuteAnchor(torch.autograd.Function):
+    """A fresh stride-0 zero anchor ``[len(perm), H]`` for MXFP4 rows reordered by ``perm``; its gradient is
+    scattered back to the old row order (the anchor carries dL/d(dequantized rows), see DispatchedMXFP4)."""
+
+    @staticmethod
+    def forward(ctx, anchor, perm):
+        ctx.save_for_backward(perm)
+        return torch.zeros((), dtype=anchor.dtype, device=anchor.device).expand(perm.numel(), anchor.shape[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        (perm,) = ctx.saved_tensors
+        out = torch.zeros(g.shape, dtype=g.dtype, device=g.device)
+        out[perm] = g
+        return out, None
+
+
+def permute_rows(x, perm: torch.Tensor):
+    """Rows ``x[perm]`` of a tensor ``[T, H]`` or of a ``DispatchedMXFP4`` (data/scales gathered, anchor re-made)."""
+    if isinstance(x, DispatchedMXFP4):
+        anchor = _PermuteAnchor.apply(x.grad_anchor, perm) if x.grad_anchor is not None else None
+        return DispatchedMXFP4(x.data.index_select(0, perm), x.scales.index_select(0, perm), (perm.numel(), x.shape[1]),
+                               anchor)
+    return x.index_select(0, perm)
+
+
+def _splits(t) -> list[int]:
+    return [int(v) for v in (t.tolist() if hasattr(t, "tolist") else t)]
+
+
+# ------------------------------------------------------------------------------------------ dispatcher
+
+
+class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """megatron's all-to-all dispatcher with the recipe's wire formats (module docstring). TP = 1 only.
+
+    Everything else (routing map -> splits, permutation 1, the probs all-to-all, chunk sort by local expert,
+    unpermute) is megatron's code; ``token_dispatch`` and ``token_combine`` swap the EP all-to-all of the
+    tokens, and ``dispatch_postprocess`` sorts MXFP4 rows by local expert (megatron's ``sort_chunks_by_idxs``
+    only takes tensors)."""
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None, *, recipe: Recipe):
+        super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
+        if self.tp_size != 1:
+            raise ValueError("QuantizedAlltoAllTokenDispatcher needs expert tensor parallel size 1")
+        self.recipe = recipe
+        self.dispatch_stats = A2AStats()
+        self.combine_stats = A2AStats()
+
+    def _ep_splits(self, rows: int) -> tuple[list[int], list[int]]:
+        """(input_splits, output_splits) as int lists; megatron leaves them None when EP = TP = 1."""
+        if self.ep_size == 1 or self.input_splits is None:
+            return [rows], [rows]
+        return _splits(self.input_splits), _splits(self.output_splits)
+
+    def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        """Tokens ``[T*k, H]`` (rows grouped by destination rank) -> received rows ``[R, H]`` (a tensor, or a
+        ``DispatchedMXFP4`` under dispatch_fp4 + expert_input_fp4) and their float32 probs ``[R]``."""
+        from megatron.core.tensor_parallel import all_to_all
+
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
+        r = self.recipe
+        ins, outs = self._ep_splits(permutated_local_input_tokens.shape[0])
+        tokens = quantized_all_to_all(
+            permutated_local_input_tokens, ins, outs, self.ep_group, "mxfp4" if r.dispatch_fp4 else "bf16",
+            r.backward_a2a, keep_fp4=r.dispatch_fp4 and r.expert_input_fp4, stats=self.dispatch_stats,
+            rule=r.scale_rule)
+        if self.ep_size > 1:
+            permuted_probs = all_to_all(self.ep_group, permuted_probs, outs, ins)
+        return tokens, permuted_probs
+
+    def _local_expert_perm(self, device) -> torch.Tensor:
+        """Row order source-rank-major -> local-expert-major (megatron's permutation 2), as an index tensor."""
+        sizes = _splits(self.num_global_tokens_per_local_expert.ravel())
+        starts, acc = [], 0
+        for s in sizes:
+            starts.append(acc)
+            acc += s
+        order = _splits(self.sort_input_by_local_experts)
+        parts = [torch.arange(starts[i], starts[i] + sizes[i], dtype=torch.int64) for i in order]
+        perm = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        return perm.to(device)
+
+    def dispatch_postprocess(self, global_input_tokens, global_probs):
+        if not isinstance(global_input_tokens, DispatchedMXFP4):
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
+        if self.num_local_experts > 1:
+            perm = self._local_expert_perm(global_probs.device)
+            global_input_tokens = permute_rows(global_input_tokens, perm)
+            global_probs = global_probs.index_select(0, perm)
+        tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish", self.tokens_per_expert)
+        self.tokens_per_expert = None
+        return global_input_tokens, tokens_per_expert, global_probs
+
+    def token_combine(self, hidden_states, async_finish: bool = True, allocate_on_comm_stream: bool = True):
+        """Expert outputs ``[R, H]`` back to the token owners: BF16 forward, ``recipe.backward_a2a`` backward."""
+        ins, outs = self._ep_splits(hidden_states.shape[0])
+        return quantized_all_to_all(hidden_states, outs, ins, self.ep_group, "bf16", self.recipe.backward_a2a,
+                                    stats=self.combine_stats)
+
+
+class RecipeMoELayer(MoELayer):
+    """megatron's ``MoELayer`` with :class:`QuantizedAlltoAllTokenDispatcher` (spec param ``recipe``)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *, recipe: Recipe):
+        super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        self.recipe = recipe
+        pg = pg_collection
+        if pg is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+            pg = get_default_pg_collection()
+        self.token_dispatcher = QuantizedAlltoAllTokenDispatcher(
+            self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg, recipe=recipe)
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        """As megatron's; the output is cast back to ``hidden_states.dtype`` (the recipe's ops return BF16, and an
+        fp32-parameter model must get fp32 back, as from megatron's own experts)."""
+        out = super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if intermediate_tensors is None and isinstance(out, tuple) and isinstance(out[0], torch.Tensor):
+            return (out[0].to(hidden_states.dtype), *out[1:])
+        return out
+
+    def a2a_stats(self) -> dict[str, int]:
+        """Payload bytes of this layer's all-to-alls so far: ``dispatch_*`` and ``combine_*`` (A2AStats fields)."""
+        d = self.token_dispatcher
+        out = {f"dispatch_{k}": v for k, v in d.dispatch_stats.as_dict().items()}
+        out.update({f"combine_{k}": v for k, v in d.combine_stats.as_dict().items()})
+        return out
+
+
+# ------------------------------------------------------------------------------------------ experts
+
+
+class _GroupedView(torch.autograd.Function):
+    """``[E, N, K]`` view over E parameters ``[N, K]`` that lie back to back in one storage; the gradient of the
+    view is split into E views (no copy either way)."""
+
+    @staticmethod
+    def forward(ctx, *ws):
+        w0 = ws[0]
+        n, k = w0.shape
+        return w0.as_strided((len(ws), n, k), (n * k, k, 1), w0.storage_offset())
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(g.unbind(0))
+
+
+def _is_packed(ws) -> bool:
+    w0 = ws[0]
+    step = w0.numel()
+    if not all(w.is_contiguous() and w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device for w in ws):
+        return False
+    base = w0.untyped_storage().data_ptr()
+    return all(w.untyped_storage().data_ptr() == base and w.storage_offset() == w0.storage_offset() + i * step
+               for i, w in enumerate(ws))
+
+
+def grouped_weight(ws) -> torch.Tensor:
+    """``[E, N, K]`` from E weights ``[N, K]``: a view when they are packed (``pack_parameters``), else a stack."""
+    ws = list(ws)
+    if len(ws) > 1 and _is_packed(ws):
+        return _GroupedView.apply(*ws)
+    return torch.stack(ws)
+
+
+def pack_parameters(params) -> None:
+    """Re-lay same-shape parameters ``[N, K]`` into one contiguous buffer (``p.data`` becomes a slice of it)."""
+    params = list(params)
+    if len(params) < 2 or _is_packed([p.data for p in params]):
+        return
+    buf = torch.stack([p.data for p in params])
+    for i, p in enumerate(params):
+        p.data = buf[i]
+
+
+class _ExpertRecompute(torch.autograd.Function):
+    """Recompute of the routed experts (fp4moe recompute module ``moe_expert``): forward runs
+    ``grouped_expert_mlp`` without saving anything but its inputs (the *recompute cache*: the received rows,
+    the probs, the weights by reference), backward runs it again with autograd and back-propagates. No
+    dispatch re-run. Cache modes (``mode``):
+
+    ``'fp4'``       rows arrived MXFP4 (``DispatchedMXFP4``): x is the stride-0 anchor; data + scales are cached.
+    ``'bf16'``      rows are BF16 and cached as they are (bf16 / fp8 recipes): recompute is bit-exact.
+    ``'bf16_fp4'``  rows are BF16 (mxfp4 recipe without dispatch_fp4/expert_input_fp4): the forward uses x, the
+                    cache is MXFP4 of x (data + scales) and the backward recomputes from its dequantized rows.
+
+    Inputs: (x, data, scales, probs, w1, w2, counts, recipe, mode)."""
+
+    @staticmethod
+    def forward(ctx, x, data, scales, probs, w1, w2, counts, recipe, mode):
+        ctx.meta = (counts, recipe, mode, x.dtype, tuple(x.shape))
+        xin = DispatchedMXFP4(data, scales, tuple(x.shape), x) if mode == "fp4" else x
+        with torch.no_grad():
+            y = grouped_expert_mlp(xin, counts, w1, w2, probs, recipe)
+        if mode == "bf16":
+            ctx.save_for_backward(x, probs, w1, w2)
+        else:
+            ctx.save_for_backward(data, scales, probs, w1, w2)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        counts, recipe, mode, x_dtype, x_shape = ctx.meta
+        data = scales = None
+        if mode == "bf16":
+            x, probs, w1, w2 = ctx.saved_tensors
+        else:
+            data, scales, probs, w1, w2 = ctx.saved_tensors
+            if mode == "fp4":
+                x = torch.zeros((), dtype=x_dtype, device=data.device).expand(x_shape)
+            else:
+                x = kops.fp4_to_bf16(MXFP4Tensor(data, scales, x_shape)).to(x_dtype)
+        ins = [t.detach().requires_grad_(need) for t, need in
+               zip((x, probs, w1, w2), (ctx.needs_input_grad[0], *ctx.needs_input_grad[3:6]))]
+        with torch.enable_grad():
+            xin = DispatchedMXFP4(data, scales, x_shape, ins[0]) if mode == "fp4" else ins[0]
+            y = grouped_expert_mlp(xin, counts, ins[2], ins[3], ins[1], recipe)
+        need = [t for t in ins if t.requires_grad]
+        grads = iter(torch.autograd.grad(y, need, dy, allow_unused=True) if need else ())
+        gx, gp, gw1, gw2 = (next(grads) if t.requires_grad else None for t in ins)
+        return gx, None, None, gp, gw1, gw2, None, None, None
+
+
+class RecipeGroupedMLP(SequentialMLP):
+    """megatron's ``SequentialMLP`` parameters (``local_experts.{e}.linear_fc1/fc2.weight``) computed by
+    ``grouped_expert_mlp`` under ``recipe`` (spec params ``recipe``, ``recompute``).
+
+    forward(x ``[R, H]`` tensor or ``DispatchedMXFP4``, tokens_per_expert ``[E_local]`` int, probs ``[R]``
+    float32) -> (``[R, H]`` bf16, None). ``recompute=True``: :class:`_ExpertRecompute` (cache stored MXFP4
+    under the mxfp4 recipe; the forward is unchanged)."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, *, recipe: Recipe,
+                 recompute: bool = False):
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+        if config.add_bias_linear or not config.gated_linear_unit:
+            raise ValueError("RecipeGroupedMLP needs SwiGLU experts without biases")
+        self.recipe = recipe
+        self.recompute = recompute
+        self._pack()
+
+    def _pack(self) -> None:
+        pack_parameters(e.linear_fc1.weight for e in self.local_experts)
+        pack_parameters(e.linear_fc2.weight for e in self.local_experts)
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._pack()
+        return out
+
+    def grouped_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1 ``[E, 2F, H]``, w2 ``[E, H, F]``) of the local experts (views when packed)."""
+        return (grouped_weight(e.linear_fc1.weight for e in self.local_experts),
+                grouped_weight(e.linear_fc2.weight for e in self.local_experts))
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        x = permuted_local_hidden_states
+        counts = _splits(tokens_per_expert)
+        w1, w2 = self.grouped_weights()
+        probs = permuted_probs.float()
+        if not self.recompute:
+            return grouped_expert_mlp(x, counts, w1, w2, probs, self.recipe), None
+        r = self.recipe
+        if isinstance(x, DispatchedMXFP4):
+            y = _ExpertRecompute.apply(x.grad_anchor, x.data, x.scales, probs, w1, w2, counts, r, "fp4")
+        elif r.name == "mxfp4":  # cache as MXFP4 (_ExpertRecompute 'bf16_fp4')
+            q = kops.bf16_to_fp4_row(x.detach().to(_BF16), r.scale_rule)
+            y = _ExpertRecompute.apply(x, q.data, q.scales, probs, w1, w2, counts, r, "bf16_fp4")
+        else:
+            y = _ExpertRecompute.apply(x, None, None, probs, w1, w2, counts, r, "bf16")
+        return y, None
+
+
+# ------------------------------------------------------------------------------------------ shared expert
+
+
+class RecipeSharedExpertMLP(SharedExpertMLP):
+    """megatron's ``SharedExpertMLP`` parameters (``linear_fc1.weight [2Fs, H]``, ``linear_fc2.weight [H, Fs]``)
+    computed as fp4moe's standalone MoE layer does: ``fp8_linear`` (layer_kind 'shared_expert') -> ``swiglu``
+    (input stored MXFP4 under activation_fp4_store) -> ``fp8_linear``. x ``[s, b, H]`` -> ``[s, b, H]`` bf16."""
+
+    def __init__(self, config, submodules, gate: bool, pg_collection=None, *, recipe: Recipe):
+        super().__init__(config, submodules, gate=gate, pg_collection=pg_collection)
+        if gate or config.add_bias_linear or not config.gated_linear_unit:
+            raise ValueError("RecipeSharedExpertMLP needs an ungated SwiGLU shared expert without biases")
+        self.recipe = recipe
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        lead, h = hidden_states.shape[:-1], hidden_states.shape[-1]
+        x2 = hidden_states.reshape(-1, h)
+        r = self.recipe
+        hmat = fp8_linear(x2, self.linear_fc1.weight, r, layer_kind="shared_expert").to(_BF16)
+        z = swiglu(hmat, r, "shared_expert")
+        y = fp8_linear(z, self.linear_fc2.weight, r, layer_kind="shared_expert")
+        return y.reshape(*lead, y.shape[-1])
+
+
+__all__ = ["QuantizedAlltoAllTokenDispatcher", "RecipeMoELayer", "RecipeGroupedMLP", "RecipeSharedExpertMLP",
+           "grouped_weight", "pack_parameters", "permute_rows"]

@@ -1,0 +1,170 @@
+"""fp4moe's recompute modules for megatron-core 0.16.1 without Transformer Engine (``recompute.fp4moe_modules``).
+
+``layernorm``: megatron's own output-discarding checkpoint of ``input_layernorm`` / ``pre_mlp_layernorm``
+(megatron/core/transformer/transformer_layer.py: ``CheckpointWithoutOutput().checkpoint(norm, x)``, then
+``discard_output_and_register_recompute``: the norm output's storage is freed after its consumers ran and
+refilled from the recompute when the layer's output gradient arrives). Upstream crashes without TE:
+``CheckpointWithoutOutput.__init__(fp8=False)`` sets ``self.fp8 = fp8 is not None`` (random.py), True for the
+default, and then calls TE's ``FP8GlobalStateManager`` (NameError). :func:`install` swaps in
+:class:`FP4CacheCheckpointWithoutOutput`, which (a) sets ``fp8`` False without TE and (b) when the checkpointed
+module carries ``fp4moe_recompute_cache = 'mxfp4'`` stores the recompute cache (the norm input, the residual
+stream ``[s, b, H]``) as MXFP4 rows (data ``[M, H/2]`` + UE8M0 scales ``[M, H/32]`` uint8, M = s*b) instead
+of BF16 (2H bytes per token -> 17H/32), through ``torch.autograd.graph.saved_tensors_hooks``. The recompute then
+runs on the dequantized input (an E2M1 rounding of x; the norm's gradient too).
+
+``mla_up_proj`` (megatron's own, works without TE): under mxfp4 its cache (the q/kv latents and k_pos_emb)
+is stored MXFP4 the same way (:func:`cache_mxfp4_inside` on each MLA module).
+
+``moe_expert``: the routed experts' fc1 -> SwiGLU -> fc2 without re-running the dispatch (see
+``fp4moe.model.recipe_moe.RecipeGroupedMLP``, and :class:`RecomputedSequentialMLP` for the bf16 recipe).
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from fp4moe_kernels import ops as kops
+from fp4moe_kernels.constants import MX_BLOCK
+from fp4moe_kernels.formats import MXFP4Tensor
+
+CACHE_ATTR = "fp4moe_recompute_cache"  # 'mxfp4' on a module: its recompute cache is stored MXFP4
+
+
+_COUNTERS: list["SavedTensorBytes"] = []
+
+
+class SavedTensorBytes:
+    """Context that records every tensor saved for backward while it is active (its own saved_tensors_hooks,
+    plus the MXFP4 cache tensors that :func:`mxfp4_cache` stores, since innermost hooks win) and reports
+    ``bytes()``: the storage bytes still held *now*, unique storages, excluding ``exclude`` (e.g. the
+    parameters, saved by reference). Storages freed after saving (megatron's output-discarding checkpoint
+    resizes them to 0) count 0. Keeps references to what it saw until it is dropped."""
+
+    def __init__(self, exclude=()):
+        self._seen: list[torch.Tensor] = []
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        self._seen.append(t)
+        return t
+
+    def __enter__(self):
+        _COUNTERS.append(self)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        _COUNTERS.remove(self)
+
+    def bytes(self) -> int:
+        sizes: dict[int, int] = {}
+        for t in self._seen:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr and ptr not in self._exclude:
+                sizes[ptr] = st.nbytes()
+        return sum(sizes.values())
+
+
+def _pack_mxfp4(t: torch.Tensor):
+    """Saved tensor -> MXFP4: activations (floating, requiring grad) whose last dim is a multiple of 32; others
+    (e.g. MLA's RoPE frequencies) pass unchanged."""
+    if not t.is_floating_point() or not t.requires_grad or t.dim() == 0 or t.numel() == 0 \
+            or t.shape[-1] % MX_BLOCK or t.dtype not in (torch.bfloat16, torch.float32):
+        for c in _COUNTERS:
+            c._seen.append(t)
+        return t
+    h = t.shape[-1]
+    q = kops.bf16_to_fp4_row(t.detach().reshape(-1, h).contiguous())
+    for c in _COUNTERS:
+        c._seen.extend((q.data, q.scales))
+    return ("mxfp4", q.data, q.scales, t.dtype, tuple(t.shape))
+
+
+def _unpack_mxfp4(p):
+    if not isinstance(p, tuple):
+        return p
+    _, data, scales, dtype, shape = p
+    h = shape[-1]
+    x = kops.fp4_to_bf16(MXFP4Tensor(data, scales, (data.shape[0], h)))
+    return x.to(dtype).view(shape)
+
+
+def mxfp4_cache():
+    """Context: tensors saved for backward inside it are stored MXFP4 (``_pack_mxfp4``)."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack_mxfp4, _unpack_mxfp4)
+
+
+class FP4CacheCheckpointWithoutOutput(mrandom.CheckpointWithoutOutput):
+    """megatron's ``CheckpointWithoutOutput`` with the no-TE fp8 flag fixed and an optional MXFP4 cache."""
+
+    def __init__(self, fp8=False):
+        super().__init__(fp8=fp8)
+        from megatron.core.extensions import transformer_engine as mte
+
+        self.fp8 = bool(fp8) if not mte.HAVE_TE else self.fp8
+
+    def checkpoint(self, run_function, *args):
+        if getattr(run_function, CACHE_ATTR, None) == "mxfp4" or _MXFP4_SCOPES:
+            with mxfp4_cache():
+                return super().checkpoint(run_function, *args)
+        return super().checkpoint(run_function, *args)
+
+
+_MXFP4_SCOPES: list[torch.nn.Module] = []  # modules whose forward is running with an MXFP4 recompute cache
+
+
+def _enter(module, args):
+    if getattr(module, CACHE_ATTR, None) == "mxfp4":
+        _MXFP4_SCOPES.append(module)
+
+
+def _leave(module, args, output):
+    if _MXFP4_SCOPES and _MXFP4_SCOPES[-1] is module:
+        _MXFP4_SCOPES.pop()
+
+
+def cache_mxfp4_inside(module: torch.nn.Module) -> None:
+    """Every output-discarding checkpoint that runs inside ``module``'s forward (megatron's MLA ``mla_up_proj``
+    recompute: the cache is q/kv latents ``[s, b, q_lora]``, ``[s, b, kv_lora]`` and ``k_pos_emb``) stores its
+    cache MXFP4 while ``module.fp4moe_recompute_cache == 'mxfp4'`` (set here; set it to None to switch off)."""
+    setattr(module, CACHE_ATTR, "mxfp4")
+    if not getattr(module, "_fp4moe_cache_hooks", False):
+        module.register_forward_pre_hook(_enter)
+        module.register_forward_hook(_leave, always_call=True)
+        module._fp4moe_cache_hooks = True
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Make ``megatron.core.tensor_parallel.CheckpointWithoutOutput`` (looked up at call time by
+    transformer_layer.py, multi_latent_attention.py, experts.py) the fixed subclass. Idempotent."""
+    global _INSTALLED
+    if not _INSTALLED:
+        tensor_parallel.CheckpointWithoutOutput = FP4CacheCheckpointWithoutOutput
+        _INSTALLED = True
+
+
+class RecomputedSequentialMLP(SequentialMLP):
+    """megatron's ``SequentialMLP`` run under megatron's reentrant ``tensor_parallel.checkpoint`` (the bf16
+    recipe's ``moe_expert`` recompute): saves only its inputs (received tokens ``[R, H]``, counts, probs ``[R]``),
+    bit-identical results."""
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        parent = super().forward
+
+        def run(x, counts, probs):
+            return parent(x, counts, probs)[0]
+
+        y = tensor_parallel.checkpoint(run, False, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        return y, None
+
+
+__all__ = ["FP4CacheCheckpointWithoutOutput", "RecomputedSequentialMLP", "SavedTensorBytes", "cache_mxfp4_inside",
+           "install", "mxfp4_cache", "CACHE_ATTR"]

@@ -1,0 +1,277 @@
+"""The precision recipe inside megatron-core's GPTModel (fp4moe.model.recipe_moe, build.py) on CPU/gloo, world
+size 1: the MoE layer equals fp4moe's standalone MoELayer on the same weights and routing, bf16 is megatron's
+own path, mxfp4 sends MXFP4 bytes and saves less than fp8, parameter names do not depend on the recipe, and
+fp4moe's own recompute (layernorm, moe_expert) gives the same loss and gradients while saving less."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+pytest.importorskip("megatron.core")
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+RECIPES = ("bf16", "fp8", "mxfp4")
+
+
+def _cfg(precision: str | None = "bf16", recompute: str = "none", **model_overrides):
+    m = OmegaConf.load(CONF / "model" / "tiny_cpu.yaml")
+    for k, v in model_overrides.items():
+        OmegaConf.update(m, k, v)
+    d = {"model": m, "parallel": OmegaConf.load(CONF / "parallel" / "cpu.yaml"),
+         "recompute": OmegaConf.load(CONF / "recompute" / f"{recompute}.yaml")}
+    if precision is not None:
+        d["precision"] = OmegaConf.load(CONF / "precision" / f"{precision}.yaml")
+    return OmegaConf.create(d)
+
+
+@pytest.fixture(scope="module")
+def mp():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    with torch._dynamo.config.patch(disable=True):
+        yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _model(precision, recompute="none", **overrides):
+    """bf16-parameter GPTModel as the trainer builds it (model.bfloat16(), router expert bias kept fp32)."""
+    from fp4moe.model.build import build_gpt_model
+
+    torch.manual_seed(0)
+    model = build_gpt_model(_cfg(precision, recompute, **overrides), params_dtype=torch.bfloat16)
+    model.bfloat16()
+    for mod in model.modules():
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buf = getattr(mod, name, None)
+            if isinstance(buf, torch.Tensor):
+                buf.data = buf.data.float()
+    return model
+
+
+def _loss_and_grads(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.vocab_size, (2, 32), generator=g)
+    labels = torch.randint(0, model.vocab_size, (2, 32), generator=g)
+    pos = torch.arange(32).unsqueeze(0).expand(2, -1)
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, pos, None, labels=labels).float().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _standalone_from(moe, recipe):
+    """fp4moe.moe.MoELayer with the megatron MoE layer's weights (router, experts, shared expert)."""
+    from fp4moe.moe.layer import MoELayer as Standalone
+
+    c = moe.config
+    ref = Standalone(c.hidden_size, c.moe_ffn_hidden_size, c.num_moe_experts, c.moe_router_topk, recipe,
+                     shared_ffn=c.moe_shared_expert_intermediate_size, score="sigmoid")
+    with torch.no_grad():
+        ref.router.copy_(moe.router.weight.float())
+        ref.w1.copy_(torch.stack([e.linear_fc1.weight for e in moe.experts.local_experts]))
+        ref.w2.copy_(torch.stack([e.linear_fc2.weight for e in moe.experts.local_experts]))
+        ref.shared_w1.copy_(moe.shared_experts.linear_fc1.weight)
+        ref.shared_w2.copy_(moe.shared_experts.linear_fc2.weight)
+    return ref
+
+
+def _moe_run(moe, x, gy):
+    x = x.clone().requires_grad_(True)
+    out = moe(x)
+    y = out[0] if isinstance(out, tuple) else out
+    y.backward(gy)
+    return y.detach(), x.grad
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# Tolerances (relative L2) of the megatron MoE layer vs the standalone layer. fp8 / mxfp4: the same ops in the
+# same order, so exact. bf16: megatron's SequentialMLP rounds silu(g)*u to bf16 before the prob multiply and
+# unpermute sums in bf16, the standalone does both in float32 (one rounding): a few bf16 ulps.
+TOL = {"bf16": 1e-2, "fp8": 0.0, "mxfp4": 0.0}
+
+
+@pytest.mark.parametrize("precision", RECIPES)
+def test_moe_layer_matches_standalone(mp, precision):
+    from fp4moe.recipe import Recipe
+
+    model = _model(precision, **{"moe.aux_loss_coeff": 0.0})
+    moe = model.decoder.layers[1].mlp
+    recipe = Recipe.from_config(_cfg(precision).precision)
+    ref = _standalone_from(moe, recipe)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
+    gy = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
+    y, dx = _moe_run(moe, x, gy)
+    y_ref, dx_ref = _moe_run(ref, x, gy)
+    assert _rel(y, y_ref) <= TOL[precision], (precision, _rel(y, y_ref))
+    # dx also carries the router path (megatron's top-k / normalisation code, float32 op order differs)
+    assert _rel(dx, dx_ref) <= 1e-2, (precision, _rel(dx, dx_ref))
+    dw1 = torch.stack([e.linear_fc1.weight.grad for e in moe.experts.local_experts])
+    dw2 = torch.stack([e.linear_fc2.weight.grad for e in moe.experts.local_experts])
+    assert _rel(dw1, ref.w1.grad) <= TOL[precision] and _rel(dw2, ref.w2.grad) <= TOL[precision]
+    assert _rel(moe.shared_experts.linear_fc1.weight.grad, ref.shared_w1.grad) <= TOL[precision]
+    # the router weight gradient goes through megatron's own top-k/normalisation code: float32 op order differs
+    assert _rel(moe.router.weight.grad.float(), ref.router.grad) < 2e-2
+
+
+def test_bf16_recipe_is_megatron_path(mp):
+    """precision bf16 builds megatron's own MoE modules: bit-identical to a build without a precision group."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    a, b = _model("bf16"), _model(None)
+    moe = a.decoder.layers[1].mlp
+    assert type(moe) is MoELayer and type(moe.experts) is SequentialMLP
+    assert type(moe.token_dispatcher) is MoEAlltoAllTokenDispatcher
+    la, ga = _loss_and_grads(a)
+    lb, gb = _loss_and_grads(b)
+    assert torch.equal(la, lb)
+    assert all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+def test_parameter_names_identical_across_recipes(mp):
+    models = {p: _model(p) for p in RECIPES}
+    shapes = {p: {k: getattr(v, "shape", None) for k, v in m.state_dict().items()} for p, m in models.items()}
+    names = {p: [n for n, _ in m.named_parameters()] for p, m in models.items()}
+    assert shapes["bf16"] == shapes["fp8"] == shapes["mxfp4"]
+    assert names["bf16"] == names["fp8"] == names["mxfp4"]
+    assert "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight" in shapes["mxfp4"]
+    # weights load across recipes (checkpoint interop) and the grouped expert operands stay views
+    models["mxfp4"].load_state_dict(models["bf16"].state_dict())
+    experts = models["mxfp4"].decoder.layers[1].mlp.experts
+    w1, w2 = experts.grouped_weights()
+    assert w1.shape == (8, 256, 256) and w2.shape == (8, 256, 128)
+    fc1 = [e.linear_fc1.weight for e in experts.local_experts]
+    assert w1.untyped_storage().data_ptr() == fc1[0].untyped_storage().data_ptr()  # a view, not a stacked copy
+    assert torch.equal(w1[3], fc1[3])
+
+
+def test_mxfp4_sends_fp4_bytes_and_saves_less(mp):
+    from fp4moe.model.recompute import SavedTensorBytes
+    from fp4moe.ops.all_to_all import a2a_payload_bytes
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
+    saved, stats = {}, {}
+    for p in ("fp8", "mxfp4"):
+        moe = _model(p).decoder.layers[1].mlp
+        with SavedTensorBytes(exclude=list(moe.parameters())) as c:
+            y, _ = moe(x.clone().requires_grad_(True))
+        saved[p] = c.bytes()
+        y.float().sum().backward()
+        stats[p] = moe.a2a_stats()
+    rows = 16 * 2 * 2  # tokens x top-k
+    assert stats["mxfp4"]["dispatch_forward_sent_bytes"] == a2a_payload_bytes(rows, 256, "mxfp4") == rows * (128 + 8)
+    assert stats["fp8"]["dispatch_forward_sent_bytes"] == a2a_payload_bytes(rows, 256, "bf16")
+    for p in ("fp8", "mxfp4"):  # combine forward and both backward all-to-alls stay BF16 (backward_a2a: bf16)
+        assert stats[p]["combine_forward_sent_bytes"] == stats[p]["dispatch_backward_sent_bytes"] == rows * 512
+    assert saved["mxfp4"] < 0.75 * saved["fp8"], saved
+
+
+@pytest.mark.parametrize("precision", RECIPES)
+def test_recompute_attn_ln_experts(mp, precision):
+    """recompute attn_ln_experts (megatron core_attn + fp4moe layernorm + moe_expert) vs none: bitwise for bf16
+    and fp8; mxfp4 stores the layernorm cache as MXFP4 (E2M1 rounding of the residual stream in backward):
+    same loss, gradients within 8% relative L2 overall (20% for any one parameter). Saved bytes of one forward drop in every recipe."""
+    from fp4moe.model.recipe_moe import RecipeGroupedMLP
+    from fp4moe.model.recompute import RecomputedSequentialMLP, SavedTensorBytes
+
+    base, rec = _model(precision, "none"), _model(precision, "attn_ln_experts")
+    experts = rec.decoder.layers[1].mlp.experts
+    assert isinstance(experts, RecomputedSequentialMLP if precision == "bf16" else RecipeGroupedMLP)
+    assert all(l.recompute_input_layernorm and l.recompute_pre_mlp_layernorm for l in rec.decoder.layers)
+    bytes_ = {}
+    for name, m in (("none", base), ("rec", rec)):
+        with SavedTensorBytes(exclude=list(m.parameters())) as c:
+            ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+            m(ids, torch.arange(32).unsqueeze(0).expand(2, -1), None, labels=ids).float().mean()
+        bytes_[name] = c.bytes()
+    assert bytes_["rec"] < bytes_["none"], bytes_
+    l0, g0 = _loss_and_grads(base)
+    l1, g1 = _loss_and_grads(rec)
+    if precision == "mxfp4":
+        assert torch.equal(l0, l1)  # the forward is unchanged; only backward reads the MXFP4 cache
+        # Grads that read the recomputed norm outputs (norm weights, the BF16 linears and router that consume
+        # them) carry the E2M1 rounding of the cached residual stream, ~12% relative per element (the same size
+        # of error that save_fp4 puts on every FP8 linear's wgrad); the rest only inherits it through dx.
+        names = [n for n in g0 if g0[n].norm() > 0]
+        total = _rel(torch.cat([g1[n].float().flatten() for n in names]), torch.cat([g0[n].float().flatten() for n in names]))
+        worst = max(_rel(g1[n].float(), g0[n].float()) for n in names)
+        assert total < 0.08 and worst < 0.2, (total, worst)
+    else:
+        assert torch.equal(l0, l1)
+        bad = [n for n in g0 if not torch.equal(g0[n], g1[n])]
+        assert not bad, bad
+
+
+def test_all_linears_scope_uses_fp8_for_attention(mp):
+    """scope all_linears: attention / dense-MLP linears go through fp8_linear (names unchanged); those whose
+    dims are not multiples of 128 (tiny_cpu's kv down-projection, 256 -> 160) stay BF16 and are listed."""
+    from fp4moe.model.build import build_gpt_model
+
+    cfg = _cfg("fp8")
+    cfg.precision.scope = "all_linears"
+    torch.manual_seed(0)
+    m = build_gpt_model(cfg, params_dtype=torch.bfloat16).bfloat16()
+    assert m.fp4moe_bf16_linears == ["decoder.layers.0.self_attention.linear_kv_down_proj",
+                                     "decoder.layers.1.self_attention.linear_kv_down_proj"]
+    q = m.decoder.layers[0].self_attention.linear_q_down_proj
+    assert "_forward_impl" in vars(q)
+    loss, grads = _loss_and_grads(m)
+    assert torch.isfinite(loss) and all(torch.isfinite(v).all() for v in grads.values())
+
+
+def test_mxfp4_mla_up_proj_cache_is_mxfp4(mp):
+    """recompute mla_up_proj under mxfp4: megatron's MLA up-projection checkpoint stores its cache (q/kv latents,
+    k_pos_emb) as MXFP4: fewer saved bytes than the same model with a BF16 cache, the same loss, gradients within
+    the E2M1 rounding of the latents."""
+    from fp4moe.model.recompute import CACHE_ATTR, SavedTensorBytes
+
+    fp4, plain = _model("mxfp4", "mla_up_proj"), _model("mxfp4", "mla_up_proj")
+    assert all(getattr(l.self_attention, CACHE_ATTR) == "mxfp4" for l in fp4.decoder.layers)
+    for l in plain.decoder.layers:
+        setattr(l.self_attention, CACHE_ATTR, None)
+    bytes_ = {}
+    for name, m in (("fp4", fp4), ("plain", plain)):
+        with SavedTensorBytes(exclude=list(m.parameters())) as c:
+            ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+            m(ids, torch.arange(32).unsqueeze(0).expand(2, -1), None, labels=ids).float().mean()
+        bytes_[name] = c.bytes()
+    # per token and layer the cache shrinks from 2*(128 + 128 + 32) bytes to 17/32 of that (minus the rope part)
+    assert bytes_["fp4"] < bytes_["plain"], bytes_
+    l0, g0 = _loss_and_grads(plain)
+    l1, g1 = _loss_and_grads(fp4)
+    assert torch.equal(l0, l1)
+    names = [n for n in g0 if g0[n].norm() > 0]
+    total = _rel(torch.cat([g1[n].float().flatten() for n in names]), torch.cat([g0[n].float().flatten() for n in names]))
+    assert 0 < total < 0.08, total
+
+
+def test_moe_expert_recompute_with_bf16_dispatch_under_mxfp4(mp):
+    """precision mxfp4_mlp_shared (BF16 dispatch, experts quantize themselves) + recompute attn_ln_experts: the
+    experts' cache is MXFP4 of the BF16 rows, the forward is unchanged (same loss), gradients within the E2M1
+    rounding of the cache."""
+    base, rec = _model("mxfp4_mlp_shared", "none"), _model("mxfp4_mlp_shared", "attn_ln_experts")
+    l0, g0 = _loss_and_grads(base)
+    l1, g1 = _loss_and_grads(rec)
+    assert torch.equal(l0, l1)
+    names = [n for n in g0 if g0[n].norm() > 0]
+    total = _rel(torch.cat([g1[n].float().flatten() for n in names]), torch.cat([g0[n].float().flatten() for n in names]))
+    assert total < 0.08, total
