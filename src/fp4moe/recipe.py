@@ -40,7 +40,7 @@ BACKWARD_A2A = ("bf16", "fp8")
 SCOPES = ("experts", "experts+shared", "all_linears")
 SCALE_RULES = ("ceil", "floor")
 LAYER_KINDS = ("expert", "shared_expert", "dense")
-FP4_SWITCHES = ("dispatch_fp4", "expert_input_fp4", "save_fp4", "activation_fp4_store")
+FP4_SWITCHES = ("dispatch_fp4", "expert_input_fp4", "save_fp4", "activation_fp4_store", "recompute_cache_fp4")
 
 
 class RecipeError(ValueError):
@@ -64,6 +64,12 @@ class Recipe:
     save_fp4: bool = False
     # The SwiGLU input (fc1 output) is stored for backward as MXFP4 instead of BF16.
     activation_fp4_store: bool = False
+    # Recompute caches that are not already MXFP4 (the inputs fp4moe's layernorm recompute keeps, the MLA
+    # up-projection latents of megatron's mla_up_proj recompute) are kept as MXFP4. Backward then reads the
+    # E2M1-rounded residual stream / latents: ~12-14 % relative error on the gradients that read them directly
+    # (norm weights, router, BF16 projections; tests/model/test_recipe_model.py). The routed experts' cache is
+    # the dispatched MXFP4 itself under expert_input_fp4, independent of this switch.
+    recompute_cache_fp4: bool = False
     # Codec of the gradient all-to-alls (combine backward, dispatch backward): 'bf16' or 'fp8' (1x128 E4M3).
     backward_a2a: str = "bf16"
     # Which linears the FP8 compute and FP4 storage cover: 'experts' (routed experts), 'experts+shared'
@@ -91,7 +97,7 @@ class Recipe:
         if self.name == "mxfp4" and not on:
             raise RecipeError(
                 "name='mxfp4' with every FP4 switch false (dispatch_fp4, expert_input_fp4, save_fp4, "
-                "activation_fp4_store) is the fp8 recipe: set name: fp8, or turn at least one switch on"
+                "activation_fp4_store, recompute_cache_fp4) is the fp8 recipe: set name: fp8, or turn at least one switch on"
             )
         if self.name == "bf16" and self.backward_a2a != "bf16":
             raise RecipeError(
@@ -114,7 +120,8 @@ class Recipe:
     @classmethod
     def mxfp4(cls) -> "Recipe":
         """The paper's recipe: FP8 compute with every FP4 switch on, BF16 gradient all-to-alls."""
-        return cls(name="mxfp4", dispatch_fp4=True, expert_input_fp4=True, save_fp4=True, activation_fp4_store=True)
+        return cls(name="mxfp4", dispatch_fp4=True, expert_input_fp4=True, save_fp4=True, activation_fp4_store=True,
+                   recompute_cache_fp4=True)
 
     @classmethod
     def preset(cls, name: str) -> "Recipe":

@@ -275,3 +275,25 @@ def test_moe_expert_recompute_with_bf16_dispatch_under_mxfp4(mp):
     names = [n for n in g0 if g0[n].norm() > 0]
     total = _rel(torch.cat([g1[n].float().flatten() for n in names]), torch.cat([g0[n].float().flatten() for n in names]))
     assert total < 0.08, total
+
+
+def test_mxfp4_without_fp4_recompute_caches_is_exact(mp):
+    """recompute_cache_fp4=false: under mxfp4, attn_ln_experts recompute gives the same loss and the same
+    gradients bit for bit as no recompute (the experts' cache is the dispatched MXFP4 either way)."""
+    from fp4moe.model.build import build_gpt_model
+
+    base = _model("mxfp4", "none")
+    cfg = _cfg("mxfp4", "attn_ln_experts")
+    cfg.precision.recompute_cache_fp4 = False
+    torch.manual_seed(0)
+    rec = build_gpt_model(cfg, params_dtype=torch.bfloat16).bfloat16()
+    for mod in rec.modules():
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buf = getattr(mod, name, None)
+            if isinstance(buf, torch.Tensor):
+                buf.data = buf.data.float()
+    l0, g0 = _loss_and_grads(base)
+    l1, g1 = _loss_and_grads(rec)
+    assert torch.equal(l0, l1)
+    bad = [n for n in g0 if not torch.equal(g0[n], g1[n])]
+    assert not bad, bad

@@ -67,7 +67,7 @@ def test_dispatch_fp4_without_expert_input_fp4_is_allowed():
         ({"name": "mxfp4", "scale_rule": "round"}, ["scale_rule='round'", "'floor'"]),
         ({"name": "mxfp4", "save_fp4": "yes"}, ["save_fp4", "true or false"]),
         ({"name": "mxfp4", "dispatch_fp4": False, "expert_input_fp4": False, "save_fp4": False,
-          "activation_fp4_store": False}, ["is the fp8 recipe", "name: fp8"]),
+          "activation_fp4_store": False, "recompute_cache_fp4": False}, ["is the fp8 recipe", "name: fp8"]),
     ],
 )
 def test_invalid_configs_name_the_key_and_the_fix(cfg, words):

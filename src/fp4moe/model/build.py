@@ -332,7 +332,7 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
     )
     model.fp4moe_recipe = recipe
     model.fp4moe_bf16_linears = apply_fp8_dense_linears(model, recipe)
-    if recipe.name == "mxfp4":  # recompute caches stored MXFP4 (recompute.py)
+    if recipe.recompute_cache_fp4:  # recompute caches stored MXFP4 (recompute.py; Recipe.recompute_cache_fp4)
         for layer in _transformer_layers(model):
             if "layernorm" in own:
                 for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
