@@ -41,10 +41,10 @@ RESULTS_REPORT = "results/report"
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark) exists; its measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P3", 4, "the recipe inside the megatron-core model (the model builds: fp4moe.model; real tokenized "
-              "data: fp4moe.data; `python -m fp4moe.train` trains on CPU and ran on one H200 with megatron's BF16 "
-              "path: results/train_proxy/), multi-GPU runs of the trainer; the H200 proxy's T1-shaped table "
-              "and the bf16 / fp8 / mxfp4 convergence comparison"),
+    ("P3", 4, "the H200 proxy's T1-shaped sweep (bf16 / fp8 / mxfp4 x recompute scopes, OOM cells recorded; "
+              "first runs at recompute none: results/train_proxy/), the bf16 / fp8 / mxfp4 convergence "
+              "comparison, A2A and saved-activation bytes in the trainer's metrics, multi-GPU trainer runs "
+              "(the recipe is inside the megatron model: fp4moe.model)"),
     ("P4", 5, "any GPU or multi-node Slurm job (the trainer and the F3/F4 benchmark jobs are submitted through "
               "the same launcher path; on a real single-node CPU Slurm the trainer's sweep, failure and "
               "time-limit requeue with resume are tested: tests/test_slurm.py), the paper-scale layouts "
