@@ -3,7 +3,6 @@ forward + backward of the tiny CPU model on gloo (world size 1), and clear error
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -23,25 +22,6 @@ def _cfg(model: str = "tiny_cpu", recompute: str = "none", **model_overrides):
         OmegaConf.update(m, k, v)
     return OmegaConf.create({"model": m, "parallel": OmegaConf.load(CONF / "parallel" / "cpu.yaml"),
                              "recompute": OmegaConf.load(CONF / "recompute" / f"{recompute}.yaml")})
-
-
-@pytest.fixture(scope="module")
-def mp():
-    """gloo process group of one rank on 127.0.0.1 + megatron model-parallel state (TP1 PP1)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    # megatron/core/jit.py makes jit_fuser = torch.compile: on CPU the first forward would spend ~10-20 s in
-    # inductor. TORCHDYNAMO_DISABLE=1 only works before torch is imported; the runtime switch always does.
-    with torch._dynamo.config.patch(disable=True):
-        yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _fwd_bwd(model, seed: int = 0):

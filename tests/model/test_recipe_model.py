@@ -5,7 +5,6 @@ fp4moe's own recompute (layernorm, moe_expert) gives the same loss and gradients
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -29,35 +28,26 @@ def _cfg(precision: str | None = "bf16", recompute: str = "none", **model_overri
     return OmegaConf.create(d)
 
 
-@pytest.fixture(scope="module")
-def mp():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    with torch._dynamo.config.patch(disable=True):
-        yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def _model(precision, recompute="none", **overrides):
     """bf16-parameter GPTModel as the trainer builds it (model.bfloat16(), router expert bias kept fp32)."""
-    from fp4moe.model.build import build_gpt_model
+    return _build(_cfg(precision, recompute, **overrides))
+
+
+def _forward_saved_bytes(m) -> int:
+    """Bytes one forward of a fixed batch (2 x 32 tokens) saves for backward, parameters excluded."""
+    from fp4moe.model.recompute import SavedTensorBytes
+
+    with SavedTensorBytes(exclude=list(m.parameters())) as c:
+        ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+        m(ids, torch.arange(32).unsqueeze(0).expand(2, -1), None, labels=ids).float().mean()
+    return c.bytes()
+
+
+def _build(cfg):
+    from fp4moe.model.build import build_gpt_model, to_bf16_params
 
     torch.manual_seed(0)
-    model = build_gpt_model(_cfg(precision, recompute, **overrides), params_dtype=torch.bfloat16)
-    model.bfloat16()
-    for mod in model.modules():
-        for name in ("expert_bias", "local_tokens_per_expert"):
-            buf = getattr(mod, name, None)
-            if isinstance(buf, torch.Tensor):
-                buf.data = buf.data.float()
-    return model
+    return to_bf16_params(build_gpt_model(cfg, params_dtype=torch.bfloat16))
 
 
 def _loss_and_grads(model, seed=1):
@@ -191,18 +181,13 @@ def test_recompute_attn_ln_experts(mp, precision):
     and fp8; mxfp4 stores the layernorm cache as MXFP4 (E2M1 rounding of the residual stream in backward):
     same loss, gradients within 8% relative L2 overall (20% for any one parameter). Saved bytes of one forward drop in every recipe."""
     from fp4moe.model.recipe_moe import RecipeGroupedMLP
-    from fp4moe.model.recompute import RecomputedSequentialMLP, SavedTensorBytes
+    from fp4moe.model.recompute import RecomputedSequentialMLP
 
     base, rec = _model(precision, "none"), _model(precision, "attn_ln_experts")
     experts = rec.decoder.layers[1].mlp.experts
     assert isinstance(experts, RecomputedSequentialMLP if precision == "bf16" else RecipeGroupedMLP)
     assert all(l.recompute_input_layernorm and l.recompute_pre_mlp_layernorm for l in rec.decoder.layers)
-    bytes_ = {}
-    for name, m in (("none", base), ("rec", rec)):
-        with SavedTensorBytes(exclude=list(m.parameters())) as c:
-            ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
-            m(ids, torch.arange(32).unsqueeze(0).expand(2, -1), None, labels=ids).float().mean()
-        bytes_[name] = c.bytes()
+    bytes_ = {"none": _forward_saved_bytes(base), "rec": _forward_saved_bytes(rec)}
     assert bytes_["rec"] < bytes_["none"], bytes_
     l0, g0 = _loss_and_grads(base)
     l1, g1 = _loss_and_grads(rec)
@@ -242,18 +227,13 @@ def test_mxfp4_mla_up_proj_cache_is_mxfp4(mp):
     """recompute mla_up_proj under mxfp4: megatron's MLA up-projection checkpoint stores its cache (q/kv latents,
     k_pos_emb) as MXFP4: fewer saved bytes than the same model with a BF16 cache, the same loss, gradients within
     the E2M1 rounding of the latents."""
-    from fp4moe.model.recompute import CACHE_ATTR, SavedTensorBytes
+    from fp4moe.model.recompute import CACHE_ATTR
 
     fp4, plain = _model("mxfp4", "mla_up_proj"), _model("mxfp4", "mla_up_proj")
     assert all(getattr(l.self_attention, CACHE_ATTR) == "mxfp4" for l in fp4.decoder.layers)
     for l in plain.decoder.layers:
         setattr(l.self_attention, CACHE_ATTR, None)
-    bytes_ = {}
-    for name, m in (("fp4", fp4), ("plain", plain)):
-        with SavedTensorBytes(exclude=list(m.parameters())) as c:
-            ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
-            m(ids, torch.arange(32).unsqueeze(0).expand(2, -1), None, labels=ids).float().mean()
-        bytes_[name] = c.bytes()
+    bytes_ = {"fp4": _forward_saved_bytes(fp4), "plain": _forward_saved_bytes(plain)}
     # per token and layer the cache shrinks from 2*(128 + 128 + 32) bytes to 17/32 of that (minus the rope part)
     assert bytes_["fp4"] < bytes_["plain"], bytes_
     l0, g0 = _loss_and_grads(plain)
@@ -280,18 +260,10 @@ def test_moe_expert_recompute_with_bf16_dispatch_under_mxfp4(mp):
 def test_mxfp4_without_fp4_recompute_caches_is_exact(mp):
     """recompute_cache_fp4=false: under mxfp4, attn_ln_experts recompute gives the same loss and the same
     gradients bit for bit as no recompute (the experts' cache is the dispatched MXFP4 either way)."""
-    from fp4moe.model.build import build_gpt_model
-
     base = _model("mxfp4", "none")
     cfg = _cfg("mxfp4", "attn_ln_experts")
     cfg.precision.recompute_cache_fp4 = False
-    torch.manual_seed(0)
-    rec = build_gpt_model(cfg, params_dtype=torch.bfloat16).bfloat16()
-    for mod in rec.modules():
-        for name in ("expert_bias", "local_tokens_per_expert"):
-            buf = getattr(mod, name, None)
-            if isinstance(buf, torch.Tensor):
-                buf.data = buf.data.float()
+    rec = _build(cfg)
     l0, g0 = _loss_and_grads(base)
     l1, g1 = _loss_and_grads(rec)
     assert torch.equal(l0, l1)

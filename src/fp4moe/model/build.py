@@ -342,6 +342,20 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
     return model
 
 
+
+def to_bf16_params(model: torch.nn.Module) -> torch.nn.Module:
+    """Cast the model to BF16 as megatron-core's Float16Module does (torch.nn.RMSNorm weights would stay fp32
+    otherwise), except the router's expert-bias state, which megatron keeps fp32 (router.py
+    _maintain_float32_expert_bias), and the per-expert token counts (BF16 counts are exact only up to 256).
+    In place; returns the model."""
+    model.bfloat16()
+    for mod in model.modules():
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buf = getattr(mod, name, None)
+            if isinstance(buf, torch.Tensor):
+                buf.data = buf.data.float()
+    return model
+
 def _transformer_layers(model):
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -361,5 +375,5 @@ def a2a_stats(model) -> dict[str, int]:
     return total
 
 
-__all__ = ["transformer_config", "build_gpt_model", "layer_spec", "recipe_of", "apply_fp8_dense_linears", "a2a_stats",
+__all__ = ["transformer_config", "build_gpt_model", "to_bf16_params", "layer_spec", "recipe_of", "apply_fp8_dense_linears", "a2a_stats",
            "fp4moe_recompute_modules", "DISPATCHERS"]

@@ -38,8 +38,6 @@ dropping/padding, no shared-expert overlap; ``build.py`` refuses these with a Co
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -49,7 +47,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from fp4moe_kernels import ops as kops
 from fp4moe_kernels.formats import MXFP4Tensor
 
-from ..ops.all_to_all import A2AStats, DispatchedMXFP4, quantized_all_to_all
+from ..ops.all_to_all import A2AStats, DispatchedMXFP4, permute_rows, quantized_all_to_all
 from ..ops.fp8_linear import fp8_linear
 from ..ops.grouped_experts import grouped_expert_mlp
 from ..ops.swiglu import swiglu
@@ -59,32 +57,6 @@ _BF16 = torch.bfloat16
 
 
 # ------------------------------------------------------------------------------------------ row helpers
-
-
-class _PermuteAnchor(torch.autograd.Function):
-    """A fresh stride-0 zero anchor ``[len(perm), H]`` for MXFP4 rows reordered by ``perm``; its gradient is
-    scattered back to the old row order (the anchor carries dL/d(dequantized rows), see DispatchedMXFP4)."""
-
-    @staticmethod
-    def forward(ctx, anchor, perm):
-        ctx.save_for_backward(perm)
-        return torch.zeros((), dtype=anchor.dtype, device=anchor.device).expand(perm.numel(), anchor.shape[1])
-
-    @staticmethod
-    def backward(ctx, g):
-        (perm,) = ctx.saved_tensors
-        out = torch.zeros(g.shape, dtype=g.dtype, device=g.device)
-        out[perm] = g
-        return out, None
-
-
-def permute_rows(x, perm: torch.Tensor):
-    """Rows ``x[perm]`` of a tensor ``[T, H]`` or of a ``DispatchedMXFP4`` (data/scales gathered, anchor re-made)."""
-    if isinstance(x, DispatchedMXFP4):
-        anchor = _PermuteAnchor.apply(x.grad_anchor, perm) if x.grad_anchor is not None else None
-        return DispatchedMXFP4(x.data.index_select(0, perm), x.scales.index_select(0, perm), (perm.numel(), x.shape[1]),
-                               anchor)
-    return x.index_select(0, perm)
 
 
 def _splits(t) -> list[int]:

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..ops.all_to_all import A2AStats, DispatchedMXFP4, quantized_all_to_all
+from ..ops.all_to_all import A2AStats, permute_rows, quantized_all_to_all
 from ..ops.fp8_linear import fp8_linear
 from ..ops.grouped_experts import grouped_expert_mlp
 from ..ops.swiglu import swiglu
@@ -105,30 +105,6 @@ class _CombineSum(torch.autograd.Function):
     def backward(ctx, g):
         (tok,) = ctx.saved_tensors
         return g.index_select(0, tok).to(_BF16), None, None
-
-
-class _PermuteAnchor(torch.autograd.Function):
-    """A fresh stride-0 zero anchor for rows reordered by ``perm``; its gradient is un-permuted back."""
-
-    @staticmethod
-    def forward(ctx, anchor, perm):
-        ctx.save_for_backward(perm)
-        return torch.zeros((), dtype=anchor.dtype, device=anchor.device).expand(perm.numel(), anchor.shape[1])
-
-    @staticmethod
-    def backward(ctx, g):
-        (perm,) = ctx.saved_tensors
-        out = torch.empty_like(g)
-        out[perm] = g
-        return out, None
-
-
-def _permute_rows(x, perm: torch.Tensor):
-    """Rows ``x[perm]`` for a tensor or a ``DispatchedMXFP4`` (data/scales gathered, anchor re-made)."""
-    if isinstance(x, DispatchedMXFP4):
-        anchor = _PermuteAnchor.apply(x.grad_anchor, perm) if x.grad_anchor is not None else None
-        return DispatchedMXFP4(x.data[perm].contiguous(), x.scales[perm].contiguous(), x.shape, anchor)
-    return x[perm]
 
 
 class MoELayer(torch.nn.Module):
@@ -232,7 +208,7 @@ class MoELayer(torch.nn.Module):
             else torch.zeros(0, dtype=torch.int64)
         perm = perm.to(torch.int64).to(x2.device)
         local_counts = recv.sum(0).tolist()
-        y_e = grouped_expert_mlp(_permute_rows(xin, perm), local_counts, self.w1, self.w2, pin[perm], r)
+        y_e = grouped_expert_mlp(permute_rows(xin, perm), local_counts, self.w1, self.w2, pin[perm], r)
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
         y_src = y_e[inv]

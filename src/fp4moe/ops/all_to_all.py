@@ -314,6 +314,33 @@ class _DequantizeSTE(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------- public API
 
 
+class _PermuteAnchor(torch.autograd.Function):
+    """A fresh stride-0 zero anchor ``[len(perm), H]`` for MXFP4 rows reordered by ``perm``; its gradient is
+    scattered back to the old row order (the anchor carries dL/d(dequantized rows), see DispatchedMXFP4)."""
+
+    @staticmethod
+    def forward(ctx, anchor, perm):
+        ctx.save_for_backward(perm)
+        return torch.zeros((), dtype=anchor.dtype, device=anchor.device).expand(perm.numel(), anchor.shape[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        (perm,) = ctx.saved_tensors
+        out = torch.zeros(g.shape, dtype=g.dtype, device=g.device)
+        out[perm] = g
+        return out, None
+
+
+def permute_rows(x, perm: torch.Tensor):
+    """Rows ``x[perm]`` of a tensor ``[T, H]`` or of a ``DispatchedMXFP4`` (data/scales gathered, gradient anchor
+    re-made so that the gradient still reaches the sender's rows). perm: int64 indices on x's device."""
+    if isinstance(x, DispatchedMXFP4):
+        anchor = _PermuteAnchor.apply(x.grad_anchor, perm) if x.grad_anchor is not None else None
+        return DispatchedMXFP4(x.data.index_select(0, perm), x.scales.index_select(0, perm), (perm.numel(), x.shape[1]),
+                               anchor)
+    return x.index_select(0, perm)
+
+
 def quantized_all_to_all(
     x: torch.Tensor,
     input_splits,
@@ -392,5 +419,6 @@ __all__ = [
     "FORWARD_CODECS",
     "a2a_payload_bytes",
     "payload_row_bytes",
+    "permute_rows",
     "quantized_all_to_all",
 ]

@@ -214,7 +214,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-    from fp4moe.model.build import build_gpt_model
+    from fp4moe.model.build import build_gpt_model, to_bf16_params
     from fp4moe.train import checkpoint as ckpt
     from fp4moe.train.metrics import Meter, Tracker, flatten, hardware_tags, resolve_uri
     from fp4moe.train.optim import Optimizer, Schedule
@@ -227,15 +227,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     dtype = torch.bfloat16 if str(t.get("params_dtype", "bf16")) == "bf16" else torch.float32
     model = build_gpt_model(cfg, params_dtype=dtype).to(device)
     if dtype == torch.bfloat16:
-        # As megatron-core's Float16Module: everything BF16 (torch.nn.RMSNorm weights are created fp32 otherwise) ...
-        model.bfloat16()
-        # ... except the router's expert-bias state, which megatron keeps fp32 (router.py _maintain_float32_expert_bias;
-        # the token counts too here: BF16 counts are exact only up to 256).
-        for mod in model.modules():
-            for name in ("expert_bias", "local_tokens_per_expert"):
-                buf = getattr(mod, name, None)
-                if isinstance(buf, torch.Tensor):
-                    buf.data = buf.data.float()
+        to_bf16_params(model)  # as megatron-core's Float16Module, router expert-bias state kept fp32
     mcfg = model.config
     opt = Optimizer(model, t)
     sched = Schedule(t, derived)
