@@ -43,7 +43,7 @@ RESULTS_REPORT = "results/report"
 NOT_YET_IMPLEMENTED = (
     ("P3", 4, "the H200 proxy's T1-shaped sweep (bf16 / fp8 / mxfp4 x recompute scopes, OOM cells recorded; "
               "first runs at recompute none: results/train_proxy/), the bf16 / fp8 / mxfp4 convergence "
-              "comparison, A2A and saved-activation bytes in the trainer's metrics, multi-GPU trainer runs "
+              "comparison, multi-GPU trainer runs "
               "(the recipe is inside the megatron model: fp4moe.model)"),
     ("P4", 5, "any GPU or multi-node Slurm job (the trainer and the F3/F4 benchmark jobs are submitted through "
               "the same launcher path; on a real single-node CPU Slurm the trainer's sweep, failure and "

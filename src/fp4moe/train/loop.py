@@ -214,7 +214,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-    from fp4moe.model.build import build_gpt_model, to_bf16_params
+    from fp4moe.model.build import a2a_stats, build_gpt_model, to_bf16_params
+    from fp4moe.model.recompute import SavedTensorBytes
     from fp4moe.train import checkpoint as ckpt
     from fp4moe.train.metrics import Meter, Tracker, flatten, hardware_tags, resolve_uri
     from fp4moe.train.optim import Optimizer, Schedule
@@ -310,16 +311,25 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
         bar = tqdm(total=total_steps, initial=step, desc=f"train {cfg.precision.name}", unit="step", dynamic_ncols=True)
     status = "FAILED"
     last_saved = last_eval = -1
+    params = list(model.parameters())
+    saved_bytes: int | None = None  # measured once, on this process's first micro-batch
     try:
         model.train()
         while step < total_steps:
             meter.before_step()
+            a2a_before = a2a_stats(model)
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
             for k in range(accum):
                 idx = data_mod.micro_batch_indices(consumed, k, micro, dp_rank, dp_size)
                 tokens, labels = (x.to(device, non_blocking=True) for x in data_mod.batch(train_ds, idx))
-                loss = model(tokens, pos, None, labels=labels).float().mean()
+                if saved_bytes is None:
+                    with SavedTensorBytes(exclude=params) as counter:
+                        loss = model(tokens, pos, None, labels=labels).float().mean()
+                    saved_bytes = counter.bytes()
+                    del counter
+                else:
+                    loss = model(tokens, pos, None, labels=labels).float().mean()
                 (loss / accum).backward()
                 opt.accumulate()
                 loss_sum += loss.detach()
@@ -347,6 +357,12 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                                           "consumed_samples": float(consumed)}
             m.update(meter.after_step(dt))
             m.update(_moe_losses(mcfg, accum))
+            # all-to-all payload bytes of this step on this GPU (recipe dispatcher; none under bf16) and, on the
+            # first step, the bytes one micro-batch's forward keeps for backward (parameters excluded)
+            a2a_after = a2a_stats(model)
+            m.update({f"a2a/{k}": float(v - a2a_before.get(k, 0)) for k, v in a2a_after.items() if k.endswith("_bytes")})
+            if step == start_step + 1:
+                m["saved_activation_bytes_per_micro_batch"] = float(saved_bytes)
             result.losses[step], result.lrs[step], result.grad_norms[step] = loss_v, lr, norm_v
             result.step = step
             if not math.isfinite(loss_v):
