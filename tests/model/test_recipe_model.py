@@ -35,7 +35,7 @@ def _model(precision, recompute="none", **overrides):
 
 def _forward_saved_bytes(m) -> int:
     """Bytes one forward of a fixed batch (2 x 32 tokens) saves for backward, parameters excluded."""
-    from fp4moe.model.recompute import SavedTensorBytes
+    from fp4moe.ops.accounting import SavedTensorBytes
 
     with SavedTensorBytes(exclude=list(m.parameters())) as c:
         ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -154,7 +154,7 @@ def test_parameter_names_identical_across_recipes(mp):
 
 
 def test_mxfp4_sends_fp4_bytes_and_saves_less(mp):
-    from fp4moe.model.recompute import SavedTensorBytes
+    from fp4moe.ops.accounting import SavedTensorBytes
     from fp4moe.ops.all_to_all import a2a_payload_bytes
 
     g = torch.Generator().manual_seed(5)

@@ -9,7 +9,7 @@ default, and then calls TE's ``FP8GlobalStateManager`` (NameError). :func:`insta
 :class:`FP4CacheCheckpointWithoutOutput`, which (a) sets ``fp8`` False without TE and (b) when the checkpointed
 module carries ``fp4moe_recompute_cache = 'mxfp4'`` stores the recompute cache (the norm input, the residual
 stream ``[s, b, H]``) as MXFP4 rows (data ``[M, H/2]`` + UE8M0 scales ``[M, H/32]`` uint8, M = s*b) instead
-of BF16 (2H bytes per token -> 17H/32), through ``torch.autograd.graph.saved_tensors_hooks``. The recompute then
+of BF16 (2H bytes per token -> 17H/32), through ``fp4moe.ops.fp4_store`` (a ``saved_tensors_hooks`` context). The recompute then
 runs on the dequantized input (an E2M1 rounding of x; the norm's gradient too).
 
 ``mla_up_proj`` (megatron's own, works without TE): under mxfp4 its cache (the q/kv latents and k_pos_emb)
@@ -25,78 +25,24 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from fp4moe_kernels import ops as kops
 from fp4moe_kernels.constants import MX_BLOCK
-from fp4moe_kernels.formats import MXFP4Tensor
+
+from ..ops.fp4_store import fp4_saved_tensors
 
 CACHE_ATTR = "fp4moe_recompute_cache"  # 'mxfp4' on a module: its recompute cache is stored MXFP4
 
 
-_COUNTERS: list["SavedTensorBytes"] = []
-
-
-class SavedTensorBytes:
-    """Context that records every tensor saved for backward while it is active (its own saved_tensors_hooks,
-    plus the MXFP4 cache tensors that :func:`mxfp4_cache` stores, since innermost hooks win) and reports
-    ``bytes()``: the storage bytes still held *now*, unique storages, excluding ``exclude`` (e.g. the
-    parameters, saved by reference). Storages freed after saving (megatron's output-discarding checkpoint
-    resizes them to 0) count 0. Keeps references to what it saw until it is dropped."""
-
-    def __init__(self, exclude=()):
-        self._seen: list[torch.Tensor] = []
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t):
-        self._seen.append(t)
-        return t
-
-    def __enter__(self):
-        _COUNTERS.append(self)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        _COUNTERS.remove(self)
-
-    def bytes(self) -> int:
-        sizes: dict[int, int] = {}
-        for t in self._seen:
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if ptr and ptr not in self._exclude:
-                sizes[ptr] = st.nbytes()
-        return sum(sizes.values())
-
-
-def _pack_mxfp4(t: torch.Tensor):
-    """Saved tensor -> MXFP4: activations (floating, requiring grad) whose last dim is a multiple of 32; others
-    (e.g. MLA's RoPE frequencies) pass unchanged."""
-    if not t.is_floating_point() or not t.requires_grad or t.dim() == 0 or t.numel() == 0 \
-            or t.shape[-1] % MX_BLOCK or t.dtype not in (torch.bfloat16, torch.float32):
-        for c in _COUNTERS:
-            c._seen.append(t)
-        return t
-    h = t.shape[-1]
-    q = kops.bf16_to_fp4_row(t.detach().reshape(-1, h).contiguous())
-    for c in _COUNTERS:
-        c._seen.extend((q.data, q.scales))
-    return ("mxfp4", q.data, q.scales, t.dtype, tuple(t.shape))
-
-
-def _unpack_mxfp4(p):
-    if not isinstance(p, tuple):
-        return p
-    _, data, scales, dtype, shape = p
-    h = shape[-1]
-    x = kops.fp4_to_bf16(MXFP4Tensor(data, scales, (data.shape[0], h)))
-    return x.to(dtype).view(shape)
+def _cacheable(t: torch.Tensor) -> bool:
+    """Recompute-cache tensors stored MXFP4: activations (floating, requiring grad) whose last dim is a multiple
+    of 32; others (e.g. MLA's RoPE frequencies) are kept as they are."""
+    return (t.is_floating_point() and t.requires_grad and t.dim() > 0 and t.numel() > 0
+            and t.shape[-1] % MX_BLOCK == 0 and t.dtype in (torch.bfloat16, torch.float32))
 
 
 def mxfp4_cache():
-    """Context: tensors saved for backward inside it are stored MXFP4 (``_pack_mxfp4``)."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack_mxfp4, _unpack_mxfp4)
+    """Context: tensors saved for backward inside it that ``_cacheable`` accepts are stored MXFP4
+    (``fp4moe.ops.fp4_store``; decoded back to their dtype in backward)."""
+    return fp4_saved_tensors(accept=_cacheable)
 
 
 class FP4CacheCheckpointWithoutOutput(mrandom.CheckpointWithoutOutput):
@@ -166,5 +112,5 @@ class RecomputedSequentialMLP(SequentialMLP):
         return y, None
 
 
-__all__ = ["FP4CacheCheckpointWithoutOutput", "RecomputedSequentialMLP", "SavedTensorBytes", "cache_mxfp4_inside",
+__all__ = ["FP4CacheCheckpointWithoutOutput", "RecomputedSequentialMLP", "cache_mxfp4_inside",
            "install", "mxfp4_cache", "CACHE_ATTR"]
