@@ -47,6 +47,7 @@ from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP
 
 from ..recipe import Recipe
 from .fp8_gemm import fp8_mm, quantize_weight_128x128
+from .swiglu import swiglu_math, swiglu_math_backward
 
 _BF16 = torch.bfloat16
 
@@ -177,26 +178,6 @@ def _bf16_wgrad(dy: torch.Tensor, x: torch.Tensor, seg: Segments, like: torch.Te
     return out
 
 
-def _swiglu(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    f = h.shape[1] // 2
-    g, u = h[:, :f].float(), h[:, f:].float()
-    return (torch.nn.functional.silu(g) * u * probs.unsqueeze(1)).to(_BF16)
-
-
-def _swiglu_backward(h: torch.Tensor, probs: torch.Tensor, dz: torch.Tensor):
-    """(dh [T, 2F] bf16, dprobs [T] float32) of z = silu(g) u p, all in float32."""
-    f = h.shape[1] // 2
-    g, u = h[:, :f].float(), h[:, f:].float()
-    s = torch.sigmoid(g)
-    silu = g * s
-    dzf = dz.float()
-    dprobs = (dzf * silu * u).sum(1)
-    da = dzf * probs.unsqueeze(1)
-    dg = da * u * (s * (1 + g * (1 - s)))
-    du = da * silu
-    return torch.cat([dg, du], dim=1).to(_BF16), dprobs
-
-
 # ------------------------------------------------------------------------------------- autograd function
 
 
@@ -245,7 +226,7 @@ class GroupedExpertMLP(torch.autograd.Function):
                 saved.update(x_row_data=x_row.data, x_row_scales=x_row.scales, x_col_data=x_col.data,
                              x_col_scales=x_col.scales)
         # ---- SwiGLU (float32), weighted by the routing probabilities
-        z = _swiglu(hmat, probs)
+        z = swiglu_math(hmat, probs)
         if recipe.activation_fp4_store:
             h4 = kops.bf16_to_fp4_row(hmat, recipe.scale_rule)
             saved["h_fp4_data"], saved["h_fp4_scales"] = h4.data, h4.scales
@@ -294,7 +275,7 @@ class GroupedExpertMLP(torch.autograd.Function):
             hmat = s["h"]
         else:
             hmat = kops.fp4_to_bf16(MXFP4Tensor(s["h_fp4_data"], s["h_fp4_scales"], (t, 2 * f)))
-        dh, dprobs = _swiglu_backward(hmat, probs, dz)
+        dh, dprobs = swiglu_math_backward(hmat, dz, probs)
         # ---- fc1 backward
         dx = dw1 = None
         if ctx.needs_input_grad[0]:

@@ -4,10 +4,12 @@
 ``z = silu(g) * u`` ``[T, F]`` bf16, computed in float32. Autograd would save float32 copies of g, silu(g)
 and u (12 bytes per output element); this saves h only: as BF16 (``4F`` bytes per token) or, when the recipe
 stores FP4 activations for ``layer_kind``, as MXFP4 (``F + F/16`` bytes per token; backward decodes it, so
-dh carries the E2M1 error of h while the forward used the exact h). The same formulas as the routed experts'
-weighted SwiGLU (``grouped_experts``) with probabilities 1.
+dh carries the E2M1 error of h while the forward used the exact h). ``swiglu_math`` / ``swiglu_math_backward``
+are the formulas, shared with the routed experts' SwiGLU weighted by routing probabilities (``grouped_experts``).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -19,17 +21,25 @@ from ..recipe import Recipe
 _BF16 = torch.bfloat16
 
 
-def _forward(h: torch.Tensor) -> torch.Tensor:
+def swiglu_math(h: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """z = silu(g) * u (* probs per row) ``[T, F]`` bf16 from h ``[T, 2F]``, in float32 (no autograd)."""
     f = h.shape[1] // 2
-    return (torch.nn.functional.silu(h[:, :f].float()) * h[:, f:].float()).to(_BF16)
+    z = torch.nn.functional.silu(h[:, :f].float()) * h[:, f:].float()
+    return (z if probs is None else z * probs.unsqueeze(1)).to(_BF16)
 
 
-def _backward(h: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
+def swiglu_math_backward(h: torch.Tensor, dz: torch.Tensor, probs: Optional[torch.Tensor] = None):
+    """(dh ``[T, 2F]`` bf16, dprobs ``[T]`` float32 or None without probs) of ``swiglu_math``, in float32."""
     f = h.shape[1] // 2
     g, u = h[:, :f].float(), h[:, f:].float()
     s = torch.sigmoid(g)
+    silu = g * s
     dzf = dz.float()
-    return torch.cat([dzf * u * (s * (1 + g * (1 - s))), dzf * g * s], dim=1).to(_BF16)
+    dprobs = None if probs is None else (dzf * silu * u).sum(1)
+    da = dzf if probs is None else dzf * probs.unsqueeze(1)
+    dg = da * u * (s * (1 + g * (1 - s)))
+    du = da * silu
+    return torch.cat([dg, du], dim=1).to(_BF16), dprobs
 
 
 class SwiGLU(torch.autograd.Function):
@@ -37,7 +47,7 @@ class SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, fp4: bool, rule: str):
-        z = _forward(h)
+        z = swiglu_math(h)
         if fp4:
             q = kops.bf16_to_fp4_row(h.detach(), rule)
             ctx.save_for_backward(q.data, q.scales)
@@ -55,7 +65,7 @@ class SwiGLU(torch.autograd.Function):
             h = kops.fp4_to_bf16(MXFP4Tensor(data, scales, ctx.shape))
         else:
             (h,) = ctx.saved_tensors
-        return _backward(h, dz), None, None
+        return swiglu_math_backward(h, dz)[0], None, None
 
 
 def swiglu(h: torch.Tensor, recipe: Recipe, layer_kind: str = "shared_expert") -> torch.Tensor:
@@ -70,4 +80,4 @@ def swiglu(h: torch.Tensor, recipe: Recipe, layer_kind: str = "shared_expert") -
     return SwiGLU.apply(h.contiguous(), fp4, recipe.scale_rule)
 
 
-__all__ = ["SwiGLU", "swiglu"]
+__all__ = ["SwiGLU", "swiglu", "swiglu_math", "swiglu_math_backward"]
