@@ -105,19 +105,19 @@ def _row_key(values: Mapping[str, object]) -> tuple[str, ...]:
     return tuple(str(values[k]) for k in ROW_PARAMS)
 
 
-def _existing_runs(uri: str, bid: str) -> list:
-    """Finished runs of EXPERIMENT tagged ``bench_id=bid`` (every page)."""
+def _existing_runs(uri: str, bid: str, experiment_name: str = EXPERIMENT, tag: str = "bench_id") -> list:
+    """Finished runs of ``experiment_name`` tagged ``tag=bid`` (every page)."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name(EXPERIMENT)
+    experiment = client.get_experiment_by_name(experiment_name)
     if experiment is None:
         return []
     runs, token = [], None
     while True:
         page = client.search_runs(
             [experiment.experiment_id],
-            filter_string=f"tags.bench_id = '{bid}' and attributes.status = 'FINISHED'",
+            filter_string=f"tags.{tag} = '{bid}' and attributes.status = 'FINISHED'",
             max_results=1000, page_token=token,
         )
         runs.extend(page)
@@ -193,14 +193,15 @@ def log_file(path: str | Path, uri: str | None = None) -> LogResult:
     return result
 
 
-def expand(paths: Iterable[str | Path]) -> list[Path]:
-    """Files as given; a folder stands for its ``kernels_*.json``. FileNotFoundError if none."""
+def expand(paths: Iterable[str | Path], glob: str = GLOB, allow_empty: bool = False) -> list[Path]:
+    """Files as given; a folder stands for its ``glob`` files (FileNotFoundError if it has none, unless
+    ``allow_empty``). FileNotFoundError for a path that does not exist."""
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(p.glob(GLOB))
-            if not found:
-                raise FileNotFoundError(f"{p}: no {GLOB} to log")
+            found = sorted(p.glob(glob))
+            if not found and not allow_empty:
+                raise FileNotFoundError(f"{p}: no {glob} to log")
             out += found
         elif p.is_file():
             out.append(p)

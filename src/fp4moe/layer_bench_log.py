@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from fp4moe import bench_log
+
 EXPERIMENT = "moe_layer"
 GLOB = "moe_layer_*.json"
 METRICS = ("ms_per_iter", "tokens_per_s", "peak_gib", "peak_over_base_gib", "saved_bytes", "saved_bytes_per_token",
@@ -48,27 +50,16 @@ def layer_bench_id(env: dict) -> str:
 
 
 def expand(paths: Iterable[str | Path]) -> list[Path]:
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            out += sorted(p.glob(GLOB))
-        elif p.exists():
-            out.append(p)
-        else:
-            raise LayerBenchFileError(f"{p}: no such file or folder")
-    return out
+    """Files as given; a folder stands for its ``moe_layer_*.json`` (none: nothing to log)."""
+    try:
+        return bench_log.expand(paths, GLOB, allow_empty=True)
+    except FileNotFoundError as exc:
+        raise LayerBenchFileError(str(exc)) from None
 
 
 def _logged(uri: str, bid: str) -> set[str]:
-    from fp4moe.tracking import _client
-
-    client = _client(uri)
-    exp = client.get_experiment_by_name(EXPERIMENT)
-    if exp is None:
-        return set()
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.layer_bench_id = '{bid}' and "
-                              "attributes.status = 'FINISHED'", max_results=1000)
-    return {r.data.params.get("recipe", "") for r in runs}
+    """Recipes already logged for benchmark run ``bid``."""
+    return {r.data.params.get("recipe", "") for r in bench_log._existing_runs(uri, bid, EXPERIMENT, "layer_bench_id")}
 
 
 def log_file(path: str | Path, uri: str | None = None) -> tuple[int, int]:
