@@ -222,27 +222,13 @@ def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
 
 def _local_counts(layer: MoELayer, idx: torch.Tensor) -> list[int]:
     """Rows each local expert received in the last forward (summed over source ranks)."""
-    counts = torch.bincount(idx.reshape(-1), minlength=layer.num_experts).to(torch.int32)
-    if layer.world > 1:
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=layer.group)
-        counts = recv.view(layer.world, layer.local_experts).sum(0)
-    else:
-        counts = counts.view(layer.world, layer.local_experts).sum(0)
-    return [int(c) for c in counts.tolist()]
+    recv, _, _ = layer.split_sizes(idx)
+    return [int(c) for c in recv.sum(0).tolist()]
 
 
 def _a2a_times(layer: MoELayer, recipe: Recipe, idx, x, args, dev) -> dict:
     """ms of the dispatch and combine all-to-alls alone (forward + backward), splits of the last routing."""
-    w, el = layer.world, layer.local_experts
-    counts = torch.bincount(idx.reshape(-1), minlength=layer.num_experts).to(torch.int32)
-    recv = torch.empty_like(counts)
-    if w > 1:
-        dist.all_to_all_single(recv, counts, group=layer.group)
-    else:
-        recv = counts
-    ins = counts.view(w, el).sum(1).tolist()
-    outs = recv.view(w, el).sum(1).tolist()
+    _, ins, outs = layer.split_sizes(idx)
     h = layer.hidden
     rows_in = torch.randn(sum(ins), h, device=dev, dtype=torch.bfloat16)
     rows_out = torch.randn(sum(outs), h, device=dev, dtype=torch.bfloat16)

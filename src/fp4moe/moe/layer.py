@@ -164,6 +164,20 @@ class MoELayer(torch.nn.Module):
             probs = p / p.sum(-1, keepdim=True)
         return idx, probs
 
+    def split_sizes(self, idx: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """From this rank's top-k expert ids ``idx [T, k]``: (recv ``[W, El]`` int64 on the CPU: rows source rank s
+        sends to each of my local experts; input splits: rows I send to each rank; output splits: rows each
+        rank sends me). Exchanges the per-expert counts with one int32 all-to-all (collective for W > 1)."""
+        w, el = self.world, self.local_experts
+        counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts).to(torch.int32)  # [E]
+        if w > 1:
+            recv = torch.empty_like(counts)
+            dist.all_to_all_single(recv, counts, group=self.group)  # [W * El]: source s's counts for my experts
+        else:
+            recv = counts
+        recv = recv.view(w, el).to(device="cpu", dtype=torch.int64)  # one host sync for all the split sizes
+        return recv, counts.view(w, el).sum(1).tolist(), recv.sum(1).tolist()
+
     def _shared(self, x2: torch.Tensor) -> torch.Tensor:
         hmat = fp8_linear(x2, self.shared_w1, self.recipe, layer_kind="shared_expert")
         z = swiglu(hmat, self.recipe, "shared_expert")
@@ -181,15 +195,7 @@ class MoELayer(torch.nn.Module):
         tok = torch.arange(t, device=x2.device).repeat_interleave(k)[order]
         xp = x2[tok]
         pp = probs.reshape(-1)[order]
-        counts = torch.bincount(flat_e, minlength=self.num_experts).to(torch.int32)  # [E]
-        if w > 1:
-            recv = torch.empty_like(counts)
-            dist.all_to_all_single(recv, counts, group=self.group)  # [W * El]: source s's counts for my experts
-        else:
-            recv = counts
-        recv = recv.view(w, el).to(device="cpu", dtype=torch.int64)  # one host sync for all the split sizes
-        ins = counts.view(w, el).sum(1).tolist()
-        outs = recv.sum(1).tolist()
+        recv, ins, outs = self.split_sizes(idx)
         # ---- dispatch
         r = self.recipe
         keep = r.dispatch_fp4 and r.expert_input_fp4
