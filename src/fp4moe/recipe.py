@@ -64,11 +64,12 @@ class Recipe:
     save_fp4: bool = False
     # The SwiGLU input (fc1 output) is stored for backward as MXFP4 instead of BF16.
     activation_fp4_store: bool = False
-    # Recompute caches that are not already MXFP4 (the inputs fp4moe's layernorm recompute keeps, the MLA
-    # up-projection latents of megatron's mla_up_proj recompute) are kept as MXFP4. Backward then reads the
-    # E2M1-rounded residual stream / latents: ~12-14 % relative error on the gradients that read them directly
-    # (norm weights, router, BF16 projections; tests/model/test_recipe_model.py). The routed experts' cache is
-    # the dispatched MXFP4 itself under expert_input_fp4, independent of this switch.
+    # Recompute caches that are not already MXFP4 are kept as MXFP4: the inputs of fp4moe's layernorm recompute,
+    # the MLA up-projection latents (mla_up_proj), the q/k/v of megatron's core_attn recompute and the dense-MLP
+    # input (mlp); not the layer inputs of full recompute (its backward re-runs the routing: fp4moe.model.recompute).
+    # Backward then reads E2M1-rounded values: ~12-20 % relative error on the gradients that read them directly
+    # (norm weights, q/kv projections, router; tests/model/test_recipe_model.py). The routed experts' cache is the
+    # dispatched MXFP4 itself under expert_input_fp4, independent of this switch.
     recompute_cache_fp4: bool = False
     # Codec of the gradient all-to-alls (combine backward, dispatch backward): 'bf16' or 'fp8' (1x128 E4M3).
     backward_a2a: str = "bf16"

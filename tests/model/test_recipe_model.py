@@ -195,11 +195,12 @@ def test_recompute_attn_ln_experts(mp, precision):
         assert torch.equal(l0, l1)  # the forward is unchanged; only backward reads the MXFP4 cache
         # Grads that read the recomputed norm outputs (norm weights, the BF16 linears and router that consume
         # them) carry the E2M1 rounding of the cached residual stream, ~12% relative per element (the same size
-        # of error that save_fp4 puts on every FP8 linear's wgrad); the rest only inherits it through dx.
+        # of error that save_fp4 puts on every FP8 linear's wgrad); the q/kv projections also read the attention
+        # recomputed from MXFP4 q/k/v (up to ~20%); the rest only inherits it through dx.
         names = [n for n in g0 if g0[n].norm() > 0]
         total = _rel(torch.cat([g1[n].float().flatten() for n in names]), torch.cat([g0[n].float().flatten() for n in names]))
         worst = max(_rel(g1[n].float(), g0[n].float()) for n in names)
-        assert total < 0.08 and worst < 0.2, (total, worst)
+        assert total < 0.08 and worst < 0.25, (total, worst)
     else:
         assert torch.equal(l0, l1)
         bad = [n for n in g0 if not torch.equal(g0[n], g1[n])]
@@ -230,9 +231,9 @@ def test_mxfp4_mla_up_proj_cache_is_mxfp4(mp):
     from fp4moe.model.recompute import CACHE_ATTR
 
     fp4, plain = _model("mxfp4", "mla_up_proj"), _model("mxfp4", "mla_up_proj")
-    assert all(getattr(l.self_attention, CACHE_ATTR) == "mxfp4" for l in fp4.decoder.layers)
+    assert all(getattr(l, CACHE_ATTR) == "mxfp4" for l in fp4.decoder.layers)
     for l in plain.decoder.layers:
-        setattr(l.self_attention, CACHE_ATTR, None)
+        setattr(l, CACHE_ATTR, None)
     bytes_ = {"fp4": _forward_saved_bytes(fp4), "plain": _forward_saved_bytes(plain)}
     # per token and layer the cache shrinks from 2*(128 + 128 + 32) bytes to 17/32 of that (minus the rope part)
     assert bytes_["fp4"] < bytes_["plain"], bytes_
@@ -269,3 +270,45 @@ def test_mxfp4_without_fp4_recompute_caches_is_exact(mp):
     assert torch.equal(l0, l1)
     bad = [n for n in g0 if not torch.equal(g0[n], g1[n])]
     assert not bad, bad
+
+
+def test_mxfp4_reentrant_recompute_caches_are_mxfp4(mp):
+    """megatron's reentrant checkpoints under attn_ln_mlp (core_attn q/k/v, the dense-MLP input) store their cache
+    MXFP4 under mxfp4, as do the layernorm caches: fewer saved bytes than with recompute_cache_fp4=false (at least
+    the norm and MLP-input caches' 2 -> 17/32 bytes per element, plus q/k/v's), the same loss (the forward is
+    unchanged), gradients within the E2M1 rounding of the caches; with the switch off the gradients equal no
+    recompute's bit for bit."""
+    base, fp4 = _model("mxfp4", "none"), _model("mxfp4", "attn_ln_mlp")
+    cfg = _cfg("mxfp4", "attn_ln_mlp")
+    cfg.precision.recompute_cache_fp4 = False
+    plain = _build(cfg)
+    bytes_ = {"fp4": _forward_saved_bytes(fp4), "plain": _forward_saved_bytes(plain)}
+    tokens, hidden, layers = 64, 256, 2
+    norms_and_mlp_input = tokens * hidden * (2 * layers + 1) * (2 - 17 / 32)  # 2 norms per layer, 1 dense MLP
+    assert bytes_["plain"] - bytes_["fp4"] > norms_and_mlp_input, bytes_
+    l0, g0 = _loss_and_grads(base)
+    lp, gp = _loss_and_grads(plain)
+    l1, g1 = _loss_and_grads(fp4)
+    assert torch.equal(l0, lp) and torch.equal(l0, l1)
+    assert not [n for n in g0 if not torch.equal(g0[n], gp[n])]
+    names = [n for n in g0 if g0[n].norm() > 0]
+    total = _rel(torch.cat([g1[n].float().flatten() for n in names]), torch.cat([g0[n].float().flatten() for n in names]))
+    worst = max(_rel(g1[n].float(), g0[n].float()) for n in names)
+    # overall larger than attn_ln_experts' (< 0.08): the dense MLP, whose weights hold much of the gradient norm,
+    # is re-run from its MXFP4 input, so both of its weight gradients read E2M1-rounded activations (~0.09 here)
+    assert 0 < total < 0.12 and worst < 0.25, (total, worst)
+
+
+def test_mxfp4_full_recompute_keeps_bf16_layer_inputs(mp):
+    """Full recompute under mxfp4 keeps each layer's input BF16 (its backward re-runs the routing; an MXFP4 input
+    would route some tokens differently): the same saved bytes as with recompute_cache_fp4=false, and the same
+    loss and gradients as no recompute, bit for bit."""
+    base, fp4 = _model("mxfp4", "none"), _model("mxfp4", "full")
+    cfg = _cfg("mxfp4", "full")
+    cfg.precision.recompute_cache_fp4 = False
+    plain = _build(cfg)
+    assert _forward_saved_bytes(fp4) == _forward_saved_bytes(plain) < _forward_saved_bytes(base)
+    l0, g0 = _loss_and_grads(base)
+    l1, g1 = _loss_and_grads(fp4)
+    assert torch.equal(l0, l1)
+    assert not [n for n in g0 if not torch.equal(g0[n], g1[n])]

@@ -332,13 +332,12 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
     )
     model.fp4moe_recipe = recipe
     model.fp4moe_bf16_linears = apply_fp8_dense_linears(model, recipe)
-    if recipe.recompute_cache_fp4:  # recompute caches stored MXFP4 (recompute.py; Recipe.recompute_cache_fp4)
-        for layer in _transformer_layers(model):
-            if "layernorm" in own:
-                for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
-                    setattr(norm, fp4moe_recompute.CACHE_ATTR, "mxfp4")
-            if getattr(layer.self_attention, "recompute_up_proj", False):
-                fp4moe_recompute.cache_mxfp4_inside(layer.self_attention)
+    if recipe.recompute_cache_fp4:  # the recompute caches inside each layer stored MXFP4 (recompute.py)
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        for layer in model.modules():
+            if isinstance(layer, TransformerLayer):
+                fp4moe_recompute.cache_mxfp4_inside(layer)
     return model
 
 
@@ -355,12 +354,6 @@ def to_bf16_params(model: torch.nn.Module) -> torch.nn.Module:
             if isinstance(buf, torch.Tensor):
                 buf.data = buf.data.float()
     return model
-
-def _transformer_layers(model):
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    return [m for m in model.modules() if isinstance(m, TransformerLayer)]
-
 
 def a2a_stats(model) -> dict[str, int]:
     """All-to-all payload bytes of every recipe MoE layer of ``model``, summed (``RecipeMoELayer.a2a_stats``);

@@ -13,7 +13,19 @@ of BF16 (2H bytes per token -> 17H/32), through ``fp4moe.ops.fp4_store`` (a ``sa
 runs on the dequantized input (an E2M1 rounding of x; the norm's gradient too).
 
 ``mla_up_proj`` (megatron's own, works without TE): under mxfp4 its cache (the q/kv latents and k_pos_emb)
-is stored MXFP4 the same way (:func:`cache_mxfp4_inside` on each MLA module).
+is stored MXFP4 the same way.
+
+``core_attn`` and ``mlp`` (dense MLPs) (megatron's own, reentrant ``tensor_parallel.checkpoint``, which keeps its
+tensor arguments: q ``[s, b, n, dqk]`` / k / v ``[s, b, n, dv]``; the pre-MLP norm output ``[s, b, H]``):
+:func:`install` also wraps that function so that, under mxfp4, those arguments are stored MXFP4.
+
+Which checkpoints store MXFP4: every one that runs while a module marked by :func:`cache_mxfp4_inside` is in its
+forward (``fp4moe.model.build`` marks every ``TransformerLayer`` when ``Recipe.recompute_cache_fp4``), or whose
+checkpointed module carries the attribute itself. Only activations are packed (``_cacheable``). Full-layer
+recompute (``full``: the block checkpoints each layer's input, outside the layer's forward) keeps its cache BF16 on
+purpose: its backward re-runs the router, and an E2M1-rounded layer input would pick other experts for some
+tokens than the forward did (gradients then flow to experts that never saw those tokens; measured on the tiny
+model: 55-60 % relative error on the router and expert weight gradients).
 
 ``moe_expert``: the routed experts' fc1 -> SwiGLU -> fc2 without re-running the dispatch (see
 ``fp4moe.model.recipe_moe.RecipeGroupedMLP``, and :class:`RecomputedSequentialMLP` for the bf16 recipe).
@@ -33,9 +45,10 @@ CACHE_ATTR = "fp4moe_recompute_cache"  # 'mxfp4' on a module: its recompute cach
 
 
 def _cacheable(t: torch.Tensor) -> bool:
-    """Recompute-cache tensors stored MXFP4: activations (floating, requiring grad) whose last dim is a multiple
-    of 32; others (e.g. MLA's RoPE frequencies) are kept as they are."""
-    return (t.is_floating_point() and t.requires_grad and t.dim() > 0 and t.numel() > 0
+    """Recompute-cache tensors stored MXFP4: activations (floating, requiring grad, not parameters, >= 2 dims) whose
+    last dim is a multiple of 32; others (MLA's RoPE frequencies, masks, 1-D routing probabilities, weights passed
+    by reference) are kept as they are."""
+    return (t.is_floating_point() and t.requires_grad and not isinstance(t, torch.nn.Parameter) and t.dim() >= 2 and t.numel() > 0
             and t.shape[-1] % MX_BLOCK == 0 and t.dtype in (torch.bfloat16, torch.float32))
 
 
@@ -75,9 +88,10 @@ def _leave(module, args, output):
 
 
 def cache_mxfp4_inside(module: torch.nn.Module) -> None:
-    """Every output-discarding checkpoint that runs inside ``module``'s forward (megatron's MLA ``mla_up_proj``
-    recompute: the cache is q/kv latents ``[s, b, q_lora]``, ``[s, b, kv_lora]`` and ``k_pos_emb``) stores its
-    cache MXFP4 while ``module.fp4moe_recompute_cache == 'mxfp4'`` (set here; set it to None to switch off)."""
+    """Every megatron checkpoint that runs inside ``module``'s forward (output-discarding: layernorm inputs, MLA
+    ``mla_up_proj`` latents ``[s, b, q_lora]`` / ``[s, b, kv_lora]`` / ``k_pos_emb``; reentrant: core_attn q/k/v, dense
+    MLP input, full-layer input) stores its cache MXFP4 while ``module.fp4moe_recompute_cache == 'mxfp4'`` (set here;
+    set it to None to switch off)."""
     setattr(module, CACHE_ATTR, "mxfp4")
     if not getattr(module, "_fp4moe_cache_hooks", False):
         module.register_forward_pre_hook(_enter)
@@ -86,14 +100,27 @@ def cache_mxfp4_inside(module: torch.nn.Module) -> None:
 
 
 _INSTALLED = False
+_MEGATRON_CHECKPOINT = mrandom.checkpoint  # megatron's reentrant checkpoint (tensor_parallel/random.py)
+
+
+def checkpoint(function, distribute_saved_activations, *args):
+    """megatron's reentrant ``tensor_parallel.checkpoint`` (forward under no_grad, keeps ``args``, re-runs
+    ``function`` in backward); inside a module marked by :func:`cache_mxfp4_inside` the kept activation
+    arguments are stored MXFP4 and the re-run reads their dequantized values."""
+    if _MXFP4_SCOPES:
+        with mxfp4_cache():
+            return _MEGATRON_CHECKPOINT(function, distribute_saved_activations, *args)
+    return _MEGATRON_CHECKPOINT(function, distribute_saved_activations, *args)
 
 
 def install() -> None:
-    """Make ``megatron.core.tensor_parallel.CheckpointWithoutOutput`` (looked up at call time by
-    transformer_layer.py, multi_latent_attention.py, experts.py) the fixed subclass. Idempotent."""
+    """Make ``megatron.core.tensor_parallel.CheckpointWithoutOutput`` and ``megatron.core.tensor_parallel.checkpoint``
+    (both looked up at call time by transformer_layer.py, transformer_block.py, attention.py,
+    multi_latent_attention.py, experts.py) fp4moe's: the no-TE fix and the optional MXFP4 cache. Idempotent."""
     global _INSTALLED
     if not _INSTALLED:
         tensor_parallel.CheckpointWithoutOutput = FP4CacheCheckpointWithoutOutput
+        tensor_parallel.checkpoint = checkpoint
         _INSTALLED = True
 
 
@@ -112,5 +139,5 @@ class RecomputedSequentialMLP(SequentialMLP):
         return y, None
 
 
-__all__ = ["FP4CacheCheckpointWithoutOutput", "RecomputedSequentialMLP", "cache_mxfp4_inside",
+__all__ = ["FP4CacheCheckpointWithoutOutput", "RecomputedSequentialMLP", "cache_mxfp4_inside", "checkpoint",
            "install", "mxfp4_cache", "CACHE_ATTR"]
