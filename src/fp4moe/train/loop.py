@@ -222,6 +222,11 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
 
     t = cfg.train
     device = info.device
+    if device.type == "cuda":  # a local multirun runs its cells in one process: free what an earlier cell (or its
+        import gc              # OOM traceback) left cached, so that each cell's peak memory is its own
+
+        gc.collect()
+        torch.cuda.empty_cache()
     _seed_everything(int(t.seed))
     train_ds, valid_ds, dinfo = _build_data(cfg, info)
 

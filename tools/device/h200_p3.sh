@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Issue 4 (P3) measurements on the lent H200 machines (the `device` tool; nvidia-h200-x2). Run from the repo root
+# on the device; every phase writes what it measured under $OUT (logs, MLflow stores, summaries):
+#
+#   bash tools/device/h200_p3.sh setup                 # wheels -> /tmp/site; code+docs corpus -> data/code_docs
+#   bash tools/device/h200_p3.sh tests                 # every GPU test (kernels, ops, MoE layer incl. EP=2, trainer)
+#   bash tools/device/h200_p3.sh probe GPU MB [PRECS]  # proxy, recipes x 5 recompute scopes at micro-batch MB, 4 steps
+#   bash tools/device/h200_p3.sh choose                # T1 micro-batch from the probe (tools/device/choose_t1_mb.py)
+#   bash tools/device/h200_p3.sh t1 GPU MB GB [PRECS]  # the T1 twin: recipes x 3 paper scopes at micro-batch MB
+#                                                      # (MB = auto: the one `choose` picked; GB = 2 x MB then)
+#   bash tools/device/h200_p3.sh conv GPU RECIPE SECS  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
+#                                                      # the same command later resumes it (machine kept warm)
+#
+# Needs (carried): .whl/py312/*.whl (megatron-core, hydra, mlflow closure for Python 3.12) and, for conv,
+# data/code_docs/code_docs.jsonl.xz + data/code_docs/tokenizer.json (tools/corpus_code_docs.py, built on a CPU
+# machine). State that must outlive one call (checkpoints, MLflow stores, the tokenized corpus) lives in
+# git-ignored folders of the work tree, which a warm device machine keeps between calls.
+set -euo pipefail
+: "${OUT:?set OUT to the folder that comes back}"
+ROOT=$PWD
+STATE=$ROOT/logs/device
+mkdir -p "$STATE"
+export PYTHONPATH=$ROOT/src:$ROOT/kernels:/tmp/site
+export FP4MOE_CKPT_DIR=$ROOT/checkpoints
+export FP4MOE_TOKENIZER=$ROOT/data/code_docs/tokenizer.json
+export MLFLOW_DISABLE_TELEMETRY=true TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+COMMON=(train.progress_bar=false hydra/launcher=local)
+
+store() { echo "sqlite:///$STATE/mlflow_$1.db"; }
+keep() { cp -f "$STATE"/mlflow_*.db "$OUT"/ 2>/dev/null || true; }
+
+phase=${1:?phase}; shift
+case $phase in
+setup)
+  if [ ! -f /tmp/site/.done ]; then
+    pip install -q --no-index --no-deps --target /tmp/site .whl/py312/*.whl && touch /tmp/site/.done
+  fi
+  if [ -f data/code_docs/code_docs.jsonl.xz ] && [ ! -f data/code_docs/code_docs.jsonl ]; then
+    xz -dk -T0 data/code_docs/code_docs.jsonl.xz
+  fi
+  if [ -f data/code_docs/code_docs.jsonl ]; then
+    /usr/bin/time -v python3 -m fp4moe.data prepare experiment=proxy_f5_1gpu precision=bf16 \
+      > "$OUT/corpus_manifest.json" 2> "$OUT/corpus_prepare.log" || { tail -30 "$OUT/corpus_prepare.log"; exit 1; }
+  fi
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.csv"
+  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" > "$OUT/versions.txt"
+  ;;
+tests)
+  python3 -m pytest -q -m gpu tests/kernels tests/ops tests/moe tests/train/test_train_gpu.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -5
+  ;;
+probe)  # GPU MB [precisions]: peak memory, saved bytes and step time of every recipe x scope at one micro-batch
+  gpu=$1 mb=$2 precs=${3:-bf16,fp8,mxfp4}
+  CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "probe_gpu$gpu") python3 -m fp4moe.train \
+    experiment=proxy_t1_1gpu task_name=proxy_t1_probe "${COMMON[@]}" parallel.micro_batch=$mb \
+    parallel.global_batch=$mb train.steps=4 train.measure.warmup_steps=2 train.measure.steps=2 precision=$precs \
+    recompute=none,attn_ln_experts,attn_ln_mlp,mla_up_proj,full > "$OUT/probe_gpu$gpu.log" 2>&1 || true
+  keep
+  grep -h "done:\|out of GPU memory" "$OUT/probe_gpu$gpu.log" | cut -c1-200 || true
+  ;;
+choose)
+  python3 tools/device/choose_t1_mb.py "$STATE"/mlflow_probe_gpu*.db --json "$STATE/t1_choice.json" | tee "$OUT/t1_choice.txt"
+  cp -f "$STATE/t1_choice.json" "$OUT/"
+  ;;
+t1)  # GPU MB GB [precisions]: the T1 twin
+  gpu=$1 mb=$2 gb=$3 precs=${4:-bf16,fp8,mxfp4}
+  if [ "$mb" = auto ]; then
+    mb=$(python3 -c "import json; print(json.load(open('$STATE/t1_choice.json'))['micro_batch'])"); gb=$((2 * mb))
+  fi
+  CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "t1_gpu$gpu") python3 -m fp4moe.train experiment=proxy_t1_1gpu \
+    "${COMMON[@]}" parallel.micro_batch=$mb parallel.global_batch=$gb precision=$precs \
+    > "$OUT/t1_gpu${gpu}_$precs.log" 2>&1 || true
+  keep
+  grep -h "done:\|out of GPU memory" "$OUT/t1_gpu${gpu}_$precs.log" | cut -c1-200 || true
+  ;;
+conv)  # GPU RECIPE SECS
+  gpu=$1 recipe=$2 secs=$3
+  rc=0
+  CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "conv_$recipe") timeout -s TERM -k 120 "$secs" \
+    python3 -m fp4moe.train experiment=proxy_f5_1gpu "${COMMON[@]}" precision=$recipe \
+    >> "$STATE/conv_$recipe.log" 2>&1 || rc=$?
+  cp -f "$STATE/conv_$recipe.log" "$OUT/"
+  keep
+  echo "conv $recipe exit $rc"; grep -h "done:\|Error" "$STATE/conv_$recipe.log" | tail -3 | cut -c1-200 || true
+  ;;
+*) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
