@@ -45,4 +45,7 @@ def test_tiny_model_trains_on_gpu_under_every_recipe(tmp_path, store, recompute)
         assert tags["device"].startswith("cuda") and m["summary/peak_mem_allocated_gb"] > 0
         assert tags["recompute"] == recompute and tags["recipe"] == precision
         saved[precision] = m["saved_activation_bytes_per_micro_batch"]
-    assert saved["mxfp4"] < saved["fp8"], saved
+    if recompute == "full":  # only each layer's input (BF16 in every recipe: fp4moe.model.recompute) and the logits
+        assert saved["bf16"] == saved["fp8"] == saved["mxfp4"], saved
+    else:
+        assert saved["mxfp4"] < saved["fp8"], saved

@@ -6,8 +6,8 @@
 #   bash tools/device/h200_p3.sh tests                 # every GPU test (kernels, ops, MoE layer incl. EP=2, trainer)
 #   bash tools/device/h200_p3.sh probe GPU MB [PRECS]  # proxy, recipes x 5 recompute scopes at micro-batch MB, 4 steps
 #   bash tools/device/h200_p3.sh choose                # T1 micro-batch from the probe (tools/device/choose_t1_mb.py)
-#   bash tools/device/h200_p3.sh t1 GPU MB GB [PRECS]  # the T1 twin: recipes x 3 paper scopes at micro-batch MB
-#                                                      # (MB = auto: the one `choose` picked; GB = 2 x MB then)
+#   bash tools/device/h200_p3.sh t1 GPU MB GB [PRECS [SCOPES]]  # the T1 twin: recipes x paper scopes, micro-batch MB
+#                                                      # (MB = auto: the one `choose` picked; GB = MB then)
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -62,16 +62,17 @@ choose)
   python3 tools/device/choose_t1_mb.py "$STATE"/mlflow_probe_gpu*.db --json "$STATE/t1_choice.json" | tee "$OUT/t1_choice.txt"
   cp -f "$STATE/t1_choice.json" "$OUT/"
   ;;
-t1)  # GPU MB GB [precisions]: the T1 twin
-  gpu=$1 mb=$2 gb=$3 precs=${4:-bf16,fp8,mxfp4}
+t1)  # GPU MB GB [precisions [scopes]]: the T1 twin (8 steps: 2 warm-up, 6 measured)
+  gpu=$1 mb=$2 gb=$3 precs=${4:-bf16,fp8,mxfp4} scopes=${5:-attn_ln_experts,attn_ln_mlp,mla_up_proj}
   if [ "$mb" = auto ]; then
-    mb=$(python3 -c "import json; print(json.load(open('$STATE/t1_choice.json'))['micro_batch'])"); gb=$((2 * mb))
+    mb=$(python3 -c "import json; print(json.load(open('$STATE/t1_choice.json'))['micro_batch'])"); gb=$mb
   fi
+  log="$OUT/t1_gpu${gpu}_${precs}_${scopes}.log"
   CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "t1_gpu$gpu") python3 -m fp4moe.train experiment=proxy_t1_1gpu \
-    "${COMMON[@]}" parallel.micro_batch=$mb parallel.global_batch=$gb precision=$precs \
-    > "$OUT/t1_gpu${gpu}_$precs.log" 2>&1 || true
+    "${COMMON[@]}" parallel.micro_batch=$mb parallel.global_batch=$gb precision=$precs recompute=$scopes \
+    train.steps=8 train.measure.steps=6 > "$log" 2>&1 || true
   keep
-  grep -h "done:\|out of GPU memory" "$OUT/t1_gpu${gpu}_$precs.log" | cut -c1-200 || true
+  grep -h "done:\|out of GPU memory" "$log" | cut -c1-200 || true
   ;;
 conv)  # GPU RECIPE SECS
   gpu=$1 recipe=$2 secs=$3
