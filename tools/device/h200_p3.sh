@@ -5,7 +5,8 @@
 #   bash tools/device/h200_p3.sh setup                 # wheels -> /tmp/site; code+docs corpus -> data/code_docs
 #   bash tools/device/h200_p3.sh tests                 # every GPU test (kernels, ops, MoE layer incl. EP=2, trainer)
 #   bash tools/device/h200_p3.sh probe GPU MB [PRECS]  # proxy, recipes x 5 recompute scopes at micro-batch MB, 4 steps
-#   bash tools/device/h200_p3.sh choose                # T1 micro-batch from the probe (tools/device/choose_t1_mb.py)
+#   bash tools/device/h200_p3.sh choose                # T1 micro-batch from the probes at >= 2 micro-batches (every
+#                                                      # logs/device/mlflow_probe*.db: tools/device/choose_t1_mb.py)
 #   bash tools/device/h200_p3.sh t1 GPU MB GB [PRECS [SCOPES]]  # the T1 twin: recipes x paper scopes, micro-batch MB
 #                                                      # (MB = auto: the one `choose` picked; GB = MB then)
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
@@ -39,7 +40,7 @@ setup)
     xz -dk -T0 data/code_docs/code_docs.jsonl.xz
   fi
   if [ -f data/code_docs/code_docs.jsonl ]; then
-    /usr/bin/time -v python3 -m fp4moe.data prepare experiment=proxy_f5_1gpu precision=bf16 \
+    python3 -m fp4moe.data prepare experiment=proxy_f5_1gpu precision=bf16 \
       > "$OUT/corpus_manifest.json" 2> "$OUT/corpus_prepare.log" || { tail -30 "$OUT/corpus_prepare.log"; exit 1; }
   fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.csv"
@@ -51,15 +52,15 @@ tests)
   ;;
 probe)  # GPU MB [precisions]: peak memory, saved bytes and step time of every recipe x scope at one micro-batch
   gpu=$1 mb=$2 precs=${3:-bf16,fp8,mxfp4}
-  CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "probe_gpu$gpu") python3 -m fp4moe.train \
+  CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "probe${mb}_gpu$gpu") python3 -m fp4moe.train \
     experiment=proxy_t1_1gpu task_name=proxy_t1_probe "${COMMON[@]}" parallel.micro_batch=$mb \
     parallel.global_batch=$mb train.steps=4 train.measure.warmup_steps=2 train.measure.steps=2 precision=$precs \
-    recompute=none,attn_ln_experts,attn_ln_mlp,mla_up_proj,full > "$OUT/probe_gpu$gpu.log" 2>&1 || true
+    recompute=none,attn_ln_experts,attn_ln_mlp,mla_up_proj,full > "$OUT/probe${mb}_gpu$gpu.log" 2>&1 || true
   keep
-  grep -h "done:\|out of GPU memory" "$OUT/probe_gpu$gpu.log" | cut -c1-200 || true
+  grep -h "done:\|out of GPU memory" "$OUT/probe${mb}_gpu$gpu.log" | cut -c1-200 || true
   ;;
 choose)
-  python3 tools/device/choose_t1_mb.py "$STATE"/mlflow_probe_gpu*.db --json "$STATE/t1_choice.json" | tee "$OUT/t1_choice.txt"
+  python3 tools/device/choose_t1_mb.py "$STATE"/mlflow_probe*.db --json "$STATE/t1_choice.json" | tee "$OUT/t1_choice.txt"
   cp -f "$STATE/t1_choice.json" "$OUT/"
   ;;
 t1)  # GPU MB GB [precisions [scopes]]: the T1 twin (8 steps: 2 warm-up, 6 measured)
@@ -67,7 +68,7 @@ t1)  # GPU MB GB [precisions [scopes]]: the T1 twin (8 steps: 2 warm-up, 6 measu
   if [ "$mb" = auto ]; then
     mb=$(python3 -c "import json; print(json.load(open('$STATE/t1_choice.json'))['micro_batch'])"); gb=$mb
   fi
-  log="$OUT/t1_gpu${gpu}_${precs}_${scopes}.log"
+  log="$OUT/t1_gpu${gpu}_${precs//,/-}_${scopes//,/-}.log"
   CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "t1_gpu$gpu") python3 -m fp4moe.train experiment=proxy_t1_1gpu \
     "${COMMON[@]}" parallel.micro_batch=$mb parallel.global_batch=$gb precision=$precs recompute=$scopes \
     train.steps=8 train.measure.steps=6 > "$log" 2>&1 || true
