@@ -9,6 +9,7 @@
 #                                                      # logs/device/mlflow_probe*.db: tools/device/choose_t1_mb.py)
 #   bash tools/device/h200_p3.sh t1 GPU MB GB [PRECS [SCOPES]]  # the T1 twin: recipes x paper scopes, micro-batch MB
 #                                                      # (MB = auto: the one `choose` picked; GB = MB then)
+#   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..."  # T1 cells, one process each
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -25,6 +26,9 @@ export PYTHONPATH=$ROOT/src:$ROOT/kernels:/tmp/site
 export FP4MOE_CKPT_DIR=$ROOT/checkpoints
 export FP4MOE_TOKENIZER=$ROOT/data/code_docs/tokenizer.json
 export MLFLOW_DISABLE_TELEMETRY=true TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+# Large, varying activation tensors fragment the caching allocator (reserved 25 GB above allocated at micro-batch 34
+# without this); megatron-core users set the same.
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 COMMON=(train.progress_bar=false hydra/launcher=local)
 
 store() { echo "sqlite:///$STATE/mlflow_$1.db"; }
@@ -74,6 +78,16 @@ t1)  # GPU MB GB [precisions [scopes]]: the T1 twin (8 steps: 2 warm-up, 6 measu
     train.steps=8 train.measure.steps=6 > "$log" 2>&1 || true
   keep
   grep -h "done:\|out of GPU memory" "$log" | cut -c1-200 || true
+  ;;
+t1cells)  # GPU MB "recipe:scope ...": T1 cells, each in its own process (no allocator state carried between cells)
+  gpu=$1 mb=$2
+  for cell in $3; do
+    recipe=${cell%%:*} scope=${cell##*:}
+    CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "t1_gpu$gpu") python3 -m fp4moe.train experiment=proxy_t1_1gpu \
+      "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb precision=$recipe \
+      recompute=$scope train.steps=8 train.measure.steps=6 > "$STATE/t1_${recipe}_$scope.log" 2>&1 || true
+    echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/t1_${recipe}_$scope.log" | tail -1 | cut -c1-160)"
+  done
   ;;
 conv)  # GPU RECIPE SECS
   gpu=$1 recipe=$2 secs=$3

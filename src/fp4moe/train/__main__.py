@@ -60,15 +60,15 @@ def main(cfg: DictConfig) -> dict | None:
         except ConfigError as e:
             print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(EXIT_CONFIG)
-    try:
-        from fp4moe.train.loop import train
+    from fp4moe.train.loop import is_oom, train
 
+    try:
         result = train(cfg, multirun_cell=cell, output_dir=out)
     except (ConfigError, RecipeError, TrackingUnavailable, DataUnavailable) as e:
         print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     except Exception as e:  # noqa: BLE001 - only out-of-memory is a result (an OOM cell of a table); the rest raises
-        if type(e).__name__ != "OutOfMemoryError":
+        if not is_oom(e):
             raise
         print(f"fp4moe.train: out of GPU memory (recorded in MLflow as outcome=OOM): {e}".splitlines()[0],
               file=sys.stderr)

@@ -52,6 +52,16 @@ class TrainResult:
     summary: dict[str, float | None] = field(default_factory=dict)
 
 
+_OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def is_oom(e: BaseException) -> bool:
+    """Whether ``e`` means the GPU ran out of memory: torch's ``OutOfMemoryError``, or a library's allocation failure
+    that torch reports as a plain RuntimeError (cuBLAS/cuDNN workspace, a Triton launch)."""
+    return type(e).__name__ == "OutOfMemoryError" or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in _OOM_MESSAGES))
+
+
 def preflight(cfg: Any) -> dict[str, Any]:
     """Everything that can be refused without torch.distributed: ``fp4moe.config.check``, the trainer's limits,
     the MLflow store, and megatron-core's ``MLATransformerConfig`` as fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError / TrackingUnavailable."""
@@ -426,8 +436,9 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
         if result.stopped_by:
             tracker.set_tags({"stopped_by_signal": str(result.stopped_by),
                               **({"requeued": "true"} if stop.will_requeue(result.stopped_by) else {})})
-    except torch.OutOfMemoryError:
-        tracker.set_tags({"outcome": "OOM", "oom_step": str(step + 1)})
+    except Exception as e:
+        if is_oom(e):
+            tracker.set_tags({"outcome": "OOM", "oom_step": str(step + 1)})
         raise
     finally:
         if bar is not None:
@@ -436,4 +447,4 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     return result
 
 
-__all__ = ["train", "preflight", "TrainResult", "PARAMS_DTYPES"]
+__all__ = ["train", "preflight", "is_oom", "TrainResult", "PARAMS_DTYPES"]
