@@ -30,7 +30,7 @@ test: venv ## run the CPU test suite (GPU tests skip themselves)
 	$(VENV)/bin/python -m pytest -q
 
 test-gpu: ## run the GPU tests with the system python3 (GPU machine)
-	PYTHONPATH=src:kernels $(GPU_PYTHON) -m pytest -q -m gpu tests/kernels tests/ops tests/moe
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m pytest -q -m gpu tests/kernels tests/ops tests/moe tests/train/test_train_gpu.py
 
 # The benchmark writes $(BENCH_OUT)/kernels_<gpu>_<date>_<commit>.{json,csv,md}; set BENCH_OUT, not --out, to
 # move it. Then its JSON is logged to MLflow with the first python that imports mlflow (the venv's,

@@ -9,10 +9,12 @@ Steps, in order:
      MLflow by ``fp4moe.bench_log`` (the same code as ``make log-bench``), or, where mlflow is not
      installed (the GPU image), the command that logs it elsewhere is printed; on CPU, the
      benchmark files already in results/kernels/ are listed (or their absence said);
-  4. the report (``fp4moe.report``): every run in the MLflow store, beside the paper's numbers
+  4. the trainer runs measured on GPUs and archived in ``results/train_proxy/*.json`` (``fp4moe.runs_archive``)
+     loaded into MLflow (idempotent);
+  5. the report (``fp4moe.report``): every run in the MLflow store, beside the paper's numbers
      (conf/paper/numbers.yaml) and the paper-scale model's uncalibrated prediction, written to
      ``results/report/`` (Markdown, CSV, PNG); skipped, and said, where mlflow is not installed;
-  5. a list of what is NOT YET IMPLEMENTED, by issue (P1 = issue 2 ... P6 = issue 7).
+  6. a list of what is NOT YET IMPLEMENTED, by issue (P1 = issue 2 ... P6 = issue 7).
 
 Exit status: 0 when every part that exists passes, 1 when one fails. Parts that do not exist yet are
 reported, never counted as passed, and never stand in with made-up numbers.
@@ -35,6 +37,7 @@ from fp4moe import bench_log
 
 RESULTS_KERNELS = "results/kernels"
 RESULTS_LAYER = "results/moe_layer"
+RESULTS_TRAIN = "results/train_proxy"
 RESULTS_REPORT = "results/report"
 
 # What is missing, by issue: (label, issue number, what). Keep in step with README.md "Status".
@@ -219,6 +222,34 @@ def run_layer_bench(has_gpu: bool, track: bool) -> bool:
         return False
 
 
+def load_trainer_archives(track: bool) -> bool:
+    """Trainer runs measured on GPUs (the H200 proxy's T1 twin, its memory probe, the F5 twin) are archived in
+    results/train_proxy/*.json (``fp4moe.runs_archive``); load them into the MLflow store (idempotent) so that the
+    report shows them, labelled with their hardware and setup."""
+    from fp4moe import runs_archive
+    from fp4moe.tracking import repo_root
+
+    folder = repo_root() / RESULTS_TRAIN
+    if not track:
+        print(f"trainer runs: not loaded (--no-tracking); archives in {RESULTS_TRAIN}/")
+        return True
+    if importlib.util.find_spec("mlflow") is None:
+        print(f"trainer runs: skipped, mlflow is not installed for {sys.executable}")
+        return True
+    try:
+        files = runs_archive.expand([folder]) if folder.is_dir() else []
+        if not files:
+            print(f"trainer runs: no archives in {RESULTS_TRAIN}/")
+            return True
+        added, skipped = runs_archive.import_files(files, log=lambda line: print(f"trainer runs: {line}"))
+        print(f"trainer runs: {added} loaded into MLflow, {skipped} already there")
+        return True
+    except Exception:
+        traceback.print_exc()
+        print("trainer runs: loading into MLflow FAILED (traceback above)")
+        return False
+
+
 def run_report() -> bool:
     """Write results/report/ from the MLflow store (``fp4moe.tracking.tracking_uri()``, the store the steps above
     logged to) with ``fp4moe.report``; without mlflow, say so (not a failure)."""
@@ -282,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["logging measured kernel results"] = report_results_on_disk(track=not args.no_tracking)
     if not args.skip_bench:
         results["MoE layer benchmark"] = run_layer_bench(has_gpu, track=not args.no_tracking)
+    results["trainer runs (archives)"] = load_trainer_archives(track=not args.no_tracking)
     if args.no_report:
         print("report: skipped (--no-report)")
     else:

@@ -1,0 +1,202 @@
+"""Trainer runs measured elsewhere (a GPU machine, a cluster) kept in the repository as JSON and loaded into any
+MLflow store, so that ``make reproduce-table`` on a fresh machine reports them beside the paper's numbers.
+
+    python -m fp4moe.runs_archive export STORE OUT.json --note "what, where, command" [--experiment NAME ...]
+    python -m fp4moe.runs_archive import results/train_proxy/ [more files or folders] [--uri URI]
+
+An archive (``format: fp4moe-runs/1``) holds, per run: experiment name, run name, status, start/end time (ms), every
+param and tag, and every metric's full history ``[[step, value, timestamp_ms], ...]``; plus ``note`` (free text:
+hardware, commit, command) and ``exported_utc``. STORE is a tracking URI, a ``.db`` file or a folder holding
+``mlflow.db``. Export refuses a store with no runs (nothing would be archived) and writes atomically.
+
+Import is idempotent: each run carries the tag ``fp4moe.archived_run_id`` (its id in the store where it was measured,
+kept when an imported run is archived again; plus ``fp4moe.archive`` = the file name); a run whose archived id is
+already in the target experiment is skipped, so
+rerunning ``make reproduce-table`` never duplicates runs. A folder stands for its ``*.json`` files that are archives
+(other JSON files are left alone). Import never needs torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+FORMAT = "fp4moe-runs/1"
+ARCHIVED_ID = "fp4moe.archived_run_id"
+ARCHIVE_FILE = "fp4moe.archive"
+_BATCH = 900  # MLflow's log_batch takes at most 1000 metrics, 100 params, 100 tags per call
+
+
+class ArchiveError(ValueError):
+    """A file is not a runs archive, or a store cannot be exported; the message names the file and the fix."""
+
+
+def _uri(where: str | os.PathLike) -> str:
+    from fp4moe.report.store import normalize_uri
+
+    return normalize_uri(where)
+
+
+def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
+           experiments: Sequence[str] | None = None) -> int:
+    """Write every run of ``store`` (only ``experiments`` when given) to ``out``; returns the number of runs."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow import MlflowClient
+    from mlflow.entities import ViewType
+
+    uri = _uri(store)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        raise ArchiveError(f"{store}: no MLflow store there (looked for {uri.removeprefix('sqlite:///')})")
+    client = MlflowClient(tracking_uri=uri)
+    runs = []
+    for exp in client.search_experiments(view_type=ViewType.ACTIVE_ONLY):
+        if experiments and exp.name not in experiments:
+            continue
+        token = None
+        while True:
+            page = client.search_runs([exp.experiment_id], max_results=1000, page_token=token)
+            for r in page:
+                hist = {key: [[m.step, m.value, m.timestamp] for m in
+                              sorted(client.get_metric_history(r.info.run_id, key), key=lambda m: (m.step, m.timestamp))]
+                        for key in r.data.metrics}
+                runs.append({"run_id": r.info.run_id, "experiment": exp.name, "name": r.info.run_name or "",
+                             "status": r.info.status, "start_time": r.info.start_time, "end_time": r.info.end_time,
+                             "params": dict(r.data.params), "tags": dict(r.data.tags), "metrics": hist})
+            token = page.token
+            if not token:
+                break
+    if not runs:
+        which = f" in experiments {list(experiments)}" if experiments else ""
+        raise ArchiveError(f"{store}: no runs{which} to export")
+    runs.sort(key=lambda r: (r["experiment"], r["start_time"] or 0, r["run_id"]))
+    doc = {"format": FORMAT, "exported_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "note": note,
+           "runs": runs}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return len(runs)
+
+
+def load(path: str | os.PathLike) -> dict:
+    """The archive at ``path``; ArchiveError when it is not one."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ArchiveError(f"{p}: cannot read a JSON document ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ArchiveError(f"{p}: not a runs archive (no 'format: {FORMAT}'); write one with "
+                           "python -m fp4moe.runs_archive export")
+    for i, run in enumerate(doc.get("runs") or []):
+        missing = [k for k in ("run_id", "experiment", "params", "tags", "metrics") if k not in run]
+        if missing:
+            raise ArchiveError(f"{p}: run {i} lacks {missing}")
+    return doc
+
+
+def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Files as given (each must be an archive); a folder stands for the archives among its ``*.json``."""
+    out: list[Path] = []
+    for given in paths:
+        p = Path(given)
+        if p.is_dir():
+            for f in sorted(p.glob("*.json")):
+                try:
+                    if json.loads(f.read_text()).get("format") == FORMAT:
+                        out.append(f)
+                except (OSError, json.JSONDecodeError, AttributeError):
+                    continue
+        elif p.exists():
+            out.append(p)
+        else:
+            raise ArchiveError(f"{p}: no such file or folder")
+    return out
+
+
+def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log=print) -> tuple[int, int]:
+    """Load every run of the archives ``paths`` into the store ``uri`` (default fp4moe.tracking's); returns
+    (runs added, runs already there)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param, RunTag
+
+    from fp4moe import tracking
+
+    uri = uri or tracking.tracking_uri()
+    tracking.check_reachable(uri)
+    client = MlflowClient(tracking_uri=uri)
+    added = skipped = 0
+    for path in paths:
+        doc = load(path)
+        for run in doc["runs"]:
+            exp_id = tracking._experiment_id(client, run["experiment"], uri)
+            origin = run["tags"].get(ARCHIVED_ID, run["run_id"])  # the id where it was measured, kept through re-archiving
+            found = client.search_runs([exp_id], filter_string=f"tags.`{ARCHIVED_ID}` = '{origin}'", max_results=1)
+            if found:
+                skipped += 1
+                continue
+            new = client.create_run(exp_id, start_time=run.get("start_time"), run_name=run.get("name") or None)
+            rid = new.info.run_id
+            try:
+                tags = {**run["tags"], ARCHIVED_ID: origin, ARCHIVE_FILE: Path(path).name}
+                tags.pop("mlflow.runName", None)
+                params = [Param(k, str(v)) for k, v in run["params"].items()]
+                for i in range(0, len(params), 100):
+                    client.log_batch(rid, params=params[i:i + 100])
+                tag_list = [RunTag(k, str(v)) for k, v in tags.items()]
+                for i in range(0, len(tag_list), 100):
+                    client.log_batch(rid, tags=tag_list[i:i + 100])
+                metrics = [Metric(k, float(v), int(ts), int(step)) for k, hist in run["metrics"].items()
+                           for step, v, ts in hist]
+                for i in range(0, len(metrics), _BATCH):
+                    client.log_batch(rid, metrics=metrics[i:i + _BATCH])
+            except BaseException:
+                client.delete_run(rid)  # nothing half-imported stays (a later import retries the run)
+                raise
+            client.set_terminated(rid, status=run.get("status") or "FINISHED", end_time=run.get("end_time"))
+            added += 1
+        log(f"{path}: {len(doc['runs'])} runs")
+    return added, skipped
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fp4moe.runs_archive", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="write a store's runs to a JSON archive")
+    e.add_argument("store", help="tracking URI, .db file, or folder holding mlflow.db")
+    e.add_argument("out", help="the archive to write (.json)")
+    e.add_argument("--note", required=True, help="what the runs are: hardware, commit, date, command")
+    e.add_argument("--experiment", action="append", help="only this MLflow experiment (repeatable)")
+    i = sub.add_parser("import", help="load archives into a store (idempotent)")
+    i.add_argument("paths", nargs="+", help="archive files, or folders holding them")
+    i.add_argument("--uri", help="target tracking URI (default: MLFLOW_TRACKING_URI or <repo>/mlruns/mlflow.db)")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "export":
+            n = export(a.store, a.out, a.note, a.experiment)
+            print(f"{a.out}: {n} runs")
+        else:
+            added, skipped = import_files(expand(a.paths), a.uri)
+            print(f"imported {added} runs, {skipped} already there")
+    except ArchiveError as exc:
+        print(f"fp4moe.runs_archive: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

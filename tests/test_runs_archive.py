@@ -1,0 +1,99 @@
+"""fp4moe.runs_archive: a store's runs written to JSON and loaded into another store give the same params, tags
+and metric histories; loading twice adds nothing; bad input is a clear error and leaves nothing half-imported."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("mlflow")
+
+from fp4moe import runs_archive  # noqa: E402
+
+
+def _store_with_runs(tmp_path):
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param, RunTag
+
+    uri = f"sqlite:///{tmp_path / 'src.db'}"
+    c = MlflowClient(tracking_uri=uri)
+    exp = c.create_experiment("proxy_t1_1gpu")
+    ids = []
+    for recipe, oom in (("fp8", True), ("mxfp4", False)):
+        r = c.create_run(exp, run_name=f"cell {recipe}", start_time=1_000 + len(ids))
+        c.log_batch(r.info.run_id,
+                    params=[Param("parallel.micro_batch", "34"), Param("precision.name", recipe)],
+                    tags=[RunTag("recipe", recipe), RunTag("recompute", "attn_ln_mlp"), RunTag("model", "proxy_h200"),
+                          RunTag("hardware", "1 x NVIDIA H200 (140 GiB)")] + ([RunTag("outcome", "OOM")] if oom else []),
+                    metrics=[Metric("loss", 10.0 - s / 3, 5_000 + s, s) for s in range(1, 6)]
+                    + [Metric("summary/tgs_median", 71029.9, 6_000, 5)])
+        c.set_terminated(r.info.run_id, status="FAILED" if oom else "FINISHED", end_time=9_000)
+        ids.append(r.info.run_id)
+    return uri, ids
+
+
+def _runs(uri):
+    from fp4moe.report.store import load
+
+    return {r.tags[runs_archive.ARCHIVED_ID] if runs_archive.ARCHIVED_ID in r.tags else r.run_id: r
+            for r in load(uri).runs}
+
+
+def test_export_then_import_round_trips_and_is_idempotent(tmp_path):
+    from mlflow import MlflowClient
+
+    uri, ids = _store_with_runs(tmp_path)
+    out = tmp_path / "results" / "proxy_t1.json"
+    assert runs_archive.export(uri, out, note="H200, commit abc, bash tools/device/h200_p3.sh t1cells") == 2
+    doc = json.loads(out.read_text())
+    assert doc["format"] == runs_archive.FORMAT and doc["note"].startswith("H200")
+    target = f"sqlite:///{tmp_path / 'dst.db'}"
+    assert runs_archive.import_files(runs_archive.expand([out.parent]), target, log=lambda s: None) == (2, 0)
+    assert runs_archive.import_files([out], target, log=lambda s: None) == (0, 2)   # nothing twice
+    src, dst = _runs(uri), _runs(target)
+    assert sorted(dst) == sorted(ids)
+    cs, cd = MlflowClient(tracking_uri=uri), MlflowClient(tracking_uri=target)
+    for rid in ids:
+        a, b = src[rid], dst[rid]
+        assert (a.experiment, a.name, a.status, a.start_time, a.params, a.metrics) == \
+               (b.experiment, b.name, b.status, b.start_time, b.params, b.metrics)
+        assert {k: v for k, v in b.tags.items() if not k.startswith("fp4moe.")} == a.tags
+        assert b.tags[runs_archive.ARCHIVE_FILE] == "proxy_t1.json"
+        hist = lambda c, r: [(m.step, m.value, m.timestamp) for m in sorted(c.get_metric_history(r, "loss"),  # noqa: E731
+                                                                            key=lambda m: m.step)]
+        assert hist(cs, rid) == hist(cd, b.run_id) and len(hist(cs, rid)) == 5
+    # archived again from the second store, the original id is kept: a third store still de-duplicates by it
+    again = tmp_path / "again.json"
+    runs_archive.export(target, again, note="re-archived")
+    third = f"sqlite:///{tmp_path / 'third.db'}"
+    runs_archive.import_files([out], third, log=lambda s: None)
+    assert runs_archive.import_files([again], third, log=lambda s: None) == (0, 2)
+
+
+def test_bad_input_is_a_clear_error_and_nothing_is_half_imported(tmp_path):
+    uri, _ = _store_with_runs(tmp_path)
+    other = tmp_path / "results"
+    other.mkdir()
+    (other / "kernels.json").write_text(json.dumps({"env": {}}))   # another kind of results file: left alone
+    assert runs_archive.expand([other]) == []
+    with pytest.raises(runs_archive.ArchiveError, match="not a runs archive"):
+        runs_archive.load(other / "kernels.json")
+    with pytest.raises(runs_archive.ArchiveError, match="no such file"):
+        runs_archive.expand([tmp_path / "missing.json"])
+    with pytest.raises(runs_archive.ArchiveError, match="no MLflow store"):
+        runs_archive.export(tmp_path / "nowhere.db", tmp_path / "x.json", note="")
+    with pytest.raises(runs_archive.ArchiveError, match="no runs in experiments"):
+        runs_archive.export(uri, tmp_path / "x.json", note="", experiments=["absent"])
+    assert not (tmp_path / "x.json").exists()
+    out = tmp_path / "a.json"
+    runs_archive.export(uri, out, note="")
+    doc = json.loads(out.read_text())
+    doc["runs"][1]["metrics"]["loss"][2][1] = "not a number"
+    out.write_text(json.dumps(doc))
+    target = f"sqlite:///{tmp_path / 'dst.db'}"
+    with pytest.raises(ValueError):
+        runs_archive.import_files([out], target, log=lambda s: None)
+    from fp4moe.report.store import load
+
+    assert [r.tags[runs_archive.ARCHIVED_ID] for r in load(target).runs] == [doc["runs"][0]["run_id"]]
+    assert runs_archive.main(["import", str(other / "kernels.json"), "--uri", target]) == 2
