@@ -94,6 +94,20 @@ def preflight(cfg: Any) -> dict[str, Any]:
     return derived
 
 
+def apply_cluster_env(cfg: Any) -> dict[str, str]:
+    """``cluster.env`` into this process's environment where a variable is not set yet (a Slurm job gets it from
+    the launcher's setup lines; a local run from here, before CUDA starts, so that e.g. PYTORCH_CUDA_ALLOC_CONF
+    reaches the allocator). Returns what was set."""
+    import os
+
+    env = OmegaConf.select(cfg, "cluster.env", default=None) or {}
+    done = {}
+    for key, value in env.items():
+        if value is not None and key not in os.environ:
+            os.environ[key] = done[key] = str(value)
+    return done
+
+
 def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path | None = None,
           after_step: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
     """Train per the composed config ``cfg`` (conf/train.yaml and its groups).
@@ -107,6 +121,7 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
     # preemption) stops the run after its first step, with a checkpoint.
     with slurm.Preemption() as preempt:
         derived = preflight(cfg)
+        apply_cluster_env(cfg)
         info = None
         try:
             info = init_distributed(cfg)
