@@ -231,12 +231,14 @@ def config_label(key: tuple) -> str:
 
 def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tuple[int, float]]],
             paper_dev: dict[str, float]) -> list[dict]:
-    """Per config (same setup, recompute, steps, seed, data) that has a finished bf16 run and another recipe:
+    """Per config (same setup, recompute, steps, seed, data) that has a finished bf16 run and another recipe, all with
+    a held-out eval loss (throughput-only runs are left out):
     smoothed final training loss (mean of the last LOSS_SMOOTH_STEPS logged values) and final eval loss per recipe,
     and (x - bf16) / bf16 in %. The paper's deviation (F5, 16B model, 160B tokens) is beside it."""
     groups: dict[tuple, dict[str, RunRecord]] = defaultdict(dict)
     for r in sorted(trainer_runs, key=lambda r: (r.start_time, r.run_id)):
-        if r.status == "FINISHED" and "summary/final_loss" in r.metrics:
+        # only runs that evaluated held-out loss: throughput-only runs (T1 cells, a few steps) are not comparisons
+        if r.status == "FINISHED" and "summary/final_loss" in r.metrics and "summary/final_eval_loss" in r.metrics:
             groups[config_key(r)][r.tags["recipe"]] = r
     out = []
     for key in sorted(groups):
