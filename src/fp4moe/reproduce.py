@@ -44,10 +44,9 @@ RESULTS_REPORT = "results/report"
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark) exists; its measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P3", 4, "the H200 proxy's T1-shaped sweep (bf16 / fp8 / mxfp4 x recompute scopes, OOM cells recorded; "
-              "first runs at recompute none: results/train_proxy/), the bf16 / fp8 / mxfp4 convergence "
-              "comparison, multi-GPU trainer runs "
-              "(the recipe is inside the megatron model: fp4moe.model)"),
+    ("P3", 4, "why mxfp4's tokens/s falls as the micro-batch grows on the H200 proxy (T1 twin and its probe: "
+              "results/train_proxy/; the throughput targets are missed), a convergence run longer than 23.6 M tokens "
+              "(the F5 twin's deviation target is missed), multi-GPU trainer runs (EP=2 over NCCL)"),
     ("P4", 5, "any GPU or multi-node Slurm job (the trainer and the F3/F4 benchmark jobs are submitted through "
               "the same launcher path; on a real single-node CPU Slurm the trainer's sweep, failure and "
               "time-limit requeue with resume are tested: tests/test_slurm.py), the paper-scale layouts "
@@ -56,8 +55,8 @@ NOT_YET_IMPLEMENTED = (
               "H200 proxy's and the layer's): until then the report's model columns are labelled uncalibrated; "
               "the model's throughput side (ratios between recipes and scopes); this command running the "
               "trainer itself (CPU tiny proxy, the H200 proxy on one GPU, Slurm submission/collection) with a "
-              "progress display: it reports the trainer runs already in MLflow. The report (results/report/) "
-              "and the notebooks (notebooks/) exist"),
+              "progress display: it reports the trainer runs already in MLflow and those archived in "
+              "results/train_proxy/. The report (results/report/) and the notebooks (notebooks/) exist"),
     ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "
               "nvidia-h200-x8"),
 )
