@@ -3,6 +3,7 @@ a run stopped by a signal, or killed, resumes to the same losses bit for bit; mi
 training. Data: the byte-level stand-in of conftest.py (tests/fixtures/sonnets.txt)."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -259,3 +260,24 @@ def test_cluster_env_reaches_a_local_run_without_overriding_the_user(monkeypatch
     assert apply_cluster_env(cfg) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+
+
+def test_profile_window_writes_op_tables_and_a_trace(tmp_path, store):
+    """train.profile.steps=[2,3]: torch.profiler runs over steps 2-3 only; the op tables and the Chrome trace are
+    written and the run is tagged with where they are. A window that is not [first <= last] is refused."""
+    from fp4moe.train.loop import train
+
+    out = tmp_path / "prof"
+    cfg = _compose(tmp_path, "precision=mxfp4", "train.steps=4", "train.eval_interval=null",
+                   "train.checkpoint_interval=null", "train.profile.steps=[2,3]", f"train.profile.dir={out}")
+    r = train(cfg)
+    folder = out / "profile_rank0"
+    table = (folder / "ops_by_device_time.txt").read_text()
+    assert "aten::" in table and "Self CPU" in table
+    assert "aten::" in (folder / "ops_by_cpu_time.txt").read_text()
+    trace = json.loads((folder / "trace.json").read_text())
+    assert trace["traceEvents"]
+    tags = _client(store).get_run(r.run_id).data.tags
+    assert tags["profile_steps"] == "2-3" and tags["profile_dir"] == str(folder.resolve())
+    with pytest.raises(ConfigError, match="train.profile.steps"):
+        train(_compose(tmp_path, "train.steps=2", "train.profile.steps=[3,1]"))

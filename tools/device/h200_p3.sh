@@ -10,6 +10,7 @@
 #   bash tools/device/h200_p3.sh t1 GPU MB GB [PRECS [SCOPES]]  # the T1 twin: recipes x paper scopes, micro-batch MB
 #                                                      # (MB = auto: the one `choose` picked; GB = MB then)
 #   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..."  # T1 cells, one process each
+#   bash tools/device/h200_p3.sh profile GPU MB "mxfp4:attn_ln_experts ..."  # torch.profiler, steps 4-5, tables+trace
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -88,6 +89,18 @@ t1cells)  # GPU MB "recipe:scope ...": T1 cells, each in its own process (no all
       recompute=$scope train.steps=8 train.measure.steps=6 > "$STATE/t1_${recipe}_$scope.log" 2>&1 || true
     echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/t1_${recipe}_$scope.log" | tail -1 | cut -c1-160)"
   done
+  ;;
+profile)  # GPU MB "recipe:scope ...": torch.profiler over steps 4-5 of each T1 cell (op tables + trace under $OUT)
+  gpu=$1 mb=$2
+  for cell in $3; do
+    recipe=${cell%%:*} scope=${cell##*:}
+    CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "profile_gpu$gpu") python3 -m fp4moe.train \
+      experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb \
+      precision=$recipe recompute=$scope train.steps=5 train.measure.steps=2 'train.profile.steps=[4,5]' \
+      train.profile.dir="$STATE/profile_${recipe}_${scope}_mb$mb" > "$STATE/profile_${recipe}_${scope}_mb$mb.log" 2>&1 || true
+    head -40 "$STATE/profile_${recipe}_${scope}_mb$mb/profile_rank0/ops_by_device_time.txt" 2>/dev/null | cut -c1-220
+  done
+  (cd "$STATE" && tar czf "$OUT/profiles_gpu$gpu.tgz" profile_*)
   ;;
 conv)  # GPU RECIPE SECS
   gpu=$1 recipe=$2 secs=$3

@@ -77,6 +77,9 @@ def preflight(cfg: Any) -> dict[str, Any]:
     from fp4moe.train.optim import Schedule
 
     Schedule(cfg.train, derived)  # schedule name, min_lr <= lr
+    steps = OmegaConf.select(cfg, "train.profile.steps", default=None)
+    if steps is not None and (len(steps) not in (1, 2) or int(steps[0]) < 1 or int(steps[-1]) < int(steps[0])):
+        raise ConfigError(f"train.profile.steps={list(steps)}: give [first, last] with 1 <= first <= last, or null")
     for key in ("eval_interval", "checkpoint_interval", "log_interval"):
         v = cfg.train.get(key)
         if v is not None and int(v) < 1:
@@ -244,6 +247,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from fp4moe.train import checkpoint as ckpt
     from fp4moe.train.metrics import Meter, Tracker, flatten, hardware_tags, resolve_uri
     from fp4moe.train.optim import Optimizer, Schedule
+    from fp4moe.train.profile import StepProfiler
 
     t = cfg.train
     device = info.device
@@ -343,9 +347,11 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     last_saved = last_eval = -1
     params = list(model.parameters())
     saved_bytes: int | None = None  # measured once, on this process's first micro-batch
+    profiler = StepProfiler(cfg, output_dir, device, info.rank)
     try:
         model.train()
         while step < total_steps:
+            profiler.before_step(step + 1)
             meter.before_step()
             a2a_before = a2a_stats(model)
             t0 = time.perf_counter()
@@ -408,6 +414,9 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                                 tok_s=f"{derived['tokens_per_step'] / dt:.0f}",
                                 tgs="warm-up" if tgs is None else f"{tgs:.0f}", refresh=False)
                 bar.update(1)
+            folder = profiler.after_step(step)
+            if folder is not None and info.is_main:
+                tracker.set_tags({"profile_dir": str(folder.resolve()), "profile_steps": f"{profiler.first}-{step}"})
             if after_step is not None:
                 after_step(step, m)
             slurm.inject_faults(cfg, step)  # test knobs +fault.* (tests/test_slurm.py); nothing without them
@@ -456,6 +465,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             tracker.set_tags({"outcome": "OOM", "oom_step": str(step + 1)})
         raise
     finally:
+        profiler.close()
         if bar is not None:
             bar.close()
         tracker.finish(status)
