@@ -44,9 +44,10 @@ RESULTS_REPORT = "results/report"
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark) exists; its measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P3", 4, "why mxfp4's tokens/s falls as the micro-batch grows on the H200 proxy (T1 twin and its probe: "
-              "results/train_proxy/; the throughput targets are missed), a convergence run longer than 23.6 M tokens "
-              "(the F5 twin's deviation target is missed), multi-GPU trainer runs (EP=2 over NCCL)"),
+    ("P3", 4, "the throughput targets of the H200 T1 twin (missed: results/train_proxy/; the profile puts half "
+              "the GPU time in unfused glue, the experts' fp32 SwiGLU 19 %, which needs fused kernels), a "
+              "convergence run longer than 23.6 M tokens (the F5 twin's deviation target is missed), multi-GPU "
+              "trainer runs (EP=2 over NCCL)"),
     ("P4", 5, "any GPU or multi-node Slurm job (the trainer and the F3/F4 benchmark jobs are submitted through "
               "the same launcher path; on a real single-node CPU Slurm the trainer's sweep, failure and "
               "time-limit requeue with resume are tested: tests/test_slurm.py), the paper-scale layouts "
