@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import col, gemm, launch, row, weight
+from . import col, gemm, launch, row, swiglu, weight
 
 _FP8 = {"M": "i32", "K": "constexpr", "R": "constexpr"}
 
@@ -58,6 +58,12 @@ KERNELS = {
                                 {"w_ptr": "*i16", "q_ptr": "*i16", "s_ptr": "*fp32", "qt_ptr": "*u8", "st_ptr": "*fp32",
                                  "K": "constexpr", "N": "constexpr", "TRANSPOSE": "constexpr",
                                  "EMULATE": "constexpr"}),
+    "swiglu_fwd": (swiglu._swiglu_fwd_kernel,
+                   {"h_ptr": "*bf16", "p_ptr": "*fp32", "z_ptr": "*i16", "T": "i32", "F": "constexpr",
+                    "HAS_P": "constexpr", "BT": "constexpr", "BF": "constexpr"}),
+    "swiglu_bwd": (swiglu._swiglu_bwd_kernel,
+                   {"h_ptr": "*bf16", "dz_ptr": "*bf16", "p_ptr": "*fp32", "dh_ptr": "*i16", "dp_ptr": "*fp32",
+                    "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr", "BF": "constexpr"}),
     "grouped_fp8_rows": (gemm.grouped_rows_kernel,
                          {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
                           "tiles_ptr": "*i32", "seg_off_ptr": "*i32", "N": "i32", "n_tiles": "i32", "KC": "constexpr",
@@ -103,6 +109,9 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
     stages = 3
     if name.startswith("grouped_fp8_"):
         consts, warps, stages = _gemm_consts(name, k)
+    elif name.startswith("swiglu_"):  # k = the FFN width F, the launcher's tiles, weighted by routing probabilities
+        bt, bf, warps = swiglu.FWD_TILE if name == "swiglu_fwd" else swiglu.BWD_TILE
+        consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "BT": bt, "BF": bf}
     else:
         size, _, warps = tile or launch.TILES[name]
         consts = {"K": k, "EMULATE": False, "BN": size, "R": size, "N": 4096}

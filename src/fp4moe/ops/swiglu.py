@@ -9,6 +9,7 @@ are the formulas, shared with the routed experts' SwiGLU weighted by routing pro
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -21,8 +22,23 @@ from ..recipe import Recipe
 _BF16 = torch.bfloat16
 
 
+FUSED_ENV = "FP4MOE_FUSED_SWIGLU"
+
+
+def fused_enabled(h: torch.Tensor) -> bool:
+    """Whether ``swiglu_math`` / ``swiglu_math_backward`` run the fused Triton kernels
+    (``fp4moe_kernels.triton_kernels.swiglu``) for ``h``: a CUDA bfloat16 tensor and ``FP4MOE_FUSED_SWIGLU=1``. Off by
+    default until the kernels have passed the GPU tests and the benchmark on an H200 (then it becomes the CUDA
+    default); the unfused torch ops below are the definition they are tested against."""
+    return h.is_cuda and h.dtype == _BF16 and os.environ.get(FUSED_ENV, "0") == "1"
+
+
 def swiglu_math(h: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """z = silu(g) * u (* probs per row) ``[T, F]`` bf16 from h ``[T, 2F]``, in float32 (no autograd)."""
+    if fused_enabled(h):
+        from fp4moe_kernels.triton_kernels.swiglu import swiglu_fwd
+
+        return swiglu_fwd(h.contiguous(), None if probs is None else probs.float().contiguous())
     f = h.shape[1] // 2
     z = torch.nn.functional.silu(h[:, :f].float()) * h[:, f:].float()
     return (z if probs is None else z * probs.unsqueeze(1)).to(_BF16)
@@ -30,6 +46,11 @@ def swiglu_math(h: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.
 
 def swiglu_math_backward(h: torch.Tensor, dz: torch.Tensor, probs: Optional[torch.Tensor] = None):
     """(dh ``[T, 2F]`` bf16, dprobs ``[T]`` float32 or None without probs) of ``swiglu_math``, in float32."""
+    if fused_enabled(h):
+        from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd
+
+        return swiglu_bwd(h.contiguous(), dz.to(_BF16).contiguous(),
+                          None if probs is None else probs.float().contiguous())
     f = h.shape[1] // 2
     g, u = h[:, :f].float(), h[:, f:].float()
     s = torch.sigmoid(g)
@@ -80,4 +101,4 @@ def swiglu(h: torch.Tensor, recipe: Recipe, layer_kind: str = "shared_expert") -
     return SwiGLU.apply(h.contiguous(), fp4, recipe.scale_rule)
 
 
-__all__ = ["SwiGLU", "swiglu", "swiglu_math", "swiglu_math_backward"]
+__all__ = ["SwiGLU", "swiglu", "swiglu_math", "swiglu_math_backward", "fused_enabled", "FUSED_ENV"]

@@ -1,0 +1,94 @@
+"""``python -m fp4moe.ops.bench_swiglu``: the fused SwiGLU kernels against the unfused float32 torch ops they
+replace, and against the copy bandwidth measured in the same run (one CUDA GPU).
+
+For each shape ``T x F`` (routed-expert rows x expert FFN width; default the H200 proxy's experts at micro-batch
+16: 524288 x 1024, and DeepSeek-V3's per-GPU expert shape 32768 x 2048), forward and backward, weighted by
+routing probabilities (as the routed experts) and not (as the shared expert): median ms per call
+(``fp4moe_kernels.bench.do_bench``: CUDA-graph replays), the minimum bytes moved (forward: h read, z written,
+probs read; backward: h and dz read, dh written, probs read and dprobs written), GB/s, % of the copy bandwidth, and
+speedup = unfused ms / fused ms. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
+results/kernels/).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from fp4moe_kernels.bench import copy_bandwidth_gbps, do_bench, environment
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        t, f = part.lower().split("x")
+        out.append((int(t), int(f)))
+    return out
+
+
+def run(shapes, warmup_ms: int, rep_ms: int, log=print) -> tuple[float, list[dict]]:
+    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_fwd
+
+    ops = importlib.import_module("fp4moe.ops.swiglu")  # the unfused torch formulas (FP4MOE_FUSED_SWIGLU unset)
+    os.environ.pop(ops.FUSED_ENV, None)
+    copy = copy_bandwidth_gbps(warmup_ms, rep_ms)
+    log(f"copy bandwidth {copy:.0f} GB/s")
+    rows = []
+    for t, f in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(t, 2 * f, device="cuda", generator=g).to(torch.bfloat16)
+        dz = torch.randn(t, f, device="cuda", generator=g).to(torch.bfloat16)
+        for weighted in (True, False):
+            p = torch.rand(t, device="cuda", generator=g) if weighted else None
+            pb = 4 * t if weighted else 0
+            cases = (("forward", lambda: swiglu_fwd(h, p), lambda: ops.swiglu_math(h, p), 2 * t * 2 * f + 2 * t * f + pb),
+                     ("backward", lambda: swiglu_bwd(h, dz, p), lambda: ops.swiglu_math_backward(h, dz, p),
+                      2 * t * 2 * f + 2 * t * f + 2 * t * 2 * f + 2 * pb))
+            for name, fused, unfused, nbytes in cases:
+                ms_f, ms_u = do_bench(fused, warmup_ms, rep_ms), do_bench(unfused, warmup_ms, rep_ms)
+                gbps = nbytes / (ms_f * 1e-3) / 1e9
+                row = {"shape": f"{t}x{f}", "pass": name, "probs": weighted, "fused_ms": ms_f, "unfused_ms": ms_u,
+                       "bytes": nbytes, "gbps": gbps, "pct_copy": 100 * gbps / copy, "speedup": ms_u / ms_f}
+                rows.append(row)
+                log(f"{row['shape']:>12s} {name:8s} probs={weighted!s:5s} fused {ms_f:.3f} ms ({gbps:.0f} GB/s, "
+                    f"{row['pct_copy']:.1f} % of copy), unfused {ms_u:.3f} ms, speedup {row['speedup']:.2f}x")
+    return copy, rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fp4moe.ops.bench_swiglu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="524288x1024,32768x2048", help="comma-separated TxF (default: %(default)s)")
+    ap.add_argument("--warmup-ms", type=int, default=25)
+    ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--out", default=os.environ.get("BENCH_OUT", "results/kernels"))
+    ap.add_argument("--commit", default=None, help="commit to record (default: git, or FP4MOE_COMMIT)")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fp4moe.ops.bench_swiglu needs a CUDA GPU (the fused kernels and the timings are GPU-only)", file=sys.stderr)
+        return 2
+    command = "python -m fp4moe.ops.bench_swiglu " + " ".join(argv if argv is not None else sys.argv[1:])
+    env = environment(command.strip(), a.commit)
+    copy, rows = run(_shapes(a.shapes), a.warmup_ms, a.rep_ms)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = env["gpu"].split()[-1].lower()
+    stem = out / f"swiglu_{gpu}_{env['date'][:10]}_{env['commit'][:7]}"
+    stem.with_suffix(".json").write_text(json.dumps({"env": env, "copy_gbps": copy, "rows": rows}, indent=1))
+    lines = [f"# Fused SwiGLU vs unfused torch, {env['gpu']}, commit {env['commit'][:7]}, {env['date']}", "",
+             f"Command: `{env['command']}`. Copy bandwidth in the same run: {copy:.0f} GB/s.", "",
+             "| shape | pass | probs | fused ms | GB/s | % of copy | unfused ms | speedup |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['pass']} | {r['probs']} | {r['fused_ms']:.3f} | {r['gbps']:.0f} | {r['pct_copy']:.1f} "
+              f"| {r['unfused_ms']:.3f} | {r['speedup']:.2f}x |" for r in rows]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {stem}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
