@@ -11,6 +11,7 @@
 #                                                      # (MB = auto: the one `choose` picked; GB = MB then)
 #   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..."  # T1 cells, one process each
 #   bash tools/device/h200_p3.sh profile GPU MB "mxfp4:attn_ln_experts ..."  # torch.profiler, steps 4-5, tables+trace
+#   bash tools/device/h200_p3.sh swiglu                # fused SwiGLU: GPU tests + benchmark (FP4MOE_FUSED_SWIGLU)
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -101,6 +102,10 @@ profile)  # GPU MB "recipe:scope ...": torch.profiler over steps 4-5 of each T1 
     head -40 "$STATE/profile_${recipe}_${scope}_mb$mb/profile_rank0/ops_by_device_time.txt" 2>/dev/null | cut -c1-220
   done
   (cd "$STATE" && tar czf "$OUT/profiles_gpu$gpu.tgz" profile_*)
+  ;;
+swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
+  python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3
+  python3 -m fp4moe.ops.bench_swiglu --out "$OUT" 2>&1 | tail -12
   ;;
 conv)  # GPU RECIPE SECS
   gpu=$1 recipe=$2 secs=$3
