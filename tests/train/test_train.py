@@ -213,7 +213,10 @@ def test_slurm_task_environment(monkeypatch):
     from fp4moe.train.dist import init_distributed, teardown
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "SUBMITIT_EXECUTOR"):
-        monkeypatch.delenv(k, raising=False)
+        # setenv first, so that monkeypatch records the variable and removes what the export below sets in it
+        # (a bare delenv of an absent variable records nothing, and later tests would see RANK/WORLD_SIZE)
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
              "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_ID": "0",
              "MASTER_PORT": str(_closed_port())}
