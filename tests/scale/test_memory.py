@@ -52,8 +52,9 @@ ATTN_ACT = (2 * T * H + 4 * T + 2 * T * H            # input norm: in, rstd, out
             + ROPE_CACHE)
 DENSE_MLP_ACT = 2 * T * H + 4 * T + 2 * T * H + 2 * T * 2 * FFN + 2 * T * FFN
 # router: scores, aux scores [T,E] fp32; 2 x top-k indices [T,K] int64; top-k probs [T,K] fp32; 2 x [T] fp32;
-# routing map [E,T] bool, routing probs [E,T] fp32; the permutation index [R] int64 (x2 with an MXFP4 dispatch)
-ROUTER = 4 * T * E * 2 + 8 * T * K * 2 + 4 * T * K + 4 * T * 2 + E * T + 4 * E * T + 8 * R
+# routing map [E,T] bool, routing probs [E,T] fp32; the permutation index [R] int64 (x2 with an MXFP4 dispatch);
+# the sequence aux loss's per-sequence load and score sums [micro-batch 2, E] fp32 x 2
+ROUTER = 4 * T * E * 2 + 8 * T * K * 2 + 4 * T * K + 4 * T * 2 + E * T + 4 * E * T + 8 * R + 4 * 2 * E * 2
 MOE_ACT = (2 * T * H + 4 * T + 2 * T * H             # pre-MLP norm in, rstd, out (router input)
            + ROUTER                                  # router + dispatcher
            + 2 * R * H + 2 * R * 2 * F + 2 * R * F + 4 * R   # experts fc1 in, SwiGLU in, fc2 in, probs

@@ -72,7 +72,7 @@ MoE layer
     moe.ln_in, moe.ln_rstd, moe.ln_out (held by the router, which saves its BF16 input, and by a BF16 shared fc1)
     moe.router_scores, moe.router_aux  [T,E] fp32 (sigmoid output; normalized scores of the seq aux loss)
     moe.router_topk_idx [T,k] int64 x 2; moe.router_topk_probs [T,k] fp32; moe.router_norm [T] fp32 x 2
-    moe.routing_map [E,T] bool; moe.routing_probs [E,T] fp32
+    moe.routing_map [E,T] bool; moe.routing_probs [E,T] fp32; moe.seq_aux_stats [b,E] fp32 x 2 (seq aux loss)
     moe.routing_idx   [R] int64 (x 2 with the MXFP4 dispatch: fp4moe's dispatcher keeps a second one)
     moe.expert_fc1_in [R,H]   bf16 | FP8 row+col | MXFP4 (expert_input_fp4 or save_fp4)
     moe.expert_swiglu_in [R,2F] bf16 | MXFP4 (activation_fp4_store)
@@ -244,7 +244,7 @@ def _scope(cfg: DictConfig) -> str:
 class _Dims:
     h: int; n: int; q_lora: int | None; kv_lora: int; nope: int; rope: int; v: int
     ffn: int; e: int; k: int; f: int; fs: int; vocab: int; first_dense: int
-    t_tok: int; t_hid: int; tp: int; ep: int; etp: int; seq: int = 0
+    t_tok: int; t_hid: int; tp: int; ep: int; etp: int; seq: int = 0; seq_aux: bool = False
 
 
 def _dims(cfg: DictConfig) -> _Dims:
@@ -260,7 +260,7 @@ def _dims(cfg: DictConfig) -> _Dims:
                  fs=int(m.moe.ffn_hidden_size) * int(m.moe.get("shared_experts", 0) or 0),
                  vocab=int(m.vocab_size), first_dense=int(m.moe.first_k_dense),
                  t_tok=t_tok, t_hid=t_tok // tp if sp else t_tok, tp=tp, ep=int(p.expert), etp=etp,
-                 seq=int(p.seq_length) // cp)
+                 seq=int(p.seq_length) // cp, seq_aux=m.moe.get("load_balancing_type") == "seq_aux_loss")
 
 
 # ---------------------------------------------------------------------------------------------- (b) ledger
@@ -381,6 +381,9 @@ def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced") -> N
     led.add("moe.router_norm", (2, t), "fp32", 2 * FP32 * t, {"router"})               # top-k sum, aux denominator
     led.add("moe.routing_map", (d.e, t), "bool", d.e * t, {"permute"})
     led.add("moe.routing_probs", (d.e, t), "fp32", FP32 * d.e * t, {"permute"})
+    if d.seq_aux:   # the sequence aux loss: per-sequence expert load and score sums [b, E] fp32
+        b = max(1, t // d.seq) if d.seq else 1
+        led.add("moe.seq_aux_stats", (2, b, d.e), "fp32", 2 * FP32 * b * d.e, {"router"})
     # permutation index of the R dispatched rows; fp4moe's MXFP4 dispatcher keeps a second one (the scales' rows)
     n_idx = 2 if recipe.dispatch_fp4 else 1
     led.add("moe.routing_idx", (n_idx, r), "int64", n_idx * INT64 * r, {"permute"})
@@ -452,6 +455,8 @@ def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, 
                 led.add("moe.expert_ckpt_in", (r, d.h), "mxfp4", mxfp4_bytes(r, d.h), {"moe_expert_ckpt"})
             else:
                 led.add("moe.expert_ckpt_in", (r, d.h), "bf16", BF16 * r * d.h, {"moe_expert_ckpt"})
+            if not recipe.fp8_compute:   # bf16: RecomputedSequentialMLP's checkpoint also keeps tokens_per_expert
+                led.add("moe.expert_ckpt_counts", (d.e // d.ep,), "int64", INT64 * (d.e // d.ep), {"moe_expert_ckpt"})
         if scope == "attn_ln_mlp" and kind == "dense":
             led.drop_prefix("mlp.", keep=("mlp.ln_in",))  # mlp checkpoint input = mlp.ln_out, already freed
         if scope == "attn_ln_mlp" and kind == "dense" and recipe.recompute_cache_fp4:
