@@ -32,8 +32,10 @@ def _layer_bytes(cfg, kind, scope=None, **kw):
 # tiny_cpu: H 256, 4 heads, q_lora 128, kv_lora 128, nope 32, rope 32, v 32, dense ffn 512, 8 experts top-2,
 # moe ffn 128, 1 shared, vocab 512, layers: 0 dense, 1 MoE. parallel=cpu: micro 2 x seq 128 -> T = 256 tokens.
 H, NH, QL, KVL, NOPE, ROPE, V, FFN, E, K, F, FS, VOCAB = 256, 4, 128, 128, 32, 32, 32, 512, 8, 2, 128, 128, 512
-T = 2 * 128
+SEQ = 128
+T = 2 * SEQ
 R = T * K
+ROPE_CACHE = 2 * SEQ * ROPE * 4      # cos + sin [seq, rope] fp32 per layer, independent of the micro-batch
 
 ATTN_MAT = (H * QL + QL * NH * (NOPE + ROPE)) + (H * (KVL + ROPE) + KVL * NH * (NOPE + V)) + NH * V * H
 ATTN_NORMS = QL + KVL
@@ -46,13 +48,18 @@ ATTN_ACT = (2 * T * H + 4 * T + 2 * T * H            # input norm: in, rstd, out
             + 2 * T * QL + 4 * T + 2 * T * QL        # q latent, q_ln rstd, q_up input
             + 2 * T * (KVL + ROPE) + 4 * T + 2 * T * KVL   # kv latent (+ rope key), kv_ln rstd, kv_up input
             + 2 * T * NH * (NOPE + ROPE) * 2 + 2 * T * NH * V   # q, k, v
-            + 2 * T * NH * V + 4 * NH * T)          # o, lse
+            + 2 * T * NH * V + 4 * NH * T            # o, lse
+            + ROPE_CACHE)
 DENSE_MLP_ACT = 2 * T * H + 4 * T + 2 * T * H + 2 * T * 2 * FFN + 2 * T * FFN
+# router: scores, aux scores [T,E] fp32; 2 x top-k indices [T,K] int64; top-k probs [T,K] fp32; 2 x [T] fp32;
+# routing map [E,T] bool, routing probs [E,T] fp32; the permutation index [R] int64 (x2 with an MXFP4 dispatch);
+# the sequence aux loss's per-sequence load and score sums [micro-batch 2, E] fp32 x 2
+ROUTER = 4 * T * E * 2 + 8 * T * K * 2 + 4 * T * K + 4 * T * 2 + E * T + 4 * E * T + 8 * R + 4 * 2 * E * 2
 MOE_ACT = (2 * T * H + 4 * T + 2 * T * H             # pre-MLP norm in, rstd, out (router input)
-           + 4 * T * E * 2 + (4 + 8) * T * K + 8 * R * 2     # router scores, aux, top-k; routing indices
+           + ROUTER                                  # router + dispatcher
            + 2 * R * H + 2 * R * 2 * F + 2 * R * F + 4 * R   # experts fc1 in, SwiGLU in, fc2 in, probs
            + 2 * T * 2 * FS + 2 * T * FS)            # shared SwiGLU in, fc2 in (fc1 input = the norm output)
-HEAD_ACT = 2 * T * H + 4 * T + 2 * T * H + 4 * T * VOCAB
+HEAD_ACT = 2 * T * H + 4 * T + 2 * T * H + 4 * T * VOCAB + 9 * T   # + masked target int64, target mask bool
 EMBED_ACT = 8 * T
 
 
@@ -73,9 +80,10 @@ def test_tiny_activations_by_hand():
     assert b.in_flight == 1  # PP = 1
     assert b.activations_bytes == EMBED_ACT + 2 * ATTN_ACT + DENSE_MLP_ACT + MOE_ACT + HEAD_ACT
     assert b.a2a_buffers_bytes == 2 * R * (2 * H + 4)  # send + receive of the dispatch (bf16 rows + fp32 prob)
-    assert b.recompute_transient_bytes == 0 and b.static_buffers_bytes == 0
+    assert b.recompute_transient_bytes == 0 and b.static_buffers_bytes == 0 and b.measured_transient_bytes == 0
+    assert b.loss_transient_bytes == 2 * T * VOCAB   # the BF16 logits (or their gradient) beside the fp32 softmax
     assert b.total_bytes == (b.params_bytes + b.grads_bytes + b.optimizer_bytes + b.activations_bytes
-                             + b.a2a_buffers_bytes)
+                             + b.a2a_buffers_bytes + b.loss_transient_bytes)
     assert math.isclose(b.total_gb, b.total_bytes / 2**30)
     assert [r[0] for r in b.table()][-1] == "total" and b.fits(1.0) and not b.fits(0.0)
 
@@ -85,9 +93,9 @@ def test_tiny_mxfp4_moe_by_hand():
     # expert's FP8 linears save MXFP4 copies of their inputs; the router still holds the bf16 norm output.
     cfg = _cfg(precision="mxfp4")
     fp4 = lambda m, k: m * k // 2 + m * k // 32
-    moe = (2 * T * H + 4 * T + 2 * T * H + 4 * T * E * 2 + 12 * T * K + 16 * R
+    moe = (2 * T * H + 4 * T + 2 * T * H + ROUTER + 8 * R      # the MXFP4 dispatch keeps a second index
            + fp4(R, H) + fp4(R, 2 * F) + fp4(R, F) + 4 * R
-           + fp4(T, H) + 2 * T * 2 * FS + fp4(T, FS))
+           + fp4(T, H) + fp4(T, 2 * FS) + fp4(T, FS))         # shared SwiGLU input MXFP4 (activation_fp4_store)
     assert _layer_bytes(cfg, "moe") == ATTN_ACT + moe
 
 
@@ -221,3 +229,54 @@ def test_report_t1_cells_uncalibrated():
             lines.append(f"{scope:16s} {rec:6s} rank {b.pipeline_rank:2d} ({b.stage_letters}) "
                          + " ".join(f"{n}={v:.1f}" for n, v in b.table()))
     print("\nUNCALIBRATED paper-scale prediction (GB = 2**30 B):\n" + "\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------- calibrated terms
+
+def _proxy(recompute="none", precision="bf16", mb=1, gb=1):
+    cfg = compose_cfg("proxy_h200", "single_gpu", recompute, precision)
+    cfg.precision.scope = "all_linears"
+    cfg.parallel.micro_batch, cfg.parallel.global_batch = mb, gb
+    return cfg
+
+
+def test_kv_down_proj_stays_bf16_under_all_linears():
+    # proxy_h200: kv_down_proj is 2048 -> 512 + 64 = 576, not a multiple of 128: a BF16 linear holding the norm
+    # output, while q_down_proj (2048 -> 768) saves its own FP8 row+col copy.
+    ts = {t.name: t for t in layer_saved_tensors(_proxy(precision="fp8"), "dense", "none")}
+    t = 4096
+    assert "attn.kv_down_in_q" not in ts and ts["attn.ln_out"].holders == {"attn.kv_down_in"}
+    assert ts["attn.q_down_in_q"].bytes == memory.fp8_row_col_bytes(t, 2048)
+    assert ts["attn.ln_out"].bytes == 2 * t * 2048
+
+
+def test_mla_up_proj_keeps_the_norm_outputs_and_mxfp4_caches():
+    t, seq = 4096, 4096
+    b = {t_.name: t_ for t_ in layer_saved_tensors(_proxy(precision="bf16"), "dense", "mla_up_proj")}
+    assert b["attn.q_ln_out"].bytes == 2 * t * 768 and b["attn.kv_ln_out"].bytes == 2 * t * 512
+    assert b["attn.rope_cos_sin"].bytes == 4 * seq * 64            # the frequencies, not cos + sin
+    assert not {"attn.q", "attn.k", "attn.v"} & set(b)
+    m = {t_.name: t_ for t_ in layer_saved_tensors(_proxy(precision="mxfp4"), "dense", "mla_up_proj")}
+    assert m["attn.q_ln_out"].bytes == t * 768 // 2 + t * 768 // 32
+    assert m["attn.k_pos_emb_ckpt"].bytes == t * 64 // 2 + t * 64 // 32
+
+
+def test_mxfp4_recompute_caches_under_attn_ln():
+    t, fp4 = 4096, (lambda m, k: m * k // 2 + m * k // 32)
+    m = {x.name: x.bytes for x in layer_saved_tensors(_proxy(precision="mxfp4"), "dense", "attn_ln_mlp")}
+    assert m["attn.ln_in"] == fp4(t, 2048) and m["mlp.ln_in"] == fp4(t, 2048) and m["mlp.ckpt_in"] == fp4(t, 2048)
+    assert m["attn.q"] == fp4(t * 16, 192) and m["attn.v"] == fp4(t * 16, 128)
+    f = {x.name: x.bytes for x in layer_saved_tensors(_proxy(precision="fp8"), "dense", "attn_ln_mlp")}
+    assert f["attn.ln_in"] == 2 * t * 2048 and "mlp.ckpt_in" not in f
+
+
+def test_expected_expert_padding_and_trainer_grads():
+    # 32 experts, R = 4096 x 8 rows: balanced = 1024 rows each (no padding); expected adds (32 x 127 + 1) // 2 rows
+    cfg = _proxy(precision="fp8")
+    bal = {x.name: x.bytes for x in layer_saved_tensors(cfg, "moe", "none")}
+    exp = {x.name: x.bytes for x in layer_saved_tensors(cfg, "moe", "none", MemoryAssumptions(expert_padding="expected"))}
+    r, pad = 4096 * 8, (32 * 127 + 1) // 2
+    assert exp["moe.expert_fc1_in"] - bal["moe.expert_fc1_in"] == 2048 * pad + 4 * 2048 * (r + pad) // 128 - 4 * 2048 * r // 128
+    a = MemoryAssumptions(main_grad_resident="after_first_micro_batch")
+    one, four = per_gpu_memory(_proxy(mb=8, gb=8), a), per_gpu_memory(_proxy(mb=8, gb=32), a)
+    assert one.grads_bytes == 0 and four.grads_bytes == 4 * (four.dense_params + four.expert_params)

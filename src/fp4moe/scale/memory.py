@@ -1,9 +1,13 @@
 """Per-GPU memory of a megatron-core DeepSeek-V3-style training run, from first principles (issue 6, P5).
 
-FIRST, UNCALIBRATED VERSION. Every term below is a tensor shape times bytes per element, an optimizer byte count
-per parameter, or a count of micro-batches in flight; nothing is fitted. P5 checks it against measured H200 runs
-(``torch.cuda.max_memory_allocated``, SPEC §8) and only then applies it to the paper's configs. Known gaps are
-named fields of ``MemoryAssumptions`` (allocator overhead, DeepEP buffers) that default to 0 until measured.
+Every term below is a tensor shape times bytes per element, an optimizer byte count per parameter, or a count of
+micro-batches in flight; nothing is fitted. Checked against the measured H200 proxy runs by
+``fp4moe.scale.calibration`` (results/scale/calibration.md): the saved activations (b) agree with the measured
+``saved_activation_bytes_per_micro_batch`` to 76 B (bf16, mxfp4) or 0.004 % (fp8: real routing's expert padding) in
+all 46 runs, every recipe x recompute scope x micro-batch. The PEAK does not yet: one micro-batch's backward holds
+0.3-0.9 MB per token of transients on the H200 that no term here explains (calibration.md; measured, named:
+``MemoryAssumptions.backward_transient_bytes_per_token``, 0 by default). Other gaps are named fields of
+``MemoryAssumptions`` (allocator overhead, DeepEP buffers) that default to 0 until measured.
 No torch import: configs and arithmetic only.
 
 Units: bytes internally; ``Breakdown.gb(component)`` and ``total_gb`` are GB = 2**30 bytes (GiB, as torch memory reports are usually read;
@@ -57,24 +61,28 @@ MLA attention (both layer kinds)
     attn.q / k / v    [T,n,192/192/128] core-attention inputs (flash attention keeps them)
     attn.o            [T,n*v] bf16      flash-attention output = linear_proj input
     attn.lse          [n,T] fp32        flash-attention softmax log-sum-exp (no [T,T] softmax is stored)
-    *_q               quantized copies when a dense linear is in the recipe's scope (scope all_linears)
+    attn.rope_cos_sin [2,seq,rope] fp32 RoPE cos and sin, per layer, sized by the sequence, not the micro-batch
+    *_q               quantized copies when a dense linear is in the recipe's scope (scope all_linears); a dense
+                      linear whose in/out features are not multiples of 128 stays BF16 and holds its input
+                      (MLA's kv_down_proj: H -> kv_lora + rope = 576)
 Dense SwiGLU MLP (the first first_k_dense layers)
     mlp.ln_in, mlp.ln_rstd, mlp.ln_out [T,H]; mlp.swiglu_in [T,2F] bf16 (megatron's fused SwiGLU saves its
     input only); mlp.fc2_in [T,F]
 MoE layer
     moe.ln_in, moe.ln_rstd, moe.ln_out (held by the router, which saves its BF16 input, and by a BF16 shared fc1)
     moe.router_scores, moe.router_aux  [T,E] fp32 (sigmoid output; normalized scores of the seq aux loss)
-    moe.router_topk   [T,k] fp32 probs + int64 indices
-    moe.routing_idx   [R] int64 x 2 (permutation and un-permutation indices)
+    moe.router_topk_idx [T,k] int64 x 2; moe.router_topk_probs [T,k] fp32; moe.router_norm [T] fp32 x 2
+    moe.routing_map [E,T] bool; moe.routing_probs [E,T] fp32; moe.seq_aux_stats [b,E] fp32 x 2 (seq aux loss)
+    moe.routing_idx   [R] int64 (x 2 with the MXFP4 dispatch: fp4moe's dispatcher keeps a second one)
     moe.expert_fc1_in [R,H]   bf16 | FP8 row+col | MXFP4 (expert_input_fp4 or save_fp4)
     moe.expert_swiglu_in [R,2F] bf16 | MXFP4 (activation_fp4_store)
     moe.expert_fc2_in [R,F]   bf16 | FP8 row+col | MXFP4 (save_fp4)
     moe.expert_probs  [R] fp32
-    moe.shared_fc1_in_q, moe.shared_swiglu_in [T,2Fs] bf16, moe.shared_fc2_in [T,Fs]
+    moe.shared_fc1_in_q, moe.shared_swiglu_in [T,2Fs] bf16 | MXFP4 (activation_fp4_store), moe.shared_fc2_in [T,Fs]
     (routing probabilities are applied inside the SwiGLU, megatron's and our order, so the combine saves nothing;
     the dispatch/combine buffers are transient, part (d))
 Head (stage with L): head.ln_in, head.ln_rstd, head.ln_out [T,H]; head.softmax [T,V/TP] fp32 (vocab-parallel
-    cross entropy keeps the fp32 softmax). MTP (m): an MLA + MoE layer as above, mtp.eh_in [T,2H] bf16, the
+    cross entropy keeps the fp32 softmax) and head.ce_target [T] int64 + bool (masked target, target mask). MTP (m): an MLA + MoE layer as above, mtp.eh_in [T,2H] bf16, the
     norm inputs of the embedding and hidden streams (2 x [T,H]) and its own head tensors.
 
 Recompute scopes (conf/recompute/*.yaml) and what each keeps:
@@ -88,9 +96,13 @@ Recompute scopes (conf/recompute/*.yaml) and what each keeps:
     attn_ln_mlp      core_attn + layernorm as above; mlp (dense MLPs only, normal checkpoint): dense-MLP internals
                      dropped, its input kept (= mlp.ln_out, freed anyway by the layernorm recompute). Routed
                      experts keep everything: why BF16/FP8 OOM in the paper.
-    mla_up_proj      q/kv up-projections + RoPE recomputed from the stashed latents (attn.q_latent, attn.kv_latent
-                     kept): attn.q_ln_out, attn.kv_ln_out, q_layernorm/kv_layernorm rstd and attn.q/k/v freed
-                     after core attention; attn.o and attn.lse kept. Everything else as none.
+    mla_up_proj      q/kv up-projections + RoPE recomputed inside a checkpoint whose inputs are the q/kv layernorm
+                     outputs (attn.q_ln_out, attn.kv_ln_out kept; the norms keep their inputs and rstd); the
+                     up-projections' saved inputs and attn.q/k/v freed; RoPE keeps its [seq, rope] fp32 frequencies
+                     instead of cos + sin; attn.o and attn.lse kept. Everything else as none.
+    Under ``recompute_cache_fp4`` (the mxfp4 preset) every checkpoint inside a layer stores its inputs MXFP4
+    (fp4moe.model.recompute): the norm checkpoints' inputs (*.ln_in), core attention's q/k/v, the dense mlp
+    checkpoint's input (a surviving MXFP4 copy, mlp.ckpt_in) and mla_up_proj's inputs (+ k_pos_emb's own copy).
     full             megatron full/uniform, 1 layer per chunk: each transformer layer keeps only its input [T,H]
                      bf16; the head/MTP tensors are not recomputed.
 
@@ -124,6 +136,7 @@ GEMM workspaces, backward gradient buffers (dX of a layer while the next one run
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,10 +189,26 @@ class MemoryAssumptions:
     attn_recompute: str = "core_attn"   # what the scopes' "attention" recomputes (module docstring)
     a2a_static_buffer_bytes: int = 0    # DeepEP pre-allocated buffers per GPU: to be measured (P5)
     allocator_overhead_bytes: int = 0   # fragmentation etc.: to be measured on H200 (P5)
+    # FP8 column copies of the routed experts' inputs are padded to 128 rows per expert: 'balanced' = every expert
+    # gets exactly R/E rows (the hand-checkable case); 'expected' = real routing, whose per-expert counts have a
+    # residue mod 128 spread uniformly, so (128 - 1) / 2 padding rows per expert on average.
+    expert_padding: str = "balanced"
+    # When the FP32 main-gradient buffer exists at the peak: 'always' (megatron DDP's persistent grad buffer), or
+    # 'after_first_micro_batch' (fp4moe.train.optim: Optimizer.accumulate creates the FP32 accumulators after the
+    # first micro-batch's backward and zero_grad frees them after the step; the peak is in a backward, so they
+    # count only when a step has 2 or more micro-batches).
+    main_grad_resident: str = "always"
+    # MEASURED on the H200 runs, not derived (fp4moe.scale.calibration names its source): backward transients per
+    # token of one micro-batch that the tensor ledger does not explain, in bytes. 0 = not modelled.
+    backward_transient_bytes_per_token: float = 0.0
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
             raise ValueError(f"attn_recompute={self.attn_recompute!r}: pick one of {ATTN_RECOMPUTE}")
+        if self.expert_padding not in ("balanced", "expected"):
+            raise ValueError(f"expert_padding={self.expert_padding!r}: 'balanced' or 'expected'")
+        if self.main_grad_resident not in ("always", "after_first_micro_batch"):
+            raise ValueError(f"main_grad_resident={self.main_grad_resident!r}: 'always' or 'after_first_micro_batch'")
 
 
 def compose_cfg(model: str, parallel: str, recompute: str, precision: str) -> DictConfig:
@@ -215,7 +244,7 @@ def _scope(cfg: DictConfig) -> str:
 class _Dims:
     h: int; n: int; q_lora: int | None; kv_lora: int; nope: int; rope: int; v: int
     ffn: int; e: int; k: int; f: int; fs: int; vocab: int; first_dense: int
-    t_tok: int; t_hid: int; tp: int; ep: int; etp: int
+    t_tok: int; t_hid: int; tp: int; ep: int; etp: int; seq: int = 0; seq_aux: bool = False
 
 
 def _dims(cfg: DictConfig) -> _Dims:
@@ -230,7 +259,8 @@ def _dims(cfg: DictConfig) -> _Dims:
                  k=int(m.moe.router_topk), f=int(m.moe.ffn_hidden_size),
                  fs=int(m.moe.ffn_hidden_size) * int(m.moe.get("shared_experts", 0) or 0),
                  vocab=int(m.vocab_size), first_dense=int(m.moe.first_k_dense),
-                 t_tok=t_tok, t_hid=t_tok // tp if sp else t_tok, tp=tp, ep=int(p.expert), etp=etp)
+                 t_tok=t_tok, t_hid=t_tok // tp if sp else t_tok, tp=tp, ep=int(p.expert), etp=etp,
+                 seq=int(p.seq_length) // cp, seq_aux=m.moe.get("load_balancing_type") == "seq_aux_loss")
 
 
 # ---------------------------------------------------------------------------------------------- (b) ledger
@@ -268,10 +298,13 @@ class _Ledger:
 
 
 def _linear_input(led: _Ledger, src: str, consumer: str, m: int, k: int, kind: str, recipe: Recipe,
-                  mp: int | None = None) -> None:
-    """A linear that reads the saved tensor ``src`` [m, k]: a BF16 linear holds ``src``; an FP8 one saves its own
-    quantized copy ``<consumer>_q`` (FP8 row+col, or MXFP4 under save_fp4) and does not hold ``src``."""
-    if recipe.fp8_compute and recipe.applies_to(kind):
+                  mp: int | None = None, n_out: int | None = None) -> None:
+    """A linear ``[k] -> [n_out]`` that reads the saved tensor ``src`` [m, k]: a BF16 linear holds ``src``; an FP8
+    one saves its own quantized copy ``<consumer>_q`` (FP8 row+col, or MXFP4 under save_fp4) and does not hold
+    ``src``. A dense linear whose in or out features are not multiples of 128 stays BF16
+    (``fp4moe.model.build.apply_fp8_dense_linears``; MLA's kv_down_proj, H -> kv_lora + rope = 576, is one)."""
+    blockable = kind != "dense" or n_out is None or (k % FP8_GROUP == 0 and n_out % FP8_GROUP == 0)
+    if recipe.fp8_compute and recipe.applies_to(kind) and blockable:
         if recipe.save_fp4:
             led.add(f"{consumer}_q", (m, k), "mxfp4", mxfp4_bytes(m, k), {consumer})
         else:
@@ -298,7 +331,7 @@ def _attention(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
         _linear_input(led, "attn.q_ln_out", "attn.q_up_in", t, d.q_lora, "dense", recipe)
     else:
         _linear_input(led, "attn.ln_out", "attn.q_proj_in", th, d.h, "dense", recipe)
-    _linear_input(led, "attn.ln_out", "attn.kv_down_in", th, d.h, "dense", recipe)
+    _linear_input(led, "attn.ln_out", "attn.kv_down_in", th, d.h, "dense", recipe, n_out=d.kv_lora + d.rope)
     led.add("attn.kv_latent", (t, d.kv_lora + d.rope), "bf16", BF16 * t * (d.kv_lora + d.rope), {"kv_ln"})
     led.add("attn.kv_ln_rstd", (t,), "fp32", FP32 * t, {"kv_ln"})
     led.add("attn.kv_ln_out", (t, d.kv_lora), "bf16", BF16 * t * d.kv_lora, set())
@@ -308,6 +341,10 @@ def _attention(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
     led.add("attn.o", (t, n * d.v), "bf16", BF16 * t * n * d.v, {"core_attn"})
     _linear_input(led, "attn.o", "attn.proj_in", t, n * d.v, "dense", recipe)
     led.add("attn.lse", (n, t), "fp32", FP32 * n * t, {"core_attn"})
+    # MLA's RoPE: cos and sin [seq, 1, 1, rope] fp32 saved by the rotary application of every layer; sized by the
+    # sequence, not by the micro-batch (the H200 probe: 8 388 608 B = 4 layers x 2 x 4096 x 64 x 4 at micro-batch 8
+    # and 16 alike).
+    led.add("attn.rope_cos_sin", (2, d.seq, d.rope), "fp32", 2 * FP32 * d.seq * d.rope, {"rope"})
 
 
 def _dense_mlp(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
@@ -319,23 +356,37 @@ def _dense_mlp(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
     _linear_input(led, "mlp.fc2_in", "mlp.fc2", d.t_tok, f, "dense", recipe)
 
 
-def _expert_rows(d: _Dims) -> tuple[int, int, int]:
-    """(R rows on this GPU's experts, local experts, Mp = rows padded to 128 per expert), balanced routing."""
+def _expert_rows(d: _Dims, padding: str = "balanced") -> tuple[int, int, int]:
+    """(R rows on this GPU's experts, local experts, Mp = rows padded to 128 per expert): balanced routing, or
+    ('expected') R plus (128 - 1) / 2 padding rows per expert, rounded to a row."""
     r = d.t_tok * d.k
     el = d.e // d.ep
+    if padding == "expected":
+        return r, el, r + (el * (FP8_GROUP - 1) + 1) // 2
     per = -(-r // el)
     return r, el, el * _pad128(per)
 
 
-def _moe(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
+def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced") -> None:
     t, th = d.t_tok, d.t_hid
     h, f, fs = d.h, d.f // d.etp, d.fs // d.tp
-    r, _, mp = _expert_rows(d)
+    r, _, mp = _expert_rows(d, padding)
     _norm(led, "moe", "pre_mlp_ln", th, h, out_holders={"router"})
-    led.add("moe.router_scores", (t, d.e), "fp32", FP32 * t * d.e, {"router"})
-    led.add("moe.router_aux", (t, d.e), "fp32", FP32 * t * d.e, {"router"})
-    led.add("moe.router_topk", (t, d.k), "fp32+int64", (FP32 + INT64) * t * d.k, {"router"})
-    led.add("moe.routing_idx", (2, r), "int64", 2 * INT64 * r, {"permute"})
+    # megatron-core 0.16.1's sigmoid top-k router with the sequence aux loss (moe/router.py, moe_utils.py), as
+    # listed by fp4moe.ops.accounting on the model (plain torch ops, the same on CPU and GPU):
+    led.add("moe.router_scores", (t, d.e), "fp32", FP32 * t * d.e, {"router"})          # sigmoid output
+    led.add("moe.router_aux", (t, d.e), "fp32", FP32 * t * d.e, {"router"})             # aux-loss scores
+    led.add("moe.router_topk_idx", (2, t, d.k), "int64", 2 * INT64 * t * d.k, {"router"})  # top-k gather/scatter
+    led.add("moe.router_topk_probs", (t, d.k), "fp32", FP32 * t * d.k, {"router"})
+    led.add("moe.router_norm", (2, t), "fp32", 2 * FP32 * t, {"router"})               # top-k sum, aux denominator
+    led.add("moe.routing_map", (d.e, t), "bool", d.e * t, {"permute"})
+    led.add("moe.routing_probs", (d.e, t), "fp32", FP32 * d.e * t, {"permute"})
+    if d.seq_aux:   # the sequence aux loss: per-sequence expert load and score sums [b, E] fp32
+        b = max(1, t // d.seq) if d.seq else 1
+        led.add("moe.seq_aux_stats", (2, b, d.e), "fp32", 2 * FP32 * b * d.e, {"router"})
+    # permutation index of the R dispatched rows; fp4moe's MXFP4 dispatcher keeps a second one (the scales' rows)
+    n_idx = 2 if recipe.dispatch_fp4 else 1
+    led.add("moe.routing_idx", (n_idx, r), "int64", n_idx * INT64 * r, {"permute"})
     fp8 = recipe.fp8_compute
     if not fp8:
         x_fmt, x_b = "bf16", BF16 * r * h
@@ -357,11 +408,21 @@ def _moe(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
     led.add("moe.expert_probs", (r,), "fp32", FP32 * r, {"experts"})
     if fs:
         _linear_input(led, "moe.ln_out", "moe.shared_fc1_in", th, h, "shared_expert", recipe)
-        # megatron's fused SwiGLU saves its BF16 input; activation_fp4_store covers the routed experts only (as
-        # fp4moe.moe.layer implements it).
-        led.add("moe.shared_swiglu_in", (t, 2 * fs), "bf16", BF16 * t * 2 * fs, {"shared.swiglu"})
+        # the fused SwiGLU saves its input: BF16, or MXFP4 under activation_fp4_store (the shared expert too, as
+        # fp4moe.model.recipe_moe builds it: measured on the model with fp4moe.ops.accounting)
+        if recipe.activation_fp4_store:
+            led.add("moe.shared_swiglu_in", (t, 2 * fs), "mxfp4", mxfp4_bytes(t, 2 * fs), {"shared.swiglu"})
+        else:
+            led.add("moe.shared_swiglu_in", (t, 2 * fs), "bf16", BF16 * t * 2 * fs, {"shared.swiglu"})
         led.add("moe.shared_fc2_in", (t, fs), "bf16", BF16 * t * fs, set())
         _linear_input(led, "moe.shared_fc2_in", "moe.shared_fc2", t, fs, "shared_expert", recipe)
+
+
+def _to_mxfp4(led: _Ledger, name: str) -> None:
+    """Store the saved tensor ``name`` as MXFP4 rows instead (a recompute cache under ``recompute_cache_fp4``)."""
+    x = led.t[name]
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    led.t[name] = SavedTensor(name, x.shape, "mxfp4", mxfp4_bytes(m, k), x.holders, x.tag)
 
 
 def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
@@ -394,12 +455,35 @@ def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, 
                 led.add("moe.expert_ckpt_in", (r, d.h), "mxfp4", mxfp4_bytes(r, d.h), {"moe_expert_ckpt"})
             else:
                 led.add("moe.expert_ckpt_in", (r, d.h), "bf16", BF16 * r * d.h, {"moe_expert_ckpt"})
+            if not recipe.fp8_compute:   # bf16: RecomputedSequentialMLP's checkpoint also keeps tokens_per_expert
+                led.add("moe.expert_ckpt_counts", (d.e // d.ep,), "int64", INT64 * (d.e // d.ep), {"moe_expert_ckpt"})
         if scope == "attn_ln_mlp" and kind == "dense":
             led.drop_prefix("mlp.", keep=("mlp.ln_in",))  # mlp checkpoint input = mlp.ln_out, already freed
+        if scope == "attn_ln_mlp" and kind == "dense" and recipe.recompute_cache_fp4:
+            # the mlp checkpoint keeps its argument, the (discarded) pre-MLP norm output: an MXFP4 copy survives
+            led.add("mlp.ckpt_in", (d.t_hid, d.h), "mxfp4", mxfp4_bytes(d.t_hid, d.h), {"mlp_ckpt"})
+        if recipe.recompute_cache_fp4:
+            # the norm checkpoints' inputs and core attention's checkpointed q, k, v are stored MXFP4
+            # (fp4moe.model.recompute: every checkpoint inside a TransformerLayer)
+            for name in ("attn.ln_in", "mlp.ln_in", "moe.ln_in", "attn.q", "attn.k", "attn.v"):
+                if name in led.t and a.attn_recompute == "core_attn" or name.endswith("ln_in") and name in led.t:
+                    _to_mxfp4(led, name)
         return
     if scope == "mla_up_proj":
-        led.drop("attn.q_ln_rstd", "attn.q_ln_out", "attn.q_up_in_q", "attn.kv_ln_rstd", "attn.kv_ln_out",
-                 "attn.kv_up_in_q", "attn.q", "attn.k", "attn.v")
+        # megatron's mla_up_proj checkpoint re-runs q_up / kv_up + RoPE from its inputs, the q/kv layernorm outputs
+        # (kept: the norms stay outside it, with their inputs and 1/rms); under recompute_cache_fp4 those inputs are
+        # stored MXFP4 (fp4moe.model.recompute). The up-projections' own saved inputs and q, k, v are freed.
+        led.drop("attn.q_up_in_q", "attn.kv_up_in_q", "attn.q", "attn.k", "attn.v")
+        for name in ("attn.q_ln_out", "attn.kv_ln_out"):
+            if name in led.t:
+                led.t[name].holders = {"mla_up_proj_ckpt"}
+                if recipe.recompute_cache_fp4:
+                    _to_mxfp4(led, name)
+        if recipe.recompute_cache_fp4:   # k_pos_emb: a view of kv_latent in BF16, its own MXFP4 copy here
+            led.add("attn.k_pos_emb_ckpt", (d.t_tok, d.rope), "mxfp4", mxfp4_bytes(d.t_tok, d.rope),
+                    {"mla_up_proj_ckpt"})
+        # RoPE runs inside the checkpoint: it keeps the rotary frequencies [seq, rope] fp32, not cos and sin
+        led.add("attn.rope_cos_sin", (d.seq, d.rope), "fp32", FP32 * d.seq * d.rope, {"mla_up_proj_ckpt"})
         return
     raise ValueError(f"unknown recompute scope {scope!r}: one of {SCOPES}")
 
@@ -418,7 +502,7 @@ def layer_saved_tensors(cfg: Any, kind: str, scope: str | None = None,
     if kind == "dense":
         _dense_mlp(led, d, recipe)
     elif kind == "moe":
-        _moe(led, d, recipe)
+        _moe(led, d, recipe, a.expert_padding)
     else:
         raise ValueError(f"kind={kind!r}: 'dense' or 'moe'")
     _apply_scope(led, kind, scope, d, recipe, a)
@@ -431,7 +515,9 @@ def _head_tensors(d: _Dims) -> list[SavedTensor]:
             SavedTensor("head.ln_rstd", (t,), "fp32", FP32 * t, {"final_ln"}),
             SavedTensor("head.ln_out", (t, d.h), "bf16", BF16 * t * d.h, {"output_layer"}),
             SavedTensor("head.softmax", (d.t_tok, d.vocab // d.tp), "fp32", FP32 * d.t_tok * (d.vocab // d.tp),
-                        {"cross_entropy"})]
+                        {"cross_entropy"}),
+            # megatron's vocab-parallel cross entropy also saves the masked target (int64) and the target mask (bool)
+            SavedTensor("head.ce_target", (d.t_tok,), "int64+bool", (INT64 + 1) * d.t_tok, {"cross_entropy"})]
 
 
 def _mtp_extra_tensors(d: _Dims) -> list[SavedTensor]:
@@ -514,11 +600,17 @@ class Breakdown:
     dense_params: float
     expert_params: float
     tensors: list = field(default_factory=list, repr=False)   # (layer letter/index, SavedTensor) per micro-batch
+    # BF16 [T, V/TP] logits beside the saved fp32 softmax: the output at the end of the forward, or its gradient
+    # at the start of the backward (the stage with the head only; transient)
+    loss_transient_bytes: int = 0
+    # MemoryAssumptions.backward_transient_bytes_per_token x tokens of one micro-batch (measured, named)
+    measured_transient_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.a2a_buffers_bytes + self.recompute_transient_bytes + self.static_buffers_bytes)
+                + self.a2a_buffers_bytes + self.recompute_transient_bytes + self.static_buffers_bytes
+                + self.loss_transient_bytes + self.measured_transient_bytes)
 
     @property
     def total_gb(self) -> float:
@@ -530,17 +622,19 @@ class Breakdown:
 
     def gb(self, component: str) -> float:
         """One component in GB (2**30 B): params, grads, optimizer, activations, a2a_buffers,
-        recompute_transient or static_buffers."""
+        recompute_transient, static_buffers, loss_transient or measured_transient."""
         return getattr(self, f"{component}_bytes") / GB
 
     def table(self) -> list[tuple[str, float]]:
         """(component, GB) rows, then the total."""
         labels = {"params": "params (bf16)", "activations": f"activations ({self.in_flight} in flight)",
-                  "static_buffers": "static buffers (assumed)"}
+                  "static_buffers": "static buffers (assumed)",
+                  "measured_transient": "backward transients (measured, H200)"}
         return [(labels.get(c, c.replace("_", " ")), self.gb(c)) for c in COMPONENTS] + [("total", self.total_gb)]
 
 
-COMPONENTS = ("params", "grads", "optimizer", "activations", "a2a_buffers", "recompute_transient", "static_buffers")
+COMPONENTS = ("params", "grads", "optimizer", "activations", "a2a_buffers", "recompute_transient", "static_buffers",
+              "loss_transient", "measured_transient")
 
 
 def _a2a_buffer_bytes(d: _Dims, recipe: Recipe) -> int:
@@ -618,17 +712,21 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
             in_flight = min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, n_micro * vpp)
             per_mb = act_sum // vpp  # mean over the rank's chunks
         n_params = dense_p + expert_p
+        grad_per = a.grad_bytes if (a.main_grad_resident == "always" or n_micro > 1) else 0
+        has_head = any("L" in stages[i] or "m" in stages[i] for i in chunks)
         opt_per = 0 if a.optimizer_offload else a.main_param_bytes + a.adam_state_bytes
         opt = opt_per * (dense_p / (dp if dist_opt else 1) + expert_p / (edp if dist_opt else 1))
         out.append(Breakdown(
             pipeline_rank=rank, stage_letters="|".join(stages[i] for i in chunks), recipe=recipe.name, scope=scope,
             in_flight=in_flight, params_bytes=round(n_params * a.param_bytes),
-            grads_bytes=round(n_params * a.grad_bytes), optimizer_bytes=round(opt),
+            grads_bytes=round(n_params * grad_per), optimizer_bytes=round(opt),
             activations_bytes=in_flight * per_mb,
             a2a_buffers_bytes=_a2a_buffer_bytes(d, recipe) if has_moe else 0,
             recompute_transient_bytes=trans,
             static_buffers_bytes=a.allocator_overhead_bytes + (a.a2a_static_buffer_bytes if has_moe else 0),
-            per_microbatch_activation_bytes=per_mb, dense_params=dense_p, expert_params=expert_p, tensors=tensors))
+            per_microbatch_activation_bytes=per_mb, dense_params=dense_p, expert_params=expert_p, tensors=tensors,
+            loss_transient_bytes=BF16 * d.t_tok * (d.vocab // d.tp) if has_head else 0,
+            measured_transient_bytes=round(a.backward_transient_bytes_per_token * d.t_tok)))
     return out
 
 
