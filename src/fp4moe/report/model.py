@@ -1,6 +1,7 @@
 """The paper-scale model's side of the report: fp4moe.scale's per-GPU memory for T1's cells, and what-ifs.
 
-UNCALIBRATED until fp4moe.scale is checked against measured H200 runs (issue 6); every number from here is
+UNCALIBRATED until fp4moe.scale's peak memory agrees with the measured H200 runs (issue 6; its saved activations do:
+results/scale/calibration.md); every number from here is
 labelled ``MODEL_LABEL``. GB here are fp4moe.scale's (2**30 B); "% of 80 GB" divides by 80 of them.
 """
 from __future__ import annotations
