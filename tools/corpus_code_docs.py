@@ -48,6 +48,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from fp4moe.data.corpus import sha256_file  # noqa: E402  (the data pipeline's pinned-file check)
+
 try:
     from tqdm import tqdm as _tqdm
 except ImportError:  # optional
@@ -77,14 +80,6 @@ class CorpusError(Exception):
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def normalise(raw: bytes) -> str:
