@@ -296,3 +296,9 @@ def test_reproduce_lists_what_is_missing_by_issue(capsys):
 def test_reproduce_fails_when_the_benchmark_fails(monkeypatch, tmp_path):
     _fake_bench(monkeypatch, lambda argv: 1)
     assert not reproduce.run_bench(["--out", str(tmp_path)], track=False)
+
+
+def test_reproduce_self_check_ignores_reproduce_own_arguments(monkeypatch):
+    """make reproduce-table ARGS...: the kernel self-check parses its own (empty) argument list, not reproduce's."""
+    monkeypatch.setattr(sys, "argv", ["python -m fp4moe.reproduce", "--skip-bench", "--no-report"])
+    assert reproduce.run_selfcheck()

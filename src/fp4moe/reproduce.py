@@ -10,7 +10,9 @@ Steps, in order:
      installed (the GPU image), the command that logs it elsewhere is printed; on CPU, the
      benchmark files already in results/kernels/ are listed (or their absence said);
   4. the trainer runs measured on GPUs and archived in ``results/train_proxy/*.json`` (``fp4moe.runs_archive``)
-     loaded into MLflow (idempotent);
+     loaded into MLflow (idempotent); then the scaled-down experiments this machine can run
+     (``fp4moe.reproduce_runs``: the tiny model on CPU, the H200 proxy's T1 and F5 twins on a Hopper GPU), each
+     cell once, reusing the cells MLflow already holds (``--no-train`` skips them, ``--rerun`` repeats them);
   5. the report (``fp4moe.report``): every run in the MLflow store, beside the paper's numbers
      (conf/paper/numbers.yaml) and the paper-scale model's uncalibrated prediction, written to
      ``results/report/`` (Markdown, CSV, PNG); skipped, and said, where mlflow is not installed;
@@ -55,10 +57,9 @@ NOT_YET_IMPLEMENTED = (
     ("P5", 6, "the paper-scale model's peak memory within 5 % of the H200 proxy's (saved activations agree in all "
               "46 runs; the peak only in 12 of 39 cells: results/scale/calibration.md), so the report's model "
               "columns stay labelled uncalibrated; "
-              "the model's throughput side (ratios between recipes and scopes); this command running the "
-              "trainer itself (CPU tiny proxy, the H200 proxy on one GPU, Slurm submission/collection) with a "
-              "progress display: it reports the trainer runs already in MLflow and those archived in "
-              "results/train_proxy/. The report (results/report/) and the notebooks (notebooks/) exist"),
+              "the model's throughput side (ratios between recipes and scopes); this command submitting the "
+              "experiments to a Slurm cluster and collecting them (it runs the trainer itself on CPU and on one "
+              "GPU: fp4moe.reproduce_runs). The report (results/report/) and the notebooks (notebooks/) exist"),
     ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "
               "nvidia-h200-x8"),
 )
@@ -125,7 +126,7 @@ def run_selfcheck() -> bool:
     if not found:
         return found is False  # missing: reported, nothing failed; None: it failed to import
     print("kernel self-check: running fp4moe_kernels.selfcheck.main()")
-    ok, _ = _call(lambda: importlib.import_module("fp4moe_kernels.selfcheck").main())
+    ok, _ = _call(lambda: importlib.import_module("fp4moe_kernels.selfcheck").main([]))  # not reproduce's argv
     print(f"kernel self-check: {'passed' if ok else 'FAILED'}")
     return ok
 
@@ -251,6 +252,31 @@ def load_trainer_archives(track: bool) -> bool:
         return False
 
 
+def run_trainer_cells(rerun: bool) -> bool:
+    """The scaled-down experiments this machine can run (``fp4moe.reproduce_runs``: the tiny model on CPU, the H200
+    proxy's T1 and F5 twins on a Hopper GPU), each cell once: those already in MLflow are reused."""
+    if importlib.util.find_spec("mlflow") is None or importlib.util.find_spec("megatron") is None:
+        print(f"trainer runs (this machine): skipped, mlflow and megatron-core are needed for {sys.executable}")
+        return True
+    from fp4moe import reproduce_runs, tracking
+
+    uri = tracking.tracking_uri()
+    cells, notes = reproduce_runs.plan()
+    for n in notes:
+        print(f"trainer runs (this machine): {n}")
+    print(f"trainer runs (this machine): {len(cells)} cells (python -m fp4moe.reproduce_runs --list)")
+    try:
+        ran, reused, failures = reproduce_runs.run(cells, uri, rerun=rerun)
+    except Exception:
+        traceback.print_exc()
+        print("trainer runs (this machine): FAILED (traceback above)")
+        return False
+    print(f"trainer runs (this machine): {ran} ran, {reused} reused from MLflow, {len(failures)} failed")
+    for f in failures:
+        print(f"trainer runs (this machine): FAILED {f}")
+    return not failures
+
+
 def run_report() -> bool:
     """Write results/report/ from the MLflow store (``fp4moe.tracking.tracking_uri()``, the store the steps above
     logged to) with ``fp4moe.report``; without mlflow, say so (not a failure)."""
@@ -292,6 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="do not run (or log) the kernel and layer benchmarks even on a GPU")
     parser.add_argument("--no-tracking", action="store_true",
                         help="do not log benchmark rows to MLflow")
+    parser.add_argument("--no-train", action="store_true",
+                        help="do not run the scaled-down trainer experiments of this machine (fp4moe.reproduce_runs)")
+    parser.add_argument("--rerun", action="store_true",
+                        help="run the trainer experiments again even where MLflow already has them")
     parser.add_argument("--no-report", action="store_true",
                         help=f"do not write the report ({RESULTS_REPORT}/) at the end")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
@@ -315,6 +345,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_bench:
         results["MoE layer benchmark"] = run_layer_bench(has_gpu, track=not args.no_tracking)
     results["trainer runs (archives)"] = load_trainer_archives(track=not args.no_tracking)
+    if args.no_train or args.no_tracking:
+        print("trainer runs (this machine): skipped (--no-train / --no-tracking)")
+    else:
+        results["trainer runs (this machine)"] = run_trainer_cells(args.rerun)
     if args.no_report:
         print("report: skipped (--no-report)")
     else:

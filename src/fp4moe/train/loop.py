@@ -299,6 +299,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     tags = hardware_tags(device, info.world_size, info.launcher)
     tags.update({"recipe": str(cfg.precision.name), "recompute": str(cfg.recompute.name), "model": str(cfg.model.name),
                  "checkpoint_dir": str(root), **slurm.job_tags()})
+    extra = OmegaConf.select(cfg, "tracking.tags", default=None) or {}  # the caller's own (e.g. fp4moe.reproduce_runs)
+    tags.update({str(k): str(v) for k, v in extra.items()})
     run_name = f"{cfg.get('task_name', 'train')}/{cfg.model.name}/{cfg.precision.name}/{cfg.recompute.name}"
     tracker.start(run_name, params, tags, resume_run_id=run_id)
     result = TrainResult(run_id=tracker.run_id, start_step=start_step, step=step, total_steps=int(derived["steps"]))

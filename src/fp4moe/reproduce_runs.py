@@ -1,0 +1,189 @@
+"""The scaled-down experiments this machine can run, as a step of ``make reproduce-table`` (issue 6).
+
+    python -m fp4moe.reproduce_runs [--list] [--rerun]      # also run by python -m fp4moe.reproduce
+
+What runs where (``plan()``):
+
+* **CPU** (no CUDA GPU): the tiny model (conf/model/tiny_cpu.yaml) on the Shakespeare corpus: the T1 shape (bf16 /
+  fp8 / mxfp4 x the paper's three recompute scopes, 6 steps each; throughput on a CPU is not the paper's quantity,
+  the cells show that every recipe runs under every scope) and an F5 shape (the three recipes, 40 steps from the
+  same seed and data order, evaluation loss at 20 and 40).
+* **One or more CUDA GPUs** (Hopper: the FP8/FP4 kernels need sm_90): on GPU 0 the H200 proxy's T1 twin
+  (experiment proxy_t1_1gpu, micro-batch 34: 9 cells) and, when the code+docs corpus is there
+  (``data/code_docs/code_docs.jsonl``, or ``FP4MOE_CORPUS``; built by tools/corpus_code_docs.py), its F5 twin
+  (experiment proxy_f5_1gpu: 3 runs of 180 steps).
+
+Each cell is ``python -m fp4moe.train hydra.mode=RUN <overrides>`` in its own process (the peak memory of a cell is
+its own), tagged ``fp4moe_reproduce_key`` = a hash of its overrides and ``PLAN_VERSION``. A rerun reuses every cell
+whose key already has a finished run (or an OOM outcome) in the MLflow store, so an interrupted ``make
+reproduce-table`` continues where it stopped; ``--rerun`` runs everything again. A progress bar counts the cells; each
+cell's output goes to ``logs/reproduce/<key>.log``. A cell that fails (not OOM) is reported with its log and the
+step fails; the others still run.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+PLAN_VERSION = "1"
+KEY_TAG = "fp4moe_reproduce_key"  # no dot: it travels as the Hydra override +tracking.tags.<KEY_TAG>=...
+RECIPES = ("bf16", "fp8", "mxfp4")
+T1_SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One trainer run: a label for the progress display and the Hydra overrides of ``python -m fp4moe.train``."""
+
+    label: str
+    experiment: str          # the MLflow experiment (= task_name) it logs to
+    overrides: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def key(self) -> str:
+        text = "\n".join((PLAN_VERSION, self.experiment, *sorted(self.overrides)))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cpu_plan() -> list[Cell]:
+    base = ("model=tiny_cpu", "parallel=cpu", "cluster=cpu", "data=shakespeare", "train=short_cpu",
+            "train.progress_bar=false", "train.checkpoint_interval=null")
+    cells = [Cell(f"T1 tiny {r} {s}", "reproduce_tiny_t1",
+                  base + ("task_name=reproduce_tiny_t1", f"precision={r}", f"recompute={s}", "train.steps=6",
+                          "train.eval_interval=null"))
+             for s in T1_SCOPES for r in RECIPES]
+    cells += [Cell(f"F5 tiny {r}", "reproduce_tiny_f5",
+                   base + ("task_name=reproduce_tiny_f5", f"precision={r}", "recompute=none", "train.steps=40",
+                           "train.eval_interval=20"))
+              for r in RECIPES]
+    return cells
+
+
+def _gpu_plan(root: Path) -> tuple[list[Cell], list[str]]:
+    notes = []
+    gpu0 = (("CUDA_VISIBLE_DEVICES", "0"),)
+    common = ("hydra/launcher=local", "train.progress_bar=false")
+    cells = [Cell(f"T1 twin {r} {s}", "proxy_t1_1gpu", ("experiment=proxy_t1_1gpu", "hydra.mode=RUN", *common,
+                                                          f"precision={r}", f"recompute={s}"), gpu0)
+             for s in T1_SCOPES for r in RECIPES]
+    corpus = Path(os.environ.get("FP4MOE_CORPUS") or root / "data/code_docs/code_docs.jsonl")
+    if corpus.is_file():
+        cells += [Cell(f"F5 twin {r}", "proxy_f5_1gpu", ("experiment=proxy_f5_1gpu", "hydra.mode=RUN", *common,
+                                                         f"precision={r}", f"data.path={corpus}"), gpu0)
+                  for r in RECIPES]
+    else:
+        notes.append(f"F5 twin skipped: no corpus at {corpus} (build it with `python tools/corpus_code_docs.py "
+                     f"--out data/code_docs/code_docs.jsonl`, or set FP4MOE_CORPUS)")
+    return cells, notes
+
+
+def plan(root: Path | None = None) -> tuple[list[Cell], list[str]]:
+    """(cells, notes) for this machine: the GPU plan with a CUDA GPU of compute capability >= 9.0, else the CPU
+    plan; notes say what is left out and why."""
+    import torch
+
+    from fp4moe.tracking import repo_root
+
+    root = root or repo_root()
+    if torch.cuda.is_available():
+        if torch.cuda.get_device_capability(0) >= (9, 0):
+            return _gpu_plan(root)
+        return _cpu_plan(), [f"{torch.cuda.get_device_name(0)} is not a Hopper GPU: the FP8/FP4 kernels need sm_90, "
+                             "so this machine runs the CPU plan"]
+    return _cpu_plan(), []
+
+
+def finished_keys(uri: str, experiments: set[str]) -> set[str]:
+    """Keys of cells with a finished run or an OOM outcome in the store."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    keys = set()
+    for name in experiments:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            continue
+        token = None
+        while True:
+            page = client.search_runs([exp.experiment_id], filter_string=f"tags.`{KEY_TAG}` != ''",
+                                      max_results=1000, page_token=token)
+            for r in page:
+                if r.info.status == "FINISHED" or r.data.tags.get("outcome") == "OOM":
+                    keys.add(r.data.tags[KEY_TAG])
+            token = page.token
+            if not token:
+                break
+    return keys
+
+
+def run(cells: Sequence[Cell], uri: str, *, rerun: bool = False, trainer: Sequence[str] | None = None,
+        log_dir: Path | None = None, log=print) -> tuple[int, int, list[str]]:
+    """Run the cells not yet in the store ``uri``; returns (ran, reused, failures: 'label (log path)')."""
+    from tqdm import tqdm
+
+    from fp4moe.tracking import repo_root
+
+    trainer = list(trainer or [sys.executable, "-m", "fp4moe.train"])
+    log_dir = Path(log_dir or repo_root() / "logs" / "reproduce")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    done = set() if rerun else finished_keys(uri, {c.experiment for c in cells})
+    ran = reused = 0
+    failures: list[str] = []
+    bar = tqdm(cells, desc="reproduce: trainer runs", unit="run", dynamic_ncols=True)
+    say = bar.write if log is print else log  # printed above the bar, not through it
+    for cell in bar:
+        bar.set_postfix_str(cell.label)
+        if cell.key in done:
+            reused += 1
+            continue
+        path = log_dir / f"{cell.key}.log"
+        env = {**os.environ, **dict(cell.env), "MLFLOW_TRACKING_URI": uri}
+        cmd = [*trainer, *cell.overrides, f"+tracking.tags.{KEY_TAG}={cell.key}"]
+        t0 = time.time()
+        with open(path, "w") as out:
+            out.write(" ".join(cmd) + "\n")
+            out.flush()
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=repo_root()).returncode
+        ran += 1
+        if rc not in (0, 3):  # 3: out of GPU memory, recorded as an OOM cell
+            failures.append(f"{cell.label} (exit {rc}, {path})")
+        say(f"reproduce: {cell.label}: {'OOM' if rc == 3 else 'done' if rc == 0 else 'FAILED'} in {time.time() - t0:.0f} s")
+    return ran, reused, failures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fp4moe.reproduce_runs", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--list", action="store_true", help="print this machine's cells and whether each is done")
+    ap.add_argument("--rerun", action="store_true", help="run every cell again, even those already in MLflow")
+    ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: MLFLOW_TRACKING_URI or mlruns/)")
+    a = ap.parse_args(argv)
+    from fp4moe import tracking
+
+    uri = a.tracking_uri or tracking.tracking_uri()
+    tracking.check_reachable(uri)
+    cells, notes = plan()
+    for n in notes:
+        print(f"reproduce: {n}")
+    if a.list:
+        done = finished_keys(uri, {c.experiment for c in cells})
+        for c in cells:
+            print(f"{'done' if c.key in done else 'todo'}  {c.key}  {c.label}")
+        return 0
+    ran, reused, failures = run(cells, uri, rerun=a.rerun)
+    print(f"reproduce: trainer runs: {ran} ran, {reused} reused from MLflow, {len(failures)} failed")
+    for f in failures:
+        print(f"reproduce: FAILED {f}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

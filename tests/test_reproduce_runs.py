@@ -1,0 +1,57 @@
+"""fp4moe.reproduce_runs: the scaled-down experiments of ``make reproduce-table`` run each cell once, as a real
+``fp4moe.train`` subprocess (the tests' byte-level data stands in for the corpus: tests/train/cli.py), tag it in
+MLflow, reuse it on the next call, run it again with ``rerun``, and report a failing cell with its log."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("mlflow")
+
+from fp4moe import reproduce_runs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINER = [sys.executable, str(ROOT / "tests" / "train" / "cli.py")]
+
+
+def test_cpu_plan_is_the_t1_and_f5_shapes():
+    cells = reproduce_runs._cpu_plan()
+    t1 = [c for c in cells if c.experiment == "reproduce_tiny_t1"]
+    f5 = [c for c in cells if c.experiment == "reproduce_tiny_f5"]
+    assert len(t1) == 9 and len(f5) == 3 and len({c.key for c in cells}) == 12
+    assert {(o.split("=")[1]) for c in t1 for o in c.overrides if o.startswith("recompute=")} == set(reproduce_runs.T1_SCOPES)
+    assert all("train.eval_interval=20" in c.overrides for c in f5)   # F5 compares held-out losses
+
+
+def test_a_cell_runs_once_is_reused_then_rerun(tmp_path):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cell = reproduce_runs.Cell("T1 tiny mxfp4 attn_ln_mlp", "reproduce_test",
+                               ("model=tiny_cpu", "parallel=cpu", "cluster=cpu", "train=short_cpu", "train.steps=2",
+                                "train.eval_interval=null", "train.checkpoint_interval=null", "train.progress_bar=false",
+                                "task_name=reproduce_test", "precision=mxfp4", "recompute=attn_ln_mlp",
+                                f"paths.log_dir={tmp_path / 'hydra'}", f"train.checkpoint_dir={tmp_path / 'ckpt'}"))
+    logs = tmp_path / "logs"
+    assert reproduce_runs.run([cell], uri, trainer=TRAINER, log_dir=logs, log=lambda s: None) == (1, 0, [])
+    runs = MlflowClient(tracking_uri=uri).search_runs(
+        [MlflowClient(tracking_uri=uri).get_experiment_by_name("reproduce_test").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    tags = runs[0].data.tags
+    assert tags[reproduce_runs.KEY_TAG] == cell.key and tags["recipe"] == "mxfp4" and tags["recompute"] == "attn_ln_mlp"
+    assert reproduce_runs.finished_keys(uri, {"reproduce_test"}) == {cell.key}
+    assert reproduce_runs.run([cell], uri, trainer=TRAINER, log_dir=logs, log=lambda s: None) == (0, 1, [])
+    assert reproduce_runs.run([cell], uri, trainer=TRAINER, log_dir=logs, rerun=True, log=lambda s: None) == (1, 0, [])
+
+
+def test_a_failing_cell_is_reported_with_its_log(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    bad = reproduce_runs.Cell("typo", "reproduce_test", ("model=tiny_cpu", "precision=fp16", f"paths.log_dir={tmp_path}"))
+    ran, reused, failures = reproduce_runs.run([bad], uri, trainer=TRAINER, log_dir=tmp_path / "logs", log=lambda s: None)
+    assert (ran, reused, len(failures)) == (1, 0, 1)
+    log = tmp_path / "logs" / f"{bad.key}.log"
+    assert str(log) in failures[0] and "exit" in failures[0]
+    assert "precision" in log.read_text()   # the trainer's one-line config error is in the cell's log
