@@ -311,3 +311,25 @@ def test_errors_name_the_fix():
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs (NCCL)")
 def test_ep2_nccl_matches_single_process(tmp_path):
     _check_against_single_process(_run_ranks(str(tmp_path), "nccl"))
+
+
+def test_permute_rows_of_dispatched_mxfp4_routes_the_gradient_back():
+    """permute_rows on a DispatchedMXFP4: data and scales are gathered rows, and the gradient that reaches the new
+    anchor (dL/d dequantized permuted rows) arrives at the old anchor in the old row order, bit for bit."""
+    from fp4moe.ops.all_to_all import permute_rows
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(37, 64, generator=g).to(torch.bfloat16)
+    q = kops.bf16_to_fp4_row(x)
+    anchor = torch.zeros((), dtype=torch.bfloat16).expand(37, 64).requires_grad_(True)
+    d = DispatchedMXFP4(q.data, q.scales, (37, 64), anchor)
+    perm = torch.randperm(37, generator=g)
+    p = permute_rows(d, perm)
+    assert torch.equal(p.data, q.data[perm]) and torch.equal(p.scales, q.scales[perm]) and p.shape == (37, 64)
+    y = p.dequantize_ste()
+    assert torch.equal(y, kops.fp4_to_bf16(q)[perm])
+    w = torch.randn(37, 64, generator=g).to(torch.bfloat16)
+    (y.float() * w.float()).sum().backward()
+    expect = torch.empty_like(w)
+    expect[perm] = w                      # row i of the permuted tensor came from row perm[i]
+    assert torch.equal(anchor.grad, expect)

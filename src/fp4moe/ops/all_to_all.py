@@ -315,8 +315,10 @@ class _DequantizeSTE(torch.autograd.Function):
 
 
 class _PermuteAnchor(torch.autograd.Function):
-    """A fresh stride-0 zero anchor ``[len(perm), H]`` for MXFP4 rows reordered by ``perm``; its gradient is
-    scattered back to the old row order (the anchor carries dL/d(dequantized rows), see DispatchedMXFP4)."""
+    """A fresh stride-0 zero anchor ``[len(perm), H]`` for MXFP4 rows reordered by the permutation ``perm``; its
+    gradient goes back to the old row order (the anchor carries dL/d(dequantized rows), see DispatchedMXFP4) as a
+    gather through the inverse permutation: one read and one write per element, no zero fill, no scatter (an H200
+    profile measured the scatter at 2 % of an mxfp4 step)."""
 
     @staticmethod
     def forward(ctx, anchor, perm):
@@ -326,14 +328,15 @@ class _PermuteAnchor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (perm,) = ctx.saved_tensors
-        out = torch.zeros(g.shape, dtype=g.dtype, device=g.device)
-        out[perm] = g
-        return out, None
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), dtype=perm.dtype, device=perm.device)
+        return g.index_select(0, inv), None
 
 
 def permute_rows(x, perm: torch.Tensor):
     """Rows ``x[perm]`` of a tensor ``[T, H]`` or of a ``DispatchedMXFP4`` (data/scales gathered, gradient anchor
-    re-made so that the gradient still reaches the sender's rows). perm: int64 indices on x's device."""
+    re-made so that the gradient still reaches the sender's rows). perm: a permutation of ``range(T)``, int64 on
+    x's device."""
     if isinstance(x, DispatchedMXFP4):
         anchor = _PermuteAnchor.apply(x.grad_anchor, perm) if x.grad_anchor is not None else None
         return DispatchedMXFP4(x.data.index_select(0, perm), x.scales.index_select(0, perm), (perm.numel(), x.shape[1]),
