@@ -38,6 +38,14 @@ def test_config_typos_are_one_message(tmp_path, override, message):
     assert "Traceback" not in r.stderr + r.stdout
 
 
+def test_missing_corpus_is_one_message(tmp_path):
+    """A corpus path that does not exist: exit 2 with the data pipeline's message naming the path and the fix."""
+    r = _run(["-m", "fp4moe.train", "data=user_corpus", f"data.path={tmp_path / 'nowhere.jsonl'}"], tmp_path)
+    assert r.returncode == 2
+    assert "fp4moe.train: DataError: data.path=" in r.stderr and "does not exist" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
 def test_unreachable_mlflow_server(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

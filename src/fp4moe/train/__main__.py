@@ -24,6 +24,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fp4moe.config import ConfigError
+from fp4moe.data.errors import DataError
 from fp4moe.recipe import RecipeError
 from fp4moe.tracking import TrackingUnavailable
 from fp4moe.train.data import DataUnavailable
@@ -64,7 +65,7 @@ def main(cfg: DictConfig) -> dict | None:
 
     try:
         result = train(cfg, multirun_cell=cell, output_dir=out)
-    except (ConfigError, RecipeError, TrackingUnavailable, DataUnavailable) as e:
+    except (ConfigError, RecipeError, TrackingUnavailable, DataUnavailable, DataError) as e:
         print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     except Exception as e:  # noqa: BLE001 - only out-of-memory is a result (an OOM cell of a table); the rest raises
