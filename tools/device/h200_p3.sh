@@ -12,7 +12,7 @@
 #   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..."  # T1 cells, one process each
 #   bash tools/device/h200_p3.sh profile GPU MB "mxfp4:attn_ln_experts ..."  # torch.profiler, steps 4-5, tables+trace
 #   bash tools/device/h200_p3.sh swiglu                # fused SwiGLU: GPU tests + benchmark (FP4MOE_FUSED_SWIGLU)
-#   bash tools/device/h200_p3.sh conv GPU RECIPE SECS  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
+#   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
 # Needs (carried): .whl/py312/*.whl (megatron-core, hydra, mlflow closure for Python 3.12) and, for conv,
@@ -107,11 +107,11 @@ swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of 
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3
   python3 -m fp4moe.ops.bench_swiglu --out "$OUT" 2>&1 | tail -12
   ;;
-conv)  # GPU RECIPE SECS
-  gpu=$1 recipe=$2 secs=$3
+conv)  # GPU RECIPE SECS [extra overrides...]
+  gpu=$1 recipe=$2 secs=$3; shift 3
   rc=0
   CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "conv_$recipe") timeout -s TERM -k 120 "$secs" \
-    python3 -m fp4moe.train experiment=proxy_f5_1gpu "${COMMON[@]}" precision=$recipe \
+    python3 -m fp4moe.train experiment=proxy_f5_1gpu "${COMMON[@]}" precision=$recipe "$@" \
     >> "$STATE/conv_$recipe.log" 2>&1 || rc=$?
   cp -f "$STATE/conv_$recipe.log" "$OUT/"
   keep
