@@ -1,0 +1,127 @@
+"""The throughput model (fp4moe.scale.throughput): FLOP arithmetic on a small hand-checkable config, recompute
+adding exactly the re-run forward FLOPs, and results/scale/throughput.md recomputed from the committed archive."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from fp4moe.scale import throughput as T
+from fp4moe.scale.memory import compose_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny(scope="none", recipe="fp8"):
+    """H 256, 2 heads, q_lora 128, kv_lora 128, nope 64, rope 64, v 64, dense ffn 512, 4 experts top-2 of ffn 128,
+    1 shared, vocab 1024, 2 layers (1 dense), one GPU, micro-batch 1, sequence 8."""
+    cfg = compose_cfg("proxy_h200", "single_gpu", scope, recipe)
+    cfg.model = OmegaConf.create({
+        "num_layers": 2, "hidden_size": 256, "num_attention_heads": 2, "ffn_hidden_size": 512, "vocab_size": 1024,
+        "mtp_num_layers": 0,
+        "mla": {"q_lora_rank": 128, "kv_lora_rank": 128, "qk_head_dim": 64, "qk_pos_emb_head_dim": 64,
+                "v_head_dim": 64},
+        "moe": {"first_k_dense": 1, "num_experts": 4, "shared_experts": 1, "ffn_hidden_size": 128,
+                "router_topk": 2}})
+    cfg.parallel.micro_batch = 1
+    cfg.parallel.global_batch = 1
+    cfg.parallel.seq_length = 8
+    cfg.precision.scope = "all_linears"
+    return cfg
+
+
+# forward FLOPs per token, by hand (2 per multiply-add)
+HAND = {
+    "attn.q_down": 2 * 256 * 128,            # 65536
+    "attn.q_up": 2 * 128 * 2 * 128,          # 65536 (qk = 64 + 64 per head)
+    "attn.kv_down": 2 * 256 * 192,           # 98304, out 192: not a multiple of 128 -> stays BF16
+    "attn.kv_up": 2 * 128 * 2 * 128,         # 65536 (nope + v = 128 per head)
+    "attn.core": 2 * (128 + 64) * 9,         # 3456: n (qk + v) (s + 1)
+    "attn.o_proj": 2 * 128 * 256,            # 65536
+    "mlp.fc1": 2 * 256 * 1024, "mlp.fc2": 2 * 512 * 256,
+    "moe.router": 2 * 256 * 4,
+    "experts.fc1": 2 * 2 * 256 * 256, "experts.fc2": 2 * 2 * 128 * 256,
+    "shared.fc1": 2 * 256 * 256, "shared.fc2": 2 * 128 * 256,
+}
+ATTN = ("attn.q_down", "attn.q_up", "attn.kv_down", "attn.kv_up", "attn.core", "attn.o_proj")
+
+
+def test_layer_gemms_hand_checked():
+    dense = {g.name: g for g in T.layer_gemms(tiny(), "dense")}
+    moe = {g.name: g for g in T.layer_gemms(tiny(), "moe")}
+    assert set(dense) == set(ATTN) | {"mlp.fc1", "mlp.fc2"}
+    assert set(moe) == set(ATTN) | {"moe.router", "experts.fc1", "experts.fc2", "shared.fc1", "shared.fc2"}
+    for name, g in {**dense, **moe}.items():
+        assert g.flops == HAND[name], name
+    assert dense["attn.kv_down"].kind == "bf16" and dense["attn.q_down"].kind == "dense"
+    assert moe["experts.fc1"].kind == "expert" and moe["experts.fc1"].rows == 2
+    assert T.layer_flops(tiny(), "dense")["forward"] == 1150336
+    assert T.layer_flops(tiny(), "moe")["forward"] == 955776
+    assert T.head_gemms(tiny())[0].flops == 2 * 256 * 1024
+
+
+@pytest.mark.parametrize("scope,dense_rerun,moe_rerun", [
+    ("none", (), ()),
+    ("attn_ln_experts", ("attn.core",), ("attn.core", "experts.fc1", "experts.fc2")),
+    ("attn_ln_mlp", ("attn.core", "mlp.fc1", "mlp.fc2"), ("attn.core",)),
+    ("mla_up_proj", ("attn.q_up", "attn.kv_up"), ("attn.q_up", "attn.kv_up")),
+])
+def test_recompute_adds_exactly_the_rerun_forward(scope, dense_rerun, moe_rerun):
+    for kind, rerun in (("dense", dense_rerun), ("moe", moe_rerun)):
+        f, base = T.layer_flops(tiny(scope), kind), T.layer_flops(tiny("none"), kind)
+        assert f["recompute"] == sum(HAND[n] for n in rerun)
+        assert f["total"] - base["total"] == sum(HAND[n] for n in rerun)
+        assert f["backward"] == 2 * f["forward"] == 2 * base["forward"]
+
+
+def test_full_recompute_reruns_the_whole_forward():
+    for kind in ("dense", "moe"):
+        f = T.layer_flops(tiny("full"), kind)
+        assert f["recompute"] == f["forward"] and f["total"] == 4 * f["forward"]
+
+
+def test_recompute_time_is_rerun_flops_over_rate():
+    """GEMM time of a scope minus none = the re-run forward FLOPs / the forward rate of their kind."""
+    rates = replace(T.RATES, attention=500.0, glue=False)
+    none = T.time_per_token(tiny("none", "bf16"), rates)
+    mlp = T.time_per_token(tiny("attn_ln_mlp", "bf16"), rates)
+    extra = (HAND["mlp.fc1"] + HAND["mlp.fc2"]) / 772e12 + 2 * HAND["attn.core"] / 500e12
+    assert mlp.total - none.total == pytest.approx(extra, rel=1e-12)
+    fp8_none = T.time_per_token(tiny("none", "fp8"), rates)
+    fp8_up = T.time_per_token(tiny("mla_up_proj", "fp8"), rates)
+    gemm = (HAND["attn.q_up"] + HAND["attn.kv_up"]) * 2 / 1303e12   # 2 layers, FP8 fprop rate
+    assert fp8_up.group("gemm") - fp8_none.group("gemm") == pytest.approx(gemm, rel=1e-12)
+    assert fp8_up.terms["conversion"] > fp8_none.terms["conversion"]   # the re-run quantizes its inputs again
+
+
+def test_bf16_has_no_conversion_and_ep_needs_a_bandwidth():
+    tb = T.time_per_token(tiny("none", "bf16"))
+    assert tb.terms["conversion"] == 0 and "weight_quant" not in tb.terms
+    cfg = compose_cfg("dsv3_671b", "paper_671b", "attn_ln_experts", "mxfp4")
+    with pytest.raises(ValueError, match="link_bandwidth"):
+        T.time_per_token(cfg)
+    a = T.time_per_token(cfg, link_bandwidth_gb_s=150.0, weight_quant_per="step")
+    b = T.time_per_token(cfg, link_bandwidth_gb_s=40.0, weight_quant_per="step")
+    assert b.terms["a2a"] == pytest.approx(a.terms["a2a"] * 150 / 40, rel=1e-12)
+
+
+def test_measured_ratios_from_the_committed_archive():
+    m = T.measured_tgs()
+    assert m[("mxfp4", "attn_ln_experts", 8)] == pytest.approx(95039.62636253386, rel=1e-12)
+    assert m[("fp8", "attn_ln_experts", 8)] == pytest.approx(101062.90424044993, rel=1e-12)
+    rows = T.proxy_ratios()
+    assert len(rows) == 54
+    r = next(r for r in rows if r.a == ("mxfp4", "attn_ln_experts") and r.b == ("fp8", "attn_ln_experts")
+             and r.micro_batch == 8)
+    assert r.measured == pytest.approx(95039.62636253386 / 101062.90424044993, rel=1e-12)
+    assert r.predicted == pytest.approx(0.9339236287037757, rel=1e-9)
+    head = T.paper_prediction()[-1]
+    assert head[1] == pytest.approx(1302 / 1157, rel=1e-12)
+    assert head[2] == pytest.approx([1.0915644728586458, 1.1111952147822677, 1.0824051216263761,
+                                     1.0624575251479726], rel=1e-9)
+
+
+def test_committed_table_is_what_the_module_writes():
+    assert (ROOT / T.DEFAULT_OUT).read_text() == T.markdown()
