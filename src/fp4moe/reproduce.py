@@ -57,8 +57,7 @@ NOT_YET_IMPLEMENTED = (
     ("P5", 6, "the paper-scale model's peak memory within 5 % of the H200 proxy's (saved activations agree in all "
               "46 runs; the peak only in 12 of 39 cells: results/scale/calibration.md), so the report's model "
               "columns stay labelled uncalibrated; "
-              "the model's throughput side in the report (it exists: python -m fp4moe.scale.throughput -> "
-              "results/scale/throughput.md); this command submitting the "
+              "this command submitting the "
               "experiments to a Slurm cluster and collecting them (it runs the trainer itself on CPU and on one "
               "GPU: fp4moe.reproduce_runs). The report (results/report/) and the notebooks (notebooks/) exist"),
     ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "

@@ -21,8 +21,14 @@ def _section(md: str, title: str) -> str:
 
 
 def _table(text: str) -> list[str]:
-    """The lines of the first Markdown table in ``text``."""
-    return [line for line in text.splitlines() if line.startswith("|")]
+    """The lines of the first Markdown table in ``text`` (up to the first line after it that is not a table row)."""
+    out: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            out.append(line)
+        elif out:
+            break
+    return out
 
 
 T1_EXPECTED = [
@@ -187,3 +193,21 @@ def test_what_if_changes_layout():
     assert model_mod.even_layout(5, 2, 1) == "Ettt|ttmL"
     with pytest.raises(ValueError):
         model_mod.what_if(pipeline=3)
+
+
+def test_t1_throughput_ratios_are_the_models_beside_the_papers(report_store):
+    """With the model, T1 also shows fp4moe.scale.throughput's predicted tokens/s ratios for the paper's config,
+    each column one stated link bandwidth, beside the ratios of the paper's own numbers; labelled a prediction."""
+    from fp4moe.scale import throughput
+
+    md = markdown(build_report(report_store))
+    part = md.split("### T1 throughput ratios", 1)[1].split("\n## ", 1)[0]
+    assert "A PREDICTION, not a measurement" in part
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip().strip("|").split("|")]
+            for r in part.splitlines() if r.startswith("| ") and not r.startswith("| ratio")}
+    pred = {lab: (paper_ratio, preds) for lab, paper_ratio, preds in throughput.paper_prediction()}
+    numbers = paper.load()["t1"]["cells"]
+    assert rows["headline: mxfp4 mla_up_proj / fp8 attn_ln_experts"][1] == \
+        f"{numbers['mla_up_proj']['mxfp4']['tgs'] / numbers['attn_ln_experts']['fp8']['tgs']:.3f}"   # 1302 / 1157
+    for lab, cells in rows.items():
+        assert cells[2:] == [f"{v:.3f}" for v in pred[lab][1]]

@@ -42,6 +42,10 @@ class Report:
     f5: list[dict]
     loss_curves: dict[str, dict[str, list[tuple[int, float]]]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
+    # fp4moe.scale.throughput.paper_prediction(): (ratio label, paper ratio, [prediction per case]); its case labels
+    throughput: list[tuple[str, float | None, list[float]]] | None = None
+    throughput_cases: list[str] = field(default_factory=list)
+    throughput_error: str | None = None
 
 
 def _store_label(uri: str) -> str:
@@ -80,9 +84,18 @@ def build_report(where: str | os.PathLike | None = None, *, with_model: bool = T
     curves: dict[str, dict[str, list]] = {}
     for row in f5:
         curves.setdefault(row["config"], {})[row["recipe"]] = st.history(row["run_id"], "loss")
-    return Report(_store_label(st.uri), numbers, gpu_gb, t1, found, model_rows, model_error,
-                  tables.f3_rows(kernels), tables.f4_rows(layer), f5, curves,
-                  {"trainer": len(trainer), "kernels": len(kernels), "moe_layer": len(layer), "all": len(st.runs)})
+    rep = Report(_store_label(st.uri), numbers, gpu_gb, t1, found, model_rows, model_error,
+                 tables.f3_rows(kernels), tables.f4_rows(layer), f5, curves,
+                 {"trainer": len(trainer), "kernels": len(kernels), "moe_layer": len(layer), "all": len(st.runs)})
+    if with_model:
+        from fp4moe.scale import throughput
+
+        try:
+            rep.throughput = throughput.paper_prediction()
+            rep.throughput_cases = [c[0] for c in throughput.PAPER_CASES]
+        except Exception as exc:  # noqa: BLE001 - the rest of the report stands; it says why this part is missing
+            rep.throughput_error = f"{type(exc).__name__}: {exc}"
+    return rep
 
 
 # ---------------------------------------------------------------------------------------------- formatting
@@ -195,6 +208,17 @@ def markdown(rep: Report) -> str:
                     f"({100 * (b['tgs'] / a['tgs'] - 1):+.1f} %).", ""]
     out += ["Plots: `t1_paper_vs_model.png` (paper and model)" + (", `t1_measured.png` (measured)" if rep.setups
             else "") + ". Long-form table: `t1.csv`; the model's memory by component: `t1_model_components.csv`.", ""]
+    if rep.throughput:
+        out += ["### T1 throughput ratios: the paper's against the model's prediction", "",
+                "`fp4moe.scale.throughput` predicts ratios of tokens/GPU/s (not absolute rates) for the paper's T1 "
+                "config from FLOPs over measured H200 rates, conversion bytes, all-to-all bytes over a link "
+                "bandwidth that is OUR assumption (each column one), and optionally the profiled glue; its checks "
+                "against our runs are in results/scale/throughput.md. A PREDICTION, not a measurement.", "",
+                _md_table(["ratio of tokens/GPU/s", "paper", *rep.throughput_cases],
+                          [[lab, _num(paper, 3), *(_num(v, 3) for v in preds)] for lab, paper, preds in rep.throughput]),
+                ""]
+    elif rep.throughput_error:
+        out += [f"The model's throughput ratios could not be computed: {rep.throughput_error}.", ""]
 
     # ---- F3
     f3 = n["f3"]
