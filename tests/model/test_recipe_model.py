@@ -312,3 +312,42 @@ def test_mxfp4_full_recompute_keeps_bf16_layer_inputs(mp):
     l1, g1 = _loss_and_grads(fp4)
     assert torch.equal(l0, l1)
     assert not [n for n in g0 if not torch.equal(g0[n], g1[n])]
+
+
+def test_permutation_as_gathers_equals_megatrons_permute_and_unpermute():
+    """The recipe dispatcher's permutation 1 (_PermuteTokens) and its inverse (_UnpermuteTokens): the same rows as
+    megatron's permute; the same sums as megatron's unpermute and the same token gradients as autograd's
+    index_add_, up to the order of k float32 additions; the unpermute's gradient is megatron's, exactly; in BF16
+    the k rows are summed in float32 and rounded once (within half a BF16 unit of the float64 sum)."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    from fp4moe.model.recipe_moe import _PermuteTokens, _UnpermuteTokens
+
+    g = torch.Generator().manual_seed(5)
+    t, h, e, k = 53, 64, 8, 3
+    top = torch.rand(t, e, generator=g).topk(k, dim=1).indices
+    routing = torch.zeros(t, e, dtype=torch.bool).scatter_(1, top, True)
+    x = torch.randn(t, h, generator=g, dtype=torch.float64).float()
+    x0, x1 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    rows0, _, idx = permute(x0, routing)
+    order = torch.argsort(idx, stable=True)
+    rows1 = _PermuteTokens.apply(x1, idx, order, k)
+    assert torch.equal(rows0, rows1)
+    gr = torch.randn(rows0.shape, generator=g)
+    rows0.backward(gr)
+    rows1.backward(gr)
+    torch.testing.assert_close(x1.grad, x0.grad, rtol=1e-6, atol=1e-6)
+    r0, r1 = gr.clone().requires_grad_(True), gr.clone().requires_grad_(True)
+    y0 = unpermute(r0, idx, restore_shape=x.shape)
+    y1 = _UnpermuteTokens.apply(r1, idx, order, k, t)
+    torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
+    gy = torch.randn(t, h, generator=g)
+    y0.backward(gy)
+    y1.backward(gy)
+    assert torch.equal(r0.grad, r1.grad)
+    rb = gr.to(torch.bfloat16)
+    exact = torch.zeros(t, h, dtype=torch.float64).index_add_(0, idx, rb.double())
+    yb = _UnpermuteTokens.apply(rb, idx, order, k, t)
+    assert yb.dtype == torch.bfloat16
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert ((yb.double() - exact).abs() <= 0.5 * ulp + 1e-12).all()

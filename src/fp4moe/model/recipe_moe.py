@@ -63,16 +63,57 @@ def _splits(t) -> list[int]:
     return [int(v) for v in (t.tolist() if hasattr(t, "tolist") else t)]
 
 
+# ------------------------------------------------------------------------------------------ permutation 1
+
+
+class _PermuteTokens(torch.autograd.Function):
+    """tokens ``[T, H]`` -> rows ``[T*k, H]`` = ``tokens[sorted_indices]`` (megatron's permutation 1 under dropless
+    top-k: every token has exactly k rows). Backward: each token's k row gradients gathered through ``order`` (the
+    rows grouped by token) and summed in float32, instead of autograd's ``index_add_`` with atomics (an H200 profile
+    measured megatron's permute/unpermute atomics at ~6 % of an mxfp4 step)."""
+
+    @staticmethod
+    def forward(ctx, tokens, sorted_indices, order, k: int):
+        ctx.save_for_backward(order)
+        ctx.k, ctx.shape = k, tuple(tokens.shape)
+        return tokens.index_select(0, sorted_indices)
+
+    @staticmethod
+    def backward(ctx, g):
+        (order,) = ctx.saved_tensors
+        t, h = ctx.shape
+        gt = g.index_select(0, order).view(t, ctx.k, h).sum(1, dtype=torch.float32).to(g.dtype)
+        return gt, None, None, None
+
+
+class _UnpermuteTokens(torch.autograd.Function):
+    """rows ``[T*k, H]`` -> tokens ``[T, H]``: each token's k rows summed in float32 and rounded once (megatron's
+    unpermute 1 without probs, which scatter-adds in the rows' dtype). Backward: a gather, ``g[sorted_indices]``."""
+
+    @staticmethod
+    def forward(ctx, rows, sorted_indices, order, k: int, t: int):
+        ctx.save_for_backward(sorted_indices)
+        h = rows.shape[1]
+        return rows.index_select(0, order).view(t, k, h).sum(1, dtype=torch.float32).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (sorted_indices,) = ctx.saved_tensors
+        return g.index_select(0, sorted_indices), None, None, None, None
+
+
 # ------------------------------------------------------------------------------------------ dispatcher
 
 
 class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """megatron's all-to-all dispatcher with the recipe's wire formats (module docstring). TP = 1 only.
 
-    Everything else (routing map -> splits, permutation 1, the probs all-to-all, chunk sort by local expert,
-    unpermute) is megatron's code; ``token_dispatch`` and ``token_combine`` swap the EP all-to-all of the
-    tokens, and ``dispatch_postprocess`` sorts MXFP4 rows by local expert (megatron's ``sort_chunks_by_idxs``
-    only takes tensors)."""
+    Everything else (routing map -> splits, the probs all-to-all, chunk sort by local expert) is megatron's code;
+    ``token_dispatch`` and ``token_combine`` swap the EP all-to-all of the tokens, ``dispatch_postprocess`` sorts
+    MXFP4 rows by local expert (megatron's ``sort_chunks_by_idxs`` only takes tensors), and ``dispatch_preprocess``
+    / ``combine_postprocess`` are megatron's with permutation 1 and its inverse as gathers
+    (:class:`_PermuteTokens`, :class:`_UnpermuteTokens`) when every token has exactly top-k rows (dropless, no
+    padding for quantization, no permute fusion); otherwise megatron's own."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None, *, recipe: Recipe):
         super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
@@ -87,6 +128,47 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self.ep_size == 1 or self.input_splits is None:
             return [rows], [rows]
         return _splits(self.input_splits), _splits(self.output_splits)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        """megatron's ``dispatch_preprocess`` with permutation 1 as :class:`_PermuteTokens` (same rows, same probs,
+        same ``reversed_local_input_permutation_mapping``); megatron's own where a token may have other than k rows."""
+        self._fp4moe_perm = None
+        cfg = self.config
+        if self.drop_and_pad or cfg.moe_router_padding_for_quantization or cfg.moe_permute_fusion:
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        self.hidden_shape = hidden_states.shape
+        self.probs, self.routing_map = probs, routing_map
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(self.routing_map)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
+        self.hidden_shape_before_permute = hidden_states.shape
+        t, k = hidden_states.shape[0], int(cfg.moe_router_topk)
+        mask = routing_map.bool().T.contiguous()  # [E, T], expert-major as megatron's permute
+        sorted_indices = torch.arange(t, device=mask.device).unsqueeze(0).expand(mask.shape[0], -1).masked_select(mask)
+        permuted_probs = probs.T.contiguous().masked_select(mask)
+        self.reversed_local_input_permutation_mapping = sorted_indices
+        if sorted_indices.numel() != t * k:  # not exactly k rows per token: megatron's index_add_ path
+            return hidden_states.index_select(0, sorted_indices), permuted_probs
+        order = torch.argsort(sorted_indices, stable=True)  # rows grouped by token, experts ascending within
+        self._fp4moe_perm = (order, k, t)
+        return _PermuteTokens.apply(hidden_states, sorted_indices, order, k), permuted_probs
+
+    def combine_postprocess(self, permutated_local_input_tokens):
+        """megatron's ``combine_postprocess`` with the inverse of permutation 1 as :class:`_UnpermuteTokens`."""
+        perm, self._fp4moe_perm = getattr(self, "_fp4moe_perm", None), None
+        if perm is None:
+            return super().combine_postprocess(permutated_local_input_tokens)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(permutated_local_input_tokens)
+            self.shared_experts.post_forward_comm()
+        order, k, t = perm
+        output = _UnpermuteTokens.apply(permutated_local_input_tokens, self.reversed_local_input_permutation_mapping,
+                                        order, k, t).view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
         """Tokens ``[T*k, H]`` (rows grouped by destination rank) -> received rows ``[R, H]`` (a tensor, or a
