@@ -113,17 +113,10 @@ def _existing_runs(uri: str, bid: str, experiment_name: str = EXPERIMENT, tag: s
     experiment = client.get_experiment_by_name(experiment_name)
     if experiment is None:
         return []
-    runs, token = [], None
-    while True:
-        page = client.search_runs(
-            [experiment.experiment_id],
-            filter_string=f"tags.{tag} = '{bid}' and attributes.status = 'FINISHED'",
-            max_results=1000, page_token=token,
-        )
-        runs.extend(page)
-        token = page.token
-        if not token:
-            return runs
+    from fp4moe.tracking import search_all_runs
+
+    return list(search_all_runs(client, [experiment.experiment_id],
+                                f"tags.{tag} = '{bid}' and attributes.status = 'FINISHED'"))
 
 
 def log_file(path: str | Path, uri: str | None = None) -> LogResult:

@@ -47,7 +47,8 @@ RESULTS_REPORT = "results/report"
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
     ("P3", 4, "the throughput targets of the H200 T1 twin (missed: results/train_proxy/; the profile puts half "
-              "the GPU time in unfused glue, the experts' fp32 SwiGLU 19 %, which needs fused kernels), a "
+              "the GPU time in unfused glue, the experts' fp32 SwiGLU 19 %; its fused kernel exists but has not run on a "
+              "GPU yet), a "
               "convergence run longer than 23.6 M tokens (the F5 twin's deviation target is missed), multi-GPU "
               "trainer runs (EP=2 over NCCL)"),
     ("P4", 5, "any GPU or multi-node Slurm job (the trainer and the F3/F4 benchmark jobs are submitted through "
@@ -260,21 +261,13 @@ def run_trainer_cells(rerun: bool) -> bool:
         return True
     from fp4moe import reproduce_runs, tracking
 
-    uri = tracking.tracking_uri()
-    cells, notes = reproduce_runs.plan()
-    for n in notes:
-        print(f"trainer runs (this machine): {n}")
-    print(f"trainer runs (this machine): {len(cells)} cells (python -m fp4moe.reproduce_runs --list)")
     try:
-        ran, reused, failures = reproduce_runs.run(cells, uri, rerun=rerun)
+        return reproduce_runs.run_here(tracking.tracking_uri(), rerun=rerun,
+                                       say=lambda s: print(f"trainer runs (this machine): {s}"))
     except Exception:
         traceback.print_exc()
         print("trainer runs (this machine): FAILED (traceback above)")
         return False
-    print(f"trainer runs (this machine): {ran} ran, {reused} reused from MLflow, {len(failures)} failed")
-    for f in failures:
-        print(f"trainer runs (this machine): FAILED {f}")
-    return not failures
 
 
 def run_report() -> bool:

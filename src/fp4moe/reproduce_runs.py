@@ -105,23 +105,14 @@ def finished_keys(uri: str, experiments: set[str]) -> set[str]:
     """Keys of cells with a finished run or an OOM outcome in the store."""
     from mlflow import MlflowClient
 
+    from fp4moe.tracking import search_all_runs
+
     client = MlflowClient(tracking_uri=uri)
-    keys = set()
-    for name in experiments:
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            continue
-        token = None
-        while True:
-            page = client.search_runs([exp.experiment_id], filter_string=f"tags.`{KEY_TAG}` != ''",
-                                      max_results=1000, page_token=token)
-            for r in page:
-                if r.info.status == "FINISHED" or r.data.tags.get("outcome") == "OOM":
-                    keys.add(r.data.tags[KEY_TAG])
-            token = page.token
-            if not token:
-                break
-    return keys
+    ids = [e.experiment_id for e in map(client.get_experiment_by_name, sorted(experiments)) if e is not None]
+    if not ids:
+        return set()
+    return {r.data.tags[KEY_TAG] for r in search_all_runs(client, ids, f"tags.`{KEY_TAG}` != ''")
+            if r.info.status == "FINISHED" or r.data.tags.get("outcome") == "OOM"}
 
 
 def run(cells: Sequence[Cell], uri: str, *, rerun: bool = False, trainer: Sequence[str] | None = None,
@@ -159,6 +150,20 @@ def run(cells: Sequence[Cell], uri: str, *, rerun: bool = False, trainer: Sequen
     return ran, reused, failures
 
 
+def run_here(uri: str, *, rerun: bool = False, say=print) -> bool:
+    """This machine's plan (``plan()``) run into the store ``uri``: its notes, the cells, one summary line and one
+    line per failed cell through ``say``; True when no cell failed."""
+    cells, notes = plan()
+    for n in notes:
+        say(n)
+    say(f"{len(cells)} cells (python -m fp4moe.reproduce_runs --list)")
+    ran, reused, failures = run(cells, uri, rerun=rerun)
+    say(f"{ran} ran, {reused} reused from MLflow, {len(failures)} failed")
+    for f in failures:
+        say(f"FAILED {f}")
+    return not failures
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fp4moe.reproduce_runs", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,19 +175,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     uri = a.tracking_uri or tracking.tracking_uri()
     tracking.check_reachable(uri)
-    cells, notes = plan()
-    for n in notes:
-        print(f"reproduce: {n}")
     if a.list:
+        cells, notes = plan()
+        for n in notes:
+            print(f"reproduce: {n}")
         done = finished_keys(uri, {c.experiment for c in cells})
         for c in cells:
             print(f"{'done' if c.key in done else 'todo'}  {c.key}  {c.label}")
         return 0
-    ran, reused, failures = run(cells, uri, rerun=a.rerun)
-    print(f"reproduce: trainer runs: {ran} ran, {reused} reused from MLflow, {len(failures)} failed")
-    for f in failures:
-        print(f"reproduce: FAILED {f}")
-    return 1 if failures else 0
+    return 0 if run_here(uri, rerun=a.rerun, say=lambda s: print(f"reproduce: {s}")) else 1
 
 
 if __name__ == "__main__":

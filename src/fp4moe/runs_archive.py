@@ -49,6 +49,8 @@ def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
+    from fp4moe.tracking import search_all_runs
+
     uri = _uri(store)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         raise ArchiveError(f"{store}: no MLflow store there (looked for {uri.removeprefix('sqlite:///')})")
@@ -57,19 +59,13 @@ def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
     for exp in client.search_experiments(view_type=ViewType.ACTIVE_ONLY):
         if experiments and exp.name not in experiments:
             continue
-        token = None
-        while True:
-            page = client.search_runs([exp.experiment_id], max_results=1000, page_token=token)
-            for r in page:
-                hist = {key: [[m.step, m.value, m.timestamp] for m in
-                              sorted(client.get_metric_history(r.info.run_id, key), key=lambda m: (m.step, m.timestamp))]
-                        for key in r.data.metrics}
-                runs.append({"run_id": r.info.run_id, "experiment": exp.name, "name": r.info.run_name or "",
-                             "status": r.info.status, "start_time": r.info.start_time, "end_time": r.info.end_time,
-                             "params": dict(r.data.params), "tags": dict(r.data.tags), "metrics": hist})
-            token = page.token
-            if not token:
-                break
+        for r in search_all_runs(client, [exp.experiment_id]):
+            hist = {key: [[m.step, m.value, m.timestamp] for m in
+                          sorted(client.get_metric_history(r.info.run_id, key), key=lambda m: (m.step, m.timestamp))]
+                    for key in r.data.metrics}
+            runs.append({"run_id": r.info.run_id, "experiment": exp.name, "name": r.info.run_name or "",
+                         "status": r.info.status, "start_time": r.info.start_time, "end_time": r.info.end_time,
+                         "params": dict(r.data.params), "tags": dict(r.data.tags), "metrics": hist})
     if not runs:
         which = f" in experiments {list(experiments)}" if experiments else ""
         raise ArchiveError(f"{store}: no runs{which} to export")
@@ -107,22 +103,25 @@ def load(path: str | os.PathLike) -> dict:
     return doc
 
 
+def _is_archive(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("format") == FORMAT
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
 def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Files as given (each must be an archive); a folder stands for the archives among its ``*.json``."""
+    """Files as given (each must be an archive); a folder stands for the archives among its ``*.json``
+    (``fp4moe.bench_log.expand``'s walk; other JSON files there are left alone)."""
+    from fp4moe.bench_log import expand as files_of
+
     out: list[Path] = []
-    for given in paths:
-        p = Path(given)
-        if p.is_dir():
-            for f in sorted(p.glob("*.json")):
-                try:
-                    if json.loads(f.read_text()).get("format") == FORMAT:
-                        out.append(f)
-                except (OSError, json.JSONDecodeError, AttributeError):
-                    continue
-        elif p.exists():
-            out.append(p)
-        else:
-            raise ArchiveError(f"{p}: no such file or folder")
+    for given in map(Path, paths):
+        try:
+            found = files_of([given], "*.json", allow_empty=True)
+        except FileNotFoundError as exc:
+            raise ArchiveError(str(exc)) from None
+        out += [f for f in found if not given.is_dir() or _is_archive(f)]
     return out
 
 

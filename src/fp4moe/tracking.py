@@ -132,6 +132,19 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+def search_all_runs(client, experiment_ids: Sequence[str], filter_string: str = ""):
+    """Every run of ``experiment_ids`` matching ``filter_string`` (MLflow's search syntax), page after page
+    (``search_runs`` returns at most 1000 a call); yields ``mlflow.entities.Run``."""
+    token = None
+    while True:
+        page = client.search_runs(list(experiment_ids), filter_string=filter_string, max_results=1000,
+                                  page_token=token)
+        yield from page
+        token = page.token
+        if not token:
+            return
+
+
 def _experiment_id(client, experiment: str, uri: str) -> str:
     """Id of ``experiment``, created if new; a local store keeps artifacts beside its database."""
     found = client.get_experiment_by_name(experiment)

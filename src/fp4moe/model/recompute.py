@@ -90,8 +90,8 @@ def _leave(module, args, output):
 def cache_mxfp4_inside(module: torch.nn.Module) -> None:
     """Every megatron checkpoint that runs inside ``module``'s forward (output-discarding: layernorm inputs, MLA
     ``mla_up_proj`` latents ``[s, b, q_lora]`` / ``[s, b, kv_lora]`` / ``k_pos_emb``; reentrant: core_attn q/k/v, dense
-    MLP input, full-layer input) stores its cache MXFP4 while ``module.fp4moe_recompute_cache == 'mxfp4'`` (set here;
-    set it to None to switch off)."""
+    MLP input) stores its cache MXFP4 while ``module.fp4moe_recompute_cache == 'mxfp4'`` (set here; set it to None
+    to switch off). A checkpoint around the module (full recompute's, around a layer) is outside it: not MXFP4."""
     setattr(module, CACHE_ATTR, "mxfp4")
     if not getattr(module, "_fp4moe_cache_hooks", False):
         module.register_forward_pre_hook(_enter)

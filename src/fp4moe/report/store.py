@@ -82,19 +82,15 @@ def load(where: str | os.PathLike | None = None) -> Store:
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
+    from fp4moe.tracking import search_all_runs
+
     client = MlflowClient(tracking_uri=uri)
     runs: list[RunRecord] = []
     for exp in client.search_experiments(view_type=ViewType.ACTIVE_ONLY):
-        token = None
-        while True:
-            page = client.search_runs([exp.experiment_id], max_results=1000, page_token=token)
-            for r in page:
-                runs.append(RunRecord(r.info.run_id, exp.name, r.info.run_name or "", r.info.status,
-                                      int(r.info.start_time or 0), dict(r.data.params), dict(r.data.metrics),
-                                      {k: v for k, v in r.data.tags.items()}))
-            token = page.token
-            if not token:
-                break
+        for r in search_all_runs(client, [exp.experiment_id]):
+            runs.append(RunRecord(r.info.run_id, exp.name, r.info.run_name or "", r.info.status,
+                                  int(r.info.start_time or 0), dict(r.data.params), dict(r.data.metrics),
+                                  {k: v for k, v in r.data.tags.items()}))
     runs.sort(key=lambda r: (r.experiment, r.start_time, r.run_id))
 
     def history(run_id: str, key: str) -> list[tuple[int, float]]:

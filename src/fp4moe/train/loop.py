@@ -77,9 +77,9 @@ def preflight(cfg: Any) -> dict[str, Any]:
     from fp4moe.train.optim import Schedule
 
     Schedule(cfg.train, derived)  # schedule name, min_lr <= lr
-    steps = OmegaConf.select(cfg, "train.profile.steps", default=None)
-    if steps is not None and (len(steps) not in (1, 2) or int(steps[0]) < 1 or int(steps[-1]) < int(steps[0])):
-        raise ConfigError(f"train.profile.steps={list(steps)}: give [first, last] with 1 <= first <= last, or null")
+    from fp4moe.train.profile import profile_window
+
+    profile_window(OmegaConf.select(cfg, "train.profile.steps", default=None))  # ConfigError for a bad window
     for key in ("eval_interval", "checkpoint_interval", "log_interval"):
         v = cfg.train.get(key)
         if v is not None and int(v) < 1:

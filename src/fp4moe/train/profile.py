@@ -18,21 +18,25 @@ from pathlib import Path
 from typing import Any
 
 
+def profile_window(steps) -> tuple[int, int] | None:
+    """``train.profile.steps`` -> (first, last), 1-based; None when unset. ConfigError unless 1 <= first <= last
+    (one step, ``[n]``, is ``[n, n]``)."""
+    if not steps:
+        return None
+    if len(steps) not in (1, 2) or int(steps[0]) < 1 or int(steps[-1]) < int(steps[0]):
+        from fp4moe.config import ConfigError
+
+        raise ConfigError(f"train.profile.steps={list(steps)}: give [first, last] with 1 <= first <= last, or null")
+    return int(steps[0]), int(steps[-1])
+
+
 class StepProfiler:
     """Starts ``torch.profiler`` before step ``first`` and stops it after step ``last`` (1-based step numbers of
     this process's run); a no-op when ``train.profile.steps`` is null."""
 
     def __init__(self, cfg: Any, output_dir: str | Path | None, device, rank: int):
         prof = (cfg.train.get("profile") if hasattr(cfg.train, "get") else None) or {}
-        steps = prof.get("steps")
-        self.first = self.last = None
-        if steps:
-            first, last = (int(steps[0]), int(steps[-1]))
-            if first < 1 or last < first:
-                from fp4moe.config import ConfigError
-
-                raise ConfigError(f"train.profile.steps={list(steps)}: give [first, last] with 1 <= first <= last")
-            self.first, self.last = first, last
+        self.first, self.last = profile_window(prof.get("steps")) or (None, None)
         base = prof.get("dir") or output_dir or "."
         self.folder = Path(base) / f"profile_rank{rank}"
         self.row_limit = int(prof.get("row_limit") or 60)
@@ -76,4 +80,4 @@ class StepProfiler:
             prof.__exit__(None, None, None)
 
 
-__all__ = ["StepProfiler"]
+__all__ = ["StepProfiler", "profile_window"]
