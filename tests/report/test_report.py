@@ -211,3 +211,16 @@ def test_t1_throughput_ratios_are_the_models_beside_the_papers(report_store):
         f"{numbers['mla_up_proj']['mxfp4']['tgs'] / numbers['attn_ln_experts']['fp8']['tgs']:.3f}"   # 1302 / 1157
     for lab, cells in rows.items():
         assert cells[2:] == [f"{v:.3f}" for v in pred[lab][1]]
+
+
+def test_throughput_ratios_read_the_papers_numbers_the_report_was_given(report_store, tmp_path):
+    """The throughput section's paper column comes from the same numbers file as the rest of the report."""
+    numbers = yaml.safe_load(paper.NUMBERS.read_text())
+    numbers["t1"]["cells"]["mla_up_proj"]["mxfp4"]["tgs"] = 2314   # 2314 / fp8's 1157 = 2.000
+    path = tmp_path / "numbers.yaml"
+    path.write_text(yaml.safe_dump(numbers))
+    md = markdown(build_report(report_store, numbers_path=path))
+    part = md.split("### T1 throughput ratios", 1)[1]
+    row = next(r for r in part.splitlines() if r.startswith("| headline: mxfp4 mla_up_proj / fp8 attn_ln_experts"))
+    fp8 = numbers["t1"]["cells"]["attn_ln_experts"]["fp8"]["tgs"]
+    assert row.split("|")[2].strip() == f"{2314 / fp8:.3f}"

@@ -91,7 +91,7 @@ def build_report(where: str | os.PathLike | None = None, *, with_model: bool = T
         from fp4moe.scale import throughput
 
         try:
-            rep.throughput = throughput.paper_prediction()
+            rep.throughput = throughput.paper_prediction(cells=numbers["t1"]["cells"])
             rep.throughput_cases = [c[0] for c in throughput.PAPER_CASES]
         except Exception as exc:  # noqa: BLE001 - the rest of the report stands; it says why this part is missing
             rep.throughput_error = f"{type(exc).__name__}: {exc}"

@@ -514,9 +514,10 @@ def paper_t1_time(recipe: str, scope: str, link_bandwidth_gb_s: float, glue: boo
                           glue_scale=glue_scale_paper() if glue else 1.0, weight_quant_per="step")
 
 
-def paper_prediction(rates: Rates = RATES) -> list[tuple[str, float | None, list[float]]]:
-    """(label, paper ratio or None, [predicted ratio per PAPER_CASES])."""
-    cells = paper_numbers()
+def paper_prediction(rates: Rates = RATES, cells: dict | None = None) -> list[tuple[str, float | None, list[float]]]:
+    """(label, paper ratio or None, [predicted ratio per PAPER_CASES]); ``cells``: the paper's T1 cells
+    (``numbers.yaml``'s ``t1.cells``; default conf/paper/numbers.yaml)."""
+    cells = cells if cells is not None else paper_numbers()
     out = []
     for label, a, b in PAPER_RATIOS:
         ta, tb_ = cells[a[1]][a[0]]["tgs"], cells[b[1]][b[0]]["tgs"]
