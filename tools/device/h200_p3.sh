@@ -11,6 +11,8 @@
 #                                                      # (MB = auto: the one `choose` picked; GB = MB then)
 #   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..."  # T1 cells, one process each
 #   bash tools/device/h200_p3.sh profile GPU MB "mxfp4:attn_ln_experts ..."  # torch.profiler, steps 4-5, tables+trace
+#   bash tools/device/h200_p3.sh mem GPU MB "mxfp4:attn_ln_mlp ..."  # what is live at step 3's memory peak, by site
+#   bash tools/device/h200_p3.sh ep2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, EP2 x DP2), per cell
 #   bash tools/device/h200_p3.sh swiglu                # fused SwiGLU: GPU tests + benchmark (FP4MOE_FUSED_SWIGLU)
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
@@ -53,7 +55,8 @@ setup)
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" > "$OUT/versions.txt"
   ;;
 tests)
-  python3 -m pytest -q -m gpu tests/kernels tests/ops tests/moe tests/train/test_train_gpu.py 2>&1 \
+  python3 -m pytest -q -m gpu tests/kernels tests/ops tests/moe tests/train/test_train_gpu.py \
+    tests/train/test_memtrace.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -5
   ;;
 probe)  # GPU MB [precisions]: peak memory, saved bytes and step time of every recipe x scope at one micro-batch
@@ -102,6 +105,33 @@ profile)  # GPU MB "recipe:scope ...": torch.profiler over steps 4-5 of each T1 
     head -40 "$STATE/profile_${recipe}_${scope}_mb$mb/profile_rank0/ops_by_device_time.txt" 2>/dev/null | cut -c1-220
   done
   (cd "$STATE" && tar czf "$OUT/profiles_gpu$gpu.tgz" profile_*)
+  ;;
+mem)  # GPU MB "recipe:scope ...": allocator history over step 3 (after the 2 warm-up steps reset the peak stats)
+  gpu=$1 mb=$2
+  for cell in $3; do
+    recipe=${cell%%:*} scope=${cell##*:}
+    d="$STATE/mem_${recipe}_${scope}_mb$mb"
+    CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "mem_gpu$gpu") timeout -k 20 240 python3 -m fp4moe.train \
+      experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb \
+      precision=$recipe recompute=$scope train.steps=3 train.measure.steps=1 'train.profile.steps=[3,3]' \
+      train.profile.memory=true train.profile.ops=false train.profile.dir="$d" > "$d.log" 2>&1 || true
+    echo "== $recipe $scope mb$mb"; head -30 "$d/profile_rank0/memory_peak.txt" 2>/dev/null | cut -c1-200 \
+      || grep -h "Error" "$d.log" | tail -2
+  done
+  (cd "$STATE" && tar czf "$OUT/mem_gpu$gpu.tgz" --exclude='*.pickle' mem_*)
+  ;;
+ep2)  # MB "recipe:scope ...": the proxy on both GPUs, EP2 x DP2 (torchrun), global batch 2 x MB (no accumulation)
+  mb=$1
+  for cell in $2; do
+    recipe=${cell%%:*} scope=${cell##*:}
+    MLFLOW_TRACKING_URI=$(store ep2) timeout -k 20 300 python3 -m torch.distributed.run --standalone \
+      --nproc-per-node 2 -m fp4moe.train experiment=proxy_t1_2gpu "${COMMON[@]}" hydra.mode=RUN \
+      parallel.micro_batch=$mb parallel.global_batch=$((2 * mb)) precision=$recipe recompute=$scope \
+      train.steps=8 train.measure.steps=6 > "$STATE/ep2_${recipe}_${scope}_mb$mb.log" 2>&1 || true
+    echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/ep2_${recipe}_${scope}_mb$mb.log" | tail -1 | cut -c1-160)"
+  done
+  keep
+  (cd "$STATE" && tar czf "$OUT/ep2_logs.tgz" ep2_*.log)
   ;;
 swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3

@@ -259,6 +259,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     _seed_everything(int(t.seed))
     train_ds, valid_ds, dinfo = _build_data(cfg, info)
 
+    profiler = StepProfiler(cfg, output_dir, device, info.rank)
+    profiler.start_memory_history()  # train.profile.memory: every allocation from here on gets its site
     dtype = torch.bfloat16 if str(t.get("params_dtype", "bf16")) == "bf16" else torch.float32
     model = build_gpt_model(cfg, params_dtype=dtype).to(device)
     if dtype == torch.bfloat16:
@@ -349,7 +351,6 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     last_saved = last_eval = -1
     params = list(model.parameters())
     saved_bytes: int | None = None  # measured once, on this process's first micro-batch
-    profiler = StepProfiler(cfg, output_dir, device, info.rank)
     try:
         model.train()
         while step < total_steps:
