@@ -263,6 +263,10 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     profiler.start_memory_history()  # train.profile.memory: every allocation from here on gets its site
     dtype = torch.bfloat16 if str(t.get("params_dtype", "bf16")) == "bf16" else torch.float32
     model = build_gpt_model(cfg, params_dtype=dtype).to(device)
+    if bool(t.get("layout_invariant_init", True)):  # megatron's draws depend on the EP/PP layout (fp4moe.model.init)
+        from fp4moe.model.init import reinit_layout_invariant
+
+        reinit_layout_invariant(model, int(t.seed))
     if dtype == torch.bfloat16:
         to_bf16_params(model)  # as megatron-core's Float16Module, router expert-bias state kept fp32
     mcfg = model.config
