@@ -18,9 +18,17 @@ SHAPES = [(0, 64), (1, 64), (37, 96), (130, 200)]   # (T, F): F 96 and 200 leave
 
 
 def _unfused(h, probs, dz):
-    os.environ.pop(ops_swiglu.FUSED_ENV, None)
-    z = ops_swiglu.swiglu_math(h, probs)
-    dh, dp = ops_swiglu.swiglu_math_backward(h, dz, probs)
+    """fp4moe.ops.swiglu's torch formulas (FP4MOE_FUSED_SWIGLU=0 for the call; the default restored after)."""
+    before = os.environ.get(ops_swiglu.FUSED_ENV)
+    os.environ[ops_swiglu.FUSED_ENV] = "0"
+    try:
+        z = ops_swiglu.swiglu_math(h, probs)
+        dh, dp = ops_swiglu.swiglu_math_backward(h, dz, probs)
+    finally:
+        if before is None:
+            os.environ.pop(ops_swiglu.FUSED_ENV)
+        else:
+            os.environ[ops_swiglu.FUSED_ENV] = before
     return z, dh, dp
 
 
@@ -89,15 +97,18 @@ def test_fused_swiglu_gpu(t, f, weighted):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_switch_routes_ops_swiglu_through_the_kernels(monkeypatch):
-    """FP4MOE_FUSED_SWIGLU=1: fp4moe.ops.swiglu's formulas run the kernels (same values as calling them directly)."""
+    """fp4moe.ops.swiglu's formulas run the kernels on CUDA by default (same values as calling them directly);
+    FP4MOE_FUSED_SWIGLU=0 turns them off."""
     from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_fwd
 
     g = torch.Generator().manual_seed(3)
     h = torch.randn(5000, 2048, generator=g).to(torch.bfloat16).cuda()
     dz = torch.randn(5000, 1024, generator=g).to(torch.bfloat16).cuda()
     p = torch.rand(5000, generator=g).cuda()
-    monkeypatch.setenv(ops_swiglu.FUSED_ENV, "1")
-    assert ops_swiglu.fused_enabled(h)
+    monkeypatch.setenv(ops_swiglu.FUSED_ENV, "0")
+    assert not ops_swiglu.fused_enabled(h)
+    monkeypatch.delenv(ops_swiglu.FUSED_ENV)
+    assert ops_swiglu.fused_enabled(h) and not ops_swiglu.fused_enabled(h.cpu())
     assert torch.equal(ops_swiglu.swiglu_math(h, p), swiglu_fwd(h, p))
     dh, dp = ops_swiglu.swiglu_math_backward(h, dz, p)
     dh1, dp1 = swiglu_bwd(h, dz, p)

@@ -34,8 +34,8 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 def run(shapes, warmup_ms: int, rep_ms: int, log=print) -> tuple[float, list[dict]]:
     from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_fwd
 
-    ops = importlib.import_module("fp4moe.ops.swiglu")  # the unfused torch formulas (FP4MOE_FUSED_SWIGLU unset)
-    os.environ.pop(ops.FUSED_ENV, None)
+    ops = importlib.import_module("fp4moe.ops.swiglu")  # the unfused torch formulas (FP4MOE_FUSED_SWIGLU=0)
+    os.environ[ops.FUSED_ENV] = "0"
     copy = copy_bandwidth_gbps(warmup_ms, rep_ms)
     log(f"copy bandwidth {copy:.0f} GB/s")
     rows = []
