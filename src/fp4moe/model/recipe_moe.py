@@ -63,6 +63,21 @@ def _splits(t) -> list[int]:
     return [int(v) for v in (t.tolist() if hasattr(t, "tolist") else t)]
 
 
+def local_expert_permutation(sizes: torch.Tensor, order: torch.Tensor, rows: int, device) -> torch.Tensor:
+    """Megatron's permutation 2 as a gather index: the rows arrive as ``C`` chunks of ``sizes[c]`` rows (source
+    rank major, local expert minor) and leave in chunk order ``order`` (local expert major). Returns ``perm``
+    ``[rows]`` int64 on ``device`` with ``out = rows_in[perm]``. Built with device ops from the ``C`` chunk sizes
+    (no per-chunk host loop, no ``rows``-long host tensor); ``rows`` = ``sizes.sum()`` is passed in so that nothing
+    waits on the device."""
+    sizes = sizes.to(device=device, dtype=torch.int64, non_blocking=True)
+    order = order.to(device=device, dtype=torch.int64, non_blocking=True)
+    starts = torch.cumsum(sizes, 0) - sizes                 # where each chunk begins in the input
+    out_sizes, out_starts = sizes[order], starts[order]
+    out_offsets = torch.cumsum(out_sizes, 0) - out_sizes     # where each chunk begins in the output
+    chunk = torch.repeat_interleave(torch.arange(order.numel(), device=device), out_sizes, output_size=rows)
+    return torch.arange(rows, device=device) + (out_starts - out_offsets)[chunk]
+
+
 # ------------------------------------------------------------------------------------------ permutation 1
 
 
@@ -186,26 +201,24 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             permuted_probs = all_to_all(self.ep_group, permuted_probs, outs, ins)
         return tokens, permuted_probs
 
-    def _local_expert_perm(self, device) -> torch.Tensor:
-        """Row order source-rank-major -> local-expert-major (megatron's permutation 2), as an index tensor."""
-        sizes = _splits(self.num_global_tokens_per_local_expert.ravel())
-        starts, acc = [], 0
-        for s in sizes:
-            starts.append(acc)
-            acc += s
-        order = _splits(self.sort_input_by_local_experts)
-        parts = [torch.arange(starts[i], starts[i] + sizes[i], dtype=torch.int64) for i in order]
-        perm = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        return perm.to(device)
+    def _local_expert_perm(self, rows: int, device) -> torch.Tensor | None:
+        """Row order source-rank-major -> local-expert-major (megatron's permutation 2), as an index tensor on
+        ``device``; None when it is the identity (one source rank: EP = TP = 1)."""
+        order = torch.as_tensor(self.sort_input_by_local_experts).reshape(-1)
+        if bool((order == torch.arange(order.numel(), dtype=order.dtype)).all()):
+            return None
+        return local_expert_permutation(torch.as_tensor(self.num_global_tokens_per_local_expert).reshape(-1),
+                                        order, rows, device)
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
         if not isinstance(global_input_tokens, DispatchedMXFP4):
             return super().dispatch_postprocess(global_input_tokens, global_probs)
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
         if self.num_local_experts > 1:
-            perm = self._local_expert_perm(global_probs.device)
-            global_input_tokens = permute_rows(global_input_tokens, perm)
-            global_probs = global_probs.index_select(0, perm)
+            perm = self._local_expert_perm(global_probs.shape[0], global_probs.device)
+            if perm is not None:
+                global_input_tokens = permute_rows(global_input_tokens, perm)
+                global_probs = global_probs.index_select(0, perm)
         tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish", self.tokens_per_expert)
         self.tokens_per_expert = None
         return global_input_tokens, tokens_per_expert, global_probs
@@ -414,5 +427,5 @@ class RecipeSharedExpertMLP(SharedExpertMLP):
         return y.reshape(*lead, y.shape[-1])
 
 
-__all__ = ["QuantizedAlltoAllTokenDispatcher", "RecipeMoELayer", "RecipeGroupedMLP", "RecipeSharedExpertMLP",
+__all__ = ["local_expert_permutation", "QuantizedAlltoAllTokenDispatcher", "RecipeMoELayer", "RecipeGroupedMLP", "RecipeSharedExpertMLP",
            "grouped_weight", "pack_parameters", "permute_rows"]
