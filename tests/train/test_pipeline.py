@@ -1,9 +1,9 @@
 """Pipeline parallelism in ``python -m fp4moe.train`` on CPU: two gloo processes under torchrun, PP=2 (megatron-core's
 1F1B schedule, 2 micro-batches per step so that the stages' forward and backward passes interleave), train the
 tiny model to the same losses as one process; a PP=2 run killed after its checkpoint resumes to the same losses;
-an uneven ``parallel.pipeline_layout`` (an embedding-only first stage, as the paper's) with tied embeddings (their
-gradient summed over megatron's embedding group) trains like one process too. Both layouts start from the same
-weights through ``train.layout_invariant_init``."""
+four processes (DP=2 x PP=2) on an uneven ``parallel.pipeline_layout`` (an embedding-only first stage and MTP on
+the last, as the paper's) with tied embeddings (their gradient summed over megatron's embedding group) train like
+one process too. Every layout starts from the same weights through ``train.layout_invariant_init``."""
 from __future__ import annotations
 
 import os
@@ -26,10 +26,10 @@ COMMON = ["train=short_cpu", "train.params_dtype=fp32", "train.layout_invariant_
 PP2 = ["parallel.world_size=2", "cluster.gpus_per_node=2", "parallel.pipeline=2"]
 
 
-def _torchrun(tmp_path, overrides, name):
+def _torchrun(tmp_path, overrides, name, nproc=2):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(HERE / "cli.py"), *COMMON, *PP2, *overrides, f"task_name={name}",
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(HERE / "cli.py"), *COMMON, *PP2, *overrides, f"task_name={name}",
                            f"train.checkpoint_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / name}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
@@ -89,19 +89,25 @@ def test_pp2_killed_and_resumed_equals_one_process(tmp_path, monkeypatch):
         ref["saved_activation_bytes_per_micro_batch"][1], rel=0.01)
 
 
-def test_pp2_uneven_layout_tied_bf16_equals_one_process(tmp_path, monkeypatch):
-    """precision=bf16 (megatron's own MoE path), tied embeddings, layout 'E|ttL': stage 0 holds the embedding only,
-    stage 1 both layers, the final norm and the (tied) output layer, whose copy of the embedding megatron keeps in
-    sync through the embedding group. Same losses as one process."""
-    model = ["precision=bf16", "model.tie_embeddings=true", "train.steps=3", "train.eval_interval=3",
-             "train.checkpoint_interval=null"]
-    r = _torchrun(tmp_path, [*model, "parallel.pipeline_layout='E|ttL'"], "uneven")
+def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkeypatch):
+    """4 processes, DP=2 x PP=2, precision=bf16 (megatron's own MoE path), micro-batch 1 (2 per DP rank and step),
+    tied embeddings and an MTP layer on the paper's kind of layout 'E|ttmL': stage 0 holds the embedding only,
+    stage 1 both layers, the MTP block, the final norm and the (tied) output layer, whose copy of the embedding is
+    kept in sync through megatron's embedding group. Same losses and MoE aux loss (reduced over the stages and
+    the DP ranks) as one process with 4 micro-batches."""
+    model = ["precision=bf16", "model.tie_embeddings=true", "model.mtp_num_layers=1", "parallel.micro_batch=1",
+             "train.steps=3", "train.eval_interval=3", "train.checkpoint_interval=null"]
+    r = _torchrun(tmp_path, [*model, "parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=2",
+                             "parallel.pipeline_layout='E|ttmL'"], "uneven", nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
-    _, got = _run_metrics(tmp_path, "uneven")
+    run, got = _run_metrics(tmp_path, "uneven")
+    assert run.data.tags["world_size"] == "4"
     one = _one_process(tmp_path, monkeypatch, model)
+    _, ref = _run_metrics(tmp_path, "pp1")
     assert sorted(got["loss"]) == [1, 2, 3]
     assert got["loss"] == pytest.approx(one.losses, rel=1e-6, abs=0)
     assert got["eval_loss"] == pytest.approx(one.eval_losses, rel=1e-6, abs=0)
+    assert got["moe/seq_load_balancing_loss"] == pytest.approx(ref["moe/seq_load_balancing_loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -210,14 +210,17 @@ def _moe_losses(mcfg: Any, accum: int, pp_group: Any = None, device: Any = None)
         import torch
 
         tracker = get_moe_layer_wise_logging_tracker()
+        # the names this stage's own layers logged (not the zero stand-ins of an earlier step, which stay in the
+        # process-global tracker)
+        own = sorted(n for n, v in tracker.items() if not v.get("fp4moe_stand_in"))
         owners = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(owners, sorted(tracker), group=pp_group)
+        dist.all_gather_object(owners, own, group=pp_group)
         names = sorted(set().union(*owners))
         size = int(mcfg.num_layers) + int(mcfg.mtp_num_layers or 0)
         for name in names:
             if name not in tracker:
                 tracker[name] = {"values": torch.zeros(size, device=device), "reduce_group": None,
-                                 "avg_group": None, "reduce_group_has_dp": False}
+                                 "avg_group": None, "reduce_group_has_dp": False, "fp4moe_stand_in": True}
     out: dict[str, Any] = {}
     track_moe_metrics(loss_scale=1.0 / accum, iteration=0, total_loss_dict=out, num_layers=mcfg.num_layers,
                       moe_layer_freq=mcfg.moe_layer_freq, mtp_num_layers=mcfg.mtp_num_layers, track_names=names)
