@@ -175,6 +175,8 @@ def test_derived_has_no_hardcoded_counts():
     (["experiment=paper_t1", "parallel.pipeline_layout=null"], "not divisible by parallel.pipeline"),
     # 6b. an explicit layout that does not fit
     (["experiment=paper_t1", "parallel.pipeline_layout='E|(tt|)*30,tL'"], "'m' layers"),
+    (["parallel.world_size=3", "cluster.gpus_per_node=3", "parallel.pipeline=3", "parallel.pipeline_layout='Ett||L'"],
+     "stage(s) [1] hold nothing"),
     # 7. a recompute module megatron-core can only do with TE, on our TE-less backend
     (["recompute=attn_ln_mlp", "recompute.megatron_modules=[core_attn,layernorm]"], "need Transformer Engine"),
     (["recompute=attn_ln_mlp", "recompute.megatron_modules=[moe_act]"], "need Transformer Engine"),

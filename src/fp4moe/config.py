@@ -18,7 +18,8 @@ Rules checked (``check``), each with its own message:
 5. batch: ``global_batch % (micro_batch * DP) == 0`` (gradient accumulation steps = the quotient).
 6. pipeline: ``num_layers % PP == 0``, unless ``parallel.pipeline_layout`` spells the stages explicitly in
    megatron-core's ``--pipeline-model-parallel-layout`` syntax (e.g. the paper's ``E|(tt|)*30,tmL``): then it must
-   have PP * VPP stages, exactly ``num_layers`` 't' and ``mtp_num_layers`` 'm', one 'E' first and one 'L' last.
+   have PP * VPP stages, none empty, exactly ``num_layers`` 't' and ``mtp_num_layers`` 'm', one 'E' first and one
+   'L' last.
 7. recompute: a module handed to megatron-core (``recompute.megatron_modules``) that needs Transformer Engine
    there (``layernorm``: output-discarding checkpoint crashes without TE; ``moe_act``: needs TE's grouped MLP)
    is refused while ``backend.transformer_impl`` is 'local'; such modules go in ``recompute.fp4moe_modules``.
@@ -258,6 +259,9 @@ def check(cfg: Any) -> dict[str, Any]:
         if joined.count("E") != 1 or not stages[0].startswith("E") or joined.count("L") != 1 \
                 or not stages[-1].endswith("L"):
             problems.append("needs one 'E' at the start of the first stage and one 'L' at the end of the last")
+        empty = [i for i, st in enumerate(stages) if not st]
+        if empty:
+            problems.append(f"stage(s) {empty} hold nothing (every pipeline rank needs at least one letter)")
         if problems:
             raise ConfigError(f"parallel.pipeline_layout={str(layout)!r} does not fit: {'; '.join(problems)}: "
                               "fix the layout string or parallel.pipeline")

@@ -162,7 +162,7 @@ def test_unreachable_mlflow_is_a_clear_error_before_training(tmp_path, monkeypat
 
 @pytest.mark.parametrize("overrides, match", [
     (["parallel.data=2"], r"parallel.tensor x pipeline x context x data = 1 x 1 x 1 x 2 = 2 != parallel.world_size=1"),
-    (["parallel.world_size=2", "cluster.gpus_per_node=2", "parallel.pipeline=2"], r"parallel.pipeline=2: not supported"),
+    (["parallel.world_size=2", "cluster.gpus_per_node=2", "parallel.tensor=2"], r"parallel.tensor=2: not supported"),
     (["train.params_dtype=fp16"], r"train.params_dtype='fp16': pick one of bf16, fp32"),
     (["train.schedule.name=linear"], r"train.schedule.name='linear'"),
     (["precision.name=mxfp5"], r"precision: "),

@@ -195,12 +195,38 @@ def transformer_config(model_cfg: Any, parallel_cfg: Any = None, recompute_cfg: 
     if mla.get("rope_type") == "yarn":
         kwargs["original_max_position_embeddings"] = int(mla.get("original_max_position_embeddings", 4096))
     kwargs.update(_recompute_kwargs(recompute_cfg))
-    config = MLATransformerConfig(**kwargs)
+    kwargs.update(_pipeline_kwargs(p, params_dtype, on_cpu))
+    try:
+        config = MLATransformerConfig(**kwargs)
+    except (AssertionError, ValueError) as e:
+        if isinstance(e, ConfigError) or "pipeline_model_parallel_layout" not in kwargs:
+            raise
+        raise ConfigError(f"parallel.pipeline_layout={kwargs['pipeline_model_parallel_layout']!r}: megatron-core "
+                          f"refuses it ({e}): fix the layout string (letters E, t, m, L; one stage per "
+                          "pipeline rank)") from e
     if precision_cfg is not None:
         from fp4moe.recipe import Recipe
 
         _check_recipe_parallel(Recipe.from_config(precision_cfg), config)
     return config
+
+
+def _pipeline_kwargs(p: dict[str, Any], params_dtype: torch.dtype, on_cpu: bool) -> dict[str, Any]:
+    """megatron-core's pipeline settings for ``parallel.pipeline`` > 1 (nothing for PP = 1, so that config stays
+    as it was): the dtype of the activations sent between stages (the parameters' dtype, as megatron-lm sets it),
+    the uneven stage layout ``parallel.pipeline_layout`` (megatron-core's ``--pipeline-model-parallel-layout``
+    syntax) and, on CPU, no ``torch.cuda.synchronize`` after each batched send/receive."""
+    pp = int(p.get("pipeline", 1) or 1)
+    if pp == 1:
+        return {}
+    out: dict[str, Any] = {"pipeline_dtype": params_dtype}
+    if p.get("pipeline_layout"):
+        out["pipeline_model_parallel_layout"] = str(p["pipeline_layout"])
+    if int(p.get("virtual_pipeline") or 1) > 1:
+        out["virtual_pipeline_model_parallel_size"] = int(p["virtual_pipeline"])
+    if on_cpu:
+        out["batch_p2p_sync"] = False  # p2p_communication.py: torch.cuda.synchronize() after batch_isend_irecv
+    return out
 
 
 def _moe_spec(mlp_spec, recipe, moe_expert_recompute: bool):
@@ -292,13 +318,21 @@ def apply_fp8_dense_linears(model, recipe) -> list[str]:
 
 
 def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
-                    pre_process: bool = True, post_process: bool = True):
+                    pre_process: bool | None = None, post_process: bool | None = None):
     """``GPTModel`` (MLA + MoE, local spec, SDPA core attention) for the composed config ``cfg`` (groups
     ``model``, ``parallel``, ``recompute``, ``precision``; no precision = bf16). Applies the CPU shims when CUDA
     is absent. ``model.fp4moe_recipe``: the Recipe; ``model.fp4moe_bf16_linears``: dense linears left BF16 under
-    ``scope: all_linears`` (dims not multiples of 128)."""
+    ``scope: all_linears`` (dims not multiples of 128).
+
+    Pipeline parallelism: this process's stage, as megatron-lm builds it. ``pre_process`` (embedding) and
+    ``post_process`` (final norm, output layer, loss) default to megatron's parallel state (first / last pipeline
+    stage); megatron's ``TransformerBlock`` builds the stage's layers (an even split of ``num_layers``, or
+    ``parallel.pipeline_layout``'s), the MTP block only on the stage that holds it. Parameter names are megatron's
+    module names, so a stage's layers are ``decoder.layers.0..`` locally (``layer_number`` stays global)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
@@ -316,8 +350,15 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
     config = transformer_config(model_cfg, cfg.get("parallel"), cfg.get("recompute"), params_dtype=params_dtype,
                                 precision_cfg=recipe.to_dict())
     block = layer_spec(config, recipe, tuple(own))
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     mtp = None
-    if config.mtp_num_layers:
+    if config.mtp_num_layers and mtp_on_this_rank(config, ignore_virtual=True):
+        if not block.layer_specs:
+            raise ConfigError("parallel.pipeline_layout puts the MTP block on a stage without decoder layers: "
+                              "give that stage at least one 't' (e.g. '...|tmL')")
         mtp = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=False)
     model = GPTModel(
         config=config,

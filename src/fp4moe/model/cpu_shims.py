@@ -34,9 +34,17 @@ Only when CUDA is absent (CPU machine, gloo):
    ``as_numpy=True`` split sizes stay tensors and gloo's ``all_to_all_single`` in ``tensor_parallel.mappings``
    rejects them (EP > 1). The shim returns ``.numpy()`` for CPU tensors when ``as_numpy`` is asked.
 
-Only what the tests in tests/model exercise is patched; megatron's optimizer and pipeline schedules
-(``device='cuda'`` in megatron/core/optimizer/optimizer.py, megatron/core/pipeline_parallel/schedules.py) are not
-shimmed: on CPU use a plain torch loop and optimizer.
+5. megatron/core/pipeline_parallel/schedules.py (the 1F1B and no-pipelining schedules fp4moe.train uses for
+   PP > 1) counts tokens in ``torch.zeros([], dtype=torch.int, device="cuda")``: the module's ``torch`` becomes a
+   view of torch whose ``zeros`` puts a ``device="cuda"`` tensor on the CPU (nothing else changes).
+   p2p_communication.py's ``torch.cuda.synchronize()`` after a batched send/receive is switched off by the config
+   (``batch_p2p_sync=False`` on CPU, fp4moe.model.build).
+6. ``LanguageModule.setup_embeddings_and_output_layer`` (megatron/core/models/common/language_module/
+   language_module.py:244) moves the embedding copy of the last pipeline stage (tied embeddings or MTP, PP > 1)
+   with ``weight.data.cuda()`` before all-reducing it from the first stage: on CPU it stays on the CPU.
+
+Only what the tests in tests/model and tests/train exercise is patched; megatron's optimizer (``device='cuda'`` in
+megatron/core/optimizer/optimizer.py) is not: on CPU use fp4moe.train.optim.
 """
 
 from __future__ import annotations
@@ -120,6 +128,20 @@ class CPURNGStatesTracker:
             torch.set_rng_state(orig)
 
 
+class _TorchWithCPUZeros:
+    """What megatron's schedules.py sees as ``torch`` on CPU (shim 5): torch itself, except that ``zeros`` with
+    ``device="cuda"`` allocates on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+
 _NO_TE_APPLIED = False
 
 
@@ -181,6 +203,24 @@ def apply() -> bool:
         return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    # 5. pipeline_parallel/schedules.py total_num_tokens = torch.zeros([], ..., device="cuda")
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchWithCPUZeros()  # type: ignore[assignment]
+    # 6. language_module.py:244 weight.data.cuda() of the last stage's embedding copy (tied / MTP, PP > 1)
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    upstream_setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[assignment,method-assign]
+        try:
+            upstream_setup(self)
+        finally:
+            torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer  # type: ignore
     _APPLIED = True
     return True
 

@@ -8,7 +8,8 @@ process computes) compares different models.
 
 :func:`reinit_layout_invariant` redraws every weight matrix (ndim >= 2) of a built ``GPTModel`` from its own
 generator, seeded by the run's seed and the parameter's *global* name: ``decoder.layers.<global layer>...`` and
-``experts.<global expert>...`` in place of megatron's per-rank local indices. The distribution is megatron's own:
+``experts.<global expert>...`` in place of megatron's per-rank local indices, and one name for every pipeline copy
+of a tied embedding (so the copies stay equal). The distribution is megatron's own:
 normal(0, ``init_method_std``) for every weight, normal(0, the output-layer std) for the output projections
 (``linear_proj``, ``linear_fc2``: ``init_method_std / sqrt(2 x num_layers)``); constant tensors (norm weights,
 biases) are left as built. Values depend on the device type (a CUDA generator draws other numbers than a CPU one).
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
+SHARED_EMBEDDING = "embedding.word_embeddings.weight"  # the key of every copy of a tied (shared) embedding
 
 
 def _std(fn: Any, what: str) -> float:
@@ -36,7 +38,8 @@ def _std(fn: Any, what: str) -> float:
 
 def global_names(model: torch.nn.Module) -> dict[str, str]:
     """Local parameter name -> global name: ``decoder.layers.<i>`` renumbered by the layer's ``layer_number``
-    (1-based, global) minus 1, ``local_experts.<j>`` by the MoE layer's ``local_expert_indices[j]``."""
+    (1-based, global) minus 1, ``local_experts.<j>`` by the MoE layer's ``local_expert_indices[j]``; every copy of
+    a tied embedding (megatron's ``shared_embedding`` attribute) is ``embedding.word_embeddings.weight``."""
     layer_of: dict[str, int] = {}
     experts_of: dict[str, list[int]] = {}
     for name, mod in model.named_modules():
@@ -46,7 +49,7 @@ def global_names(model: torch.nn.Module) -> dict[str, str]:
         if idx is not None:
             experts_of[name] = [int(i) for i in idx]
     out = {}
-    for name, _ in model.named_parameters():
+    for name, p in model.named_parameters():
         g = name
         m = re.match(r"((?:.*\.)?decoder\.layers\.\d+)(\..*)", name)
         if m and m.group(1) in layer_of:
@@ -55,6 +58,8 @@ def global_names(model: torch.nn.Module) -> dict[str, str]:
         if e and e.group(1) in experts_of:
             glob = experts_of[e.group(1)][int(e.group(2))]
             g = g.replace(f"experts.local_experts.{e.group(2)}.", f"experts.global_experts.{glob}.", 1)
+        if getattr(p, "shared_embedding", False):  # a pipeline's tied copies (first stage's embedding, the last
+            g = SHARED_EMBEDDING                    # stage's output layer / MTP embedding): one key, equal values
         out[name] = g
     return out
 

@@ -10,8 +10,10 @@ Three ways a process learns its rank, tried in this order:
 3. Neither: a single process on a free loopback port (world size 1).
 
 Backend: nccl when CUDA is present (device ``cuda:LOCAL_RANK``), gloo otherwise (device ``cpu``).
-The process count must equal ``parallel.world_size``. The trainer supports data and expert parallelism (the
-paper's layouts have TP1); TP, PP and CP > 1 raise a ConfigError saying so.
+The process count must equal ``parallel.world_size``. The trainer supports data, expert and pipeline parallelism
+(the paper's layouts have TP1; PP runs megatron-core's non-interleaved 1F1B schedule, with an even split of the
+layers or the uneven stages of ``parallel.pipeline_layout``); TP, CP, expert-TP > 1 and a virtual (interleaved)
+pipeline raise a ConfigError saying so.
 """
 from __future__ import annotations
 
@@ -53,15 +55,20 @@ def _free_port() -> int:
 def check_supported(cfg: Any) -> None:
     """Refuse parallel layouts the trainer does not run yet, with the reason (ConfigError)."""
     p = cfg.parallel
-    unsupported = [(k, int(p.get(k) or 1)) for k in ("tensor", "pipeline", "context") if int(p.get(k) or 1) > 1]
+    unsupported = [(k, int(p.get(k) or 1)) for k in ("tensor", "context") if int(p.get(k) or 1) > 1]
     if int(p.get("expert_tensor") or 1) > 1:
         unsupported.append(("expert_tensor", int(p.expert_tensor)))
     if unsupported:
         what = ", ".join(f"parallel.{k}={v}" for k, v in unsupported)
         raise ConfigError(
-            f"{what}: not supported by fp4moe.train yet (it runs data and expert parallelism: tensor, pipeline, "
-            "context and expert_tensor must be 1). Paper-scale layouts with PP>1 can be checked with "
+            f"{what}: not supported by fp4moe.train yet (it runs data, expert and pipeline parallelism: tensor, "
+            "context and expert_tensor must be 1). Such layouts can be checked with "
             "`python -m fp4moe.launch dry-run` but not trained yet")
+    if int(p.get("virtual_pipeline") or 1) > 1:
+        raise ConfigError(
+            f"parallel.virtual_pipeline={p.virtual_pipeline}: the interleaved (virtual) pipeline schedule is not "
+            "supported by fp4moe.train yet (it runs megatron-core's 1F1B): set parallel.virtual_pipeline=null, "
+            "with one parallel.pipeline_layout stage per pipeline rank")
 
 
 def init_distributed(cfg: Any) -> DistInfo:

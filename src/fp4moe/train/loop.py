@@ -8,6 +8,17 @@ auxiliary and MTP losses ride the same backward, scaled by 1 / grad_accum_steps 
 gradient average over DP, router expert-bias update (megatron-core's, from the tokens each expert got in the
 global batch), global gradient norm, clipping, AdamW at the schedule's learning rate.
 
+Pipeline parallelism (``parallel.pipeline`` > 1): each process builds its stage (fp4moe.model.build) and megatron-
+core's own schedule (``get_forward_backward_func``: non-interleaved 1F1B) runs the ``grad_accum_steps`` micro-
+batches of a step, activations [seq, micro, hidden] sent between stages; the loss function on the last stage is
+the same per-token mean, divided by the micro-batch count by the schedule (as above). Then, as for PP = 1: DP
+average, the word-embedding copies of first and last stage (tied output layer, MTP) summed over megatron's
+embedding group, the gradient norm over all stages (fp4moe.train.optim), and the same update on every rank. The
+step's loss (and the evaluation loss, ``forward_only``) is the last stage's, broadcast over the pipeline so that
+rank 0 (a first stage) logs it; the MoE aux losses are reduced over the stages, the all-to-all bytes and the
+saved-activation bytes summed over them (the largest stage's saved bytes also logged). Checkpoints stay one file
+per rank (each stage's own parameters, names local to the stage), resumed with the same layout.
+
 Order of the set-up, so that every mistake is reported before anything expensive: ``fp4moe.config.check`` and
 the trainer's own limits (ConfigError), the MLflow store (``TrackingUnavailable``), megatron-core's transformer
 config as fp4moe.model builds it (ConfigError for what cannot be built without TE), then torch.distributed,
@@ -181,42 +192,141 @@ def _build_data(cfg: Any, info: Any):
     return train_ds, valid_ds, dinfo
 
 
-def _moe_losses(mcfg: Any, accum: int) -> dict[str, float]:
+def _moe_losses(mcfg: Any, accum: int, pp_group: Any = None, device: Any = None) -> dict[str, float]:
     """megatron-core's MoE auxiliary losses of the step just done (e.g. ``moe/seq_load_balancing_loss``), the
     mean over MoE layers of the per-micro-batch mean, reduced across ranks; clears megatron's tracker. Collective:
-    every rank calls it."""
-    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+    every rank calls it.
 
+    With pipeline parallelism (``pp_group`` of more than one stage) megatron sums the per-layer values over the
+    stages, which needs every stage to reduce the same names: a stage without MoE layers (or with other aux
+    losses) gets zero entries for the names the other stages have, and each name's result is taken from the first
+    stage that holds such a layer (that stage also averaged it over data parallelism), so every rank returns the
+    whole model's values."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
+
+    names = owners = None
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        import torch
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        # the names this stage's own layers logged (not the zero stand-ins of an earlier step, which stay in the
+        # process-global tracker)
+        own = sorted(n for n, v in tracker.items() if not v.get("fp4moe_stand_in"))
+        owners = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(owners, own, group=pp_group)
+        names = sorted(set().union(*owners))
+        size = int(mcfg.num_layers) + int(mcfg.mtp_num_layers or 0)
+        for name in names:
+            if name not in tracker:
+                tracker[name] = {"values": torch.zeros(size, device=device), "reduce_group": None,
+                                 "avg_group": None, "reduce_group_has_dp": False, "fp4moe_stand_in": True}
     out: dict[str, Any] = {}
     track_moe_metrics(loss_scale=1.0 / accum, iteration=0, total_loss_dict=out, num_layers=mcfg.num_layers,
-                      moe_layer_freq=mcfg.moe_layer_freq, mtp_num_layers=mcfg.mtp_num_layers)
-    return {f"moe/{k}": float(v) for k, v in out.items()}
+                      moe_layer_freq=mcfg.moe_layer_freq, mtp_num_layers=mcfg.mtp_num_layers, track_names=names)
+    got = {f"moe/{k}": float(v) for k, v in out.items()}
+    if owners is None:
+        return got
+    every = [None] * len(owners)
+    dist.all_gather_object(every, got, group=pp_group)
+    return {f"moe/{n}": next(r[f"moe/{n}"] for o, r in zip(owners, every) if n in o) for n in names}
+
+
+def _pipeline_forward_backward(model: Any, batches: list[Any], pos: Any, *, seq: int, micro: int,
+                               forward_only: bool, measure_exclude: Any = None) -> tuple[list[Any], int | None]:
+    """Run ``batches`` (this step's micro-batches, each ``(tokens, labels)``) through megatron-core's pipeline
+    schedule (``get_forward_backward_func``: 1F1B for PP > 1), activations of shape [seq, micro, hidden] sent
+    between stages. Returns the per-micro-batch mean LM losses (0-d fp32 tensors, in micro-batch order) on the
+    last stage ([] elsewhere) and, with ``measure_exclude`` (the parameters), the bytes this stage's forward of the
+    first micro-batch kept for backward (None otherwise). Every stage reads the same micro-batches (the first for
+    the tokens, the last for the labels; MTP needs both there)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from fp4moe.ops.accounting import SavedTensorBytes
+
+    measured: list[int] = []
+
+    def loss_func(output: Any):
+        loss = output.float().mean()
+        # the schedule divides the first element by the micro-batch count in place: report a copy
+        return loss, {"loss": loss.detach().clone()}
+
+    def forward_step(data_iterator: Any, model: Any):
+        tokens, labels = next(data_iterator)
+        if measure_exclude is not None and not measured:
+            with SavedTensorBytes(exclude=measure_exclude) as counter:
+                out = model(tokens, pos, None, labels=labels)
+            measured.append(counter.bytes())
+            del counter
+        else:
+            out = model(tokens, pos, None, labels=labels)
+        return out, loss_func
+
+    store = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+                                        num_microbatches=len(batches), seq_length=seq, micro_batch_size=micro,
+                                        forward_only=forward_only)
+    return [d["loss"] for d in store], (measured[0] if measured else None)
 
 
 def _evaluate(model: Any, valid_ds: Any, cfg: Any, derived: dict[str, Any], info: Any, pos: Any) -> float:
     """Mean LM loss (nats/token) over the first ``eval_steps`` global batches of the validation split (the same
-    samples every time), averaged over DP ranks."""
+    samples every time), averaged over DP ranks. With pipeline parallelism: megatron's schedule with
+    ``forward_only``, the loss computed on the last stage and broadcast to the pipeline's other stages."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     micro, accum = int(cfg.parallel.micro_batch), int(derived["grad_accum_steps"])
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     n_steps = int(cfg.train.get("eval_steps") or 1)
     total = torch.zeros((), dtype=torch.float64, device=info.device)
     model.eval()
     with torch.no_grad():
         for s in range(n_steps):
+            batches = []
             for k in range(accum):
                 idx = data_mod.micro_batch_indices(s * int(cfg.parallel.global_batch), k, micro, dp_rank, dp_size)
                 tokens, labels = (t.to(info.device) for t in data_mod.batch(valid_ds, idx))
-                total += model(tokens, pos, None, labels=labels).float().mean().double()
+                if pp_size == 1:
+                    total += model(tokens, pos, None, labels=labels).float().mean().double()
+                else:
+                    batches.append((tokens, labels))
+            if batches:
+                losses, _ = _pipeline_forward_backward(model, batches, pos, seq=int(cfg.parallel.seq_length),
+                                                       micro=micro, forward_only=True)
+                for loss in losses:
+                    total += loss.double()
     model.train()
     total /= n_steps * accum
     if dp_size > 1:
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
         total /= dp_size
+    if pp_size > 1:
+        dist.broadcast(total, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
     return float(total.item())
+
+
+def _per_stage(value: Any, pp_group: Any) -> list[Any]:
+    """``value`` of every stage of this process's pipeline, in stage order (collective over ``pp_group``)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(out, value, group=pp_group)
+    return out
+
+
+def _sum_over_stages(values: dict[str, float], pp_group: Any) -> dict[str, float]:
+    """Per-key sum of ``values`` over the pipeline's stages (a key missing on a stage counts 0); ``values`` itself
+    without pipeline parallelism."""
+    if pp_group is None:
+        return values
+    total: dict[str, float] = {}
+    for stage in _per_stage(values, pp_group):
+        for k, v in stage.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
 
 
 def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
@@ -267,6 +377,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
         from fp4moe.model.init import reinit_layout_invariant
 
         reinit_layout_invariant(model, int(t.seed))
+        _seed_everything(int(t.seed))  # and the RNG state after the build is the same for every layout too
     if dtype == torch.bfloat16:
         to_bf16_params(model)  # as megatron-core's Float16Module, router expert-bias state kept fp32
     mcfg = model.config
@@ -323,6 +434,13 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     dp_group = parallel_state.get_data_parallel_group()
     edp_group = parallel_state.get_expert_data_parallel_group()
     ep_group = parallel_state.get_expert_model_parallel_group()
+    # pipeline parallelism: megatron's 1F1B schedule runs the micro-batches; the loss is the last stage's
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_group = parallel_state.get_pipeline_model_parallel_group() if pp_size > 1 else None
+    pp_last = parallel_state.get_pipeline_model_parallel_last_rank() if pp_size > 1 else info.rank
+    embd_group = parallel_state.get_embedding_group(check_initialized=False) if pp_size > 1 else None
+    if pp_size > 1:
+        opt.accumulate_in_backward()  # BF16 gradients into the fp32 accumulators after each backward pass
     # The auxiliary (MoE load-balancing, MTP) losses' backward scale, 1 / accumulation steps like the main loss, as
     # megatron's schedules set it. Assigned, not set_loss_scale(): that copies into whatever tensor an earlier model
     # in this process left there (a 0-d one cannot take our [1]).
@@ -363,24 +481,37 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             a2a_before = a2a_stats(model)
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-            for k in range(accum):
-                idx = data_mod.micro_batch_indices(consumed, k, micro, dp_rank, dp_size)
-                tokens, labels = (x.to(device, non_blocking=True) for x in data_mod.batch(train_ds, idx))
-                if saved_bytes is None:
-                    with SavedTensorBytes(exclude=params) as counter:
+            if pp_size == 1:
+                for k in range(accum):
+                    idx = data_mod.micro_batch_indices(consumed, k, micro, dp_rank, dp_size)
+                    tokens, labels = (x.to(device, non_blocking=True) for x in data_mod.batch(train_ds, idx))
+                    if saved_bytes is None:
+                        with SavedTensorBytes(exclude=params) as counter:
+                            loss = model(tokens, pos, None, labels=labels).float().mean()
+                        saved_bytes = counter.bytes()
+                        del counter
+                    else:
                         loss = model(tokens, pos, None, labels=labels).float().mean()
-                    saved_bytes = counter.bytes()
-                    del counter
-                else:
-                    loss = model(tokens, pos, None, labels=labels).float().mean()
-                (loss / accum).backward()
-                opt.accumulate()
-                loss_sum += loss.detach()
+                    (loss / accum).backward()
+                    opt.accumulate()
+                    loss_sum += loss.detach()
+            else:
+                batches = [tuple(x.to(device, non_blocking=True) for x in data_mod.batch(
+                    train_ds, data_mod.micro_batch_indices(consumed, k, micro, dp_rank, dp_size)))
+                    for k in range(accum)]
+                losses, measured = _pipeline_forward_backward(
+                    model, batches, pos, seq=seq, micro=micro, forward_only=False,
+                    measure_exclude=params if saved_bytes is None else None)
+                for loss in losses:
+                    loss_sum += loss
+                if saved_bytes is None:
+                    saved_bytes = _per_stage(measured, pp_group)
             opt.reduce_grads(dp_group, dp_size, edp_group)
+            opt.reduce_embedding_grads(embd_group)
             if mcfg.moe_router_enable_expert_bias:
                 _update_router_expert_bias([model], mcfg)
             reset_model_temporary_tensors(mcfg, [model])
-            norm = opt.grad_norm(ep_group)
+            norm = opt.grad_norm(ep_group, pp_group)
             opt.clip(norm)
             lr = sched(step)
             opt.step(lr)
@@ -392,6 +523,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             if dp_size > 1:
                 dist.all_reduce(loss_step, group=dp_group)
                 loss_step /= dp_size
+            if pp_size > 1:  # from the last stage to the others (rank 0, which logs, is a first stage)
+                dist.broadcast(loss_step, src=pp_last, group=pp_group)
             loss_v, norm_v = float(loss_step.item()), float(norm.item())
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -399,13 +532,20 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             m: dict[str, float | None] = {"loss": loss_v, "lr": lr, "grad_norm": norm_v,
                                           "consumed_samples": float(consumed)}
             m.update(meter.after_step(dt))
-            m.update(_moe_losses(mcfg, accum))
+            m.update(_moe_losses(mcfg, accum, pp_group, device))
             # all-to-all payload bytes of this step on this GPU (recipe dispatcher; none under bf16) and, on the
-            # first step, the bytes one micro-batch's forward keeps for backward (parameters excluded)
+            # first step, the bytes one micro-batch's forward keeps for backward (parameters excluded). Under
+            # pipeline parallelism both are summed over the pipeline's stages (the whole model, as with PP = 1);
+            # the largest stage's saved bytes are logged apart.
             a2a_after = a2a_stats(model)
-            m.update({f"a2a/{k}": float(v - a2a_before.get(k, 0)) for k, v in a2a_after.items() if k.endswith("_bytes")})
+            a2a = {f"a2a/{k}": float(v - a2a_before.get(k, 0)) for k, v in a2a_after.items() if k.endswith("_bytes")}
+            m.update(_sum_over_stages(a2a, pp_group))
             if step == start_step + 1:
-                m["saved_activation_bytes_per_micro_batch"] = float(saved_bytes)
+                if pp_size == 1:
+                    m["saved_activation_bytes_per_micro_batch"] = float(saved_bytes)
+                else:
+                    m["saved_activation_bytes_per_micro_batch"] = float(sum(saved_bytes))
+                    m["saved_activation_bytes_per_micro_batch_max_stage"] = float(max(saved_bytes))
             result.losses[step], result.lrs[step], result.grad_norms[step] = loss_v, lr, norm_v
             result.step = step
             if not math.isfinite(loss_v):

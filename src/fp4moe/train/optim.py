@@ -13,6 +13,17 @@ Gradient reduction (data and expert parallelism, megatron-core's convention): th
 local token mean; dense gradients are summed over the data-parallel group and divided by its size DP; expert
 gradients (parameters megatron marks ``allreduce = False``) are summed over the expert-data-parallel group and
 divided by the same DP (the all-to-all already summed the EP ranks' contributions).
+
+Pipeline parallelism (megatron-core's conventions, what its ``finalize_model_grads`` and ``clip_grads`` do): each
+stage holds its own parameters. A word-embedding weight that lives on two stages (tied output layer, or the MTP
+block's embedding on the last stage: megatron marks both copies ``shared_embedding``) has its gradient summed over
+megatron's embedding group (:meth:`Optimizer.reduce_embedding_grads`), so both copies take the same update; the
+copy that is not the first stage's (marked ``shared``) is left out of the norm. The gradient norm takes the
+per-parameter norms of every stage (gathered over the pipeline group), so every rank clips by the same global norm,
+the one a single process computes. Under 1F1B the
+micro-batches' backward passes are run by megatron's schedule: :meth:`Optimizer.accumulate_in_backward` moves each
+BF16 gradient into its fp32 accumulator as soon as the backward pass has produced it (a post-accumulate-grad hook,
+as megatron-core's DDP does), so accumulation stays fp32 there too.
 """
 from __future__ import annotations
 
@@ -89,6 +100,11 @@ class Optimizer:
             self.masters.append(master)
             (decay if p.dim() >= 2 and not name.endswith(".bias") else no_decay).append(master)
         self.expert = [_is_expert(p) for p in self.params]
+        # megatron (language_module.py setup_embeddings_and_output_layer): a later pipeline stage's copy of the word
+        # embedding is `shared` (left out of the norm); both copies are `shared_embedding` (gradients summed)
+        self.shared = [bool(getattr(p, "shared", False)) for p in self.params]
+        self.shared_embedding = [bool(getattr(p, "shared_embedding", False)) for p in self.params]
+        self._hooks: list[Any] = []
         betas = tuple(float(b) for b in o.betas)
         self.grad_clip = None if o.get("grad_clip") is None else float(o.grad_clip)
         self.opt = torch.optim.AdamW(
@@ -107,6 +123,26 @@ class Optimizer:
             else:
                 m.grad.add_(p.grad)
             p.grad = None
+
+    def accumulate_in_backward(self) -> None:
+        """Do :meth:`accumulate`'s work for each BF16 parameter as soon as a backward pass has accumulated its
+        ``.grad`` (``register_post_accumulate_grad_hook``), for schedules that run several backward passes without
+        returning in between (megatron's 1F1B). Idempotent; fp32 parameters need nothing."""
+        if self._hooks:
+            return
+
+        def move(p: torch.nn.Parameter, m: torch.Tensor) -> None:
+            if p.grad is None:
+                return
+            if m.grad is None:
+                m.grad = p.grad.float()
+            else:
+                m.grad.add_(p.grad)
+            p.grad = None
+
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, m=m: move(p, m)))
 
     def main_grads(self) -> list[torch.Tensor]:
         """fp32 gradient of every master (zeros where no micro-batch produced one, e.g. an expert that got no
@@ -138,18 +174,46 @@ class Optimizer:
                         b.copy_(r)
                     bucket, size = [], 0
 
-    def grad_norm(self, expert_parallel_group: Any = None) -> torch.Tensor:
+    def reduce_embedding_grads(self, embedding_group: Any) -> None:
+        """Sum the gradients of the word-embedding copies that live on two pipeline stages (``shared_embedding``)
+        over megatron's embedding group (first and last stage), as megatron's ``_allreduce_word_embedding_grads``.
+        Nothing when no parameter is shared or the group is None / has one rank (PP = 1)."""
+        if embedding_group is None or dist.get_world_size(embedding_group) <= 1 or not any(self.shared_embedding):
+            return
+        if dist.get_rank() not in dist.get_process_group_ranks(embedding_group):
+            return
+        for g, shared in zip(self.main_grads(), self.shared_embedding):
+            if shared:
+                dist.all_reduce(g, group=embedding_group)
+
+    def grad_norm(self, expert_parallel_group: Any = None, pipeline_group: Any = None) -> torch.Tensor:
         """Global L2 norm of the (reduced) gradients, fp32 scalar: dense gradients are replicated on every rank;
-        expert gradients are sharded over the expert-parallel group, so their squares are summed over it."""
+        expert gradients are sharded over the expert-parallel group, so their squares are summed over it; with
+        pipeline parallelism the per-parameter norms of all stages are gathered over ``pipeline_group`` and summed
+        in the model's parameter order (a later stage's copy of a shared word embedding left out, megatron's
+        ``shared``), so every rank gets the same norm, bit for bit the one of PP = 1."""
         grads = self.main_grads()
-        dense = [g for g, e in zip(grads, self.expert) if not e]
-        experts = [g for g, e in zip(grads, self.expert) if e]
-        zero = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        dense = [g for g, e, s in zip(grads, self.expert, self.shared) if not e and not s]
+        experts = [g for g, e, s in zip(grads, self.expert, self.shared) if e and not s]
+        device = grads[0].device
+        zero = torch.zeros((), dtype=torch.float32, device=device)
 
-        def sq(gs: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack(torch._foreach_norm(gs)).pow(2).sum() if gs else zero.clone()
+        def norms(gs: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack(torch._foreach_norm(gs)) if gs else torch.zeros(0, dtype=torch.float32, device=device)
 
-        sq_dense, sq_expert = sq(dense), sq(experts)
+        dense_norms, expert_norms = norms(dense), norms(experts)
+        if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+            # every stage's per-parameter norms, in stage order (= the model's parameter order), so that the sum
+            # below is the one a single stage would compute: every layout clips by the same bits
+            stages: list[Any] = [None] * dist.get_world_size(pipeline_group)
+            dist.all_gather_object(stages, (dense_norms.cpu(), expert_norms.cpu()), group=pipeline_group)
+            dense_norms = torch.cat([d for d, _ in stages]).to(device)
+            expert_norms = torch.cat([e for _, e in stages]).to(device)
+
+        def sq(n: torch.Tensor) -> torch.Tensor:
+            return n.pow(2).sum() if n.numel() else zero.clone()
+
+        sq_dense, sq_expert = sq(dense_norms), sq(expert_norms)
         if expert_parallel_group is not None and dist.get_world_size(expert_parallel_group) > 1:
             dist.all_reduce(sq_expert, group=expert_parallel_group)
         return (sq_dense + sq_expert).sqrt()

@@ -1,0 +1,141 @@
+"""Pipeline parallelism in ``python -m fp4moe.train`` on CPU: two gloo processes under torchrun, PP=2 (megatron-core's
+1F1B schedule, 2 micro-batches per step so that the stages' forward and backward passes interleave), train the
+tiny model to the same losses as one process; a PP=2 run killed after its checkpoint resumes to the same losses;
+four processes (DP=2 x PP=2) on an uneven ``parallel.pipeline_layout`` (an embedding-only first stage and MTP on
+the last, as the paper's) with tied embeddings (their gradient summed over megatron's embedding group) train like
+one process too. Every layout starts from the same weights through ``train.layout_invariant_init``."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp4moe.config import ConfigError
+
+pytest.importorskip("megatron.core")
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+# 3 optimizer steps of 2 micro-batches (micro 2, global 4); fp32 parameters, so that the only differences between
+# layouts could come from the reduction order (there are none: the losses match bit for bit on CPU)
+COMMON = ["train=short_cpu", "train.params_dtype=fp32", "train.layout_invariant_init=true", "train.steps=4",
+          "train.eval_interval=4", "train.eval_steps=1", "train.checkpoint_interval=2", "train.progress_bar=false"]
+PP2 = ["parallel.world_size=2", "cluster.gpus_per_node=2", "parallel.pipeline=2"]
+
+
+def _torchrun(tmp_path, overrides, name, nproc=2):
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(HERE / "cli.py"), *COMMON, *PP2, *overrides, f"task_name={name}",
+                           f"train.checkpoint_dir={tmp_path / 'ckpt'}", f"hydra.run.dir={tmp_path / name}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _one_process(tmp_path, monkeypatch, overrides):
+    from hydra import compose, initialize_config_dir
+
+    from fp4moe.train.loop import train
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[*COMMON, *overrides, "task_name=pp1",
+                                          f"train.checkpoint_dir={tmp_path / 'ckpt'}"])
+    return train(cfg)
+
+
+def _run_metrics(tmp_path, name):
+    """The one MLflow run of experiment ``name``: its tags and {metric: {step: last value logged}}."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs(client.get_experiment_by_name(name).experiment_id)
+    out = {}
+    for key in ("loss", "grad_norm", "eval_loss", "moe/seq_load_balancing_loss", "saved_activation_bytes_per_micro_batch"):
+        hist = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp))
+        out[key] = {m.step: m.value for m in hist}
+    return run, out
+
+
+def test_pp2_killed_and_resumed_equals_one_process(tmp_path, monkeypatch):
+    """mxfp4 (the default recipe), PP=2: the run fails at step 3 (after its step-2 checkpoint: one file per rank),
+    the same command resumes it from step 2 into the same MLflow run; its losses, gradient norms, evaluation loss
+    and MoE aux loss (rank 0 is the first stage, the loss is the last stage's) equal one process's."""
+    r = _torchrun(tmp_path, ["+fault.fail_at_step=3"], "pp2")
+    assert r.returncode != 0 and "fault.fail_at_step=3" in r.stderr, r.stderr[-3000:]
+    ckpts = tmp_path / "ckpt" / "pp2"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_0000002"]
+    assert sorted(p.name for p in (ckpts / "step_0000002").iterdir()) == ["meta.json", "rank_00000.pt",
+                                                                         "rank_00001.pt"]
+    r = _torchrun(tmp_path, [], "pp2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr + r.stdout
+    run, got = _run_metrics(tmp_path, "pp2")
+    assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "2"
+    assert sorted(p.name for p in (ckpts / "step_0000004").iterdir()) == ["meta.json", "rank_00000.pt",
+                                                                         "rank_00001.pt"]
+
+    one = _one_process(tmp_path, monkeypatch, [])
+    assert sorted(got["loss"]) == [1, 2, 3, 4]
+    assert got["loss"] == pytest.approx(one.losses, rel=1e-6, abs=0)
+    assert got["grad_norm"] == pytest.approx(one.grad_norms, rel=1e-6, abs=0)
+    assert got["eval_loss"] == pytest.approx(one.eval_losses, rel=1e-6, abs=0)
+    _, ref = _run_metrics(tmp_path, "pp1")
+    assert got["moe/seq_load_balancing_loss"] == pytest.approx(ref["moe/seq_load_balancing_loss"], rel=1e-6)
+    # summed over the two stages: the bytes one micro-batch's forward keeps for backward in the whole model
+    assert got["saved_activation_bytes_per_micro_batch"][1] == pytest.approx(
+        ref["saved_activation_bytes_per_micro_batch"][1], rel=0.01)
+
+
+def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkeypatch):
+    """4 processes, DP=2 x PP=2, precision=bf16 (megatron's own MoE path), micro-batch 1 (2 per DP rank and step),
+    tied embeddings and an MTP layer on the paper's kind of layout 'E|ttmL': stage 0 holds the embedding only,
+    stage 1 both layers, the MTP block, the final norm and the (tied) output layer, whose copy of the embedding is
+    kept in sync through megatron's embedding group. Same losses and MoE aux loss (reduced over the stages and
+    the DP ranks) as one process with 4 micro-batches."""
+    model = ["precision=bf16", "model.tie_embeddings=true", "model.mtp_num_layers=1", "parallel.micro_batch=1",
+             "train.steps=3", "train.eval_interval=3", "train.checkpoint_interval=null"]
+    r = _torchrun(tmp_path, [*model, "parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=2",
+                             "parallel.pipeline_layout='E|ttmL'"], "uneven", nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run, got = _run_metrics(tmp_path, "uneven")
+    assert run.data.tags["world_size"] == "4"
+    one = _one_process(tmp_path, monkeypatch, model)
+    _, ref = _run_metrics(tmp_path, "pp1")
+    assert sorted(got["loss"]) == [1, 2, 3]
+    assert got["loss"] == pytest.approx(one.losses, rel=1e-6, abs=0)
+    assert got["eval_loss"] == pytest.approx(one.eval_losses, rel=1e-6, abs=0)
+    assert got["moe/seq_load_balancing_loss"] == pytest.approx(ref["moe/seq_load_balancing_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["parallel.tensor=2"], r"parallel.tensor=2: not supported by fp4moe.train yet"),
+    (["parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.pipeline_layout='E|t|t|L'"],
+     r"parallel.virtual_pipeline=2: the interleaved \(virtual\) pipeline schedule is not supported"),
+    (["parallel.pipeline=2", "parallel.pipeline_layout='Et|L'"], r"1 't' layers, model.num_layers = 2"),
+    (["parallel.pipeline=2", "parallel.global_batch=3"], r"parallel.global_batch=3 is not a multiple"),
+])
+def test_pipeline_config_mistakes_are_clear_errors(tmp_path, overrides, match):
+    """Refused in preflight, before any process group exists (ConfigError naming the fix)."""
+    from hydra import compose, initialize_config_dir
+
+    from fp4moe.train.loop import preflight
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["parallel.world_size=2", "cluster.gpus_per_node=2", *overrides])
+    with pytest.raises(ConfigError, match=match):
+        preflight(cfg)
+
+
+def test_even_and_uneven_layouts_pass_preflight(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+
+    from fp4moe.train.loop import preflight
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for layout in ("null", "'Et|tL'", "'E|ttL'", "'Ett|L'"):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("train", overrides=[*PP2, f"parallel.pipeline_layout={layout}"])
+        assert preflight(cfg)["grad_accum_steps"] == 2
