@@ -82,6 +82,17 @@ def _is_expert(p: torch.nn.Parameter) -> bool:
     return not getattr(p, "allreduce", True)
 
 
+def _move_grad(p: torch.nn.Parameter, master: torch.Tensor) -> None:
+    """Add a BF16 parameter's ``.grad`` into its fp32 master's ``.grad`` and drop it (nothing when there is none)."""
+    if p.grad is None:
+        return
+    if master.grad is None:
+        master.grad = p.grad.float()
+    else:
+        master.grad.add_(p.grad)
+    p.grad = None
+
+
 class Optimizer:
     """AdamW over fp32 master weights of ``model``'s trainable parameters (see the module docstring)."""
 
@@ -116,13 +127,8 @@ class Optimizer:
         """After a micro-batch backward: move BF16 ``.grad`` into the fp32 accumulators (fp32 params keep
         accumulating in ``.grad`` themselves)."""
         for p, m in zip(self.params, self.masters):
-            if m is p or p.grad is None:
-                continue
-            if m.grad is None:
-                m.grad = p.grad.float()
-            else:
-                m.grad.add_(p.grad)
-            p.grad = None
+            if m is not p:
+                _move_grad(p, m)
 
     def accumulate_in_backward(self) -> None:
         """Do :meth:`accumulate`'s work for each BF16 parameter as soon as a backward pass has accumulated its
@@ -130,19 +136,9 @@ class Optimizer:
         returning in between (megatron's 1F1B). Idempotent; fp32 parameters need nothing."""
         if self._hooks:
             return
-
-        def move(p: torch.nn.Parameter, m: torch.Tensor) -> None:
-            if p.grad is None:
-                return
-            if m.grad is None:
-                m.grad = p.grad.float()
-            else:
-                m.grad.add_(p.grad)
-            p.grad = None
-
         for p, m in zip(self.params, self.masters):
             if m is not p:
-                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, m=m: move(p, m)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, m=m: _move_grad(p, m)))
 
     def main_grads(self) -> list[torch.Tensor]:
         """fp32 gradient of every master (zeros where no micro-batch produced one, e.g. an expert that got no
