@@ -32,16 +32,26 @@ TILES = {
 }
 
 
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A small host table on ``device``. To a CUDA device through pinned memory, so that the copy is queued on the
+    stream like a kernel (a copy from pageable memory first waits for the stream to drain, leaving the GPU idle
+    while the host builds what comes next)."""
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @functools.lru_cache(maxsize=64)
 def _seg_args(seg: Segments, m: int, device):
-    """(single, row_seg int32 [M], seg_off int32 [E+1]) for the segment-major FP8 row scales."""
+    """(single, row_seg int32 [M], seg_off int32 [E+1]) for the segment-major FP8 row scales. row_seg is expanded
+    on ``device`` from the E counts (no M-long host tensor)."""
     if seg.num == 1:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return True, dummy, dummy
-    counts = torch.tensor(seg.counts, dtype=torch.int64)
-    row_seg = torch.repeat_interleave(torch.arange(seg.num, dtype=torch.int32), counts, output_size=m)
-    seg_off = torch.tensor(seg.offsets, dtype=torch.int32)
-    return False, row_seg.to(device, non_blocking=True), seg_off.to(device, non_blocking=True)
+    counts = _to_device(torch.tensor(seg.counts, dtype=torch.int64), device)
+    row_seg = torch.repeat_interleave(torch.arange(seg.num, dtype=torch.int32, device=device), counts, output_size=m)
+    seg_off = _to_device(torch.tensor(seg.offsets, dtype=torch.int32), device)
+    return False, row_seg, seg_off
 
 
 @functools.lru_cache(maxsize=64)
@@ -52,7 +62,7 @@ def _col_tiles(seg: Segments, device) -> torch.Tensor:
         for t0 in range(0, mp, col.TILE_T):
             rows.append((r0 + t0, min(col.TILE_T, c - t0), p, mp, t0))
     t = torch.tensor(rows, dtype=torch.int32).reshape(-1, col.TILE_FIELDS)
-    return t.to(device, non_blocking=True)
+    return _to_device(t, device)
 
 
 def _x(x: torch.Tensor):
@@ -234,12 +244,12 @@ def _row_tiles(seg: Segments, bm: int, device):
             for t0 in range(0, c, bm)]
     tiles = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
     off = torch.tensor(seg.offsets, dtype=torch.int32)
-    return tiles.to(device, non_blocking=True), off.to(device, non_blocking=True)
+    return _to_device(tiles, device), _to_device(off, device)
 
 
 @functools.lru_cache(maxsize=64)
 def _padded_offsets(seg: Segments, device):
-    return torch.tensor(seg.padded_offsets, dtype=torch.int32).to(device, non_blocking=True)
+    return _to_device(torch.tensor(seg.padded_offsets, dtype=torch.int32), device)
 
 
 def _fp8_arg(t: torch.Tensor) -> torch.Tensor:
