@@ -9,10 +9,13 @@
 #                                                      # logs/device/mlflow_probe*.db: tools/device/choose_t1_mb.py)
 #   bash tools/device/h200_p3.sh t1 GPU MB GB [PRECS [SCOPES]]  # the T1 twin: recipes x paper scopes, micro-batch MB
 #                                                      # (MB = auto: the one `choose` picked; GB = MB then)
-#   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..."  # T1 cells, one process each
+#   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..."  # T1 cells, one process each (16 steps, the
+#                                                      # last 6 measured: mxfp4's first 4-12 steps are slow)
 #   bash tools/device/h200_p3.sh profile GPU MB "mxfp4:attn_ln_experts ..."  # torch.profiler, steps 4-5, tables+trace
 #   bash tools/device/h200_p3.sh mem GPU MB "mxfp4:attn_ln_mlp ..."  # what is live at step 3's memory peak, by site
 #   bash tools/device/h200_p3.sh ep2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, EP2 x DP2), per cell
+#   bash tools/device/h200_p3.sh pp2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, PP2, 1F1B over 4
+#                                                      # micro-batches), per cell
 #   bash tools/device/h200_p3.sh swiglu                # fused SwiGLU: GPU tests + benchmark (FP4MOE_FUSED_SWIGLU)
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
@@ -90,7 +93,8 @@ t1cells)  # GPU MB "recipe:scope ...": T1 cells, each in its own process (no all
     recipe=${cell%%:*} scope=${cell##*:}
     CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "t1_gpu$gpu") python3 -m fp4moe.train experiment=proxy_t1_1gpu \
       "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb precision=$recipe \
-      recompute=$scope train.steps=8 train.measure.steps=6 > "$STATE/t1_${recipe}_$scope.log" 2>&1 || true
+      recompute=$scope train.steps=16 train.measure.warmup_steps=10 train.measure.steps=6 \
+      > "$STATE/t1_${recipe}_$scope.log" 2>&1 || true
     echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/t1_${recipe}_$scope.log" | tail -1 | cut -c1-160)"
   done
   ;;
@@ -132,6 +136,20 @@ ep2)  # MB "recipe:scope ...": the proxy on both GPUs, EP2 x DP2 (torchrun), glo
   done
   keep
   (cd "$STATE" && tar czf "$OUT/ep2_logs.tgz" ep2_*.log)
+  ;;
+pp2)  # MB "recipe:scope ...": the proxy as 2 pipeline stages over NCCL, global batch 4 x MB (1F1B, 4 micro-batches)
+  mb=$1
+  for cell in $2; do
+    recipe=${cell%%:*} scope=${cell##*:}
+    MLFLOW_TRACKING_URI=$(store pp2) timeout -k 20 300 python3 -m torch.distributed.run --standalone \
+      --nproc-per-node 2 -m fp4moe.train experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN \
+      cluster=workstation_2gpu parallel.world_size=2 parallel.pipeline=2 task_name=proxy_pp2 \
+      parallel.micro_batch=$mb parallel.global_batch=$((4 * mb)) precision=$recipe recompute=$scope \
+      train.steps=16 train.measure.warmup_steps=10 train.measure.steps=6 > "$STATE/pp2_${recipe}_${scope}_mb$mb.log" 2>&1 || true
+    echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/pp2_${recipe}_${scope}_mb$mb.log" | tail -1 | cut -c1-160)"
+  done
+  keep
+  (cd "$STATE" && tar czf "$OUT/pp2_logs.tgz" pp2_*.log)
   ;;
 swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3
