@@ -224,3 +224,23 @@ def test_throughput_ratios_read_the_papers_numbers_the_report_was_given(report_s
     row = next(r for r in part.splitlines() if r.startswith("| headline: mxfp4 mla_up_proj / fp8 attn_ln_experts"))
     fp8 = numbers["t1"]["cells"]["attn_ln_experts"]["fp8"]["tgs"]
     assert row.split("|")[2].strip() == f"{2314 / fp8:.3f}"
+
+
+def test_runs_from_different_archives_are_different_setups():
+    """Two archives (two code versions measured in two sessions) of the same scale are two column groups, each
+    naming its archive; runs measured here (no archive tag) keep the plain label."""
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import setup_of, setups
+
+    params = {"parallel.tensor": "1", "parallel.pipeline": "1", "parallel.expert": "1", "parallel.data": "1",
+              "parallel.micro_batch": "34", "parallel.seq_length": "4096", "parallel.global_batch": "34"}
+    tags = {"model": "proxy_h200", "hardware": "1 x NVIDIA H200", "recipe": "mxfp4", "recompute": "attn_ln_mlp",
+            "world_size": "1"}
+
+    def run(rid, archive):
+        t = dict(tags, **({"fp4moe.archive": archive} if archive else {}))
+        return RunRecord(rid, "proxy_t1_1gpu", "r", "FINISHED", 1, params, {"summary/tgs_median": 1.0}, t)
+
+    a, b, here = run("a", "t1_h200_cf227d9.json"), run("b", "t1_h200_ad6fb3f.json"), run("c", "")
+    assert setup_of(a) != setup_of(b) and len(setups([a, b, here])) == 3
+    assert "archive `t1_h200_ad6fb3f.json`" in setup_of(b).label and "archive" not in setup_of(here).label

@@ -31,11 +31,13 @@ class Setup:
     world_size: str
     layout: str       # TP/PP/EP/DP
     batch: str        # micro x seq, global batch
+    archive: str = ""  # the runs archive the runs came from (fp4moe.runs_archive; its name holds the commit), if any
 
     @property
     def label(self) -> str:
+        where = f"MLflow experiment `{self.experiment}`" + (f", archive `{self.archive}`" if self.archive else "")
         return (f"{self.model} on {self.hardware}, world size {self.world_size}, {self.layout}, {self.batch} "
-                f"(MLflow experiment `{self.experiment}`)")
+                f"({where})")
 
 
 def setup_of(run: RunRecord) -> Setup:
@@ -44,8 +46,10 @@ def setup_of(run: RunRecord) -> Setup:
                       (("TP", "tensor"), ("PP", "pipeline"), ("EP", "expert"), ("DP", "data")))
     batch = (f"micro {p.get('parallel.micro_batch', '?')} x seq {p.get('parallel.seq_length', '?')}, "
              f"global batch {p.get('parallel.global_batch', '?')}")
+    # runs measured elsewhere come from archives, one per code version and session: keep them apart
     return Setup(run.experiment, run.tags["model"], run.tags["hardware"],
-                 run.tags.get("world_size", p.get("parallel.world_size", "?")), layout, batch)
+                 run.tags.get("world_size", p.get("parallel.world_size", "?")), layout, batch,
+                 run.tags.get("fp4moe.archive", ""))
 
 
 def _usable(run: RunRecord) -> bool:
