@@ -46,15 +46,14 @@ RESULTS_REPORT = "results/report"
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark) exists; its measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P3", 4, "the throughput targets of the H200 T1 twin (missed: results/train_proxy/; the profile puts half "
-              "the GPU time in unfused glue, the experts' fp32 SwiGLU 19 %; its fused kernel exists but has not run on a "
-              "GPU yet), a "
-              "convergence run longer than 23.6 M tokens (the F5 twin's deviation target is missed), multi-GPU "
-              "trainer runs (EP=2 over NCCL)"),
+    ("P3", 4, "the throughput targets of the H200 T1 twin, missed narrowly (results/train_proxy/: mxfp4 0.983x fp8 "
+              "at equal scope, 0.95x fp8's best at the lighter scope), a convergence run longer than 23.6 M tokens "
+              "(the F5 twin's deviation target is missed), trainer runs on several GPUs (EP2 x DP2 and PP2 run on "
+              "gloo; not yet over NCCL)"),
     ("P4", 5, "any GPU or multi-node Slurm job (the trainer and the F3/F4 benchmark jobs are submitted through "
               "the same launcher path; on a real single-node CPU Slurm the trainer's sweep, failure and "
-              "time-limit requeue with resume are tested: tests/test_slurm.py), the paper-scale layouts "
-              "(TP/PP > 1 are refused by the trainer)"),
+              "time-limit requeue with resume are tested: tests/test_slurm.py), the paper layouts as they are "
+              "(the trainer runs PP > 1, but their `dispatcher: flex` needs DeepEP; TP > 1 is refused)"),
     ("P5", 6, "the paper-scale model's peak memory within 5 % of the H200 proxy's (saved activations agree in all "
               "46 runs; the peak only in 12 of 39 cells: results/scale/calibration.md), so the report's model "
               "columns stay labelled uncalibrated; "
