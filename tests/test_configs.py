@@ -183,6 +183,9 @@ def test_derived_has_no_hardcoded_counts():
     # 8. precision that Recipe refuses, user corpus without a path
     (["precision=fp8", "+precision.dispatch_fp4=true"], "precision:"),   # a key the file lacks takes "+"
     (["data=user_corpus", "data.path=null"], "FP4MOE_CORPUS"),
+    # 9. a dispatcher fp4moe does not build (DeepEP's 'flex'), or a recipe on another dispatcher than its own a2a
+    (["experiment=paper_t1", "parallel.dispatcher=flex"], "needs DeepEP"),
+    (["precision=mxfp4", "parallel.dispatcher=allgather"], "brings its own quantized all-to-all"),
 ])
 def test_check_failures(overrides, message):
     cfg = _compose(*overrides)

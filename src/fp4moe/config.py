@@ -24,6 +24,8 @@ Rules checked (``check``), each with its own message:
    there (``layernorm``: output-discarding checkpoint crashes without TE; ``moe_act``: needs TE's grouped MLP)
    is refused while ``backend.transformer_impl`` is 'local'; such modules go in ``recompute.fp4moe_modules``.
 8. data: ``data.path`` must be set for a user corpus; precision must load with ``Recipe.from_config``.
+9. dispatcher: ``parallel.dispatcher`` is one fp4moe builds (``alltoall``, ``allgather``; 'flex' needs DeepEP, not
+   in the stack), and the fp8 / mxfp4 recipes, whose quantized all-to-all replaces megatron's, need ``alltoall``.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ TE_ONLY_RECOMPUTE_MODULES = {
 # MLP ("moe_expert" of the FP8-Flow-MoE fork: fc1 -> SwiGLU -> fc2 of the experts, dispatch not re-run).
 FP4MOE_RECOMPUTE_MODULES = ("layernorm", "moe_expert")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+DISPATCHERS = ("alltoall", "allgather")  # megatron-core token dispatchers fp4moe builds ('flex' needs DeepEP)
 
 
 class ConfigError(ValueError):
@@ -304,14 +307,24 @@ def check(cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"recompute.granularity=full needs recompute.method uniform or block, got {r.get('method')!r}")
     # 8. precision and data
     try:
-        Recipe.from_config(cfg.precision)
+        recipe = Recipe.from_config(cfg.precision)
     except RecipeError as e:
         raise ConfigError(f"precision: {e}") from e
+    # 9. token dispatcher
+    dispatcher = str(p.get("dispatcher") or "alltoall")
+    if dispatcher not in DISPATCHERS:
+        why = (" needs DeepEP (megatron-core's 'flex'), which is not in fp4moe's stack" if dispatcher == "flex"
+               else " is not a megatron-core dispatcher fp4moe builds")
+        raise ConfigError(f"parallel.dispatcher={dispatcher!r}{why}: set parallel.dispatcher=alltoall (or allgather "
+                          "under precision=bf16)")
+    if recipe.name != "bf16" and dispatcher != "alltoall":
+        raise ConfigError(f"precision={recipe.name} brings its own quantized all-to-all, on megatron-core's alltoall "
+                          f"dispatcher, but parallel.dispatcher={dispatcher!r}: set parallel.dispatcher=alltoall")
     if cfg.data.get("name") == "user_corpus" and not cfg.data.get("path"):
         raise ConfigError("data=user_corpus needs a corpus: export FP4MOE_CORPUS=/path/to/text-or-jsonl-or-prefix "
                           "or pass data.path=...")
     return derived(cfg)
 
 
-__all__ = ["ConfigError", "check", "derived", "param_counts", "parse_pipeline_layout", "world_size",
+__all__ = ["ConfigError", "check", "DISPATCHERS", "derived", "param_counts", "parse_pipeline_layout", "world_size",
            "MEGATRON_RECOMPUTE_MODULES", "TE_ONLY_RECOMPUTE_MODULES", "FP4MOE_RECOMPUTE_MODULES"]

@@ -52,8 +52,9 @@ NOT_YET_IMPLEMENTED = (
               "gloo; not yet over NCCL)"),
     ("P4", 5, "any GPU or multi-node Slurm job (the trainer and the F3/F4 benchmark jobs are submitted through "
               "the same launcher path; on a real single-node CPU Slurm the trainer's sweep, failure and "
-              "time-limit requeue with resume are tested: tests/test_slurm.py), the paper layouts as they are "
-              "(the trainer runs PP > 1, but their `dispatcher: flex` needs DeepEP; TP > 1 is refused)"),
+              "time-limit requeue with resume are tested: tests/test_slurm.py), a paper-scale run "
+              "(the paper layouts pass the checks: PP, EP and DP in the trainer, the recipes' all-to-all in place of "
+              "DeepEP)"),
     ("P5", 6, "the paper-scale model's peak memory within 5 % of the H200 proxy's (saved activations agree in all "
               "46 runs; the peak only in 12 of 39 cells: results/scale/calibration.md), so the report's model "
               "columns stay labelled uncalibrated; "

@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from fp4moe.config import (FP4MOE_RECOMPUTE_MODULES, MEGATRON_RECOMPUTE_MODULES, TE_ONLY_RECOMPUTE_MODULES,
+from fp4moe.config import (DISPATCHERS, FP4MOE_RECOMPUTE_MODULES, MEGATRON_RECOMPUTE_MODULES, TE_ONLY_RECOMPUTE_MODULES,
                            ConfigError)
 from fp4moe.model import cpu_shims
 from fp4moe.model.attention import SDPACoreAttention
 
-DISPATCHERS = ("alltoall", "allgather")  # 'flex' needs DeepEP/HybridEP, absent here
+
 
 
 def _plain(cfg: Any) -> Any:

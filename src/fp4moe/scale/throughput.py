@@ -500,6 +500,11 @@ PAPER_CASES = (  # (column label, link GB/s, glue on, grouped FP8 fraction of de
 )
 
 
+# The paper's runs: the lab's scripts dispatch with DeepEP (megatron-core's 'flex'; shared notes, paper details
+# §1.2), an assumption of this model. fp4moe itself runs conf/parallel/paper_671b.yaml's 'alltoall'.
+PAPER_DISPATCHER = "flex"
+
+
 def paper_numbers() -> dict:
     return OmegaConf.to_container(OmegaConf.load(ROOT / "conf/paper/numbers.yaml"))["t1"]["cells"]
 
@@ -510,6 +515,7 @@ def paper_t1_time(recipe: str, scope: str, link_bandwidth_gb_s: float, glue: boo
     conf/experiment/paper_t1.yaml), FP8 weights cached per step (Transformer Engine)."""
     cfg = compose_cfg("dsv3_671b", "paper_671b", scope, recipe)
     cfg.precision.scope = "all_linears"
+    cfg.parallel.dispatcher = PAPER_DISPATCHER
     return time_per_token(cfg, replace(rates, glue=glue), link_bandwidth_gb_s=link_bandwidth_gb_s,
                           glue_scale=glue_scale_paper() if glue else 1.0, weight_quant_per="step")
 
