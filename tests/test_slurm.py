@@ -3,8 +3,8 @@ hydra-submitit-launcher (and once through slurm/train.sbatch), no mocks.
 
 Needs a running Slurm with accounting, e.g. ``sudo tools/local_slurm.sh up`` (``.ci/run`` starts one where it can);
 without one every test here skips and says so. Every job trains the tiny CPU model on the real Shakespeare data
-(``experiment=tiny_cpu cluster=slurm_local hydra/launcher=slurm_local``, with ``recompute=none``: the experiment's
-``attn_ln_experts`` scope is refused by fp4moe.model until its own recompute lands). The data is built once, before
+(``experiment=tiny_cpu cluster=slurm_local hydra/launcher=slurm_local``, with the experiment's own recompute scope,
+``attn_ln_experts``). The data is built once, before
 anything is submitted (``python -m fp4moe.data prepare``). All jobs log to one MLflow sqlite store, whose schema the
 first launcher creates before anything else starts (parallel jobs race in its migrations).
 
@@ -32,7 +32,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 APP = [sys.executable, "-m", "fp4moe.train"]
 BASE = ["experiment=tiny_cpu", "cluster=slurm_local", "hydra/launcher=slurm_local"]
-FAST = ["recompute=none", "train.progress_bar=false", "train.eval_interval=null"]
+FAST = ["train.progress_bar=false", "train.eval_interval=null"]
 DATA_DIR = os.environ.get("FP4MOE_DATA_DIR") or str(REPO / "data")
 # The time-limit cell: 1-minute limit, signal 10 s before it (it comes 20-50 s after the start), 5 s of sleep per
 # step on the first attempt so that it cannot finish (12 steps > 60 s), full speed after the requeue: the second
