@@ -43,8 +43,29 @@ def _cells(name):
     return cells
 
 
+# Every paper experiment that trains has scaled-down twins on 1 GPU, 2 GPUs and CPU, sweeping the same cells.
+# (F3/F4 are the kernel and layer benchmarks: they need a GPU and take parallel=single_gpu or two_gpu_ep2.)
+TWINS = {"paper_t1": ("proxy_t1_1gpu", "proxy_t1_2gpu", "tiny_t1_cpu"),
+         "paper_t2": ("proxy_t2_1gpu", "proxy_t2_2gpu", "tiny_t2_cpu"),
+         "paper_f5": ("proxy_f5_1gpu", "proxy_f5_2gpu", "tiny_f5_cpu")}
+
+
 def test_experiments_exist():
-    assert set(EXPERIMENTS) >= {"paper_t1", "paper_t2", "paper_f5", "proxy_t1_1gpu", "proxy_t1_2gpu", "tiny_cpu"}
+    assert set(EXPERIMENTS) >= {"paper_t1", "paper_t2", "paper_f3", "paper_f4", "paper_f5", "tiny_cpu",
+                                *(t for twins in TWINS.values() for t in twins)}
+
+
+@pytest.mark.parametrize("paper", sorted(TWINS))
+def test_twins_sweep_the_papers_cells_on_one_gpu_two_gpus_and_cpu(paper):
+    want = _sweep(_compose(f"experiment={paper}", hydra_cfg=True))
+    ref = _compose(f"experiment={paper}")
+    for twin, (world, device) in zip(TWINS[paper], ((1, "cuda"), (2, "cuda"), (1, "cpu"))):
+        cfg = _compose(f"experiment={twin}", hydra_cfg=True)
+        assert _sweep(cfg) == want, twin
+        assert (int(cfg.parallel.world_size), cfg.cluster.nodes) == (world, 1), twin
+        assert (cfg.cluster.gpu is not None) == (device == "cuda"), twin
+        if paper != "paper_t1":  # T1 sweeps the scope; T2 and F5 fix one (the twins of F5 do not recompute)
+            assert cfg.recompute.name == (ref.recompute.name if paper == "paper_t2" else "none"), twin
 
 
 def test_root_composes_and_checks():

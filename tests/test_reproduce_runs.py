@@ -23,7 +23,8 @@ def test_cpu_plan_is_the_t1_and_f5_shapes():
     f5 = [c for c in cells if c.experiment == "reproduce_tiny_f5"]
     assert len(t1) == 9 and len(f5) == 3 and len({c.key for c in cells}) == 12
     assert {(o.split("=")[1]) for c in t1 for o in c.overrides if o.startswith("recompute=")} == set(reproduce_runs.T1_SCOPES)
-    assert all("train.eval_interval=20" in c.overrides for c in f5)   # F5 compares held-out losses
+    assert all("experiment=tiny_t1_cpu" in c.overrides for c in t1)
+    assert all("experiment=tiny_f5_cpu" in c.overrides for c in f5)
 
 
 def test_a_cell_runs_once_is_reused_then_rerun(tmp_path):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-PLAN_VERSION = "1"
+PLAN_VERSION = "2"  # 2: the cells name their experiment files; the GPU twins measure 16 steps, 10 warm-up
 KEY_TAG = "fp4moe_reproduce_key"  # no dot: it travels as the Hydra override +tracking.tags.<KEY_TAG>=...
 RECIPES = ("bf16", "fp8", "mxfp4")
 T1_SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")
@@ -54,15 +54,14 @@ class Cell:
 
 
 def _cpu_plan() -> list[Cell]:
-    base = ("model=tiny_cpu", "parallel=cpu", "cluster=cpu", "data=shakespeare", "train=short_cpu",
-            "train.progress_bar=false", "train.checkpoint_interval=null")
+    """The CPU twins of T1 and F5 (conf/experiment/tiny_t1_cpu.yaml, tiny_f5_cpu.yaml), one cell per process."""
+    common = ("hydra.mode=RUN", "hydra/launcher=local", "train.progress_bar=false")
     cells = [Cell(f"T1 tiny {r} {s}", "reproduce_tiny_t1",
-                  base + ("task_name=reproduce_tiny_t1", f"precision={r}", f"recompute={s}", "train.steps=6",
-                          "train.eval_interval=null"))
+                  ("experiment=tiny_t1_cpu", *common, "task_name=reproduce_tiny_t1", f"precision={r}",
+                   f"recompute={s}"))
              for s in T1_SCOPES for r in RECIPES]
     cells += [Cell(f"F5 tiny {r}", "reproduce_tiny_f5",
-                   base + ("task_name=reproduce_tiny_f5", f"precision={r}", "recompute=none", "train.steps=40",
-                           "train.eval_interval=20"))
+                   ("experiment=tiny_f5_cpu", *common, "task_name=reproduce_tiny_f5", f"precision={r}"))
               for r in RECIPES]
     return cells
 

@@ -7,7 +7,7 @@
 #   bash tools/device/h200_p3.sh probe GPU MB [PRECS]  # proxy, recipes x 5 recompute scopes at micro-batch MB, 4 steps
 #   bash tools/device/h200_p3.sh choose                # T1 micro-batch from the probes at >= 2 micro-batches (every
 #                                                      # logs/device/mlflow_probe*.db: tools/device/choose_t1_mb.py)
-#   bash tools/device/h200_p3.sh t1 GPU MB GB [PRECS [SCOPES]]  # the T1 twin: recipes x paper scopes, micro-batch MB
+#   bash tools/device/h200_p3.sh t1 GPU MB GB [PRECS [SCOPES]]  # the T1 twin (16 steps, 10 warm-up), micro-batch MB
 #                                                      # (MB = auto: the one `choose` picked; GB = MB then)
 #   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..."  # T1 cells, one process each (16 steps, the
 #                                                      # last 6 measured: mxfp4's first 4-12 steps are slow)
@@ -75,7 +75,7 @@ choose)
   python3 tools/device/choose_t1_mb.py "$STATE"/mlflow_probe*.db --json "$STATE/t1_choice.json" | tee "$OUT/t1_choice.txt"
   cp -f "$STATE/t1_choice.json" "$OUT/"
   ;;
-t1)  # GPU MB GB [precisions [scopes]]: the T1 twin (8 steps: 2 warm-up, 6 measured)
+t1)  # GPU MB GB [precisions [scopes]]: the T1 twin (conf/train/proxy_throughput.yaml: 10 warm-up, 6 measured)
   gpu=$1 mb=$2 gb=$3 precs=${4:-bf16,fp8,mxfp4} scopes=${5:-attn_ln_experts,attn_ln_mlp,mla_up_proj}
   if [ "$mb" = auto ]; then
     mb=$(python3 -c "import json; print(json.load(open('$STATE/t1_choice.json'))['micro_batch'])"); gb=$mb
@@ -83,7 +83,7 @@ t1)  # GPU MB GB [precisions [scopes]]: the T1 twin (8 steps: 2 warm-up, 6 measu
   log="$OUT/t1_gpu${gpu}_${precs//,/-}_${scopes//,/-}.log"
   CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "t1_gpu$gpu") python3 -m fp4moe.train experiment=proxy_t1_1gpu \
     "${COMMON[@]}" parallel.micro_batch=$mb parallel.global_batch=$gb precision=$precs recompute=$scopes \
-    train.steps=8 train.measure.steps=6 > "$log" 2>&1 || true
+    > "$log" 2>&1 || true
   keep
   grep -h "done:\|out of GPU memory" "$log" | cut -c1-200 || true
   ;;
@@ -93,8 +93,7 @@ t1cells)  # GPU MB "recipe:scope ...": T1 cells, each in its own process (no all
     recipe=${cell%%:*} scope=${cell##*:}
     CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "t1_gpu$gpu") python3 -m fp4moe.train experiment=proxy_t1_1gpu \
       "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb precision=$recipe \
-      recompute=$scope train.steps=16 train.measure.warmup_steps=10 train.measure.steps=6 \
-      > "$STATE/t1_${recipe}_$scope.log" 2>&1 || true
+      recompute=$scope > "$STATE/t1_${recipe}_$scope.log" 2>&1 || true
     echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/t1_${recipe}_$scope.log" | tail -1 | cut -c1-160)"
   done
   ;;
@@ -104,7 +103,7 @@ profile)  # GPU MB "recipe:scope ...": torch.profiler over steps 4-5 of each T1 
     recipe=${cell%%:*} scope=${cell##*:}
     CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "profile_gpu$gpu") python3 -m fp4moe.train \
       experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb \
-      precision=$recipe recompute=$scope train.steps=5 train.measure.steps=2 'train.profile.steps=[4,5]' \
+      precision=$recipe recompute=$scope train.steps=5 train.measure.warmup_steps=3 train.measure.steps=2 'train.profile.steps=[4,5]' \
       train.profile.dir="$STATE/profile_${recipe}_${scope}_mb$mb" > "$STATE/profile_${recipe}_${scope}_mb$mb.log" 2>&1 || true
     head -40 "$STATE/profile_${recipe}_${scope}_mb$mb/profile_rank0/ops_by_device_time.txt" 2>/dev/null | cut -c1-220
   done
@@ -117,7 +116,7 @@ mem)  # GPU MB "recipe:scope ...": allocator history over step 3 (after the 2 wa
     d="$STATE/mem_${recipe}_${scope}_mb$mb"
     CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "mem_gpu$gpu") timeout -k 20 240 python3 -m fp4moe.train \
       experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb \
-      precision=$recipe recompute=$scope train.steps=3 train.measure.steps=1 'train.profile.steps=[3,3]' \
+      precision=$recipe recompute=$scope train.steps=3 train.measure.warmup_steps=2 train.measure.steps=1 'train.profile.steps=[3,3]' \
       train.profile.memory=true train.profile.ops=false train.profile.dir="$d" > "$d.log" 2>&1 || true
     echo "== $recipe $scope mb$mb"; head -30 "$d/profile_rank0/memory_peak.txt" 2>/dev/null | cut -c1-200 \
       || grep -h "Error" "$d.log" | tail -2
@@ -131,7 +130,7 @@ ep2)  # MB "recipe:scope ...": the proxy on both GPUs, EP2 x DP2 (torchrun), glo
     MLFLOW_TRACKING_URI=$(store ep2) timeout -k 20 300 python3 -m torch.distributed.run --standalone \
       --nproc-per-node 2 -m fp4moe.train experiment=proxy_t1_2gpu "${COMMON[@]}" hydra.mode=RUN \
       parallel.micro_batch=$mb parallel.global_batch=$((2 * mb)) precision=$recipe recompute=$scope \
-      train.steps=8 train.measure.steps=6 > "$STATE/ep2_${recipe}_${scope}_mb$mb.log" 2>&1 || true
+      > "$STATE/ep2_${recipe}_${scope}_mb$mb.log" 2>&1 || true
     echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/ep2_${recipe}_${scope}_mb$mb.log" | tail -1 | cut -c1-160)"
   done
   keep
@@ -145,7 +144,7 @@ pp2)  # MB "recipe:scope ...": the proxy as 2 pipeline stages over NCCL, global 
       --nproc-per-node 2 -m fp4moe.train experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN \
       cluster=workstation_2gpu parallel.world_size=2 parallel.pipeline=2 task_name=proxy_pp2 \
       parallel.micro_batch=$mb parallel.global_batch=$((4 * mb)) precision=$recipe recompute=$scope \
-      train.steps=16 train.measure.warmup_steps=10 train.measure.steps=6 > "$STATE/pp2_${recipe}_${scope}_mb$mb.log" 2>&1 || true
+      > "$STATE/pp2_${recipe}_${scope}_mb$mb.log" 2>&1 || true
     echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/pp2_${recipe}_${scope}_mb$mb.log" | tail -1 | cut -c1-160)"
   done
   keep
