@@ -9,6 +9,7 @@ anything is submitted (``python -m fp4moe.data prepare``). All jobs log to one M
 first launcher creates before anything else starts (parallel jobs race in its migrations).
 
 - a 3-cell sweep (bf16/fp8/mxfp4) runs as one Slurm array, every cell logs to the shared store, its result comes back;
+- a job of two tasks trains EP2 x DP2, its ranks from Slurm's environment;
 - a cell that raises ends FAILED in ``sacct``, and the launcher exits 1 with the cell's traceback;
 - a cell that runs past its 1-minute limit gets Slurm's signal, checkpoints, is requeued, and resumes from its
   checkpoint into the same MLflow run: through the Hydra launcher (submitit requeues) and through the plain
@@ -206,6 +207,31 @@ def test_sweep_runs_as_slurm_array_into_one_mlflow_store(store, time_limit_run, 
     assert sorted(runs["tags.slurm_array_task_id"]) == ["0", "1", "2"]
     assert set(runs["tags.slurm_array_job_id"]) == {ids[0].split("_")[0]}
     assert runs["metrics.loss"].notna().all()
+
+
+def test_two_tasks_of_one_job_train_as_ep2_x_dp2(store, time_limit_run, sbatch_run):
+    """A job of 2 Slurm tasks (the multi-GPU job shape, one task per device): each task takes its rank from Slurm's
+    environment (submitit's helpers, no rank arithmetic of ours), they form one gloo group and train EP2 x DP2, the
+    mxfp4 dispatch sending rows from one task to the other; one MLflow run (rank 0's)."""
+    root, uri = store
+    launch = Launch(root, "slurm_tasks2", ["precision=mxfp4", "train.steps=3", "cluster.tasks_per_node=2",
+                                           "cluster.gpus_per_node=2", "cluster.cpus_per_task=1", "cluster.mem_gb=3",
+                                           "parallel.world_size=2", "parallel.data=2", "parallel.expert=2"], uri)
+    try:
+        rc, out = launch.wait()
+    finally:
+        launch.stop()
+    assert rc == 0, out[-4000:]
+    script = next(launch.dir.glob("logs/*/multiruns/*/.submitit/*/*_submission.sh")).read_text()
+    assert "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --nodes=1" in script
+    (outcome, ret), = launch.results()[:1]
+    assert outcome == "success" and ret.return_value["step"] == 3
+    (job,) = launch.job_ids()
+    assert _sacct(job) == ["COMPLETED"]
+    runs = _runs(uri, "slurm_tasks2")
+    assert len(runs) == 1 and set(runs["status"]) == {"FINISHED"}
+    assert runs["tags.world_size"].tolist() == ["2"] and runs["tags.launcher"].tolist() == ["slurm"]
+    assert (runs["metrics.a2a/dispatch_forward_sent_remote_bytes"] > 0).all()
 
 
 def test_failed_job_is_failed_in_sacct_and_in_the_launcher(store, time_limit_run, sbatch_run):
