@@ -81,6 +81,15 @@ class Launch:
         self.log.seek(0)
         return rc, self.log.read()
 
+    def finish(self, timeout: float = LAUNCH_TIMEOUT_S) -> tuple[int, str, str]:
+        """Wait, stop whatever is left, and return (exit code, launcher output, the first job's sbatch script)."""
+        try:
+            rc, out = self.wait(timeout)
+        finally:
+            self.stop()
+        scripts = sorted(self.dir.glob("logs/*/multiruns/*/.submitit/*/*_submission.sh"))
+        return rc, out, scripts[0].read_text() if scripts else ""
+
     def submitit_dirs(self) -> list[Path]:
         """One folder per job (array task), named by its id: the ones holding a pickled job."""
         return sorted({p.parent for p in self.dir.glob("logs/*/multiruns/*/.submitit/*/*_submitted.pkl")})
@@ -178,12 +187,8 @@ def sbatch_run(store, time_limit_run):
 def test_sweep_runs_as_slurm_array_into_one_mlflow_store(store, time_limit_run, sbatch_run):
     root, uri = store
     launch = Launch(root, "slurm_sweep", ["train.steps=3"], uri)
-    try:
-        rc, out = launch.wait()
-    finally:
-        launch.stop()
+    rc, out, script = launch.finish()
     assert rc == 0, out[-4000:]
-    script = next(launch.dir.glob("logs/*/multiruns/*/.submitit/*/*_submission.sh")).read_text()
     for line in ("#SBATCH --array=0-2%3", "#SBATCH --mem=1GB", "#SBATCH --requeue", "#SBATCH --partition=debug",
                  "#SBATCH --signal=USR2@30"):
         assert line in script, line
@@ -217,12 +222,8 @@ def test_two_tasks_of_one_job_train_as_ep2_x_dp2(store, time_limit_run, sbatch_r
     launch = Launch(root, "slurm_tasks2", ["precision=mxfp4", "train.steps=3", "cluster.tasks_per_node=2",
                                            "cluster.gpus_per_node=2", "cluster.cpus_per_task=1", "cluster.mem_gb=3",
                                            "parallel.world_size=2", "parallel.data=2", "parallel.expert=2"], uri)
-    try:
-        rc, out = launch.wait()
-    finally:
-        launch.stop()
+    rc, out, script = launch.finish()
     assert rc == 0, out[-4000:]
-    script = next(launch.dir.glob("logs/*/multiruns/*/.submitit/*/*_submission.sh")).read_text()
     assert "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --nodes=1" in script
     (outcome, ret), = launch.results()[:1]
     assert outcome == "success" and ret.return_value["step"] == 3

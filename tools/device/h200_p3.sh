@@ -41,6 +41,21 @@ COMMON=(train.progress_bar=false hydra/launcher=local)
 store() { echo "sqlite:///$STATE/mlflow_$1.db"; }
 keep() { cp -f "$STATE"/mlflow_*.db "$OUT"/ 2>/dev/null || true; }
 
+# NAME MB "recipe:scope ..." OVERRIDES...: each cell on both GPUs (torchrun, one process per GPU), store NAME
+two_gpu_cells() {
+  local name=$1 mb=$2 cells=$3; shift 3
+  for cell in $cells; do
+    local recipe=${cell%%:*} scope=${cell##*:}
+    local log="$STATE/${name}_${recipe}_${scope}_mb$mb.log"
+    MLFLOW_TRACKING_URI=$(store "$name") timeout -k 20 300 python3 -m torch.distributed.run --standalone \
+      --nproc-per-node 2 -m fp4moe.train "$@" "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb \
+      precision=$recipe recompute=$scope > "$log" 2>&1 || true
+    echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$log" | tail -1 | cut -c1-160)"
+  done
+  keep
+  (cd "$STATE" && tar czf "$OUT/${name}_logs.tgz" "${name}"_*.log)
+}
+
 phase=${1:?phase}; shift
 case $phase in
 setup)
@@ -124,31 +139,11 @@ mem)  # GPU MB "recipe:scope ...": allocator history over step 3 (after the 2 wa
   (cd "$STATE" && tar czf "$OUT/mem_gpu$gpu.tgz" --exclude='*.pickle' mem_*)
   ;;
 ep2)  # MB "recipe:scope ...": the proxy on both GPUs, EP2 x DP2 (torchrun), global batch 2 x MB (no accumulation)
-  mb=$1
-  for cell in $2; do
-    recipe=${cell%%:*} scope=${cell##*:}
-    MLFLOW_TRACKING_URI=$(store ep2) timeout -k 20 300 python3 -m torch.distributed.run --standalone \
-      --nproc-per-node 2 -m fp4moe.train experiment=proxy_t1_2gpu "${COMMON[@]}" hydra.mode=RUN \
-      parallel.micro_batch=$mb parallel.global_batch=$((2 * mb)) precision=$recipe recompute=$scope \
-      > "$STATE/ep2_${recipe}_${scope}_mb$mb.log" 2>&1 || true
-    echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/ep2_${recipe}_${scope}_mb$mb.log" | tail -1 | cut -c1-160)"
-  done
-  keep
-  (cd "$STATE" && tar czf "$OUT/ep2_logs.tgz" ep2_*.log)
+  two_gpu_cells ep2 "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1))
   ;;
 pp2)  # MB "recipe:scope ...": the proxy as 2 pipeline stages over NCCL, global batch 4 x MB (1F1B, 4 micro-batches)
-  mb=$1
-  for cell in $2; do
-    recipe=${cell%%:*} scope=${cell##*:}
-    MLFLOW_TRACKING_URI=$(store pp2) timeout -k 20 300 python3 -m torch.distributed.run --standalone \
-      --nproc-per-node 2 -m fp4moe.train experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN \
-      cluster=workstation_2gpu parallel.world_size=2 parallel.pipeline=2 task_name=proxy_pp2 \
-      parallel.micro_batch=$mb parallel.global_batch=$((4 * mb)) precision=$recipe recompute=$scope \
-      > "$STATE/pp2_${recipe}_${scope}_mb$mb.log" 2>&1 || true
-    echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/pp2_${recipe}_${scope}_mb$mb.log" | tail -1 | cut -c1-160)"
-  done
-  keep
-  (cd "$STATE" && tar czf "$OUT/pp2_logs.tgz" pp2_*.log)
+  two_gpu_cells pp2 "$1" "$2" experiment=proxy_t1_1gpu cluster=workstation_2gpu parallel.world_size=2 \
+    parallel.pipeline=2 task_name=proxy_pp2 parallel.global_batch=$((4 * $1))
   ;;
 swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3
