@@ -11,6 +11,7 @@ LAYER_OUT ?= results/moe_layer
 LAYER_GPUS ?= 1
 LAYER_ARGS ?=
 REPORT_ARGS ?=
+SLURM ?=
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
@@ -64,8 +65,8 @@ log-bench: venv ## log every results/kernels/kernels_*.json (BENCH_OUT) to MLflo
 	echo "$(VENV)/bin/python -m fp4moe.bench_log" $$files; \
 	$(VENV)/bin/python -m fp4moe.bench_log $$files
 
-reproduce-table: venv ## run what exists of the reproduction and list what does not yet
-	$(VENV)/bin/python -m fp4moe.reproduce
+reproduce-table: venv ## run what exists of the reproduction and list what does not yet (SLURM=<profile>: as Slurm jobs)
+	$(VENV)/bin/python -m fp4moe.reproduce $(if $(SLURM),--slurm $(SLURM))
 
 report: venv ## write results/report/ (Markdown, CSV, PNG) from MLflow and conf/paper/numbers.yaml (args: REPORT_ARGS)
 	$(VENV)/bin/python -m fp4moe.report $(REPORT_ARGS)

@@ -10,6 +10,7 @@ first launcher creates before anything else starts (parallel jobs race in its mi
 
 - a 3-cell sweep (bf16/fp8/mxfp4) runs as one Slurm array, every cell logs to the shared store, its result comes back;
 - a job of two tasks trains EP2 x DP2, its ranks from Slurm's environment;
+- ``make reproduce-table SLURM=slurm_local`` submits its cells as jobs, waits, and reuses them on the next call;
 - a cell that raises ends FAILED in ``sacct``, and the launcher exits 1 with the cell's traceback;
 - a cell that runs past its 1-minute limit gets Slurm's signal, checkpoints, is requeued, and resumes from its
   checkpoint into the same MLflow run: through the Hydra launcher (submitit requeues) and through the plain
@@ -233,6 +234,33 @@ def test_two_tasks_of_one_job_train_as_ep2_x_dp2(store, time_limit_run, sbatch_r
     assert len(runs) == 1 and set(runs["status"]) == {"FINISHED"}
     assert runs["tags.world_size"].tolist() == ["2"] and runs["tags.launcher"].tolist() == ["slurm"]
     assert (runs["metrics.a2a/dispatch_forward_sent_remote_bytes"] > 0).all()
+
+
+def test_reproduce_runs_its_cells_as_slurm_jobs_then_reuses_them(store, time_limit_run, sbatch_run, tmp_path,
+                                                                   monkeypatch):
+    """``make reproduce-table SLURM=slurm_local`` (fp4moe.reproduce_runs --slurm): the profile has no GPU, so the CPU
+    plan's cells, each submitted at once as a one-cell multirun of the Hydra Slurm launcher; the jobs log into the
+    shared store; a second call finds them there and submits nothing."""
+    from fp4moe import reproduce_runs
+
+    root, uri = store
+    cells, notes = reproduce_runs.slurm_plan("slurm_local")
+    assert notes == [] and len(cells) == 12 and all(c.overrides[0] == "-m" for c in cells)
+    assert all("hydra/launcher=slurm_local" in c.overrides and "cluster=slurm_local" in c.overrides for c in cells)
+    short = ("train.steps=2", "train.eval_interval=2")   # two of them, shortened
+    picked = [reproduce_runs.Cell(c.label, c.experiment, c.overrides + short) for c in cells
+              if c.label in ("T1 tiny mxfp4 attn_ln_mlp", "F5 tiny fp8")]
+    for k, v in _env(uri, root).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("FP4MOE_CKPT_DIR", str(tmp_path / "ckpt"))
+    ran, reused, failures = reproduce_runs.run(picked, uri, log_dir=tmp_path / "logs", log=lambda s: None,
+                                               at_once=True)
+    assert (ran, reused, failures) == (2, 0, []), [p.read_text()[-2000:] for p in (tmp_path / "logs").iterdir()]
+    for exp in ("reproduce_tiny_t1", "reproduce_tiny_f5"):
+        runs = _runs(uri, exp)
+        mine = runs[runs[f"tags.{reproduce_runs.KEY_TAG}"].isin([c.key for c in picked])]
+        assert len(mine) == 1 and set(mine["status"]) == {"FINISHED"} and mine["tags.slurm_job_id"].notna().all()
+    assert reproduce_runs.run(picked, uri, log_dir=tmp_path / "logs", log=lambda s: None, at_once=True) == (0, 2, [])
 
 
 def test_failed_job_is_failed_in_sacct_and_in_the_launcher(store, time_limit_run, sbatch_run):

@@ -57,10 +57,8 @@ NOT_YET_IMPLEMENTED = (
               "DeepEP)"),
     ("P5", 6, "the paper-scale model's peak memory within 5 % of the H200 proxy's (saved activations agree in all "
               "46 runs; the peak only in 12 of 39 cells: results/scale/calibration.md), so the report's model "
-              "columns stay labelled uncalibrated; "
-              "this command submitting the "
-              "experiments to a Slurm cluster and collecting them (it runs the trainer itself on CPU and on one "
-              "GPU: fp4moe.reproduce_runs). The report (results/report/) and the notebooks (notebooks/) exist"),
+              "columns stay labelled uncalibrated. The report (results/report/), the notebooks (notebooks/) and "
+              "the runs of this machine or of a Slurm cluster (SLURM=<profile>) exist"),
     ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "
               "nvidia-h200-x8"),
 )
@@ -253,17 +251,23 @@ def load_trainer_archives(track: bool) -> bool:
         return False
 
 
-def run_trainer_cells(rerun: bool) -> bool:
+def run_trainer_cells(rerun: bool, slurm: str | None = None) -> bool:
     """The scaled-down experiments this machine can run (``fp4moe.reproduce_runs``: the tiny model on CPU, the H200
-    proxy's T1 and F5 twins on a Hopper GPU), each cell once: those already in MLflow are reused."""
+    proxy's T1 and F5 twins on a Hopper GPU), or with ``slurm`` those of that cluster profile as Slurm jobs, each
+    cell once: those already in MLflow are reused."""
     if importlib.util.find_spec("mlflow") is None or importlib.util.find_spec("megatron") is None:
         print(f"trainer runs (this machine): skipped, mlflow and megatron-core are needed for {sys.executable}")
         return True
     from fp4moe import reproduce_runs, tracking
+    from fp4moe.config import ConfigError
 
     try:
-        return reproduce_runs.run_here(tracking.tracking_uri(), rerun=rerun,
-                                       say=lambda s: print(f"trainer runs (this machine): {s}"))
+        where = f"Slurm {slurm}" if slurm else "this machine"
+        return reproduce_runs.run_here(tracking.tracking_uri(), rerun=rerun, slurm=slurm,
+                                       say=lambda s: print(f"trainer runs ({where}): {s}"))
+    except ConfigError as e:
+        print(f"trainer runs: {e}")
+        return False
     except Exception:
         traceback.print_exc()
         print("trainer runs (this machine): FAILED (traceback above)")
@@ -315,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="do not run the scaled-down trainer experiments of this machine (fp4moe.reproduce_runs)")
     parser.add_argument("--rerun", action="store_true",
                         help="run the trainer experiments again even where MLflow already has them")
+    parser.add_argument("--slurm", default=None, metavar="PROFILE",
+                        help="run the trainer experiments as Slurm jobs of this cluster/launcher profile (e.g. "
+                             "slurm_h100; the MLflow store must be one the jobs reach) and wait for them")
     parser.add_argument("--no-report", action="store_true",
                         help=f"do not write the report ({RESULTS_REPORT}/) at the end")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
@@ -341,7 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.no_train or args.no_tracking:
         print("trainer runs (this machine): skipped (--no-train / --no-tracking)")
     else:
-        results["trainer runs (this machine)"] = run_trainer_cells(args.rerun)
+        key = f"trainer runs (Slurm {args.slurm})" if args.slurm else "trainer runs (this machine)"
+        results[key] = run_trainer_cells(args.rerun, args.slurm)
     if args.no_report:
         print("report: skipped (--no-report)")
     else:

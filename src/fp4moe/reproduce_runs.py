@@ -1,6 +1,6 @@
 """The scaled-down experiments this machine can run, as a step of ``make reproduce-table`` (issue 6).
 
-    python -m fp4moe.reproduce_runs [--list] [--rerun]      # also run by python -m fp4moe.reproduce
+    python -m fp4moe.reproduce_runs [--list] [--rerun] [--slurm PROFILE]   # also run by python -m fp4moe.reproduce
 
 What runs where (``plan()``):
 
@@ -12,6 +12,13 @@ What runs where (``plan()``):
   (experiment proxy_t1_1gpu, micro-batch 34: 9 cells) and, when the code+docs corpus is there
   (``data/code_docs/code_docs.jsonl``, or ``FP4MOE_CORPUS``; built by tools/corpus_code_docs.py), its F5 twin
   (experiment proxy_f5_1gpu: 3 runs of 180 steps).
+
+* **A Slurm cluster** (``--slurm PROFILE``, a conf/cluster/ profile with a launcher of the same name in
+  conf/hydra/launcher/, e.g. slurm_h100): the same cells as Slurm jobs, one GPU (or one CPU process) each, the GPU
+  plan when the profile has GPUs (``cluster.gpu``), else the CPU plan (slurm_local, the CPU node of
+  tools/local_slurm.sh). Every cell is submitted at once (``python -m fp4moe.train -m hydra/launcher=PROFILE
+  cluster=PROFILE ...``, which waits for its job); the jobs log into the same MLflow store, so it must be one they
+  reach (a server, or a path on a shared file system).
 
 Each cell is ``python -m fp4moe.train hydra.mode=RUN <overrides>`` in its own process (the peak memory of a cell is
 its own), tagged ``fp4moe_reproduce_key`` = a hash of its overrides and ``PLAN_VERSION``. A rerun reuses every cell
@@ -100,6 +107,47 @@ def plan(root: Path | None = None) -> tuple[list[Cell], list[str]]:
     return _cpu_plan(), []
 
 
+LOCAL = ("hydra.mode=RUN", "hydra/launcher=local")
+
+
+def slurm_cells(cells: Sequence[Cell], profile: str) -> list[Cell]:
+    """``cells`` as Slurm jobs of the launcher and cluster ``profile``: a one-cell multirun (``-m``) each, one
+    process on one node; the profile is part of each cell's overrides, so of its key (a cell measured on a cluster
+    is not the one measured on this machine)."""
+    out = []
+    for c in cells:
+        over = tuple(o for o in c.overrides if o not in LOCAL)
+        out.append(Cell(c.label, c.experiment, ("-m", *over, f"hydra/launcher={profile}", f"cluster={profile}",
+                                                "cluster.nodes=1", "cluster.gpus_per_node=1",
+                                                "cluster.tasks_per_node=1")))
+    return out
+
+
+def slurm_plan(profile: str, root: Path | None = None) -> tuple[list[Cell], list[str]]:
+    """(cells, notes) for the Slurm cluster ``profile`` (conf/cluster/<profile>.yaml): the GPU plan when the profile
+    names a GPU, else the CPU plan, as Slurm jobs (:func:`slurm_cells`)."""
+    from omegaconf import OmegaConf
+
+    from fp4moe.config import ConfigError
+    from fp4moe.tracking import repo_root
+
+    root = root or repo_root()
+    path = root / "conf" / "cluster" / f"{profile}.yaml"
+    launcher = root / "conf" / "hydra" / "launcher" / f"{profile}.yaml"
+    if not path.is_file() or not launcher.is_file():
+        known = sorted(q.stem for q in (root / "conf" / "hydra" / "launcher").glob("slurm*.yaml"))
+        raise ConfigError(f"--slurm {profile}: needs conf/cluster/{profile}.yaml and conf/hydra/launcher/"
+                          f"{profile}.yaml; Slurm profiles here: {', '.join(known)}")
+    cluster = OmegaConf.load(path)
+    if str(cluster.get("kind")) != "slurm":
+        raise ConfigError(f"--slurm {profile}: conf/cluster/{profile}.yaml is kind {cluster.get('kind')!r}, not slurm")
+    if OmegaConf.select(cluster, "gpu", default=None, throw_on_resolution_failure=False) is None:
+        cells, notes = _cpu_plan(), []
+    else:
+        cells, notes = _gpu_plan(root)
+    return slurm_cells(cells, profile), notes
+
+
 def finished_keys(uri: str, experiments: set[str]) -> set[str]:
     """Keys of cells with a finished run or an OOM outcome in the store."""
     from mlflow import MlflowClient
@@ -115,8 +163,12 @@ def finished_keys(uri: str, experiments: set[str]) -> set[str]:
 
 
 def run(cells: Sequence[Cell], uri: str, *, rerun: bool = False, trainer: Sequence[str] | None = None,
-        log_dir: Path | None = None, log=print) -> tuple[int, int, list[str]]:
-    """Run the cells not yet in the store ``uri``; returns (ran, reused, failures: 'label (log path)')."""
+        log_dir: Path | None = None, log=print, at_once: bool = False) -> tuple[int, int, list[str]]:
+    """Run the cells not yet in the store ``uri``; returns (ran, reused, failures: 'label (log path)'). One after
+    the other, or with ``at_once`` all started together (Slurm cells: each process waits for its job), a cell
+    counting as done when the store holds its finished run or OOM outcome."""
+    if at_once:
+        return _run_at_once(cells, uri, rerun=rerun, trainer=trainer, log_dir=log_dir, log=log)
     from tqdm import tqdm
 
     from fp4moe.tracking import repo_root
@@ -149,14 +201,49 @@ def run(cells: Sequence[Cell], uri: str, *, rerun: bool = False, trainer: Sequen
     return ran, reused, failures
 
 
-def run_here(uri: str, *, rerun: bool = False, say=print) -> bool:
-    """This machine's plan (``plan()``) run into the store ``uri``: its notes, the cells, one summary line and one
-    line per failed cell through ``say``; True when no cell failed."""
-    cells, notes = plan()
+def _run_at_once(cells: Sequence[Cell], uri: str, *, rerun: bool, trainer: Sequence[str] | None,
+                 log_dir: Path | None, log) -> tuple[int, int, list[str]]:
+    from tqdm import tqdm
+
+    from fp4moe.tracking import repo_root
+
+    trainer = list(trainer or [sys.executable, "-m", "fp4moe.train"])
+    log_dir = Path(log_dir or repo_root() / "logs" / "reproduce")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    done = set() if rerun else finished_keys(uri, {c.experiment for c in cells})
+    todo = [c for c in cells if c.key not in done]
+    procs = []
+    for cell in todo:
+        path = log_dir / f"{cell.key}.log"
+        cmd = [*trainer, *cell.overrides, f"+tracking.tags.{KEY_TAG}={cell.key}"]
+        out = open(path, "w")
+        out.write(" ".join(cmd) + "\n")
+        out.flush()
+        env = {**os.environ, **dict(cell.env), "MLFLOW_TRACKING_URI": uri}
+        procs.append((cell, path, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                        cwd=repo_root())))
+    bar = tqdm(total=len(procs), desc="reproduce: jobs", unit="job", dynamic_ncols=True)
+    say = bar.write if log is print else log
+    for cell, path, out, proc in procs:
+        rc = proc.wait()
+        out.close()
+        bar.update(1)
+        say(f"reproduce: {cell.label}: launcher exit {rc}")
+    bar.close()
+    finished = finished_keys(uri, {c.experiment for c in cells})
+    failures = [f"{c.label} (not finished in MLflow; {path})" for c, path, _, _ in procs if c.key not in finished]
+    return len(procs), len(cells) - len(todo), failures
+
+
+def run_here(uri: str, *, rerun: bool = False, say=print, slurm: str | None = None) -> bool:
+    """This machine's plan (``plan()``), or with ``slurm`` the cluster profile's (``slurm_plan``), run into the
+    store ``uri``: its notes, the cells, one summary line and one line per failed cell through ``say``; True when
+    no cell failed."""
+    cells, notes = slurm_plan(slurm) if slurm else plan()
     for n in notes:
         say(n)
-    say(f"{len(cells)} cells (python -m fp4moe.reproduce_runs --list)")
-    ran, reused, failures = run(cells, uri, rerun=rerun)
+    say(f"{len(cells)} cells{f' as Slurm jobs ({slurm})' if slurm else ''} (python -m fp4moe.reproduce_runs --list)")
+    ran, reused, failures = run(cells, uri, rerun=rerun, at_once=bool(slurm))
     say(f"{ran} ran, {reused} reused from MLflow, {len(failures)} failed")
     for f in failures:
         say(f"FAILED {f}")
@@ -169,20 +256,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print this machine's cells and whether each is done")
     ap.add_argument("--rerun", action="store_true", help="run every cell again, even those already in MLflow")
     ap.add_argument("--tracking-uri", default=None, help="MLflow store (default: MLFLOW_TRACKING_URI or mlruns/)")
+    ap.add_argument("--slurm", default=None, metavar="PROFILE",
+                    help="submit the cells as Slurm jobs of this cluster/launcher profile (e.g. slurm_h100) and wait")
     a = ap.parse_args(argv)
     from fp4moe import tracking
 
+    from fp4moe.config import ConfigError
+
     uri = a.tracking_uri or tracking.tracking_uri()
     tracking.check_reachable(uri)
+    if a.slurm:
+        try:
+            slurm_plan(a.slurm)
+        except ConfigError as e:
+            print(f"fp4moe.reproduce_runs: {e}", file=sys.stderr)
+            return 2
     if a.list:
-        cells, notes = plan()
+        cells, notes = slurm_plan(a.slurm) if a.slurm else plan()
         for n in notes:
             print(f"reproduce: {n}")
         done = finished_keys(uri, {c.experiment for c in cells})
         for c in cells:
             print(f"{'done' if c.key in done else 'todo'}  {c.key}  {c.label}")
         return 0
-    return 0 if run_here(uri, rerun=a.rerun, say=lambda s: print(f"reproduce: {s}")) else 1
+    return 0 if run_here(uri, rerun=a.rerun, say=lambda s: print(f"reproduce: {s}"), slurm=a.slurm) else 1
 
 
 if __name__ == "__main__":
