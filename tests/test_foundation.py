@@ -288,9 +288,10 @@ def test_reproduce_without_mlflow_prints_the_log_command(monkeypatch, tmp_path, 
 def test_reproduce_lists_what_is_missing_by_issue(capsys):
     reproduce.print_not_yet_implemented()
     out = capsys.readouterr().out
-    for label, issue in (("P3", 4), ("P4", 5), ("P5", 6), ("P6", 7)):
+    for label, issue in (("P3", 4), ("P5", 6), ("P6", 7)):
         assert f"[{label}, issue {issue}]" in out
     assert "[P2, issue 3]" not in out  # done: the layer benchmark's results are in results/moe_layer/
+    assert "[P4, issue 5]" not in out  # done: configs, launcher, Slurm tests (README's status table)
 
 
 def test_reproduce_fails_when_the_benchmark_fails(monkeypatch, tmp_path):

@@ -43,18 +43,13 @@ RESULTS_TRAIN = "results/train_proxy"
 RESULTS_REPORT = "results/report"
 
 # What is missing, by issue: (label, issue number, what). Keep in step with README.md "Status".
-# P1 (issue 2: foundation, formats, reference, kernels, benchmark) exists; its measured table is
+# P1 (issue 2: foundation, formats, reference, kernels, benchmark) and P4 (issue 5: configs, Slurm launch) exist; P1's measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
     ("P3", 4, "the throughput targets of the H200 T1 twin, missed narrowly (results/train_proxy/: mxfp4 0.983x fp8 "
               "at equal scope, 0.95x fp8's best at the lighter scope), a convergence run longer than 23.6 M tokens "
               "(the F5 twin's deviation target is missed), trainer runs on several GPUs (EP2 x DP2 and PP2 run on "
               "gloo; not yet over NCCL)"),
-    ("P4", 5, "any GPU or multi-node Slurm job (the trainer and the F3/F4 benchmark jobs are submitted through "
-              "the same launcher path; on a real single-node CPU Slurm the trainer's sweep, failure and "
-              "time-limit requeue with resume are tested: tests/test_slurm.py), a paper-scale run "
-              "(the paper layouts pass the checks: PP, EP and DP in the trainer, the recipes' all-to-all in place of "
-              "DeepEP)"),
     ("P5", 6, "the paper-scale model's peak memory within 5 % of the H200 proxy's (saved activations agree in all "
               "46 runs; the peak only in 12 of 39 cells: results/scale/calibration.md), so the report's model "
               "columns stay labelled uncalibrated. The report (results/report/), the notebooks (notebooks/) and "
