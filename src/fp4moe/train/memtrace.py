@@ -51,6 +51,33 @@ def _trainer_line(frames: list[dict]) -> str:
     return NO_LOOP_FRAME
 
 
+def _apply(live: dict[int, tuple[int, list[dict]]], ev: dict) -> int:
+    """Apply one trace event to ``live`` (address -> (bytes, frames)); returns the change in allocated bytes."""
+    action = ev.get("action")
+    if action == "alloc":
+        size = -(-max(int(ev["size"]), 1) // GRANULE) * GRANULE
+        live[int(ev["addr"])] = (size, ev.get("frames") or [])
+        return size
+    if action == "free_requested":
+        got = live.pop(int(ev["addr"]), None)
+        return -got[0] if got is not None else 0
+    return 0
+
+
+def _live_after(trace: list[dict], stops: Iterable[int]) -> dict[int, dict[int, tuple[int, list[dict]]]]:
+    """The live blocks after the first ``stop`` events, for each of ``stops`` (one replay)."""
+    wanted = sorted(set(stops))
+    out: dict[int, dict[int, tuple[int, list[dict]]]] = {}
+    live: dict[int, tuple[int, list[dict]]] = {}
+    for i, ev in enumerate(trace):
+        while wanted and wanted[0] == i:
+            out[wanted.pop(0)] = dict(live)
+        _apply(live, ev)
+    for stop in wanted:
+        out[stop] = dict(live)
+    return out
+
+
 def peak_breakdown(trace: Iterable[dict], baseline_bytes: int, *, start_event: int = 0,
                    top: int = 40) -> dict[str, Any]:
     """Replay one device's allocator trace (``snapshot['device_traces'][i]``, events with ``action``, ``addr``,
@@ -63,33 +90,22 @@ def peak_breakdown(trace: Iterable[dict], baseline_bytes: int, *, start_event: i
     largest first: ``by_site`` and ``by_trainer_line`` (live at the peak), ``at_start_by_site`` (live when the
     window opened). Site lists are cut to ``top`` rows plus one ``<other>`` row. Frees of blocks allocated before
     the trace began are ignored (they belong to the baseline)."""
+    trace = list(trace)
+    n, start = len(trace), min(int(start_event), len(trace))
     live: dict[int, tuple[int, list[dict]]] = {}
-    cur = 0
-    best, best_at = -1, -1
-    best_live: dict[int, tuple[int, list[dict]]] = {}
-    at_start: dict[int, tuple[int, list[dict]]] = {}
-    at_start_bytes = 0
-    n = 0
-    for n, ev in enumerate(trace, 1):
-        i = n - 1
-        if i == start_event:
-            at_start, at_start_bytes = dict(live), cur
-            best, best_at, best_live = cur, i, dict(live)
-        action = ev.get("action")
-        if action == "alloc":
-            size = -(-max(int(ev["size"]), 1) // GRANULE) * GRANULE
-            live[int(ev["addr"])] = (size, ev.get("frames") or [])
-            cur += size
-            if i >= start_event and cur > best:
-                best, best_at = cur, i
-                best_live = dict(live)
-        elif action == "free_requested":
-            got = live.pop(int(ev["addr"]), None)
-            if got is not None:
-                cur -= got[0]
-    if start_event >= n:  # an empty window: what is live at the end
-        at_start, at_start_bytes = dict(live), cur
-        best, best_at, best_live = cur, n, dict(live)
+    cur = best = at_start_bytes = 0
+    best_at, best_stop = start, start  # the peak event, and how many events are applied at the peak
+    for i, ev in enumerate(trace):  # one pass for the sums; the live sets are rebuilt below, not copied at each rise
+        if i == start:
+            at_start_bytes = best = cur
+        cur += _apply(live, ev)
+        if i >= start and ev.get("action") == "alloc" and cur > best:
+            best, best_at, best_stop = cur, i, i + 1
+    if start == n:  # an empty window: what is live at the end
+        at_start_bytes = best = cur
+        best_at = best_stop = n
+    snap = _live_after(trace, (start, best_stop))
+    at_start, best_live = snap[start], snap[best_stop]
 
     def group(blocks: dict[int, tuple[int, list[dict]]], key) -> dict[str, list[int]]:
         table: dict[str, list[int]] = defaultdict(lambda: [0, 0])
