@@ -68,6 +68,16 @@ def _count_as_int(c, index: int) -> int:
     return int(c)
 
 
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``. A host tensor goes to a CUDA device through pinned memory with a non-blocking copy, so the
+    copy is queued on the stream like a kernel (a copy from pageable memory first waits for the stream to drain,
+    leaving the GPU idle while the host prepares what comes next). For the small index tables the kernels and the
+    dispatcher build on the host (segment offsets, tile lists, chunk sizes)."""
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass(frozen=True)
 class Segments:
     """Per-expert token counts (host ints) and their derived offsets.

@@ -12,7 +12,7 @@ import functools
 import torch
 import triton
 
-from ..formats import FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
+from ..formats import FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments, host_to_device
 from . import col, row
 from .common import INTERPRET
 
@@ -32,15 +32,6 @@ TILES = {
 }
 
 
-def _to_device(host: torch.Tensor, device) -> torch.Tensor:
-    """A small host table on ``device``. To a CUDA device through pinned memory, so that the copy is queued on the
-    stream like a kernel (a copy from pageable memory first waits for the stream to drain, leaving the GPU idle
-    while the host builds what comes next)."""
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 @functools.lru_cache(maxsize=64)
 def _seg_args(seg: Segments, m: int, device):
     """(single, row_seg int32 [M], seg_off int32 [E+1]) for the segment-major FP8 row scales. row_seg is expanded
@@ -48,9 +39,9 @@ def _seg_args(seg: Segments, m: int, device):
     if seg.num == 1:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return True, dummy, dummy
-    counts = _to_device(torch.tensor(seg.counts, dtype=torch.int64), device)
+    counts = host_to_device(torch.tensor(seg.counts, dtype=torch.int64), device)
     row_seg = torch.repeat_interleave(torch.arange(seg.num, dtype=torch.int32, device=device), counts, output_size=m)
-    seg_off = _to_device(torch.tensor(seg.offsets, dtype=torch.int32), device)
+    seg_off = host_to_device(torch.tensor(seg.offsets, dtype=torch.int32), device)
     return False, row_seg, seg_off
 
 
@@ -62,7 +53,7 @@ def _col_tiles(seg: Segments, device) -> torch.Tensor:
         for t0 in range(0, mp, col.TILE_T):
             rows.append((r0 + t0, min(col.TILE_T, c - t0), p, mp, t0))
     t = torch.tensor(rows, dtype=torch.int32).reshape(-1, col.TILE_FIELDS)
-    return _to_device(t, device)
+    return host_to_device(t, device)
 
 
 def _x(x: torch.Tensor):
@@ -244,12 +235,12 @@ def _row_tiles(seg: Segments, bm: int, device):
             for t0 in range(0, c, bm)]
     tiles = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
     off = torch.tensor(seg.offsets, dtype=torch.int32)
-    return _to_device(tiles, device), _to_device(off, device)
+    return host_to_device(tiles, device), host_to_device(off, device)
 
 
 @functools.lru_cache(maxsize=64)
 def _padded_offsets(seg: Segments, device):
-    return _to_device(torch.tensor(seg.padded_offsets, dtype=torch.int32), device)
+    return host_to_device(torch.tensor(seg.padded_offsets, dtype=torch.int32), device)
 
 
 def _fp8_arg(t: torch.Tensor) -> torch.Tensor:

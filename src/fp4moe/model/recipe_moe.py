@@ -45,7 +45,7 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from fp4moe_kernels import ops as kops
-from fp4moe_kernels.formats import MXFP4Tensor
+from fp4moe_kernels.formats import MXFP4Tensor, host_to_device
 
 from ..ops.all_to_all import A2AStats, DispatchedMXFP4, permute_rows, quantized_all_to_all
 from ..ops.fp8_linear import fp8_linear
@@ -63,21 +63,13 @@ def _splits(t) -> list[int]:
     return [int(v) for v in (t.tolist() if hasattr(t, "tolist") else t)]
 
 
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """``t`` on ``device``; a host tensor goes to a CUDA device through pinned memory, so that the copy is queued on
-    the stream (a copy from pageable memory first waits for the stream to drain, idling the GPU)."""
-    if torch.device(device).type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def local_expert_permutation(sizes: torch.Tensor, order: torch.Tensor, rows: int, device) -> torch.Tensor:
     """Megatron's permutation 2 as a gather index: the rows arrive as ``C`` chunks of ``sizes[c]`` rows (source
     rank major, local expert minor) and leave in chunk order ``order`` (local expert major). Returns ``perm``
     ``[rows]`` int64 on ``device`` with ``out = rows_in[perm]``. Built with device ops from the ``C`` chunk sizes
     (no per-chunk host loop, no ``rows``-long host tensor); ``rows`` = ``sizes.sum()`` is passed in so that nothing
     waits on the device."""
-    sizes, order = (_to_device(t.to(torch.int64), device) for t in (sizes, order))
+    sizes, order = (host_to_device(t.to(torch.int64), device) for t in (sizes, order))
     starts = torch.cumsum(sizes, 0) - sizes                 # where each chunk begins in the input
     out_sizes, out_starts = sizes[order], starts[order]
     out_offsets = torch.cumsum(out_sizes, 0) - out_sizes     # where each chunk begins in the output
