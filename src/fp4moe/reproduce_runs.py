@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 PLAN_VERSION = "2"  # 2: the cells name their experiment files; the GPU twins measure 16 steps, 10 warm-up
 KEY_TAG = "fp4moe_reproduce_key"  # no dot: it travels as the Hydra override +tracking.tags.<KEY_TAG>=...
@@ -162,47 +162,25 @@ def finished_keys(uri: str, experiments: set[str]) -> set[str]:
             if r.info.status == "FINISHED" or r.data.tags.get("outcome") == "OOM"}
 
 
+def _start(cell: Cell, uri: str, trainer: Sequence[str], log_dir: Path) -> tuple[Path, Any, subprocess.Popen]:
+    """Start ``cell`` (its command first in its log ``log_dir/<key>.log``): (log path, open log file, process)."""
+    from fp4moe.tracking import repo_root
+
+    path = log_dir / f"{cell.key}.log"
+    cmd = [*trainer, *cell.overrides, f"+tracking.tags.{KEY_TAG}={cell.key}"]
+    out = open(path, "w")
+    out.write(" ".join(cmd) + "\n")
+    out.flush()
+    env = {**os.environ, **dict(cell.env), "MLFLOW_TRACKING_URI": uri}
+    return path, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=repo_root())
+
+
 def run(cells: Sequence[Cell], uri: str, *, rerun: bool = False, trainer: Sequence[str] | None = None,
         log_dir: Path | None = None, log=print, at_once: bool = False) -> tuple[int, int, list[str]]:
     """Run the cells not yet in the store ``uri``; returns (ran, reused, failures: 'label (log path)'). One after
-    the other, or with ``at_once`` all started together (Slurm cells: each process waits for its job), a cell
-    counting as done when the store holds its finished run or OOM outcome."""
-    if at_once:
-        return _run_at_once(cells, uri, rerun=rerun, trainer=trainer, log_dir=log_dir, log=log)
-    from tqdm import tqdm
-
-    from fp4moe.tracking import repo_root
-
-    trainer = list(trainer or [sys.executable, "-m", "fp4moe.train"])
-    log_dir = Path(log_dir or repo_root() / "logs" / "reproduce")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    done = set() if rerun else finished_keys(uri, {c.experiment for c in cells})
-    ran = reused = 0
-    failures: list[str] = []
-    bar = tqdm(cells, desc="reproduce: trainer runs", unit="run", dynamic_ncols=True)
-    say = bar.write if log is print else log  # printed above the bar, not through it
-    for cell in bar:
-        bar.set_postfix_str(cell.label)
-        if cell.key in done:
-            reused += 1
-            continue
-        path = log_dir / f"{cell.key}.log"
-        env = {**os.environ, **dict(cell.env), "MLFLOW_TRACKING_URI": uri}
-        cmd = [*trainer, *cell.overrides, f"+tracking.tags.{KEY_TAG}={cell.key}"]
-        t0 = time.time()
-        with open(path, "w") as out:
-            out.write(" ".join(cmd) + "\n")
-            out.flush()
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=repo_root()).returncode
-        ran += 1
-        if rc not in (0, 3):  # 3: out of GPU memory, recorded as an OOM cell
-            failures.append(f"{cell.label} (exit {rc}, {path})")
-        say(f"reproduce: {cell.label}: {'OOM' if rc == 3 else 'done' if rc == 0 else 'FAILED'} in {time.time() - t0:.0f} s")
-    return ran, reused, failures
-
-
-def _run_at_once(cells: Sequence[Cell], uri: str, *, rerun: bool, trainer: Sequence[str] | None,
-                 log_dir: Path | None, log) -> tuple[int, int, list[str]]:
+    the other (a cell fails when its process exits other than 0 or 3, out of GPU memory), or with ``at_once`` all
+    started together (Slurm cells: each process waits for its job; a cell fails when the store holds neither its
+    finished run nor its OOM outcome afterwards)."""
     from tqdm import tqdm
 
     from fp4moe.tracking import repo_root
@@ -212,27 +190,34 @@ def _run_at_once(cells: Sequence[Cell], uri: str, *, rerun: bool, trainer: Seque
     log_dir.mkdir(parents=True, exist_ok=True)
     done = set() if rerun else finished_keys(uri, {c.experiment for c in cells})
     todo = [c for c in cells if c.key not in done]
-    procs = []
-    for cell in todo:
-        path = log_dir / f"{cell.key}.log"
-        cmd = [*trainer, *cell.overrides, f"+tracking.tags.{KEY_TAG}={cell.key}"]
-        out = open(path, "w")
-        out.write(" ".join(cmd) + "\n")
-        out.flush()
-        env = {**os.environ, **dict(cell.env), "MLFLOW_TRACKING_URI": uri}
-        procs.append((cell, path, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                                        cwd=repo_root())))
-    bar = tqdm(total=len(procs), desc="reproduce: jobs", unit="job", dynamic_ncols=True)
+    failures: list[str] = []
+    if at_once:
+        started = [(c, *_start(c, uri, trainer, log_dir)) for c in todo]
+        bar = tqdm(total=len(started), desc="reproduce: jobs", unit="job", dynamic_ncols=True)
+        say = bar.write if log is print else log  # printed above the bar, not through it
+        for cell, path, out, proc in started:
+            rc = proc.wait()
+            out.close()
+            bar.update(1)
+            say(f"reproduce: {cell.label}: launcher exit {rc}")
+        bar.close()
+        finished = finished_keys(uri, {c.experiment for c in cells})
+        failures = [f"{c.label} (not finished in MLflow; {path})" for c, path, _, _ in started if c.key not in finished]
+        return len(todo), len(cells) - len(todo), failures
+    bar = tqdm(cells, desc="reproduce: trainer runs", unit="run", dynamic_ncols=True)
     say = bar.write if log is print else log
-    for cell, path, out, proc in procs:
+    for cell in bar:
+        bar.set_postfix_str(cell.label)
+        if cell.key in done:
+            continue
+        t0 = time.time()
+        path, out, proc = _start(cell, uri, trainer, log_dir)
         rc = proc.wait()
         out.close()
-        bar.update(1)
-        say(f"reproduce: {cell.label}: launcher exit {rc}")
-    bar.close()
-    finished = finished_keys(uri, {c.experiment for c in cells})
-    failures = [f"{c.label} (not finished in MLflow; {path})" for c, path, _, _ in procs if c.key not in finished]
-    return len(procs), len(cells) - len(todo), failures
+        if rc not in (0, 3):  # 3: out of GPU memory, recorded as an OOM cell
+            failures.append(f"{cell.label} (exit {rc}, {path})")
+        say(f"reproduce: {cell.label}: {'OOM' if rc == 3 else 'done' if rc == 0 else 'FAILED'} in {time.time() - t0:.0f} s")
+    return len(todo), len(cells) - len(todo), failures
 
 
 def run_here(uri: str, *, rerun: bool = False, say=print, slurm: str | None = None) -> bool:
@@ -240,6 +225,12 @@ def run_here(uri: str, *, rerun: bool = False, say=print, slurm: str | None = No
     store ``uri``: its notes, the cells, one summary line and one line per failed cell through ``say``; True when
     no cell failed."""
     cells, notes = slurm_plan(slurm) if slurm else plan()
+    return run_plan(cells, notes, uri, rerun=rerun, say=say, slurm=slurm)
+
+
+def run_plan(cells: Sequence[Cell], notes: Sequence[str], uri: str, *, rerun: bool = False, say=print,
+             slurm: str | None = None) -> bool:
+    """:func:`run_here`'s work for a plan already made."""
     for n in notes:
         say(n)
     say(f"{len(cells)} cells{f' as Slurm jobs ({slurm})' if slurm else ''} (python -m fp4moe.reproduce_runs --list)")
@@ -265,21 +256,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     uri = a.tracking_uri or tracking.tracking_uri()
     tracking.check_reachable(uri)
-    if a.slurm:
-        try:
-            slurm_plan(a.slurm)
-        except ConfigError as e:
-            print(f"fp4moe.reproduce_runs: {e}", file=sys.stderr)
-            return 2
-    if a.list:
+    try:
         cells, notes = slurm_plan(a.slurm) if a.slurm else plan()
+    except ConfigError as e:
+        print(f"fp4moe.reproduce_runs: {e}", file=sys.stderr)
+        return 2
+    if a.list:
         for n in notes:
             print(f"reproduce: {n}")
         done = finished_keys(uri, {c.experiment for c in cells})
         for c in cells:
             print(f"{'done' if c.key in done else 'todo'}  {c.key}  {c.label}")
         return 0
-    return 0 if run_here(uri, rerun=a.rerun, say=lambda s: print(f"reproduce: {s}"), slurm=a.slurm) else 1
+    return 0 if run_plan(cells, notes, uri, rerun=a.rerun, say=lambda s: print(f"reproduce: {s}"),
+                         slurm=a.slurm) else 1
 
 
 if __name__ == "__main__":
