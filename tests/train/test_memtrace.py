@@ -108,6 +108,8 @@ def test_window_start_splits_what_was_live_before_from_the_peak_after():
     b = peak_breakdown(trace, 0, start_event=3)
     assert (b["at_start_bytes"], b["traced_at_peak_bytes"], b["peak_event"]) == (10 * k, 70 * k, 4)
     assert b["at_start_by_site"] == [{"where": "fp4moe/w.py:1 weights", "bytes": 10 * k, "blocks": 1}]
+    from fp4moe.train.memtrace import NO_LOOP_FRAME
+    assert b["at_start_by_trainer_line"] == [{"where": NO_LOOP_FRAME, "bytes": 10 * k, "blocks": 1}]
     assert {r["where"]: r["bytes"] for r in b["by_site"]} == {"fp4moe/w.py:1 weights": 50 * k,
                                                              "fp4moe/o.py:2 optim": 20 * k}
     assert peak_breakdown(trace, 0)["traced_at_peak_bytes"] == 100 * k  # from event 0 the transient is the peak
