@@ -43,6 +43,7 @@ def test_tiny_model_trains_on_gpu_under_every_recipe(tmp_path, store, recompute)
         run = client.get_run(r.run_id)
         m, tags = run.data.metrics, run.data.tags
         assert tags["device"].startswith("cuda") and m["summary/peak_mem_allocated_gb"] > 0
+        assert 0 < m["summary/mem_allocated_at_step_start_gb"] < m["summary/peak_mem_allocated_gb"]
         assert tags["recompute"] == recompute and tags["recipe"] == precision
         saved[precision] = m["saved_activation_bytes_per_micro_batch"]
     if recompute == "full":  # only each layer's input (BF16 in every recipe: fp4moe.model.recompute) and the logits

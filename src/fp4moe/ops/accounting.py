@@ -24,16 +24,22 @@ class SavedTensorBytes:
     """Context that records every tensor saved for backward while it is active and reports ``bytes()``: the
     storage bytes still held *now*, each storage once, excluding ``exclude``'s (e.g. the parameters, saved by
     reference). Storages freed after saving (megatron's output-discarding checkpoint resizes them to 0) count 0.
-    Keeps references to what it saw until it is dropped."""
+
+    It keeps references to what it saw, so the saved tensors outlive the backward pass that would free them, until
+    :meth:`release` or until the counter is dropped. No reference cycle holds it: the hooks close over the list of
+    tensors, not over the counter (a bound-method hook made a cycle, so ``del counter`` left one micro-batch's
+    activations alive until Python's cyclic collector happened to run, steps later)."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._seen: list[torch.Tensor] = []
+        seen: list[torch.Tensor] = []
+        self._seen = seen
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
-    def _pack(self, t):
-        self._seen.append(t)
-        return t
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen.append(t)
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -53,6 +59,16 @@ class SavedTensorBytes:
                 sizes[ptr] = st.nbytes()
         return sum(sizes.values())
 
+    def release(self) -> int:
+        """``bytes()``, then drop the references: from here on the backward pass frees the saved tensors as usual."""
+        n = self.bytes()
+        self._seen.clear()
+        return n
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
 
 def saved_bytes_during(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> tuple[int, Any]:
     """(``SavedTensorBytes.bytes()`` right after running ``fn()``, ``fn()``'s result): the bytes of the distinct
@@ -60,7 +76,7 @@ def saved_bytes_during(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = 
     Function keeps on ``ctx`` by other means are not seen."""
     with SavedTensorBytes(exclude) as counter:
         out = fn()
-    return counter.bytes(), out
+    return counter.release(), out
 
 
 __all__ = ["SavedTensorBytes", "note_saved", "saved_bytes_during"]

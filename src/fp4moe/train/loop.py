@@ -256,8 +256,7 @@ def _pipeline_forward_backward(model: Any, batches: list[Any], pos: Any, *, seq:
         if measure_exclude is not None and not measured:
             with SavedTensorBytes(exclude=measure_exclude) as counter:
                 out = model(tokens, pos, None, labels=labels)
-            measured.append(counter.bytes())
-            del counter
+            measured.append(counter.release())
         else:
             out = model(tokens, pos, None, labels=labels)
         return out, loss_func
@@ -488,8 +487,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                     if saved_bytes is None:
                         with SavedTensorBytes(exclude=params) as counter:
                             loss = model(tokens, pos, None, labels=labels).float().mean()
-                        saved_bytes = counter.bytes()
-                        del counter
+                        saved_bytes = counter.release()  # else this micro-batch's activations outlive it
                     else:
                         loss = model(tokens, pos, None, labels=labels).float().mean()
                     (loss / accum).backward()

@@ -12,13 +12,16 @@ whose id its checkpoint holds.
   ``lr``, ``grad_norm`` (before clipping), ``step_time_s``, ``tokens_per_gpu_per_s`` (measured steps only: the
   first ``measure.warmup_steps`` steps of each process start are left out, SPEC §8), ``peak_mem_allocated_gb`` /
   ``peak_mem_reserved_gb`` (CUDA only, since the memory-stats reset at the end of the warm-up; NOT logged on CPU,
-  the run carries the tag ``peak_memory=not measured (CPU)``), ``eval_loss``, and megatron-core's MoE auxiliary
+  the run carries the tag ``peak_memory=not measured (CPU)``), ``mem_allocated_at_step_start_gb`` (CUDA only, every
+  step: what a step inherits from the last one, i.e. weights, FP32 master weights and AdamW states, nothing of the
+  last step's activations), ``eval_loss``, and megatron-core's MoE auxiliary
   losses as its tracker reports them (``moe/seq_load_balancing_loss``: mean over MoE layers, before the
   coefficient ``model.moe.aux_loss_coeff``).
 - summary metrics at the end (also written to ``summary.json`` in the Hydra output folder): ``summary/tgs_mean``,
   ``summary/tgs_median``, ``summary/tgs_min``, ``summary/tgs_max``, ``summary/measured_steps``,
   ``summary/step_time_median_s``, ``summary/peak_mem_allocated_gb``, ``summary/peak_mem_reserved_gb``,
-  ``summary/peak_mem_pct`` (% of the GPU's total memory), ``summary/final_loss``, ``summary/final_eval_loss``.
+  ``summary/peak_mem_pct`` (% of the GPU's total memory), ``summary/mem_allocated_at_step_start_gb`` (the last
+  measured step's), ``summary/final_loss``, ``summary/final_eval_loss``.
 """
 from __future__ import annotations
 
@@ -160,6 +163,7 @@ class Meter:
         self.tgs: list[float] = []
         self.step_times: list[float] = []
         self.peak_alloc = self.peak_reserved = 0.0
+        self.start_alloc: float | None = None  # GB allocated when the last step began (CUDA)
 
     @property
     def cuda(self) -> bool:
@@ -176,6 +180,8 @@ class Meter:
         if self.cuda and self.seen == self.warmup:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        if self.cuda:  # the allocator's host-side count: no synchronisation needed
+            self.start_alloc = torch.cuda.memory_allocated(self.device) / GB
 
     def after_step(self, dt: float) -> dict[str, float | None]:
         """Record a finished step of ``dt`` seconds; return its metrics (None where not measured)."""
@@ -184,6 +190,8 @@ class Meter:
         measured = self.measuring()
         self.seen += 1
         out: dict[str, float | None] = {"step_time_s": dt, "tokens_per_gpu_per_s": None}
+        if self.cuda:
+            out["mem_allocated_at_step_start_gb"] = self.start_alloc
         if measured:
             tgs = self.tokens_per_step / (self.world_size * dt)
             self.tgs.append(tgs)
@@ -207,7 +215,8 @@ class Meter:
         if self.cuda and self.tgs:
             total = torch.cuda.get_device_properties(self.device).total_memory / GB
             s.update({"summary/peak_mem_allocated_gb": self.peak_alloc, "summary/peak_mem_reserved_gb": self.peak_reserved,
-                      "summary/peak_mem_pct": 100.0 * self.peak_alloc / total})
+                      "summary/peak_mem_pct": 100.0 * self.peak_alloc / total,
+                      "summary/mem_allocated_at_step_start_gb": self.start_alloc})
         return s
 
 
