@@ -130,6 +130,36 @@ def init_model_parallel(cfg: Any, info: DistInfo) -> None:
     info.owns_model_parallel = True
 
 
+# megatron-core's groups that fp4moe.train and megatron's MoE loss tracker communicate over (parallel_state getters)
+_GROUPS = ("get_tensor_model_parallel_group", "get_pipeline_model_parallel_group", "get_data_parallel_group",
+           "get_expert_model_parallel_group", "get_expert_data_parallel_group", "get_embedding_group",
+           "get_tensor_and_context_parallel_group", "get_expert_tensor_parallel_group")
+
+
+def warm_up_communicators(info: DistInfo) -> int:
+    """Create the NCCL communicators of the world and of megatron's groups now, with one 1-element all-reduce each
+    (every rank walks the same list, so the collectives match). NCCL creates a communicator at its first collective
+    and allocates its buffers with ``cudaMalloc``, outside torch's caching allocator: created lazily after the first
+    step (the MoE loss tracker's first all-reduce), they found a GPU the allocator had filled and failed with
+    ``ncclUnhandledCudaError`` instead of the run failing as out of memory in the step itself. Returns the number of
+    all-reduces run (0 on gloo)."""
+    if info.backend != "nccl":
+        return 0
+    from megatron.core import parallel_state
+
+    groups = [None]
+    for name in _GROUPS:
+        try:
+            groups.append(getattr(parallel_state, name)())
+        except (AssertionError, AttributeError, RuntimeError):  # a group this layout does not build
+            continue
+    t = torch.zeros(1, device=info.device)
+    for g in groups:
+        dist.all_reduce(t, group=g)
+    torch.cuda.synchronize(info.device)
+    return len(groups)
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
@@ -147,4 +177,5 @@ def teardown(info: DistInfo | None) -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["DistInfo", "check_supported", "init_distributed", "init_model_parallel", "barrier", "teardown"]
+__all__ = ["DistInfo", "check_supported", "init_distributed", "init_model_parallel", "warm_up_communicators", "barrier",
+           "teardown"]

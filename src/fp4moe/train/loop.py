@@ -40,7 +40,8 @@ from omegaconf import OmegaConf
 from fp4moe import slurm, tracking
 from fp4moe.config import ConfigError, check
 from fp4moe.train import data as data_mod
-from fp4moe.train.dist import barrier, check_supported, init_distributed, init_model_parallel, teardown
+from fp4moe.train.dist import (barrier, check_supported, init_distributed, init_model_parallel, teardown,
+                               warm_up_communicators)
 
 log = logging.getLogger("fp4moe.train")
 
@@ -140,6 +141,7 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
         try:
             info = init_distributed(cfg)
             init_model_parallel(cfg, info)
+            warm_up_communicators(info)  # before the model fills the GPU: NCCL allocates outside torch's allocator
             result = _run(cfg, derived, info, multirun_cell, output_dir, after_step, preempt)
         finally:
             teardown(info)
