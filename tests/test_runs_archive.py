@@ -97,3 +97,27 @@ def test_bad_input_is_a_clear_error_and_nothing_is_half_imported(tmp_path):
 
     assert [r.tags[runs_archive.ARCHIVED_ID] for r in load(target).runs] == [doc["runs"][0]["run_id"]]
     assert runs_archive.main(["import", str(other / "kernels.json"), "--uri", target]) == 2
+
+
+def test_withdrawn_metrics_stay_in_the_file_and_are_not_imported(tmp_path, capsys):
+    uri, ids = _store_with_runs(tmp_path)
+    out = tmp_path / "f5.json"
+    runs_archive.export(uri, out, note="H200")
+    before = json.loads(out.read_text())["runs"]
+    assert runs_archive.main(["withdraw", str(out), "--metric", "summary/tgs_median",
+                              "--reason", "leak inflated it"]) == 0
+    assert "withdrawn in 2 runs" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["runs"] == before  # the measured values are kept as they were
+    assert doc["withdrawn_metrics"] == [{"keys": ["summary/tgs_median"], "reason": "leak inflated it"}]
+    target = f"sqlite:///{tmp_path / 'dst.db'}"
+    runs_archive.import_files([out], target, log=lambda s: None)
+    for r in _runs(target).values():
+        assert "summary/tgs_median" not in r.metrics and "loss" in r.metrics
+        assert r.tags[runs_archive.WITHDRAWN] == "summary/tgs_median: leak inflated it"
+    # a metric no run has (a typo) and an empty reason are errors; the file is unchanged by them
+    assert runs_archive.main(["withdraw", str(out), "--metric", "summary/peak_mem_gb", "--reason", "x"]) == 2
+    assert "no run has metric(s) ['summary/peak_mem_gb']" in capsys.readouterr().err
+    with pytest.raises(runs_archive.ArchiveError, match="--reason"):
+        runs_archive.withdraw(out, ["loss"], "  ")
+    assert json.loads(out.read_text()) == doc

@@ -3,11 +3,17 @@ MLflow store, so that ``make reproduce-table`` on a fresh machine reports them b
 
     python -m fp4moe.runs_archive export STORE OUT.json --note "what, where, command" [--experiment NAME ...]
     python -m fp4moe.runs_archive import results/train_proxy/ [more files or folders] [--uri URI]
+    python -m fp4moe.runs_archive withdraw ARCHIVE.json --metric KEY [--metric KEY ...] --reason "why"
 
 An archive (``format: fp4moe-runs/1``) holds, per run: experiment name, run name, status, start/end time (ms), every
 param and tag, and every metric's full history ``[[step, value, timestamp_ms], ...]``; plus ``note`` (free text:
 hardware, commit, command) and ``exported_utc``. STORE is a tracking URI, a ``.db`` file or a folder holding
 ``mlflow.db``. Export refuses a store with no runs (nothing would be archived) and writes atomically.
+
+Withdrawn metrics: an archive may name metrics found to be wrong after the fact (``withdrawn_metrics``: ``keys`` and
+``reason``, written by ``withdraw``; the measured values stay in the file, untouched). Import leaves those metrics
+out and tags each run that had them ``fp4moe.withdrawn_metrics`` = "KEY: reason; ...", so a report shows them as not
+measured.
 
 Import is idempotent: each run carries the tag ``fp4moe.archived_run_id`` (its id in the store where it was measured,
 kept when an imported run is archived again; plus ``fp4moe.archive`` = the file name); a run whose archived id is
@@ -29,6 +35,7 @@ from typing import Iterable, Sequence
 FORMAT = "fp4moe-runs/1"
 ARCHIVED_ID = "fp4moe.archived_run_id"
 ARCHIVE_FILE = "fp4moe.archive"
+WITHDRAWN = "fp4moe.withdrawn_metrics"
 _BATCH = 900  # MLflow's log_batch takes at most 1000 metrics, 100 params, 100 tags per call
 
 
@@ -72,7 +79,12 @@ def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
     runs.sort(key=lambda r: (r["experiment"], r["start_time"] or 0, r["run_id"]))
     doc = {"format": FORMAT, "exported_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "note": note,
            "runs": runs}
-    out = Path(out)
+    _write(doc, Path(out))
+    return len(runs)
+
+
+def _write(doc: dict, out: Path) -> None:
+    """Write ``doc`` to ``out`` atomically (a temporary file in the same folder, then rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:
@@ -83,7 +95,30 @@ def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return len(runs)
+
+
+def withdraw(path: str | os.PathLike, keys: Sequence[str], reason: str) -> int:
+    """Mark metrics ``keys`` of every run in the archive ``path`` as withdrawn for ``reason`` (added to those already
+    withdrawn); the values stay in the file. Returns how many runs hold at least one of them. ArchiveError for a key
+    no run has (a typo) or an empty reason."""
+    if not reason.strip():
+        raise ArchiveError("withdraw needs --reason: say why the metrics are wrong")
+    p = Path(path)
+    doc = load(p)
+    present = {k for run in doc["runs"] for k in run["metrics"]}
+    unknown = [k for k in keys if k not in present]
+    if unknown:
+        raise ArchiveError(f"{p}: no run has metric(s) {unknown}; known: {sorted(present)}")
+    w = doc.get("withdrawn_metrics") or []
+    w.append({"keys": list(keys), "reason": reason})
+    doc["withdrawn_metrics"] = w
+    _write(doc, p)
+    return sum(1 for run in doc["runs"] if any(k in run["metrics"] for k in keys))
+
+
+def withdrawn(doc: dict) -> dict[str, str]:
+    """{metric key: reason} of the archive's withdrawn metrics."""
+    return {k: entry["reason"] for entry in doc.get("withdrawn_metrics") or [] for k in entry["keys"]}
 
 
 def load(path: str | os.PathLike) -> dict:
@@ -100,6 +135,10 @@ def load(path: str | os.PathLike) -> dict:
         missing = [k for k in ("run_id", "experiment", "params", "tags", "metrics") if k not in run]
         if missing:
             raise ArchiveError(f"{p}: run {i} lacks {missing}")
+    for entry in doc.get("withdrawn_metrics") or []:
+        if not (isinstance(entry, dict) and isinstance(entry.get("keys"), list) and entry.get("reason")):
+            raise ArchiveError(f"{p}: withdrawn_metrics entries need 'keys' (a list) and 'reason'; write them with "
+                               "python -m fp4moe.runs_archive withdraw")
     return doc
 
 
@@ -140,6 +179,7 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
     added = skipped = 0
     for path in paths:
         doc = load(path)
+        gone = withdrawn(doc)
         for run in doc["runs"]:
             exp_id = tracking._experiment_id(client, run["experiment"], uri)
             origin = run["tags"].get(ARCHIVED_ID, run["run_id"])  # the id where it was measured, kept through re-archiving
@@ -151,6 +191,9 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
             rid = new.info.run_id
             try:
                 tags = {**run["tags"], ARCHIVED_ID: origin, ARCHIVE_FILE: Path(path).name}
+                held = sorted(k for k in run["metrics"] if k in gone)
+                if held:
+                    tags[WITHDRAWN] = "; ".join(f"{k}: {gone[k]}" for k in held)[:5000]
                 tags.pop("mlflow.runName", None)
                 params = [Param(k, str(v)) for k, v in run["params"].items()]
                 for i in range(0, len(params), 100):
@@ -159,7 +202,7 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
                 for i in range(0, len(tag_list), 100):
                     client.log_batch(rid, tags=tag_list[i:i + 100])
                 metrics = [Metric(k, float(v), int(ts), int(step)) for k, hist in run["metrics"].items()
-                           for step, v, ts in hist]
+                           if k not in gone for step, v, ts in hist]
                 for i in range(0, len(metrics), _BATCH):
                     client.log_batch(rid, metrics=metrics[i:i + _BATCH])
             except BaseException:
@@ -183,11 +226,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     i = sub.add_parser("import", help="load archives into a store (idempotent)")
     i.add_argument("paths", nargs="+", help="archive files, or folders holding them")
     i.add_argument("--uri", help="target tracking URI (default: MLFLOW_TRACKING_URI or <repo>/mlruns/mlflow.db)")
+    w = sub.add_parser("withdraw", help="mark metrics of an archive as wrong (import leaves them out)")
+    w.add_argument("archive", help="the archive (.json), rewritten atomically")
+    w.add_argument("--metric", action="append", required=True, help="metric key (repeatable)")
+    w.add_argument("--reason", required=True, help="why the values are wrong (kept in the archive and as a tag)")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "export":
             n = export(a.store, a.out, a.note, a.experiment)
             print(f"{a.out}: {n} runs")
+        elif a.cmd == "withdraw":
+            n = withdraw(a.archive, a.metric, a.reason)
+            print(f"{a.archive}: {', '.join(a.metric)} withdrawn in {n} runs")
         else:
             added, skipped = import_files(expand(a.paths), a.uri)
             print(f"imported {added} runs, {skipped} already there")

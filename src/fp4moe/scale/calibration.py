@@ -36,10 +36,12 @@ from .memory import GB, MemoryAssumptions, per_gpu_memory
 
 ROOT = Path(__file__).resolve().parents[3]
 ARCHIVES = (
-    "results/train_proxy/proxy_t1_probe_h200_2026-11-30_8689d69.json",   # 3 recipes x 5 scopes, micro-batch 8, 16
-    "results/train_proxy/proxy_t1_h200_2026-11-30_cf227d9.json",         # the T1 twin, micro-batch 30, 34 (OOM cells)
-    "results/train_proxy/proxy_f5_h200_2026-11-30_8689d69.json",         # micro-batch 8, 4 micro-batches per step
+    "results/train_proxy/proxy_t1_probe_h200_2026-11-30_924b9ef.json",   # 3 recipes x 5 scopes, micro-batch 16, 32
+    "results/train_proxy/proxy_t1_mb64_h200_2026-11-30_0afea32.json",    # the T1 twin at 64 (OOM cells), 40, 32
 )
+# Runs before 924b9ef (results/train_proxy/superseded/) are not used: their peaks carry one micro-batch of leaked
+# activations (SavedTensorBytes' reference cycle); the F5 archive's peaks are withdrawn for the same reason.
+TRANSIENT_MICRO_BATCHES = (16, 32)  # the probe's two micro-batches: the measured transient's slope
 DEFAULT_OUT = "results/scale/calibration.md"
 TARGET_PCT = 5.0  # issue 6: predicted peak within 5 % of measured for every recipe x recompute cell run
 GROUPS = ("model", "parallel", "precision", "recompute")
@@ -100,14 +102,16 @@ def cfg_from_params(params: dict) -> dict:
 
 def load_cells(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT) -> list[Cell]:
     """Every run of the archives that logged the saved-bytes metric, in archive order, then recipe, scope, micro-batch."""
-    from fp4moe.runs_archive import load
+    from fp4moe.runs_archive import load, withdrawn
 
     cells = []
     for a in archives:
         path = Path(a) if Path(a).is_absolute() else root / a
-        runs = load(path)["runs"]
-        for r in runs:
-            m, t = r["metrics"], r["tags"]
+        doc = load(path)
+        gone = withdrawn(doc)
+        for r in doc["runs"]:
+            m = {k: v for k, v in r["metrics"].items() if k not in gone}
+            t = r["tags"]
             saved = m.get("saved_activation_bytes_per_micro_batch")
             if not saved:
                 continue
@@ -141,7 +145,8 @@ def _slope(cells: Iterable[Cell], recipe: str, scope: str, lo: int, hi: int, bas
 
 
 def measured_transients(cells: Sequence[Cell], base: MemoryAssumptions = FIRST_PRINCIPLES,
-                        scope: str = "none", lo: int = 8, hi: int = 16) -> dict[str, float]:
+                        scope: str = "none", lo: int = TRANSIENT_MICRO_BATCHES[0],
+                        hi: int = TRANSIENT_MICRO_BATCHES[1]) -> dict[str, float]:
     """``MEASURED_TRANSIENTS``: per recipe, the bytes per token of the H200 peak that the first-principles model
     leaves unexplained at recompute ``scope``, from the probe's micro-batches ``lo`` and ``hi`` (a slope, so the
     constant terms cancel). Applied unchanged to every other scope and micro-batch: those cells test it."""
@@ -192,27 +197,34 @@ def table(cells: Sequence[Cell] | None = None, transients: dict[str, float] | No
 NOTES = """
 ## What the table says
 
-- **Saved activations: solved.** The model's ledger equals the measured bytes to 76 B per micro-batch (a few fp32
-  scalars of the router and aux loss, not modelled) for bf16 and mxfp4 in every scope, and to within 0.004 % for
-  fp8, whose FP8 column copies are padded to 128 rows per expert by the real (uneven) routing: the model uses the
-  expected padding, (128 - 1) / 2 rows per expert.
-- **Peak: not within 5 % except at recompute `none`.** From first principles (weights, FP32 master weights, AdamW
-  states, FP32 gradient accumulators from the second micro-batch on, saved activations, the BF16 logits beside the
-  fp32 softmax, one layer's recomputed tensors) the model explains only part of the measured peak (the range is
-  in the header): one micro-batch's
-  backward holds another 0.25-0.93 MB per token on the H200 that no modelled tensor accounts for, and its size
-  depends on the recompute scope, not only on the recipe (per-token slopes between micro-batches 8 and 16, peak
-  minus saved: bf16 none 574, attn_ln_experts 480, mla_up_proj 574, full 254 kB; fp8 none 934, mla_up_proj 342 kB).
-  A per-recipe transient measured at `none` therefore fits the `none` cells (and the 4-micro-batch F5 runs, which
-  check the FP32 accumulators: +2.9 GiB measured and predicted) but over-predicts the recomputing scopes by up to
-  +82 %. A table of transients per recipe x scope would be a fit, not a model, and is not made.
-- **What would close it:** a device session with `torch.cuda.memory._record_memory_history` around one step of a
-  few cells (bf16 none / attn_ln_experts / full, fp8 none / mla_up_proj at micro-batch 8) to name the tensors alive
-  at the peak. The CPU cannot show them: on CPU the peak of bf16 none at sequence 256 is saved + 0.10 MB per token
-  (the logits' gradient), so the extra is GPU-specific (SDPA's memory-efficient backward, torch.compile'd fused
-  ops, cuBLAS/Triton workspaces are the candidates). The mxfp4 peaks are also not linear in the micro-batch
-  (attn_ln_experts: 2.49 GiB per sample from 8 to 16, 3.29 from 30 to 34; attn_ln_mlp at 16 lies 14 GiB below the
-  line through 8, 30 and 34), so a single per-token term cannot fit them either.
+- **The earlier gap was mostly a trainer leak, now fixed.** Runs before commit 924b9ef kept the first micro-batch's
+  saved activations alive for the rest of the run (fp4moe.ops.accounting.SavedTensorBytes sat in a reference
+  cycle): the "0.25-0.93 MB per token of unexplained backward transients" of the previous table were that micro-batch.
+  The memory traces (results/train_proxy/memtrace_h200_mb16_fc3d5e5/ before, ..._0afea32/ after) show each step now
+  begins with 10.15 GiB (BF16 weights, FP32 master weights, AdamW states; the model: 10.02 GiB).
+- **Saved activations: solved** (to 76 B per micro-batch for bf16 and mxfp4; within 0.05 % for fp8, whose FP8
+  column copies are padded to 128 rows per expert by the real, uneven routing; the model uses the expected padding).
+- **Peak: within 5 % in 28 of 41 cells; first principles alone give 82-118 %.** The residual, measured peak minus
+  (static + saved), is a constant number of bytes per token for each recipe x scope, at every micro-batch measured
+  (16, 32, 40, 64), so the leak-free runs are linear and a model of the transients can be exact. Per token:
+
+  | recipe | none | attn_ln_experts | attn_ln_mlp | mla_up_proj | full |
+  |---|---|---|---|---|---|
+  | bf16 | 34 kB | 87-89 kB | 34 kB | 33-34 kB | 172-180 kB |
+  | fp8 | 113-114 kB | 224-227 kB | 117-118 kB | 113-114 kB | 270-279 kB |
+  | mxfp4 | 132-136 kB | 222-227 kB | 176-182 kB | 141-147 kB | 212-222 kB |
+
+  bf16 at none / attn_ln_mlp / mla_up_proj is the BF16 logits beside the fp32 softmax (32.8 kB per token, the
+  model's `loss_transient`): the peak is at the head, at the end of the forward, where no all-to-all buffer is
+  live (the model adds 4 GiB of them at micro-batch 16: why bf16 is over-predicted and its fitted transient is
+  negative). The traces place the other peaks elsewhere: fp8 attn_ln_mlp peaks inside the last MoE layer's forward
+  (its dispatch, permutation, grouped-GEMM and combine buffers, 2 GiB each at micro-batch 16, live together);
+  mxfp4 attn_ln_mlp and attn_ln_experts peak in the backward of the last MoE layer (recomputed experts, their
+  gradients, FP4 dequantized copies). One per-recipe constant therefore cannot fit every scope.
+- **What would close it:** replace "static + saved + every transient" by the larger of a forward peak (saved
+  activations so far + the live buffers of the layer in flight: dispatch, permutation, expert GEMM outputs,
+  combine) and a backward peak (what is still saved + one layer's recomputed tensors + its gradient buffers), each
+  from tensor shapes as the saved ledger is. The residual table above is what those terms must reproduce.
 
 ## What changed in the model (fp4moe.scale.memory)
 
@@ -281,7 +293,8 @@ def render(rows: Sequence[Row], transients: dict[str, float], date: str | None =
         "first principles only (*fp*), and with the recipe's measured backward transient (*cal*).",
         "- **measured backward transient** (the only number taken from these runs; "
         "`MemoryAssumptions.backward_transient_bytes_per_token`): per recipe, the per-token slope of "
-        "(measured peak - first-principles prediction) between micro-batches 8 and 16 at recompute `none`: "
+        f"(measured peak - first-principles prediction) between micro-batches {TRANSIENT_MICRO_BATCHES[0]} and "
+        f"{TRANSIENT_MICRO_BATCHES[1]} at recompute `none`: "
         + ", ".join(f"{k} {v / 1e3:.1f} kB/token" for k, v in transients.items())
         + ". Every other row tests it.",
         "",

@@ -4,9 +4,10 @@ Every term below is a tensor shape times bytes per element, an optimizer byte co
 micro-batches in flight; nothing is fitted. Checked against the measured H200 proxy runs by
 ``fp4moe.scale.calibration`` (results/scale/calibration.md): the saved activations (b) agree with the measured
 ``saved_activation_bytes_per_micro_batch`` to 76 B (bf16, mxfp4) or 0.004 % (fp8: real routing's expert padding) in
-all 46 runs, every recipe x recompute scope x micro-batch. The PEAK does not yet: one micro-batch's backward holds
-0.3-0.9 MB per token of transients on the H200 that no term here explains (calibration.md; measured, named:
-``MemoryAssumptions.backward_transient_bytes_per_token``, 0 by default). Other gaps are named fields of
+every leak-free run, every recipe x recompute scope x micro-batch. The PEAK does not yet: it is static + saved +
+a transient that is a constant number of bytes per token for each recipe x scope (33-279 kB on the H200,
+calibration.md), but this model adds every transient it knows instead of taking the forward or the backward peak
+(measured, named: ``MemoryAssumptions.backward_transient_bytes_per_token``, 0 by default). Other gaps are named fields of
 ``MemoryAssumptions`` (allocator overhead, DeepEP buffers) that default to 0 until measured.
 No torch import: configs and arithmetic only.
 

@@ -50,7 +50,8 @@ from .comm import a2a_per_layer
 from .memory import FP8_GROUP, FP8_SCALE_BYTES, MX_BLOCK, _as_cfg, _dims, _scope, _stages, compose_cfg
 
 ROOT = Path(__file__).resolve().parents[3]
-PROBE = "results/train_proxy/proxy_t1_probe_h200_2026-11-30_8689d69.json"
+# step times only (its peaks carry the SavedTensorBytes leak: results/train_proxy/superseded/README.md)
+PROBE = "results/train_proxy/superseded/proxy_t1_probe_h200_2026-11-30_8689d69.json"
 DEFAULT_OUT = "results/scale/throughput.md"
 RECIPES = ("bf16", "fp8", "mxfp4")
 SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full")
