@@ -46,14 +46,13 @@ RESULTS_REPORT = "results/report"
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark) and P4 (issue 5: configs, Slurm launch) exist; P1's measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P3", 4, "the throughput targets of the H200 T1 twin, missed narrowly (results/train_proxy/: mxfp4 0.983x fp8 "
-              "at equal scope, 0.95x fp8's best at the lighter scope), a convergence run longer than 23.6 M tokens "
-              "(the F5 twin's deviation target is missed), trainer runs on several GPUs (EP2 x DP2 and PP2 run on "
-              "gloo; not yet over NCCL)"),
-    ("P5", 6, "the paper-scale model's peak memory within 5 % of the H200 proxy's (saved activations agree in all "
-              "46 runs; the peak only in 12 of 39 cells: results/scale/calibration.md), so the report's model "
-              "columns stay labelled uncalibrated. The report (results/report/), the notebooks (notebooks/) and "
-              "the runs of this machine or of a Slurm cluster (SLURM=<profile>) exist"),
+    ("P3", 4, "the throughput targets of the H200 T1 twin (results/train_proxy/ section 8: mxfp4 0.975-0.990x fp8 "
+              "at equal scope, 0.996x fp8's best at the lighter scope; the memory target holds at 0.65-0.68x), a "
+              "convergence run longer than 23.6 M tokens (the F5 twin's deviation target is missed)"),
+    ("P5", 6, "the paper-scale model's peak memory within 5 % of the H200 proxy's (saved activations agree in every "
+              "run; the peak in 28 of 41 cells: results/scale/calibration.md), so the report's model columns stay "
+              "labelled uncalibrated. The report (results/report/), the notebooks (notebooks/) and the runs of this "
+              "machine or of a Slurm cluster (SLURM=<profile>) exist"),
     ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "
               "nvidia-h200-x8"),
 )
