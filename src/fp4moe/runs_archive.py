@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -84,17 +83,10 @@ def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
 
 
 def _write(doc: dict, out: Path) -> None:
-    """Write ``doc`` to ``out`` atomically (a temporary file in the same folder, then rename)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``doc`` to ``out`` atomically (fp4moe.atomic_write)."""
+    from fp4moe.atomic_write import write_bytes_atomic
+
+    write_bytes_atomic(out, json.dumps(doc, indent=1, sort_keys=True).encode())
 
 
 def withdraw(path: str | os.PathLike, keys: Sequence[str], reason: str) -> int:

@@ -429,9 +429,9 @@ def plots(rep: Report) -> dict[str, bytes]:
 # ---------------------------------------------------------------------------------------------- writing
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    from fp4moe.atomic_write import write_bytes_atomic
+
+    write_bytes_atomic(path, data)
 
 
 def render(rep: Report) -> dict[str, bytes]:
