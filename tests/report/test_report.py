@@ -244,3 +244,25 @@ def test_runs_from_different_archives_are_different_setups():
     a, b, here = run("a", "t1_h200_cf227d9.json"), run("b", "t1_h200_ad6fb3f.json"), run("c", "")
     assert setup_of(a) != setup_of(b) and len(setups([a, b, here])) == 3
     assert "archive `t1_h200_ad6fb3f.json`" in setup_of(b).label and "archive" not in setup_of(here).label
+
+
+def test_withdrawn_peak_reads_withdrawn_and_a_cpu_run_not_measured():
+    """A run whose peak was withdrawn from its archive shows that, not the method tag; a CPU run keeps its note."""
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import NOT_MEASURED, WITHDRAWN, measured_cell, setup_of
+
+    params = {"parallel.tensor": "1", "parallel.pipeline": "1", "parallel.expert": "1", "parallel.data": "1",
+              "parallel.micro_batch": "8", "parallel.seq_length": "4096", "parallel.global_batch": "32"}
+    base = {"model": "proxy_h200", "recipe": "fp8", "recompute": "none", "world_size": "1"}
+    gpu = dict(base, hardware="1 x NVIDIA H200", peak_memory="torch.cuda.max_memory_allocated / max_memory_reserved",
+               **{"fp4moe.withdrawn_metrics": "summary/peak_mem_allocated_gb: leak"})
+    cpu = dict(base, hardware="CPU", peak_memory="not measured (CPU)")
+    for tags, note in ((gpu, WITHDRAWN), (cpu, "not measured (CPU)"), (dict(gpu, **{"fp4moe.withdrawn_metrics": ""}),
+                                                                      WITHDRAWN)):
+        r = RunRecord("r", "proxy_f5_1gpu", "r", "FINISHED", 1, params, {"summary/tgs_median": 1.0}, tags)
+        cell = measured_cell([r], setup_of(r), "none", "fp8")
+        assert cell["status"] == "measured" and cell["memory_note"] == note
+    plain = dict(gpu)
+    plain.pop("fp4moe.withdrawn_metrics")
+    r = RunRecord("r", "proxy_t1_1gpu", "r", "FINISHED", 1, params, {"summary/tgs_median": 1.0}, plain)
+    assert measured_cell([r], setup_of(r), "none", "fp8")["memory_note"] == NOT_MEASURED

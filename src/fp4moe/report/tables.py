@@ -16,6 +16,7 @@ from .store import KERNELS, MOE_LAYER, RunRecord
 
 NOT_MEASURED = "not measured"
 OOM = "OOM"
+WITHDRAWN = "withdrawn (wrong when measured: the archive's withdrawn_metrics)"
 LOSS_SMOOTH_STEPS = 10  # the smoothed training loss is the mean of the last this-many logged `loss` values
 
 
@@ -84,8 +85,10 @@ def measured_cell(runs: Iterable[RunRecord], setup: Setup, scope: str, recipe: s
     cell.update(status="measured", tgs=m.get("summary/tgs_median"), tgs_min=m.get("summary/tgs_min"),
                 tgs_max=m.get("summary/tgs_max"), peak_memory_gb=m.get("summary/peak_mem_allocated_gb"),
                 peak_memory_pct=m.get("summary/peak_mem_pct"))
-    if cell["peak_memory_gb"] is None:
-        cell["memory_note"] = run.tags.get("peak_memory", NOT_MEASURED)
+    if cell["peak_memory_gb"] is None:  # withdrawn from its archive (fp4moe.runs_archive), or a CPU run
+        note = run.tags.get("peak_memory", "")
+        cell["memory_note"] = (WITHDRAWN if "fp4moe.withdrawn_metrics" in run.tags
+                               else note if note.startswith(NOT_MEASURED) else NOT_MEASURED)
     return cell
 
 

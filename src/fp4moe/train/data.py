@@ -46,4 +46,12 @@ def batch(ds: Any, indices: list[int]):
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-__all__ = ["DataUnavailable", "build_token_datasets", "micro_batch_indices", "batch"]
+def micro_batch(ds: Any, consumed: int, micro_index: int, micro: int, dp_rank: int, dp_size: int, device: Any,
+                non_blocking: bool = False):
+    """(tokens, labels) of micro-batch ``micro_index`` of the step starting at ``consumed`` on ``dp_rank``
+    (:func:`micro_batch_indices`, :func:`batch`), moved to ``device``."""
+    rows = batch(ds, micro_batch_indices(consumed, micro_index, micro, dp_rank, dp_size))
+    return tuple(x.to(device, non_blocking=non_blocking) for x in rows)
+
+
+__all__ = ["DataUnavailable", "build_token_datasets", "micro_batch_indices", "batch", "micro_batch"]

@@ -287,8 +287,8 @@ def _evaluate(model: Any, valid_ds: Any, cfg: Any, derived: dict[str, Any], info
         for s in range(n_steps):
             batches = []
             for k in range(accum):
-                idx = data_mod.micro_batch_indices(s * int(cfg.parallel.global_batch), k, micro, dp_rank, dp_size)
-                tokens, labels = (t.to(info.device) for t in data_mod.batch(valid_ds, idx))
+                tokens, labels = data_mod.micro_batch(valid_ds, s * int(cfg.parallel.global_batch), k, micro,
+                                                      dp_rank, dp_size, info.device)
                 if pp_size == 1:
                     total += model(tokens, pos, None, labels=labels).float().mean().double()
                 else:
@@ -484,8 +484,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
             if pp_size == 1:
                 for k in range(accum):
-                    idx = data_mod.micro_batch_indices(consumed, k, micro, dp_rank, dp_size)
-                    tokens, labels = (x.to(device, non_blocking=True) for x in data_mod.batch(train_ds, idx))
+                    tokens, labels = data_mod.micro_batch(train_ds, consumed, k, micro, dp_rank, dp_size, device,
+                                                          non_blocking=True)
                     if saved_bytes is None:
                         with SavedTensorBytes(exclude=params) as counter:
                             loss = model(tokens, pos, None, labels=labels).float().mean()
@@ -496,9 +496,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                     opt.accumulate()
                     loss_sum += loss.detach()
             else:
-                batches = [tuple(x.to(device, non_blocking=True) for x in data_mod.batch(
-                    train_ds, data_mod.micro_batch_indices(consumed, k, micro, dp_rank, dp_size)))
-                    for k in range(accum)]
+                batches = [data_mod.micro_batch(train_ds, consumed, k, micro, dp_rank, dp_size, device,
+                                                non_blocking=True) for k in range(accum)]
                 losses, measured = _pipeline_forward_backward(
                     model, batches, pos, seq=seq, micro=micro, forward_only=False,
                     measure_exclude=params if saved_bytes is None else None)
