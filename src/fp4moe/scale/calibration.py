@@ -221,10 +221,29 @@ NOTES = """
   (its dispatch, permutation, grouped-GEMM and combine buffers, 2 GiB each at micro-batch 16, live together);
   mxfp4 attn_ln_mlp and attn_ln_experts peak in the backward of the last MoE layer (recomputed experts, their
   gradients, FP4 dequantized copies). One per-recipe constant therefore cannot fit every scope.
-- **What would close it:** replace "static + saved + every transient" by the larger of a forward peak (saved
-  activations so far + the live buffers of the layer in flight: dispatch, permutation, expert GEMM outputs,
-  combine) and a backward peak (what is still saved + one layer's recomputed tensors + its gradient buffers), each
-  from tensor shapes as the saved ledger is. The residual table above is what those terms must reproduce.
+- **Where each peak is** (memory traces of all 15 recipe x scope cells at micro-batch 16, after the fix:
+  results/train_proxy/memtrace_h200_mb16_0afea32/ and ..._e95d4ca/; "by trainer line" says forward or backward).
+  Units at micro-batch 16: U = one [R, H] BF16 buffer = 2 GiB (R = 8 T rows); the head saves 4.5 GiB (fp32
+  softmax [T, V] and two [T, H]) that exist only from the head's forward until its backward.
+  - *At the head, end of the forward*: bf16 none / attn_ln_mlp / mla_up_proj. Residual = the BF16 logits [T, V]
+    (2 GiB) + 0.09 GiB.
+  - *Inside the last MoE layer's forward*: fp8 none / attn_ln_mlp / mla_up_proj. Residual 6.9-7.2 GiB = 11.4-11.7 GiB
+    of live MoE buffers minus the head's 4.5 not yet allocated. The buffers: megatron's `MoELayer.forward` keeps each
+    stage's output in a local until it returns, so permutation 1's rows, the dispatch all-to-all's output (our
+    dispatcher copies it even at EP = 1), the expert output, the combine's output and the un-permuted rows (5 U)
+    plus the SwiGLU output [R, F] (0.5 U) are live together: 5.5 U = 11 GiB. megatron's BF16 path at EP = 1 skips
+    both copies (3 U), so its MoE peak stays under its head peak.
+  - *In the backward*: every attn_ln_experts and full cell, and every mxfp4 cell. mxfp4's backward holds the MXFP4
+    SwiGLU input dequantized to BF16 (`fp4_to_bf16`, [R, 2F] = 2 GiB), its gradient (`swiglu_bwd`, 2 GiB), the
+    expert dgrad outputs and autograd's gradient buffers; under attn_ln_experts also the recomputed experts. Under
+    full recompute each step also starts with 1.5 GiB more (11.63 vs 10.13 GiB), not yet attributed.
+- **What would close it:** replace "static + saved + every transient" by the largest of three peaks: the head's
+  (saved + BF16 logits), the last MoE layer's forward (saved - head + the 5-5.5 U above; 3 U for megatron's BF16 path
+  at EP = 1) and the backward's (saved - head + one layer's recomputed tensors + its gradient buffers), each from
+  tensor shapes as the saved ledger is. The residual table above is what those terms must reproduce.
+- **Two memory savings the traces show** (not made yet; each needs a GPU check): drop the MoE forward's
+  intermediates as soon as the next stage has them (about 2-3 U at the forward peak of fp8 and mxfp4), and a
+  SwiGLU backward that reads the MXFP4 input directly (the 2 GiB dequantized copy at mxfp4's backward peak).
 
 ## What changed in the model (fp4moe.scale.memory)
 
