@@ -68,6 +68,16 @@ def test_twins_sweep_the_papers_cells_on_one_gpu_two_gpus_and_cpu(paper):
             assert cfg.recompute.name == (ref.recompute.name if paper == "paper_t2" else "none"), twin
 
 
+def test_eight_gpu_twin_sweeps_t1_with_ep8():
+    """Issue 7's proxy on one 8-GPU host: T1's cells, EP8 x DP8, 4 of the proxy's 32 experts per GPU."""
+    cfg = _compose("experiment=proxy_t1_8gpu", hydra_cfg=True)
+    assert _sweep(cfg) == _sweep(_compose("experiment=paper_t1", hydra_cfg=True))
+    p = cfg.parallel
+    assert (int(p.world_size), int(p.expert), int(p.data), cfg.cluster.gpus_per_node, cfg.cluster.nodes) == (8, 8, 8, 8, 1)
+    assert int(cfg.model.moe.num_experts) // int(p.expert) == 4
+    assert check(_compose("experiment=proxy_t1_8gpu"))["world_size"] == 8
+
+
 def test_root_composes_and_checks():
     cfg = _compose()
     d = check(cfg)

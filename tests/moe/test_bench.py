@@ -36,3 +36,28 @@ def test_bench_cpu_smoke(tmp_path):
     assert [g["gemm"] for g in on_disk["gemm"]] == ["fc1 fprop", "fc2 fprop", "fc1 dgrad", "fc1 wgrad"]
     for g in on_disk["gemm"]:  # every variant ran (the Triton one under the interpreter)
         assert g["triton_tflops"] > 0 and g["loop_tflops"] > 0 and g["dense_tflops"] > 0
+
+
+def test_bench_eight_ranks_on_gloo(tmp_path):
+    """Issue 7's command on CPU: 8 torchrun processes (gloo), EP8, every recipe; rank 0 writes one results file whose
+    dispatch bytes are the formats' and whose routed rows crossed to other ranks."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                        "-m", "fp4moe.moe.bench", "--device", "cpu", "--hidden", str(H), "--ffn", str(F),
+                        "--local-experts", str(EL), "--top-k", str(K), "--tokens", str(T), "--shared-ffn", "128",
+                        "--warmup", "1", "--iters", "1", "--no-profile", "--no-gemm", "--out", str(tmp_path),
+                        "--commit", "test"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (js,) = tmp_path.glob("moe_layer_cpu_ep8_*_test.json")
+    doc = json.loads(js.read_text())
+    assert doc["env"]["world_size"] == 8 and doc["shape"]["experts"] == 8 * EL
+    assert doc["env"]["command"].startswith("python -m torch.distributed.run --nproc-per-node 8 -m fp4moe.moe.bench")
+    for row in doc["recipes"]:  # rank 0's own traffic: T*K rows sent, most of them to the 7 other ranks
+        codec = "mxfp4" if row["recipe"] == "mxfp4" else "bf16"
+        assert row["dispatch_fwd_bytes"] == a2a_payload_bytes(T * K, H, codec)
+        assert 0 < row["dispatch_fwd_remote_bytes"] < row["dispatch_fwd_bytes"]
+        assert len(row["expert_counts"]) == EL

@@ -137,3 +137,38 @@ def test_two_processes_data_parallel_equal_one_process(tmp_path, monkeypatch, ex
     # EP2: an expert's GEMMs see both ranks' tokens at once instead of one micro-batch after the other, so fp32 sums
     # run in another order (measured: 1.4e-6 relative at step 3)
     assert got == pytest.approx(one.losses, rel=1e-6 if expert == 1 else 1e-5, abs=0)
+
+
+def test_eight_processes_ep8_dp8_equal_one_process(tmp_path, monkeypatch):
+    """Issue 7's layout in small: torchrun, 8 gloo processes, EP8 x DP8 (experiment proxy_t1_8gpu's parallel group),
+    the tiny model with 32 experts so that each process holds 4 as a GPU of the 8-GPU proxy does, mxfp4: every
+    dispatch crosses to 7 other ranks. Same losses as one process with 8 accumulation steps."""
+    from hydra import compose, initialize_config_dir
+    from mlflow import MlflowClient
+
+    from fp4moe.train.loop import train
+
+    common = ["train=short_cpu", "train.params_dtype=fp32", "train.steps=2", "train.eval_interval=null",
+              "train.checkpoint_interval=null", "train.progress_bar=false", "model.moe.num_experts=32",
+              "parallel.micro_batch=1", "parallel.global_batch=8", "precision=mxfp4"]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"}
+    ep8 = ["parallel=eight_gpu_ep8", "cluster=cpu", "cluster.gpus_per_node=8", "parallel.seq_length=128",
+           "parallel.distributed_optimizer=false", "task_name=ep8", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
+           f"hydra.run.dir={tmp_path / 'out'}"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                        str(HERE / "cli.py"), *common, *ep8], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs(client.get_experiment_by_name("ep8").experiment_id)
+    assert run.data.tags["world_size"] == "8"
+    assert run.data.metrics["a2a/dispatch_forward_sent_remote_bytes"] > 0
+    got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[*common, "task_name=ep1", f"train.checkpoint_dir={tmp_path / 'ckpt'}"])
+    one = train(cfg)
+    assert sorted(got) == [1, 2]
+    assert got == pytest.approx(one.losses, rel=1e-5, abs=0)  # expert GEMMs sum the ranks' rows in another order

@@ -16,6 +16,8 @@
 #   bash tools/device/h200_p3.sh ep2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, EP2 x DP2), per cell
 #   bash tools/device/h200_p3.sh pp2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, PP2, 1F1B over 4
 #                                                      # micro-batches), per cell
+#   bash tools/device/h200_p3.sh ep8 MB "mxfp4:attn_ln_mlp ..."  # issue 7 (nvidia-h200-x8): the proxy on 8 GPUs, EP8 x DP8
+#   COMMIT=sha bash tools/device/h200_p3.sh layer8     # issue 7: the V3 MoE layer with EP8, every recipe -> $OUT/moe_layer
 #   bash tools/device/h200_p3.sh swiglu                # fused SwiGLU: GPU tests + benchmark (FP4MOE_FUSED_SWIGLU)
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
@@ -41,14 +43,14 @@ COMMON=(train.progress_bar=false hydra/launcher=local)
 store() { echo "sqlite:///$STATE/mlflow_$1.db"; }
 keep() { cp -f "$STATE"/mlflow_*.db "$OUT"/ 2>/dev/null || true; }
 
-# NAME MB "recipe:scope ..." OVERRIDES...: each cell on both GPUs (torchrun, one process per GPU), store NAME
-two_gpu_cells() {
-  local name=$1 mb=$2 cells=$3; shift 3
+# NPROC NAME MB "recipe:scope ..." OVERRIDES...: each cell on NPROC GPUs (torchrun, one process per GPU), store NAME
+gpu_cells() {
+  local nproc=$1 name=$2 mb=$3 cells=$4; shift 4
   for cell in $cells; do
     local recipe=${cell%%:*} scope=${cell##*:}
     local log="$STATE/${name}_${recipe}_${scope}_mb$mb.log"
     MLFLOW_TRACKING_URI=$(store "$name") timeout -k 20 300 python3 -m torch.distributed.run --standalone \
-      --nproc-per-node 2 -m fp4moe.train "$@" "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb \
+      --nproc-per-node "$nproc" -m fp4moe.train "$@" "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb \
       precision=$recipe recompute=$scope > "$log" 2>&1 || true
     echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$log" | tail -1 | cut -c1-160)"
   done
@@ -139,11 +141,19 @@ mem)  # GPU MB "recipe:scope ...": allocator history over step 3 (after the 2 wa
   done
   ;;
 ep2)  # MB "recipe:scope ...": the proxy on both GPUs, EP2 x DP2 (torchrun), global batch 2 x MB (no accumulation)
-  two_gpu_cells ep2 "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1))
+  gpu_cells 2 ep2 "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1))
   ;;
 pp2)  # MB "recipe:scope ...": the proxy as 2 pipeline stages over NCCL, global batch 4 x MB (1F1B, 4 micro-batches)
-  two_gpu_cells pp2 "$1" "$2" experiment=proxy_t1_1gpu cluster=workstation_2gpu parallel.world_size=2 \
+  gpu_cells 2 pp2 "$1" "$2" experiment=proxy_t1_1gpu cluster=workstation_2gpu parallel.world_size=2 \
     parallel.pipeline=2 task_name=proxy_pp2 parallel.global_batch=$((4 * $1))
+  ;;
+ep8)  # MB "recipe:scope ...": issue 7, the proxy on all 8 GPUs, EP8 x DP8 (torchrun), global batch 8 x MB
+  gpu_cells 8 ep8 "$1" "$2" experiment=proxy_t1_8gpu parallel.global_batch=$((8 * $1))
+  ;;
+layer8)  # issue 7: DeepSeek-V3's MoE layer with EP8 (256 experts, 32 per GPU, top-8, 4096 tokens per GPU), every recipe
+  mkdir -p "$OUT/moe_layer"
+  timeout -k 20 540 python3 -m torch.distributed.run --standalone --nproc-per-node 8 -m fp4moe.moe.bench \
+    --commit "${COMMIT:-unknown}" --out "$OUT/moe_layer" 2>&1 | tail -40
   ;;
 swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3

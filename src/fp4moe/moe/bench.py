@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..atomic_write import write_bytes_atomic
 from ..ops.accounting import saved_bytes_during
 from ..ops.all_to_all import quantized_all_to_all
 from ..ops.fp8_gemm import fp8_mm
@@ -492,9 +493,7 @@ def main(argv=None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         stem = f"moe_layer_{doc['env']['gpu']}_ep{world}_{doc['env']['date']}_{doc['env']['commit']}"
         for suffix, text in ((".json", json.dumps(doc, indent=1)), (".md", _markdown(doc))):
-            tmp = out / (stem + suffix + ".tmp")
-            tmp.write_text(text)
-            tmp.replace(out / (stem + suffix))
+            write_bytes_atomic(out / (stem + suffix), text.encode())
         print(_markdown(doc))
         doc["files"] = [str(out / (stem + s)) for s in (".json", ".md")]
     if world > 1:
