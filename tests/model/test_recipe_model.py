@@ -351,3 +351,33 @@ def test_permutation_as_gathers_equals_megatrons_permute_and_unpermute():
     assert yb.dtype == torch.bfloat16
     ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
     assert ((yb.double() - exact).abs() <= 0.5 * ulp + 1e-12).all()
+
+
+@pytest.mark.parametrize("precision", RECIPES)
+def test_full_recompute_leaves_no_activation_alive_after_the_step(mp, precision):
+    """Under full recompute the dispatcher's saved probabilities come from the recomputation inside the backward
+    and hold that graph, whose leaves are the layer's detached input and its gradient ([seq, micro, hidden] each,
+    two per MoE layer; the tiny model has one). After ``release_dispatcher_tensors`` nothing of the step is left: reference counting alone
+    frees it (the trainer calls it after each step's backward)."""
+    import gc
+
+    from fp4moe.model.build import release_dispatcher_tensors
+
+    def layer_sized():  # [seq, micro, hidden] tensors made since ``before`` (earlier tests may keep their own)
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == (32, 2, 256)
+                and id(o) not in before]
+
+    m = _model(precision, "full")
+    gc.collect()
+    before: set[int] = set()
+    before = {id(o) for o in layer_sized()}
+    gc.disable()
+    try:
+        _loss_and_grads(m)
+        kept = layer_sized()  # the one MoE layer's detached input x and its gradient
+        assert len(kept) == 2 and any(t.is_leaf and t.grad is not None for t in kept)
+        del kept
+        assert release_dispatcher_tensors(m) == 2  # the MoE layer's probs and routing_map
+        assert layer_sized() == []
+    finally:
+        gc.enable()

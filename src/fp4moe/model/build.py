@@ -409,5 +409,30 @@ def a2a_stats(model) -> dict[str, int]:
     return total
 
 
+# megatron's token dispatchers keep these from one forward for its combine; each holds the autograd graph it came from
+DISPATCHER_STEP_TENSORS = ("probs", "routing_map")
+
+
+def release_dispatcher_tensors(model) -> int:
+    """Drop what megatron's MoE token dispatchers (ours included) keep from their last forward
+    (``DISPATCHER_STEP_TENSORS``); call after a step's backward passes. Returns how many were dropped.
+
+    ``MoEAlltoAllTokenDispatcher`` stores the routing probabilities on itself (token_dispatcher.py:610) and keeps them
+    until its next forward. Under full recompute that forward is the recomputation inside the backward, so the
+    probabilities hold the recomputed graph, whose leaves are the layer's detached input and its gradient: two
+    [seq, micro, hidden] activations per MoE layer stayed allocated from one step into the next (on the H200 proxy
+    at micro-batch 16, a step under full recompute began with 1.5 GiB more than under the other scopes)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    n = 0
+    for m in model.modules():
+        d = getattr(m, "token_dispatcher", None) if isinstance(m, MoELayer) else None
+        for name in DISPATCHER_STEP_TENSORS:
+            if d is not None and getattr(d, name, None) is not None:
+                setattr(d, name, None)
+                n += 1
+    return n
+
+
 __all__ = ["transformer_config", "build_gpt_model", "to_bf16_params", "layer_spec", "recipe_of", "apply_fp8_dense_linears", "a2a_stats",
-           "fp4moe_recompute_modules", "DISPATCHERS"]
+           "fp4moe_recompute_modules", "DISPATCHERS", "release_dispatcher_tensors"]

@@ -66,6 +66,7 @@ class Cell:
     peak_gib: float | None         # measured max allocated, GiB; None when the run went OOM
     outcome: str                   # 'ok' | 'OOM'
     cfg: dict
+    step_start_gib: float | None = None  # measured allocated GiB when a step begins (runs from 924b9ef on)
 
     @property
     def tokens(self) -> int:
@@ -117,13 +118,15 @@ def load_cells(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT) -> 
                 continue
             cfg = cfg_from_params(r["params"])
             peak = m.get("summary/peak_mem_allocated_gb")
+            start = m.get("summary/mem_allocated_at_step_start_gb")
             oom = t.get("outcome") == "OOM"
             cells.append(Cell(archive=path.name, recipe=t["recipe"], scope=t["recompute"],
                               micro_batch=int(cfg["parallel"]["micro_batch"]),
                               global_batch=int(cfg["parallel"]["global_batch"]),
                               seq_length=int(cfg["parallel"]["seq_length"]), saved_bytes=int(saved[0][1]),
                               peak_gib=None if (oom or not peak) else float(peak[-1][1]),
-                              outcome="OOM" if oom else "ok", cfg=cfg))
+                              outcome="OOM" if oom else "ok", cfg=cfg,
+                              step_start_gib=float(start[-1][1]) if start and not oom else None))
     order = {"bf16": 0, "fp8": 1, "mxfp4": 2}
     scopes = {"none": 0, "attn_ln_experts": 1, "attn_ln_mlp": 2, "mla_up_proj": 3, "full": 4}
     cells.sort(key=lambda c: (c.global_batch != c.micro_batch, order.get(c.recipe, 9), scopes.get(c.scope, 9),
@@ -165,6 +168,7 @@ class Row:
     pred_saved_bytes: int
     pred_peak_fp_gib: float        # first principles only
     pred_peak_gib: float           # + the measured transient of the recipe
+    pred_static_gib: float = 0.0   # weights + gradients + optimizer state: what a step begins with
 
     @property
     def saved_err_pct(self) -> float:
@@ -190,7 +194,8 @@ def table(cells: Sequence[Cell] | None = None, transients: dict[str, float] | No
         cfg = OmegaConf.create(c.cfg)
         fp = per_gpu_memory(cfg, FIRST_PRINCIPLES)
         cal = per_gpu_memory(cfg, calibrated(c.recipe, transients))
-        rows.append(Row(c, fp.per_microbatch_activation_bytes, fp.total_gb, cal.total_gb))
+        static = (fp.params_bytes + fp.grads_bytes + fp.optimizer_bytes) / GB
+        rows.append(Row(c, fp.per_microbatch_activation_bytes, fp.total_gb, cal.total_gb, static))
     return rows
 
 
@@ -235,8 +240,12 @@ NOTES = """
     both copies (3 U), so its MoE peak stays under its head peak.
   - *In the backward*: every attn_ln_experts and full cell, and every mxfp4 cell. mxfp4's backward holds the MXFP4
     SwiGLU input dequantized to BF16 (`fp4_to_bf16`, [R, 2F] = 2 GiB), its gradient (`swiglu_bwd`, 2 GiB), the
-    expert dgrad outputs and autograd's gradient buffers; under attn_ln_experts also the recomputed experts. Under
-    full recompute each step also starts with 1.5 GiB more (11.63 vs 10.13 GiB), not yet attributed.
+    expert dgrad outputs and autograd's gradient buffers; under attn_ln_experts also the recomputed experts.
+  - *Between steps under full recompute* a step began with 1.5 GiB more at micro-batch 16, 3.0 at 32 (the "step
+    start" column): megatron's token dispatcher keeps its routing probabilities from its last forward, which under
+    full recompute is the recomputation inside the backward, so they held that graph and its leaves, each MoE
+    layer's input and input gradient (2 x 3 [T, H] = 1.5 GiB). The trainer now drops them after each step
+    (`fp4moe.model.build.release_dispatcher_tensors`); not re-measured on a GPU yet.
 - **What would close it:** replace "static + saved + every transient" by the largest of three peaks: the head's
   (saved + BF16 logits), the last MoE layer's forward (saved - head + the 5-5.5 U above; 3 U for megatron's BF16 path
   at EP = 1) and the backward's (saved - head + one layer's recomputed tensors + its gradient buffers), each from
@@ -321,17 +330,17 @@ def render(rows: Sequence[Row], transients: dict[str, float], date: str | None =
         f"measured peak. First principles alone explain {fp_lo:.0f}-{fp_hi:.0f} % of the measured peaks; the saved "
         f"activations agree within {max_saved:.4f} % in all {len(rows)} runs.",
         "",
-        "| recipe | recompute | micro-batch | global batch | outcome | saved meas. (GB) | saved pred. (GB) | "
-        "saved err % | peak meas. (GiB) | peak pred. fp (GiB) | err fp % | peak pred. cal (GiB) | err cal % | "
-        f"within {TARGET_PCT:g} % |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | recompute | micro-batch | global batch | outcome | step start meas. (GiB) | static pred. (GiB) | "
+        "saved meas. (GB) | saved pred. (GB) | saved err % | peak meas. (GiB) | peak pred. fp (GiB) | err fp % | "
+        f"peak pred. cal (GiB) | err cal % | within {TARGET_PCT:g} % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r.cell
         w = r.within_target
         lines.append(
             f"| {c.recipe} | {c.scope} | {c.micro_batch} | {c.global_batch} | {c.outcome} | "
-            f"{c.saved_bytes / 1e9:.3f} | {r.pred_saved_bytes / 1e9:.3f} | {r.saved_err_pct:+.3f} | "
+            f"{_f(c.step_start_gib, '.2f')} | {r.pred_static_gib:.2f} | {c.saved_bytes / 1e9:.3f} | {r.pred_saved_bytes / 1e9:.3f} | {r.saved_err_pct:+.3f} | "
             f"{_f(c.peak_gib, '.2f')} | {r.pred_peak_fp_gib:.2f} | {_f(r.peak_err_pct(True), '+.1f')} | "
             f"{r.pred_peak_gib:.2f} | {_f(r.peak_err_pct(), '+.1f')} | "
             f"{'—' if w is None else ('yes' if w else 'no')} |")

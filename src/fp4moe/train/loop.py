@@ -353,7 +353,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-    from fp4moe.model.build import a2a_stats, build_gpt_model, to_bf16_params
+    from fp4moe.model.build import a2a_stats, build_gpt_model, release_dispatcher_tensors, to_bf16_params
     from fp4moe.ops.accounting import SavedTensorBytes
     from fp4moe.train import checkpoint as ckpt
     from fp4moe.train.metrics import Meter, Tracker, flatten, hardware_tags, resolve_uri
@@ -510,6 +510,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             if mcfg.moe_router_enable_expert_bias:
                 _update_router_expert_bias([model], mcfg)
             reset_model_temporary_tensors(mcfg, [model])
+            release_dispatcher_tensors(model)  # else their graphs keep activations into the next step (full recompute)
             norm = opt.grad_norm(ep_group, pp_group)
             opt.clip(norm)
             lr = sched(step)
