@@ -32,7 +32,11 @@ TILES = {
 }
 
 
-@functools.lru_cache(maxsize=64)
+# row_seg is M int32s (8 MiB for the 2M routed rows of the H200 proxy at micro-batch 64) and every micro-batch
+# routes anew, so 64 cached entries could hold 0.5 GiB of old steps' tables (the measured step-start memory of mxfp4
+# grows by 0.4 GiB from micro-batch 16 to 64: results/scale/calibration.md; not yet re-measured with 16 entries).
+# A step reuses one Segments per MoE layer and micro-batch, forward and backward.
+@functools.lru_cache(maxsize=16)
 def _seg_args(seg: Segments, m: int, device):
     """(single, row_seg int32 [M], seg_off int32 [E+1]) for the segment-major FP8 row scales. row_seg is expanded
     on ``device`` from the E counts (no M-long host tensor)."""
