@@ -381,3 +381,34 @@ def test_full_recompute_leaves_no_activation_alive_after_the_step(mp, precision)
         assert layer_sized() == []
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("precision", ("fp8", "mxfp4"))
+def test_identity_permutation_2_is_skipped_and_changes_nothing(mp, precision, monkeypatch):
+    """One source rank (EP = 1) with several local experts: megatron's permutation 2 and its inverse would copy the
+    rows in the same order; the recipe dispatcher skips both (no sort_chunks_by_idxs call), bit for bit the same
+    output and gradients as with megatron's copies."""
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    from fp4moe.model.recipe_moe import QuantizedAlltoAllTokenDispatcher
+
+    calls = []
+    real = td.sort_chunks_by_idxs
+    monkeypatch.setattr(td, "sort_chunks_by_idxs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
+    gy = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
+    runs = {}
+    for skip in (True, False):
+        if not skip:  # megatron's own permutation 2 and its inverse
+            monkeypatch.setattr(QuantizedAlltoAllTokenDispatcher, "_perm2_is_identity", lambda self: False)
+        moe = _model(precision, **{"moe.aux_loss_coeff": 0.0}).decoder.layers[1].mlp
+        assert moe.num_local_experts > 1
+        n = len(calls)
+        y, dx = _moe_run(moe, x, gy)
+        w1 = torch.stack([e.linear_fc1.weight.grad for e in moe.experts.local_experts])
+        runs[skip] = (y, dx, w1, len(calls) - n)
+    # megatron's BF16-row path (fp8) sorts in dispatch and combine; the MXFP4 rows are sorted by permute_rows
+    assert runs[True][3] == 0 and runs[False][3] == (2 if precision == "fp8" else 1)
+    for a, b in zip(runs[True][:3], runs[False][:3]):
+        assert torch.equal(a, b)

@@ -124,7 +124,8 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     Everything else (routing map -> splits, the probs all-to-all, chunk sort by local expert) is megatron's code;
     ``token_dispatch`` and ``token_combine`` swap the EP all-to-all of the tokens, ``dispatch_postprocess`` sorts
-    MXFP4 rows by local expert (megatron's ``sort_chunks_by_idxs`` only takes tensors), and ``dispatch_preprocess``
+    MXFP4 rows by local expert (megatron's ``sort_chunks_by_idxs`` only takes tensors) and, with
+    ``combine_preprocess``, skips that sort where it is the identity (one source rank), and ``dispatch_preprocess``
     / ``combine_postprocess`` are megatron's with permutation 1 and its inverse as gathers
     (:class:`_PermuteTokens`, :class:`_UnpermuteTokens`) when every token has exactly top-k rows (dropless, no
     padding for quantization, no permute fusion); otherwise megatron's own."""
@@ -203,24 +204,48 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def _local_expert_perm(self, rows: int, device) -> torch.Tensor | None:
         """Row order source-rank-major -> local-expert-major (megatron's permutation 2), as an index tensor on
         ``device``; None when it is the identity (one source rank: EP = TP = 1)."""
-        order = torch.as_tensor(self.sort_input_by_local_experts).reshape(-1)
-        if bool((order == torch.arange(order.numel(), dtype=order.dtype)).all()):
+        if self._perm2_is_identity():
             return None
+        order = torch.as_tensor(self.sort_input_by_local_experts).reshape(-1)
         return local_expert_permutation(torch.as_tensor(self.num_global_tokens_per_local_expert).reshape(-1),
                                         order, rows, device)
 
+    def _perm2_is_identity(self) -> bool:
+        """Whether megatron's permutation 2 (rows source-rank-major -> local-expert-major) leaves the rows where they
+        are: one source rank (EP = TP = 1), or one local expert."""
+        if self.num_local_experts <= 1:
+            return True
+        order = torch.as_tensor(self.sort_input_by_local_experts).reshape(-1)
+        return bool((order == torch.arange(order.numel(), dtype=order.dtype)).all())
+
     def dispatch_postprocess(self, global_input_tokens, global_probs):
-        if not isinstance(global_input_tokens, DispatchedMXFP4):
+        """megatron's, except that permutation 2 is skipped where it is the identity (megatron copies the rows then,
+        and again in ``combine_preprocess``: two [R, H] copies per layer and pass on one GPU) and that MXFP4 rows
+        are sorted by ``permute_rows`` (megatron's ``sort_chunks_by_idxs`` only takes tensors)."""
+        mx = isinstance(global_input_tokens, DispatchedMXFP4)
+        self._fp4moe_perm2_skipped = False
+        if not mx and (self.drop_and_pad or not self._perm2_is_identity()):
             return super().dispatch_postprocess(global_input_tokens, global_probs)
+        if not mx and self.shared_experts is not None:  # megatron's overlapped shared expert, as in its own
+            self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
         if self.num_local_experts > 1:
             perm = self._local_expert_perm(global_probs.shape[0], global_probs.device)
             if perm is not None:
                 global_input_tokens = permute_rows(global_input_tokens, perm)
                 global_probs = global_probs.index_select(0, perm)
+            else:
+                self._fp4moe_perm2_skipped = True
         tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish", self.tokens_per_expert)
         self.tokens_per_expert = None
         return global_input_tokens, tokens_per_expert, global_probs
+
+    def combine_preprocess(self, hidden_states):
+        """megatron's un-permutation 2, skipped when ``dispatch_postprocess`` skipped permutation 2 (the identity)."""
+        if getattr(self, "_fp4moe_perm2_skipped", False):
+            self._fp4moe_perm2_skipped = False
+            return hidden_states
+        return super().combine_preprocess(hidden_states)
 
     def token_combine(self, hidden_states, async_finish: bool = True, allocate_on_comm_stream: bool = True):
         """Expert outputs ``[R, H]`` back to the token owners: BF16 forward, ``recipe.backward_a2a`` backward."""
