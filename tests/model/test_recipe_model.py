@@ -412,3 +412,50 @@ def test_identity_permutation_2_is_skipped_and_changes_nothing(mp, precision, mo
     assert runs[True][3] == 0 and runs[False][3] == (2 if precision == "fp8" else 1)
     for a, b in zip(runs[True][:3], runs[False][:3]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("precision", ("fp8", "mxfp4"))
+def test_moe_forward_releases_rows_before_the_combine(mp, precision, monkeypatch):
+    """The recipe MoE layer frees permutation 1's rows once they are dispatched and the dispatched rows once the
+    experts ran (megatron's forward keeps both referenced until it returns): by the time the combine runs, only
+    reference counting is needed for both to be gone. Output and gradients are megatron's forward's, bit for bit."""
+    import gc
+    import weakref
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
+    gy = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
+    results = {}
+    for own in (True, False):
+        moe = _model(precision, **{"moe.aux_loss_coeff": 0.0}).decoder.layers[1].mlp
+        if not own:  # megatron's forward, the recipe's cast back to the input dtype
+            monkeypatch.setattr(type(moe), "_forward_releasing",
+                                lambda self, h, m=None: MoELayer.forward(self, h, None, m))
+        refs, alive = [], []
+        dispatch, routed, combine = moe.dispatch, moe.routed_experts_compute, moe.combine
+
+        def spy_dispatch(rows, probs):
+            refs.append(weakref.ref(rows))
+            return dispatch(rows, probs)
+
+        def spy_routed(rows, probs):
+            anchor = rows if isinstance(rows, torch.Tensor) else rows.grad_anchor  # MXFP4 rows: their anchor
+            refs.append(weakref.ref(anchor))
+            del anchor
+            return routed(rows, probs)
+
+        def spy_combine(output):
+            alive.append([r() is not None for r in refs])
+            return combine(output)
+
+        moe.dispatch, moe.routed_experts_compute, moe.combine = spy_dispatch, spy_routed, spy_combine
+        gc.disable()
+        try:
+            results[own] = _moe_run(moe, x, gy) + (alive[0],)
+        finally:
+            gc.enable()
+    assert results[True][2] == [False, False]   # both released before the combine
+    assert results[False][2] == [True, True]    # megatron's forward still holds them there
+    assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])

@@ -5,7 +5,8 @@ What replaces what (fp8 / mxfp4 recipes; the bf16 recipe keeps megatron's module
 =========================  ==================================  =============================================
 megatron (local spec)      ours                                what changes
 =========================  ==================================  =============================================
-``MoELayer``               :class:`RecipeMoELayer`             swaps in the dispatcher below; nothing else
+``MoELayer``               :class:`RecipeMoELayer`             swaps in the dispatcher below; releases the
+                                                              rows of each stage once the next has them
 ``MoEAlltoAllToken-``      :class:`QuantizedAlltoAllToken-`    the two EP all-to-alls go through
 ``Dispatcher``             ``Dispatcher``                      ``fp4moe.ops.all_to_all.quantized_all_to_all``
 ``SequentialMLP``          :class:`RecipeGroupedMLP`           ``grouped_expert_mlp`` over all local experts
@@ -269,12 +270,36 @@ class RecipeMoELayer(MoELayer):
             self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg, recipe=recipe)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-        """As megatron's; the output is cast back to ``hidden_states.dtype`` (the recipe's ops return BF16, and an
-        fp32-parameter model must get fp32 back, as from megatron's own experts)."""
-        out = super().forward(hidden_states, intermediate_tensors, padding_mask)
+        """megatron's route -> dispatch -> experts -> combine, with each stage's input released as soon as the next
+        stage has consumed it (:meth:`_forward_releasing`); megatron's own ``forward`` for what that does not cover
+        (partial CUDA-graph capture with intermediate tensors, MoE-layer recompute, a changed execution map). The
+        output is cast back to ``hidden_states.dtype`` (the recipe's ops return BF16, and an fp32-parameter model
+        must get fp32 back, as from megatron's own experts)."""
+        own = (intermediate_tensors is None and not self.moe_layer_recompute
+               and list(self.fwd_execution_map) == ["route", "expert_compute", "postprocess"])
+        out = (self._forward_releasing(hidden_states, padding_mask) if own
+               else super().forward(hidden_states, intermediate_tensors, padding_mask))
         if intermediate_tensors is None and isinstance(out, tuple) and isinstance(out[0], torch.Tensor):
             return (out[0].to(hidden_states.dtype), *out[1:])
         return out
+
+    def _forward_releasing(self, hidden_states, padding_mask=None):
+        """megatron's ``MoELayer.forward`` body (moe_layer.py, custom_forward) with the same calls in the same order,
+        but its locals do not outlive their use: megatron keeps permutation 1's rows and the dispatched rows
+        referenced until the layer returns, so both stayed allocated through the experts and the combine ([R, H]
+        each, live at fp8's forward memory peak on the H200). Neither is needed by a backward: the permutation keeps
+        its index, the all-to-all its splits, the experts their own (quantized) copies."""
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()  # [bsz, seq] -> [seq, bsz], as megatron
+        shared_expert_output = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        rows, probs = self.preprocess(hidden_states, probs, routing_map)
+        del routing_map
+        rows, probs = self.dispatch(rows, probs)  # rebinding releases permutation 1's rows
+        output, mlp_bias = self.routed_experts_compute(rows, probs)
+        del rows, probs
+        output = self.combine(output)
+        return self.postprocess(output, shared_expert_output), mlp_bias
 
     def a2a_stats(self) -> dict[str, int]:
         """Payload bytes of this layer's all-to-alls so far: ``dispatch_*`` and ``combine_*`` (A2AStats fields)."""

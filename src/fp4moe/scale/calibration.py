@@ -250,12 +250,12 @@ NOTES = """
   (saved + BF16 logits), the last MoE layer's forward (saved - head + the 5-5.5 U above; 3 U for megatron's BF16 path
   at EP = 1) and the backward's (saved - head + one layer's recomputed tensors + its gradient buffers), each from
   tensor shapes as the saved ledger is. The residual table above is what those terms must reproduce.
-- **Memory savings the traces show.** Made after these traces, not re-measured on a GPU: on one source rank
-  the recipe dispatcher no longer runs megatron's permutation 2 and its inverse, which copied the rows in the same
-  order (1 U each way, fp8's BF16 rows); under full recompute the dispatchers' routing tensors are dropped after
-  each step. Not made yet (each needs a GPU check): drop the MoE forward's intermediates as soon as the next stage
-  has them (about 2 U more at the forward peak of fp8 and mxfp4), and a SwiGLU backward that reads the MXFP4 input
-  directly (the 2 GiB dequantized copy at mxfp4's backward peak).
+- **Memory savings the traces show.** Made after these traces, not re-measured on a GPU: the recipe MoE layer
+  releases permutation 1's rows once dispatched and the dispatched rows once the experts ran (2 U at the forward
+  peak of fp8); on one source rank its dispatcher no longer runs megatron's permutation 2 and its inverse, which
+  copied the rows in the same order (1 U each way, fp8's BF16 rows); under full recompute the dispatchers' routing
+  tensors are dropped after each step. Not made yet (needs a GPU check): a SwiGLU backward that reads the MXFP4
+  input directly (the 2 GiB dequantized copy at mxfp4's backward peak).
 
 ## What changed in the model (fp4moe.scale.memory)
 
