@@ -137,14 +137,12 @@ _GROUPS = ("get_tensor_model_parallel_group", "get_pipeline_model_parallel_group
 
 
 def warm_up_communicators(info: DistInfo) -> int:
-    """Create the NCCL communicators of the world and of megatron's groups now, with one 1-element all-reduce each
+    """Create the communicators of the world and of megatron's groups now, with one 1-element all-reduce each
     (every rank walks the same list, so the collectives match). NCCL creates a communicator at its first collective
     and allocates its buffers with ``cudaMalloc``, outside torch's caching allocator: created lazily after the first
     step (the MoE loss tracker's first all-reduce), they found a GPU the allocator had filled and failed with
-    ``ncclUnhandledCudaError`` instead of the run failing as out of memory in the step itself. Returns the number of
-    all-reduces run (0 on gloo)."""
-    if info.backend != "nccl":
-        return 0
+    ``ncclUnhandledCudaError`` instead of the run failing as out of memory in the step itself. gloo runs the same
+    all-reduces (cheap), so the CPU tests walk the same path. Returns the number of all-reduces run."""
     from megatron.core import parallel_state
 
     groups = [None]
@@ -156,7 +154,8 @@ def warm_up_communicators(info: DistInfo) -> int:
     t = torch.zeros(1, device=info.device)
     for g in groups:
         dist.all_reduce(t, group=g)
-    torch.cuda.synchronize(info.device)
+    if info.device.type == "cuda":
+        torch.cuda.synchronize(info.device)
     return len(groups)
 
 
