@@ -9,7 +9,7 @@ What runs where (``plan()``):
   the cells show that every recipe runs under every scope) and an F5 shape (the three recipes, 40 steps from the
   same seed and data order, evaluation loss at 20 and 40).
 * **One or more CUDA GPUs** (Hopper: the FP8/FP4 kernels need sm_90): on GPU 0 the H200 proxy's T1 twin
-  (experiment proxy_t1_1gpu, micro-batch 34: 9 cells) and, when the code+docs corpus is there
+  (experiment proxy_t1_1gpu, micro-batch 64: 9 cells) and, when the code+docs corpus is there
   (``data/code_docs/code_docs.jsonl``, or ``FP4MOE_CORPUS``; built by tools/corpus_code_docs.py), its F5 twin
   (experiment proxy_f5_1gpu: 3 runs of 180 steps).
 
