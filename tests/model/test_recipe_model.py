@@ -400,10 +400,10 @@ def test_identity_permutation_2_is_skipped_and_changes_nothing(mp, precision, mo
     gy = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
     runs = {}
     for skip in (True, False):
-        if not skip:  # megatron's own permutation 2 and its inverse
-            monkeypatch.setattr(QuantizedAlltoAllTokenDispatcher, "_perm2_is_identity", lambda self: False)
         moe = _model(precision, **{"moe.aux_loss_coeff": 0.0}).decoder.layers[1].mlp
-        assert moe.num_local_experts > 1
+        assert moe.num_local_experts > 1 and isinstance(moe.token_dispatcher, QuantizedAlltoAllTokenDispatcher)
+        assert moe.token_dispatcher.skip_permutation_2  # one source rank
+        moe.token_dispatcher.skip_permutation_2 = skip  # False: megatron's own permutation 2 and its inverse
         n = len(calls)
         y, dx = _moe_run(moe, x, gy)
         w1 = torch.stack([e.linear_fc1.weight.grad for e in moe.experts.local_experts])

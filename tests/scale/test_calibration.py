@@ -152,7 +152,7 @@ def test_fp32_accumulators_count_from_the_second_micro_batch(cells):
     four = OmegaConf.create(c.cfg)
     four.parallel.global_batch = 4 * int(one.parallel.micro_batch)
     n = per_gpu_memory(four, cal.FIRST_PRINCIPLES)
-    diff = per_gpu_memory(four, cal.FIRST_PRINCIPLES).total_bytes - per_gpu_memory(one, cal.FIRST_PRINCIPLES).total_bytes
+    diff = n.total_bytes - per_gpu_memory(one, cal.FIRST_PRINCIPLES).total_bytes
     assert diff == 4 * (n.dense_params + n.expert_params)
 
 

@@ -135,7 +135,7 @@ mem)  # GPU MB "recipe:scope ...": allocator history over step 3 (after the 2 wa
       experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb \
       precision=$recipe recompute=$scope train.steps=3 train.measure.warmup_steps=2 train.measure.steps=1 'train.profile.steps=[3,3]' \
       train.profile.memory=true train.profile.ops=false train.profile.dir="$d" > "$d.log" 2>&1 || true
-    echo "== $recipe $scope mb$mb"; { head -12 "$d/profile_rank0/memory_peak.txt"; sed -n "/live when the window opened/,\$p" "$d/profile_rank0/memory_peak.txt" | head -40; } 2>/dev/null | cut -c1-200 \
+    echo "== $recipe $scope mb$mb"; { head -12 "$d/profile_rank0/memory_peak.txt"; sed -n "/^live when the window opened/,\$p" "$d/profile_rank0/memory_peak.txt" | head -40; } 2>/dev/null | cut -c1-200 \
       || grep -h "Error" "$d.log" | tail -2
     (cd "$STATE" && tar czf "$OUT/mem_gpu$gpu.tgz" --exclude='*.pickle' mem_*)  # after each cell: a timeout keeps the rest
   done

@@ -29,8 +29,6 @@ from fp4moe.model import cpu_shims
 from fp4moe.model.attention import SDPACoreAttention
 
 
-
-
 def _plain(cfg: Any) -> Any:
     if cfg is None:
         return {}

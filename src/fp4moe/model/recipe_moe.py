@@ -138,6 +138,11 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.recipe = recipe
         self.dispatch_stats = A2AStats()
         self.combine_stats = A2AStats()
+        # megatron's permutation 2 (rows source-rank-major -> local-expert-major) and its inverse copy the rows in
+        # the same order when there is one source rank (EP = TP = 1): skip both. Fixed by the layout at build time.
+        order = torch.as_tensor(self.sort_input_by_local_experts).reshape(-1)
+        self.skip_permutation_2 = (self.num_local_experts > 1 and not self.drop_and_pad
+                                   and bool((order.cpu() == torch.arange(order.numel())).all()))
 
     def _ep_splits(self, rows: int) -> tuple[list[int], list[int]]:
         """(input_splits, output_splits) as int lists; megatron leaves them None when EP = TP = 1."""
@@ -202,51 +207,34 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             permuted_probs = all_to_all(self.ep_group, permuted_probs, outs, ins)
         return tokens, permuted_probs
 
-    def _local_expert_perm(self, rows: int, device) -> torch.Tensor | None:
+    def _local_expert_perm(self, rows: int, device) -> torch.Tensor:
         """Row order source-rank-major -> local-expert-major (megatron's permutation 2), as an index tensor on
-        ``device``; None when it is the identity (one source rank: EP = TP = 1)."""
-        if self._perm2_is_identity():
-            return None
-        order = torch.as_tensor(self.sort_input_by_local_experts).reshape(-1)
+        ``device``."""
         return local_expert_permutation(torch.as_tensor(self.num_global_tokens_per_local_expert).reshape(-1),
-                                        order, rows, device)
-
-    def _perm2_is_identity(self) -> bool:
-        """Whether megatron's permutation 2 (rows source-rank-major -> local-expert-major) leaves the rows where they
-        are: one source rank (EP = TP = 1), or one local expert."""
-        if self.num_local_experts <= 1:
-            return True
-        order = torch.as_tensor(self.sort_input_by_local_experts).reshape(-1)
-        return bool((order == torch.arange(order.numel(), dtype=order.dtype)).all())
+                                        torch.as_tensor(self.sort_input_by_local_experts).reshape(-1), rows, device)
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
-        """megatron's, except that permutation 2 is skipped where it is the identity (megatron copies the rows then,
-        and again in ``combine_preprocess``: two [R, H] copies per layer and pass on one GPU) and that MXFP4 rows
-        are sorted by ``permute_rows`` (megatron's ``sort_chunks_by_idxs`` only takes tensors)."""
+        """megatron's, except that permutation 2 is skipped where it is the identity (``skip_permutation_2``:
+        megatron copies the rows then, and again in ``combine_preprocess``, two [R, H] copies per layer and pass on
+        one GPU) and that MXFP4 rows are sorted by ``permute_rows`` (megatron's ``sort_chunks_by_idxs`` only takes
+        tensors)."""
         mx = isinstance(global_input_tokens, DispatchedMXFP4)
-        self._fp4moe_perm2_skipped = False
-        if not mx and (self.drop_and_pad or not self._perm2_is_identity()):
+        if not mx and not self.skip_permutation_2:
             return super().dispatch_postprocess(global_input_tokens, global_probs)
         if not mx and self.shared_experts is not None:  # megatron's overlapped shared expert, as in its own
             self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
-        if self.num_local_experts > 1:
+        if self.num_local_experts > 1 and not self.skip_permutation_2:
             perm = self._local_expert_perm(global_probs.shape[0], global_probs.device)
-            if perm is not None:
-                global_input_tokens = permute_rows(global_input_tokens, perm)
-                global_probs = global_probs.index_select(0, perm)
-            else:
-                self._fp4moe_perm2_skipped = True
+            global_input_tokens = permute_rows(global_input_tokens, perm)
+            global_probs = global_probs.index_select(0, perm)
         tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish", self.tokens_per_expert)
         self.tokens_per_expert = None
         return global_input_tokens, tokens_per_expert, global_probs
 
     def combine_preprocess(self, hidden_states):
-        """megatron's un-permutation 2, skipped when ``dispatch_postprocess`` skipped permutation 2 (the identity)."""
-        if getattr(self, "_fp4moe_perm2_skipped", False):
-            self._fp4moe_perm2_skipped = False
-            return hidden_states
-        return super().combine_preprocess(hidden_states)
+        """megatron's un-permutation 2, skipped with permutation 2 (``skip_permutation_2``)."""
+        return hidden_states if self.skip_permutation_2 else super().combine_preprocess(hidden_states)
 
     def token_combine(self, hidden_states, async_finish: bool = True, allocate_on_comm_stream: bool = True):
         """Expert outputs ``[R, H]`` back to the token owners: BF16 forward, ``recipe.backward_a2a`` backward."""

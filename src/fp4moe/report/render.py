@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
+from ..atomic_write import write_bytes_atomic
 from . import paper as paper_mod
 from . import store as store_mod
 from . import tables
@@ -428,12 +429,6 @@ def plots(rep: Report) -> dict[str, bytes]:
 
 # ---------------------------------------------------------------------------------------------- writing
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    from fp4moe.atomic_write import write_bytes_atomic
-
-    write_bytes_atomic(path, data)
-
-
 def render(rep: Report) -> dict[str, bytes]:
     """File name -> bytes of every output this report has."""
     files = {"report.md": markdown(rep).encode(), "t1.csv": _csv(rep.t1, tables.T1_COLUMNS),
@@ -454,7 +449,7 @@ def write_report(rep: Report, out_dir: str | os.PathLike) -> list[Path]:
     for name, data in files.items():
         path = out / name
         if not (path.is_file() and path.read_bytes() == data):
-            _write_atomic(path, data)
+            write_bytes_atomic(path, data)
         written.append(path)
     for name in set(OUTPUTS) - set(files):
         (out / name).unlink(missing_ok=True)

@@ -88,8 +88,8 @@ def peak_breakdown(trace: Iterable[dict], baseline_bytes: int, *, start_event: i
     ``baseline_bytes``, ``traced_at_peak_bytes``, ``peak_event`` (index into the trace), ``events``, ``start_event``,
     ``at_start_bytes`` (traced blocks live when the window opened) and, as lists of ``{"where", "bytes", "blocks"}``
     largest first: ``by_site`` and ``by_trainer_line`` (live at the peak), ``at_start_by_site`` and
-    ``at_start_by_trainer_line`` (live when the window opened). Site lists are cut to ``top`` rows plus one ``<other>`` row. Frees of blocks allocated before
-    the trace began are ignored (they belong to the baseline)."""
+    ``at_start_by_trainer_line`` (live when the window opened). Site lists are cut to ``top`` rows plus one
+    ``<other>`` row. Frees of blocks allocated before the trace began are ignored (they belong to the baseline)."""
     trace = list(trace)
     n, start = len(trace), min(int(start_event), len(trace))
     live: dict[int, tuple[int, list[dict]]] = {}
@@ -143,7 +143,7 @@ def format_breakdown(b: dict[str, Any]) -> str:
                        ("live when the window opened, by trainer line", "at_start_by_trainer_line"),
                        ("live when the window opened, by allocation site", "at_start_by_site")):
         out.append(f"\n{title}:")
-        for r in b.get(key, []):
+        for r in b[key]:
             pct = 100.0 * r["bytes"] / b["peak_bytes"] if b["peak_bytes"] else 0.0
             out.append(f"  {r['bytes'] / gib:9.3f} GiB {pct:5.1f}% {r['blocks']:6d} blocks  {r['where']}")
     return "\n".join(out) + "\n"
