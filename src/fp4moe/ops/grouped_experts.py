@@ -122,14 +122,16 @@ def _per_expert_gemm(row: FP8RowTensor, w: torch.Tensor, seg: Segments, n: int, 
     W = w [E, n, K], out = rows_e W_e^T; 'dgrad': W = w [E, N, n], out = dY_e W_e (transposed blocks).
     The weights of all experts are quantized in one call (``quantize_experts_128x128``), then one
     ``fp8_mm`` per non-empty expert."""
-    out = torch.empty(seg.total, n, dtype=_BF16, device=row.data.device)
     if seg.total == 0:
-        return out
+        return torch.empty(0, n, dtype=_BF16, device=row.data.device)
     wd, ws = quantize_experts_128x128(w, transpose=kind == "dgrad")
     if gemm_backend(row.data.device) == "triton":
         from fp4moe_kernels.triton_kernels import launch
 
         return launch.grouped_fp8_rows(row, wd, ws)
+    # the loop path fills its own output; the Triton kernel allocates one (an [T, n] buffer here would be a second
+    # one, live at the backward's memory peak)
+    out = torch.empty(seg.total, n, dtype=_BF16, device=row.data.device)
     for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
         if r1 == r0:
             continue
@@ -276,6 +278,9 @@ class GroupedExpertMLP(torch.autograd.Function):
         else:
             hmat = kops.fp4_to_bf16(MXFP4Tensor(s["h_fp4_data"], s["h_fp4_scales"], (t, 2 * f)))
         dh, dprobs = swiglu_math_backward(hmat, dz, probs)
+        # dz [T, F] and the decoded h [T, 2F] are dead: free them before fc1's backward, the layer's memory peak
+        # (fp4moe.scale.memory.expert_backward_bytes lists what is live there)
+        del dz, hmat
         # ---- fc1 backward
         dx = dw1 = None
         if ctx.needs_input_grad[0]:
