@@ -459,3 +459,33 @@ def test_moe_forward_releases_rows_before_the_combine(mp, precision, monkeypatch
     assert results[True][2] == [False, False]   # both released before the combine
     assert results[False][2] == [True, True]    # megatron's forward still holds them there
     assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
+
+
+def _layer_output_holders(model) -> list[int]:
+    """Per transformer layer but the last: how many tensors hold its output's storage after one forward, besides
+    the output tensor itself (torch's storage use count, minus that tensor and the storage handle asked for it)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    outs = []
+    hooks = [mod.register_forward_hook(lambda mod, args, out: outs.append(out[0] if isinstance(out, tuple) else out))
+             for mod in model.modules() if isinstance(mod, TransformerLayer)]
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    loss = model(ids, torch.arange(32).unsqueeze(0).expand(2, -1), None, labels=ids).float().mean()
+    for h in hooks:
+        h.remove()
+    counts = [torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 2 for t in outs[:-1]]
+    del loss
+    return counts
+
+
+def test_mxfp4_norm_cache_replaces_the_bf16_input(mp):
+    """Under recompute_cache_fp4 an output-discarding norm checkpoint keeps only the MXFP4 copy of its input, the
+    residual stream: nothing else holds a layer's output once the next layer has run. megatron's checkpoint function
+    saves its inputs as leaves that require grad, which autograd keeps alive itself (their gradient accumulator
+    holds them) beside whatever a pack hook returns: with megatron's BF16 cache (recompute_cache_fp4=false, the
+    control) one more tensor holds it. H200 traces of mxfp4 attn_ln_mlp showed every norm input BF16 beside its
+    MXFP4 copy before fp4moe.model.recompute saved them as plain tensors."""
+    assert _layer_output_holders(_model("mxfp4", "attn_ln_mlp")) == [0]
+    cfg = _cfg("mxfp4", "attn_ln_mlp")
+    cfg.precision.recompute_cache_fp4 = False
+    assert _layer_output_holders(_build(cfg)) == [1]

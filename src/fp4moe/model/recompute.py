@@ -58,6 +58,54 @@ def mxfp4_cache():
     return fp4_saved_tensors(accept=_cacheable)
 
 
+def _cacheable_input(t: torch.Tensor) -> bool:
+    """``_cacheable`` for an output-discarding checkpoint's inputs, which it saves detached (not requiring grad)."""
+    return (t.is_floating_point() and not isinstance(t, torch.nn.Parameter) and t.dim() >= 2 and t.numel() > 0
+            and t.shape[-1] % MX_BLOCK == 0 and t.dtype in (torch.bfloat16, torch.float32))
+
+
+class _DecodedInputs:
+    """The ``ctx`` megatron's ``CheckpointWithoutOutput._recompute`` reads: ``saved_tensors`` are the decoded MXFP4
+    inputs with their ``requires_grad`` restored (so that the recompute's input gradients exist); every other
+    attribute, read or written (``outputs``, ``inputs`` for the backward), is the autograd ctx's."""
+
+    def __init__(self, ctx, requires_grad: tuple[bool, ...]):
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "_requires_grad", requires_grad)
+
+    @property
+    def saved_tensors(self):
+        return tuple(t.requires_grad_(rg) if isinstance(t, torch.Tensor) and rg else t
+                     for t, rg in zip(self._ctx.saved_tensors, self._requires_grad))
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._ctx, name, value)
+
+
+class _MXFP4CheckpointWithoutOutputFunction(torch.autograd.Function):
+    """megatron's ``CheckpointWithoutOutputFunction`` (random.py) for an MXFP4 cache. megatron saves
+    ``detach_variable(args)``: leaves that require grad. autograd keeps a saved leaf that requires grad alive itself
+    (its gradient accumulator holds it), so a pack hook's MXFP4 copy came IN ADDITION to the BF16 input: every
+    norm input [s, b, H] stayed BF16 beside its cache (found in the H200 memory traces of mxfp4 attn_ln_mlp /
+    attn_ln_experts). Here the inputs are saved detached and not requiring grad; ``_DecodedInputs`` restores the
+    flag when the recompute reads them. The backward is megatron's."""
+
+    @staticmethod
+    def forward(ctx, run_function, checkpoint_obj, *args):
+        ctx.fp8, ctx.fp8_recipe = False, None
+        with torch.no_grad():
+            outputs = run_function(*args)
+        # packed to MXFP4 when apply() returns, by the caller's fp4_saved_tensors(accept=_cacheable_input)
+        ctx.save_for_backward(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+        checkpoint_obj.ctx = _DecodedInputs(ctx, tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
+        return outputs
+
+    backward = mrandom.CheckpointWithoutOutputFunction.backward
+
+
 class FP4CacheCheckpointWithoutOutput(mrandom.CheckpointWithoutOutput):
     """megatron's ``CheckpointWithoutOutput`` with the no-TE fp8 flag fixed and an optional MXFP4 cache."""
 
@@ -68,10 +116,20 @@ class FP4CacheCheckpointWithoutOutput(mrandom.CheckpointWithoutOutput):
         self.fp8 = bool(fp8) if not mte.HAVE_TE else self.fp8
 
     def checkpoint(self, run_function, *args):
-        if getattr(run_function, CACHE_ATTR, None) == "mxfp4" or _MXFP4_SCOPES:
-            with mxfp4_cache():
-                return super().checkpoint(run_function, *args)
-        return super().checkpoint(run_function, *args)
+        if not (getattr(run_function, CACHE_ATTR, None) == "mxfp4" or _MXFP4_SCOPES) or self.fp8:
+            return super().checkpoint(run_function, *args)
+        # megatron's checkpoint() with the MXFP4-saving function (megatron 0.16.1, tensor_parallel/random.py)
+        from megatron.core.transformer.cuda_graphs import is_graph_warmup
+
+        if is_graph_warmup():
+            return run_function(*args)
+        self.run_function = run_function
+        self.rng_states = mrandom._get_all_rng_states()
+        # autograd packs what forward saved as apply() returns, under the hooks active then: these
+        with fp4_saved_tensors(accept=_cacheable_input):
+            outputs = _MXFP4CheckpointWithoutOutputFunction.apply(run_function, self, *args)
+        self.outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+        return outputs
 
 
 _MXFP4_SCOPES: list[torch.nn.Module] = []  # modules whose forward is running with an MXFP4 recompute cache
