@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from fp4moe.config import param_counts
 from fp4moe.scale import comm, memory
-from fp4moe.scale.memory import (MemoryAssumptions, compose_cfg, layer_saved_tensors, paper_t1_prediction,
+from fp4moe.scale.memory import (SCOPES, MemoryAssumptions, compose_cfg, layer_saved_tensors, paper_t1_prediction,
                                  per_gpu_memory, per_stage_memory)
 
 RECIPES = ("bf16", "fp8", "mxfp4")
@@ -80,12 +80,65 @@ def test_tiny_activations_by_hand():
     assert b.in_flight == 1  # PP = 1
     assert b.activations_bytes == EMBED_ACT + 2 * ATTN_ACT + DENSE_MLP_ACT + MOE_ACT + HEAD_ACT
     assert b.a2a_buffers_bytes == 2 * R * (2 * H + 4)  # send + receive of the dispatch (bf16 rows + fp32 prob)
-    assert b.recompute_transient_bytes == 0 and b.static_buffers_bytes == 0 and b.measured_transient_bytes == 0
+    assert b.recompute_transient_bytes == 0 and b.static_buffers_bytes == 0 and b.held_bytes == 0
     assert b.loss_transient_bytes == 2 * T * VOCAB   # the BF16 logits (or their gradient) beside the fp32 softmax
+    # megatron's SequentialMLP backward: dY, the per-expert dX pieces, their concatenation + 2 [T, H] layer gradients
+    assert b.expert_backward_bytes == 3 * 2 * R * H + 2 * 2 * T * H
+    assert b.head_saved_bytes == HEAD_ACT
+    assert b.phases == {"head": 2 * T * VOCAB, "moe_forward": b.a2a_buffers_bytes - HEAD_ACT,
+                        "backward": b.expert_backward_bytes - HEAD_ACT}
+    assert b.peak_phase == "head"   # the tiny model's vocabulary is large next to its experts
     assert b.total_bytes == (b.params_bytes + b.grads_bytes + b.optimizer_bytes + b.activations_bytes
-                             + b.a2a_buffers_bytes + b.loss_transient_bytes)
+                             + 2 * T * VOCAB)
     assert math.isclose(b.total_gb, b.total_bytes / 2**30)
-    assert [r[0] for r in b.table()][-1] == "total" and b.fits(1.0) and not b.fits(0.0)
+    labels = [r[0] for r in b.table()]
+    assert "total" in labels and labels[labels.index("total") - 1] == "transient at the peak (head)"
+    assert b.fits(1.0) and not b.fits(0.0)
+
+
+def test_expert_backward_by_hand():
+    """What is live at fc1's dgrad in fp4moe's grouped experts (fp8, mxfp4), besides the saved tensors: dY [R, H],
+    dH [R, 2F] and its FP8 rows (+ one fp32 scale per 128), dX [R, H] + the layer's 2 [T, H] gradients; the code
+    measured up to 38f25cd also kept an unused [R, H] GEMM output, dZ [R, F] and (mxfp4) the decoded H [R, 2F]."""
+    grads = 2 * 2 * T * H
+    live = 2 * R * H + 2 * R * 2 * F + (R * 2 * F + 4 * R * 2 * F // 128) + 2 * R * H
+    dead = {"fp8": 2 * R * H + 2 * R * F, "mxfp4": 2 * R * H + 2 * R * F + 2 * R * 2 * F}
+    for rec in ("fp8", "mxfp4"):
+        cfg = _cfg(precision=rec)
+        assert per_gpu_memory(cfg).expert_backward_bytes == live + grads
+        old = per_gpu_memory(cfg, MemoryAssumptions(expert_backward_keeps_dead=True))
+        assert old.expert_backward_bytes == live + dead[rec] + grads
+
+
+def test_attn_ln_experts_recompute_at_the_experts_backward():
+    """attn_ln_experts: the experts' recomputed tensors + the checkpoint's recomputed output [R, H] are live at the
+    experts' backward; fc1's input is rebuilt only where its saved format differs from the checkpoint's kept input
+    (fp8: FP8 rows + columns from the BF16 rows; mxfp4: the kept MXFP4 rows themselves; bf16: views of them)."""
+    def expert_tensors(rec):
+        return {t.name: t.bytes for t in layer_saved_tensors(_cfg(precision=rec), "moe", "none")}
+    for rec in RECIPES:
+        b = per_gpu_memory(_cfg(precision=rec, recompute="attn_ln_experts"))
+        none = per_gpu_memory(_cfg(precision=rec))
+        x = expert_tensors(rec)
+        rebuilt = x["moe.expert_swiglu_in"] + x["moe.expert_fc2_in"] + (x["moe.expert_fc1_in"] if rec == "fp8" else 0)
+        assert b.recompute_transient_bytes == 0   # counted inside expert_backward
+        if rec == "bf16":   # the recomputation's forward: dY + rebuilt + the recomputed pieces and their concatenation
+            assert b.expert_backward_bytes == max(3 * 2 * R * H, 2 * R * H + rebuilt + 2 * 2 * R * H) + 2 * 2 * T * H
+        else:
+            assert b.expert_backward_bytes == none.expert_backward_bytes + rebuilt + 2 * R * H
+
+
+def test_norm_cache_bf16_inputs_held_under_the_old_code():
+    """MemoryAssumptions.norm_cache_keeps_bf16 (the code up to 38f25cd): under mxfp4's recompute caches and
+    attn_ln_*, each layer's two norm inputs [T, H] also stayed BF16 (held, not saved); not under other scopes or
+    recipes without MXFP4 caches."""
+    old = MemoryAssumptions(norm_cache_keeps_bf16=True)
+    for scope in SCOPES:
+        for rec in RECIPES:
+            b = per_gpu_memory(_cfg(precision=rec, recompute=scope), old)
+            want = 2 * 2 * T * H * 2 if rec == "mxfp4" and scope in ("attn_ln_experts", "attn_ln_mlp") else 0
+            assert b.held_bytes == want, (rec, scope)
+            assert per_gpu_memory(_cfg(precision=rec, recompute=scope)).held_bytes == 0
 
 
 def test_tiny_mxfp4_moe_by_hand():

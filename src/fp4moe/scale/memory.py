@@ -4,10 +4,9 @@ Every term below is a tensor shape times bytes per element, an optimizer byte co
 micro-batches in flight; nothing is fitted. Checked against the measured H200 proxy runs by
 ``fp4moe.scale.calibration`` (results/scale/calibration.md): the saved activations (b) agree with the measured
 ``saved_activation_bytes_per_micro_batch`` to 76 B (bf16, mxfp4) or 0.004 % (fp8: real routing's expert padding) in
-every leak-free run, every recipe x recompute scope x micro-batch. The PEAK does not yet: it is static + saved +
-a transient that is a constant number of bytes per token for each recipe x scope (33-279 kB on the H200,
-calibration.md), but this model adds every transient it knows instead of taking the forward or the backward peak
-(measured, named: ``MemoryAssumptions.backward_transient_bytes_per_token``, 0 by default). Other gaps are named fields of
+every leak-free run, every recipe x recompute scope x micro-batch. The PEAK is static + saved + the largest of three
+phase transients (e): the head's, the last MoE layer's forward and its routed experts' backward, each from tensor
+shapes; calibration.md says in which cells it is within 5 % and what the others miss. Other gaps are named fields of
 ``MemoryAssumptions`` (allocator overhead, DeepEP buffers) that default to 0 until measured.
 No torch import: configs and arithmetic only.
 
@@ -112,8 +111,13 @@ by conf/recompute to megatron's ``core_attn``. If the fork's module recomputes t
 use ``attn_recompute='self_attention'``: then only the block input (attn.ln_out) is kept from the attention.
 Open question for P5; with core_attn, mla_up_proj saves less than attn_ln_mlp, the reverse of the paper's order.
 
-Recompute transient: while one layer's backward runs, what the scope recomputed exists again for that layer and
-micro-batch: ``recompute_transient`` = max over the stage's layers of (saved under none - saved under scope).
+Recompute transient: while a layer's backward runs, what the scope recomputed exists again for that layer and
+micro-batch. At the routed experts' backward (part (e)) that is: attn_ln_experts, the experts' recomputed tensors
+(``expert_swiglu_in``, ``expert_fc2_in``, and ``expert_fc1_in`` when its format differs from the checkpoint's kept
+input) plus the recomputed output [R,H] bf16 that the checkpoint holds through the backward; full, the whole layer
+(saved under none - saved under full) plus its output [T,H]; the other scopes recompute nothing of the MoE layer
+that is live there (their attention / norm recomputation runs later, in the attention's backward). A dense layer's
+is (saved under none - saved under scope).
 
 (c) Micro-batches in flight (1F1B)
 ----------------------------------
@@ -131,8 +135,30 @@ dispatch codec + fp32 probs), combine forward (R x 2H bf16), and the two gradien
 ``recipe.backward_a2a``). DeepEP's (``dispatcher: flex``) pre-allocated NVLink/RDMA buffers are not modelled
 from first principles: ``MemoryAssumptions.a2a_static_buffer_bytes`` (0 until measured).
 
-Not modelled (to be measured in P5 and then named here): allocator fragmentation / reserved-minus-allocated,
-GEMM workspaces, backward gradient buffers (dX of a layer while the next one runs), CUDA context (not part of
+(e) The peak: the largest of three phases (one micro-batch, one layer at a time)
+------------------------------------------------------------------------------
+    total = params + grads + optimizer + activations + static buffers + max(head, moe_forward, backward)
+
+    head          the BF16 logits [T, V/TP] beside the saved fp32 softmax (``loss_transient``): the end of the
+                  forward / the start of the backward of the stage with the head.
+    moe_forward   the last MoE layer's dispatch buffers (d) - the head's saved tensors (not allocated yet then).
+    backward      the routed experts' backward (``expert_backward``) + what the scope recomputed there (above)
+                  - the head's saved tensors (freed by then); on a stage without a MoE layer, its dense layers'
+                  recompute transient + 2 x [T,H] instead.
+
+``expert_backward``, the tensors live at the experts' backward peak besides the saved ones, per MoE layer and
+micro-batch (R rows on the GPU, H hidden, F expert FFN, all bf16 unless said):
+    fp8 / mxfp4 (fp4moe.ops.grouped_experts, peak at fc1's dgrad): dY [R,H] (the combine's gradient), dH [R,2F],
+        its FP8 rows [R,2F] + 1x128 scales, dX [R,H]; the code measured up to commit 38f25cd also kept an unused
+        [R,H] output buffer in the FP8 GEMM wrapper, dZ [R,F] and (activation_fp4_store) the decoded H [R,2F]
+        (``MemoryAssumptions.expert_backward_keeps_dead``).
+    bf16 (megatron's SequentialMLP): dY, the per-expert dX pieces and their concatenation, 3 x [R,H]; under
+        attn_ln_experts its recomputation's forward peaks at the concatenation of the recomputed outputs: dY + the
+        recomputed tensors + the pieces and their concatenation, if that is larger.
+    plus the layer's output gradient and input gradient, 2 x [T,H].
+
+Not modelled (to be measured and then named here): allocator fragmentation / reserved-minus-allocated,
+GEMM workspaces, the forward peak inside attention or a dense MLP, CUDA context (not part of
 ``max_memory_allocated`` anyway), NCCL buffers.
 """
 from __future__ import annotations
@@ -199,9 +225,14 @@ class MemoryAssumptions:
     # first micro-batch's backward and zero_grad frees them after the step; the peak is in a backward, so they
     # count only when a step has 2 or more micro-batches).
     main_grad_resident: str = "always"
-    # MEASURED on the H200 runs, not derived (fp4moe.scale.calibration names its source): backward transients per
-    # token of one micro-batch that the tensor ledger does not explain, in bytes. 0 = not modelled.
-    backward_transient_bytes_per_token: float = 0.0
+    # True: the routed experts' backward as measured up to commit 38f25cd (the H200 archives), which kept an unused
+    # [R, H] GEMM output buffer, dZ [R, F] and the decoded H [R, 2F] until it returned (module docstring, (e)).
+    expert_backward_keeps_dead: bool = False
+    # True: the norm checkpoints' MXFP4 caches (recompute_cache_fp4 under attn_ln_*) as measured up to commit
+    # 38f25cd, where megatron's checkpoint function kept each norm input [T, H] BF16 beside its MXFP4 copy (it saved
+    # them as leaves that require grad, which autograd holds itself): 2 x [T, H] bf16 per layer more, not in the
+    # saved bytes (``held_bytes``)
+    norm_cache_keeps_bf16: bool = False
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
@@ -604,14 +635,40 @@ class Breakdown:
     # BF16 [T, V/TP] logits beside the saved fp32 softmax: the output at the end of the forward, or its gradient
     # at the start of the backward (the stage with the head only; transient)
     loss_transient_bytes: int = 0
-    # MemoryAssumptions.backward_transient_bytes_per_token x tokens of one micro-batch (measured, named)
-    measured_transient_bytes: int = 0
+    # tensors live at the routed experts' backward peak besides the saved ones (module docstring, (e); 0 without MoE)
+    expert_backward_bytes: int = 0
+    # the head's saved tensors (fp32 softmax, final norm): not allocated yet in the last MoE layer's forward and
+    # freed before its backward (0 on a stage without the head)
+    head_saved_bytes: int = 0
+    # activations alive besides the saved ones, all micro-batches in flight (MemoryAssumptions.norm_cache_keeps_bf16)
+    held_bytes: int = 0
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Transient bytes above static + saved at each candidate peak (module docstring, (e)); negative: that
+        phase holds less than all saved activations (the head's are not live there)."""
+        out = {"backward": self.expert_backward_bytes + self.recompute_transient_bytes - self.head_saved_bytes}
+        if self.a2a_buffers_bytes:
+            out["moe_forward"] = self.a2a_buffers_bytes - self.head_saved_bytes
+        if self.loss_transient_bytes:
+            out["head"] = self.loss_transient_bytes
+        return out
+
+    @property
+    def peak_phase(self) -> str:
+        """Where the predicted peak is: 'head', 'moe_forward' or 'backward'."""
+        ph = self.phases
+        return max(ph, key=ph.get)
+
+    @property
+    def transient_bytes(self) -> int:
+        """The largest phase transient (may be negative: see ``phases``)."""
+        return max(self.phases.values())
 
     @property
     def total_bytes(self) -> int:
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.a2a_buffers_bytes + self.recompute_transient_bytes + self.static_buffers_bytes
-                + self.loss_transient_bytes + self.measured_transient_bytes)
+                + self.held_bytes + self.static_buffers_bytes + self.transient_bytes)
 
     @property
     def total_gb(self) -> float:
@@ -623,19 +680,24 @@ class Breakdown:
 
     def gb(self, component: str) -> float:
         """One component in GB (2**30 B): params, grads, optimizer, activations, a2a_buffers,
-        recompute_transient, static_buffers, loss_transient or measured_transient."""
+        recompute_transient, expert_backward, head_saved, static_buffers, loss_transient or transient (the largest
+        phase, what the total adds)."""
         return getattr(self, f"{component}_bytes") / GB
 
     def table(self) -> list[tuple[str, float]]:
-        """(component, GB) rows, then the total."""
+        """(component, GB) rows, then the total: the static and saved parts, the peak's transient (its phase), then
+        the terms the phases are made of (not added again)."""
         labels = {"params": "params (bf16)", "activations": f"activations ({self.in_flight} in flight)",
                   "static_buffers": "static buffers (assumed)",
-                  "measured_transient": "backward transients (measured, H200)"}
-        return [(labels.get(c, c.replace("_", " ")), self.gb(c)) for c in COMPONENTS] + [("total", self.total_gb)]
+                  "transient": f"transient at the peak ({self.peak_phase.replace('_', ' ')})"}
+        rows = [(labels.get(c, c.replace("_", " ")), self.gb(c)) for c in COMPONENTS]
+        parts = [(f"  of which: {c.replace('_', ' ')}", self.gb(c)) for c in PHASE_TERMS]
+        return rows + [("total", self.total_gb)] + parts
 
 
-COMPONENTS = ("params", "grads", "optimizer", "activations", "a2a_buffers", "recompute_transient", "static_buffers",
-              "loss_transient", "measured_transient")
+# what total_bytes adds; the phase terms are the parts the transient is the largest combination of
+COMPONENTS = ("params", "grads", "optimizer", "activations", "held", "static_buffers", "transient")
+PHASE_TERMS = ("loss_transient", "a2a_buffers", "expert_backward", "recompute_transient", "head_saved")
 
 
 def _a2a_buffer_bytes(d: _Dims, recipe: Recipe) -> int:
@@ -644,6 +706,46 @@ def _a2a_buffer_bytes(d: _Dims, recipe: Recipe) -> int:
     bwd = (d.h + FP8_SCALE_BYTES * d.h // FP8_GROUP) if recipe.backward_a2a == "fp8" else BF16 * d.h
     rows = max(disp + FP32, BF16 * d.h, bwd)
     return 2 * r * rows  # send + receive
+
+
+def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed: int = 0) -> int:
+    """Bytes live at the routed experts' backward peak besides the saved tensors, one MoE layer and micro-batch,
+    with ``recomputed`` bytes of the experts' own tensors rebuilt by an attn_ln_experts checkpoint (module
+    docstring, (e)). Includes the layer's output and input gradients (2 x [T, H] bf16)."""
+    r = d.t_tok * d.k
+    h, f = d.h, d.f // d.etp
+    grads = 2 * BF16 * d.t_hid * d.h
+    rows_h = BF16 * r * h                      # one [R, H] bf16 buffer
+    if not recipe.fp8_compute:
+        # megatron's SequentialMLP: dY, the per-expert dX pieces, their concatenation; under attn_ln_experts the
+        # recomputation's forward ends with the recomputed outputs' pieces and their concatenation beside dY
+        backward = 3 * rows_h
+        recompute_fwd = rows_h + recomputed + 2 * rows_h if recomputed else 0
+        return max(backward, recompute_fwd) + grads
+    dh = BF16 * r * 2 * f
+    dh_rows = r * 2 * f + FP8_SCALE_BYTES * r * (2 * f // FP8_GROUP)
+    live = rows_h + dh + dh_rows + rows_h      # dY, dH, dH's FP8 rows, dX (fc1's dgrad output)
+    if a.expert_backward_keeps_dead:
+        live += rows_h + BF16 * r * f          # the GEMM wrapper's unused output buffer, dZ
+        if recipe.activation_fp4_store:
+            live += BF16 * r * 2 * f           # the decoded H
+    if recomputed:
+        live += recomputed + rows_h            # + the checkpoint's recomputed output, held through its backward
+    return live + grads
+
+
+def _moe_recomputed(none_moe: list[SavedTensor], scoped: list[SavedTensor], scope: str, d: _Dims) -> int:
+    """Bytes an attn_ln_experts / full checkpoint rebuilds of a MoE layer that are live at its experts' backward
+    (module docstring, "Recompute transient"); 0 for the other scopes."""
+    none = {t.name: t for t in none_moe}
+    if scope == "attn_ln_experts":
+        kept = {t.name: t for t in scoped}["moe.expert_ckpt_in"]
+        fc1 = none["moe.expert_fc1_in"]
+        return (none["moe.expert_swiglu_in"].bytes + none["moe.expert_fc2_in"].bytes
+                + (fc1.bytes if fc1.fmt != kept.fmt else 0))
+    if scope == "full":
+        return sum(t.bytes for t in none_moe) - sum(t.bytes for t in scoped) + BF16 * d.t_hid * d.h
+    return 0
 
 
 def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> list[Breakdown]:
@@ -672,7 +774,12 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
     per_layer = {kind: layer_saved_tensors(cfg, kind, scope, a) for kind in ("dense", "moe")}
     none_layer = {kind: layer_saved_tensors(cfg, kind, "none", a) for kind in ("dense", "moe")}
     size = {k: sum(t.bytes for t in v) for k, v in per_layer.items()}
-    transient = {k: sum(t.bytes for t in none_layer[k]) - size[k] for k in size}
+    # dense layer: what its scope recomputes; MoE layer: what is live at its experts' backward (part (e))
+    dense_transient = sum(t.bytes for t in none_layer["dense"]) - size["dense"] + 2 * BF16 * d.t_hid * d.h
+    moe_recomputed = _moe_recomputed(none_layer["moe"], per_layer["moe"], scope, d)
+    expert_recomputed = moe_recomputed if scope == "attn_ln_experts" else 0
+    expert_bwd = _expert_backward(d, recipe, a, expert_recomputed)
+    moe_rec = 0 if scope == "attn_ln_experts" else moe_recomputed   # (ale: inside expert_bwd)
 
     def chunk(i: int):
         letters, layer = stages[i], firsts[i]
@@ -681,12 +788,12 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
             if c == "t":
                 kind = "dense" if layer < d.first_dense else "moe"
                 tensors += [(f"t{layer}", x) for x in per_layer[kind]]
-                trans = max(trans, transient[kind])
+                if kind == "dense":
+                    trans = max(trans, dense_transient)
                 has_moe |= kind == "moe"
                 layer += 1
             elif c == "m":
                 tensors += [("m", x) for x in per_layer["moe"] + _mtp_extra_tensors(d) + _head_tensors(d)]
-                trans = max(trans, transient["moe"])
                 has_moe = True
             elif c == "L":
                 tensors += [("L", x) for x in _head_tensors(d)]
@@ -715,19 +822,23 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
         n_params = dense_p + expert_p
         grad_per = a.grad_bytes if (a.main_grad_resident == "always" or n_micro > 1) else 0
         has_head = any("L" in stages[i] or "m" in stages[i] for i in chunks)
+        head_saved = sum(x.bytes for x in _head_tensors(d)) if has_head else 0
+        n_layers = sum(stages[i].count("t") + stages[i].count("m") for i in chunks)
+        held_per_mb = (2 * BF16 * d.t_hid * d.h * n_layers if a.norm_cache_keeps_bf16 and recipe.recompute_cache_fp4
+                       and scope in ("attn_ln_experts", "attn_ln_mlp") else 0)
         opt_per = 0 if a.optimizer_offload else a.main_param_bytes + a.adam_state_bytes
         opt = opt_per * (dense_p / (dp if dist_opt else 1) + expert_p / (edp if dist_opt else 1))
         out.append(Breakdown(
             pipeline_rank=rank, stage_letters="|".join(stages[i] for i in chunks), recipe=recipe.name, scope=scope,
             in_flight=in_flight, params_bytes=round(n_params * a.param_bytes),
             grads_bytes=round(n_params * grad_per), optimizer_bytes=round(opt),
-            activations_bytes=in_flight * per_mb,
+            activations_bytes=in_flight * per_mb, held_bytes=in_flight * held_per_mb // max(1, vpp),
             a2a_buffers_bytes=_a2a_buffer_bytes(d, recipe) if has_moe else 0,
-            recompute_transient_bytes=trans,
+            recompute_transient_bytes=moe_rec if has_moe else trans,
             static_buffers_bytes=a.allocator_overhead_bytes + (a.a2a_static_buffer_bytes if has_moe else 0),
             per_microbatch_activation_bytes=per_mb, dense_params=dense_p, expert_params=expert_p, tensors=tensors,
             loss_transient_bytes=BF16 * d.t_tok * (d.vocab // d.tp) if has_head else 0,
-            measured_transient_bytes=round(a.backward_transient_bytes_per_token * d.t_tok)))
+            expert_backward_bytes=expert_bwd if has_moe else 0, head_saved_bytes=head_saved))
     return out
 
 
