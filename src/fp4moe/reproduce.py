@@ -14,7 +14,7 @@ Steps, in order:
      (``fp4moe.reproduce_runs``: the tiny model on CPU, the H200 proxy's T1 and F5 twins on a Hopper GPU), each
      cell once, reusing the cells MLflow already holds (``--no-train`` skips them, ``--rerun`` repeats them);
   5. the report (``fp4moe.report``): every run in the MLflow store, beside the paper's numbers
-     (conf/paper/numbers.yaml) and the paper-scale model's uncalibrated prediction, written to
+     (conf/paper/numbers.yaml) and the paper-scale model's prediction (checked on 1 GPU), written to
      ``results/report/`` (Markdown, CSV, PNG); skipped, and said, where mlflow is not installed;
   6. a list of what is NOT YET IMPLEMENTED, by issue (P1 = issue 2 ... P6 = issue 7).
 
@@ -46,13 +46,14 @@ RESULTS_REPORT = "results/report"
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark) and P4 (issue 5: configs, Slurm launch) exist; P1's measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P3", 4, "the throughput targets of the H200 T1 twin (results/train_proxy/ section 8: mxfp4 0.975-0.990x fp8 "
-              "at equal scope, 0.996x fp8's best at the lighter scope; the memory target holds at 0.65-0.68x), a "
-              "convergence run longer than 23.6 M tokens (the F5 twin's deviation target is missed)"),
-    ("P5", 6, "the paper-scale model's peak memory within 5 % of the H200 proxy's (saved activations agree in every "
-              "run; the peak in 28 of 41 cells: results/scale/calibration.md), so the report's model columns stay "
-              "labelled uncalibrated. The report (results/report/), the notebooks (notebooks/) and the runs of this "
-              "machine or of a Slurm cluster (SLURM=<profile>) exist"),
+    ("P3", 4, "the throughput targets of the H200 T1 twin (results/train_proxy/ section 9: mxfp4 0.967x fp8 at "
+              "equal scope, 0.995x fp8's best at the lighter scope; the memory target holds at 0.65x), and the F5 "
+              "twin's deviation target (mxfp4 +0.95 % / +1.09 % vs bf16 in two seeds at 23.6 M tokens; <= 0.5 % "
+              "wanted): a longer convergence run"),
+    ("P5", 6, "the paper-scale model checked against runs over EP / PP (its peak is within 5 % of every single-GPU "
+              "H200 run: results/scale/calibration.md; the EP2 / PP2 runs ran older code and must run again) and the "
+              "H200 runs of today's code, whose peaks the model predicts. The report (results/report/), the "
+              "notebooks (notebooks/) and the runs of this machine or of a Slurm cluster (SLURM=<profile>) exist"),
     ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "
               "nvidia-h200-x8"),
 )

@@ -138,7 +138,7 @@ def test_fp32_accumulators_count_from_the_second_micro_batch(cells):
 
 def test_withdrawn_peaks_are_not_read(tmp_path):
     """The F5 archive's peaks are withdrawn (the leak): its cells load with no peak."""
-    f5 = [c for c in cal.load_cells(["results/train_proxy/proxy_f5_h200_2026-11-30_8689d69.json"])]
+    f5 = [c for c in cal.load_cells(["results/train_proxy/superseded/proxy_f5_h200_2026-11-30_8689d69.json"])]
     assert len(f5) == 3 and all(c.peak_gib is None and c.saved_bytes > 0 for c in f5)
 
 

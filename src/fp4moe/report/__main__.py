@@ -13,7 +13,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m fp4moe.report", description=(
         "Write the report (Markdown, CSV, PNG): the paper's T1/F3/F4/F5 numbers (conf/paper/numbers.yaml) beside "
-        "the runs measured in MLflow and the paper-scale model's (uncalibrated) prediction."))
+        "the runs measured in MLflow and the paper-scale model's prediction."))
     ap.add_argument("--tracking-uri", default=None, metavar="URI",
                     help="MLflow store: a URI, a .db file or a folder holding mlflow.db (default: "
                          "$MLFLOW_TRACKING_URI, else <repo>/mlruns/mlflow.db)")

@@ -161,10 +161,10 @@ def markdown(rep: Report) -> str:
            f"{rep.counts['kernels']} `kernels` runs, {rep.counts['moe_layer']} `moe_layer` runs. Each measured "
            "number names its hardware and scale; the MLflow run ids are in the CSV files.",
            f"- **{MODEL_LABEL}**: `fp4moe.scale`, the paper-scale memory model from first principles (DeepSeek-V3 "
-           "671B, `conf/parallel/paper_671b.yaml`: TP1 PP32 EP8 DP8, micro-batch 1, seq 4096). Against the H200 "
-           "proxy runs its saved activations agree tensor by tensor, but its peak memory is NOT yet within 5 % of "
-           "the measured peaks (results/scale/calibration.md, issue 6), so its cells are predictions of its "
-           "arithmetic, not results. GB = 2^30 B.", ""]
+           "671B, `conf/parallel/paper_671b.yaml`: TP1 PP32 EP8 DP8, micro-batch 1, seq 4096). Against the "
+           "single-GPU H200 proxy runs its saved activations agree tensor by tensor and its peak is within 5 % in "
+           "every cell (results/scale/calibration.md, issue 6); it is NOT yet checked against runs over PP or EP, "
+           "the layout these cells use, so they are predictions of its arithmetic, not results. GB = 2^30 B.", ""]
 
     # ---- T1
     out += ["## T1: throughput and peak memory per recompute scope x recipe", ""]

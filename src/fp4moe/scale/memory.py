@@ -852,12 +852,11 @@ def per_gpu_memory(cfg: Any, assumptions: MemoryAssumptions | None = None,
 
 
 def paper_t1_prediction(assumptions: MemoryAssumptions | None = None, gpu_memory_gb: float = 80.0) -> dict:
-    """This model's UNCALIBRATED prediction of the T1 cells: dsv3_671b with parallel=paper_671b (the likely
+    """This model's prediction of the T1 cells (checked on single-GPU H200 runs only, not under PP/EP): dsv3_671b with parallel=paper_671b (the likely
     layout TP1 PP32 EP8 DP8, micro 1, seq 4096), recipes bf16/fp8/mxfp4 x scopes attn_ln_experts / attn_ln_mlp /
     mla_up_proj. Returns ``{scope: {recipe: Breakdown}}``; ``fits(gpu_memory_gb)`` says OOM or not.
 
-    Not a comparison with the paper: the comparison with the paper's 59-74 % figures happens in P5, after this
-    model is calibrated on measured H200 runs (issue 6). Nothing here was tuned to those figures."""
+    Not tuned to the paper's 59-74 % figures; the report shows them side by side."""
     out: dict = {}
     for scope in ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj"):
         out[scope] = {rec: per_gpu_memory(compose_cfg("dsv3_671b", "paper_671b", scope, rec), assumptions)
