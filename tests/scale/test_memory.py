@@ -278,6 +278,9 @@ def test_report_t1_cells():
             b = cells[scope][rec]
             vals = [v for _, v in b.table()]
             assert all(math.isfinite(v) for v in vals) and b.total_gb > 0
+            # the total is its components (the phase terms are parts of the transient, not added again)
+            assert b.total_bytes == sum(getattr(b, f"{c}_bytes") for c in memory.COMPONENTS)
+            assert b.transient_bytes == max(b.phases.values()) and b.peak_phase in b.phases
             lines.append(f"{scope:16s} {rec:6s} rank {b.pipeline_rank:2d} ({b.stage_letters}) "
                          + " ".join(f"{n}={v:.1f}" for n, v in b.table()))
     print("\npaper-scale prediction (GB = 2**30 B):\n" + "\n".join(lines))

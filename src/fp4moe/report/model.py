@@ -16,8 +16,10 @@ RECIPES = ("bf16", "fp8", "mxfp4")
 def _row(scope: str, recipe: str, b: Any, gpu_memory_gb: float) -> dict[str, Any]:
     return {"scope": scope, "recipe": recipe, "total_gb": b.total_gb, "pct_of_gpu": 100.0 * b.total_gb / gpu_memory_gb,
             "fits": b.fits(gpu_memory_gb), "pipeline_rank": b.pipeline_rank, "in_flight": b.in_flight,
-            **{f"{name}_gb": b.gb(name) for name in ("params", "grads", "optimizer", "activations", "a2a_buffers",
-                                                      "recompute_transient", "static_buffers")}}
+            "peak_phase": b.peak_phase,
+            **{f"{name}_gb": b.gb(name) for name in ("params", "grads", "optimizer", "activations", "held",
+                                                      "static_buffers", "transient", "loss_transient", "a2a_buffers",
+                                                      "expert_backward", "recompute_transient", "head_saved")}}
 
 
 def assumptions(precision_aware_optimizer: bool = False) -> Any:

@@ -314,9 +314,12 @@ def _csv(rows: list[dict], columns: Iterable[str]) -> bytes:
     return buf.getvalue().encode()
 
 
+# total_gb = params + grads + optimizer + activations + held + static_buffers + transient (the largest phase,
+# peak_phase); the columns after it are the terms the phases are made of (fp4moe.scale.memory, part (e))
 MODEL_COLUMNS = ("scope", "recipe", "total_gb", "pct_of_gpu", "fits", "pipeline_rank", "in_flight", "params_gb",
-                 "grads_gb", "optimizer_gb", "activations_gb", "a2a_buffers_gb", "recompute_transient_gb",
-                 "static_buffers_gb")
+                 "grads_gb", "optimizer_gb", "activations_gb", "held_gb", "static_buffers_gb", "transient_gb",
+                 "peak_phase", "loss_transient_gb", "a2a_buffers_gb", "expert_backward_gb", "recompute_transient_gb",
+                 "head_saved_gb")
 
 
 def _png(fig) -> bytes:
