@@ -155,4 +155,17 @@ def test_committed_table_is_current(rows, cells):
     text = path.read_text()
     m = re.search(r"on (\d{4}-\d{2}-\d{2}) at commit (\w+)", text)
     assert m, "calibration.md has no date/commit header"
-    assert cal.render(rows, date=m.group(1), commit=m.group(2)) == text
+    nccl = cal.table(cal.load_cells(cal.NCCL_ARCHIVES))
+    assert cal.render(rows, date=m.group(1), commit=m.group(2), nccl_rows=nccl) == text
+
+
+def test_pipeline_saved_bytes_are_summed_over_the_stages():
+    """Under PP the trainer logs the whole model's saved bytes (summed over the stages); the table sums the model's
+    stages the same way, and they agree (PP2 runs of 924b9ef, outside the 5 % check). Under EP they do not yet: GPU 0
+    received more rows than balanced routing gives."""
+    rows = cal.table(cal.load_cells(cal.NCCL_ARCHIVES))
+    pp = [r for r in rows if int(r.cell.cfg["parallel"]["pipeline"]) == 2]
+    ep = [r for r in rows if int(r.cell.cfg["parallel"]["expert"]) == 2]
+    assert len(pp) == 2 and len(ep) == 3
+    assert all(abs(r.saved_err_pct) < 0.05 for r in pp)
+    assert all(r.saved_err_pct < -4 for r in ep)
