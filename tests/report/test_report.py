@@ -266,3 +266,34 @@ def test_withdrawn_peak_reads_withdrawn_and_a_cpu_run_not_measured():
     plain.pop("fp4moe.withdrawn_metrics")
     r = RunRecord("r", "proxy_t1_1gpu", "r", "FINISHED", 1, params, {"summary/tgs_median": 1.0}, plain)
     assert measured_cell([r], setup_of(r), "none", "fp8")["memory_note"] == NOT_MEASURED
+
+
+def test_f5_seed_spread_from_runs_that_differ_only_in_the_seed():
+    """Two seeds of bf16 and mxfp4 (one of fp8) with the same setup: f5_rows pairs each recipe with the bf16 of its
+    seed, f5_seed_spread gives each recipe's spread over the seeds and mxfp4's deviation in each; the report prints
+    it. Loss histories and values made up, arithmetic by hand."""
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import f5_rows, f5_seed_spread
+
+    params = {"parallel.tensor": "1", "parallel.pipeline": "1", "parallel.expert": "1", "parallel.data": "1",
+              "parallel.micro_batch": "8", "parallel.seq_length": "4096", "parallel.global_batch": "32",
+              "train.steps": "180", "data.name": "code_docs"}
+    final = {("1234", "bf16"): (4.0, 4.0), ("1234", "fp8"): (4.0, 3.96), ("1234", "mxfp4"): (4.04, 4.04),
+             ("4321", "bf16"): (4.1, 4.08), ("4321", "mxfp4"): (4.141, 4.1208)}
+    runs, hist = [], {}
+    for i, ((seed, rec), (train, ev)) in enumerate(final.items()):
+        tags = {"model": "proxy_h200", "recipe": rec, "recompute": "none", "world_size": "1",
+                "hardware": "1 x NVIDIA H200"}
+        runs.append(RunRecord(f"r{i}", "proxy_f5_1gpu", f"r{i}", "FINISHED", i, dict(params, **{"train.seed": seed}),
+                              {"summary/final_loss": train, "summary/final_eval_loss": ev}, tags))
+        hist[f"r{i}"] = [(s, train) for s in range(10)]
+    rows = f5_rows(runs, lambda run_id, key: hist[run_id], {"fp8": 0.29, "mxfp4": 0.61})
+    assert [(r["seed"], r["recipe"]) for r in rows] == [("1234", "bf16"), ("1234", "fp8"), ("1234", "mxfp4"),
+                                                         ("4321", "bf16"), ("4321", "mxfp4")]
+    assert len({r["family"] for r in rows}) == 1 and len({r["config"] for r in rows}) == 2
+    spread = {s["recipe"]: s for s in f5_seed_spread(rows)}
+    assert set(spread) == {"bf16", "mxfp4"}   # fp8 ran from one seed
+    assert spread["bf16"]["seeds"] == "1234, 4321" and spread["bf16"]["eval_dev_pct_per_seed"] is None
+    assert spread["bf16"]["eval_spread_pct"] == pytest.approx(2.0) and spread["bf16"]["train_spread_pct"] == pytest.approx(2.5)
+    assert spread["mxfp4"]["eval_dev_pct_per_seed"] == pytest.approx([1.0, 1.0])
+    assert spread["mxfp4"]["eval_spread_pct"] == pytest.approx(100 * (4.1208 - 4.04) / 4.04)

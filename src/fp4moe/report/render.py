@@ -289,8 +289,24 @@ def markdown(rep: Report) -> str:
                                 _num(r["eval_loss"], 4), _dev(r, r["eval_loss_dev_pct"]),
                                 _dev(r, r["paper_dev_pct"], "+g")]
                                for r in rep.f5 if r["config"] == config]), ""]
+        spread = tables.f5_seed_spread(rep.f5)
+        if spread:
+            out += ["Across seeds (configs that differ only in the seed: other initial weights, the same data "
+                    "order): bf16's own spread is the size of a deviation that noise makes at this length; a recipe's "
+                    "deviation is its own when it keeps its sign and size from seed to seed.", ""]
+            out += [_md_table(["config", "recipe", "seeds", "eval loss spread", "train loss spread",
+                               "eval deviation from bf16, per seed"],
+                              [[s["family"], s["recipe"], s["seeds"], _pct(s["eval_spread_pct"]),
+                                _pct(s["train_spread_pct"]),
+                                "reference" if s["eval_dev_pct_per_seed"] is None else
+                                " / ".join("-" if v is None else f"{v:+.2f} %" for v in s["eval_dev_pct_per_seed"])]
+                               for s in spread]), ""]
         out += ["Plot: `f5_loss.png`. CSV: `f5_loss.csv`.", ""]
     return "\n".join(out)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} %"
 
 
 def _dev(row: dict, v: float | None, spec: str = "+.2f") -> str:

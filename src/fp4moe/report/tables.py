@@ -261,10 +261,33 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
         order = ["bf16", "fp8", "mxfp4"] + sorted(set(recs) - {"bf16", "fp8", "mxfp4"})
         for rec in (r for r in order if r in recs):
             t, e = vals[rec]
-            out.append({"config": config_label(key), "recipe": rec, "steps": key[2], "train_loss_smoothed": t,
+            out.append({"config": config_label(key), "recipe": rec, "steps": key[2], "seed": key[3],
+                        "family": config_label(key[:3] + ("*",) + key[4:]), "train_loss_smoothed": t,
                         "train_loss_dev_pct": 100.0 * (t - tb) / tb,
                         "eval_loss": e, "eval_loss_dev_pct": 100.0 * (e - eb) / eb if e is not None and eb else None,
                         "paper_dev_pct": 0.0 if rec == "bf16" else paper_dev.get(rec), "run_id": recs[rec].run_id})
+    return out
+
+
+def f5_seed_spread(rows: list[dict]) -> list[dict]:
+    """F5 rows of configs that differ only in the seed (``family``), per recipe run from two seeds or more: the
+    range of the final eval loss (and of the smoothed training loss) over the seeds, as (max - min) / min in %, and
+    the recipe's eval deviation from bf16 in each seed. bf16's own spread says how large a deviation noise makes at
+    that length; a recipe's deviation is its own when it keeps its sign and size from seed to seed."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["family"], r["recipe"])].append(r)
+    out = []
+    for (family, recipe), rs in groups.items():
+        if len({r["seed"] for r in rs}) < 2:
+            continue
+        rs = sorted(rs, key=lambda r: str(r["seed"]))
+        ev = [r["eval_loss"] for r in rs if r["eval_loss"] is not None]
+        tr = [r["train_loss_smoothed"] for r in rs]
+        out.append({"family": family, "recipe": recipe, "seeds": ", ".join(str(r["seed"]) for r in rs),
+                    "eval_spread_pct": 100.0 * (max(ev) - min(ev)) / min(ev) if len(ev) > 1 else None,
+                    "train_spread_pct": 100.0 * (max(tr) - min(tr)) / min(tr),
+                    "eval_dev_pct_per_seed": None if recipe == "bf16" else [r["eval_loss_dev_pct"] for r in rs]})
     return out
 
 
@@ -274,6 +297,6 @@ def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]
             [r for r in runs if r.experiment == MOE_LAYER])
 
 
-__all__ = ["F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
+__all__ = ["F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
            "config_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "setup_of", "setups", "split_store",
            "t1_rows"]
