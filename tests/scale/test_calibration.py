@@ -169,3 +169,20 @@ def test_pipeline_saved_bytes_are_summed_over_the_stages():
     assert len(pp) == 2 and len(ep) == 3
     assert all(abs(r.saved_err_pct) < 0.05 for r in pp)
     assert all(r.saved_err_pct < -4 for r in ep)
+
+
+def test_check_reads_archives_and_mlflow_stores_alike(tmp_path):
+    """--check: the same rows from an archive and from an MLflow store holding its runs (what the next H200 session
+    runs before archiving); with MEASURED_CODE the rows are the calibration table's."""
+    pytest.importorskip("mlflow")
+    from fp4moe.runs_archive import import_files
+
+    archive = cal.ROOT / cal.NCCL_ARCHIVES[0]
+    import_files([archive], uri=f"sqlite:///{tmp_path / 'mlflow.db'}", log=lambda *a: None)
+    text_a, rows_a = cal.check([archive], code=cal.MEASURED_CODE)
+    text_s, rows_s = cal.check([tmp_path / "mlflow.db"], code=cal.MEASURED_CODE)
+    key = lambda rows: sorted((r.cell.recipe, _key(r.cell)[:4], r.cell.saved_bytes, r.cell.peak_gib, r.pred_peak_gib)
+                              for r in rows)
+    assert key(rows_a) == key(rows_s) == key(cal.table(cal.load_cells(cal.NCCL_ARCHIVES)))
+    assert text_a == text_s and text_a.startswith("2 of 5 measured peaks within 5 % of the model for the code")
+    assert "| mxfp4 | attn_ln_mlp | EP1 DP1 PP2, 4 x 8 | 8 |" in text_a

@@ -3,6 +3,7 @@ recipe x recompute scope x micro-batch that was run, with the measured and the p
 for backward and the measured and the predicted peak.
 
     python -m fp4moe.scale.calibration [--out results/scale/calibration.md]
+    python -m fp4moe.scale.calibration --check RUNS.json|STORE.db ...   # new runs vs the model for today's code
 
 Measured (runs archives in results/train_proxy/, format fp4moe-runs/1, loaded with fp4moe.runs_archive.load):
 
@@ -318,12 +319,52 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
     return "\n".join(lines + render_nccl(nccl_rows)) + "\n" + NOTES
 
 
+def check(sources: Sequence[str | Path], code: MemoryAssumptions = FIRST_PRINCIPLES) -> tuple[str, list[Row]]:
+    """Runs measured elsewhere (runs archives, or MLflow stores: a .db file, a folder holding mlflow.db or a URI)
+    against the model for ``code`` (default: today's code): a Markdown table and its rows. For the check of new
+    H200 runs before they are archived, e.g. ``python -m fp4moe.scale.calibration --check logs/device/mlflow_probe16_gpu0.db``."""
+    import tempfile
+
+    from fp4moe.runs_archive import export
+
+    archives: list[Path] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, src in enumerate(sources):
+            path = Path(src)
+            if path.suffix == ".json":
+                archives.append(path.resolve())
+            else:
+                out = Path(tmp) / f"store{i}.json"
+                export(src, out, note=f"checked: {src}")
+                archives.append(out)
+        rows = table(load_cells(archives), measured=code, now=code)
+    peak = [r for r in rows if r.cell.peak_gib is not None]
+    ok = sum(bool(r.within_target) for r in peak)
+    which = "today's code" if code == FIRST_PRINCIPLES else "the code described by the given assumptions"
+    lines = [f"{ok} of {len(peak)} measured peaks within {TARGET_PCT:g} % of the model for {which}.", "",
+             "| recipe | recompute | layout | micro-batch | saved meas. (GB) | saved pred. (GB) | peak meas. (GiB) | "
+             "peak pred. (GiB) | err % | phase |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r.cell
+        lines.append(f"| {c.recipe} | {c.scope} | {_layout(c)} | {c.micro_batch} | {c.saved_bytes / 1e9:.3f} | "
+                     f"{r.pred_saved_bytes / 1e9:.3f} | {_f(c.peak_gib, '.2f')} | {r.pred_peak_gib:.2f} | "
+                     f"{_f(r.peak_err_pct(), '+.1f')} | {r.pred_phase} |")
+    return "\n".join(lines) + "\n", rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=DEFAULT_OUT, help="Markdown file to write (relative to the repository root)")
     ap.add_argument("--date", default=None, help="date written in the header (default: today)")
     ap.add_argument("--commit", default=None, help="commit written in the header (default: git HEAD)")
+    ap.add_argument("--check", nargs="+", metavar="ARCHIVE_OR_STORE", default=None,
+                    help="instead: compare these runs (archives .json, or MLflow stores) with the model for today's "
+                         "code and print the table (nothing written)")
     args = ap.parse_args(argv)
+    if args.check:
+        text, _ = check(args.check)
+        print(text)
+        return 0
     text = render(table(load_cells()), date=args.date, commit=args.commit,
                   nccl_rows=table(load_cells(NCCL_ARCHIVES)))
     out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
