@@ -103,7 +103,7 @@ class _MXFP4CheckpointWithoutOutputFunction(torch.autograd.Function):
         checkpoint_obj.ctx = _DecodedInputs(ctx, tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
         return outputs
 
-    backward = mrandom.CheckpointWithoutOutputFunction.backward
+    backward = staticmethod(mrandom.CheckpointWithoutOutputFunction.backward)
 
 
 class FP4CacheCheckpointWithoutOutput(mrandom.CheckpointWithoutOutput):
