@@ -233,6 +233,10 @@ class MemoryAssumptions:
     # them as leaves that require grad, which autograd holds itself): 2 x [T, H] bf16 per layer more, not in the
     # saved bytes (``held_bytes``)
     norm_cache_keeps_bf16: bool = False
+    # routed rows this GPU's experts receive, / T x k (the rows its own tokens send): 1 = balanced routing (on one
+    # GPU exactly 1). A MEASURED routing statistic where a run logged it (fp4moe.scale.calibration reads it from the
+    # recipe dispatcher's a2a/dispatch_forward_received_bytes / _sent_bytes); scales every tensor of the experts'.
+    expert_rows_factor: float = 1.0
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
@@ -277,15 +281,16 @@ class _Dims:
     h: int; n: int; q_lora: int | None; kv_lora: int; nope: int; rope: int; v: int
     ffn: int; e: int; k: int; f: int; fs: int; vocab: int; first_dense: int
     t_tok: int; t_hid: int; tp: int; ep: int; etp: int; seq: int = 0; seq_aux: bool = False
+    rows: int = 0   # routed rows this GPU's experts receive (T x k times MemoryAssumptions.expert_rows_factor)
 
 
-def _dims(cfg: DictConfig) -> _Dims:
+def _dims(cfg: DictConfig, rows_factor: float = 1.0) -> _Dims:
     m, p = cfg.model, cfg.parallel
     tp, cp = int(p.tensor), int(p.context)
     t_tok = int(p.micro_batch) * int(p.seq_length) // cp
     sp = bool(p.get("sequence_parallel", False)) and tp > 1
     etp = int(p.expert_tensor) if p.get("expert_tensor") is not None else tp
-    return _Dims(h=int(m.hidden_size), n=int(m.num_attention_heads), q_lora=m.mla.get("q_lora_rank"),
+    d = _Dims(h=int(m.hidden_size), n=int(m.num_attention_heads), q_lora=m.mla.get("q_lora_rank"),
                  kv_lora=int(m.mla.kv_lora_rank), nope=int(m.mla.qk_head_dim), rope=int(m.mla.qk_pos_emb_head_dim),
                  v=int(m.mla.v_head_dim), ffn=int(m.ffn_hidden_size), e=int(m.moe.num_experts),
                  k=int(m.moe.router_topk), f=int(m.moe.ffn_hidden_size),
@@ -293,6 +298,8 @@ def _dims(cfg: DictConfig) -> _Dims:
                  vocab=int(m.vocab_size), first_dense=int(m.moe.first_k_dense),
                  t_tok=t_tok, t_hid=t_tok // tp if sp else t_tok, tp=tp, ep=int(p.expert), etp=etp,
                  seq=int(p.seq_length) // cp, seq_aux=m.moe.get("load_balancing_type") == "seq_aux_loss")
+    d.rows = round(d.t_tok * d.k * rows_factor)
+    return d
 
 
 # ---------------------------------------------------------------------------------------------- (b) ledger
@@ -391,7 +398,7 @@ def _dense_mlp(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
 def _expert_rows(d: _Dims, padding: str = "balanced") -> tuple[int, int, int]:
     """(R rows on this GPU's experts, local experts, Mp = rows padded to 128 per expert): balanced routing, or
     ('expected') R plus (128 - 1) / 2 padding rows per expert, rounded to a row."""
-    r = d.t_tok * d.k
+    r = d.rows
     el = d.e // d.ep
     if padding == "expected":
         return r, el, r + (el * (FP8_GROUP - 1) + 1) // 2
@@ -418,7 +425,8 @@ def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced") -> N
         led.add("moe.seq_aux_stats", (2, b, d.e), "fp32", 2 * FP32 * b * d.e, {"router"})
     # permutation index of the R dispatched rows; fp4moe's MXFP4 dispatcher keeps a second one (the scales' rows)
     n_idx = 2 if recipe.dispatch_fp4 else 1
-    led.add("moe.routing_idx", (n_idx, r), "int64", n_idx * INT64 * r, {"permute"})
+    sent = t * d.k   # this GPU's own tokens' rows (the experts receive d.rows, ``r``)
+    led.add("moe.routing_idx", (n_idx, sent), "int64", n_idx * INT64 * sent, {"permute"})
     fp8 = recipe.fp8_compute
     if not fp8:
         x_fmt, x_b = "bf16", BF16 * r * h
@@ -482,7 +490,7 @@ def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, 
             led.drop_prefix("attn.", keep=("attn.ln_in",))
         if scope == "attn_ln_experts" and kind == "moe":
             led.drop("moe.expert_fc1_in", "moe.expert_swiglu_in", "moe.expert_fc2_in")
-            r = d.t_tok * d.k
+            r = d.rows
             if recipe.dispatch_fp4 and recipe.expert_input_fp4:
                 led.add("moe.expert_ckpt_in", (r, d.h), "mxfp4", mxfp4_bytes(r, d.h), {"moe_expert_ckpt"})
             else:
@@ -526,7 +534,7 @@ def layer_saved_tensors(cfg: Any, kind: str, scope: str | None = None,
     the config's recipe and ``scope`` (default: the config's recompute scope)."""
     cfg = _as_cfg(cfg)
     a = assumptions or MemoryAssumptions()
-    d = _dims(cfg)
+    d = _dims(cfg, a.expert_rows_factor)
     recipe = Recipe.from_config(cfg.precision)
     scope = scope or _scope(cfg)
     led = _Ledger()
@@ -712,7 +720,7 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     """Bytes live at the routed experts' backward peak besides the saved tensors, one MoE layer and micro-batch,
     with ``recomputed`` bytes of the experts' own tensors rebuilt by an attn_ln_experts checkpoint (module
     docstring, (e)). Includes the layer's output and input gradients (2 x [T, H] bf16)."""
-    r = d.t_tok * d.k
+    r = d.rows
     h, f = d.h, d.f // d.etp
     grads = 2 * BF16 * d.t_hid * d.h
     rows_h = BF16 * r * h                      # one [R, H] bf16 buffer
@@ -753,7 +761,7 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
     cfg = _as_cfg(cfg)
     a = assumptions or MemoryAssumptions()
     p = cfg.parallel
-    d = _dims(cfg)
+    d = _dims(cfg, a.expert_rows_factor)
     recipe = Recipe.from_config(cfg.precision)
     scope = _scope(cfg)
     pp, vpp = int(p.pipeline), int(p.get("virtual_pipeline") or 1)
