@@ -74,6 +74,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         if precision != "bf16":
             st = moe.a2a_stats()
             results[precision]["remote"] = st["dispatch_forward_sent_remote_bytes"]
+        rows = moe.token_dispatcher.fp4moe_rows   # every recipe: routed rows sent by this rank, received by its experts
+        results[precision]["rows"] = (rows["sent"], rows["received"])
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -87,9 +89,15 @@ def test_ep2_equals_ep1_on_concatenated_tokens(tmp_path):
     for rank in (0, 1):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         # bf16: megatron's SequentialMLP vs the standalone's float32 SwiGLU (see test_recipe_model TOL)
-        assert max(r["bf16"].values()) < 1e-2, r["bf16"]
+        assert max(r["bf16"][k] for k in ("y", "dx", "dw1")) < 1e-2, r["bf16"]
         for p in ("fp8", "mxfp4"):
             # expert path bit-exact; dx also carries megatron's router backward (float32 op order)
             assert r[p]["y"] == 0.0 and r[p]["dw1"] == 0.0, (p, r[p])
             assert r[p]["dx"] < 1e-2, (p, r[p])
             assert r[p]["remote"] > 0  # tokens really crossed ranks
+    # routed rows: each rank sends its 16 tokens x top-2; what the two ranks' experts receive adds up to that, and the
+    # routing is the same under every recipe (the same router weights and inputs)
+    rows = {p: [torch.load(tmp_path / f"rank{k}.pt")[p]["rows"] for k in (0, 1)] for p in ("bf16", "fp8", "mxfp4")}
+    for p, (r0, r1) in rows.items():
+        assert r0[0] == r1[0] == 16 * 2 and r0[1] + r1[1] == 2 * 16 * 2, (p, r0, r1)
+    assert rows["bf16"] == rows["fp8"] == rows["mxfp4"], rows

@@ -489,3 +489,16 @@ def test_mxfp4_norm_cache_replaces_the_bf16_input(mp):
     cfg = _cfg("mxfp4", "attn_ln_mlp")
     cfg.precision.recompute_cache_fp4 = False
     assert _layer_output_holders(_build(cfg)) == [1]
+
+
+@pytest.mark.parametrize("precision", RECIPES)
+def test_routed_rows_are_counted_for_every_recipe(mp, precision):
+    """a2a_stats counts, on every MoE layer's dispatcher (megatron's for bf16), the rows its tokens sent and its
+    experts received: on one rank both are T x k per MoE layer and forward (the tiny model: 1 MoE layer, top-2)."""
+    from fp4moe.model.build import a2a_stats
+
+    m = _model(precision)
+    assert a2a_stats(m)["dispatch_forward_sent_rows"] == 0
+    _forward_saved_bytes(m)   # one forward of 2 x 32 tokens
+    st = a2a_stats(m)
+    assert st["dispatch_forward_sent_rows"] == st["dispatch_forward_received_rows"] == 2 * 32 * 2

@@ -204,3 +204,23 @@ def test_check_reads_archives_and_mlflow_stores_alike(tmp_path):
     assert key(rows_a) == key(rows_s) == key(cal.table(cal.load_cells(cal.NCCL_ARCHIVES)))
     assert text_a == text_s and text_a.startswith("3 of 5 measured peaks within 5 % of the model for the code")
     assert "| mxfp4 | attn_ln_mlp | EP1 DP1 PP2, 4 x 8 | 8 |" in text_a
+
+
+def test_routing_is_read_from_rows_where_logged(tmp_path):
+    """Runs that log routed rows (every recipe since the trainer counts them) give their routing to the model from
+    the rows; older runs from the recipe dispatcher's bytes; bf16 runs before that have none."""
+    import json
+
+    from fp4moe.runs_archive import load
+
+    doc = load(cal.ROOT / cal.NCCL_ARCHIVES[0])
+    run = next(r for r in doc["runs"] if r["tags"]["recipe"] == "bf16" and r["params"]["parallel.expert"] == "2")
+    hist = [[s, 0.0, 0] for s in range(1, 17)]
+    run["metrics"]["a2a/dispatch_forward_sent_rows"] = [[s, 1000.0, t] for s, _, t in hist]
+    run["metrics"]["a2a/dispatch_forward_received_rows"] = [[s, 1100.0 + 10 * s, t] for s, _, t in hist]
+    doc["runs"] = [run]
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(doc))
+    (c,) = cal.load_cells([path])
+    # step 1: 1110 / 1000; the largest measured step (the last): 1260 / 1000
+    assert c.rows_factor_first == pytest.approx(1.11) and c.rows_factor_max == pytest.approx(1.26)

@@ -75,8 +75,10 @@ def test_tiny_model_trains_and_mlflow_holds_the_run(tmp_path, store, precision):
     assert last["summary/final_loss"] == r.losses[steps]
     # all-to-all bytes per step (recipe dispatcher only) and the saved bytes of the first micro-batch
     a2a = {k: v for k, v in last.items() if k.startswith("a2a/")}
+    # routed rows, every recipe: one rank, so received = sent = 4 x 128 tokens per step x top-2 x 1 MoE layer
+    assert a2a.pop("a2a/dispatch_forward_sent_rows") == a2a.pop("a2a/dispatch_forward_received_rows") == 4 * 128 * 2
     if precision == "bf16":
-        assert not a2a  # megatron's own dispatcher: not counted
+        assert not a2a  # megatron's own dispatcher: no payload bytes counted
     else:
         assert sorted(_history(c, r.run_id, "a2a/dispatch_forward_sent_bytes")) == list(range(1, steps + 1))
         fwd, bwd = a2a["a2a/dispatch_forward_sent_bytes"], a2a["a2a/dispatch_backward_sent_bytes"]

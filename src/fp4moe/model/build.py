@@ -377,7 +377,31 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
         for layer in model.modules():
             if isinstance(layer, TransformerLayer):
                 fp4moe_recompute.cache_mxfp4_inside(layer)
+    count_routed_rows(model)
     return model
+
+
+def count_routed_rows(model) -> None:
+    """Count, on every MoE layer's token dispatcher (megatron's for bf16, ours otherwise), the routed rows this
+    rank's tokens send and the rows its local experts receive (``dispatcher.fp4moe_rows``; read with
+    ``a2a_stats``). Their ratio is the routing's imbalance on this GPU, which sets the experts' memory under EP
+    (fp4moe.scale.memory ``expert_rows_factor``). Row counts come from shapes: no device sync. Under full recompute
+    the recomputed forward dispatches again and counts again (both sides; the ratio holds). Idempotent."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for m in model.modules():
+        d = getattr(m, "token_dispatcher", None) if isinstance(m, MoELayer) else None
+        if d is None or getattr(d, "fp4moe_rows", None) is not None:
+            continue
+        d.fp4moe_rows = {"sent": 0, "received": 0}
+
+        def token_dispatch(tokens, probs, inner=d.token_dispatch, rows=d.fp4moe_rows):
+            out = inner(tokens, probs)
+            rows["sent"] += int(tokens.shape[0])
+            rows["received"] += int(out[0].shape[0])
+            return out
+
+        d.token_dispatch = token_dispatch
 
 
 
@@ -395,15 +419,21 @@ def to_bf16_params(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 def a2a_stats(model) -> dict[str, int]:
-    """All-to-all payload bytes of every recipe MoE layer of ``model``, summed (``RecipeMoELayer.a2a_stats``);
-    empty under bf16 (megatron's own dispatcher)."""
+    """All-to-all payload bytes of every recipe MoE layer of ``model``, summed (``RecipeMoELayer.a2a_stats``;
+    none under bf16, megatron's own dispatcher), and for every MoE layer the routed rows its tokens sent and its
+    experts received (``dispatch_forward_sent_rows`` / ``_received_rows``, ``count_routed_rows``), summed."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     from fp4moe.model.recipe_moe import RecipeMoELayer
 
     total: dict[str, int] = {}
     for m in model.modules():
-        if isinstance(m, RecipeMoELayer):
-            for k, v in m.a2a_stats().items():
-                total[k] = total.get(k, 0) + v
+        stats = dict(m.a2a_stats()) if isinstance(m, RecipeMoELayer) else {}
+        rows = getattr(getattr(m, "token_dispatcher", None), "fp4moe_rows", None) if isinstance(m, MoELayer) else None
+        if rows is not None:
+            stats.update(dispatch_forward_sent_rows=rows["sent"], dispatch_forward_received_rows=rows["received"])
+        for k, v in stats.items():
+            total[k] = total.get(k, 0) + v
     return total
 
 
@@ -433,4 +463,4 @@ def release_dispatcher_tensors(model) -> int:
 
 
 __all__ = ["transformer_config", "build_gpt_model", "to_bf16_params", "layer_spec", "recipe_of", "apply_fp8_dense_linears", "a2a_stats",
-           "fp4moe_recompute_modules", "DISPATCHERS", "release_dispatcher_tensors"]
+           "fp4moe_recompute_modules", "DISPATCHERS", "release_dispatcher_tensors", "count_routed_rows"]

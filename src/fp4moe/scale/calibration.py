@@ -72,9 +72,9 @@ class Cell:
     outcome: str                   # 'ok' | 'OOM'
     cfg: dict
     step_start_gib: float | None = None  # measured allocated GiB when a step begins (runs from 924b9ef on)
-    # routed rows GPU 0's experts received / the rows its tokens sent (recipe dispatcher's a2a metrics; None where
-    # not logged: bf16, megatron's dispatcher): at the first step (when the saved bytes were measured) and the
-    # largest over the measured steps (where the peak was)
+    # routed rows GPU 0's experts received / the rows its tokens sent (a2a/dispatch_forward_*_rows, or the recipe
+    # dispatcher's payload bytes in older runs; None where neither was logged: bf16 before 1833554): at the first
+    # step (when the saved bytes were measured) and the largest over the measured steps (where the peak was)
     rows_factor_first: float | None = None
     rows_factor_max: float | None = None
 
@@ -130,7 +130,10 @@ def load_cells(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT) -> 
             peak = m.get("summary/peak_mem_allocated_gb")
             start = m.get("summary/mem_allocated_at_step_start_gb")
             oom = t.get("outcome") == "OOM"
-            recv, sent = m.get("a2a/dispatch_forward_received_bytes"), m.get("a2a/dispatch_forward_sent_bytes")
+            # routed rows (every recipe, from 1833554 on) or, before, the recipe dispatcher's payload bytes
+            recv, sent = m.get("a2a/dispatch_forward_received_rows"), m.get("a2a/dispatch_forward_sent_rows")
+            if not (recv and sent):
+                recv, sent = m.get("a2a/dispatch_forward_received_bytes"), m.get("a2a/dispatch_forward_sent_bytes")
             first = top = None
             if recv and sent:
                 ratio = {int(st): v / dict((int(a), b) for a, b, *_ in sent)[int(st)] for st, v, *_ in recv}

@@ -533,12 +533,14 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                                           "consumed_samples": float(consumed)}
             m.update(meter.after_step(dt))
             m.update(_moe_losses(mcfg, accum, pp_group, device))
-            # all-to-all payload bytes of this step on this GPU (recipe dispatcher; none under bf16) and, on the
+            # all-to-all payload bytes of this step on this GPU (recipe dispatcher; none under bf16), the routed
+            # rows its tokens sent and its experts received (every recipe: the routing's imbalance) and, on the
             # first step, the bytes one micro-batch's forward keeps for backward (parameters excluded). Under
             # pipeline parallelism both are summed over the pipeline's stages (the whole model, as with PP = 1);
             # the largest stage's saved bytes are logged apart.
             a2a_after = a2a_stats(model)
-            a2a = {f"a2a/{k}": float(v - a2a_before.get(k, 0)) for k, v in a2a_after.items() if k.endswith("_bytes")}
+            a2a = {f"a2a/{k}": float(v - a2a_before.get(k, 0)) for k, v in a2a_after.items()
+                   if k.endswith(("_bytes", "_rows"))}
             m.update(_sum_over_stages(a2a, pp_group))
             if step == start_step + 1:
                 if pp_size == 1:
