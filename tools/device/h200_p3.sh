@@ -14,6 +14,7 @@
 #   bash tools/device/h200_p3.sh profile GPU MB "mxfp4:attn_ln_experts ..."  # torch.profiler, steps 4-5, tables+trace
 #   bash tools/device/h200_p3.sh mem GPU MB "mxfp4:attn_ln_mlp ..."  # what is live at step 3's memory peak, by site
 #   bash tools/device/h200_p3.sh ep2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, EP2 x DP2), per cell
+#   bash tools/device/h200_p3.sh mem2 MB "fp8:attn_ln_mlp ..."  # mem on both GPUs, EP2 x DP2 (each rank's trace)
 #   bash tools/device/h200_p3.sh pp2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, PP2, 1F1B over 4
 #                                                      # micro-batches), per cell
 #   bash tools/device/h200_p3.sh ep8 MB "mxfp4:attn_ln_mlp ..."  # issue 7 (nvidia-h200-x8): the proxy on 8 GPUs, EP8 x DP8
@@ -142,6 +143,12 @@ mem)  # GPU MB "recipe:scope ...": allocator history over step 3 (after the 2 wa
   ;;
 ep2)  # MB "recipe:scope ...": the proxy on both GPUs, EP2 x DP2 (torchrun), global batch 2 x MB (no accumulation)
   gpu_cells 2 ep2 "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1))
+  ;;
+mem2)  # MB "recipe:scope ...": what is live at step 3's memory peak of EP2 x DP2 cells, on each GPU (profile_rank0/1)
+  gpu_cells 2 mem2 "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1)) train.steps=3 \
+    train.measure.warmup_steps=2 train.measure.steps=1 'train.profile.steps=[3,3]' train.profile.memory=true \
+    train.profile.ops=false "train.profile.dir=$STATE/mem2_\${precision.name}_\${recompute.name}_mb$1"
+  (cd "$STATE" && tar czf "$OUT/mem2.tgz" --exclude='*.pickle' mem2_*)
   ;;
 pp2)  # MB "recipe:scope ...": the proxy as 2 pipeline stages over NCCL, global batch 4 x MB (1F1B, 4 micro-batches)
   gpu_cells 2 pp2 "$1" "$2" experiment=proxy_t1_1gpu cluster=workstation_2gpu parallel.world_size=2 \
