@@ -77,6 +77,12 @@ def _standalone_from(moe, recipe):
     return ref
 
 
+def _layer_input_and_grad(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, dL/dy) for one MoE layer of tiny_cpu: two [s=16, b=2, H=256] bf16 tensors drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(16, 2, 256, generator=g).to(torch.bfloat16) for _ in range(2))
+
+
 def _moe_run(moe, x, gy):
     x = x.clone().requires_grad_(True)
     out = moe(x)
@@ -104,9 +110,7 @@ def test_moe_layer_matches_standalone(mp, precision):
     moe = model.decoder.layers[1].mlp
     recipe = Recipe.from_config(_cfg(precision).precision)
     ref = _standalone_from(moe, recipe)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
-    gy = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
+    x, gy = _layer_input_and_grad(3)
     y, dx = _moe_run(moe, x, gy)
     y_ref, dx_ref = _moe_run(ref, x, gy)
     assert _rel(y, y_ref) <= TOL[precision], (precision, _rel(y, y_ref))
@@ -395,9 +399,7 @@ def test_identity_permutation_2_is_skipped_and_changes_nothing(mp, precision, mo
     calls = []
     real = td.sort_chunks_by_idxs
     monkeypatch.setattr(td, "sort_chunks_by_idxs", lambda *a, **k: calls.append(1) or real(*a, **k))
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
-    gy = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
+    x, gy = _layer_input_and_grad(3)
     runs = {}
     for skip in (True, False):
         moe = _model(precision, **{"moe.aux_loss_coeff": 0.0}).decoder.layers[1].mlp
@@ -424,9 +426,7 @@ def test_moe_forward_releases_rows_before_the_combine(mp, precision, monkeypatch
 
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
-    gy = torch.randn(16, 2, 256, generator=g).to(torch.bfloat16)
+    x, gy = _layer_input_and_grad(5)
     results = {}
     for own in (True, False):
         moe = _model(precision, **{"moe.aux_loss_coeff": 0.0}).decoder.layers[1].mlp

@@ -381,17 +381,24 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
     return model
 
 
+def _moe_dispatchers(model):
+    """(MoE layer, its token dispatcher) of every megatron ``MoELayer`` of ``model`` (ours are subclasses)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for m in model.modules():
+        d = getattr(m, "token_dispatcher", None) if isinstance(m, MoELayer) else None
+        if d is not None:
+            yield m, d
+
+
 def count_routed_rows(model) -> None:
     """Count, on every MoE layer's token dispatcher (megatron's for bf16, ours otherwise), the routed rows this
     rank's tokens send and the rows its local experts receive (``dispatcher.fp4moe_rows``; read with
     ``a2a_stats``). Their ratio is the routing's imbalance on this GPU, which sets the experts' memory under EP
     (fp4moe.scale.memory ``expert_rows_factor``). Row counts come from shapes: no device sync. Under full recompute
     the recomputed forward dispatches again and counts again (both sides; the ratio holds). Idempotent."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    for m in model.modules():
-        d = getattr(m, "token_dispatcher", None) if isinstance(m, MoELayer) else None
-        if d is None or getattr(d, "fp4moe_rows", None) is not None:
+    for _, d in _moe_dispatchers(model):
+        if getattr(d, "fp4moe_rows", None) is not None:
             continue
         d.fp4moe_rows = {"sent": 0, "received": 0}
 
@@ -402,7 +409,6 @@ def count_routed_rows(model) -> None:
             return out
 
         d.token_dispatch = token_dispatch
-
 
 
 def to_bf16_params(model: torch.nn.Module) -> torch.nn.Module:
@@ -422,14 +428,12 @@ def a2a_stats(model) -> dict[str, int]:
     """All-to-all payload bytes of every recipe MoE layer of ``model``, summed (``RecipeMoELayer.a2a_stats``;
     none under bf16, megatron's own dispatcher), and for every MoE layer the routed rows its tokens sent and its
     experts received (``dispatch_forward_sent_rows`` / ``_received_rows``, ``count_routed_rows``), summed."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
     from fp4moe.model.recipe_moe import RecipeMoELayer
 
     total: dict[str, int] = {}
-    for m in model.modules():
+    for m, d in _moe_dispatchers(model):
         stats = dict(m.a2a_stats()) if isinstance(m, RecipeMoELayer) else {}
-        rows = getattr(getattr(m, "token_dispatcher", None), "fp4moe_rows", None) if isinstance(m, MoELayer) else None
+        rows = getattr(d, "fp4moe_rows", None)
         if rows is not None:
             stats.update(dispatch_forward_sent_rows=rows["sent"], dispatch_forward_received_rows=rows["received"])
         for k, v in stats.items():
@@ -450,13 +454,10 @@ def release_dispatcher_tensors(model) -> int:
     probabilities hold the recomputed graph, whose leaves are the layer's detached input and its gradient: two
     [seq, micro, hidden] activations per MoE layer stayed allocated from one step into the next (on the H200 proxy
     at micro-batch 16, a step under full recompute began with 1.5 GiB more than under the other scopes)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
     n = 0
-    for m in model.modules():
-        d = getattr(m, "token_dispatcher", None) if isinstance(m, MoELayer) else None
+    for _, d in _moe_dispatchers(model):
         for name in DISPATCHER_STEP_TENSORS:
-            if d is not None and getattr(d, name, None) is not None:
+            if getattr(d, name, None) is not None:
                 setattr(d, name, None)
                 n += 1
     return n

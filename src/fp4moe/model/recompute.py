@@ -44,24 +44,24 @@ from ..ops.fp4_store import fp4_saved_tensors
 CACHE_ATTR = "fp4moe_recompute_cache"  # 'mxfp4' on a module: its recompute cache is stored MXFP4
 
 
-def _cacheable(t: torch.Tensor) -> bool:
-    """Recompute-cache tensors stored MXFP4: activations (floating, requiring grad, not parameters, >= 2 dims) whose
-    last dim is a multiple of 32; others (MLA's RoPE frequencies, masks, 1-D routing probabilities, weights passed
-    by reference) are kept as they are."""
-    return (t.is_floating_point() and t.requires_grad and not isinstance(t, torch.nn.Parameter) and t.dim() >= 2 and t.numel() > 0
+def _cacheable_input(t: torch.Tensor) -> bool:
+    """Tensors an MXFP4 recompute cache stores as MXFP4: floating (bf16 / fp32), not parameters, >= 2 dims, last dim
+    a multiple of 32; others (MLA's RoPE frequencies, masks, 1-D routing probabilities) are kept as they are. As is:
+    an output-discarding checkpoint's inputs, which it saves detached (not requiring grad)."""
+    return (t.is_floating_point() and not isinstance(t, torch.nn.Parameter) and t.dim() >= 2 and t.numel() > 0
             and t.shape[-1] % MX_BLOCK == 0 and t.dtype in (torch.bfloat16, torch.float32))
+
+
+def _cacheable(t: torch.Tensor) -> bool:
+    """``_cacheable_input`` for tensors autograd saves: activations only (requiring grad), not weights passed by
+    reference."""
+    return t.requires_grad and _cacheable_input(t)
 
 
 def mxfp4_cache():
     """Context: tensors saved for backward inside it that ``_cacheable`` accepts are stored MXFP4
     (``fp4moe.ops.fp4_store``; decoded back to their dtype in backward)."""
     return fp4_saved_tensors(accept=_cacheable)
-
-
-def _cacheable_input(t: torch.Tensor) -> bool:
-    """``_cacheable`` for an output-discarding checkpoint's inputs, which it saves detached (not requiring grad)."""
-    return (t.is_floating_point() and not isinstance(t, torch.nn.Parameter) and t.dim() >= 2 and t.numel() > 0
-            and t.shape[-1] % MX_BLOCK == 0 and t.dtype in (torch.bfloat16, torch.float32))
 
 
 class _DecodedInputs:

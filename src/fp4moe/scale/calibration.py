@@ -136,7 +136,8 @@ def load_cells(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT) -> 
                 recv, sent = m.get("a2a/dispatch_forward_received_bytes"), m.get("a2a/dispatch_forward_sent_bytes")
             first = top = None
             if recv and sent:
-                ratio = {int(st): v / dict((int(a), b) for a, b, *_ in sent)[int(st)] for st, v, *_ in recv}
+                sent_at = {int(st): v for st, v, *_ in sent}
+                ratio = {int(st): v / sent_at[int(st)] for st, v, *_ in recv}
                 warm = int(_value(r["params"].get("train.measure.warmup_steps", "0")) or 0)
                 first = ratio[min(ratio)]
                 top = max((v for st, v in ratio.items() if st > warm), default=max(ratio.values()))
