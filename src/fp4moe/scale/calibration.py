@@ -235,7 +235,7 @@ NOTES = """
   - under full recompute, the recomputed layer's forward transients (-2.5 to -4.5 %, the largest errors).
 - **Over NCCL, not part of the check yet** (the second table: older code, to be run again):
   - PP2 (1F1B, 4 micro-batches): within -4.3 %, with the saved bytes exact when summed over the stages.
-  - EP2 x DP2: GPU 0's experts received 16-23 % more rows than balanced routing gives (the run's own all-to-all
+  - EP2 x DP2: GPU 0's experts received 16-24 % more rows than balanced routing gives (the run's own all-to-all
     metrics). With those rows the saved bytes agree within 0.11 % and the peak within -3.7 % (fp8) and -5.2 %
     (mxfp4).
   - bf16's dispatcher (megatron's) logs no routing: -7.7 % saved, -17.7 % peak with balanced rows.
