@@ -3,7 +3,8 @@
 # on the device; every phase writes what it measured under $OUT (logs, MLflow stores, summaries):
 #
 #   bash tools/device/h200_p3.sh setup                 # wheels -> /tmp/site; code+docs corpus -> data/code_docs
-#   bash tools/device/h200_p3.sh tests                 # every GPU test (kernels, ops, MoE layer incl. EP=2, trainer)
+#   bash tools/device/h200_p3.sh tests [PATHS]         # every GPU test (kernels, ops, MoE layer incl. EP=2, trainer), or
+#                                                      # those under PATHS (e.g. what changed since the last GPU run)
 #   bash tools/device/h200_p3.sh probe GPU MB [PRECS]  # proxy, recipes x 5 recompute scopes at micro-batch MB, 4 steps
 #   bash tools/device/h200_p3.sh choose                # T1 micro-batch from the probes at >= 2 micro-batches (every
 #                                                      # logs/device/mlflow_probe*.db: tools/device/choose_t1_mb.py)
@@ -76,8 +77,9 @@ setup)
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" > "$OUT/versions.txt"
   ;;
 tests)
-  python3 -m pytest -q -m gpu tests/kernels tests/ops tests/moe tests/train/test_train_gpu.py \
-    tests/train/test_memtrace.py 2>&1 \
+  paths=${*:-tests/kernels tests/ops tests/moe tests/train/test_train_gpu.py tests/train/test_memtrace.py}
+  # shellcheck disable=SC2086
+  python3 -m pytest -q -m gpu --durations=12 $paths 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -5
   ;;
 probe)  # GPU MB [precisions]: peak memory, saved bytes and step time of every recipe x scope at one micro-batch
