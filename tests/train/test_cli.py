@@ -154,7 +154,7 @@ def test_eight_processes_ep8_dp8_equal_one_process(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"}
     ep8 = ["parallel=eight_gpu_ep8", "cluster=cpu", "cluster.gpus_per_node=8", "parallel.seq_length=128",
-           "parallel.distributed_optimizer=false", "task_name=ep8", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
+           "task_name=ep8", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
            f"hydra.run.dir={tmp_path / 'out'}"]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
                         str(HERE / "cli.py"), *common, *ep8], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -7,7 +7,9 @@ Three ways a process learns its rank, tried in this order:
    ``submitit.helpers.TorchDistributedEnvironment().export()`` writes the ``env://`` variables (master = the first
    node of the job, port = ``MASTER_PORT`` or one derived from the job id), then as 1. A batch script's own
    process (no step id) counts as a single process.
-3. Neither: a single process on a free loopback port (world size 1).
+3. Neither: a single process (world size 1) whose group lives on an in-process store (``HashStore``): no port to
+   pick, so none can be taken by another process between picking and binding (an H200 GPU test failed with
+   EADDRINUSE that way, 2026-11-30).
 
 Backend: nccl when CUDA is present (device ``cuda:LOCAL_RANK``), gloo otherwise (device ``cpu``).
 The process count must equal ``parallel.world_size``. The trainer supports data, expert and pipeline parallelism
@@ -18,7 +20,6 @@ pipeline raise a ConfigError saying so.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +47,6 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check_supported(cfg: Any) -> None:
     """Refuse parallel layouts the trainer does not run yet, with the reason (ConfigError)."""
     p = cfg.parallel
@@ -64,6 +59,12 @@ def check_supported(cfg: Any) -> None:
             f"{what}: not supported by fp4moe.train yet (it runs data, expert and pipeline parallelism: tensor, "
             "context and expert_tensor must be 1). Such layouts can be checked with "
             "`python -m fp4moe.launch dry-run` but not trained yet")
+    if bool(p.get("distributed_optimizer", False)) and int(p.get("data") or 1) > 1:
+        raise ConfigError(
+            f"parallel.distributed_optimizer=true with parallel.data={p.data}: fp4moe.train does not shard the "
+            "optimizer state yet (every data-parallel rank keeps the fp32 master weights and Adam moments of all its "
+            "parameters, 12 bytes each): set parallel.distributed_optimizer=false. The memory model "
+            "(fp4moe.scale.memory) predicts both layouts; `python -m fp4moe.launch dry-run` checks the sharded one")
     if int(p.get("virtual_pipeline") or 1) > 1:
         raise ConfigError(
             f"parallel.virtual_pipeline={p.virtual_pipeline}: the interleaved (virtual) pipeline schedule is not "
@@ -94,7 +95,7 @@ def init_distributed(cfg: Any) -> DistInfo:
         torch.cuda.set_device(local_rank)
     if owns:
         if launcher == "single":
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             dist.init_process_group(backend, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
