@@ -249,6 +249,29 @@ def test_mxfp4_mla_up_proj_cache_is_mxfp4(mp):
     assert 0 < total < 0.08, total
 
 
+def test_mxfp4_mla_up_proj_keeps_the_rope_frequencies_exact(mp):
+    """The up-projection checkpoint's inputs include MLA's RoPE frequencies [s, 1, 1, rope] fp32, which pass the
+    MXFP4 cache's shape rule (rope 32 here, 64 on the proxy) but are not an activation: they stay exact, one fp32
+    tensor per layer as with a BF16 cache (c1d0085 packed them to E2M1 too, so the recompute rotated q and k by
+    rounded angles; found as 55.5 B per token fewer saved bytes on the H200 probe of 61f1fcb)."""
+    from fp4moe.model.recompute import CACHE_ATTR
+    from fp4moe.ops.accounting import SavedTensorBytes
+
+    def saved_freqs(m):
+        with SavedTensorBytes(exclude=list(m.parameters())) as c:
+            ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+            m(ids, torch.arange(32).unsqueeze(0).expand(2, -1), None, labels=ids).float().mean()
+        found = {t.untyped_storage().data_ptr() for t in c._seen
+                 if t.dtype == torch.float32 and tuple(t.shape) == (32, 1, 1, 32)}
+        c.release()
+        return len(found)
+
+    fp4, plain = _model("mxfp4", "mla_up_proj"), _model("mxfp4", "mla_up_proj")
+    for l in plain.decoder.layers:
+        setattr(l, CACHE_ATTR, None)
+    assert saved_freqs(fp4) == saved_freqs(plain) == 2
+
+
 def test_moe_expert_recompute_with_bf16_dispatch_under_mxfp4(mp):
     """precision mxfp4_mlp_shared (BF16 dispatch, experts quantize themselves) + recompute attn_ln_experts: the
     experts' cache is MXFP4 of the BF16 rows, the forward is unchanged (same loss), gradients within the E2M1

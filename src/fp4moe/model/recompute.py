@@ -45,9 +45,11 @@ CACHE_ATTR = "fp4moe_recompute_cache"  # 'mxfp4' on a module: its recompute cach
 
 
 def _cacheable_input(t: torch.Tensor) -> bool:
-    """Tensors an MXFP4 recompute cache stores as MXFP4: floating (bf16 / fp32), not parameters, >= 2 dims, last dim
-    a multiple of 32; others (MLA's RoPE frequencies, masks, 1-D routing probabilities) are kept as they are. As is:
-    an output-discarding checkpoint's inputs, which it saves detached (not requiring grad)."""
+    """The shape rule of an MXFP4 recompute cache: floating (bf16 / fp32), not parameters, >= 2 dims, last dim a
+    multiple of 32; others (masks, 1-D routing probabilities) are kept as they are. Alone it also admits MLA's RoPE
+    frequencies [s, 1, 1, rope] fp32 when rope is a multiple of 32: ``_cacheable`` (autograd's saved tensors) and
+    ``FP4CacheCheckpointWithoutOutput.checkpoint`` (its inputs) add that the tensor is an activation (requires
+    grad)."""
     return (t.is_floating_point() and not isinstance(t, torch.nn.Parameter) and t.dim() >= 2 and t.numel() > 0
             and t.shape[-1] % MX_BLOCK == 0 and t.dtype in (torch.bfloat16, torch.float32))
 
@@ -125,8 +127,11 @@ class FP4CacheCheckpointWithoutOutput(mrandom.CheckpointWithoutOutput):
             return run_function(*args)
         self.run_function = run_function
         self.rng_states = mrandom._get_all_rng_states()
-        # autograd packs what forward saved as apply() returns, under the hooks active then: these
-        with fp4_saved_tensors(accept=_cacheable_input):
+        # autograd packs what forward saved as apply() returns, under the hooks active then. The function saves its
+        # inputs detached, so which are activations (MXFP4) is decided here: those that require grad (MLA's RoPE
+        # frequencies, an input of the up-projection checkpoint, do not and stay exact)
+        acts = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor) and _cacheable(a)}
+        with fp4_saved_tensors(accept=lambda t: _cacheable_input(t) and t.untyped_storage().data_ptr() in acts):
             outputs = _MXFP4CheckpointWithoutOutputFunction.apply(run_function, self, *args)
         self.outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
         return outputs
