@@ -16,48 +16,85 @@ from fp4moe.scale import calibration as cal
 from fp4moe.scale import memory
 from fp4moe.scale.memory import GB, compose_cfg, per_gpu_memory
 
-# (recipe, scope, micro-batch, global batch, archive (before "_h200"; all measured at 38f25cd)): (measured saved B, predicted saved B, measured peak
-# GiB or None (OOM), predicted peak B for the code measured, its phase, predicted peak B for today's code)
-EXPECTED = {
-    ('bf16', 'none', 16, 16, 'proxy_t1_probe'): (35463704652, 35463704576, 45.138728618621826, 48374757376, 'head', 48374757376),
-    ('bf16', 'none', 32, 32, 'proxy_t1_probe'): (70919020620, 70919020544, 80.17884016036987, 85977556992, 'head', 85977556992),
-    ('bf16', 'attn_ln_experts', 16, 16, 'proxy_t1_probe'): (23633670940, 23633670912, 37.435301303863525, 39765097216, 'backward', 39765097216),
-    ('bf16', 'attn_ln_experts', 32, 32, 'proxy_t1_probe'): (47258952476, 47258952448, 64.70557641983032, 68758235904, 'backward', 68758235904),
-    ('bf16', 'attn_ln_experts', 64, 64, 'proxy_t1'): (94509515548, 94509515520, 119.24221849441528, 126744513280, 'backward', 126744513280),
-    ('bf16', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe'): (31183417372, 31183417344, 41.160212993621826, 44094470144, 'head', 44094470144),
-    ('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe'): (62358446108, 62358446080, 72.21399641036987, 77416982528, 'head', 77416982528),
-    ('bf16', 'mla_up_proj', 16, 16, 'proxy_t1_probe'): (31164543052, 31164542976, 41.142640590667725, 44075595776, 'head', 44075595776),
-    ('bf16', 'mla_up_proj', 32, 32, 'proxy_t1_probe'): (62324891724, 62324891648, 72.18275213241577, 77383428096, 'head', 77383428096),
-    ('bf16', 'full', 16, 16, 'proxy_t1_probe'): (5906956288, 5906956288, 26.514909267425537, 27400280064, 'backward', 27400280064),
-    ('bf16', 'full', 32, 32, 'proxy_t1_probe'): (11813912576, 11813912576, 42.0427451133728, 44034893824, 'backward', 44034893824),
-    ('fp8', 'none', 16, 16, 'proxy_t1_probe'): (38908391500, 38894034432, 52.485551834106445, 56132756992, 'backward', 52911531520),
-    ('fp8', 'none', 32, 32, 'proxy_t1_probe'): (77787713612, 77760368128, 94.52067947387695, 101474244096, 'backward', 95031793152),
-    ('fp8', 'attn_ln_experts', 16, 16, 'proxy_t1_probe'): (25949974556, 25937391616, 48.02852964401245, 50799407616, 'backward', 47578182144),
-    ('fp8', 'attn_ln_experts', 32, 32, 'proxy_t1_probe'): (51891560476, 51866394624, 85.61683416366577, 90820420096, 'backward', 84377969152),
-    ('fp8', 'attn_ln_experts', 40, 40, 'proxy_t1'): (64862353436, 64830896128, 104.39840936660767, 110830926336, 'backward', 102777862656),
-    ('fp8', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe'): (33523953692, 33509596672, 47.98608636856079, 50748319232, 'backward', 47527093760),
-    ('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe'): (67018838044, 66991492608, 85.51621007919312, 90705368576, 'backward', 84262917632),
-    ('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1'): (67018838044, 66991492608, 85.49594259262085, 90705368576, 'backward', 84262917632),
-    ('fp8', 'mla_up_proj', 16, 16, 'proxy_t1_probe'): (34588258380, 34573901312, 48.47454595565796, 51812623872, 'backward', 48591398400),
-    ('fp8', 'mla_up_proj', 32, 32, 'proxy_t1_probe'): (69151641676, 69124296192, 86.49866247177124, 92838172160, 'backward', 86395721216),
-    ('fp8', 'mla_up_proj', 40, 40, 'proxy_t1'): (86432319564, 86399493632, 105.49018716812134, 113350946304, 'backward', 105297882624),
-    ('fp8', 'full', 16, 16, 'proxy_t1_probe'): (5906956288, 5906956288, 31.729804515838623, 32675811840, 'backward', 29454586368),
-    ('fp8', 'full', 32, 32, 'proxy_t1_probe'): (11813912576, 11813912576, 52.20490026473999, 54579520000, 'backward', 48137069056),
-    ('mxfp4', 'none', 16, 16, 'proxy_t1_probe'): (22338154572, 22338154496, 39.0717453956604, 41724360704, 'backward', 36355651584),
-    ('mxfp4', 'none', 32, 32, 'proxy_t1_probe'): (44667920460, 44667920384, 67.70701265335083, 72676763648, 'backward', 61939345408),
-    ('mxfp4', 'attn_ln_experts', 16, 16, 'proxy_t1_probe'): (12068401180, 12068401152, 35.055935859680176, 36605212672, 'backward', 29089019904),
-    ('mxfp4', 'attn_ln_experts', 32, 32, 'proxy_t1_probe'): (24128413724, 24128413696, 59.67537975311279, 62438467584, 'backward', 47406082048),
-    ('mxfp4', 'attn_ln_experts', 64, 64, 'proxy_t1'): (48248438812, 48248438784, 108.879469871521, 114104977408, 'backward', 84040206336),
-    ('mxfp4', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe'): (13038858268, 13038858240, 33.1643967628479, 34572548096, 'backward', 27056355328),
-    ('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe'): (26069327900, 26069327872, 55.892284870147705, 58373138432, 'backward', 43340752896),
-    ('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1'): (26069327900, 26069327872, 55.860201358795166, 58373138432, 'backward', 43340752896),
-    ('mxfp4', 'attn_ln_mlp', 64, 64, 'proxy_t1'): (52130267164, 52130267136, 101.30720376968384, 105974319104, 'backward', 75909548032),
-    ('mxfp4', 'mla_up_proj', 16, 16, 'proxy_t1_probe'): (18047905868, 18047905792, 35.70181703567505, 37434112000, 'backward', 32065402880),
-    ('mxfp4', 'mla_up_proj', 32, 32, 'proxy_t1_probe'): (36091617356, 36091617280, 60.972707748413086, 64100460544, 'backward', 53363042304),
-    ('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1'): (72179040332, 72179040256, 111.4741997718811, 117433157632, 'backward', 95958321152),
-    ('mxfp4', 'full', 16, 16, 'proxy_t1_probe'): (5906956288, 5906956288, 28.990819454193115, 29732837376, 'backward', 24364128256),
-    ('mxfp4', 'full', 32, 32, 'proxy_t1_probe'): (11813912576, 11813912576, 46.7312536239624, 48700008448, 'backward', 37962590208),
-}
+# In table order: ((recipe, scope, micro-batch, global batch, archive (before "_h200"), commit measured), (measured
+# saved B, predicted saved B, measured peak GiB or None (OOM), predicted peak B for the code measured (code_of), its
+# phase, predicted peak B for today's code)). 61f1fcb's T1 archive holds the equal-scope pair at 32 twice (GPUs swapped).
+EXPECTED = [
+    (('bf16', 'none', 16, 16, 'proxy_t1_probe', '38f25cd'), (35463704652, 35463704576, 45.138728618621826, 48374757376, 'head', 48374757376)),
+    (('bf16', 'none', 16, 16, 'proxy_t1_probe', '61f1fcb'), (35463704652, 35463704576, 45.138728618621826, 48374757376, 'head', 48374757376)),
+    (('bf16', 'none', 32, 32, 'proxy_t1_probe', '38f25cd'), (70919020620, 70919020544, 80.17884016036987, 85977556992, 'head', 85977556992)),
+    (('bf16', 'none', 32, 32, 'proxy_t1_probe', '61f1fcb'), (70919020620, 70919020544, 80.17884016036987, 85977556992, 'head', 85977556992)),
+    (('bf16', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '38f25cd'), (23633670940, 23633670912, 37.435301303863525, 40301968128, 'backward', 40301968128)),
+    (('bf16', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '61f1fcb'), (23633670940, 23633670912, 37.435301303863525, 40301968128, 'backward', 40301968128)),
+    (('bf16', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '38f25cd'), (47258952476, 47258952448, 64.70557641983032, 69831977728, 'backward', 69831977728)),
+    (('bf16', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '61f1fcb'), (47258952476, 47258952448, 64.70557641983032, 69831977728, 'backward', 69831977728)),
+    (('bf16', 'attn_ln_experts', 64, 64, 'proxy_t1', '38f25cd'), (94509515548, 94509515520, 119.24221849441528, 128891996928, 'backward', 128891996928)),
+    (('bf16', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '38f25cd'), (31183417372, 31183417344, 41.160212993621826, 44630489088, 'backward', 44630489088)),
+    (('bf16', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '61f1fcb'), (31183417372, 31183417344, 41.160212993621826, 44630489088, 'backward', 44630489088)),
+    (('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe', '38f25cd'), (62358446108, 62358446080, 72.21399641036987, 78489020416, 'backward', 78489020416)),
+    (('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe', '61f1fcb'), (62358446108, 62358446080, 72.21399641036987, 78489020416, 'backward', 78489020416)),
+    (('bf16', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '38f25cd'), (31164543052, 31164542976, 41.142640590667725, 44075595776, 'head', 44075595776)),
+    (('bf16', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '61f1fcb'), (31164543052, 31164542976, 41.142640590667725, 44075595776, 'head', 44075595776)),
+    (('bf16', 'mla_up_proj', 32, 32, 'proxy_t1_probe', '38f25cd'), (62324891724, 62324891648, 72.18275213241577, 77383428096, 'head', 77383428096)),
+    (('bf16', 'mla_up_proj', 32, 32, 'proxy_t1_probe', '61f1fcb'), (62324891724, 62324891648, 72.18275213241577, 77383428096, 'head', 77383428096)),
+    (('bf16', 'full', 16, 16, 'proxy_t1_probe', '38f25cd'), (5906956288, 5906956288, 26.514909267425537, 27739778048, 'backward', 27739778048)),
+    (('bf16', 'full', 16, 16, 'proxy_t1_probe', '61f1fcb'), (5906956288, 5906956288, 26.514909267425537, 27739778048, 'backward', 27739778048)),
+    (('bf16', 'full', 32, 32, 'proxy_t1_probe', '38f25cd'), (11813912576, 11813912576, 42.0427451133728, 44034893824, 'backward', 44034893824)),
+    (('bf16', 'full', 32, 32, 'proxy_t1_probe', '61f1fcb'), (11813912576, 11813912576, 42.0427451133728, 44034893824, 'backward', 44034893824)),
+    (('fp8', 'none', 16, 16, 'proxy_t1_probe', '38f25cd'), (38908391500, 38894034432, 52.485551834106445, 56132756992, 'backward', 52915823104)),
+    (('fp8', 'none', 16, 16, 'proxy_t1_probe', '61f1fcb'), (38908391500, 38894034432, 49.61543083190918, 52915823104, 'backward', 52915823104)),
+    (('fp8', 'none', 32, 32, 'proxy_t1_probe', '38f25cd'), (77787713612, 77760368128, 94.52067947387695, 101474244096, 'backward', 95036084736)),
+    (('fp8', 'none', 32, 32, 'proxy_t1_probe', '61f1fcb'), (77787713612, 77760368128, 88.6494255065918, 95036084736, 'backward', 95036084736)),
+    (('fp8', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '38f25cd'), (25949974556, 25937391616, 48.02852964401245, 51336278528, 'backward', 48119344640)),
+    (('fp8', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '61f1fcb'), (25949974556, 25937391616, 45.15853452682495, 48119344640, 'backward', 48119344640)),
+    (('fp8', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '38f25cd'), (51891560476, 51866394624, 85.61683416366577, 91894161920, 'backward', 85456002560)),
+    (('fp8', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '61f1fcb'), (51891560476, 51866394624, 79.74683904647827, 85456002560, 'backward', 85456002560)),
+    (('fp8', 'attn_ln_experts', 40, 40, 'proxy_t1', '38f25cd'), (64862353436, 64830896128, 104.39840936660767, 112173103616, 'backward', 104124331520)),
+    (('fp8', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '38f25cd'), (33523953692, 33509596672, 47.98608636856079, 51285190144, 'backward', 48068256256)),
+    (('fp8', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '61f1fcb'), (33523953692, 33509596672, 45.1145806312561, 48068256256, 'backward', 48068256256)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe', '38f25cd'), (67018838044, 66991492608, 85.51621007919312, 91779110400, 'backward', 85340951040)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '38f25cd'), (67018838044, 66991492608, 85.49594259262085, 91779110400, 'backward', 85340951040)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe', '61f1fcb'), (67018838044, 66991492608, 79.64318895339966, 85340951040, 'backward', 85340951040)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '61f1fcb'), (67018838044, 66991492608, 79.62444257736206, 85340951040, 'backward', 85340951040)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '61f1fcb'), (67018838044, 66991492608, 79.62568998336792, 85340951040, 'backward', 85340951040)),
+    (('fp8', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '38f25cd'), (34588258380, 34573901312, 48.47454595565796, 51812623872, 'backward', 48595689984)),
+    (('fp8', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '61f1fcb'), (34588258380, 34573901312, 45.60164499282837, 48595689984, 'backward', 48595689984)),
+    (('fp8', 'mla_up_proj', 32, 32, 'proxy_t1_probe', '38f25cd'), (69151641676, 69124296192, 86.49866247177124, 92838172160, 'backward', 86400012800)),
+    (('fp8', 'mla_up_proj', 32, 32, 'proxy_t1_probe', '61f1fcb'), (69151641676, 69124296192, 80.62777471542358, 86400012800, 'backward', 86400012800)),
+    (('fp8', 'mla_up_proj', 40, 40, 'proxy_t1', '38f25cd'), (86432319564, 86399493632, 105.49018716812134, 113350946304, 'backward', 105302174208)),
+    (('fp8', 'mla_up_proj', 40, 40, 'proxy_t1', '61f1fcb'), (86432319564, 86399493632, 98.12082147598267, 105302174208, 'backward', 105302174208)),
+    (('fp8', 'full', 16, 16, 'proxy_t1_probe', '38f25cd'), (5906956288, 5906956288, 31.729804515838623, 33015309824, 'backward', 29798375936)),
+    (('fp8', 'full', 16, 16, 'proxy_t1_probe', '61f1fcb'), (5906956288, 5906956288, 28.85853910446167, 29798375936, 'backward', 29798375936)),
+    (('fp8', 'full', 32, 32, 'proxy_t1_probe', '38f25cd'), (11813912576, 11813912576, 52.20490026473999, 54579520000, 'backward', 48141360640)),
+    (('fp8', 'full', 32, 32, 'proxy_t1_probe', '61f1fcb'), (11813912576, 11813912576, 46.3337664604187, 48141360640, 'backward', 48141360640)),
+    (('mxfp4', 'none', 16, 16, 'proxy_t1_probe', '38f25cd'), (22338154572, 22338154496, 39.0717453956604, 41724360704, 'backward', 37471531008)),
+    (('mxfp4', 'none', 16, 16, 'proxy_t1_probe', '61f1fcb'), (22338154572, 22338154496, 35.23449945449829, 37471531008, 'backward', 37471531008)),
+    (('mxfp4', 'none', 32, 32, 'proxy_t1_probe', '38f25cd'), (44667920460, 44667920384, 67.70701265335083, 72676763648, 'backward', 64162521088)),
+    (('mxfp4', 'none', 32, 32, 'proxy_t1_probe', '61f1fcb'), (44667920460, 44667920384, 59.90102243423462, 64162521088, 'backward', 64162521088)),
+    (('mxfp4', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '38f25cd'), (12068401180, 12068401152, 35.055935859680176, 37410519040, 'backward', 31010205696)),
+    (('mxfp4', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '61f1fcb'), (12068401180, 12068401152, 29.21768283843994, 31010205696, 'backward', 31010205696)),
+    (('mxfp4', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '38f25cd'), (24128413724, 24128413696, 59.67537975311279, 64049080320, 'backward', 51239870464)),
+    (('mxfp4', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '61f1fcb'), (24128413724, 24128413696, 47.869893074035645, 51239870464, 'backward', 51239870464)),
+    (('mxfp4', 'attn_ln_experts', 64, 64, 'proxy_t1', '38f25cd'), (48248438812, 48248438784, 108.879469871521, 117326202880, 'backward', 91699200000)),
+    (('mxfp4', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '38f25cd'), (13038858268, 13038858240, 33.1643967628479, 35377854464, 'backward', 28977541120)),
+    (('mxfp4', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '61f1fcb'), (13038858268, 13038858240, 27.32664155960083, 28977541120, 'backward', 28977541120)),
+    (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe', '38f25cd'), (26069327900, 26069327872, 55.892284870147705, 59983751168, 'backward', 47174541312)),
+    (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', '38f25cd'), (26069327900, 26069327872, 55.860201358795166, 59983751168, 'backward', 47174541312)),
+    (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe', '61f1fcb'), (26069327900, 26069327872, 44.08730173110962, 47174541312, 'backward', 47174541312)),
+    (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', '61f1fcb'), (26069327900, 26069327872, 44.056734561920166, 47174541312, 'backward', 47174541312)),
+    (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', '61f1fcb'), (26069327900, 26069327872, 44.054720401763916, 47174541312, 'backward', 47174541312)),
+    (('mxfp4', 'attn_ln_mlp', 64, 64, 'proxy_t1', '38f25cd'), (52130267164, 52130267136, 101.30720376968384, 109195544576, 'backward', 83568541696)),
+    (('mxfp4', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '38f25cd'), (18047905868, 18047905792, 35.70181703567505, 37434112000, 'backward', 33181282304)),
+    (('mxfp4', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '61f1fcb'), (18044268620, 18047905792, 31.240593433380127, 33181282304, 'backward', 33181282304)),
+    (('mxfp4', 'mla_up_proj', 32, 32, 'proxy_t1_probe', '38f25cd'), (36091617356, 36091617280, 60.972707748413086, 64100460544, 'backward', 55586217984)),
+    (('mxfp4', 'mla_up_proj', 32, 32, 'proxy_t1_probe', '61f1fcb'), (36087980108, 36091617280, 51.91925573348999, 55586217984, 'backward', 55586217984)),
+    (('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1', '38f25cd'), (72179040332, 72179040256, 111.4741997718811, 117433157632, 'backward', 100396089344)),
+    (('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1', '61f1fcb'), (72175403084, 72179040256, 93.23324823379517, 100396089344, 'backward', 100396089344)),
+    (('mxfp4', 'full', 16, 16, 'proxy_t1_probe', '38f25cd'), (5906956288, 5906956288, 28.990819454193115, 30072335360, 'backward', 25819505664)),
+    (('mxfp4', 'full', 16, 16, 'proxy_t1_probe', '61f1fcb'), (5906956288, 5906956288, 25.15458059310913, 25819505664, 'backward', 25819505664)),
+    (('mxfp4', 'full', 32, 32, 'proxy_t1_probe', '38f25cd'), (11813912576, 11813912576, 46.7312536239624, 48700008448, 'backward', 40185765888)),
+    (('mxfp4', 'full', 32, 32, 'proxy_t1_probe', '61f1fcb'), (11813912576, 11813912576, 38.926276206970215, 40185765888, 'backward', 40185765888)),
+]
 
 # Unmodelled constants per micro-batch: fp32 scalars of the router / aux loss (76 B; 28 B when attention and norms
 # are recomputed). fp8 differs by the real routing's padding of the FP8 column copies (the model: expected padding).
@@ -75,35 +112,40 @@ def rows(cells):
 
 
 def _key(c):
-    return (c.recipe, c.scope, c.micro_batch, c.global_batch, c.archive.split("_h200")[0])
+    return (c.recipe, c.scope, c.micro_batch, c.global_batch, c.archive.split("_h200")[0], cal._archive_commit(c.archive))
 
 
 def test_cells_are_the_runs_we_have(cells):
-    assert [_key(c) for c in cells] == list(EXPECTED)
-    assert sum(c.outcome == "OOM" for c in cells) == 0 and sum(c.peak_gib is not None for c in cells) == 38
+    assert [_key(c) for c in cells] == [k for k, _ in EXPECTED]
+    assert sum(c.outcome == "OOM" for c in cells) == 0 and sum(c.peak_gib is not None for c in cells) == 74
 
 
 def test_saved_bytes_exact(rows):
-    for r in rows:
+    for r, (_, want) in zip(rows, EXPECTED, strict=True):
         c = r.cell
-        meas, pred, *_ = EXPECTED[_key(c)]
+        meas, pred, *_ = want
         assert (c.saved_bytes, r.pred_saved_bytes) == (meas, pred)
         if c.recipe == "fp8" and c.scope != "full":
             # the FP8 column copies are padded to 128 rows per expert as the real routing falls; the model takes
             # the expected (128 - 1) / 2 rows: 0.004-0.05 % of the saved bytes on the runs we have
             assert abs(r.saved_err_pct) < 0.05
+        elif (c.recipe, c.scope, _key(c)[-1]) == ("mxfp4", "mla_up_proj", "61f1fcb"):
+            # that code packed MLA's RoPE frequencies [4096, 1, 1, 64] fp32 of each of the 4 layers' up-projection
+            # checkpoints to MXFP4 as well (the bug fixed after it; the model counts them exact)
+            rope = 4096 * 64 * 4 - (4096 * 64 // 2 + 4096 * 64 // 32)
+            assert c.saved_bytes - r.pred_saved_bytes == SCALARS[c.scope] - 4 * rope
         else:
             assert c.saved_bytes - r.pred_saved_bytes == SCALARS[c.scope]
 
 
 def test_peaks_exact(rows):
     """Every predicted peak, its phase, and today's code's prediction, to the byte; all within 5 %."""
-    for r in rows:
+    for r, (_, want) in zip(rows, EXPECTED, strict=True):
         c = r.cell
-        _, _, peak, pred, phase, now = EXPECTED[_key(c)]
+        _, _, peak, pred, phase, now = want
         cfg = OmegaConf.create(c.cfg)
         assert c.peak_gib == peak
-        b = per_gpu_memory(cfg, cal.MEASURED_CODE)
+        b = per_gpu_memory(cfg, cal.code_of(c.archive))
         assert (b.total_bytes, b.peak_phase) == (pred, phase) and r.pred_peak_gib == pred / GB
         assert per_gpu_memory(cfg, cal.FIRST_PRINCIPLES).total_bytes == now and r.pred_peak_now_gib == now / GB
     assert all(r.within_target for r in rows)
@@ -112,19 +154,25 @@ def test_peaks_exact(rows):
 def test_the_removed_wastes_change_only_what_they_should(rows):
     """Today's code (no dead expert-backward buffers, no BF16 norm input beside its MXFP4 cache) predicts the same
     peak for bf16, lower ones for fp8 and mxfp4 (more for mxfp4: it also dropped the decoded H and, under attn_ln_*,
-    the BF16 norm inputs)."""
-    for r in rows:
+    the BF16 norm inputs), for the runs of 38f25cd; the same for the runs of today's code."""
+    old = [r for r in rows if cal.code_of(r.cell.archive) == cal.MEASURED_CODE]
+    assert len(old) == 38
+    assert all(r.pred_peak_now_gib == r.pred_peak_gib for r in rows if r not in old)
+    for r in old:
         c = r.cell
         if c.recipe == "bf16":
             assert r.pred_peak_now_gib == r.pred_peak_gib
         else:
             assert r.pred_peak_now_gib < r.pred_peak_gib
     drop = {(r.cell.recipe, r.cell.scope): (r.pred_peak_gib - r.pred_peak_now_gib) / (r.cell.micro_batch * 4096)
-            for r in rows if r.cell.micro_batch == 16}
-    # per token: fp8 1.5 [R, H] buffers (R = 8 T, H = 2048); mxfp4 2.5, + 2 x 4 layers x [T, H] under attn_ln_*
+            for r in old if r.cell.micro_batch == 16}
+    # per token, in [R, H] bf16 buffers (R = 8 T, H = 2048): fp8 1.5 (the peak stays at fc1's dgrad; its wgrad, with
+    # dH's column copy padded per expert, is 0.002 larger now); mxfp4 2.5 less x's FP8 column copy [H, Mp] + scales,
+    # rebuilt at fc1's wgrad, its peak now (0.52); + 2 x 4 layers x [T, H] (1.0) under attn_ln_*
     u = 8 * 2 * 2048 / GB
-    assert drop[("fp8", "none")] == pytest.approx(1.5 * u) and drop[("mxfp4", "none")] == pytest.approx(2.5 * u)
-    assert drop[("mxfp4", "attn_ln_mlp")] == pytest.approx(2.5 * u + 8 * 2 * 2048 / GB)
+    assert drop[("fp8", "none")] == pytest.approx(1.5 * u, rel=2e-3)
+    assert drop[("mxfp4", "none")] == pytest.approx(1.98 * u, rel=1e-3)
+    assert drop[("mxfp4", "attn_ln_mlp")] == pytest.approx(drop[("mxfp4", "none")] + u)
 
 
 def test_fp32_accumulators_count_from_the_second_micro_batch(cells):
@@ -161,12 +209,17 @@ def test_committed_table_is_current(rows, cells):
     assert cal.render(rows, date=m.group(1), commit=m.group(2), nccl_rows=nccl) == text
 
 
+OLD_NCCL = "results/train_proxy/proxy_nccl_h200x2_2026-11-30_924b9ef.json"
+
+
 def test_pipeline_saved_bytes_are_summed_over_the_stages():
     """Under PP the trainer logs the whole model's saved bytes (summed over the stages); the table sums the model's
     stages the same way, and they agree (PP2 runs of 924b9ef, outside the 5 % check). Under EP the model takes the
     rows GPU 0's experts received from the run's all-to-all metrics, and the saved bytes agree too; bf16 (megatron's
-    dispatcher) logs none, and balanced routing falls 7.7 % short."""
-    rows = cal.table(cal.load_cells(cal.NCCL_ARCHIVES))
+    dispatcher) logged none then, and balanced routing falls 7.7 % short."""
+    assert OLD_NCCL in cal.NCCL_ARCHIVES and Path(OLD_NCCL).name in cal.OUTSIDE_CHECK
+    rows = cal.table(cal.load_cells([OLD_NCCL]))
+    assert not any(r.checked for r in rows)
     pp = [r for r in rows if int(r.cell.cfg["parallel"]["pipeline"]) == 2]
     ep = {r.cell.recipe: r for r in rows if int(r.cell.cfg["parallel"]["expert"]) == 2}
     assert len(pp) == 2 and set(ep) == {"bf16", "fp8", "mxfp4"}
@@ -175,6 +228,25 @@ def test_pipeline_saved_bytes_are_summed_over_the_stages():
         c = ep[rec].cell
         assert 1.15 < c.rows_factor_first < c.rows_factor_max < 1.25 and abs(ep[rec].saved_err_pct) < 0.15
     assert ep["bf16"].cell.rows_factor_first is None and ep["bf16"].saved_err_pct < -7
+
+
+def test_nccl_runs_of_todays_code_are_checked():
+    """61f1fcb over NCCL: every recipe logs its routed rows (bf16 too), the saved bytes agree within 0.15 % (EP: GPU
+    0's experts' rows; PP: summed over the stages) and every peak is within 5 %, with the optimizer state replicated
+    over DP as fp4moe.train keeps it (the runs' configs said distributed_optimizer=true; the trainer refuses that now)."""
+    new = [a for a in cal.NCCL_ARCHIVES if a != OLD_NCCL]
+    rows = cal.table(cal.load_cells(new))
+    assert len(rows) == 6 and all(r.checked and r.within_target for r in rows)
+    assert all(r.cell.cfg["parallel"]["distributed_optimizer"] is False for r in rows)
+    ep = [r for r in rows if int(r.cell.cfg["parallel"]["expert"]) == 2]
+    assert {r.cell.recipe for r in ep} == {"bf16", "fp8", "mxfp4"}
+    assert all(1.1 < r.cell.rows_factor_first < 1.2 and abs(r.saved_err_pct) < 0.15 for r in ep)
+    # with the sharded optimizer the model would predict 0.92 GiB less than each step began with
+    cfg = OmegaConf.create(ep[0].cell.cfg)
+    cfg.parallel.distributed_optimizer = True
+    gap = (per_gpu_memory(OmegaConf.create(ep[0].cell.cfg), cal.FIRST_PRINCIPLES).optimizer_bytes
+           - per_gpu_memory(cfg, cal.FIRST_PRINCIPLES).optimizer_bytes) / GB
+    assert gap == pytest.approx(0.92, abs=0.01)
 
 
 def test_expert_rows_factor_scales_only_the_experts_tensors():
@@ -195,14 +267,14 @@ def test_check_reads_archives_and_mlflow_stores_alike(tmp_path):
     pytest.importorskip("mlflow")
     from fp4moe.runs_archive import import_files
 
-    archive = cal.ROOT / cal.NCCL_ARCHIVES[0]
+    archive = cal.ROOT / OLD_NCCL
     import_files([archive], uri=f"sqlite:///{tmp_path / 'mlflow.db'}", log=lambda *a: None)
     text_a, rows_a = cal.check([archive], code=cal.MEASURED_CODE)
     text_s, rows_s = cal.check([tmp_path / "mlflow.db"], code=cal.MEASURED_CODE)
     key = lambda rows: sorted((r.cell.recipe, _key(r.cell)[:4], r.cell.saved_bytes, r.cell.peak_gib, r.pred_peak_gib)
                               for r in rows)
-    assert key(rows_a) == key(rows_s) == key(cal.table(cal.load_cells(cal.NCCL_ARCHIVES)))
-    assert text_a == text_s and text_a.startswith("3 of 5 measured peaks within 5 % of the model for the code")
+    assert key(rows_a) == key(rows_s) == key(cal.table(cal.load_cells([OLD_NCCL])))
+    assert text_a == text_s and text_a.startswith("4 of 5 measured peaks within 5 % of the model for the code")
     assert "| mxfp4 | attn_ln_mlp | EP1 DP1 PP2, 4 x 8 | 8 |" in text_a
 
 
@@ -213,7 +285,7 @@ def test_routing_is_read_from_rows_where_logged(tmp_path):
 
     from fp4moe.runs_archive import load
 
-    doc = load(cal.ROOT / cal.NCCL_ARCHIVES[0])
+    doc = load(cal.ROOT / OLD_NCCL)
     run = next(r for r in doc["runs"] if r["tags"]["recipe"] == "bf16" and r["params"]["parallel.expert"] == "2")
     hist = [[s, 0.0, 0] for s in range(1, 17)]
     run["metrics"]["a2a/dispatch_forward_sent_rows"] = [[s, 1000.0, t] for s, _, t in hist]

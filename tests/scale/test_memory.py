@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from fp4moe.config import param_counts
 from fp4moe.scale import comm, memory
-from fp4moe.scale.memory import (SCOPES, MemoryAssumptions, compose_cfg, layer_saved_tensors, paper_t1_prediction,
-                                 per_gpu_memory, per_stage_memory)
+from fp4moe.scale.memory import (SCOPES, MemoryAssumptions, _dims, _stage_params, compose_cfg, layer_saved_tensors,
+                                 paper_t1_prediction, per_gpu_memory, per_stage_memory)
 
 RECIPES = ("bf16", "fp8", "mxfp4")
 PAPER_SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")
@@ -97,17 +97,60 @@ def test_tiny_activations_by_hand():
 
 
 def test_expert_backward_by_hand():
-    """What is live at fc1's dgrad in fp4moe's grouped experts (fp8, mxfp4), besides the saved tensors: dY [R, H],
-    dH [R, 2F] and its FP8 rows (+ one fp32 scale per 128), dX [R, H] + the layer's 2 [T, H] gradients; the code
-    measured up to 38f25cd also kept an unused [R, H] GEMM output, dZ [R, F] and (mxfp4) the decoded H [R, 2F]."""
+    """What is live in fp4moe's grouped experts' backward (fp8, mxfp4), besides the saved tensors, at the larger of
+    fc1's dgrad, dY [R, H], dH [R, 2F] and its FP8 rows (+ one fp32 scale per 128), dX [R, H], and fc1's wgrad,
+    dY, dH, dX, dH's FP8 column copy [2F, Mp] and (mxfp4, x saved as MXFP4) x's [H, Mp], + the layer's 2 [T, H]
+    gradients. The code measured up to 38f25cd also kept an unused [R, H] GEMM output (dgrad), dZ [R, F] and (mxfp4)
+    the decoded H [R, 2F]."""
     grads = 2 * 2 * T * H
-    live = 2 * R * H + 2 * R * 2 * F + (R * 2 * F + 4 * R * 2 * F // 128) + 2 * R * H
-    dead = {"fp8": 2 * R * H + 2 * R * F, "mxfp4": 2 * R * H + 2 * R * F + 2 * R * 2 * F}
+    mp = E * 128                       # balanced routing: R / E = 64 rows per expert, padded to 128
+    col = lambda k: k * mp + 4 * k * mp // 128   # noqa: E731  (an FP8 column copy + its scales)
+    dgrad = 2 * R * H + 2 * R * 2 * F + (R * 2 * F + 4 * R * 2 * F // 128) + 2 * R * H
+    wgrad = {"fp8": 2 * R * H + 2 * R * 2 * F + 2 * R * H + col(2 * F)}
+    wgrad["mxfp4"] = wgrad["fp8"] + col(H)
+    dead = {"fp8": 2 * R * F, "mxfp4": 2 * R * F + 2 * R * 2 * F}
     for rec in ("fp8", "mxfp4"):
         cfg = _cfg(precision=rec)
-        assert per_gpu_memory(cfg).expert_backward_bytes == live + grads
+        assert per_gpu_memory(cfg).expert_backward_bytes == max(dgrad, wgrad[rec]) + grads
         old = per_gpu_memory(cfg, MemoryAssumptions(expert_backward_keeps_dead=True))
-        assert old.expert_backward_bytes == live + dead[rec] + grads
+        assert old.expert_backward_bytes == max(dgrad + 2 * R * H, wgrad[rec]) + dead[rec] + grads
+    # on the proxy (thousands of rows per expert, little padding) mxfp4's wgrad is the larger, fp8's dgrad
+    for rec in ("fp8", "mxfp4"):
+        cfg = compose_cfg("proxy_h200", "single_gpu", "none", rec)
+        d = _dims(cfg)
+        r, h, f = d.rows, d.h, d.f
+        dgrad_p = 2 * r * h + 2 * r * 2 * f + (r * 2 * f + 4 * r * 2 * f // 128) + 2 * r * h + 2 * 2 * d.t_hid * h
+        assert (per_gpu_memory(cfg).expert_backward_bytes > dgrad_p) == (rec == "mxfp4")
+
+
+def test_norm_recompute_at_the_moe_backward():
+    """attn_ln_*: the pre-MLP norm's output-discarding checkpoint recomputes when the MoE layer's output gradient
+    arrives and holds its recomputation's output and the refilled original (2 x [T, H] bf16), + the decoded input
+    [T, H] when its cache is MXFP4; nothing under the other scopes."""
+    for scope in SCOPES:
+        for rec in RECIPES:
+            b = per_gpu_memory(_cfg(precision=rec, recompute=scope))
+            want = (3 if rec == "mxfp4" else 2) * 2 * T * H if scope in ("attn_ln_experts", "attn_ln_mlp") else 0
+            if scope != "full":
+                assert b.recompute_transient_bytes == want, (rec, scope)
+
+
+def test_full_recompute_peaks_at_the_first_moe_layer():
+    """Without pipelining fp4moe.train keeps each BF16 .grad until the step: under full recompute (one [T, H] saved
+    per layer) the backward phase is largest at the first MoE layer, with the gradients of the layers after it;
+    under none the last MoE layer's saved activations outweigh them (depth 0). megatron's DDP buffer ('always')
+    counts every gradient in the static part instead."""
+    cfg = compose_cfg("proxy_h200", "single_gpu", "full", "mxfp4")
+    trainer = MemoryAssumptions(main_grad_resident="after_first_micro_batch")
+    b = per_gpu_memory(cfg, trainer)
+    d = _dims(cfg)
+    # relative to the last MoE layer (3): at MoE layer 1, the gradients of MoE layers 2 and 3 exist and their saved
+    # inputs [T, H] are freed (the head's gradients exist at both)
+    grads_after = 2 * round(2 * sum(_stage_params("t", 1, d)))
+    assert b.stage_letters == "EttttL" and b.backward_depth_bytes == grads_after - 2 * 2 * d.t_hid * d.h
+    none = compose_cfg("proxy_h200", "single_gpu", "none", "mxfp4")
+    assert per_gpu_memory(none, trainer).backward_depth_bytes == 0
+    assert per_gpu_memory(cfg).backward_depth_bytes == 0   # main_grad_resident: always
 
 
 def test_attn_ln_experts_recompute_at_the_experts_backward():
@@ -121,7 +164,8 @@ def test_attn_ln_experts_recompute_at_the_experts_backward():
         none = per_gpu_memory(_cfg(precision=rec))
         x = expert_tensors(rec)
         rebuilt = x["moe.expert_swiglu_in"] + x["moe.expert_fc2_in"] + (x["moe.expert_fc1_in"] if rec == "fp8" else 0)
-        assert b.recompute_transient_bytes == 0   # counted inside expert_backward
+        # the experts' are counted inside expert_backward; the pre-MLP norm's recompute is the transient
+        assert b.recompute_transient_bytes == (3 if rec == "mxfp4" else 2) * 2 * T * H
         if rec == "bf16":   # the recomputation's forward: dY + rebuilt + the recomputed pieces and their concatenation
             assert b.expert_backward_bytes == max(3 * 2 * R * H, 2 * R * H + rebuilt + 2 * 2 * R * H) + 2 * 2 * T * H
         else:

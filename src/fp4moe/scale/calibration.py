@@ -13,11 +13,12 @@ Measured (runs archives in results/train_proxy/, format fp4moe-runs/1, loaded wi
   (fp4moe.train.metrics: GB = 2**30 B). OOM cells have no peak; their saved bytes were measured before the OOM.
 
 Predicted: each run's configuration is rebuilt from its logged params (the resolved Hydra config) and evaluated by
-``memory.per_gpu_memory`` (static + saved + the largest phase transient, all from tensor shapes) under
-``MEASURED_CODE``: what fp4moe.train keeps (``FIRST_PRINCIPLES``) plus two switches that describe the code those
-runs measured, two wastes found in their memory traces and removed since (``memory.MemoryAssumptions``:
+``memory.per_gpu_memory`` (static + saved + the largest phase transient, all from tensor shapes) under the
+assumptions that describe the code the run measured (``code_of``): today's code is ``FIRST_PRINCIPLES`` (what
+fp4moe.train keeps); the archives of commit 38f25cd (and the older NCCL one) measured ``MEASURED_CODE``, today's plus
+two wastes found in their memory traces and removed since (``memory.MemoryAssumptions``:
 ``expert_backward_keeps_dead``, ``norm_cache_keeps_bf16``). Nothing is fitted to the peaks. The table also gives
-the prediction for the current code (``FIRST_PRINCIPLES``), which the next H200 runs check. No torch import.
+each run's prediction for today's code. No torch import.
 """
 from __future__ import annotations
 
@@ -28,22 +29,26 @@ import re
 import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from omegaconf import OmegaConf
 
 from .memory import GB, MemoryAssumptions, per_gpu_memory, per_stage_memory
 
 ROOT = Path(__file__).resolve().parents[3]
-ARCHIVES = (
+ARCHIVES = (   # one GPU
     "results/train_proxy/proxy_t1_probe_h200_2026-11-30_38f25cd.json",   # 3 recipes x 5 scopes, micro-batch 16, 32
     "results/train_proxy/proxy_t1_h200_2026-11-30_38f25cd.json",         # T1 cells at 32, 40, 64
+    "results/train_proxy/proxy_t1_probe_h200_2026-11-30_61f1fcb.json",   # the probe again, on today's code
+    "results/train_proxy/proxy_t1_h200_2026-11-30_61f1fcb.json",         # equal-scope pairs at 32, mla_up_proj 40 / 64
 )
-# One code version: runs before 38f25cd measured other code (results/train_proxy/README.md: the MoE layer's forward
-# kept more rows alive; before 924b9ef a leaked micro-batch), so they are not part of the 5 % check.
-# The runs over NCCL (EP2 x DP2, PP2) of 924b9ef: shown in a table of their own, outside the check, until they run
-# again on today's code (tools/device/README.md).
-NCCL_ARCHIVES = ("results/train_proxy/proxy_nccl_h200x2_2026-11-30_924b9ef.json",)
+# Runs before 38f25cd measured other code (results/train_proxy/README.md: the MoE layer's forward kept more rows
+# alive; before 924b9ef a leaked micro-batch), so they are not part of the 5 % check.
+# Two H200s over NCCL (EP2 x DP2, PP2): a table of their own. 61f1fcb's are in the 5 % check; 924b9ef's (older code:
+# the MoE forward kept more rows alive, bf16 logged no routing) are shown outside it (OUTSIDE_CHECK).
+NCCL_ARCHIVES = ("results/train_proxy/proxy_nccl_h200x2_2026-11-30_61f1fcb.json",
+                 "results/train_proxy/proxy_nccl_h200x2_2026-11-30_924b9ef.json")
+OUTSIDE_CHECK = ("proxy_nccl_h200x2_2026-11-30_924b9ef.json",)
 DEFAULT_OUT = "results/scale/calibration.md"
 TARGET_PCT = 5.0  # issue 6: predicted peak within 5 % of measured for every recipe x recompute cell run
 GROUPS = ("model", "parallel", "precision", "recompute")
@@ -55,6 +60,15 @@ FIRST_PRINCIPLES = MemoryAssumptions(main_grad_resident="after_first_micro_batch
 # The code the archives measured (commit 38f25cd): the routed experts' backward kept an unused [R, H] GEMM output,
 # dZ and the decoded H until it returned; the norm checkpoints kept their BF16 input beside the MXFP4 cache.
 MEASURED_CODE = replace(FIRST_PRINCIPLES, expert_backward_keeps_dead=True, norm_cache_keeps_bf16=True)
+# The code each archive measured, where it is not today's (by file name)
+CODE_OF = {"proxy_t1_probe_h200_2026-11-30_38f25cd.json": MEASURED_CODE,
+           "proxy_t1_h200_2026-11-30_38f25cd.json": MEASURED_CODE,
+           "proxy_nccl_h200x2_2026-11-30_924b9ef.json": MEASURED_CODE}
+
+
+def code_of(archive: str) -> MemoryAssumptions:
+    """The model's assumptions for the code an archive (file name) measured: ``CODE_OF``, else today's."""
+    return CODE_OF.get(Path(archive).name, FIRST_PRINCIPLES)
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,9 @@ def load_cells(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT) -> 
             if not saved:
                 continue
             cfg = cfg_from_params(r["params"])
+            # fp4moe.train has never sharded the optimizer state; runs before 2026-11-30's refusal logged the EP
+            # configs' distributed_optimizer=true all the same (their step started 0.92 GiB above a sharded model)
+            cfg["parallel"]["distributed_optimizer"] = False
             peak = m.get("summary/peak_mem_allocated_gb")
             start = m.get("summary/mem_allocated_at_step_start_gb")
             oom = t.get("outcome") == "OOM"
@@ -162,7 +179,7 @@ def load_cells(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT) -> 
 class Row:
     cell: Cell
     pred_saved_bytes: int
-    pred_peak_gib: float           # the model for the code the run measured (MEASURED_CODE)
+    pred_peak_gib: float           # the model for the code the run measured (code_of)
     pred_phase: str                # where that peak is: 'head', 'moe_forward' or 'backward'
     pred_static_gib: float = 0.0   # weights + gradients + optimizer state: what a step begins with
     pred_peak_now_gib: float = 0.0  # the same run with today's code (FIRST_PRINCIPLES)
@@ -181,18 +198,25 @@ class Row:
         e = self.peak_err_pct()
         return None if e is None else abs(e) <= TARGET_PCT
 
+    @property
+    def checked(self) -> bool:
+        """Part of the 5 % check (a measured peak, from an archive not in OUTSIDE_CHECK)."""
+        return self.cell.peak_gib is not None and Path(self.cell.archive).name not in OUTSIDE_CHECK
 
-def table(cells: Sequence[Cell] | None = None, measured: MemoryAssumptions = MEASURED_CODE,
+
+def table(cells: Sequence[Cell] | None = None, measured: MemoryAssumptions | None = None,
           now: MemoryAssumptions = FIRST_PRINCIPLES) -> list[Row]:
-    """One row per cell. Under PP the measured saved bytes are summed over the stages (the trainer logs the whole
-    model's) and the measured peak is the largest over the GPUs: so are the predictions (per_stage_memory)."""
+    """One row per cell, predicted for the code the run measured (``measured``, default: ``code_of`` its archive)
+    and for today's (``now``). Under PP the measured saved bytes are summed over the stages (the trainer logs the
+    whole model's) and the measured peak is the largest over the GPUs: so are the predictions (per_stage_memory)."""
     cells = load_cells() if cells is None else cells
     rows = []
     for c in cells:
         cfg = OmegaConf.create(c.cfg)
+        code = code_of(c.archive) if measured is None else measured
         # the routing each run measured: its first step's for the saved bytes, the largest for the peak
-        first = replace(measured, expert_rows_factor=c.rows_factor_first or 1.0)
-        top, top_now = (replace(x, expert_rows_factor=c.rows_factor_max or 1.0) for x in (measured, now))
+        first = replace(code, expert_rows_factor=c.rows_factor_first or 1.0)
+        top, top_now = (replace(x, expert_rows_factor=c.rows_factor_max or 1.0) for x in (code, now))
         stages = per_stage_memory(cfg, top)
         b = max(stages, key=lambda x: x.total_bytes)
         static = (b.params_bytes + b.grads_bytes + b.optimizer_bytes) / GB
@@ -206,41 +230,39 @@ NOTES = """
 
 - **Saved activations: solved** (to 76 B per micro-batch for bf16 and mxfp4; within 0.05 % for fp8, whose FP8
   column copies are padded to 128 rows per expert by the real, uneven routing; the model uses the expected padding).
-- **Peak: every cell within 5 %, from tensor shapes.** The model takes the largest of three phases instead of adding
-  every transient it knows (fp4moe.scale.memory, part (e)):
-  - *head*: the BF16 logits [T, V] beside the saved fp32 softmax. bf16 none / attn_ln_mlp / mla_up_proj peak here
-    (-0.1 to -0.2 %).
-  - *the last MoE layer's forward*: its dispatch buffers, while the head's saved tensors do not exist yet. No cell
+- **Peak: every run within 5 %, from tensor shapes**, on one GPU and over NCCL (EP2 x DP2, PP2), for two code
+  versions. The model takes the largest of three phases instead of adding every transient it knows
+  (fp4moe.scale.memory, part (e)):
+  - *head*: the BF16 logits [T, V] beside the saved fp32 softmax. bf16 none / mla_up_proj peak here (-0.1 to -0.2 %).
+  - *the last MoE layer's forward*: its dispatch buffers, while the head's saved tensors do not exist yet. No run
     peaks here since the recipe MoE layer frees each stage's rows early.
-  - *its routed experts' backward*: every other cell. In fp4moe's grouped experts (fp8, mxfp4) the peak is fc1's
-    dgrad: dY [R, H], dH [R, 2F] and its FP8 rows, dX [R, H]; in megatron's SequentialMLP (bf16) dY, the per-expert
-    dX pieces and their concatenation. Plus the layer's output and input gradients (2 x [T, H]), minus the head's
-    saved tensors (freed by then), plus what the scope recomputed there: attn_ln_experts the experts' tensors and
-    the checkpoint's recomputed output [R, H] (bf16: the recomputation's forward, which ends with the recomputed
-    pieces and their concatenation beside dY, is the larger), full the whole layer.
-- **Two wastes found this way, removed since** (the *peak now* column is the model without them; not yet measured):
-  - The grouped experts' backward kept dead buffers at its peak: the FP8 GEMM wrapper allocated an [R, H] output
-    that the Triton kernel never wrote (it returns its own), and dZ [R, F] and the decoded MXFP4 H [R, 2F] stayed
-    referenced until the backward returned. 1.5 [R, H] buffers for fp8, 2.5 for mxfp4: 3 / 5 GiB at micro-batch 16
-    (fp4moe.ops.grouped_experts; bit-exact).
-  - Under mxfp4's recompute caches (attn_ln_*), every norm input [T, H] stayed BF16 beside its MXFP4 copy. megatron's
-    output-discarding checkpoint saves its inputs as leaves that require grad, and autograd keeps such a saved leaf
-    alive itself (its gradient accumulator holds it) whatever a pack hook returns. So the cache added an MXFP4 copy
-    instead of replacing the BF16 tensor: 2 x [T, H] per layer, 2 GiB at micro-batch 16. The memory traces pointed at
-    it: at the same peak phase, mxfp4 attn_ln_mlp held more than mxfp4 none per saved byte. fp4moe.model.recompute now
-    saves them plain (test: `test_mxfp4_norm_cache_replaces_the_bf16_input`; gradients bit-identical).
-- **What the model still leaves out** (all cells are under-predicted by 0-4.5 %):
+  - *the routed experts' backward*: every other run. In fp4moe's grouped experts (fp8, mxfp4) the larger of fc1's
+    dgrad (dY [R, H], dH [R, 2F] and its FP8 rows, dX [R, H]) and fc1's wgrad after it (dY, dH, dX, dH's FP8
+    column copy, and under mxfp4 x's FP8 column copy rebuilt from its MXFP4 copy); in megatron's SequentialMLP
+    (bf16) dY, the per-expert dX pieces and their concatenation. Plus the layer's output and input gradients
+    (2 x [T, H]), minus the head's saved tensors (freed by then), plus what the scope recomputed there:
+    attn_ln_experts the experts' tensors and the checkpoint's recomputed output [R, H]; attn_ln_* the pre-MLP norm's
+    recomputed output twice (megatron's `CheckpointWithoutOutput._recompute` keeps its recomputation's output and
+    refills the discarded storage with a copy) and, under mxfp4's caches, its decoded input; full the whole layer,
+    at the MoE layer where the BF16 gradients made so far outweigh the activations freed (the first one).
+- **The 2026-11-30 prediction for today's code, checked (61f1fcb rows).** The two wastes removed after 38f25cd
+  (the grouped experts' backward kept dead buffers; mxfp4's norm caches kept the BF16 input too) came off as the
+  saved bytes and the first-principles terms said for fp8 (attn_ln_mlp at 32: 85.5 -> 79.6 GiB, predicted 78.5) but
+  not fully for mxfp4 (55.9 -> 44.1 GiB, predicted 40.4: -8.4 %). The mxfp4 runs then peaked in two places the model
+  had not listed, both hidden before under the larger dead buffers: fc1's wgrad, where x's FP8 column copy is
+  rebuilt from MXFP4 (+2 GiB at 32), and the pre-MLP norm's recompute under attn_ln_* (3 x [T, H], which fp8 has
+  too, 2 x [T, H]). With them, every cell of both code versions is within 5 %.
+- **EP2 x DP2: the missing GiB at step start was the optimizer.** The EP runs began each step 0.9-1.1 GiB above the
+  static prediction. The memory trace of an EP2 run (mem2) shows why: fp4moe.train keeps the fp32 master weights
+  and Adam moments of every parameter on every data-parallel rank (5.22 GiB on GPU 0), while the config said
+  `distributed_optimizer: true` and the model sharded the dense ones over DP2 (4.30 GiB). The trainer now refuses
+  that setting with data > 1 (it never sharded), the two- and eight-GPU configs say false, and the model predicts
+  what ran: all six 61f1fcb NCCL runs within 5 % (-3.9 to +1.3 %).
+- **What the model still leaves out** (runs are under-predicted by up to 4.4 %):
   - cuBLAS/cuDNN workspaces and the kernels' cached launch tables: the measured step start is 0.08-0.27 GiB above
     the static prediction and grows with the micro-batch;
-  - under full recompute, the recomputed layer's forward transients (-2.5 to -4.5 %, the largest errors).
-- **Over NCCL, not part of the check yet** (the second table: older code, to be run again):
-  - PP2 (1F1B, 4 micro-batches): within -4.3 %, with the saved bytes exact when summed over the stages.
-  - EP2 x DP2: GPU 0's experts received 16-24 % more rows than balanced routing gives (the run's own all-to-all
-    metrics). With those rows the saved bytes agree within 0.11 % and the peak within -3.7 % (fp8) and -5.2 %
-    (mxfp4).
-  - bf16's dispatcher (megatron's) logs no routing: -7.7 % saved, -17.7 % peak with balanced rows.
-  - What remains under EP: a step began with 1.0-1.1 GiB more than the static prediction (not attributed yet).
-  - The 8-GPU runs of issue 7 are still to come.
+  - under full recompute, 1.0-1.5 GiB more at the peak than modelled, at both micro-batches (-2.5 to -4.4 %).
+- The 8-GPU runs of issue 7 are still to come.
 """
 
 
@@ -268,30 +290,37 @@ def _layout(c: Cell) -> str:
 
 
 def render_nccl(rows: Sequence[Row]) -> list[str]:
-    """The NCCL runs' table (outside the 5 % check: older code, and EP / PP not modelled in full yet)."""
+    """The table of the runs over NCCL (EP2 x DP2, PP2 on two H200s); rows of OUTSIDE_CHECK archives are marked."""
     if not rows:
         return []
-    lines = ["", "## Runs over NCCL (two H200s; code 924b9ef, outside the 5 % check)", "",
-             "Older code than the table above (the MoE forward kept more rows alive; the experts' backward and the "
-             "norm caches as above). Saved bytes: the whole model's (PP: summed over the stages; EP: GPU 0's, whose "
-             "routed rows follow the real routing); peak: the largest over the GPUs; the prediction likewise (its static "
-             "part is that of the predicted peak's stage; the measured step start is GPU 0's). Under EP the model "
-             "takes the rows GPU 0's experts received, from the run's own all-to-all metrics (received / sent "
-             "bytes of the dispatch): the first step's for the saved bytes, the largest measured step's for the "
-             "peak; megatron's dispatcher (bf16) does not log them, so bf16 assumes balanced routing. "
-             + ", ".join(f"`{a}`" for a in sorted({r.cell.archive for r in rows})) + ".", "",
-             "| recipe | recompute | layout (micro-batches per GPU x size) | rows received / sent (first, max) | "
+    archives = sorted({r.cell.archive for r in rows})
+    lines = ["", "## Runs over NCCL (two H200s)", "",
+             "Saved bytes: the whole model's (PP: summed over the stages; EP: GPU 0's, whose routed rows follow the "
+             "real routing); peak: the largest over the GPUs; the prediction likewise (its static part is that of "
+             "the predicted peak's stage; the measured step start is GPU 0's). Under EP the model takes the rows GPU "
+             "0's experts received, from the run's own all-to-all metrics (routed rows, or before 4cc9235 the recipe "
+             "dispatcher's bytes): the first step's for the saved bytes, the largest measured step's for the peak. "
+             "The optimizer state is replicated over the data-parallel ranks, as fp4moe.train keeps it. "
+             f"In the {TARGET_PCT:g} % check: the runs of today's code; not: "
+             + ", ".join(f"`{a}`" for a in archives if Path(a).name in OUTSIDE_CHECK)
+             + " (older code: the MoE forward kept more rows alive; megatron's bf16 dispatcher logged no routing, "
+             "so that bf16 run assumes balanced routing). Archives: " + ", ".join(f"`{a}`" for a in archives) + ".",
+             "",
+             "| code | recipe | recompute | layout (micro-batches per GPU x size) | rows received / sent (first, max) | "
              "step start meas. (GiB) | static pred. (GiB) | "
-             "saved meas. (GB) | saved pred. (GB) | saved err % | peak meas. (GiB) | peak pred. (GiB) | err % | phase |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "saved meas. (GB) | saved pred. (GB) | saved err % | peak meas. (GiB) | peak pred. (GiB) | err % | phase | "
+             f"within {TARGET_PCT:g} % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r.cell
         routing = ("not logged" if c.rows_factor_first is None
                    else f"{c.rows_factor_first:.3f}, {c.rows_factor_max:.3f}")
-        lines.append(f"| {c.recipe} | {c.scope} | {_layout(c)} | {routing} | {_f(c.step_start_gib, '.2f')} | "
+        w = "outside" if not r.checked else ("yes" if r.within_target else "no")
+        lines.append(f"| {_archive_commit(c.archive)} | {c.recipe} | {c.scope} | {_layout(c)} | {routing} | "
+                     f"{_f(c.step_start_gib, '.2f')} | "
                      f"{r.pred_static_gib:.2f} | {c.saved_bytes / 1e9:.3f} | {r.pred_saved_bytes / 1e9:.3f} | "
                      f"{r.saved_err_pct:+.2f} | {_f(c.peak_gib, '.2f')} | {r.pred_peak_gib:.2f} | "
-                     f"{_f(r.peak_err_pct(), '+.1f')} | {r.pred_phase} |")
+                     f"{_f(r.peak_err_pct(), '+.1f')} | {r.pred_phase} | {w} |")
     return lines
 
 
@@ -300,7 +329,7 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
     date = date or _dt.date.today().isoformat()
     commit = commit or _git_head()
     archives = sorted({r.cell.archive for r in rows})
-    n_peak = [r for r in rows if r.cell.peak_gib is not None]
+    n_peak = [r for r in (*rows, *nccl_rows) if r.checked]
     ok = [r for r in n_peak if r.within_target]
     errs = [r.peak_err_pct() for r in n_peak]
     lo, hi = (min(errs), max(errs)) if errs else (0.0, 0.0)
@@ -308,9 +337,10 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
     lines = [
         "# The memory model against the H200 proxy runs (issue 6, P5)",
         "",
-        f"Written by `python -m fp4moe.scale.calibration` on {date} at commit {commit}. Measured: one NVIDIA H200, "
+        f"Written by `python -m fp4moe.scale.calibration` on {date} at commit {commit}. Measured: NVIDIA H200s, "
         "torch 2.11.0+cu130, megatron-core 0.16.1, model `proxy_h200` (4 layers, 1 dense + 3 MoE with 32 experts "
-        "top-8, hidden 2048, MLA, vocabulary 16384), one GPU, sequence 4096, FP8 on every linear "
+        "top-8, hidden 2048, MLA, vocabulary 16384), one GPU (first table) or two over NCCL (second table), "
+        "sequence 4096, FP8 on every linear "
         "(`precision.scope=all_linears`).",
         "",
         "Archives (results/train_proxy/, the commit each was measured at is in its name): "
@@ -320,26 +350,29 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
         "(`saved_activation_bytes_per_micro_batch`, fp4moe.ops.accounting) vs the model's "
         "`per_microbatch_activation_bytes`, in GB = 10^9 B (exact bytes: tests/scale/test_calibration.py).",
         "- **peak**: `torch.cuda.max_memory_allocated` in GiB (2^30 B) vs the model's `total_bytes` for the code "
-        "the run measured (`MEASURED_CODE`): static + saved + the largest of three phase transients (the head's "
-        "logits, the last MoE layer's forward, its experts' backward), from tensor shapes; nothing fitted to the "
-        "peaks. **phase**: where the model puts the peak.",
-        "- **peak now**: the model for the same run with today's code (`FIRST_PRINCIPLES`: the two wastes those runs "
-        "carried are removed): a prediction for the next H200 runs.",
+        "the run measured (**code**: 38f25cd = `MEASURED_CODE`, with the two wastes removed since; 61f1fcb = today's, "
+        "`FIRST_PRINCIPLES`): static + saved + the largest of three phase transients (the head's logits, the last "
+        "MoE layer's forward, the routed experts' backward), from tensor shapes; nothing fitted to the peaks. "
+        "**phase**: where the model puts the peak.",
+        "- **peak now**: the model for the same run with today's code (`FIRST_PRINCIPLES`). For the 38f25cd rows it "
+        "was the prediction that the 61f1fcb runs checked.",
         "",
-        f"Peak within {TARGET_PCT:g} %: {len(ok)} of {len(n_peak)} cells with a measured peak "
-        f"(errors {lo:+.1f} % to {hi:+.1f} %). The saved activations agree within {max_saved:.4f} % in all "
-        f"{len(rows)} runs.",
+        f"Peak within {TARGET_PCT:g} %: {len(ok)} of {len(n_peak)} runs with a measured peak, one GPU and NCCL "
+        f"together (errors {lo:+.1f} % to {hi:+.1f} %). The saved activations agree within {max_saved:.4f} % in "
+        f"all {len(rows)} one-GPU runs.",
         "",
-        "| recipe | recompute | micro-batch | global batch | outcome | step start meas. (GiB) | static pred. (GiB) | "
+        "| code | recipe | recompute | micro-batch | global batch | outcome | step start meas. (GiB) | "
+        "static pred. (GiB) | "
         "saved meas. (GB) | saved pred. (GB) | saved err % | peak meas. (GiB) | peak pred. (GiB) | err % | "
         f"phase | within {TARGET_PCT:g} % | peak now pred. (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r.cell
         w = r.within_target
         lines.append(
-            f"| {c.recipe} | {c.scope} | {c.micro_batch} | {c.global_batch} | {c.outcome} | "
+            f"| {_archive_commit(c.archive)} | {c.recipe} | {c.scope} | {c.micro_batch} | {c.global_batch} | "
+            f"{c.outcome} | "
             f"{_f(c.step_start_gib, '.2f')} | {r.pred_static_gib:.2f} | {c.saved_bytes / 1e9:.3f} | "
             f"{r.pred_saved_bytes / 1e9:.3f} | {r.saved_err_pct:+.3f} | {_f(c.peak_gib, '.2f')} | "
             f"{r.pred_peak_gib:.2f} | {_f(r.peak_err_pct(), '+.1f')} | {r.pred_phase} | "

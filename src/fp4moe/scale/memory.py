@@ -115,9 +115,12 @@ Recompute transient: while a layer's backward runs, what the scope recomputed ex
 micro-batch. At the routed experts' backward (part (e)) that is: attn_ln_experts, the experts' recomputed tensors
 (``expert_swiglu_in``, ``expert_fc2_in``, and ``expert_fc1_in`` when its format differs from the checkpoint's kept
 input) plus the recomputed output [R,H] bf16 that the checkpoint holds through the backward; full, the whole layer
-(saved under none - saved under full) plus its output [T,H]; the other scopes recompute nothing of the MoE layer
-that is live there (their attention / norm recomputation runs later, in the attention's backward). A dense layer's
-is (saved under none - saved under scope).
+(saved under none - saved under full) plus its output [T,H]; attn_ln_experts and attn_ln_mlp, the pre-MLP norm's
+output-discarding checkpoint, recomputed when the MoE layer's output gradient arrives: megatron's
+``CheckpointWithoutOutput._recompute`` keeps its recomputation's output [T,H] and refills the discarded output's
+storage with a copy (2 x [T,H] bf16), plus the decoded input [T,H] when its cache is MXFP4; the attention's and the
+input norm's recomputation runs later, in the attention's backward. A dense layer's is (saved under none - saved
+under scope).
 
 (c) Micro-batches in flight (1F1B)
 ----------------------------------
@@ -144,14 +147,19 @@ from first principles: ``MemoryAssumptions.a2a_static_buffer_bytes`` (0 until me
     moe_forward   the last MoE layer's dispatch buffers (d) - the head's saved tensors (not allocated yet then).
     backward      the routed experts' backward (``expert_backward``) + what the scope recomputed there (above)
                   - the head's saved tensors (freed by then); on a stage without a MoE layer, its dense layers'
-                  recompute transient + 2 x [T,H] instead.
+                  recompute transient + 2 x [T,H] instead. Taken at the MoE layer where it is largest: without
+                  pipelining fp4moe.train keeps every BF16 .grad until the step, so a deeper layer adds the
+                  gradients of the layers after it and frees their saved activations (``backward_depth_bytes``:
+                  > 0 under full recompute, whose layers save little; the last MoE layer otherwise).
 
 ``expert_backward``, the tensors live at the experts' backward peak besides the saved ones, per MoE layer and
 micro-batch (R rows on the GPU, H hidden, F expert FFN, all bf16 unless said):
-    fp8 / mxfp4 (fp4moe.ops.grouped_experts, peak at fc1's dgrad): dY [R,H] (the combine's gradient), dH [R,2F],
-        its FP8 rows [R,2F] + 1x128 scales, dX [R,H]; the code measured up to commit 38f25cd also kept an unused
-        [R,H] output buffer in the FP8 GEMM wrapper, dZ [R,F] and (activation_fp4_store) the decoded H [R,2F]
-        (``MemoryAssumptions.expert_backward_keeps_dead``).
+    fp8 / mxfp4 (fp4moe.ops.grouped_experts): the larger of fc1's dgrad, dY [R,H] (the combine's gradient),
+        dH [R,2F], its FP8 rows [R,2F] + 1x128 scales, dX [R,H], and fc1's wgrad after it, dY, dH, dX, dH's FP8
+        column copy [2F,Mp] + scales and, when x was saved as MXFP4, x's FP8 column copy [H,Mp] + scales rebuilt
+        from it (mxfp4: the wgrad is the larger); the code measured up to commit 38f25cd also kept an unused
+        [R,H] output buffer in the FP8 GEMM wrapper (dgrad), dZ [R,F] and (activation_fp4_store) the decoded H
+        [R,2F] (``MemoryAssumptions.expert_backward_keeps_dead``).
     bf16 (megatron's SequentialMLP): dY, the per-expert dX pieces and their concatenation, 3 x [R,H]; under
         attn_ln_experts its recomputation's forward peaks at the concatenation of the recomputed outputs: dY + the
         recomputed tensors + the pieces and their concatenation, if that is larger.
@@ -650,12 +658,17 @@ class Breakdown:
     head_saved_bytes: int = 0
     # activations alive besides the saved ones, all micro-batches in flight (MemoryAssumptions.norm_cache_keeps_bf16)
     held_bytes: int = 0
+    # the backward phase at the MoE layer where it is largest, relative to the last one: BF16 gradients of the
+    # parameters after that layer (fp4moe.train without pipelining keeps each .grad until the step) minus the saved
+    # activations of the layers after it (freed by then); > 0 when the scope saves little (full), else 0
+    backward_depth_bytes: int = 0
 
     @property
     def phases(self) -> dict[str, int]:
         """Transient bytes above static + saved at each candidate peak (module docstring, (e)); negative: that
         phase holds less than all saved activations (the head's are not live there)."""
-        out = {"backward": self.expert_backward_bytes + self.recompute_transient_bytes - self.head_saved_bytes}
+        out = {"backward": self.expert_backward_bytes + self.recompute_transient_bytes - self.head_saved_bytes
+               + self.backward_depth_bytes}
         if self.a2a_buffers_bytes:
             out["moe_forward"] = self.a2a_buffers_bytes - self.head_saved_bytes
         if self.loss_transient_bytes:
@@ -730,16 +743,36 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
         backward = 3 * rows_h
         recompute_fwd = rows_h + recomputed + 2 * rows_h if recomputed else 0
         return max(backward, recompute_fwd) + grads
+    _, _, mp = _expert_rows(d, a.expert_padding)
+
+    def fp8_col(k: int) -> int:                # an FP8 column copy [k, Mp] + its 1x128 scales
+        return k * mp + FP8_SCALE_BYTES * k * mp // FP8_GROUP
+
     dh = BF16 * r * 2 * f
     dh_rows = r * 2 * f + FP8_SCALE_BYTES * r * (2 * f // FP8_GROUP)
-    live = rows_h + dh + dh_rows + rows_h      # dY, dH, dH's FP8 rows, dX (fc1's dgrad output)
+    dgrad = rows_h + dh + dh_rows + rows_h     # fc1's dgrad: dY, dH, dH's FP8 rows, dX (its output)
+    # fc1's wgrad, after it: dY, dH, dX, dH's FP8 column copy, and x's FP8 column copy when x was saved as MXFP4
+    # (rebuilt by FP4RowToFP8Col; an FP8 recipe saved it, counted in the saved bytes)
+    x_col = fp8_col(h) if (recipe.expert_input_fp4 or recipe.save_fp4) else 0
+    wgrad = rows_h + dh + rows_h + fp8_col(2 * f) + x_col
     if a.expert_backward_keeps_dead:
-        live += rows_h + BF16 * r * f          # the GEMM wrapper's unused output buffer, dZ
-        if recipe.activation_fp4_store:
-            live += BF16 * r * 2 * f           # the decoded H
+        dead = BF16 * r * f + (BF16 * r * 2 * f if recipe.activation_fp4_store else 0)  # dZ, the decoded H
+        dgrad += rows_h + dead                 # + the GEMM wrapper's unused output buffer
+        wgrad += dead
+    live = max(dgrad, wgrad)
     if recomputed:
         live += recomputed + rows_h            # + the checkpoint's recomputed output, held through its backward
     return live + grads
+
+
+def _norm_recompute(d: _Dims, recipe: Recipe, scope: str) -> int:
+    """Bytes the pre-MLP norm's output-discarding checkpoint holds through the MoE layer's backward under the
+    attn_ln_* scopes (module docstring, "Recompute transient"): megatron's ``CheckpointWithoutOutput._recompute``
+    keeps its recomputation's output [T, H] and refills the discarded output's storage with a copy (2 x [T, H]
+    bf16), and runs on the decoded input [T, H] bf16 when the cache is MXFP4 (``recompute_cache_fp4``)."""
+    if scope not in ("attn_ln_experts", "attn_ln_mlp"):
+        return 0
+    return (3 if recipe.recompute_cache_fp4 else 2) * BF16 * d.t_hid * d.h
 
 
 def _moe_recomputed(none_moe: list[SavedTensor], scoped: list[SavedTensor], scope: str, d: _Dims) -> int:
@@ -754,6 +787,32 @@ def _moe_recomputed(none_moe: list[SavedTensor], scoped: list[SavedTensor], scop
     if scope == "full":
         return sum(t.bytes for t in none_moe) - sum(t.bytes for t in scoped) + BF16 * d.t_hid * d.h
     return 0
+
+
+def _backward_depth(letters: str, first_layer: int, d: _Dims, tensors: list, a: MemoryAssumptions) -> int:
+    """``Breakdown.backward_depth_bytes`` of a single-stage run (module docstring, (e)): the largest, over the MoE
+    layers, of BF16 gradients of the parameters after the layer minus the saved activations of the transformer
+    layers after it, relative to the last MoE layer. 0 when the FP32 main gradients take every gradient as it is
+    made (``main_grad_resident='always'``: counted in the grads)."""
+    if a.main_grad_resident == "always":
+        return 0
+    saved: dict[int, int] = {}
+    for tag, t in tensors:
+        if tag.startswith("t"):
+            saved[int(tag[1:])] = saved.get(int(tag[1:]), 0) + t.bytes
+    best, layer, moe_layers = None, first_layer, []
+    for j, c in enumerate(letters):
+        if c != "t":
+            continue
+        if layer >= d.first_dense:
+            dn, ex = _stage_params(letters[j + 1:], layer + 1, d)
+            after = sum(b for k, b in saved.items() if k > layer)
+            moe_layers.append(round((dn + ex) * a.param_bytes) - after)
+        layer += 1
+    if not moe_layers:
+        return 0
+    best = max(moe_layers)
+    return max(0, best - moe_layers[-1])
 
 
 def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> list[Breakdown]:
@@ -787,7 +846,8 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
     moe_recomputed = _moe_recomputed(none_layer["moe"], per_layer["moe"], scope, d)
     expert_recomputed = moe_recomputed if scope == "attn_ln_experts" else 0
     expert_bwd = _expert_backward(d, recipe, a, expert_recomputed)
-    moe_rec = 0 if scope == "attn_ln_experts" else moe_recomputed   # (ale: inside expert_bwd)
+    moe_rec = (0 if scope == "attn_ln_experts" else moe_recomputed) + _norm_recompute(d, recipe, scope)  # (ale:
+    # the experts' recomputed tensors are inside expert_bwd)
 
     def chunk(i: int):
         letters, layer = stages[i], firsts[i]
@@ -834,6 +894,7 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
         n_layers = sum(stages[i].count("t") + stages[i].count("m") for i in chunks)
         held_per_mb = (2 * BF16 * d.t_hid * d.h * n_layers if a.norm_cache_keeps_bf16 and recipe.recompute_cache_fp4
                        and scope in ("attn_ln_experts", "attn_ln_mlp") else 0)
+        depth = _backward_depth(stages[chunks[0]], firsts[chunks[0]], d, tensors, a) if pp == 1 and vpp == 1 else 0
         opt_per = 0 if a.optimizer_offload else a.main_param_bytes + a.adam_state_bytes
         opt = opt_per * (dense_p / (dp if dist_opt else 1) + expert_p / (edp if dist_opt else 1))
         out.append(Breakdown(
@@ -846,7 +907,8 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
             static_buffers_bytes=a.allocator_overhead_bytes + (a.a2a_static_buffer_bytes if has_moe else 0),
             per_microbatch_activation_bytes=per_mb, dense_params=dense_p, expert_params=expert_p, tensors=tensors,
             loss_transient_bytes=BF16 * d.t_tok * (d.vocab // d.tp) if has_head else 0,
-            expert_backward_bytes=expert_bwd if has_moe else 0, head_saved_bytes=head_saved))
+            expert_backward_bytes=expert_bwd if has_moe else 0, head_saved_bytes=head_saved,
+            backward_depth_bytes=depth if has_moe else 0))
     return out
 
 
