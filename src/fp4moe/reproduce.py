@@ -14,7 +14,7 @@ Steps, in order:
      (``fp4moe.reproduce_runs``: the tiny model on CPU, the H200 proxy's T1 and F5 twins on a Hopper GPU), each
      cell once, reusing the cells MLflow already holds (``--no-train`` skips them, ``--rerun`` repeats them);
   5. the report (``fp4moe.report``): every run in the MLflow store, beside the paper's numbers
-     (conf/paper/numbers.yaml) and the paper-scale model's prediction (checked on 1 GPU), written to
+     (conf/paper/numbers.yaml) and the paper-scale model's prediction (checked on 1-2 H200s), written to
      ``results/report/`` (Markdown, CSV, PNG); skipped, and said, where mlflow is not installed;
   6. a list of what is NOT YET IMPLEMENTED, by issue (P1 = issue 2 ... P6 = issue 7).
 

@@ -68,7 +68,7 @@ def test_t1_table_exact(report):
     assert "Same comparison, measured on M1: tokens/GPU/s 5200 -> 5800 (+11.5 %)." in t1
     # every source is named at the top
     for label in ("**paper**: `conf/paper/numbers.yaml`", "**measured**: runs in the MLflow store",
-                  "**model, checked on 1 GPU**: `fp4moe.scale`"):
+                  "**model, checked on 1-2 H200s**: `fp4moe.scale`"):
         assert label in md
 
 
@@ -110,7 +110,7 @@ def test_model_columns_are_labelled_and_show_oom(report_store):
     rep = build_report(report_store)
     pred = {(r["scope"], r["recipe"]): r for r in model_mod.t1_prediction(80.0)}
     lines = _table(_section(markdown(rep), "T1"))
-    assert lines[0].endswith("| model, checked on 1 GPU: peak GB | model, checked on 1 GPU: % of 80 GB |")
+    assert lines[0].endswith("| model, checked on 1-2 H200s: peak GB | model, checked on 1-2 H200s: % of 80 GB |")
     labels = {v["label"]: k for k, v in paper.load()["t1"]["scopes"].items()}
     for line in lines[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]

@@ -1,14 +1,14 @@
 """The paper-scale model's side of the report: fp4moe.scale's per-GPU memory for T1's cells, and what-ifs.
 
-Checked on one GPU: fp4moe.scale's peak memory is within 5 % of every single-GPU H200 proxy run
-(results/scale/calibration.md), not yet against runs over EP / PP, so every number from here is a prediction,
-labelled ``MODEL_LABEL``. GB here are fp4moe.scale's (2**30 B); "% of 80 GB" divides by 80 of them.
+Checked on one and two H200s: fp4moe.scale's peak memory is within 5 % of every H200 proxy run of the checked code
+versions, on one GPU and over NCCL (EP2 x DP2, PP2; results/scale/calibration.md), not at paper scale, so every
+number from here is a prediction, labelled ``MODEL_LABEL``. GB here are fp4moe.scale's (2**30 B); "% of 80 GB" divides by 80 of them.
 """
 from __future__ import annotations
 
 from typing import Any
 
-MODEL_LABEL = "model, checked on 1 GPU"
+MODEL_LABEL = "model, checked on 1-2 H200s"
 SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")
 RECIPES = ("bf16", "fp8", "mxfp4")
 

@@ -1,7 +1,7 @@
 """The report's tables as plain rows (dicts), from paper numbers, run records and model rows. No I/O here.
 
 Every row says where its numbers come from: ``source`` is ``paper (<numbers.yaml source>)``, ``measured`` (with
-the setup: hardware, model config, layout, MLflow run id) or ``model, checked on 1 GPU``. A value that does not exist
+the setup: hardware, model config, layout, MLflow run id) or ``model, checked on 1-2 H200s``. A value that does not exist
 is ``None`` with a ``status`` saying why (``OOM``, ``not measured``); nothing is filled in.
 """
 from __future__ import annotations

@@ -5,8 +5,9 @@ only (no torch).
 Every term is derived from first principles (tensor shapes x bytes per element, optimizer bytes per parameter,
 1F1B micro-batches in flight, the largest of three phase transients) and named; nothing is fitted.
 ``fp4moe.scale.calibration`` checks it against the measured H200 proxy runs (results/scale/calibration.md): the
-saved activations agree to within 0.05 % and the peak within 5 % in every single-GPU run; runs over EP / PP are
-not checked yet, so its paper-scale numbers are predictions of this arithmetic, not a reproduction.
+saved activations agree to within 0.15 % and the peak within 5 % in every run, on one GPU and on two over NCCL
+(EP2 x DP2, PP2); nothing at paper scale is checked, so its paper-scale numbers are predictions of this
+arithmetic, not a reproduction.
 
     memory.per_gpu_memory(cfg)      -> memory.Breakdown (the most loaded pipeline stage)
     memory.per_stage_memory(cfg)    -> one Breakdown per pipeline rank
