@@ -162,9 +162,10 @@ def markdown(rep: Report) -> str:
            "number names its hardware and scale; the MLflow run ids are in the CSV files.",
            f"- **{MODEL_LABEL}**: `fp4moe.scale`, the paper-scale memory model from first principles (DeepSeek-V3 "
            "671B, `conf/parallel/paper_671b.yaml`: TP1 PP32 EP8 DP8, micro-batch 1, seq 4096). Against the "
-           "single-GPU H200 proxy runs its saved activations agree tensor by tensor and its peak is within 5 % in "
-           "every cell (results/scale/calibration.md, issue 6); it is NOT yet checked against runs over PP or EP, "
-           "the layout these cells use, so they are predictions of its arithmetic, not results. GB = 2^30 B.", ""]
+           "H200 proxy runs, on one GPU and on two over NCCL (EP2 x DP2, PP2), its saved activations agree tensor "
+           "by tensor and its peak is within 5 % in every run (results/scale/calibration.md, issue 6); it is NOT "
+           "checked at this scale (32 pipeline stages, EP8, the distributed optimizer), so these cells are "
+           "predictions of its arithmetic, not results. GB = 2^30 B.", ""]
 
     # ---- T1
     out += ["## T1: throughput and peak memory per recompute scope x recipe", ""]
