@@ -800,19 +800,16 @@ def _backward_depth(letters: str, first_layer: int, d: _Dims, tensors: list, a: 
     for tag, t in tensors:
         if tag.startswith("t"):
             saved[int(tag[1:])] = saved.get(int(tag[1:]), 0) + t.bytes
-    best, layer, moe_layers = None, first_layer, []
+    layer, depth = first_layer, []   # per MoE layer: gradients made before its backward - activations freed
     for j, c in enumerate(letters):
         if c != "t":
             continue
         if layer >= d.first_dense:
             dn, ex = _stage_params(letters[j + 1:], layer + 1, d)
-            after = sum(b for k, b in saved.items() if k > layer)
-            moe_layers.append(round((dn + ex) * a.param_bytes) - after)
+            freed = sum(b for k, b in saved.items() if k > layer)
+            depth.append(round((dn + ex) * a.param_bytes) - freed)
         layer += 1
-    if not moe_layers:
-        return 0
-    best = max(moe_layers)
-    return max(0, best - moe_layers[-1])
+    return max(depth) - depth[-1] if depth else 0
 
 
 def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> list[Breakdown]:
