@@ -243,7 +243,8 @@ class MemoryAssumptions:
     norm_cache_keeps_bf16: bool = False
     # routed rows this GPU's experts receive, / T x k (the rows its own tokens send): 1 = balanced routing (on one
     # GPU exactly 1). A MEASURED routing statistic where a run logged it (fp4moe.scale.calibration reads it from the
-    # recipe dispatcher's a2a/dispatch_forward_received_bytes / _sent_bytes); scales every tensor of the experts'.
+    # trainer's a2a/dispatch_forward_received_rows / _sent_rows, or in older runs the recipe dispatcher's bytes);
+    # scales every tensor of the experts'.
     expert_rows_factor: float = 1.0
 
     def __post_init__(self):
@@ -919,9 +920,9 @@ def per_gpu_memory(cfg: Any, assumptions: MemoryAssumptions | None = None,
 
 
 def paper_t1_prediction(assumptions: MemoryAssumptions | None = None, gpu_memory_gb: float = 80.0) -> dict:
-    """This model's prediction of the T1 cells (checked on single-GPU H200 runs only, not under PP/EP): dsv3_671b with parallel=paper_671b (the likely
-    layout TP1 PP32 EP8 DP8, micro 1, seq 4096), recipes bf16/fp8/mxfp4 x scopes attn_ln_experts / attn_ln_mlp /
-    mla_up_proj. Returns ``{scope: {recipe: Breakdown}}``; ``fits(gpu_memory_gb)`` says OOM or not.
+    """This model's prediction of the T1 cells (checked on H200 runs on 1-2 GPUs, not at this scale): dsv3_671b
+    with parallel=paper_671b (the likely layout TP1 PP32 EP8 DP8, micro 1, seq 4096), recipes bf16/fp8/mxfp4 x
+    scopes attn_ln_experts / attn_ln_mlp / mla_up_proj. Returns ``{scope: {recipe: Breakdown}}``; ``fits(gpu_memory_gb)`` says OOM or not.
 
     Not tuned to the paper's 59-74 % figures; the report shows them side by side."""
     out: dict = {}

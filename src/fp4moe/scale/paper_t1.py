@@ -18,12 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from omegaconf import OmegaConf
-
 from .memory import MemoryAssumptions, compose_cfg, per_gpu_memory, per_stage_memory
 
 ROOT = Path(__file__).resolve().parents[3]
-NUMBERS = ROOT / "conf" / "paper" / "numbers.yaml"
 DEFAULT_OUT = "results/scale/paper_t1.md"
 GPU_GB = 80.0
 SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")
@@ -62,9 +59,12 @@ class Cell:
         return self.fits == (self.paper_pct is not None)
 
 
-def paper_cells(path: Path = NUMBERS) -> dict[tuple[str, str], float | None]:
-    t1 = OmegaConf.to_container(OmegaConf.load(path))["t1"]["cells"]
-    return {(s, r): (None if t1[s][r]["oom"] else float(t1[s][r]["peak_memory_pct"])) for s in SCOPES for r in RECIPES}
+def paper_cells() -> dict[tuple[str, str], float | None]:
+    """The paper's T1 peaks, % of 80 GB (None: OOM), read by fp4moe.report.paper, the one reader of numbers.yaml
+    (torch-free, light)."""
+    from fp4moe.report.paper import load, t1_cells
+
+    return {(c["scope"], c["recipe"]): (None if c["oom"] else float(c["peak_memory_pct"])) for c in t1_cells(load())}
 
 
 def cells(setups: dict[str, MemoryAssumptions] = SETUPS) -> list[Cell]:
