@@ -41,6 +41,8 @@ ARCHIVES = (   # one GPU
     "results/train_proxy/proxy_t1_h200_2026-11-30_38f25cd.json",         # T1 cells at 32, 40, 64
     "results/train_proxy/proxy_t1_probe_h200_2026-11-30_61f1fcb.json",   # the probe again, on today's code
     "results/train_proxy/proxy_t1_h200_2026-11-30_61f1fcb.json",         # equal-scope pairs at 32, mla_up_proj 40 / 64
+    "results/train_proxy/proxy_t1_probe_h200_2026-11-30_49a089e.json",   # the probe on 49a089e (RoPE cache fix)
+    "results/train_proxy/proxy_t1_h200_2026-11-30_49a089e.json",         # equal-scope pair at 32, mla_up_proj 40 / 64
 )
 # Runs before 38f25cd measured other code (results/train_proxy/README.md: the MoE layer's forward kept more rows
 # alive; before 924b9ef a leaked micro-batch), so they are not part of the 5 % check.
@@ -230,8 +232,8 @@ NOTES = """
 
 - **Saved activations: solved** (to 76 B per micro-batch for bf16 and mxfp4; within 0.05 % for fp8, whose FP8
   column copies are padded to 128 rows per expert by the real, uneven routing; the model uses the expected padding).
-- **Peak: every run within 5 %, from tensor shapes**, on one GPU and over NCCL (EP2 x DP2, PP2), for two code
-  versions. The model takes the largest of three phases instead of adding every transient it knows
+- **Peak: every run within 5 %, from tensor shapes**, on one GPU and over NCCL (EP2 x DP2, PP2), for three code
+  versions (38f25cd, 61f1fcb, 49a089e). The model takes the largest of three phases instead of adding every transient it knows
   (fp4moe.scale.memory, part (e)):
   - *head*: the BF16 logits [T, V] beside the saved fp32 softmax. bf16 none / mla_up_proj peak here (-0.1 to -0.2 %).
   - *the last MoE layer's forward*: its dispatch buffers, while the head's saved tensors do not exist yet. No run
@@ -252,6 +254,9 @@ NOTES = """
   had not listed, both hidden before under the larger dead buffers: fc1's wgrad, where x's FP8 column copy is
   rebuilt from MXFP4 (+2 GiB at 32), and the pre-MLP norm's recompute under attn_ln_* (3 x [T, H], which fp8 has
   too, 2 x [T, H]). With them, every cell of both code versions is within 5 %.
+- **49a089e: the probe and the equal-scope pair again, after the RoPE-cache fix and the trainer's HashStore.**
+  The saved bytes of mxfp4 mla_up_proj now match the model to the same 76 B as every other cell (61f1fcb's runs
+  saved 4 x 0.91 MB less: MLA's RoPE frequencies were packed to MXFP4). Every probe peak is within 0.02 GiB of 61f1fcb's.
 - **EP2 x DP2: the missing GiB at step start was the optimizer.** The EP runs began each step 0.9-1.1 GiB above the
   static prediction. The memory trace of an EP2 run (mem2) shows why: fp4moe.train keeps the fp32 master weights
   and Adam moments of every parameter on every data-parallel rank (5.22 GiB on GPU 0), while the config said
@@ -350,8 +355,9 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
         "(`saved_activation_bytes_per_micro_batch`, fp4moe.ops.accounting) vs the model's "
         "`per_microbatch_activation_bytes`, in GB = 10^9 B (exact bytes: tests/scale/test_calibration.py).",
         "- **peak**: `torch.cuda.max_memory_allocated` in GiB (2^30 B) vs the model's `total_bytes` for the code "
-        "the run measured (**code**: 38f25cd = `MEASURED_CODE`, with the two wastes removed since; 61f1fcb = today's, "
-        "`FIRST_PRINCIPLES`): static + saved + the largest of three phase transients (the head's logits, the last "
+        "the run measured (**code**: 38f25cd = `MEASURED_CODE`, with the two wastes removed since; 61f1fcb and "
+        "49a089e = today's, `FIRST_PRINCIPLES`; 61f1fcb still packed MLA's RoPE frequencies under mxfp4 "
+        "mla_up_proj): static + saved + the largest of three phase transients (the head's logits, the last "
         "MoE layer's forward, the routed experts' backward), from tensor shapes; nothing fitted to the peaks. "
         "**phase**: where the model puts the peak.",
         "- **peak now**: the model for the same run with today's code (`FIRST_PRINCIPLES`). For the 38f25cd rows it "
