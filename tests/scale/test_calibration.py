@@ -267,7 +267,7 @@ def test_pipeline_saved_bytes_are_summed_over_the_stages():
 def test_nccl_runs_of_todays_code_are_checked():
     """61f1fcb over NCCL: every recipe logs its routed rows (bf16 too), the saved bytes agree within 0.15 % (EP: GPU
     0's experts' rows; PP: summed over the stages) and every peak is within 5 %, with the optimizer state replicated
-    over DP as fp4moe.train keeps it (the runs' configs said distributed_optimizer=true; the trainer refuses that now)."""
+    over DP as fp4moe.train keeps it (the runs' configs said distributed_optimizer=true; the trainer of that commit never sharded)."""
     new = [a for a in cal.NCCL_ARCHIVES if a != OLD_NCCL]
     rows = cal.table(cal.load_cells(new))
     assert len(rows) == 6 and all(r.checked and r.within_target for r in rows)

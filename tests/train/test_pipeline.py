@@ -134,8 +134,6 @@ def test_ep2_dp2_pp2_mxfp4_equals_one_process(tmp_path, monkeypatch):
      r"parallel.virtual_pipeline=2: the interleaved \(virtual\) pipeline schedule is not supported"),
     (["parallel.pipeline=2", "parallel.pipeline_layout='Et|L'"], r"1 't' layers, model.num_layers = 2"),
     (["parallel.pipeline=2", "parallel.global_batch=3"], r"parallel.global_batch=3 is not a multiple"),
-    (["parallel.data=2", "parallel.distributed_optimizer=true"],
-     r"parallel.distributed_optimizer=true with parallel.data=2: fp4moe.train does not shard the optimizer"),
 ])
 def test_pipeline_config_mistakes_are_clear_errors(tmp_path, overrides, match):
     """Refused in preflight, before any process group exists (ConfigError naming the fix)."""

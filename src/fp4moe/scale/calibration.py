@@ -143,9 +143,11 @@ def load_cells(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT) -> 
             if not saved:
                 continue
             cfg = cfg_from_params(r["params"])
-            # fp4moe.train has never sharded the optimizer state; runs before 2026-11-30's refusal logged the EP
-            # configs' distributed_optimizer=true all the same (their step started 0.92 GiB above a sharded model)
-            cfg["parallel"]["distributed_optimizer"] = False
+            # fp4moe.train shards the optimizer state since it logs summary/optimizer_state_bytes; runs before
+            # that kept it replicated whatever the config said (the EP configs said distributed_optimizer=true:
+            # their step started 0.92 GiB above a sharded model)
+            if "summary/optimizer_state_bytes" not in m:
+                cfg["parallel"]["distributed_optimizer"] = False
             peak = m.get("summary/peak_mem_allocated_gb")
             start = m.get("summary/mem_allocated_at_step_start_gb")
             oom = t.get("outcome") == "OOM"
@@ -260,9 +262,9 @@ NOTES = """
 - **EP2 x DP2: the missing GiB at step start was the optimizer.** The EP runs began each step 0.9-1.1 GiB above the
   static prediction. The memory trace of an EP2 run (mem2) shows why: fp4moe.train keeps the fp32 master weights
   and Adam moments of every parameter on every data-parallel rank (5.22 GiB on GPU 0), while the config said
-  `distributed_optimizer: true` and the model sharded the dense ones over DP2 (4.30 GiB). The trainer now refuses
-  that setting with data > 1 (it never sharded), the two- and eight-GPU configs say false, and the model predicts
-  what ran: all six 61f1fcb NCCL runs within 5 % (-3.9 to +1.3 %).
+  `distributed_optimizer: true` and the model sharded the dense ones over DP2 (4.30 GiB). The trainer did not
+  shard then; the model predicts what ran (runs that do not log `summary/optimizer_state_bytes` are read as
+  unsharded; since 2026-11-30 the trainer shards when asked, fp4moe.train.optim): all six 61f1fcb NCCL runs within 5 % (-3.9 to +1.3 %).
 - **What the model still leaves out** (runs are under-predicted by up to 4.4 %):
   - cuBLAS/cuDNN workspaces and the kernels' cached launch tables: the measured step start is 0.08-0.27 GiB above
     the static prediction and grows with the micro-batch;

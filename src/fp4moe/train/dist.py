@@ -59,12 +59,6 @@ def check_supported(cfg: Any) -> None:
             f"{what}: not supported by fp4moe.train yet (it runs data, expert and pipeline parallelism: tensor, "
             "context and expert_tensor must be 1). Such layouts can be checked with "
             "`python -m fp4moe.launch dry-run` but not trained yet")
-    if bool(p.get("distributed_optimizer", False)) and int(p.get("data") or 1) > 1:
-        raise ConfigError(
-            f"parallel.distributed_optimizer=true with parallel.data={p.data}: fp4moe.train does not shard the "
-            "optimizer state yet (every data-parallel rank keeps the fp32 master weights and Adam moments of all its "
-            "parameters, 12 bytes each): set parallel.distributed_optimizer=false. The memory model "
-            "(fp4moe.scale.memory) predicts both layouts; `python -m fp4moe.launch dry-run` checks the sharded one")
     if int(p.get("virtual_pipeline") or 1) > 1:
         raise ConfigError(
             f"parallel.virtual_pipeline={p.virtual_pipeline}: the interleaved (virtual) pipeline schedule is not "

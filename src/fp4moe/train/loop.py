@@ -123,6 +123,18 @@ def apply_cluster_env(cfg: Any) -> dict[str, str]:
     return done
 
 
+
+def _shard_groups(cfg: Any) -> tuple[Any, Any] | None:
+    """The (data-parallel, expert-data-parallel) groups to shard the optimizer state over when
+    ``parallel.distributed_optimizer`` is set and either group has more than one rank; else None (unsharded)."""
+    if not bool(cfg.parallel.get("distributed_optimizer", False)):
+        return None
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    groups = (parallel_state.get_data_parallel_group(), parallel_state.get_expert_data_parallel_group())
+    return groups if any(dist.get_world_size(g) > 1 for g in groups) else None
+
 def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path | None = None,
           after_step: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
     """Train per the composed config ``cfg`` (conf/train.yaml and its groups).
@@ -382,7 +394,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     if dtype == torch.bfloat16:
         to_bf16_params(model)  # as megatron-core's Float16Module, router expert-bias state kept fp32
     mcfg = model.config
-    opt = Optimizer(model, t)
+    opt = Optimizer(model, t, shard_groups=_shard_groups(cfg))
     sched = Schedule(t, derived)
 
     # ---- resume
@@ -592,6 +604,11 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                 v = torch.tensor([summary[key]], dtype=torch.float64, device=device)
                 dist.all_reduce(v, op=dist.ReduceOp.MAX)
                 summary[key] = float(v.item())
+        # bytes of fp32 masters + AdamW moments on the fullest rank (the distributed optimizer shards them)
+        state = torch.tensor([float(opt.state_bytes())], dtype=torch.float64, device=device)
+        if info.world_size > 1:
+            dist.all_reduce(state, op=dist.ReduceOp.MAX)
+        summary["summary/optimizer_state_bytes"] = float(state.item())
         if result.losses:
             summary["summary/final_loss"] = result.losses[max(result.losses)]
         if result.eval_losses:

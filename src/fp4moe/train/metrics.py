@@ -21,7 +21,9 @@ whose id its checkpoint holds.
   ``summary/tgs_median``, ``summary/tgs_min``, ``summary/tgs_max``, ``summary/measured_steps``,
   ``summary/step_time_median_s``, ``summary/peak_mem_allocated_gb``, ``summary/peak_mem_reserved_gb``,
   ``summary/peak_mem_pct`` (% of the GPU's total memory), ``summary/mem_allocated_at_step_start_gb`` (the last
-  step's), ``summary/final_loss``, ``summary/final_eval_loss``.
+  step's), ``summary/optimizer_state_bytes`` (fp32 master weights + AdamW moments, bytes, the fullest rank's:
+  12 per parameter, divided by the shard group with ``parallel.distributed_optimizer``), ``summary/final_loss``,
+  ``summary/final_eval_loss``.
 """
 from __future__ import annotations
 

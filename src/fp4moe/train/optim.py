@@ -24,6 +24,16 @@ the one a single process computes. Under 1F1B the
 micro-batches' backward passes are run by megatron's schedule: :meth:`Optimizer.accumulate_in_backward` moves each
 BF16 gradient into its fp32 accumulator as soon as the backward pass has produced it (a post-accumulate-grad hook,
 as megatron-core's DDP does), so accumulation stays fp32 there too.
+
+Distributed optimizer (``parallel.distributed_optimizer=true``, megatron-core's memory layout: "6 + 12/d" bytes per
+parameter): the fp32 master weights and AdamW moments are sharded over the data-parallel group (dense parameters)
+and the expert-data-parallel group (routed experts). The parameters are cut into buckets of whole parameters (at
+most BUCKET_NUMEL elements each, padded to a multiple of the group size d); rank r owns the r-th 1/d of every bucket
+(:class:`ShardLayout`) and keeps fp32 masters and moments of that slice only. The fp32 gradient accumulators stay
+full size on every rank, as megatron's grad buffer does; the gradients are all-reduced as without sharding (not
+reduce-scattered), so the step is bit for bit the unsharded one, and the grad norm and clipping see the same
+gradients. After the update each rank casts its slice to the parameters' dtype and the group all-gathers every
+bucket into the parameters. Checkpoints hold each rank's own slice (resume with the same layout).
 """
 from __future__ import annotations
 
@@ -82,53 +92,131 @@ def _is_expert(p: torch.nn.Parameter) -> bool:
     return not getattr(p, "allreduce", True)
 
 
-def _move_grad(p: torch.nn.Parameter, master: torch.Tensor) -> None:
-    """Add a BF16 parameter's ``.grad`` into its fp32 master's ``.grad`` and drop it (nothing when there is none)."""
-    if p.grad is None:
-        return
-    if master.grad is None:
-        master.grad = p.grad.float()
-    else:
-        master.grad.add_(p.grad)
-    p.grad = None
+class ShardLayout:
+    """How ``params`` (one group: dense or routed experts) are cut over a group of ``size`` ranks; this is rank
+    ``rank``'s view.
+
+    ``buckets``: per bucket ``(padded_numel, [(param index, offset in the bucket, numel), ...])``, whole parameters
+    in model order, at most ``bucket_numel`` elements unless one parameter is larger, padded to a multiple of
+    ``size``. ``slices``: what this rank owns, ``(bucket, param index, start, end)`` with ``start:end`` in the
+    parameter's flattened elements, in bucket order. Parameter indices are into the optimizer's parameter list."""
+
+    def __init__(self, params: list[tuple[int, int]], size: int, rank: int, bucket_numel: int = BUCKET_NUMEL) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} outside a group of {size}")
+        self.size, self.rank = size, rank
+        self.buckets: list[tuple[int, list[tuple[int, int, int]]]] = []
+        cur: list[tuple[int, int, int]] = []
+        n = 0
+        for k, (index, numel) in enumerate(params):
+            cur.append((index, n, numel))
+            n += numel
+            if n >= bucket_numel or k == len(params) - 1:
+                self.buckets.append((-(-n // size) * size, cur))
+                cur, n = [], 0
+        self.slices: list[tuple[int, int, int, int]] = []
+        for b, (padded, members) in enumerate(self.buckets):
+            own = padded // size
+            lo, hi = rank * own, (rank + 1) * own
+            for index, off, numel in members:
+                start, end = max(lo, off) - off, min(hi, off + numel) - off
+                if start < end:
+                    self.slices.append((b, index, start, end))
+
+    @property
+    def owned_numel(self) -> int:
+        return sum(e - s for _, _, s, e in self.slices)
+
+
+def _is_decayed(name: str, p: torch.nn.Parameter) -> bool:
+    return p.dim() >= 2 and not name.endswith(".bias")
 
 
 class Optimizer:
-    """AdamW over fp32 master weights of ``model``'s trainable parameters (see the module docstring)."""
+    """AdamW over fp32 master weights of ``model``'s trainable parameters (see the module docstring).
 
-    def __init__(self, model: torch.nn.Module, train_cfg: Any) -> None:
+    ``shard_groups``: ``(dense group, expert group)`` (process groups, None = the default group) to shard the fp32
+    masters and moments over (the distributed optimizer); None keeps all of them on every rank."""
+
+    def __init__(self, model: torch.nn.Module, train_cfg: Any, shard_groups: tuple[Any, Any] | None = None) -> None:
         o = train_cfg.optimizer
         if str(o.get("name", "adamw")) != "adamw":
             raise ConfigError(f"train.optimizer.name={o.name!r}: only adamw is implemented")
-        self.params: list[torch.nn.Parameter] = []
-        self.masters: list[torch.Tensor] = []
-        decay, no_decay = [], []
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            master = p if p.dtype == torch.float32 else p.detach().float().clone()
-            self.params.append(p)
-            self.masters.append(master)
-            (decay if p.dim() >= 2 and not name.endswith(".bias") else no_decay).append(master)
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.params: list[torch.nn.Parameter] = [p for _, p in named]
+        self.fp32 = [p.dtype == torch.float32 for p in self.params]
+        # fp32 gradient accumulators of the BF16 parameters (an fp32 parameter accumulates in its own .grad)
+        self._grads: list[torch.Tensor | None] = [None] * len(self.params)
         self.expert = [_is_expert(p) for p in self.params]
         # megatron (language_module.py setup_embeddings_and_output_layer): a later pipeline stage's copy of the word
         # embedding is `shared` (left out of the norm); both copies are `shared_embedding` (gradients summed)
         self.shared = [bool(getattr(p, "shared", False)) for p in self.params]
         self.shared_embedding = [bool(getattr(p, "shared_embedding", False)) for p in self.params]
         self._hooks: list[Any] = []
-        betas = tuple(float(b) for b in o.betas)
         self.grad_clip = None if o.get("grad_clip") is None else float(o.grad_clip)
+        decayed = [_is_decayed(name, p) for name, p in named]
+        self.layouts: dict[bool, ShardLayout] = {}
+        self._groups: dict[bool, Any] = {}
+        if shard_groups is None:
+            # fp32 master of every parameter (an fp32 parameter is its own master)
+            self.masters: list[torch.Tensor] = [p if f else p.detach().float().clone()
+                                                for p, f in zip(self.params, self.fp32)]
+            self._opt_params = self.masters
+            opt_decayed = decayed
+        else:
+            self.masters = []
+            self._shards: list[tuple[int, int, int]] = []   # (param index, start, end) of each owned slice
+            self._opt_params = []
+            opt_decayed = []
+            for expert, group in ((False, shard_groups[0]), (True, shard_groups[1])):
+                sel = [(i, p.numel()) for i, (p, e) in enumerate(zip(self.params, self.expert)) if e == expert]
+                if not sel:
+                    continue
+                size, rank = dist.get_world_size(group), dist.get_rank(group)
+                layout = ShardLayout(sel, size, rank)
+                self.layouts[expert], self._groups[expert] = layout, group
+                for _, i, a, b in layout.slices:
+                    self._shards.append((i, a, b))
+                    self._opt_params.append(self.params[i].detach().reshape(-1)[a:b].float().clone())
+                    opt_decayed.append(decayed[i])
+        decay = [m for m, d in zip(self._opt_params, opt_decayed) if d]
+        no_decay = [m for m, d in zip(self._opt_params, opt_decayed) if not d]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": float(o.weight_decay)}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=float(o.lr), betas=betas, eps=float(o.eps))  # torch's default: foreach on CUDA, a loop on CPU
+            lr=float(o.lr), betas=tuple(float(b) for b in o.betas), eps=float(o.eps))
+        # torch's default implementation: foreach on CUDA, a loop on CPU
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.layouts)
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's fp32 master weights and AdamW moments (fp32 parameters: their own master counts,
+        as megatron's 12 B per parameter does), once the moments exist (after the first step); before it, the
+        masters' bytes only."""
+        masters = sum(m.numel() * m.element_size() for m in self._opt_params)
+        moments = sum(t.numel() * t.element_size() for st in self.opt.state.values() for k, t in st.items()
+                      if torch.is_tensor(t) and k in ("exp_avg", "exp_avg_sq"))
+        return masters + moments
 
     # -- gradients
+    def _move_grad(self, i: int) -> None:
+        """Add BF16 parameter i's ``.grad`` into its fp32 accumulator and drop it (nothing when there is none)."""
+        p = self.params[i]
+        if p.grad is None:
+            return
+        if self._grads[i] is None:
+            self._grads[i] = p.grad.float()
+        else:
+            self._grads[i].add_(p.grad)
+        p.grad = None
+
     def accumulate(self) -> None:
         """After a micro-batch backward: move BF16 ``.grad`` into the fp32 accumulators (fp32 params keep
         accumulating in ``.grad`` themselves)."""
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                _move_grad(p, m)
+        for i, f in enumerate(self.fp32):
+            if not f:
+                self._move_grad(i)
 
     def accumulate_in_backward(self) -> None:
         """Do :meth:`accumulate`'s work for each BF16 parameter as soon as a backward pass has accumulated its
@@ -136,17 +224,24 @@ class Optimizer:
         returning in between (megatron's 1F1B). Idempotent; fp32 parameters need nothing."""
         if self._hooks:
             return
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, m=m: _move_grad(p, m)))
+        for i, (p, f) in enumerate(zip(self.params, self.fp32)):
+            if not f:
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._move_grad(i)))
 
     def main_grads(self) -> list[torch.Tensor]:
-        """fp32 gradient of every master (zeros where no micro-batch produced one, e.g. an expert that got no
+        """fp32 gradient of every parameter (zeros where no micro-batch produced one, e.g. an expert that got no
         token), so every rank reduces the same list."""
-        for m in self.masters:
-            if m.grad is None:
-                m.grad = torch.zeros_like(m)
-        return [m.grad for m in self.masters]
+        out = []
+        for i, (p, f) in enumerate(zip(self.params, self.fp32)):
+            if f:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                out.append(p.grad)
+            else:
+                if self._grads[i] is None:
+                    self._grads[i] = torch.zeros_like(p, dtype=torch.float32)
+                out.append(self._grads[i])
+        return out
 
     def reduce_grads(self, dp_group: Any, dp_size: int, expert_dp_group: Any) -> None:
         """Average gradients over data parallelism (dense: DP group; experts: expert-DP group, divided by DP),
@@ -223,25 +318,88 @@ class Optimizer:
 
     # -- update
     def step(self, lr: float) -> None:
+        """AdamW on the masters (this rank's slices when sharded), then the parameters from them."""
         for group in self.opt.param_groups:
             group["lr"] = lr
+        grads = self.main_grads()
+        if not self.sharded:
+            for m, g in zip(self.masters, grads):
+                m.grad = g  # the same tensor for an fp32 parameter
+            self.opt.step()
+            with torch.no_grad():
+                for p, m, f in zip(self.params, self.masters, self.fp32):
+                    if not f:
+                        p.copy_(m)
+            return
+        for s, (i, a, b) in zip(self._opt_params, self._shards):
+            s.grad = grads[i].reshape(-1)[a:b]
         self.opt.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                if m is not p:
-                    p.copy_(m)
+        self._gather_params()
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        """Every rank's updated slices into every rank's parameters: per bucket, this rank's part cast to the
+        parameters' dtype (fp32 when they differ), all-gathered over the shard group, copied into the parameters."""
+        owned = {(i, a): s for s, (i, a, _) in zip(self._opt_params, self._shards)}
+        for expert, layout in self.layouts.items():
+            offsets = {i: off for _, members in layout.buckets for i, off, _ in members}
+            group, d, r = self._groups[expert], layout.size, layout.rank
+            for b, (padded, members) in enumerate(layout.buckets):
+                dtypes = {self.params[i].dtype for i, _, _ in members}
+                dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+                device = self.params[members[0][0]].device
+                flat = torch.empty(padded, dtype=dtype, device=device)
+                own = padded // d
+                mine = torch.zeros(own, dtype=dtype, device=device)
+                for bb, i, a, e in layout.slices:
+                    if bb == b:
+                        off = offsets[i] - r * own
+                        mine[off + a:off + e].copy_(owned[(i, a)])
+                if d > 1 and flat.is_cuda:
+                    dist.all_gather_into_tensor(flat, mine, group=group)
+                elif d > 1:  # gloo: the list form
+                    dist.all_gather(list(flat.chunk(d)), mine, group=group)
+                else:
+                    flat.copy_(mine)
+                for i, off, numel in members:
+                    p = self.params[i]
+                    p.view(-1).copy_(flat[off:off + numel])
 
     def zero_grad(self) -> None:
-        for p, m in zip(self.params, self.masters):
+        for i, p in enumerate(self.params):
             p.grad = None
+            self._grads[i] = None
+        for m in self._opt_params:
             m.grad = None
 
     # -- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"adamw": self.opt.state_dict(),
-                "masters": [None if m is p else m.detach().clone() for p, m in zip(self.params, self.masters)]}
+        """Unsharded: the AdamW state and every BF16 parameter's master (None for fp32 parameters). Sharded: the
+        AdamW state and masters of this rank's slices, and the layout they belong to."""
+        if not self.sharded:
+            return {"adamw": self.opt.state_dict(),
+                    "masters": [None if f else m.detach().clone() for m, f in zip(self.masters, self.fp32)]}
+        return {"adamw": self.opt.state_dict(), "shards": [s.detach().clone() for s in self._opt_params],
+                "layout": self._layout_key()}
+
+    def _layout_key(self) -> list[Any]:
+        return [[bool(e), lay.size, lay.rank, [list(x) for x in lay.slices]] for e, lay in sorted(self.layouts.items())]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if ("shards" in state) != self.sharded:
+            kind = "sharded" if "shards" in state else "unsharded"
+            raise ValueError(f"checkpoint holds a {kind} optimizer state, this run's optimizer is "
+                             f"{'sharded' if self.sharded else 'unsharded'} (parallel.distributed_optimizer)")
+        if self.sharded:
+            if state["layout"] != self._layout_key():
+                raise ValueError("checkpoint's optimizer shards belong to another shard layout: resume with the "
+                                 "same parallel layout")
+            with torch.no_grad():
+                for s, saved in zip(self._opt_params, state["shards"], strict=True):
+                    s.copy_(saved)
+            self.opt.load_state_dict(state["adamw"])
+            self._gather_params()
+            return
         masters = state["masters"]
         if len(masters) != len(self.masters):
             raise ValueError(f"checkpoint has {len(masters)} master weights, the model {len(self.masters)}")
@@ -253,4 +411,4 @@ class Optimizer:
         self.opt.load_state_dict(state["adamw"])
 
 
-__all__ = ["lr_at", "Schedule", "Optimizer", "SCHEDULES"]
+__all__ = ["lr_at", "Schedule", "Optimizer", "ShardLayout", "SCHEDULES"]
