@@ -7,7 +7,8 @@ def test_reproduce_writes_the_report(monkeypatch, tmp_path, report_store, capsys
     monkeypatch.setenv("MLFLOW_TRACKING_URI", report_store)
     assert reproduce.run_report()
     text = (tmp_path / "results/report/report.md").read_text()
-    assert "| attention + layernorm + MoE experts | bf16 | 1122 | 68.29 % | 5000 (4900-5100)" in text
+    assert "| attention + layernorm + MoE experts | bf16 | 1122 | 68.29 % |" in text
+    assert "| attention + layernorm + MoE experts | 5000 (4900-5100); 90.5 GiB (64.6 % of the GPU) |" in text
     assert "report: see results/report/report.md" in capsys.readouterr().out
 
 

@@ -140,6 +140,12 @@ def _measured_cells(c: dict | None) -> tuple[str, str]:
     return tgs, mem
 
 
+def _grid_cell(c: dict | None) -> str:
+    """One measured cell of a setup's scope x recipe grid: "tokens/GPU/s (min-max); peak", OOM or not measured."""
+    tgs, mem = _measured_cells(c)
+    return tgs if tgs in (tables.NOT_MEASURED, "OOM") else f"{tgs}; {mem}"
+
+
 def _model_cells(c: dict | None) -> tuple[str, str]:
     if c is None or c["status"] == "not modelled":
         return "not modelled", "not modelled"
@@ -179,24 +185,36 @@ def markdown(rep: Report) -> str:
                 "(`python -m fp4moe.train experiment=proxy_t1_1gpu` on an H200 fills them).", ""]
     if rep.model_error:
         out += [f"Model: could not be evaluated ({rep.model_error}).", ""]
+    # paper beside the model, one row per cell; then each measured setup as its own scope x recipe grid (a setup
+    # per column pair did not stay readable past a few setups)
     header = ["recompute scope", "recipe", f"paper ({t1_src}): tokens/GPU/s",
               f"paper ({t1_src}): peak memory, % of {rep.gpu_memory_gb:g} GB"]
-    for lab in labels or ["measured"]:
-        header += [f"{lab}: tokens/GPU/s", f"{lab}: peak memory"]
     if rep.model_rows is not None:
         header += [f"{MODEL_LABEL}: peak GB", f"{MODEL_LABEL}: % of {rep.gpu_memory_gb:g} GB"]
     scope_labels = {k: v["label"] for k, v in n["t1"]["scopes"].items()}
+    cells = list(dict.fromkeys((r["scope"], r["recipe"]) for r in rep.t1))
     rows = []
-    for scope, recipe in dict.fromkeys((r["scope"], r["recipe"]) for r in rep.t1):
+    for scope, recipe in cells:
+        if _cell(rep.t1, scope, recipe, "paper") is None or _cell(rep.t1, scope, recipe, "paper")["status"] == \
+                "not in paper":
+            continue
         row = [scope_labels.get(scope, scope), recipe, *_paper_cells(_cell(rep.t1, scope, recipe, "paper"))]
-        for lab in labels:
-            row += _measured_cells(_cell(rep.t1, scope, recipe, "measured", lab))
-        if not labels:
-            row += [tables.NOT_MEASURED, tables.NOT_MEASURED]
         if rep.model_rows is not None:
             row += _model_cells(_cell(rep.t1, scope, recipe, MODEL_LABEL))
         rows.append(row)
     out += [_md_table(header, rows), ""]
+    recipes = list(dict.fromkeys(recipe for _, recipe in cells))
+    scopes = list(dict.fromkeys(scope for scope, _ in cells))
+    for lab in labels:
+        grid = []
+        for scope in scopes:
+            got = [_cell(rep.t1, scope, recipe, "measured", lab) for recipe in recipes]
+            if all(c is None or c["status"] == tables.NOT_MEASURED for c in got):
+                continue
+            grid.append([scope_labels.get(scope, scope), *(_grid_cell(c) for c in got)])
+        if grid:
+            out += [f"**{lab}** (tokens/GPU/s (min-max); peak memory):", "",
+                    _md_table(["recompute scope", *recipes], grid), ""]
     h = n["headline"]
     out += [f"Paper headline ({h['source']}): peak memory {h['peak_memory_change_pp']:+g} points of 80 GB "
             f"({h['peak_memory_change_gb']:+g} GB) and tokens/GPU/s {h['tgs_fp8']} -> {h['tgs_mxfp4']} "
