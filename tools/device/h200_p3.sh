@@ -15,6 +15,7 @@
 #   bash tools/device/h200_p3.sh profile GPU MB "mxfp4:attn_ln_experts ..."  # torch.profiler, steps 4-5, tables+trace
 #   bash tools/device/h200_p3.sh mem GPU MB "mxfp4:attn_ln_mlp ..."  # what is live at step 3's memory peak, by site
 #   bash tools/device/h200_p3.sh ep2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, EP2 x DP2), per cell
+#   bash tools/device/h200_p3.sh ep2dopt MB "mxfp4:attn_ln_mlp ..."  # ep2 with parallel.distributed_optimizer=true
 #   bash tools/device/h200_p3.sh mem2 MB "fp8:attn_ln_mlp ..."  # mem on both GPUs, EP2 x DP2 (each rank's trace)
 #   bash tools/device/h200_p3.sh pp2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, PP2, 1F1B over 4
 #                                                      # micro-batches), per cell
@@ -145,6 +146,10 @@ mem)  # GPU MB "recipe:scope ...": allocator history over step 3 (after the 2 wa
   ;;
 ep2)  # MB "recipe:scope ...": the proxy on both GPUs, EP2 x DP2 (torchrun), global batch 2 x MB (no accumulation)
   gpu_cells 2 ep2 "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1))
+  ;;
+ep2dopt)  # MB "recipe:scope ...": as ep2, with the distributed optimizer (fp32 masters + Adam moments sharded over DP2)
+  gpu_cells 2 ep2dopt "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1)) \
+    parallel.distributed_optimizer=true
   ;;
 mem2)  # MB "recipe:scope ...": what is live at step 3's memory peak of EP2 x DP2 cells, on each GPU (profile_rank0/1)
   gpu_cells 2 mem2 "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1)) train.steps=3 \
