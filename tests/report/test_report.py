@@ -33,17 +33,17 @@ def _table(text: str) -> list[str]:
 
 T1_EXPECTED = [
     "| recompute scope | recipe | paper (secondary-summary): tokens/GPU/s | paper (secondary-summary): peak memory, "
-    "% of 80 GB |",
-    "|---|---|---|---|",
-    "| attention + layernorm + MoE experts | bf16 | 1122 | 68.29 % |",
-    "| attention + layernorm + MoE experts | fp8 | 1157 | 74.20 % |",
-    "| attention + layernorm + MoE experts | mxfp4 | 1156 | 59.40 % |",
-    "| attention + layernorm + MLP | bf16 | OOM | OOM |",
-    "| attention + layernorm + MLP | fp8 | OOM | OOM |",
-    "| attention + layernorm + MLP | mxfp4 | 1248 | 60.62 % |",
-    "| MLA up-projection only | bf16 | OOM | OOM |",
-    "| MLA up-projection only | fp8 | OOM | OOM |",
-    "| MLA up-projection only | mxfp4 | 1302 | 70.11 % |",
+    "% of 80 GB | measured (M1): tokens/GPU/s | measured (M1): peak memory |",
+    "|---|---|---|---|---|---|",
+    "| attention + layernorm + MoE experts | bf16 | 1122 | 68.29 % | 5000 (4900-5100) | 90.5 GiB (64.6 % of the GPU) |",
+    "| attention + layernorm + MoE experts | fp8 | 1157 | 74.20 % | 5200 (5100-5300) | 100.4 GiB (71.6 % of the GPU) |",
+    "| attention + layernorm + MoE experts | mxfp4 | 1156 | 59.40 % | 5150 (5000-5250) | 80.0 GiB (57.1 % of the GPU) |",
+    "| attention + layernorm + MLP | bf16 | OOM | OOM | OOM | OOM |",
+    "| attention + layernorm + MLP | fp8 | OOM | OOM | OOM | OOM |",
+    "| attention + layernorm + MLP | mxfp4 | 1248 | 60.62 % | 5600 (5500-5700) | 85.0 GiB (60.7 % of the GPU) |",
+    "| MLA up-projection only | bf16 | OOM | OOM | OOM | OOM |",
+    "| MLA up-projection only | fp8 | OOM | OOM | not measured | not measured |",
+    "| MLA up-projection only | mxfp4 | 1302 | 70.11 % | 5800 (5700-5900) | 95.0 GiB (67.9 % of the GPU) |",
 ]
 # each measured setup as its own scope x recipe grid; scopes with nothing measured are left out
 M1_EXPECTED = [
@@ -71,6 +71,8 @@ def test_t1_table_exact(report):
     md = markdown(report)
     t1 = _section(md, "T1")
     assert _table(t1) == T1_EXPECTED
+    # M1 measured 8 of the paper's 9 cells, M2 3: M1 stands beside the paper
+    assert "The measured columns are M1's, the setup that measured most of the paper's cells" in t1
     assert _table(t1.split("**M1** (tokens/GPU/s (min-max); peak memory):", 1)[1]) == M1_EXPECTED
     assert _table(t1.split("**M2** (tokens/GPU/s (min-max); peak memory):", 1)[1]) == M2_EXPECTED
     assert ("- **M1**: proxy_h200 on 1 x NVIDIA H200 (140 GiB), world size 1, TP1 PP1 EP1 DP1, micro 8 x seq 4096, "
