@@ -72,7 +72,7 @@ def test_t1_table_exact(report):
     t1 = _section(md, "T1")
     assert _table(t1) == T1_EXPECTED
     # M1 measured 8 of the paper's 9 cells, M2 3: M1 stands beside the paper
-    assert "The measured columns are M1's, the setup that measured most of the paper's cells" in t1
+    assert "The measured columns are M1's: of the setups that measured most of the paper's cells" in t1
     assert _table(t1.split("**M1** (tokens/GPU/s (min-max); peak memory):", 1)[1]) == M1_EXPECTED
     assert _table(t1.split("**M2** (tokens/GPU/s (min-max); peak memory):", 1)[1]) == M2_EXPECTED
     assert ("- **M1**: proxy_h200 on 1 x NVIDIA H200 (140 GiB), world size 1, TP1 PP1 EP1 DP1, micro 8 x seq 4096, "
@@ -312,3 +312,21 @@ def test_f5_seed_spread_from_runs_that_differ_only_in_the_seed():
     assert spread["bf16"]["eval_spread_pct"] == pytest.approx(2.0) and spread["bf16"]["train_spread_pct"] == pytest.approx(2.5)
     assert spread["mxfp4"]["eval_dev_pct_per_seed"] == pytest.approx([1.0, 1.0])
     assert spread["mxfp4"]["eval_spread_pct"] == pytest.approx(100 * (4.1208 - 4.04) / 4.04)
+
+
+def test_headline_setup_prefers_paper_cells_then_tokens_per_micro_batch(report):
+    """Two setups that measured the same cells: the one with more tokens per micro-batch stands beside the paper
+    (a short probe at a small micro-batch fits every cell, so it says less about the paper's memory pressure);
+    a setup that measured fewer of the paper's cells loses whatever its micro-batch."""
+    from dataclasses import replace
+
+    from fp4moe.report.render import _headline_setup
+
+    m1 = [r for r in report.t1 if r["source"].startswith("measured") and r["setup"] == "M1"]
+    others = [r for r in report.t1 if not r["source"].startswith("measured")]
+    big = replace(report.setups[0], batch="micro 64 x seq 4096, global batch 64")
+    both = others + m1 + [{**r, "setup": "M2"} for r in m1]
+    assert _headline_setup(replace(report, setups=[report.setups[0], big], t1=both), ["M1", "M2"]) == "M2"
+    assert _headline_setup(replace(report, setups=[big, report.setups[0]], t1=both), ["M1", "M2"]) == "M1"
+    fewer = others + m1 + [{**r, "setup": "M2"} for r in m1[:3]]
+    assert _headline_setup(replace(report, setups=[report.setups[0], big], t1=fewer), ["M1", "M2"]) == "M1"
