@@ -12,6 +12,8 @@
 #                                                      # (MB = auto: the one `choose` picked; GB = MB then)
 #   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..."  # T1 cells, one process each (16 steps, the
 #                                                      # last 6 measured: mxfp4's first 4-12 steps are slow)
+#   bash tools/device/h200_p3.sh t1load MB "fp8:attn_ln_mlp mxfp4:attn_ln_mlp"  # each cell on both GPUs at once
+#                                                      # (equal load), then tools/device/load_pairs.py's table
 #   bash tools/device/h200_p3.sh profile GPU MB "mxfp4:attn_ln_experts ..."  # torch.profiler, steps 4-5, tables+trace
 #   bash tools/device/h200_p3.sh mem GPU MB "mxfp4:attn_ln_mlp ..."  # what is live at step 3's memory peak, by site
 #   bash tools/device/h200_p3.sh ep2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, EP2 x DP2), per cell
@@ -117,6 +119,25 @@ t1cells)  # GPU MB "recipe:scope ...": T1 cells, each in its own process (no all
       recompute=$scope > "$STATE/t1_${recipe}_$scope.log" 2>&1 || true
     echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/t1_${recipe}_$scope.log" | tail -1 | cut -c1-160)"
   done
+  ;;
+t1load)  # MB "recipe:scope ...": each T1 cell on both GPUs at once (equal host load for every cell), then the table
+  mb=$1
+  for cell in $2; do
+    recipe=${cell%%:*} scope=${cell##*:}
+    for gpu in 0 1; do
+      # one store per GPU (two writers on one sqlite file can lock it); checkpoints inside each run's own folder
+      CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "t1load_gpu$gpu") python3 -m fp4moe.train \
+        experiment=proxy_t1_1gpu "${COMMON[@]}" train.checkpoint_dir=checkpoints hydra.mode=RUN \
+        hydra.run.dir="$STATE/t1load/${recipe}_${scope}_mb${mb}_gpu$gpu" \
+        parallel.micro_batch=$mb parallel.global_batch=$mb precision=$recipe recompute=$scope \
+        > "$STATE/t1load_${recipe}_${scope}_mb${mb}_gpu$gpu.log" 2>&1 &
+    done
+    wait
+    echo "$recipe $scope $mb: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE"/t1load_"${recipe}_${scope}_mb${mb}"_gpu*.log \
+      | cut -c1-120 | tr '\n' ' ')"
+  done
+  python3 tools/device/load_pairs.py "$STATE"/mlflow_t1load_gpu*.db | tee "$OUT/t1load.md"
+  keep
   ;;
 profile)  # GPU MB "recipe:scope ...": torch.profiler over steps 4-5 of each T1 cell (op tables + trace under $OUT)
   gpu=$1 mb=$2
