@@ -11,7 +11,7 @@ What runs where (``plan()``):
 * **One or more CUDA GPUs** (Hopper: the FP8/FP4 kernels need sm_90): on GPU 0 the H200 proxy's T1 twin
   (experiment proxy_t1_1gpu, micro-batch 64: 9 cells) and, when the code+docs corpus is there
   (``data/code_docs/code_docs.jsonl``, or ``FP4MOE_CORPUS``; built by tools/corpus_code_docs.py), its F5 twin
-  (experiment proxy_f5_1gpu: 3 runs of 180 steps).
+  (experiment proxy_f5_1gpu: 3 runs of 380 steps, about 20 minutes).
 
 * **A Slurm cluster** (``--slurm PROFILE``, a conf/cluster/ profile with a launcher of the same name in
   conf/hydra/launcher/, e.g. slurm_h100): the same cells as Slurm jobs, one GPU (or one CPU process) each, the GPU
@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-PLAN_VERSION = "2"  # 2: the cells name their experiment files; the GPU twins measure 16 steps, 10 warm-up
+PLAN_VERSION = "3"  # 2: the cells name their experiment files; the GPU twins measure 16 steps, 10 warm-up;
+# 3: the F5 twin runs 380 steps (conf/train/proxy_f5.yaml)
 KEY_TAG = "fp4moe_reproduce_key"  # no dot: it travels as the Hydra override +tracking.tags.<KEY_TAG>=...
 RECIPES = ("bf16", "fp8", "mxfp4")
 T1_SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")
