@@ -123,7 +123,6 @@ def apply_cluster_env(cfg: Any) -> dict[str, str]:
     return done
 
 
-
 def _shard_groups(cfg: Any) -> tuple[Any, Any] | None:
     """The (data-parallel, expert-data-parallel) groups to shard the optimizer state over when
     ``parallel.distributed_optimizer`` is set and either group has more than one rank; else None (unsharded)."""
@@ -134,6 +133,7 @@ def _shard_groups(cfg: Any) -> tuple[Any, Any] | None:
 
     groups = (parallel_state.get_data_parallel_group(), parallel_state.get_expert_data_parallel_group())
     return groups if any(dist.get_world_size(g) > 1 for g in groups) else None
+
 
 def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path | None = None,
           after_step: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:

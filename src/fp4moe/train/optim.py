@@ -156,7 +156,10 @@ class Optimizer:
         self.grad_clip = None if o.get("grad_clip") is None else float(o.grad_clip)
         decayed = [_is_decayed(name, p) for name, p in named]
         self.layouts: dict[bool, ShardLayout] = {}
-        self._groups: dict[bool, Any] = {}
+        # per bucket, what _gather_params needs each step: (group, size, padded numel, dtype, members,
+        # [(this rank's fp32 slice, start, end in the rank's part of the bucket)])
+        self._gather_plan: list[tuple[Any, int, int, torch.dtype, list[tuple[int, int, int]],
+                                      list[tuple[torch.Tensor, int, int]]]] = []
         if shard_groups is None:
             # fp32 master of every parameter (an fp32 parameter is its own master)
             self.masters: list[torch.Tensor] = [p if f else p.detach().float().clone()
@@ -164,27 +167,43 @@ class Optimizer:
             self._opt_params = self.masters
             opt_decayed = decayed
         else:
-            self.masters = []
-            self._shards: list[tuple[int, int, int]] = []   # (param index, start, end) of each owned slice
-            self._opt_params = []
-            opt_decayed = []
-            for expert, group in ((False, shard_groups[0]), (True, shard_groups[1])):
-                sel = [(i, p.numel()) for i, (p, e) in enumerate(zip(self.params, self.expert)) if e == expert]
-                if not sel:
-                    continue
-                size, rank = dist.get_world_size(group), dist.get_rank(group)
-                layout = ShardLayout(sel, size, rank)
-                self.layouts[expert], self._groups[expert] = layout, group
-                for _, i, a, b in layout.slices:
-                    self._shards.append((i, a, b))
-                    self._opt_params.append(self.params[i].detach().reshape(-1)[a:b].float().clone())
-                    opt_decayed.append(decayed[i])
+            self.masters = []   # the masters are the slices of _opt_params
+            opt_decayed = self._shard(shard_groups, decayed)
         decay = [m for m, d in zip(self._opt_params, opt_decayed) if d]
         no_decay = [m for m, d in zip(self._opt_params, opt_decayed) if not d]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": float(o.weight_decay)}, {"params": no_decay, "weight_decay": 0.0}],
             lr=float(o.lr), betas=tuple(float(b) for b in o.betas), eps=float(o.eps))
         # torch's default implementation: foreach on CUDA, a loop on CPU
+
+    def _shard(self, shard_groups: tuple[Any, Any], decayed: list[bool]) -> list[bool]:
+        """Cut the dense parameters over ``shard_groups[0]``, the routed experts over ``shard_groups[1]``: this
+        rank's fp32 slices become the AdamW parameters (``_opt_params``, with ``_shards`` = (param index, start,
+        end)), and each bucket's all-gather is planned (``_gather_plan``). Returns the slices' weight-decay flags."""
+        self._shards: list[tuple[int, int, int]] = []
+        self._opt_params = []
+        opt_decayed = []
+        for expert, group in ((False, shard_groups[0]), (True, shard_groups[1])):
+            sel = [(i, p.numel()) for i, (p, e) in enumerate(zip(self.params, self.expert)) if e == expert]
+            if not sel:
+                continue
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            layout = ShardLayout(sel, size, rank)
+            self.layouts[expert] = layout
+            pieces: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in layout.buckets]
+            # where each parameter starts in this rank's part of its bucket (negative: before it)
+            offsets = {i: off - rank * (padded // size) for padded, members in layout.buckets for i, off, _ in members}
+            for bucket, i, a, b in layout.slices:
+                shard = self.params[i].detach().reshape(-1)[a:b].float().clone()
+                self._shards.append((i, a, b))
+                self._opt_params.append(shard)
+                opt_decayed.append(decayed[i])
+                pieces[bucket].append((shard, offsets[i] + a, offsets[i] + b))
+            for (padded, members), own in zip(layout.buckets, pieces):
+                dtypes = {self.params[i].dtype for i, _, _ in members}
+                dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+                self._gather_plan.append((group, size, padded, dtype, members, own))
+        return opt_decayed
 
     @property
     def sharded(self) -> bool:
@@ -340,30 +359,20 @@ class Optimizer:
     def _gather_params(self) -> None:
         """Every rank's updated slices into every rank's parameters: per bucket, this rank's part cast to the
         parameters' dtype (fp32 when they differ), all-gathered over the shard group, copied into the parameters."""
-        owned = {(i, a): s for s, (i, a, _) in zip(self._opt_params, self._shards)}
-        for expert, layout in self.layouts.items():
-            offsets = {i: off for _, members in layout.buckets for i, off, _ in members}
-            group, d, r = self._groups[expert], layout.size, layout.rank
-            for b, (padded, members) in enumerate(layout.buckets):
-                dtypes = {self.params[i].dtype for i, _, _ in members}
-                dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-                device = self.params[members[0][0]].device
-                flat = torch.empty(padded, dtype=dtype, device=device)
-                own = padded // d
-                mine = torch.zeros(own, dtype=dtype, device=device)
-                for bb, i, a, e in layout.slices:
-                    if bb == b:
-                        off = offsets[i] - r * own
-                        mine[off + a:off + e].copy_(owned[(i, a)])
-                if d > 1 and flat.is_cuda:
-                    dist.all_gather_into_tensor(flat, mine, group=group)
-                elif d > 1:  # gloo: the list form
-                    dist.all_gather(list(flat.chunk(d)), mine, group=group)
-                else:
-                    flat.copy_(mine)
-                for i, off, numel in members:
-                    p = self.params[i]
-                    p.view(-1).copy_(flat[off:off + numel])
+        for group, d, padded, dtype, members, pieces in self._gather_plan:
+            device = self.params[members[0][0]].device
+            flat = torch.empty(padded, dtype=dtype, device=device)
+            mine = torch.zeros(padded // d, dtype=dtype, device=device)
+            for shard, lo, hi in pieces:
+                mine[lo:hi].copy_(shard)
+            if d > 1 and flat.is_cuda:
+                dist.all_gather_into_tensor(flat, mine, group=group)
+            elif d > 1:  # gloo: the list form
+                dist.all_gather(list(flat.chunk(d)), mine, group=group)
+            else:
+                flat.copy_(mine)
+            for i, off, numel in members:
+                self.params[i].view(-1).copy_(flat[off:off + numel])
 
     def zero_grad(self) -> None:
         for i, p in enumerate(self.params):
