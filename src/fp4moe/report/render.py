@@ -120,9 +120,7 @@ def _cell(rows: list[dict], scope: str, recipe: str, source: str, setup: str = "
                  and (not setup or r["setup"] == setup)), None)
 
 
-def _paper_cells(c: dict | None) -> tuple[str, str]:
-    if c is None or c["status"] == "not in paper":
-        return "not in paper", "not in paper"
+def _paper_cells(c: dict) -> tuple[str, str]:
     if c["status"] == tables.OOM:
         return "OOM", "OOM"
     return _num(c["tgs"]), f"{_num(c['peak_memory_pct'], 2)} %"
@@ -216,10 +214,10 @@ def markdown(rep: Report) -> str:
     cells = list(dict.fromkeys((r["scope"], r["recipe"]) for r in rep.t1))
     rows = []
     for scope, recipe in cells:
-        if _cell(rep.t1, scope, recipe, "paper") is None or _cell(rep.t1, scope, recipe, "paper")["status"] == \
-                "not in paper":
+        paper = _cell(rep.t1, scope, recipe, "paper")
+        if paper is None or paper["status"] == "not in paper":
             continue
-        row = [scope_labels.get(scope, scope), recipe, *_paper_cells(_cell(rep.t1, scope, recipe, "paper"))]
+        row = [scope_labels.get(scope, scope), recipe, *_paper_cells(paper)]
         if head:
             row += _measured_cells(_cell(rep.t1, scope, recipe, "measured", head))
         if rep.model_rows is not None:

@@ -235,8 +235,8 @@ NOTES = """
 - **Saved activations: solved** (to 76 B per micro-batch for bf16 and mxfp4; within 0.05 % for fp8, whose FP8
   column copies are padded to 128 rows per expert by the real, uneven routing; the model uses the expected padding).
 - **Peak: every run within 5 %, from tensor shapes**, on one GPU and over NCCL (EP2 x DP2, PP2), for three code
-  versions (38f25cd, 61f1fcb, 49a089e). The model takes the largest of three phases instead of adding every transient it knows
-  (fp4moe.scale.memory, part (e)):
+  versions (38f25cd, 61f1fcb, 49a089e). The model takes the largest of three phases instead of adding every
+  transient it knows (fp4moe.scale.memory, part (e)):
   - *head*: the BF16 logits [T, V] beside the saved fp32 softmax. bf16 none / mla_up_proj peak here (-0.1 to -0.2 %).
   - *the last MoE layer's forward*: its dispatch buffers, while the head's saved tensors do not exist yet. No run
     peaks here since the recipe MoE layer frees each stage's rows early.
@@ -258,13 +258,15 @@ NOTES = """
   too, 2 x [T, H]). With them, every cell of both code versions is within 5 %.
 - **49a089e: the probe and the equal-scope pair again, after the RoPE-cache fix and the trainer's HashStore.**
   The saved bytes of mxfp4 mla_up_proj now match the model to the same 76 B as every other cell (61f1fcb's runs
-  saved 4 x 0.91 MB less: MLA's RoPE frequencies were packed to MXFP4). Every probe peak is within 0.02 GiB of 61f1fcb's.
+  saved 4 x 0.91 MB less: MLA's RoPE frequencies were packed to MXFP4). Every probe peak is within 0.02 GiB of
+  61f1fcb's.
 - **EP2 x DP2: the missing GiB at step start was the optimizer.** The EP runs began each step 0.9-1.1 GiB above the
   static prediction. The memory trace of an EP2 run (mem2) shows why: fp4moe.train keeps the fp32 master weights
   and Adam moments of every parameter on every data-parallel rank (5.22 GiB on GPU 0), while the config said
   `distributed_optimizer: true` and the model sharded the dense ones over DP2 (4.30 GiB). The trainer did not
   shard then; the model predicts what ran (runs that do not log `summary/optimizer_state_bytes` are read as
-  unsharded; since 2026-11-30 the trainer shards when asked, fp4moe.train.optim): all six 61f1fcb NCCL runs within 5 % (-3.9 to +1.3 %).
+  unsharded; since 2026-11-30 the trainer shards when asked, fp4moe.train.optim): all six 61f1fcb NCCL runs within
+  5 % (-3.9 to +1.3 %).
 - **What the model still leaves out** (runs are under-predicted by up to 4.4 %):
   - cuBLAS/cuDNN workspaces and the kernels' cached launch tables: the measured step start is 0.08-0.27 GiB above
     the static prediction and grows with the micro-batch;
@@ -307,7 +309,8 @@ def render_nccl(rows: Sequence[Row]) -> list[str]:
              "the predicted peak's stage; the measured step start is GPU 0's). Under EP the model takes the rows GPU "
              "0's experts received, from the run's own all-to-all metrics (routed rows, or before 4cc9235 the recipe "
              "dispatcher's bytes): the first step's for the saved bytes, the largest measured step's for the peak. "
-             "The optimizer state is replicated over the data-parallel ranks, as fp4moe.train keeps it. "
+             "The optimizer state is replicated over the data-parallel ranks, as the trainer of these runs kept it "
+             "(they do not log `summary/optimizer_state_bytes`). "
              f"In the {TARGET_PCT:g} % check: the runs of today's code; not: "
              + ", ".join(f"`{a}`" for a in archives if Path(a).name in OUTSIDE_CHECK)
              + " (older code: the MoE forward kept more rows alive; megatron's bf16 dispatcher logged no routing, "
