@@ -166,6 +166,31 @@ def run_case(case: Case, device, impl: str = "ops") -> list[str]:
     raise ValueError(f"unknown conversion {name!r}; known: {CONVERSIONS}")
 
 
+def every_bf16_near_scales(scale_exps=(-127, -126, -125, -100, -4, -1, 0, 1, 7, 60, 124, 125)) -> torch.Tensor:
+    """BF16 ``[N, 32]`` blocks that put every BF16 magnitude in [2**(s-5), 6 * 2**s] (both signs; plus zeros,
+    -0 and BF16 denormals for the smallest s) under the block scale 2**s, for each s of ``scale_exps``: the
+    first element of each block is 6 * 2**s, which gives UE8M0 code 127 + s under both scale rules, so every
+    E2M1 rounding threshold and tie of every binade is hit exactly. Exhaustive for the E2M1 encoder."""
+    blocks = []
+    all_bits = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).double()  # finite >= 0
+    for s in scale_exps:
+        top = 6.0 * 2.0 ** s
+        mags = all_bits[(all_bits <= top) & ((all_bits >= top * 2.0 ** -8) | (s < -120))]
+        vals = torch.cat([mags, -mags])
+        n = -(-vals.numel() // 31)
+        body = torch.cat([vals, torch.zeros(n * 31 - vals.numel(), dtype=torch.float64)]).reshape(n, 31)
+        blocks.append(torch.cat([torch.full((n, 1), top, dtype=torch.float64), body], dim=1))
+    return torch.cat(blocks).to(torch.bfloat16)
+
+
+def every_fp4_byte_and_code() -> MXFP4Tensor:
+    """MXFP4 ``[4096, 32]``: every packed byte (16 per block, so 16 blocks cover all 256) under every UE8M0 code
+    0..255. Exhaustive for the decoders (FP4ToBF16; per-element part of the FP8 conversions)."""
+    data = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16).repeat(256, 1)
+    scales = torch.arange(256, dtype=torch.int32).repeat_interleave(16).to(torch.uint8).reshape(4096, 1)
+    return MXFP4Tensor(data.contiguous(), scales.contiguous(), (4096, 32))
+
+
 def gpu_cases(seed: int = 0) -> list[Case]:
     """DeepSeek-V3 shapes: tokens x 7168 (hidden), x 2048 (expert ffn), ragged over 32 experts, and odd sizes."""
     shapes = [

@@ -52,3 +52,50 @@ def test_compare_detects_a_single_flipped_bit():
     b = ref.bf16_to_fp4_row(x)
     b.scales[3, 2] += 1
     assert any("scales" in d for d in selfcheck.compare(b, a))
+
+
+def _codec_devices():
+    out = []
+    if INTERPRET:
+        out.append(pytest.param("cpu", id="interpreted"))
+    out.append(pytest.param("cuda", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]))
+    return out
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+@pytest.mark.parametrize("rule", ["ceil", "floor"])
+def test_e2m1_encoder_on_every_bf16_magnitude_near_a_dozen_scales(device, rule):
+    """The kernels' E2M1 encoder (float-add rounding, fp4moe_kernels.triton_kernels.common) against the
+    reference on every BF16 value of the six binades below each block scale, ties included, for both
+    scale rules, through the three kernels that encode."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import FP8RowTensor, Segments
+    from fp4moe_kernels.triton_kernels import launch
+
+    x = selfcheck.every_bf16_near_scales().to(device)
+    assert not selfcheck.compare(launch.bf16_to_fp4_row(x, rule), ref.bf16_to_fp4_row(x.cpu(), rule))
+    if rule == "ceil":  # the fused kernel and FP8 row -> MXFP4 use the default rule
+        x128 = x[: x.shape[0] // 4 * 4].reshape(-1, 128)
+        seg = Segments.of(None, x128.shape[0])
+        got = launch.bf16_to_fp4_and_fp8_row(x128, seg)
+        assert not selfcheck.compare(got, ref.bf16_to_fp4_and_fp8_row(x128.cpu(), None))
+        f = ref.bf16_to_fp8_row(x128.cpu(), None)
+        f_dev = FP8RowTensor(f.data.to(device), f.scales.to(device), f.segments)
+        assert not selfcheck.compare(launch.fp8_row_to_fp4(f_dev), ref.fp8_row_to_fp4(f))
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+def test_fp4_decoders_on_every_byte_and_scale_code(device):
+    """FP4 -> BF16 and MXFP4 -> FP8 row (per-element decode from bits) on all 256 packed bytes x 256 UE8M0
+    codes (0: the FP32-denormal scale, 255: NaN blocks) against the reference."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import MXFP4Tensor, Segments
+    from fp4moe_kernels.triton_kernels import launch
+
+    a = selfcheck.every_fp4_byte_and_code()
+    a_dev = MXFP4Tensor(a.data.to(device), a.scales.to(device), a.shape)
+    assert not selfcheck.compare(launch.fp4_to_bf16(a_dev), ref.fp4_to_bf16(a))
+    # 128-channel groups: four blocks of one scale code each, so every group is lossless
+    a128 = MXFP4Tensor(a.data.reshape(-1, 64), a.scales.reshape(-1, 4), (1024, 128))
+    a128_dev = MXFP4Tensor(a128.data.to(device), a128.scales.to(device), a128.shape)
+    assert not selfcheck.compare(launch.fp4_row_to_fp8_row(a128_dev, Segments.of(None, 1024)), ref.fp4_row_to_fp8_row(a128, None))

@@ -18,12 +18,10 @@ import triton.language as tl
 
 from .common import (
     ceil_log2_ratio,
-    e2m1_to_e4m3_shifted,
     e2m1_value,
     e4m3_bits,
     e8m0_value,
     exp2_i,
-    fp8_exp_from_amax_bits,
     load_f32,
 )
 
@@ -32,19 +30,25 @@ TILE_FIELDS = 5
 
 
 @triton.jit
-def _quant_cols(v, amax_bias):
-    """Per-channel FP8 quantization of float32 ``v`` [128 tokens, N] (true value = v * 2**amax_bias; NaN
-    marks non-finite): (values to cast [128, N] float32 with NaN kept, scale exponents [N] int32)."""
+def _quant_cols(v, amax_bias, AXIS: tl.constexpr = 0):
+    """Per-channel FP8 quantization of float32 ``v`` (true value = v * 2**amax_bias; NaN marks non-finite),
+    the 128 tokens along ``AXIS`` ([128, N] for AXIS 0, [N, 128] for AXIS 1): (values to cast, same shape,
+    float32 with NaN kept; scale exponents [N] int32)."""
     ax = tl.abs(v)
     fin = ax < float("inf")
-    amax = tl.max(tl.where(fin, ax, 0.0), axis=0)  # [N]
+    amax = tl.max(tl.where(fin, ax, 0.0), axis=AXIS)  # [N]
     safe = tl.where(amax > 0, amax, 1.0)
     k = ceil_log2_ratio(safe, 8, 0x600000) + amax_bias  # limit 448 = 1.75 * 2**8
     k = tl.minimum(tl.maximum(k, -126), 127)
     k = tl.where(amax > 0, k, 0)
     # q = v * 2**(amax_bias - k), in two exact factors to stay inside exp2_i's range
     sh = amax_bias - k
-    q = v * exp2_i(tl.minimum(sh, 127))[None, :] * exp2_i(tl.maximum(sh - 127, 0))[None, :]
+    f1 = exp2_i(tl.minimum(sh, 127))
+    f2 = exp2_i(tl.maximum(sh - 127, 0))
+    if AXIS == 0:
+        q = v * f1[None, :] * f2[None, :]
+    else:
+        q = v * f1[:, None] * f2[:, None]
     return tl.where(fin, q, float("nan")), k
 
 
@@ -76,48 +80,69 @@ def fp4_row_to_fp8_col_kernel(q_ptr, s_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.cons
                               BN: tl.constexpr, EMULATE: tl.constexpr):
     pid_n = tl.program_id(0)
     r, mask, p_e, mp_e, tok0 = _tile(tiles_ptr)
-    packed = tl.load(q_ptr + r * (K // 2) + (pid_n * (BN // 2) + tl.arange(0, BN // 2))[None, :],
-                     mask=mask, other=0).to(tl.int32)
-    code = tl.load(s_ptr + r * (K // 32) + (pid_n * (BN // 32) + tl.arange(0, BN // 32))[None, :],
-                   mask=mask, other=0).to(tl.int32)
-    p3 = tl.reshape(packed, (128, BN // 32, 16))
-    lo_nib = p3 & 0xF
-    hi_nib = p3 >> 4
-    e = code[:, :, None]
-    # fast path: |value| bits built by integer arithmetic (exact while e >= 2: normal float32), per-channel
-    # amax as an integer max, and the E4M3 byte by re-biasing (exact while it is an E4M3 normal)
-    vlo = _mag_bits(lo_nib, e)
-    vhi = _mag_bits(hi_nib, e)
-    klo = fp8_exp_from_amax_bits(tl.max(vlo, axis=0))  # [BN/32, 16]
-    khi = fp8_exp_from_amax_bits(tl.max(vhi, axis=0))
-    dlo = e - 127 - klo[None, :, :]
-    dhi = e - 127 - khi[None, :, :]
-    slow = ((((lo_nib & 7) != 0) & ((e < 2) | (dlo < -5))) | (((hi_nib & 7) != 0) & ((e < 2) | (dhi < -5)))
-            | (e == 255))
-    if tl.max(slow.to(tl.int32)) == 0:
-        blo = tl.reshape(e2m1_to_e4m3_shifted(lo_nib, dlo), (128, BN // 2)).to(tl.uint8)
-        bhi = tl.reshape(e2m1_to_e4m3_shifted(hi_nib, dhi), (128, BN // 2)).to(tl.uint8)
-        kl = tl.reshape(klo, (BN // 2,))
-        kh = tl.reshape(khi, (BN // 2,))
+    packed = tl.load(q_ptr + r * (K // 2) + (pid_n * (BN // 2) + tl.arange(0, BN // 2))[None, :], mask=mask, other=0)
+    code = tl.load(s_ptr + r * (K // 32) + (pid_n * (BN // 32) + tl.arange(0, BN // 32))[None, :], mask=mask, other=0)
+    # transpose the compact input (half a byte per element), not the FP8 output: channel-major [BN/2, 128]
+    # tiles whose per-channel reductions run along each thread's own tokens and whose stores are token rows
+    pt = tl.trans(packed).to(tl.int32)  # [BN/2, 128]: packed byte j (channels 2j, 2j+1) of every token
+    ct = tl.trans(code).to(tl.int32)  # [BN/32, 128]
+    e = tl.reshape(tl.broadcast_to(ct[:, None, :], (BN // 32, 16, 128)), (BN // 2, 128))
+    lo_nib = pt & 0xF
+    hi_nib = pt >> 4
+    clo = pt & 7
+    chi = hi_nib & 7
+    # fast path, integer only. A nonzero element is E2M1(c) * 2**(e-127) with float32 exponent e - 127 + (c>>1) - 1
+    # (mantissa 1.0 or 1.5, never above 448's 1.75), so the channel's FP8 scale exponent is
+    # ceil(log2(amax/448)) = max over tokens of (e + (c>>1)) - 136, and the E4M3 byte is E2M1(c) re-biased by
+    # d = e - 127 - k: exact while e >= 2 (normal float32 values) and d >= -5 (an E4M3 normal), else the
+    # general path below
+    nzlo = clo != 0
+    nzhi = chi != 0
+    klo = _fp8_exp_from_key(tl.max(tl.where(nzlo, e + (clo >> 1), 0), axis=1))  # [BN/2]
+    khi = _fp8_exp_from_key(tl.max(tl.where(nzhi, e + (chi >> 1), 0), axis=1))
+    min_lo = tl.min(tl.where(nzlo, e, 255), axis=1)  # smallest block code holding a nonzero element, per channel
+    min_hi = tl.min(tl.where(nzhi, e, 255), axis=1)
+    exact = (min_lo >= tl.maximum(klo + 122, 2)) & (min_hi >= tl.maximum(khi + 122, 2))
+    if (tl.min(exact.to(tl.int32), axis=0) == 1) & (tl.max(tl.max(ct, axis=1), axis=0) < 255):
+        e8 = e * 8
+        blo = (_e4m3_mag(clo, e8 - (8 * (121 + klo))[:, None]) | ((pt & 8) << 4)).to(tl.uint8)
+        bhi = (_e4m3_mag(chi, e8 - (8 * (121 + khi))[:, None]) | (pt & 0x80)).to(tl.uint8)
+        kl = klo
+        kh = khi
     else:
         # general path: exact float32 values (times 2**-8, which keeps 6 * 2**127 finite; the smallest,
         # 2**-136, is a float32 denormal), hardware E4M3 rounding
-        f = tl.where(code == 255, float("nan"), e8m0_value(code) * 0.00390625)[:, :, None]
-        qlo, kl = _quant_cols(tl.reshape(e2m1_value(lo_nib) * f, (128, BN // 2)), 8)
-        qhi, kh = _quant_cols(tl.reshape(e2m1_value(hi_nib) * f, (128, BN // 2)), 8)
+        f = tl.where(e == 255, float("nan"), e8m0_value(e) * 0.00390625)
+        qlo, kl = _quant_cols(e2m1_value(lo_nib) * f, 8, 1)
+        qhi, kh = _quant_cols(e2m1_value(hi_nib) * f, 8, 1)
         blo = e4m3_bits(qlo, EMULATE)
         bhi = e4m3_bits(qhi, EMULATE)
     ch = pid_n * BN + 2 * tl.arange(0, BN // 2)
-    _store_cols(blo, kl, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)
-    _store_cols(bhi, kh, o_ptr, os_ptr, ch + 1, p_e, mp_e, tok0, K)
+    _store_rows(blo, kl, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)
+    _store_rows(bhi, kh, o_ptr, os_ptr, ch + 1, p_e, mp_e, tok0, K)
 
 
 @triton.jit
-def _mag_bits(nib, e):
-    """float32 bits of |E2M1 code| * 2**(e-127) (int32), exact for e >= 2; 0 for a zero code."""
-    c = nib & 7
-    fb = tl.where(c >= 2, (c + 252) << 22, 252 << 22)  # 1.0..6.0, or 0.5 for c == 1
-    return tl.where(c == 0, 0, fb + ((e - 127) << 23))
+def _store_rows(bits, k, o_ptr, os_ptr, chs, p_e, mp_e, tok0, K: tl.constexpr):
+    """Store E4M3 ``bits`` [N channels, 128 tokens] (uint8) as rows ``chs`` [N] of the segment's [K, Mp_e]
+    block, and the scales 2**k [N]."""
+    toks = tl.arange(0, 128)
+    tl.store(o_ptr + K * p_e + chs.to(tl.int64)[:, None] * mp_e + tok0 + toks[None, :], bits)
+    tl.store(os_ptr + ((p_e + tok0) // 128) * K + chs, exp2_i(k))
+
+
+@triton.jit
+def _fp8_exp_from_key(key):
+    """FP8 scale exponent of a channel from its largest key e + (c>>1) (0: no nonzero element): key - 136
+    clamped to [-126, 127], 0 for an all-zero channel (== fp8_exp_from_amax_bits of the amax's bits)."""
+    return tl.where(key > 0, tl.minimum(tl.maximum(key - 136, -126), 127), 0)
+
+
+@triton.jit
+def _e4m3_mag(c, base):
+    """E4M3 magnitude byte of E2M1 magnitude code ``c`` scaled so that 0.5 lands on the E4M3 byte ``base``
+    (= 8 * (6 + d) for a factor 2**d): 4c + base for c >= 2, base for c = 1, 0 for c = 0."""
+    return tl.where(c >= 2, 4 * c + base, tl.where(c == 1, base, 0))
 
 
 @triton.jit

@@ -4,7 +4,9 @@ All arithmetic is exact FP32/int32 so that results match ``fp4moe_kernels.refere
 FP8 values move as raw uint8 bits. On the GPU they are produced/consumed by the hardware E4M3
 conversions (``cvt.rn.satfinite``: nearest-even); under ``TRITON_INTERPRET=1`` (CPU tests) the
 interpreter's own float8 casts are wrong, so the kernels' ``EMULATE`` flag switches to an exact integer
-emulation (the only remaining use of the float rounding trick ``rne_int``, which is exact under numpy).
+emulation (with the float rounding trick ``rne_int``, exact under numpy). The E2M1 encoder rounds with the
+same trick on the GPU too: a float add of 2**(22+k) rounds to the E2M1 step of binade k, nearest-even in
+hardware as in numpy (``e2m1_codes_from_bits``).
 """
 import os
 
@@ -72,40 +74,24 @@ def mx_code_from_amax_bits(amax_bits, RULE_CEIL: tl.constexpr):
 
 
 @triton.jit
-def _thr(n: tl.constexpr, n_exp: tl.constexpr, n_bits: tl.constexpr, s):
-    """int32 float bits of n * 2**(s-2) (n an integer, n_exp = floor(log2 n), n_bits = bits of float(n))."""
-    normal = n_bits + ((s - 2) << 23)
-    sub = n << tl.minimum(tl.maximum(s + 147, 0), 30)
-    return tl.where(n_exp + s - 2 >= -126, normal, sub)
-
-
-@triton.jit
 def e2m1_codes_from_bits(b, code):
     """E2M1 magnitude codes 0..7 (int32) of magnitudes with float32 bits ``b`` ([R, E] int32) in blocks
-    with UE8M0 codes ``code`` ([R]): nearest-even on the grid {0,.5,1,1.5,2,3,4,6} x 2**(code-127),
-    saturating at 6. Counts the rounding thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (x scale) that the
-    value passes; ties go to the even code, hence > and >= alternate. Integer compares only: exact for
-    every input, FP32 denormals included."""
-    s = (code - 127)[:, None]
-    c = (b > _thr(1, 0, 0x3F800000, s)).to(tl.int32)
-    c += (b >= _thr(3, 1, 0x40400000, s)).to(tl.int32)
-    c += (b > _thr(5, 2, 0x40A00000, s)).to(tl.int32)
-    c += (b >= _thr(7, 2, 0x40E00000, s)).to(tl.int32)
-    c += (b > _thr(10, 3, 0x41200000, s)).to(tl.int32)
-    c += (b >= _thr(14, 3, 0x41600000, s)).to(tl.int32)
-    c += (b > _thr(20, 4, 0x41A00000, s)).to(tl.int32)
-    return c
+    with UE8M0 codes ``code`` ([R], 0..254; 255 blocks give garbage the callers mask): nearest-even on the
+    grid {0,.5,1,1.5,2,3,4,6} x 2**(code-127), saturating at 6.
 
-
-@triton.jit
-def e2m1_to_e4m3_shifted(nib, d):
-    """E4M3 bits (int32) of the E2M1 code ``nib`` (4 bits, bit 3 = sign) times 2**d, by integer arithmetic:
-    for magnitude code c >= 2 the byte is 4c + 8(6 + d), for c = 1 (0.5) it is 8(6 + d), for 0 it is 0.
-    Exact only while the result is an E4M3 normal: callers check ``d >= -5`` (c != 0) and ``d <= 6``."""
-    c = nib & 7
-    base = (6 + d) << 3
-    mag = tl.where(c >= 2, 4 * c + base, tl.where(c == 1, base, 0))
-    return mag | ((nib & 8) << 4)
+    y = |x| * 2**(127-code) is exact (a power-of-two factor 2**-126..2**127; y < 8 for both scale rules;
+    a y that would be an FP32 denormal is far below the first threshold 0.25, whether flushed or not). The
+    grid step in binade k = clamp(floor(log2 y), 0, 2) is 2**(k-1), the ulp of M = 2**(22+k), so the
+    hardware's nearest-even float add y + M leaves n = round_even(y / 2**(k-1)) in M's low mantissa bits.
+    Within a binade E2M1's code parity is n's parity, so the code is n + 2k (n = 4 is the next binade's
+    first code), capped at 7 (6.0). About 9 instructions per element, against 7 threshold compares plus
+    their accumulation before; exact for every input (the interpreter's numpy add rounds the same way)."""
+    c = tl.minimum(code, 253)[:, None]
+    y = b.to(tl.float32, bitcast=True) * ((254 - c) << 23).to(tl.float32, bitcast=True)  # 2**(127-code)
+    k = tl.minimum(tl.maximum((y.to(tl.int32, bitcast=True) >> 23) - 127, 0), 2)
+    mb = (k + 149) << 23  # float32 bits of 2**(22+k)
+    n = (y + mb.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - mb
+    return tl.minimum(n + 2 * k, 7)
 
 
 @triton.jit
@@ -133,12 +119,12 @@ def e4m3x2(lo, hi, EMULATE: tl.constexpr):
 
 @triton.jit
 def e2m1_value(nib):
-    """float32 value of 4-bit codes ``nib`` (int32, bit 3 = sign); -0 for code 8."""
+    """float32 value of 4-bit codes ``nib`` (int32, bit 3 = sign); -0 for code 8. Built from bits (integer
+    ops only, no int->float conversion): magnitude code c >= 2 is (c + 252) << 22 (1.0 .. 6.0), c = 1 is
+    0.5 (0x3F000000), c = 0 is 0."""
     c = nib & 7
-    e = c >> 1
-    m = (c & 1).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.5, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-    return with_sign(mag, (nib & 8) != 0)
+    mag = tl.where(c >= 2, (c + 252) << 22, tl.where(c == 1, 0x3F000000, 0))
+    return (mag | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
