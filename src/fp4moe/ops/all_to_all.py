@@ -243,18 +243,28 @@ class _QuantizedAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, input_splits, output_splits, group, world, rank, fwd_codec, bwd_codec, keep_fp4, stats, rule):
         t, h = x.shape
-        payload = _encode(x.contiguous(), fwd_codec, rule)
-        recv = _exchange(payload, input_splits, output_splits, group, world)
-        if world == 1 and fwd_codec == "bf16" and x.dtype == torch.bfloat16:
-            recv = recv.clone()  # the payload is a view of x: never return an alias of the input
-        if stats is not None:
-            stats._record("forward", payload, input_splits[rank], recv)
         ctx.meta = (input_splits, output_splits, group, world, rank, bwd_codec, stats, x.dtype, h)
-        if not keep_fp4:
-            return _decode(recv, h, fwd_codec, x.dtype)
-        fp4 = MXFP4Tensor.from_payload(recv, h)
+        if world == 1 and fwd_codec == "mxfp4":
+            # nothing to exchange: keep the quantizer's data and scales as they are (packing them into one
+            # payload and splitting it again would be two copies of the rows); the bytes are counted as sent
+            fp4 = kops.bf16_to_fp4_row(x.contiguous(), rule)
+            if stats is not None:
+                sent = torch.empty((t, payload_row_bytes(h, "mxfp4")), dtype=torch.uint8, device="meta")
+                stats._record("forward", sent, input_splits[rank], sent)
+            if not keep_fp4:
+                return kops.fp4_to_bf16(fp4).to(x.dtype)
+        else:
+            payload = _encode(x.contiguous(), fwd_codec, rule)
+            recv = _exchange(payload, input_splits, output_splits, group, world)
+            if world == 1 and fwd_codec == "bf16" and x.dtype == torch.bfloat16:
+                recv = recv.clone()  # the payload is a view of x: never return an alias of the input
+            if stats is not None:
+                stats._record("forward", payload, input_splits[rank], recv)
+            if not keep_fp4:
+                return _decode(recv, h, fwd_codec, x.dtype)
+            fp4 = MXFP4Tensor.from_payload(recv, h)
         # 2 bytes whatever T_out: a stride-0 view; only its gradient matters.
-        anchor = torch.zeros((), dtype=x.dtype, device=x.device).expand(recv.shape[0], h)
+        anchor = torch.zeros((), dtype=x.dtype, device=x.device).expand(fp4.shape[0], h)
         ctx.mark_non_differentiable(fp4.data, fp4.scales)
         return fp4.data, fp4.scales, anchor
 
