@@ -167,17 +167,41 @@ def default_shapes(tokens: int = 32768, experts: int = 32, seed: int = 0) -> lis
     ]
 
 
-def _ours(shape: Shape, x, a: MXFP4Tensor, f):
+def load_baseline(path: str):
+    """An older copy of this package (e.g. ``git archive <commit> kernels/fp4moe_kernels``, unpacked) imported
+    under another name, so that its kernels run side by side with these in one process: (ops, formats)."""
+    import importlib
+    import importlib.util
+
+    init = os.path.join(path, "__init__.py")
+    if not os.path.isfile(init):
+        raise FileNotFoundError(f"--baseline {path}: no __init__.py there; give the unpacked fp4moe_kernels folder "
+                                "of the other commit (git archive <commit> kernels/fp4moe_kernels | tar x)")
+    name = "fp4moe_kernels_baseline"
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[path])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return importlib.import_module(f"{name}.ops"), importlib.import_module(f"{name}.formats")
+
+
+def _ours(shape: Shape, x, a: MXFP4Tensor, f, lib=None, fmt=None):
+    """kernel -> callable of this package's ``ops`` (or of a baseline's ``lib``/``fmt``, on the same inputs)."""
     counts = shape.counts
+    if lib is not None:
+        a = fmt.MXFP4Tensor(a.data, a.scales, a.shape)
+        f = fmt.FP8RowTensor(f.data, f.scales, fmt.Segments.of(counts, shape.m))
+    else:
+        lib = ops
     return {
-        "bf16_to_fp4_row": lambda: ops.bf16_to_fp4_row(x),
-        "fp4_to_bf16": lambda: ops.fp4_to_bf16(a),
-        "fp4_row_to_fp8_row": lambda: ops.fp4_row_to_fp8_row(a, counts),
-        "fp4_row_to_fp8_col": lambda: ops.fp4_row_to_fp8_col(a, counts),
-        "fp8_row_to_fp4": lambda: ops.fp8_row_to_fp4(f),
-        "bf16_to_fp8_row": lambda: ops.bf16_to_fp8_row(x, counts),
-        "bf16_to_fp8_col": lambda: ops.bf16_to_fp8_col(x, counts),
-        "bf16_to_fp4_and_fp8_row": lambda: ops.bf16_to_fp4_and_fp8_row(x, counts),
+        "bf16_to_fp4_row": lambda: lib.bf16_to_fp4_row(x),
+        "fp4_to_bf16": lambda: lib.fp4_to_bf16(a),
+        "fp4_row_to_fp8_row": lambda: lib.fp4_row_to_fp8_row(a, counts),
+        "fp4_row_to_fp8_col": lambda: lib.fp4_row_to_fp8_col(a, counts),
+        "fp8_row_to_fp4": lambda: lib.fp8_row_to_fp4(f),
+        "bf16_to_fp8_row": lambda: lib.bf16_to_fp8_row(x, counts),
+        "bf16_to_fp8_col": lambda: lib.bf16_to_fp8_col(x, counts),
+        "bf16_to_fp4_and_fp8_row": lambda: lib.bf16_to_fp4_and_fp8_row(x, counts),
     }
 
 
@@ -231,7 +255,9 @@ def _peers(x):
     return out, ""
 
 
-def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, log=print) -> tuple[float, list[Row], list[str]]:
+def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, log=print,
+        baseline=None) -> tuple[float, list[Row], list[str]]:
+    """Every kernel on every shape (and, with ``baseline`` = (label, ops, formats), the baseline's kernels)."""
     copy = copy_bandwidth_gbps(warmup_ms, rep_ms)
     log(f"copy bandwidth (1 GiB bf16 D2D, read+write): {copy:.0f} GB/s")
     rows: list[Row] = []
@@ -252,6 +278,10 @@ def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, lo
 
         for kernel, fn in _ours(shape, x, a, f).items():
             add(kernel, "fp4moe", fn)
+        if baseline is not None:
+            label, bops, bfmt = baseline
+            for kernel, fn in _ours(shape, x, a, f, bops, bfmt).items():
+                add(kernel, f"fp4moe {label}", fn)
         for impl, items in _round_trips(shape, a).items():
             for kernel, fn in items:
                 add(kernel, impl, fn)
@@ -285,7 +315,7 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) ->
             if kernels and kernel not in kernels:
                 continue
             if kernel.endswith("_col"):
-                configs = [(32, 0, 4), (64, 0, 4), (64, 0, 8), (128, 0, 8)]
+                configs = [(32, 0, 1), (32, 0, 2), (32, 0, 4), (64, 0, 2), (64, 0, 4), (64, 0, 8), (128, 0, 8)]
             elif kernel in ("bf16_to_fp4_row", "fp4_to_bf16"):  # R = 32-element blocks per program
                 configs = [(r, 0, w) for r in (32, 64, 128, 256) for w in (4, 8)]
             else:  # R = 128-element groups per program
@@ -423,6 +453,9 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="first sweep tile/warp configs per kernel and use the fastest for the table (slow)")
     p.add_argument("--sweep-kernels", default="", help="comma-separated kernels to sweep (default: all)")
+    p.add_argument("--baseline", default=None, metavar="DIR[:LABEL]",
+                   help="also time an older copy of fp4moe_kernels (its folder; LABEL, e.g. its commit, names the "
+                        "column) on the same inputs, side by side")
     p.add_argument("--commit", default=None, help="git commit to record (default: FP4MOE_COMMIT or git)")
     p.add_argument("--timing", choices=("cuda-graph", "events"), default="cuda-graph",
                    help="cuda-graph replays (default) or plain CUDA events around each call")
@@ -445,7 +478,12 @@ def main(argv=None) -> int:
     from .triton_kernels import launch
 
     env["tiles"] = {k: list(v) for k, v in launch.TILES.items()}
-    copy, rows, notes = run(shapes, args.warmup_ms, args.rep_ms, peers=not args.no_peers)
+    baseline = None
+    if args.baseline:
+        path, _, label = args.baseline.partition(":")
+        baseline = (label or os.path.basename(os.path.normpath(path)), *load_baseline(path))
+        env["baseline"] = baseline[0]
+    copy, rows, notes = run(shapes, args.warmup_ms, args.rep_ms, peers=not args.no_peers, baseline=baseline)
     copy_end = copy_bandwidth_gbps(args.warmup_ms, args.rep_ms)
     if copy_end > copy:  # report against the best copy seen in the run, and say so
         notes.append(f"copy bandwidth re-measured after the kernels: {copy_end:.0f} GB/s (was {copy:.0f}); "

@@ -1,0 +1,46 @@
+"""``fp4moe_kernels.bench --baseline``: an older copy of the package runs side by side with this one.
+
+The baseline here is this package's own folder, copied: every baseline callable must return what this package's
+``ops`` returns on the same inputs (CPU: both dispatch to their reference), in the baseline's own format classes."""
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp4moe_kernels
+from fp4moe_kernels import bench, ops, selfcheck
+
+
+def test_baseline_copy_runs_side_by_side_and_agrees(tmp_path):
+    src = Path(fp4moe_kernels.__file__).parent
+    base = tmp_path / "fp4moe_kernels"
+    shutil.copytree(src, base, ignore=shutil.ignore_patterns("__pycache__"))
+    try:
+        bops, bfmt = bench.load_baseline(str(base))
+        assert bops.__file__.startswith(str(base)) and bfmt is not sys.modules["fp4moe_kernels.formats"]
+        shape = bench.Shape("t", 256, 256, [100, 0, 156])
+        x = selfcheck.make_input(256, 256, seed=5)
+        a = ops.bf16_to_fp4_row(x)
+        f = ops.bf16_to_fp8_row(x, shape.counts)
+        ours, theirs = bench._ours(shape, x, a, f), bench._ours(shape, x, a, f, bops, bfmt)
+        assert ours.keys() == theirs.keys()
+        for kernel in ours:
+            got, want = theirs[kernel](), ours[kernel]()
+            flat = lambda r: r if isinstance(r, tuple) else (r,)  # noqa: E731
+            for g, w in zip(flat(got), flat(want)):
+                if isinstance(w, torch.Tensor):
+                    assert torch.equal(g.view(torch.int16), w.view(torch.int16)), kernel
+                else:
+                    assert type(g).__module__ == "fp4moe_kernels_baseline.formats", kernel
+                    assert torch.equal(g.data.view(torch.uint8), w.data.view(torch.uint8)), kernel
+                    assert torch.equal(g.scales, w.scales), kernel
+    finally:
+        for name in [m for m in sys.modules if m.startswith("fp4moe_kernels_baseline")]:
+            del sys.modules[name]
+
+
+def test_baseline_folder_without_package_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="git archive"):
+        bench.load_baseline(str(tmp_path))
