@@ -23,6 +23,8 @@
 #                                                      # micro-batches), per cell
 #   bash tools/device/h200_p3.sh ep8 MB "mxfp4:attn_ln_mlp ..."  # issue 7 (nvidia-h200-x8): the proxy on 8 GPUs, EP8 x DP8
 #   COMMIT=sha bash tools/device/h200_p3.sh layer8     # issue 7: the V3 MoE layer with EP8, every recipe -> $OUT/moe_layer
+#   COMMIT=sha bash tools/device/h200_p3.sh kbench [DIR:LABEL [ARGS]]  # kernel benchmark -> $OUT/kernels, side by side
+#                                                      # with the baseline copy DIR (carried: git archive, see README)
 #   bash tools/device/h200_p3.sh swiglu                # fused SwiGLU: GPU tests + benchmark (FP4MOE_FUSED_SWIGLU)
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
@@ -189,6 +191,12 @@ layer8)  # issue 7: DeepSeek-V3's MoE layer with EP8 (256 experts, 32 per GPU, t
   mkdir -p "$OUT/moe_layer"
   timeout -k 20 540 python3 -m torch.distributed.run --standalone --nproc-per-node 8 -m fp4moe.moe.bench \
     --commit "${COMMIT:-unknown}" --out "$OUT/moe_layer" 2>&1 | tail -40
+  ;;
+kbench)  # [BASELINE_DIR:LABEL [bench args...]]: the kernel benchmark, and a baseline copy of the kernels beside it
+  mkdir -p "$OUT/kernels"
+  base=${1:-}; shift || true
+  timeout -k 20 400 python3 -m fp4moe_kernels.bench --out "$OUT/kernels" --commit "${COMMIT:-unknown}" --no-peers \
+    --rep-ms 50 ${base:+--baseline "$base"} "$@" 2>&1 | tail -70
   ;;
 swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3
