@@ -43,3 +43,22 @@ def test_containers_reject_mixed_devices_and_strided_scales():
         MXFP4Tensor(a.data, a.scales.to("meta"), a.shape)
     with pytest.raises(FormatError, match="segments cover"):
         FP8RowTensor(f.data, f.scales, Segments((3, 4)))
+
+
+def test_tile_overrides_from_the_environment(tmp_path):
+    """FP4MOE_TILES: inline JSON or a benchmark's JSON output (its env.tiles_adopted); typos are clear errors."""
+    import json
+
+    from fp4moe_kernels.triton_kernels.launch import tiles_from_env
+
+    assert tiles_from_env("") == {}
+    assert tiles_from_env('{"fp4_row_to_fp8_col": [32, 0, 1]}') == {"fp4_row_to_fp8_col": (32, 0, 1)}
+    bench_out = tmp_path / "kernels_h200.json"
+    bench_out.write_text(json.dumps({"env": {"tiles_adopted": {"bf16_to_fp8_col": [64, 0, 2]}}, "rows": []}))
+    assert tiles_from_env(str(bench_out)) == {"bf16_to_fp8_col": (64, 0, 2)}
+    with pytest.raises(ValueError, match="unknown kernel 'fp4_row_to_fp8_cols'"):
+        tiles_from_env('{"fp4_row_to_fp8_cols": [32, 0, 1]}')
+    with pytest.raises(ValueError, match=r"\[size, 0, num_warps\]"):
+        tiles_from_env('{"fp4_row_to_fp8_col": [32, 1]}')
+    with pytest.raises(ValueError, match="not a JSON object nor a readable JSON file"):
+        tiles_from_env(str(tmp_path / "missing.json"))

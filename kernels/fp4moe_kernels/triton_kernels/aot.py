@@ -75,6 +75,13 @@ KERNELS = {
 }
 
 
+# Spill bytes accepted per kernel with the launcher's tile, each measured faster than the spill-free tiles.
+# fp4_row_to_fp8_col at one warp (128 tokens x 32 channels per warp): 362 us against 484 us at four warps
+# (H200 sweep, results/kernels/kernels_h200_2026-12-01_52fe029.json); only its general path spills, the fast
+# path alone compiles without.
+SPILL_ALLOWED = {"fp4_row_to_fp8_col": 1024}
+
+
 def _gemm_consts(name: str, k: int) -> tuple[dict, int, int]:
     """(constexprs, num_warps, num_stages) of a grouped GEMM kernel at contraction ``k``, the launcher's tiles."""
     if name == "grouped_fp8_rows":
@@ -155,7 +162,7 @@ def main(argv=None) -> int:
     bad = 0
     for name in args.kernels:
         r = compile_kernel(name, args.k)
-        bad += r.spill_bytes > 0
+        bad += r.spill_bytes > SPILL_ALLOWED.get(name, 0)
         print(json.dumps(dataclasses.asdict(r)) if args.json else r.line())
     return 1 if bad else 0
 

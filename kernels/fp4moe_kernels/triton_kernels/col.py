@@ -34,9 +34,16 @@ def _quant_cols(v, amax_bias, AXIS: tl.constexpr = 0):
     """Per-channel FP8 quantization of float32 ``v`` (true value = v * 2**amax_bias; NaN marks non-finite),
     the 128 tokens along ``AXIS`` ([128, N] for AXIS 0, [N, 128] for AXIS 1): (values to cast, same shape,
     float32 with NaN kept; scale exponents [N] int32)."""
-    ax = tl.abs(v)
-    fin = ax < float("inf")
-    amax = tl.max(tl.where(fin, ax, 0.0), axis=AXIS)  # [N]
+    if AXIS == 0:  # tokens spread over the warps: reduced in registers and shared memory
+        ax = tl.abs(v)
+        fin = ax < float("inf")
+        amax = tl.max(tl.where(fin, ax, 0.0), axis=0)  # [N]
+    else:
+        # tokens across the lanes of a warp: the max of non-negative floats is the max of their bits, an integer
+        # reduction (one REDUX per warp on Hopper, where a float max takes five shuffles)
+        mag = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        fin = mag < 0x7F800000
+        amax = tl.max(tl.where(fin, mag, 0), axis=1).to(tl.float32, bitcast=True)  # [N]
     safe = tl.where(amax > 0, amax, 1.0)
     k = ceil_log2_ratio(safe, 8, 0x600000) + amax_bias  # limit 448 = 1.75 * 2**8
     k = tl.minimum(tl.maximum(k, -126), 127)

@@ -26,10 +26,42 @@ TILES = {
     "bf16_to_fp4_and_fp8_row": (64, 0, 8),
     "fp4_row_to_fp8_row": (32, 0, 4),
     "fp8_row_to_fp4": (64, 0, 4),
-    "fp4_row_to_fp8_col": (32, 0, 4),
+    "fp4_row_to_fp8_col": (32, 0, 1),  # 1.34x the 4-warp tile (H200 sweep, 2026-12-01)
     "bf16_to_fp8_col": (32, 0, 4),
     "quantize_weight_128x128": (0, 0, 8),  # one 128x128 block per program; not swept
 }
+
+
+def tiles_from_env(env: str | None = None) -> dict:
+    """Tile overrides from ``FP4MOE_TILES``: a JSON object (or the path of a JSON file, e.g. a benchmark's output,
+    whose ``env.tiles_adopted`` is taken) mapping kernel names to [size, 0, num_warps]. Another GPU's best tiles
+    without editing this file: ``python -m fp4moe_kernels.bench --sweep`` writes them."""
+    import json
+    import os
+
+    text = os.environ.get("FP4MOE_TILES", "") if env is None else env
+    if not text.strip():
+        return {}
+    try:
+        if text.lstrip().startswith("{"):
+            spec = json.loads(text)
+        else:
+            with open(text) as fh:
+                spec = json.load(fh)
+            spec = spec.get("env", {}).get("tiles_adopted", spec)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"FP4MOE_TILES={text!r}: not a JSON object nor a readable JSON file ({e})") from None
+    out = {}
+    for name, t in spec.items():
+        if name not in TILES:
+            raise ValueError(f"FP4MOE_TILES names unknown kernel {name!r}; known: {sorted(TILES)}")
+        if not (isinstance(t, (list, tuple)) and len(t) == 3 and all(isinstance(v, int) for v in t) and t[2] in (1, 2, 4, 8, 16)):
+            raise ValueError(f"FP4MOE_TILES[{name!r}] = {t!r}: give [size, 0, num_warps] with num_warps in 1, 2, 4, 8, 16")
+        out[name] = tuple(t)
+    return out
+
+
+TILES.update(tiles_from_env())
 
 
 # row_seg is M int32s (8 MiB for the 2M routed rows of the H200 proxy at micro-batch 64) and every micro-batch
