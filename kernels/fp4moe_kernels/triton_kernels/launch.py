@@ -18,16 +18,17 @@ from .common import INTERPRET
 
 # Per kernel: (R = 32-element blocks (MXFP4-only kernels) or 128-element groups per program for row
 # kernels / BN = channels per program for column kernels, unused, num_warps). Chosen by
-# ``python -m fp4moe_kernels.bench --sweep`` on an H200 (results/kernels/).
+# ``python -m fp4moe_kernels.bench --sweep`` on an H200: the tiles it adopted on 2026-12-01 at 32768 x 7168 over 32
+# experts (results/kernels/kernels_h200_2026-12-01_7a8040d.json; FP4MOE_TILES overrides them, see tiles_from_env).
 TILES = {
-    "bf16_to_fp4_row": (128, 0, 4),
-    "fp4_to_bf16": (128, 0, 4),
+    "bf16_to_fp4_row": (256, 0, 2),
+    "fp4_to_bf16": (64, 0, 2),
     "bf16_to_fp8_row": (64, 0, 8),
-    "bf16_to_fp4_and_fp8_row": (64, 0, 8),
-    "fp4_row_to_fp8_row": (32, 0, 4),
+    "bf16_to_fp4_and_fp8_row": (16, 0, 2),
+    "fp4_row_to_fp8_row": (32, 0, 2),
     "fp8_row_to_fp4": (64, 0, 4),
-    "fp4_row_to_fp8_col": (32, 0, 1),  # 1.34x the 4-warp tile (H200 sweep, 2026-12-01)
-    "bf16_to_fp8_col": (32, 0, 4),
+    "fp4_row_to_fp8_col": (32, 0, 1),
+    "bf16_to_fp8_col": (32, 0, 1),
     "quantize_weight_128x128": (0, 0, 8),  # one 128x128 block per program; not swept
 }
 
