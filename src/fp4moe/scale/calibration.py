@@ -43,12 +43,15 @@ ARCHIVES = (   # one GPU
     "results/train_proxy/proxy_t1_h200_2026-11-30_61f1fcb.json",         # equal-scope pairs at 32, mla_up_proj 40 / 64
     "results/train_proxy/proxy_t1_probe_h200_2026-11-30_49a089e.json",   # the probe on 49a089e (RoPE cache fix)
     "results/train_proxy/proxy_t1_h200_2026-11-30_49a089e.json",         # equal-scope pair at 32, mla_up_proj 40 / 64
+    "results/train_proxy/proxy_t1_h200_2026-12-01_52fe029.json",         # faster FP4 kernels: equal-scope pair twice, mla_up_proj
+    "results/train_proxy/proxy_t1_h200_2026-12-01_7a8040d.json",         # and with the swept tiles: the pair twice
 )
 # Runs before 38f25cd measured other code (results/train_proxy/README.md: the MoE layer's forward kept more rows
 # alive; before 924b9ef a leaked micro-batch), so they are not part of the 5 % check.
 # Two H200s over NCCL (EP2 x DP2, PP2): a table of their own. 61f1fcb's are in the 5 % check; 924b9ef's (older code:
 # the MoE forward kept more rows alive, bf16 logged no routing) are shown outside it (OUTSIDE_CHECK).
 NCCL_ARCHIVES = ("results/train_proxy/proxy_nccl_h200x2_2026-11-30_61f1fcb.json",
+                 "results/train_proxy/proxy_nccl_h200x2_2026-12-01_fe9934e.json",   # the distributed optimizer
                  "results/train_proxy/proxy_nccl_h200x2_2026-11-30_924b9ef.json")
 OUTSIDE_CHECK = ("proxy_nccl_h200x2_2026-11-30_924b9ef.json",)
 DEFAULT_OUT = "results/scale/calibration.md"
@@ -360,8 +363,8 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
         "(`saved_activation_bytes_per_micro_batch`, fp4moe.ops.accounting) vs the model's "
         "`per_microbatch_activation_bytes`, in GB = 10^9 B (exact bytes: tests/scale/test_calibration.py).",
         "- **peak**: `torch.cuda.max_memory_allocated` in GiB (2^30 B) vs the model's `total_bytes` for the code "
-        "the run measured (**code**: 38f25cd = `MEASURED_CODE`, with the two wastes removed since; 61f1fcb and "
-        "49a089e = today's, `FIRST_PRINCIPLES`; 61f1fcb still packed MLA's RoPE frequencies under mxfp4 "
+        "the run measured (**code**: 38f25cd = `MEASURED_CODE`, with the two wastes removed since; 61f1fcb, "
+        "49a089e, fe9934e, 52fe029 and 7a8040d = today's, `FIRST_PRINCIPLES`; 61f1fcb still packed MLA's RoPE frequencies under mxfp4 "
         "mla_up_proj): static + saved + the largest of three phase transients (the head's logits, the last "
         "MoE layer's forward, the routed experts' backward), from tensor shapes; nothing fitted to the peaks. "
         "**phase**: where the model puts the peak.",
