@@ -113,3 +113,97 @@ def test_switch_routes_ops_swiglu_through_the_kernels(monkeypatch):
     dh, dp = ops_swiglu.swiglu_math_backward(h, dz, p)
     dh1, dp1 = swiglu_bwd(h, dz, p)
     assert torch.equal(dh, dh1) and torch.equal(dp, dp1)
+
+
+def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
+    """The FP4-storing kernels against the two-kernel path they fuse, bit for bit: (z, h's MXFP4) of
+    ``swiglu_fwd_fp4`` = (``swiglu_fwd``, ``bf16_to_fp4_row``), and ``swiglu_bwd_fp4`` of that MXFP4 =
+    ``swiglu_bwd`` of ``fp4_to_bf16`` of it (the same tiles and float32 operations on the same decoded values)."""
+    from fp4moe_kernels import ops as kops
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import MXFP4Tensor
+    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_bwd_fp4, swiglu_fwd, swiglu_fwd_fp4
+
+    h = (torch.randn(t, 2 * f, generator=gen) * 3).to(torch.bfloat16)
+    if t > 2:  # a NaN block, an all-zero block and a tiny block: code 255, code 0, a small code
+        h[0, 5], h[1, 32:64], h[2, f:f + 32] = float("nan"), 0.0, h[2, f:f + 32] * 2.0 ** -100
+    h = h.to(device)
+    dz = torch.randn(t, f, generator=gen).to(torch.bfloat16).to(device)
+    probs = torch.rand(t, generator=gen).to(device) if weighted else None
+    z, (q, s) = swiglu_fwd_fp4(h, probs, rule)
+    want = ref.bf16_to_fp4_row(h.cpu(), rule)
+    assert torch.equal(z.view(torch.int16), swiglu_fwd(h, probs).view(torch.int16))
+    assert torch.equal(q.cpu(), want.data) and torch.equal(s.cpu(), want.scales)
+    dh, dp = swiglu_bwd_fp4(q, s, dz, probs)
+    h_hat = launch.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f))) if device == "cpu" else kops.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f)))
+    dh0, dp0 = swiglu_bwd(h_hat, dz, probs)
+    nan = torch.isnan(dh.float())
+    assert torch.equal(nan, torch.isnan(dh0.float()))
+    assert torch.equal(dh.view(torch.int16)[~nan], dh0.view(torch.int16)[~nan])
+    if weighted:
+        assert torch.equal(torch.isnan(dp), torch.isnan(dp0)) and torch.equal(dp[~torch.isnan(dp)], dp0[~torch.isnan(dp0)])
+    else:
+        assert dp is None and dp0 is None
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
+@pytest.mark.parametrize("t,f", [(0, 64), (1, 32), (37, 96), (130, 160)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fused_swiglu_fp4_store_interpreted(t, f, weighted):
+    _check_fp4(t, f, weighted, "cpu", torch.Generator().manual_seed(t * 7 + f), rule="ceil" if weighted else "floor")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("t,f", [(65536, 1024), (4099, 2048), (1, 1024), (0, 1024)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fused_swiglu_fp4_store_gpu(t, f, weighted):
+    _check_fp4(t, f, weighted, "cuda", torch.Generator().manual_seed(t + 3 * f))
+
+
+def test_fp4_store_kernels_reject_widths_that_split_blocks():
+    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd_fp4, swiglu_fwd_fp4
+
+    with pytest.raises(ValueError, match="multiple of 32"):
+        swiglu_fwd_fp4(torch.zeros(2, 2 * 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        swiglu_bwd_fp4(torch.zeros(2, 48, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8),
+                       torch.zeros(2, 48, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("where", ["experts", "swiglu"])
+def test_fp4_store_switch_changes_no_bit(monkeypatch, where):
+    """FP4MOE_FUSED_SWIGLU_FP4=1 (the fused FP4-storing SwiGLU) against =0 (quantize and decode in their own
+    kernels) inside the routed experts under mxfp4 and inside the SwiGLU autograd function: outputs and every
+    gradient bit for bit, the same saved bytes."""
+    from fp4moe.ops.grouped_experts import grouped_expert_mlp
+    from fp4moe.recipe import Recipe
+
+    recipe = Recipe.preset("mxfp4")
+    g = torch.Generator().manual_seed(11)
+    counts = [700, 0, 1300, 96, 1]
+    t, hid, f = sum(counts), 256, 512
+    x = (torch.randn(t, hid, generator=g)).to(torch.bfloat16).cuda()
+    w1 = (torch.randn(len(counts), 2 * f, hid, generator=g) / 16).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(len(counts), hid, f, generator=g) / 16).to(torch.bfloat16).cuda()
+    p = torch.rand(t, generator=g).cuda()
+    h = (torch.randn(t, 2 * f, generator=g) * 2).to(torch.bfloat16).cuda()
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(ops_swiglu.FUSED_FP4_ENV, flag)
+        leaves = [v.clone().requires_grad_() for v in ((x, w1, w2, p) if where == "experts" else (h,))]
+        if where == "experts":
+            y = grouped_expert_mlp(leaves[0], counts, leaves[1], leaves[2], leaves[3], recipe)
+        else:
+            y = ops_swiglu.swiglu(leaves[0], recipe, "shared_expert")
+        saved = y.grad_fn.saved_activation_bytes
+        y.backward(torch.ones_like(y))
+        outs.append((y.detach(), [v.grad for v in leaves], saved))
+    (y0, g0, s0), (y1, g1, s1) = outs
+    assert ops_swiglu.fused_fp4_enabled(h)
+    assert torch.equal(y0, y1) and s0 == s1
+    for a, b in zip(g0, g1):
+        assert torch.equal(a, b)

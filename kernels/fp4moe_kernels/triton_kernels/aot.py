@@ -64,6 +64,14 @@ KERNELS = {
     "swiglu_bwd": (swiglu._swiglu_bwd_kernel,
                    {"h_ptr": "*bf16", "dz_ptr": "*bf16", "p_ptr": "*fp32", "dh_ptr": "*i16", "dp_ptr": "*fp32",
                     "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr", "BF": "constexpr"}),
+    "swiglu_fwd_fp4": (swiglu._swiglu_fwd_fp4_kernel,
+                       {"h_ptr": "*i16", "p_ptr": "*fp32", "z_ptr": "*i16", "q_ptr": "*u8", "s_ptr": "*u8", "T": "i32",
+                        "F": "constexpr", "HAS_P": "constexpr", "RULE_CEIL": "constexpr", "BT": "constexpr",
+                        "BF": "constexpr"}),
+    "swiglu_bwd_fp4": (swiglu._swiglu_bwd_fp4_kernel,
+                       {"q_ptr": "*u8", "s_ptr": "*u8", "dz_ptr": "*bf16", "p_ptr": "*fp32", "dh_ptr": "*i16",
+                        "dp_ptr": "*fp32", "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr",
+                        "BF": "constexpr"}),
     "grouped_fp8_rows": (gemm.grouped_rows_kernel,
                          {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
                           "tiles_ptr": "*i32", "seg_off_ptr": "*i32", "N": "i32", "n_tiles": "i32", "KC": "constexpr",
@@ -117,8 +125,10 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
     if name.startswith("grouped_fp8_"):
         consts, warps, stages = _gemm_consts(name, k)
     elif name.startswith("swiglu_"):  # k = the FFN width F, the launcher's tiles, weighted by routing probabilities
-        bt, bf, warps = swiglu.FWD_TILE if name == "swiglu_fwd" else swiglu.BWD_TILE
+        bt, bf, warps = swiglu.FWD_TILE if name.startswith("swiglu_fwd") else swiglu.BWD_TILE
         consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "BT": bt, "BF": bf}
+        if name == "swiglu_fwd_fp4":
+            consts["RULE_CEIL"] = flags.get("RULE_CEIL", True)
     else:
         size, _, warps = tile or launch.TILES[name]
         consts = {"K": k, "EMULATE": False, "BN": size, "R": size, "N": 4096}

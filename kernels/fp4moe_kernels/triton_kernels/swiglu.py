@@ -26,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import e2m1_value, e8m0_value
+from .row import _mxfp4_blocks
+
 # (rows per program, columns per program, num_warps); forward tiles are 2-D, backward programs own whole rows
 # (they sum dprobs over F) and loop over the columns.
 FWD_TILE = (32, 128, 4)
@@ -88,6 +91,92 @@ def _swiglu_bwd_kernel(h_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr,
         tl.store(dp_ptr + rows, acc, mask=rmask)
 
 
+@triton.jit
+def _swiglu_fwd_fp4_kernel(h_ptr, p_ptr, z_ptr, q_ptr, s_ptr, T, F: tl.constexpr, HAS_P: tl.constexpr,
+                           RULE_CEIL: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr):
+    """The forward, plus h's MXFP4 copy (what ``bf16_to_fp4_row(h)`` returns) from the same registers: h is read
+    once for both. h arrives as int16 bits (exact widening, also for BF16 denormals under the interpreter)."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BF + tl.arange(0, BF)
+    rmask = rows < T
+    mask = rmask[:, None] & (cols[None, :] < F)
+    base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+    gb = (tl.load(h_ptr + base, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16
+    ub = (tl.load(h_ptr + base + F, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16
+    g = gb.to(tl.float32, bitcast=True)
+    u = ub.to(tl.float32, bitcast=True)
+    z = g / (1.0 + tl.exp(-g)) * u
+    if HAS_P:
+        p = tl.load(p_ptr + rows, mask=rmask, other=0.0)
+        z = z * p[:, None]
+    out = rows.to(tl.int64)[:, None] * F + cols[None, :]
+    tl.store(z_ptr + out, _bf16_bits(z), mask=mask)
+    # MXFP4 of the gate and up tiles (F is a multiple of 32: a block is wholly inside or outside): BF/32 blocks per
+    # row each, as element pairs [BT * BF/32, 16]
+    nb: tl.constexpr = BF // 32
+    r64 = rows.to(tl.int64)
+    bmask = rmask[:, None] & ((tl.program_id(1) * BF + tl.arange(0, nb) * 32) < F)[None, :]  # [BT, nb]
+    qmask = tl.reshape(tl.broadcast_to(bmask[:, :, None], (BT, nb, 16)), (BT, BF // 2))
+    byte_off = r64[:, None] * F + (tl.program_id(1) * BF) // 2 + tl.arange(0, BF // 2)[None, :]  # [BT, BF/2]
+    code_off = r64[:, None] * (F // 16) + (tl.program_id(1) * BF) // 32 + tl.arange(0, nb)[None, :]  # [BT, nb]
+    for half in tl.static_range(2):
+        bits = gb if half == 0 else ub
+        lo, hi = tl.split(tl.reshape(bits, (BT * nb, 16, 2)))
+        byte, code = _mxfp4_blocks(lo, hi, RULE_CEIL)
+        tl.store(q_ptr + byte_off + half * (F // 2), tl.reshape(byte, (BT, BF // 2)), mask=qmask)
+        tl.store(s_ptr + code_off + half * (F // 32), tl.reshape(code, (BT, nb)), mask=bmask)
+
+
+@triton.jit
+def _swiglu_bwd_fp4_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr, HAS_P: tl.constexpr,
+                           BT: tl.constexpr, BF: tl.constexpr):
+    """The backward from h's MXFP4 copy (data [T, F] bytes, scales [T, F/16]), decoded in registers to the values
+    ``fp4_to_bf16`` gives: the same tiles and float32 math as ``_swiglu_bwd_kernel`` on the decoded h."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rmask = rows < T
+    r64 = rows.to(tl.int64)[:, None]
+    if HAS_P:
+        p = tl.load(p_ptr + rows, mask=rmask, other=0.0)
+    acc = tl.zeros((BT,), dtype=tl.float32)
+    nb: tl.constexpr = BF // 32
+    for c0 in range(0, F, BF):
+        cols = c0 + tl.arange(0, BF)
+        mask = rmask[:, None] & (cols[None, :] < F)
+        bcol = c0 // 2 + tl.arange(0, BF // 2)
+        pmask = rmask[:, None] & (bcol[None, :] < F // 2)
+        scol = c0 // 32 + tl.arange(0, nb)
+        smask = rmask[:, None] & (scol[None, :] < F // 32)
+        g = _decode_tile(q_ptr + r64 * F + bcol[None, :], s_ptr + r64 * (F // 16) + scol[None, :], pmask, smask, BT, BF)
+        u = _decode_tile(q_ptr + r64 * F + F // 2 + bcol[None, :], s_ptr + r64 * (F // 16) + F // 32 + scol[None, :],
+                         pmask, smask, BT, BF)
+        dz = tl.load(dz_ptr + r64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-g))
+        silu = g * s
+        if HAS_P:
+            acc += tl.sum(dz * silu * u, axis=1)
+            a = dz * p[:, None]
+        else:
+            a = dz
+        dg = a * u * (s * (1.0 + g * (1.0 - s)))
+        du = a * silu
+        hb = r64 * (2 * F) + cols[None, :]
+        tl.store(dh_ptr + hb, _bf16_bits(dg), mask=mask)
+        tl.store(dh_ptr + hb + F, _bf16_bits(du), mask=mask)
+    if HAS_P:
+        tl.store(dp_ptr + rows, acc, mask=rmask)
+
+
+@triton.jit
+def _decode_tile(q_ptrs, s_ptrs, pmask, smask, BT: tl.constexpr, BF: tl.constexpr):
+    """float32 [BT, BF] values of MXFP4 bytes [BT, BF/2] and their UE8M0 codes [BT, BF/32] (NaN blocks -> NaN)."""
+    packed = tl.load(q_ptrs, mask=pmask, other=0).to(tl.int32)
+    code = tl.load(s_ptrs, mask=smask, other=127).to(tl.int32)
+    code2 = tl.reshape(tl.broadcast_to(code[:, :, None], (BT, BF // 32, 16)), (BT, BF // 2))
+    f = tl.where(code2 == 255, float("nan"), e8m0_value(code2))
+    v = tl.join(e2m1_value(packed & 0xF) * f, e2m1_value(packed >> 4) * f)  # [BT, BF/2, 2]: even, odd channel
+    return tl.reshape(v, (BT, BF))
+
+
 def swiglu_fwd(h: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """z ``[T, F]`` bf16 from h ``[T, 2F]`` bf16 contiguous (probs ``[T]`` float32 contiguous or None)."""
     t, f2 = h.shape
@@ -117,4 +206,42 @@ def swiglu_bwd(h: torch.Tensor, dz: torch.Tensor, probs: Optional[torch.Tensor] 
     return dh, dp
 
 
-__all__ = ["swiglu_fwd", "swiglu_bwd", "FWD_TILE", "BWD_TILE"]
+def swiglu_fwd_fp4(h: torch.Tensor, probs: Optional[torch.Tensor] = None, rule: str = "ceil"):
+    """(z ``[T, F]`` bf16, h's MXFP4 ``(data [T, F] uint8, scales [T, F/16] uint8)``) from h ``[T, 2F]`` bf16
+    contiguous, F a multiple of 32: ``swiglu_fwd(h, probs)`` and ``bf16_to_fp4_row(h, rule)`` in one pass over h."""
+    t, f2 = h.shape
+    f = f2 // 2
+    if f % 32:
+        raise ValueError(f"swiglu_fwd_fp4 needs F (= {f}) a multiple of 32 (whole MXFP4 blocks per half)")
+    z = torch.empty(t, f, dtype=torch.bfloat16, device=h.device)
+    q = torch.empty(t, f, dtype=torch.uint8, device=h.device)
+    sc = torch.empty(t, f // 16, dtype=torch.uint8, device=h.device)
+    if t and f:
+        bt, bf, warps = FWD_TILE
+        grid = (triton.cdiv(t, bt), triton.cdiv(f, bf))
+        _swiglu_fwd_fp4_kernel[grid](h.view(torch.int16), probs if probs is not None else h, z.view(torch.int16), q, sc,
+                                     t, f, HAS_P=probs is not None, RULE_CEIL=rule == "ceil", BT=bt, BF=bf,
+                                     num_warps=warps)
+    return z, (q, sc)
+
+
+def swiglu_bwd_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor, probs: Optional[torch.Tensor] = None):
+    """``swiglu_bwd(fp4_to_bf16(h4), dz, probs)`` with h4 = (data ``[T, F]`` uint8, scales ``[T, F/16]`` uint8) the
+    MXFP4 copy of h ``[T, 2F]`` (F a multiple of 32), decoded in registers instead of through a BF16 h in memory."""
+    t, f = data.shape
+    if f % 32 or tuple(scales.shape) != (t, f // 16):
+        raise ValueError(f"swiglu_bwd_fp4: data [T, F] with F a multiple of 32 and scales [T, F/16], got "
+                         f"{tuple(data.shape)} and {tuple(scales.shape)}")
+    dh = torch.empty(t, 2 * f, dtype=torch.bfloat16, device=data.device)
+    dp = torch.empty(t, dtype=torch.float32, device=data.device) if probs is not None else None
+    if t and f:
+        bt, bf, warps = BWD_TILE
+        _swiglu_bwd_fp4_kernel[(triton.cdiv(t, bt),)](data, scales, dz, probs if probs is not None else dz,
+                                                      dh.view(torch.int16), dp if dp is not None else dh, t, f,
+                                                      HAS_P=probs is not None, BT=bt, BF=bf, num_warps=warps)
+    elif dp is not None:
+        dp.zero_()
+    return dh, dp
+
+
+__all__ = ["swiglu_fwd", "swiglu_bwd", "swiglu_fwd_fp4", "swiglu_bwd_fp4", "FWD_TILE", "BWD_TILE"]

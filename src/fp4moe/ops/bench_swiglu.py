@@ -6,7 +6,9 @@ For each shape ``T x F`` (routed-expert rows x expert FFN width; default the H20
 routing probabilities (as the routed experts) and not (as the shared expert): median ms per call
 (``fp4moe_kernels.bench.do_bench``: CUDA-graph replays), the minimum bytes moved (forward: h read, z written,
 probs read; backward: h and dz read, dh written, probs read and dprobs written), GB/s, % of the copy bandwidth, and
-speedup = unfused ms / fused ms. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
+speedup = unfused ms / fused ms. With h stored as MXFP4 (the recipe's ``activation_fp4_store``) the fused
+``swiglu_fwd_fp4`` / ``swiglu_bwd_fp4`` run against the two kernels they fuse (``swiglu_fwd`` + ``bf16_to_fp4_row``;
+``fp4_to_bf16`` + ``swiglu_bwd``), in the "unfused" column of those rows. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
 results/kernels/).
 """
 from __future__ import annotations
@@ -32,7 +34,9 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def run(shapes, warmup_ms: int, rep_ms: int, log=print) -> tuple[float, list[dict]]:
-    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_fwd
+    from fp4moe_kernels import ops as kops
+    from fp4moe_kernels.formats import MXFP4Tensor
+    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_bwd_fp4, swiglu_fwd, swiglu_fwd_fp4
 
     ops = importlib.import_module("fp4moe.ops.swiglu")  # the unfused torch formulas (FP4MOE_FUSED_SWIGLU=0)
     os.environ[ops.FUSED_ENV] = "0"
@@ -49,13 +53,20 @@ def run(shapes, warmup_ms: int, rep_ms: int, log=print) -> tuple[float, list[dic
             cases = (("forward", lambda: swiglu_fwd(h, p), lambda: ops.swiglu_math(h, p), 2 * t * 2 * f + 2 * t * f + pb),
                      ("backward", lambda: swiglu_bwd(h, dz, p), lambda: ops.swiglu_math_backward(h, dz, p),
                       2 * t * 2 * f + 2 * t * f + 2 * t * 2 * f + 2 * pb))
+            q4 = kops.bf16_to_fp4_row(h)
+            fp4b = t * f + t * f // 16  # h's MXFP4 [T, 2F]: data + scales
+            cases += (("forward, h stored as MXFP4", lambda: swiglu_fwd_fp4(h, p),
+                       lambda: (swiglu_fwd(h, p), kops.bf16_to_fp4_row(h)), 2 * t * 2 * f + 2 * t * f + fp4b + pb),
+                      ("backward, h from MXFP4", lambda: swiglu_bwd_fp4(q4.data, q4.scales, dz, p),
+                       lambda: swiglu_bwd(kops.fp4_to_bf16(MXFP4Tensor(q4.data, q4.scales, (t, 2 * f))), dz, p),
+                       fp4b + 2 * t * f + 2 * t * 2 * f + 2 * pb))
             for name, fused, unfused, nbytes in cases:
                 ms_f, ms_u = do_bench(fused, warmup_ms, rep_ms), do_bench(unfused, warmup_ms, rep_ms)
                 gbps = nbytes / (ms_f * 1e-3) / 1e9
                 row = {"shape": f"{t}x{f}", "pass": name, "probs": weighted, "fused_ms": ms_f, "unfused_ms": ms_u,
                        "bytes": nbytes, "gbps": gbps, "pct_copy": 100 * gbps / copy, "speedup": ms_u / ms_f}
                 rows.append(row)
-                log(f"{row['shape']:>12s} {name:8s} probs={weighted!s:5s} fused {ms_f:.3f} ms ({gbps:.0f} GB/s, "
+                log(f"{row['shape']:>12s} {name:26s} probs={weighted!s:5s} fused {ms_f:.3f} ms ({gbps:.0f} GB/s, "
                     f"{row['pct_copy']:.1f} % of copy), unfused {ms_u:.3f} ms, speedup {row['speedup']:.2f}x")
     return copy, rows
 

@@ -47,7 +47,7 @@ from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP
 
 from ..recipe import Recipe
 from .fp8_gemm import fp8_mm, quantize_weight_128x128
-from .swiglu import swiglu_math, swiglu_math_backward
+from .swiglu import swiglu_math, swiglu_math_backward, swiglu_math_backward_fp4, swiglu_math_fp4
 
 _BF16 = torch.bfloat16
 
@@ -228,11 +228,10 @@ class GroupedExpertMLP(torch.autograd.Function):
                 saved.update(x_row_data=x_row.data, x_row_scales=x_row.scales, x_col_data=x_col.data,
                              x_col_scales=x_col.scales)
         # ---- SwiGLU (float32), weighted by the routing probabilities
-        z = swiglu_math(hmat, probs)
-        if recipe.activation_fp4_store:
-            h4 = kops.bf16_to_fp4_row(hmat, recipe.scale_rule)
-            saved["h_fp4_data"], saved["h_fp4_scales"] = h4.data, h4.scales
+        if recipe.activation_fp4_store:  # h's MXFP4 copy, in the SwiGLU's own pass over h where fused
+            z, (saved["h_fp4_data"], saved["h_fp4_scales"]) = swiglu_math_fp4(hmat, probs, recipe.scale_rule)
         else:
+            z = swiglu_math(hmat, probs)
             saved["h"] = hmat
         # ---- fc2
         if not fp8:
@@ -262,7 +261,6 @@ class GroupedExpertMLP(torch.autograd.Function):
         w1, w2, *vals = ctx.saved_tensors
         s = dict(zip(ctx.names, vals))
         recipe, seg, h, f, w1_dtype, w2_dtype = ctx.meta
-        t = seg.total
         fp8 = recipe.fp8_compute
         dy = dy.to(_BF16).contiguous()
         probs = s["probs"]
@@ -274,13 +272,12 @@ class GroupedExpertMLP(torch.autograd.Function):
         dw2 = _weight_grad(s, "z", dy, seg, w2, f, fp8) if ctx.needs_input_grad[2] else None
         # ---- SwiGLU backward (from the saved, possibly MXFP4-decoded, h)
         if "h" in s:
-            hmat = s["h"]
-        else:
-            hmat = kops.fp4_to_bf16(MXFP4Tensor(s["h_fp4_data"], s["h_fp4_scales"], (t, 2 * f)))
-        dh, dprobs = swiglu_math_backward(hmat, dz, probs)
-        # dz [T, F] and the decoded h [T, 2F] are dead: free them before fc1's backward, the layer's memory peak
+            dh, dprobs = swiglu_math_backward(s["h"], dz, probs)
+        else:  # decoded in the fused kernel, or through a BF16 h that dies here
+            dh, dprobs = swiglu_math_backward_fp4(s["h_fp4_data"], s["h_fp4_scales"], dz, probs)
+        # dz [T, F] (and any decoded h [T, 2F]) are dead: free them before fc1's backward, the layer's memory peak
         # (fp4moe.scale.memory.expert_backward_bytes lists what is live there)
-        del dz, hmat
+        del dz
         # ---- fc1 backward
         dx = dw1 = None
         if ctx.needs_input_grad[0]:

@@ -34,6 +34,42 @@ def fused_enabled(h: torch.Tensor) -> bool:
     return h.is_cuda and h.dtype == _BF16 and os.environ.get(FUSED_ENV, "1") != "0"
 
 
+FUSED_FP4_ENV = "FP4MOE_FUSED_SWIGLU_FP4"
+
+
+def fused_fp4_enabled(h: torch.Tensor) -> bool:
+    """Whether the SwiGLU with an MXFP4-stored input runs ``swiglu_fwd_fp4`` / ``swiglu_bwd_fp4`` (h's MXFP4 copy
+    made in the forward's pass over h, decoded inside the backward kernel; bit for bit the separate
+    ``bf16_to_fp4_row`` + ``fp4_to_bf16`` path, tests/kernels/test_swiglu_kernel.py) for ``h`` [T, 2F]: where the
+    fused kernels run and F is a multiple of 32, when ``FP4MOE_FUSED_SWIGLU_FP4=1``. Off by default until its GPU
+    tests have run on a Hopper GPU (they passed under the Triton interpreter only)."""
+    return fused_enabled(h) and h.shape[1] % 64 == 0 and os.environ.get(FUSED_FP4_ENV, "0") == "1"
+
+
+def swiglu_math_fp4(h: torch.Tensor, probs: Optional[torch.Tensor], rule: str):
+    """(z as ``swiglu_math``, h's MXFP4 ``(data, scales)`` as ``bf16_to_fp4_row(h, rule)``): one fused pass over h
+    where ``fused_fp4_enabled(h)``, else the two calls."""
+    if fused_fp4_enabled(h):
+        from fp4moe_kernels.triton_kernels.swiglu import swiglu_fwd_fp4
+
+        return swiglu_fwd_fp4(h.contiguous(), None if probs is None else probs.float().contiguous(), rule)
+    q = kops.bf16_to_fp4_row(h.detach(), rule)
+    return swiglu_math(h, probs), (q.data, q.scales)
+
+
+def swiglu_math_backward_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor,
+                             probs: Optional[torch.Tensor] = None):
+    """``swiglu_math_backward`` of the decoded MXFP4 h (data ``[T, F]``, scales ``[T, F/16]`` for h ``[T, 2F]``):
+    decoded inside the fused backward kernel where ``fused_fp4_enabled``, else ``fp4_to_bf16`` then the backward."""
+    t, f = data.shape
+    if data.is_cuda and f % 32 == 0 and os.environ.get(FUSED_ENV, "1") != "0" and os.environ.get(FUSED_FP4_ENV, "0") == "1":
+        from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd_fp4
+
+        return swiglu_bwd_fp4(data, scales, dz.to(_BF16).contiguous(), None if probs is None else probs.float().contiguous())
+    h = kops.fp4_to_bf16(MXFP4Tensor(data, scales, (t, 2 * f)))
+    return swiglu_math_backward(h, dz, probs)
+
+
 def swiglu_math(h: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """z = silu(g) * u (* probs per row) ``[T, F]`` bf16 from h ``[T, 2F]``, in float32 (no autograd)."""
     if fused_enabled(h):
@@ -69,12 +105,12 @@ class SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, fp4: bool, rule: str):
-        z = swiglu_math(h)
         if fp4:
-            q = kops.bf16_to_fp4_row(h.detach(), rule)
-            ctx.save_for_backward(q.data, q.scales)
-            ctx.saved_activation_bytes = q.data.numel() + q.scales.numel()
+            z, (data, scales) = swiglu_math_fp4(h, None, rule)
+            ctx.save_for_backward(data, scales)
+            ctx.saved_activation_bytes = data.numel() + scales.numel()
         else:
+            z = swiglu_math(h)
             ctx.save_for_backward(h)
             ctx.saved_activation_bytes = h.numel() * h.element_size()
         ctx.fp4, ctx.shape = fp4, tuple(h.shape)
@@ -84,9 +120,8 @@ class SwiGLU(torch.autograd.Function):
     def backward(ctx, dz):
         if ctx.fp4:
             data, scales = ctx.saved_tensors
-            h = kops.fp4_to_bf16(MXFP4Tensor(data, scales, ctx.shape))
-        else:
-            (h,) = ctx.saved_tensors
+            return swiglu_math_backward_fp4(data, scales, dz)[0], None, None
+        (h,) = ctx.saved_tensors
         return swiglu_math_backward(h, dz)[0], None, None
 
 
@@ -102,4 +137,5 @@ def swiglu(h: torch.Tensor, recipe: Recipe, layer_kind: str = "shared_expert") -
     return SwiGLU.apply(h.contiguous(), fp4, recipe.scale_rule)
 
 
-__all__ = ["SwiGLU", "swiglu", "swiglu_math", "swiglu_math_backward", "fused_enabled", "FUSED_ENV"]
+__all__ = ["SwiGLU", "swiglu", "swiglu_math", "swiglu_math_backward", "swiglu_math_fp4", "swiglu_math_backward_fp4",
+           "fused_enabled", "fused_fp4_enabled", "FUSED_ENV", "FUSED_FP4_ENV"]
