@@ -200,7 +200,7 @@ kbench)  # [BASELINE_DIR:LABEL [bench args...]]: the kernel benchmark, and a bas
   ;;
 swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3
-  python3 -m fp4moe.ops.bench_swiglu --out "$OUT" 2>&1 | tail -12
+  python3 -m fp4moe.ops.bench_swiglu --out "$OUT" 2>&1 | tail -20
   ;;
 conv)  # GPU RECIPE SECS [extra overrides...]
   gpu=$1 recipe=$2 secs=$3; shift 3
