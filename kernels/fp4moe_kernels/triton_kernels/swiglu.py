@@ -44,20 +44,40 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(h_ptr, p_ptr, z_ptr, T, F: tl.constexpr, HAS_P: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr):
+def _swiglu_grads(g, u, a):
+    """(dg, du, silu(g)) of z = silu(g) * u in float32 for the upstream gradient ``a`` (dz, times the row's routing
+    probability when weighted)."""
+    s = 1.0 / (1.0 + tl.exp(-g))
+    silu = g * s
+    return a * u * (s * (1.0 + g * (1.0 - s))), a * silu, silu
+
+
+@triton.jit
+def _fwd_tile(T, F: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr):
+    """This program's forward tile: rows [BT], columns [BF] of z, their masks, and the offsets of g in h [T, 2F]."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BF + tl.arange(0, BF)
     rmask = rows < T
     mask = rmask[:, None] & (cols[None, :] < F)
-    base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
-    g = tl.load(h_ptr + base, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_ptr + base + F, mask=mask, other=0.0).to(tl.float32)
+    return rows, cols, rmask, mask, rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+
+
+@triton.jit
+def _store_z(g, u, z_ptr, p_ptr, rows, cols, rmask, mask, F: tl.constexpr, HAS_P: tl.constexpr):
+    """z = silu(g) * u (* the row's probability) in float32, stored as BF16 bits (nearest-even)."""
     z = g / (1.0 + tl.exp(-g)) * u
     if HAS_P:
         p = tl.load(p_ptr + rows, mask=rmask, other=0.0)
         z = z * p[:, None]
-    out = rows.to(tl.int64)[:, None] * F + cols[None, :]
-    tl.store(z_ptr + out, _bf16_bits(z), mask=mask)
+    tl.store(z_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], _bf16_bits(z), mask=mask)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(h_ptr, p_ptr, z_ptr, T, F: tl.constexpr, HAS_P: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr):
+    rows, cols, rmask, mask, base = _fwd_tile(T, F, BT, BF)
+    g = tl.load(h_ptr + base, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + base + F, mask=mask, other=0.0).to(tl.float32)
+    _store_z(g, u, z_ptr, p_ptr, rows, cols, rmask, mask, F, HAS_P)
 
 
 @triton.jit
@@ -76,15 +96,11 @@ def _swiglu_bwd_kernel(h_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr,
         g = tl.load(h_ptr + hb, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_ptr + hb + F, mask=mask, other=0.0).to(tl.float32)
         dz = tl.load(dz_ptr + r64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = 1.0 / (1.0 + tl.exp(-g))
-        silu = g * s
         if HAS_P:
+            dg, du, silu = _swiglu_grads(g, u, dz * p[:, None])
             acc += tl.sum(dz * silu * u, axis=1)
-            a = dz * p[:, None]
         else:
-            a = dz
-        dg = a * u * (s * (1.0 + g * (1.0 - s)))
-        du = a * silu
+            dg, du, silu = _swiglu_grads(g, u, dz)
         tl.store(dh_ptr + hb, _bf16_bits(dg), mask=mask)
         tl.store(dh_ptr + hb + F, _bf16_bits(du), mask=mask)
     if HAS_P:
@@ -96,21 +112,12 @@ def _swiglu_fwd_fp4_kernel(h_ptr, p_ptr, z_ptr, q_ptr, s_ptr, T, F: tl.constexpr
                            RULE_CEIL: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr):
     """The forward, plus h's MXFP4 copy (what ``bf16_to_fp4_row(h)`` returns) from the same registers: h is read
     once for both. h arrives as int16 bits (exact widening, also for BF16 denormals under the interpreter)."""
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    cols = tl.program_id(1) * BF + tl.arange(0, BF)
-    rmask = rows < T
-    mask = rmask[:, None] & (cols[None, :] < F)
-    base = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+    rows, cols, rmask, mask, base = _fwd_tile(T, F, BT, BF)
     gb = (tl.load(h_ptr + base, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16
     ub = (tl.load(h_ptr + base + F, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16
     g = gb.to(tl.float32, bitcast=True)
     u = ub.to(tl.float32, bitcast=True)
-    z = g / (1.0 + tl.exp(-g)) * u
-    if HAS_P:
-        p = tl.load(p_ptr + rows, mask=rmask, other=0.0)
-        z = z * p[:, None]
-    out = rows.to(tl.int64)[:, None] * F + cols[None, :]
-    tl.store(z_ptr + out, _bf16_bits(z), mask=mask)
+    _store_z(g, u, z_ptr, p_ptr, rows, cols, rmask, mask, F, HAS_P)
     # MXFP4 of the gate and up tiles (F is a multiple of 32: a block is wholly inside or outside): BF/32 blocks per
     # row each, as element pairs [BT * BF/32, 16]
     nb: tl.constexpr = BF // 32
@@ -150,15 +157,11 @@ def _swiglu_bwd_fp4_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl
         u = _decode_tile(q_ptr + r64 * F + F // 2 + bcol[None, :], s_ptr + r64 * (F // 16) + F // 32 + scol[None, :],
                          pmask, smask, BT, BF)
         dz = tl.load(dz_ptr + r64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = 1.0 / (1.0 + tl.exp(-g))
-        silu = g * s
         if HAS_P:
+            dg, du, silu = _swiglu_grads(g, u, dz * p[:, None])
             acc += tl.sum(dz * silu * u, axis=1)
-            a = dz * p[:, None]
         else:
-            a = dz
-        dg = a * u * (s * (1.0 + g * (1.0 - s)))
-        du = a * silu
+            dg, du, silu = _swiglu_grads(g, u, dz)
         hb = r64 * (2 * F) + cols[None, :]
         tl.store(dh_ptr + hb, _bf16_bits(dg), mask=mask)
         tl.store(dh_ptr + hb + F, _bf16_bits(du), mask=mask)
