@@ -153,6 +153,8 @@ class Optimizer:
         self.shared = [bool(getattr(p, "shared", False)) for p in self.params]
         self.shared_embedding = [bool(getattr(p, "shared_embedding", False)) for p in self.params]
         self._hooks: list[Any] = []
+        # per pipeline stage, (dense, expert) parameter counts in the norm: fixed by the model, gathered once
+        self._stage_counts: list[tuple[int, int]] | None = None
         self.grad_clip = None if o.get("grad_clip") is None else float(o.grad_clip)
         decayed = [_is_decayed(name, p) for name, p in named]
         self.layouts: dict[bool, ShardLayout] = {}
@@ -315,10 +317,7 @@ class Optimizer:
         if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
             # every stage's per-parameter norms, in stage order (= the model's parameter order), so that the sum
             # below is the one a single stage would compute: every layout clips by the same bits
-            stages: list[Any] = [None] * dist.get_world_size(pipeline_group)
-            dist.all_gather_object(stages, (dense_norms.cpu(), expert_norms.cpu()), group=pipeline_group)
-            dense_norms = torch.cat([d for d, _ in stages]).to(device)
-            expert_norms = torch.cat([e for _, e in stages]).to(device)
+            dense_norms, expert_norms = self._gather_stage_norms(dense_norms, expert_norms, pipeline_group)
 
         def sq(n: torch.Tensor) -> torch.Tensor:
             return n.pow(2).sum() if n.numel() else zero.clone()
@@ -327,6 +326,24 @@ class Optimizer:
         if expert_parallel_group is not None and dist.get_world_size(expert_parallel_group) > 1:
             dist.all_reduce(sq_expert, group=expert_parallel_group)
         return (sq_dense + sq_expert).sqrt()
+
+    def _gather_stage_norms(self, dense: torch.Tensor, expert: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stage's per-parameter norms (dense, expert), concatenated in stage order: one tensor all-gather
+        on the norms' device per step (padded to the largest stage); the per-stage counts, fixed by the model,
+        are exchanged once (``all_gather_object``, on the first call)."""
+        n = dist.get_world_size(group)
+        if self._stage_counts is None:
+            counts: list[Any] = [None] * n
+            dist.all_gather_object(counts, (dense.numel(), expert.numel()), group=group)
+            self._stage_counts = [tuple(c) for c in counts]
+        width = max(d + e for d, e in self._stage_counts)
+        mine = torch.zeros(width, dtype=torch.float32, device=dense.device)
+        mine[: dense.numel()] = dense
+        mine[dense.numel(): dense.numel() + expert.numel()] = expert
+        parts = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(parts, mine, group=group)
+        return (torch.cat([p[:d] for p, (d, _) in zip(parts, self._stage_counts)]),
+                torch.cat([p[d: d + e] for p, (d, e) in zip(parts, self._stage_counts)]))
 
     def clip(self, norm: torch.Tensor) -> None:
         """Scale gradients by ``min(1, grad_clip / (norm + 1e-6))`` (torch's clip_grad_norm_ rule)."""
