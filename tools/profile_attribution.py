@@ -2,6 +2,8 @@
 """Where the GPU time of a torch.profiler trace goes (standard library only; reads .json or .json.xz).
 
     python tools/profile_attribution.py TRACE.json[.xz] [--top 25]
+    python tools/profile_attribution.py TRACE.json --kernels 'fp4|fp8'    # those kernels by grid and caller
+    python tools/profile_attribution.py A.json --compare B.json           # kernel time by name, A beside B
 
 The traces come from the trainer's ``train.profile.steps`` (fp4moe/train/profile.py). Prints:
 1. the GPU kernel time (sum of kernel durations) and its split into groups: grouped FP8 GEMMs (our Triton
@@ -17,6 +19,7 @@ import argparse
 import collections
 import json
 import lzma
+import re
 import sys
 
 
@@ -39,12 +42,84 @@ def group_of(name: str) -> str:
     return "torch elementwise / copy / cat / index / reductions"
 
 
+def _launch_frames(ev: list[dict]) -> dict[int, list[str]]:
+    """correlation id -> names of the CPU ops around the kernel's launch (cuda_runtime or cuda_driver event, same
+    thread), innermost first."""
+    ops = collections.defaultdict(list)
+    for o in ev:
+        if o.get("cat") == "cpu_op":
+            ops[o["tid"]].append(o)
+    out = {}
+    for r in ev:
+        c = r.get("args", {}).get("correlation")
+        if r.get("cat") not in ("cuda_runtime", "cuda_driver") or c is None:
+            continue
+        around = sorted((o for o in ops[r["tid"]] if o["ts"] <= r["ts"] <= o["ts"] + o["dur"]), key=lambda o: o["dur"])
+        out[c] = [o["name"] for o in around]
+    return out
+
+
+def kernel_rows(ev: list[dict], pattern: str) -> list[tuple[str, str, str, float, int]]:
+    """Kernels whose name matches the regular expression ``pattern``, aggregated by (name, grid, the nearest three
+    non-aten frames around the launch): (name, grid, frames, total us, calls), largest total first."""
+    frames = _launch_frames(ev)
+    tot, cnt = collections.Counter(), collections.Counter()
+    rx = re.compile(pattern)
+    for k in ev:
+        if k.get("cat") != "kernel" or not rx.search(k["name"]):
+            continue
+        fr = [f for f in frames.get(k.get("args", {}).get("correlation"), []) if not f.startswith("aten::")][:3]
+        key = (k["name"], str(k.get("args", {}).get("grid", "")), " < ".join(fr) or "-")
+        tot[key] += k["dur"]
+        cnt[key] += 1
+    return [(*key, us, cnt[key]) for key, us in tot.most_common()]
+
+
+def kernel_time_by_name(ev: list[dict]) -> collections.Counter:
+    """GPU time (us) per kernel name."""
+    t = collections.Counter()
+    for k in ev:
+        if k.get("cat") == "kernel":
+            t[k["name"]] += k["dur"]
+    return t
+
+
+def compare_rows(a: list[dict], b: list[dict]) -> list[tuple[str, float, float]]:
+    """(kernel name, A us, B us) for every kernel name of either trace, largest |B - A| first."""
+    ta, tb = kernel_time_by_name(a), kernel_time_by_name(b)
+    names = set(ta) | set(tb)
+    return sorted(((n, ta.get(n, 0.0), tb.get(n, 0.0)) for n in names), key=lambda r: (-abs(r[2] - r[1]), r[0]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--kernels", metavar="REGEX", help="list the kernels matching REGEX by grid and calling frames")
+    ap.add_argument("--compare", metavar="TRACE_B", help="kernel time per name of TRACE beside TRACE_B (and groups)")
     a = ap.parse_args(argv)
     ev = load(a.trace)
+    if a.kernels:
+        rows = kernel_rows(ev, a.kernels)
+        print(f"{len(rows)} (kernel, grid, frames) matching {a.kernels!r}, by GPU time:")
+        for name, grid, fr, us, n in rows[: a.top]:
+            print(f"  {us / 1e3:8.2f} ms {n:4d}x {us / n:8.0f} us  {name[:32]:32s} {grid:16s} {fr[:100]}")
+        return 0
+    if a.compare:
+        other = load(a.compare)
+        ga, gb = collections.Counter(), collections.Counter()
+        for ev_, g in ((ev, ga), (other, gb)):
+            for k in ev_:
+                if k.get("cat") == "kernel":
+                    g[group_of(k["name"])] += k["dur"]
+        print(f"GPU kernel time, A = {a.trace}, B = {a.compare} (ms):")
+        for grp in sorted(set(ga) | set(gb), key=lambda x: -(ga[x] + gb[x])):
+            print(f"  {ga[grp] / 1e3:9.1f} {gb[grp] / 1e3:9.1f} {(gb[grp] - ga[grp]) / 1e3:+9.1f}  {grp}")
+        print(f"  {sum(ga.values()) / 1e3:9.1f} {sum(gb.values()) / 1e3:9.1f} {(sum(gb.values()) - sum(ga.values())) / 1e3:+9.1f}  total")
+        print(f"\nkernels by |B - A| (ms), top {a.top}:")
+        for name, ta, tb in compare_rows(ev, other)[: a.top]:
+            print(f"  {ta / 1e3:9.2f} {tb / 1e3:9.2f} {(tb - ta) / 1e3:+9.2f}  {name[:110]}")
+        return 0
     kernels = [e for e in ev if e.get("cat") == "kernel"]
     if not kernels:
         print(f"{a.trace}: no GPU kernels in the trace (a CPU run?)", file=sys.stderr)

@@ -1,0 +1,64 @@
+"""tools/profile_attribution.py on excerpts of real torch.profiler traces (H200, the proxy at attention + layernorm +
+MLP, micro-batch 32, fp8 and mxfp4, 2026-12-01; tests/data/profile/: 48 kernels each with their launches and the CPU
+ops around them, all other events and fields dropped): the per-kernel table attributes each launch to the autograd
+function that issued it, and the comparison's times are the traces' own sums."""
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("profile_attribution", ROOT / "tools" / "profile_attribution.py")
+pa = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pa)
+
+FP8 = ROOT / "tests/data/profile/h200_fp8_attn_ln_mlp_mb32_excerpt.json"
+MXFP4 = ROOT / "tests/data/profile/h200_mxfp4_attn_ln_mlp_mb32_excerpt.json"
+
+
+def _kernels(path):
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+
+
+def test_kernel_rows_sum_the_matching_kernels_and_name_their_callers():
+    ev = pa.load(str(MXFP4))
+    rows = pa.kernel_rows(ev, "fp4|fp8")
+    want = sum(k["dur"] for k in _kernels(MXFP4) if re.search("fp4|fp8", k["name"]))
+    assert abs(sum(r[3] for r in rows) - want) < 1e-6 and sum(r[4] for r in rows) == sum(
+        1 for k in _kernels(MXFP4) if re.search("fp4|fp8", k["name"]))
+    assert [r[3] for r in rows] == sorted((r[3] for r in rows), reverse=True)
+    frames = collections.defaultdict(set)
+    for r in rows:
+        frames[(r[0], r[1])].add(r[2])
+    # the same quantizer at the same size is launched by the dispatch (the all-to-all) and by the experts' forward
+    # (the SwiGLU input's MXFP4 copy): two rows; the decode of that input by the experts' backward
+    assert frames[("bf16_to_fp4_row_kernel", "[524288, 1, 1]")] == {"_QuantizedAllToAll", "GroupedExpertMLP"}
+    assert all(f.startswith("GroupedExpertMLPBackward") for f in frames[("fp4_to_bf16_kernel", "[524288, 1, 1]")])
+    assert all(not f.startswith("aten::") for r in rows for f in r[2].split(" < "))
+
+
+def test_compare_rows_are_each_traces_sums_by_name():
+    a, b = pa.load(str(FP8)), pa.load(str(MXFP4))
+    rows = pa.compare_rows(a, b)
+    ta, tb = collections.Counter(), collections.Counter()
+    for k in _kernels(FP8):
+        ta[k["name"]] += k["dur"]
+    for k in _kernels(MXFP4):
+        tb[k["name"]] += k["dur"]
+    assert {r[0] for r in rows} == set(ta) | set(tb)
+    assert all(abs(x - ta.get(n, 0)) < 1e-6 and abs(y - tb.get(n, 0)) < 1e-6 for n, x, y in rows)
+    assert [abs(y - x) for _, x, y in rows] == sorted((abs(y - x) for _, x, y in rows), reverse=True)
+
+
+def test_the_three_modes_print(capsys):
+    assert pa.main([str(MXFP4), "--top", "5"]) == 0
+    assert "fp4moe conversion kernels" in capsys.readouterr().out
+    assert pa.main([str(MXFP4), "--kernels", "fp4_row_to_fp8_col"]) == 0
+    out = capsys.readouterr().out
+    assert "fp4_row_to_fp8_col_kernel" in out and "FP8LinearBackward" in out
+    assert pa.main([str(FP8), "--compare", str(MXFP4)]) == 0
+    out = capsys.readouterr().out
+    assert "total" in out and "bf16_to_fp4_row_kernel" in out
