@@ -37,13 +37,20 @@ def fused_enabled(h: torch.Tensor) -> bool:
 FUSED_FP4_ENV = "FP4MOE_FUSED_SWIGLU_FP4"
 
 
+def _fp4_switch_on(is_cuda: bool, f: int) -> bool:
+    """The fused FP4-storing SwiGLU's switch for a CUDA tensor of FFN width ``f``: fused kernels on
+    (``FP4MOE_FUSED_SWIGLU`` not 0), ``FP4MOE_FUSED_SWIGLU_FP4=1``, and whole MXFP4 blocks per half (f % 32 == 0)."""
+    return (is_cuda and f % 32 == 0 and os.environ.get(FUSED_ENV, "1") != "0"
+            and os.environ.get(FUSED_FP4_ENV, "0") == "1")
+
+
 def fused_fp4_enabled(h: torch.Tensor) -> bool:
     """Whether the SwiGLU with an MXFP4-stored input runs ``swiglu_fwd_fp4`` / ``swiglu_bwd_fp4`` (h's MXFP4 copy
     made in the forward's pass over h, decoded inside the backward kernel; bit for bit the separate
     ``bf16_to_fp4_row`` + ``fp4_to_bf16`` path, tests/kernels/test_swiglu_kernel.py) for ``h`` [T, 2F]: where the
     fused kernels run and F is a multiple of 32, when ``FP4MOE_FUSED_SWIGLU_FP4=1``. Off by default until its GPU
     tests have run on a Hopper GPU (they passed under the Triton interpreter only)."""
-    return fused_enabled(h) and h.shape[1] % 64 == 0 and os.environ.get(FUSED_FP4_ENV, "0") == "1"
+    return h.dtype == _BF16 and h.shape[1] % 2 == 0 and _fp4_switch_on(h.is_cuda, h.shape[1] // 2)
 
 
 def swiglu_math_fp4(h: torch.Tensor, probs: Optional[torch.Tensor], rule: str):
@@ -62,7 +69,7 @@ def swiglu_math_backward_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch
     """``swiglu_math_backward`` of the decoded MXFP4 h (data ``[T, F]``, scales ``[T, F/16]`` for h ``[T, 2F]``):
     decoded inside the fused backward kernel where ``fused_fp4_enabled``, else ``fp4_to_bf16`` then the backward."""
     t, f = data.shape
-    if data.is_cuda and f % 32 == 0 and os.environ.get(FUSED_ENV, "1") != "0" and os.environ.get(FUSED_FP4_ENV, "0") == "1":
+    if _fp4_switch_on(data.is_cuda, f):
         from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd_fp4
 
         return swiglu_bwd_fp4(data, scales, dz.to(_BF16).contiguous(), None if probs is None else probs.float().contiguous())
