@@ -237,8 +237,8 @@ NOTES = """
 
 - **Saved activations: solved** (to 76 B per micro-batch for bf16 and mxfp4; within 0.05 % for fp8, whose FP8
   column copies are padded to 128 rows per expert by the real, uneven routing; the model uses the expected padding).
-- **Peak: every run within 5 %, from tensor shapes**, on one GPU and over NCCL (EP2 x DP2, PP2), for three code
-  versions (38f25cd, 61f1fcb, 49a089e). The model takes the largest of three phases instead of adding every
+- **Peak: every run within 5 %, from tensor shapes**, on one GPU and over NCCL (EP2 x DP2, PP2), for six code
+  versions (38f25cd, 61f1fcb, 49a089e, fe9934e, 52fe029, 7a8040d). The model takes the largest of three phases instead of adding every
   transient it knows (fp4moe.scale.memory, part (e)):
   - *head*: the BF16 logits [T, V] beside the saved fp32 softmax. bf16 none / mla_up_proj peak here (-0.1 to -0.2 %).
   - *the last MoE layer's forward*: its dispatch buffers, while the head's saved tensors do not exist yet. No run
@@ -312,8 +312,9 @@ def render_nccl(rows: Sequence[Row]) -> list[str]:
              "the predicted peak's stage; the measured step start is GPU 0's). Under EP the model takes the rows GPU "
              "0's experts received, from the run's own all-to-all metrics (routed rows, or before 4cc9235 the recipe "
              "dispatcher's bytes): the first step's for the saved bytes, the largest measured step's for the peak. "
-             "The optimizer state is replicated over the data-parallel ranks, as the trainer of these runs kept it "
-             "(they do not log `summary/optimizer_state_bytes`). "
+             "The optimizer state is replicated over the data-parallel ranks for the runs that do not log "
+             "`summary/optimizer_state_bytes` (the trainer of those runs kept it so) and sharded as configured "
+             "(`parallel.distributed_optimizer`) for the runs that do. "
              f"In the {TARGET_PCT:g} % check: the runs of today's code; not: "
              + ", ".join(f"`{a}`" for a in archives if Path(a).name in OUTSIDE_CHECK)
              + " (older code: the MoE forward kept more rows alive; megatron's bf16 dispatcher logged no routing, "
