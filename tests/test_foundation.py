@@ -144,8 +144,11 @@ def test_default_uri_is_sqlite_under_repo(git_repo):
     assert uri == f"sqlite:///{db}" and db.parent.is_dir()
 
 
-def test_log_run_round_trip(git_repo, tmp_path):
+def test_log_run_round_trip(git_repo, tmp_path, monkeypatch):
     from mlflow import MlflowClient
+
+    monkeypatch.setenv("FP4MOE_FUSED_SWIGLU_FP4", "1")  # kernel switches outside the config are recorded
+    monkeypatch.setenv("FP4MOE_TILES", "x" * 6000)
 
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     (tmp_path / "store").mkdir()
@@ -165,6 +168,7 @@ def test_log_run_round_trip(git_repo, tmp_path):
     assert tags["purpose"] == "test" and tags["host"] == socket.gethostname()
     assert tags["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}")
     assert "torch" in tags
+    assert tags["env.FP4MOE_FUSED_SWIGLU_FP4"] == "1" and tags["env.FP4MOE_TILES"] == "x" * tracking.MAX_TAG_CHARS
     names = [a.path for a in MlflowClient(tracking_uri=uri).list_artifacts(run_id)]
     assert names == ["table.csv"]
     assert (tmp_path / "store" / "artifacts").is_dir()  # artifacts beside the db, not in the cwd

@@ -110,8 +110,13 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
+MAX_TAG_CHARS = 5000  # MLflow's limit on a tag value
+
+
 def environment_tags() -> dict[str, str]:
-    """Tags every run carries: git commit (and whether the tree was dirty), host, Python, torch."""
+    """Tags every run carries: git commit (and whether the tree was dirty), host, Python, torch, and every
+    ``FP4MOE_*`` environment variable as ``env.FP4MOE_*`` (switches such as ``FP4MOE_FUSED_SWIGLU_FP4`` and
+    ``FP4MOE_TILES`` change which kernels run without changing the config)."""
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
@@ -123,6 +128,7 @@ def environment_tags() -> dict[str, str]:
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "torch": torch_version,
+        **{f"env.{k}": v[:MAX_TAG_CHARS] for k, v in sorted(os.environ.items()) if k.startswith("FP4MOE_")},
     }
 
 
