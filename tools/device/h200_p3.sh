@@ -25,7 +25,7 @@
 #   COMMIT=sha bash tools/device/h200_p3.sh layer8     # issue 7: the V3 MoE layer with EP8, every recipe -> $OUT/moe_layer
 #   COMMIT=sha bash tools/device/h200_p3.sh kbench [DIR:LABEL [ARGS]]  # kernel benchmark -> $OUT/kernels, side by side
 #                                                      # with the baseline copy DIR (carried: git archive, see README)
-#   bash tools/device/h200_p3.sh swiglu                # fused SwiGLU: GPU tests + benchmark (FP4MOE_FUSED_SWIGLU)
+#   bash tools/device/h200_p3.sh swiglu [ARGS]         # fused SwiGLU: GPU tests + benchmark (ARGS: bench_swiglu's)
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -200,7 +200,7 @@ kbench)  # [BASELINE_DIR:LABEL [bench args...]]: the kernel benchmark, and a bas
   ;;
 swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3
-  python3 -m fp4moe.ops.bench_swiglu --out "$OUT" 2>&1 | tail -20
+  python3 -m fp4moe.ops.bench_swiglu --out "$OUT" "$@" 2>&1 | tail -40
   ;;
 conv)  # GPU RECIPE SECS [extra overrides...]
   gpu=$1 recipe=$2 secs=$3; shift 3

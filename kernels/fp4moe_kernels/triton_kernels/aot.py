@@ -65,9 +65,8 @@ KERNELS = {
                    {"h_ptr": "*bf16", "dz_ptr": "*bf16", "p_ptr": "*fp32", "dh_ptr": "*i16", "dp_ptr": "*fp32",
                     "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr", "BF": "constexpr"}),
     "swiglu_fwd_fp4": (swiglu._swiglu_fwd_fp4_kernel,
-                       {"h_ptr": "*i16", "p_ptr": "*fp32", "z_ptr": "*i16", "q_ptr": "*u8", "s_ptr": "*u8", "T": "i32",
-                        "F": "constexpr", "HAS_P": "constexpr", "RULE_CEIL": "constexpr", "BT": "constexpr",
-                        "BF": "constexpr"}),
+                       {"h_ptr": "*i32", "p_ptr": "*fp32", "z_ptr": "*i32", "q_ptr": "*u8", "s_ptr": "*u8", "NB": "i32",
+                        "F": "constexpr", "HAS_P": "constexpr", "RULE_CEIL": "constexpr", "R": "constexpr"}),
     "swiglu_bwd_fp4": (swiglu._swiglu_bwd_fp4_kernel,
                        {"q_ptr": "*u8", "s_ptr": "*u8", "dz_ptr": "*bf16", "p_ptr": "*fp32", "dh_ptr": "*i16",
                         "dp_ptr": "*fp32", "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr",
@@ -86,7 +85,8 @@ KERNELS = {
 # Spill bytes accepted per kernel with the launcher's tile, each measured faster than the spill-free tiles.
 # fp4_row_to_fp8_col at one warp (128 tokens x 32 channels per warp): 362 us against 484 us at four warps
 # (H200 sweep, results/kernels/kernels_h200_2026-12-01_52fe029.json); only its general path spills, the fast
-# path alone compiles without.
+# path alone compiles without. Splitting the two paths into two launches (fast path, then the general path on the
+# tiles it flagged) needs fewer registers but measured 1.27x slower (kernels_h200_2026-12-01_split-col.json).
 SPILL_ALLOWED = {"fp4_row_to_fp8_col": 1024}
 
 
@@ -128,7 +128,8 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
         bt, bf, warps = swiglu.FWD_TILE if name.startswith("swiglu_fwd") else swiglu.BWD_TILE
         consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "BT": bt, "BF": bf}
         if name == "swiglu_fwd_fp4":
-            consts["RULE_CEIL"] = flags.get("RULE_CEIL", True)
+            r, warps = swiglu.FWD_FP4_TILE
+            consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "RULE_CEIL": flags.get("RULE_CEIL", True), "R": r}
     else:
         size, _, warps = tile or launch.TILES[name]
         consts = {"K": k, "EMULATE": False, "BN": size, "R": size, "N": 4096}

@@ -33,6 +33,9 @@ from .row import _mxfp4_blocks
 # (they sum dprobs over F) and loop over the columns.
 FWD_TILE = (32, 128, 4)
 BWD_TILE = (16, 128, 4)
+# the FP4-storing forward: (32-column blocks per program, num_warps), the fastest of six in the H200 sweep
+# (results/kernels/swiglu_h200_2026-12-01_fused-fwd-fp4.md)
+FWD_FP4_TILE = (32, 1)
 
 
 @triton.jit
@@ -65,11 +68,10 @@ def _fwd_tile(T, F: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr):
 @triton.jit
 def _store_z(g, u, z_ptr, p_ptr, rows, cols, rmask, mask, F: tl.constexpr, HAS_P: tl.constexpr):
     """z = silu(g) * u (* the row's probability) in float32, stored as BF16 bits (nearest-even)."""
-    z = g / (1.0 + tl.exp(-g)) * u
+    p = 0.0
     if HAS_P:
-        p = tl.load(p_ptr + rows, mask=rmask, other=0.0)
-        z = z * p[:, None]
-    tl.store(z_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], _bf16_bits(z), mask=mask)
+        p = tl.load(p_ptr + rows, mask=rmask, other=0.0)[:, None]
+    tl.store(z_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], _z_bits(g, u, p, HAS_P).to(tl.int16), mask=mask)
 
 
 @triton.jit
@@ -108,30 +110,47 @@ def _swiglu_bwd_kernel(h_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr,
 
 
 @triton.jit
-def _swiglu_fwd_fp4_kernel(h_ptr, p_ptr, z_ptr, q_ptr, s_ptr, T, F: tl.constexpr, HAS_P: tl.constexpr,
-                           RULE_CEIL: tl.constexpr, BT: tl.constexpr, BF: tl.constexpr):
+def _z_bits(g, u, p, HAS_P: tl.constexpr):
+    """BF16 bits (int32, low half) of z = silu(g) * u (* p), the float32 operations of ``_store_z``."""
+    z = g / (1.0 + tl.exp(-g)) * u
+    if HAS_P:
+        z = z * p
+    return _bf16_bits(z).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _swiglu_fwd_fp4_kernel(h_ptr, p_ptr, z_ptr, q_ptr, s_ptr, NB, F: tl.constexpr, HAS_P: tl.constexpr,
+                           RULE_CEIL: tl.constexpr, R: tl.constexpr):
     """The forward, plus h's MXFP4 copy (what ``bf16_to_fp4_row(h)`` returns) from the same registers: h is read
-    once for both. h arrives as int16 bits (exact widening, also for BF16 denormals under the interpreter)."""
-    rows, cols, rmask, mask, base = _fwd_tile(T, F, BT, BF)
-    gb = (tl.load(h_ptr + base, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16
-    ub = (tl.load(h_ptr + base + F, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16
-    g = gb.to(tl.float32, bitcast=True)
-    u = ub.to(tl.float32, bitcast=True)
-    _store_z(g, u, z_ptr, p_ptr, rows, cols, rmask, mask, F, HAS_P)
-    # MXFP4 of the gate and up tiles (F is a multiple of 32: a block is wholly inside or outside): BF/32 blocks per
-    # row each, as element pairs [BT * BF/32, 16]
-    nb: tl.constexpr = BF // 32
-    r64 = rows.to(tl.int64)
-    bmask = rmask[:, None] & ((tl.program_id(1) * BF + tl.arange(0, nb) * 32) < F)[None, :]  # [BT, nb]
-    qmask = tl.reshape(tl.broadcast_to(bmask[:, :, None], (BT, nb, 16)), (BT, BF // 2))
-    byte_off = r64[:, None] * F + (tl.program_id(1) * BF) // 2 + tl.arange(0, BF // 2)[None, :]  # [BT, BF/2]
-    code_off = r64[:, None] * (F // 16) + (tl.program_id(1) * BF) // 32 + tl.arange(0, nb)[None, :]  # [BT, nb]
-    for half in tl.static_range(2):
-        bits = gb if half == 0 else ub
-        lo, hi = tl.split(tl.reshape(bits, (BT * nb, 16, 2)))
-        byte, code = _mxfp4_blocks(lo, hi, RULE_CEIL)
-        tl.store(q_ptr + byte_off + half * (F // 2), tl.reshape(byte, (BT, BF // 2)), mask=qmask)
-        tl.store(s_ptr + code_off + half * (F // 32), tl.reshape(code, (BT, nb)), mask=bmask)
+    once for both. A program owns ``R`` blocks of 32 gate columns (flat index b over T x F/32: row b // (F/32)) and
+    the matching up blocks, as the row kernels do: h, z as int32 words of two BF16 ([R, 16] even / odd element
+    pairs), widened exactly by shifts; no reshape, so no layout conversion through shared memory."""
+    b = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    mask = b < NB
+    m2 = mask[:, None]
+    row = b // (F // 32)
+    cb = b % (F // 32)
+    j = tl.arange(0, 16)[None, :]
+    hw = (row * F + cb * 16)[:, None] + j  # h [T, 2F] as words [T, F]: gate words 0..F/2-1, up words F/2..F-1
+    gw = tl.load(h_ptr + hw, mask=m2, other=0)
+    uw = tl.load(h_ptr + hw + F // 2, mask=m2, other=0)
+    glo, ghi = gw << 16, gw & -65536
+    ulo, uhi = uw << 16, uw & -65536
+    p = 0.0
+    if HAS_P:
+        p = tl.load(p_ptr + row, mask=mask, other=0.0)[:, None]
+    f32: tl.constexpr = tl.float32
+    zlo = _z_bits(glo.to(f32, bitcast=True), ulo.to(f32, bitcast=True), p, HAS_P)
+    zhi = _z_bits(ghi.to(f32, bitcast=True), uhi.to(f32, bitcast=True), p, HAS_P)
+    tl.store(z_ptr + (row * (F // 2) + cb * 16)[:, None] + j, zlo | (zhi << 16), mask=m2)
+    qb = (row * F + cb * 16)[:, None] + j  # h's MXFP4 data [T, F] bytes: gate half, then up half
+    sb = row * (F // 16) + cb  # its scales [T, F/16]
+    byte, code = _mxfp4_blocks(glo, ghi, RULE_CEIL)
+    tl.store(q_ptr + qb, byte, mask=m2)
+    tl.store(s_ptr + sb, code, mask=mask)
+    byte, code = _mxfp4_blocks(ulo, uhi, RULE_CEIL)
+    tl.store(q_ptr + qb + F // 2, byte, mask=m2)
+    tl.store(s_ptr + sb + F // 32, code, mask=mask)
 
 
 @triton.jit
@@ -209,9 +228,10 @@ def swiglu_bwd(h: torch.Tensor, dz: torch.Tensor, probs: Optional[torch.Tensor] 
     return dh, dp
 
 
-def swiglu_fwd_fp4(h: torch.Tensor, probs: Optional[torch.Tensor] = None, rule: str = "ceil"):
+def swiglu_fwd_fp4(h: torch.Tensor, probs: Optional[torch.Tensor] = None, rule: str = "ceil", tile=None):
     """(z ``[T, F]`` bf16, h's MXFP4 ``(data [T, F] uint8, scales [T, F/16] uint8)``) from h ``[T, 2F]`` bf16
-    contiguous, F a multiple of 32: ``swiglu_fwd(h, probs)`` and ``bf16_to_fp4_row(h, rule)`` in one pass over h."""
+    contiguous, F a multiple of 32: ``swiglu_fwd(h, probs)`` and ``bf16_to_fp4_row(h, rule)`` in one pass over h.
+    ``tile`` (blocks per program, num_warps) overrides ``FWD_FP4_TILE`` (benchmark sweeps)."""
     t, f2 = h.shape
     f = f2 // 2
     if f % 32:
@@ -220,11 +240,11 @@ def swiglu_fwd_fp4(h: torch.Tensor, probs: Optional[torch.Tensor] = None, rule: 
     q = torch.empty(t, f, dtype=torch.uint8, device=h.device)
     sc = torch.empty(t, f // 16, dtype=torch.uint8, device=h.device)
     if t and f:
-        bt, bf, warps = FWD_TILE
-        grid = (triton.cdiv(t, bt), triton.cdiv(f, bf))
-        _swiglu_fwd_fp4_kernel[grid](h.view(torch.int16), probs if probs is not None else h, z.view(torch.int16), q, sc,
-                                     t, f, HAS_P=probs is not None, RULE_CEIL=rule == "ceil", BT=bt, BF=bf,
-                                     num_warps=warps)
+        r, warps = tile or FWD_FP4_TILE
+        nb = t * (f // 32)
+        _swiglu_fwd_fp4_kernel[(triton.cdiv(nb, r),)](h.view(torch.int32), probs if probs is not None else h,
+                                                       z.view(torch.int32), q, sc, nb, f, HAS_P=probs is not None,
+                                                       RULE_CEIL=rule == "ceil", R=r, num_warps=warps)
     return z, (q, sc)
 
 
@@ -247,4 +267,4 @@ def swiglu_bwd_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor, p
     return dh, dp
 
 
-__all__ = ["swiglu_fwd", "swiglu_bwd", "swiglu_fwd_fp4", "swiglu_bwd_fp4", "FWD_TILE", "BWD_TILE"]
+__all__ = ["swiglu_fwd", "swiglu_bwd", "swiglu_fwd_fp4", "swiglu_bwd_fp4", "FWD_TILE", "BWD_TILE", "FWD_FP4_TILE"]

@@ -8,7 +8,8 @@ routing probabilities (as the routed experts) and not (as the shared expert): me
 probs read; backward: h and dz read, dh written, probs read and dprobs written), GB/s, % of the copy bandwidth, and
 speedup = unfused ms / fused ms. With h stored as MXFP4 (the recipe's ``activation_fp4_store``) the fused
 ``swiglu_fwd_fp4`` / ``swiglu_bwd_fp4`` run against the two kernels they fuse (``swiglu_fwd`` + ``bf16_to_fp4_row``;
-``fp4_to_bf16`` + ``swiglu_bwd``), in the "unfused" column of those rows. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
+``fp4_to_bf16`` + ``swiglu_bwd``), in the "unfused" column of those rows; ``--fp4-tiles`` times the FP4-storing
+forward again at each listed tile (blocks per program x warps) against the same unfused pair. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
 results/kernels/).
 """
 from __future__ import annotations
@@ -33,7 +34,12 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def run(shapes, warmup_ms: int, rep_ms: int, log=print) -> tuple[float, list[dict]]:
+def _tiles(text: str) -> list[tuple[int, int]]:
+    """'64x2,128x4' -> [(64, 2), (128, 4)]: (32-column blocks per program, num_warps) of ``swiglu_fwd_fp4``."""
+    return [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part]
+
+
+def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=()) -> tuple[float, list[dict]]:
     from fp4moe_kernels import ops as kops
     from fp4moe_kernels.formats import MXFP4Tensor
     from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_bwd_fp4, swiglu_fwd, swiglu_fwd_fp4
@@ -60,13 +66,15 @@ def run(shapes, warmup_ms: int, rep_ms: int, log=print) -> tuple[float, list[dic
                       ("backward, h from MXFP4", lambda: swiglu_bwd_fp4(q4.data, q4.scales, dz, p),
                        lambda: swiglu_bwd(kops.fp4_to_bf16(MXFP4Tensor(q4.data, q4.scales, (t, 2 * f))), dz, p),
                        fp4b + 2 * t * f + 2 * t * 2 * f + 2 * pb))
+            cases += tuple((f"forward, h stored as MXFP4, tile {r}x{w}", lambda r=r, w=w: swiglu_fwd_fp4(h, p, tile=(r, w)),
+                            cases[2][2], cases[2][3]) for r, w in fp4_tiles)
             for name, fused, unfused, nbytes in cases:
                 ms_f, ms_u = do_bench(fused, warmup_ms, rep_ms), do_bench(unfused, warmup_ms, rep_ms)
                 gbps = nbytes / (ms_f * 1e-3) / 1e9
                 row = {"shape": f"{t}x{f}", "pass": name, "probs": weighted, "fused_ms": ms_f, "unfused_ms": ms_u,
                        "bytes": nbytes, "gbps": gbps, "pct_copy": 100 * gbps / copy, "speedup": ms_u / ms_f}
                 rows.append(row)
-                log(f"{row['shape']:>12s} {name:26s} probs={weighted!s:5s} fused {ms_f:.3f} ms ({gbps:.0f} GB/s, "
+                log(f"{row['shape']:>12s} {name:40s} probs={weighted!s:5s} fused {ms_f:.3f} ms ({gbps:.0f} GB/s, "
                     f"{row['pct_copy']:.1f} % of copy), unfused {ms_u:.3f} ms, speedup {row['speedup']:.2f}x")
     return copy, rows
 
@@ -75,6 +83,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fp4moe.ops.bench_swiglu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="524288x1024,32768x2048", help="comma-separated TxF (default: %(default)s)")
+    ap.add_argument("--fp4-tiles", default="", help="also time swiglu_fwd_fp4 at these tiles, e.g. 64x2,128x4")
     ap.add_argument("--warmup-ms", type=int, default=25)
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--out", default=os.environ.get("BENCH_OUT", "results/kernels"))
@@ -85,7 +94,7 @@ def main(argv=None) -> int:
         return 2
     command = "python -m fp4moe.ops.bench_swiglu " + " ".join(argv if argv is not None else sys.argv[1:])
     env = environment(command.strip(), a.commit)
-    copy, rows = run(_shapes(a.shapes), a.warmup_ms, a.rep_ms)
+    copy, rows = run(_shapes(a.shapes), a.warmup_ms, a.rep_ms, fp4_tiles=_tiles(a.fp4_tiles))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = env["gpu"].split()[-1].lower()
