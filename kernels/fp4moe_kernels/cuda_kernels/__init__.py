@@ -1,0 +1,81 @@
+"""CUDA C++ kernels where Triton cannot place the data (see each ``.cu`` file's header), built on first use with
+torch's extension loader (``torch.utils.cpp_extension.load``: needs ``nvcc`` and ``ninja``) into
+``$FP4MOE_CUDA_BUILD`` (default ``~/.cache/fp4moe/cuda``), one folder per torch / CUDA version. The library has no
+Python binding: it exports C functions that take device pointers and a CUDA stream, called through ctypes.
+
+Status: **experimental**: ``fp4moe_kernels.ops.fp4_row_to_fp8_col`` (and so the trainer) uses it only with
+``FP4MOE_CUDA_COL=1``, until it has been measured inside the trainer. ``fp4_row_to_fp8_col`` is measured against
+the Triton kernel by ``python -m fp4moe_kernels.cuda_kernels.bench`` (results/kernels/cuda_col_h200_*.json: 1.8-1.9x)
+and tested bit for bit against the reference by tests/kernels/test_cuda_col.py (GPU); tests/kernels/
+test_cuda_build.py compiles it for sm_90 wherever nvcc is (CPU machines too).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..formats import FormatError, FP8ColTensor, MXFP4Tensor, Segments
+
+SOURCES = {"fp4_row_to_fp8_col": Path(__file__).with_name("fp4_row_to_fp8_col.cu")}
+VARIANTS = {"general": 0, "swar": 1}  # fp4_row_to_fp8_col: general path only; SWAR fast path + general fallback
+
+
+def available() -> str | None:
+    """None if the CUDA kernels can be built and run here, else why not (one line)."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    if torch.cuda.get_device_capability() < (9, 0):
+        return f"{torch.cuda.get_device_name()} is not a Hopper GPU (the kernels are built for sm_90)"
+    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+        return "nvcc not found: put the CUDA toolkit's bin on PATH or set CUDA_HOME"
+    return None
+
+
+@functools.cache
+def _lib(name: str) -> ctypes.CDLL:
+    why = available()
+    if why:
+        raise FormatError(f"the CUDA C++ kernel {name!r} cannot run here: {why}")
+    from torch.utils import cpp_extension
+
+    root = Path(os.environ.get("FP4MOE_CUDA_BUILD", Path.home() / ".cache" / "fp4moe" / "cuda"))
+    build = root / f"torch{torch.__version__}_cuda{torch.version.cuda}" / name
+    build.mkdir(parents=True, exist_ok=True)
+    mod = f"fp4moe_{name}"
+    cpp_extension.load(name=mod, sources=[str(SOURCES[name])], build_directory=str(build),
+                       extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90"],
+                       is_python_module=False, verbose=False)
+    lib = ctypes.CDLL(str(build / f"{mod}.so"))
+    return lib
+
+
+def fp4_row_to_fp8_col(a: MXFP4Tensor, seg: Segments, variant: str = "swar") -> FP8ColTensor:
+    """FP4RowToFP8Col by the CUDA C++ kernel: the same output as ``fp4moe_kernels.ops.fp4_row_to_fp8_col``.
+    ``a`` on a CUDA device, K a multiple of 128, data and scales contiguous and 16- / 2-byte aligned."""
+    from ..triton_kernels.launch import _col_tiles
+
+    m, k = a.shape
+    if k % 128 or not (a.data.is_contiguous() and a.scales.is_contiguous()):
+        raise FormatError(f"fp4_row_to_fp8_col (CUDA): K={k} must be a multiple of 128 and data/scales contiguous")
+    if a.data.data_ptr() % 16 or a.scales.data_ptr() % 2:
+        raise FormatError("fp4_row_to_fp8_col (CUDA): data must be 16-byte and scales 2-byte aligned (make a copy)")
+    fn = _lib("fp4_row_to_fp8_col").fp4moe_fp4_row_to_fp8_col
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    mp = seg.padded_total
+    o = torch.empty(k * mp, dtype=torch.float8_e4m3fn, device=a.device)
+    s = torch.empty(mp // 128, k, dtype=torch.float32, device=a.device)
+    tiles = _col_tiles(seg, a.device)
+    rc = fn(a.data.data_ptr(), a.scales.data_ptr(), o.data_ptr(), s.data_ptr(), tiles.data_ptr(), tiles.shape[0], k,
+            VARIANTS[variant], torch.cuda.current_stream(a.device).cuda_stream)
+    if rc:
+        raise RuntimeError(f"fp4_row_to_fp8_col (CUDA) launch failed: cudaError {rc}")
+    return FP8ColTensor(o, s, seg, k)
+
+
+__all__ = ["available", "fp4_row_to_fp8_col", "SOURCES", "VARIANTS"]

@@ -1,0 +1,30 @@
+"""The CUDA C++ kernels (fp4moe_kernels/cuda_kernels/*.cu) compile for Hopper (sm_90) without register spills,
+wherever nvcc is installed (no GPU needed); their bit-exactness is tests/kernels/test_cuda_col.py's (GPU)."""
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from fp4moe_kernels import cuda_kernels
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("name", sorted(cuda_kernels.SOURCES))
+def test_compiles_for_sm90_without_spills(name, tmp_path):
+    out = subprocess.run(["nvcc", "-std=c++17", "-O3", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v",
+                          "-cubin", "-o", str(tmp_path / "k.cubin"), str(cuda_kernels.SOURCES[name])],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", out.stderr)]
+    spills = [int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", out.stderr)]
+    assert len(regs) == len(cuda_kernels.VARIANTS)  # one kernel per variant
+    assert max(regs) <= 128 and not any(spills), out.stderr
+
+
+def test_unavailable_without_a_gpu_says_why():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert cuda_kernels.available() == "no CUDA GPU"
