@@ -99,3 +99,41 @@ def test_fp4_decoders_on_every_byte_and_scale_code(device):
     a128 = MXFP4Tensor(a.data.reshape(-1, 64), a.scales.reshape(-1, 4), (1024, 128))
     a128_dev = MXFP4Tensor(a128.data.to(device), a128.scales.to(device), a128.shape)
     assert not selfcheck.compare(launch.fp4_row_to_fp8_row(a128_dev, Segments.of(None, 1024)), ref.fp4_row_to_fp8_row(a128, None))
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+def test_fp4_row_to_fp8_col_on_every_byte_and_scale_code(device):
+    """FP4RowToFP8Col on all 256 packed bytes x 256 UE8M0 codes (0: the FP32-denormal scale, 255: NaN blocks),
+    in two token orders (a channel's 128 tokens span 32 consecutive codes, or codes spread over the whole range):
+    each channel's scale comes from its largest element, the rest land anywhere from E4M3 normals to zero."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import MXFP4Tensor, Segments
+    from fp4moe_kernels.triton_kernels import launch
+
+    a = selfcheck.every_fp4_byte_and_code()
+    data, scales = a.data.reshape(-1, 64), a.scales.reshape(-1, 4)  # [1024, 128]
+    perm = torch.randperm(1024, generator=torch.Generator().manual_seed(1))
+    for d, s in ((data, scales), (data[perm], scales[perm])):
+        a128 = MXFP4Tensor(d.contiguous(), s.contiguous(), (1024, 128))
+        seg = Segments.of([300, 0, 724], 1024)
+        got = launch.fp4_row_to_fp8_col(MXFP4Tensor(a128.data.to(device), a128.scales.to(device), a128.shape), seg)
+        assert not selfcheck.compare(got, ref.fp4_row_to_fp8_col(a128, seg))
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+def test_fp4_row_to_fp8_col_fast_and_rare_tiles(device):
+    """FP4RowToFP8Col on typical activations (spread 3) with a NaN block in one tile and a block 2**-60 below its
+    neighbours (E4M3 subnormals and zeros after the channel's scale) in another; every byte and scale against the
+    reference."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import MXFP4Tensor, Segments
+    from fp4moe_kernels.triton_kernels import launch
+
+    counts = [200, 0, 184]
+    x = selfcheck.make_input(384, 256, 5, spread=3, special=False).float()
+    x[10, 40] = float("nan")  # tile (tokens 0-127, channels 32-63): code 255
+    x[300, 128:160] *= 2.0 ** -60  # tile (second expert, tokens 100-183, channels 128-159)
+    a = ref.bf16_to_fp4_row(x.to(torch.bfloat16))
+    seg = Segments.of(counts, 384)
+    got = launch.fp4_row_to_fp8_col(MXFP4Tensor(a.data.to(device), a.scales.to(device), a.shape), seg)
+    assert not selfcheck.compare(got, ref.fp4_row_to_fp8_col(a, seg))

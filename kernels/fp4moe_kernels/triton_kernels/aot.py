@@ -85,8 +85,9 @@ KERNELS = {
 # Spill bytes accepted per kernel with the launcher's tile, each measured faster than the spill-free tiles.
 # fp4_row_to_fp8_col at one warp (128 tokens x 32 channels per warp): 362 us against 484 us at four warps
 # (H200 sweep, results/kernels/kernels_h200_2026-12-01_52fe029.json); only its general path spills, the fast
-# path alone compiles without. Splitting the two paths into two launches (fast path, then the general path on the
-# tiles it flagged) needs fewer registers but measured 1.27x slower (kernels_h200_2026-12-01_split-col.json).
+# path alone compiles without. Two rewrites with fewer registers were slower on the H200 (results/kernels/README.md,
+# 2026-12-01 second section): the two paths as two launches (1.27x the time, kernels_h200_2026-12-01_split-col) and
+# one integer path for every element (1.18x, kernels_h200_2026-12-01_single-path-col).
 SPILL_ALLOWED = {"fp4_row_to_fp8_col": 1024}
 
 
