@@ -26,6 +26,7 @@
 #   COMMIT=sha bash tools/device/h200_p3.sh kbench [DIR:LABEL [ARGS]]  # kernel benchmark -> $OUT/kernels, side by side
 #                                                      # with the baseline copy DIR (carried: git archive, see README)
 #   bash tools/device/h200_p3.sh swiglu [ARGS]         # fused SwiGLU: GPU tests + benchmark (ARGS: bench_swiglu's)
+#   COMMIT=sha bash tools/device/h200_p3.sh cudacol    # CUDA C++ FP4RowToFP8Col: build, GPU tests, benchmark vs Triton
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -201,6 +202,10 @@ kbench)  # [BASELINE_DIR:LABEL [bench args...]]: the kernel benchmark, and a bas
 swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3
   python3 -m fp4moe.ops.bench_swiglu --out "$OUT" "$@" 2>&1 | tail -40
+  ;;
+cudacol)  # the CUDA C++ FP4RowToFP8Col (FP4MOE_CUDA_COL=1 in the trainer): built on first use, GPU tests, benchmark
+  python3 -m pytest -q -m gpu tests/kernels/test_cuda_col.py 2>&1 | tee "$OUT/cuda_col_gpu_tests.log" | tail -3
+  python3 -m fp4moe_kernels.cuda_kernels.bench --out "$OUT" --commit "${COMMIT:-unknown}" 2>&1 | tail -12
   ;;
 conv)  # GPU RECIPE SECS [extra overrides...]
   gpu=$1 recipe=$2 secs=$3; shift 3
