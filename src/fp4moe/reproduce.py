@@ -46,8 +46,8 @@ RESULTS_REPORT = "results/report"
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark) and P4 (issue 5: configs, Slurm launch) exist; P1's measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P3", 4, "the throughput targets of the H200 T1 twin (results/train_proxy/ section 12: mxfp4 0.96-0.98x fp8 at "
-              "equal scope, target >= 1; 0.966x fp8's best at the lighter scope, target 1.10x; the memory target "
+    ("P3", 4, "the throughput targets of the H200 T1 twin (results/train_proxy/ section 13: mxfp4 0.969-0.974x fp8 "
+              "at equal scope, target >= 1; 0.985x fp8's best at the lighter scope, target 1.10x; the memory target "
               "holds at 0.553x), and a convergence run beyond one epoch of the code+docs corpus (the F5 twin's "
               "deviation target is met at 49.8 M tokens: mxfp4 -0.43 % / +0.30 % vs bf16 in two seeds, section 11)"),
     ("P5", 6, "the paper-scale model's remaining gap: bf16 / fp8 at attention + layernorm + experts are predicted "
