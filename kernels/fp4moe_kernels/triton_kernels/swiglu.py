@@ -83,14 +83,35 @@ def _swiglu_fwd_kernel(h_ptr, p_ptr, z_ptr, T, F: tl.constexpr, HAS_P: tl.conste
 
 
 @triton.jit
-def _swiglu_bwd_kernel(h_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr, HAS_P: tl.constexpr, BT: tl.constexpr,
-                       BF: tl.constexpr):
+def _bwd_rows(p_ptr, T, HAS_P: tl.constexpr, BT: tl.constexpr):
+    """A backward program's rows [BT], their mask, int64 rows [BT, 1], their routing probabilities (0.0 without)
+    and the float32 dprobs accumulator [BT]."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     rmask = rows < T
-    r64 = rows.to(tl.int64)[:, None]
+    p = 0.0
     if HAS_P:
         p = tl.load(p_ptr + rows, mask=rmask, other=0.0)
-    acc = tl.zeros((BT,), dtype=tl.float32)
+    return rows, rmask, rows.to(tl.int64)[:, None], p, tl.zeros((BT,), dtype=tl.float32)
+
+
+@triton.jit
+def _bwd_tile(g, u, dz, p, acc, dh_ptrs, mask, F: tl.constexpr, HAS_P: tl.constexpr):
+    """One backward tile: dg at ``dh_ptrs`` and du F columns after it (BF16 bits); returns ``acc`` plus the tile's
+    dprobs terms sum_f dz * silu(g) * u (unchanged without probabilities)."""
+    if HAS_P:
+        dg, du, silu = _swiglu_grads(g, u, dz * p[:, None])
+        acc += tl.sum(dz * silu * u, axis=1)
+    else:
+        dg, du, silu = _swiglu_grads(g, u, dz)
+    tl.store(dh_ptrs, _bf16_bits(dg), mask=mask)
+    tl.store(dh_ptrs + F, _bf16_bits(du), mask=mask)
+    return acc
+
+
+@triton.jit
+def _swiglu_bwd_kernel(h_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr, HAS_P: tl.constexpr, BT: tl.constexpr,
+                       BF: tl.constexpr):
+    rows, rmask, r64, p, acc = _bwd_rows(p_ptr, T, HAS_P, BT)
     for c0 in range(0, F, BF):
         cols = c0 + tl.arange(0, BF)
         mask = rmask[:, None] & (cols[None, :] < F)
@@ -98,13 +119,7 @@ def _swiglu_bwd_kernel(h_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr,
         g = tl.load(h_ptr + hb, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_ptr + hb + F, mask=mask, other=0.0).to(tl.float32)
         dz = tl.load(dz_ptr + r64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_P:
-            dg, du, silu = _swiglu_grads(g, u, dz * p[:, None])
-            acc += tl.sum(dz * silu * u, axis=1)
-        else:
-            dg, du, silu = _swiglu_grads(g, u, dz)
-        tl.store(dh_ptr + hb, _bf16_bits(dg), mask=mask)
-        tl.store(dh_ptr + hb + F, _bf16_bits(du), mask=mask)
+        acc = _bwd_tile(g, u, dz, p, acc, dh_ptr + hb, mask, F, HAS_P)
     if HAS_P:
         tl.store(dp_ptr + rows, acc, mask=rmask)
 
@@ -158,12 +173,7 @@ def _swiglu_bwd_fp4_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl
                            BT: tl.constexpr, BF: tl.constexpr):
     """The backward from h's MXFP4 copy (data [T, F] bytes, scales [T, F/16]), decoded in registers to the values
     ``fp4_to_bf16`` gives: the same tiles and float32 math as ``_swiglu_bwd_kernel`` on the decoded h."""
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    rmask = rows < T
-    r64 = rows.to(tl.int64)[:, None]
-    if HAS_P:
-        p = tl.load(p_ptr + rows, mask=rmask, other=0.0)
-    acc = tl.zeros((BT,), dtype=tl.float32)
+    rows, rmask, r64, p, acc = _bwd_rows(p_ptr, T, HAS_P, BT)
     nb: tl.constexpr = BF // 32
     for c0 in range(0, F, BF):
         cols = c0 + tl.arange(0, BF)
@@ -176,14 +186,7 @@ def _swiglu_bwd_fp4_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl
         u = _decode_tile(q_ptr + r64 * F + F // 2 + bcol[None, :], s_ptr + r64 * (F // 16) + F // 32 + scol[None, :],
                          pmask, smask, BT, BF)
         dz = tl.load(dz_ptr + r64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_P:
-            dg, du, silu = _swiglu_grads(g, u, dz * p[:, None])
-            acc += tl.sum(dz * silu * u, axis=1)
-        else:
-            dg, du, silu = _swiglu_grads(g, u, dz)
-        hb = r64 * (2 * F) + cols[None, :]
-        tl.store(dh_ptr + hb, _bf16_bits(dg), mask=mask)
-        tl.store(dh_ptr + hb + F, _bf16_bits(du), mask=mask)
+        acc = _bwd_tile(g, u, dz, p, acc, dh_ptr + r64 * (2 * F) + cols[None, :], mask, F, HAS_P)
     if HAS_P:
         tl.store(dp_ptr + rows, acc, mask=rmask)
 
