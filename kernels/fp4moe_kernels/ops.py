@@ -108,11 +108,11 @@ def fp4_row_to_fp8_col(a: MXFP4Tensor, counts=None) -> FP8ColTensor:
     seg = Segments.of(counts, a.shape[0])
     if not _use_gpu(a.data):
         return _ref.fp4_row_to_fp8_col(a, seg)
-    if (os.environ.get(CUDA_COL_ENV, "0") == "1" and a.data.is_contiguous() and a.scales.is_contiguous()
-            and a.data.data_ptr() % 16 == 0 and a.scales.data_ptr() % 2 == 0 and _cuda_col_unavailable() is None):
+    if os.environ.get(CUDA_COL_ENV, "0") == "1":
         from . import cuda_kernels
 
-        return cuda_kernels.fp4_row_to_fp8_col(a, seg)
+        if cuda_kernels.col_input_problem(a) is None and _cuda_col_unavailable() is None:
+            return cuda_kernels.fp4_row_to_fp8_col(a, seg)
     return _kernels().fp4_row_to_fp8_col(a, seg)
 
 

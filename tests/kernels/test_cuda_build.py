@@ -28,3 +28,17 @@ def test_unavailable_without_a_gpu_says_why():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert cuda_kernels.available() == "no CUDA GPU"
+
+
+def test_col_input_problem_names_what_the_kernel_cannot_take():
+    """The one check both the CUDA launcher (raises) and ops.fp4_row_to_fp8_col (falls back to Triton) apply."""
+    import torch
+
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import MXFP4Tensor
+
+    a = ref.bf16_to_fp4_row(torch.randn(8, 256).to(torch.bfloat16))
+    assert cuda_kernels.col_input_problem(a) is None
+    assert "multiple of 128" in cuda_kernels.col_input_problem(ref.bf16_to_fp4_row(torch.randn(8, 96).to(torch.bfloat16)))
+    shifted = torch.empty(a.data.numel() + 1, dtype=torch.uint8)[1:].view(8, 128)  # 1 byte off alignment
+    assert "aligned" in cuda_kernels.col_input_problem(MXFP4Tensor(shifted, a.scales, a.shape))

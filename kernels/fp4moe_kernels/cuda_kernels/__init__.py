@@ -50,32 +50,46 @@ def _lib(name: str) -> ctypes.CDLL:
     cpp_extension.load(name=mod, sources=[str(SOURCES[name])], build_directory=str(build),
                        extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90"],
                        is_python_module=False, verbose=False)
-    lib = ctypes.CDLL(str(build / f"{mod}.so"))
-    return lib
+    return ctypes.CDLL(str(build / f"{mod}.so"))
+
+
+@functools.cache
+def _col_fn():
+    """The C entry point of fp4_row_to_fp8_col.cu, its ctypes signature set once."""
+    fn = _lib("fp4_row_to_fp8_col").fp4moe_fp4_row_to_fp8_col
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def col_input_problem(a: MXFP4Tensor) -> str | None:
+    """None if ``fp4_row_to_fp8_col`` takes ``a`` as it is, else what is wrong: K a multiple of 128, data and
+    scales contiguous, data 16-byte and scales 2-byte aligned (its vector loads)."""
+    if a.shape[1] % 128 or not (a.data.is_contiguous() and a.scales.is_contiguous()):
+        return f"K={a.shape[1]} must be a multiple of 128 and data/scales contiguous"
+    if a.data.data_ptr() % 16 or a.scales.data_ptr() % 2:
+        return "data must be 16-byte and scales 2-byte aligned (make a copy)"
+    return None
 
 
 def fp4_row_to_fp8_col(a: MXFP4Tensor, seg: Segments, variant: str = "swar") -> FP8ColTensor:
     """FP4RowToFP8Col by the CUDA C++ kernel: the same output as ``fp4moe_kernels.ops.fp4_row_to_fp8_col``.
-    ``a`` on a CUDA device, K a multiple of 128, data and scales contiguous and 16- / 2-byte aligned."""
+    ``a`` on a CUDA device, as ``col_input_problem`` accepts it."""
     from ..triton_kernels.launch import _col_tiles
 
-    m, k = a.shape
-    if k % 128 or not (a.data.is_contiguous() and a.scales.is_contiguous()):
-        raise FormatError(f"fp4_row_to_fp8_col (CUDA): K={k} must be a multiple of 128 and data/scales contiguous")
-    if a.data.data_ptr() % 16 or a.scales.data_ptr() % 2:
-        raise FormatError("fp4_row_to_fp8_col (CUDA): data must be 16-byte and scales 2-byte aligned (make a copy)")
-    fn = _lib("fp4_row_to_fp8_col").fp4moe_fp4_row_to_fp8_col
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
-    fn.restype = ctypes.c_int
+    problem = col_input_problem(a)
+    if problem:
+        raise FormatError(f"fp4_row_to_fp8_col (CUDA): {problem}")
+    k = a.shape[1]
     mp = seg.padded_total
     o = torch.empty(k * mp, dtype=torch.float8_e4m3fn, device=a.device)
     s = torch.empty(mp // 128, k, dtype=torch.float32, device=a.device)
     tiles = _col_tiles(seg, a.device)
-    rc = fn(a.data.data_ptr(), a.scales.data_ptr(), o.data_ptr(), s.data_ptr(), tiles.data_ptr(), tiles.shape[0], k,
-            VARIANTS[variant], torch.cuda.current_stream(a.device).cuda_stream)
+    rc = _col_fn()(a.data.data_ptr(), a.scales.data_ptr(), o.data_ptr(), s.data_ptr(), tiles.data_ptr(),
+                   tiles.shape[0], k, VARIANTS[variant], torch.cuda.current_stream(a.device).cuda_stream)
     if rc:
         raise RuntimeError(f"fp4_row_to_fp8_col (CUDA) launch failed: cudaError {rc}")
     return FP8ColTensor(o, s, seg, k)
 
 
-__all__ = ["available", "fp4_row_to_fp8_col", "SOURCES", "VARIANTS"]
+__all__ = ["available", "col_input_problem", "fp4_row_to_fp8_col", "SOURCES", "VARIANTS"]
