@@ -79,22 +79,36 @@ def fp4_row_to_fp8_row(a: MXFP4Tensor, counts=None) -> FP8RowTensor:
 
 
 CUDA_COL_ENV = "FP4MOE_CUDA_COL"
+CUDA_COL_MODES = ("auto", "1", "0")
+
+
+def cuda_col_mode() -> str:
+    """``FP4MOE_CUDA_COL``: unset or ``auto`` (the default) runs the CUDA C++ FP4RowToFP8Col where it can (a Hopper
+    GPU and nvcc), ``1`` insists on it (a warning says why when it cannot run), ``0`` keeps the Triton kernel."""
+    mode = os.environ.get(CUDA_COL_ENV, "auto").strip().lower() or "auto"
+    if mode not in CUDA_COL_MODES:
+        raise FormatError(f"{CUDA_COL_ENV}={os.environ[CUDA_COL_ENV]!r}: use auto (the default: CUDA C++ where it "
+                          "builds), 1 (CUDA C++, warn when it cannot run) or 0 (Triton)")
+    return mode
 
 
 @functools.cache
-def _cuda_col_unavailable() -> str | None:
-    """None if the CUDA C++ FP4RowToFP8Col builds and loads here (once per process), else why not."""
+def _cuda_col_unavailable(insist: bool = False) -> str | None:
+    """None if the CUDA C++ FP4RowToFP8Col builds and loads here (once per process), else why not. A warning says
+    why it cannot run when ``insist`` (FP4MOE_CUDA_COL=1) or when nvcc is there and the build itself failed."""
     from . import cuda_kernels
 
     why = cuda_kernels.available()
+    build_failed = False
     if why is None:
         try:
             cuda_kernels._lib("fp4_row_to_fp8_col")
         except Exception as e:  # noqa: BLE001 - any build or load failure: report it and keep the Triton kernel
             why = f"its build failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-    if why:
-        warnings.warn(f"{CUDA_COL_ENV}=1 but the CUDA C++ FP4RowToFP8Col cannot run: {why}; using the Triton kernel",
-                      stacklevel=3)
+            build_failed = True
+    if why and (insist or build_failed):
+        warnings.warn(f"the CUDA C++ FP4RowToFP8Col cannot run: {why}; using the Triton kernel "
+                      f"({CUDA_COL_ENV}=0 chooses it without this warning)", stacklevel=3)
     return why
 
 
@@ -102,16 +116,19 @@ def fp4_row_to_fp8_col(a: MXFP4Tensor, counts=None) -> FP8ColTensor:
     """FP4RowToFP8Col (wgrad operand): per expert ``[K, tokens]`` FP8, tokens padded to 128, one power-of-two
     scale per (channel, 128 tokens). Lossless when the exponent spread over the 128 tokens is <= 14.
 
-    ``FP4MOE_CUDA_COL=1`` runs the experimental CUDA C++ kernel (``fp4moe_kernels.cuda_kernels``: bit for bit the
-    same output, 1.8-1.9x the Triton kernel on an H200) where it builds and the inputs are aligned, else Triton."""
+    On CUDA it runs the CUDA C++ kernel (``fp4moe_kernels.cuda_kernels``: bit for bit the Triton kernel's output,
+    1.8-1.9x its speed on an H200, +1 % mxfp4 training throughput on the H200 proxy: results/kernels/README.md)
+    where it builds (Hopper, nvcc) and the inputs are aligned, else the Triton kernel; ``FP4MOE_CUDA_COL``
+    (``cuda_col_mode``) chooses."""
     _check_fp4(a, "a", FP8_GROUP)
     seg = Segments.of(counts, a.shape[0])
     if not _use_gpu(a.data):
         return _ref.fp4_row_to_fp8_col(a, seg)
-    if os.environ.get(CUDA_COL_ENV, "0") == "1":
+    mode = cuda_col_mode()
+    if mode != "0":
         from . import cuda_kernels
 
-        if cuda_kernels.col_input_problem(a) is None and _cuda_col_unavailable() is None:
+        if cuda_kernels.col_input_problem(a) is None and _cuda_col_unavailable(mode == "1") is None:
             return cuda_kernels.fp4_row_to_fp8_col(a, seg)
     return _kernels().fp4_row_to_fp8_col(a, seg)
 

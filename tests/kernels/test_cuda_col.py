@@ -1,4 +1,4 @@
-"""The experimental CUDA C++ FP4RowToFP8Col (fp4moe_kernels.cuda_kernels), both variants, bit for bit against the
+"""The CUDA C++ FP4RowToFP8Col (fp4moe_kernels.cuda_kernels), both variants, bit for bit against the
 reference: every packed byte under every UE8M0 code, typical activations with rare tiles, and random inputs with
 every special value at DeepSeek-V3 shapes over ragged experts. GPU only (it needs nvcc and a Hopper GPU)."""
 import pytest
@@ -45,16 +45,23 @@ def test_random_inputs(variant, m, k, experts, spread):
     _check(ref.bf16_to_fp4_row(x), counts, variant)
 
 
-def test_ops_switch_runs_it_with_the_same_bits_as_triton(monkeypatch):
-    """FP4MOE_CUDA_COL=1 routes ops.fp4_row_to_fp8_col (the trainer's call) through the CUDA kernel: the output is
-    the Triton kernel's, bit for bit."""
+@pytest.mark.parametrize("mode, runs_cuda", [(None, True), ("auto", True), ("1", True), ("0", False)])
+def test_ops_switch_picks_the_kernel_with_the_same_bits_as_triton(monkeypatch, mode, runs_cuda):
+    """ops.fp4_row_to_fp8_col (the trainer's call) runs the CUDA kernel by default and with FP4MOE_CUDA_COL=1, the
+    Triton kernel with 0 (a spy counts the CUDA calls); either way the output is the Triton kernel's, bit for bit."""
     from fp4moe_kernels import ops
     from fp4moe_kernels.triton_kernels import launch
 
     x = selfcheck.make_input(4096, 2048, 7, "cuda", spread=4, special=False)
     a = ops.bf16_to_fp4_row(x)
     counts = selfcheck.make_counts(4096, 16, 7)
-    monkeypatch.setenv(ops.CUDA_COL_ENV, "1")
+    calls = []
+    real = cuda_kernels.fp4_row_to_fp8_col
+    monkeypatch.setattr(cuda_kernels, "fp4_row_to_fp8_col", lambda *args: calls.append(1) or real(*args))
+    if mode is None:
+        monkeypatch.delenv(ops.CUDA_COL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ops.CUDA_COL_ENV, mode)
     got = ops.fp4_row_to_fp8_col(a, counts)
-    assert ops._cuda_col_unavailable() is None
+    assert len(calls) == int(runs_cuda)
     assert not selfcheck.compare(got, launch.fp4_row_to_fp8_col(a, Segments.of(counts, 4096)))

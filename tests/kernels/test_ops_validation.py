@@ -62,3 +62,16 @@ def test_tile_overrides_from_the_environment(tmp_path):
         tiles_from_env('{"fp4_row_to_fp8_col": [32, 1]}')
     with pytest.raises(ValueError, match="not a JSON object nor a readable JSON file"):
         tiles_from_env(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("value, mode", [(None, "auto"), ("", "auto"), ("AUTO", "auto"), ("1", "1"), (" 0 ", "0")])
+def test_cuda_col_switch_values(monkeypatch, value, mode):
+    """FP4MOE_CUDA_COL: unset / auto (CUDA C++ where it builds), 1, 0; anything else names the variable and values."""
+    if value is None:
+        monkeypatch.delenv(ops.CUDA_COL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ops.CUDA_COL_ENV, value)
+    assert ops.cuda_col_mode() == mode
+    monkeypatch.setenv(ops.CUDA_COL_ENV, "on")
+    with pytest.raises(FormatError, match="FP4MOE_CUDA_COL='on': use auto"):
+        ops.cuda_col_mode()

@@ -46,6 +46,14 @@ def test_missing_corpus_is_one_message(tmp_path):
     assert "Traceback" not in r.stderr + r.stdout
 
 
+def test_kernel_switch_typo_is_one_message(tmp_path):
+    """FP4MOE_CUDA_COL with a value it does not know: exit 2 before training, naming the variable and its values."""
+    r = _run(["-m", "fp4moe.train"], tmp_path, env={"FP4MOE_CUDA_COL": "yes"})
+    assert r.returncode == 2
+    assert "fp4moe.train: ConfigError: FP4MOE_CUDA_COL='yes': use auto" in r.stderr
+    assert "Traceback" not in r.stderr and "step" not in r.stderr
+
+
 def test_unreachable_mlflow_server(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -203,7 +203,7 @@ swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of 
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3
   python3 -m fp4moe.ops.bench_swiglu --out "$OUT" "$@" 2>&1 | tail -40
   ;;
-cudacol)  # the CUDA C++ FP4RowToFP8Col (FP4MOE_CUDA_COL=1 in the trainer): built on first use, GPU tests, benchmark
+cudacol)  # the CUDA C++ FP4RowToFP8Col (the default where it builds): built on first use, GPU tests, benchmark
   python3 -m pytest -q -m gpu tests/kernels/test_cuda_col.py 2>&1 | tee "$OUT/cuda_col_gpu_tests.log" | tail -3
   python3 -m fp4moe_kernels.cuda_kernels.bench --out "$OUT" --commit "${COMMIT:-unknown}" 2>&1 | tail -12
   ;;

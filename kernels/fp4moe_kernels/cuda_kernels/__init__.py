@@ -3,11 +3,12 @@ torch's extension loader (``torch.utils.cpp_extension.load``: needs ``nvcc`` and
 ``$FP4MOE_CUDA_BUILD`` (default ``~/.cache/fp4moe/cuda``), one folder per torch / CUDA version. The library has no
 Python binding: it exports C functions that take device pointers and a CUDA stream, called through ctypes.
 
-Status: **experimental**: ``fp4moe_kernels.ops.fp4_row_to_fp8_col`` (and so the trainer) uses it only with
-``FP4MOE_CUDA_COL=1``, until it has been measured inside the trainer. ``fp4_row_to_fp8_col`` is measured against
-the Triton kernel by ``python -m fp4moe_kernels.cuda_kernels.bench`` (results/kernels/cuda_col_h200_*.json: 1.8-1.9x)
-and tested bit for bit against the reference by tests/kernels/test_cuda_col.py (GPU); tests/kernels/
-test_cuda_build.py compiles it for sm_90 wherever nvcc is (CPU machines too).
+Status: ``fp4moe_kernels.ops.fp4_row_to_fp8_col`` (and so the trainer) runs it by default where it builds (a
+Hopper GPU and nvcc; ``FP4MOE_CUDA_COL``: ``auto``, ``1``, ``0``, see ``ops.cuda_col_mode``), since it measured
++1 % mxfp4 training throughput on the H200 proxy (results/kernels/README.md, 2026-12-01 third section).
+``fp4_row_to_fp8_col`` is measured against the Triton kernel by ``python -m fp4moe_kernels.cuda_kernels.bench``
+(results/kernels/cuda_col_h200_*.json: 1.8-1.9x) and tested bit for bit against the reference by
+tests/kernels/test_cuda_col.py (GPU); tests/kernels/test_cuda_build.py compiles it for sm_90 wherever nvcc is (CPU machines too).
 """
 from __future__ import annotations
 

@@ -76,7 +76,8 @@ def is_oom(e: BaseException) -> bool:
 
 def preflight(cfg: Any) -> dict[str, Any]:
     """Everything that can be refused without torch.distributed: ``fp4moe.config.check``, the trainer's limits,
-    the MLflow store, and megatron-core's ``MLATransformerConfig`` as fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError / TrackingUnavailable."""
+    the kernel switches (``FP4MOE_CUDA_COL``), the MLflow store, and megatron-core's ``MLATransformerConfig`` as
+    fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError / TrackingUnavailable."""
     derived = check(cfg)
     check_supported(cfg)
     dtype = str(OmegaConf.select(cfg, "train.params_dtype", default="bf16"))
@@ -96,6 +97,13 @@ def preflight(cfg: Any) -> dict[str, Any]:
         v = cfg.train.get(key)
         if v is not None and int(v) < 1:
             raise ConfigError(f"train.{key}={v}: use a positive step count, or null to switch it off")
+    from fp4moe_kernels import ops
+    from fp4moe_kernels.formats import FormatError
+
+    try:
+        ops.cuda_col_mode()  # a typo in FP4MOE_CUDA_COL is refused here, not at the first backward
+    except FormatError as e:
+        raise ConfigError(str(e)) from None
     from fp4moe.train.metrics import resolve_uri
 
     tracking.check_reachable(resolve_uri(cfg))
