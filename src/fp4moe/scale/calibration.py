@@ -45,6 +45,9 @@ ARCHIVES = (   # one GPU
     "results/train_proxy/proxy_t1_h200_2026-11-30_49a089e.json",         # equal-scope pair at 32, mla_up_proj 40 / 64
     "results/train_proxy/proxy_t1_h200_2026-12-01_52fe029.json",         # faster FP4 kernels: equal-scope pair twice, mla_up_proj
     "results/train_proxy/proxy_t1_h200_2026-12-01_7a8040d.json",         # and with the swept tiles: the pair twice
+    "results/train_proxy/proxy_t1_h200_2026-12-01_841bf8a.json",         # the pair, FP4 SwiGLU store on and off
+    "results/train_proxy/proxy_t1_h200_2026-12-01_44185b9.json",         # the fused FP4-storing SwiGLU: pairs, mla_up_proj
+    "results/train_proxy/proxy_t1_h200_2026-12-01_390a277-cudacol.json", # CUDA C++ column kernel: pairs, mla_up_proj
 )
 # Runs before 38f25cd measured other code (results/train_proxy/README.md: the MoE layer's forward kept more rows
 # alive; before 924b9ef a leaked micro-batch), so they are not part of the 5 % check.
@@ -237,9 +240,10 @@ NOTES = """
 
 - **Saved activations: solved** (to 76 B per micro-batch for bf16 and mxfp4; within 0.05 % for fp8, whose FP8
   column copies are padded to 128 rows per expert by the real, uneven routing; the model uses the expected padding).
-- **Peak: every run within 5 %, from tensor shapes**, on one GPU and over NCCL (EP2 x DP2, PP2), for six code
-  versions (38f25cd, 61f1fcb, 49a089e, fe9934e, 52fe029, 7a8040d). The model takes the largest of three phases instead of adding every
-  transient it knows (fp4moe.scale.memory, part (e)):
+- **Peak: every run within 5 %, from tensor shapes**, on one GPU and over NCCL (EP2 x DP2, PP2), for nine code
+  versions (38f25cd, 61f1fcb, 49a089e, fe9934e, 52fe029, 7a8040d, 841bf8a, 44185b9, 390a277; the last three changed
+  kernels, not what is kept). The model takes the largest of three phases instead of adding every transient it
+  knows (fp4moe.scale.memory, part (e)):
   - *head*: the BF16 logits [T, V] beside the saved fp32 softmax. bf16 none / mla_up_proj peak here (-0.1 to -0.2 %).
   - *the last MoE layer's forward*: its dispatch buffers, while the head's saved tensors do not exist yet. No run
     peaks here since the recipe MoE layer frees each stage's rows early.
@@ -279,7 +283,7 @@ NOTES = """
 
 
 def _archive_commit(name: str) -> str:
-    m = re.search(r"_([0-9a-f]{7})\.json$", name)
+    m = re.search(r"_([0-9a-f]{7})(?:-[a-z0-9-]+)?\.json$", name)  # <commit>.json or <commit>-<variant>.json
     return m.group(1) if m else "?"
 
 
@@ -365,9 +369,10 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
         "`per_microbatch_activation_bytes`, in GB = 10^9 B (exact bytes: tests/scale/test_calibration.py).",
         "- **peak**: `torch.cuda.max_memory_allocated` in GiB (2^30 B) vs the model's `total_bytes` for the code "
         "the run measured (**code**: 38f25cd = `MEASURED_CODE`, with the two wastes removed since; 61f1fcb, "
-        "49a089e, fe9934e, 52fe029 and 7a8040d = today's, `FIRST_PRINCIPLES`; 61f1fcb still packed MLA's RoPE frequencies under mxfp4 "
-        "mla_up_proj): static + saved + the largest of three phase transients (the head's logits, the last "
-        "MoE layer's forward, the routed experts' backward), from tensor shapes; nothing fitted to the peaks. "
+        "49a089e, fe9934e, 52fe029, 7a8040d, 841bf8a, 44185b9 and 390a277 = today's, `FIRST_PRINCIPLES`; "
+        "61f1fcb still packed MLA's RoPE frequencies under mxfp4 mla_up_proj): static + saved + the largest of "
+        "three phase transients (the head's logits, the last MoE layer's forward, the routed experts' backward), "
+        "from tensor shapes; nothing fitted to the peaks. "
         "**phase**: where the model puts the peak.",
         "- **peak now**: the model for the same run with today's code (`FIRST_PRINCIPLES`). For the 38f25cd rows it "
         "was the prediction that the 61f1fcb runs checked.",
