@@ -14,7 +14,8 @@ arithmetic, not a reproduction.
     comm.a2a_per_layer(cfg)         -> comm.LayerA2A (dispatch / combine, forward / backward bytes per GPU)
     comm.a2a_time_s(a2a, link_bandwidth_gb_s=...)  time over a bandwidth the caller states
     calibration.table() / python -m fp4moe.scale.calibration   measured H200 runs vs the model
-    paper_t1.cells() / python -m fp4moe.scale.paper_t1         the paper's T1 cells under three grad / optimizer setups
+    paper_t1.cells() / python -m fp4moe.scale.paper_t1         the paper's T1 cells under three grad / optimizer setups;
+        paper_t1.readings(): which layout x attention recompute x setup orders them as the paper does
     throughput.time_per_token(cfg, ...) / python -m fp4moe.scale.throughput   RATIOS of tokens/GPU/s between
         recipes and recompute scopes (FLOPs / measured rates + conversions + all-to-all + measured glue), checked
         against the H200 probe (results/scale/throughput.md); not absolute tokens/s

@@ -109,7 +109,8 @@ Recompute scopes (conf/recompute/*.yaml) and what each keeps:
 ``MemoryAssumptions.attn_recompute``: the paper's "attention" is the FP8-Flow-MoE fork's ``attn`` module, mapped
 by conf/recompute to megatron's ``core_attn``. If the fork's module recomputes the whole self-attention block,
 use ``attn_recompute='self_attention'``: then only the block input (attn.ln_out) is kept from the attention.
-Open question for P5; with core_attn, mla_up_proj saves less than attn_ln_mlp, the reverse of the paper's order.
+With core_attn no usable capacity separates the paper's nine cells as it does, with self_attention one does in
+every layout the lab ran (results/scale/paper_t1.md, fp4moe.scale.paper_t1.readings).
 
 Recompute transient: while a layer's backward runs, what the scope recomputed exists again for that layer and
 micro-batch. At the routed experts' backward (part (e)) that is: attn_ln_experts, the experts' recomputed tensors

@@ -10,11 +10,18 @@ micro-batch in flight under 1F1B), in GiB and in % of 80 GiB as the report gives
 (``conf/paper/numbers.yaml``, secondary summaries of the full text). Arithmetic only, no torch; nothing is fitted
 to the paper. The model itself is checked against H200 runs on 1-2 GPUs (results/scale/calibration.md), not at this
 scale.
+
+Then the readings of what the paper does not state (``readings``): the three EP x PP layouts the same lab ran
+DeepSeek-V3 with on that cluster, what the scopes' "attention" recomputes (megatron's core attention, or the whole
+self-attention block), and the three setups. A reading is *consistent* with the paper when one usable capacity C
+(the part of the 80 GiB left for the model's tensors once the CUDA context, communication buffers and fragmentation
+have theirs) separates the nine cells as the paper does: every cell the paper fits at or below C, every cell it
+reports OOM above, i.e. max(the paper's fitting cells) < C <= min(its OOM cells) in the model.
 """
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -32,6 +39,65 @@ SETUPS = {
     "BF16 main grads + optimizer states offloaded to the host": MemoryAssumptions(grad_bytes=2,
                                                                                   optimizer_offload=True),
 }
+
+
+# The EP x PP layouts of the same lab's DeepSeek-V3 runs on the 256-GPU cluster (shared notes/paper-details.md
+# §1.2: EP8 / PP32, "EP16/PP16 and EP32/PP8 also tried"; TP1, so DP = 256 / PP and EP inside DP). PP32 is
+# conf/parallel/paper_671b.yaml; the PP16 / PP8 stage layouts are ours, built the same way (the first stage has
+# the embedding and one layer fewer, the last the MTP layer and the loss and two layers fewer; 61 layers in all).
+LAYOUTS = {
+    "PP32 EP8": {},
+    "PP16 EP16": {"pipeline": 16, "expert": 16, "data": 16, "pipeline_layout": "Ettt|(tttt|)*14,ttmL"},
+    "PP8 EP32": {"pipeline": 8, "expert": 32, "data": 32, "pipeline_layout": "Ettttttt|(tttttttt|)*6,ttttttmL"},
+}
+ATTENTION = {"core attention": "core_attn", "whole self-attention": "self_attention"}
+
+
+def layout_cfg(layout: str, scope: str, recipe: str):
+    """The paper_671b config with ``LAYOUTS[layout]``'s parallel overrides."""
+    cfg = compose_cfg("dsv3_671b", "paper_671b", scope, recipe)
+    for key, value in LAYOUTS[layout].items():
+        cfg.parallel[key] = value
+    return cfg
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One reading of what the paper does not state, against the paper's nine cells (model % of 80 GiB, the most
+    loaded pipeline rank). ``window``: the usable capacities C (% of 80 GiB) that separate the cells as the paper
+    does, ``(lo, hi]``, empty when lo >= hi; ``errors``: model - paper on the cells the paper fits, in points."""
+
+    layout: str
+    attention: str
+    setup: str
+    window: tuple[float, float]
+    errors: tuple[float, ...]
+
+    @property
+    def consistent(self) -> bool:
+        return self.window[0] < self.window[1]
+
+
+def reading(pcts: dict[tuple[str, str], float], paper: dict[tuple[str, str], float | None], layout: str = "",
+            attention: str = "", setup: str = "") -> Reading:
+    """A Reading from the model's % per (scope, recipe) and the paper's (None: OOM)."""
+    fit = [pcts[k] for k, v in paper.items() if v is not None]
+    oom = [pcts[k] for k, v in paper.items() if v is None]
+    lo = max(fit) if fit else 0.0
+    hi = min(oom) if oom else float("inf")
+    return Reading(layout, attention, setup, (lo, hi), tuple(pcts[k] - v for k, v in paper.items() if v is not None))
+
+
+def readings(setups: dict[str, MemoryAssumptions] = SETUPS) -> list[Reading]:
+    paper = paper_cells()
+    out = []
+    for layout in LAYOUTS:
+        for attention, attn in ATTENTION.items():
+            for name, a in setups.items():
+                a = replace(a, attn_recompute=attn)
+                pcts = {k: 100.0 * per_gpu_memory(layout_cfg(layout, *k), a).total_gb / GPU_GB for k in paper}
+                out.append(reading(pcts, paper, layout, attention, name))
+    return out
 
 
 @dataclass(frozen=True)
@@ -80,7 +146,7 @@ def cells(setups: dict[str, MemoryAssumptions] = SETUPS) -> list[Cell]:
     return out
 
 
-def render(rows: Sequence[Cell]) -> str:
+def render(rows: Sequence[Cell], reads: Sequence[Reading] = ()) -> str:
     lines = ["# The paper's T1 cells under three gradient / optimizer setups (issue 6, P5)", "",
              "Written by `python -m fp4moe.scale.paper_t1`. Model `dsv3_671b`, layout `paper_671b` (TP1 PP32 EP8 DP8, "
              "micro-batch 1, seq 4096, distributed optimizer: our reading, the paper does not state it). **model**: "
@@ -102,8 +168,61 @@ def render(rows: Sequence[Cell]) -> str:
             lines.append(f"| {r.scope} | {r.recipe} | {paper} | {model} | {r.peak_rank} | {last} | "
                          f"{'yes' if r.matches_paper else 'no'} |")
         lines.append("")
-    lines += ["## What it says", ""] + summary(rows) + [""]
+    if reads:
+        lines += render_readings(reads)
+    lines += ["## What it says", ""] + summary(rows) + readings_summary(reads) + [""]
     return "\n".join(lines)
+
+
+def _window(w: tuple[float, float]) -> str:
+    hi = "-" if w[1] == float("inf") else f"{w[1]:.1f}"
+    return f"({w[0]:.1f}, {hi}]"
+
+
+def render_readings(reads: Sequence[Reading]) -> list[str]:
+    lines = ["## Which readings are consistent with the paper's fit / OOM pattern", "",
+             "Layouts: the three EP x PP layouts the same lab ran DeepSeek-V3 with on that cluster (TP1, DP = 256 / "
+             "PP; PP16 and PP8 stage layouts are ours: `paper_t1.LAYOUTS`). Attention: what the scopes' "
+             "\"attention\" recomputes, megatron's core attention (conf/recompute, the trainer) or the whole "
+             "self-attention block (`MemoryAssumptions.attn_recompute`). **capacity window**: the usable capacities "
+             "C, in % of 80 GiB, under which the model fits exactly the cells the paper fits (max over its "
+             "fitting cells < C <= min over its OOM cells); empty: no C does. **model - paper**: on the five cells "
+             "the paper fits, in points of 80 GiB.", "",
+             "| layout | attention | setup | capacity window (% of 80 GiB) | consistent | model - paper (pp) |",
+             "|---|---|---|---|---|---|"]
+    for r in reads:
+        err = f"{min(r.errors):+.1f} to {max(r.errors):+.1f}" if r.errors else "-"
+        lines.append(f"| {r.layout} | {r.attention} | {r.setup} | {_window(r.window)} | "
+                     f"{'yes' if r.consistent else 'no'} | {err} |")
+    return lines + [""]
+
+
+def readings_summary(reads: Sequence[Reading]) -> list[str]:
+    """Which attention readings admit a consistent capacity at all, and which consistent readings need no more than
+    the 80 GiB the GPU has (computed)."""
+    if not reads:
+        return []
+    out = []
+    for attention in dict.fromkeys(r.attention for r in reads):
+        sub = [r for r in reads if r.attention == attention]
+        n = sum(r.consistent for r in sub)
+        out.append(f"- With {attention} recomputed, {n} of {len(sub)} readings (layout x setup) are consistent "
+                   "with the paper's fit / OOM pattern.")
+    by = {a: [r.consistent for r in reads if r.attention == a] for a in dict.fromkeys(r.attention for r in reads)}
+    if not any(by.get("core attention", [True])) and all(by.get("whole self-attention", [False])):
+        out.append("- So only the whole-block reading orders the nine cells as the paper does, in every layout and "
+                   "setup: the paper's \"attention\" most likely recomputes the whole self-attention block (the "
+                   "FP8-Flow-MoE fork's `attn` module), not the core attention that fp4moe's scopes map it to "
+                   "(conf/recompute). With core attention, a cell the paper fits needs at least as much memory in the "
+                   "model as a cell it reports OOM, whatever the layout and setup.")
+    real = [r for r in reads if r.consistent and r.window[0] < 100.0]
+    if real:
+        out.append("- Consistent with a usable capacity below 80 GiB: " + "; ".join(
+            f"{r.layout}, {r.attention}, {r.setup}: C in {_window(r.window)} %, model - paper "
+            f"{min(r.errors):+.1f} to {max(r.errors):+.1f} pp" for r in real) + ".")
+    else:
+        out.append("- No reading is consistent with a usable capacity below 80 GiB.")
+    return out
 
 
 def summary(rows: Sequence[Cell]) -> list[str]:
@@ -137,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(render(cells()))
+    tmp.write_text(render(cells(), readings()))
     tmp.replace(out)
     print(f"wrote {out}")
     return 0
