@@ -43,9 +43,12 @@ TE_ONLY_RECOMPUTE_MODULES = {
     "layernorm": "megatron-core's output-discarding layernorm checkpoint crashes without TE (random.py)",
     "moe_act": "megatron-core recomputes the expert activation only inside TEGroupedMLP",
 }
-# Modules fp4moe recomputes itself (P3): the layernorms (our output-discarding checkpoint) and the routed-expert
-# MLP ("moe_expert" of the FP8-Flow-MoE fork: fc1 -> SwiGLU -> fc2 of the experts, dispatch not re-run).
-FP4MOE_RECOMPUTE_MODULES = ("layernorm", "moe_expert")
+# Modules fp4moe recomputes itself (P3): the layernorms (our output-discarding checkpoint), the routed-expert
+# MLP ("moe_expert" of the FP8-Flow-MoE fork: fc1 -> SwiGLU -> fc2 of the experts, dispatch not re-run) and the
+# whole MLA self-attention block ("self_attention": the fork's "attn" as results/scale/paper_t1.md reads it).
+FP4MOE_RECOMPUTE_MODULES = ("layernorm", "moe_expert", "self_attention")
+# recompute modules that would checkpoint inside a self_attention checkpoint: one or the other
+NESTED_IN_SELF_ATTENTION = ("core_attn", "mla_up_proj")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DISPATCHERS = ("alltoall", "allgather")  # megatron-core token dispatchers fp4moe builds ('flex' needs DeepEP)
 
@@ -293,6 +296,10 @@ def check(cfg: Any) -> dict[str, Any]:
     unknown = [x for x in own if x not in FP4MOE_RECOMPUTE_MODULES]
     if unknown:
         raise ConfigError(f"recompute.fp4moe_modules has {unknown}: fp4moe implements {', '.join(FP4MOE_RECOMPUTE_MODULES)}")
+    nested = [x for x in mods if x in NESTED_IN_SELF_ATTENTION]
+    if "self_attention" in own and nested:
+        raise ConfigError(f"recompute.fp4moe_modules has self_attention (the whole attention block) and "
+                          f"recompute.megatron_modules has {nested}, which lie inside it: keep one or the other")
     if impl == "local":
         te = [x for x in mods if x in TE_ONLY_RECOMPUTE_MODULES]
         if te:
@@ -327,4 +334,5 @@ def check(cfg: Any) -> dict[str, Any]:
 
 
 __all__ = ["ConfigError", "check", "DISPATCHERS", "derived", "param_counts", "parse_pipeline_layout", "world_size",
-           "MEGATRON_RECOMPUTE_MODULES", "TE_ONLY_RECOMPUTE_MODULES", "FP4MOE_RECOMPUTE_MODULES"]
+           "MEGATRON_RECOMPUTE_MODULES", "TE_ONLY_RECOMPUTE_MODULES", "FP4MOE_RECOMPUTE_MODULES",
+           "NESTED_IN_SELF_ATTENTION"]

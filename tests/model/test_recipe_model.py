@@ -211,6 +211,78 @@ def test_recompute_attn_ln_experts(mp, precision):
         assert not bad, bad
 
 
+@pytest.mark.parametrize("scope", ["attn_block_ln_experts", "attn_block_ln_mlp"])
+@pytest.mark.parametrize("precision", RECIPES)
+def test_recompute_whole_attention_block(mp, precision, scope):
+    """recompute.fp4moe_modules self_attention (the whole MLA block under a reentrant checkpoint) with the
+    layernorms (+ the experts or the dense MLPs) vs none: the same loss; bitwise gradients for bf16 and fp8, mxfp4
+    within the E2M1 rounding of its MXFP4 recompute caches (the block input, the norm inputs). The block keeps less
+    than core attention alone (attn_ln_*): one forward saves fewer bytes, by at least every layer's q/k/v."""
+    from fp4moe.model.recompute import RecomputedMLASelfAttention
+
+    base, rec = _model(precision, "none"), _model(precision, scope)
+    core = _model(precision, scope.replace("attn_block_", "attn_"))
+    assert all(isinstance(l.self_attention, RecomputedMLASelfAttention) for l in rec.decoder.layers)
+    assert not any(isinstance(l.self_attention, RecomputedMLASelfAttention) for l in core.decoder.layers)
+    saved = {"none": _forward_saved_bytes(base), "block": _forward_saved_bytes(rec), "core": _forward_saved_bytes(core)}
+    c = rec.config
+    qkv = 2 * 32 * c.num_attention_heads * (2 * (c.qk_head_dim + c.qk_pos_emb_head_dim) + c.v_head_dim)  # bf16 q, k, v
+    assert saved["block"] <= saved["core"] - len(rec.decoder.layers) * qkv // (2 if precision == "mxfp4" else 1), saved
+    l0, g0 = _loss_and_grads(base)
+    l1, g1 = _loss_and_grads(rec)
+    assert torch.equal(l0, l1)
+    if precision == "mxfp4":
+        # every attention weight's gradient now reads the block re-run from the E2M1-rounded block input (with
+        # core attention only the q/kv projections read MXFP4 q/k/v): the same ~20 % worst parameter as
+        # test_recompute_attn_ln_experts, a little more overall (on this model: 7.4 / 10.9 % for the block under
+        # attn_block_ln_experts / _mlp against 4.4 / 9.1 % with core attention)
+        names = [n for n in g0 if g0[n].norm() > 0]
+        total = _rel(torch.cat([g1[n].float().flatten() for n in names]), torch.cat([g0[n].float().flatten() for n in names]))
+        worst = max(_rel(g1[n].float(), g0[n].float()) for n in names)
+        assert total < 0.12 and worst < 0.25, (total, worst)
+    else:
+        bad = [n for n in g0 if not torch.equal(g0[n], g1[n])]
+        assert not bad, bad
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_whole_attention_block_saves_only_its_input(mp, precision):
+    """Under attn_block_ln_experts the attention block saves one tensor for backward: its input, the input norm's
+    output [s, b, H] BF16 (the storage the layernorm recompute frees after the block and refills before its
+    backward); under core attention it also keeps the latents, q, k, v and the attention output."""
+    def saved_by_attention(scope):
+        m = _model(precision, scope)
+        attn, inside, seen = m.decoder.layers[1].self_attention, [False], {}
+        attn.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
+        attn.register_forward_hook(lambda *a: inside.__setitem__(0, False))
+        params = {q.untyped_storage().data_ptr() for q in m.parameters()}
+
+        def pack(x):
+            ptr = x.untyped_storage().data_ptr()
+            if inside[0] and ptr not in params:
+                seen[ptr] = (tuple(x.shape), x.dtype)
+            return x
+
+        ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            m(ids, torch.arange(32).unsqueeze(0).expand(2, -1), None, labels=ids).float().mean()
+        return list(seen.values())
+
+    h = _cfg(precision).model.hidden_size
+    assert saved_by_attention("attn_block_ln_experts") == [((32, 2, h), torch.bfloat16)]
+    assert len(saved_by_attention("attn_ln_experts")) > 5
+
+
+def test_whole_attention_block_and_core_attention_are_one_or_the_other():
+    from fp4moe.config import ConfigError
+    from fp4moe.model.build import _recompute_kwargs
+
+    r = OmegaConf.load(CONF / "recompute" / "attn_block_ln_experts.yaml")
+    r.megatron_modules = ["core_attn"]
+    with pytest.raises(ConfigError, match="self_attention .* and megatron_modules \\['core_attn'\\], which lie inside it"):
+        _recompute_kwargs(r)
+
+
 def test_all_linears_scope_uses_fp8_for_attention(mp):
     """scope all_linears: attention / dense-MLP linears go through fp8_linear (names unchanged); those whose
     dims are not multiples of 128 (tiny_cpu's kv down-projection, 256 -> 160) stay BF16 and are listed."""

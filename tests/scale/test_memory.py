@@ -379,3 +379,25 @@ def test_expected_expert_padding_and_trainer_grads():
     a = MemoryAssumptions(main_grad_resident="after_first_micro_batch")
     one, four = per_gpu_memory(_proxy(mb=8, gb=8), a), per_gpu_memory(_proxy(mb=8, gb=32), a)
     assert one.grads_bytes == 0 and four.grads_bytes == 4 * (four.dense_params + four.expert_params)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8", "mxfp4"])
+def test_whole_attention_block_configs_are_the_self_attention_reading(recipe):
+    """conf/recompute/attn_block_*.yaml (fp4moe_modules self_attention) are modelled as their core-attention scope
+    with ``attn_recompute='self_attention'``: the attention keeps its input norm's input only, plus, under mxfp4's
+    recompute caches, the block checkpoint's MXFP4 copy of its (discarded) input [T, H]."""
+    for block, core in (("attn_block_ln_experts", "attn_ln_experts"), ("attn_block_ln_mlp", "attn_ln_mlp")):
+        cfg_b = compose_cfg("proxy_h200", "single_gpu", block, recipe)
+        cfg_c = compose_cfg("proxy_h200", "single_gpu", core, recipe)
+        a = MemoryAssumptions(attn_recompute="self_attention")
+        assert per_gpu_memory(cfg_b).total_bytes == per_gpu_memory(cfg_c, a).total_bytes
+        assert per_gpu_memory(cfg_b).total_bytes < per_gpu_memory(cfg_c).total_bytes
+        for kind in ("dense", "moe"):
+            attn = {t.name: t for t in layer_saved_tensors(cfg_b, kind) if t.name.startswith("attn.")}
+            d = _dims(cfg_b)
+            if recipe == "mxfp4":
+                assert set(attn) == {"attn.ln_in", "attn.ckpt_in"}
+                assert (attn["attn.ckpt_in"].fmt, attn["attn.ckpt_in"].bytes) == ("mxfp4", d.t_hid * d.h * 17 // 32)
+                assert attn["attn.ln_in"].fmt == "mxfp4"
+            else:
+                assert set(attn) == {"attn.ln_in"} and attn["attn.ln_in"].bytes == 2 * d.t_hid * d.h

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full")
+SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full", "attn_block_ln_experts", "attn_block_ln_mlp")
 
 
 def _train(tmp_path, precision, recompute):

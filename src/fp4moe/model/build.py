@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from fp4moe.config import (DISPATCHERS, FP4MOE_RECOMPUTE_MODULES, MEGATRON_RECOMPUTE_MODULES, TE_ONLY_RECOMPUTE_MODULES,
+from fp4moe.config import (DISPATCHERS, FP4MOE_RECOMPUTE_MODULES, MEGATRON_RECOMPUTE_MODULES, NESTED_IN_SELF_ATTENTION,
+                            TE_ONLY_RECOMPUTE_MODULES,
                            ConfigError)
 from fp4moe.model import cpu_shims
 from fp4moe.model.attention import SDPACoreAttention
@@ -70,6 +71,10 @@ def _recompute_kwargs(recompute_cfg: Any) -> dict[str, Any]:
                           f"({', '.join(FP4MOE_RECOMPUTE_MODULES)})")
     if not mods and not own:
         raise ConfigError(f"recompute scope {name!r}: granularity selective with no modules; use granularity: null")
+    nested = [m for m in mods if m in NESTED_IN_SELF_ATTENTION]
+    if "self_attention" in own and nested:
+        raise ConfigError(f"recompute scope {name!r}: fp4moe_modules self_attention (the whole attention block) and "
+                          f"megatron_modules {nested}, which lie inside it: keep one or the other")
     if "layernorm" in own:  # megatron's output-discarding norm checkpoint, made to work without TE (recompute.py)
         mods = mods + ["layernorm"]
     if not mods:
@@ -78,7 +83,7 @@ def _recompute_kwargs(recompute_cfg: Any) -> dict[str, Any]:
 
 
 def fp4moe_recompute_modules(recompute_cfg: Any) -> list[str]:
-    """The ``recompute.fp4moe_modules`` that fp4moe implements itself ('layernorm', 'moe_expert')."""
+    """The ``recompute.fp4moe_modules`` that fp4moe implements itself ('layernorm', 'moe_expert', 'self_attention')."""
     r = _plain(recompute_cfg)
     return list(r.get("fp4moe_modules") or []) if r.get("granularity") == "selective" else []
 
@@ -257,10 +262,13 @@ def _moe_spec(mlp_spec, recipe, moe_expert_recompute: bool):
 def layer_spec(config, recipe=None, recompute_modules: tuple[str, ...] = ()):
     """megatron's local decoder-block spec (dense layers for the first ``first_k_dense``, MoE after) with our
     SDPA core attention in every layer's MLA and, for an fp8/mxfp4 ``recipe`` (fp4moe.recipe.Recipe; None =
-    bf16), the recipe's MoE modules. ``recompute_modules``: fp4moe's own ('moe_expert' changes the experts)."""
+    bf16), the recipe's MoE modules. ``recompute_modules``: fp4moe's own ('moe_expert' changes the experts,
+    'self_attention' the attention module to :class:`fp4moe.model.recompute.RecomputedMLASelfAttention`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+    from fp4moe.model.recompute import RecomputedMLASelfAttention
     from fp4moe.recipe import Recipe
 
     recipe = recipe or Recipe.bf16()
@@ -272,6 +280,14 @@ def layer_spec(config, recipe=None, recompute_modules: tuple[str, ...] = ()):
         attn = spec.submodules.self_attention = copy.copy(spec.submodules.self_attention)
         attn.submodules = copy.copy(attn.submodules)
         attn.submodules.core_attention = SDPACoreAttention
+        if "self_attention" in recompute_modules:
+            if config.add_bias_linear:
+                raise ConfigError("recompute module self_attention needs model.add_bias_linear=false (the attention "
+                                  "output projection's bias would be added outside the checkpoint)")
+            if attn.module is not MLASelfAttention:
+                raise ConfigError(f"recompute module self_attention recomputes megatron's MLASelfAttention; this "
+                                  f"model's attention is {attn.module.__name__}")
+            attn.module = RecomputedMLASelfAttention
         mlp = spec.submodules.mlp
         if getattr(mlp, "module", None) is MoELayer:
             spec.submodules.mlp = _moe_spec(mlp, recipe, "moe_expert" in recompute_modules)

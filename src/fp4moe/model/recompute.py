@@ -29,6 +29,13 @@ model: 55-60 % relative error on the router and expert weight gradients).
 
 ``moe_expert``: the routed experts' fc1 -> SwiGLU -> fc2 without re-running the dispatch (see
 ``fp4moe.model.recipe_moe.RecipeGroupedMLP``, and :class:`RecomputedSequentialMLP` for the bf16 recipe).
+
+``self_attention``: the whole MLA block (q/kv down- and up-projections, their norms, RoPE, core attention, output
+projection) under megatron's reentrant checkpoint, :class:`RecomputedMLASelfAttention`: it keeps only the block's
+input, the input layernorm's output ``[s, b, H]`` (whose storage the ``layernorm`` module then frees and refills
+before the block's backward, as megatron does for a dense ``mlp`` checkpoint; under mxfp4 an MXFP4 copy survives
+instead). The reading of the paper's "attention" that orders its T1 memory cells as it does
+(results/scale/paper_t1.md); megatron's ``core_attn`` is the other.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from fp4moe_kernels.constants import MX_BLOCK
 
@@ -202,5 +210,32 @@ class RecomputedSequentialMLP(SequentialMLP):
         return y, None
 
 
-__all__ = ["FP4CacheCheckpointWithoutOutput", "RecomputedSequentialMLP", "cache_mxfp4_inside", "checkpoint",
-           "install", "mxfp4_cache", "CACHE_ATTR"]
+class RecomputedMLASelfAttention(MLASelfAttention):
+    """megatron's ``MLASelfAttention`` run under megatron's reentrant ``tensor_parallel.checkpoint`` when training
+    (the ``self_attention`` recompute module): saves its input ``hidden_states`` ``[s, b, H]`` (and the mask, None
+    for causal SDPA), re-runs the whole block in backward; bit-identical results. Inference runs as megatron's.
+    Needs ``add_bias_linear=False`` (DeepSeek's; fp4moe.model.build refuses the module otherwise)."""
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, position_ids=None, sequence_len_offset=None, *,
+                inference_params=None):
+        kwargs = dict(key_value_states=key_value_states, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                      rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin,
+                      attention_bias=attention_bias, packed_seq_params=packed_seq_params, position_ids=position_ids,
+                      sequence_len_offset=sequence_len_offset)
+        if not self.training or inference_context is not None or inference_params is not None:
+            return super().forward(hidden_states, attention_mask, inference_context=inference_context,
+                                   inference_params=inference_params, **kwargs)
+        parent = super().forward
+
+        def run(x, mask):
+            out, bias = parent(x, mask, **kwargs)
+            assert bias is None, "RecomputedMLASelfAttention: the output projection returned a bias"
+            return out
+
+        return tensor_parallel.checkpoint(run, False, hidden_states, attention_mask), None
+
+
+__all__ = ["FP4CacheCheckpointWithoutOutput", "RecomputedMLASelfAttention", "RecomputedSequentialMLP",
+           "cache_mxfp4_inside", "checkpoint", "install", "mxfp4_cache", "CACHE_ATTR"]

@@ -107,8 +107,11 @@ Recompute scopes (conf/recompute/*.yaml) and what each keeps:
                      bf16; the head/MTP tensors are not recomputed.
 
 ``MemoryAssumptions.attn_recompute``: the paper's "attention" is the FP8-Flow-MoE fork's ``attn`` module, mapped
-by conf/recompute to megatron's ``core_attn``. If the fork's module recomputes the whole self-attention block,
-use ``attn_recompute='self_attention'``: then only the block input (attn.ln_out) is kept from the attention.
+by conf/recompute/attn_ln_*.yaml to megatron's ``core_attn``. If the fork's module recomputes the whole
+self-attention block, use ``attn_recompute='self_attention'`` (what conf/recompute/attn_block_*.yaml run, fp4moe's
+``self_attention`` module; such a config sets it itself): then only the block input (attn.ln_out, freed by the
+layernorm recompute) is kept from the attention, plus under mxfp4's recompute caches the block checkpoint's MXFP4
+copy of it (attn.ckpt_in).
 With core_attn no usable capacity separates the paper's nine cells as it does, with self_attention one does in
 every layout the lab ran (results/scale/paper_t1.md, fp4moe.scale.paper_t1.readings).
 
@@ -173,7 +176,7 @@ GEMM workspaces, the forward peak inside attention or a dense MLP, CUDA context 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -279,11 +282,21 @@ def _scope(cfg: DictConfig) -> str:
     if gran == "full":
         return "full"
     mods = set(r.get("megatron_modules") or []) | set(r.get("fp4moe_modules") or [])
+    mods = {"core_attn" if m == "self_attention" else m for m in mods}   # which attention: _with_cfg_attention
     for s, want in (("attn_ln_experts", {"core_attn", "layernorm", "moe_expert"}),
                     ("attn_ln_mlp", {"core_attn", "layernorm", "mlp"}), ("mla_up_proj", {"mla_up_proj"})):
         if mods == want:
             return s
     raise ValueError(f"recompute modules {sorted(mods)} are not one of the modelled scopes {SCOPES}")
+
+
+def _with_cfg_attention(cfg: DictConfig, a: MemoryAssumptions) -> MemoryAssumptions:
+    """``a`` with ``attn_recompute='self_attention'`` where the config recomputes the whole attention block
+    (``recompute.fp4moe_modules: [self_attention, ...]``, conf/recompute/attn_block_*.yaml); else ``a``."""
+    r = cfg.recompute
+    if r.get("granularity") == "selective" and "self_attention" in (r.get("fp4moe_modules") or []):
+        return replace(a, attn_recompute="self_attention")
+    return a
 
 
 @dataclass
@@ -498,6 +511,9 @@ def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, 
                     del led.t["attn.o"]
         else:  # whole self-attention block: only its input (attn.ln_out, freed by the layernorm recompute) kept
             led.drop_prefix("attn.", keep=("attn.ln_in",))
+            if recipe.recompute_cache_fp4:
+                # the block checkpoint keeps its argument, the (discarded) input norm output: an MXFP4 copy survives
+                led.add("attn.ckpt_in", (d.t_hid, d.h), "mxfp4", mxfp4_bytes(d.t_hid, d.h), {"attn_ckpt"})
         if scope == "attn_ln_experts" and kind == "moe":
             led.drop("moe.expert_fc1_in", "moe.expert_swiglu_in", "moe.expert_fc2_in")
             r = d.rows
@@ -543,7 +559,7 @@ def layer_saved_tensors(cfg: Any, kind: str, scope: str | None = None,
     """Tensors one transformer layer of ``kind`` ('dense' | 'moe') saves for backward for ONE micro-batch under
     the config's recipe and ``scope`` (default: the config's recompute scope)."""
     cfg = _as_cfg(cfg)
-    a = assumptions or MemoryAssumptions()
+    a = _with_cfg_attention(cfg, assumptions or MemoryAssumptions())
     d = _dims(cfg, a.expert_rows_factor)
     recipe = Recipe.from_config(cfg.precision)
     scope = scope or _scope(cfg)
@@ -817,7 +833,7 @@ def _backward_depth(letters: str, first_layer: int, d: _Dims, tensors: list, a: 
 def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> list[Breakdown]:
     """One ``Breakdown`` per pipeline rank (see the module docstring for every term)."""
     cfg = _as_cfg(cfg)
-    a = assumptions or MemoryAssumptions()
+    a = _with_cfg_attention(cfg, assumptions or MemoryAssumptions())
     p = cfg.parallel
     d = _dims(cfg, a.expert_rows_factor)
     recipe = Recipe.from_config(cfg.precision)

@@ -212,8 +212,8 @@ def readings_summary(reads: Sequence[Reading]) -> list[str]:
     if not any(by.get("core attention", [True])) and all(by.get("whole self-attention", [False])):
         out.append("- So only the whole-block reading orders the nine cells as the paper does, in every layout and "
                    "setup: the paper's \"attention\" most likely recomputes the whole self-attention block (the "
-                   "FP8-Flow-MoE fork's `attn` module), not the core attention that fp4moe's scopes map it to "
-                   "(conf/recompute). With core attention, a cell the paper fits needs at least as much memory in the "
+                   "FP8-Flow-MoE fork's `attn` module), not core attention (conf/recompute/attn_ln_*.yaml; the trainer runs "
+                   "the whole block with conf/recompute/attn_block_*.yaml). With core attention, a cell the paper fits needs at least as much memory in the "
                    "model as a cell it reports OOM, whatever the layout and setup.")
     real = [r for r in reads if r.consistent and r.window[0] < 100.0]
     if real:
