@@ -210,6 +210,19 @@ def test_what_if_changes_layout():
         model_mod.what_if(pipeline=3)
 
 
+def test_assumptions_pick_the_attention_reading():
+    """The what-if's ``attention``: the whole block saves memory at the attention-recomputing scopes, not at
+    mla_up_proj; the setups stay what they were."""
+    core, block = model_mod.assumptions(), model_mod.assumptions(attention="self_attention")
+    assert (core.attn_recompute, block.attn_recompute, block.grad_bytes) == ("core_attn", "self_attention", 4)
+    off = model_mod.assumptions(True, "self_attention")
+    assert (off.grad_bytes, off.optimizer_offload, off.attn_recompute) == (2, True, "self_attention")
+    c = {(r["scope"], r["recipe"]): r["total_gb"] for r in model_mod.t1_prediction(80.0, core)}
+    b = {(r["scope"], r["recipe"]): r["total_gb"] for r in model_mod.t1_prediction(80.0, block)}
+    assert all(b[k] < c[k] for k in c if k[0] != "mla_up_proj")
+    assert all(b[k] == c[k] for k in c if k[0] == "mla_up_proj")
+
+
 def test_t1_throughput_ratios_are_the_models_beside_the_papers(report_store):
     """With the model, T1 also shows fp4moe.scale.throughput's predicted tokens/s ratios for the paper's config,
     each column one stated link bandwidth, beside the ratios of the paper's own numbers; labelled a prediction."""

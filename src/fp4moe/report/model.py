@@ -22,12 +22,16 @@ def _row(scope: str, recipe: str, b: Any, gpu_memory_gb: float) -> dict[str, Any
                                                       "expert_backward", "recompute_transient", "head_saved")}}
 
 
-def assumptions(precision_aware_optimizer: bool = False) -> Any:
+def assumptions(precision_aware_optimizer: bool = False, attention: str = "core_attn") -> Any:
     """fp4moe.scale's defaults, or (True) BF16 main grads with the optimizer states offloaded to the host: the
-    setup of the paper lab's sister scripts, an open question of the model (fp4moe.scale.memory docstring)."""
+    setup of the paper lab's sister scripts, an open question of the model (fp4moe.scale.memory docstring).
+    ``attention``: what the scopes' "attention" recomputes, ``core_attn`` or ``self_attention`` (the whole block,
+    the reading results/scale/paper_t1.md supports)."""
     from fp4moe.scale import MemoryAssumptions
 
-    return MemoryAssumptions(grad_bytes=2, optimizer_offload=True) if precision_aware_optimizer else MemoryAssumptions()
+    if precision_aware_optimizer:
+        return MemoryAssumptions(grad_bytes=2, optimizer_offload=True, attn_recompute=attention)
+    return MemoryAssumptions(attn_recompute=attention)
 
 
 def t1_prediction(gpu_memory_gb: float = 80.0, memory_assumptions: Any = None) -> list[dict[str, Any]]:
