@@ -24,9 +24,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from fp4moe.config import (DISPATCHERS, FP4MOE_RECOMPUTE_MODULES, MEGATRON_RECOMPUTE_MODULES, NESTED_IN_SELF_ATTENTION,
-                            TE_ONLY_RECOMPUTE_MODULES,
-                           ConfigError)
-from fp4moe.model import cpu_shims
+                           TE_ONLY_RECOMPUTE_MODULES, ConfigError)
 from fp4moe.model.attention import SDPACoreAttention
 
 
@@ -348,22 +346,18 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from fp4moe.model import api
 
-    cpu_shims.apply()
-    # megatron's per-layer MoE aux-loss log (moe_utils.py:43, :893-896) is a process-global dict whose tensors are
-    # sized by the first model that logs (num_layers [+ mtp]); a model with more layers built later in the same
-    # process would index past them (IndexError in save_to_aux_losses_tracker). Start each model with it empty.
-    get_moe_layer_wise_logging_tracker().clear()
-    from fp4moe.model import recompute as fp4moe_recompute
-
-    fp4moe_recompute.install()  # the no-TE fix of megatron's output-discarding checkpoint (recompute.py)
+    # the CPU shims, the no-TE fix of megatron's output-discarding checkpoint (recompute.py), and an empty megatron
+    # per-layer MoE aux-loss log (moe_utils.py:43, :893-896: a process-global dict whose tensors are sized by the
+    # first model that logs; a model with more layers built later in the same process would index past them)
+    api.prepare()
     model_cfg = cfg["model"]
     recipe = recipe_of(cfg)
-    own = fp4moe_recompute_modules(cfg.get("recompute"))
+    own = [m for m in fp4moe_recompute_modules(cfg.get("recompute")) if m != "layernorm"]  # layernorm: megatron's
     config = transformer_config(model_cfg, cfg.get("parallel"), cfg.get("recompute"), params_dtype=params_dtype,
                                 precision_cfg=recipe.to_dict())
-    block = layer_spec(config, recipe, tuple(own))
+    block = api.decoder_block_spec(config, recipe, tuple(own))
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
@@ -385,15 +379,7 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
         position_embedding_type="none",  # MLA applies its own (decoupled) RoPE
         mtp_block_spec=mtp,
     )
-    model.fp4moe_recipe = recipe
-    model.fp4moe_bf16_linears = apply_fp8_dense_linears(model, recipe)
-    if recipe.recompute_cache_fp4:  # the recompute caches inside each layer stored MXFP4 (recompute.py)
-        from megatron.core.transformer.transformer_layer import TransformerLayer
-
-        for layer in model.modules():
-            if isinstance(layer, TransformerLayer):
-                fp4moe_recompute.cache_mxfp4_inside(layer)
-    count_routed_rows(model)
+    api.finish(model, recipe)  # FP8 dense linears (all_linears), MXFP4 recompute caches, routed-row counters
     return model
 
 

@@ -1,0 +1,100 @@
+"""The fp4moe recipe in a megatron-core model you build yourself (fp4moe.model.api), trained for a few steps.
+
+    python examples/megatron_own_model.py --recipe mxfp4                       # one process (CPU or one GPU)
+    torchrun --nproc-per-node 2 examples/megatron_own_model.py --recipe mxfp4  # EP=2 over the processes
+
+Your own ``MLATransformerConfig`` (here a small DeepSeek-V3-shaped one: MLA, 8 experts top-2, a shared expert, the
+first layer dense), megatron-core's ``GPTModel``, and fp4moe in three calls: ``api.prepare()`` before building,
+``api.decoder_block_spec(config, recipe, ...)`` as the layer spec, ``api.finish(model, recipe)`` after. Prints the
+loss per step and the all-to-all payload the MoE layers sent (MXFP4 rows under mxfp4). Needs megatron-core 0.16.1
+and torch; no Transformer Engine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", choices=("bf16", "fp8", "mxfp4"), default="mxfp4")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--recompute", choices=("none", "attn_ln_experts", "attn_block_ln_experts"), default="none",
+                    help="none; core attention + layernorms + routed experts; the whole attention block instead")
+    args = ap.parse_args()
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from fp4moe.model import api
+    from fp4moe.model.build import a2a_stats, to_bf16_params
+    from fp4moe.recipe import Recipe
+
+    # 1. processes: every rank is one expert-parallel rank (torchrun sets RANK / WORLD_SIZE; alone: a group of one)
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29511"))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    api.prepare()   # before megatron builds anything: CPU shims (no CUDA), fp4moe's checkpoints, megatron's MoE log
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+
+    # 2. your config (megatron-core settings without Transformer Engine)
+    recompute = {"none": {},
+                 "attn_ln_experts": dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"]),
+                 "attn_block_ln_experts": dict(recompute_granularity="selective", recompute_modules=["layernorm"])}
+    own = {"none": (), "attn_ln_experts": ("moe_expert",), "attn_block_ln_experts": ("self_attention", "moe_expert")}
+    config = MLATransformerConfig(
+        num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, multi_latent_attention=True, q_lora_rank=128, kv_lora_rank=128, qk_head_dim=32,
+        qk_pos_emb_head_dim=32, v_head_dim=32, qk_layernorm=True, rope_type="rope",
+        num_moe_experts=8, moe_layer_freq=[0, 1], moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=128,
+        moe_router_topk=2, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4, moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=world,
+        params_dtype=torch.bfloat16, bf16=True, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=cuda,
+        bias_dropout_fusion=cuda, use_cpu_initialization=not cuda, **recompute[args.recompute])
+
+    # 3. the recipe in megatron's model: spec before, finish after
+    recipe = Recipe.preset(args.recipe)
+    spec = api.decoder_block_spec(config, recipe, recompute_modules=own[args.recompute])
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=512, max_sequence_length=256,
+                     position_embedding_type="none")   # MLA applies its own RoPE
+    to_bf16_params(model)   # as megatron's Float16Module (the router's expert bias stays fp32)
+    api.finish(model, recipe)
+    device = torch.device("cuda" if cuda else "cpu")
+    model.to(device)
+
+    # 4. train: each rank its own tokens (batch 2 x 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    pos = torch.arange(64, device=device).unsqueeze(0).expand(2, -1)
+    for step in range(1, args.steps + 1):
+        ids = torch.randint(0, 512, (2, 64), generator=g).to(device)
+        loss = model(ids, pos, None, labels=torch.roll(ids, -1, 1)).float().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if rank == 0:
+            print(f"step {step} loss {loss.item():.4f}", flush=True)
+    stats = a2a_stats(model)
+    if rank == 0:
+        print(f"recipe {recipe.name}, EP={world}: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.items())),
+              flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
