@@ -125,8 +125,14 @@ def test_stop_by_signal_and_kill_then_resume_give_the_same_losses(tmp_path, stor
     assert ckpts == ["step_0000002"]                          # no temporary folder left behind
     c2 = train(_compose(tmp_path / "c", *common))
     assert c2.start_step == 2 and c2.losses == {3: a.losses[3], 4: a.losses[4]}
+    # throughput over the run's measured steps, the checkpoint's included: each process skips its first step
+    # (short_cpu's measure.warmup_steps = 1), so C's summary holds step 2 (measured before the step-2 checkpoint)
+    # and step 4 (after the resume); step 3, measured by the crashed process after that checkpoint, is in the
+    # history only (its work was redone)
+    assert c2.summary["summary/measured_steps"] == 2 and b2.summary["summary/measured_steps"] == 2
+    hist = _history(client := _client(store), c2.run_id, "tokens_per_gpu_per_s")
+    assert sorted(hist) == [2, 3, 4] and c2.summary["summary/tgs_mean"] == pytest.approx((hist[2] + hist[4]) / 2)
 
-    client = _client(store)
     run = client.get_run(b2.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
     assert _history(client, b2.run_id, "loss") == a.losses
@@ -286,3 +292,25 @@ def test_profile_window_writes_op_tables_and_a_trace(tmp_path, store):
     assert tags["profile_steps"] == "2-3" and tags["profile_dir"] == str(folder.resolve())
     with pytest.raises(ConfigError, match="train.profile.steps"):
         train(_compose(tmp_path, "train.steps=2", "train.profile.steps=[3,1]"))
+
+
+def test_meter_carries_a_runs_measurements_across_a_restart():
+    """Meter: each process skips its own warm-up steps; a restored state goes before this process's steps, and the
+    peaks a checkpoint carries are the largest of every process so far."""
+    import torch
+
+    from fp4moe.train.metrics import Meter
+
+    first = Meter(tokens_per_step=1000, world_size=2, warmup=1, measure_steps=None, device=torch.device("cpu"))
+    for dt in (9.0, 1.0, 2.0):          # the first step is warm-up
+        first.after_step(dt)
+    first.peak_alloc, first.peak_reserved = 30.0, 32.0   # as on CUDA
+    second = Meter(tokens_per_step=1000, world_size=2, warmup=1, measure_steps=None, device=torch.device("cpu"))
+    second.load_state_dict(first.state_dict())
+    for dt in (7.0, 4.0):               # warm-up again after the restart, then one measured step
+        second.after_step(dt)
+    second.peak_alloc, second.peak_reserved = 20.0, 40.0
+    s = second.summary()
+    assert s["summary/measured_steps"] == 3 and second.step_times == [1.0, 2.0, 4.0]
+    assert s["summary/tgs_max"] == 500.0 and s["summary/step_time_median_s"] == 2.0
+    assert second.state_dict()["peak_alloc"] == 30.0 and second.state_dict()["peak_reserved"] == 40.0

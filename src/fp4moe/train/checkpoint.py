@@ -110,8 +110,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size: int, model: torch.nn.Module,
          optimizer: Any, schedule: Any, mlflow_run_id: str | None, fingerprint_: dict[str, str],
-         keep: int = 2) -> Path:
-    """Write the checkpoint of ``step`` (collective: every rank calls it). Returns the final folder."""
+         keep: int = 2, meter: Any = None) -> Path:
+    """Write the checkpoint of ``step`` (collective: every rank calls it). Returns the final folder. ``meter``: the
+    run's throughput / memory measurements so far (``fp4moe.train.metrics.Meter``), carried into a resumed run."""
     final = _step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
     if rank == 0:
@@ -120,7 +121,8 @@ def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size:
         tmp.mkdir()
     barrier()
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-               "rng": rng_state(), "step": step, "consumed_samples": consumed_samples, "rank": rank}
+               "rng": rng_state(), "step": step, "consumed_samples": consumed_samples, "rank": rank,
+               "meter": None if meter is None else meter.state_dict()}
     path = tmp / f"rank_{rank:05d}.pt"
     with open(path, "wb") as f:
         torch.save(payload, f)
@@ -165,14 +167,18 @@ def check_compatible(folder: Path, meta: dict[str, Any], *, world_size: int, fin
                           "empty checkpoint folder")
 
 
-def load(folder: Path, *, rank: int, model: torch.nn.Module, optimizer: Any, schedule: Any) -> dict[str, Any]:
-    """Restore this rank's state from ``folder``; returns its ``meta.json`` (step, consumed samples, run id)."""
+def load(folder: Path, *, rank: int, model: torch.nn.Module, optimizer: Any, schedule: Any,
+         meter: Any = None) -> dict[str, Any]:
+    """Restore this rank's state from ``folder`` (and, given ``meter``, the measurements of the run's earlier
+    processes, where the checkpoint has them); returns its ``meta.json`` (step, consumed samples, run id)."""
     meta = read_meta(folder)
     payload = torch.load(folder / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
     model.load_state_dict(payload["model"], strict=True)
     optimizer.load_state_dict(payload["optimizer"])
     schedule.load_state_dict(payload["schedule"])
     set_rng_state(payload["rng"])
+    if meter is not None and payload.get("meter") is not None:
+        meter.load_state_dict(payload["meter"])
     if int(payload["step"]) != int(meta["step"]):
         raise RuntimeError(f"{folder}: rank file step {payload['step']} != meta step {meta['step']}")
     return meta

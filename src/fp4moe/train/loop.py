@@ -405,6 +405,10 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     opt = Optimizer(model, t, shard_groups=_shard_groups(cfg))
     sched = Schedule(t, derived)
 
+    measure = t.get("measure") or {}
+    meter = Meter(int(derived["tokens_per_step"]), info.world_size, int(measure.get("warmup_steps") or 0),
+                  None if measure.get("steps") is None else int(measure["steps"]), device)
+
     # ---- resume
     root = ckpt.run_dir(cfg, multirun_cell, output_dir)
     fp = ckpt.fingerprint(cfg)
@@ -416,7 +420,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     if found is not None:
         meta = ckpt.read_meta(found)
         ckpt.check_compatible(found, meta, world_size=info.world_size, fingerprint_=fp)
-        meta = ckpt.load(found, rank=info.rank, model=model, optimizer=opt, schedule=sched)
+        meta = ckpt.load(found, rank=info.rank, model=model, optimizer=opt, schedule=sched, meter=meter)
         step, consumed, run_id = int(meta["step"]), int(meta["consumed_samples"]), meta.get("mlflow_run_id")
         if info.is_main:
             log.info("resumed from %s (step %d, %d samples consumed)", found, step, consumed)
@@ -473,15 +477,12 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     log_every = int(t.get("log_interval") or 1)
     eval_every = t.get("eval_interval")
     ckpt_every = t.get("checkpoint_interval")
-    measure = t.get("measure") or {}
-    meter = Meter(int(derived["tokens_per_step"]), info.world_size, int(measure.get("warmup_steps") or 0),
-                  None if measure.get("steps") is None else int(measure["steps"]), device)
     keep = int(t.get("keep_checkpoints") or 2)
 
     def save() -> Path:
         path = ckpt.save(root, step=step, consumed_samples=consumed, rank=info.rank, world_size=info.world_size,
                          model=model, optimizer=opt, schedule=sched, mlflow_run_id=result.run_id,
-                         fingerprint_=fp, keep=keep)
+                         fingerprint_=fp, keep=keep, meter=meter)
         result.checkpoint = path
         return path
 

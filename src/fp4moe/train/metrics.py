@@ -152,10 +152,13 @@ class Tracker:
 
 
 class Meter:
-    """Step times, tokens/GPU/s and peak memory over the measured steps of this process (SPEC §8).
+    """Step times, tokens/GPU/s and peak memory over the measured steps of the run (SPEC §8).
 
-    ``warmup`` steps after each process start are not measured; then ``measure_steps`` steps are (None: all).
-    On CUDA the peak-memory counters are reset when measurement starts."""
+    ``warmup`` steps after each process start are not measured; then ``measure_steps`` steps of this process are
+    (None: all). On CUDA the peak-memory counters are reset when measurement starts. A resumed run carries the
+    measurements of its earlier processes in the checkpoint (``state_dict`` / ``load_state_dict``), so that its
+    summary covers every measured step of the run, not only those after the last restart, and its peaks are the
+    largest of all its processes'."""
 
     def __init__(self, tokens_per_step: int, world_size: int, warmup: int, measure_steps: int | None,
                  device: Any) -> None:
@@ -166,6 +169,19 @@ class Meter:
         self.step_times: list[float] = []
         self.peak_alloc = self.peak_reserved = 0.0
         self.start_alloc: float | None = None  # GB allocated when the last step began (CUDA)
+        self.earlier_peaks = (0.0, 0.0)        # (allocated, reserved) GB of the run's earlier processes
+
+    def state_dict(self) -> dict[str, Any]:
+        """The measurements so far (every process of the run), for the checkpoint."""
+        return {"tgs": list(self.tgs), "step_times": list(self.step_times),
+                "peak_alloc": max(self.earlier_peaks[0], self.peak_alloc),
+                "peak_reserved": max(self.earlier_peaks[1], self.peak_reserved)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put a checkpoint's measurements before this process's (called once, before the first step)."""
+        self.tgs = [float(x) for x in state["tgs"]] + self.tgs
+        self.step_times = [float(x) for x in state["step_times"]] + self.step_times
+        self.earlier_peaks = (float(state["peak_alloc"]), float(state["peak_reserved"]))
 
     @property
     def cuda(self) -> bool:
@@ -216,8 +232,9 @@ class Meter:
                       "summary/step_time_median_s": statistics.median(self.step_times)})
         if self.cuda and self.tgs:
             total = torch.cuda.get_device_properties(self.device).total_memory / GB
-            s.update({"summary/peak_mem_allocated_gb": self.peak_alloc, "summary/peak_mem_reserved_gb": self.peak_reserved,
-                      "summary/peak_mem_pct": 100.0 * self.peak_alloc / total,
+            alloc, reserved = max(self.earlier_peaks[0], self.peak_alloc), max(self.earlier_peaks[1], self.peak_reserved)
+            s.update({"summary/peak_mem_allocated_gb": alloc, "summary/peak_mem_reserved_gb": reserved,
+                      "summary/peak_mem_pct": 100.0 * alloc / total,
                       "summary/mem_allocated_at_step_start_gb": self.start_alloc})
         return s
 
