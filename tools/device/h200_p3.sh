@@ -27,6 +27,7 @@
 #                                                      # with the baseline copy DIR (carried: git archive, see README)
 #   bash tools/device/h200_p3.sh swiglu [ARGS]         # fused SwiGLU: GPU tests + benchmark (ARGS: bench_swiglu's)
 #   COMMIT=sha bash tools/device/h200_p3.sh cudacol    # CUDA C++ FP4RowToFP8Col: build, GPU tests, benchmark vs Triton
+#   bash tools/device/h200_p3.sh example               # examples/megatron_own_model.py (fp4moe.model.api), every recipe
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -202,6 +203,13 @@ kbench)  # [BASELINE_DIR:LABEL [bench args...]]: the kernel benchmark, and a bas
 swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3
   python3 -m fp4moe.ops.bench_swiglu --out "$OUT" "$@" 2>&1 | tail -40
+  ;;
+example)  # examples/megatron_own_model.py (fp4moe.model.api) on the GPU: every recipe, then the whole-block recompute
+  for recipe in bf16 fp8 mxfp4; do
+    python3 examples/megatron_own_model.py --recipe "$recipe" --steps 5 2>&1 | grep -E '^step 5|^recipe|Error' | cut -c1-200
+  done
+  python3 examples/megatron_own_model.py --recipe mxfp4 --recompute attn_block_ln_experts --steps 5 2>&1 \
+    | grep -E '^step 5|Error' | cut -c1-200
   ;;
 cudacol)  # the CUDA C++ FP4RowToFP8Col (the default where it builds): built on first use, GPU tests, benchmark
   python3 -m pytest -q -m gpu tests/kernels/test_cuda_col.py 2>&1 | tee "$OUT/cuda_col_gpu_tests.log" | tail -3
