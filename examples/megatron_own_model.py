@@ -39,7 +39,8 @@ def main() -> None:
     # 1. processes: every rank is one expert-parallel rank (torchrun sets RANK / WORLD_SIZE; alone: a group of one)
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29511"))
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("PORT", "29511"))
     dist.init_process_group("nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     if cuda:
@@ -50,9 +51,9 @@ def main() -> None:
     model_parallel_cuda_manual_seed(1234)
 
     # 2. your config (megatron-core settings without Transformer Engine)
-    recompute = {"none": {},
-                 "attn_ln_experts": dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"]),
-                 "attn_block_ln_experts": dict(recompute_granularity="selective", recompute_modules=["layernorm"])}
+    selective = dict(recompute_granularity="selective")
+    recompute = {"none": {}, "attn_ln_experts": dict(selective, recompute_modules=["core_attn", "layernorm"]),
+                 "attn_block_ln_experts": dict(selective, recompute_modules=["layernorm"])}
     own = {"none": (), "attn_ln_experts": ("moe_expert",), "attn_block_ln_experts": ("self_attention", "moe_expert")}
     config = MLATransformerConfig(
         num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512, normalization="RMSNorm",

@@ -49,6 +49,14 @@ TE_ONLY_RECOMPUTE_MODULES = {
 FP4MOE_RECOMPUTE_MODULES = ("layernorm", "moe_expert", "self_attention")
 # recompute modules that would checkpoint inside a self_attention checkpoint: one or the other
 NESTED_IN_SELF_ATTENTION = ("core_attn", "mla_up_proj")
+
+
+def nested_in_self_attention(fp4moe_modules: Any, megatron_modules: Any) -> list[str]:
+    """The megatron recompute modules that lie inside fp4moe's ``self_attention`` checkpoint when both are asked
+    for (a configuration error: keep one or the other); empty otherwise."""
+    if "self_attention" not in (fp4moe_modules or ()):
+        return []
+    return [m for m in (megatron_modules or ()) if m in NESTED_IN_SELF_ATTENTION]
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DISPATCHERS = ("alltoall", "allgather")  # megatron-core token dispatchers fp4moe builds ('flex' needs DeepEP)
 
@@ -296,8 +304,8 @@ def check(cfg: Any) -> dict[str, Any]:
     unknown = [x for x in own if x not in FP4MOE_RECOMPUTE_MODULES]
     if unknown:
         raise ConfigError(f"recompute.fp4moe_modules has {unknown}: fp4moe implements {', '.join(FP4MOE_RECOMPUTE_MODULES)}")
-    nested = [x for x in mods if x in NESTED_IN_SELF_ATTENTION]
-    if "self_attention" in own and nested:
+    nested = nested_in_self_attention(own, mods)
+    if nested:
         raise ConfigError(f"recompute.fp4moe_modules has self_attention (the whole attention block) and "
                           f"recompute.megatron_modules has {nested}, which lie inside it: keep one or the other")
     if impl == "local":
@@ -335,4 +343,4 @@ def check(cfg: Any) -> dict[str, Any]:
 
 __all__ = ["ConfigError", "check", "DISPATCHERS", "derived", "param_counts", "parse_pipeline_layout", "world_size",
            "MEGATRON_RECOMPUTE_MODULES", "TE_ONLY_RECOMPUTE_MODULES", "FP4MOE_RECOMPUTE_MODULES",
-           "NESTED_IN_SELF_ATTENTION"]
+           "NESTED_IN_SELF_ATTENTION", "nested_in_self_attention"]

@@ -8,7 +8,8 @@ Hopper GPU and nvcc; ``FP4MOE_CUDA_COL``: ``auto``, ``1``, ``0``, see ``ops.cuda
 +1 % mxfp4 training throughput on the H200 proxy (results/kernels/README.md, 2026-12-01 third section).
 ``fp4_row_to_fp8_col`` is measured against the Triton kernel by ``python -m fp4moe_kernels.cuda_kernels.bench``
 (results/kernels/cuda_col_h200_*.json: 1.8-1.9x) and tested bit for bit against the reference by
-tests/kernels/test_cuda_col.py (GPU); tests/kernels/test_cuda_build.py compiles it for sm_90 wherever nvcc is (CPU machines too).
+tests/kernels/test_cuda_col.py (GPU); tests/kernels/test_cuda_build.py compiles it for sm_90 wherever nvcc is
+(CPU machines too).
 """
 from __future__ import annotations
 

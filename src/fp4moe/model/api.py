@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fp4moe.config import FP4MOE_RECOMPUTE_MODULES, NESTED_IN_SELF_ATTENTION, ConfigError
+from fp4moe.config import FP4MOE_RECOMPUTE_MODULES, ConfigError, nested_in_self_attention
 
 
 def prepare() -> None:
@@ -58,8 +58,9 @@ def decoder_block_spec(config: Any, recipe: Any = None, recompute_modules: tuple
     if bad:
         raise ConfigError(f"recompute_modules {bad}: fp4moe's own are moe_expert and self_attention (layernorm is "
                           "megatron's: put it in config.recompute_modules after api.prepare())")
-    nested = [m for m in (config.recompute_modules or []) if m in NESTED_IN_SELF_ATTENTION]
-    if "self_attention" in own and config.recompute_granularity == "selective" and nested:
+    selective = config.recompute_granularity == "selective"
+    nested = nested_in_self_attention(own, config.recompute_modules) if selective else []
+    if nested:
         raise ConfigError(f"recompute module self_attention (the whole attention block) and config.recompute_modules "
                           f"{nested}, which lie inside it: keep one or the other")
     _check_recipe_parallel(recipe, config)

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from fp4moe.config import (DISPATCHERS, FP4MOE_RECOMPUTE_MODULES, MEGATRON_RECOMPUTE_MODULES, NESTED_IN_SELF_ATTENTION,
-                           TE_ONLY_RECOMPUTE_MODULES, ConfigError)
+from fp4moe.config import (DISPATCHERS, FP4MOE_RECOMPUTE_MODULES, MEGATRON_RECOMPUTE_MODULES, TE_ONLY_RECOMPUTE_MODULES,
+                           ConfigError, nested_in_self_attention)
 from fp4moe.model.attention import SDPACoreAttention
 
 
@@ -69,8 +69,8 @@ def _recompute_kwargs(recompute_cfg: Any) -> dict[str, Any]:
                           f"({', '.join(FP4MOE_RECOMPUTE_MODULES)})")
     if not mods and not own:
         raise ConfigError(f"recompute scope {name!r}: granularity selective with no modules; use granularity: null")
-    nested = [m for m in mods if m in NESTED_IN_SELF_ATTENTION]
-    if "self_attention" in own and nested:
+    nested = nested_in_self_attention(own, mods)
+    if nested:
         raise ConfigError(f"recompute scope {name!r}: fp4moe_modules self_attention (the whole attention block) and "
                           f"megatron_modules {nested}, which lie inside it: keep one or the other")
     if "layernorm" in own:  # megatron's output-discarding norm checkpoint, made to work without TE (recompute.py)

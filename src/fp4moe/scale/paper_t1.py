@@ -202,19 +202,16 @@ def readings_summary(reads: Sequence[Reading]) -> list[str]:
     the 80 GiB the GPU has (computed)."""
     if not reads:
         return []
-    out = []
-    for attention in dict.fromkeys(r.attention for r in reads):
-        sub = [r for r in reads if r.attention == attention]
-        n = sum(r.consistent for r in sub)
-        out.append(f"- With {attention} recomputed, {n} of {len(sub)} readings (layout x setup) are consistent "
-                   "with the paper's fit / OOM pattern.")
     by = {a: [r.consistent for r in reads if r.attention == a] for a in dict.fromkeys(r.attention for r in reads)}
+    out = [f"- With {attention} recomputed, {sum(ok)} of {len(ok)} readings (layout x setup) are consistent with the "
+           "paper's fit / OOM pattern." for attention, ok in by.items()]
     if not any(by.get("core attention", [True])) and all(by.get("whole self-attention", [False])):
         out.append("- So only the whole-block reading orders the nine cells as the paper does, in every layout and "
                    "setup: the paper's \"attention\" most likely recomputes the whole self-attention block (the "
-                   "FP8-Flow-MoE fork's `attn` module), not core attention (conf/recompute/attn_ln_*.yaml; the trainer runs "
-                   "the whole block with conf/recompute/attn_block_*.yaml). With core attention, a cell the paper fits needs at least as much memory in the "
-                   "model as a cell it reports OOM, whatever the layout and setup.")
+                   "FP8-Flow-MoE fork's `attn` module), not core attention (conf/recompute/attn_ln_*.yaml; the "
+                   "trainer runs the whole block with conf/recompute/attn_block_*.yaml). With core attention, a cell "
+                   "the paper fits needs at least as much memory in the model as a cell it reports OOM, whatever the "
+                   "layout and setup.")
     real = [r for r in reads if r.consistent and r.window[0] < 100.0]
     if real:
         out.append("- Consistent with a usable capacity below 80 GiB: " + "; ".join(

@@ -8,10 +8,10 @@
 
 Exit status: 0 finished; 2 the config, a kernel switch (``FP4MOE_CUDA_COL``), the data or the MLflow store cannot
 be used (one message, no traceback, before training starts); 3 out of GPU memory (recorded in MLflow as
-``outcome=OOM``; in a multirun the sweep goes on); 128 + N stopped by signal N (SIGTERM, SIGUSR1) after writing a checkpoint (rerun the same command to resume:
-with a relative ``train.checkpoint_dir``, pin ``hydra.run.dir``). In a Slurm job, SIGUSR2 (the time-limit /
-preemption signal of the launcher profiles) writes a checkpoint and requeues the job, which resumes from it into
-the same MLflow run (fp4moe.slurm).
+``outcome=OOM``; in a multirun the sweep goes on); 128 + N stopped by signal N (SIGTERM, SIGUSR1) after writing a
+checkpoint (rerun the same command to resume: with a relative ``train.checkpoint_dir``, pin ``hydra.run.dir``). In a
+Slurm job, SIGUSR2 (the time-limit / preemption signal of the launcher profiles) writes a checkpoint and requeues the
+job, which resumes from it into the same MLflow run (fp4moe.slurm).
 """
 from __future__ import annotations
 
