@@ -52,6 +52,7 @@ EXPECTED = [
     (('bf16', 'full', 32, 32, 'proxy_t1_probe', '38f25cd'), (11813912576, 11813912576, 42.0427451133728, 44034893824, 'backward', 44034893824)),
     (('bf16', 'full', 32, 32, 'proxy_t1_probe', '61f1fcb'), (11813912576, 11813912576, 42.0427451133728, 44034893824, 'backward', 44034893824)),
     (('bf16', 'full', 32, 32, 'proxy_t1_probe', '49a089e'), (11813912576, 11813912576, 42.0427451133728, 44034893824, 'backward', 44034893824)),
+    (('bf16', 'attn_block_ln_experts', 32, 32, 'proxy_t1', '1fb1546'), (33757487884, 33757487872, 52.12744951248169, 56330513152, 'backward', 56330513152)),
     (('fp8', 'none', 16, 16, 'proxy_t1_probe', '38f25cd'), (38908391500, 38894034432, 52.485551834106445, 56132756992, 'backward', 52915823104)),
     (('fp8', 'none', 16, 16, 'proxy_t1_probe', '61f1fcb'), (38908391500, 38894034432, 49.61543083190918, 52915823104, 'backward', 52915823104)),
     (('fp8', 'none', 16, 16, 'proxy_t1_probe', '49a089e'), (38908391500, 38894034432, 49.61543083190918, 52915823104, 'backward', 52915823104)),
@@ -105,6 +106,8 @@ EXPECTED = [
     (('fp8', 'full', 32, 32, 'proxy_t1_probe', '38f25cd'), (11813912576, 11813912576, 52.20490026473999, 54579520000, 'backward', 48141360640)),
     (('fp8', 'full', 32, 32, 'proxy_t1_probe', '61f1fcb'), (11813912576, 11813912576, 46.3337664604187, 48141360640, 'backward', 48141360640)),
     (('fp8', 'full', 32, 32, 'proxy_t1_probe', '49a089e'), (11813912576, 11813912576, 46.3300986289978, 48141360640, 'backward', 48141360640)),
+    (('fp8', 'attn_block_ln_experts', 32, 32, 'proxy_t1', '1fb1546'), (36066451468, 36041285632, 64.99359464645386, 69630893568, 'backward', 69630893568)),
+    (('fp8', 'attn_block_ln_mlp', 32, 32, 'proxy_t1', '1fb1546'), (51193729036, 51166383616, 64.88666486740112, 69515842048, 'backward', 69515842048)),
     (('mxfp4', 'none', 16, 16, 'proxy_t1_probe', '38f25cd'), (22338154572, 22338154496, 39.0717453956604, 41724360704, 'backward', 37471531008)),
     (('mxfp4', 'none', 16, 16, 'proxy_t1_probe', '61f1fcb'), (22338154572, 22338154496, 35.23449945449829, 37471531008, 'backward', 37471531008)),
     (('mxfp4', 'none', 16, 16, 'proxy_t1_probe', '49a089e'), (22338154572, 22338154496, 35.23805856704712, 37471531008, 'backward', 37471531008)),
@@ -164,11 +167,15 @@ EXPECTED = [
     (('mxfp4', 'full', 32, 32, 'proxy_t1_probe', '38f25cd'), (11813912576, 11813912576, 46.7312536239624, 48700008448, 'backward', 40185765888)),
     (('mxfp4', 'full', 32, 32, 'proxy_t1_probe', '61f1fcb'), (11813912576, 11813912576, 38.926276206970215, 40185765888, 'backward', 40185765888)),
     (('mxfp4', 'full', 32, 32, 'proxy_t1_probe', '49a089e'), (11813912576, 11813912576, 38.92677974700928, 40185765888, 'backward', 40185765888)),
+    (('mxfp4', 'attn_block_ln_experts', 32, 32, 'proxy_t1', '1fb1546'), (19497902092, 19497902080, 43.53087139129639, 46609358848, 'backward', 46609358848)),
+    (('mxfp4', 'attn_block_ln_mlp', 32, 32, 'proxy_t1', '1fb1546'), (21438816268, 21438816256, 39.74322748184204, 42544029696, 'backward', 42544029696)),
 ]
 
 # Unmodelled constants per micro-batch: fp32 scalars of the router / aux loss (76 B; 28 B when attention and norms
-# are recomputed). fp8 differs by the real routing's padding of the FP8 column copies (the model: expected padding).
-SCALARS = {"none": 76, "mla_up_proj": 76, "attn_ln_experts": 28, "attn_ln_mlp": 28, "full": 0}
+# are recomputed; 12 B when the whole attention block is). fp8 differs by the real routing's padding of the FP8
+# column copies (the model: expected padding).
+SCALARS = {"none": 76, "mla_up_proj": 76, "attn_ln_experts": 28, "attn_ln_mlp": 28, "full": 0,
+           "attn_block_ln_experts": 12, "attn_block_ln_mlp": 12}
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +194,7 @@ def _key(c):
 
 def test_cells_are_the_runs_we_have(cells):
     assert [_key(c) for c in cells] == [k for k, _ in EXPECTED]
-    assert sum(c.outcome == "OOM" for c in cells) == 0 and sum(c.peak_gib is not None for c in cells) == 143
+    assert sum(c.outcome == "OOM" for c in cells) == 0 and sum(c.peak_gib is not None for c in cells) == 148
 
 
 def test_saved_bytes_exact(rows):
@@ -197,8 +204,8 @@ def test_saved_bytes_exact(rows):
         assert (c.saved_bytes, r.pred_saved_bytes) == (meas, pred)
         if c.recipe == "fp8" and c.scope != "full":
             # the FP8 column copies are padded to 128 rows per expert as the real routing falls; the model takes
-            # the expected (128 - 1) / 2 rows: 0.004-0.05 % of the saved bytes on the runs we have
-            assert abs(r.saved_err_pct) < 0.05
+            # the expected (128 - 1) / 2 rows: 0.004-0.07 % of the saved bytes on the runs we have
+            assert abs(r.saved_err_pct) < 0.1
         elif (c.recipe, c.scope, _key(c)[-1]) == ("mxfp4", "mla_up_proj", "61f1fcb"):
             # that code packed MLA's RoPE frequencies [4096, 1, 1, 64] fp32 of each of the 4 layers' up-projection
             # checkpoints to MXFP4 as well (the bug fixed after it; the model counts them exact)
@@ -206,6 +213,26 @@ def test_saved_bytes_exact(rows):
             assert c.saved_bytes - r.pred_saved_bytes == SCALARS[c.scope] - 4 * rope
         else:
             assert c.saved_bytes - r.pred_saved_bytes == SCALARS[c.scope]
+
+
+def test_whole_block_scopes_save_what_the_model_says(rows):
+    """Recomputing the whole MLA block instead of the core attention changes the saved bytes by exactly what the model
+    says: bf16 and mxfp4 to the router's scalars, and fp8 by the same FP8 padding excess as the core-attention scope
+    at the same micro-batch (seed and data fix the routing, so the same copies are padded)."""
+    excess = {}
+    for r in rows:
+        c = r.cell
+        if c.micro_batch == 32 and c.scope in ("attn_ln_experts", "attn_ln_mlp", "attn_block_ln_experts",
+                                                "attn_block_ln_mlp"):
+            excess.setdefault((c.recipe, c.scope), set()).add(c.saved_bytes - r.pred_saved_bytes - SCALARS[c.scope])
+    for recipe in ("bf16", "fp8", "mxfp4"):
+        for part in ("experts", "mlp"):
+            if (recipe, f"attn_block_ln_{part}") not in excess:
+                continue
+            assert excess[(recipe, f"attn_block_ln_{part}")] == excess[(recipe, f"attn_ln_{part}")]
+            assert len(excess[(recipe, f"attn_ln_{part}")]) == 1
+    assert excess[("fp8", "attn_block_ln_experts")] == {24 * 2**20}
+    assert excess[("mxfp4", "attn_block_ln_mlp")] == {0}
 
 
 def test_peaks_exact(rows):

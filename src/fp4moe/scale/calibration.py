@@ -48,6 +48,7 @@ ARCHIVES = (   # one GPU
     "results/train_proxy/proxy_t1_h200_2026-12-01_841bf8a.json",         # the pair, FP4 SwiGLU store on and off
     "results/train_proxy/proxy_t1_h200_2026-12-01_44185b9.json",         # the fused FP4-storing SwiGLU: pairs, mla_up_proj
     "results/train_proxy/proxy_t1_h200_2026-12-01_390a277-cudacol.json", # CUDA C++ column kernel: pairs, mla_up_proj
+    "results/train_proxy/proxy_t1_h200_2026-12-01_1fb1546.json",         # the whole MLA block recomputed (attn_block_*)
 )
 # Runs before 38f25cd measured other code (results/train_proxy/README.md: the MoE layer's forward kept more rows
 # alive; before 924b9ef a leaked micro-batch), so they are not part of the 5 % check.
@@ -238,11 +239,12 @@ def table(cells: Sequence[Cell] | None = None, measured: MemoryAssumptions | Non
 NOTES = """
 ## What the table says
 
-- **Saved activations: solved** (to 76 B per micro-batch for bf16 and mxfp4; within 0.05 % for fp8, whose FP8
+- **Saved activations: solved** (to 76 B per micro-batch for bf16 and mxfp4; within 0.07 % for fp8, whose FP8
   column copies are padded to 128 rows per expert by the real, uneven routing; the model uses the expected padding).
-- **Peak: every run within 5 %, from tensor shapes**, on one GPU and over NCCL (EP2 x DP2, PP2), for nine code
-  versions (38f25cd, 61f1fcb, 49a089e, fe9934e, 52fe029, 7a8040d, 841bf8a, 44185b9, 390a277; the last three changed
-  kernels, not what is kept). The model takes the largest of three phases instead of adding every transient it
+- **Peak: every run within 5 %, from tensor shapes**, on one GPU and over NCCL (EP2 x DP2, PP2), for ten code
+  versions (38f25cd, 61f1fcb, 49a089e, fe9934e, 52fe029, 7a8040d, 841bf8a, 44185b9, 390a277, 1fb1546; 841bf8a to
+  390a277 changed kernels, not what is kept; 1fb1546 added the whole-block attention recompute, whose five runs
+  `attn_block_ln_*` are within 0.6 %). The model takes the largest of three phases instead of adding every transient it
   knows (fp4moe.scale.memory, part (e)):
   - *head*: the BF16 logits [T, V] beside the saved fp32 softmax. bf16 none / mla_up_proj peak here (-0.1 to -0.2 %).
   - *the last MoE layer's forward*: its dispatch buffers, while the head's saved tensors do not exist yet. No run
@@ -369,7 +371,7 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
         "`per_microbatch_activation_bytes`, in GB = 10^9 B (exact bytes: tests/scale/test_calibration.py).",
         "- **peak**: `torch.cuda.max_memory_allocated` in GiB (2^30 B) vs the model's `total_bytes` for the code "
         "the run measured (**code**: 38f25cd = `MEASURED_CODE`, with the two wastes removed since; 61f1fcb, "
-        "49a089e, fe9934e, 52fe029, 7a8040d, 841bf8a, 44185b9 and 390a277 = today's, `FIRST_PRINCIPLES`; "
+        "49a089e, fe9934e, 52fe029, 7a8040d, 841bf8a, 44185b9, 390a277 and 1fb1546 = today's, `FIRST_PRINCIPLES`; "
         "61f1fcb still packed MLA's RoPE frequencies under mxfp4 mla_up_proj): static + saved + the largest of "
         "three phase transients (the head's logits, the last MoE layer's forward, the routed experts' backward), "
         "from tensor shapes; nothing fitted to the peaks. "
