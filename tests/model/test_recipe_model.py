@@ -179,6 +179,38 @@ def test_mxfp4_sends_fp4_bytes_and_saves_less(mp):
     assert saved["mxfp4"] < 0.75 * saved["fp8"], saved
 
 
+@pytest.mark.parametrize("recompute", ["none", "attn_ln_experts", "full"])
+def test_mxfp4_dispatch_quantizes_each_token_once(mp, recompute, monkeypatch):
+    """Under dispatch_fp4 the dispatcher quantizes the T tokens once and gathers their k MXFP4 rows
+    (FP4MOE_DISPATCH_QUANTIZE=tokens, the default) instead of quantizing the T*k permuted BF16 rows (=rows): the
+    same loss, every parameter gradient and the same all-to-all bytes, bit for bit, through the whole model and
+    under the recompute scopes that rerun the experts or the whole layer; each dispatch quantizes [T, H], not
+    [T*k, H]."""
+    from fp4moe_kernels import ops as kops
+
+    real = kops.bf16_to_fp4_row
+    runs = {}
+    for mode in ("rows", "tokens"):
+        monkeypatch.setenv("FP4MOE_DISPATCH_QUANTIZE", mode)
+        model = _model("mxfp4", recompute)
+        assert all(layer.mlp.token_dispatcher.quantize_tokens == (mode == "tokens")
+                   for layer in model.decoder.layers[1:])
+        shapes = []
+        monkeypatch.setattr(kops, "bf16_to_fp4_row", lambda x, *a, **k: shapes.append(tuple(x.shape)) or real(x, *a, **k))
+        loss, grads = _loss_and_grads(model)
+        monkeypatch.setattr(kops, "bf16_to_fp4_row", real)
+        stats = [layer.mlp.a2a_stats() for layer in model.decoder.layers[1:]]
+        runs[mode] = (loss, grads, stats, shapes)
+    (la, ga, sa, qa), (lb, gb, sb, qb) = runs["rows"], runs["tokens"]
+    assert torch.equal(la, lb) and sa == sb and sa[0]["dispatch_forward_sent_bytes"] == sa[0]["dispatch_forward_calls"] * 128 * 136
+    assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga), \
+        [n for n in ga if not torch.equal(ga[n], gb[n])]
+    rows, tokens = (128, 256), (64, 256)  # T*k = 2 x 32 tokens x top-2 rows, T tokens, H = 256
+    dispatches = sum(st["dispatch_forward_calls"] for st in sa)  # one per MoE layer, two under full recompute
+    assert dispatches >= len(sa) > 0
+    assert qa.count(rows) - qb.count(rows) == dispatches == qb.count(tokens) - qa.count(tokens)
+
+
 @pytest.mark.parametrize("precision", RECIPES)
 def test_recompute_attn_ln_experts(mp, precision):
     """recompute attn_ln_experts (megatron core_attn + fp4moe layernorm + moe_expert) vs none: bitwise for bf16

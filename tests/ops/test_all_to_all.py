@@ -29,6 +29,8 @@ from fp4moe.ops.all_to_all import (
     FORWARD_CODECS,
     DispatchedMXFP4,
     a2a_payload_bytes,
+    dispatch_quantize_mode,
+    quantize_gather_rows,
     quantized_all_to_all,
 )
 from fp4moe_kernels import ops as kops
@@ -136,6 +138,23 @@ def _worker(rank: int, port: int, out_dir: str, backend: str) -> None:
                     z=z.detach().cpu(), grad=x.grad.cpu(), stats=stats.as_dict(),
                     anchor_bytes=d.grad_anchor.untyped_storage().nbytes(),
                 )
+            # MXFP4 rows quantized per token before the gather (quantize_gather_rows) against the gathered BF16 rows
+            # quantized inside the all-to-all: tokens u [ceil(t/2), H], rows u[i // 2] (each token sent twice)
+            t = sum(ins)
+            for keep in (False, True):
+                for bc in BACKWARD_CODECS:
+                    both = {}
+                    for mode in ("rows", "tokens"):
+                        u = make_x(case, rank)[: (t + 1) // 2].clone().to(device).requires_grad_(True)
+                        index = (torch.arange(t) // 2).to(device)
+                        x = quantize_gather_rows(u, index) if mode == "tokens" else u[index]
+                        stats = A2AStats()
+                        d = quantized_all_to_all(x, ins, outs, None, "mxfp4", bc, keep_fp4=keep, stats=stats)
+                        z = d.dequantize_ste() if keep else d
+                        z.backward(g)
+                        both[mode] = dict(z=z.detach().cpu(), grad=u.grad.cpu(), stats=stats.as_dict(),
+                                          data=d.data.cpu() if keep else None, scales=d.scales.cpu() if keep else None)
+                    res[(case, "prequantized", keep, bc)] = both
         # errors: both ranks make the same mistake, so neither waits in a collective
         x = make_x("uneven", rank).to(device)
         try:
@@ -201,6 +220,26 @@ def _check_against_single_process(results: list[dict]) -> None:
 
 def test_ep2_gloo_matches_single_process(gloo_results):
     _check_against_single_process(gloo_results)
+
+
+def test_ep2_gloo_prequantized_rows_equal_quantizing_the_rows(gloo_results):
+    """Tokens quantized once and their MXFP4 rows gathered (quantize_gather_rows) go through the all-to-all exactly as
+    the gathered BF16 rows quantized inside it: the same received rows (decoded or kept), the same token gradients
+    and the same bytes, on both ranks, for every case and backward codec."""
+    for rank in range(WORLD):
+        for case in CASES:
+            for keep in (False, True):
+                for bc in BACKWARD_CODECS:
+                    both = gloo_results[rank][(case, "prequantized", keep, bc)]
+                    a, b = both["rows"], both["tokens"]
+                    where = f"rank {rank} case {case} keep_fp4 {keep} bwd {bc}"
+                    assert torch.equal(a["z"], b["z"]) and torch.equal(a["grad"], b["grad"]), where
+                    assert a["stats"] == b["stats"] and a["stats"]["forward_calls"] == 1, where
+                    if keep:
+                        assert torch.equal(a["data"], b["data"]) and torch.equal(a["scales"], b["scales"]), where
+                    t = sum(_in_splits(case, rank))
+                    if t:
+                        assert b["grad"].abs().sum() > 0, where  # the gradient did reach the tokens
 
 
 def test_ep2_bytes_sent_by_hand(gloo_results):
@@ -333,3 +372,60 @@ def test_permute_rows_of_dispatched_mxfp4_routes_the_gradient_back():
     expect = torch.empty_like(w)
     expect[perm] = w                      # row i of the permuted tensor came from row perm[i]
     assert torch.equal(anchor.grad, expect)
+
+
+@pytest.mark.parametrize("rule", ["ceil", "floor"])
+def test_quantize_gather_rows_is_the_quantized_gather(rule):
+    """quantize_gather_rows(x, index) holds bit for bit bf16_to_fp4_row(x[index]) (MXFP4 is per row), and its
+    gradient reaches x as autograd's gradient of x[index] does (accumulated per row), with values that need
+    both scale rules' edge cases (zeros, a tiny row, a huge row)."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 64, generator=g) * 3).to(torch.bfloat16)
+    x[2] = 0
+    x[3] *= 1e-30
+    x[4] *= 1e30
+    index = torch.tensor([5, 0, 0, 3, 2, 4, 1, 0, 5])
+    d = quantize_gather_rows(x, index, rule)
+    ref = kops.bf16_to_fp4_row(x[index], rule)
+    assert isinstance(d, DispatchedMXFP4) and d.shape == (9, 64) and d.grad_anchor is None  # x needs no grad
+    assert torch.equal(d.data, ref.data) and torch.equal(d.scales, ref.scales)
+    up = torch.randn(9, 64, generator=g).to(torch.bfloat16)
+    xa = x.clone().requires_grad_(True)
+    quantize_gather_rows(xa, index, rule).dequantize_ste().backward(up)
+    xb = x.clone().requires_grad_(True)
+    xb[index].backward(up)
+    assert torch.equal(xa.grad, xb.grad)
+
+
+def test_quantize_gather_rows_with_order_sums_each_token_in_float32():
+    """With order/k (every token gathered exactly k times) the k row gradients of a token are summed in float32 and
+    rounded once, without atomics: against a float64 sum rounded to BF16 (exact for these k = 4 small sums)."""
+    g = torch.Generator().manual_seed(8)
+    t, k, h = 5, 4, 64
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).requires_grad_(True)
+    index = torch.arange(t).repeat_interleave(k)[torch.randperm(t * k, generator=g)]
+    order = torch.argsort(index, stable=True)
+    d = quantize_gather_rows(x, index, order=order, k=k)
+    assert torch.equal(d.data, kops.bf16_to_fp4_row(x.detach()[index]).data)
+    up = torch.randn(t * k, h, generator=g).to(torch.bfloat16)
+    d.dequantize_ste().backward(up)
+    want = torch.zeros(t, h, dtype=torch.float64).index_add_(0, index, up.double()).to(torch.bfloat16)
+    assert torch.equal(x.grad, want)
+    with pytest.raises(ValueError, match="order needs k"):
+        quantize_gather_rows(x, index, order=order)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        quantize_gather_rows(x.detach().half(), index)
+    with pytest.raises(ValueError, match="fp8"):
+        quantized_all_to_all(d, [t * k], [t * k], None, "fp8", "bf16")
+
+
+def test_dispatch_quantize_mode(monkeypatch):
+    """FP4MOE_DISPATCH_QUANTIZE: unset / tokens (default), rows; anything else names the variable and its values."""
+    monkeypatch.delenv("FP4MOE_DISPATCH_QUANTIZE", raising=False)
+    assert dispatch_quantize_mode() == "tokens"
+    for v, want in (("rows", "rows"), (" Tokens ", "tokens"), ("", "tokens")):
+        monkeypatch.setenv("FP4MOE_DISPATCH_QUANTIZE", v)
+        assert dispatch_quantize_mode() == want
+    monkeypatch.setenv("FP4MOE_DISPATCH_QUANTIZE", "token")
+    with pytest.raises(ValueError, match="FP4MOE_DISPATCH_QUANTIZE='token': use tokens"):
+        dispatch_quantize_mode()

@@ -14,7 +14,9 @@ megatron (local spec)      ours                                what changes
 =========================  ==================================  =============================================
 
 Dispatch (``token_dispatch``): the permuted tokens ``[T*k, H]`` go out as MXFP4 rows when
-``recipe.dispatch_fp4`` (else BF16), and stay MXFP4 on the receiver (a ``DispatchedMXFP4``) when also
+``recipe.dispatch_fp4`` (else BF16; under dispatch_fp4 each token is quantized once, before permutation 1, and its
+k MXFP4 rows are gathered: ``quantize_gather_rows``, the same bits; ``FP4MOE_DISPATCH_QUANTIZE=rows`` quantizes
+the permuted BF16 rows instead), and stay MXFP4 on the receiver (a ``DispatchedMXFP4``) when also
 ``recipe.expert_input_fp4``; the gradient all-to-all uses ``recipe.backward_a2a``. The routing probabilities
 travel with megatron's own (float32) all-to-all. Combine (``token_combine``): BF16 forward,
 ``recipe.backward_a2a`` backward. Bytes: ``dispatch_stats`` / ``combine_stats`` (``A2AStats``) of the
@@ -48,7 +50,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from fp4moe_kernels import ops as kops
 from fp4moe_kernels.formats import MXFP4Tensor, host_to_device
 
-from ..ops.all_to_all import A2AStats, DispatchedMXFP4, permute_rows, quantized_all_to_all
+from ..ops.all_to_all import (A2AStats, DispatchedMXFP4, dispatch_quantize_mode, permute_rows, quantize_gather_rows,
+                              quantized_all_to_all)
 from ..ops.fp8_linear import fp8_linear
 from ..ops.grouped_experts import grouped_expert_mlp
 from ..ops.swiglu import swiglu
@@ -136,6 +139,8 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self.tp_size != 1:
             raise ValueError("QuantizedAlltoAllTokenDispatcher needs expert tensor parallel size 1")
         self.recipe = recipe
+        # FP4MOE_DISPATCH_QUANTIZE: under dispatch_fp4, quantize tokens before permutation 1 (default) or the rows
+        self.quantize_tokens = dispatch_quantize_mode() == "tokens"
         self.dispatch_stats = A2AStats()
         self.combine_stats = A2AStats()
         # megatron's permutation 2 (rows source-rank-major -> local-expert-major) and its inverse copy the rows in
@@ -174,6 +179,11 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             return hidden_states.index_select(0, sorted_indices), permuted_probs
         order = torch.argsort(sorted_indices, stable=True)  # rows grouped by token, experts ascending within
         self._fp4moe_perm = (order, k, t)
+        if self.recipe.dispatch_fp4 and self.quantize_tokens:
+            # MXFP4 is per row: quantize the T tokens once and gather their MXFP4 rows (the same bits as quantizing
+            # the T*k BF16 rows; k times fewer rows to quantize, a quarter of the bytes to permute)
+            rows = quantize_gather_rows(hidden_states, sorted_indices, self.recipe.scale_rule, order=order, k=k)
+            return rows, permuted_probs
         return _PermuteTokens.apply(hidden_states, sorted_indices, order, k), permuted_probs
 
     def combine_postprocess(self, permutated_local_input_tokens):
@@ -192,8 +202,9 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return output
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
-        """Tokens ``[T*k, H]`` (rows grouped by destination rank) -> received rows ``[R, H]`` (a tensor, or a
-        ``DispatchedMXFP4`` under dispatch_fp4 + expert_input_fp4) and their float32 probs ``[R]``."""
+        """Tokens ``[T*k, H]`` (rows grouped by destination rank; BF16, or MXFP4 rows from ``dispatch_preprocess``
+        under dispatch_fp4) -> received rows ``[R, H]`` (a tensor, or a ``DispatchedMXFP4`` under dispatch_fp4 +
+        expert_input_fp4) and their float32 probs ``[R]``."""
         from megatron.core.tensor_parallel import all_to_all
 
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)

@@ -9,8 +9,10 @@ rank r owning experts ``r*E/W .. (r+1)*E/W - 1``):
 2. permutation: the T*k (token, expert) pairs sorted stably by global expert id, i.e. by destination rank
    then local expert, tokens in order inside each expert; counts per expert exchanged (int32 all-to-all).
 3. dispatch: ``quantized_all_to_all`` of the permuted rows (forward codec mxfp4 when ``dispatch_fp4``, else
-   bf16; backward codec ``recipe.backward_a2a``; ``keep_fp4`` when also ``expert_input_fp4``); the routing
-   probabilities travel in float32 beside them (a plain differentiable all-to-all).
+   bf16; under dispatch_fp4 each token is quantized once and its k MXFP4 rows gathered, ``quantize_gather_rows``:
+   the same bits as quantizing the permuted rows, which ``FP4MOE_DISPATCH_QUANTIZE=rows`` does instead; backward
+   codec ``recipe.backward_a2a``; ``keep_fp4`` when also ``expert_input_fp4``); the routing probabilities travel
+   in float32 beside them (a plain differentiable all-to-all).
 4. the received rows (ordered by source rank, then local expert) are regrouped expert-major and go through
    ``grouped_expert_mlp`` (weighted SwiGLU); then back to source-major order.
 5. combine: ``quantized_all_to_all`` with forward codec bf16 (backward ``recipe.backward_a2a``), then the
@@ -36,7 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..ops.all_to_all import A2AStats, permute_rows, quantized_all_to_all
+from ..ops.all_to_all import A2AStats, dispatch_quantize_mode, permute_rows, quantize_gather_rows, quantized_all_to_all
 from ..ops.fp8_linear import fp8_linear
 from ..ops.grouped_experts import grouped_expert_mlp
 from ..ops.swiglu import swiglu
@@ -148,6 +150,7 @@ class MoELayer(torch.nn.Module):
         if shared_ffn:
             self.shared_w1 = torch.nn.Parameter((rnd(2 * shared_ffn, hidden) * hidden**-0.5).to(params_dtype))
             self.shared_w2 = torch.nn.Parameter((rnd(hidden, shared_ffn) * shared_ffn**-0.5).to(params_dtype))
+        self.quantize_tokens = dispatch_quantize_mode() == "tokens"  # FP4MOE_DISPATCH_QUANTIZE (dispatch_fp4 only)
         self.dispatch_stats = A2AStats()
         self.combine_stats = A2AStats()
         self.last_routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (top-k indices, probs) of the last call
@@ -193,11 +196,12 @@ class MoELayer(torch.nn.Module):
         flat_e = idx.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
         tok = torch.arange(t, device=x2.device).repeat_interleave(k)[order]
-        xp = x2[tok]
+        r = self.recipe
+        xp = (quantize_gather_rows(x2, tok, r.scale_rule) if r.dispatch_fp4 and self.quantize_tokens
+              else x2[tok])
         pp = probs.reshape(-1)[order]
         recv, ins, outs = self.split_sizes(idx)
         # ---- dispatch
-        r = self.recipe
         keep = r.dispatch_fp4 and r.expert_input_fp4
         xin = quantized_all_to_all(
             xp, ins, outs, self.group, "mxfp4" if r.dispatch_fp4 else "bf16", r.backward_a2a,

@@ -32,6 +32,13 @@ or ``ncclFloat8e4m3`` (read in the source; the NCCL test of tests/ops/test_all_t
 on 2 H200s). So uint8 rows work on both, with no padding. Empty inputs (``T = 0``) and zero splits work
 on gloo.
 
+Pre-quantized rows: ``x`` may instead be a :class:`DispatchedMXFP4` (``forward_codec='mxfp4'``), MXFP4 rows that
+were quantized before the caller permuted them (``quantize_gather_rows``: each token quantized once, its k rows
+gathered as MXFP4, 4x fewer bytes to move than BF16 rows and k times fewer rows to quantize). MXFP4 is per row, so
+these are bit for bit the rows ``bf16_to_fp4_row`` would make of the permuted BF16 rows; what is sent, received,
+returned and back-propagated is the same. ``FP4MOE_DISPATCH_QUANTIZE`` (``dispatch_quantize_mode``) picks
+``tokens`` (this, the default) or ``rows`` (quantize the permuted rows) in the megatron dispatcher.
+
 Byte accounting: pass ``stats=A2AStats()``; every call adds the payload bytes it handed to and got from
 ``all_to_all_single`` (forward and backward), see :class:`A2AStats`. ``a2a_payload_bytes`` is the same
 number computed from shapes.
@@ -39,6 +46,7 @@ number computed from shapes.
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
@@ -48,6 +56,21 @@ import torch.distributed as dist
 from fp4moe_kernels import ops as kops
 from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
 from fp4moe_kernels.formats import MXFP4Tensor
+
+DISPATCH_QUANTIZE_ENV = "FP4MOE_DISPATCH_QUANTIZE"
+DISPATCH_QUANTIZE_MODES = ("tokens", "rows")
+
+
+def dispatch_quantize_mode() -> str:
+    """``FP4MOE_DISPATCH_QUANTIZE``: unset or ``tokens`` (the default) quantizes each token to MXFP4 once and
+    permutes its MXFP4 rows; ``rows`` permutes the BF16 tokens and quantizes the ``T*k`` rows (the same bits, more
+    work: kept for side-by-side measurements). ValueError naming the values for anything else."""
+    mode = os.environ.get(DISPATCH_QUANTIZE_ENV, "tokens").strip().lower() or "tokens"
+    if mode not in DISPATCH_QUANTIZE_MODES:
+        raise ValueError(f"{DISPATCH_QUANTIZE_ENV}={os.environ[DISPATCH_QUANTIZE_ENV]!r}: use tokens (the default: "
+                         "quantize each token once, then permute its MXFP4 rows) or rows (quantize the permuted rows)")
+    return mode
+
 
 FORWARD_CODECS = ("mxfp4", "fp8", "bf16")
 BACKWARD_CODECS = ("bf16", "fp8")  # gradients are never FP4 (SPEC §4)
@@ -343,6 +366,93 @@ class _PermuteAnchor(torch.autograd.Function):
         return g.index_select(0, inv), None
 
 
+class _QuantizeGather(torch.autograd.Function):
+    """MXFP4 rows of ``x[index]`` made from ``x`` quantized once per row (module docstring, "Pre-quantized rows").
+    Backward (the anchor carries dL/d(dequantized rows) ``[N, H]``): with ``order``/``k`` (every row of ``x``
+    gathered exactly k times, ``index[order]`` grouped by row), each row's k gradients gathered through ``order``
+    and summed in float32, rounded once; without, autograd's gradient of ``x[index]`` (``index_put_`` with
+    accumulate)."""
+
+    @staticmethod
+    def forward(ctx, x, index, order, k, rule):
+        fp4 = kops.bf16_to_fp4_row(x.contiguous(), rule)
+        data, scales = fp4.data.index_select(0, index), fp4.scales.index_select(0, index)
+        ctx.save_for_backward(index if order is None else order)
+        ctx.k, ctx.shape, ctx.by_order = k, tuple(x.shape), order is not None
+        ctx.mark_non_differentiable(data, scales)
+        anchor = torch.zeros((), dtype=x.dtype, device=x.device).expand(index.numel(), x.shape[1])
+        return data, scales, anchor
+
+    @staticmethod
+    def backward(ctx, _gd, _gs, g):
+        (ix,) = ctx.saved_tensors
+        t, h = ctx.shape
+        if ctx.by_order:
+            gx = g.index_select(0, ix).view(t, ctx.k, h).sum(1, dtype=torch.float32).to(g.dtype)
+        else:
+            gx = torch.zeros((t, h), dtype=g.dtype, device=g.device).index_put_((ix,), g, accumulate=True)
+        return gx, None, None, None, None
+
+
+def quantize_gather_rows(x: torch.Tensor, index: torch.Tensor, rule: str = "ceil", *,
+                         order: Optional[torch.Tensor] = None, k: Optional[int] = None) -> "DispatchedMXFP4":
+    """``DispatchedMXFP4`` rows ``[N, H]`` = MXFP4 of ``x[index]`` (``x [T, H]`` bf16 or float32, ``index [N]``
+    int64), quantized as ``T`` rows and gathered as MXFP4: bit for bit ``bf16_to_fp4_row(x[index], rule)``. Its
+    anchor takes dL/d(dequantized rows) back to ``x`` (summed per row of x); pass ``order`` (a permutation of
+    ``range(N)`` grouping ``index`` by row) and ``k`` when every row of x appears exactly ``k`` times (``N = k*T``)
+    for an atomics-free sum in float32. Feed the result to ``quantized_all_to_all(..., forward_codec='mxfp4')``."""
+    if x.dim() != 2 or x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"x must be [T, H] bfloat16 or float32, got {x.dtype} {tuple(x.shape)}")
+    _check_hidden(x.shape[1], "mxfp4", "quantize_gather_rows")
+    if order is not None and (k is None or k * x.shape[0] != index.numel()):
+        raise ValueError(f"order needs k with k * T = len(index): k={k}, T={x.shape[0]}, len(index)={index.numel()}")
+    data, scales, anchor = _QuantizeGather.apply(x, index, order, k, rule)
+    return DispatchedMXFP4(data, scales, (index.numel(), x.shape[1]), anchor if x.requires_grad else None)
+
+
+class _GradientAllToAll(torch.autograd.Function):
+    """The gradient path of a pre-quantized dispatch: forward maps the sender's anchor ``[T, H]`` to a fresh
+    stride-0 anchor ``[rows_out, H]`` (the rows themselves travel outside autograd); backward is the all-to-all of
+    the received rows' gradient with ``backward_codec``, the splits swapped, as ``_QuantizedAllToAll.backward``."""
+
+    @staticmethod
+    def forward(ctx, anchor, rows_out, input_splits, output_splits, group, world, rank, bwd_codec, stats):
+        ctx.meta = (input_splits, output_splits, group, world, rank, bwd_codec, stats, anchor.dtype, anchor.shape[1])
+        return torch.zeros((), dtype=anchor.dtype, device=anchor.device).expand(rows_out, anchor.shape[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        input_splits, output_splits, group, world, rank, bwd_codec, stats, dtype, h = ctx.meta
+        payload = _encode(g.contiguous(), bwd_codec, "ceil")
+        recv = _exchange(payload, output_splits, input_splits, group, world)
+        if stats is not None:
+            stats._record("backward", payload, output_splits[rank], recv)
+        return _decode(recv, h, bwd_codec, dtype), None, None, None, None, None, None, None, None
+
+
+def _prequantized_all_to_all(x: "DispatchedMXFP4", ins, outs, group, world, rank, bwd_codec, keep_fp4, stats):
+    """``quantized_all_to_all`` of MXFP4 rows quantized before the caller permuted them (same bytes, same result)."""
+    t, h = x.shape
+    if world == 1:
+        recv = x.mxfp4()  # nothing to exchange: the rows as they are; the bytes are counted as sent
+        if stats is not None:
+            sent = torch.empty((t, payload_row_bytes(h, "mxfp4")), dtype=torch.uint8, device="meta")
+            stats._record("forward", sent, ins[rank], sent)
+    else:
+        payload = x.mxfp4().payload()
+        got = _exchange(payload, ins, outs, group, world)
+        if stats is not None:
+            stats._record("forward", payload, ins[rank], got)
+        recv = MXFP4Tensor.from_payload(got, h)
+    anchor = None
+    if x.grad_anchor is not None:
+        anchor = _GradientAllToAll.apply(x.grad_anchor, recv.shape[0], ins, outs, group, world, rank, bwd_codec, stats)
+    out = DispatchedMXFP4(recv.data, recv.scales, recv.shape, anchor)
+    if keep_fp4:
+        return out
+    return out.dequantize_ste() if anchor is not None else kops.fp4_to_bf16(recv)
+
+
 def permute_rows(x, perm: torch.Tensor):
     """Rows ``x[perm]`` of a tensor ``[T, H]`` or of a ``DispatchedMXFP4`` (data/scales gathered, gradient anchor
     re-made so that the gradient still reaches the sender's rows). perm: a permutation of ``range(T)``, int64 on
@@ -370,7 +480,8 @@ def quantized_all_to_all(
     """Expert-parallel all-to-all of tokens with a quantized payload; differentiable.
 
     x              ``[T, H]`` bfloat16 (float32 accepted), rows permuted by destination rank (rank 0's rows
-                   first); ``T = 0`` is allowed.
+                   first); ``T = 0`` is allowed. Or a ``DispatchedMXFP4`` of such rows already quantized
+                   (``quantize_gather_rows``; forward_codec ``'mxfp4'``; the ``rule`` it was made with applies).
     input_splits   rows of ``x`` for each rank of ``group`` (ints >= 0, one per rank, summing to T).
     output_splits  rows this rank receives from each rank (= ``input_splits[this rank]`` on that rank).
     group          the expert-parallel process group (None: the default group; without an initialised
@@ -389,6 +500,21 @@ def quantized_all_to_all(
     ``DispatchedMXFP4`` with ``keep_fp4``. Backward: the upstream gradient encoded with ``backward_codec``,
     sent back with the splits swapped, decoded to ``x.dtype``.
     """
+    if isinstance(x, DispatchedMXFP4):
+        if forward_codec != "mxfp4":
+            raise ValueError(f"x holds MXFP4 rows: forward_codec must be 'mxfp4', got {forward_codec!r}")
+        if backward_codec not in BACKWARD_CODECS:
+            raise ValueError(f"backward_codec {backward_codec!r} is not one of {BACKWARD_CODECS}")
+        _check_hidden(x.shape[1], backward_codec, "backward_codec")
+        world, rank = _world(group)
+        ins, outs = _as_splits(input_splits, "input_splits", world), _as_splits(output_splits, "output_splits", world)
+        if sum(ins) != x.shape[0]:
+            raise ValueError(f"input_splits {ins} sum to {sum(ins)} but x has {x.shape[0]} rows")
+        if world == 1 and outs != ins:
+            raise ValueError(f"world size 1: output_splits {outs} must equal input_splits {ins}")
+        if check_splits and world > 1:
+            _check_output_splits(ins, outs, group, x.data.device)
+        return _prequantized_all_to_all(x, ins, outs, group, world, rank, backward_codec, keep_fp4, stats)
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(
             f"x must be a 2-D tensor [tokens, hidden], got {type(x).__name__} "
@@ -430,8 +556,11 @@ __all__ = [
     "BACKWARD_CODECS",
     "DispatchedMXFP4",
     "FORWARD_CODECS",
+    "DISPATCH_QUANTIZE_ENV",
     "a2a_payload_bytes",
+    "dispatch_quantize_mode",
     "payload_row_bytes",
     "permute_rows",
+    "quantize_gather_rows",
     "quantized_all_to_all",
 ]
