@@ -67,6 +67,8 @@ def test_layer_gemms_hand_checked():
     ("attn_ln_experts", ("attn.core",), ("attn.core", "experts.fc1", "experts.fc2")),
     ("attn_ln_mlp", ("attn.core", "mlp.fc1", "mlp.fc2"), ("attn.core",)),
     ("mla_up_proj", ("attn.q_up", "attn.kv_up"), ("attn.q_up", "attn.kv_up")),
+    ("attn_block_ln_experts", ATTN, ATTN + ("experts.fc1", "experts.fc2")),
+    ("attn_block_ln_mlp", ATTN + ("mlp.fc1", "mlp.fc2"), ATTN),
 ])
 def test_recompute_adds_exactly_the_rerun_forward(scope, dense_rerun, moe_rerun):
     for kind, rerun in (("dense", dense_rerun), ("moe", moe_rerun)):
@@ -74,6 +76,38 @@ def test_recompute_adds_exactly_the_rerun_forward(scope, dense_rerun, moe_rerun)
         assert f["recompute"] == sum(HAND[n] for n in rerun)
         assert f["total"] - base["total"] == sum(HAND[n] for n in rerun)
         assert f["backward"] == 2 * f["forward"] == 2 * base["forward"]
+
+
+def test_whole_block_configs_are_their_own_scope():
+    """conf/recompute/attn_block_*.yaml (recompute module self_attention) are the whole-block scopes, not the
+    core-attention ones that fp4moe.scale.memory names them by; paper_prediction reads the paper either way."""
+    for scope in ("attn_block_ln_experts", "attn_block_ln_mlp", "attn_ln_experts", "mla_up_proj"):
+        assert T.recompute_scope(tiny(scope)) == scope
+    with pytest.raises(ValueError, match="attention='block'"):
+        T.paper_prediction(attention="block")
+    core, block = T.paper_prediction(), T.paper_prediction(attention="self_attention")
+    assert [c[:2] for c in core] == [b[:2] for b in block]   # the same ratios, the same paper values
+    up = [i for i, c in enumerate(core) if c[0].startswith("mxfp4: mla_up_proj")][0]
+    # re-running the whole block makes the attention scopes dearer: the lighter scope gains more in every case
+    assert all(b > c for b, c in zip(block[up][2], core[up][2]))
+
+
+def test_block_check_reads_both_archives():
+    """Check 3's measured ratios are the archives' means: mxfp4 attn_ln_mlp at 390a277 only from its runs with the
+    CUDA C++ column kernel (env.FP4MOE_CUDA_COL=1, 1fb1546's default), over two runs; the whole-block cells once."""
+    assert len(T.measured_runs(T.BLOCK_ARCHIVES["core"])[("mxfp4", "attn_ln_mlp", 32)]) == 4
+    core = T.measured_runs(T.BLOCK_ARCHIVES["core"], mxfp4_tags={"env.FP4MOE_CUDA_COL": "1"})
+    assert core[("mxfp4", "attn_ln_mlp", 32)] == pytest.approx([173480.4781264732, 174357.54743021092], rel=1e-12)
+    assert len(core[("fp8", "attn_ln_mlp", 32)]) == 2
+    block = T.measured_runs(T.BLOCK_ARCHIVES["attn_block"])
+    assert sorted(block) == sorted([("bf16", "attn_block_ln_experts", 32), ("fp8", "attn_block_ln_experts", 32),
+                                    ("mxfp4", "attn_block_ln_experts", 32), ("fp8", "attn_block_ln_mlp", 32),
+                                    ("mxfp4", "attn_block_ln_mlp", 32)])
+    rows = {(r.a, r.b): r for r in T.block_check()}
+    r = rows[(("mxfp4", "attn_block_ln_mlp"), ("mxfp4", "attn_ln_mlp"))]
+    mean = sum(core[("mxfp4", "attn_ln_mlp", 32)]) / 2
+    assert r.measured == pytest.approx(block[("mxfp4", "attn_block_ln_mlp", 32)][0] / mean, rel=1e-12)
+    assert 0.92 < r.measured < 0.95 and 0.98 < r.predicted < 1.0   # the under-count results/scale/throughput.md names
 
 
 def test_full_recompute_reruns_the_whole_forward():
