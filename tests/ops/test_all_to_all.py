@@ -223,6 +223,10 @@ def test_ep2_gloo_matches_single_process(gloo_results):
 
 
 def test_ep2_gloo_prequantized_rows_equal_quantizing_the_rows(gloo_results):
+    _check_prequantized(gloo_results)
+
+
+def _check_prequantized(results: list[dict]) -> None:
     """Tokens quantized once and their MXFP4 rows gathered (quantize_gather_rows) go through the all-to-all exactly as
     the gathered BF16 rows quantized inside it: the same received rows (decoded or kept), the same token gradients
     and the same bytes, on both ranks, for every case and backward codec."""
@@ -230,7 +234,7 @@ def test_ep2_gloo_prequantized_rows_equal_quantizing_the_rows(gloo_results):
         for case in CASES:
             for keep in (False, True):
                 for bc in BACKWARD_CODECS:
-                    both = gloo_results[rank][(case, "prequantized", keep, bc)]
+                    both = results[rank][(case, "prequantized", keep, bc)]
                     a, b = both["rows"], both["tokens"]
                     where = f"rank {rank} case {case} keep_fp4 {keep} bwd {bc}"
                     assert torch.equal(a["z"], b["z"]) and torch.equal(a["grad"], b["grad"]), where
@@ -349,7 +353,37 @@ def test_errors_name_the_fix():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs (NCCL)")
 def test_ep2_nccl_matches_single_process(tmp_path):
-    _check_against_single_process(_run_ranks(str(tmp_path), "nccl"))
+    results = _run_ranks(str(tmp_path), "nccl")
+    _check_against_single_process(results)
+    _check_prequantized(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k", [1, 8])
+def test_gpu_quantize_gather_rows_is_the_quantized_gather(k):
+    """On the GPU kernels: quantize_gather_rows of DeepSeek-V3-sized tokens (H 7168, top-8) holds the bits of
+    bf16_to_fp4_row of the gathered rows, and the pre-quantized dispatch (world size 1) returns them with the same
+    token gradient as quantizing the gathered BF16 rows inside the all-to-all."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t, h = 1024, 7168
+    x = (torch.randn(t, h, generator=g, device="cuda") * 4).to(torch.bfloat16)
+    index = torch.arange(t, device="cuda").repeat_interleave(k)[torch.randperm(t * k, generator=g, device="cuda")]
+    order = torch.argsort(index, stable=True)
+    up = torch.randn(t * k, h, generator=g, device="cuda").to(torch.bfloat16)
+    xa = x.clone().requires_grad_(True)
+    d = quantize_gather_rows(xa, index, order=order, k=k)
+    ref = kops.bf16_to_fp4_row(x[index])
+    assert d.data.is_cuda and torch.equal(d.data, ref.data) and torch.equal(d.scales, ref.scales)
+    got = quantized_all_to_all(d, [t * k], [t * k], None, "mxfp4", "bf16", keep_fp4=True)
+    got.dequantize_ste().backward(up)
+    xb = x.clone().requires_grad_(True)
+    rows = quantized_all_to_all(xb[index], [t * k], [t * k], None, "mxfp4", "bf16", keep_fp4=True)
+    assert torch.equal(rows.data, got.data) and torch.equal(rows.scales, got.scales)
+    rows.dequantize_ste().backward(up)
+    want = up.index_select(0, order).view(t, k, h).sum(1, dtype=torch.float32).to(torch.bfloat16)
+    assert torch.equal(xa.grad, want)
+    assert torch.allclose(xb.grad.float(), want.float(), rtol=1e-2, atol=1e-2)  # autograd's index_put: bf16 atomics
 
 
 def test_permute_rows_of_dispatched_mxfp4_routes_the_gradient_back():
