@@ -110,6 +110,44 @@ def test_block_check_reads_both_archives():
     assert 0.92 < r.measured < 0.95 and 0.98 < r.predicted < 1.0   # the under-count results/scale/throughput.md names
 
 
+def test_swiglu_term_counts_elements_and_reruns():
+    """Today's constants time fp4moe's fused SwiGLU per element it writes: k f routed + fs shared per token and MoE
+    layer, forward once more where the scope re-runs the experts (tiny: k 2, f 128, fs 128, one MoE layer);
+    bf16 has no such term (megatron's SwiGLU is in its glue); the 2026-11-30 constants have it in the glue."""
+    fwd, bwd = dict(T.RATES.swiglu_s_per_elem)["fp8"]
+    none = T.time_per_token(tiny("none", "fp8")).terms["swiglu"]
+    assert none == pytest.approx((2 * 128 + 128) * (fwd + bwd), rel=1e-12)
+    experts = T.time_per_token(tiny("attn_ln_experts", "fp8")).terms["swiglu"]
+    assert experts - none == pytest.approx(2 * 128 * fwd, rel=1e-12)
+    full = T.time_per_token(tiny("full", "fp8")).terms["swiglu"]
+    assert full - none == pytest.approx((2 * 128 + 128) * fwd, rel=1e-12)
+    assert T.time_per_token(tiny("none", "bf16")).terms.get("swiglu", 0.0) == 0.0
+    assert "swiglu" not in T.time_per_token(tiny("none", "fp8"), T.RATES_EDAE9E8).terms
+
+
+def test_fused_fp4_swiglu_store_is_not_a_separate_conversion():
+    """With the MXFP4 store of the SwiGLU input fused into the SwiGLU kernels (today's code), mxfp4's conversions
+    lose exactly the separate encode (each forward) and decode (backward) of experts.fc1's and shared.fc1's output
+    [rows, 2F] (tiny: 2 routed rows and 1 shared row per token, 2F = 256)."""
+    apart = replace(T.RATES, swiglu_fused_fp4_store=False)
+    fused = T.time_per_token(tiny("none", "mxfp4")).terms["conversion"]
+    sep = T.time_per_token(tiny("none", "mxfp4"), apart).terms["conversion"]
+    n, fp4 = 256, 256 / 2 + 256 / 32
+    per_row = (2 * n + fp4) / (T.RATES.bf16_to_fp4 * 1e9) + (fp4 + 2 * n) / (T.RATES.fp4_to_bf16 * 1e9)
+    assert sep - fused == pytest.approx((2 + 1) * per_row, rel=1e-9)
+
+
+def test_todays_conversions_match_todays_profile():
+    """Check 1 with today's constants: the conversion kernels predicted from the kernel benchmarks alone (bytes /
+    GB/s) against the micro-batch 32 profiles, within 3 % for both recipes; the measured inputs agree exactly."""
+    rows = {(g, r): (p, m) for g, r, p, m in T.profile_check(T.RATES)}
+    for rec in ("fp8", "mxfp4"):
+        p, m = rows[("conversion kernels (+ weight quantization)", rec)]
+        assert abs(p / m - 1) < 0.03, (rec, p, m)
+        for g in ("fused SwiGLU kernels (measured input)", "torch glue (measured input)"):
+            assert rows[(g, rec)][0] == pytest.approx(rows[(g, rec)][1], rel=1e-9)
+
+
 def test_full_recompute_reruns_the_whole_forward():
     for kind in ("dense", "moe"):
         f = T.layer_flops(tiny("full"), kind)
@@ -153,8 +191,12 @@ def test_measured_ratios_from_the_committed_archive():
     assert r.predicted == pytest.approx(0.9339236287037757, rel=1e-9)
     head = T.paper_prediction()[-1]
     assert head[1] == pytest.approx(1302 / 1157, rel=1e-12)
-    assert head[2] == pytest.approx([1.0915644728586458, 1.1111952147822677, 1.0824051216263761,
-                                     1.0624575251479726], rel=1e-9)
+    # today's constants (RATES); with those of 2026-11-30 the same ratios were 1.092 / 1.111 / 1.082 / 1.062
+    assert head[2] == pytest.approx([1.1094467107871295, 1.1266912619703167, 1.0935670791624152,
+                                     1.0824589379808316], rel=1e-9)
+    old = T.paper_prediction(T.RATES_EDAE9E8)[-1]
+    assert old[2] == pytest.approx([1.0915644728586458, 1.1111952147822677, 1.0824051216263761,
+                                    1.0624575251479726], rel=1e-9)
 
 
 def test_committed_table_is_what_the_module_writes():
