@@ -107,7 +107,21 @@ def test_block_check_reads_both_archives():
     r = rows[(("mxfp4", "attn_block_ln_mlp"), ("mxfp4", "attn_ln_mlp"))]
     mean = sum(core[("mxfp4", "attn_ln_mlp", 32)]) / 2
     assert r.measured == pytest.approx(block[("mxfp4", "attn_block_ln_mlp", 32)][0] / mean, rel=1e-12)
-    assert 0.92 < r.measured < 0.95 and 0.98 < r.predicted < 1.0   # the under-count results/scale/throughput.md names
+    assert 0.92 < r.measured < 0.95 and 0.94 < r.predicted < 0.96   # within 2 %, with the block's elementwise work
+    gemm_only = {(r.a, r.b): r for r in T.block_check(replace(T.RATES, attn_block_glue_ms=(0.0, 0.0)))}
+    assert 0.98 < gemm_only[(r.a, r.b)].predicted < 1.0   # its GEMMs alone: a third of the measured cost
+
+
+def test_whole_block_adds_its_measured_elementwise_work_once():
+    """attn_block_* add attn_block_glue_ms (per glue_tokens, the proxy's 4 layers) to the glue of their attn_ln_*
+    scope, per layer of the stage; nothing under the 2026-11-30 constants (not measured then)."""
+    for core, blk in T.BLOCK_OF.items():
+        for rec, i in (("fp8", 0), ("mxfp4", 1)):
+            a = T.time_per_token(T.proxy_cfg(rec, blk, 32)).terms["glue"]
+            b = T.time_per_token(T.proxy_cfg(rec, core, 32)).terms["glue"]
+            assert a - b == pytest.approx(T.RATES.attn_block_glue_ms[i] * 1e-3 / T.RATES.glue_tokens, rel=1e-12)
+            old = [T.time_per_token(T.proxy_cfg(rec, sc, 32), T.RATES_EDAE9E8).terms["glue"] for sc in (blk, core)]
+            assert old[0] == old[1]   # the old constants: no block term
 
 
 def test_swiglu_term_counts_elements_and_reruns():
