@@ -51,7 +51,7 @@ from fp4moe_kernels import ops as kops
 from fp4moe_kernels.formats import MXFP4Tensor, host_to_device
 
 from ..ops.all_to_all import (A2AStats, DispatchedMXFP4, dispatch_quantize_mode, permute_rows, quantize_gather_rows,
-                              quantized_all_to_all)
+                              quantized_all_to_all, sum_rows_by_token)
 from ..ops.fp8_linear import fp8_linear
 from ..ops.grouped_experts import grouped_expert_mlp
 from ..ops.swiglu import swiglu
@@ -99,9 +99,7 @@ class _PermuteTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (order,) = ctx.saved_tensors
-        t, h = ctx.shape
-        gt = g.index_select(0, order).view(t, ctx.k, h).sum(1, dtype=torch.float32).to(g.dtype)
-        return gt, None, None, None
+        return sum_rows_by_token(g, order, ctx.shape[0], ctx.k), None, None, None
 
 
 class _UnpermuteTokens(torch.autograd.Function):
@@ -111,8 +109,7 @@ class _UnpermuteTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, sorted_indices, order, k: int, t: int):
         ctx.save_for_backward(sorted_indices)
-        h = rows.shape[1]
-        return rows.index_select(0, order).view(t, k, h).sum(1, dtype=torch.float32).to(rows.dtype)
+        return sum_rows_by_token(rows, order, t, k)
 
     @staticmethod
     def backward(ctx, g):

@@ -255,6 +255,21 @@ def _exchange(payload: torch.Tensor, send_splits: list[int], recv_splits: list[i
 # ------------------------------------------------------------------------------------ autograd function
 
 
+def _record_kept_mxfp4(stats: Optional[A2AStats], rows: int, h: int, kept_rows: int) -> None:
+    """World size 1, MXFP4 forward: nothing is exchanged (the quantizer's rows are kept as they are), but the
+    payload bytes are counted as sent and received, as an exchange would count them."""
+    if stats is not None:
+        sent = torch.empty((rows, payload_row_bytes(h, "mxfp4")), dtype=torch.uint8, device="meta")
+        stats._record("forward", sent, kept_rows, sent)
+
+
+def sum_rows_by_token(g: torch.Tensor, order: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """``[T, H]``: the k rows of each token of ``g [T*k, H]`` summed in float32 and rounded once to ``g.dtype``;
+    ``order`` (a permutation of ``range(T*k)``) lists the rows grouped by token. A gather and a reduction, no
+    atomics: the gradient of a top-k token permutation."""
+    return g.index_select(0, order).view(t, k, g.shape[1]).sum(1, dtype=torch.float32).to(g.dtype)
+
+
 class _QuantizedAllToAll(torch.autograd.Function):
     """Forward: encode(forward_codec) -> all_to_all_single -> decode (or keep MXFP4).
     Backward: encode(backward_codec) of the gradient -> all_to_all_single with swapped splits -> decode.
@@ -271,9 +286,7 @@ class _QuantizedAllToAll(torch.autograd.Function):
             # nothing to exchange: keep the quantizer's data and scales as they are (packing them into one
             # payload and splitting it again would be two copies of the rows); the bytes are counted as sent
             fp4 = kops.bf16_to_fp4_row(x.contiguous(), rule)
-            if stats is not None:
-                sent = torch.empty((t, payload_row_bytes(h, "mxfp4")), dtype=torch.uint8, device="meta")
-                stats._record("forward", sent, input_splits[rank], sent)
+            _record_kept_mxfp4(stats, t, h, input_splits[rank])
             if not keep_fp4:
                 return kops.fp4_to_bf16(fp4).to(x.dtype)
         else:
@@ -388,7 +401,7 @@ class _QuantizeGather(torch.autograd.Function):
         (ix,) = ctx.saved_tensors
         t, h = ctx.shape
         if ctx.by_order:
-            gx = g.index_select(0, ix).view(t, ctx.k, h).sum(1, dtype=torch.float32).to(g.dtype)
+            gx = sum_rows_by_token(g, ix, t, ctx.k)
         else:
             gx = torch.zeros((t, h), dtype=g.dtype, device=g.device).index_put_((ix,), g, accumulate=True)
         return gx, None, None, None, None
@@ -434,10 +447,8 @@ def _prequantized_all_to_all(x: "DispatchedMXFP4", ins, outs, group, world, rank
     """``quantized_all_to_all`` of MXFP4 rows quantized before the caller permuted them (same bytes, same result)."""
     t, h = x.shape
     if world == 1:
-        recv = x.mxfp4()  # nothing to exchange: the rows as they are; the bytes are counted as sent
-        if stats is not None:
-            sent = torch.empty((t, payload_row_bytes(h, "mxfp4")), dtype=torch.uint8, device="meta")
-            stats._record("forward", sent, ins[rank], sent)
+        recv = x.mxfp4()  # nothing to exchange: the rows as they are
+        _record_kept_mxfp4(stats, t, h, ins[rank])
     else:
         payload = x.mxfp4().payload()
         got = _exchange(payload, ins, outs, group, world)
@@ -500,27 +511,16 @@ def quantized_all_to_all(
     ``DispatchedMXFP4`` with ``keep_fp4``. Backward: the upstream gradient encoded with ``backward_codec``,
     sent back with the splits swapped, decoded to ``x.dtype``.
     """
-    if isinstance(x, DispatchedMXFP4):
+    pre = isinstance(x, DispatchedMXFP4)
+    if pre:
         if forward_codec != "mxfp4":
             raise ValueError(f"x holds MXFP4 rows: forward_codec must be 'mxfp4', got {forward_codec!r}")
-        if backward_codec not in BACKWARD_CODECS:
-            raise ValueError(f"backward_codec {backward_codec!r} is not one of {BACKWARD_CODECS}")
-        _check_hidden(x.shape[1], backward_codec, "backward_codec")
-        world, rank = _world(group)
-        ins, outs = _as_splits(input_splits, "input_splits", world), _as_splits(output_splits, "output_splits", world)
-        if sum(ins) != x.shape[0]:
-            raise ValueError(f"input_splits {ins} sum to {sum(ins)} but x has {x.shape[0]} rows")
-        if world == 1 and outs != ins:
-            raise ValueError(f"world size 1: output_splits {outs} must equal input_splits {ins}")
-        if check_splits and world > 1:
-            _check_output_splits(ins, outs, group, x.data.device)
-        return _prequantized_all_to_all(x, ins, outs, group, world, rank, backward_codec, keep_fp4, stats)
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+    elif not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(
             f"x must be a 2-D tensor [tokens, hidden], got {type(x).__name__} "
             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else ''}: reshape it to [T, H]"
         )
-    if x.dtype not in _INPUT_DTYPES:
+    elif x.dtype not in _INPUT_DTYPES:
         raise ValueError(f"x has dtype {x.dtype}; expected bfloat16 or float32: cast it with .to(torch.bfloat16)")
     h = x.shape[1]
     _check_hidden(h, forward_codec, "forward_codec")
@@ -543,7 +543,9 @@ def quantized_all_to_all(
     if world == 1 and outs != ins:
         raise ValueError(f"world size 1: output_splits {outs} must equal input_splits {ins}")
     if check_splits and world > 1:
-        _check_output_splits(ins, outs, group, x.device)
+        _check_output_splits(ins, outs, group, x.data.device)
+    if pre:
+        return _prequantized_all_to_all(x, ins, outs, group, world, rank, backward_codec, keep_fp4, stats)
     out = _QuantizedAllToAll.apply(x, ins, outs, group, world, rank, forward_codec, backward_codec, keep_fp4, stats, rule)
     if not keep_fp4:
         return out
@@ -563,4 +565,5 @@ __all__ = [
     "permute_rows",
     "quantize_gather_rows",
     "quantized_all_to_all",
+    "sum_rows_by_token",
 ]

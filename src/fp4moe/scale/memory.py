@@ -290,13 +290,17 @@ def _scope(cfg: DictConfig) -> str:
     raise ValueError(f"recompute modules {sorted(mods)} are not one of the modelled scopes {SCOPES}")
 
 
+def recomputes_attention_block(cfg: DictConfig) -> bool:
+    """Whether the config recomputes the whole attention block (``recompute.fp4moe_modules: [self_attention, ...]``
+    under selective granularity, conf/recompute/attn_block_*.yaml)."""
+    r = cfg.recompute
+    return r.get("granularity") == "selective" and "self_attention" in (r.get("fp4moe_modules") or [])
+
+
 def _with_cfg_attention(cfg: DictConfig, a: MemoryAssumptions) -> MemoryAssumptions:
     """``a`` with ``attn_recompute='self_attention'`` where the config recomputes the whole attention block
-    (``recompute.fp4moe_modules: [self_attention, ...]``, conf/recompute/attn_block_*.yaml); else ``a``."""
-    r = cfg.recompute
-    if r.get("granularity") == "selective" and "self_attention" in (r.get("fp4moe_modules") or []):
-        return replace(a, attn_recompute="self_attention")
-    return a
+    (``recomputes_attention_block``); else ``a``."""
+    return replace(a, attn_recompute="self_attention") if recomputes_attention_block(cfg) else a
 
 
 @dataclass

@@ -49,7 +49,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..recipe import Recipe
 from .comm import a2a_per_layer
-from .memory import FP8_GROUP, FP8_SCALE_BYTES, MX_BLOCK, _as_cfg, _dims, _scope, _stages, compose_cfg
+from .memory import (ATTN_RECOMPUTE, FP8_GROUP, FP8_SCALE_BYTES, MX_BLOCK, _as_cfg, _dims, _scope, _stages, compose_cfg,
+                     recomputes_attention_block)
 
 ROOT = Path(__file__).resolve().parents[3]
 # step times only (its peaks carry the SavedTensorBytes leak: results/train_proxy/superseded/README.md)
@@ -244,10 +245,7 @@ def recompute_scope(cfg: Any) -> str:
     where ``recompute.fp4moe_modules`` holds ``self_attention`` (conf/recompute/attn_block_*.yaml)."""
     cfg = _as_cfg(cfg)
     scope = _scope(cfg)
-    r = cfg.recompute
-    if r.get("granularity") == "selective" and "self_attention" in (r.get("fp4moe_modules") or []):
-        return BLOCK_OF[scope]
-    return scope
+    return BLOCK_OF[scope] if recomputes_attention_block(cfg) else scope
 
 
 def recomputed(scope: str, gemm: str) -> bool:
@@ -491,19 +489,31 @@ def proxy_cfg(recipe: str, scope: str, micro_batch: int) -> DictConfig:
     return cfg
 
 
-def measured_tgs(archive: str | Path = PROBE, root: Path = ROOT) -> dict[tuple[str, str, int], float]:
-    """{(recipe, scope, micro_batch): summary/tgs_median} of the runs archive (runs without it are left out)."""
+def measured_runs(archive: str | Path, root: Path = ROOT, mxfp4_tags: dict | None = None
+                  ) -> dict[tuple[str, str, int], list[float]]:
+    """{(recipe, scope, micro_batch): [summary/tgs_median of each run]} of a runs archive; with ``mxfp4_tags``,
+    only the mxfp4 runs that carry those tags (e.g. 390a277's runs with the CUDA C++ column kernel,
+    ``env.FP4MOE_CUDA_COL=1``; its untagged mxfp4 runs ran the Triton kernel, that code's default)."""
     from fp4moe.runs_archive import load
 
     path = Path(archive) if Path(archive).is_absolute() else root / archive
-    out = {}
+    out: dict[tuple[str, str, int], list[float]] = {}
     for r in load(path)["runs"]:
         m, t = r["metrics"], r["tags"]
         tgs = m.get("summary/tgs_median")
         if not tgs or t.get("outcome") == "OOM":
             continue
-        out[(t["recipe"], t["recompute"], int(r["params"]["parallel.micro_batch"]))] = float(tgs[-1][1])
+        if t["recipe"] == "mxfp4" and any(t.get(k) != v for k, v in (mxfp4_tags or {}).items()):
+            continue
+        out.setdefault((t["recipe"], t["recompute"], int(r["params"]["parallel.micro_batch"])), []).append(
+            float(tgs[-1][1]))
     return out
+
+
+def measured_tgs(archive: str | Path = PROBE, root: Path = ROOT) -> dict[tuple[str, str, int], float]:
+    """{(recipe, scope, micro_batch): summary/tgs_median} of the runs archive (runs without it are left out; of
+    several runs of one cell, the last in the archive)."""
+    return {cell: tgs[-1] for cell, tgs in measured_runs(archive, root).items()}
 
 
 @dataclass(frozen=True)
@@ -640,7 +650,7 @@ def paper_t1_time(recipe: str, scope: str, link_bandwidth_gb_s: float, glue: boo
                           glue_scale=glue_scale_paper() if glue else 1.0, weight_quant_per="step")
 
 
-ATTENTION_READINGS = ("core_attn", "self_attention")
+ATTENTION_READINGS = ATTN_RECOMPUTE   # the memory model's readings: ("core_attn", "self_attention")
 
 
 def paper_prediction(rates: Rates = RATES, cells: dict | None = None,
@@ -673,27 +683,6 @@ def paper_prediction(rates: Rates = RATES, cells: dict | None = None,
 # default; two runs each, alternating). The two archives were measured in two sessions on two machines.
 BLOCK_ARCHIVES = {"attn_block": "results/train_proxy/proxy_t1_h200_2026-12-01_1fb1546.json",
                   "core": "results/train_proxy/proxy_t1_h200_2026-12-01_390a277-cudacol.json"}
-
-
-def measured_runs(archive: str | Path, root: Path = ROOT, mxfp4_tags: dict | None = None
-                  ) -> dict[tuple[str, str, int], list[float]]:
-    """{(recipe, scope, micro_batch): [summary/tgs_median of each run]} of a runs archive; with ``mxfp4_tags``,
-    only the mxfp4 runs that carry those tags (e.g. 390a277's runs with the CUDA C++ column kernel,
-    ``env.FP4MOE_CUDA_COL=1``; its untagged mxfp4 runs ran the Triton kernel, that code's default)."""
-    from fp4moe.runs_archive import load
-
-    path = Path(archive) if Path(archive).is_absolute() else root / archive
-    out: dict[tuple[str, str, int], list[float]] = {}
-    for r in load(path)["runs"]:
-        m, t = r["metrics"], r["tags"]
-        tgs = m.get("summary/tgs_median")
-        if not tgs or t.get("outcome") == "OOM":
-            continue
-        if t["recipe"] == "mxfp4" and any(t.get(k) != v for k, v in (mxfp4_tags or {}).items()):
-            continue
-        out.setdefault((t["recipe"], t["recompute"], int(r["params"]["parallel.micro_batch"])), []).append(
-            float(tgs[-1][1]))
-    return out
 
 
 def block_check(rates: Rates = RATES, micro_batch: int = 32) -> list[RatioRow]:
@@ -758,16 +747,16 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
     L += [f"| attention (derived) | {att_old:.0f} TFLOP/s | {SRC_PROF} |", ""]
 
     def check1(r: Rates, title: str, src: str, tgs: dict) -> None:
-        nonlocal L
-        L += [title, "", "Absolute times here only check the terms against the profile; the attention rate, the "
+        L.extend([title, "", "Absolute times here only check the terms against the profile; the attention rate, the "
               "glue and (today) the SwiGLU kernels are taken from this same profile, so those rows agree by "
               "construction.", "", "| group | recipe | predicted ms | measured ms | predicted / measured |",
-              "|---|---|---:|---:|---:|"]
-        L += [f"| {g} | {rec} | {p:.1f} | {m:.1f} | {p / m:.3f} |" for g, rec, p, m in profile_check(r)]
+              "|---|---|---:|---:|---:|"])
+        L.extend(f"| {g} | {rec} | {p:.1f} | {m:.1f} | {p / m:.3f} |" for g, rec, p, m in profile_check(r))
         pf = time_per_token(proxy_cfg("fp8", r.prof_scope, r.prof_micro_batch), r).total
         pm = time_per_token(proxy_cfg("mxfp4", r.prof_scope, r.prof_micro_batch), r).total
-        L += ["", f"mxfp4 / fp8 tokens/s of these two cells (each alone in its process, {src}): predicted "
-              f"{pf / pm:.3f}, measured {tgs['mxfp4'] / tgs['fp8']:.3f} ({tgs['mxfp4']:.0f} / {tgs['fp8']:.0f}).", ""]
+        L.extend(["", f"mxfp4 / fp8 tokens/s of these two cells (each alone in its process, {src}): predicted "
+                  f"{pf / pm:.3f}, measured {tgs['mxfp4'] / tgs['fp8']:.3f} ({tgs['mxfp4']:.0f} / {tgs['fp8']:.0f}).",
+                  ""])
 
     check1(rates, "## Check 1: today's profiles, GPU time by kernel group (mb 32, attn_ln_mlp, 262144 tokens)",
            "T1 cells of proxy_t1_h200_2026-12-01_390a277-cudacol.json", PROFILE_TGS_NOW)
@@ -861,8 +850,12 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
           "H200's; the paper ran H100-class 80 GB GPUs.", "", "With the paper's \"attention\" read as megatron's "
           "core attention (attn_ln_experts, attn_ln_mlp):", ""] + core_tab
 
+    def preds(tab, key):
+        """The predictions of the paper ratio whose label starts with ``key``."""
+        return next(v for k, v in tab.items() if k.startswith(key))[1]
+
     def rng(tab, key):
-        return _range(next(v for k, v in tab.items() if k.startswith(key))[1])
+        return _range(preds(tab, key))
 
     L += ["", "With \"attention\" read as the whole MLA block (attn_block_ln_experts, attn_block_ln_mlp: the reading "
           "under which the memory model orders the paper's T1 cells as the paper does, results/scale/paper_t1.md):",
@@ -880,9 +873,9 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
           "kernels the smaller dispatch pays for the conversions, more so on a slower link; on the proxy (one GPU, "
           "no all-to-all) the model is 2-3 % pessimistic for mxfp4 (Check 1). "
           f"fp8 / bf16 (paper 1.031) depends on the grouped FP8 GEMM: at our Triton kernel's 0.48 x dense the "
-          f"model predicts fp8 slower than bf16 ({_range(core[next(k for k in core if k.startswith('fp8 / bf16'))][1][:3])}); "
+          f"model predicts fp8 slower than bf16 ({_range(preds(core, 'fp8 / bf16')[:3])}); "
           f"at the dense FP8 rate (DeepGEMM-class kernels, as the paper's stack likely had) "
-          f"{core[next(k for k in core if k.startswith('fp8 / bf16'))][1][3]:.2f}. Our measured bf16 ratios are the "
+          f"{preds(core, 'fp8 / bf16')[3]:.2f}. Our measured bf16 ratios are the "
           "least reliable part of the checks above, so this column is the weakest."]
     return "\n".join(L) + "\n"
 
