@@ -10,8 +10,8 @@
 #                                                      # logs/device/mlflow_probe*.db: tools/device/choose_t1_mb.py)
 #   bash tools/device/h200_p3.sh t1 GPU MB GB [PRECS [SCOPES]]  # the T1 twin (16 steps, 10 warm-up), micro-batch MB
 #                                                      # (MB = auto: the one `choose` picked; GB = MB then)
-#   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..."  # T1 cells, one process each (16 steps, the
-#                                                      # last 6 measured: mxfp4's first 4-12 steps are slow)
+#   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..." [OVERRIDES]  # T1 cells, one process each (16
+#                                                      # steps, the last 6 measured: mxfp4's first 4-12 steps are slow)
 #   bash tools/device/h200_p3.sh t1load MB "fp8:attn_ln_mlp mxfp4:attn_ln_mlp"  # each cell on both GPUs at once
 #                                                      # (equal load), then tools/device/load_pairs.py's table
 #   bash tools/device/h200_p3.sh profile GPU MB "mxfp4:attn_ln_experts ..."  # torch.profiler, steps 4-5, tables+trace
@@ -114,15 +114,21 @@ t1)  # GPU MB GB [precisions [scopes]]: the T1 twin (conf/train/proxy_throughput
   keep
   grep -h "done:\|out of GPU memory" "$log" | cut -c1-200 || true
   ;;
-t1cells)  # GPU MB "recipe:scope ...": T1 cells, each in its own process (no allocator state carried between cells)
-  gpu=$1 mb=$2
-  for cell in $3; do
+t1cells)  # GPU MB "recipe:scope ..." [OVERRIDES...]: T1 cells, each in its own process (no allocator state carried
+  # between cells); OVERRIDES go to every cell (e.g. train.steps=30 train.measure.steps=20 for a longer window);
+  # logs t1_RECIPE_SCOPE[_dq-MODE]_mbMB.log, MODE = $FP4MOE_DISPATCH_QUANTIZE when set, numbered when repeated
+  gpu=$1 mb=$2 cells=$3; shift 3
+  for cell in $cells; do
     recipe=${cell%%:*} scope=${cell##*:}
+    base="$STATE/t1_${recipe}_${scope}${FP4MOE_DISPATCH_QUANTIZE:+_dq-$FP4MOE_DISPATCH_QUANTIZE}_mb$mb"
+    n=1; while [ -e "${base}_$n.log" ]; do n=$((n + 1)); done; log="${base}_$n.log"
     CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "t1_gpu$gpu") python3 -m fp4moe.train experiment=proxy_t1_1gpu \
       "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb precision=$recipe \
-      recompute=$scope > "$STATE/t1_${recipe}_$scope.log" 2>&1 || true
-    echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$STATE/t1_${recipe}_$scope.log" | tail -1 | cut -c1-160)"
+      recompute=$scope "$@" > "$log" 2>&1 || true
+    echo "$recipe $scope ${FP4MOE_DISPATCH_QUANTIZE:-}: $(grep -h 'done:\|out of GPU memory\|Error' "$log" | tail -1 | cut -c1-160)"
   done
+  keep
+  (cd "$STATE" && tar czf "$OUT/t1cells_logs.tgz" t1_*.log)
   ;;
 t1load)  # MB "recipe:scope ...": each T1 cell on both GPUs at once (equal host load for every cell), then the table
   mb=$1
@@ -147,11 +153,12 @@ profile)  # GPU MB "recipe:scope ...": torch.profiler over steps 4-5 of each T1 
   gpu=$1 mb=$2
   for cell in $3; do
     recipe=${cell%%:*} scope=${cell##*:}
+    name="profile_${recipe}_${scope}${FP4MOE_DISPATCH_QUANTIZE:+_dq-$FP4MOE_DISPATCH_QUANTIZE}_mb$mb"
     CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "profile_gpu$gpu") python3 -m fp4moe.train \
       experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb \
       precision=$recipe recompute=$scope train.steps=5 train.measure.warmup_steps=3 train.measure.steps=2 'train.profile.steps=[4,5]' \
-      train.profile.dir="$STATE/profile_${recipe}_${scope}_mb$mb" > "$STATE/profile_${recipe}_${scope}_mb$mb.log" 2>&1 || true
-    head -40 "$STATE/profile_${recipe}_${scope}_mb$mb/profile_rank0/ops_by_device_time.txt" 2>/dev/null | cut -c1-220
+      train.profile.dir="$STATE/$name" > "$STATE/$name.log" 2>&1 || true
+    head -40 "$STATE/$name/profile_rank0/ops_by_device_time.txt" 2>/dev/null | cut -c1-220
   done
   (cd "$STATE" && tar czf "$OUT/profiles_gpu$gpu.tgz" profile_*)
   ;;
