@@ -49,6 +49,7 @@ ARCHIVES = (   # one GPU
     "results/train_proxy/proxy_t1_h200_2026-12-01_44185b9.json",         # the fused FP4-storing SwiGLU: pairs, mla_up_proj
     "results/train_proxy/proxy_t1_h200_2026-12-01_390a277-cudacol.json", # CUDA C++ column kernel: pairs, mla_up_proj
     "results/train_proxy/proxy_t1_h200_2026-12-01_1fb1546.json",         # the whole MLA block recomputed (attn_block_*)
+    "results/train_proxy/proxy_t1_h200_2026-12-01_902d750.json",         # dispatch quantized per token vs per row, mla_up_proj
 )
 # Runs before 38f25cd measured other code (results/train_proxy/README.md: the MoE layer's forward kept more rows
 # alive; before 924b9ef a leaked micro-batch), so they are not part of the 5 % check.
