@@ -108,7 +108,7 @@ def test_block_check_reads_both_archives():
     mean = sum(core[("mxfp4", "attn_ln_mlp", 32)]) / 2
     assert r.measured == pytest.approx(block[("mxfp4", "attn_block_ln_mlp", 32)][0] / mean, rel=1e-12)
     assert 0.92 < r.measured < 0.95 and 0.94 < r.predicted < 0.96   # within 2 %, with the block's elementwise work
-    gemm_only = {(r.a, r.b): r for r in T.block_check(replace(T.RATES, attn_block_glue_ms=(0.0, 0.0)))}
+    gemm_only = {(r.a, r.b): r for r in T.block_check(replace(T.BLOCK_RATES, attn_block_glue_ms=(0.0, 0.0)))}
     assert 0.98 < gemm_only[(r.a, r.b)].predicted < 1.0   # its GEMMs alone: a third of the measured cost
 
 
@@ -149,6 +149,19 @@ def test_fused_fp4_swiglu_store_is_not_a_separate_conversion():
     n, fp4 = 256, 256 / 2 + 256 / 32
     per_row = (2 * n + fp4) / (T.RATES.bf16_to_fp4 * 1e9) + (fp4 + 2 * n) / (T.RATES.fp4_to_bf16 * 1e9)
     assert sep - fused == pytest.approx((2 + 1) * per_row, rel=1e-9)
+
+
+def test_dispatch_quantized_per_token_encodes_one_row_per_token():
+    """With the dispatch quantized per token (today's code), mxfp4's conversions lose the BF16 -> MXFP4 encode of
+    k - 1 of each token's k dispatched rows [H] (tiny: k 2, H 256, one MoE layer); fp8 and bf16 do not change."""
+    rows = replace(T.RATES, dispatch_quantize_per_token=False)
+    per_token = T.time_per_token(tiny("none", "mxfp4")).terms["conversion"]
+    per_row = T.time_per_token(tiny("none", "mxfp4"), rows).terms["conversion"]
+    h = 256
+    assert per_row - per_token == pytest.approx((2 - 1) * (2 * h + h / 2 + h / 32) / (T.RATES.bf16_to_fp4 * 1e9),
+                                                rel=1e-9)
+    for rec in ("fp8", "bf16"):
+        assert T.time_per_token(tiny("none", rec)).total == T.time_per_token(tiny("none", rec), rows).total
 
 
 def test_todays_conversions_match_todays_profile():
@@ -205,9 +218,10 @@ def test_measured_ratios_from_the_committed_archive():
     assert r.predicted == pytest.approx(0.9339236287037757, rel=1e-9)
     head = T.paper_prediction()[-1]
     assert head[1] == pytest.approx(1302 / 1157, rel=1e-12)
-    # today's constants (RATES); with those of 2026-11-30 the same ratios were 1.092 / 1.111 / 1.082 / 1.062
-    assert head[2] == pytest.approx([1.1094467107871295, 1.1266912619703167, 1.0935670791624152,
-                                     1.0824589379808316], rel=1e-9)
+    # today's constants (RATES: the 902d750 profiles, the dispatch quantized per token); with the 1fb1546 profiles
+    # and the per-row dispatch 1.109 / 1.127 / 1.094 / 1.082; with those of 2026-11-30 1.092 / 1.111 / 1.082 / 1.062
+    assert head[2] == pytest.approx([1.111998878031403, 1.1289038080601645, 1.0979455841325323,
+                                     1.0853060395646696], rel=1e-9)
     old = T.paper_prediction(T.RATES_EDAE9E8)[-1]
     assert old[2] == pytest.approx([1.0915644728586458, 1.1111952147822677, 1.0824051216263761,
                                     1.0624575251479726], rel=1e-9)
