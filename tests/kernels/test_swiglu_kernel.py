@@ -118,7 +118,9 @@ def test_switch_routes_ops_swiglu_through_the_kernels(monkeypatch):
 def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
     """The FP4-storing kernels against the two-kernel path they fuse, bit for bit: (z, h's MXFP4) of
     ``swiglu_fwd_fp4`` = (``swiglu_fwd``, ``bf16_to_fp4_row``), and ``swiglu_bwd_fp4`` of that MXFP4 =
-    ``swiglu_bwd`` of ``fp4_to_bf16`` of it (the same tiles and float32 operations on the same decoded values)."""
+    ``swiglu_bwd`` of ``fp4_to_bf16`` of it (the same float32 operations on the same decoded values): dh bit for bit
+    for every variant, dprobs bit for bit for the default (the same tiles) and within float32 rounding of the
+    float64 sum for the word-space kernel (the same terms, summed in another order)."""
     from fp4moe_kernels import ops as kops
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import MXFP4Tensor
@@ -135,16 +137,24 @@ def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
     want = ref.bf16_to_fp4_row(h.cpu(), rule)
     assert torch.equal(z.view(torch.int16), swiglu_fwd(h, probs).view(torch.int16))
     assert torch.equal(q.cpu(), want.data) and torch.equal(s.cpu(), want.scales)
-    dh, dp = swiglu_bwd_fp4(q, s, dz, probs)
     h_hat = launch.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f))) if device == "cpu" else kops.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f)))
     dh0, dp0 = swiglu_bwd(h_hat, dz, probs)
-    nan = torch.isnan(dh.float())
-    assert torch.equal(nan, torch.isnan(dh0.float()))
-    assert torch.equal(dh.view(torch.int16)[~nan], dh0.view(torch.int16)[~nan])
-    if weighted:
-        assert torch.equal(torch.isnan(dp), torch.isnan(dp0)) and torch.equal(dp[~torch.isnan(dp)], dp0[~torch.isnan(dp0)])
-    else:
-        assert dp is None and dp0 is None
+    for tile in (None, "words", (8, 32, 2)):  # the default; the word-space kernel at its tile and at a narrow one
+        dh, dp = swiglu_bwd_fp4(q, s, dz, probs, tile=tile)
+        nan = torch.isnan(dh.float())
+        assert torch.equal(nan, torch.isnan(dh0.float()))
+        assert torch.equal(dh.view(torch.int16)[~nan], dh0.view(torch.int16)[~nan])
+        if not weighted:
+            assert dp is None and dp0 is None
+            continue
+        nan = torch.isnan(dp)
+        assert torch.equal(nan, torch.isnan(dp0))
+        if tile is None:  # the same tiles as swiglu_bwd: the same summation order
+            assert torch.equal(dp[~nan], dp0[~nan])
+        else:  # the same float32 terms summed in another order: within float32 rounding of the float64 sum
+            terms = _exact(h_hat, probs, dz)[2]
+            torch.testing.assert_close(dp[~nan].double(), terms[~nan], rtol=1e-5, atol=1e-5 * max(1.0, _max(terms[~nan].abs())))
+            torch.testing.assert_close(dp[~nan], dp0[~nan], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
@@ -170,6 +180,10 @@ def test_fp4_store_kernels_reject_widths_that_split_blocks():
     with pytest.raises(ValueError, match="multiple of 32"):
         swiglu_bwd_fp4(torch.zeros(2, 48, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8),
                        torch.zeros(2, 48, dtype=torch.bfloat16))
+    q, sc = torch.zeros(2, 64, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8)
+    for dz in (torch.zeros(2, 64), torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(64, 2, dtype=torch.bfloat16).t()):
+        with pytest.raises(ValueError, match=r"dz must be contiguous bfloat16 \[T, F\]"):  # float32, [T, F/2], strided
+            swiglu_bwd_fp4(q, sc, dz)
 
 
 @pytest.mark.gpu

@@ -36,6 +36,9 @@ BWD_TILE = (16, 128, 4)
 # the FP4-storing forward: (32-column blocks per program, num_warps), the fastest of six in the H200 sweep
 # (results/kernels/swiglu_h200_2026-12-01_fused-fwd-fp4.md)
 FWD_FP4_TILE = (32, 1)
+# the backward from MXFP4 in word space (``tile="words"``): (rows per program, 32-bit words per row and half per
+# iteration, num_warps). Not yet timed on a GPU, so not the default (tools/device/README.md, "Next session").
+BWD_FP4_TILE = (16, 64, 4)
 
 
 @triton.jit
@@ -192,6 +195,50 @@ def _swiglu_bwd_fp4_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl
 
 
 @triton.jit
+def _decode_words(q_ptrs, s_ptrs, mask):
+    """float32 values (even channel, odd channel) ``[BT, BW]`` of the MXFP4 bytes at ``q_ptrs`` (byte w holds
+    channels 2w, 2w+1) with the UE8M0 code of each byte's block at ``s_ptrs`` (NaN blocks -> NaN): what
+    ``fp4_to_bf16`` gives, as float32."""
+    packed = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
+    code = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
+    f = tl.where(code == 255, float("nan"), e8m0_value(code))
+    return e2m1_value(packed & 0xF) * f, e2m1_value(packed >> 4) * f
+
+
+@triton.jit
+def _swiglu_bwd_fp4_words_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr, HAS_P: tl.constexpr,
+                                 BT: tl.constexpr, BW: tl.constexpr):
+    """The backward from h's MXFP4 copy in word space: byte w of a half holds channels 2w and 2w+1, as 32-bit word w
+    of dz [T, F] (int32 [T, F/2]) and of each half of dh [T, 2F] (int32 [T, F]) does, so even and odd channels are
+    computed side by side in registers and packed back, with no reshape or join (no layout conversion through shared
+    memory); each byte's UE8M0 code is loaded at its block's address. dh: the float32 operations of
+    ``_swiglu_bwd_kernel`` on the decoded h, bit for bit; dprobs: the same terms summed in another order."""
+    rows, rmask, r64, p, acc = _bwd_rows(p_ptr, T, HAS_P, BT)
+    f32: tl.constexpr = tl.float32
+    for w0 in range(0, F // 2, BW):
+        w = w0 + tl.arange(0, BW)
+        mask = rmask[:, None] & (w[None, :] < F // 2)
+        qg = q_ptr + r64 * F + w[None, :]
+        sg = s_ptr + r64 * (F // 16) + (w // 16)[None, :]
+        g0, g1 = _decode_words(qg, sg, mask)
+        u0, u1 = _decode_words(qg + F // 2, sg + F // 32, mask)
+        dzw = tl.load(dz_ptr + r64 * (F // 2) + w[None, :], mask=mask, other=0)
+        dz0, dz1 = (dzw << 16).to(f32, bitcast=True), (dzw & -65536).to(f32, bitcast=True)
+        if HAS_P:
+            dg0, du0, silu0 = _swiglu_grads(g0, u0, dz0 * p[:, None])
+            dg1, du1, silu1 = _swiglu_grads(g1, u1, dz1 * p[:, None])
+            acc += tl.sum(dz0 * silu0 * u0 + dz1 * silu1 * u1, axis=1)
+        else:
+            dg0, du0, silu0 = _swiglu_grads(g0, u0, dz0)
+            dg1, du1, silu1 = _swiglu_grads(g1, u1, dz1)
+        dh = dh_ptr + r64 * F + w[None, :]
+        tl.store(dh, (_bf16_bits(dg0).to(tl.int32) & 0xFFFF) | (_bf16_bits(dg1).to(tl.int32) << 16), mask=mask)
+        tl.store(dh + F // 2, (_bf16_bits(du0).to(tl.int32) & 0xFFFF) | (_bf16_bits(du1).to(tl.int32) << 16), mask=mask)
+    if HAS_P:
+        tl.store(dp_ptr + rows, acc, mask=rmask)
+
+
+@triton.jit
 def _decode_tile(q_ptrs, s_ptrs, pmask, smask, BT: tl.constexpr, BF: tl.constexpr):
     """float32 [BT, BF] values of MXFP4 bytes [BT, BF/2] and their UE8M0 codes [BT, BF/32] (NaN blocks -> NaN)."""
     packed = tl.load(q_ptrs, mask=pmask, other=0).to(tl.int32)
@@ -251,23 +298,38 @@ def swiglu_fwd_fp4(h: torch.Tensor, probs: Optional[torch.Tensor] = None, rule: 
     return z, (q, sc)
 
 
-def swiglu_bwd_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor, probs: Optional[torch.Tensor] = None):
+def swiglu_bwd_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor, probs: Optional[torch.Tensor] = None,
+                   tile=None):
     """``swiglu_bwd(fp4_to_bf16(h4), dz, probs)`` with h4 = (data ``[T, F]`` uint8, scales ``[T, F/16]`` uint8) the
-    MXFP4 copy of h ``[T, 2F]`` (F a multiple of 32), decoded in registers instead of through a BF16 h in memory."""
+    MXFP4 copy of h ``[T, 2F]`` (F a multiple of 32), decoded in registers instead of through a BF16 h in memory:
+    dh bit for bit. ``tile=None`` (the default) runs 2-D tiles decoded with a join and reshape (dprobs bit for bit
+    ``swiglu_bwd``'s; 44-50 % of the copy bandwidth on an H200); ``tile="words"`` the word-space kernel at
+    ``BWD_FP4_TILE``, or at ``tile=(rows per program, words per iteration, num_warps)`` (dprobs within float32
+    rounding: another summation order), which the next GPU session times beside it."""
     t, f = data.shape
     if f % 32 or tuple(scales.shape) != (t, f // 16):
         raise ValueError(f"swiglu_bwd_fp4: data [T, F] with F a multiple of 32 and scales [T, F/16], got "
                          f"{tuple(data.shape)} and {tuple(scales.shape)}")
+    if dz.dtype != torch.bfloat16 or tuple(dz.shape) != (t, f) or not dz.is_contiguous():
+        raise ValueError(f"swiglu_bwd_fp4: dz must be contiguous bfloat16 [T, F] = {(t, f)}, got {dz.dtype} "
+                         f"{tuple(dz.shape)}{'' if dz.is_contiguous() else ' (not contiguous)'}")
     dh = torch.empty(t, 2 * f, dtype=torch.bfloat16, device=data.device)
     dp = torch.empty(t, dtype=torch.float32, device=data.device) if probs is not None else None
-    if t and f:
+    if t and f and tile is None:
         bt, bf, warps = BWD_TILE
         _swiglu_bwd_fp4_kernel[(triton.cdiv(t, bt),)](data, scales, dz, probs if probs is not None else dz,
                                                       dh.view(torch.int16), dp if dp is not None else dh, t, f,
                                                       HAS_P=probs is not None, BT=bt, BF=bf, num_warps=warps)
+    elif t and f:
+        bt, bw, warps = BWD_FP4_TILE if tile == "words" else tile
+        _swiglu_bwd_fp4_words_kernel[(triton.cdiv(t, bt),)](data, scales, dz.view(torch.int32),
+                                                            probs if probs is not None else dz, dh.view(torch.int32),
+                                                            dp if dp is not None else dh, t, f, HAS_P=probs is not None,
+                                                            BT=bt, BW=bw, num_warps=warps)
     elif dp is not None:
         dp.zero_()
     return dh, dp
 
 
-__all__ = ["swiglu_fwd", "swiglu_bwd", "swiglu_fwd_fp4", "swiglu_bwd_fp4", "FWD_TILE", "BWD_TILE", "FWD_FP4_TILE"]
+__all__ = ["swiglu_fwd", "swiglu_bwd", "swiglu_fwd_fp4", "swiglu_bwd_fp4", "FWD_TILE", "BWD_TILE", "FWD_FP4_TILE",
+           "BWD_FP4_TILE"]

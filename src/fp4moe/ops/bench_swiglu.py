@@ -9,7 +9,9 @@ probs read; backward: h and dz read, dh written, probs read and dprobs written),
 speedup = unfused ms / fused ms. With h stored as MXFP4 (the recipe's ``activation_fp4_store``) the fused
 ``swiglu_fwd_fp4`` / ``swiglu_bwd_fp4`` run against the two kernels they fuse (``swiglu_fwd`` + ``bf16_to_fp4_row``;
 ``fp4_to_bf16`` + ``swiglu_bwd``), in the "unfused" column of those rows; ``--fp4-tiles`` times the FP4-storing
-forward again at each listed tile (blocks per program x warps) against the same unfused pair. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
+forward again at each listed tile (blocks per program x warps) against the same unfused pair, and
+``--bwd-fp4-tiles`` the backward from MXFP4 in word space at each listed tile (rows x words x warps, or ``words``:
+its default tile) beside the default kernel's row. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
 results/kernels/).
 """
 from __future__ import annotations
@@ -39,7 +41,14 @@ def _tiles(text: str) -> list[tuple[int, int]]:
     return [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part]
 
 
-def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=()) -> tuple[float, list[dict]]:
+def _bwd_tiles(text: str) -> list:
+    """'words,8x128x4' -> ['words', (8, 128, 4)]: tiles of ``swiglu_bwd_fp4``'s word-space kernel (rows per
+    program, 32-bit words per iteration, num_warps), ``words`` its default tile."""
+    return ["words" if part == "words" else tuple(int(v) for v in part.lower().split("x"))
+            for part in text.split(",") if part]
+
+
+def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_tiles=()) -> tuple[float, list[dict]]:
     from fp4moe_kernels import ops as kops
     from fp4moe_kernels.formats import MXFP4Tensor
     from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_bwd_fp4, swiglu_fwd, swiglu_fwd_fp4
@@ -68,6 +77,9 @@ def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=()) -> tuple[f
                        fp4b + 2 * t * f + 2 * t * 2 * f + 2 * pb))
             cases += tuple((f"forward, h stored as MXFP4, tile {r}x{w}", lambda r=r, w=w: swiglu_fwd_fp4(h, p, tile=(r, w)),
                             cases[2][2], cases[2][3]) for r, w in fp4_tiles)
+            cases += tuple((f"backward, h from MXFP4, words {'default tile' if bt == 'words' else 'tile ' + 'x'.join(map(str, bt))}",
+                            lambda bt=bt: swiglu_bwd_fp4(q4.data, q4.scales, dz, p, tile=bt), cases[3][2], cases[3][3])
+                           for bt in bwd_fp4_tiles)
             for name, fused, unfused, nbytes in cases:
                 ms_f, ms_u = do_bench(fused, warmup_ms, rep_ms), do_bench(unfused, warmup_ms, rep_ms)
                 gbps = nbytes / (ms_f * 1e-3) / 1e9
@@ -84,6 +96,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="524288x1024,32768x2048", help="comma-separated TxF (default: %(default)s)")
     ap.add_argument("--fp4-tiles", default="", help="also time swiglu_fwd_fp4 at these tiles, e.g. 64x2,128x4")
+    ap.add_argument("--bwd-fp4-tiles", default="",
+                    help="also time swiglu_bwd_fp4's word-space kernel at these tiles (rows x words x warps, or "
+                         "'words': its default), e.g. words,8x128x4")
     ap.add_argument("--warmup-ms", type=int, default=25)
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--out", default=os.environ.get("BENCH_OUT", "results/kernels"))
@@ -94,7 +109,8 @@ def main(argv=None) -> int:
         return 2
     command = "python -m fp4moe.ops.bench_swiglu " + " ".join(argv if argv is not None else sys.argv[1:])
     env = environment(command.strip(), a.commit)
-    copy, rows = run(_shapes(a.shapes), a.warmup_ms, a.rep_ms, fp4_tiles=_tiles(a.fp4_tiles))
+    copy, rows = run(_shapes(a.shapes), a.warmup_ms, a.rep_ms, fp4_tiles=_tiles(a.fp4_tiles),
+                     bwd_fp4_tiles=_bwd_tiles(a.bwd_fp4_tiles))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = env["gpu"].split()[-1].lower()
