@@ -850,7 +850,7 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
           f"of the tokens/s measured, {_range([100 * (1 - r.predicted) for r in scope_rows], 1)} % predicted.** "
           "Its GEMMs (q_down, kv_down, o_proj and the up-projections beside the core attention) account for "
           f"{_range([100 * (1 - r.predicted) for r in gemm_scope], 1)} %; the rest is the block's elementwise work, "
-          "which on MLA is large: `attn_block_glue_ms`, the forward ops of the block in today's profiles (the q/k "
+          "which on MLA is large: `attn_block_glue_ms`, the forward ops of the block in the 1fb1546 profiles (the q/k "
           "concatenations with the RoPE part alone 27.5 ms of fp8's 1413 ms per two steps, "
           "results/train_proxy/profile_h200_mb32_1fb1546/), added once more for attn_block_*.",
           f"- **mxfp4 / fp8 at the whole-block scopes: predicted {_range([r.predicted for r in recipe_rows])}, "
