@@ -139,7 +139,9 @@ def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
     assert torch.equal(q.cpu(), want.data) and torch.equal(s.cpu(), want.scales)
     h_hat = launch.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f))) if device == "cpu" else kops.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f)))
     dh0, dp0 = swiglu_bwd(h_hat, dz, probs)
-    for tile in (None, "words", (8, 32, 2)):  # the default; the word-space kernel at its tile and at a narrow one
+    # the default; the word-space kernels: by word columns at their tile and a narrow one, by whole blocks at their
+    # tile and at one that splits a row into several tiles and leaves a program's last rows past T
+    for tile in (None, "words", (8, 32, 2), "blocks", ("blocks", 2, 3, 2)):
         dh, dp = swiglu_bwd_fp4(q, s, dz, probs, tile=tile)
         nan = torch.isnan(dh.float())
         assert torch.equal(nan, torch.isnan(dh0.float()))
@@ -221,3 +223,24 @@ def test_fp4_store_switch_changes_no_bit(monkeypatch, where):
     assert torch.equal(y0, y1) and s0 == s1
     for a, b in zip(g0, g1):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
+def test_bench_bwd_tiles_reach_the_kernels():
+    """bench_swiglu's --bwd-fp4-tiles spellings parse to tile arguments that swiglu_bwd_fp4 runs, each giving the
+    default kernel's dh bit for bit (a typo'd spelling fails to parse instead of timing something else)."""
+    from fp4moe.ops.bench_swiglu import _bwd_tiles
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd_fp4
+
+    tiles = _bwd_tiles("words, blocks,8x32x2,b2x3x2")
+    assert tiles == ["words", "blocks", (8, 32, 2), ("blocks", 2, 3, 2)]
+    g = torch.Generator().manual_seed(5)
+    h = (torch.randn(9, 2 * 96, generator=g) * 3).to(torch.bfloat16)
+    dz = torch.randn(9, 96, generator=g).to(torch.bfloat16)
+    q = ref.bf16_to_fp4_row(h)
+    want, _ = swiglu_bwd_fp4(q.data, q.scales, dz)
+    for tile in tiles:
+        assert torch.equal(swiglu_bwd_fp4(q.data, q.scales, dz, tile=tile)[0].view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError):
+        _bwd_tiles("blocks8x4")

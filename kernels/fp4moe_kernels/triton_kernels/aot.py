@@ -75,6 +75,10 @@ KERNELS = {
                              {"q_ptr": "*u8", "s_ptr": "*u8", "dz_ptr": "*i32", "p_ptr": "*fp32", "dh_ptr": "*i32",
                               "dp_ptr": "*fp32", "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr",
                               "BW": "constexpr"}),
+    "swiglu_bwd_fp4_blocks": (swiglu._swiglu_bwd_fp4_blocks_kernel,
+                              {"q_ptr": "*u8", "s_ptr": "*u8", "dz_ptr": "*i32", "p_ptr": "*fp32", "dh_ptr": "*i32",
+                               "dp_ptr": "*fp32", "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "CB": "constexpr",
+                               "RPP": "constexpr"}),
     "grouped_fp8_rows": (gemm.grouped_rows_kernel,
                          {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
                           "tiles_ptr": "*i32", "seg_off_ptr": "*i32", "N": "i32", "n_tiles": "i32", "KC": "constexpr",
@@ -135,6 +139,9 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
         if name == "swiglu_fwd_fp4":
             r, warps = swiglu.FWD_FP4_TILE
             consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "RULE_CEIL": flags.get("RULE_CEIL", True), "R": r}
+        if name == "swiglu_bwd_fp4_blocks":
+            cb, rpp, warps = tile or swiglu.BWD_FP4_BLOCKS_TILE
+            consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "CB": cb, "RPP": rpp}
         if name == "swiglu_bwd_fp4_words":
             bt, bw, warps = tile or swiglu.BWD_FP4_TILE
             consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "BT": bt, "BW": bw}

@@ -39,6 +39,8 @@ FWD_FP4_TILE = (32, 1)
 # the backward from MXFP4 in word space (``tile="words"``): (rows per program, 32-bit words per row and half per
 # iteration, num_warps). Not yet timed on a GPU, so not the default (tools/device/README.md, "Next session").
 BWD_FP4_TILE = (16, 64, 4)
+# the same in tiles of whole MXFP4 blocks (``tile="blocks"``): (blocks per tile, rows per program, num_warps)
+BWD_FP4_BLOCKS_TILE = (32, 4, 4)
 
 
 @triton.jit
@@ -239,6 +241,62 @@ def _swiglu_bwd_fp4_words_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T,
 
 
 @triton.jit
+def _decode_blocks(q_ptrs, s_ptrs, bmask, m2):
+    """float32 values (even channel, odd channel) ``[CB, 16]`` of MXFP4 blocks: bytes at ``q_ptrs`` ``[CB, 16]``,
+    one UE8M0 code per block at ``s_ptrs`` ``[CB]`` (NaN blocks -> NaN), broadcast along the block's 16 bytes."""
+    code = tl.load(s_ptrs, mask=bmask, other=127).to(tl.int32)
+    f = tl.where(code == 255, float("nan"), e8m0_value(code))[:, None]
+    packed = tl.load(q_ptrs, mask=m2, other=0).to(tl.int32)
+    return e2m1_value(packed & 0xF) * f, e2m1_value(packed >> 4) * f
+
+
+@triton.jit
+def _swiglu_bwd_fp4_blocks_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr,
+                                  HAS_P: tl.constexpr, CB: tl.constexpr, RPP: tl.constexpr):
+    """The word-space backward with tiles of whole MXFP4 blocks: a program owns ``RPP`` rows, each as tiles of
+    ``CB`` blocks x 16 (byte w of a block: channels 2w, 2w+1; word w of dz and of each half of dh: the same two).
+    A block's UE8M0 code is one value per tile row, broadcast along it (no per-element code load), and the 16
+    columns are declared contiguous in fours, so the byte loads and the 32-bit word loads and stores get the same
+    register layout (4 per thread). dh: bit for bit ``_swiglu_bwd_kernel`` on the decoded h; dprobs: the same terms
+    summed in another order."""
+    f32: tl.constexpr = tl.float32
+    nblk: tl.constexpr = F // 32
+    j = tl.max_contiguous(tl.arange(0, 16), 4)
+    for r in range(RPP):
+        row = tl.program_id(0) * RPP + r
+        live = row < T
+        r64 = row.to(tl.int64)
+        p = 0.0
+        if HAS_P:
+            p = tl.load(p_ptr + row, mask=live, other=0.0)
+        acc = 0.0
+        for c0 in range(0, nblk, CB):
+            cb = c0 + tl.arange(0, CB)
+            bmask = (cb < nblk) & live
+            m2 = bmask[:, None]
+            col = (cb * 16)[:, None] + j[None, :]  # byte of a half, word of dz, word of a half of dh
+            qg = q_ptr + r64 * F + col
+            sg = s_ptr + r64 * (F // 16) + cb
+            g0, g1 = _decode_blocks(qg, sg, bmask, m2)
+            u0, u1 = _decode_blocks(qg + F // 2, sg + F // 32, bmask, m2)
+            dzw = tl.load(dz_ptr + r64 * (F // 2) + col, mask=m2, other=0)
+            dz0, dz1 = (dzw << 16).to(f32, bitcast=True), (dzw & -65536).to(f32, bitcast=True)
+            if HAS_P:
+                dg0, du0, silu0 = _swiglu_grads(g0, u0, dz0 * p)
+                dg1, du1, silu1 = _swiglu_grads(g1, u1, dz1 * p)
+                acc += tl.sum(dz0 * silu0 * u0 + dz1 * silu1 * u1)
+            else:
+                dg0, du0, silu0 = _swiglu_grads(g0, u0, dz0)
+                dg1, du1, silu1 = _swiglu_grads(g1, u1, dz1)
+            dh = dh_ptr + r64 * F + col
+            tl.store(dh, (_bf16_bits(dg0).to(tl.int32) & 0xFFFF) | (_bf16_bits(dg1).to(tl.int32) << 16), mask=m2)
+            tl.store(dh + F // 2, (_bf16_bits(du0).to(tl.int32) & 0xFFFF) | (_bf16_bits(du1).to(tl.int32) << 16),
+                     mask=m2)
+        if HAS_P:
+            tl.store(dp_ptr + row, acc, mask=live)
+
+
+@triton.jit
 def _decode_tile(q_ptrs, s_ptrs, pmask, smask, BT: tl.constexpr, BF: tl.constexpr):
     """float32 [BT, BF] values of MXFP4 bytes [BT, BF/2] and their UE8M0 codes [BT, BF/32] (NaN blocks -> NaN)."""
     packed = tl.load(q_ptrs, mask=pmask, other=0).to(tl.int32)
@@ -303,9 +361,10 @@ def swiglu_bwd_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor, p
     """``swiglu_bwd(fp4_to_bf16(h4), dz, probs)`` with h4 = (data ``[T, F]`` uint8, scales ``[T, F/16]`` uint8) the
     MXFP4 copy of h ``[T, 2F]`` (F a multiple of 32), decoded in registers instead of through a BF16 h in memory:
     dh bit for bit. ``tile=None`` (the default) runs 2-D tiles decoded with a join and reshape (dprobs bit for bit
-    ``swiglu_bwd``'s; 44-50 % of the copy bandwidth on an H200); ``tile="words"`` the word-space kernel at
-    ``BWD_FP4_TILE``, or at ``tile=(rows per program, words per iteration, num_warps)`` (dprobs within float32
-    rounding: another summation order), which the next GPU session times beside it."""
+    ``swiglu_bwd``'s; 44-50 % of the copy bandwidth on an H200). Two word-space kernels (dprobs within float32
+    rounding: another summation order), which the next GPU session times beside it: ``tile="words"`` at
+    ``BWD_FP4_TILE`` or ``tile=(rows per program, words per iteration, num_warps)``; ``tile="blocks"`` at
+    ``BWD_FP4_BLOCKS_TILE`` or ``tile=("blocks", blocks per tile, rows per program, num_warps)``."""
     t, f = data.shape
     if f % 32 or tuple(scales.shape) != (t, f // 16):
         raise ValueError(f"swiglu_bwd_fp4: data [T, F] with F a multiple of 32 and scales [T, F/16], got "
@@ -320,6 +379,13 @@ def swiglu_bwd_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor, p
         _swiglu_bwd_fp4_kernel[(triton.cdiv(t, bt),)](data, scales, dz, probs if probs is not None else dz,
                                                       dh.view(torch.int16), dp if dp is not None else dh, t, f,
                                                       HAS_P=probs is not None, BT=bt, BF=bf, num_warps=warps)
+    elif t and f and (tile == "blocks" or tile[0] == "blocks"):
+        cb, rpp, warps = BWD_FP4_BLOCKS_TILE if tile == "blocks" else tile[1:]
+        cb = min(cb, triton.next_power_of_2(f // 32))
+        _swiglu_bwd_fp4_blocks_kernel[(triton.cdiv(t, rpp),)](data, scales, dz.view(torch.int32),
+                                                              probs if probs is not None else dz, dh.view(torch.int32),
+                                                              dp if dp is not None else dh, t, f, HAS_P=probs is not None,
+                                                              CB=cb, RPP=rpp, num_warps=warps)
     elif t and f:
         bt, bw, warps = BWD_FP4_TILE if tile == "words" else tile
         _swiglu_bwd_fp4_words_kernel[(triton.cdiv(t, bt),)](data, scales, dz.view(torch.int32),
@@ -332,4 +398,4 @@ def swiglu_bwd_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor, p
 
 
 __all__ = ["swiglu_fwd", "swiglu_bwd", "swiglu_fwd_fp4", "swiglu_bwd_fp4", "FWD_TILE", "BWD_TILE", "FWD_FP4_TILE",
-           "BWD_FP4_TILE"]
+           "BWD_FP4_TILE", "BWD_FP4_BLOCKS_TILE"]

@@ -10,8 +10,8 @@ speedup = unfused ms / fused ms. With h stored as MXFP4 (the recipe's ``activati
 ``swiglu_fwd_fp4`` / ``swiglu_bwd_fp4`` run against the two kernels they fuse (``swiglu_fwd`` + ``bf16_to_fp4_row``;
 ``fp4_to_bf16`` + ``swiglu_bwd``), in the "unfused" column of those rows; ``--fp4-tiles`` times the FP4-storing
 forward again at each listed tile (blocks per program x warps) against the same unfused pair, and
-``--bwd-fp4-tiles`` the backward from MXFP4 in word space at each listed tile (rows x words x warps, or ``words``:
-its default tile) beside the default kernel's row. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
+``--bwd-fp4-tiles`` the word-space backwards from MXFP4 at each listed tile (``words`` / ``blocks``: their default
+tiles; rows x words x warps; ``b`` blocks x rows x warps) beside the default kernel's row. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
 results/kernels/).
 """
 from __future__ import annotations
@@ -42,10 +42,26 @@ def _tiles(text: str) -> list[tuple[int, int]]:
 
 
 def _bwd_tiles(text: str) -> list:
-    """'words,8x128x4' -> ['words', (8, 128, 4)]: tiles of ``swiglu_bwd_fp4``'s word-space kernel (rows per
-    program, 32-bit words per iteration, num_warps), ``words`` its default tile."""
-    return ["words" if part == "words" else tuple(int(v) for v in part.lower().split("x"))
-            for part in text.split(",") if part]
+    """'words,8x128x4,blocks,b16x4x2' -> ['words', (8, 128, 4), 'blocks', ('blocks', 16, 4, 2)]: ``tile`` arguments
+    of ``swiglu_bwd_fp4``'s word-space kernels: by word columns (rows per program x words per iteration x warps) and
+    by whole MXFP4 blocks (``b`` blocks per tile x rows per program x warps); ``words`` / ``blocks`` their defaults."""
+    out = []
+    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+        if part in ("words", "blocks"):
+            out.append(part)
+        elif part.startswith("b"):
+            out.append(("blocks", *(int(v) for v in part[1:].split("x"))))
+        else:
+            out.append(tuple(int(v) for v in part.split("x")))
+    return out
+
+
+def _bwd_label(tile) -> str:
+    if tile in ("words", "blocks"):
+        return f"{tile}, default tile"
+    if tile[0] == "blocks":
+        return "blocks, tile " + "x".join(map(str, tile[1:]))
+    return "words, tile " + "x".join(map(str, tile))
 
 
 def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_tiles=()) -> tuple[float, list[dict]]:
@@ -77,7 +93,7 @@ def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_ti
                        fp4b + 2 * t * f + 2 * t * 2 * f + 2 * pb))
             cases += tuple((f"forward, h stored as MXFP4, tile {r}x{w}", lambda r=r, w=w: swiglu_fwd_fp4(h, p, tile=(r, w)),
                             cases[2][2], cases[2][3]) for r, w in fp4_tiles)
-            cases += tuple((f"backward, h from MXFP4, words {'default tile' if bt == 'words' else 'tile ' + 'x'.join(map(str, bt))}",
+            cases += tuple((f"backward, h from MXFP4, {_bwd_label(bt)}",
                             lambda bt=bt: swiglu_bwd_fp4(q4.data, q4.scales, dz, p, tile=bt), cases[3][2], cases[3][3])
                            for bt in bwd_fp4_tiles)
             for name, fused, unfused, nbytes in cases:
@@ -97,8 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="524288x1024,32768x2048", help="comma-separated TxF (default: %(default)s)")
     ap.add_argument("--fp4-tiles", default="", help="also time swiglu_fwd_fp4 at these tiles, e.g. 64x2,128x4")
     ap.add_argument("--bwd-fp4-tiles", default="",
-                    help="also time swiglu_bwd_fp4's word-space kernel at these tiles (rows x words x warps, or "
-                         "'words': its default), e.g. words,8x128x4")
+                    help="also time swiglu_bwd_fp4's word-space kernels at these tiles: 'words' / 'blocks' (their "
+                         "defaults), RxWxN (rows x words x warps), bCxRxN (blocks x rows x warps), e.g. "
+                         "words,blocks,b32x8x4")
     ap.add_argument("--warmup-ms", type=int, default=25)
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--out", default=os.environ.get("BENCH_OUT", "results/kernels"))
