@@ -137,6 +137,8 @@ def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
     want = ref.bf16_to_fp4_row(h.cpu(), rule)
     assert torch.equal(z.view(torch.int16), swiglu_fwd(h, probs).view(torch.int16))
     assert torch.equal(q.cpu(), want.data) and torch.equal(s.cpu(), want.scales)
+    z4, (q4, s4) = swiglu_fwd_fp4(h, probs, rule, tile=(8, 1, True))  # the byte stores in the words' layout
+    assert torch.equal(z4.view(torch.int16), z.view(torch.int16)) and torch.equal(q4, q) and torch.equal(s4, s)
     h_hat = launch.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f))) if device == "cpu" else kops.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f)))
     dh0, dp0 = swiglu_bwd(h_hat, dz, probs)
     # the default; the word-space kernels: by word columns at their tile and a narrow one, by whole blocks at their
@@ -226,10 +228,12 @@ def test_fp4_store_switch_changes_no_bit(monkeypatch, where):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
-def test_bench_bwd_tiles_reach_the_kernels():
-    """bench_swiglu's --bwd-fp4-tiles spellings parse to tile arguments that swiglu_bwd_fp4 runs, each giving the
-    default kernel's dh bit for bit (a typo'd spelling fails to parse instead of timing something else)."""
-    from fp4moe.ops.bench_swiglu import _bwd_tiles
+def test_bench_tiles_reach_the_kernels():
+    """bench_swiglu's --fp4-tiles / --bwd-fp4-tiles spellings parse to tile arguments that swiglu_fwd_fp4 /
+    swiglu_bwd_fp4 run, each giving the default kernel's outputs bit for bit (a typo'd spelling fails to parse
+    instead of timing something else)."""
+    from fp4moe.ops.bench_swiglu import _bwd_tiles, _tiles
+    from fp4moe_kernels.triton_kernels.swiglu import swiglu_fwd_fp4
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd_fp4
 
@@ -244,3 +248,9 @@ def test_bench_bwd_tiles_reach_the_kernels():
         assert torch.equal(swiglu_bwd_fp4(q.data, q.scales, dz, tile=tile)[0].view(torch.int16), want.view(torch.int16))
     with pytest.raises(ValueError):
         _bwd_tiles("blocks8x4")
+    fwd = _tiles("8x1, n8x2")
+    assert fwd == [(8, 1), (8, 2, True)]
+    z, (qd, qs) = swiglu_fwd_fp4(h)
+    for tile in fwd:
+        z1, (qd1, qs1) = swiglu_fwd_fp4(h, tile=tile)
+        assert torch.equal(z1.view(torch.int16), z.view(torch.int16)) and torch.equal(qd1, qd) and torch.equal(qs1, qs)

@@ -140,17 +140,22 @@ def _z_bits(g, u, p, HAS_P: tl.constexpr):
 
 @triton.jit
 def _swiglu_fwd_fp4_kernel(h_ptr, p_ptr, z_ptr, q_ptr, s_ptr, NB, F: tl.constexpr, HAS_P: tl.constexpr,
-                           RULE_CEIL: tl.constexpr, R: tl.constexpr):
+                           RULE_CEIL: tl.constexpr, R: tl.constexpr, BYTES4: tl.constexpr = False):
     """The forward, plus h's MXFP4 copy (what ``bf16_to_fp4_row(h)`` returns) from the same registers: h is read
     once for both. A program owns ``R`` blocks of 32 gate columns (flat index b over T x F/32: row b // (F/32)) and
     the matching up blocks, as the row kernels do: h, z as int32 words of two BF16 ([R, 16] even / odd element
-    pairs), widened exactly by shifts; no reshape, so no layout conversion through shared memory."""
+    pairs), widened exactly by shifts; no reshape. ``BYTES4`` declares the 16 columns contiguous in fours, so the
+    MXFP4 byte stores take the words' register layout (4 per thread, 32-bit stores) instead of their own 16-byte
+    one through shared memory (opt-in until timed on a GPU)."""
     b = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     mask = b < NB
     m2 = mask[:, None]
     row = b // (F // 32)
     cb = b % (F // 32)
-    j = tl.arange(0, 16)[None, :]
+    if BYTES4:
+        j = tl.max_contiguous(tl.arange(0, 16), 4)[None, :]
+    else:
+        j = tl.arange(0, 16)[None, :]
     hw = (row * F + cb * 16)[:, None] + j  # h [T, 2F] as words [T, F]: gate words 0..F/2-1, up words F/2..F-1
     gw = tl.load(h_ptr + hw, mask=m2, other=0)
     uw = tl.load(h_ptr + hw + F // 2, mask=m2, other=0)
@@ -339,7 +344,8 @@ def swiglu_bwd(h: torch.Tensor, dz: torch.Tensor, probs: Optional[torch.Tensor] 
 def swiglu_fwd_fp4(h: torch.Tensor, probs: Optional[torch.Tensor] = None, rule: str = "ceil", tile=None):
     """(z ``[T, F]`` bf16, h's MXFP4 ``(data [T, F] uint8, scales [T, F/16] uint8)``) from h ``[T, 2F]`` bf16
     contiguous, F a multiple of 32: ``swiglu_fwd(h, probs)`` and ``bf16_to_fp4_row(h, rule)`` in one pass over h.
-    ``tile`` (blocks per program, num_warps) overrides ``FWD_FP4_TILE`` (benchmark sweeps)."""
+    ``tile`` (blocks per program, num_warps[, bytes4]) overrides ``FWD_FP4_TILE`` (benchmark sweeps; bytes4: the
+    byte stores in the words' layout, the kernel's ``BYTES4``)."""
     t, f2 = h.shape
     f = f2 // 2
     if f % 32:
@@ -348,11 +354,12 @@ def swiglu_fwd_fp4(h: torch.Tensor, probs: Optional[torch.Tensor] = None, rule: 
     q = torch.empty(t, f, dtype=torch.uint8, device=h.device)
     sc = torch.empty(t, f // 16, dtype=torch.uint8, device=h.device)
     if t and f:
-        r, warps = tile or FWD_FP4_TILE
+        r, warps, *bytes4 = tile or FWD_FP4_TILE
         nb = t * (f // 32)
         _swiglu_fwd_fp4_kernel[(triton.cdiv(nb, r),)](h.view(torch.int32), probs if probs is not None else h,
                                                        z.view(torch.int32), q, sc, nb, f, HAS_P=probs is not None,
-                                                       RULE_CEIL=rule == "ceil", R=r, num_warps=warps)
+                                                       RULE_CEIL=rule == "ceil", R=r, BYTES4=bool(bytes4 and bytes4[0]),
+                                                       num_warps=warps)
     return z, (q, sc)
 
 
