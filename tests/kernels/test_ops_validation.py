@@ -78,3 +78,34 @@ def test_cuda_col_switch_values(monkeypatch, value, mode):
     monkeypatch.setenv(ops.CUDA_COL_ENV, "on")
     with pytest.raises(FormatError, match="FP4MOE_CUDA_COL='on': use auto"):
         ops.cuda_col_mode()
+
+
+def _tile_tables_by_definition(seg, bm):
+    """The grouped GEMM's and the column kernels' tile tables written out as loops (the definitions)."""
+    from fp4moe_kernels.triton_kernels import col
+
+    rows = [(e, r0 + t0, min(bm, c - t0)) for e, (r0, c) in enumerate(zip(seg.offsets[:-1], seg.counts))
+            for t0 in range(0, c, bm)]
+    cols = [(r0 + t0, min(col.TILE_T, c - t0), p, mp, t0)
+            for r0, c, p, mp in zip(seg.offsets[:-1], seg.counts, seg.padded_offsets[:-1], seg.padded_counts)
+            for t0 in range(0, mp, col.TILE_T)]
+    return (torch.tensor(rows, dtype=torch.int32).reshape(-1, 3),
+            torch.tensor(cols, dtype=torch.int32).reshape(-1, col.TILE_FIELDS))
+
+
+@pytest.mark.parametrize("counts", [(0,), (1,), (128,), (129, 0, 0, 64), (0, 0, 300), (5, 127, 128, 129, 1000, 0, 2),
+                                    tuple(range(0, 3300, 100))])
+@pytest.mark.parametrize("bm", [64, 128])
+def test_tile_tables_match_their_definition(counts, bm):
+    """The vectorized tile tables (launch._row_tiles, launch._col_tiles) equal the loops that define them, on empty
+    experts, partial and exact tiles, one row, one segment."""
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launch
+
+    seg = Segments(counts)
+    rows, cols = _tile_tables_by_definition(seg, bm)
+    got_rows, got_off = launch._row_tiles(seg, bm, "cpu")
+    assert got_rows.dtype == torch.int32 and torch.equal(got_rows, rows)
+    assert torch.equal(got_off, torch.tensor(seg.offsets, dtype=torch.int32))
+    got_cols = launch._col_tiles(seg, "cpu")
+    assert got_cols.dtype == torch.int32 and torch.equal(got_cols, cols)

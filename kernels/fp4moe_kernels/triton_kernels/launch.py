@@ -89,15 +89,28 @@ def _seg_args(seg: Segments, m: int, device):
     return False, row_seg, seg_off
 
 
+def _segment_tiles(sizes: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment, t0) int64 [n] of every tile of ``tile`` rows over segments of ``sizes`` rows (int64 [E], host), in
+    segment order then ascending t0 (the row of the tile within its segment). Vectorized: the host builds tables of
+    10-20 k tiles per MoE layer and micro-batch while the GPU waits (Python loops measured 5-12 ms each)."""
+    per = (sizes + tile - 1) // tile
+    seg = torch.repeat_interleave(torch.arange(sizes.numel()), per)
+    first = torch.cumsum(per, 0) - per
+    return seg, (torch.arange(seg.numel()) - first[seg]) * tile
+
+
 @functools.lru_cache(maxsize=64)
 def _col_tiles(seg: Segments, device) -> torch.Tensor:
-    """int32 [T, 5] tile table (see ``col`` module docstring)."""
-    rows = []
-    for r0, c, p, mp in zip(seg.offsets[:-1], seg.counts, seg.padded_offsets[:-1], seg.padded_counts):
-        for t0 in range(0, mp, col.TILE_T):
-            rows.append((r0 + t0, min(col.TILE_T, c - t0), p, mp, t0))
-    t = torch.tensor(rows, dtype=torch.int32).reshape(-1, col.TILE_FIELDS)
-    return host_to_device(t, device)
+    """int32 [T, 5] tile table (see ``col`` module docstring): per tile (first row, rows, padded offset, padded
+    count, t0), TILE_T tokens per tile over each expert's padded count."""
+    counts = torch.tensor(seg.counts, dtype=torch.int64)
+    padded = torch.tensor(seg.padded_counts, dtype=torch.int64)
+    e, t0 = _segment_tiles(padded, col.TILE_T)
+    offsets = torch.tensor(seg.offsets[:-1], dtype=torch.int64)[e]
+    padded_offsets = torch.tensor(seg.padded_offsets[:-1], dtype=torch.int64)[e]
+    rows = torch.clamp(counts[e] - t0, max=col.TILE_T)
+    t = torch.stack([offsets + t0, rows, padded_offsets, padded[e], t0], 1).to(torch.int32)
+    return host_to_device(t.reshape(-1, col.TILE_FIELDS), device)
 
 
 def _x(x: torch.Tensor):
@@ -277,10 +290,12 @@ _gemm_tiles_from_env()
 
 @functools.lru_cache(maxsize=64)
 def _row_tiles(seg: Segments, bm: int, device):
-    """(tiles int32 [n, 3] = (expert, first row, rows), seg_off int32 [E+1]) for ``grouped_rows_kernel``."""
-    rows = [(e, r0 + t0, min(bm, c - t0)) for e, (r0, c) in enumerate(zip(seg.offsets[:-1], seg.counts))
-            for t0 in range(0, c, bm)]
-    tiles = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
+    """(tiles int32 [n, 3] = (expert, first row, rows), seg_off int32 [E+1]) for ``grouped_rows_kernel``: ``bm``
+    rows per tile over each expert's rows."""
+    counts = torch.tensor(seg.counts, dtype=torch.int64)
+    e, t0 = _segment_tiles(counts, bm)
+    first = torch.tensor(seg.offsets[:-1], dtype=torch.int64)[e] + t0
+    tiles = torch.stack([e, first, torch.clamp(counts[e] - t0, max=bm)], 1).to(torch.int32).reshape(-1, 3)
     off = torch.tensor(seg.offsets, dtype=torch.int32)
     return host_to_device(tiles, device), host_to_device(off, device)
 
