@@ -50,3 +50,23 @@ def test_tiny_model_trains_on_gpu_under_every_recipe(tmp_path, store, recompute)
         assert saved["bf16"] == saved["fp8"] == saved["mxfp4"], saved
     else:
         assert saved["mxfp4"] < saved["fp8"], saved
+
+
+def test_micro_batch_on_cuda_is_the_host_batch():
+    """fp4moe.train.data.micro_batch on CUDA (the samples sent once from pinned memory, split on the GPU) gives the
+    host batch's tokens and labels, contiguous, for every micro-batch and data-parallel rank of a step."""
+    from fp4moe.train import data
+
+    class Samples:
+        def __len__(self):
+            return 37
+
+        def __getitem__(self, i):
+            return torch.arange(i * 100, i * 100 + 9)
+
+    ds = Samples()
+    for consumed, k, rank in ((0, 0, 0), (30, 1, 1), (64, 2, 0)):
+        want = data.batch(ds, data.micro_batch_indices(consumed, k, 4, rank, 2))
+        got = data.micro_batch(ds, consumed, k, 4, rank, 2, torch.device("cuda"), non_blocking=True)
+        for w, g in zip(want, got, strict=True):
+            assert g.is_cuda and g.is_contiguous() and g.dtype == torch.long and torch.equal(g.cpu(), w)

@@ -49,9 +49,19 @@ def batch(ds: Any, indices: list[int]):
 def micro_batch(ds: Any, consumed: int, micro_index: int, micro: int, dp_rank: int, dp_size: int, device: Any,
                 non_blocking: bool = False):
     """(tokens, labels) of micro-batch ``micro_index`` of the step starting at ``consumed`` on ``dp_rank``
-    (:func:`micro_batch_indices`, :func:`batch`), moved to ``device``."""
-    rows = batch(ds, micro_batch_indices(consumed, micro_index, micro, dp_rank, dp_size))
-    return tuple(x.to(device, non_blocking=non_blocking) for x in rows)
+    (:func:`micro_batch_indices`, :func:`batch`), on ``device``. On a CUDA device the samples ``[micro, seq + 1]``
+    travel once, from pinned memory (queued on the stream with ``non_blocking``), and are split into tokens and
+    labels there: the two host copies of :func:`batch` took 6-12 ms of host time in an H200 profile, time the GPU
+    waited at the start of every micro-batch."""
+    import torch
+
+    indices = micro_batch_indices(consumed, micro_index, micro, dp_rank, dp_size)
+    if torch.device(device).type != "cuda":
+        return tuple(x.to(device) for x in batch(ds, indices))
+    n = len(ds)
+    rows = torch.stack([torch.as_tensor(ds[i % n], dtype=torch.long) for i in indices])
+    rows = rows.pin_memory().to(device, non_blocking=non_blocking)
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
 __all__ = ["DataUnavailable", "build_token_datasets", "micro_batch_indices", "batch", "micro_batch"]
