@@ -62,3 +62,26 @@ def test_the_three_modes_print(capsys):
     assert pa.main([str(FP8), "--compare", str(MXFP4)]) == 0
     out = capsys.readouterr().out
     assert "total" in out and "bf16_to_fp4_row_kernel" in out
+
+
+GAP = ROOT / "tests/data/profile/h200_mxfp4_attn_ln_mlp_mb32_gap_excerpt.json"
+
+
+def test_gaps_find_the_host_work_the_gpu_waited_for():
+    """--gaps on an excerpt of the mxfp4 profile around one MoE layer's forward (902d750, H200; the GPU events of a
+    14 ms window, their launches and the CPU ops overlapping it): the one idle stretch over 1 ms is the 12.2 ms
+    before the pinned copy of the grouped GEMM's tile table, spent inside GroupedExpertMLP on the host (the Python
+    loop that built the table, replaced since); the idle total is the timeline's own."""
+    ev = pa.load(str(GAP))
+    gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    window, idle, gaps = pa.idle_gaps(ev, 1e3)
+    busy_end, want_idle = gpu[0]["ts"], 0.0
+    for e in gpu:
+        want_idle += max(0.0, e["ts"] - busy_end)
+        busy_end = max(busy_end, e["ts"] + e["dur"])
+    assert idle == want_idle and window == busy_end - gpu[0]["ts"]
+    assert len(gaps) == 1
+    start, length, nxt, host = gaps[0]
+    assert 12.0e3 < length < 12.5e3 and nxt == "Memcpy HtoD (Pinned -> Device)"
+    assert host[0].startswith("GroupedExpertMLP (12.2") and any(h.startswith("aten::pin_memory") for h in host)
+    assert pa.idle_gaps(ev, 20e3)[2] == []  # nothing of 20 ms

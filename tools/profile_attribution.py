@@ -4,6 +4,7 @@
     python tools/profile_attribution.py TRACE.json[.xz] [--top 25]
     python tools/profile_attribution.py TRACE.json --kernels 'fp4|fp8'    # those kernels by grid and caller
     python tools/profile_attribution.py A.json --compare B.json           # kernel time by name, A beside B
+    python tools/profile_attribution.py TRACE.json --gaps 1               # where the GPU waits for the host
 
 The traces come from the trainer's ``train.profile.steps`` (fp4moe/train/profile.py). Prints:
 1. the GPU kernel time (sum of kernel durations) and its split into groups: grouped FP8 GEMMs (our Triton
@@ -12,6 +13,10 @@ The traces come from the trainer's ``train.profile.steps`` (fp4moe/train/profile
    elementwise, copies, cat, index, reductions);
 2. the top (innermost aten op, its input shapes, the nearest enclosing non-aten frame, e.g. an autograd Function)
    by the GPU time of the kernels it launched. A kernel is tied to the op through its launch's correlation id.
+``--gaps MS`` instead lists every stretch of at least MS ms with nothing on the GPU (no kernel, copy or memset):
+when it began, how long, the GPU work that ended it and the host ops that ran meanwhile on the thread that launched
+that work (longest overlap first): in a GPU-bound step these are the host's Python between a sync and the next
+launch.
 """
 from __future__ import annotations
 
@@ -91,14 +96,49 @@ def compare_rows(a: list[dict], b: list[dict]) -> list[tuple[str, float, float]]
     return sorted(((n, ta.get(n, 0.0), tb.get(n, 0.0)) for n in names), key=lambda r: (-abs(r[2] - r[1]), r[0]))
 
 
+def idle_gaps(ev: list[dict], min_us: float) -> tuple[float, float, list[tuple[float, float, str, list[str]]]]:
+    """(window us, idle us in all gaps, [(start us from the window's start, length us, next GPU op, host ops)] for
+    the gaps of at least ``min_us``): the GPU timeline is the union of kernels, copies and memsets; host ops are
+    the ``cpu_op`` events of the launching thread overlapping the gap, by overlap (longest first)."""
+    gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if not gpu:
+        return 0.0, 0.0, []
+    launch_tid = {r["args"]["correlation"]: r["tid"] for r in ev
+                  if r.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in r.get("args", {})}
+    ops = collections.defaultdict(list)
+    for o in ev:
+        if o.get("cat") == "cpu_op":
+            ops[o["tid"]].append(o)
+    t0, end, idle, out = gpu[0]["ts"], gpu[0]["ts"], 0.0, []
+    for e in gpu:
+        if e["ts"] > end:
+            idle += e["ts"] - end
+            if e["ts"] - end >= min_us:
+                tid = launch_tid.get(e.get("args", {}).get("correlation"))
+                over = sorted(((min(e["ts"], o["ts"] + o["dur"]) - max(end, o["ts"]), o["name"]) for o in ops.get(tid, [])
+                               if o["ts"] < e["ts"] and o["ts"] + o["dur"] > end), reverse=True)
+                out.append((end - t0, e["ts"] - end, e["name"], [f"{n} ({v / 1e3:.2f} ms)" for v, n in over]))
+        end = max(end, e["ts"] + e["dur"])
+    return end - t0, idle, out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--kernels", metavar="REGEX", help="list the kernels matching REGEX by grid and calling frames")
     ap.add_argument("--compare", metavar="TRACE_B", help="kernel time per name of TRACE beside TRACE_B (and groups)")
+    ap.add_argument("--gaps", metavar="MS", type=float, help="list the GPU's idle stretches of at least MS ms")
     a = ap.parse_args(argv)
     ev = load(a.trace)
+    if a.gaps is not None:
+        window, idle, gaps = idle_gaps(ev, a.gaps * 1e3)
+        print(f"GPU idle {idle / 1e3:.1f} ms of a {window / 1e3:.1f} ms window; {len(gaps)} stretches of at least "
+              f"{a.gaps:g} ms ({sum(g[1] for g in gaps) / 1e3:.1f} ms):")
+        for start, length, nxt, host in gaps[: a.top]:
+            print(f"  at {start / 1e3:8.1f} ms  {length / 1e3:6.2f} ms idle, then {nxt[:40]:40s} | host: "
+                  f"{'; '.join(host[:3])[:120]}")
+        return 0
     if a.kernels:
         rows = kernel_rows(ev, a.kernels)
         print(f"{len(rows)} (kernel, grid, frames) matching {a.kernels!r}, by GPU time:")
