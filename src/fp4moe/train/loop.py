@@ -483,6 +483,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     keep = int(t.get("keep_checkpoints") or 2)
 
     def save() -> Path:
+        tracker.flush()  # the store holds every logged step up to the checkpoint's before the checkpoint exists
         path = ckpt.save(root, step=step, consumed_samples=consumed, rank=info.rank, world_size=info.world_size,
                          model=model, optimizer=opt, schedule=sched, mlflow_run_id=result.run_id,
                          fingerprint_=fp, keep=keep, meter=meter)

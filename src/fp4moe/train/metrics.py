@@ -24,13 +24,19 @@ whose id its checkpoint holds.
   step's), ``summary/optimizer_state_bytes`` (fp32 master weights + AdamW moments, bytes, the fullest rank's:
   12 per parameter, divided by the shard group with ``parallel.distributed_optimizer``), ``summary/final_loss``,
   ``summary/final_eval_loss``.
+
+Metrics and tags are written by a background thread (``Tracker``), so that a step does not wait for the store (an
+H200 profile showed the GPU idle while the trainer's step end ran); the trainer flushes before each checkpoint and at
+the end, and a write that failed stops the run at its next log, flush or finish with an error naming the store.
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
+import queue
 import statistics
+import threading
 import time
 from importlib import metadata
 from typing import Any, Mapping
@@ -88,13 +94,66 @@ def hardware_tags(device: Any, world_size: int, launcher: str) -> dict[str, str]
             "triton": _version("triton"), "cuda": str(torch.version.cuda), "mlflow": _version("mlflow-skinny")}
 
 
-class Tracker:
-    """The MLflow run of this training run (rank 0); a no-op object on the other ranks."""
+class TrackingError(RuntimeError):
+    """A background write to the MLflow store failed; the message names the store and what was written before."""
 
-    def __init__(self, uri: str, experiment: str, enabled: bool) -> None:
-        self.uri, self.experiment, self.enabled = uri, experiment, enabled
+
+class Tracker:
+    """The MLflow run of this training run (rank 0); a no-op object on the other ranks.
+
+    ``start`` writes synchronously; ``log`` and ``set_tags`` queue their writes for one background thread (in
+    order; ``background=False`` writes at once). ``flush`` waits until everything queued is in the store,
+    ``finish`` flushes, ends the run and stops the thread. A failed write is raised (``TrackingError``) at the next
+    ``log`` / ``set_tags`` / ``flush`` / ``finish``; the writes queued after it are dropped, since the run stops."""
+
+    def __init__(self, uri: str, experiment: str, enabled: bool, background: bool = True) -> None:
+        self.uri, self.experiment, self.enabled, self.background = uri, experiment, enabled, background
         self.client = None
         self.run_id: str | None = None
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._error: tuple[str, BaseException] | None = None
+        self._last_logged_step: int | None = None  # the last step whose metrics reached the store
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                what, step, fn, args = item
+                if self._error is None:  # after a failure nothing more is written
+                    try:
+                        fn(*args)
+                        if what == "metrics":
+                            self._last_logged_step = step
+                    except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                        self._error = (what, e)
+            finally:
+                self._queue.task_done()
+
+    def _raise_failed(self) -> None:
+        if self._error is not None:
+            what, e = self._error
+            done = "none" if self._last_logged_step is None else f"up to step {self._last_logged_step}"
+            raise TrackingError(f"writing {what} to the MLflow store {self.uri} failed ({type(e).__name__}: {e}); "
+                                f"metrics in the store: {done}. Check the store (a server that went away, a full "
+                                "disk); a resumed run continues the same MLflow run from its checkpoint") from e
+
+    def _submit(self, what: str, step: int | None, fn, *args) -> None:
+        self._raise_failed()
+        if self._thread is None:
+            fn(*args)
+            if what == "metrics":
+                self._last_logged_step = step
+        else:
+            self._queue.put((what, step, fn, args))
+
+    def flush(self) -> None:
+        """Wait until every queued write is in the store; raise ``TrackingError`` if one failed."""
+        if self._thread is not None:
+            self._queue.join()
+        self._raise_failed()
 
     def start(self, run_name: str, params: dict[str, str], tags: dict[str, str], resume_run_id: str | None) -> None:
         """Create the run, or reopen ``resume_run_id`` (status RUNNING again; only params it lacks are added,
@@ -129,6 +188,10 @@ class Tracker:
             client.log_batch(self.run_id, params=items[i:i + MLFLOW_BATCH])
         all_tags = {**tracking.environment_tags(), **tags}
         client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
+        if self.background:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._work, name="fp4moe-mlflow", daemon=True)
+            self._thread.start()
 
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         if not self.enabled or self.run_id is None:
@@ -138,17 +201,37 @@ class Tracker:
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         if batch:
-            self.client.log_batch(self.run_id, metrics=batch)
+            self._submit("metrics", step, self.client.log_batch, self.run_id, batch)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         if self.enabled and self.run_id is not None:
-            for k, v in tags.items():
-                self.client.set_tag(self.run_id, k, str(v))
+            from mlflow.entities import RunTag
+
+            self._submit("tags", None, self.client.log_batch, self.run_id, [], [], [RunTag(k, str(v))
+                                                                                   for k, v in tags.items()])
 
     def finish(self, status: str) -> None:
-        """status: FINISHED, FAILED or KILLED (stopped by a signal; a resume sets it RUNNING again)."""
-        if self.enabled and self.run_id is not None:
+        """Flush, then end the run with ``status``: FINISHED, FAILED or KILLED (stopped by a signal; a resume sets it
+        RUNNING again); FAILED if a queued write failed, which is raised after the run is ended."""
+        if not (self.enabled and self.run_id is not None):
+            return
+        failed = None
+        try:
+            self.flush()
+        except TrackingError as e:
+            failed, status = e, "FAILED"
+        finally:
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+                self._thread = None
+        try:
             self.client.set_terminated(self.run_id, status=status)
+        except Exception:  # noqa: BLE001 - the store already failed: the first error is the one to report
+            if failed is None:
+                raise
+        if failed is not None:
+            raise failed
 
 
 class Meter:
