@@ -119,8 +119,8 @@ def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
     """The FP4-storing kernels against the two-kernel path they fuse, bit for bit: (z, h's MXFP4) of
     ``swiglu_fwd_fp4`` = (``swiglu_fwd``, ``bf16_to_fp4_row``), and ``swiglu_bwd_fp4`` of that MXFP4 =
     ``swiglu_bwd`` of ``fp4_to_bf16`` of it (the same float32 operations on the same decoded values): dh bit for bit
-    for every variant, dprobs bit for bit for the default (the same tiles) and within float32 rounding of the
-    float64 sum for the word-space kernel (the same terms, summed in another order)."""
+    for every variant, dprobs bit for bit for the previous default (the same tiles) and within float32 rounding of
+    the float64 sum for the whole-block kernel (the same terms, summed in another order)."""
     from fp4moe_kernels import ops as kops
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import MXFP4Tensor
@@ -137,13 +137,11 @@ def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
     want = ref.bf16_to_fp4_row(h.cpu(), rule)
     assert torch.equal(z.view(torch.int16), swiglu_fwd(h, probs).view(torch.int16))
     assert torch.equal(q.cpu(), want.data) and torch.equal(s.cpu(), want.scales)
-    z4, (q4, s4) = swiglu_fwd_fp4(h, probs, rule, tile=(8, 1, True))  # the byte stores in the words' layout
-    assert torch.equal(z4.view(torch.int16), z.view(torch.int16)) and torch.equal(q4, q) and torch.equal(s4, s)
     h_hat = launch.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f))) if device == "cpu" else kops.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f)))
     dh0, dp0 = swiglu_bwd(h_hat, dz, probs)
-    # the default; the word-space kernels: by word columns at their tile and a narrow one, by whole blocks at their
-    # tile and at one that splits a row into several tiles and leaves a program's last rows past T
-    for tile in (None, "words", (8, 32, 2), "blocks", ("blocks", 2, 3, 2)):
+    # the default (whole-block tiles), a tile that splits a row into several and leaves a program's last rows past T,
+    # and the previous default (2-D tiles)
+    for tile in (None, ("blocks", 2, 3, 2), "tiles"):
         dh, dp = swiglu_bwd_fp4(q, s, dz, probs, tile=tile)
         nan = torch.isnan(dh.float())
         assert torch.equal(nan, torch.isnan(dh0.float()))
@@ -153,12 +151,14 @@ def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
             continue
         nan = torch.isnan(dp)
         assert torch.equal(nan, torch.isnan(dp0))
-        if tile is None:  # the same tiles as swiglu_bwd: the same summation order
+        if tile == "tiles":  # the same tiles as swiglu_bwd: the same summation order
             assert torch.equal(dp[~nan], dp0[~nan])
         else:  # the same float32 terms summed in another order: within float32 rounding of the float64 sum
             terms = _exact(h_hat, probs, dz)[2]
-            torch.testing.assert_close(dp[~nan].double(), terms[~nan], rtol=1e-5, atol=1e-5 * max(1.0, _max(terms[~nan].abs())))
-            torch.testing.assert_close(dp[~nan], dp0[~nan], rtol=1e-5, atol=1e-4)
+            tol = 1e-5 * max(1.0, _max(terms[~nan].abs()))
+            torch.testing.assert_close(dp[~nan].double(), terms[~nan], rtol=1e-5, atol=tol)
+            # the default's sum is as close to float64 (the plain kernel's test), so the two within twice that
+            torch.testing.assert_close(dp[~nan], dp0[~nan], rtol=2e-5, atol=2 * tol)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
@@ -196,7 +196,8 @@ def test_fp4_store_kernels_reject_widths_that_split_blocks():
 def test_fp4_store_switch_changes_no_bit(monkeypatch, where):
     """FP4MOE_FUSED_SWIGLU_FP4=1 (the fused FP4-storing SwiGLU) against =0 (quantize and decode in their own
     kernels) inside the routed experts under mxfp4 and inside the SwiGLU autograd function: outputs and every
-    gradient bit for bit, the same saved bytes."""
+    gradient bit for bit (the routing probabilities' within float32 rounding: its dprobs sums in another order), the
+    same saved bytes."""
     from fp4moe.ops.grouped_experts import grouped_expert_mlp
     from fp4moe.recipe import Recipe
 
@@ -223,8 +224,11 @@ def test_fp4_store_switch_changes_no_bit(monkeypatch, where):
     (y0, g0, s0), (y1, g1, s1) = outs
     assert ops_swiglu.fused_fp4_enabled(h)
     assert torch.equal(y0, y1) and s0 == s1
-    for a, b in zip(g0, g1):
-        assert torch.equal(a, b)
+    for i, (a, b) in enumerate(zip(g0, g1)):
+        if where == "experts" and i == 3:  # the probabilities' gradient: float32 sums over F in another order
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * max(1.0, float(a.abs().max())))
+        else:
+            assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
@@ -237,8 +241,8 @@ def test_bench_tiles_reach_the_kernels():
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd_fp4
 
-    tiles = _bwd_tiles("words, blocks,8x32x2,b2x3x2")
-    assert tiles == ["words", "blocks", (8, 32, 2), ("blocks", 2, 3, 2)]
+    tiles = _bwd_tiles("tiles, b2x3x2")
+    assert tiles == ["tiles", ("blocks", 2, 3, 2)]
     g = torch.Generator().manual_seed(5)
     h = (torch.randn(9, 2 * 96, generator=g) * 3).to(torch.bfloat16)
     dz = torch.randn(9, 96, generator=g).to(torch.bfloat16)
@@ -246,10 +250,11 @@ def test_bench_tiles_reach_the_kernels():
     want, _ = swiglu_bwd_fp4(q.data, q.scales, dz)
     for tile in tiles:
         assert torch.equal(swiglu_bwd_fp4(q.data, q.scales, dz, tile=tile)[0].view(torch.int16), want.view(torch.int16))
-    with pytest.raises(ValueError):
-        _bwd_tiles("blocks8x4")
-    fwd = _tiles("8x1, n8x2")
-    assert fwd == [(8, 1), (8, 2, True)]
+    for typo in ("blocks8x4", "words", "8x128x4"):
+        with pytest.raises(ValueError):
+            _bwd_tiles(typo)
+    fwd = _tiles("8x1, 16x2")
+    assert fwd == [(8, 1), (16, 2)]
     z, (qd, qs) = swiglu_fwd_fp4(h)
     for tile in fwd:
         z1, (qd1, qs1) = swiglu_fwd_fp4(h, tile=tile)

@@ -56,6 +56,10 @@ def test_kernel_switch_typo_is_one_message(tmp_path):
     assert r.returncode == 2
     assert "fp4moe.train: ConfigError: FP4MOE_DISPATCH_QUANTIZE='row': use tokens" in r.stderr
     assert "Traceback" not in r.stderr and "step" not in r.stderr
+    r = _run(["-m", "fp4moe.train"], tmp_path, env={"FP4MOE_TRACKING_THREAD": "off"})
+    assert r.returncode == 2
+    assert "fp4moe.train: ConfigError: FP4MOE_TRACKING_THREAD='off': use 1" in r.stderr
+    assert "Traceback" not in r.stderr and "step" not in r.stderr
 
 
 def test_unreachable_mlflow_server(tmp_path):

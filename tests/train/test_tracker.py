@@ -81,3 +81,16 @@ def test_a_disabled_tracker_writes_nothing_and_starts_no_thread(shared):
     t.finish("FINISHED")
     assert t.run_id is None and t._thread is None
     assert _client(store).search_experiments(filter_string="name = 'tracker_disabled'") == []
+
+
+def test_the_thread_switch(shared, monkeypatch):
+    """FP4MOE_TRACKING_THREAD: unset / 1 the writer thread, 0 the training loop writes; a typo names the variable."""
+    from fp4moe.train.metrics import tracking_thread
+
+    monkeypatch.delenv("FP4MOE_TRACKING_THREAD", raising=False)
+    assert tracking_thread() and Tracker(shared, "x", enabled=True).background
+    monkeypatch.setenv("FP4MOE_TRACKING_THREAD", "0")
+    assert not Tracker(shared, "x", enabled=True).background
+    monkeypatch.setenv("FP4MOE_TRACKING_THREAD", "yes")
+    with pytest.raises(ValueError, match="FP4MOE_TRACKING_THREAD='yes': use 1"):
+        tracking_thread()

@@ -67,16 +67,11 @@ KERNELS = {
                     "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr", "BF": "constexpr"}),
     "swiglu_fwd_fp4": (swiglu._swiglu_fwd_fp4_kernel,
                        {"h_ptr": "*i32", "p_ptr": "*fp32", "z_ptr": "*i32", "q_ptr": "*u8", "s_ptr": "*u8", "NB": "i32",
-                        "F": "constexpr", "HAS_P": "constexpr", "RULE_CEIL": "constexpr", "R": "constexpr",
-                        "BYTES4": "constexpr"}),
+                        "F": "constexpr", "HAS_P": "constexpr", "RULE_CEIL": "constexpr", "R": "constexpr"}),
     "swiglu_bwd_fp4": (swiglu._swiglu_bwd_fp4_kernel,
                        {"q_ptr": "*u8", "s_ptr": "*u8", "dz_ptr": "*bf16", "p_ptr": "*fp32", "dh_ptr": "*i16",
                         "dp_ptr": "*fp32", "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr",
                         "BF": "constexpr"}),
-    "swiglu_bwd_fp4_words": (swiglu._swiglu_bwd_fp4_words_kernel,
-                             {"q_ptr": "*u8", "s_ptr": "*u8", "dz_ptr": "*i32", "p_ptr": "*fp32", "dh_ptr": "*i32",
-                              "dp_ptr": "*fp32", "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr",
-                              "BW": "constexpr"}),
     "swiglu_bwd_fp4_blocks": (swiglu._swiglu_bwd_fp4_blocks_kernel,
                               {"q_ptr": "*u8", "s_ptr": "*u8", "dz_ptr": "*i32", "p_ptr": "*fp32", "dh_ptr": "*i32",
                                "dp_ptr": "*fp32", "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "CB": "constexpr",
@@ -140,14 +135,10 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
         consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "BT": bt, "BF": bf}
         if name == "swiglu_fwd_fp4":
             r, warps = swiglu.FWD_FP4_TILE
-            consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "RULE_CEIL": flags.get("RULE_CEIL", True), "R": r,
-                      "BYTES4": flags.get("BYTES4", False)}
+            consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "RULE_CEIL": flags.get("RULE_CEIL", True), "R": r}
         if name == "swiglu_bwd_fp4_blocks":
             cb, rpp, warps = tile or swiglu.BWD_FP4_BLOCKS_TILE
             consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "CB": cb, "RPP": rpp}
-        if name == "swiglu_bwd_fp4_words":
-            bt, bw, warps = tile or swiglu.BWD_FP4_TILE
-            consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "BT": bt, "BW": bw}
     else:
         size, flag, warps = tile or launch.TILES[name]
         consts = {"K": k, "EMULATE": False, "BN": size, "R": size, "N": 4096, "BYTES4": bool(flag)}

@@ -36,10 +36,8 @@ BWD_TILE = (16, 128, 4)
 # the FP4-storing forward: (32-column blocks per program, num_warps), the fastest of six in the H200 sweep
 # (results/kernels/swiglu_h200_2026-12-01_fused-fwd-fp4.md)
 FWD_FP4_TILE = (32, 1)
-# the backward from MXFP4 in word space (``tile="words"``): (rows per program, 32-bit words per row and half per
-# iteration, num_warps). Not yet timed on a GPU, so not the default (tools/device/README.md, "Next session").
-BWD_FP4_TILE = (16, 64, 4)
-# the same in tiles of whole MXFP4 blocks (``tile="blocks"``): (blocks per tile, rows per program, num_warps)
+# the backward from MXFP4 (whole-block tiles): (blocks per tile, rows per program, num_warps); 70-75 % of the copy
+# bandwidth on an H200 against 44-50 % for the 2-D tiles it replaced (results/kernels/swiglu_h200_2026-12-01_831ae2f.md)
 BWD_FP4_BLOCKS_TILE = (32, 4, 4)
 
 
@@ -140,22 +138,18 @@ def _z_bits(g, u, p, HAS_P: tl.constexpr):
 
 @triton.jit
 def _swiglu_fwd_fp4_kernel(h_ptr, p_ptr, z_ptr, q_ptr, s_ptr, NB, F: tl.constexpr, HAS_P: tl.constexpr,
-                           RULE_CEIL: tl.constexpr, R: tl.constexpr, BYTES4: tl.constexpr = False):
+                           RULE_CEIL: tl.constexpr, R: tl.constexpr):
     """The forward, plus h's MXFP4 copy (what ``bf16_to_fp4_row(h)`` returns) from the same registers: h is read
     once for both. A program owns ``R`` blocks of 32 gate columns (flat index b over T x F/32: row b // (F/32)) and
     the matching up blocks, as the row kernels do: h, z as int32 words of two BF16 ([R, 16] even / odd element
-    pairs), widened exactly by shifts; no reshape. ``BYTES4`` declares the 16 columns contiguous in fours, so the
-    MXFP4 byte stores take the words' register layout (4 per thread, 32-bit stores) instead of their own 16-byte
-    one through shared memory (opt-in until timed on a GPU)."""
+    pairs), widened exactly by shifts; no reshape. (Declaring the 16 columns contiguous in fours, so that the byte
+    stores take the words' register layout, was 3-5 % slower on an H200: swiglu_h200_2026-12-01_831ae2f.md.)"""
     b = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     mask = b < NB
     m2 = mask[:, None]
     row = b // (F // 32)
     cb = b % (F // 32)
-    if BYTES4:
-        j = tl.max_contiguous(tl.arange(0, 16), 4)[None, :]
-    else:
-        j = tl.arange(0, 16)[None, :]
+    j = tl.arange(0, 16)[None, :]
     hw = (row * F + cb * 16)[:, None] + j  # h [T, 2F] as words [T, F]: gate words 0..F/2-1, up words F/2..F-1
     gw = tl.load(h_ptr + hw, mask=m2, other=0)
     uw = tl.load(h_ptr + hw + F // 2, mask=m2, other=0)
@@ -202,50 +196,6 @@ def _swiglu_bwd_fp4_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl
 
 
 @triton.jit
-def _decode_words(q_ptrs, s_ptrs, mask):
-    """float32 values (even channel, odd channel) ``[BT, BW]`` of the MXFP4 bytes at ``q_ptrs`` (byte w holds
-    channels 2w, 2w+1) with the UE8M0 code of each byte's block at ``s_ptrs`` (NaN blocks -> NaN): what
-    ``fp4_to_bf16`` gives, as float32."""
-    packed = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
-    code = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
-    f = tl.where(code == 255, float("nan"), e8m0_value(code))
-    return e2m1_value(packed & 0xF) * f, e2m1_value(packed >> 4) * f
-
-
-@triton.jit
-def _swiglu_bwd_fp4_words_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr, HAS_P: tl.constexpr,
-                                 BT: tl.constexpr, BW: tl.constexpr):
-    """The backward from h's MXFP4 copy in word space: byte w of a half holds channels 2w and 2w+1, as 32-bit word w
-    of dz [T, F] (int32 [T, F/2]) and of each half of dh [T, 2F] (int32 [T, F]) does, so even and odd channels are
-    computed side by side in registers and packed back, with no reshape or join (no layout conversion through shared
-    memory); each byte's UE8M0 code is loaded at its block's address. dh: the float32 operations of
-    ``_swiglu_bwd_kernel`` on the decoded h, bit for bit; dprobs: the same terms summed in another order."""
-    rows, rmask, r64, p, acc = _bwd_rows(p_ptr, T, HAS_P, BT)
-    f32: tl.constexpr = tl.float32
-    for w0 in range(0, F // 2, BW):
-        w = w0 + tl.arange(0, BW)
-        mask = rmask[:, None] & (w[None, :] < F // 2)
-        qg = q_ptr + r64 * F + w[None, :]
-        sg = s_ptr + r64 * (F // 16) + (w // 16)[None, :]
-        g0, g1 = _decode_words(qg, sg, mask)
-        u0, u1 = _decode_words(qg + F // 2, sg + F // 32, mask)
-        dzw = tl.load(dz_ptr + r64 * (F // 2) + w[None, :], mask=mask, other=0)
-        dz0, dz1 = (dzw << 16).to(f32, bitcast=True), (dzw & -65536).to(f32, bitcast=True)
-        if HAS_P:
-            dg0, du0, silu0 = _swiglu_grads(g0, u0, dz0 * p[:, None])
-            dg1, du1, silu1 = _swiglu_grads(g1, u1, dz1 * p[:, None])
-            acc += tl.sum(dz0 * silu0 * u0 + dz1 * silu1 * u1, axis=1)
-        else:
-            dg0, du0, silu0 = _swiglu_grads(g0, u0, dz0)
-            dg1, du1, silu1 = _swiglu_grads(g1, u1, dz1)
-        dh = dh_ptr + r64 * F + w[None, :]
-        tl.store(dh, (_bf16_bits(dg0).to(tl.int32) & 0xFFFF) | (_bf16_bits(dg1).to(tl.int32) << 16), mask=mask)
-        tl.store(dh + F // 2, (_bf16_bits(du0).to(tl.int32) & 0xFFFF) | (_bf16_bits(du1).to(tl.int32) << 16), mask=mask)
-    if HAS_P:
-        tl.store(dp_ptr + rows, acc, mask=rmask)
-
-
-@triton.jit
 def _decode_blocks(q_ptrs, s_ptrs, bmask, m2):
     """float32 values (even channel, odd channel) ``[CB, 16]`` of MXFP4 blocks: bytes at ``q_ptrs`` ``[CB, 16]``,
     one UE8M0 code per block at ``s_ptrs`` ``[CB]`` (NaN blocks -> NaN), broadcast along the block's 16 bytes."""
@@ -258,7 +208,8 @@ def _decode_blocks(q_ptrs, s_ptrs, bmask, m2):
 @triton.jit
 def _swiglu_bwd_fp4_blocks_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr,
                                   HAS_P: tl.constexpr, CB: tl.constexpr, RPP: tl.constexpr):
-    """The word-space backward with tiles of whole MXFP4 blocks: a program owns ``RPP`` rows, each as tiles of
+    """The backward from h's MXFP4 copy (data [T, F] bytes, scales [T, F/16]) in word space, tiled by whole MXFP4
+    blocks: a program owns ``RPP`` rows, each as tiles of
     ``CB`` blocks x 16 (byte w of a block: channels 2w, 2w+1; word w of dz and of each half of dh: the same two).
     A block's UE8M0 code is one value per tile row, broadcast along it (no per-element code load), and the 16
     columns are declared contiguous in fours, so the byte loads and the 32-bit word loads and stores get the same
@@ -344,8 +295,7 @@ def swiglu_bwd(h: torch.Tensor, dz: torch.Tensor, probs: Optional[torch.Tensor] 
 def swiglu_fwd_fp4(h: torch.Tensor, probs: Optional[torch.Tensor] = None, rule: str = "ceil", tile=None):
     """(z ``[T, F]`` bf16, h's MXFP4 ``(data [T, F] uint8, scales [T, F/16] uint8)``) from h ``[T, 2F]`` bf16
     contiguous, F a multiple of 32: ``swiglu_fwd(h, probs)`` and ``bf16_to_fp4_row(h, rule)`` in one pass over h.
-    ``tile`` (blocks per program, num_warps[, bytes4]) overrides ``FWD_FP4_TILE`` (benchmark sweeps; bytes4: the
-    byte stores in the words' layout, the kernel's ``BYTES4``)."""
+    ``tile`` (blocks per program, num_warps) overrides ``FWD_FP4_TILE`` (benchmark sweeps)."""
     t, f2 = h.shape
     f = f2 // 2
     if f % 32:
@@ -354,12 +304,11 @@ def swiglu_fwd_fp4(h: torch.Tensor, probs: Optional[torch.Tensor] = None, rule: 
     q = torch.empty(t, f, dtype=torch.uint8, device=h.device)
     sc = torch.empty(t, f // 16, dtype=torch.uint8, device=h.device)
     if t and f:
-        r, warps, *bytes4 = tile or FWD_FP4_TILE
+        r, warps = tile or FWD_FP4_TILE
         nb = t * (f // 32)
         _swiglu_fwd_fp4_kernel[(triton.cdiv(nb, r),)](h.view(torch.int32), probs if probs is not None else h,
                                                        z.view(torch.int32), q, sc, nb, f, HAS_P=probs is not None,
-                                                       RULE_CEIL=rule == "ceil", R=r, BYTES4=bool(bytes4 and bytes4[0]),
-                                                       num_warps=warps)
+                                                       RULE_CEIL=rule == "ceil", R=r, num_warps=warps)
     return z, (q, sc)
 
 
@@ -367,11 +316,10 @@ def swiglu_bwd_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor, p
                    tile=None):
     """``swiglu_bwd(fp4_to_bf16(h4), dz, probs)`` with h4 = (data ``[T, F]`` uint8, scales ``[T, F/16]`` uint8) the
     MXFP4 copy of h ``[T, 2F]`` (F a multiple of 32), decoded in registers instead of through a BF16 h in memory:
-    dh bit for bit. ``tile=None`` (the default) runs 2-D tiles decoded with a join and reshape (dprobs bit for bit
-    ``swiglu_bwd``'s; 44-50 % of the copy bandwidth on an H200). Two word-space kernels (dprobs within float32
-    rounding: another summation order), which the next GPU session times beside it: ``tile="words"`` at
-    ``BWD_FP4_TILE`` or ``tile=(rows per program, words per iteration, num_warps)``; ``tile="blocks"`` at
-    ``BWD_FP4_BLOCKS_TILE`` or ``tile=("blocks", blocks per tile, rows per program, num_warps)``."""
+    dh bit for bit; dprobs within float32 rounding (the same terms summed in another order). ``tile``: None (the
+    whole-block kernel at ``BWD_FP4_BLOCKS_TILE``), ``("blocks", blocks per tile, rows per program, num_warps)``, or
+    ``"tiles"``: the previous default, 2-D tiles decoded with a join and reshape (dprobs bit for bit
+    ``swiglu_bwd``'s; 44-50 % of the copy bandwidth on an H200 against 70-75 %), kept for benchmarks."""
     t, f = data.shape
     if f % 32 or tuple(scales.shape) != (t, f // 16):
         raise ValueError(f"swiglu_bwd_fp4: data [T, F] with F a multiple of 32 and scales [T, F/16], got "
@@ -381,28 +329,22 @@ def swiglu_bwd_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor, p
                          f"{tuple(dz.shape)}{'' if dz.is_contiguous() else ' (not contiguous)'}")
     dh = torch.empty(t, 2 * f, dtype=torch.bfloat16, device=data.device)
     dp = torch.empty(t, dtype=torch.float32, device=data.device) if probs is not None else None
-    if t and f and tile is None:
+    if t and f and tile == "tiles":
         bt, bf, warps = BWD_TILE
         _swiglu_bwd_fp4_kernel[(triton.cdiv(t, bt),)](data, scales, dz, probs if probs is not None else dz,
                                                       dh.view(torch.int16), dp if dp is not None else dh, t, f,
                                                       HAS_P=probs is not None, BT=bt, BF=bf, num_warps=warps)
-    elif t and f and (tile == "blocks" or tile[0] == "blocks"):
-        cb, rpp, warps = BWD_FP4_BLOCKS_TILE if tile == "blocks" else tile[1:]
+    elif t and f:
+        cb, rpp, warps = BWD_FP4_BLOCKS_TILE if tile is None else tile[1:]
         cb = min(cb, triton.next_power_of_2(f // 32))
         _swiglu_bwd_fp4_blocks_kernel[(triton.cdiv(t, rpp),)](data, scales, dz.view(torch.int32),
                                                               probs if probs is not None else dz, dh.view(torch.int32),
                                                               dp if dp is not None else dh, t, f, HAS_P=probs is not None,
                                                               CB=cb, RPP=rpp, num_warps=warps)
-    elif t and f:
-        bt, bw, warps = BWD_FP4_TILE if tile == "words" else tile
-        _swiglu_bwd_fp4_words_kernel[(triton.cdiv(t, bt),)](data, scales, dz.view(torch.int32),
-                                                            probs if probs is not None else dz, dh.view(torch.int32),
-                                                            dp if dp is not None else dh, t, f, HAS_P=probs is not None,
-                                                            BT=bt, BW=bw, num_warps=warps)
     elif dp is not None:
         dp.zero_()
     return dh, dp
 
 
 __all__ = ["swiglu_fwd", "swiglu_bwd", "swiglu_fwd_fp4", "swiglu_bwd_fp4", "FWD_TILE", "BWD_TILE", "FWD_FP4_TILE",
-           "BWD_FP4_TILE", "BWD_FP4_BLOCKS_TILE"]
+           "BWD_FP4_BLOCKS_TILE"]

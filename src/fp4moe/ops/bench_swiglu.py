@@ -9,10 +9,9 @@ probs read; backward: h and dz read, dh written, probs read and dprobs written),
 speedup = unfused ms / fused ms. With h stored as MXFP4 (the recipe's ``activation_fp4_store``) the fused
 ``swiglu_fwd_fp4`` / ``swiglu_bwd_fp4`` run against the two kernels they fuse (``swiglu_fwd`` + ``bf16_to_fp4_row``;
 ``fp4_to_bf16`` + ``swiglu_bwd``), in the "unfused" column of those rows; ``--fp4-tiles`` times the FP4-storing
-forward again at each listed tile (blocks per program x warps; prefix ``n``: its byte stores in the words' register
-layout) against the same unfused pair, and
-``--bwd-fp4-tiles`` the word-space backwards from MXFP4 at each listed tile (``words`` / ``blocks``: their default
-tiles; rows x words x warps; ``b`` blocks x rows x warps) beside the default kernel's row. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
+forward again at each listed tile (blocks per program x warps) against the same unfused pair, and
+``--bwd-fp4-tiles`` the backward from MXFP4 at each listed tile (``b`` blocks x rows x warps; ``tiles``: the previous
+default, 2-D tiles) beside the default's row. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
 results/kernels/).
 """
 from __future__ import annotations
@@ -37,37 +36,27 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _tiles(text: str) -> list[tuple]:
-    """'64x2,128x4,n32x1' -> [(64, 2), (128, 4), (32, 1, True)]: (32-column blocks per program, num_warps[, bytes4])
-    of ``swiglu_fwd_fp4``; an ``n`` prefix stores the MXFP4 bytes in the words' layout (the kernel's BYTES4)."""
-    out = []
-    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
-        narrow = part.startswith("n")
-        out.append(tuple(int(v) for v in part[narrow:].split("x")) + ((True,) if narrow else ()))
-    return out
+def _tiles(text: str) -> list[tuple[int, int]]:
+    """'64x2,128x4' -> [(64, 2), (128, 4)]: (32-column blocks per program, num_warps) of ``swiglu_fwd_fp4``."""
+    return [tuple(int(v) for v in part.strip().lower().split("x")) for part in text.split(",") if part.strip()]
 
 
 def _bwd_tiles(text: str) -> list:
-    """'words,8x128x4,blocks,b16x4x2' -> ['words', (8, 128, 4), 'blocks', ('blocks', 16, 4, 2)]: ``tile`` arguments
-    of ``swiglu_bwd_fp4``'s word-space kernels: by word columns (rows per program x words per iteration x warps) and
-    by whole MXFP4 blocks (``b`` blocks per tile x rows per program x warps); ``words`` / ``blocks`` their defaults."""
+    """'tiles,b16x4x2' -> ['tiles', ('blocks', 16, 4, 2)]: ``tile`` arguments of ``swiglu_bwd_fp4``: ``b`` blocks per
+    tile x rows per program x warps (the default kernel), ``tiles`` the previous default (2-D tiles)."""
     out = []
     for part in (p.strip().lower() for p in text.split(",") if p.strip()):
-        if part in ("words", "blocks"):
+        if part == "tiles":
             out.append(part)
         elif part.startswith("b"):
             out.append(("blocks", *(int(v) for v in part[1:].split("x"))))
         else:
-            out.append(tuple(int(v) for v in part.split("x")))
+            raise ValueError(f"--bwd-fp4-tiles: {part!r} is neither 'tiles' nor bCxRxN (e.g. b32x4x4)")
     return out
 
 
 def _bwd_label(tile) -> str:
-    if tile in ("words", "blocks"):
-        return f"{tile}, default tile"
-    if tile[0] == "blocks":
-        return "blocks, tile " + "x".join(map(str, tile[1:]))
-    return "words, tile " + "x".join(map(str, tile))
+    return "2-D tiles (the previous default)" if tile == "tiles" else "tile " + "x".join(map(str, tile[1:]))
 
 
 def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_tiles=()) -> tuple[float, list[dict]]:
@@ -97,8 +86,8 @@ def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_ti
                       ("backward, h from MXFP4", lambda: swiglu_bwd_fp4(q4.data, q4.scales, dz, p),
                        lambda: swiglu_bwd(kops.fp4_to_bf16(MXFP4Tensor(q4.data, q4.scales, (t, 2 * f))), dz, p),
                        fp4b + 2 * t * f + 2 * t * 2 * f + 2 * pb))
-            cases += tuple((f"forward, h stored as MXFP4, tile {'x'.join(map(str, ft[:2]))}{', bytes4' if ft[2:] else ''}",
-                            lambda ft=ft: swiglu_fwd_fp4(h, p, tile=ft), cases[2][2], cases[2][3]) for ft in fp4_tiles)
+            cases += tuple((f"forward, h stored as MXFP4, tile {r}x{w}", lambda r=r, w=w: swiglu_fwd_fp4(h, p, tile=(r, w)),
+                            cases[2][2], cases[2][3]) for r, w in fp4_tiles)
             cases += tuple((f"backward, h from MXFP4, {_bwd_label(bt)}",
                             lambda bt=bt: swiglu_bwd_fp4(q4.data, q4.scales, dz, p, tile=bt), cases[3][2], cases[3][3])
                            for bt in bwd_fp4_tiles)
@@ -118,11 +107,10 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="524288x1024,32768x2048", help="comma-separated TxF (default: %(default)s)")
     ap.add_argument("--fp4-tiles", default="",
-                    help="also time swiglu_fwd_fp4 at these tiles, e.g. 64x2,128x4 (prefix n: bytes4, e.g. n32x1)")
+                    help="also time swiglu_fwd_fp4 at these tiles, e.g. 64x2,128x4")
     ap.add_argument("--bwd-fp4-tiles", default="",
-                    help="also time swiglu_bwd_fp4's word-space kernels at these tiles: 'words' / 'blocks' (their "
-                         "defaults), RxWxN (rows x words x warps), bCxRxN (blocks x rows x warps), e.g. "
-                         "words,blocks,b32x8x4")
+                    help="also time swiglu_bwd_fp4 at these tiles: bCxRxN (blocks x rows x warps) or 'tiles' (the "
+                         "previous default), e.g. tiles,b32x8x4")
     ap.add_argument("--warmup-ms", type=int, default=25)
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--out", default=os.environ.get("BENCH_OUT", "results/kernels"))

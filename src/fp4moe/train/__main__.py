@@ -6,7 +6,7 @@
     python -m fp4moe.train experiment=paper_t1 hydra/launcher=slurm_h100    # Slurm via submitit (P4)
     python -m fp4moe.train experiment=paper_f4 hydra/launcher=slurm_h100    # a benchmark (F3/F4): fp4moe.bench_job
 
-Exit status: 0 finished; 2 the config, a kernel switch (``FP4MOE_CUDA_COL``, ``FP4MOE_DISPATCH_QUANTIZE``), the
+Exit status: 0 finished; 2 the config, a switch (``FP4MOE_CUDA_COL``, ``FP4MOE_DISPATCH_QUANTIZE``, ``FP4MOE_TRACKING_THREAD``), the
 data or the MLflow store cannot be used (one message, no traceback, before training starts); 3 out of GPU memory (recorded in MLflow as
 ``outcome=OOM``; in a multirun the sweep goes on); 128 + N stopped by signal N (SIGTERM, SIGUSR1) after writing a
 checkpoint (rerun the same command to resume: with a relative ``train.checkpoint_dir``, pin ``hydra.run.dir``). In a

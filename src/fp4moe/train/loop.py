@@ -76,7 +76,7 @@ def is_oom(e: BaseException) -> bool:
 
 def preflight(cfg: Any) -> dict[str, Any]:
     """Everything that can be refused without torch.distributed: ``fp4moe.config.check``, the trainer's limits,
-    the kernel switches (``FP4MOE_CUDA_COL``, ``FP4MOE_DISPATCH_QUANTIZE``), the MLflow store, and megatron-core's ``MLATransformerConfig`` as
+    the switches (``FP4MOE_CUDA_COL``, ``FP4MOE_DISPATCH_QUANTIZE``, ``FP4MOE_TRACKING_THREAD``), the MLflow store, and megatron-core's ``MLATransformerConfig`` as
     fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError / TrackingUnavailable."""
     derived = check(cfg)
     check_supported(cfg)
@@ -101,10 +101,12 @@ def preflight(cfg: Any) -> dict[str, Any]:
     from fp4moe_kernels.formats import FormatError
 
     from fp4moe.ops.all_to_all import dispatch_quantize_mode
+    from fp4moe.train.metrics import tracking_thread
 
     try:
         ops.cuda_col_mode()  # a typo in FP4MOE_CUDA_COL is refused here, not at the first backward
         dispatch_quantize_mode()  # nor one in FP4MOE_DISPATCH_QUANTIZE at the model's build
+        tracking_thread()  # nor one in FP4MOE_TRACKING_THREAD
     except (FormatError, ValueError) as e:
         raise ConfigError(str(e)) from None
     from fp4moe.train.metrics import resolve_uri

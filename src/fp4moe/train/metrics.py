@@ -94,6 +94,19 @@ def hardware_tags(device: Any, world_size: int, launcher: str) -> dict[str, str]
             "triton": _version("triton"), "cuda": str(torch.version.cuda), "mlflow": _version("mlflow-skinny")}
 
 
+TRACKING_THREAD_ENV = "FP4MOE_TRACKING_THREAD"
+
+
+def tracking_thread() -> bool:
+    """``FP4MOE_TRACKING_THREAD``: unset or ``1`` writes metrics and tags from a background thread (the default),
+    ``0`` from the training loop (for side-by-side measurements). ValueError naming the values for anything else."""
+    raw = os.environ.get(TRACKING_THREAD_ENV, "1").strip() or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(f"{TRACKING_THREAD_ENV}={os.environ[TRACKING_THREAD_ENV]!r}: use 1 (the default: MLflow "
+                         "writes from a background thread) or 0 (from the training loop)")
+    return raw == "1"
+
+
 class TrackingError(RuntimeError):
     """A background write to the MLflow store failed; the message names the store and what was written before."""
 
@@ -106,8 +119,10 @@ class Tracker:
     ``finish`` flushes, ends the run and stops the thread. A failed write is raised (``TrackingError``) at the next
     ``log`` / ``set_tags`` / ``flush`` / ``finish``; the writes queued after it are dropped, since the run stops."""
 
-    def __init__(self, uri: str, experiment: str, enabled: bool, background: bool = True) -> None:
-        self.uri, self.experiment, self.enabled, self.background = uri, experiment, enabled, background
+    def __init__(self, uri: str, experiment: str, enabled: bool, background: bool | None = None) -> None:
+        """``background``: None takes ``FP4MOE_TRACKING_THREAD`` (default on)."""
+        self.uri, self.experiment, self.enabled = uri, experiment, enabled
+        self.background = tracking_thread() if background is None else background
         self.client = None
         self.run_id: str | None = None
         self._queue: queue.Queue | None = None
