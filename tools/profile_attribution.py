@@ -47,13 +47,19 @@ def group_of(name: str) -> str:
     return "torch elementwise / copy / cat / index / reductions"
 
 
-def _launch_frames(ev: list[dict]) -> dict[int, list[str]]:
-    """correlation id -> names of the CPU ops around the kernel's launch (cuda_runtime or cuda_driver event, same
-    thread), innermost first."""
+def _cpu_ops_by_thread(ev: list[dict]) -> dict[int, list[dict]]:
+    """thread id -> its ``cpu_op`` events."""
     ops = collections.defaultdict(list)
     for o in ev:
         if o.get("cat") == "cpu_op":
             ops[o["tid"]].append(o)
+    return ops
+
+
+def _launch_frames(ev: list[dict]) -> dict[int, list[str]]:
+    """correlation id -> names of the CPU ops around the kernel's launch (cuda_runtime or cuda_driver event, same
+    thread), innermost first."""
+    ops = _cpu_ops_by_thread(ev)
     out = {}
     for r in ev:
         c = r.get("args", {}).get("correlation")
@@ -105,10 +111,7 @@ def idle_gaps(ev: list[dict], min_us: float) -> tuple[float, float, list[tuple[f
         return 0.0, 0.0, []
     launch_tid = {r["args"]["correlation"]: r["tid"] for r in ev
                   if r.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in r.get("args", {})}
-    ops = collections.defaultdict(list)
-    for o in ev:
-        if o.get("cat") == "cpu_op":
-            ops[o["tid"]].append(o)
+    ops = _cpu_ops_by_thread(ev)
     t0, end, idle, out = gpu[0]["ts"], gpu[0]["ts"], 0.0, []
     for e in gpu:
         if e["ts"] > end:
@@ -173,10 +176,7 @@ def main(argv=None) -> int:
     for g, v in groups.most_common():
         print(f"  {v / 1e3:9.1f} ms  {100 * v / total:5.1f} %  {g}")
     dur = {e["args"]["correlation"]: e["dur"] for e in kernels if "correlation" in e.get("args", {})}
-    ops = collections.defaultdict(list)
-    for o in ev:
-        if o.get("cat") == "cpu_op":
-            ops[o["tid"]].append(o)
+    ops = _cpu_ops_by_thread(ev)
     agg, cnt = collections.Counter(), collections.Counter()
     for r in ev:
         c = r.get("args", {}).get("correlation")

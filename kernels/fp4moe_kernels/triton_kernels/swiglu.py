@@ -196,6 +196,12 @@ def _swiglu_bwd_fp4_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl
 
 
 @triton.jit
+def _bf16x2_bits(lo, hi):
+    """int32 words of two BF16 (nearest-even): ``lo`` in the low half, ``hi`` in the high half (float32 inputs)."""
+    return (_bf16_bits(lo).to(tl.int32) & 0xFFFF) | (_bf16_bits(hi).to(tl.int32) << 16)
+
+
+@triton.jit
 def _decode_blocks(q_ptrs, s_ptrs, bmask, m2):
     """float32 values (even channel, odd channel) ``[CB, 16]`` of MXFP4 blocks: bytes at ``q_ptrs`` ``[CB, 16]``,
     one UE8M0 code per block at ``s_ptrs`` ``[CB]`` (NaN blocks -> NaN), broadcast along the block's 16 bytes."""
@@ -209,8 +215,8 @@ def _decode_blocks(q_ptrs, s_ptrs, bmask, m2):
 def _swiglu_bwd_fp4_blocks_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T, F: tl.constexpr,
                                   HAS_P: tl.constexpr, CB: tl.constexpr, RPP: tl.constexpr):
     """The backward from h's MXFP4 copy (data [T, F] bytes, scales [T, F/16]) in word space, tiled by whole MXFP4
-    blocks: a program owns ``RPP`` rows, each as tiles of
-    ``CB`` blocks x 16 (byte w of a block: channels 2w, 2w+1; word w of dz and of each half of dh: the same two).
+    blocks: a program owns ``RPP`` rows, each as tiles of ``CB`` blocks x 16 (byte w of a block: channels 2w, 2w+1;
+    word w of dz and of each half of dh: the same two).
     A block's UE8M0 code is one value per tile row, broadcast along it (no per-element code load), and the 16
     columns are declared contiguous in fours, so the byte loads and the 32-bit word loads and stores get the same
     register layout (4 per thread). dh: bit for bit ``_swiglu_bwd_kernel`` on the decoded h; dprobs: the same terms
@@ -237,17 +243,14 @@ def _swiglu_bwd_fp4_blocks_kernel(q_ptr, s_ptr, dz_ptr, p_ptr, dh_ptr, dp_ptr, T
             u0, u1 = _decode_blocks(qg + F // 2, sg + F // 32, bmask, m2)
             dzw = tl.load(dz_ptr + r64 * (F // 2) + col, mask=m2, other=0)
             dz0, dz1 = (dzw << 16).to(f32, bitcast=True), (dzw & -65536).to(f32, bitcast=True)
+            a0, a1 = (dz0 * p, dz1 * p) if HAS_P else (dz0, dz1)
+            dg0, du0, silu0 = _swiglu_grads(g0, u0, a0)
+            dg1, du1, silu1 = _swiglu_grads(g1, u1, a1)
             if HAS_P:
-                dg0, du0, silu0 = _swiglu_grads(g0, u0, dz0 * p)
-                dg1, du1, silu1 = _swiglu_grads(g1, u1, dz1 * p)
                 acc += tl.sum(dz0 * silu0 * u0 + dz1 * silu1 * u1)
-            else:
-                dg0, du0, silu0 = _swiglu_grads(g0, u0, dz0)
-                dg1, du1, silu1 = _swiglu_grads(g1, u1, dz1)
             dh = dh_ptr + r64 * F + col
-            tl.store(dh, (_bf16_bits(dg0).to(tl.int32) & 0xFFFF) | (_bf16_bits(dg1).to(tl.int32) << 16), mask=m2)
-            tl.store(dh + F // 2, (_bf16_bits(du0).to(tl.int32) & 0xFFFF) | (_bf16_bits(du1).to(tl.int32) << 16),
-                     mask=m2)
+            tl.store(dh, _bf16x2_bits(dg0, dg1), mask=m2)
+            tl.store(dh + F // 2, _bf16x2_bits(du0, du1), mask=m2)
         if HAS_P:
             tl.store(dp_ptr + row, acc, mask=live)
 

@@ -263,6 +263,18 @@ def _record_kept_mxfp4(stats: Optional[A2AStats], rows: int, h: int, kept_rows: 
         stats._record("forward", sent, kept_rows, sent)
 
 
+def _exchange_gradient(g: torch.Tensor, meta: tuple) -> torch.Tensor:
+    """The backward of a dispatch: the received rows' gradient ``g`` encoded with the backward codec, sent back with
+    the splits swapped, decoded to the sender's dtype. ``meta`` = (input_splits, output_splits, group, world, rank,
+    backward codec, stats, dtype, H) of the forward."""
+    input_splits, output_splits, group, world, rank, bwd_codec, stats, dtype, h = meta
+    payload = _encode(g.contiguous(), bwd_codec, "ceil")
+    recv = _exchange(payload, output_splits, input_splits, group, world)
+    if stats is not None:
+        stats._record("backward", payload, output_splits[rank], recv)
+    return _decode(recv, h, bwd_codec, dtype)
+
+
 def sum_rows_by_token(g: torch.Tensor, order: torch.Tensor, t: int, k: int) -> torch.Tensor:
     """``[T, H]``: the k rows of each token of ``g [T*k, H]`` summed in float32 and rounded once to ``g.dtype``;
     ``order`` (a permutation of ``range(T*k)``) lists the rows grouped by token. A gather and a reduction, no
@@ -306,14 +318,8 @@ class _QuantizedAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        input_splits, output_splits, group, world, rank, bwd_codec, stats, dtype, h = ctx.meta
-        g = grads[-1]  # of the decoded output, or of the anchor (keep_fp4); never None (materialize_grads)
-        payload = _encode(g.contiguous(), bwd_codec, "ceil")
-        recv = _exchange(payload, output_splits, input_splits, group, world)
-        if stats is not None:
-            stats._record("backward", payload, output_splits[rank], recv)
-        grad_x = _decode(recv, h, bwd_codec, dtype)
-        return grad_x, None, None, None, None, None, None, None, None, None, None
+        # of the decoded output, or of the anchor (keep_fp4); never None (materialize_grads)
+        return _exchange_gradient(grads[-1], ctx.meta), None, None, None, None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -435,12 +441,7 @@ class _GradientAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        input_splits, output_splits, group, world, rank, bwd_codec, stats, dtype, h = ctx.meta
-        payload = _encode(g.contiguous(), bwd_codec, "ceil")
-        recv = _exchange(payload, output_splits, input_splits, group, world)
-        if stats is not None:
-            stats._record("backward", payload, output_splits[rank], recv)
-        return _decode(recv, h, bwd_codec, dtype), None, None, None, None, None, None, None, None
+        return _exchange_gradient(g, ctx.meta), None, None, None, None, None, None, None, None
 
 
 def _prequantized_all_to_all(x: "DispatchedMXFP4", ins, outs, group, world, rank, bwd_codec, keep_fp4, stats):

@@ -37,12 +37,17 @@ def micro_batch_indices(consumed: int, micro_index: int, micro: int, dp_rank: in
     return list(range(start, start + micro))
 
 
-def batch(ds: Any, indices: list[int]):
-    """(tokens, labels), each LongTensor [len(indices), seq_length], from samples ``indices`` (mod len(ds))."""
+def _samples(ds: Any, indices: list[int]):
+    """LongTensor [len(indices), seq_length + 1]: samples ``indices`` (mod len(ds)), stacked on the host."""
     import torch
 
     n = len(ds)
-    rows = torch.stack([torch.as_tensor(ds[i % n], dtype=torch.long) for i in indices])
+    return torch.stack([torch.as_tensor(ds[i % n], dtype=torch.long) for i in indices])
+
+
+def batch(ds: Any, indices: list[int]):
+    """(tokens, labels), each LongTensor [len(indices), seq_length], from samples ``indices`` (mod len(ds))."""
+    rows = _samples(ds, indices)
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
@@ -58,9 +63,7 @@ def micro_batch(ds: Any, consumed: int, micro_index: int, micro: int, dp_rank: i
     indices = micro_batch_indices(consumed, micro_index, micro, dp_rank, dp_size)
     if torch.device(device).type != "cuda":
         return tuple(x.to(device) for x in batch(ds, indices))
-    n = len(ds)
-    rows = torch.stack([torch.as_tensor(ds[i % n], dtype=torch.long) for i in indices])
-    rows = rows.pin_memory().to(device, non_blocking=non_blocking)
+    rows = _samples(ds, indices).pin_memory().to(device, non_blocking=non_blocking)
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 

@@ -136,12 +136,10 @@ class Tracker:
             try:
                 if item is None:
                     return
-                what, step, fn, args = item
+                what = item[0]
                 if self._error is None:  # after a failure nothing more is written
                     try:
-                        fn(*args)
-                        if what == "metrics":
-                            self._last_logged_step = step
+                        self._write(*item)
                     except BaseException as e:  # noqa: BLE001 - handed to the training thread
                         self._error = (what, e)
             finally:
@@ -155,12 +153,15 @@ class Tracker:
                                 f"metrics in the store: {done}. Check the store (a server that went away, a full "
                                 "disk); a resumed run continues the same MLflow run from its checkpoint") from e
 
+    def _write(self, what: str, step: int | None, fn, args) -> None:
+        fn(*args)
+        if what == "metrics":
+            self._last_logged_step = step
+
     def _submit(self, what: str, step: int | None, fn, *args) -> None:
         self._raise_failed()
         if self._thread is None:
-            fn(*args)
-            if what == "metrics":
-                self._last_logged_step = step
+            self._write(what, step, fn, args)
         else:
             self._queue.put((what, step, fn, args))
 
