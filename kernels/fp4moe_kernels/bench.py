@@ -316,8 +316,8 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) ->
                 continue
             if kernel.endswith("_col"):
                 configs = [(32, 0, 1), (32, 0, 2), (32, 0, 4), (64, 0, 2), (64, 0, 4), (64, 0, 8), (128, 0, 4), (128, 0, 8)]
-            elif kernel in launch.BYTE_LAYOUT_KERNELS:  # R = 32-element blocks per program; flag: byte layout
-                configs = [(r, f, w) for r in (32, 64, 128, 256) for f in (0, 1) for w in (2, 4, 8)]
+            elif kernel in ("bf16_to_fp4_row", "fp4_to_bf16"):  # R = 32-element blocks per program
+                configs = [(r, 0, w) for r in (32, 64, 128, 256) for w in (2, 4, 8)]
             else:  # R = 128-element groups per program
                 configs = [(16, 0, 2), (16, 0, 4), (32, 0, 2), (32, 0, 4), (32, 0, 8), (64, 0, 4), (64, 0, 8)]
             for t in configs:

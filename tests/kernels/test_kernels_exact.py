@@ -102,26 +102,6 @@ def test_fp4_decoders_on_every_byte_and_scale_code(device):
 
 
 @pytest.mark.parametrize("device", _codec_devices())
-def test_byte_layout_flag_changes_no_bit(device, monkeypatch):
-    """The tile flag of BF16ToFP4Row and FP4ToBF16 (launch.BYTE_LAYOUT_KERNELS: the packed bytes in the register
-    layout of the int32 words, a codegen hint only) on the exhaustive inputs above, against the reference: every
-    BF16 magnitude near a dozen scales under both rules, every packed byte under every scale code."""
-    from fp4moe_kernels import reference as ref
-    from fp4moe_kernels.formats import MXFP4Tensor
-    from fp4moe_kernels.triton_kernels import launch
-
-    assert launch.BYTE_LAYOUT_KERNELS == ("bf16_to_fp4_row", "fp4_to_bf16")
-    for name in launch.BYTE_LAYOUT_KERNELS:
-        monkeypatch.setitem(launch.TILES, name, (64, 1, 2))
-    x = selfcheck.every_bf16_near_scales().to(device)
-    for rule in ("ceil", "floor"):
-        assert not selfcheck.compare(launch.bf16_to_fp4_row(x, rule), ref.bf16_to_fp4_row(x.cpu(), rule))
-    a = selfcheck.every_fp4_byte_and_code()
-    a_dev = MXFP4Tensor(a.data.to(device), a.scales.to(device), a.shape)
-    assert not selfcheck.compare(launch.fp4_to_bf16(a_dev), ref.fp4_to_bf16(a))
-
-
-@pytest.mark.parametrize("device", _codec_devices())
 def test_fp4_row_to_fp8_col_on_every_byte_and_scale_code(device):
     """FP4RowToFP8Col on all 256 packed bytes x 256 UE8M0 codes (0: the FP32-denormal scale, 255: NaN blocks),
     in two token orders (a channel's 128 tokens span 32 consecutive codes, or codes spread over the whole range):

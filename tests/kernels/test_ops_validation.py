@@ -58,11 +58,8 @@ def test_tile_overrides_from_the_environment(tmp_path):
     assert tiles_from_env(str(bench_out)) == {"bf16_to_fp8_col": (64, 0, 2)}
     with pytest.raises(ValueError, match="unknown kernel 'fp4_row_to_fp8_cols'"):
         tiles_from_env('{"fp4_row_to_fp8_cols": [32, 0, 1]}')
-    assert tiles_from_env('{"fp4_to_bf16": [64, 1, 2]}') == {"fp4_to_bf16": (64, 1, 2)}  # the byte-layout flag
-    with pytest.raises(ValueError, match=r"\[size, flag, num_warps\] with flag in \(0,\)"):
+    with pytest.raises(ValueError, match=r"\[size, 0, num_warps\]"):
         tiles_from_env('{"fp4_row_to_fp8_col": [32, 1]}')
-    with pytest.raises(ValueError, match=r"flag in \(0,\)"):  # no byte-layout variant there
-        tiles_from_env('{"fp4_row_to_fp8_col": [32, 1, 1]}')
     with pytest.raises(ValueError, match="not a JSON object nor a readable JSON file"):
         tiles_from_env(str(tmp_path / "missing.json"))
 

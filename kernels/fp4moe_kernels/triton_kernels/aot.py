@@ -30,10 +30,9 @@ _FP8 = {"M": "i32", "K": "constexpr", "R": "constexpr"}
 KERNELS = {
     "bf16_to_fp4_row": (row.bf16_to_fp4_row_kernel,
                         {"x_ptr": "*i32", "q_ptr": "*u8", "s_ptr": "*u8", "NB": "i32", "R": "constexpr",
-                         "RULE_CEIL": "constexpr", "X_BF16": "constexpr", "BYTES4": "constexpr"}),
+                         "RULE_CEIL": "constexpr", "X_BF16": "constexpr"}),
     "fp4_to_bf16": (row.fp4_to_bf16_kernel,
-                    {"q_ptr": "*u8", "s_ptr": "*u8", "o_ptr": "*i32", "NB": "i32", "R": "constexpr",
-                     "BYTES4": "constexpr"}),
+                    {"q_ptr": "*u8", "s_ptr": "*u8", "o_ptr": "*i32", "NB": "i32", "R": "constexpr"}),
     "bf16_to_fp8_row": (row.bf16_to_fp8_row_kernel,
                         {"x_ptr": "*i32", "q_ptr": "*i16", "s_ptr": "*fp32", "row_seg_ptr": "*i32",
                          "seg_off_ptr": "*i32", **_FP8, "SINGLE_SEGMENT": "constexpr", "EMULATE": "constexpr",
@@ -140,8 +139,8 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
             cb, rpp, warps = tile or swiglu.BWD_FP4_BLOCKS_TILE
             consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "CB": cb, "RPP": rpp}
     else:
-        size, flag, warps = tile or launch.TILES[name]
-        consts = {"K": k, "EMULATE": False, "BN": size, "R": size, "N": 4096, "BYTES4": bool(flag)}
+        size, _, warps = tile or launch.TILES[name]
+        consts = {"K": k, "EMULATE": False, "BN": size, "R": size, "N": 4096}
         for c in ("RULE_CEIL", "X_BF16", "SINGLE_SEGMENT", "TRANSPOSE"):
             if c in sig:
                 consts[c] = flags.get(c, True)

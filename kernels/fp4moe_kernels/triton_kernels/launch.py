@@ -17,9 +17,7 @@ from . import col, row
 from .common import INTERPRET
 
 # Per kernel: (R = 32-element blocks (MXFP4-only kernels) or 128-element groups per program for row
-# kernels / BN = channels per program for column kernels, flag, num_warps). The flag is 0 but for the two
-# MXFP4-only row kernels (``BYTE_LAYOUT_KERNELS``), where 1 moves their byte loads / stores into the register layout
-# of their int32 words (row.py ``_pairs``; not yet timed on a GPU, so 0 by default). Chosen by
+# kernels / BN = channels per program for column kernels, unused, num_warps). Chosen by
 # ``python -m fp4moe_kernels.bench --sweep`` on an H200: the tiles it adopted on 2026-12-01 at 32768 x 7168 over 32
 # experts (results/kernels/kernels_h200_2026-12-01_7a8040d.json; FP4MOE_TILES overrides them, see tiles_from_env).
 TILES = {
@@ -33,14 +31,12 @@ TILES = {
     "bf16_to_fp8_col": (32, 0, 1),
     "quantize_weight_128x128": (0, 0, 8),  # one 128x128 block per program; not swept
 }
-BYTE_LAYOUT_KERNELS = ("bf16_to_fp4_row", "fp4_to_bf16")
 
 
 def tiles_from_env(env: str | None = None) -> dict:
     """Tile overrides from ``FP4MOE_TILES``: a JSON object (or the path of a JSON file, e.g. a benchmark's output,
-    whose ``env.tiles_adopted`` is taken) mapping kernel names to [size, flag, num_warps] (flag 0, or 1 for the
-    byte layout of ``BYTE_LAYOUT_KERNELS``). Another GPU's best tiles without editing this file:
-    ``python -m fp4moe_kernels.bench --sweep`` writes them."""
+    whose ``env.tiles_adopted`` is taken) mapping kernel names to [size, 0, num_warps]. Another GPU's best tiles
+    without editing this file: ``python -m fp4moe_kernels.bench --sweep`` writes them."""
     import json
     import os
 
@@ -60,11 +56,8 @@ def tiles_from_env(env: str | None = None) -> dict:
     for name, t in spec.items():
         if name not in TILES:
             raise ValueError(f"FP4MOE_TILES names unknown kernel {name!r}; known: {sorted(TILES)}")
-        flags = (0, 1) if name in BYTE_LAYOUT_KERNELS else (0,)
-        if not (isinstance(t, (list, tuple)) and len(t) == 3 and all(isinstance(v, int) for v in t)
-                and t[1] in flags and t[2] in (1, 2, 4, 8, 16)):
-            raise ValueError(f"FP4MOE_TILES[{name!r}] = {t!r}: give [size, flag, num_warps] with flag in {flags} and "
-                             "num_warps in 1, 2, 4, 8, 16")
+        if not (isinstance(t, (list, tuple)) and len(t) == 3 and all(isinstance(v, int) for v in t) and t[2] in (1, 2, 4, 8, 16)):
+            raise ValueError(f"FP4MOE_TILES[{name!r}] = {t!r}: give [size, 0, num_warps] with num_warps in 1, 2, 4, 8, 16")
         out[name] = tuple(t)
     return out
 
@@ -126,11 +119,8 @@ def _x16(x: torch.Tensor):
 
 def _row_launch(name: str, m: int, k: int, unit: int):
     """(grid, meta-kwargs) for a flat row kernel over M*K/unit blocks (unit 32) or groups (unit 128)."""
-    r, flag, warps = TILES[name]
-    meta = dict(R=r, num_warps=warps)
-    if name in BYTE_LAYOUT_KERNELS:
-        meta["BYTES4"] = bool(flag)
-    return (triton.cdiv(m * k // unit, r),), meta
+    r, _, warps = TILES[name]
+    return (triton.cdiv(m * k // unit, r),), dict(R=r, num_warps=warps)
 
 
 def bf16_to_fp4_row(x: torch.Tensor, rule: str = "ceil") -> MXFP4Tensor:

@@ -27,21 +27,10 @@ _MAG = tl.constexpr(0x7FFFFFFF)
 
 
 @triton.jit
-def _pairs(n: tl.constexpr, BYTES4: tl.constexpr):
-    """Column index ``[1, n]`` of element pairs. ``BYTES4`` declares it contiguous in fours only, so that a tile's
-    packed MXFP4 bytes (one per pair) are loaded / stored 4 per thread, in the register layout of its int32 words,
-    instead of 16 per thread in a layout of their own (a conversion through shared memory)."""
-    if BYTES4:
-        return tl.max_contiguous(tl.arange(0, n), 4)[None, :]
-    else:
-        return tl.arange(0, n)[None, :]
-
-
-@triton.jit
-def _load_words(x_ptr, idx, n, mask, X_BF16: tl.constexpr, BYTES4: tl.constexpr = False):
+def _load_words(x_ptr, idx, n, mask, X_BF16: tl.constexpr):
     """float32 bits of element pairs: rows ``idx`` [R] of ``n`` pairs -> (even [R, n], odd [R, n]) int32.
     BF16 comes as int32 words (element 2j in the low half), widened exactly by shifts."""
-    j = _pairs(n, BYTES4)
+    j = tl.arange(0, n)[None, :]
     if X_BF16:
         w = tl.load(x_ptr + idx[:, None] * n + j, mask=mask, other=0)
         return w << 16, w & -65536
@@ -96,21 +85,20 @@ def _row_scale_offset(g, M, K: tl.constexpr, row_seg_ptr, seg_off_ptr, mask, SIN
 
 @triton.jit
 def bf16_to_fp4_row_kernel(x_ptr, q_ptr, s_ptr, NB, R: tl.constexpr, RULE_CEIL: tl.constexpr,
-                           X_BF16: tl.constexpr, BYTES4: tl.constexpr = False):
+                           X_BF16: tl.constexpr):
     b = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     mask = b < NB
-    lo, hi = _load_words(x_ptr, b, 16, mask[:, None], X_BF16, BYTES4)
+    lo, hi = _load_words(x_ptr, b, 16, mask[:, None], X_BF16)
     byte, code = _mxfp4_blocks(lo, hi, RULE_CEIL)
-    tl.store(q_ptr + b[:, None] * 16 + _pairs(16, BYTES4), byte, mask=mask[:, None])
+    tl.store(q_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], byte, mask=mask[:, None])
     tl.store(s_ptr + b, code, mask=mask)
 
 
 @triton.jit
-def fp4_to_bf16_kernel(q_ptr, s_ptr, o_ptr, NB, R: tl.constexpr, BYTES4: tl.constexpr = False):
+def fp4_to_bf16_kernel(q_ptr, s_ptr, o_ptr, NB, R: tl.constexpr):
     b = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     mask = b < NB
-    j = _pairs(16, BYTES4)
-    packed = tl.load(q_ptr + b[:, None] * 16 + j, mask=mask[:, None], other=0).to(tl.int32)
+    packed = tl.load(q_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask[:, None], other=0).to(tl.int32)
     code = tl.load(s_ptr + b, mask=mask, other=0).to(tl.int32)
     # fp4 * 2**(c-127) has 2 significant bits and lies inside BF16's range (denormals included), so the
     # top half of its float32 bits is the exact BF16 (overflow gives Inf, as a rounding cast would)
@@ -119,7 +107,7 @@ def fp4_to_bf16_kernel(q_ptr, s_ptr, o_ptr, NB, R: tl.constexpr, BYTES4: tl.cons
     vhi = (e2m1_value(packed >> 4) * f).to(tl.int32, bitcast=True)
     word = ((vlo >> 16) & 0xFFFF) | (vhi & -65536)
     word = tl.where((code == 255)[:, None], 0x7FC07FC0, word)  # NaN block -> two BF16 NaNs
-    tl.store(o_ptr + b[:, None] * 16 + j, word, mask=mask[:, None])
+    tl.store(o_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], word, mask=mask[:, None])
 
 
 @triton.jit
