@@ -485,11 +485,12 @@ def test_permutation_as_gathers_equals_megatrons_permute_and_unpermute():
 
 
 @pytest.mark.parametrize("precision", RECIPES)
-def test_full_recompute_leaves_no_activation_alive_after_the_step(mp, precision):
-    """Under full recompute the dispatcher's saved probabilities come from the recomputation inside the backward
-    and hold that graph, whose leaves are the layer's detached input and its gradient ([seq, micro, hidden] each,
-    two per MoE layer; the tiny model has one). After ``release_dispatcher_tensors`` nothing of the step is left: reference counting alone
-    frees it (the trainer calls it after each step's backward)."""
+def test_full_recompute_frees_the_recomputed_graph_with_the_backward(mp, precision):
+    """Under full recompute the dispatcher's routing probabilities come from the recomputation inside the backward
+    and hold that graph, whose leaves are the layer's detached input and its gradient ([seq, micro, hidden] each).
+    The hook ``finish`` installs drops them when the MoE layer's forward returns, so reference counting frees both
+    as the backward passes (before, they lived until the step's end: every MoE layer already differentiated kept
+    two such tensors while the earlier layers ran their backward). Without the hook they are still there."""
     import gc
 
     from fp4moe.model.build import release_dispatcher_tensors
@@ -498,20 +499,30 @@ def test_full_recompute_leaves_no_activation_alive_after_the_step(mp, precision)
         return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == (32, 2, 256)
                 and id(o) not in before]
 
-    m = _model(precision, "full")
-    gc.collect()
-    before: set[int] = set()
-    before = {id(o) for o in layer_sized()}
-    gc.disable()
-    try:
-        _loss_and_grads(m)
-        kept = layer_sized()  # the one MoE layer's detached input x and its gradient
-        assert len(kept) == 2 and any(t.is_leaf and t.grad is not None for t in kept)
-        del kept
-        assert release_dispatcher_tensors(m) == 2  # the MoE layer's probs and routing_map
-        assert layer_sized() == []
-    finally:
-        gc.enable()
+    for hooked in (True, False):
+        m = _model(precision, "full")
+        if not hooked:
+            for layer in m.modules():
+                if getattr(layer, "_fp4moe_drops_dispatcher_tensors", False):
+                    layer._forward_hooks.clear()
+                    layer._forward_hooks_with_kwargs.clear()
+        gc.collect()
+        before: set[int] = set()
+        before = {id(o) for o in layer_sized()}
+        gc.disable()
+        try:
+            _loss_and_grads(m)
+            kept = layer_sized()
+            if hooked:
+                assert kept == []
+                assert release_dispatcher_tensors(m) == 0
+            else:  # the one MoE layer's detached input x and its gradient, until released
+                assert len(kept) == 2 and any(t.is_leaf and t.grad is not None for t in kept)
+                del kept
+                assert release_dispatcher_tensors(m) == 2
+                assert layer_sized() == []
+        finally:
+            gc.enable()
 
 
 @pytest.mark.parametrize("precision", ("fp8", "mxfp4"))

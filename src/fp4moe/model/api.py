@@ -70,12 +70,13 @@ def decoder_block_spec(config: Any, recipe: Any = None, recompute_modules: tuple
 def finish(model: Any, recipe: Any = None) -> list[str]:
     """After ``GPTModel(...)``: FP8 through ``fp8_linear`` for the attention and dense-MLP linears when the recipe's
     scope is ``all_linears``, MXFP4 recompute caches inside every ``TransformerLayer`` when the recipe stores them
-    (``recompute_cache_fp4``), and the routed-row counters of every MoE dispatcher. Sets ``model.fp4moe_recipe``
+    (``recompute_cache_fp4``), the routed-row counters of every MoE dispatcher, and a hook that drops what each
+    dispatcher keeps once its layer's forward returns (``release_dispatcher_after_forward``). Sets ``model.fp4moe_recipe``
     and ``model.fp4moe_bf16_linears``; returns the dense linears left BF16 (dims not multiples of 128)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from fp4moe.model import recompute as fp4moe_recompute
-    from fp4moe.model.build import apply_fp8_dense_linears, count_routed_rows
+    from fp4moe.model.build import apply_fp8_dense_linears, count_routed_rows, release_dispatcher_after_forward
     from fp4moe.recipe import Recipe
 
     recipe = recipe or Recipe.bf16()
@@ -86,6 +87,7 @@ def finish(model: Any, recipe: Any = None) -> list[str]:
             if isinstance(layer, TransformerLayer):
                 fp4moe_recompute.cache_mxfp4_inside(layer)
     count_routed_rows(model)
+    release_dispatcher_after_forward(model)
     return model.fp4moe_bf16_linears
 
 

@@ -447,6 +447,37 @@ def a2a_stats(model) -> dict[str, int]:
 DISPATCHER_STEP_TENSORS = ("probs", "routing_map")
 
 
+def _drop_dispatcher_tensors(layer, args, kwargs, output) -> None:
+    """Forward hook of a MoE layer: its combine has run, so what its dispatcher kept for it is dead
+    (``release_dispatcher_after_forward``). A partial forward (CUDA-graph capture with intermediate tensors, or an
+    execution map other than the whole layer) keeps them for the calls that follow."""
+    partial = kwargs.get("intermediate_tensors", args[1] if len(args) > 1 else None) is not None
+    whole = list(getattr(layer, "fwd_execution_map", ["route", "expert_compute", "postprocess"])) == [
+        "route", "expert_compute", "postprocess"]
+    if whole and not partial:
+        for name in DISPATCHER_STEP_TENSORS:
+            if getattr(layer.token_dispatcher, name, None) is not None:
+                setattr(layer.token_dispatcher, name, None)
+
+
+def release_dispatcher_after_forward(model) -> int:
+    """Make every MoE layer of ``model`` drop what its token dispatcher keeps (``DISPATCHER_STEP_TENSORS``) as soon as
+    the layer's forward returns; idempotent. Returns how many layers got the hook.
+
+    Under full recompute the forward that sets them last is the recomputation inside the backward: kept, the
+    probabilities held that graph (the layer's detached input and its gradient, [seq, micro, hidden] each) until
+    the step's backward had passed, so every MoE layer already differentiated kept two such tensors while the layers
+    before it ran theirs (0.75 GiB at the H200 proxy's first MoE layer at micro-batch 16:
+    results/train_proxy/memtrace_h200_mb16_e431a41/)."""
+    n = 0
+    for layer, _ in _moe_dispatchers(model):
+        if not getattr(layer, "_fp4moe_drops_dispatcher_tensors", False):
+            layer.register_forward_hook(_drop_dispatcher_tensors, with_kwargs=True)
+            layer._fp4moe_drops_dispatcher_tensors = True
+            n += 1
+    return n
+
+
 def release_dispatcher_tensors(model) -> int:
     """Drop what megatron's MoE token dispatchers (ours included) keep from their last forward
     (``DISPATCHER_STEP_TENSORS``); call after a step's backward passes. Returns how many were dropped.
@@ -466,4 +497,5 @@ def release_dispatcher_tensors(model) -> int:
 
 
 __all__ = ["transformer_config", "build_gpt_model", "to_bf16_params", "layer_spec", "recipe_of", "apply_fp8_dense_linears", "a2a_stats",
-           "fp4moe_recompute_modules", "DISPATCHERS", "release_dispatcher_tensors", "count_routed_rows"]
+           "fp4moe_recompute_modules", "DISPATCHERS", "release_dispatcher_after_forward", "release_dispatcher_tensors",
+           "count_routed_rows"]

@@ -51,6 +51,7 @@ ARCHIVES = (   # one GPU
     "results/train_proxy/proxy_t1_h200_2026-12-01_1fb1546.json",         # the whole MLA block recomputed (attn_block_*)
     "results/train_proxy/proxy_t1_h200_2026-12-01_902d750.json",         # dispatch quantized per token vs per row, mla_up_proj
     "results/train_proxy/proxy_t1_h200_2026-12-01_831ae2f.json",         # the host-time fixes: the equal-scope pair twice
+    "results/train_proxy/proxy_t1_h200_2026-12-01_e431a41.json",         # fp8 host stalls; full recompute's memory trace
 )
 # Runs before 38f25cd measured other code (results/train_proxy/README.md: the MoE layer's forward kept more rows
 # alive; before 924b9ef a leaked micro-batch), so they are not part of the 5 % check.
@@ -77,9 +78,18 @@ CODE_OF = {"proxy_t1_probe_h200_2026-11-30_38f25cd.json": MEASURED_CODE,
            "proxy_nccl_h200x2_2026-11-30_924b9ef.json": MEASURED_CODE}
 
 
+# Every archive above measured megatron's token dispatchers keeping their last forward's routing probabilities
+# through the backward (MemoryAssumptions.dispatcher_keeps_recompute_graph; the trainer drops them since e431a41):
+# an archive of later code goes into DROPS_DISPATCHER_GRAPH.
+DROPS_DISPATCHER_GRAPH: frozenset[str] = frozenset()
+
+
 def code_of(archive: str) -> MemoryAssumptions:
-    """The model's assumptions for the code an archive (file name) measured: ``CODE_OF``, else today's."""
-    return CODE_OF.get(Path(archive).name, FIRST_PRINCIPLES)
+    """The model's assumptions for the code an archive (file name) measured: ``CODE_OF``, else today's; with
+    ``dispatcher_keeps_recompute_graph`` unless the archive is in ``DROPS_DISPATCHER_GRAPH``."""
+    name = Path(archive).name
+    code = CODE_OF.get(name, FIRST_PRINCIPLES)
+    return code if name in DROPS_DISPATCHER_GRAPH else replace(code, dispatcher_keeps_recompute_graph=True)
 
 
 @dataclass(frozen=True)
@@ -243,19 +253,20 @@ NOTES = """
 
 - **Saved activations: solved** (to 76 B per micro-batch for bf16 and mxfp4; within 0.07 % for fp8, whose FP8
   column copies are padded to 128 rows per expert by the real, uneven routing; the model uses the expected padding).
-- **Peak: every run within 5 %, from tensor shapes**, on one GPU and over NCCL (EP2 x DP2, PP2), for twelve code
-  versions (38f25cd, 61f1fcb, 49a089e, fe9934e, 52fe029, 7a8040d, 841bf8a, 44185b9, 390a277, 1fb1546, 902d750,
-  831ae2f; 841bf8a to 390a277 changed kernels, not what is kept; 1fb1546 added the whole-block attention recompute,
-  whose five runs `attn_block_ln_*` are within 0.6 %; 902d750 quantizes the dispatch per token and 831ae2f moves
-  host work off the GPU's path, the same peaks to the MiB). The model takes the largest of three phases instead of adding every transient it
+- **Peak: every run within 5 % (one GPU: within 2.0 %), from tensor shapes**, on one GPU and over NCCL (EP2 x
+  DP2, PP2), for thirteen code versions (38f25cd, 61f1fcb, 49a089e, fe9934e, 52fe029, 7a8040d, 841bf8a, 44185b9,
+  390a277, 1fb1546, 902d750, 831ae2f, e431a41; 841bf8a to 390a277 changed kernels, not what is kept; 1fb1546 added
+  the whole-block attention recompute, whose five runs `attn_block_ln_*` are within 0.7 %; 902d750 quantizes the
+  dispatch per token, 831ae2f and e431a41 move host work off the GPU's path: the same peaks to the MiB). The model takes the largest of three phases instead of adding every transient it
   knows (fp4moe.scale.memory, part (e)):
   - *head*: the BF16 logits [T, V] beside the saved fp32 softmax. bf16 none / mla_up_proj peak here (-0.1 to -0.2 %).
   - *the last MoE layer's forward*: its dispatch buffers, while the head's saved tensors do not exist yet. No run
     peaks here since the recipe MoE layer frees each stage's rows early.
   - *the routed experts' backward*: every other run. In fp4moe's grouped experts (fp8, mxfp4) the larger of fc1's
-    dgrad (dY [R, H], dH [R, 2F] and its FP8 rows, dX [R, H]) and fc1's wgrad after it (dY, dH, dX, dH's FP8
-    column copy, and under mxfp4 x's FP8 column copy rebuilt from its MXFP4 copy); in megatron's SequentialMLP
-    (bf16) dY, the per-expert dX pieces and their concatenation. Plus the layer's output and input gradients
+    dgrad (dY [R, H], dH [R, 2F] and its FP8 rows, dX [R, H], fc2's weight gradient) and fc1's wgrad after it (dY,
+    dH, dX, dH's FP8 column copy, under mxfp4 x's FP8 column copy rebuilt from its MXFP4 copy, both weight
+    gradients); in megatron's SequentialMLP (bf16) dY, the per-expert dX pieces and their concatenation, every
+    expert's weight gradients made by then. Plus the layer's output and input gradients
     (2 x [T, H]), minus the head's saved tensors (freed by then), plus what the scope recomputed there:
     attn_ln_experts the experts' tensors and the checkpoint's recomputed output [R, H]; attn_ln_* the pre-MLP norm's
     recomputed output twice (megatron's `CheckpointWithoutOutput._recompute` keeps its recomputation's output and
@@ -279,10 +290,22 @@ NOTES = """
   shard then; the model predicts what ran (runs that do not log `summary/optimizer_state_bytes` are read as
   unsharded; since 2026-11-30 the trainer shards when asked, fp4moe.train.optim): all six 61f1fcb NCCL runs within
   5 % (-3.9 to +1.3 %).
-- **What the model still leaves out** (runs are under-predicted by up to 4.4 %):
-  - cuBLAS/cuDNN workspaces and the kernels' cached launch tables: the measured step start is 0.08-0.27 GiB above
-    the static prediction and grows with the micro-batch;
-  - under full recompute, 1.0-1.5 GiB more at the peak than modelled, at both micro-batches (-2.5 to -4.4 %).
+- **e431a41: the full-recompute residual, explained and removed from the code.** Until this table the full-recompute
+  runs were under-predicted by 2.5-4.4 % (1.0-1.5 GiB). A memory trace of fp8 and mxfp4 under full recompute at 16
+  (results/train_proxy/memtrace_h200_mb16_e431a41/) showed two things live at the peak (the first MoE layer's
+  experts' backward) that the model did not hold: (1) the layer's own expert weight gradients (BF16 .grad: fc2's
+  from its backward on, fc1's from its wgrad; 0.375 GiB on the proxy), in every scope, now in the expert-backward
+  phase (it moves the other scopes' errors from -1.3..+0.4 % to -0.3..+0.7 % for fp8 and mxfp4 and bf16's by
+  +0.5 to +0.8 pp); (2) the inputs of the MoE layers after it (and the last one's input gradient), which megatron's
+  dispatchers kept alive by holding the routing probabilities of their recomputation (its graph's leaves are the
+  layer's detached input and that input's gradient) until the step's backward had passed. The model holds (2) for
+  the code the archives measured (`MemoryAssumptions.dispatcher_keeps_recompute_graph`; `code_of`); the trainer
+  now drops them when each MoE layer's forward returns (`fp4moe.model.build.release_dispatcher_after_forward`),
+  which the today's-code column shows (1.32 GiB less at 32, 0.75 at 16), not yet measured on a GPU. With both,
+  the full-recompute runs are within -0.4..+0.5 % (fp8, mxfp4) and +1.6..+1.7 % (bf16).
+- **What the model still leaves out**: cuBLAS/cuDNN workspaces and the kernels' cached launch tables (the measured
+  step start is 0.08-0.27 GiB above the static prediction and grows with the micro-batch); the largest one-GPU
+  error left is -2.0 % (mxfp4 mla_up_proj at 16 in the probe of 38f25cd).
 - The 8-GPU runs of issue 7 are still to come.
 """
 

@@ -245,6 +245,13 @@ class MemoryAssumptions:
     # them as leaves that require grad, which autograd holds itself): 2 x [T, H] bf16 per layer more, not in the
     # saved bytes (``held_bytes``)
     norm_cache_keeps_bf16: bool = False
+    # True: megatron's token dispatchers as measured up to commit e431a41, which kept the routing probabilities of
+    # their last forward until the step's backward had passed. Under full recompute that forward is the
+    # recomputation inside the backward, whose graph holds the layer's detached input and its gradient: every MoE
+    # layer after the one whose experts are being differentiated keeps its input [T, H] and (all but the next one,
+    # whose input gradient is this layer's output gradient) that gradient (``backward_depth_bytes``). Since then the
+    # trainer drops them when the MoE layer's forward returns (fp4moe.model.build.release_dispatcher_after_forward).
+    dispatcher_keeps_recompute_graph: bool = False
     # routed rows this GPU's experts receive, / T x k (the rows its own tokens send): 1 = balanced routing (on one
     # GPU exactly 1). A MEASURED routing statistic where a run logged it (fp4moe.scale.calibration reads it from the
     # trainer's a2a/dispatch_forward_received_rows / _sent_rows, or in older runs the recipe dispatcher's bytes);
@@ -759,10 +766,15 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     h, f = d.h, d.f // d.etp
     grads = 2 * BF16 * d.t_hid * d.h
     rows_h = BF16 * r * h                      # one [R, H] bf16 buffer
+    # the layer's own expert weight gradients (autograd's .grad, in the parameters' dtype): fc2's [E_local, H, F]
+    # exists from fc2's backward on, fc1's [E_local, 2F, H] once fc1's wgrad has run
+    e_local = d.e // d.ep
+    dw2, dw1 = a.param_bytes * e_local * h * f, a.param_bytes * e_local * 2 * f * h
     if not recipe.fp8_compute:
-        # megatron's SequentialMLP: dY, the per-expert dX pieces, their concatenation; under attn_ln_experts the
-        # recomputation's forward ends with the recomputed outputs' pieces and their concatenation beside dY
-        backward = 3 * rows_h
+        # megatron's SequentialMLP: dY, the per-expert dX pieces, their concatenation (every expert's dW1 and dW2
+        # made by then); under attn_ln_experts the recomputation's forward ends with the recomputed outputs' pieces
+        # and their concatenation beside dY
+        backward = 3 * rows_h + dw1 + dw2
         recompute_fwd = rows_h + recomputed + 2 * rows_h if recomputed else 0
         return max(backward, recompute_fwd) + grads
     _, _, mp = _expert_rows(d, a.expert_padding)
@@ -772,11 +784,11 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
 
     dh = BF16 * r * 2 * f
     dh_rows = r * 2 * f + FP8_SCALE_BYTES * r * (2 * f // FP8_GROUP)
-    dgrad = rows_h + dh + dh_rows + rows_h     # fc1's dgrad: dY, dH, dH's FP8 rows, dX (its output)
-    # fc1's wgrad, after it: dY, dH, dX, dH's FP8 column copy, and x's FP8 column copy when x was saved as MXFP4
-    # (rebuilt by FP4RowToFP8Col; an FP8 recipe saved it, counted in the saved bytes)
+    dgrad = rows_h + dh + dh_rows + rows_h + dw2  # fc1's dgrad: dY, dH, dH's FP8 rows, dX (its output), dW2
+    # fc1's wgrad, after it: dY, dH, dX, dH's FP8 column copy, x's FP8 column copy when x was saved as MXFP4
+    # (rebuilt by FP4RowToFP8Col; an FP8 recipe saved it, counted in the saved bytes), dW2 and dW1 (its output)
     x_col = fp8_col(h) if (recipe.expert_input_fp4 or recipe.save_fp4) else 0
-    wgrad = rows_h + dh + rows_h + fp8_col(2 * f) + x_col
+    wgrad = rows_h + dh + rows_h + fp8_col(2 * f) + x_col + dw2 + dw1
     if a.expert_backward_keeps_dead:
         dead = BF16 * r * f + (BF16 * r * 2 * f if recipe.activation_fp4_store else 0)  # dZ, the decoded H
         dgrad += rows_h + dead                 # + the GEMM wrapper's unused output buffer
@@ -811,12 +823,16 @@ def _moe_recomputed(none_moe: list[SavedTensor], scoped: list[SavedTensor], scop
     return 0
 
 
-def _backward_depth(letters: str, first_layer: int, d: _Dims, tensors: list, a: MemoryAssumptions) -> int:
+def _backward_depth(letters: str, first_layer: int, d: _Dims, tensors: list, a: MemoryAssumptions,
+                    scope: str = "") -> int:
     """``Breakdown.backward_depth_bytes`` of a single-stage run (module docstring, (e)): the largest, over the MoE
     layers, of BF16 gradients of the parameters after the layer minus the saved activations of the transformer
-    layers after it, relative to the last MoE layer. 0 when the FP32 main gradients take every gradient as it is
-    made (``main_grad_resident='always'``: counted in the grads)."""
-    if a.main_grad_resident == "always":
+    layers after it, relative to the last MoE layer. The gradients count 0 when the FP32 main gradients take every
+    gradient as it is made (``main_grad_resident='always'``: counted in the grads). With
+    ``dispatcher_keeps_recompute_graph`` under full recompute, the MoE layers after it free nothing and all but the
+    next one keep their input gradient [T, H] too."""
+    keeps = a.dispatcher_keeps_recompute_graph and scope == "full"
+    if a.main_grad_resident == "always" and not keeps:
         return 0
     saved: dict[int, int] = {}
     for tag, t in tensors:
@@ -828,8 +844,11 @@ def _backward_depth(letters: str, first_layer: int, d: _Dims, tensors: list, a: 
             continue
         if layer >= d.first_dense:
             dn, ex = _stage_params(letters[j + 1:], layer + 1, d)
-            freed = sum(b for k, b in saved.items() if k > layer)
-            depth.append(round((dn + ex) * a.param_bytes) - freed)
+            grads = 0 if a.main_grad_resident == "always" else round((dn + ex) * a.param_bytes)
+            later_moe = [k for k in saved if k > layer and k >= d.first_dense]
+            freed = sum(b for k, b in saved.items() if k > layer and not (keeps and k in later_moe))
+            kept_grads = BF16 * d.t_hid * d.h * max(0, len(later_moe) - 1) if keeps else 0
+            depth.append(grads - freed + kept_grads)
         layer += 1
     return max(depth) - depth[-1] if depth else 0
 
@@ -913,7 +932,7 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
         n_layers = sum(stages[i].count("t") + stages[i].count("m") for i in chunks)
         held_per_mb = (2 * BF16 * d.t_hid * d.h * n_layers if a.norm_cache_keeps_bf16 and recipe.recompute_cache_fp4
                        and scope in ("attn_ln_experts", "attn_ln_mlp") else 0)
-        depth = _backward_depth(stages[chunks[0]], firsts[chunks[0]], d, tensors, a) if pp == 1 and vpp == 1 else 0
+        depth = _backward_depth(stages[chunks[0]], firsts[chunks[0]], d, tensors, a, scope) if pp == 1 and vpp == 1 else 0
         opt_per = 0 if a.optimizer_offload else a.main_param_bytes + a.adam_state_bytes
         opt = opt_per * (dense_p / (dp if dist_opt else 1) + expert_p / (edp if dist_opt else 1))
         out.append(Breakdown(
