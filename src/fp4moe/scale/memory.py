@@ -767,9 +767,16 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     grads = 2 * BF16 * d.t_hid * d.h
     rows_h = BF16 * r * h                      # one [R, H] bf16 buffer
     # the layer's own expert weight gradients (autograd's .grad, in the parameters' dtype): fc2's [E_local, H, F]
-    # exists from fc2's backward on, fc1's [E_local, 2F, H] once fc1's wgrad has run
+    # exists from fc2's backward on, fc1's [E_local, 2F, H] once fc1's wgrad has run (fp4moe.train keeps every .grad
+    # until the step). With a resident main-gradient buffer ('always', megatron's DDP) each .grad is folded into it
+    # as soon as it is made: only fc1's, the output of the wgrad GEMM running, is live then (bf16's per-expert
+    # pieces are small and ignored).
     e_local = d.e // d.ep
     dw2, dw1 = a.param_bytes * e_local * h * f, a.param_bytes * e_local * 2 * f * h
+    if a.main_grad_resident == "always":
+        dw2 = 0
+        if not recipe.fp8_compute:
+            dw1 = 0
     if not recipe.fp8_compute:
         # megatron's SequentialMLP: dY, the per-expert dX pieces, their concatenation (every expert's dW1 and dW2
         # made by then); under attn_ln_experts the recomputation's forward ends with the recomputed outputs' pieces
