@@ -149,6 +149,7 @@ def test_log_run_round_trip(git_repo, tmp_path, monkeypatch):
 
     monkeypatch.setenv("FP4MOE_FUSED_SWIGLU_FP4", "1")  # kernel switches outside the config are recorded
     monkeypatch.setenv("FP4MOE_TILES", "x" * 6000)
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     (tmp_path / "store").mkdir()
@@ -169,6 +170,7 @@ def test_log_run_round_trip(git_repo, tmp_path, monkeypatch):
     assert tags["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}")
     assert "torch" in tags
     assert tags["env.FP4MOE_FUSED_SWIGLU_FP4"] == "1" and tags["env.FP4MOE_TILES"] == "x" * tracking.MAX_TAG_CHARS
+    assert tags["env.TORCHINDUCTOR_COMPILE_THREADS"] == "1" and "env.HOME" not in tags
     names = [a.path for a in MlflowClient(tracking_uri=uri).list_artifacts(run_id)]
     assert names == ["table.csv"]
     assert (tmp_path / "store" / "artifacts").is_dir()  # artifacts beside the db, not in the cwd

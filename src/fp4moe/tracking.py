@@ -111,6 +111,11 @@ def _git(*args: str) -> str | None:
 
 
 MAX_TAG_CHARS = 5000  # MLflow's limit on a tag value
+# environment variables that change what a run measures, recorded as ``env.NAME`` tags: fp4moe's switches and the
+# threading / compile / allocator settings of torch (an fp8 cell's host stalls on an H200 followed the inductor
+# compile workers: results/train_proxy/README.md section 17)
+ENV_TAG_PREFIXES = ("FP4MOE_", "TORCHINDUCTOR_", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
+                    "NCCL_")
 
 
 def environment_tags() -> dict[str, str]:
@@ -128,7 +133,7 @@ def environment_tags() -> dict[str, str]:
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "torch": torch_version,
-        **{f"env.{k}": v[:MAX_TAG_CHARS] for k, v in sorted(os.environ.items()) if k.startswith("FP4MOE_")},
+        **{f"env.{k}": v[:MAX_TAG_CHARS] for k, v in sorted(os.environ.items()) if k.startswith(ENV_TAG_PREFIXES)},
     }
 
 

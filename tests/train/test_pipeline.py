@@ -90,18 +90,18 @@ def test_pp2_killed_and_resumed_equals_one_process(tmp_path, monkeypatch):
         ref["saved_activation_bytes_per_micro_batch"][1], rel=0.01)
 
 
-@pytest.mark.parametrize("dist_opt", ["false", "true"])
-def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkeypatch, dist_opt):
+def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkeypatch):
     """4 processes, DP=2 x PP=2, precision=bf16 (megatron's own MoE path), micro-batch 1 (2 per DP rank and step),
     tied embeddings and an MTP layer on the paper's kind of layout 'E|ttmL': stage 0 holds the embedding only,
     stage 1 both layers, the MTP block, the final norm and the (tied) output layer, whose copy of the embedding is
     kept in sync through megatron's embedding group. Same losses and MoE aux loss (reduced over the stages and
-    the DP ranks) as one process with 4 micro-batches; also with the distributed optimizer (each stage shards its
-    own parameters over its DP group, the two copies of the tied embedding included)."""
+    the DP ranks) as one process with 4 micro-batches, with the distributed optimizer (each stage shards its own
+    parameters over its DP group, the two copies of the tied embedding included; the replicated optimizer under PP
+    runs in test_pp2_killed_and_resumed_equals_one_process and test_ep2_dp2_pp2_mxfp4_equals_one_process)."""
     model = ["precision=bf16", "model.tie_embeddings=true", "model.mtp_num_layers=1", "parallel.micro_batch=1",
              "train.steps=3", "train.eval_interval=3", "train.checkpoint_interval=null"]
     r = _torchrun(tmp_path, [*model, "parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=2",
-                             "parallel.pipeline_layout='E|ttmL'", f"parallel.distributed_optimizer={dist_opt}"],
+                             "parallel.pipeline_layout='E|ttmL'", "parallel.distributed_optimizer=true"],
                   "uneven", nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     run, got = _run_metrics(tmp_path, "uneven")

@@ -9,6 +9,8 @@
 - :mod:`fp4moe.model.recompute`: fp4moe's recompute modules (layernorm, moe_expert, self_attention) and the MXFP4
   recompute cache
 - :mod:`fp4moe.model.cpu_shims`: CPU/gloo shims, applied only when CUDA is absent
+- :mod:`fp4moe.model.megatron_import`: megatron-core imported with its fused functions eager (CPU runs: ~3 s less
+  per process)
 
 Importing this package does not import megatron-core; the submodules do.
 """

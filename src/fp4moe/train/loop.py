@@ -114,6 +114,9 @@ def preflight(cfg: Any) -> dict[str, Any]:
     tracking.check_reachable(resolve_uri(cfg))
     import torch
 
+    from fp4moe.model.megatron_import import import_megatron_core
+
+    import_megatron_core(eager_fusions=not torch.cuda.is_available())  # dynamo is off on CPU anyway (_run)
     from fp4moe.model.build import transformer_config
 
     # megatron-core's own config checks and what fp4moe.model cannot build (recompute scopes, dispatcher), now
