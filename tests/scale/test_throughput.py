@@ -206,6 +206,18 @@ def test_bf16_has_no_conversion_and_ep_needs_a_bandwidth():
     assert b.terms["a2a"] == pytest.approx(a.terms["a2a"] * 150 / 40, rel=1e-12)
 
 
+def test_check_1_reads_the_30_step_cells_of_the_profiles_machine():
+    """The archive beside today's profiles holds 16- and 30-step cells, and mxfp4 with the dispatch quantized per
+    token and per row: Check 1 takes the 30-step ones of the profiled code (per token), two runs each."""
+    every = T.measured_runs(T.PROFILE_TGS_ARCHIVE)
+    assert len(every[("mxfp4", "attn_ln_mlp", 32)]) == 6 and len(every[("fp8", "attn_ln_mlp", 32)]) == 2
+    thirty = T.measured_runs(T.PROFILE_TGS_ARCHIVE, params={"train.steps": 30})
+    assert len(thirty[("mxfp4", "attn_ln_mlp", 32)]) == 4 and ("mxfp4", "mla_up_proj", 64) not in thirty
+    tgs = T.profile_tgs_now()
+    assert tgs["fp8"] == pytest.approx((178354.99396115605 + 174739.9798897854) / 2, rel=1e-15)
+    assert tgs["mxfp4"] == pytest.approx((176238.31856888987 + 174761.76596397173) / 2, rel=1e-15)
+
+
 def test_measured_ratios_from_the_committed_archive():
     m = T.measured_tgs()
     assert m[("mxfp4", "attn_ln_experts", 8)] == pytest.approx(95039.62636253386, rel=1e-12)

@@ -498,11 +498,13 @@ def proxy_cfg(recipe: str, scope: str, micro_batch: int) -> DictConfig:
     return cfg
 
 
-def measured_runs(archive: str | Path, root: Path = ROOT, mxfp4_tags: dict | None = None
-                  ) -> dict[tuple[str, str, int], list[float]]:
-    """{(recipe, scope, micro_batch): [summary/tgs_median of each run]} of a runs archive; with ``mxfp4_tags``,
-    only the mxfp4 runs that carry those tags (e.g. 390a277's runs with the CUDA C++ column kernel,
-    ``env.FP4MOE_CUDA_COL=1``; its untagged mxfp4 runs ran the Triton kernel, that code's default)."""
+def measured_runs(archive: str | Path, root: Path = ROOT, mxfp4_tags: dict | None = None,
+                  params: dict | None = None) -> dict[tuple[str, str, int], list[float]]:
+    """{(recipe, scope, micro_batch): [summary/tgs_median of each run]} of a runs archive, in archive order; with
+    ``mxfp4_tags``, only the mxfp4 runs that carry those tags (e.g. 390a277's runs with the CUDA C++ column kernel,
+    ``env.FP4MOE_CUDA_COL=1``; its untagged mxfp4 runs ran the Triton kernel, that code's default); with
+    ``params``, only the runs whose logged params have those values (e.g. ``{"train.steps": 30}``: the 30-step
+    cells of an archive that also holds 16-step ones)."""
     from fp4moe.runs_archive import load
 
     path = Path(archive) if Path(archive).is_absolute() else root / archive
@@ -513,6 +515,8 @@ def measured_runs(archive: str | Path, root: Path = ROOT, mxfp4_tags: dict | Non
         if not tgs or t.get("outcome") == "OOM":
             continue
         if t["recipe"] == "mxfp4" and any(t.get(k) != v for k, v in (mxfp4_tags or {}).items()):
+            continue
+        if any(r["params"].get(k) != str(v) for k, v in (params or {}).items()):
             continue
         out.setdefault((t["recipe"], t["recompute"], int(r["params"]["parallel.micro_batch"])), []).append(
             float(tgs[-1][1]))
@@ -588,10 +592,16 @@ PROFILE_GROUPS_NOW = {
     "torch glue (measured input)": ("glue", 447.4 - 27.89, 435.3),
     "total kernel time": ("total", 1406.4, 1416.5),
 }
-# The same cells alone in their processes, on the same machine (T1 cells of proxy_t1_h200_2026-12-01_902d750.json,
-# steps 11-30; mean of two runs each, alternated)
-PROFILE_TGS_NOW = {"fp8": (178354.99396115605 + 174739.9798897854) / 2,
-                   "mxfp4": (176238.31856888987 + 174761.76596397173) / 2}
+# The same cells alone in their processes, on the same machine: the 30-step T1 cells (steps 11-30 measured) of this
+# archive, two runs each alternated; mxfp4's with the dispatch quantized per token (the profiled code's default)
+PROFILE_TGS_ARCHIVE = "results/train_proxy/proxy_t1_h200_2026-12-01_902d750.json"
+
+
+def profile_tgs_now(root: Path = ROOT) -> dict[str, float]:
+    """{recipe: mean tokens/GPU/s} of the cells Check 1 sets beside today's profiles (``PROFILE_TGS_ARCHIVE``)."""
+    runs = measured_runs(PROFILE_TGS_ARCHIVE, root, mxfp4_tags={"env.FP4MOE_DISPATCH_QUANTIZE": "tokens"},
+                         params={"train.steps": 30})
+    return {rec: sum(runs[(rec, "attn_ln_mlp", 32)]) / len(runs[(rec, "attn_ln_mlp", 32)]) for rec in ("fp8", "mxfp4")}
 
 
 def profile_check(rates: Rates = RATES_EDAE9E8) -> list[tuple[str, str, float, float]]:
@@ -773,7 +783,7 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
 
     check1(rates, "## Check 1: today's profiles, GPU time by kernel group (mb 32, attn_ln_mlp, 262144 tokens)",
            "T1 cells of proxy_t1_h200_2026-12-01_902d750.json, steps 11-30, two runs each alternated on the "
-           "profiles' machine", PROFILE_TGS_NOW)
+           "profiles' machine", profile_tgs_now())
     g = {(lab, rec): m for lab, rec, _, m in profile_check(rates)}
     faster = [100 * (1 - g[(lab, "mxfp4")] / g[(lab, "fp8")]) for lab in PROFILE_GROUPS_NOW
               if lab.startswith(("grouped", "cuBLAS", "attention"))]
