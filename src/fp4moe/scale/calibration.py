@@ -294,15 +294,17 @@ NOTES = """
   runs were under-predicted by 2.5-4.4 % (1.0-1.5 GiB). A memory trace of fp8 and mxfp4 under full recompute at 16
   (results/train_proxy/memtrace_h200_mb16_e431a41/) showed two things live at the peak (the first MoE layer's
   experts' backward) that the model did not hold: (1) the layer's own expert weight gradients (BF16 .grad: fc2's
-  from its backward on, fc1's from its wgrad; 0.375 GiB on the proxy), in every scope, now in the expert-backward
-  phase (it moves the other scopes' errors from -1.3..+0.4 % to -0.3..+0.7 % for fp8 and mxfp4 and bf16's by
-  +0.5 to +0.8 pp); (2) the inputs of the MoE layers after it (and the last one's input gradient), which megatron's
+  from its backward on, fc1's from its wgrad; 0.375 GiB on the proxy), in every scope of fp4moe's grouped experts,
+  now in the expert-backward phase (it moves the other scopes' fp8 and mxfp4 errors from -1.3..+0.4 % to
+  -0.3..+0.7 %, one older mxfp4 mla_up_proj probe cell at -2.0 %; not for bf16, whose traced peaks come before the
+  layer's own gradients exist: at the head, or in the recomputed forward under full); (2) the inputs of the MoE
+  layers after it (and the last one's input gradient), which megatron's
   dispatchers kept alive by holding the routing probabilities of their recomputation (its graph's leaves are the
   layer's detached input and that input's gradient) until the step's backward had passed. The model holds (2) for
   the code the archives measured (`MemoryAssumptions.dispatcher_keeps_recompute_graph`; `code_of`); the trainer
   now drops them when each MoE layer's forward returns (`fp4moe.model.build.release_dispatcher_after_forward`),
   which the today's-code column shows (1.32 GiB less at 32, 0.75 at 16), not yet measured on a GPU. With both,
-  the full-recompute runs are within -0.4..+0.5 % (fp8, mxfp4) and +1.6..+1.7 % (bf16).
+  the full-recompute runs are within -0.4..+0.5 % (fp8, mxfp4) and +0.3..+0.7 % (bf16).
 - **What the model still leaves out**: cuBLAS/cuDNN workspaces and the kernels' cached launch tables (the measured
   step start is 0.08-0.27 GiB above the static prediction and grows with the micro-batch); the largest one-GPU
   error left is -2.0 % (mxfp4 mla_up_proj at 16 in the probe of 38f25cd).
