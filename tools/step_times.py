@@ -83,7 +83,7 @@ def analyse(run: dict, slow: float, smi: list[tuple[float, float, float]] | None
     later = steps[1:]
     slow_steps = [(s, v, ts) for s, v, ts in later if v > slow * med]
     other = [(s, v, ts) for s, v, ts in later if v <= slow * med]
-    env = " ".join(f"{k[4:]}={v}" for k, v in sorted(t.items()) if k.startswith("env.") and k not in ENV_LEFT_OUT)
+    env = {k[4:]: v for k, v in sorted(t.items()) if k.startswith("env.") and k not in ENV_LEFT_OUT}
     tgs = m.get("summary/tgs_median")
     row = {"recipe": t.get("recipe", "?"), "scope": t.get("recompute", "?"),
            "micro_batch": p.get("parallel.micro_batch", "?"), "env": env,
@@ -103,18 +103,24 @@ def _f(x, fmt: str) -> str:
 
 
 def render(rows: list[dict], slow: float, with_smi: bool) -> str:
+    """The Markdown table; the env column names only the settings that differ between the rows (those all rows
+    share are listed once below it)."""
+    common = {k: v for k, v in rows[0]["env"].items() if all(r["env"].get(k) == v for r in rows)}
     head = ["recipe", "scope", "mb", "env", "tokens/GPU/s", "window p10 / p50 / p90 (s)", f"slow steps (> {slow:g}x)"]
     if with_smi:
         head += ["SM MHz, power W: slow steps", "other steps"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["recipe"], r["scope"], str(r["micro_batch"]), r["env"] or "-", _f(r["tgs"], ".0f"),
+        env = " ".join(f"{k}={v}" for k, v in r["env"].items() if k not in common)
+        cells = [r["recipe"], r["scope"], str(r["micro_batch"]), env or "-", _f(r["tgs"], ".0f"),
                  f"{r['p10']:.3f} / {r['p50']:.3f} / {r['p90']:.3f}",
                  f"{len(r['slow'])}" + (f" ({', '.join(map(str, r['slow']))})" if r["slow"] else "")]
         if with_smi:
             cells += [f"{_f(r['slow_clock'], '.0f')}, {_f(r['slow_power'], '.0f')}",
                       f"{_f(r['other_clock'], '.0f')}, {_f(r['other_power'], '.0f')}"]
         lines.append("| " + " | ".join(cells) + " |")
+    if common:
+        lines += ["", "Every run: " + " ".join(f"{k}={v}" for k, v in common.items())]
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,9 @@
 #                                                      # (MB = auto: the one `choose` picked; GB = MB then)
 #   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..." [OVERRIDES]  # T1 cells, one process each (16
 #                                                      # steps, the last 6 measured: mxfp4's first 4-12 steps are slow)
+#   bash tools/device/h200_p3.sh hostab GPU MB ROUNDS "cell[@VAR=v,VAR=v] ..." [OVERRIDES]  # host-stall A/B: each
+#                                                      # cell in its own process under its env settings, ROUNDS times
+#                                                      # alternated, nvidia-smi + top beside -> $OUT/step_times.md
 #   bash tools/device/h200_p3.sh t1load MB "fp8:attn_ln_mlp mxfp4:attn_ln_mlp"  # each cell on both GPUs at once
 #                                                      # (equal load), then tools/device/load_pairs.py's table
 #   bash tools/device/h200_p3.sh profile GPU MB "mxfp4:attn_ln_experts ..."  # torch.profiler, steps 4-5, tables+trace
@@ -129,6 +132,32 @@ t1cells)  # GPU MB "recipe:scope ..." [OVERRIDES...]: T1 cells, each in its own 
   done
   keep
   (cd "$STATE" && tar czf "$OUT/t1cells_logs.tgz" t1_*.log)
+  ;;
+hostab)  # GPU MB ROUNDS "recipe:scope[@VAR=v,VAR=v] ..." [OVERRIDES...]: fp8's host stalls (results/train_proxy/README.md
+  # section 17), e.g. hostab 0 32 2 "fp8:attn_ln_mlp fp8:attn_ln_mlp@TORCHINDUCTOR_COMPILE_THREADS=1 mxfp4:attn_ln_mlp"
+  # train.steps=30 train.measure.steps=20. Each cell runs through t1cells under its settings (recorded as env.* tags);
+  # nvidia-smi (200 ms) and top -H (0.5 s, ten busiest threads) log beside; tools/step_times.py reads the store.
+  gpu=$1 mb=$2 rounds=$3 cells=$4; shift 4
+  stamp=$(date +%H%M%S)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv -lms 200 > "$STATE/smi_$stamp.csv" 2>&1 &
+  smi=$!
+  (top -b -H -d 0.5 -w 220 | grep --line-buffered -A10 '^ *PID' > "$STATE/top_$stamp.txt") 2>/dev/null &
+  top=$!
+  for _ in $(seq "$rounds"); do
+    for spec in $cells; do
+      cell=${spec%%@*} envs=""
+      [ "$cell" != "$spec" ] && envs=${spec#*@}
+      # shellcheck disable=SC2086
+      env ${envs//,/ } bash "$0" t1cells "$gpu" "$mb" "$cell" "$@" | sed "s|^|${envs:-defaults}: |"
+    done
+  done
+  kill "$smi" 2>/dev/null || true
+  pkill -P "$top" 2>/dev/null || true; kill "$top" 2>/dev/null || true; pkill -x top 2>/dev/null || true
+  mkdir -p "$OUT/hostlogs" && xz -T0 -c "$STATE/smi_$stamp.csv" > "$OUT/hostlogs/smi_$stamp.csv.xz"
+  xz -T0 -c "$STATE/top_$stamp.txt" > "$OUT/hostlogs/top_$stamp.txt.xz"
+  python3 tools/step_times.py "$STATE/mlflow_t1_gpu$gpu.db" --smi "$STATE/smi_$stamp.csv" | tee "$OUT/step_times.md"
+  keep
   ;;
 t1load)  # MB "recipe:scope ...": each T1 cell on both GPUs at once (equal host load for every cell), then the table
   mb=$1
