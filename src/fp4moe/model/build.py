@@ -447,17 +447,25 @@ def a2a_stats(model) -> dict[str, int]:
 DISPATCHER_STEP_TENSORS = ("probs", "routing_map")
 
 
+def _drop_step_tensors(dispatcher) -> int:
+    """Set the ``DISPATCHER_STEP_TENSORS`` a token dispatcher holds to None; returns how many it held."""
+    n = 0
+    for name in DISPATCHER_STEP_TENSORS:
+        if getattr(dispatcher, name, None) is not None:
+            setattr(dispatcher, name, None)
+            n += 1
+    return n
+
+
 def _drop_dispatcher_tensors(layer, args, kwargs, output) -> None:
     """Forward hook of a MoE layer: its combine has run, so what its dispatcher kept for it is dead
     (``release_dispatcher_after_forward``). A partial forward (CUDA-graph capture with intermediate tensors, or an
     execution map other than the whole layer) keeps them for the calls that follow."""
+    from fp4moe.model.recipe_moe import WHOLE_FORWARD
+
     partial = kwargs.get("intermediate_tensors", args[1] if len(args) > 1 else None) is not None
-    whole = list(getattr(layer, "fwd_execution_map", ["route", "expert_compute", "postprocess"])) == [
-        "route", "expert_compute", "postprocess"]
-    if whole and not partial:
-        for name in DISPATCHER_STEP_TENSORS:
-            if getattr(layer.token_dispatcher, name, None) is not None:
-                setattr(layer.token_dispatcher, name, None)
+    if tuple(getattr(layer, "fwd_execution_map", WHOLE_FORWARD)) == WHOLE_FORWARD and not partial:
+        _drop_step_tensors(layer.token_dispatcher)
 
 
 def release_dispatcher_after_forward(model) -> int:
@@ -487,13 +495,7 @@ def release_dispatcher_tensors(model) -> int:
     probabilities hold the recomputed graph, whose leaves are the layer's detached input and its gradient: two
     [seq, micro, hidden] activations per MoE layer stayed allocated from one step into the next (on the H200 proxy
     at micro-batch 16, a step under full recompute began with 1.5 GiB more than under the other scopes)."""
-    n = 0
-    for _, d in _moe_dispatchers(model):
-        for name in DISPATCHER_STEP_TENSORS:
-            if getattr(d, name, None) is not None:
-                setattr(d, name, None)
-                n += 1
-    return n
+    return sum(_drop_step_tensors(d) for _, d in _moe_dispatchers(model))
 
 
 __all__ = ["transformer_config", "build_gpt_model", "to_bf16_params", "layer_spec", "recipe_of", "apply_fp8_dense_linears", "a2a_stats",

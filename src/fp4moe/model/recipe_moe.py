@@ -251,6 +251,10 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                                     stats=self.combine_stats)
 
 
+# megatron's MoELayer.fwd_execution_map when one forward call runs the whole layer (route, experts, combine)
+WHOLE_FORWARD = ("route", "expert_compute", "postprocess")
+
+
 class RecipeMoELayer(MoELayer):
     """megatron's ``MoELayer`` with :class:`QuantizedAlltoAllTokenDispatcher` (spec param ``recipe``)."""
 
@@ -272,7 +276,7 @@ class RecipeMoELayer(MoELayer):
         output is cast back to ``hidden_states.dtype`` (the recipe's ops return BF16, and an fp32-parameter model
         must get fp32 back, as from megatron's own experts)."""
         own = (intermediate_tensors is None and not self.moe_layer_recompute
-               and list(self.fwd_execution_map) == ["route", "expert_compute", "postprocess"])
+               and tuple(self.fwd_execution_map) == WHOLE_FORWARD)
         out = (self._forward_releasing(hidden_states, padding_mask) if own
                else super().forward(hidden_states, intermediate_tensors, padding_mask))
         if intermediate_tensors is None and isinstance(out, tuple) and isinstance(out[0], torch.Tensor):
