@@ -3,18 +3,17 @@ line per cell through its probed micro-batches, OOM probes as upper bounds, and 
 fit/OOM pattern matches the paper's T1 in the most cells (ties: the larger)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tool_module import load_tool
+
 pytest.importorskip("mlflow")
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("choose_t1_mb", ROOT / "tools" / "device" / "choose_t1_mb.py")
-choose_t1_mb = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(choose_t1_mb)
+choose_t1_mb = load_tool("tools/device/choose_t1_mb.py")
 
 # peak GiB = a + b * micro-batch per (scope, recipe): heavy scope fits everywhere up to ~30, the lighter scopes only
 # for mxfp4 (slopes chosen so that micro-batch 20 matches the paper's 9 cells with 120 GiB usable)

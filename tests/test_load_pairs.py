@@ -2,17 +2,16 @@
 per cell both runs, their mean and spread, and the ratio to the reference cell's mean at the same micro-batch."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from tool_module import load_tool
+
 pytest.importorskip("mlflow")
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("load_pairs", ROOT / "tools" / "device" / "load_pairs.py")
-load_pairs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(load_pairs)
+load_pairs = load_tool("tools/device/load_pairs.py")
 
 
 def _store(path: Path, runs) -> str:

@@ -5,15 +5,14 @@ function that issued it, and the comparison's times are the traces' own sums."""
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import re
 from pathlib import Path
 
+from tool_module import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("profile_attribution", ROOT / "tools" / "profile_attribution.py")
-pa = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(pa)
+pa = load_tool("tools/profile_attribution.py")
 
 FP8 = ROOT / "tests/data/profile/h200_fp8_attn_ln_mlp_mb32_excerpt.json"
 MXFP4 = ROOT / "tests/data/profile/h200_mxfp4_attn_ln_mlp_mb32_excerpt.json"

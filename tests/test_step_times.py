@@ -1,14 +1,13 @@
 """tools/step_times.py on the committed e431a41 T1 archive and the nvidia-smi log taken beside its first call (H200,
 results/train_proxy/README.md section 17)."""
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from tool_module import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("step_times", ROOT / "tools" / "step_times.py")
-st = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(st)
+st = load_tool("tools/step_times.py")
 
 ARCHIVE = ROOT / "results/train_proxy/proxy_t1_h200_2026-12-01_e431a41.json"
 SMI = ROOT / "results/train_proxy/diagnostic/host_stalls_h200_2026-12-01_e431a41/nvidia_smi_call1_t1cells.csv.xz"
