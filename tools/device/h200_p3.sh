@@ -153,7 +153,7 @@ hostab)  # GPU MB ROUNDS "recipe:scope[@VAR=v,VAR=v] ..." [OVERRIDES...]: fp8's 
     done
   done
   kill "$smi" 2>/dev/null || true
-  pkill -P "$top" 2>/dev/null || true; kill "$top" 2>/dev/null || true; pkill -x top 2>/dev/null || true
+  pkill -P "$top" 2>/dev/null || true  # top and grep, the subshell's children
   mkdir -p "$OUT/hostlogs" && xz -T0 -c "$STATE/smi_$stamp.csv" > "$OUT/hostlogs/smi_$stamp.csv.xz"
   xz -T0 -c "$STATE/top_$stamp.txt" > "$OUT/hostlogs/top_$stamp.txt.xz"
   python3 tools/step_times.py "$STATE/mlflow_t1_gpu$gpu.db" --smi "$STATE/smi_$stamp.csv" | tee "$OUT/step_times.md"

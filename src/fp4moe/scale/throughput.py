@@ -782,7 +782,7 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
                   ""])
 
     check1(rates, "## Check 1: today's profiles, GPU time by kernel group (mb 32, attn_ln_mlp, 262144 tokens)",
-           "T1 cells of proxy_t1_h200_2026-12-01_902d750.json, steps 11-30, two runs each alternated on the "
+           f"T1 cells of {Path(PROFILE_TGS_ARCHIVE).name}, steps 11-30, two runs each alternated on the "
            "profiles' machine", profile_tgs_now())
     g = {(lab, rec): m for lab, rec, _, m in profile_check(rates)}
     faster = [100 * (1 - g[(lab, "mxfp4")] / g[(lab, "fp8")]) for lab in PROFILE_GROUPS_NOW
