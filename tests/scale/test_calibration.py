@@ -40,6 +40,7 @@ EXPECTED = [
     (('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe', '38f25cd'), (62358446108, 62358446080, 72.21399641036987, 78489020416, 'backward', 78489020416)),
     (('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe', '61f1fcb'), (62358446108, 62358446080, 72.21399641036987, 78489020416, 'backward', 78489020416)),
     (('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe', '49a089e'), (62358446108, 62358446080, 72.21399641036987, 78489020416, 'backward', 78489020416)),
+    (('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (62358446108, 62358446080, 72.16601896286011, 78489020416, 'backward', 78489020416)),
     (('bf16', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '38f25cd'), (31164543052, 31164542976, 41.142640590667725, 44075595776, 'head', 44075595776)),
     (('bf16', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '61f1fcb'), (31164543052, 31164542976, 41.142640590667725, 44075595776, 'head', 44075595776)),
     (('bf16', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '49a089e'), (31164543052, 31164542976, 41.142640590667725, 44075595776, 'head', 44075595776)),
@@ -59,12 +60,14 @@ EXPECTED = [
     (('fp8', 'none', 32, 32, 'proxy_t1_probe', '38f25cd'), (77787713612, 77760368128, 94.52067947387695, 101608461824, 'backward', 95438737920)),
     (('fp8', 'none', 32, 32, 'proxy_t1_probe', '61f1fcb'), (77787713612, 77760368128, 88.6494255065918, 95438737920, 'backward', 95438737920)),
     (('fp8', 'none', 32, 32, 'proxy_t1_probe', '49a089e'), (77787713612, 77760368128, 88.6494255065918, 95438737920, 'backward', 95438737920)),
+    (('fp8', 'none', 32, 32, 'proxy_t1', '2ebd465'), (77787713612, 77760368128, 88.60368728637695, 95438737920, 'backward', 95438737920)),
     (('fp8', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '38f25cd'), (25949974556, 25937391616, 48.02852964401245, 51470496256, 'backward', 48521997824)),
     (('fp8', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '61f1fcb'), (25949974556, 25937391616, 45.15853452682495, 48521997824, 'backward', 48521997824)),
     (('fp8', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '49a089e'), (25949974556, 25937391616, 45.15853452682495, 48521997824, 'backward', 48521997824)),
     (('fp8', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '38f25cd'), (51891560476, 51866394624, 85.61683416366577, 92028379648, 'backward', 85858655744)),
     (('fp8', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '61f1fcb'), (51891560476, 51866394624, 79.74683904647827, 85858655744, 'backward', 85858655744)),
     (('fp8', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '49a089e'), (51891560476, 51866394624, 79.73082256317139, 85858655744, 'backward', 85858655744)),
+    (('fp8', 'attn_ln_experts', 32, 32, 'proxy_t1', '2ebd465'), (51891560476, 51866394624, 79.680419921875, 85858655744, 'backward', 85858655744)),
     (('fp8', 'attn_ln_experts', 40, 40, 'proxy_t1', '38f25cd'), (64862353436, 64830896128, 104.39840936660767, 112307321344, 'backward', 104526984704)),
     (('fp8', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '38f25cd'), (33523953692, 33509596672, 47.98608636856079, 51419407872, 'backward', 48470909440)),
     (('fp8', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '61f1fcb'), (33523953692, 33509596672, 45.1145806312561, 48470909440, 'backward', 48470909440)),
@@ -99,6 +102,13 @@ EXPECTED = [
     (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', 'e431a41'), (67018838044, 66991492608, 79.62987852096558, 85743604224, 'backward', 85743604224)),
     (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', 'e431a41'), (67018838044, 66991492608, 79.62911176681519, 85743604224, 'backward', 85743604224)),
     (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', 'e431a41'), (67018838044, 66991492608, 79.63013029098511, 85743604224, 'backward', 85743604224)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (67018838044, 66991492608, 79.57500076293945, 85743604224, 'backward', 85743604224)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (67018838044, 66991492608, 79.57487487792969, 85743604224, 'backward', 85743604224)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (67018838044, 66991492608, 79.57380819320679, 85743604224, 'backward', 85743604224)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (67018838044, 66991492608, 79.57349014282227, 85743604224, 'backward', 85743604224)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (67018838044, 66991492608, 79.57386779785156, 85743604224, 'backward', 85743604224)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (67018838044, 66991492608, 79.57323837280273, 85743604224, 'backward', 85743604224)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (67018838044, 66991492608, 79.55445623397827, 85743604224, 'backward', 85743604224)),
     (('fp8', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '38f25cd'), (34588258380, 34573901312, 48.47454595565796, 51946841600, 'backward', 48998343168)),
     (('fp8', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '61f1fcb'), (34588258380, 34573901312, 45.60164499282837, 48998343168, 'backward', 48998343168)),
     (('fp8', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '49a089e'), (34588258380, 34573901312, 45.603171825408936, 48998343168, 'backward', 48998343168)),
@@ -115,13 +125,17 @@ EXPECTED = [
     (('fp8', 'mla_up_proj', 40, 40, 'proxy_t1', '902d750'), (86432319564, 86399493632, 98.11868143081665, 105704827392, 'backward', 105704827392)),
     (('fp8', 'mla_up_proj', 40, 40, 'proxy_t1', 'e431a41'), (86432319564, 86399493632, 98.12863445281982, 105704827392, 'backward', 105704827392)),
     (('fp8', 'mla_up_proj', 40, 40, 'proxy_t1', 'e431a41'), (86432319564, 86399493632, 98.12928438186646, 105704827392, 'backward', 105704827392)),
+    (('fp8', 'mla_up_proj', 40, 40, 'proxy_t1', '2ebd465'), (86432319564, 86399493632, 98.05629396438599, 105704827392, 'backward', 105704827392)),
+    (('fp8', 'mla_up_proj', 40, 40, 'proxy_t1', '2ebd465'), (86432319564, 86399493632, 98.05614757537842, 105704827392, 'backward', 105704827392)),
     (('fp8', 'full', 16, 16, 'proxy_t1_probe', '38f25cd'), (5906956288, 5906956288, 31.729804515838623, 33954833920, 'backward', 30201029120)),
     (('fp8', 'full', 16, 16, 'proxy_t1_probe', '61f1fcb'), (5906956288, 5906956288, 28.85853910446167, 31006335488, 'backward', 30201029120)),
     (('fp8', 'full', 16, 16, 'proxy_t1_probe', '49a089e'), (5906956288, 5906956288, 28.861085414886475, 31006335488, 'backward', 30201029120)),
     (('fp8', 'full', 16, 16, 'proxy_t1', 'e431a41'), (5906956288, 5906956288, 28.81844186782837, 31006335488, 'backward', 30201029120)),
+    (('fp8', 'full', 16, 16, 'proxy_t1', '2ebd465'), (5906956288, 5906956288, 28.03914499282837, 30201029120, 'backward', 30201029120)),
     (('fp8', 'full', 32, 32, 'proxy_t1_probe', '38f25cd'), (11813912576, 11813912576, 52.20490026473999, 56126977536, 'backward', 48544013824)),
     (('fp8', 'full', 32, 32, 'proxy_t1_probe', '61f1fcb'), (11813912576, 11813912576, 46.3337664604187, 49957253632, 'backward', 48544013824)),
     (('fp8', 'full', 32, 32, 'proxy_t1_probe', '49a089e'), (11813912576, 11813912576, 46.3300986289978, 49957253632, 'backward', 48544013824)),
+    (('fp8', 'full', 32, 32, 'proxy_t1', '2ebd465'), (11813912576, 11813912576, 44.93582105636597, 48544013824, 'backward', 48544013824)),
     (('fp8', 'attn_block_ln_experts', 32, 32, 'proxy_t1', '1fb1546'), (36066451468, 36041285632, 64.99359464645386, 70033546752, 'backward', 70033546752)),
     (('fp8', 'attn_block_ln_mlp', 32, 32, 'proxy_t1', '1fb1546'), (51193729036, 51166383616, 64.88666486740112, 69918495232, 'backward', 69918495232)),
     (('mxfp4', 'none', 16, 16, 'proxy_t1_probe', '38f25cd'), (22338154572, 22338154496, 39.0717453956604, 41858578432, 'backward', 37874184192)),
@@ -130,12 +144,14 @@ EXPECTED = [
     (('mxfp4', 'none', 32, 32, 'proxy_t1_probe', '38f25cd'), (44667920460, 44667920384, 67.70701265335083, 72810981376, 'backward', 64565174272)),
     (('mxfp4', 'none', 32, 32, 'proxy_t1_probe', '61f1fcb'), (44667920460, 44667920384, 59.90102243423462, 64565174272, 'backward', 64565174272)),
     (('mxfp4', 'none', 32, 32, 'proxy_t1_probe', '49a089e'), (44667920460, 44667920384, 59.898991107940674, 64565174272, 'backward', 64565174272)),
+    (('mxfp4', 'none', 32, 32, 'proxy_t1', '2ebd465'), (44667920460, 44667920384, 59.82500457763672, 64565174272, 'backward', 64565174272)),
     (('mxfp4', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '38f25cd'), (12068401180, 12068401152, 35.055935859680176, 37544736768, 'backward', 31412858880)),
     (('mxfp4', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '61f1fcb'), (12068401180, 12068401152, 29.21768283843994, 31412858880, 'backward', 31412858880)),
     (('mxfp4', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '49a089e'), (12068401180, 12068401152, 29.220738410949707, 31412858880, 'backward', 31412858880)),
     (('mxfp4', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '38f25cd'), (24128413724, 24128413696, 59.67537975311279, 64183298048, 'backward', 51642523648)),
     (('mxfp4', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '61f1fcb'), (24128413724, 24128413696, 47.869893074035645, 51642523648, 'backward', 51642523648)),
     (('mxfp4', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '49a089e'), (24128413724, 24128413696, 47.866854667663574, 51642523648, 'backward', 51642523648)),
+    (('mxfp4', 'attn_ln_experts', 32, 32, 'proxy_t1', '2ebd465'), (24128413724, 24128413696, 47.79033327102661, 51642523648, 'backward', 51642523648)),
     (('mxfp4', 'attn_ln_experts', 64, 64, 'proxy_t1', '38f25cd'), (48248438812, 48248438784, 108.879469871521, 117460420608, 'backward', 92101853184)),
     (('mxfp4', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '38f25cd'), (13038858268, 13038858240, 33.1643967628479, 35512072192, 'backward', 29380194304)),
     (('mxfp4', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '61f1fcb'), (13038858268, 13038858240, 27.32664155960083, 29380194304, 'backward', 29380194304)),
@@ -174,6 +190,9 @@ EXPECTED = [
     (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', 'e431a41'), (26069327900, 26069327872, 44.06229019165039, 47577194496, 'backward', 47577194496)),
     (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', 'e431a41'), (26069327900, 26069327872, 44.06279373168945, 47577194496, 'backward', 47577194496)),
     (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', 'e431a41'), (26069327900, 26069327872, 44.04458665847778, 47577194496, 'backward', 47577194496)),
+    (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (26069327900, 26069327872, 44.00419998168945, 47577194496, 'backward', 47577194496)),
+    (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (26069327900, 26069327872, 44.00520706176758, 47577194496, 'backward', 47577194496)),
+    (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (26069327900, 26069327872, 43.986496448516846, 47577194496, 'backward', 47577194496)),
     (('mxfp4', 'attn_ln_mlp', 64, 64, 'proxy_t1', '38f25cd'), (52130267164, 52130267136, 101.30720376968384, 109329762304, 'backward', 83971194880)),
     (('mxfp4', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '38f25cd'), (18047905868, 18047905792, 35.70181703567505, 37568329728, 'backward', 33583935488)),
     (('mxfp4', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '61f1fcb'), (18044268620, 18047905792, 31.240593433380127, 33583935488, 'backward', 33583935488)),
@@ -191,13 +210,17 @@ EXPECTED = [
     (('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1', '902d750'), (72179040332, 72179040256, 93.23272943496704, 100798742528, 'backward', 100798742528)),
     (('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1', 'e431a41'), (72179040332, 72179040256, 93.24531936645508, 100798742528, 'backward', 100798742528)),
     (('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1', 'e431a41'), (72179040332, 72179040256, 93.24431228637695, 100798742528, 'backward', 100798742528)),
+    (('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1', '2ebd465'), (72179040332, 72179040256, 93.12712478637695, 100798742528, 'backward', 100798742528)),
+    (('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1', '2ebd465'), (72179040332, 72179040256, 93.12561416625977, 100798742528, 'backward', 100798742528)),
     (('mxfp4', 'full', 16, 16, 'proxy_t1_probe', '38f25cd'), (5906956288, 5906956288, 28.990819454193115, 31011859456, 'backward', 26222158848)),
     (('mxfp4', 'full', 16, 16, 'proxy_t1_probe', '61f1fcb'), (5906956288, 5906956288, 25.15458059310913, 27027465216, 'backward', 26222158848)),
     (('mxfp4', 'full', 16, 16, 'proxy_t1_probe', '49a089e'), (5906956288, 5906956288, 25.15535831451416, 27027465216, 'backward', 26222158848)),
     (('mxfp4', 'full', 16, 16, 'proxy_t1', 'e431a41'), (5906956288, 5906956288, 25.107523441314697, 27027465216, 'backward', 26222158848)),
+    (('mxfp4', 'full', 16, 16, 'proxy_t1', '2ebd465'), (5906956288, 5906956288, 24.330240726470947, 26222158848, 'backward', 26222158848)),
     (('mxfp4', 'full', 32, 32, 'proxy_t1_probe', '38f25cd'), (11813912576, 11813912576, 46.7312536239624, 50247465984, 'backward', 40588419072)),
     (('mxfp4', 'full', 32, 32, 'proxy_t1_probe', '61f1fcb'), (11813912576, 11813912576, 38.926276206970215, 42001658880, 'backward', 40588419072)),
     (('mxfp4', 'full', 32, 32, 'proxy_t1_probe', '49a089e'), (11813912576, 11813912576, 38.92677974700928, 42001658880, 'backward', 40588419072)),
+    (('mxfp4', 'full', 32, 32, 'proxy_t1', '2ebd465'), (11813912576, 11813912576, 37.51909112930298, 40588419072, 'backward', 40588419072)),
     (('mxfp4', 'attn_block_ln_experts', 32, 32, 'proxy_t1', '1fb1546'), (19497902092, 19497902080, 43.53087139129639, 47012012032, 'backward', 47012012032)),
     (('mxfp4', 'attn_block_ln_mlp', 32, 32, 'proxy_t1', '1fb1546'), (21438816268, 21438816256, 39.74322748184204, 42946682880, 'backward', 42946682880)),
 ]
@@ -225,7 +248,7 @@ def _key(c):
 
 def test_cells_are_the_runs_we_have(cells):
     assert [_key(c) for c in cells] == [k for k, _ in EXPECTED]
-    assert sum(c.outcome == "OOM" for c in cells) == 0 and sum(c.peak_gib is not None for c in cells) == 179
+    assert sum(c.outcome == "OOM" for c in cells) == 0 and sum(c.peak_gib is not None for c in cells) == 202
 
 
 def test_saved_bytes_exact(rows):
@@ -289,10 +312,13 @@ def test_the_removed_wastes_change_only_what_they_should(rows):
     # the later MoE layers' inputs and input gradients (two layers after the first MoE layer: 2 inputs + 1 gradient
     # [T, H] bf16, the other gradient being the first layer's output gradient, counted anyway; less where the
     # deepest MoE layer's backward is not the largest phase without them)
+    # (the archives in DROPS_DISPATCHER_GRAPH measured that code: the same prediction as today's)
     th = lambda c: 2 * c.micro_batch * 4096 * 2048
+    drops = lambda r: Path(r.cell.archive).name in cal.DROPS_DISPATCHER_GRAPH
     assert all(r.pred_peak_now_gib == r.pred_peak_gib for r in rows if r not in old and r.cell.scope != "full")
+    assert all(r.pred_peak_now_gib == r.pred_peak_gib for r in rows if drops(r))
     for r in rows:
-        if r not in old and r.cell.scope == "full":
+        if r not in old and r.cell.scope == "full" and not drops(r):
             assert 0 < (r.pred_peak_gib - r.pred_peak_now_gib) * GB <= 3 * th(r.cell)
     for r in old:
         c = r.cell
@@ -311,6 +337,23 @@ def test_the_removed_wastes_change_only_what_they_should(rows):
     assert drop[("fp8", "none")] == pytest.approx(1.5 * u - dw1, rel=2e-3)
     assert drop[("mxfp4", "none")] == pytest.approx(1.98 * u - dw1, rel=1e-3)
     assert drop[("mxfp4", "attn_ln_mlp")] == pytest.approx(drop[("mxfp4", "none")] + u)
+
+
+def test_dispatcher_fix_lowered_the_measured_peaks_as_predicted(rows):
+    """495f655 (the trainer drops megatron's dispatcher probabilities after each MoE forward): the full-recompute
+    peaks measured on its code (2ebd465) sit below the newest older code's by what the model says, within 10 %
+    (measured 0.78 GiB at 16 and 1.39-1.41 at 32; the model 0.75 and 1.32)."""
+    new = {(r.cell.recipe, r.cell.micro_batch): r for r in rows
+           if Path(r.cell.archive).name in cal.DROPS_DISPATCHER_GRAPH and r.cell.scope == "full"}
+    assert sorted(new) == [("fp8", 16), ("fp8", 32), ("mxfp4", 16), ("mxfp4", 32)]
+    for (recipe, mb), r in new.items():
+        before = [o for o in rows if (o.cell.recipe, o.cell.scope, o.cell.micro_batch) == (recipe, "full", mb)
+                  and cal.CODE_OF.get(Path(o.cell.archive).name) is None and o is not r
+                  and Path(o.cell.archive).name not in cal.DROPS_DISPATCHER_GRAPH]
+        o = before[-1]  # the newest code measured before (e431a41 at 16, 49a089e at 32)
+        measured = o.cell.peak_gib - r.cell.peak_gib
+        predicted = o.pred_peak_gib - r.pred_peak_gib
+        assert predicted > 0 and measured == pytest.approx(predicted, rel=0.1)
 
 
 def test_fp32_accumulators_count_from_the_second_micro_batch(cells):
