@@ -255,24 +255,6 @@ def test_checkpoint_folders_of_multirun_cells_are_separate(tmp_path):
     assert [k for k in other if other[k] != fingerprint(cfg)[k]] == ["precision"]
 
 
-def test_cluster_env_reaches_a_local_run_without_overriding_the_user(monkeypatch):
-    """cluster.env goes into the process environment before CUDA starts (a local run has no launcher setup lines);
-    a variable the user set wins."""
-    from omegaconf import OmegaConf
-
-    from fp4moe.train.loop import apply_cluster_env
-
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "recorded, so that the test's setting is undone")
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=["cluster=workstation_1gpu"])
-    assert OmegaConf.select(cfg, "cluster.env.PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"
-    assert apply_cluster_env(cfg) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
-
-
 def test_profile_window_writes_op_tables_and_a_trace(tmp_path, store):
     """train.profile.steps=[2,3]: torch.profiler runs over steps 2-3 only; the op tables and the Chrome trace are
     written and the run is tagged with where they are. A window that is not [first <= last] is refused."""

@@ -54,7 +54,13 @@ def main(cfg: DictConfig) -> dict | None:
     """Train; returns a short result (in a multirun it reaches the launcher, e.g. through submitit)."""
     cell, out, multirun = _hydra_context()
     from fp4moe import bench_job
+    from fp4moe.train.host_env import apply_cluster_env
 
+    try:
+        apply_cluster_env(cfg)  # before torch loads: OpenMP, inductor and the allocator read it once
+    except ConfigError as e:
+        print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     if bench_job.is_bench(cfg):  # F3/F4: a benchmark, not training (fp4moe/bench_job.py)
         try:
             return bench_job.run(cfg)

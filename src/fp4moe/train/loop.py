@@ -38,6 +38,7 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from fp4moe import slurm, tracking
+from fp4moe.train.host_env import apply_cluster_env, cluster_env
 from fp4moe.config import ConfigError, check
 from fp4moe.train import data as data_mod
 from fp4moe.train.dist import (barrier, check_supported, init_distributed, init_model_parallel, teardown,
@@ -80,6 +81,7 @@ def preflight(cfg: Any) -> dict[str, Any]:
     fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError / TrackingUnavailable."""
     derived = check(cfg)
     check_supported(cfg)
+    cluster_env(cfg)  # a thread count that is not a positive integer
     dtype = str(OmegaConf.select(cfg, "train.params_dtype", default="bf16"))
     if dtype not in PARAMS_DTYPES:
         raise ConfigError(f"train.params_dtype={dtype!r}: pick one of {', '.join(PARAMS_DTYPES)}")
@@ -123,20 +125,6 @@ def preflight(cfg: Any) -> dict[str, Any]:
     transformer_config(cfg.model, cfg.parallel, cfg.recompute,
                        params_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     return derived
-
-
-def apply_cluster_env(cfg: Any) -> dict[str, str]:
-    """``cluster.env`` into this process's environment where a variable is not set yet (a Slurm job gets it from
-    the launcher's setup lines; a local run from here, before CUDA starts, so that e.g. PYTORCH_CUDA_ALLOC_CONF
-    reaches the allocator). Returns what was set."""
-    import os
-
-    env = OmegaConf.select(cfg, "cluster.env", default=None) or {}
-    done = {}
-    for key, value in env.items():
-        if value is not None and key not in os.environ:
-            os.environ[key] = done[key] = str(value)
-    return done
 
 
 def _shard_groups(cfg: Any) -> tuple[Any, Any] | None:
