@@ -74,7 +74,7 @@ class Rates:
 
     The defaults are the constants of 2026-11-30 (``RATES_EDAE9E8``: the kernel benchmarks of 3f2fe80 / f97aa58 and
     the edae9e8 profile, whose glue held an unfused float32 SwiGLU); ``RATES`` are today's (the 7a8040d / 390a277
-    kernel benchmarks and the micro-batch 32 profiles of results/train_proxy/profile_h200_mb32_902d750/, where the
+    kernel benchmarks and the micro-batch 32 profiles of results/train_proxy/profile_h200_mb32_2ebd465/, where the
     SwiGLU is a fused kernel with its own term and the dispatch quantizes per token). Each check uses the constants
     of the code it measured."""
 
@@ -125,19 +125,20 @@ RATES_EDAE9E8 = Rates()
 
 # Today's constants. Kernel rates: results/kernels/kernels_h200_2026-12-01_7a8040d.md (ragged 32 experts x 7168)
 # and, for FP4RowToFP8Col, the CUDA C++ kernel of cuda_col_h200_2026-12-01_390a277.json (ragged 32 experts x 7168).
-# Profiles: profile_h200_mb32_902d750/ (fp8 and mxfp4 at 902d750, one machine, one after the other; attention +
-# layernorm + MLP, micro-batch 32, two steps = 262144 tokens): glue = the 'rest' group (torch elementwise / copy /
-# cat / index) without fp8's SwiGLU kernels, which the attribution counts there (27.89 ms); SwiGLU: the kernels'
-# time over the elements they write (2 steps x 3 MoE layers x 131072 tokens x (8 x 1024 routed + 1024 shared)).
+# Profiles: profile_h200_mb32_2ebd465/ (fp8 and mxfp4 at 2ebd465, one machine, one after the other, both GPU-bound
+# with the host-thread settings of conf/cluster; attention + layernorm + MLP, micro-batch 32, two steps = 262144
+# tokens): glue = the 'rest' group (torch elementwise / copy / cat / index) without fp8's SwiGLU kernels, which the
+# attribution counts there (27.90 ms); SwiGLU: the kernels' time (routed + shared, *_conversion_kernels.txt) over the
+# elements they write (2 steps x 3 MoE layers x 131072 tokens x (8 x 1024 routed + 1024 shared)).
 _SWIGLU_ELEMS = 2 * 3 * 131072 * (8 * 1024 + 1024)
 RATES = replace(
     RATES_EDAE9E8,
     quant_fp8_row=4019.0, quant_fp8_col=3293.0, bf16_to_fp4=3401.0, fp4_to_fp8_row=2127.0, fp4_to_fp8_col=1953.0,
     fused_fp4_fp8row=2692.0, fp4_to_bf16=3461.0,
-    glue_ms_fp8=447.4 - 27.89, glue_ms_mxfp4=435.3, glue_tokens=262144, glue_expert_swiglu_ms=0.0,
-    prof_attention_ms=(193.0, 186.5), prof_micro_batch=32, prof_scope="attn_ln_mlp",
-    swiglu_s_per_elem=(("fp8", ((9.31 + 1.17) * 1e-3 / _SWIGLU_ELEMS, (15.47 + 1.94) * 1e-3 / _SWIGLU_ELEMS)),
-                       ("mxfp4", ((14.18 + 1.80) * 1e-3 / _SWIGLU_ELEMS, (22.30 + 3.27) * 1e-3 / _SWIGLU_ELEMS))),
+    glue_ms_fp8=450.5 - 27.90, glue_ms_mxfp4=440.4, glue_tokens=262144, glue_expert_swiglu_ms=0.0,
+    prof_attention_ms=(194.7, 186.9), prof_micro_batch=32, prof_scope="attn_ln_mlp",
+    swiglu_s_per_elem=(("fp8", ((9.30 + 1.18) * 1e-3 / _SWIGLU_ELEMS, (15.48 + 1.94) * 1e-3 / _SWIGLU_ELEMS)),
+                       ("mxfp4", ((14.37 + 1.82) * 1e-3 / _SWIGLU_ELEMS, (17.08 + 1.99) * 1e-3 / _SWIGLU_ELEMS))),
     swiglu_fused_fp4_store=True, dispatch_quantize_per_token=True,
     # the forward ops of the MLA block with no enclosing autograd frame in the 1fb1546 profiles: aten::cat of
     # [.., 16, 128] + [.., 16, 64] (27.5 / 27.0 ms), cat of [.., 16, 32] halves (8.9 / 8.8), the RoPE mul (5.9 / 5.9),
@@ -146,7 +147,7 @@ RATES = replace(
     attn_block_glue_ms=(54.8, 54.3))
 SRC_KERN_NOW = ("results/kernels/kernels_h200_2026-12-01_7a8040d.md and cuda_col_h200_2026-12-01_390a277.json "
                 "(ragged 32 experts x 7168)")
-SRC_PROF_NOW = ("results/train_proxy/profile_h200_mb32_902d750/ (fp8 and mxfp4 at 902d750 on one machine; attn_ln_mlp, "
+SRC_PROF_NOW = ("results/train_proxy/profile_h200_mb32_2ebd465/ (fp8 and mxfp4 at 2ebd465 on one machine; attn_ln_mlp, "
                 "mb 32, 2 steps = 262144 tokens)")
 SRC_PROF_BLOCK = "results/train_proxy/profile_h200_mb32_1fb1546/ (fp8 1fb1546, mxfp4 390a277; attn_ln_mlp, mb 32)"
 
@@ -169,11 +170,12 @@ SOURCES_NOW = [
     ("quant_fp8_row / quant_fp8_col", "4019 / 3293 GB/s", SRC_KERN_NOW),
     ("bf16_to_fp4 / fp4_to_fp8_row / fp4_to_fp8_col (CUDA C++)", "3401 / 2127 / 1953 GB/s", SRC_KERN_NOW),
     ("fused_fp4_fp8row / fp4_to_bf16", "2692 / 3461 GB/s", SRC_KERN_NOW),
-    ("glue_ms_fp8 / glue_ms_mxfp4", "419.5 / 435.3 ms per 262144 tokens at attn_ln_mlp (bf16: fp8's, ASSUMED)",
+    ("glue_ms_fp8 / glue_ms_mxfp4", "422.6 / 440.4 ms per 262144 tokens at attn_ln_mlp (bf16: fp8's, ASSUMED)",
      SRC_PROF_NOW),
-    ("SwiGLU kernels, fp8 fwd / bwd", "10.48 / 17.41 ms over 7.25e9 elements", SRC_PROF_NOW),
-    ("SwiGLU kernels, mxfp4 fwd / bwd (with the MXFP4 store / load of their input)", "15.98 / 25.57 ms", SRC_PROF_NOW),
-    ("attention", "derived from 193.0 / 186.5 ms (fp8 / mxfp4)", SRC_PROF_NOW),
+    ("SwiGLU kernels, fp8 fwd / bwd", "10.48 / 17.42 ms over 7.25e9 elements", SRC_PROF_NOW),
+    ("SwiGLU kernels, mxfp4 fwd / bwd (with the MXFP4 store / load of their input; the backward on whole blocks, "
+     "e431a41)", "16.19 / 19.07 ms", SRC_PROF_NOW),
+    ("attention", "derived from 194.7 / 186.9 ms (fp8 / mxfp4)", SRC_PROF_NOW),
     ("dispatch_quantize_per_token", "the MXFP4 dispatch quantizes T tokens, not T x k rows (92bb42f)",
      "src/fp4moe/model/recipe_moe.py"),
     ("attn_block_glue_ms", "54.8 / 54.3 ms per 262144 tokens (the MLA block's forward elementwise ops; bf16: fp8's, "
@@ -499,10 +501,12 @@ def proxy_cfg(recipe: str, scope: str, micro_batch: int) -> DictConfig:
 
 
 def measured_runs(archive: str | Path, root: Path = ROOT, mxfp4_tags: dict | None = None,
-                  params: dict | None = None) -> dict[tuple[str, str, int], list[float]]:
+                  params: dict | None = None,
+                  tags: dict[str, dict] | None = None) -> dict[tuple[str, str, int], list[float]]:
     """{(recipe, scope, micro_batch): [summary/tgs_median of each run]} of a runs archive, in archive order; with
     ``mxfp4_tags``, only the mxfp4 runs that carry those tags (e.g. 390a277's runs with the CUDA C++ column kernel,
-    ``env.FP4MOE_CUDA_COL=1``; its untagged mxfp4 runs ran the Triton kernel, that code's default); with
+    ``env.FP4MOE_CUDA_COL=1``; its untagged mxfp4 runs ran the Triton kernel, that code's default); ``tags``
+    likewise per recipe ({recipe: {tag: value}}; a value None: the run must not carry that tag); with
     ``params``, only the runs whose logged params have those values (e.g. ``{"train.steps": 30}``: the 30-step
     cells of an archive that also holds 16-step ones)."""
     from fp4moe.runs_archive import load
@@ -515,6 +519,8 @@ def measured_runs(archive: str | Path, root: Path = ROOT, mxfp4_tags: dict | Non
         if not tgs or t.get("outcome") == "OOM":
             continue
         if t["recipe"] == "mxfp4" and any(t.get(k) != v for k, v in (mxfp4_tags or {}).items()):
+            continue
+        if any(t.get(k) != v for k, v in (tags or {}).get(t["recipe"], {}).items()):
             continue
         if any(r["params"].get(k) != str(v) for k, v in (params or {}).items()):
             continue
@@ -580,27 +586,29 @@ PROFILE_GROUPS = {  # the profile's GPU time (ms, 2 steps = 131072 tokens), fp8 
 }
 PROFILE_TGS = {"fp8": 109257.0, "mxfp4": 100053.0}   # the profiled runs, alone in their processes (mb 16)
 
-# Today's profiles (profile_h200_mb32_902d750/, compare_mxfp4_vs_fp8.txt and the *_conversion_kernels.txt lists),
+# Today's profiles (profile_h200_mb32_2ebd465/, compare_mxfp4_vs_fp8.txt and the *_conversion_kernels.txt lists),
 # ms per 2 steps = 262144 tokens at attn_ln_mlp, micro-batch 32; the SwiGLU kernels taken out of the group the
 # attribution put them in (fp8's in 'rest', mxfp4's in 'conversions').
 PROFILE_GROUPS_NOW = {
-    "grouped FP8 GEMMs": ("gemm.expert", 393.7, 382.3),
-    "cuBLAS GEMMs (dense FP8 and BF16)": ("gemm.dense", 241.8, 237.4),
-    "conversion kernels (+ weight quantization)": ("conversion+weight_quant", 130.4, 174.9 - 41.55),
-    "fused SwiGLU kernels (measured input)": ("swiglu", 27.89, 41.55),
-    "attention (cuDNN flash; the rate is derived from it)": ("gemm.attention", 193.0, 186.5),
-    "torch glue (measured input)": ("glue", 447.4 - 27.89, 435.3),
-    "total kernel time": ("total", 1406.4, 1416.5),
+    "grouped FP8 GEMMs": ("gemm.expert", 401.4, 397.8),
+    "cuBLAS GEMMs (dense FP8 and BF16)": ("gemm.dense", 241.2, 236.4),
+    "conversion kernels (+ weight quantization)": ("conversion+weight_quant", 131.6, 170.7 - 35.26),
+    "fused SwiGLU kernels (measured input)": ("swiglu", 27.90, 35.26),
+    "attention (cuDNN flash; the rate is derived from it)": ("gemm.attention", 194.7, 186.9),
+    "torch glue (measured input)": ("glue", 450.5 - 27.90, 440.4),
+    "total kernel time": ("total", 1419.4, 1432.2),
 }
 # The same cells alone in their processes, on the same machine: the 30-step T1 cells (steps 11-30 measured) of this
-# archive, two runs each alternated; mxfp4's with the dispatch quantized per token (the profiled code's default)
-PROFILE_TGS_ARCHIVE = "results/train_proxy/proxy_t1_h200_2026-12-01_902d750.json"
+# archive, two runs each alternated; fp8's with the host-thread settings the profiles ran with (its runs with
+# torch's defaults had slow steps, results/train_proxy/README.md section 18), mxfp4's with torch's defaults (none)
+PROFILE_TGS_ARCHIVE = "results/train_proxy/proxy_t1_h200_2026-12-02_2ebd465.json"
+PROFILE_TGS_TAGS = {"fp8": {"env.OMP_NUM_THREADS": "4", "env.TORCHINDUCTOR_COMPILE_THREADS": "1"},
+                    "mxfp4": {"env.OMP_NUM_THREADS": None}}
 
 
 def profile_tgs_now(root: Path = ROOT) -> dict[str, float]:
     """{recipe: mean tokens/GPU/s} of the cells Check 1 sets beside today's profiles (``PROFILE_TGS_ARCHIVE``)."""
-    runs = measured_runs(PROFILE_TGS_ARCHIVE, root, mxfp4_tags={"env.FP4MOE_DISPATCH_QUANTIZE": "tokens"},
-                         params={"train.steps": 30})
+    runs = measured_runs(PROFILE_TGS_ARCHIVE, root, tags=PROFILE_TGS_TAGS, params={"train.steps": 30})
     return {rec: sum(runs[(rec, "attn_ln_mlp", 32)]) / len(runs[(rec, "attn_ln_mlp", 32)]) for rec in ("fp8", "mxfp4")}
 
 
@@ -788,15 +796,17 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
     faster = [100 * (1 - g[(lab, "mxfp4")] / g[(lab, "fp8")]) for lab in PROFILE_GROUPS_NOW
               if lab.startswith(("grouped", "cuBLAS", "attention"))]
     L += ["- The conversion kernels, predicted from the kernel benchmarks alone (bytes / measured GB/s), land within "
-          "2 % of the profile for both recipes (mxfp4's with the dispatch quantized per token). The grouped FP8 "
-          "GEMMs run 12-15 % faster in the trainer than the layer benchmark's rate fraction (0.48 of dense) says, "
-          "the cuBLAS ones 7-9 % slower.",
-          "- The two profiles ran on one machine, one after the other. The kernels both recipes share (grouped "
-          f"GEMMs, cuBLAS GEMMs, attention: the same shapes and FLOPs) still ran {_range(faster, 1)} % faster in "
-          "mxfp4's profile, as in the earlier pair, which came from two machines: so it is not the machine. The "
-          "model gives them equal time, and that is most of the gap between its mxfp4 / fp8 and the measured one. "
-          "Not explained: the clock under each recipe's power draw, or fp8's larger memory footprint (a 1.8x "
-          "higher peak), are candidates, not measured.", ""]
+          "3 % of the profile for both recipes (mxfp4's with the dispatch quantized per token). The grouped FP8 "
+          "GEMMs run 10-11 % faster in the trainer than the layer benchmark's rate fraction (0.48 of dense) says, "
+          "the cuBLAS ones 6-8 % slower.",
+          "- The two profiles ran on one machine, one after the other, both GPU-bound (42 / 54 ms of idle GPU in "
+          "1490 / 1503 ms). The kernels both recipes share (grouped GEMMs, cuBLAS GEMMs, attention: the same shapes "
+          f"and FLOPs) still ran {_range(faster, 1)} % faster in mxfp4's profile, as in the two earlier pairs (one "
+          "of them from two machines). The model gives them equal time, and that is most of the gap between its "
+          "mxfp4 / fp8 and the measured one. Part of it is measured: the SM clock. In the nvidia-smi logs of the "
+          "2ebd465 cells (results/train_proxy/README.md section 18) every fp8 cell at 672-681 W ran its steps at "
+          "1801-1810 MHz and every mxfp4 cell at the same power at 1839-1854 MHz (+2.3 %): fp8's work draws more "
+          "power per clock, and the board clocks down at that draw (the power limit itself was not logged).", ""]
     check1(old, "## Check 1 of 2026-11-30: the edae9e8 profiles (mb 16, attn_ln_experts, 131072 tokens)", SRC_PROF,
            PROFILE_TGS)
     L += ["## Check 2: ratios on the H200 proxy (probe of 2026-11-30, micro-batches 8 and 16; constants of that code)",
