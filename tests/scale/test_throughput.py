@@ -244,3 +244,29 @@ def test_measured_ratios_from_the_committed_archive():
 
 def test_committed_table_is_what_the_module_writes():
     assert (ROOT / T.DEFAULT_OUT).read_text() == T.markdown()
+
+
+def test_proxy_t1_at_one_micro_batch():
+    """The proxy's T1 in the paper's terms (one micro-batch, the scope decides what fits): at 64 on an H200 the
+    memory model leaves fp8 only full recompute and mxfp4 every scope; the ratios are the throughput model's
+    tokens/s over fp8's full-recompute cell. At 32 every fp8 scope fits (measured: no recompute at 88.6 GiB)."""
+    cells = {(c.recipe, c.scope): c for c in T.proxy_t1_fixed()}
+    assert [s for s in T.SCOPES if cells[("fp8", s)].fits] == ["full"]
+    assert all(cells[("mxfp4", s)].fits for s in T.SCOPES)
+    assert [s for s in T.SCOPES if not cells[("bf16", s)].fits] == ["none"]
+    full = T.time_per_token(T.proxy_cfg("fp8", "full", 64)).total
+    for s in T.SCOPES:
+        want = full / T.time_per_token(T.proxy_cfg("mxfp4", s, 64)).total
+        assert cells[("mxfp4", s)].vs_fp8_best == pytest.approx(want, rel=1e-12)
+        assert cells[("bf16", s)].vs_fp8_best is None
+    assert cells[("fp8", "full")].vs_fp8_best == 1.0
+    # the headline the next GPU session measures: mxfp4 without recompute over fp8 under full recompute
+    assert cells[("mxfp4", "none")].vs_fp8_best == pytest.approx(1.274, abs=5e-4)
+    at32 = {(c.recipe, c.scope): c for c in T.proxy_t1_fixed(micro_batch=32)}
+    assert all(at32[("fp8", s)].fits for s in T.SCOPES)
+    # a smaller GPU changes what fits: at 80 GiB mxfp4 keeps attn_ln_mlp and full, fp8 nothing (full: 80.01 GiB),
+    # so there is no fp8 cell to compare with
+    small = {(c.recipe, c.scope): c for c in T.proxy_t1_fixed(capacity_gib=80.0)}
+    assert [s for s in T.SCOPES if small[("mxfp4", s)].fits] == ["attn_ln_mlp", "full"]
+    assert not any(small[("fp8", s)].fits for s in T.SCOPES)
+    assert all(c.vs_fp8_best is None for c in small.values())
