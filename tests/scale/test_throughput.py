@@ -270,3 +270,13 @@ def test_proxy_t1_at_one_micro_batch():
     assert [s for s in T.SCOPES if small[("mxfp4", s)].fits] == ["attn_ln_mlp", "full"]
     assert not any(small[("fp8", s)].fits for s in T.SCOPES)
     assert all(c.vs_fp8_best is None for c in small.values())
+
+
+def test_proxy_t1_first_measured_cells():
+    """The two cells of the fixed micro-batch row measured so far (8ae3f9a): fp8 under full recompute, mxfp4 without
+    recompute, both at 64; Check 4 reads them from the archive."""
+    m = T.measured_runs(T.PROXY_T1_ARCHIVE, params={"parallel.micro_batch": 64})
+    assert set(m) == {("fp8", "full", 64), ("mxfp4", "none", 64)}
+    assert m[("fp8", "full", 64)] == [pytest.approx(143990.78534995712, rel=1e-15)]
+    assert m[("mxfp4", "none", 64)] == [pytest.approx(193811.17058076506, rel=1e-15)]
+    assert "| mxfp4 none | 193811 | 1.346 | 1.274 | -5.3 % |" in T.markdown()

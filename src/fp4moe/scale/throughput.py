@@ -720,6 +720,8 @@ BLOCK_ARCHIVES = {"attn_block": "results/train_proxy/proxy_t1_h200_2026-12-01_1f
 # its T1 in the paper's terms is a micro-batch large enough that fp8 must recompute: 64.
 H200_GIB = 143771 / 1024   # the H200's memory as nvidia-smi reports it (MiB -> GiB)
 PROXY_T1_MICRO_BATCH = 64
+# its first measured cells (fp8 full, mxfp4 none at 64; 12 steps, the last 6 measured), after the prediction
+PROXY_T1_ARCHIVE = "results/train_proxy/proxy_t1_h200_2026-12-02_8ae3f9a.json"
 
 
 @dataclass(frozen=True)
@@ -922,7 +924,7 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
           ""]
     fixed = proxy_t1_fixed(rates=rates)
     by = {(c.recipe, c.scope): c for c in fixed}
-    L += ["", "## Prediction for the proxy's T1 at one micro-batch (PREDICTION, to be measured)", "",
+    L += ["", "## Check 4: the proxy's T1 at one micro-batch (predicted first, then measured in part)", "",
           f"proxy_h200 on one H200 ({H200_GIB:.1f} GiB) at micro-batch {PROXY_T1_MICRO_BATCH} for every scope, as the "
           "paper holds its micro-batch and lets the scope decide what fits: peak from the memory model for today's "
           "code (within 2 % of every one-GPU peak measured, results/scale/calibration.md), tokens/s over fp8's "
@@ -946,6 +948,20 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
     if top is not None:
         L += ["", f"fp8 fits {', '.join(fit8) or 'nothing'}; mxfp4's fastest fitting scope ({top.scope}) is predicted "
               f"at {top.vs_fp8_best:.2f}x fp8's best (issue 4's target: 1.10x; the paper's headline 1.125x)."]
+    meas = measured_runs(PROXY_T1_ARCHIVE, params={"parallel.micro_batch": PROXY_T1_MICRO_BATCH})
+    base = meas.get(("fp8", "full", PROXY_T1_MICRO_BATCH))
+    if base:
+        L += ["", f"Measured ({Path(PROXY_T1_ARCHIVE).name}: one H200, each cell in its own process, 12 steps with the "
+              "last 6 measured, written after the table above), tokens/GPU/s and mxfp4 / fp8 full against the "
+              "prediction:", "", "| cell | tokens/GPU/s | measured / fp8 full | predicted | predicted / measured - 1 |",
+              "|---|---:|---:|---:|---:|"]
+        for (rec, sc, _), tgs in sorted(meas.items(), key=lambda kv: kv[0][0] != "fp8"):
+            c = by[(rec, sc)]
+            m = tgs[-1] / base[-1]
+            L.append(f"| {rec} {sc} | {tgs[-1]:.0f} | {m:.3f} | {c.vs_fp8_best:.3f} | "
+                     f"{100 * (c.vs_fp8_best / m - 1):+.1f} % |")
+        L += ["", "The rest of the row (mxfp4 at the three paper scopes, bf16, the OOM cells) is tools/device/README.md's "
+              "next item."]
     core_tab, core = _paper_table(rates, "core_attn")
     block_tab, block = _paper_table(rates, "self_attention")
     L += ["", "## Prediction for the paper's T1 (PREDICTION, not a measurement)", "",
