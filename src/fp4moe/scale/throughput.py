@@ -713,7 +713,7 @@ def paper_prediction(rates: Rates = RATES, cells: dict | None = None,
 BLOCK_ARCHIVES = {"attn_block": "results/train_proxy/proxy_t1_h200_2026-12-01_1fb1546.json",
                   "core": "results/train_proxy/proxy_t1_h200_2026-12-01_390a277-cudacol.json"}
 # the code those cells ran quantized the dispatch per row (before 92bb42f)
-# ---------------------------------------------------------------------------------------------- proxy T1, one micro-batch
+# ------------------------------------------------------------------------------------- proxy T1, one micro-batch
 
 # The paper's T1 holds the micro-batch fixed (1) and lets the recompute scope decide what fits in 80 GB. On one
 # H200 the proxy's best cells need no recompute at micro-batch 32 (results/train_proxy/README.md section 18), so
@@ -960,8 +960,8 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
             m = tgs[-1] / base[-1]
             L.append(f"| {rec} {sc} | {tgs[-1]:.0f} | {m:.3f} | {c.vs_fp8_best:.3f} | "
                      f"{100 * (c.vs_fp8_best / m - 1):+.1f} % |")
-        L += ["", "The rest of the row (mxfp4 at the three paper scopes, bf16, the OOM cells) is tools/device/README.md's "
-              "next item."]
+        L += ["", "The rest of the row (mxfp4 at the three paper scopes, bf16, the OOM cells) is "
+              "tools/device/README.md's next item."]
     core_tab, core = _paper_table(rates, "core_attn")
     block_tab, block = _paper_table(rates, "self_attention")
     L += ["", "## Prediction for the paper's T1 (PREDICTION, not a measurement)", "",

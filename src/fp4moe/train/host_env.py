@@ -8,9 +8,9 @@ setting, torchrun's ``OMP_NUM_THREADS=1`` for several processes per node).
 
 The thread settings of the GPU clusters (``OMP_NUM_THREADS=4``, ``TORCHINDUCTOR_COMPILE_THREADS=1``) come from an
 A/B on one H200 (results/train_proxy/README.md section 18): with torch's defaults on a 16-core host, fp8 cells had
-slow steps (over 1.2x the median) and window jitter while inductor's compile workers ran beside the trainer; with both settings
-the A/B's fp8 cells had neither (two rounds), and of the session's other fp8 cells with them one had a single slow
-step. Where torch was imported before (an API caller of ``fp4moe.train.loop.train``),
+slow steps (over 1.2x the median) and window jitter while inductor's compile workers ran beside the trainer; with
+both settings the A/B's fp8 cells had neither (two rounds), and of the session's other fp8 cells with them one had a
+single slow step. Where torch was imported before (an API caller of ``fp4moe.train.loop.train``),
 the two thread settings are applied through torch's own knobs instead (``torch.set_num_threads``,
 ``torch._inductor.config.compile_threads``).
 
