@@ -96,7 +96,7 @@ def test_block_check_reads_both_archives():
     """Check 3's measured ratios are the archives' means: mxfp4 attn_ln_mlp at 390a277 only from its runs with the
     CUDA C++ column kernel (env.FP4MOE_CUDA_COL=1, 1fb1546's default), over two runs; the whole-block cells once."""
     assert len(T.measured_runs(T.BLOCK_ARCHIVES["core"])[("mxfp4", "attn_ln_mlp", 32)]) == 4
-    core = T.measured_runs(T.BLOCK_ARCHIVES["core"], mxfp4_tags={"env.FP4MOE_CUDA_COL": "1"})
+    core = T.measured_runs(T.BLOCK_ARCHIVES["core"], tags={"mxfp4": {"env.FP4MOE_CUDA_COL": "1"}})
     assert core[("mxfp4", "attn_ln_mlp", 32)] == pytest.approx([173480.4781264732, 174357.54743021092], rel=1e-12)
     assert len(core[("fp8", "attn_ln_mlp", 32)]) == 2
     block = T.measured_runs(T.BLOCK_ARCHIVES["attn_block"])

@@ -500,15 +500,14 @@ def proxy_cfg(recipe: str, scope: str, micro_batch: int) -> DictConfig:
     return cfg
 
 
-def measured_runs(archive: str | Path, root: Path = ROOT, mxfp4_tags: dict | None = None,
-                  params: dict | None = None,
+def measured_runs(archive: str | Path, root: Path = ROOT, params: dict | None = None,
                   tags: dict[str, dict] | None = None) -> dict[tuple[str, str, int], list[float]]:
     """{(recipe, scope, micro_batch): [summary/tgs_median of each run]} of a runs archive, in archive order; with
-    ``mxfp4_tags``, only the mxfp4 runs that carry those tags (e.g. 390a277's runs with the CUDA C++ column kernel,
-    ``env.FP4MOE_CUDA_COL=1``; its untagged mxfp4 runs ran the Triton kernel, that code's default); ``tags``
-    likewise per recipe ({recipe: {tag: value}}; a value None: the run must not carry that tag); with
-    ``params``, only the runs whose logged params have those values (e.g. ``{"train.steps": 30}``: the 30-step
-    cells of an archive that also holds 16-step ones)."""
+    ``tags`` ({recipe: {tag: value}}), only the runs of that recipe that carry those tags, a value None meaning the
+    tag must be absent (e.g. ``{"mxfp4": {"env.FP4MOE_CUDA_COL": "1"}}``: 390a277's mxfp4 runs with the CUDA C++
+    column kernel; its untagged mxfp4 runs ran the Triton kernel, that code's default); with ``params``, only the
+    runs whose logged params have those values (e.g. ``{"train.steps": 30}``: the 30-step cells of an archive that
+    also holds 16-step ones)."""
     from fp4moe.runs_archive import load
 
     path = Path(archive) if Path(archive).is_absolute() else root / archive
@@ -517,8 +516,6 @@ def measured_runs(archive: str | Path, root: Path = ROOT, mxfp4_tags: dict | Non
         m, t = r["metrics"], r["tags"]
         tgs = m.get("summary/tgs_median")
         if not tgs or t.get("outcome") == "OOM":
-            continue
-        if t["recipe"] == "mxfp4" and any(t.get(k) != v for k, v in (mxfp4_tags or {}).items()):
             continue
         if any(t.get(k) != v for k, v in (tags or {}).get(t["recipe"], {}).items()):
             continue
@@ -705,14 +702,6 @@ def paper_prediction(rates: Rates = RATES, cells: dict | None = None,
     return out
 
 
-# ---------------------------------------------------------------------------------------------- whole block
-
-# T1 cells at micro-batch 32, one process each, 16 steps (the last 6 measured): the whole-block scopes (1fb1546)
-# and the core-attention pair they compare with (390a277 with the CUDA C++ column kernel, which 1fb1546 runs by
-# default; two runs each, alternating). The two archives were measured in two sessions on two machines.
-BLOCK_ARCHIVES = {"attn_block": "results/train_proxy/proxy_t1_h200_2026-12-01_1fb1546.json",
-                  "core": "results/train_proxy/proxy_t1_h200_2026-12-01_390a277-cudacol.json"}
-# the code those cells ran quantized the dispatch per row (before 92bb42f)
 # ------------------------------------------------------------------------------------- proxy T1, one micro-batch
 
 # The paper's T1 holds the micro-batch fixed (1) and lets the recompute scope decide what fits in 80 GB. On one
@@ -758,13 +747,21 @@ def proxy_t1_fixed(micro_batch: int = PROXY_T1_MICRO_BATCH, capacity_gib: float 
             for rec in RECIPES for sc in SCOPES]
 
 
+# ---------------------------------------------------------------------------------------------- whole block
+
+# T1 cells at micro-batch 32, one process each, 16 steps (the last 6 measured): the whole-block scopes (1fb1546)
+# and the core-attention pair they compare with (390a277 with the CUDA C++ column kernel, which 1fb1546 runs by
+# default; two runs each, alternating). The two archives were measured in two sessions on two machines.
+BLOCK_ARCHIVES = {"attn_block": "results/train_proxy/proxy_t1_h200_2026-12-01_1fb1546.json",
+                  "core": "results/train_proxy/proxy_t1_h200_2026-12-01_390a277-cudacol.json"}
+# the code those cells ran quantized the dispatch per row (before 92bb42f)
 BLOCK_RATES = replace(RATES, dispatch_quantize_per_token=False)
 
 
 def block_check(rates: Rates = BLOCK_RATES, micro_batch: int = 32) -> list[RatioRow]:
     """Predicted vs measured tokens/s: the whole-block scope over its core-attention scope (same recipe), and
     mxfp4 / fp8 at each whole-block scope, where BLOCK_ARCHIVES hold both cells (means over their runs)."""
-    meas = {**measured_runs(BLOCK_ARCHIVES["core"], mxfp4_tags={"env.FP4MOE_CUDA_COL": "1"}),
+    meas = {**measured_runs(BLOCK_ARCHIVES["core"], tags={"mxfp4": {"env.FP4MOE_CUDA_COL": "1"}}),
             **measured_runs(BLOCK_ARCHIVES["attn_block"])}
     mean = {k: sum(v) / len(v) for k, v in meas.items()}
     t = lambda r, s: time_per_token(proxy_cfg(r, s, micro_batch), rates).total  # noqa: E731
@@ -783,6 +780,10 @@ def block_check(rates: Rates = BLOCK_RATES, micro_batch: int = 32) -> list[Ratio
 
 
 # ---------------------------------------------------------------------------------------------- report
+
+def _f3(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
 
 def _cell(rs) -> str:
     return f"{rs[0]} @ {rs[1]}"
@@ -937,7 +938,7 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
         return f"{c.peak_gib:.1f}" + ("" if c.fits else " (OOM)")
 
     def ratio_txt(c):
-        return f"{c.vs_fp8_best:.3f}" if c.fits and c.vs_fp8_best is not None else "-"
+        return _f3(c.vs_fp8_best if c.fits else None)
 
     for sc in SCOPES:
         L.append(f"| {sc} | {peak_txt(by['bf16', sc])} | {peak_txt(by['fp8', sc])} | {peak_txt(by['mxfp4', sc])} | "
@@ -956,10 +957,10 @@ def markdown(rates: Rates = RATES, old: Rates = RATES_EDAE9E8) -> str:
               "prediction:", "", "| cell | tokens/GPU/s | measured / fp8 full | predicted | predicted / measured - 1 |",
               "|---|---:|---:|---:|---:|"]
         for (rec, sc, _), tgs in sorted(meas.items(), key=lambda kv: kv[0][0] != "fp8"):
-            c = by[(rec, sc)]
+            pred = by[(rec, sc)].vs_fp8_best
             m = tgs[-1] / base[-1]
-            L.append(f"| {rec} {sc} | {tgs[-1]:.0f} | {m:.3f} | {c.vs_fp8_best:.3f} | "
-                     f"{100 * (c.vs_fp8_best / m - 1):+.1f} % |")
+            L.append(f"| {rec} {sc} | {tgs[-1]:.0f} | {m:.3f} | {_f3(pred)} | "
+                     + ("- |" if pred is None else f"{100 * (pred / m - 1):+.1f} % |"))
         L += ["", "The rest of the row (mxfp4 at the three paper scopes, bf16, the OOM cells) is "
               "tools/device/README.md's next item."]
     core_tab, core = _paper_table(rates, "core_attn")

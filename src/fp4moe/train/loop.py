@@ -38,11 +38,11 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from fp4moe import slurm, tracking
-from fp4moe.train.host_env import apply_cluster_env, cluster_env
 from fp4moe.config import ConfigError, check
 from fp4moe.train import data as data_mod
 from fp4moe.train.dist import (barrier, check_supported, init_distributed, init_model_parallel, teardown,
                                warm_up_communicators)
+from fp4moe.train.host_env import apply_cluster_env, cluster_env
 
 log = logging.getLogger("fp4moe.train")
 
