@@ -27,6 +27,7 @@ EXPECTED = [
     (('bf16', 'none', 32, 32, 'proxy_t1_probe', '38f25cd'), (70919020620, 70919020544, 80.17884016036987, 85977556992, 'head', 85977556992)),
     (('bf16', 'none', 32, 32, 'proxy_t1_probe', '61f1fcb'), (70919020620, 70919020544, 80.17884016036987, 85977556992, 'head', 85977556992)),
     (('bf16', 'none', 32, 32, 'proxy_t1_probe', '49a089e'), (70919020620, 70919020544, 80.17884016036987, 85977556992, 'head', 85977556992)),
+    (('bf16', 'none', 32, 32, 'proxy_t1', '67e6650'), (70919020620, 70919020544, 80.12024641036987, 85977556992, 'head', 85977556992)),
     (('bf16', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '38f25cd'), (23633670940, 23633670912, 37.435301303863525, 40301968128, 'backward', 40301968128)),
     (('bf16', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '61f1fcb'), (23633670940, 23633670912, 37.435301303863525, 40301968128, 'backward', 40301968128)),
     (('bf16', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '49a089e'), (23633670940, 23633670912, 37.435301303863525, 40301968128, 'backward', 40301968128)),
@@ -34,6 +35,7 @@ EXPECTED = [
     (('bf16', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '61f1fcb'), (47258952476, 47258952448, 64.70557641983032, 69831977728, 'backward', 69831977728)),
     (('bf16', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '49a089e'), (47258952476, 47258952448, 64.70557641983032, 69831977728, 'backward', 69831977728)),
     (('bf16', 'attn_ln_experts', 64, 64, 'proxy_t1', '38f25cd'), (94509515548, 94509515520, 119.24221849441528, 128891996928, 'backward', 128891996928)),
+    (('bf16', 'attn_ln_experts', 64, 64, 'proxy_t1', '67e6650'), (94509515548, 94509515520, 119.12503099441528, 128891996928, 'backward', 128891996928)),
     (('bf16', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '38f25cd'), (31183417372, 31183417344, 41.160212993621826, 44630489088, 'backward', 44630489088)),
     (('bf16', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '61f1fcb'), (31183417372, 31183417344, 41.160212993621826, 44630489088, 'backward', 44630489088)),
     (('bf16', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '49a089e'), (31183417372, 31183417344, 41.160212993621826, 44630489088, 'backward', 44630489088)),
@@ -41,18 +43,23 @@ EXPECTED = [
     (('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe', '61f1fcb'), (62358446108, 62358446080, 72.21399641036987, 78489020416, 'backward', 78489020416)),
     (('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1_probe', '49a089e'), (62358446108, 62358446080, 72.21399641036987, 78489020416, 'backward', 78489020416)),
     (('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (62358446108, 62358446080, 72.16601896286011, 78489020416, 'backward', 78489020416)),
+    (('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1', '67e6650'), (62358446108, 62358446080, 72.16601896286011, 78489020416, 'backward', 78489020416)),
+    (('bf16', 'attn_ln_mlp', 32, 32, 'proxy_t1', '67e6650'), (62358446108, 62358446080, 72.16601896286011, 78489020416, 'backward', 78489020416)),
+    (('bf16', 'attn_ln_mlp', 64, 64, 'proxy_t1', '67e6650'), (124708503580, 124708503552, None, 146206083072, 'backward', 146206083072)),
     (('bf16', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '38f25cd'), (31164543052, 31164542976, 41.142640590667725, 44075595776, 'head', 44075595776)),
     (('bf16', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '61f1fcb'), (31164543052, 31164542976, 41.142640590667725, 44075595776, 'head', 44075595776)),
     (('bf16', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '49a089e'), (31164543052, 31164542976, 41.142640590667725, 44075595776, 'head', 44075595776)),
     (('bf16', 'mla_up_proj', 32, 32, 'proxy_t1_probe', '38f25cd'), (62324891724, 62324891648, 72.18275213241577, 77383428096, 'head', 77383428096)),
     (('bf16', 'mla_up_proj', 32, 32, 'proxy_t1_probe', '61f1fcb'), (62324891724, 62324891648, 72.18275213241577, 77383428096, 'head', 77383428096)),
     (('bf16', 'mla_up_proj', 32, 32, 'proxy_t1_probe', '49a089e'), (62324891724, 62324891648, 72.18275213241577, 77383428096, 'head', 77383428096)),
+    (('bf16', 'mla_up_proj', 64, 64, 'proxy_t1', '67e6650'), (124645589068, 124645588992, None, 143999092736, 'head', 143999092736)),
     (('bf16', 'full', 16, 16, 'proxy_t1_probe', '38f25cd'), (5906956288, 5906956288, 26.514909267425537, 28545084416, 'backward', 27739778048)),
     (('bf16', 'full', 16, 16, 'proxy_t1_probe', '61f1fcb'), (5906956288, 5906956288, 26.514909267425537, 28545084416, 'backward', 27739778048)),
     (('bf16', 'full', 16, 16, 'proxy_t1_probe', '49a089e'), (5906956288, 5906956288, 26.514909267425537, 28545084416, 'backward', 27739778048)),
     (('bf16', 'full', 32, 32, 'proxy_t1_probe', '38f25cd'), (11813912576, 11813912576, 42.0427451133728, 45448133632, 'backward', 44034893824)),
     (('bf16', 'full', 32, 32, 'proxy_t1_probe', '61f1fcb'), (11813912576, 11813912576, 42.0427451133728, 45448133632, 'backward', 44034893824)),
     (('bf16', 'full', 32, 32, 'proxy_t1_probe', '49a089e'), (11813912576, 11813912576, 42.0427451133728, 45448133632, 'backward', 44034893824)),
+    (('bf16', 'full', 64, 64, 'proxy_t1', '67e6650'), (23627825152, 23627825152, 71.18847703933716, 77304121344, 'backward', 77304121344)),
     (('bf16', 'attn_block_ln_experts', 32, 32, 'proxy_t1', '1fb1546'), (33757487884, 33757487872, 52.12744951248169, 56330513152, 'backward', 56330513152)),
     (('fp8', 'none', 16, 16, 'proxy_t1_probe', '38f25cd'), (38908391500, 38894034432, 52.485551834106445, 56266974720, 'backward', 53318476288)),
     (('fp8', 'none', 16, 16, 'proxy_t1_probe', '61f1fcb'), (38908391500, 38894034432, 49.61543083190918, 53318476288, 'backward', 53318476288)),
@@ -109,6 +116,7 @@ EXPECTED = [
     (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (67018838044, 66991492608, 79.57386779785156, 85743604224, 'backward', 85743604224)),
     (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (67018838044, 66991492608, 79.57323837280273, 85743604224, 'backward', 85743604224)),
     (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (67018838044, 66991492608, 79.55445623397827, 85743604224, 'backward', 85743604224)),
+    (('fp8', 'attn_ln_mlp', 32, 32, 'proxy_t1', '67e6650'), (67018838044, 66991492608, 79.57399368286133, 85743604224, 'backward', 85743604224)),
     (('fp8', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '38f25cd'), (34588258380, 34573901312, 48.47454595565796, 51946841600, 'backward', 48998343168)),
     (('fp8', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '61f1fcb'), (34588258380, 34573901312, 45.60164499282837, 48998343168, 'backward', 48998343168)),
     (('fp8', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '49a089e'), (34588258380, 34573901312, 45.603171825408936, 48998343168, 'backward', 48998343168)),
@@ -137,6 +145,7 @@ EXPECTED = [
     (('fp8', 'full', 32, 32, 'proxy_t1_probe', '49a089e'), (11813912576, 11813912576, 46.3300986289978, 49957253632, 'backward', 48544013824)),
     (('fp8', 'full', 32, 32, 'proxy_t1', '2ebd465'), (11813912576, 11813912576, 44.93582105636597, 48544013824, 'backward', 48544013824)),
     (('fp8', 'full', 64, 64, 'proxy_t1', '8ae3f9a'), (23627825152, 23627825152, 79.32244062423706, 85908979200, 'backward', 85908979200)),
+    (('fp8', 'full', 64, 64, 'proxy_t1', '67e6650'), (23627825152, 23627825152, 79.34224700927734, 85908979200, 'backward', 85908979200)),
     (('fp8', 'attn_block_ln_experts', 32, 32, 'proxy_t1', '1fb1546'), (36066451468, 36041285632, 64.99359464645386, 70033546752, 'backward', 70033546752)),
     (('fp8', 'attn_block_ln_mlp', 32, 32, 'proxy_t1', '1fb1546'), (51193729036, 51166383616, 64.88666486740112, 69918495232, 'backward', 69918495232)),
     (('mxfp4', 'none', 16, 16, 'proxy_t1_probe', '38f25cd'), (22338154572, 22338154496, 39.0717453956604, 41858578432, 'backward', 37874184192)),
@@ -147,6 +156,7 @@ EXPECTED = [
     (('mxfp4', 'none', 32, 32, 'proxy_t1_probe', '49a089e'), (44667920460, 44667920384, 59.898991107940674, 64565174272, 'backward', 64565174272)),
     (('mxfp4', 'none', 32, 32, 'proxy_t1', '2ebd465'), (44667920460, 44667920384, 59.82500457763672, 64565174272, 'backward', 64565174272)),
     (('mxfp4', 'none', 64, 64, 'proxy_t1', '8ae3f9a'), (89327452236, 89327452160, 109.08207178115845, 117947154432, 'backward', 117947154432)),
+    (('mxfp4', 'none', 64, 64, 'proxy_t1', '67e6650'), (89327452236, 89327452160, 109.10324478149414, 117947154432, 'backward', 117947154432)),
     (('mxfp4', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '38f25cd'), (12068401180, 12068401152, 35.055935859680176, 37544736768, 'backward', 31412858880)),
     (('mxfp4', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '61f1fcb'), (12068401180, 12068401152, 29.21768283843994, 31412858880, 'backward', 31412858880)),
     (('mxfp4', 'attn_ln_experts', 16, 16, 'proxy_t1_probe', '49a089e'), (12068401180, 12068401152, 29.220738410949707, 31412858880, 'backward', 31412858880)),
@@ -155,6 +165,7 @@ EXPECTED = [
     (('mxfp4', 'attn_ln_experts', 32, 32, 'proxy_t1_probe', '49a089e'), (24128413724, 24128413696, 47.866854667663574, 51642523648, 'backward', 51642523648)),
     (('mxfp4', 'attn_ln_experts', 32, 32, 'proxy_t1', '2ebd465'), (24128413724, 24128413696, 47.79033327102661, 51642523648, 'backward', 51642523648)),
     (('mxfp4', 'attn_ln_experts', 64, 64, 'proxy_t1', '38f25cd'), (48248438812, 48248438784, 108.879469871521, 117460420608, 'backward', 92101853184)),
+    (('mxfp4', 'attn_ln_experts', 64, 64, 'proxy_t1', '67e6650'), (48248438812, 48248438784, 85.03239488601685, 92101853184, 'backward', 92101853184)),
     (('mxfp4', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '38f25cd'), (13038858268, 13038858240, 33.1643967628479, 35512072192, 'backward', 29380194304)),
     (('mxfp4', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '61f1fcb'), (13038858268, 13038858240, 27.32664155960083, 29380194304, 'backward', 29380194304)),
     (('mxfp4', 'attn_ln_mlp', 16, 16, 'proxy_t1_probe', '49a089e'), (13038858268, 13038858240, 27.331207752227783, 29380194304, 'backward', 29380194304)),
@@ -195,7 +206,9 @@ EXPECTED = [
     (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (26069327900, 26069327872, 44.00419998168945, 47577194496, 'backward', 47577194496)),
     (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (26069327900, 26069327872, 44.00520706176758, 47577194496, 'backward', 47577194496)),
     (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', '2ebd465'), (26069327900, 26069327872, 43.986496448516846, 47577194496, 'backward', 47577194496)),
+    (('mxfp4', 'attn_ln_mlp', 32, 32, 'proxy_t1', '67e6650'), (26069327900, 26069327872, 44.004703521728516, 47577194496, 'backward', 47577194496)),
     (('mxfp4', 'attn_ln_mlp', 64, 64, 'proxy_t1', '38f25cd'), (52130267164, 52130267136, 101.30720376968384, 109329762304, 'backward', 83971194880)),
+    (('mxfp4', 'attn_ln_mlp', 64, 64, 'proxy_t1', '67e6650'), (52130267164, 52130267136, 77.46063232421875, 83971194880, 'backward', 83971194880)),
     (('mxfp4', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '38f25cd'), (18047905868, 18047905792, 35.70181703567505, 37568329728, 'backward', 33583935488)),
     (('mxfp4', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '61f1fcb'), (18044268620, 18047905792, 31.240593433380127, 33583935488, 'backward', 33583935488)),
     (('mxfp4', 'mla_up_proj', 16, 16, 'proxy_t1_probe', '49a089e'), (18047905868, 18047905792, 31.242523193359375, 33583935488, 'backward', 33583935488)),
@@ -214,6 +227,7 @@ EXPECTED = [
     (('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1', 'e431a41'), (72179040332, 72179040256, 93.24431228637695, 100798742528, 'backward', 100798742528)),
     (('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1', '2ebd465'), (72179040332, 72179040256, 93.12712478637695, 100798742528, 'backward', 100798742528)),
     (('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1', '2ebd465'), (72179040332, 72179040256, 93.12561416625977, 100798742528, 'backward', 100798742528)),
+    (('mxfp4', 'mla_up_proj', 64, 64, 'proxy_t1', '67e6650'), (72179040332, 72179040256, 93.12662124633789, 100798742528, 'backward', 100798742528)),
     (('mxfp4', 'full', 16, 16, 'proxy_t1_probe', '38f25cd'), (5906956288, 5906956288, 28.990819454193115, 31011859456, 'backward', 26222158848)),
     (('mxfp4', 'full', 16, 16, 'proxy_t1_probe', '61f1fcb'), (5906956288, 5906956288, 25.15458059310913, 27027465216, 'backward', 26222158848)),
     (('mxfp4', 'full', 16, 16, 'proxy_t1_probe', '49a089e'), (5906956288, 5906956288, 25.15535831451416, 27027465216, 'backward', 26222158848)),
@@ -223,6 +237,7 @@ EXPECTED = [
     (('mxfp4', 'full', 32, 32, 'proxy_t1_probe', '61f1fcb'), (11813912576, 11813912576, 38.926276206970215, 42001658880, 'backward', 40588419072)),
     (('mxfp4', 'full', 32, 32, 'proxy_t1_probe', '49a089e'), (11813912576, 11813912576, 38.92677974700928, 42001658880, 'backward', 40588419072)),
     (('mxfp4', 'full', 32, 32, 'proxy_t1', '2ebd465'), (11813912576, 11813912576, 37.51909112930298, 40588419072, 'backward', 40588419072)),
+    (('mxfp4', 'full', 64, 64, 'proxy_t1', '67e6650'), (23627825152, 23627825152, 64.51040649414062, 69999935488, 'backward', 69999935488)),
     (('mxfp4', 'attn_block_ln_experts', 32, 32, 'proxy_t1', '1fb1546'), (19497902092, 19497902080, 43.53087139129639, 47012012032, 'backward', 47012012032)),
     (('mxfp4', 'attn_block_ln_mlp', 32, 32, 'proxy_t1', '1fb1546'), (21438816268, 21438816256, 39.74322748184204, 42946682880, 'backward', 42946682880)),
 ]
@@ -250,7 +265,8 @@ def _key(c):
 
 def test_cells_are_the_runs_we_have(cells):
     assert [_key(c) for c in cells] == [k for k, _ in EXPECTED]
-    assert sum(c.outcome == "OOM" for c in cells) == 0 and sum(c.peak_gib is not None for c in cells) == 204
+    # two of 67e6650's seven OOM runs at micro-batch 64 got past the forward (bf16 attn_ln_mlp, mla_up_proj)
+    assert sum(c.outcome == "OOM" for c in cells) == 2 and sum(c.peak_gib is not None for c in cells) == 217
 
 
 def test_saved_bytes_exact(rows):
@@ -301,7 +317,7 @@ def test_peaks_exact(rows):
         b = per_gpu_memory(cfg, cal.code_of(c.archive))
         assert (b.total_bytes, b.peak_phase) == (pred, phase) and r.pred_peak_gib == pred / GB
         assert per_gpu_memory(cfg, cal.FIRST_PRINCIPLES).total_bytes == now and r.pred_peak_now_gib == now / GB
-    assert all(r.within_target for r in rows)
+    assert all(r.within_target for r in rows if r.cell.peak_gib is not None)
 
 
 def test_the_removed_wastes_change_only_what_they_should(rows):
@@ -508,3 +524,22 @@ def test_routing_is_read_from_rows_where_logged(tmp_path):
     (c,) = cal.load_cells([path])
     # step 1: 1110 / 1000; the largest measured step (the last): 1260 / 1000
     assert c.rows_factor_first == pytest.approx(1.11) and c.rows_factor_max == pytest.approx(1.26)
+
+
+def test_what_fits_on_one_h200(rows):
+    """The model's error on every one-GPU peak lies inside PEAK_ERR_RANGE, and with the measured usable capacity no
+    run contradicts the model: every run that fit is predicted to fit, every OOM run is predicted OOM or at the edge
+    (the two edge runs: bf16 at 64 under attn_ln_mlp and mla_up_proj, 134.1-136.2 GiB against 135.08 usable)."""
+    errs = [r.peak_err_pct() / 100 for r in rows if r.peak_err_pct() is not None]
+    lo, hi = cal.PEAK_ERR_RANGE
+    assert lo <= min(errs) and max(errs) <= hi
+    assert cal.H200_USABLE_GIB == pytest.approx(135.08)
+    fits = cal.fit_rows()
+    assert len(fits) == 224 and not [r for r in fits if r.contradicts]
+    assert sum(r.measured == "OOM" for r in fits) == 7
+    edge = sorted((r.recipe, r.scope, r.micro_batch, r.measured) for r in fits if r.predicted == "edge")
+    assert edge == [("bf16", "attn_ln_mlp", 64, "OOM"), ("bf16", "mla_up_proj", 64, "OOM")]
+    # the rule itself: fits / edge / OOM around the usable capacity, by the model's error range
+    assert [cal.fit_outcome(p, 100.0) for p in (97.9, 98.1, 101.2, 101.4)] == ["fits", "edge", "edge", "OOM"]
+    # both edge runs were predicted below nvidia-smi's 140.4 GiB and went OOM: why the rule takes the usable capacity
+    assert all(r.pred_peak_gib < 143771 / 1024 for r in fits if r.predicted == "edge")

@@ -54,6 +54,7 @@ ARCHIVES = (   # one GPU
     "results/train_proxy/proxy_t1_h200_2026-12-01_e431a41.json",         # fp8 host stalls; full recompute's memory trace
     "results/train_proxy/proxy_t1_h200_2026-12-02_2ebd465.json",         # host threads A/B; dispatcher fix under full recompute
     "results/train_proxy/proxy_t1_h200_2026-12-02_8ae3f9a.json",         # the T1 row at micro-batch 64: fp8 full, mxfp4 none
+    "results/train_proxy/proxy_t1_h200_2026-12-02_67e6650.json",         # the whole row at 64 (7 OOM); bf16 at 32
 )
 # Runs before 38f25cd measured other code (results/train_proxy/README.md: the MoE layer's forward kept more rows
 # alive; before 924b9ef a leaked micro-batch), so they are not part of the 5 % check.
@@ -66,6 +67,25 @@ OUTSIDE_CHECK = ("proxy_nccl_h200x2_2026-11-30_924b9ef.json",)
 DEFAULT_OUT = "results/scale/calibration.md"
 TARGET_PCT = 5.0  # issue 6: predicted peak within 5 % of measured for every recipe x recompute cell run
 GROUPS = ("model", "parallel", "precision", "recompute")
+
+# What fits on one H200, measured (results/train_proxy/README.md section 19, seven OOM runs of 67e6650): torch's
+# total capacity (cudaMemGetInfo; nvidia-smi's 140.40 GiB less what the driver keeps) less the process's memory
+# outside PyTorch's caching allocator (CUDA context, cuBLAS workspaces, loaded kernels: 4.25-4.72 GiB in those runs,
+# the largest taken). The model predicts max allocated; the usable capacity is what that may reach.
+H200_TORCH_CAPACITY_GIB = 139.80
+H200_NON_TORCH_GIB = 4.72
+H200_USABLE_GIB = H200_TORCH_CAPACITY_GIB - H200_NON_TORCH_GIB
+# The model's error on every one-GPU peak measured (predicted / measured - 1: -2.0 % to +1.3 %, 217 runs; a test
+# keeps the range inside this): a predicted peak that could lie on either side of the usable capacity within it is
+# an edge cell, neither a fit nor an OOM.
+PEAK_ERR_RANGE = (-0.020, 0.013)
+
+
+def fit_outcome(pred_peak_gib: float, usable_gib: float = H200_USABLE_GIB) -> str:
+    """'fits' when even the largest peak the model's error allows (pred / (1 - 2.0 %)) is within ``usable_gib``,
+    'OOM' when even the smallest (pred / (1 + 1.3 %)) is over it, else 'edge'."""
+    lo, hi = (pred_peak_gib / (1 + e) for e in reversed(PEAK_ERR_RANGE))
+    return "fits" if hi <= usable_gib else ("OOM" if lo > usable_gib else "edge")
 
 # What fp4moe.train keeps on one GPU (fp4moe.train.optim): 2 B BF16 weight + 4 B FP32 master + 8 B AdamW m, v per
 # parameter, no distributed optimizer (one GPU); 4 B FP32 gradient accumulators only once a step's first
@@ -84,7 +104,8 @@ CODE_OF = {"proxy_t1_probe_h200_2026-11-30_38f25cd.json": MEASURED_CODE,
 # through the backward (MemoryAssumptions.dispatcher_keeps_recompute_graph; the trainer drops them since 495f655):
 # an archive of later code goes into DROPS_DISPATCHER_GRAPH (2ebd465: full recompute 0.78 GiB lower at 16, 1.40 at 32).
 DROPS_DISPATCHER_GRAPH: frozenset[str] = frozenset({"proxy_t1_h200_2026-12-02_2ebd465.json",
-                                                    "proxy_t1_h200_2026-12-02_8ae3f9a.json"})
+                                                    "proxy_t1_h200_2026-12-02_8ae3f9a.json",
+                                                    "proxy_t1_h200_2026-12-02_67e6650.json"})
 
 
 def code_of(archive: str) -> MemoryAssumptions:
@@ -251,14 +272,76 @@ def table(cells: Sequence[Cell] | None = None, measured: MemoryAssumptions | Non
     return rows
 
 
+@dataclass(frozen=True)
+class FitRow:
+    """One one-GPU run: what happened (``measured``: 'ok' | 'OOM') against what the model says of it
+    (``predicted``: fit_outcome of its peak for the code the run measured, in GiB)."""
+
+    archive: str
+    recipe: str
+    scope: str
+    micro_batch: int
+    measured: str
+    pred_peak_gib: float
+    predicted: str
+
+    @property
+    def contradicts(self) -> bool:
+        """A run that went OOM where the model says it fits, or fit where the model says OOM."""
+        return (self.measured, self.predicted) in (("OOM", "fits"), ("ok", "OOM"))
+
+
+def fit_rows(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT,
+             usable_gib: float = H200_USABLE_GIB) -> list[FitRow]:
+    """Every run of the archives, OOM runs included (one that ran out of memory in its first forward logged no saved
+    bytes and is not in ``load_cells``), its measured outcome beside ``fit_outcome`` of the model's peak (the code the
+    run measured, ``code_of``; uniform routing)."""
+    from fp4moe.runs_archive import load
+
+    out = []
+    for a in archives:
+        path = Path(a) if Path(a).is_absolute() else root / a
+        for r in load(path)["runs"]:
+            t = r["tags"]
+            cfg = OmegaConf.create(cfg_from_params(r["params"]))
+            pred = per_gpu_memory(cfg, code_of(path.name)).total_bytes / GB
+            out.append(FitRow(path.name, t["recipe"], t["recompute"], int(cfg.parallel.micro_batch),
+                              "OOM" if t.get("outcome") == "OOM" else "ok", pred, fit_outcome(pred, usable_gib)))
+    return out
+
+
+def render_fits(rows: Sequence[FitRow]) -> list[str]:
+    """The fit / OOM check: counts, and every run that went OOM or that the model puts at the edge."""
+    n = lambda m, p: sum(r.measured == m and r.predicted == p for r in rows)  # noqa: E731
+    lo, hi = (100 * e for e in PEAK_ERR_RANGE)
+    lines = ["", "## Fits or OOM on one H200", "",
+             f"Usable capacity {H200_USABLE_GIB:.2f} GiB: torch's total {H200_TORCH_CAPACITY_GIB:.2f} GiB less "
+             f"{H200_NON_TORCH_GIB:.2f} GiB the process holds outside PyTorch's allocator (the largest of seven OOM "
+             "messages of 67e6650, `H200_NON_TORCH_GIB`). Predicted **fits** when the model's peak stays within it "
+             f"across the model's measured error ({lo:+.1f} % to {hi:+.1f} %, `PEAK_ERR_RANGE`), **OOM** when it "
+             "exceeds it across that error, else **edge**. Every run of the one-GPU archives (an OOM in the first "
+             "forward logs no saved bytes, so some of these are not in the table above):", "",
+             "| measured \\ predicted | fits | edge | OOM |", "|---|---:|---:|---:|"]
+    for m in ("ok", "OOM"):
+        lines.append(f"| {m} | {n(m, 'fits')} | {n(m, 'edge')} | {n(m, 'OOM')} |")
+    lines += ["", "| code | recipe | recompute | micro-batch | measured | peak pred. (GiB) | predicted |",
+              "|---|---|---|---|---|---:|---|"]
+    for r in rows:
+        if r.measured == "OOM" or r.predicted != "fits":
+            lines.append(f"| {_archive_commit(r.archive)} | {r.recipe} | {r.scope} | {r.micro_batch} | {r.measured} | "
+                         f"{r.pred_peak_gib:.2f} | {r.predicted} |")
+    return lines
+
+
 NOTES = """
 ## What the table says
 
 - **Saved activations: solved** (to 76 B per micro-batch for bf16 and mxfp4; within 0.07 % for fp8, whose FP8
   column copies are padded to 128 rows per expert by the real, uneven routing; the model uses the expected padding).
 - **Peak: every run within 5 % (one GPU: within 2.0 %), from tensor shapes**, on one GPU and over NCCL (EP2 x
-  DP2, PP2), for fifteen code versions (38f25cd, 61f1fcb, 49a089e, fe9934e, 52fe029, 7a8040d, 841bf8a, 44185b9,
-  390a277, 1fb1546, 902d750, 831ae2f, e431a41, 2ebd465, 8ae3f9a; 841bf8a to 390a277 changed kernels, not what is kept; 1fb1546 added
+  DP2, PP2), for sixteen code versions (38f25cd, 61f1fcb, 49a089e, fe9934e, 52fe029, 7a8040d, 841bf8a, 44185b9,
+  390a277, 1fb1546, 902d750, 831ae2f, e431a41, 2ebd465, 8ae3f9a, 67e6650; 841bf8a to 390a277 changed kernels, not
+  what is kept; 1fb1546 added
   the whole-block attention recompute, whose five runs `attn_block_ln_*` are within 0.7 %; 902d750 quantizes the
   dispatch per token, 831ae2f and e431a41 move host work off the GPU's path: the same peaks to the MiB). The model takes the largest of three phases instead of adding every transient it
   knows (fp4moe.scale.memory, part (e)):
@@ -314,6 +397,11 @@ NOTES = """
   that archive (host-thread A/B, the lighter scope, the profiles) keep their peaks to 0.1 GiB. 8ae3f9a (host-thread
   defaults only) measured the proxy's T1 row at micro-batch 64: fp8 full 79.32 GiB (+0.9 %), mxfp4 none 109.08
   (+0.7 %).
+- **67e6650: the whole T1 row at micro-batch 64, and what fits.** Eight cells fit (predicted +0.8..+1.1 % over
+  the measured peaks), seven went OOM. Their OOM messages give the usable capacity (torch's 139.80 GiB less 4.25-4.72
+  GiB outside PyTorch's allocator); with it and the model's error range, five of the seven are predicted OOM and two
+  (bf16 attn_ln_mlp and mla_up_proj, 136.2 and 134.1 GiB predicted) at the edge: no run contradicts the model
+  ("Fits or OOM" above). Against nvidia-smi's 140.4 GiB those two would have been called fits.
 - **What the model still leaves out**: cuBLAS/cuDNN workspaces and the kernels' cached launch tables (the measured
   step start is 0.08-0.27 GiB above the static prediction and grows with the micro-batch); the largest one-GPU
   error left is -2.0 % (mxfp4 mla_up_proj at 16 in the probe of 38f25cd).
@@ -436,7 +524,7 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
             f"{r.pred_saved_bytes / 1e9:.3f} | {r.saved_err_pct:+.3f} | {_f(c.peak_gib, '.2f')} | "
             f"{r.pred_peak_gib:.2f} | {_f(r.peak_err_pct(), '+.1f')} | {r.pred_phase} | "
             f"{'—' if w is None else ('yes' if w else 'no')} | {r.pred_peak_now_gib:.2f} |")
-    return "\n".join(lines + render_nccl(nccl_rows)) + "\n" + NOTES
+    return "\n".join(lines + render_nccl(nccl_rows) + render_fits(fit_rows())) + "\n" + NOTES
 
 
 def check(sources: Sequence[str | Path], code: MemoryAssumptions = FIRST_PRINCIPLES) -> tuple[str, list[Row]]:
