@@ -46,10 +46,10 @@ RESULTS_REPORT = "results/report"
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark) and P4 (issue 5: configs, Slurm launch) exist; P1's measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P3", 4, "the throughput targets of the H200 T1 twin (results/train_proxy/ section 13: mxfp4 0.969-0.974x fp8 "
-              "at equal scope, target >= 1; 0.985x fp8's best at the lighter scope, target 1.10x; the memory target "
-              "holds at 0.553x), and a convergence run beyond one epoch of the code+docs corpus (the F5 twin's "
-              "deviation target is met at 49.8 M tokens: mxfp4 -0.43 % / +0.30 % vs bf16 in two seeds, section 11)"),
+    ("P3", 4, "a second seed of the F5 twin on the 52 M-token corpus (results/train_proxy/ section 15: mxfp4 "
+              "-0.68 % vs bf16 from one seed, a lower loss; on the first corpus -0.43 % / +0.30 % in two seeds). "
+              "The T1 targets are met on one H200 (section 19: at one micro-batch, 64, mxfp4 runs 1.13-1.32x fp8's "
+              "only fitting scope; at equal scope 1.001-1.019x with 0.55-0.84x its peak)"),
     ("P5", 6, "the paper-scale model's remaining gap: bf16 / fp8 at attention + layernorm + experts are predicted "
               "above 80 GB in every setup where the paper fits them (results/scale/paper_t1.md); its peak is within "
               "5 % of every H200 run, one GPU and two over NCCL (results/scale/calibration.md). The report "
