@@ -51,7 +51,8 @@ NOT_YET_IMPLEMENTED = (
               "The T1 targets are met on one H200 (section 19: at one micro-batch, 64, mxfp4 runs 1.13-1.32x fp8's "
               "only fitting scope; at equal scope 1.001-1.019x with 0.55-0.84x its peak)"),
     ("P5", 6, "the paper-scale model's remaining gap: bf16 / fp8 at attention + layernorm + experts are predicted "
-              "above 80 GB in every setup where the paper fits them (results/scale/paper_t1.md); its peak is within "
+              "above 80 GB in every setup where the paper fits them (results/scale/paper_t1.md), and the 236B "
+              "ablation's summarised numbers match no reading (results/scale/paper_t2.md); its peak is within "
               "5 % of every H200 run, one GPU and two over NCCL (results/scale/calibration.md). The report "
               "(results/report/), the notebooks (notebooks/) and the runs of this machine or of a Slurm cluster "
               "(SLURM=<profile>) exist"),

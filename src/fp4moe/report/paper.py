@@ -29,9 +29,17 @@ def t1_cells(numbers: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def t2_rows(numbers: dict[str, Any]) -> list[dict[str, Any]]:
+    """T2 rows in the paper's order: row (key), label, vs_fp8_pct, vs_bf16_pct (peak-memory change), source."""
+    t2 = numbers["t2"]
+    return [{"row": key, "label": r["label"], "vs_fp8_pct": float(r["peak_memory_change_vs_fp8_pct"]),
+             "vs_bf16_pct": float(r["peak_memory_change_vs_bf16_pct"]), "source": r.get("source", t2["source"])}
+            for key, r in t2["rows"].items()]
+
+
 def source_of(numbers: dict[str, Any], key: str) -> str:
     """The ``source`` of a top-level block (abstract / secondary-summary)."""
     return str(numbers[key].get("source", "unknown"))
 
 
-__all__ = ["NUMBERS", "load", "t1_cells", "source_of"]
+__all__ = ["NUMBERS", "load", "t1_cells", "t2_rows", "source_of"]
