@@ -543,3 +543,35 @@ def test_what_fits_on_one_h200(rows):
     assert [cal.fit_outcome(p, 100.0) for p in (97.9, 98.1, 101.2, 101.4)] == ["fits", "edge", "edge", "OOM"]
     # both edge runs were predicted below nvidia-smi's 140.4 GiB and went OOM: why the rule takes the usable capacity
     assert all(r.pred_peak_gib < 143771 / 1024 for r in fits if r.predicted == "edge")
+
+
+def test_layer_benchmark_saved_bytes():
+    """P2's layer benchmark (be29b77, EP1 and EP2, every recipe): one forward's measured saved bytes within 1 % of the
+    model's MoE-layer tensors with the measured rows per expert; the routed experts' part to the byte (the file's
+    expert_saved_bytes, fp4moe.ops.grouped_experts.expert_saved_bytes of the same counts)."""
+    import json
+
+    from fp4moe.scale.memory import layer_saved_tensors
+
+    rows = cal.layer_rows()
+    assert [(r.world_size, r.recipe) for r in rows] == [(w, rec) for w in (1, 2) for rec in ("bf16", "fp8", "mxfp4")]
+    assert all(0 < r.err_pct < 1.0 for r in rows)
+    assert rows[0].measured == 983580672 and rows[0].predicted == 984252672
+    for f in cal.LAYER_FILES:
+        doc = json.loads((cal.ROOT / f).read_text())
+        for r in doc["recipes"]:
+            cfg = compose_cfg("dsv3_671b", "single_gpu", "none", r["recipe"])
+            cfg.model.moe.num_experts, cfg.parallel.expert = doc["shape"]["experts"], doc["env"]["world_size"]
+            cfg.parallel.micro_batch, cfg.parallel.seq_length = 1, 4096
+            counts = tuple(r["expert_counts"])
+            a = replace(cal.FIRST_PRINCIPLES, expert_counts=counts, expert_rows_factor=sum(counts) / (4096 * 8))
+            experts = sum(t.bytes for t in layer_saved_tensors(cfg, "moe", "none", a)
+                          if t.name.startswith("moe.expert_"))
+            assert experts == r["expert_saved_bytes"]
+            # without the counts, balanced padding: fp8's column copies differ, the other recipes' bytes do not
+            b = replace(a, expert_counts=())
+            other = sum(t.bytes for t in layer_saved_tensors(cfg, "moe", "none", b) if t.name.startswith("moe.expert_"))
+            assert (other == experts) == (r["recipe"] != "fp8")
+    cfg = compose_cfg("dsv3_671b", "single_gpu", "none", "fp8")
+    with pytest.raises(ValueError, match="expert_counts: 3 experts"):
+        layer_saved_tensors(cfg, "moe", "none", replace(cal.FIRST_PRINCIPLES, expert_counts=(1, 2, 3)))

@@ -257,6 +257,10 @@ class MemoryAssumptions:
     # trainer's a2a/dispatch_forward_received_rows / _sent_rows, or in older runs the recipe dispatcher's bytes);
     # scales every tensor of the experts'.
     expert_rows_factor: float = 1.0
+    # the measured rows of each local expert (a benchmark that logged them, fp4moe.moe.bench): when given, the FP8
+    # column copies are padded as those counts pad (sum of each count rounded up to 128), whatever expert_padding
+    # says; their sum must be the rows that expert_rows_factor gives
+    expert_counts: tuple = ()
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
@@ -429,21 +433,27 @@ def _dense_mlp(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
     _linear_input(led, "mlp.fc2_in", "mlp.fc2", d.t_tok, f, "dense", recipe)
 
 
-def _expert_rows(d: _Dims, padding: str = "balanced") -> tuple[int, int, int]:
+def _expert_rows(d: _Dims, padding: str = "balanced", counts: tuple = ()) -> tuple[int, int, int]:
     """(R rows on this GPU's experts, local experts, Mp = rows padded to 128 per expert): balanced routing, or
-    ('expected') R plus (128 - 1) / 2 padding rows per expert, rounded to a row."""
+    ('expected') R plus (128 - 1) / 2 padding rows per expert, rounded to a row; with measured per-expert
+    ``counts``, their own padding."""
     r = d.rows
     el = d.e // d.ep
+    if counts:
+        if sum(counts) != r or len(counts) != el:
+            raise ValueError(f"expert_counts: {len(counts)} experts with {sum(counts)} rows, but the config gives "
+                             f"{el} local experts with {r} rows (set expert_rows_factor to the counts' sum / T k)")
+        return r, el, sum(_pad128(c) for c in counts)
     if padding == "expected":
         return r, el, r + (el * (FP8_GROUP - 1) + 1) // 2
     per = -(-r // el)
     return r, el, el * _pad128(per)
 
 
-def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced") -> None:
+def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced", counts: tuple = ()) -> None:
     t, th = d.t_tok, d.t_hid
     h, f, fs = d.h, d.f // d.etp, d.fs // d.tp
-    r, _, mp = _expert_rows(d, padding)
+    r, _, mp = _expert_rows(d, padding, counts)
     _norm(led, "moe", "pre_mlp_ln", th, h, out_holders={"router"})
     # megatron-core 0.16.1's sigmoid top-k router with the sequence aux loss (moe/router.py, moe_utils.py), as
     # listed by fp4moe.ops.accounting on the model (plain torch ops, the same on CPU and GPU):
@@ -579,7 +589,7 @@ def layer_saved_tensors(cfg: Any, kind: str, scope: str | None = None,
     if kind == "dense":
         _dense_mlp(led, d, recipe)
     elif kind == "moe":
-        _moe(led, d, recipe, a.expert_padding)
+        _moe(led, d, recipe, a.expert_padding, a.expert_counts)
     else:
         raise ValueError(f"kind={kind!r}: 'dense' or 'moe'")
     _apply_scope(led, kind, scope, d, recipe, a)
@@ -784,7 +794,7 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
         backward = 3 * rows_h
         recompute_fwd = rows_h + recomputed + 2 * rows_h if recomputed else 0
         return max(backward, recompute_fwd) + grads
-    _, _, mp = _expert_rows(d, a.expert_padding)
+    _, _, mp = _expert_rows(d, a.expert_padding, a.expert_counts)
 
     def fp8_col(k: int) -> int:                # an FP8 column copy [k, Mp] + its 1x128 scales
         return k * mp + FP8_SCALE_BYTES * k * mp // FP8_GROUP
