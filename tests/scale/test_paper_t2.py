@@ -64,3 +64,9 @@ def test_what_it_says(rows):
 
 def test_committed_table_is_current(rows):
     assert (p2.ROOT / p2.DEFAULT_OUT).read_text() == p2.render(rows)
+
+
+def test_cli_writes_the_table(rows, tmp_path):
+    out = tmp_path / "sub" / "t2.md"
+    assert p2.main(["--out", str(out)]) == 0
+    assert out.read_text() == p2.render(rows) and not list(out.parent.glob("*.tmp"))

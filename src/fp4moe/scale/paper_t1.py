@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .memory import MemoryAssumptions, compose_cfg, per_gpu_memory, per_stage_memory
 
@@ -246,17 +246,23 @@ def summary(rows: Sequence[Cell]) -> list[str]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=DEFAULT_OUT, help="Markdown file to write (relative to the repository root)")
+def write_markdown_cli(argv: Sequence[str] | None, doc: str, default_out: str, text: Callable[[], str]) -> int:
+    """The ``--out`` command line of a module that writes one Markdown file: ``text()`` written atomically (a .tmp
+    beside the target, then renamed), the path relative to the repository root unless absolute."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=default_out, help="Markdown file to write (relative to the repository root)")
     args = ap.parse_args(argv)
     out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(render(cells(), readings()))
+    tmp.write_text(text())
     tmp.replace(out)
     print(f"wrote {out}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return write_markdown_cli(argv, __doc__, DEFAULT_OUT, lambda: render(cells(), readings()))
 
 
 if __name__ == "__main__":

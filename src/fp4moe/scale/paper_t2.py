@@ -19,13 +19,12 @@ experts' recompute checkpoint keeps their dispatched rows (MXFP4 under mxfp4, BF
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 from .memory import MemoryAssumptions, compose_cfg, per_gpu_memory
-from .paper_t1 import ATTENTION, SETUPS
+from .paper_t1 import ATTENTION, SETUPS, write_markdown_cli
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_OUT = "results/scale/paper_t2.md"
@@ -148,16 +147,7 @@ def summary(rs: Sequence[Row], paper: dict[str, tuple[float, float]]) -> list[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=DEFAULT_OUT, help="Markdown file to write (relative to the repository root)")
-    args = ap.parse_args(argv)
-    out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(render(rows()))
-    tmp.replace(out)
-    print(f"wrote {out}")
-    return 0
+    return write_markdown_cli(argv, __doc__, DEFAULT_OUT, lambda: render(rows()))
 
 
 if __name__ == "__main__":
