@@ -25,6 +25,7 @@
 #   bash tools/device/h200_p3.sh pp2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, PP2, 1F1B over 4
 #                                                      # micro-batches), per cell
 #   bash tools/device/h200_p3.sh ep8 MB "mxfp4:attn_ln_mlp ..."  # issue 7 (nvidia-h200-x8): the proxy on 8 GPUs, EP8 x DP8
+#   COMMIT=sha bash tools/device/h200_p3.sh layer1     # P2's V3 MoE layer on one GPU (32 experts), every recipe -> $OUT/moe_layer
 #   COMMIT=sha bash tools/device/h200_p3.sh layer8     # issue 7: the V3 MoE layer with EP8, every recipe -> $OUT/moe_layer
 #   COMMIT=sha bash tools/device/h200_p3.sh kbench [DIR:LABEL [ARGS]]  # kernel benchmark -> $OUT/kernels, side by side
 #                                                      # with the baseline copy DIR (carried: git archive, see README)
@@ -224,6 +225,10 @@ pp2)  # MB "recipe:scope ...": the proxy as 2 pipeline stages over NCCL, global 
   ;;
 ep8)  # MB "recipe:scope ...": issue 7, the proxy on all 8 GPUs, EP8 x DP8 (torchrun), global batch 8 x MB
   gpu_cells 8 ep8 "$1" "$2" experiment=proxy_t1_8gpu parallel.global_batch=$((8 * $1))
+  ;;
+layer1)  # P2's MoE layer benchmark on one GPU (DeepSeek-V3 shape: 32 experts, top-8, 4096 tokens), every recipe
+  mkdir -p "$OUT/moe_layer"
+  timeout -k 20 300 python3 -m fp4moe.moe.bench --commit "${COMMIT:-unknown}" --out "$OUT/moe_layer" 2>&1 | tail -40
   ;;
 layer8)  # issue 7: DeepSeek-V3's MoE layer with EP8 (256 experts, 32 per GPU, top-8, 4096 tokens per GPU), every recipe
   mkdir -p "$OUT/moe_layer"
