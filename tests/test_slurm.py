@@ -12,9 +12,9 @@ first launcher creates before anything else starts (parallel jobs race in its mi
 - a job of two tasks trains EP2 x DP2, its ranks from Slurm's environment;
 - ``make reproduce-table SLURM=slurm_local`` submits its cells as jobs, waits, and reuses them on the next call;
 - a cell that raises ends FAILED in ``sacct``, and the launcher exits 1 with the cell's traceback;
-- a cell that runs past its 1-minute limit gets Slurm's signal, checkpoints, is requeued, and resumes from its
+- a cell that runs past its 2-minute limit gets Slurm's signal, checkpoints, is requeued, and resumes from its
   checkpoint into the same MLflow run: through the Hydra launcher (submitit requeues) and through the plain
-  template slurm/train.sbatch (the trainer runs `scontrol requeue`). The signal comes 20-50 s after the start
+  template slurm/train.sbatch (the trainer runs `scontrol requeue`). The signal comes 80-110 s after the start
   (slurmctld checks time limits every 30 s), so both start first, in the background, and the other tests run
   meanwhile.
 """
@@ -36,14 +36,16 @@ APP = [sys.executable, "-m", "fp4moe.train"]
 BASE = ["experiment=tiny_cpu", "cluster=slurm_local", "hydra/launcher=slurm_local"]
 FAST = ["train.progress_bar=false", "train.eval_interval=null"]
 DATA_DIR = os.environ.get("FP4MOE_DATA_DIR") or str(REPO / "data")
-# The time-limit cell: 1-minute limit, signal 10 s before it (it comes 20-50 s after the start), 5 s of sleep per
-# step on the first attempt so that it cannot finish (12 steps > 60 s), full speed after the requeue: the second
-# attempt must finish within ~20 s of starting, or it is signalled and requeued again (max_num_timeout bounds that).
+# The time-limit cell: 2-minute limit, signal 10 s before it (it comes 80-110 s after the start), 10 s of sleep per
+# step on the first attempt so that it cannot finish (12 steps > 120 s), full speed after the requeue: the second
+# attempt must finish within ~80 s of starting (start-up, imports, restore, the steps left, MLflow), or it is
+# signalled and requeued again (max_num_timeout bounds that). A 1-minute limit left the second attempt ~20 s, which
+# a loaded 2-core CI machine overran once (both requeue tests ended TIMEOUT after training had finished).
 # Checkpoints: on the signal, and at the end.
 STEPS = 12
-REQUEUE = [f"train.steps={STEPS}", f"train.checkpoint_interval={STEPS}", "cluster.time_limit_min=1",
-           "cluster.signal_delay_s=10", "+fault.sleep_s=5"]
-LAUNCH_TIMEOUT_S = 240
+REQUEUE = [f"train.steps={STEPS}", f"train.checkpoint_interval={STEPS}", "cluster.time_limit_min=2",
+           "cluster.signal_delay_s=10", "+fault.sleep_s=10"]
+LAUNCH_TIMEOUT_S = 360
 
 
 def _slurm_missing() -> str | None:
@@ -178,7 +180,7 @@ def sbatch_run(store, time_limit_run):
     env = dict(_env(uri, folder), PYTHON=sys.executable)
     job_id = subprocess.run(
         ["sbatch", "--parsable", "--job-name=sbatch", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
-         "--cpus-per-task=1", "--mem=1G", "--time=1", "--signal=USR2@10", str(REPO / "slurm" / "train.sbatch"),
+         "--cpus-per-task=1", "--mem=1G", "--time=2", "--signal=USR2@10", str(REPO / "slurm" / "train.sbatch"),
          *BASE[:2], *FAST, "precision=fp8", "tracking.experiment=slurm_sbatch", *REQUEUE],
         cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     yield job_id, folder

@@ -762,8 +762,8 @@ PROXY_T1_STEPS = 30
 class FixedCell:
     """One cell of the proxy's T1 at a fixed micro-batch: the memory model's peak (today's code, GiB), what that
     means on the GPU (``outcome``: calibration.fit_outcome, 'fits' | 'edge' | 'OOM'), and the throughput model's
-    tokens/s over fp8's fastest cell that fits (fp8 and mxfp4 only: the bf16 ratios are the model's least reliable,
-    Check 2; None where no fp8 cell fits)."""
+    tokens/s over fp8's fastest cell that fits (fp8 and mxfp4 only: the model leaves out bf16's idle GPU between
+    megatron's per-expert GEMMs, Check 1; None where no fp8 cell fits)."""
 
     recipe: str
     scope: str
