@@ -407,7 +407,8 @@ def test_committed_table_is_current(rows, cells):
     m = re.search(r"on (\d{4}-\d{2}-\d{2}) at commit (\w+)", text)
     assert m, "calibration.md has no date/commit header"
     nccl = cal.table(cal.load_cells(cal.NCCL_ARCHIVES))
-    assert cal.render(rows, date=m.group(1), commit=m.group(2), nccl_rows=nccl) == text
+    assert cal.render(rows, date=m.group(1), commit=m.group(2), nccl_rows=nccl, fits=cal.fit_rows(),
+                      layer=cal.layer_rows()) == text
 
 
 OLD_NCCL = "results/train_proxy/proxy_nccl_h200x2_2026-11-30_924b9ef.json"

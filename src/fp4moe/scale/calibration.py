@@ -359,8 +359,13 @@ class FitRow:
 
     @property
     def contradicts(self) -> bool:
-        """A run that went OOM where the model says it fits, or fit where the model says OOM."""
-        return (self.measured, self.predicted) in (("OOM", "fits"), ("ok", "OOM"))
+        return contradicts(self.measured, self.predicted)
+
+
+def contradicts(measured: str, predicted: str) -> bool:
+    """A run that went OOM (``measured`` 'OOM') where the model says it fits, or fit ('ok') where the model says
+    OOM (``predicted``: fit_outcome's 'fits' | 'edge' | 'OOM')."""
+    return (measured, predicted) in (("OOM", "fits"), ("ok", "OOM"))
 
 
 def fit_rows(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT,
@@ -545,7 +550,7 @@ def render_nccl(rows: Sequence[Row]) -> list[str]:
 
 
 def render(rows: Sequence[Row], date: str | None = None, commit: str | None = None,
-           nccl_rows: Sequence[Row] = ()) -> str:
+           nccl_rows: Sequence[Row] = (), fits: Sequence[FitRow] = (), layer: Sequence[LayerRow] = ()) -> str:
     date = date or _dt.date.today().isoformat()
     commit = commit or _git_head()
     archives = sorted({r.cell.archive for r in rows})
@@ -599,8 +604,7 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
             f"{r.pred_saved_bytes / 1e9:.3f} | {r.saved_err_pct:+.3f} | {_f(c.peak_gib, '.2f')} | "
             f"{r.pred_peak_gib:.2f} | {_f(r.peak_err_pct(), '+.1f')} | {r.pred_phase} | "
             f"{'—' if w is None else ('yes' if w else 'no')} | {r.pred_peak_now_gib:.2f} |")
-    return ("\n".join(lines + render_nccl(nccl_rows) + render_fits(fit_rows()) + render_layer(layer_rows())) + "\n"
-            + NOTES)
+    return "\n".join(lines + render_nccl(nccl_rows) + render_fits(fits) + render_layer(layer)) + "\n" + NOTES
 
 
 def check(sources: Sequence[str | Path], code: MemoryAssumptions = FIRST_PRINCIPLES) -> tuple[str, list[Row]]:
@@ -650,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text)
         return 0
     text = render(table(load_cells()), date=args.date, commit=args.commit,
-                  nccl_rows=table(load_cells(NCCL_ARCHIVES)))
+                  nccl_rows=table(load_cells(NCCL_ARCHIVES)), fits=fit_rows(), layer=layer_rows())
     out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

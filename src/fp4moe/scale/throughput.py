@@ -635,14 +635,17 @@ PROFILE_IDLE_MS = {"bf16": 235.6, "fp8": 42.1, "mxfp4": 54.1}
 BF16_TGS_ARCHIVE = "results/train_proxy/proxy_t1_h200_2026-12-02_67e6650.json"
 
 
+def _group_ms(tb: TimeBreakdown, key: str, rates: Rates) -> float:
+    """Milliseconds over the profile's tokens (``rates.glue_tokens``) of the terms ``key`` names ('a+b'; 'total':
+    every term)."""
+    t = tb.total if key == "total" else sum(tb.terms.get(k, 0.0) for k in key.split("+"))
+    return t * rates.glue_tokens * 1e3
+
+
 def profile_check_bf16(rates: Rates = RATES) -> list[tuple[str, float, float]]:
     """(group, predicted ms, measured ms) of bf16's profiled run (``PROFILE_GROUPS_BF16``) over its tokens."""
     tb = time_per_token(proxy_cfg("bf16", rates.prof_scope, rates.prof_micro_batch), rates)
-    out = []
-    for label, (key, ms) in PROFILE_GROUPS_BF16.items():
-        t = tb.total if key == "total" else sum(tb.terms.get(k, 0.0) for k in key.split("+"))
-        out.append((label, t * rates.glue_tokens * 1e3, ms))
-    return out
+    return [(label, _group_ms(tb, key, rates), ms) for label, (key, ms) in PROFILE_GROUPS_BF16.items()]
 
 
 def bf16_tgs_now(root: Path = ROOT) -> dict[str, float]:
@@ -659,8 +662,7 @@ def profile_check(rates: Rates = RATES_EDAE9E8) -> list[tuple[str, str, float, f
     for i, rec in enumerate(("fp8", "mxfp4")):
         tb = time_per_token(proxy_cfg(rec, rates.prof_scope, rates.prof_micro_batch), rates)
         for label, (key, *ms) in groups.items():
-            t = tb.total if key == "total" else sum(tb.terms.get(k, 0.0) for k in key.split("+"))
-            out.append((label, rec, t * rates.glue_tokens * 1e3, ms[i]))
+            out.append((label, rec, _group_ms(tb, key, rates), ms[i]))
     return out
 
 
@@ -865,7 +867,7 @@ def block_check(rates: Rates = BLOCK_RATES, micro_batch: int = 32) -> list[Ratio
 
 def proxy_t1_section(rates: Rates = RATES) -> list[str]:
     """Check 4: the fixed micro-batch row, predicted (memory and throughput models) beside measured."""
-    from .calibration import H200_NON_TORCH_GIB, H200_TORCH_CAPACITY_GIB, H200_USABLE_GIB
+    from .calibration import H200_NON_TORCH_GIB, H200_TORCH_CAPACITY_GIB, H200_USABLE_GIB, contradicts
 
     fixed = {(c.recipe, c.scope): c for c in proxy_t1_fixed(rates=rates)}
     meas = proxy_t1_measured()
@@ -898,8 +900,7 @@ def proxy_t1_section(rates: Rates = RATES) -> list[str]:
             L.append(f"| {rec} | {sc} | {c.peak_gib:.1f} | {c.outcome} | {m.outcome if m else 'not run'} | "
                      f"{_f2(m.peak_gib if m else None)} | {tgs} | {_f3(ratio)} | {_f3(pred)} | "
                      + ("- |" if ratio is None or pred is None else f"{100 * (pred / ratio - 1):+.1f} % |"))
-    wrong = [k for k, c in fixed.items() if k in meas and (meas[k].outcome, c.outcome) in (("OOM", "fits"),
-                                                                                            ("ok", "OOM"))]
+    wrong = [k for k, c in fixed.items() if k in meas and contradicts(meas[k].outcome, c.outcome)]
     fit = {rec: [sc for sc in SCOPES if (rec, sc) in meas and meas[rec, sc].outcome == "ok"] for rec in RECIPES}
     edge_oom = [f"{r} {sc}" for (r, sc), c in fixed.items() if c.outcome == "edge" and (r, sc) in meas
                 and meas[r, sc].outcome == "OOM"]
