@@ -3,6 +3,9 @@ writes a results file whose byte columns are the formats' bytes (times are not c
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from fp4moe.moe.bench import main
 from fp4moe.ops.all_to_all import a2a_payload_bytes
@@ -17,7 +20,8 @@ def test_bench_cpu_smoke(tmp_path):
                 str(K), "--tokens", str(T), "--shared-ffn", "128", "--warmup", "1", "--iters", "1",
                 "--out", str(tmp_path), "--commit", "test"])
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == [f"moe_layer_cpu_ep1_{doc['env']['date']}_test.json", f"moe_layer_cpu_ep1_{doc['env']['date']}_test.md"]
+    stem = f"moe_layer_cpu_ep1_t{T}_e{EL}_h{H}_f{F}_k{K}_s128_{doc['env']['date']}_test"  # the shape is not V3's
+    assert files == [stem + ".json", stem + ".md"]
     on_disk = json.loads((tmp_path / files[0]).read_text())
     assert [r["recipe"] for r in on_disk["recipes"]] == ["bf16", "fp8", "mxfp4"]
     rows = T * K
@@ -61,3 +65,32 @@ def test_bench_eight_ranks_on_gloo(tmp_path):
         assert row["dispatch_fwd_bytes"] == a2a_payload_bytes(T * K, H, codec)
         assert 0 < row["dispatch_fwd_remote_bytes"] < row["dispatch_fwd_bytes"]
         assert len(row["expert_counts"]) == EL
+
+
+def test_shape_tag_names_what_differs_from_the_default_shape():
+    from fp4moe.moe.bench import _parser, _shape_tag
+
+    assert _shape_tag(_parser().parse_args([])) == ""
+    assert _shape_tag(_parser().parse_args(["--tokens", "8192"])) == "_t8192"
+    assert _shape_tag(_parser().parse_args(["--local-experts", "16", "--shared-ffn", "0"])) == "_e16_s0"
+
+
+@pytest.mark.gpu
+def test_bench_memtrace_accounts_for_the_measured_peak(tmp_path):
+    """--memtrace on a GPU: the allocator history replayed (fp4moe.train.memtrace) gives the bytes above the base
+    at the peak that max_memory_allocated measured, within the allocator's whole-block slack (1 %), and names the
+    sites."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    doc = main(["--hidden", "1024", "--ffn", "256", "--local-experts", "8", "--tokens", "2048", "--shared-ffn", "256",
+                "--warmup", "1", "--iters", "2", "--no-profile", "--no-gemm", "--memtrace", "--out", str(tmp_path),
+                "--commit", "test"])
+    for r in doc["recipes"]:
+        mp = r["memory_peak"]
+        over = r["peak_over_base_gib"] * 2**30
+        assert abs(mp["traced_at_peak_bytes"] - over) <= 0.01 * over, (r["recipe"], mp["traced_at_peak_bytes"], over)
+        assert sum(x["bytes"] for x in mp["by_site"]) == mp["traced_at_peak_bytes"]
+        assert any("fp4moe/" in x["where"] for x in mp["by_site"])
+    assert "Live at mxfp4's peak" in (tmp_path / Path(doc["files"][1]).name).read_text()

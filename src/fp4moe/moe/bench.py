@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gemm", action="store_true", help="skip the grouped-vs-dense GEMM comparison")
     p.add_argument("--sweep-gemm", action="store_true",
                    help="first time the grouped Triton GEMMs under several tile configs and use the fastest")
+    p.add_argument("--memtrace", action="store_true",
+                   help="record the CUDA allocator's history over the memory measurement and list what is live at "
+                        "each recipe's peak, by allocation site (fp4moe.train.memtrace; CUDA only)")
     p.add_argument("--out", default="results/moe_layer", help="output folder")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     return p
@@ -190,9 +193,12 @@ def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
     for p in params:
         p.grad = None
     _sync(dev)
+    trace = args.memtrace and dev.type == "cuda"
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
+        if trace:
+            torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
     layer.dispatch_stats.reset()
     layer.combine_stats.reset()
     xx = x.detach().requires_grad_()
@@ -203,6 +209,8 @@ def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev)
         res.update(peak_gib=peak / 2**30, peak_over_base_gib=(peak - base) / 2**30)
+        if trace:
+            res["memory_peak"] = _memory_peak(dev, base)
     else:
         res.update(peak_gib=None, peak_over_base_gib=None)
     counts = _local_counts(layer, idx)
@@ -219,6 +227,24 @@ def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
     if not args.no_profile and dev.type == "cuda":
         res["profile"] = _profile(step, dev)
     return res
+
+
+MEMTRACE_SITES = 16  # allocation sites listed per recipe (then one <other> row)
+
+
+def _memory_peak(dev, base: int) -> dict:
+    """What was live at the peak of the forward + backward just recorded (``--memtrace``), above ``base`` (the
+    bytes allocated before it: weights, inputs): ``fp4moe.train.memtrace.peak_breakdown`` of the allocator
+    history, its by-site rows (bytes, blocks, innermost fp4moe frame). Stops the recording."""
+    from fp4moe.train.memtrace import peak_breakdown
+
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    traces = snapshot.get("device_traces") or []
+    b = peak_breakdown(traces[dev.index] if dev.index is not None and dev.index < len(traces) else [], base,
+                       top=MEMTRACE_SITES)
+    return {"traced_at_peak_bytes": b["traced_at_peak_bytes"], "peak_event": b["peak_event"], "events": b["events"],
+            "by_site": b["by_site"]}
 
 
 def _local_counts(layer: MoELayer, idx: torch.Tensor) -> list[int]:
@@ -409,6 +435,13 @@ def _markdown(doc: dict) -> str:
                  f"{r['dispatch_ms']:.3f} | {r['combine_ms']:.3f} |")
     if doc.get("ratios"):
         L += ["", "Ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in doc["ratios"].items())]
+    for r in rows:
+        mp = r.get("memory_peak")
+        if mp:
+            L += ["", f"## Live at {r['recipe']}'s peak, above the base (`--memtrace`): "
+                  f"{mp['traced_at_peak_bytes'] / 2**30:.3f} GiB at allocator event {mp['peak_event']} of {mp['events']}",
+                  "", "| MiB | blocks | allocated at |", "|---:|---:|---|"]
+            L += [f"| {x['bytes'] / 2**20:.1f} | {x['blocks']} | `{x['where']}` |" for x in mp["by_site"]]
     if doc.get("gemm"):
         L += ["", "## FP8 expert GEMMs: grouped Triton kernel and per-expert F.scaled_mm loop vs one dense F.scaled_mm",
               "", "| GEMM | M | N | K | experts | triton TFLOP/s | loop TFLOP/s | dense TFLOP/s | triton / dense "
@@ -428,6 +461,16 @@ def _markdown(doc: dict) -> str:
         L += ["", "| kernel | category | calls | ms |", "|---|---|---|---|"]
         L += [f"| `{k['name'][:80]}` | {k['category']} | {k['calls']} | {k['us'] / 1e3:.3f} |" for k in pr["top_kernels"]]
     return "\n".join(L) + "\n"
+
+
+def _shape_tag(args) -> str:
+    """``_t<tokens>_e<local experts>...`` for each of tokens / local experts / hidden / ffn / top-k / shared ffn that
+    differs from the default (DeepSeek-V3's) shape, so that runs of several shapes keep apart; '' for the default."""
+    d = _parser().parse_args([])
+    return "".join(f"_{tag}{getattr(args, k)}" for tag, k in (("t", "tokens"), ("e", "local_experts"),
+                                                             ("h", "hidden"), ("f", "ffn"), ("k", "top_k"),
+                                                             ("s", "shared_ffn"))
+                   if getattr(args, k) != getattr(d, k))
 
 
 def main(argv=None) -> dict:
@@ -491,7 +534,7 @@ def main(argv=None) -> dict:
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"moe_layer_{doc['env']['gpu']}_ep{world}_{doc['env']['date']}_{doc['env']['commit']}"
+        stem = f"moe_layer_{doc['env']['gpu']}_ep{world}{_shape_tag(args)}_{doc['env']['date']}_{doc['env']['commit']}"
         for suffix, text in ((".json", json.dumps(doc, indent=1)), (".md", _markdown(doc))):
             write_bytes_atomic(out / (stem + suffix), text.encode())
         print(_markdown(doc))
