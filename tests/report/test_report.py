@@ -297,34 +297,45 @@ def test_withdrawn_peak_reads_withdrawn_and_a_cpu_run_not_measured():
 
 
 def test_f5_seed_spread_from_runs_that_differ_only_in_the_seed():
-    """Two seeds of bf16 and mxfp4 (one of fp8) with the same setup: f5_rows pairs each recipe with the bf16 of its
-    seed, f5_seed_spread gives each recipe's spread over the seeds and mxfp4's deviation in each; the report prints
-    it. Loss histories and values made up, arithmetic by hand."""
+    """Two seeds of bf16 and mxfp4 (one of fp8) with the same setup, each seed from its own archive (another session
+    and commit), and a third seed on another build of the corpus: f5_rows pairs each recipe with the bf16 of its seed
+    and archive, f5_seed_spread groups the two seeds of one corpus build across the archives and gives each recipe's
+    spread over the seeds, mxfp4's deviation in each and their mean. Loss values made up, arithmetic by hand."""
     from fp4moe.report.store import RunRecord
     from fp4moe.report.tables import f5_rows, f5_seed_spread
 
     params = {"parallel.tensor": "1", "parallel.pipeline": "1", "parallel.expert": "1", "parallel.data": "1",
               "parallel.micro_batch": "8", "parallel.seq_length": "4096", "parallel.global_batch": "32",
-              "train.steps": "180", "data.name": "code_docs"}
+              "train.steps": "180", "data.name": "user_corpus", "data.dataset_prefix": "/x/code_docs/hf-aaaa/train",
+              "data.train_tokens": "51924410"}
+    other_build = {"data.dataset_prefix": "/x/code_docs/hf-bbbb/train", "data.train_tokens": "37459214"}
     final = {("1234", "bf16"): (4.0, 4.0), ("1234", "fp8"): (4.0, 3.96), ("1234", "mxfp4"): (4.04, 4.04),
-             ("4321", "bf16"): (4.1, 4.08), ("4321", "mxfp4"): (4.141, 4.1208)}
+             ("4321", "bf16"): (4.1, 4.08), ("4321", "mxfp4"): (4.141, 4.0392),
+             ("999", "bf16"): (3.0, 3.0), ("999", "mxfp4"): (3.3, 3.3)}
     runs, hist = [], {}
     for i, ((seed, rec), (train, ev)) in enumerate(final.items()):
         tags = {"model": "proxy_h200", "recipe": rec, "recompute": "none", "world_size": "1",
-                "hardware": "1 x NVIDIA H200"}
-        runs.append(RunRecord(f"r{i}", "proxy_f5_1gpu", f"r{i}", "FINISHED", i, dict(params, **{"train.seed": seed}),
+                "hardware": "1 x NVIDIA H200", "fp4moe.archive": "b.json" if seed == "4321" else "a.json"}
+        p = dict(params, **{"train.seed": seed}, **(other_build if seed == "999" else {}))
+        runs.append(RunRecord(f"r{i}", "proxy_f5_1gpu", f"r{i}", "FINISHED", i, p,
                               {"summary/final_loss": train, "summary/final_eval_loss": ev}, tags))
         hist[f"r{i}"] = [(s, train) for s in range(10)]
     rows = f5_rows(runs, lambda run_id, key: hist[run_id], {"fp8": 0.29, "mxfp4": 0.61})
-    assert [(r["seed"], r["recipe"]) for r in rows] == [("1234", "bf16"), ("1234", "fp8"), ("1234", "mxfp4"),
-                                                         ("4321", "bf16"), ("4321", "mxfp4")]
-    assert len({r["family"] for r in rows}) == 1 and len({r["config"] for r in rows}) == 2
+    by_seed = [(r["seed"], r["archive"], r["recipe"]) for r in rows]
+    assert sorted(by_seed) == sorted([("1234", "a.json", "bf16"), ("1234", "a.json", "fp8"),
+                                      ("1234", "a.json", "mxfp4"), ("4321", "b.json", "bf16"),
+                                      ("4321", "b.json", "mxfp4"), ("999", "a.json", "bf16"),
+                                      ("999", "a.json", "mxfp4")])
+    assert len({r["config"] for r in rows}) == 3 and len({r["family"] for r in rows}) == 2
+    assert "hf-aaaa, 51.9 M training tokens" in rows[0]["family"] and "a.json" not in rows[0]["family"]
     spread = {s["recipe"]: s for s in f5_seed_spread(rows)}
-    assert set(spread) == {"bf16", "mxfp4"}   # fp8 ran from one seed
+    assert set(spread) == {"bf16", "mxfp4"}   # fp8 ran from one seed; seed 999 is another corpus build
     assert spread["bf16"]["seeds"] == "1234, 4321" and spread["bf16"]["eval_dev_pct_per_seed"] is None
+    assert spread["bf16"]["archives"] == "a.json, b.json" and spread["bf16"]["eval_dev_mean_pct"] is None
     assert spread["bf16"]["eval_spread_pct"] == pytest.approx(2.0) and spread["bf16"]["train_spread_pct"] == pytest.approx(2.5)
-    assert spread["mxfp4"]["eval_dev_pct_per_seed"] == pytest.approx([1.0, 1.0])
-    assert spread["mxfp4"]["eval_spread_pct"] == pytest.approx(100 * (4.1208 - 4.04) / 4.04)
+    assert spread["mxfp4"]["eval_dev_pct_per_seed"] == pytest.approx([1.0, -1.0])
+    assert spread["mxfp4"]["eval_dev_mean_pct"] == pytest.approx(0.0, abs=1e-12)
+    assert spread["mxfp4"]["eval_spread_pct"] == pytest.approx(100 * (4.04 - 4.0392) / 4.0392)
 
 
 def test_headline_setup_prefers_paper_cells_then_tokens_per_micro_batch(report):

@@ -336,14 +336,17 @@ def markdown(rep: Report) -> str:
         spread = tables.f5_seed_spread(rep.f5)
         if spread:
             out += ["Across seeds (configs that differ only in the seed: other initial weights, the same data "
-                    "order): bf16's own spread is the size of a deviation that noise makes at this length; a recipe's "
-                    "deviation is its own when it keeps its sign and size from seed to seed.", ""]
-            out += [_md_table(["config", "recipe", "seeds", "eval loss spread", "train loss spread",
-                               "eval deviation from bf16, per seed"],
-                              [[s["family"], s["recipe"], s["seeds"], _pct(s["eval_spread_pct"]),
+                    "order; each seed's recipes compared within one archive, i.e. one session and commit): bf16's own "
+                    "spread is the size of a deviation that noise makes at this length; a recipe's deviation is its "
+                    "own when it keeps its sign and size from seed to seed.", ""]
+            out += [_md_table(["config", "archives", "recipe", "seeds", "eval loss spread", "train loss spread",
+                               "eval deviation from bf16, per seed", "mean"],
+                              [[s["family"], s["archives"], s["recipe"], s["seeds"], _pct(s["eval_spread_pct"]),
                                 _pct(s["train_spread_pct"]),
                                 "reference" if s["eval_dev_pct_per_seed"] is None else
-                                " / ".join("-" if v is None else f"{v:+.2f} %" for v in s["eval_dev_pct_per_seed"])]
+                                " / ".join("-" if v is None else f"{v:+.2f} %" for v in s["eval_dev_pct_per_seed"]),
+                                "reference" if s["eval_dev_pct_per_seed"] is None else
+                                ("-" if s["eval_dev_mean_pct"] is None else f"{s['eval_dev_mean_pct']:+.2f} %")]
                                for s in spread]), ""]
         out += ["Plot: `f5_loss.png`. CSV: `f5_loss.csv`.", ""]
     return "\n".join(out)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .model import MODEL_LABEL
@@ -221,14 +222,25 @@ def f4_rows(layer_runs: list[RunRecord]) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- F5 loss
 
-F5_COLUMNS = ("config", "recipe", "steps", "train_loss_smoothed", "train_loss_dev_pct", "eval_loss", "eval_loss_dev_pct",
+F5_COLUMNS = ("config", "recipe", "steps", "seed", "archive", "train_loss_smoothed", "train_loss_dev_pct", "eval_loss", "eval_loss_dev_pct",
               "paper_dev_pct", "run_id")
+
+
+def data_label(params: dict[str, str]) -> str:
+    """The training data of a run: its name, and for a tokenized corpus the build (the dataset folder, named by the
+    corpus + tokenizer hash) and its training tokens, so that two builds of one corpus name are not compared."""
+    name = params.get("data.name", params.get("data.dataset_prefix", "?"))
+    prefix = params.get("data.dataset_prefix", "")
+    build = Path(prefix).parent.name if prefix and prefix != "None" else ""
+    tokens = params.get("data.train_tokens", "")
+    if build:
+        name += f" ({build}" + (f", {int(tokens) / 1e6:.1f} M training tokens)" if tokens.isdigit() else ")")
+    return name
 
 
 def config_key(run: RunRecord) -> tuple:
     p = run.params
-    return (setup_of(run), run.tags["recompute"], p.get("train.steps", "?"), p.get("train.seed", "?"),
-            p.get("data.name", p.get("data.dataset_prefix", "?")))
+    return (setup_of(run), run.tags["recompute"], p.get("train.steps", "?"), p.get("train.seed", "?"), data_label(p))
 
 
 def config_label(key: tuple) -> str:
@@ -261,8 +273,10 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
         order = ["bf16", "fp8", "mxfp4"] + sorted(set(recs) - {"bf16", "fp8", "mxfp4"})
         for rec in (r for r in order if r in recs):
             t, e = vals[rec]
+            # a family: the configs that differ only in the seed (and the archive, i.e. the session and commit)
+            family = config_label((replace(key[0], archive=""),) + key[1:3] + ("*",) + key[4:])
             out.append({"config": config_label(key), "recipe": rec, "steps": key[2], "seed": key[3],
-                        "family": config_label(key[:3] + ("*",) + key[4:]), "train_loss_smoothed": t,
+                        "archive": key[0].archive, "family": family, "train_loss_smoothed": t,
                         "train_loss_dev_pct": 100.0 * (t - tb) / tb,
                         "eval_loss": e, "eval_loss_dev_pct": 100.0 * (e - eb) / eb if e is not None and eb else None,
                         "paper_dev_pct": 0.0 if rec == "bf16" else paper_dev.get(rec), "run_id": recs[rec].run_id})
@@ -270,9 +284,10 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
 
 
 def f5_seed_spread(rows: list[dict]) -> list[dict]:
-    """F5 rows of configs that differ only in the seed (``family``), per recipe run from two seeds or more: the
-    range of the final eval loss (and of the smoothed training loss) over the seeds, as (max - min) / min in %, and
-    the recipe's eval deviation from bf16 in each seed. bf16's own spread says how large a deviation noise makes at
+    """F5 rows of configs that differ only in the seed (``family``; the runs of each seed may come from another
+    archive, i.e. session and commit: ``archives``), per recipe run from two seeds or more: the range of the final
+    eval loss (and of the smoothed training loss) over the seeds, as (max - min) / min in %, the recipe's eval
+    deviation from bf16 in each seed and their mean. bf16's own spread says how large a deviation noise makes at
     that length; a recipe's deviation is its own when it keeps its sign and size from seed to seed."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
@@ -284,10 +299,14 @@ def f5_seed_spread(rows: list[dict]) -> list[dict]:
         rs = sorted(rs, key=lambda r: str(r["seed"]))
         ev = [r["eval_loss"] for r in rs if r["eval_loss"] is not None]
         tr = [r["train_loss_smoothed"] for r in rs]
+        devs = None if recipe == "bf16" else [r["eval_loss_dev_pct"] for r in rs]
+        known = [d for d in devs or [] if d is not None]
         out.append({"family": family, "recipe": recipe, "seeds": ", ".join(str(r["seed"]) for r in rs),
+                    "archives": ", ".join(dict.fromkeys(r.get("archive") or "-" for r in rs)),
                     "eval_spread_pct": 100.0 * (max(ev) - min(ev)) / min(ev) if len(ev) > 1 else None,
                     "train_spread_pct": 100.0 * (max(tr) - min(tr)) / min(tr),
-                    "eval_dev_pct_per_seed": None if recipe == "bf16" else [r["eval_loss_dev_pct"] for r in rs]})
+                    "eval_dev_pct_per_seed": devs,
+                    "eval_dev_mean_pct": statistics.fmean(known) if devs is not None and len(known) == len(devs) else None})
     return out
 
 
@@ -298,5 +317,5 @@ def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]
 
 
 __all__ = ["F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
-           "config_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "setup_of", "setups", "split_store",
+           "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "setup_of", "setups", "split_store",
            "t1_rows"]
