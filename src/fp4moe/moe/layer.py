@@ -100,7 +100,11 @@ class _CombineSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, tok, t):
         ctx.save_for_backward(tok)
-        out = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device).index_add_(0, tok, y.float())
+        out = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device)
+        # in chunks of t rows: the float32 copy of y alive at once is [t, H] (as large as out), not [T*k, H]
+        step = max(1, t)
+        for i in range(0, y.shape[0], step):
+            out.index_add_(0, tok[i:i + step], y[i:i + step].float())
         return out.to(_BF16)
 
     @staticmethod
@@ -207,6 +211,9 @@ class MoELayer(torch.nn.Module):
             xp, ins, outs, self.group, "mxfp4" if r.dispatch_fp4 else "bf16", r.backward_a2a,
             keep_fp4=keep, stats=self.dispatch_stats, rule=r.scale_rule,
         )
+        # the [T*k, H] intermediates below die as soon as the next one exists (autograd keeps what it saves): no
+        # more than two of them are alive at once in this forward (fp4moe.scale.calibration's layer peak)
+        del xp
         pin = _AllToAllF32.apply(pp, ins, outs, self.group, w)
         # ---- regroup source-major -> expert-major
         chunk = recv.reshape(-1).tolist()  # chunk (s, j) at position s*El + j
@@ -218,13 +225,19 @@ class MoELayer(torch.nn.Module):
             else torch.zeros(0, dtype=torch.int64)
         perm = perm.to(torch.int64).to(x2.device)
         local_counts = recv.sum(0).tolist()
-        y_e = grouped_expert_mlp(permute_rows(xin, perm), local_counts, self.w1, self.w2, pin[perm], r)
+        x_e = permute_rows(xin, perm)
+        del xin
+        y_e = grouped_expert_mlp(x_e, local_counts, self.w1, self.w2, pin[perm], r)
+        del x_e
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
         y_src = y_e[inv]
+        del y_e
         # ---- combine and un-permute
         y_back = quantized_all_to_all(y_src, outs, ins, self.group, "bf16", r.backward_a2a, stats=self.combine_stats)
+        del y_src
         out = _CombineSum.apply(y_back, tok, t)
+        del y_back
         if self.shared_ffn:
             out = out + self._shared(x2)
         return out.reshape(*lead, h)
