@@ -133,6 +133,29 @@ def test_expert_backward_by_hand():
         assert per_gpu_memory(cfg).expert_backward_bytes - dgrad_p == 2 * d.e * 2 * f * h + x_col
 
 
+def test_standalone_moe_layer_peak_by_hand():
+    """P2's MoE layer in its benchmark (every .grad None, the input and dy allocated before the base): the peak is
+    fc1's wgrad in the backward: the saved tensors less the layer's input and the shared expert's, the experts'
+    live tensors with both BF16 weight gradients (bf16: fp4moe's grouped experts, no FP8 copies, plus one expert's
+    [2F, H] product), the layer's output and the shared expert's input gradient (2 [T, H]) and the shared expert's
+    weight gradients. The forward phase (saved less the shared expert's + 2 [R, H]) is smaller here."""
+    mp = E * 128
+    col = lambda k: k * mp + 4 * k * mp // 128   # noqa: E731
+    live = {"bf16": 2 * R * H + 2 * R * 2 * F + 2 * R * H + DW2 + DW1 + 2 * 2 * F * H}
+    live["fp8"] = 2 * R * H + 2 * R * 2 * F + 2 * R * H + col(2 * F) + DW1 + DW2
+    live["mxfp4"] = live["fp8"] + col(H)
+    for rec in RECIPES:
+        cfg = _cfg(precision=rec)
+        tensors = [t for t in layer_saved_tensors(cfg, "moe", "none") if t.name.startswith("moe.")]
+        kept = sum(t.bytes for t in tensors if t.name not in ("moe.ln_in", "moe.ln_rstd", "moe.ln_out")
+                   and not t.name.startswith("moe.shared_"))
+        peak, phase = memory.standalone_moe_layer_peak(cfg)
+        assert (peak, phase) == (kept + live[rec] + 2 * 2 * T * H + 2 * 3 * H * FS, "backward"), rec
+        assert kept + 2 * 2 * R * H < peak
+    with pytest.raises(ValueError, match="bf16_experts='loop'"):
+        memory._expert_backward(_dims(_cfg()), memory.Recipe.preset("bf16"), MemoryAssumptions(bf16_experts="loop"))
+
+
 def test_norm_recompute_at_the_moe_backward():
     """attn_ln_*: the pre-MLP norm's output-discarding checkpoint recomputes when the MoE layer's output gradient
     arrives and holds its recomputation's output and the refilled original (2 x [T, H] bf16), + the decoded input

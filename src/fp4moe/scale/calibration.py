@@ -276,8 +276,14 @@ def table(cells: Sequence[Cell] | None = None, measured: MemoryAssumptions | Non
 # (hidden 7168, 32 local experts of ffn 2048, top-8, one shared expert, 4096 tokens) on one H200 and on two over
 # NCCL, every recipe; the saved bytes of one forward counted by the trainer's own hooks (fp4moe.ops.accounting).
 # Earlier files of that folder counted the layer's input twice (fixed in be29b77).
-LAYER_FILES = ("results/moe_layer/moe_layer_h200_ep1_2026-11-30_be29b77.json",
-               "results/moe_layer/moe_layer_h200_ep2_2026-11-30_be29b77.json")
+LAYER_BE29B77 = ("results/moe_layer/moe_layer_h200_ep1_2026-11-30_be29b77.json",
+                 "results/moe_layer/moe_layer_h200_ep2_2026-11-30_be29b77.json")
+# The layer's code since 083ec29 (MoELayer.forward frees its [T*k, H] intermediates) at four shapes on one H200,
+# with the allocator's trace of each recipe's peak (--memtrace): saved bytes and the peak over the base are checked
+# (memory.standalone_moe_layer_peak). Older files' peaks are not modelled (their forward held more).
+LAYER_PEAK_FILES = tuple(f"results/moe_layer/moe_layer_h200_ep1{tag}_2026-12-02_083ec29.json"
+                         for tag in ("", "_t2048", "_t8192", "_e16"))
+LAYER_FILES = LAYER_BE29B77 + LAYER_PEAK_FILES
 # what the standalone layer does not have of a transformer layer's MoE block: the pre-MLP norm's own saved tensors
 # (its output is the layer's input, which the benchmark's layer saves for its router and shared expert too)
 LAYER_NOT_IN_BENCH = ("moe.ln_in", "moe.ln_rstd")
@@ -286,25 +292,51 @@ LAYER_NOT_IN_BENCH = ("moe.ln_in", "moe.ln_rstd")
 @dataclass(frozen=True)
 class LayerRow:
     """One recipe of a layer-benchmark file: measured saved bytes (one forward) vs the model's MoE-layer tensors
-    for that shape, routing (measured rows per local expert) and EP."""
+    for that shape, routing (measured rows per local expert) and EP; for the files of LAYER_PEAK_FILES also the
+    peak over the base (bytes) measured vs ``memory.standalone_moe_layer_peak``, the predicted phase and the phase
+    of the traced peak ('backward' when an allocation site live there is a backward's, else 'forward')."""
 
     file: str
     world_size: int
     recipe: str
     measured: int
     predicted: int
+    tokens: int = 4096
+    local_experts: int = 32
+    peak_measured: int | None = None
+    peak_predicted: int | None = None
+    phase: str = ""
+    traced_phase: str = ""
 
     @property
     def err_pct(self) -> float:
         return 100.0 * (self.predicted - self.measured) / self.measured
 
+    @property
+    def peak_err_pct(self) -> float | None:
+        if self.peak_measured is None or self.peak_predicted is None:
+            return None
+        return 100.0 * (self.peak_predicted - self.peak_measured) / self.peak_measured
 
-def layer_rows(files: Sequence[str | Path] = LAYER_FILES, root: Path = ROOT) -> list[LayerRow]:
+
+def traced_phase(memory_peak: dict | None) -> str:
+    """'backward' when a block live at the traced peak was allocated in a backward (its site names a backward,
+    a gradient kernel or a weight gradient), 'forward' otherwise; '' without a trace."""
+    if not memory_peak:
+        return ""
+    marks = ("backward", "bwd", "wgrad")
+    return "backward" if any(any(m in x["where"] for m in marks) for x in memory_peak["by_site"]) else "forward"
+
+
+def layer_rows(files: Sequence[str | Path] = LAYER_FILES, root: Path = ROOT,
+               peak_files: Sequence[str | Path] = LAYER_PEAK_FILES) -> list[LayerRow]:
     """The model against P2's layer benchmark: ``layer_saved_tensors`` of a dsv3_671b MoE layer with the file's
-    shape (experts = 32 x EP, EP = its world size, one sequence of its tokens) at recompute none, its measured
-    per-expert rows (``expert_counts``: the routing and the FP8 padding), less ``LAYER_NOT_IN_BENCH``."""
-    from .memory import layer_saved_tensors
+    shape (experts = local x EP, EP = its world size, one sequence of its tokens) at recompute none, its measured
+    per-expert rows (``expert_counts``: the routing and the FP8 padding), less ``LAYER_NOT_IN_BENCH``; for
+    ``peak_files`` also ``standalone_moe_layer_peak`` against the measured peak over the base."""
+    from .memory import layer_saved_tensors, standalone_moe_layer_peak
 
+    peaks = {Path(f).name for f in peak_files}
     out = []
     for f in files:
         path = Path(f) if Path(f).is_absolute() else root / f
@@ -326,21 +358,39 @@ def layer_rows(files: Sequence[str | Path] = LAYER_FILES, root: Path = ROOT) -> 
                         expert_rows_factor=sum(counts) / (int(shape["tokens"]) * int(shape["top_k"])))
             pred = sum(t.bytes for t in layer_saved_tensors(cfg, "moe", "none", a)
                        if t.name.startswith("moe.") and t.name not in LAYER_NOT_IN_BENCH)
-            out.append(LayerRow(path.name, ws, r["recipe"], int(r["saved_bytes"]), pred))
+            peak = {}
+            if path.name in peaks:
+                if r.get("peak_over_base_gib") is None:
+                    raise ValueError(f"{path.name}: {r['recipe']} has no measured peak (a CPU run?)")
+                p_bytes, phase = standalone_moe_layer_peak(cfg, a)
+                peak = dict(peak_measured=round(r["peak_over_base_gib"] * 2**30), peak_predicted=p_bytes, phase=phase,
+                            traced_phase=traced_phase(r.get("memory_peak")))
+            out.append(LayerRow(path.name, ws, r["recipe"], int(r["saved_bytes"]), pred, int(shape["tokens"]),
+                                int(shape["local_experts"]), **peak))
     return out
 
 
 def render_layer(rows: Sequence[LayerRow]) -> list[str]:
     lines = ["", "## P2's MoE layer (fp4moe.moe.bench)", "",
-             "The DeepSeek-V3 MoE layer alone (hidden 7168, 32 local experts of ffn 2048, top-8, one shared expert, "
-             "4096 tokens per GPU), one forward's saved bytes as the trainer counts them, against the model's "
-             "MoE-layer tensors at that shape with the run's measured rows per expert (routing and FP8 padding). The "
-             "routed experts are the trainer's code (fp4moe's grouped experts); the router and the dispatch are the "
-             "layer's own (P2), not megatron's, which the model describes: the small differences. The layer's peak "
-             "is not modelled (the benchmark's harness holds its own buffers).", "",
-             "| file | EP | recipe | saved meas. (B) | saved pred. (B) | err % |", "|---|---:|---|---:|---:|---:|"]
-    lines += [f"| `{r.file}` | {r.world_size} | {r.recipe} | {r.measured} | {r.predicted} | {r.err_pct:+.2f} |"
-              for r in rows]
+             "The DeepSeek-V3 MoE layer alone (hidden 7168, local experts of ffn 2048, top-8, one shared expert; "
+             "4096 tokens per GPU and 32 local experts unless the row says otherwise), one forward's saved bytes as "
+             "the trainer counts them, against the model's MoE-layer tensors at that shape with the run's measured "
+             "rows per expert (routing and FP8 padding). The routed experts are the trainer's code (fp4moe's grouped "
+             "experts); the router and the dispatch are the layer's own (P2), not megatron's, which the model "
+             "describes: the small differences. The peak over the base (one forward + backward, every `.grad` None; "
+             "`memory.standalone_moe_layer_peak`) is modelled for the layer's code since 083ec29; the phase column "
+             "gives the predicted phase and the one the allocator trace (`--memtrace`) shows.", "",
+             "| file | EP | tokens | experts | recipe | saved meas. (B) | saved pred. (B) | err % "
+             "| peak meas. (GiB) | peak pred. (GiB) | err % | phase pred. / traced |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r.peak_predicted is None:
+            peak = "| - | - | - | not modelled (older code) |"
+        else:
+            peak = (f"| {r.peak_measured / 2**30:.3f} | {r.peak_predicted / 2**30:.3f} | {r.peak_err_pct:+.2f} "
+                    f"| {r.phase} / {r.traced_phase or '-'} |")
+        lines.append(f"| `{r.file}` | {r.world_size} | {r.tokens} | {r.local_experts} | {r.recipe} | {r.measured} "
+                     f"| {r.predicted} | {r.err_pct:+.2f} {peak}")
     return lines
 
 

@@ -164,6 +164,8 @@ micro-batch (R rows on the GPU, H hidden, F expert FFN, all bf16 unless said):
         from it (mxfp4: the wgrad is the larger); the code measured up to commit 38f25cd also kept an unused
         [R,H] output buffer in the FP8 GEMM wrapper (dgrad), dZ [R,F] and (activation_fp4_store) the decoded H
         [R,2F] (``MemoryAssumptions.expert_backward_keeps_dead``).
+    bf16 in fp4moe's grouped experts (``MemoryAssumptions.bf16_experts='grouped'``, P2's MoE layer): fc1's wgrad as
+        above without FP8 copies, plus one expert's [2F,H] product before it is copied into dW1.
     bf16 (megatron's SequentialMLP): dY, the per-expert dX pieces and their concatenation, 3 x [R,H]; under
         attn_ln_experts its recomputation's forward peaks at the concatenation of the recomputed outputs: dY + the
         recomputed tensors + the pieces and their concatenation, if that is larger.
@@ -237,6 +239,9 @@ class MemoryAssumptions:
     # first micro-batch's backward and zero_grad frees them after the step; the peak is in a backward, so they
     # count only when a step has 2 or more micro-batches).
     main_grad_resident: str = "always"
+    # The BF16 recipe's routed experts: 'sequential' (megatron's SequentialMLP, the trainer) or 'grouped' (fp4moe's
+    # GroupedExpertMLP on BF16 GEMMs, P2's MoE layer: the same backward as the FP8 recipes' without FP8 copies)
+    bf16_experts: str = "sequential"
     # True: the routed experts' backward as measured up to commit 38f25cd (the H200 archives), which kept an unused
     # [R, H] GEMM output buffer, dZ [R, F] and the decoded H [R, 2F] until it returned (module docstring, (e)).
     expert_backward_keeps_dead: bool = False
@@ -596,6 +601,34 @@ def layer_saved_tensors(cfg: Any, kind: str, scope: str | None = None,
     return led.tensors()
 
 
+def standalone_moe_layer_peak(cfg: Any, assumptions: MemoryAssumptions | None = None) -> tuple[int, str]:
+    """(bytes, phase): the memory peak of P2's MoE layer (``fp4moe.moe.MoELayer``, recompute none) over one forward
+    + backward as ``fp4moe.moe.bench`` measures it, above its base (weights, the input x and the output gradient dy
+    allocated before; every ``.grad`` None), for the config's MoE shape at ``micro_batch x seq_length`` tokens;
+    phase 'backward' or 'forward', the larger:
+
+        backward  at the routed experts' fc1 wgrad (``_expert_backward`` with the layer's own BF16 ``.grad`` and,
+                  for bf16, fp4moe's grouped experts): the saved tensors less the layer's input (in the base) and
+                  the shared expert's (its backward ran first), plus its weight gradients; the two [T, H] terms of
+                  ``_expert_backward`` are here the layer's output and the shared expert's input gradient.
+        forward   the saved tensors less the shared expert's (it runs last) and two [T*k, H] bf16 rows tensors, the
+                  most MoELayer.forward holds at once besides what autograd saves (the experts' output and its
+                  un-permuted copy, that copy and the combine's received one); an upper estimate, never the peak
+                  at the shapes measured (results/scale/calibration.md).
+    """
+    cfg = _as_cfg(cfg)
+    a = replace(assumptions or MemoryAssumptions(), main_grad_resident="after_first_micro_batch",
+                bf16_experts="grouped")
+    tensors = [t for t in layer_saved_tensors(cfg, "moe", "none", a)
+               if t.name.startswith("moe.") and t.name not in ("moe.ln_in", "moe.ln_rstd", "moe.ln_out")]
+    d = _dims(cfg, a.expert_rows_factor)
+    saved = sum(t.bytes for t in tensors)
+    shared = sum(t.bytes for t in tensors if t.name.startswith("moe.shared_"))
+    backward = saved - shared + _expert_backward(d, Recipe.from_config(cfg.precision), a) + a.param_bytes * 3 * d.h * d.fs
+    forward = saved - shared + 2 * BF16 * d.rows * d.h
+    return (backward, "backward") if backward >= forward else (forward, "forward")
+
+
 def _head_tensors(d: _Dims) -> list[SavedTensor]:
     t = d.t_hid
     return [SavedTensor("head.ln_in", (t, d.h), "bf16", BF16 * t * d.h, {"final_ln"}),
@@ -785,6 +818,14 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     dw2, dw1 = a.param_bytes * e_local * h * f, a.param_bytes * e_local * 2 * f * h
     if a.main_grad_resident == "always":
         dw2 = 0
+    if a.bf16_experts not in ("sequential", "grouped"):
+        raise ValueError(f"MemoryAssumptions.bf16_experts={a.bf16_experts!r}: use 'sequential' or 'grouped'")
+    dh = BF16 * r * 2 * f
+    if not recipe.fp8_compute and a.bf16_experts == "grouped":
+        # fp4moe's grouped experts on BF16 (fc1's wgrad is the larger): dY, dH, dX, dW2, dW1 (its output) and one
+        # expert's [2F, H] product before it is copied into dW1
+        live = rows_h + dh + rows_h + dw2 + dw1 + BF16 * 2 * f * h
+        return live + (recomputed + rows_h if recomputed else 0) + grads
     if not recipe.fp8_compute:
         # megatron's SequentialMLP: dY, the per-expert dX pieces, their concatenation; under attn_ln_experts the
         # recomputation's forward ends with the recomputed outputs' pieces and their concatenation beside dY. No
@@ -799,7 +840,6 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     def fp8_col(k: int) -> int:                # an FP8 column copy [k, Mp] + its 1x128 scales
         return k * mp + FP8_SCALE_BYTES * k * mp // FP8_GROUP
 
-    dh = BF16 * r * 2 * f
     dh_rows = r * 2 * f + FP8_SCALE_BYTES * r * (2 * f // FP8_GROUP)
     dgrad = rows_h + dh + dh_rows + rows_h + dw2  # fc1's dgrad: dY, dH, dH's FP8 rows, dX (its output), dW2
     # fc1's wgrad, after it: dY, dH, dX, dH's FP8 column copy, x's FP8 column copy when x was saved as MXFP4
@@ -990,4 +1030,5 @@ def paper_t1_prediction(assumptions: MemoryAssumptions | None = None, gpu_memory
 
 
 __all__ = ["GB", "SCOPES", "Breakdown", "MemoryAssumptions", "SavedTensor", "compose_cfg", "fp8_row_col_bytes",
-           "layer_saved_tensors", "mxfp4_bytes", "paper_t1_prediction", "per_gpu_memory", "per_stage_memory"]
+           "layer_saved_tensors", "mxfp4_bytes", "paper_t1_prediction", "per_gpu_memory", "per_stage_memory",
+           "standalone_moe_layer_peak"]
