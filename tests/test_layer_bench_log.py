@@ -33,6 +33,24 @@ def test_log_and_relog(tmp_path):
     assert "peak_gib" not in runs["fp8"].data.metrics  # None: not logged
 
 
+def test_shapes_of_one_commit_are_separate_benchmarks(tmp_path):
+    """Two files of one date / commit / GPU / EP at two token counts are two benchmarks (two ids, both logged);
+    a default-shape file keeps the id it had before the shape was part of it."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    a = _doc(tmp_path)
+    doc = json.loads(a.read_text())
+    doc["shape"]["tokens"] = 8192
+    b = tmp_path / "moe_layer_h200_ep2_t8192_2026-11-30_abc1234.json"
+    b.write_text(json.dumps(doc))
+    assert L.log_file(a, uri) == (3, 0) and L.log_file(b, uri) == (3, 0)
+    env = doc["env"]
+    import hashlib
+
+    old = hashlib.sha256(f"{env['date']}|{env['commit']}|{env['gpu']}|{env['world_size']}".encode()).hexdigest()[:16]
+    assert L.layer_bench_id(env, dict(L.DEFAULT_SHAPE)) == L.layer_bench_id(env) == old
+    assert L.layer_bench_id(env, {"tokens": 8192}) != old
+
+
 def test_bad_files(tmp_path):
     bad = tmp_path / "moe_layer_x.json"
     bad.write_text("{}")

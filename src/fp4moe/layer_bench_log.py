@@ -4,7 +4,7 @@ Reads what ``fp4moe.moe.bench`` writes (``moe_layer_<gpu>_ep<W>_<date>_<commit>.
 ``recipes`` rows, ``ratios``, ``gemm``) and logs, into the MLflow experiment ``moe_layer``, one run per recipe
 row, named ``<gpu> EP=<W> <recipe>``: params gpu, world_size, commit, date, recipe, command, the shape; metrics
 ms_per_iter, tokens_per_s, peak_gib, peak_over_base_gib, saved_bytes(_per_token), expert_saved_bytes,
-dispatch/combine bytes and ms; tag ``layer_bench_id`` (hash of date, commit, gpu, world size: one benchmark
+dispatch/combine bytes and ms; tag ``layer_bench_id`` (hash of date, commit, gpu, world size, a non-default shape: one benchmark
 run). Idempotent: rows whose (layer_bench_id, recipe) is already logged are skipped.
 """
 from __future__ import annotations
@@ -44,8 +44,17 @@ def load(path: str | Path) -> dict:
     return doc
 
 
-def layer_bench_id(env: dict) -> str:
+# fp4moe.moe.bench's default shape (DeepSeek-V3's MoE layer as one EP rank holds it)
+DEFAULT_SHAPE = {"hidden": 7168, "ffn": 2048, "local_experts": 32, "top_k": 8, "tokens": 4096, "shared_ffn": 2048}
+
+
+def layer_bench_id(env: dict, shape: dict | None = None) -> str:
+    """One benchmark run: date, commit, gpu, world size and, where it differs from DEFAULT_SHAPE, the shape (files of
+    the default shape keep the id they were logged under before shapes varied)."""
     key = f"{env['date']}|{env['commit']}|{env['gpu']}|{env['world_size']}"
+    other = {k: v for k, v in sorted((shape or {}).items()) if k in DEFAULT_SHAPE and DEFAULT_SHAPE[k] != v}
+    if other:
+        key += "|" + ",".join(f"{k}={v}" for k, v in other.items())
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -70,7 +79,7 @@ def log_file(path: str | Path, uri: str | None = None) -> tuple[int, int]:
     uri = uri or tracking_uri()
     check_reachable(uri)
     env = doc["env"]
-    bid = layer_bench_id(env)
+    bid = layer_bench_id(env, doc["shape"])
     done = _logged(uri, bid)
     logged = 0
     for row in doc["recipes"]:

@@ -107,7 +107,7 @@ def test_f3_f4_f5_tables_exact(report):
         "| 32768x7168 | fp4_row_to_fp8_row | 300.0 | 1200 | 30.0 | 2.00x | - | 20.00x | - |",
     ]
     assert "Paper (secondary-summary): fused conversion kernels 1.6-1.9x faster" in md
-    assert _table(_section(md, "F4"))[2] == ("| h200 | 1 | abc1234 | 100000 | 80000 | 76000 | 0.950 | 240000 | 260000 "
+    assert _table(_section(md, "F4"))[2] == ("| h200 | 1 | abc1234 | 4096 | 32 | 100000 | 80000 | 76000 | 0.950 | 240000 | 260000 "
                                             "| 78000 | 0.300 | 0.250 | 0.2650 |")
     f5 = _section(md, "F5")
     assert "fp8 +0.29 %, mxfp4 +0.61 %" in f5

@@ -298,12 +298,13 @@ def markdown(rep: Report) -> str:
         out += ["Measured: **no `moe_layer` runs in the store yet** (`make bench-layer` on a GPU; "
                 "`make reproduce-table` logs `results/moe_layer/`).", ""]
     else:
-        out += ["Measured (experiment `moe_layer`; DeepSeek-V3 layer shape per GPU, 4096 tokens, 32 local experts):",
-                ""]
-        out += [_md_table(["GPU", "EP", "commit", "tokens/s bf16", "fp8", "mxfp4", "mxfp4/fp8 tokens/s",
+        out += ["Measured (experiment `moe_layer`; DeepSeek-V3's layer shape per GPU: hidden 7168, expert ffn 2048, "
+                "top-8, one shared expert; tokens and local experts per GPU as given):", ""]
+        out += [_md_table(["GPU", "EP", "commit", "tokens", "experts", "tokens/s bf16", "fp8", "mxfp4", "mxfp4/fp8 tokens/s",
                            "saved B/token bf16", "fp8", "mxfp4", "mxfp4/fp8 saved", "mxfp4/fp8 expert saved",
                            "mxfp4/bf16 dispatch fwd bytes"],
-                          [[r["gpu"], r["world_size"], r["commit"], _num(r["tokens_per_s_bf16"]),
+                          [[r["gpu"], r["world_size"], r["commit"], r["tokens"], r["local_experts"],
+                            _num(r["tokens_per_s_bf16"]),
                             _num(r["tokens_per_s_fp8"]), _num(r["tokens_per_s_mxfp4"]),
                             _num(r["tokens_per_s_mxfp4_over_fp8"], 3), _num(r["saved_bytes_per_token_bf16"]),
                             _num(r["saved_bytes_per_token_fp8"]), _num(r["saved_bytes_per_token_mxfp4"]),
@@ -470,7 +471,7 @@ def plots(rep: Report) -> dict[str, bytes]:
         out["f3_kernels.png"] = _png(fig)
 
     if rep.f4:
-        groups = [f"{r['gpu']} EP{r['world_size']}\n{r['commit']}" for r in rep.f4]
+        groups = [f"{r['gpu']} EP{r['world_size']} {r['tokens']}x{r['local_experts']}\n{r['commit']}" for r in rep.f4]
         fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(groups)), 4.5))
         _bars(ax, groups, {rec: [r[f"tokens_per_s_{rec}"] for r in rep.f4] for rec in ("bf16", "fp8", "mxfp4")})
         ax.set_ylabel("tokens/s per GPU (layer fwd + bwd)")
