@@ -43,17 +43,15 @@ RESULTS_TRAIN = "results/train_proxy"
 RESULTS_REPORT = "results/report"
 
 # What is missing, by issue: (label, issue number, what). Keep in step with README.md "Status".
-# P1 (issue 2: foundation, formats, reference, kernels, benchmark) and P4 (issue 5: configs, Slurm launch) exist; P1's measured table is
+# P1 (issue 2: foundation, formats, reference, kernels, benchmark), P3 (issue 4: model, trainer, H200 runs) and P4
+# (issue 5: configs, Slurm launch) exist; P1's measured table is
 # reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P3", 4, "a second seed of the F5 twin on the 52 M-token corpus (results/train_proxy/ section 15: mxfp4 "
-              "-0.68 % vs bf16 from one seed, a lower loss; on the first corpus -0.43 % / +0.30 % in two seeds). "
-              "The T1 targets are met on one H200 (section 19: at one micro-batch, 64, mxfp4 runs 1.13-1.32x fp8's "
-              "only fitting scope; at equal scope 1.001-1.019x with 0.55-0.84x its peak)"),
     ("P5", 6, "the paper-scale model's remaining gap: bf16 / fp8 at attention + layernorm + experts are predicted "
               "above 80 GB in every setup where the paper fits them (results/scale/paper_t1.md), and the 236B "
               "ablation's summarised numbers match no reading (results/scale/paper_t2.md); its peak is within "
-              "5 % of every H200 run, one GPU and two over NCCL (results/scale/calibration.md). The report "
+              "5 % of every H200 run, one GPU and two over NCCL, and P2's layer's within 0.1 % "
+              "(results/scale/calibration.md). The report "
               "(results/report/), the notebooks (notebooks/) and the runs of this machine or of a Slurm cluster "
               "(SLURM=<profile>) exist"),
     ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "
