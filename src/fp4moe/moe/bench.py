@@ -21,12 +21,15 @@ expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights
   selects the per-expert ``F.scaled_mm`` loop);
 * ``profile``: CUDA kernel time per iteration by category (FP8/BF16 GEMMs, our Triton kernels, NCCL,
   elementwise/other) and the top kernels, from ``torch.profiler`` (``--no-profile`` skips it).
+* ``memory_peak`` (``--memtrace``, CUDA): what is live at the peak above the base, by allocation site, from the
+  allocator's history (``fp4moe.train.memtrace``); ``fp4moe.scale.memory.standalone_moe_layer_peak`` models it.
 
 And once: ``gemm``: the fp8 expert GEMMs over the routed counts (weights pre-quantized), as the grouped Triton
 kernel and as the per-expert ``F.scaled_mm`` loop, against one dense ``F.scaled_mm`` of the same total size
 (M = all routed rows): TFLOP/s and ratios, for fc1/fc2 fprop, dgrad and wgrad.
 
-Output: ``<out>/moe_layer_<gpu>_ep<W>_<date>_<commit>.{json,md}`` (rank 0 writes). On CPU (``--device cpu``
+Output: ``<out>/moe_layer_<gpu>_ep<W>[<shape>]_<date>_<commit>.{json,md}`` (rank 0 writes; ``<shape>`` names what
+differs from the default shape, e.g. ``_t8192_e16``). On CPU (``--device cpu``
 and small ``--hidden/--ffn``) the same code runs as a smoke test; times are then meaningless and memory is
 not measured (null).
 """
