@@ -44,7 +44,7 @@ def load(path: str | Path) -> dict:
     return doc
 
 
-# fp4moe.moe.bench's default shape (DeepSeek-V3's MoE layer as one EP rank holds it)
+# fp4moe.moe.bench's default shape (DeepSeek-V3's MoE layer as one EP rank holds it; its argument defaults)
 DEFAULT_SHAPE = {"hidden": 7168, "ffn": 2048, "local_experts": 32, "top_k": 8, "tokens": 4096, "shared_ffn": 2048}
 
 

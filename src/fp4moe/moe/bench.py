@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..atomic_write import write_bytes_atomic
+from ..layer_bench_log import DEFAULT_SHAPE
 from ..ops.accounting import saved_bytes_during
 from ..ops.all_to_all import quantized_all_to_all
 from ..ops.fp8_gemm import fp8_mm
@@ -61,12 +62,14 @@ RECIPES = ("bf16", "fp8", "mxfp4")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fp4moe.moe.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--ffn", type=int, default=2048, help="routed expert ffn size")
-    p.add_argument("--local-experts", type=int, default=32, help="experts per GPU (global = this x world size)")
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per micro-batch")
-    p.add_argument("--shared-ffn", type=int, default=2048, help="shared expert ffn size (0: none)")
+    d = DEFAULT_SHAPE
+    p.add_argument("--hidden", type=int, default=d["hidden"])
+    p.add_argument("--ffn", type=int, default=d["ffn"], help="routed expert ffn size")
+    p.add_argument("--local-experts", type=int, default=d["local_experts"],
+                   help="experts per GPU (global = this x world size)")
+    p.add_argument("--top-k", type=int, default=d["top_k"])
+    p.add_argument("--tokens", type=int, default=d["tokens"], help="tokens per GPU per micro-batch")
+    p.add_argument("--shared-ffn", type=int, default=d["shared_ffn"], help="shared expert ffn size (0: none)")
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe presets")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -468,12 +471,11 @@ def _markdown(doc: dict) -> str:
 
 def _shape_tag(args) -> str:
     """``_t<tokens>_e<local experts>...`` for each of tokens / local experts / hidden / ffn / top-k / shared ffn that
-    differs from the default (DeepSeek-V3's) shape, so that runs of several shapes keep apart; '' for the default."""
-    d = _parser().parse_args([])
+    differs from DEFAULT_SHAPE (DeepSeek-V3's), so that runs of several shapes keep apart; '' for the default."""
     return "".join(f"_{tag}{getattr(args, k)}" for tag, k in (("t", "tokens"), ("e", "local_experts"),
                                                              ("h", "hidden"), ("f", "ffn"), ("k", "top_k"),
                                                              ("s", "shared_ffn"))
-                   if getattr(args, k) != getattr(d, k))
+                   if getattr(args, k) != DEFAULT_SHAPE[k])
 
 
 def main(argv=None) -> dict:

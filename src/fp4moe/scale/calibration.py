@@ -33,7 +33,7 @@ from typing import Sequence
 
 from omegaconf import OmegaConf
 
-from .memory import GB, MemoryAssumptions, compose_cfg, per_gpu_memory, per_stage_memory
+from .memory import GB, NOT_IN_STANDALONE_LAYER, MemoryAssumptions, compose_cfg, per_gpu_memory, per_stage_memory
 
 ROOT = Path(__file__).resolve().parents[3]
 ARCHIVES = (   # one GPU
@@ -284,9 +284,7 @@ LAYER_BE29B77 = ("results/moe_layer/moe_layer_h200_ep1_2026-11-30_be29b77.json",
 LAYER_PEAK_FILES = tuple(f"results/moe_layer/moe_layer_h200_ep1{tag}_2026-12-02_083ec29.json"
                          for tag in ("", "_t2048", "_t8192", "_e16"))
 LAYER_FILES = LAYER_BE29B77 + LAYER_PEAK_FILES
-# what the standalone layer does not have of a transformer layer's MoE block: the pre-MLP norm's own saved tensors
-# (its output is the layer's input, which the benchmark's layer saves for its router and shared expert too)
-LAYER_NOT_IN_BENCH = ("moe.ln_in", "moe.ln_rstd")
+LAYER_NOT_IN_BENCH = NOT_IN_STANDALONE_LAYER  # the layer's tensors the model has and the benchmarked layer does not
 
 
 @dataclass(frozen=True)

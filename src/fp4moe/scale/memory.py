@@ -274,6 +274,8 @@ class MemoryAssumptions:
             raise ValueError(f"expert_padding={self.expert_padding!r}: 'balanced' or 'expected'")
         if self.main_grad_resident not in ("always", "after_first_micro_batch"):
             raise ValueError(f"main_grad_resident={self.main_grad_resident!r}: 'always' or 'after_first_micro_batch'")
+        if self.bf16_experts not in ("sequential", "grouped"):
+            raise ValueError(f"bf16_experts={self.bf16_experts!r}: 'sequential' or 'grouped'")
 
 
 def compose_cfg(model: str, parallel: str, recompute: str, precision: str) -> DictConfig:
@@ -601,6 +603,11 @@ def layer_saved_tensors(cfg: Any, kind: str, scope: str | None = None,
     return led.tensors()
 
 
+# what P2's standalone MoE layer (fp4moe.moe.MoELayer) does not have of a transformer layer's MoE block: the pre-MLP
+# norm's own saved tensors (its output is the layer's input, which the layer saves for its router and shared expert)
+NOT_IN_STANDALONE_LAYER = ("moe.ln_in", "moe.ln_rstd")
+
+
 def standalone_moe_layer_peak(cfg: Any, assumptions: MemoryAssumptions | None = None) -> tuple[int, str]:
     """(bytes, phase): the memory peak of P2's MoE layer (``fp4moe.moe.MoELayer``, recompute none) over one forward
     + backward as ``fp4moe.moe.bench`` measures it, above its base (weights, the input x and the output gradient dy
@@ -620,7 +627,7 @@ def standalone_moe_layer_peak(cfg: Any, assumptions: MemoryAssumptions | None = 
     a = replace(assumptions or MemoryAssumptions(), main_grad_resident="after_first_micro_batch",
                 bf16_experts="grouped")
     tensors = [t for t in layer_saved_tensors(cfg, "moe", "none", a)
-               if t.name.startswith("moe.") and t.name not in ("moe.ln_in", "moe.ln_rstd", "moe.ln_out")]
+               if t.name.startswith("moe.") and t.name not in NOT_IN_STANDALONE_LAYER + ("moe.ln_out",)]  # x: base
     d = _dims(cfg, a.expert_rows_factor)
     saved = sum(t.bytes for t in tensors)
     shared = sum(t.bytes for t in tensors if t.name.startswith("moe.shared_"))
@@ -818,8 +825,6 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     dw2, dw1 = a.param_bytes * e_local * h * f, a.param_bytes * e_local * 2 * f * h
     if a.main_grad_resident == "always":
         dw2 = 0
-    if a.bf16_experts not in ("sequential", "grouped"):
-        raise ValueError(f"MemoryAssumptions.bf16_experts={a.bf16_experts!r}: use 'sequential' or 'grouped'")
     dh = BF16 * r * 2 * f
     if not recipe.fp8_compute and a.bf16_experts == "grouped":
         # fp4moe's grouped experts on BF16 (fc1's wgrad is the larger): dY, dH, dX, dW2, dW1 (its output) and one
@@ -1030,5 +1035,5 @@ def paper_t1_prediction(assumptions: MemoryAssumptions | None = None, gpu_memory
 
 
 __all__ = ["GB", "SCOPES", "Breakdown", "MemoryAssumptions", "SavedTensor", "compose_cfg", "fp8_row_col_bytes",
-           "layer_saved_tensors", "mxfp4_bytes", "paper_t1_prediction", "per_gpu_memory", "per_stage_memory",
-           "standalone_moe_layer_peak"]
+           "layer_saved_tensors", "mxfp4_bytes", "NOT_IN_STANDALONE_LAYER", "paper_t1_prediction", "per_gpu_memory",
+           "per_stage_memory", "standalone_moe_layer_peak"]
