@@ -176,7 +176,7 @@ def load_cells(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT) -> 
 
     cells = []
     for a in archives:
-        path = Path(a) if Path(a).is_absolute() else root / a
+        path = root / a  # an absolute path stays as it is
         doc = load(path)
         gone = withdrawn(doc)
         for r in doc["runs"]:
@@ -337,7 +337,7 @@ def layer_rows(files: Sequence[str | Path] = LAYER_FILES, root: Path = ROOT,
     peaks = {Path(f).name for f in peak_files}
     out = []
     for f in files:
-        path = Path(f) if Path(f).is_absolute() else root / f
+        path = root / f  # an absolute path stays as it is
         doc = json.loads(path.read_text())
         shape, ws = doc["shape"], int(doc["env"]["world_size"])
         for r in doc["recipes"]:
@@ -425,7 +425,7 @@ def fit_rows(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT,
 
     out = []
     for a in archives:
-        path = Path(a) if Path(a).is_absolute() else root / a
+        path = root / a  # an absolute path stays as it is
         for r in load(path)["runs"]:
             t = r["tags"]
             cfg = OmegaConf.create(cfg_from_params(r["params"]))
@@ -703,7 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     text = render(table(load_cells()), date=args.date, commit=args.commit,
                   nccl_rows=table(load_cells(NCCL_ARCHIVES)), fits=fit_rows(), layer=layer_rows())
-    out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
+    out = ROOT / args.out  # an absolute path stays as it is
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)

@@ -252,7 +252,7 @@ def write_markdown_cli(argv: Sequence[str] | None, doc: str, default_out: str, t
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", default=default_out, help="Markdown file to write (relative to the repository root)")
     args = ap.parse_args(argv)
-    out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
+    out = ROOT / args.out  # an absolute path stays as it is
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text(text())

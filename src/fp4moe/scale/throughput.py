@@ -521,7 +521,7 @@ def measured_runs(archive: str | Path, root: Path = ROOT, params: dict | None = 
     also holds 16-step ones)."""
     from fp4moe.runs_archive import load
 
-    path = Path(archive) if Path(archive).is_absolute() else root / archive
+    path = root / archive  # an absolute path stays as it is
     out: dict[tuple[str, str, int], list[float]] = {}
     for r in load(path)["runs"]:
         m, t = r["metrics"], r["tags"]
@@ -818,7 +818,7 @@ def proxy_t1_measured(archive: str | Path = PROXY_T1_ARCHIVE, micro_batch: int =
     """{(recipe, scope): MeasuredCell} of the archive's runs at ``micro_batch`` (the last run of a cell wins)."""
     from fp4moe.runs_archive import load
 
-    path = Path(archive) if Path(archive).is_absolute() else root / archive
+    path = root / archive  # an absolute path stays as it is
     out = {}
     for r in load(path)["runs"]:
         if int(r["params"]["parallel.micro_batch"]) != micro_batch:
@@ -1140,7 +1140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     text = markdown()
-    out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
+    out = ROOT / args.out  # an absolute path stays as it is
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)
