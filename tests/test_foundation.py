@@ -306,6 +306,101 @@ def test_reproduce_fails_when_the_benchmark_fails(monkeypatch, tmp_path):
     assert not reproduce.run_bench(["--out", str(tmp_path)], track=False)
 
 
+HEAD = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _result(folder: Path, name: str, **env) -> Path:
+    """A benchmark JSON in ``folder`` with BENCH_JSON's env updated by ``env``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(json.dumps({**BENCH_JSON, "env": {**BENCH_JSON["env"], **env}}))
+    return path
+
+
+def test_a_benchmark_result_is_reusable_only_for_its_gpu_commit_and_default_command(tmp_path):
+    find = lambda head=HEAD, **m: reproduce.reusable_result(tmp_path, "kernels_*.json", "fp4moe_kernels.bench",
+                                                            head, **{"gpu": "NVIDIA H200", **m})
+    assert find() is None  # nothing there
+    _result(tmp_path, "kernels_other_options.json", commit=HEAD,
+            command="python -m fp4moe_kernels.bench --out /x --tokens 1024")
+    _result(tmp_path, "kernels_other_commit.json", commit="fedcba9876543210", command="python -m fp4moe_kernels.bench")
+    h100 = _result(tmp_path, "kernels_other_gpu.json", commit=HEAD, gpu="NVIDIA H100 80GB HBM3",
+                   command="python -m fp4moe_kernels.bench")
+    (tmp_path / "kernels_broken.json").write_text("{not json")
+    assert find() is None
+    short = _result(tmp_path, "kernels_short_sha.json", commit=HEAD[:7],
+                    command="python -m fp4moe_kernels.bench --out /root/results/kernels --commit 0123456")
+    assert find() == short
+    assert find(gpu="NVIDIA H100 80GB HBM3") == h100
+    assert find(head=None) is None  # outside git nothing identifies the code
+    assert find(head="f" + HEAD[1:]) is None
+
+
+def test_a_layer_result_is_reusable_only_at_the_default_shape(tmp_path):
+    from fp4moe.layer_bench_log import DEFAULT_SHAPE
+
+    cmd = "python -m fp4moe.moe.bench --out /w/results/moe_layer"
+    odd = _result(tmp_path, "moe_layer_h200_ep1_t8192.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)
+    odd.write_text(json.dumps({**json.loads(odd.read_text()), "shape": {**DEFAULT_SHAPE, "tokens": 8192}}))
+    find = lambda: reproduce.reusable_result(tmp_path, "moe_layer_*.json", "fp4moe.moe.bench", HEAD, gpu="h200",
+                                             world_size=1)
+    assert find() is None
+    ok = _result(tmp_path, "moe_layer_h200_ep1.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)
+    ok.write_text(json.dumps({**json.loads(ok.read_text()), "shape": dict(DEFAULT_SHAPE)}))
+    assert find() == ok
+
+
+def test_reproduce_reuses_this_gpus_kernel_result_at_this_commit_and_logs_it(monkeypatch, tmp_path):
+    """A rerun of make reproduce-table on the same GPU and commit logs the file already measured instead of measuring
+    again; --rerun measures again."""
+    from mlflow import MlflowClient
+
+    head = reproduce._head_commit()
+    if head is None:
+        pytest.skip("not a git checkout: no commit to match results against")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # the H200 this test stands for
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H200")
+    calls = []
+
+    def bench(argv):
+        calls.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        _result(out, "kernels_h200_new.json", commit=head, command="python -m fp4moe_kernels.bench " + " ".join(argv))
+        return 0
+
+    _fake_bench(monkeypatch, bench)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    res = tmp_path / "res"
+    old = _result(res, "kernels_h200_2026-11-30_x.json", commit=head,
+                  command=f"python -m fp4moe_kernels.bench --out {res}")
+    assert reproduce.run_bench(["--out", str(res)], track=True)
+    assert calls == []
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("kernels").experiment_id])
+    assert {r.data.tags["kind"] for r in runs} == {"row", "summary"}  # the reused file is logged, not lost
+    assert reproduce.run_bench(["--out", str(res), "--tokens", "1024"], track=False)  # other options: measured
+    assert len(calls) == 1
+    assert reproduce.run_bench(["--out", str(res)], track=False, rerun=True)
+    assert len(calls) == 2 and old.exists()
+
+
+def test_reproduce_reuses_this_gpus_layer_result_at_this_commit(monkeypatch, tmp_path):
+    from fp4moe.layer_bench_log import DEFAULT_SHAPE
+    from fp4moe.moe import bench as layer_bench
+
+    head = reproduce._head_commit()
+    if head is None:
+        pytest.skip("not a git checkout: no commit to match results against")
+    monkeypatch.setenv("FP4MOE_HOME", str(tmp_path))
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(layer_bench, "main", lambda argv: pytest.fail(f"measured again: {argv}"))
+    path = _result(tmp_path / reproduce.RESULTS_LAYER, "moe_layer_h200_ep1_2026-12-02_x.json", commit=head[:7],
+                   gpu="h200", world_size=1, command="python -m fp4moe.moe.bench --out /w/results/moe_layer")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "shape": dict(DEFAULT_SHAPE)}))
+    assert reproduce.run_layer_bench(has_gpu=True, track=False)
+
+
 def test_reproduce_self_check_ignores_reproduce_own_arguments(monkeypatch):
     """make reproduce-table ARGS...: the kernel self-check parses its own (empty) argument list, not reproduce's."""
     monkeypatch.setattr(sys, "argv", ["python -m fp4moe.reproduce", "--skip-bench", "--no-report"])

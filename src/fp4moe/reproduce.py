@@ -8,7 +8,9 @@ Steps, in order:
      ``results/kernels/kernels_<gpu>_<date>_<commit>.{json,csv,md}``; the JSON it wrote is then logged to
      MLflow by ``fp4moe.bench_log`` (the same code as ``make log-bench``), or, where mlflow is not
      installed (the GPU image), the command that logs it elsewhere is printed; on CPU, the
-     benchmark files already in results/kernels/ are listed (or their absence said);
+     benchmark files already in results/kernels/ are listed (or their absence said); then the MoE layer
+     benchmark (``fp4moe.moe.bench``, EP=1) into results/moe_layer/ the same way. A benchmark of its default
+     command that this GPU already ran at this commit is reused, not measured again (``--rerun`` measures again);
   4. the trainer runs measured on GPUs and archived in ``results/train_proxy/*.json`` (``fp4moe.runs_archive``)
      loaded into MLflow (idempotent); then the scaled-down experiments this machine can run
      (``fp4moe.reproduce_runs``: the tiny model on CPU, the H200 proxy's T1 and F5 twins on a Hopper GPU), each
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import os
 import shlex
 import sys
@@ -125,9 +128,65 @@ def run_selfcheck() -> bool:
     return ok
 
 
-def run_bench(bench_argv: Sequence[str], track: bool) -> bool:
+def _head_commit() -> str | None:
+    """The full sha of the commit this code is checked out at (the git work tree holding this file), or None where
+    it is not in one (an installed wheel)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _same_commit(recorded: str, head: str) -> bool:
+    """Whether a commit recorded in a result file (full or abbreviated, >= 7 hex digits) is ``head`` (full sha)."""
+    return len(recorded) >= 7 and head.startswith(recorded)
+
+
+def _default_command(command: str, module: str) -> bool:
+    """Whether ``command`` (as a benchmark records it) ran ``module`` with its defaults: no option other than
+    ``--out`` and ``--commit``, which say where it wrote and what it recorded, not what it measured."""
+    words = shlex.split(command)
+    if module not in words:
+        return False
+    rest = words[words.index(module) + 1:]
+    while rest[:1] and rest[0].split("=", 1)[0] in ("--out", "--commit"):
+        rest = rest[1:] if "=" in rest[0] else rest[2:]
+    return not rest
+
+
+def reusable_result(out_dir: Path, pattern: str, module: str, head: str | None, **env_match: object) -> Path | None:
+    """The newest ``out_dir/pattern`` JSON file whose ``env`` records ``head`` as its commit, ``module``'s default
+    command and each ``env_match`` item (e.g. gpu, world_size): a result this machine would measure again at
+    this commit. None without a commit, or when there is none; unreadable files are passed over."""
+    if head is None or not out_dir.is_dir():
+        return None
+    for path in sorted(out_dir.glob(pattern), key=lambda q: q.stat().st_mtime, reverse=True):
+        try:
+            doc = json.loads(path.read_text())
+            env = doc["env"]
+            if not (_same_commit(str(env["commit"]), head) and _default_command(str(env["command"]), module)
+                    and all(env.get(k) == v for k, v in env_match.items())):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if module == "fp4moe.moe.bench":  # its default shape: files of other shapes carry them in their names
+            from fp4moe.layer_bench_log import DEFAULT_SHAPE
+
+            if any(doc.get("shape", {}).get(k) != v for k, v in DEFAULT_SHAPE.items()):
+                continue
+        return path
+    return None
+
+
+def run_bench(bench_argv: Sequence[str], track: bool, rerun: bool = False) -> bool:
     """Run ``fp4moe_kernels.bench.main(argv)`` on the GPU, then log the JSON files it wrote under
-    ``--out`` (default ``<repo>/results/kernels``) to MLflow; return False only on a failure."""
+    ``--out`` (default ``<repo>/results/kernels``) to MLflow; return False only on a failure. With no argument but
+    ``--out`` and without ``rerun``, a result of this GPU at this commit already there is logged instead of
+    measuring again."""
     found = _find("kernel benchmark", "fp4moe_kernels.bench")
     if not found:
         return found is False  # missing: reported, nothing failed; None: it failed to import
@@ -141,14 +200,25 @@ def run_bench(bench_argv: Sequence[str], track: bool) -> bool:
         out = str(repo_root() / RESULTS_KERNELS)
         argv += ["--out", out]
     out_dir = Path(out)
-    started = time.time()
-    print(f"kernel benchmark: running fp4moe_kernels.bench.main({argv})")
-    ok, _ = _call(lambda: importlib.import_module("fp4moe_kernels.bench").main(argv))
-    if not ok:
-        print("kernel benchmark: FAILED")
-        return False
-    written = sorted(p for p in out_dir.glob(bench_log.GLOB)
-                     if p.stat().st_mtime >= started - 1)
+    reused = None
+    import torch
+
+    if (not rerun and torch.cuda.is_available()
+            and _default_command(shlex.join(["fp4moe_kernels.bench", *argv]), "fp4moe_kernels.bench")):
+        reused = reusable_result(out_dir, bench_log.GLOB, "fp4moe_kernels.bench", _head_commit(),
+                                 gpu=torch.cuda.get_device_name())
+    if reused is not None:
+        print(f"kernel benchmark: reused {reused}, measured on this GPU at this commit (--rerun measures again)")
+        written = [reused]
+    else:
+        started = time.time()
+        print(f"kernel benchmark: running fp4moe_kernels.bench.main({argv})")
+        ok, _ = _call(lambda: importlib.import_module("fp4moe_kernels.bench").main(argv))
+        if not ok:
+            print("kernel benchmark: FAILED")
+            return False
+        written = sorted(p for p in out_dir.glob(bench_log.GLOB)
+                         if p.stat().st_mtime >= started - 1)
     if not written:
         print(f"kernel benchmark: FAILED, it wrote no JSON results under {out_dir}")
         return False
@@ -191,15 +261,26 @@ def report_results_on_disk(track: bool) -> bool:
     return _log_to_mlflow(found, "logging the measured results to MLflow FAILED")
 
 
-def run_layer_bench(has_gpu: bool, track: bool) -> bool:
+def run_layer_bench(has_gpu: bool, track: bool, rerun: bool = False) -> bool:
     """The MoE layer benchmark (P2): on a GPU, run ``fp4moe.moe.bench`` (EP=1, DeepSeek-V3 shape) into
-    results/moe_layer/; then log every results/moe_layer/*.json to MLflow (idempotent). Without a GPU only
-    the second part (files measured on an H200 are in the repo)."""
+    results/moe_layer/, unless (without ``rerun``) this GPU's result of that command at this commit is there;
+    then log every results/moe_layer/*.json to MLflow (idempotent). Without a GPU only the second part (files
+    measured on an H200 are in the repo)."""
     from fp4moe import layer_bench_log
     from fp4moe.tracking import repo_root
 
     out = repo_root() / RESULTS_LAYER
-    if has_gpu:
+    reused = None
+    if has_gpu and not rerun:
+        import torch
+
+        from fp4moe.moe.bench import _gpu_name
+
+        reused = reusable_result(out, layer_bench_log.GLOB, "fp4moe.moe.bench", _head_commit(),
+                                 gpu=_gpu_name(torch.device("cuda", 0)), world_size=1)
+    if reused is not None:
+        print(f"MoE layer benchmark: reused {reused}, measured on this GPU at this commit (--rerun measures again)")
+    elif has_gpu:
         print(f"MoE layer benchmark: running fp4moe.moe.bench (EP=1) into {RESULTS_LAYER}/")
         ok, _ = _call(lambda: importlib.import_module("fp4moe.moe.bench").main(["--out", str(out)]))
         if not ok:
@@ -313,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-train", action="store_true",
                         help="do not run the scaled-down trainer experiments of this machine (fp4moe.reproduce_runs)")
     parser.add_argument("--rerun", action="store_true",
-                        help="run the trainer experiments again even where MLflow already has them")
+                        help="run the trainer experiments again even where MLflow already has them, and the "
+                             "benchmarks even where this GPU's results at this commit are in results/")
     parser.add_argument("--slurm", default=None, metavar="PROFILE",
                         help="run the trainer experiments as Slurm jobs of this cluster/launcher profile (e.g. "
                              "slurm_h100; the MLflow store must be one the jobs reach) and wait for them")
@@ -329,31 +411,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["MLFLOW_TRACKING_URI"] = normalize_uri(args.tracking_uri)
 
     has_gpu = print_hardware()
-    results = {"kernel self-check": run_selfcheck()}
+    results: dict[str, bool] = {}
+    took: dict[str, float] = {}
+
+    def step(name: str, fn: Callable[[], bool]) -> None:
+        started = time.monotonic()
+        results[name] = fn()
+        took[name] = time.monotonic() - started
+
+    track = not args.no_tracking
+    step("kernel self-check", run_selfcheck)
     if args.skip_bench:
         print("kernel benchmark: skipped (--skip-bench)")
     elif has_gpu:
-        results["kernel benchmark"] = run_bench(shlex.split(args.bench_args),
-                                                track=not args.no_tracking)
+        step("kernel benchmark", lambda: run_bench(shlex.split(args.bench_args), track=track, rerun=args.rerun))
     else:
-        results["logging measured kernel results"] = report_results_on_disk(track=not args.no_tracking)
+        step("logging measured kernel results", lambda: report_results_on_disk(track=track))
     if not args.skip_bench:
-        results["MoE layer benchmark"] = run_layer_bench(has_gpu, track=not args.no_tracking)
-    results["trainer runs (archives)"] = load_trainer_archives(track=not args.no_tracking)
+        step("MoE layer benchmark", lambda: run_layer_bench(has_gpu, track=track, rerun=args.rerun))
+    step("trainer runs (archives)", lambda: load_trainer_archives(track=track))
     if args.no_train or args.no_tracking:
         print("trainer runs (this machine): skipped (--no-train / --no-tracking)")
     else:
         key = f"trainer runs (Slurm {args.slurm})" if args.slurm else "trainer runs (this machine)"
-        results[key] = run_trainer_cells(args.rerun, args.slurm)
+        step(key, lambda: run_trainer_cells(args.rerun, args.slurm))
     if args.no_report:
         print("report: skipped (--no-report)")
     else:
-        results["report"] = run_report()
+        step("report", run_report)
     print_not_yet_implemented()
 
     failed = [name for name, ok in results.items() if not ok]
     verdict = f"FAILED: {', '.join(failed)}" if failed else "all existing parts passed"
-    print(f"\nreproduce: {verdict}")
+    print("\nreproduce: wall time per step: " + ", ".join(f"{k} {v:.0f} s" for k, v in took.items()))
+    print(f"reproduce: {verdict}")
     return 1 if failed else 0
 
 
