@@ -32,6 +32,9 @@
 #   bash tools/device/h200_p3.sh swiglu [ARGS]         # fused SwiGLU: GPU tests + benchmark (ARGS: bench_swiglu's)
 #   COMMIT=sha bash tools/device/h200_p3.sh cudacol    # CUDA C++ FP4RowToFP8Col: build, GPU tests, benchmark vs Triton
 #   bash tools/device/h200_p3.sh example               # examples/megatron_own_model.py (fp4moe.model.api), every recipe
+#   bash tools/device/h200_p3.sh reproduce [SECS]        # issue 6: python -m fp4moe.reproduce (make reproduce-table's
+#                                                      # command) for at most SECS (520); the same call again goes on
+#                                                      # (finished cells and benchmarks reused) -> $OUT/repro.tgz
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -255,6 +258,18 @@ example)  # examples/megatron_own_model.py (fp4moe.model.api) on the GPU: every 
 cudacol)  # the CUDA C++ FP4RowToFP8Col (the default where it builds): built on first use, GPU tests, benchmark
   python3 -m pytest -q -m gpu tests/kernels/test_cuda_col.py 2>&1 | tee "$OUT/cuda_col_gpu_tests.log" | tail -3
   python3 -m fp4moe_kernels.cuda_kernels.bench --out "$OUT" --commit "${COMMIT:-unknown}" 2>&1 | tail -12
+  ;;
+reproduce)  # [SECS]: what `make reproduce-table` runs (not make itself: its venv step needs PyPI), into one MLflow
+  # store kept between calls; a call cut short by SECS leaves its cell unfinished, the next call runs it again
+  secs=${1:-520} rc=0 log=$STATE/repro_$(date +%H%M%S).log
+  touch "$STATE/.repro_call"
+  MLFLOW_TRACKING_URI=$(store repro) timeout -k 20 "$secs" python3 -m fp4moe.reproduce > "$log" 2>&1 || rc=$?
+  pkill -f "fp4moe.train" || true  # a cell the timeout cut short (reproduce's child)
+  echo "reproduce: rc=$rc ($log)"; grep -E "^(hardware|kernel|MoE layer|trainer runs|report|reproduce):" "$log" \
+    | grep -v "already there\|logged" | cut -c1-240 | tail -40
+  new=$(find results/kernels results/moe_layer -newer "$STATE/.repro_call" -type f)
+  # shellcheck disable=SC2086
+  tar czf "$OUT/repro.tgz" logs/device/mlflow_repro.db logs/device/repro_*.log logs/reproduce results/report $new
   ;;
 conv)  # GPU RECIPE SECS [extra overrides...]
   gpu=$1 recipe=$2 secs=$3; shift 3
