@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.machinery
 import json
 import os
 import socket
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -234,14 +232,6 @@ def test_reproduce_help_exits_zero():
     assert "usage: python -m fp4moe.reproduce" in proc.stdout
 
 
-def _fake_bench(monkeypatch, main):
-    """Install ``main`` as fp4moe_kernels.bench (the real one needs a GPU)."""
-    module = types.ModuleType("fp4moe_kernels.bench")
-    module.__spec__ = importlib.machinery.ModuleSpec("fp4moe_kernels.bench", None)
-    module.main = main
-    monkeypatch.setitem(sys.modules, "fp4moe_kernels.bench", module)
-
-
 BENCH_JSON = {  # the shape of fp4moe_kernels.bench's JSON output, trimmed
     "env": {"date": "2026-11-30T00:00:00Z", "commit": "abc123", "gpu": "NVIDIA H200",
             "torch": "2.11.0", "triton": "3.6.0", "cuda": "13.0",
@@ -252,24 +242,38 @@ BENCH_JSON = {  # the shape of fp4moe_kernels.bench's JSON output, trimmed
 }
 
 
-def _fake_bench_writing_json(monkeypatch):
-    """A fake benchmark that writes BENCH_JSON as kernels_h200.json into its --out folder and succeeds."""
-    def main(argv):
-        out = Path(argv[argv.index("--out") + 1])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "kernels_h200.json").write_text(json.dumps(BENCH_JSON))
-        return 0
+def _fake_bench(monkeypatch, tmp_path, body: str, name: str = "fake_bench") -> str:
+    """A module ``name`` standing in for fp4moe_kernels.bench (the real one needs a GPU), run as reproduce runs the
+    benchmark: ``python -m name ARGV`` in a child process, ``body`` its code with ``argv``, ``out`` (the --out
+    folder) and ``BENCH`` (BENCH_JSON) defined; it counts its calls in ``calls.txt`` beside it."""
+    folder = tmp_path / "fake_modules"
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.py").write_text(
+        "import json, sys\nfrom pathlib import Path\nargv = sys.argv[1:]\n"
+        "out = Path(argv[argv.index('--out') + 1]) if '--out' in argv else None\n"
+        f"BENCH = {BENCH_JSON!r}\n"
+        f"with open({str(folder / 'calls.txt')!r}, 'a') as f: f.write(' '.join(argv) + '\\n')\n" + body)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p))
+    return name
 
-    _fake_bench(monkeypatch, main)
+
+def _calls(tmp_path) -> list[str]:
+    path = tmp_path / "fake_modules" / "calls.txt"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+WRITES_JSON = ("out.mkdir(parents=True, exist_ok=True)\n"
+               "(out / 'kernels_h200.json').write_text(json.dumps(BENCH))\n")
 
 
 def test_reproduce_logs_what_the_benchmark_wrote(monkeypatch, tmp_path):
     from mlflow import MlflowClient
 
-    _fake_bench_writing_json(monkeypatch)
+    bench = _fake_bench(monkeypatch, tmp_path, WRITES_JSON)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    assert reproduce.run_bench(["--out", str(tmp_path / "res")], track=True)
+    assert reproduce.run_bench(["--out", str(tmp_path / "res")], track=True, module=bench)
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("kernels").experiment_id])
     [run] = [r for r in runs if r.data.tags["kind"] == "row"]
@@ -281,11 +285,11 @@ def test_reproduce_logs_what_the_benchmark_wrote(monkeypatch, tmp_path):
 
 
 def test_reproduce_without_mlflow_prints_the_log_command(monkeypatch, tmp_path, capsys):
-    _fake_bench_writing_json(monkeypatch)
+    bench = _fake_bench(monkeypatch, tmp_path, WRITES_JSON)
     real_find_spec = reproduce.importlib.util.find_spec
     monkeypatch.setattr(reproduce.importlib.util, "find_spec",
                         lambda name, *a: None if name == "mlflow" else real_find_spec(name, *a))
-    assert reproduce.run_bench(["--out", str(tmp_path / "res")], track=True)
+    assert reproduce.run_bench(["--out", str(tmp_path / "res")], track=True, module=bench)
     out = capsys.readouterr().out
     assert "NOT logged" in out
     assert f"python -m fp4moe.bench_log {tmp_path / 'res' / 'kernels_h200.json'}" in out
@@ -302,8 +306,9 @@ def test_reproduce_lists_what_is_missing_by_issue(capsys):
 
 
 def test_reproduce_fails_when_the_benchmark_fails(monkeypatch, tmp_path):
-    _fake_bench(monkeypatch, lambda argv: 1)
-    assert not reproduce.run_bench(["--out", str(tmp_path)], track=False)
+    bench = _fake_bench(monkeypatch, tmp_path, "sys.exit(1)\n")
+    assert not reproduce.run_bench(["--out", str(tmp_path)], track=False, module=bench)
+    assert len(_calls(tmp_path)) == 1
 
 
 HEAD = "0123456789abcdef0123456789abcdef01234567"
@@ -352,56 +357,75 @@ def test_a_layer_result_is_reusable_only_at_the_default_shape(tmp_path):
 
 def test_reproduce_reuses_this_gpus_kernel_result_at_this_commit_and_logs_it(monkeypatch, tmp_path):
     """A rerun of make reproduce-table on the same GPU and commit logs the file already measured instead of measuring
-    again; --rerun measures again."""
+    again; other options or --rerun measure again."""
     from mlflow import MlflowClient
 
     head = reproduce._head_commit()
     if head is None:
         pytest.skip("not a git checkout: no commit to match results against")
-    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # the H200 this test stands for
-    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H200")
-    calls = []
-
-    def bench(argv):
-        calls.append(argv)
-        out = Path(argv[argv.index("--out") + 1])
-        _result(out, "kernels_h200_new.json", commit=head, command="python -m fp4moe_kernels.bench " + " ".join(argv))
-        return 0
-
-    _fake_bench(monkeypatch, bench)
+    bench = _fake_bench(monkeypatch, tmp_path, WRITES_JSON)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     res = tmp_path / "res"
-    old = _result(res, "kernels_h200_2026-11-30_x.json", commit=head,
-                  command=f"python -m fp4moe_kernels.bench --out {res}")
-    assert reproduce.run_bench(["--out", str(res)], track=True)
-    assert calls == []
+    old = _result(res, "kernels_h200_2026-11-30_x.json", commit=head, command=f"python -m {bench} --out {res}")
+    assert reproduce.run_bench(["--out", str(res)], track=True, gpu="NVIDIA H200", module=bench)
+    assert _calls(tmp_path) == []
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("kernels").experiment_id])
     assert {r.data.tags["kind"] for r in runs} == {"row", "summary"}  # the reused file is logged, not lost
-    assert reproduce.run_bench(["--out", str(res), "--tokens", "1024"], track=False)  # other options: measured
-    assert len(calls) == 1
-    assert reproduce.run_bench(["--out", str(res)], track=False, rerun=True)
-    assert len(calls) == 2 and old.exists()
+    assert reproduce.run_bench(["--out", str(res)], track=False, gpu="NVIDIA H100 80GB HBM3", module=bench)
+    assert len(_calls(tmp_path)) == 1  # another GPU: measured
+    assert reproduce.run_bench(["--out", str(res), "--tokens", "1024"], track=False, gpu="NVIDIA H200",
+                               module=bench)
+    assert len(_calls(tmp_path)) == 2  # other options: measured
+    assert reproduce.run_bench(["--out", str(res)], track=False, rerun=True, gpu="NVIDIA H200", module=bench)
+    assert len(_calls(tmp_path)) == 3 and old.exists()
 
 
 def test_reproduce_reuses_this_gpus_layer_result_at_this_commit(monkeypatch, tmp_path):
     from fp4moe.layer_bench_log import DEFAULT_SHAPE
-    from fp4moe.moe import bench as layer_bench
 
     head = reproduce._head_commit()
     if head is None:
         pytest.skip("not a git checkout: no commit to match results against")
     monkeypatch.setenv("FP4MOE_HOME", str(tmp_path))
-    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H200")
-    monkeypatch.setattr(layer_bench, "main", lambda argv: pytest.fail(f"measured again: {argv}"))
+    bench = _fake_bench(monkeypatch, tmp_path, "sys.exit(0)\n", name="fake_layer_bench")
     path = _result(tmp_path / reproduce.RESULTS_LAYER, "moe_layer_h200_ep1_2026-12-02_x.json", commit=head[:7],
-                   gpu="h200", world_size=1, command="python -m fp4moe.moe.bench --out /w/results/moe_layer")
+                   gpu="h200", world_size=1, command=f"python -m {bench} --out /w/results/moe_layer")
     path.write_text(json.dumps({**json.loads(path.read_text()), "shape": dict(DEFAULT_SHAPE)}))
-    assert reproduce.run_layer_bench(has_gpu=True, track=False)
+    assert reproduce.run_layer_bench("NVIDIA H200", track=False, module=bench)
+    assert _calls(tmp_path) == []
+    assert reproduce.run_layer_bench("NVIDIA H200", track=False, rerun=True, module=bench)
+    assert _calls(tmp_path) == [f"--out {tmp_path / reproduce.RESULTS_LAYER}"]
 
 
-def test_reproduce_self_check_ignores_reproduce_own_arguments(monkeypatch):
-    """make reproduce-table ARGS...: the kernel self-check parses its own (empty) argument list, not reproduce's."""
+def test_the_commit_to_match_can_be_named(monkeypatch):
+    """A copy of the tree without its history (the lent GPU machines) names its commit in FP4MOE_COMMIT, as the
+    benchmarks record it."""
+    monkeypatch.setenv("FP4MOE_COMMIT", "548760d")
+    assert reproduce._head_commit() == "548760d"
+    assert reproduce._same_commit("548760d", "548760dabc") and not reproduce._same_commit("5487", "5487")
+
+
+def test_reproduce_runs_the_self_check_in_a_child_with_its_own_arguments(monkeypatch, capsys):
+    """make reproduce-table ARGS...: the kernel self-check runs as its own process (python -m
+    fp4moe_kernels.selfcheck, under the Triton interpreter on CPU), with its own (empty) argument list."""
     monkeypatch.setattr(sys, "argv", ["python -m fp4moe.reproduce", "--skip-bench", "--no-report"])
     assert reproduce.run_selfcheck()
+    assert "kernel self-check: passed" in capsys.readouterr().out
+
+
+def test_the_gpu_probe_runs_in_a_child(monkeypatch):
+    """reproduce asks for the GPUs in a child process (this one must hold no GPU memory while the trainer cells run):
+    on this CPU machine it finds none and plans the CPU cells."""
+    import torch
+
+    from fp4moe import reproduce_runs
+
+    reproduce_runs.gpu_probe.cache_clear()
+    probe = reproduce_runs.gpu_probe()
+    assert probe["count"] == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if not probe["count"]:
+        assert probe["name"] is None
+        cells, notes = reproduce_runs.plan()
+        assert cells == reproduce_runs._cpu_plan() and notes == []

@@ -2,9 +2,9 @@
 
 Steps, in order:
   1. print the hardware found (CUDA GPU name and capability, or CPU);
-  2. kernel self-check: ``fp4moe_kernels.selfcheck.main()`` (kernels against the reference on the
+  2. kernel self-check: ``python -m fp4moe_kernels.selfcheck`` (kernels against the reference on the
      hardware present), when that module exists;
-  3. on a CUDA GPU, the kernel benchmark ``fp4moe_kernels.bench.main(argv)``, which writes
+  3. on a CUDA GPU, the kernel benchmark ``python -m fp4moe_kernels.bench argv``, which writes
      ``results/kernels/kernels_<gpu>_<date>_<commit>.{json,csv,md}``; the JSON it wrote is then logged to
      MLflow by ``fp4moe.bench_log`` (the same code as ``make log-bench``), or, where mlflow is not
      installed (the GPU image), the command that logs it elsewhere is printed; on CPU, the
@@ -19,6 +19,10 @@ Steps, in order:
      (conf/paper/numbers.yaml) and the paper-scale model's prediction (checked on 1-2 H200s), written to
      ``results/report/`` (Markdown, CSV, PNG); skipped, and said, where mlflow is not installed;
   6. a list of what is NOT YET IMPLEMENTED, by issue (P1 = issue 2 ... P6 = issue 7).
+
+Every step that uses the GPU runs in a child process (the GPU is asked for in one too): a process that has used CUDA
+holds GPU memory until it exits, which the trainer cells would lose. ``FP4MOE_COMMIT`` names the commit where the
+tree's git cannot (a copy without its history); results are matched against it.
 
 Exit status: 0 when every part that exists passes, 1 when one fails. Parts that do not exist yet are
 reported, never counted as passed, and never stand in with made-up numbers.
@@ -100,39 +104,58 @@ def _call(fn: Callable[[], object]) -> tuple[bool, object]:
     return _passed(result), result
 
 
-def print_hardware() -> bool:
-    """Print the accelerator found; return whether a CUDA GPU is present."""
+def _run_module(module: str, argv: Sequence[str]) -> bool:
+    """``python -m module argv`` in a child process (its output inline); True when it exits 0. Every GPU step runs
+    so: the CUDA context and the caching allocator of a process hold GPU memory until it exits (12.3 GiB after the
+    benchmarks on an H200), which the trainer cells started afterwards would lose."""
+    import subprocess
+
+    from fp4moe.reproduce_runs import child_env
+    from fp4moe.tracking import repo_root
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return subprocess.run([sys.executable, "-m", module, *argv], env=child_env(), cwd=repo_root()).returncode == 0
+
+
+def print_hardware() -> str | None:
+    """Print the accelerator found (asked in a child process: ``reproduce_runs.gpu_probe``); return the name of
+    CUDA GPU 0, or None without one."""
     import platform
 
     import torch
 
+    from fp4moe.reproduce_runs import gpu_probe
+
     print(f"torch {torch.__version__}, Python {platform.python_version()}")
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(0)
-        print(f"hardware: CUDA GPU {torch.cuda.get_device_name(0)} (sm_{major}{minor}), "
-              f"{torch.cuda.device_count()} visible")
-        return True
+    gpu = gpu_probe()
+    if gpu["count"]:
+        major, minor = gpu["capability"]
+        print(f"hardware: CUDA GPU {gpu['name']} (sm_{major}{minor}, {gpu['memory_gib']} GiB), {gpu['count']} visible")
+        return gpu["name"]
     print(f"hardware: CPU only ({platform.machine()}, {torch.get_num_threads()} threads); "
           f"no CUDA GPU")
-    return False
+    return None
 
 
 def run_selfcheck() -> bool:
-    """Run ``fp4moe_kernels.selfcheck.main()`` if it exists; return False only on a failure."""
+    """Run ``python -m fp4moe_kernels.selfcheck`` if it exists; return False only on a failure."""
     found = _find("kernel self-check", "fp4moe_kernels.selfcheck")
     if not found:
         return found is False  # missing: reported, nothing failed; None: it failed to import
-    print("kernel self-check: running fp4moe_kernels.selfcheck.main()")
-    ok, _ = _call(lambda: importlib.import_module("fp4moe_kernels.selfcheck").main([]))  # not reproduce's argv
+    print("kernel self-check: running python -m fp4moe_kernels.selfcheck")
+    ok = _run_module("fp4moe_kernels.selfcheck", [])
     print(f"kernel self-check: {'passed' if ok else 'FAILED'}")
     return ok
 
 
 def _head_commit() -> str | None:
-    """The full sha of the commit this code is checked out at (the git work tree holding this file), or None where
-    it is not in one (an installed wheel)."""
+    """The commit of this code: $FP4MOE_COMMIT where set (a copy of the tree without its history, as the benchmarks
+    record it), else the HEAD of the git work tree holding this file, else None (an installed wheel)."""
     import subprocess
 
+    if os.environ.get("FP4MOE_COMMIT"):
+        return os.environ["FP4MOE_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"],
                              capture_output=True, text=True, timeout=10, check=True)
@@ -142,8 +165,8 @@ def _head_commit() -> str | None:
 
 
 def _same_commit(recorded: str, head: str) -> bool:
-    """Whether a commit recorded in a result file (full or abbreviated, >= 7 hex digits) is ``head`` (full sha)."""
-    return len(recorded) >= 7 and head.startswith(recorded)
+    """Whether a commit recorded in a result file and ``head`` (each full or abbreviated, >= 7 hex digits) agree."""
+    return min(len(recorded), len(head)) >= 7 and (head.startswith(recorded) or recorded.startswith(head))
 
 
 def _default_command(command: str, module: str) -> bool:
@@ -173,7 +196,7 @@ def reusable_result(out_dir: Path, pattern: str, module: str, head: str | None, 
                 continue
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if module == "fp4moe.moe.bench":  # its default shape: files of other shapes carry them in their names
+        if "shape" in doc:  # the layer's: its default shape (files of other shapes carry them in their names)
             from fp4moe.layer_bench_log import DEFAULT_SHAPE
 
             if any(doc.get("shape", {}).get(k) != v for k, v in DEFAULT_SHAPE.items()):
@@ -182,12 +205,13 @@ def reusable_result(out_dir: Path, pattern: str, module: str, head: str | None, 
     return None
 
 
-def run_bench(bench_argv: Sequence[str], track: bool, rerun: bool = False) -> bool:
-    """Run ``fp4moe_kernels.bench.main(argv)`` on the GPU, then log the JSON files it wrote under
+def run_bench(bench_argv: Sequence[str], track: bool, rerun: bool = False, gpu: str | None = None,
+              module: str = "fp4moe_kernels.bench") -> bool:
+    """Run ``python -m fp4moe_kernels.bench argv`` (``module``) on the GPU, then log the JSON files it wrote under
     ``--out`` (default ``<repo>/results/kernels``) to MLflow; return False only on a failure. With no argument but
-    ``--out`` and without ``rerun``, a result of this GPU at this commit already there is logged instead of
-    measuring again."""
-    found = _find("kernel benchmark", "fp4moe_kernels.bench")
+    ``--out`` and without ``rerun``, a result of this GPU (``gpu``, torch's device name) at this commit already there
+    is logged instead of measuring again."""
+    found = _find("kernel benchmark", module)
     if not found:
         return found is False  # missing: reported, nothing failed; None: it failed to import
     argv = list(bench_argv)
@@ -201,20 +225,15 @@ def run_bench(bench_argv: Sequence[str], track: bool, rerun: bool = False) -> bo
         argv += ["--out", out]
     out_dir = Path(out)
     reused = None
-    import torch
-
-    if (not rerun and torch.cuda.is_available()
-            and _default_command(shlex.join(["fp4moe_kernels.bench", *argv]), "fp4moe_kernels.bench")):
-        reused = reusable_result(out_dir, bench_log.GLOB, "fp4moe_kernels.bench", _head_commit(),
-                                 gpu=torch.cuda.get_device_name())
+    if not rerun and gpu and _default_command(shlex.join([module, *argv]), module):
+        reused = reusable_result(out_dir, bench_log.GLOB, module, _head_commit(), gpu=gpu)
     if reused is not None:
         print(f"kernel benchmark: reused {reused}, measured on this GPU at this commit (--rerun measures again)")
         written = [reused]
     else:
         started = time.time()
-        print(f"kernel benchmark: running fp4moe_kernels.bench.main({argv})")
-        ok, _ = _call(lambda: importlib.import_module("fp4moe_kernels.bench").main(argv))
-        if not ok:
+        print(f"kernel benchmark: running python -m {module} {shlex.join(argv)}")
+        if not _run_module(module, argv):
             print("kernel benchmark: FAILED")
             return False
         written = sorted(p for p in out_dir.glob(bench_log.GLOB)
@@ -261,29 +280,24 @@ def report_results_on_disk(track: bool) -> bool:
     return _log_to_mlflow(found, "logging the measured results to MLflow FAILED")
 
 
-def run_layer_bench(has_gpu: bool, track: bool, rerun: bool = False) -> bool:
-    """The MoE layer benchmark (P2): on a GPU, run ``fp4moe.moe.bench`` (EP=1, DeepSeek-V3 shape) into
-    results/moe_layer/, unless (without ``rerun``) this GPU's result of that command at this commit is there;
-    then log every results/moe_layer/*.json to MLflow (idempotent). Without a GPU only the second part (files
-    measured on an H200 are in the repo)."""
+def run_layer_bench(gpu: str | None, track: bool, rerun: bool = False, module: str = "fp4moe.moe.bench") -> bool:
+    """The MoE layer benchmark (P2): with a GPU (``gpu``, torch's device name), ``python -m fp4moe.moe.bench``
+    (``module``; EP=1, DeepSeek-V3 shape) into results/moe_layer/, unless (without ``rerun``) this GPU's result of that
+    command at this commit is there; then log every results/moe_layer/*.json to MLflow (idempotent). Without a GPU
+    only the second part (files measured on an H200 are in the repo)."""
     from fp4moe import layer_bench_log
+    from fp4moe.moe.bench import gpu_slug
     from fp4moe.tracking import repo_root
 
     out = repo_root() / RESULTS_LAYER
     reused = None
-    if has_gpu and not rerun:
-        import torch
-
-        from fp4moe.moe.bench import _gpu_name
-
-        reused = reusable_result(out, layer_bench_log.GLOB, "fp4moe.moe.bench", _head_commit(),
-                                 gpu=_gpu_name(torch.device("cuda", 0)), world_size=1)
+    if gpu and not rerun:
+        reused = reusable_result(out, layer_bench_log.GLOB, module, _head_commit(), gpu=gpu_slug(gpu), world_size=1)
     if reused is not None:
         print(f"MoE layer benchmark: reused {reused}, measured on this GPU at this commit (--rerun measures again)")
-    elif has_gpu:
-        print(f"MoE layer benchmark: running fp4moe.moe.bench (EP=1) into {RESULTS_LAYER}/")
-        ok, _ = _call(lambda: importlib.import_module("fp4moe.moe.bench").main(["--out", str(out)]))
-        if not ok:
+    elif gpu:
+        print(f"MoE layer benchmark: running python -m {module} (EP=1) into {RESULTS_LAYER}/")
+        if not _run_module(module, ["--out", str(out)]):
             print("MoE layer benchmark: FAILED")
             return False
     else:
@@ -385,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "when every existing part passes.",
     )
     parser.add_argument("--bench-args", default="", metavar="ARGS",
-                        help="arguments for fp4moe_kernels.bench.main, one shell-quoted string "
+                        help="arguments for python -m fp4moe_kernels.bench, one shell-quoted string "
                              "(default: its own defaults, with --out results/kernels)")
     parser.add_argument("--skip-bench", action="store_true",
                         help="do not run (or log) the kernel and layer benchmarks even on a GPU")
@@ -410,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.environ["MLFLOW_TRACKING_URI"] = normalize_uri(args.tracking_uri)
 
-    has_gpu = print_hardware()
+    gpu = print_hardware()
     results: dict[str, bool] = {}
     took: dict[str, float] = {}
 
@@ -423,12 +437,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     step("kernel self-check", run_selfcheck)
     if args.skip_bench:
         print("kernel benchmark: skipped (--skip-bench)")
-    elif has_gpu:
-        step("kernel benchmark", lambda: run_bench(shlex.split(args.bench_args), track=track, rerun=args.rerun))
+    elif gpu:
+        step("kernel benchmark", lambda: run_bench(shlex.split(args.bench_args), track=track, rerun=args.rerun,
+                                                   gpu=gpu))
     else:
         step("logging measured kernel results", lambda: report_results_on_disk(track=track))
     if not args.skip_bench:
-        step("MoE layer benchmark", lambda: run_layer_bench(has_gpu, track=track, rerun=args.rerun))
+        step("MoE layer benchmark", lambda: run_layer_bench(gpu, track=track, rerun=args.rerun))
     step("trainer runs (archives)", lambda: load_trainer_archives(track=track))
     if args.no_train or args.no_tracking:
         print("trainer runs (this machine): skipped (--no-train / --no-tracking)")

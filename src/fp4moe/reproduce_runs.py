@@ -30,7 +30,9 @@ step fails; the others still run.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -92,19 +94,54 @@ def _gpu_plan(root: Path) -> tuple[list[Cell], list[str]]:
     return cells, notes
 
 
+# Run in a child: a process that initialises CUDA keeps its context (and whatever its caching allocator holds) on the
+# GPU until it exits, which the trainer cells started after it would lose (12.3 GiB on an H200 after the benchmarks).
+_PROBE = ("import json, torch\n"
+          "n = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
+          "p = torch.cuda.get_device_properties(0) if n else None\n"
+          "print(json.dumps({'count': n, 'name': p.name if p else None,\n"
+          "                  'capability': [p.major, p.minor] if p else None,\n"
+          "                  'memory_gib': round(p.total_memory / 2**30, 1) if p else None}))")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """``os.environ`` and ``extra`` with the folders that fp4moe and fp4moe_kernels are imported from put first on
+    PYTHONPATH, so that a child ``python -m ...`` runs this same code, installed or from a checkout."""
+    import importlib.util
+
+    folders = [str(Path(__file__).resolve().parents[1])]
+    spec = importlib.util.find_spec("fp4moe_kernels")
+    if spec is not None and spec.origin:
+        folders.append(str(Path(spec.origin).resolve().parents[1]))
+    old = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(dict.fromkeys([*folders, *old.split(os.pathsep)])
+                                                                 ).strip(os.pathsep)}
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_probe() -> dict[str, Any]:
+    """The CUDA GPUs here, asked in a child process so that this one never holds GPU memory: ``count``, and of GPU 0
+    ``name``, ``capability`` [major, minor] and ``memory_gib`` (None without a GPU)."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
+                          env=child_env())
+    if proc.returncode != 0:
+        raise RuntimeError(f"asking torch for the GPUs failed ({sys.executable} -c ...; exit {proc.returncode}): "
+                           f"{proc.stderr.strip()[-800:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def plan(root: Path | None = None) -> tuple[list[Cell], list[str]]:
     """(cells, notes) for this machine: the GPU plan with a CUDA GPU of compute capability >= 9.0, else the CPU
     plan; notes say what is left out and why."""
-    import torch
-
     from fp4moe.tracking import repo_root
 
     root = root or repo_root()
-    if torch.cuda.is_available():
-        if torch.cuda.get_device_capability(0) >= (9, 0):
+    gpu = gpu_probe()
+    if gpu["count"]:
+        if tuple(gpu["capability"]) >= (9, 0):
             return _gpu_plan(root)
-        return _cpu_plan(), [f"{torch.cuda.get_device_name(0)} is not a Hopper GPU: the FP8/FP4 kernels need sm_90, "
-                             "so this machine runs the CPU plan"]
+        return _cpu_plan(), [f"{gpu['name']} is not a Hopper GPU: the FP8/FP4 kernels need sm_90, so this machine "
+                             "runs the CPU plan"]
     return _cpu_plan(), []
 
 
@@ -172,7 +209,7 @@ def _start(cell: Cell, uri: str, trainer: Sequence[str], log_dir: Path) -> tuple
     out = open(path, "w")
     out.write(" ".join(cmd) + "\n")
     out.flush()
-    env = {**os.environ, **dict(cell.env), "MLFLOW_TRACKING_URI": uri}
+    env = child_env(**dict(cell.env), MLFLOW_TRACKING_URI=uri)
     return path, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=repo_root())
 
 

@@ -119,16 +119,18 @@ ENV_TAG_PREFIXES = ("FP4MOE_", "TORCHINDUCTOR_", "PYTORCH_CUDA_ALLOC_CONF", "OMP
 
 
 def environment_tags() -> dict[str, str]:
-    """Tags every run carries: git commit (and whether the tree was dirty), host, Python, torch, and every
+    """Tags every run carries: git commit ($FP4MOE_COMMIT where set) and whether the tree was dirty, host, Python,
+    torch, and every
     ``FP4MOE_*`` environment variable as ``env.FP4MOE_*`` (switches such as ``FP4MOE_FUSED_SWIGLU_FP4`` and
     ``FP4MOE_TILES`` change which kernels run without changing the config)."""
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = "not installed"
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    named = os.environ.get("FP4MOE_COMMIT")  # a copy of the tree without its history names its commit
+    status = None if named else _git("status", "--porcelain", "--untracked-files=no")
     return {
-        "mlflow.source.git.commit": _git("rev-parse", "HEAD") or "unknown",
+        "mlflow.source.git.commit": named or _git("rev-parse", "HEAD") or "unknown",
         "git_dirty": "unknown" if status is None else str(bool(status)).lower(),
         "host": socket.gethostname(),
         "python": platform.python_version(),

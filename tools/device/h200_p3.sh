@@ -32,7 +32,7 @@
 #   bash tools/device/h200_p3.sh swiglu [ARGS]         # fused SwiGLU: GPU tests + benchmark (ARGS: bench_swiglu's)
 #   COMMIT=sha bash tools/device/h200_p3.sh cudacol    # CUDA C++ FP4RowToFP8Col: build, GPU tests, benchmark vs Triton
 #   bash tools/device/h200_p3.sh example               # examples/megatron_own_model.py (fp4moe.model.api), every recipe
-#   bash tools/device/h200_p3.sh reproduce [SECS]        # issue 6: python -m fp4moe.reproduce (make reproduce-table's
+#   COMMIT=sha bash tools/device/h200_p3.sh reproduce [SECS]  # issue 6: python -m fp4moe.reproduce (make reproduce-table's
 #                                                      # command) for at most SECS (520); the same call again goes on
 #                                                      # (finished cells and benchmarks reused) -> $OUT/repro.tgz
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
@@ -55,6 +55,8 @@ export MLFLOW_DISABLE_TELEMETRY=true TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 # without this); megatron-core users set the same.
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 COMMON=(train.progress_bar=false hydra/launcher=local)
+# the .git here is the session's base commit: COMMIT=sha names the code (benchmarks and MLflow tags record it)
+if [ -n "${COMMIT:-}" ]; then export FP4MOE_COMMIT=$COMMIT; fi
 
 store() { echo "sqlite:///$STATE/mlflow_$1.db"; }
 keep() { cp -f "$STATE"/mlflow_*.db "$OUT"/ 2>/dev/null || true; }
@@ -263,6 +265,7 @@ reproduce)  # [SECS]: what `make reproduce-table` runs (not make itself: its ven
   # store kept between calls; a call cut short by SECS leaves its cell unfinished, the next call runs it again
   secs=${1:-520} rc=0 log=$STATE/repro_$(date +%H%M%S).log
   touch "$STATE/.repro_call"
+  : "${COMMIT:?COMMIT=sha names the code: results are labelled and reused by it}"
   MLFLOW_TRACKING_URI=$(store repro) timeout -k 20 "$secs" python3 -m fp4moe.reproduce > "$log" 2>&1 || rc=$?
   pkill -f "fp4moe.train" || true  # a cell the timeout cut short (reproduce's child)
   echo "reproduce: rc=$rc ($log)"; grep -E "^(hardware|kernel|MoE layer|trainer runs|report|reproduce):" "$log" \

@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="record the CUDA allocator's history over the memory measurement and list what is live at "
                         "each recipe's peak, by allocation site (fp4moe.train.memtrace; CUDA only)")
     p.add_argument("--out", default="results/moe_layer", help="output folder")
-    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
+    p.add_argument("--commit", default=None,
+                   help="commit to record (default: $FP4MOE_COMMIT, else git rev-parse --short HEAD)")
     return p
 
 
@@ -396,8 +397,9 @@ def _tiles() -> dict:
 
 
 def _commit(arg):
-    if arg:
-        return arg
+    """``--commit``, else $FP4MOE_COMMIT (a copy of the tree without its history), else git's short HEAD."""
+    if arg or os.environ.get("FP4MOE_COMMIT"):
+        return arg or os.environ["FP4MOE_COMMIT"]
     import subprocess
 
     try:
@@ -407,14 +409,17 @@ def _commit(arg):
         return "unknown"
 
 
-def _gpu_name(dev) -> str:
-    if dev.type != "cuda":
-        return "cpu"
-    n = torch.cuda.get_device_name(dev).lower()
-    for key in ("h200", "h100", "h800", "h20", "gh200", "a100"):
+def gpu_slug(name: str) -> str:
+    """The short GPU name of result files (``h200``) from torch's device name (``NVIDIA H200``)."""
+    n = name.lower()
+    for key in ("gh200", "h200", "h100", "h800", "h20", "a100"):
         if key in n:
             return key
     return n.replace(" ", "-")[:24]
+
+
+def _gpu_name(dev) -> str:
+    return gpu_slug(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else "cpu"
 
 
 def _markdown(doc: dict) -> str:
