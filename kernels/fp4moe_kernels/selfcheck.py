@@ -138,10 +138,17 @@ def _impl(kind: str):
     return launch
 
 
-def run_case(case: Case, device, impl: str = "ops") -> list[str]:
-    """Run one conversion with the kernels and the reference on the same input; return the differences."""
+def run_case(case: Case, device, impl: str = "ops", inputs: dict | None = None) -> list[str]:
+    """Run one conversion with the kernels and the reference on the same input; return the differences. ``inputs``
+    keeps each input for the cases that share it (every conversion of a shape: generating one on the host takes
+    seconds at DeepSeek-V3 shapes); nothing writes into an input."""
     lib = _impl(impl)
-    x = make_input(case.m, case.k, case.seed, device, special=case.special, spread=case.spread)
+    key = (case.m, case.k, case.seed, str(device), case.special, case.spread)
+    x = None if inputs is None else inputs.get(key)
+    if x is None:
+        x = make_input(case.m, case.k, case.seed, device, special=case.special, spread=case.spread)
+        if inputs is not None:
+            inputs[key] = x
     seg = Segments.of(case.counts, case.m)
     name = case.conversion
     if name.startswith("bf16_to_fp4_row"):
@@ -231,8 +238,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     if not cuda:  # the interpreter evaluates both sides of NaN-producing selects with numpy: harmless
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+    inputs: dict = {}
     for case in cases:
-        diffs = run_case(case, device, impl="ops" if cuda else "triton")
+        diffs = run_case(case, device, impl="ops" if cuda else "triton", inputs=inputs)
         failed += bool(diffs)
         print(f"  {'ok  ' if not diffs else 'FAIL'} {case.label}" + ("" if not diffs else "\n       " + "\n       ".join(diffs)))
     print(f"{len(cases) - failed} passed, {failed} failed ({time.time() - t0:.1f} s)")

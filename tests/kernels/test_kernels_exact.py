@@ -137,3 +137,17 @@ def test_fp4_row_to_fp8_col_fast_and_rare_tiles(device):
     seg = Segments.of(counts, 384)
     got = launch.fp4_row_to_fp8_col(MXFP4Tensor(a.data.to(device), a.scales.to(device), a.shape), seg)
     assert not selfcheck.compare(got, ref.fp4_row_to_fp8_col(a, seg))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
+def test_the_self_check_can_share_inputs_between_conversions():
+    """selfcheck.main generates each input once for every conversion of its shape: no kernel or reference may write
+    into it, so after all cases each kept input still equals a fresh one, bit for bit."""
+    inputs: dict = {}
+    cases = selfcheck.cpu_cases(SEED)
+    for case in cases:
+        assert not selfcheck.run_case(case, "cpu", impl="triton", inputs=inputs), f"seed {SEED}: {case.label}"
+    assert len(inputs) < len(cases)
+    for (m, k, seed, device, special, spread), x in inputs.items():
+        fresh = selfcheck.make_input(m, k, seed, device, special=special, spread=spread)
+        assert torch.equal(x.view(torch.int16), fresh.view(torch.int16))
