@@ -37,9 +37,13 @@ def test_a_cell_runs_once_is_reused_then_rerun(tmp_path):
                                 "task_name=reproduce_test", "precision=mxfp4", "recompute=attn_ln_mlp",
                                 f"paths.log_dir={tmp_path / 'hydra'}", f"train.checkpoint_dir={tmp_path / 'ckpt'}"))
     logs = tmp_path / "logs"
+    client = MlflowClient(tracking_uri=uri)
+    # an earlier reproduce stopped with this cell (its process killed): its run is still RUNNING in the store
+    stale = client.create_run(client.create_experiment("reproduce_test"), tags={reproduce_runs.KEY_TAG: cell.key})
     assert reproduce_runs.run([cell], uri, trainer=TRAINER, log_dir=logs, log=lambda s: None) == (1, 0, [])
-    runs = MlflowClient(tracking_uri=uri).search_runs(
-        [MlflowClient(tracking_uri=uri).get_experiment_by_name("reproduce_test").experiment_id])
+    assert client.get_run(stale.info.run_id).info.status == "KILLED"
+    runs = [r for r in client.search_runs([client.get_experiment_by_name("reproduce_test").experiment_id])
+            if r.info.run_id != stale.info.run_id]
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     tags = runs[0].data.tags
     assert tags[reproduce_runs.KEY_TAG] == cell.key and tags["recipe"] == "mxfp4" and tags["recompute"] == "attn_ln_mlp"

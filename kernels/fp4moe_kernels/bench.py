@@ -420,10 +420,13 @@ def markdown(env: dict, copy: float, rows: list[Row], notes: list[str]) -> str:
 
 
 def write(out_dir: str, env: dict, copy: float, rows: list[Row], notes: list[str], sweep_rows=None) -> str:
-    """Write json/csv/md; return the path stem. Files are written to a temporary name and renamed."""
+    """Write json/csv/md; return the path stem (``kernels_<gpu>_<date>_<commit>``, plus ``_<HHMMSS>`` where a file of
+    that name exists: a second run of the day at that commit). Files are written to a temporary name and renamed."""
     os.makedirs(out_dir, exist_ok=True)
     gpu = env["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
     stem = os.path.join(out_dir, f"kernels_{gpu}_{env['date'][:10]}_{env['commit'][:7]}")
+    if os.path.exists(f"{stem}.json"):  # measured again the same day at the same commit: keep both
+        stem += "_" + env["date"][11:19].replace(":", "")
     payload = {"env": env, "copy_gbps": copy, "rows": [asdict(r) for r in rows], "summary": summary(rows),
                "notes": notes, "sweep": sweep_rows or []}
     for ext, text in (("json", json.dumps(payload, indent=1)), ("md", markdown(env, copy, rows, notes))):

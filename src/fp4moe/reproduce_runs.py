@@ -200,6 +200,29 @@ def finished_keys(uri: str, experiments: set[str]) -> set[str]:
             if r.info.status == "FINISHED" or r.data.tags.get("outcome") == "OOM"}
 
 
+def mark_interrupted(uri: str, cells: Sequence[Cell], say=print) -> int:
+    """Mark KILLED the runs of ``cells`` that the store still shows RUNNING: an earlier reproduce was stopped with its
+    cell (a timeout, a lost machine) before the trainer could end its run. Called only for cells about to run again
+    here, one at a time, so none of them is running now. Returns how many were marked."""
+    from mlflow import MlflowClient
+
+    from fp4moe.tracking import search_all_runs
+
+    client = MlflowClient(tracking_uri=uri)
+    keys = {c.key: c for c in cells}
+    ids = [e.experiment_id for e in map(client.get_experiment_by_name, sorted({c.experiment for c in cells}))
+           if e is not None]
+    marked = 0
+    for r in search_all_runs(client, ids, f"tags.`{KEY_TAG}` != ''") if ids else []:
+        if r.info.status == "RUNNING" and r.data.tags.get(KEY_TAG) in keys:
+            client.set_tag(r.info.run_id, "fp4moe_interrupted", "left RUNNING by an earlier reproduce; run again")
+            client.set_terminated(r.info.run_id, status="KILLED")
+            say(f"reproduce: {keys[r.data.tags[KEY_TAG]].label}: an earlier, interrupted run ({r.info.run_id}) "
+                "marked KILLED; running it again")
+            marked += 1
+    return marked
+
+
 def _start(cell: Cell, uri: str, trainer: Sequence[str], log_dir: Path) -> tuple[Path, Any, subprocess.Popen]:
     """Start ``cell`` (its command first in its log ``log_dir/<key>.log``): (log path, open log file, process)."""
     from fp4moe.tracking import repo_root
@@ -244,6 +267,8 @@ def run(cells: Sequence[Cell], uri: str, *, rerun: bool = False, trainer: Sequen
         return len(todo), len(cells) - len(todo), failures
     bar = tqdm(cells, desc="reproduce: trainer runs", unit="run", dynamic_ncols=True)
     say = bar.write if log is print else log
+    if todo:
+        mark_interrupted(uri, todo, say)
     for cell in bar:
         bar.set_postfix_str(cell.label)
         if cell.key in done:

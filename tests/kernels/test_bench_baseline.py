@@ -2,6 +2,7 @@
 
 The baseline here is this package's own folder, copied: every baseline callable must return what this package's
 ``ops`` returns on the same inputs (CPU: both dispatch to their reference), in the baseline's own format classes."""
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -44,3 +45,18 @@ def test_baseline_copy_runs_side_by_side_and_agrees(tmp_path):
 def test_baseline_folder_without_package_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="git archive"):
         bench.load_baseline(str(tmp_path))
+
+
+def test_a_second_run_of_the_day_at_one_commit_keeps_the_first(tmp_path):
+    """bench.write names files by GPU, date and commit; a second run that day at that commit (make reproduce-table
+    --rerun) gets its time appended instead of replacing the first run's files."""
+    rows = [bench.Row("dense", "bf16_to_fp4_row", "fp4moe", 0.125, 1000, 8.0, 0.2)]
+    env = {"date": "2026-12-02T08:21:47Z", "commit": "4aa6bd7", "gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6",
+           "cuda": "13.0", "command": "python -m fp4moe_kernels.bench"}
+    first = bench.write(str(tmp_path), env, 4240.0, rows, [])
+    second = bench.write(str(tmp_path), {**env, "date": "2026-12-02T08:30:53Z"}, 4242.0, rows, [])
+    assert Path(first).name == "kernels_h200_2026-12-02_4aa6bd7"
+    assert Path(second).name == "kernels_h200_2026-12-02_4aa6bd7_083053"
+    assert json.loads(Path(first + ".json").read_text())["copy_gbps"] == 4240.0
+    assert json.loads(Path(second + ".json").read_text())["copy_gbps"] == 4242.0
+    assert len(list(tmp_path.iterdir())) == 6

@@ -22,6 +22,11 @@ def test_bench_cpu_smoke(tmp_path):
     files = sorted(p.name for p in tmp_path.iterdir())
     stem = f"moe_layer_cpu_ep1_t{T}_e{EL}_h{H}_f{F}_k{K}_s128_{doc['env']['date']}_test"  # the shape is not V3's
     assert files == [stem + ".json", stem + ".md"]
+    again = main(["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k",
+                  str(K), "--tokens", str(T), "--shared-ffn", "128", "--warmup", "1", "--iters", "1", "--recipes",
+                  "bf16", "--no-gemm", "--no-profile", "--out", str(tmp_path), "--commit", "test"])
+    kept = Path(again["files"][0])  # the same day and commit: written beside the first run, which is kept
+    assert kept.name.startswith(stem + "_") and (tmp_path / files[0]).exists() and len(list(tmp_path.iterdir())) == 4
     on_disk = json.loads((tmp_path / files[0]).read_text())
     assert [r["recipe"] for r in on_disk["recipes"]] == ["bf16", "fp8", "mxfp4"]
     rows = T * K

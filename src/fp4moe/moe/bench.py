@@ -545,6 +545,8 @@ def main(argv=None) -> dict:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = f"moe_layer_{doc['env']['gpu']}_ep{world}{_shape_tag(args)}_{doc['env']['date']}_{doc['env']['commit']}"
+        if (out / (stem + ".json")).exists():  # measured again the same day at the same commit: keep both
+            stem += datetime.datetime.now().strftime("_%H%M%S")
         for suffix, text in ((".json", json.dumps(doc, indent=1)), (".md", _markdown(doc))):
             write_bytes_atomic(out / (stem + suffix), text.encode())
         print(_markdown(doc))
