@@ -60,3 +60,21 @@ def test_a_failing_cell_is_reported_with_its_log(tmp_path):
     log = tmp_path / "logs" / f"{bad.key}.log"
     assert str(log) in failures[0] and "exit" in failures[0]
     assert "precision" in log.read_text()   # the trainer's one-line config error is in the cell's log
+
+
+def test_a_run_loaded_from_an_archive_does_not_stand_in_for_this_machines(tmp_path):
+    """results/train_proxy/ archives the runs make reproduce-table measured on an H200, their cell keys included;
+    loaded into a store they are shown in the report but are not this machine's: its cells still run."""
+    from mlflow import MlflowClient
+
+    from fp4moe import runs_archive
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("reproduce_test")
+    here = client.create_run(exp, tags={reproduce_runs.KEY_TAG: "k_here"})
+    client.set_terminated(here.info.run_id)
+    archived = client.create_run(exp, tags={reproduce_runs.KEY_TAG: "k_archived",
+                                            runs_archive.ARCHIVE_FILE: "proxy_t1_reproduce_h200.json"})
+    client.set_terminated(archived.info.run_id)
+    assert reproduce_runs.finished_keys(uri, {"reproduce_test"}) == {"k_here"}

@@ -187,9 +187,12 @@ def slurm_plan(profile: str, root: Path | None = None) -> tuple[list[Cell], list
 
 
 def finished_keys(uri: str, experiments: set[str]) -> set[str]:
-    """Keys of cells with a finished run or an OOM outcome in the store."""
+    """Keys of cells with a finished run or an OOM outcome in the store, measured into it: a run loaded from an
+    archive (``runs_archive`` tag ``fp4moe.archive``, e.g. results/train_proxy/'s reproduce runs) was another
+    machine's and does not stand in for this one's."""
     from mlflow import MlflowClient
 
+    from fp4moe.runs_archive import ARCHIVE_FILE
     from fp4moe.tracking import search_all_runs
 
     client = MlflowClient(tracking_uri=uri)
@@ -197,7 +200,7 @@ def finished_keys(uri: str, experiments: set[str]) -> set[str]:
     if not ids:
         return set()
     return {r.data.tags[KEY_TAG] for r in search_all_runs(client, ids, f"tags.`{KEY_TAG}` != ''")
-            if r.info.status == "FINISHED" or r.data.tags.get("outcome") == "OOM"}
+            if (r.info.status == "FINISHED" or r.data.tags.get("outcome") == "OOM") and ARCHIVE_FILE not in r.data.tags}
 
 
 def mark_interrupted(uri: str, cells: Sequence[Cell], say=print) -> int:
