@@ -18,7 +18,8 @@ Steps, in order:
   5. the report (``fp4moe.report``): every run in the MLflow store, beside the paper's numbers
      (conf/paper/numbers.yaml) and the paper-scale model's prediction (checked on 1-2 H200s), written to
      ``results/report/`` (Markdown, CSV, PNG); skipped, and said, where mlflow is not installed;
-  6. a list of what is NOT YET IMPLEMENTED, by issue (P1 = issue 2 ... P6 = issue 7).
+  6. a list of what is NOT YET IMPLEMENTED, by issue (P1 = issue 2 ... P6 = issue 7), and where the paper-scale
+     model and the paper disagree (results, not missing work).
 
 Every step that uses the GPU runs in a child process (the GPU is asked for in one too): a process that has used CUDA
 holds GPU memory until it exits, which the trainer cells would lose. ``FP4MOE_COMMIT`` names the commit where the
