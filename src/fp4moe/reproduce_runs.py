@@ -22,8 +22,10 @@ What runs where (``plan()``):
 
 Each cell is ``python -m fp4moe.train hydra.mode=RUN <overrides>`` in its own process (the peak memory of a cell is
 its own), tagged ``fp4moe_reproduce_key`` = a hash of its overrides and ``PLAN_VERSION``. A rerun reuses every cell
-whose key already has a finished run (or an OOM outcome) in the MLflow store, so an interrupted ``make
-reproduce-table`` continues where it stopped; ``--rerun`` runs everything again. A progress bar counts the cells; each
+whose key already has a finished run (or an OOM outcome) measured into the MLflow store (runs loaded from an archive
+do not count), so an interrupted ``make reproduce-table`` continues where it stopped (the run it left RUNNING is
+marked KILLED, and its cell runs again); ``--rerun`` runs everything again. The GPU is asked for in a child process
+(``gpu_probe``): this process never holds GPU memory while the cells run. A progress bar counts the cells; each
 cell's output goes to ``logs/reproduce/<key>.log``. A cell that fails (not OOM) is reported with its log and the
 step fails; the others still run.
 """
