@@ -347,8 +347,8 @@ def test_a_layer_result_is_reusable_only_at_the_default_shape(tmp_path):
     cmd = "python -m fp4moe.moe.bench --out /w/results/moe_layer"
     odd = _result(tmp_path, "moe_layer_h200_ep1_t8192.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)
     odd.write_text(json.dumps({**json.loads(odd.read_text()), "shape": {**DEFAULT_SHAPE, "tokens": 8192}}))
-    find = lambda: reproduce.reusable_result(tmp_path, "moe_layer_*.json", "fp4moe.moe.bench", HEAD, gpu="h200",
-                                             world_size=1)
+    find = lambda: reproduce.reusable_result(tmp_path, "moe_layer_*.json", "fp4moe.moe.bench", HEAD,
+                                             shape=DEFAULT_SHAPE, gpu="h200", world_size=1)
     assert find() is None
     ok = _result(tmp_path, "moe_layer_h200_ep1.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)
     ok.write_text(json.dumps({**json.loads(ok.read_text()), "shape": dict(DEFAULT_SHAPE)}))
@@ -360,7 +360,7 @@ def test_reproduce_reuses_this_gpus_kernel_result_at_this_commit_and_logs_it(mon
     again; other options or --rerun measure again."""
     from mlflow import MlflowClient
 
-    head = reproduce._head_commit()
+    head = tracking.code_commit()
     if head is None:
         pytest.skip("not a git checkout: no commit to match results against")
     bench = _fake_bench(monkeypatch, tmp_path, WRITES_JSON)
@@ -385,7 +385,7 @@ def test_reproduce_reuses_this_gpus_kernel_result_at_this_commit_and_logs_it(mon
 def test_reproduce_reuses_this_gpus_layer_result_at_this_commit(monkeypatch, tmp_path):
     from fp4moe.layer_bench_log import DEFAULT_SHAPE
 
-    head = reproduce._head_commit()
+    head = tracking.code_commit()
     if head is None:
         pytest.skip("not a git checkout: no commit to match results against")
     monkeypatch.setenv("FP4MOE_HOME", str(tmp_path))
@@ -403,7 +403,7 @@ def test_the_commit_to_match_can_be_named(monkeypatch):
     """A copy of the tree without its history (the lent GPU machines) names its commit in FP4MOE_COMMIT, as the
     benchmarks record it."""
     monkeypatch.setenv("FP4MOE_COMMIT", "548760d")
-    assert reproduce._head_commit() == "548760d"
+    assert tracking.code_commit() == tracking.code_commit(short=True) == "548760d"
     assert reproduce._same_commit("548760d", "548760dabc") and not reproduce._same_commit("5487", "5487")
 
 

@@ -151,59 +151,44 @@ def run_selfcheck() -> bool:
     return ok
 
 
-def _head_commit() -> str | None:
-    """The commit of this code: $FP4MOE_COMMIT where set (a copy of the tree without its history, as the benchmarks
-    record it), else the HEAD of the git work tree holding this file, else None (an installed wheel)."""
-    import subprocess
-
-    if os.environ.get("FP4MOE_COMMIT"):
-        return os.environ["FP4MOE_COMMIT"]
-    try:
-        out = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"],
-                             capture_output=True, text=True, timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
 def _same_commit(recorded: str, head: str) -> bool:
     """Whether a commit recorded in a result file and ``head`` (each full or abbreviated, >= 7 hex digits) agree."""
     return min(len(recorded), len(head)) >= 7 and (head.startswith(recorded) or recorded.startswith(head))
 
 
-def _default_command(command: str, module: str) -> bool:
-    """Whether ``command`` (as a benchmark records it) ran ``module`` with its defaults: no option other than
-    ``--out`` and ``--commit``, which say where it wrote and what it recorded, not what it measured."""
-    words = shlex.split(command)
-    if module not in words:
-        return False
-    rest = words[words.index(module) + 1:]
+def _default_args(args: Sequence[str]) -> bool:
+    """Whether a benchmark's arguments are its defaults: no option other than ``--out`` and ``--commit``, which say
+    where it writes and what it records, not what it measures."""
+    rest = list(args)
     while rest[:1] and rest[0].split("=", 1)[0] in ("--out", "--commit"):
         rest = rest[1:] if "=" in rest[0] else rest[2:]
     return not rest
 
 
-def reusable_result(out_dir: Path, pattern: str, module: str, head: str | None, **env_match: object) -> Path | None:
+def _default_command(command: str, module: str) -> bool:
+    """Whether ``command`` (as a benchmark records it) ran ``module`` with its default arguments."""
+    words = shlex.split(command)
+    return module in words and _default_args(words[words.index(module) + 1:])
+
+
+def reusable_result(out_dir: Path, pattern: str, module: str, head: str | None, shape: dict | None = None,
+                    **env_match: object) -> Path | None:
     """The newest ``out_dir/pattern`` JSON file whose ``env`` records ``head`` as its commit, ``module``'s default
-    command and each ``env_match`` item (e.g. gpu, world_size): a result this machine would measure again at
-    this commit. None without a commit, or when there is none; unreadable files are passed over."""
+    command and each ``env_match`` item (e.g. gpu, world_size), and whose ``shape`` holds each ``shape`` item (the
+    layer benchmark's default shape): a result this machine would measure again at this commit. None without a
+    commit, or when there is none; unreadable files are passed over."""
     if head is None or not out_dir.is_dir():
         return None
     for path in sorted(out_dir.glob(pattern), key=lambda q: q.stat().st_mtime, reverse=True):
         try:
             doc = json.loads(path.read_text())
             env = doc["env"]
-            if not (_same_commit(str(env["commit"]), head) and _default_command(str(env["command"]), module)
-                    and all(env.get(k) == v for k, v in env_match.items())):
-                continue
-        except (OSError, ValueError, KeyError, TypeError):
+            if (_same_commit(str(env["commit"]), head) and _default_command(str(env["command"]), module)
+                    and all(env.get(k) == v for k, v in env_match.items())
+                    and all(doc.get("shape", {}).get(k) == v for k, v in (shape or {}).items())):
+                return path
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-        if "shape" in doc:  # the layer's: its default shape (files of other shapes carry them in their names)
-            from fp4moe.layer_bench_log import DEFAULT_SHAPE
-
-            if any(doc.get("shape", {}).get(k) != v for k, v in DEFAULT_SHAPE.items()):
-                continue
-        return path
     return None
 
 
@@ -227,8 +212,10 @@ def run_bench(bench_argv: Sequence[str], track: bool, rerun: bool = False, gpu: 
         argv += ["--out", out]
     out_dir = Path(out)
     reused = None
-    if not rerun and gpu and _default_command(shlex.join([module, *argv]), module):
-        reused = reusable_result(out_dir, bench_log.GLOB, module, _head_commit(), gpu=gpu)
+    if not rerun and gpu and _default_args(argv):
+        from fp4moe.tracking import code_commit
+
+        reused = reusable_result(out_dir, bench_log.GLOB, module, code_commit(), gpu=gpu)
     if reused is not None:
         print(f"kernel benchmark: reused {reused}, measured on this GPU at this commit (--rerun measures again)")
         written = [reused]
@@ -289,12 +276,13 @@ def run_layer_bench(gpu: str | None, track: bool, rerun: bool = False, module: s
     only the second part (files measured on an H200 are in the repo)."""
     from fp4moe import layer_bench_log
     from fp4moe.moe.bench import gpu_slug
-    from fp4moe.tracking import repo_root
+    from fp4moe.tracking import code_commit, repo_root
 
     out = repo_root() / RESULTS_LAYER
     reused = None
     if gpu and not rerun:
-        reused = reusable_result(out, layer_bench_log.GLOB, module, _head_commit(), gpu=gpu_slug(gpu), world_size=1)
+        reused = reusable_result(out, layer_bench_log.GLOB, module, code_commit(), shape=layer_bench_log.DEFAULT_SHAPE,
+                                 gpu=gpu_slug(gpu), world_size=1)
     if reused is not None:
         print(f"MoE layer benchmark: reused {reused}, measured on this GPU at this commit (--rerun measures again)")
     elif gpu:

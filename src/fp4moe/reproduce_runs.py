@@ -115,9 +115,8 @@ def child_env(**extra: str) -> dict[str, str]:
     spec = importlib.util.find_spec("fp4moe_kernels")
     if spec is not None and spec.origin:
         folders.append(str(Path(spec.origin).resolve().parents[1]))
-    old = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(dict.fromkeys([*folders, *old.split(os.pathsep)])
-                                                                 ).strip(os.pathsep)}
+    folders += os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return {**os.environ, **extra, "PYTHONPATH": os.pathsep.join(dict.fromkeys(folders)).strip(os.pathsep)}
 
 
 @functools.lru_cache(maxsize=1)
@@ -188,6 +187,14 @@ def slurm_plan(profile: str, root: Path | None = None) -> tuple[list[Cell], list
     return slurm_cells(cells, profile), notes
 
 
+def _keyed_runs(client, experiments: set[str]) -> list:
+    """The runs of ``experiments`` (names; missing ones skipped) that carry a cell key (``KEY_TAG``)."""
+    from fp4moe.tracking import search_all_runs
+
+    ids = [e.experiment_id for e in map(client.get_experiment_by_name, sorted(experiments)) if e is not None]
+    return search_all_runs(client, ids, f"tags.`{KEY_TAG}` != ''") if ids else []
+
+
 def finished_keys(uri: str, experiments: set[str]) -> set[str]:
     """Keys of cells with a finished run or an OOM outcome in the store, measured into it: a run loaded from an
     archive (``runs_archive`` tag ``fp4moe.archive``, e.g. results/train_proxy/'s reproduce runs) was another
@@ -195,13 +202,8 @@ def finished_keys(uri: str, experiments: set[str]) -> set[str]:
     from mlflow import MlflowClient
 
     from fp4moe.runs_archive import ARCHIVE_FILE
-    from fp4moe.tracking import search_all_runs
 
-    client = MlflowClient(tracking_uri=uri)
-    ids = [e.experiment_id for e in map(client.get_experiment_by_name, sorted(experiments)) if e is not None]
-    if not ids:
-        return set()
-    return {r.data.tags[KEY_TAG] for r in search_all_runs(client, ids, f"tags.`{KEY_TAG}` != ''")
+    return {r.data.tags[KEY_TAG] for r in _keyed_runs(MlflowClient(tracking_uri=uri), experiments)
             if (r.info.status == "FINISHED" or r.data.tags.get("outcome") == "OOM") and ARCHIVE_FILE not in r.data.tags}
 
 
@@ -211,14 +213,10 @@ def mark_interrupted(uri: str, cells: Sequence[Cell], say=print) -> int:
     here, one at a time, so none of them is running now. Returns how many were marked."""
     from mlflow import MlflowClient
 
-    from fp4moe.tracking import search_all_runs
-
     client = MlflowClient(tracking_uri=uri)
     keys = {c.key: c for c in cells}
-    ids = [e.experiment_id for e in map(client.get_experiment_by_name, sorted({c.experiment for c in cells}))
-           if e is not None]
     marked = 0
-    for r in search_all_runs(client, ids, f"tags.`{KEY_TAG}` != ''") if ids else []:
+    for r in _keyed_runs(client, {c.experiment for c in cells}):
         if r.info.status == "RUNNING" and r.data.tags.get(KEY_TAG) in keys:
             client.set_tag(r.info.run_id, "fp4moe_interrupted", "left RUNNING by an earlier reproduce; run again")
             client.set_terminated(r.info.run_id, status="KILLED")

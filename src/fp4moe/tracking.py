@@ -99,15 +99,25 @@ def check_reachable(uri: str) -> None:
         )
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, where: Path | None = None) -> str | None:
+    """``git -C where args`` (default: the repo root) stripped output, or None where git fails."""
     try:
         out = subprocess.run(
-            ["git", "-C", str(repo_root()), *args],
+            ["git", "-C", str(where or repo_root()), *args],
             capture_output=True, text=True, timeout=10, check=True,
         )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip()
+
+
+def code_commit(short: bool = False) -> str | None:
+    """The commit of this code: $FP4MOE_COMMIT where set (a copy of the tree without its history, e.g. the lent GPU
+    machines), else the HEAD of the git work tree holding this package (``short``: abbreviated), else None (an
+    installed wheel). What the benchmarks record and ``fp4moe.reproduce`` matches their results against."""
+    if named := os.environ.get("FP4MOE_COMMIT"):
+        return named
+    return _git("rev-parse", *(["--short"] if short else []), "HEAD", where=Path(__file__).resolve().parent) or None
 
 
 MAX_TAG_CHARS = 5000  # MLflow's limit on a tag value

@@ -397,16 +397,10 @@ def _tiles() -> dict:
 
 
 def _commit(arg):
-    """``--commit``, else $FP4MOE_COMMIT (a copy of the tree without its history), else git's short HEAD."""
-    if arg or os.environ.get("FP4MOE_COMMIT"):
-        return arg or os.environ["FP4MOE_COMMIT"]
-    import subprocess
+    """``--commit``, else ``fp4moe.tracking.code_commit`` (short), else 'unknown'."""
+    from ..tracking import code_commit
 
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return arg or code_commit(short=True) or "unknown"
 
 
 def gpu_slug(name: str) -> str:

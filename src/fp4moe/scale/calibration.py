@@ -284,7 +284,6 @@ LAYER_BE29B77 = ("results/moe_layer/moe_layer_h200_ep1_2026-11-30_be29b77.json",
 LAYER_PEAK_FILES = tuple(f"results/moe_layer/moe_layer_h200_ep1{tag}_2026-12-02_083ec29.json"
                          for tag in ("", "_t2048", "_t8192", "_e16"))
 LAYER_FILES = LAYER_BE29B77 + LAYER_PEAK_FILES
-LAYER_NOT_IN_BENCH = NOT_IN_STANDALONE_LAYER  # the layer's tensors the model has and the benchmarked layer does not
 
 
 @dataclass(frozen=True)
@@ -330,7 +329,7 @@ def layer_rows(files: Sequence[str | Path] = LAYER_FILES, root: Path = ROOT,
                peak_files: Sequence[str | Path] = LAYER_PEAK_FILES) -> list[LayerRow]:
     """The model against P2's layer benchmark: ``layer_saved_tensors`` of a dsv3_671b MoE layer with the file's
     shape (experts = local x EP, EP = its world size, one sequence of its tokens) at recompute none, its measured
-    per-expert rows (``expert_counts``: the routing and the FP8 padding), less ``LAYER_NOT_IN_BENCH``; for
+    per-expert rows (``expert_counts``: the routing and the FP8 padding), less ``memory.NOT_IN_STANDALONE_LAYER``; for
     ``peak_files`` also ``standalone_moe_layer_peak`` against the measured peak over the base."""
     from .memory import layer_saved_tensors, standalone_moe_layer_peak
 
@@ -355,7 +354,7 @@ def layer_rows(files: Sequence[str | Path] = LAYER_FILES, root: Path = ROOT,
             a = replace(FIRST_PRINCIPLES, expert_counts=counts,
                         expert_rows_factor=sum(counts) / (int(shape["tokens"]) * int(shape["top_k"])))
             pred = sum(t.bytes for t in layer_saved_tensors(cfg, "moe", "none", a)
-                       if t.name.startswith("moe.") and t.name not in LAYER_NOT_IN_BENCH)
+                       if t.name.startswith("moe.") and t.name not in NOT_IN_STANDALONE_LAYER)
             peak = {}
             if path.name in peaks:
                 if r.get("peak_over_base_gib") is None:
