@@ -1,7 +1,10 @@
 """The 128x128 FP8 weight quantizer kernel (triton_kernels.weight) equals the torch implementation bit for bit.
 
 CPU: under the Triton interpreter (FP8 casts emulated), small shapes with zero, NaN and Inf blocks, several
-experts and the transposed copy (bf16, the only input the kernel takes). GPU (``-m gpu``): compiled, at the DeepSeek-V3 expert shape.
+experts and the transposed copy (bf16, the only input the kernel takes); experts read where they lie (in one buffer
+with gaps and in reverse order, as megatron's DDP buffer holds them, or in allocations of their own) give the bits
+of the contiguous copy.
+GPU (``-m gpu``): compiled, at the DeepSeek-V3 expert shape.
 """
 import os
 
@@ -44,11 +47,33 @@ def check(w, n, dev):
         assert bits_equal(qt[i].cpu(), tq) and torch.equal(st[i].cpu(), ts), f"expert {i} transposed"
 
 
+def check_scattered(w, n, gap, dev):
+    """W's experts read where they lie: in one buffer, ``gap`` elements apart and last to first, and each in an
+    allocation of its own."""
+    e, k = w.shape[0] // n, w.shape[1]
+    want = launch.quantize_weight_128x128(w.to(dev), n, transpose=True)
+    buf = torch.full((e * (n * k + gap),), float("nan"), dtype=w.dtype, device=dev)  # gaps hold NaN: never read
+    in_buffer = [buf[(e - 1 - i) * (n * k + gap):][:n * k].view(n, k) for i in range(e)]
+    own = [torch.empty(n, k, dtype=w.dtype, device=dev) for _ in range(e)]
+    for ws in (in_buffer, own):
+        for i, x in enumerate(ws):
+            x.copy_(w[i * n:(i + 1) * n])
+        got = launch.quantize_weight_128x128(ws, transpose=True)
+        assert all(bits_equal(a.cpu(), b.cpu()) for a, b in zip(got, want))
+
+
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
 def test_weight_kernel_interpreted():
     dtype = torch.bfloat16
     check(weights(3, 256, 384, dtype), 256, "cpu")
     check(weights(1, 128, 128, dtype, seed=1), 128, "cpu")
+    check_scattered(weights(3, 128, 256, dtype, seed=4), 128, 128 * 128 + 64, "cpu")
+
+
+def test_experts_need_row_major_storage():
+    w = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"experts must be row-major \[N, K\] tensors"):
+        launch.quantize_weight_128x128(list(w.transpose(1, 2)))
 
 
 @pytest.mark.gpu
@@ -57,6 +82,7 @@ def test_weight_kernel_gpu():
     dtype = torch.bfloat16
     check(weights(4, 4096, 7168, dtype, seed=2), 4096, "cuda")
     check(weights(2, 7168, 2048, dtype, seed=3), 7168, "cuda")
+    check_scattered(weights(4, 4096, 7168, dtype, seed=5), 4096, 7168 * 2048, "cuda")  # fc1 with fc2 between
 
 
 def test_weight_kernel_rejects_float32():

@@ -224,28 +224,58 @@ def bf16_to_fp8_col(x: torch.Tensor, seg: Segments) -> FP8ColTensor:
     return FP8ColTensor(o, s, seg, k)
 
 
-def quantize_weight_128x128(w: torch.Tensor, rows_per_expert: int | None = None, transpose: bool = False):
-    """W ``[R, K]`` bf16 contiguous (R, K multiples of 128) -> (data ``[R, K]`` float8_e4m3fn, scale
-    ``[R/128, K/128]`` float32) and, with ``transpose``, (data ``[E, K, N]``, scale ``[E, K/128, N/128]``) of
-    every expert's W_e^T for ``N = rows_per_expert`` (default R: one matrix). See ``weight``."""
+# expert offsets on the device, by (device, first weight's address, every expert's offset): a layer's weights do not
+# move during training, so each layer's table is sent once
+_OFFSETS: dict[tuple, torch.Tensor] = {}
+
+
+def _expert_offsets(ws, device) -> torch.Tensor:
+    """int64 ``[E]``: where each expert of ``ws`` starts, in elements after ``ws[0]``."""
+    size = ws[0].element_size()
+    offs = tuple((w.data_ptr() - ws[0].data_ptr()) // size for w in ws)
+    key = (str(device), ws[0].data_ptr(), offs)
+    t = _OFFSETS.get(key)
+    if t is None:
+        if len(_OFFSETS) > 4096:
+            _OFFSETS.clear()
+        t = _OFFSETS[key] = torch.tensor(offs, dtype=torch.int64).to(device)
+    return t
+
+
+def quantize_weight_128x128(w, rows_per_expert: int | None = None, transpose: bool = False):
+    """W bf16 -> (data ``[R, K]`` float8_e4m3fn, scale ``[R/128, K/128]`` float32) and, with ``transpose``, (data
+    ``[E, K, N]``, scale ``[E, K/128, N/128]``) of every expert's W_e^T. W is ``[R, K]`` contiguous with
+    ``N = rows_per_expert`` rows per expert (default R: one matrix), or a sequence of E experts ``[N, K]``, each
+    row-major, wherever each lies (read in place: no copy). R, K multiples of 128. See ``weight``."""
     from . import weight
 
-    if w.dtype != torch.bfloat16:
-        raise TypeError(f"the weight kernel takes bfloat16 only, got {w.dtype}: use the torch path")
-    r, k = w.shape
-    n = r if rows_per_expert is None else rows_per_expert
-    e = r // n
-    q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=w.device)
-    s = torch.empty(r // 128, k // 128, dtype=torch.float32, device=w.device)
+    if torch.is_tensor(w):
+        if w.dim() != 2 or not w.is_contiguous():
+            raise ValueError(f"a weight tensor must be [R, K] and contiguous, got {tuple(w.shape)} {w.stride()}")
+        r, k = w.shape
+        n = r if rows_per_expert is None else rows_per_expert
+        ws = [w[i * n:(i + 1) * n] for i in range(r // n)] if r else [w]
+    else:
+        ws = list(w)
+        if not all(x.dim() == 2 and x.is_contiguous() and x.shape == ws[0].shape and x.dtype == ws[0].dtype
+                   and x.device == ws[0].device for x in ws):
+            raise ValueError("experts must be row-major [N, K] tensors of one shape, dtype and device")
+        n, k = ws[0].shape
+        r = len(ws) * n
+    if ws[0].dtype != torch.bfloat16:
+        raise TypeError(f"the weight kernel takes bfloat16 only, got {ws[0].dtype}: use the torch path")
+    e, device = len(ws), ws[0].device
+    q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty(r // 128, k // 128, dtype=torch.float32, device=device)
     if transpose:
-        qt = torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=w.device)
-        st = torch.empty(e, k // 128, n // 128, dtype=torch.float32, device=w.device)
+        qt = torch.empty(e, k, n, dtype=torch.float8_e4m3fn, device=device)
+        st = torch.empty(e, k // 128, n // 128, dtype=torch.float32, device=device)
     else:
         qt, st = q, s  # unused
     if r and k:
         weight.quantize_weight_128x128_kernel[(r // 128, k // 128)](
-            w.view(torch.int16), q.view(torch.int16), s, qt.view(torch.uint8), st, K=k, N=n, TRANSPOSE=transpose,
-            EMULATE=INTERPRET, num_warps=TILES["quantize_weight_128x128"][2])
+            ws[0].view(torch.int16), _expert_offsets(ws, device), q.view(torch.int16), s, qt.view(torch.uint8), st,
+            K=k, N=n, TRANSPOSE=transpose, EMULATE=INTERPRET, num_warps=TILES["quantize_weight_128x128"][2])
     return (q, s, qt, st) if transpose else (q, s)
 
 

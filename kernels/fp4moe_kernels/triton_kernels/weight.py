@@ -1,8 +1,9 @@
 """128x128 blockwise FP8 weight quantizer (DeepSeek-V3 weight scaling), one program per block.
 
-``quantize_weight_128x128_kernel``: W ``[R, K]`` bf16 (as int16 bits, row-major; R a multiple of 128 and of
-``N``, the rows of one expert) -> E4M3 data ``[R, K]`` (as int16 pairs), float32 scale
-``[R/128, K/128]``, and when ``TRANSPOSE`` the blocks of every expert's W_e^T: data ``[E, K, N]`` bytes, scale
+``quantize_weight_128x128_kernel``: W, E experts of ``[N, K]`` bf16 each (as int16 bits), each row-major and
+starting ``OFF[e]`` elements after ``w_ptr`` (int64, possibly negative: the experts may lie anywhere, e.g. where
+megatron's DDP buffer put them; R = E N rows, a multiple of 128) -> E4M3 data ``[R, K]`` (as int16 pairs), float32
+scale ``[R/128, K/128]``, and when ``TRANSPOSE`` the blocks of every expert's W_e^T: data ``[E, K, N]`` bytes, scale
 ``[E, K/128, N/128]``. Per block: amax over its finite values, k = ceil(log2(amax/448)) clamped to [-126, 127]
 (0 for an all-zero block), elements w * 2**-k rounded to E4M3 nearest-even, non-finite -> NaN: bit-equal to
 ``fp4moe.ops.fp8_gemm.quantize_weight_128x128_torch`` (tested in tests/kernels). BF16 only: a float32
@@ -23,14 +24,17 @@ _MAG = tl.constexpr(0x7FFFFFFF)
 
 
 @triton.jit
-def quantize_weight_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, K: tl.constexpr, N: tl.constexpr,
+def quantize_weight_128x128_kernel(w_ptr, off_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, K: tl.constexpr, N: tl.constexpr,
                                    TRANSPOSE: tl.constexpr, EMULATE: tl.constexpr):
     bn = tl.program_id(0).to(tl.int64)  # block row (over all experts' rows)
     bk = tl.program_id(1).to(tl.int64)
     r = bn * 128 + tl.arange(0, 128)[:, None]  # [128, 1] rows
     j = tl.arange(0, 64)[None, :]  # [1, 64] column pairs
     c0 = bk * 128 + 2 * j
-    v = tl.load(w_ptr + r * K + bk * 128 + tl.arange(0, 128)[None, :]).to(tl.int32) << 16  # [128, 128] fp32 bits
+    e = (bn * 128) // N  # expert of this block row
+    n0 = bn * 128 - e * N  # its first row inside the expert
+    rw = tl.load(off_ptr + e) + (n0 + tl.arange(0, 128)[:, None]) * K  # [128, 1] row starts, from w_ptr
+    v = tl.load(w_ptr + rw + bk * 128 + tl.arange(0, 128)[None, :]).to(tl.int32) << 16  # [128, 128] fp32 bits
     lo, hi = tl.split(tl.reshape(v, (128, 64, 2)))  # columns 2j and 2j+1
     mlo = lo & _MAG
     mhi = hi & _MAG
@@ -45,8 +49,6 @@ def quantize_weight_128x128_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, K: tl.co
     tl.store(q_ptr + r * (K // 2) + bk * 64 + j, pairs)
     tl.store(s_ptr + bn * (K // 128) + bk, exp2_i(k))
     if TRANSPOSE:
-        e = (bn * 128) // N  # expert of this block row
-        n0 = bn * 128 - e * N  # its first row inside the expert
         p = pairs.to(tl.int32)
         b_lo = (p & 0xFF).to(tl.uint8)
         b_hi = ((p >> 8) & 0xFF).to(tl.uint8)

@@ -31,10 +31,9 @@ recipe::
     experts.local_experts.{e}.linear_fc1.weight   [2F, H]   = grouped w1[e]  (gate rows 0..F-1, up rows F..2F-1)
     experts.local_experts.{e}.linear_fc2.weight   [H, F]    = grouped w2[e]
 
-``RecipeGroupedMLP`` lays the local experts' weights out in one contiguous buffer per projection after every
-``.to()`` / ``.bfloat16()`` (``_apply``), so the grouped ``[E, 2F, H]`` / ``[E, H, F]`` operands are views,
-not copies; when something has re-allocated them separately (a foreign optimizer or DDP buffer) it falls back
-to ``torch.stack`` (a copy of the local expert weights per forward, held until backward).
+The grouped experts read each expert's weights where it lies (``fp4moe.ops.grouped_experts``: the FP8 weight
+quantizer takes one address per expert), so the parameters may sit anywhere, in particular in megatron's DDP
+buffer, where the distributed optimizer moves them: no stacked copy of a layer's experts is made.
 
 Limits: tensor parallelism and expert tensor parallelism 1 (no TP all-gather of MXFP4 rows), no token
 dropping/padding, no shared-expert overlap; ``build.py`` refuses these with a ConfigError.
@@ -312,49 +311,6 @@ class RecipeMoELayer(MoELayer):
 # ------------------------------------------------------------------------------------------ experts
 
 
-class _GroupedView(torch.autograd.Function):
-    """``[E, N, K]`` view over E parameters ``[N, K]`` that lie back to back in one storage; the gradient of the
-    view is split into E views (no copy either way)."""
-
-    @staticmethod
-    def forward(ctx, *ws):
-        w0 = ws[0]
-        n, k = w0.shape
-        return w0.as_strided((len(ws), n, k), (n * k, k, 1), w0.storage_offset())
-
-    @staticmethod
-    def backward(ctx, g):
-        return tuple(g.unbind(0))
-
-
-def _is_packed(ws) -> bool:
-    w0 = ws[0]
-    step = w0.numel()
-    if not all(w.is_contiguous() and w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device for w in ws):
-        return False
-    base = w0.untyped_storage().data_ptr()
-    return all(w.untyped_storage().data_ptr() == base and w.storage_offset() == w0.storage_offset() + i * step
-               for i, w in enumerate(ws))
-
-
-def grouped_weight(ws) -> torch.Tensor:
-    """``[E, N, K]`` from E weights ``[N, K]``: a view when they are packed (``pack_parameters``), else a stack."""
-    ws = list(ws)
-    if len(ws) > 1 and _is_packed(ws):
-        return _GroupedView.apply(*ws)
-    return torch.stack(ws)
-
-
-def pack_parameters(params) -> None:
-    """Re-lay same-shape parameters ``[N, K]`` into one contiguous buffer (``p.data`` becomes a slice of it)."""
-    params = list(params)
-    if len(params) < 2 or _is_packed([p.data for p in params]):
-        return
-    buf = torch.stack([p.data for p in params])
-    for i, p in enumerate(params):
-        p.data = buf[i]
-
-
 class _ExpertRecompute(torch.autograd.Function):
     """Recompute of the routed experts (fp4moe recompute module ``moe_expert``): forward runs
     ``grouped_expert_mlp`` without saving anything but its inputs (the *recompute cache*: the received rows,
@@ -366,41 +322,42 @@ class _ExpertRecompute(torch.autograd.Function):
     ``'bf16_fp4'``  rows are BF16 (mxfp4 recipe without dispatch_fp4/expert_input_fp4): the forward uses x, the
                     cache is MXFP4 of x (data + scales) and the backward recomputes from its dequantized rows.
 
-    Inputs: (x, data, scales, probs, w1, w2, counts, recipe, mode)."""
+    Inputs: (x, data, scales, probs, counts, recipe, mode, *weights): the E fc1 then the E fc2 weights."""
 
     @staticmethod
-    def forward(ctx, x, data, scales, probs, w1, w2, counts, recipe, mode):
+    def forward(ctx, x, data, scales, probs, counts, recipe, mode, *weights):
         ctx.meta = (counts, recipe, mode, x.dtype, tuple(x.shape))
+        n = len(counts)
         xin = DispatchedMXFP4(data, scales, tuple(x.shape), x) if mode == "fp4" else x
         with torch.no_grad():
-            y = grouped_expert_mlp(xin, counts, w1, w2, probs, recipe)
-        if mode == "bf16":
-            ctx.save_for_backward(x, probs, w1, w2)
-        else:
-            ctx.save_for_backward(data, scales, probs, w1, w2)
+            y = grouped_expert_mlp(xin, counts, weights[:n], weights[n:], probs, recipe)
+        cache = (x,) if mode == "bf16" else (data, scales)
+        ctx.save_for_backward(*cache, probs, *weights)  # the weights by reference
         return y
 
     @staticmethod
     def backward(ctx, dy):
         counts, recipe, mode, x_dtype, x_shape = ctx.meta
+        n = len(counts)
         data = scales = None
+        saved = ctx.saved_tensors
         if mode == "bf16":
-            x, probs, w1, w2 = ctx.saved_tensors
+            (x, probs), weights = saved[:2], saved[2:]
         else:
-            data, scales, probs, w1, w2 = ctx.saved_tensors
+            (data, scales, probs), weights = saved[:3], saved[3:]
             if mode == "fp4":
                 x = torch.zeros((), dtype=x_dtype, device=data.device).expand(x_shape)
             else:
                 x = kops.fp4_to_bf16(MXFP4Tensor(data, scales, x_shape)).to(x_dtype)
-        ins = [t.detach().requires_grad_(need) for t, need in
-               zip((x, probs, w1, w2), (ctx.needs_input_grad[0], *ctx.needs_input_grad[3:6]))]
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[3], *ctx.needs_input_grad[7:])
+        ins = [t.detach().requires_grad_(need) for t, need in zip((x, probs, *weights), needs)]
         with torch.enable_grad():
             xin = DispatchedMXFP4(data, scales, x_shape, ins[0]) if mode == "fp4" else ins[0]
-            y = grouped_expert_mlp(xin, counts, ins[2], ins[3], ins[1], recipe)
+            y = grouped_expert_mlp(xin, counts, ins[2:2 + n], ins[2 + n:], ins[1], recipe)
         need = [t for t in ins if t.requires_grad]
         grads = iter(torch.autograd.grad(y, need, dy, allow_unused=True) if need else ())
-        gx, gp, gw1, gw2 = (next(grads) if t.requires_grad else None for t in ins)
-        return gx, None, None, gp, gw1, gw2, None, None, None
+        gx, gp, *gws = (next(grads) if t.requires_grad else None for t in ins)
+        return (gx, None, None, gp, None, None, None, *gws)
 
 
 class RecipeGroupedMLP(SequentialMLP):
@@ -418,21 +375,11 @@ class RecipeGroupedMLP(SequentialMLP):
             raise ValueError("RecipeGroupedMLP needs SwiGLU experts without biases")
         self.recipe = recipe
         self.recompute = recompute
-        self._pack()
 
-    def _pack(self) -> None:
-        pack_parameters(e.linear_fc1.weight for e in self.local_experts)
-        pack_parameters(e.linear_fc2.weight for e in self.local_experts)
-
-    def _apply(self, fn, *args, **kwargs):
-        out = super()._apply(fn, *args, **kwargs)
-        self._pack()
-        return out
-
-    def grouped_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w1 ``[E, 2F, H]``, w2 ``[E, H, F]``) of the local experts (views when packed)."""
-        return (grouped_weight(e.linear_fc1.weight for e in self.local_experts),
-                grouped_weight(e.linear_fc2.weight for e in self.local_experts))
+    def grouped_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the E fc1 weights ``[2F, H]``, the E fc2 weights ``[H, F]``) of the local experts, in expert order:
+        the parameters themselves, which the grouped GEMMs read where they lie."""
+        return ([e.linear_fc1.weight for e in self.local_experts], [e.linear_fc2.weight for e in self.local_experts])
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
@@ -443,12 +390,12 @@ class RecipeGroupedMLP(SequentialMLP):
             return grouped_expert_mlp(x, counts, w1, w2, probs, self.recipe), None
         r = self.recipe
         if isinstance(x, DispatchedMXFP4):
-            y = _ExpertRecompute.apply(x.grad_anchor, x.data, x.scales, probs, w1, w2, counts, r, "fp4")
+            y = _ExpertRecompute.apply(x.grad_anchor, x.data, x.scales, probs, counts, r, "fp4", *w1, *w2)
         elif r.name == "mxfp4":  # cache as MXFP4 (_ExpertRecompute 'bf16_fp4')
             q = kops.bf16_to_fp4_row(x.detach().to(_BF16), r.scale_rule)
-            y = _ExpertRecompute.apply(x, q.data, q.scales, probs, w1, w2, counts, r, "bf16_fp4")
+            y = _ExpertRecompute.apply(x, q.data, q.scales, probs, counts, r, "bf16_fp4", *w1, *w2)
         else:
-            y = _ExpertRecompute.apply(x, None, None, probs, w1, w2, counts, r, "bf16")
+            y = _ExpertRecompute.apply(x, None, None, probs, counts, r, "bf16", *w1, *w2)
         return y, None
 
 
@@ -477,4 +424,4 @@ class RecipeSharedExpertMLP(SharedExpertMLP):
 
 
 __all__ = ["local_expert_permutation", "QuantizedAlltoAllTokenDispatcher", "RecipeMoELayer", "RecipeGroupedMLP", "RecipeSharedExpertMLP",
-           "grouped_weight", "pack_parameters", "permute_rows"]
+           "permute_rows"]

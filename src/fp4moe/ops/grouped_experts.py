@@ -25,6 +25,10 @@ kept although backward does not read them (Transformer Engine's Float8BlockScali
 ``fp8_linear``). Under ``activation_fp4_store`` the forward SwiGLU uses the exact h; backward uses the decoded
 MXFP4 h (``fp4_to_bf16``), so dprobs and dh carry the E2M1 error of h.
 
+Weights: ``[E, 2F, H]`` / ``[E, H, F]`` tensors, or sequences of E ``[2F, H]`` / ``[H, F]`` tensors that may
+lie anywhere in memory (a model's expert parameters, e.g. in megatron's DDP buffer): on CUDA the FP8 weight
+quantizer reads each expert where it is (no stacked copy); their gradients come back per expert.
+
 Input x: a ``[T, H]`` bf16 tensor, or an ``MXFP4Tensor`` / ``DispatchedMXFP4`` (the dispatch's ``keep_fp4``
 output). With ``recipe.expert_input_fp4`` fc1's FP8 rows come from ``fp4_row_to_fp8_row`` of the MXFP4 (a bf16 x
 is first quantized with ``bf16_to_fp4_row``) and the saved input is that MXFP4; the gradient of x is returned
@@ -87,18 +91,41 @@ def expert_saved_bytes(counts, hidden: int, ffn: int, recipe: Recipe) -> int:
 # ------------------------------------------------------------------------------------------ GEMM helpers
 
 
-def quantize_experts_128x128(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """All experts' weights ``w [E, N, K]`` quantized 128x128 in one call: (data ``[E, N, K]`` E4M3, scale
-    ``[E, N/128, K/128]`` float32), bit-equal to ``quantize_weight_128x128(w[e])`` per expert (N is a multiple
-    of 128, so no block straddles two experts). ``transpose``: the blocks of every ``W_e^T`` instead
-    (``[E, K, N]``, ``[E, K/128, N/128]``; exact, see ``transpose_weight_128x128``)."""
-    e, n, k = w.shape
-    if w.is_cuda and w.dtype == torch.bfloat16 and e * n and k:  # one Triton launch
+class Experts:
+    """E expert weights ``[N, K]`` read as one ``[E, N, K]`` operand, each where it lies (``shape``, ``dtype``,
+    ``device``, ``experts[e]`` as a tensor's)."""
+
+    def __init__(self, ws) -> None:
+        self.ws = tuple(ws.unbind(0)) if torch.is_tensor(ws) else tuple(ws)
+        w0 = self.ws[0]
+        if w0.dim() != 2 or not all(w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device
+                                    for w in self.ws):
+            raise FormatError(f"expert weights must be [N, K] tensors of one shape, dtype and device, got "
+                              f"{[tuple(w.shape) for w in self.ws]}")
+        self.shape = (len(self.ws), *w0.shape)
+        self.dtype, self.device = w0.dtype, w0.device
+
+    def __len__(self) -> int:
+        return len(self.ws)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.ws[e]
+
+
+def quantize_experts_128x128(w, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """All experts' weights ``w`` (``[E, N, K]``, a sequence of E ``[N, K]``, or :class:`Experts`) quantized 128x128
+    in one call: (data ``[E, N, K]`` E4M3, scale ``[E, N/128, K/128]`` float32), bit-equal to
+    ``quantize_weight_128x128(w[e])`` per expert (N is a multiple of 128, so no block straddles two experts).
+    ``transpose``: the blocks of every ``W_e^T`` instead (``[E, K, N]``, ``[E, K/128, N/128]``; exact, see
+    ``transpose_weight_128x128``). On CUDA each expert is read where it lies."""
+    ex = w if isinstance(w, Experts) else Experts(w)
+    e, n, k = ex.shape
+    if ex.device.type == "cuda" and ex.dtype == torch.bfloat16 and e * n and k:  # one Triton launch
         from fp4moe_kernels.triton_kernels import launch
 
-        out = launch.quantize_weight_128x128(w.detach().reshape(e * n, k).contiguous(), n, transpose)
+        out = launch.quantize_weight_128x128([x.detach().contiguous() for x in ex.ws], n, transpose)
         return (out[2], out[3]) if transpose else (out[0].view(e, n, k), out[1].view(e, n // FP8_GROUP, k // FP8_GROUP))
-    data, scale = quantize_weight_128x128(w.reshape(e * n, k))
+    data, scale = quantize_weight_128x128(torch.stack([x.detach() for x in ex.ws]).reshape(e * n, k))
     data, scale = data.view(e, n, k), scale.view(e, n // FP8_GROUP, k // FP8_GROUP)
     if transpose:
         return data.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()
@@ -117,7 +144,7 @@ def gemm_backend(device: torch.device) -> str:
     return choice
 
 
-def _per_expert_gemm(row: FP8RowTensor, w: torch.Tensor, seg: Segments, n: int, kind: str) -> torch.Tensor:
+def _per_expert_gemm(row: FP8RowTensor, w: Experts, seg: Segments, n: int, kind: str) -> torch.Tensor:
     """[T, n] bf16, per expert e: rows_e (FP8) times W_e in FP8 (128x128 blocks). ``kind`` 'fprop':
     W = w [E, n, K], out = rows_e W_e^T; 'dgrad': W = w [E, N, n], out = dY_e W_e (transposed blocks).
     The weights of all experts are quantized in one call (``quantize_experts_128x128``), then one
@@ -158,7 +185,7 @@ def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch
     return out
 
 
-def _bf16_mm_per_expert(x: torch.Tensor, w: torch.Tensor, seg: Segments, transpose_w: bool) -> torch.Tensor:
+def _bf16_mm_per_expert(x: torch.Tensor, w: Experts, seg: Segments, transpose_w: bool) -> torch.Tensor:
     """BF16 path: out_e = x_e @ W_e^T (transpose_w) or x_e @ W_e."""
     n = w.shape[1] if transpose_w else w.shape[2]
     out = torch.zeros(seg.total, n, dtype=_BF16, device=x.device)
@@ -197,17 +224,20 @@ def _weight_grad(s: dict, name: str, d_out: torch.Tensor, seg, w: torch.Tensor, 
 
 
 class GroupedExpertMLP(torch.autograd.Function):
-    """Use through ``grouped_expert_mlp``. forward(x_hp, w1, w2, probs, x_fp4, recipe, seg) -> y [T, H] bf16.
+    """Use through ``grouped_expert_mlp``. forward(x_hp, probs, x_fp4, recipe, seg, *weights) -> y [T, H] bf16,
+    ``weights`` = the E fc1 weights ``[2F, H]`` then the E fc2 weights ``[H, F]`` (E = seg.num).
 
     ``x_hp``: the bf16 input, or the ``grad_anchor`` of a dispatched MXFP4 (values unused then), or None;
     ``x_fp4``: the MXFP4 input (expert_input_fp4) or None. ``ctx.saved_activation_bytes`` = what was saved."""
 
     @staticmethod
-    def forward(ctx, x_hp, w1, w2, probs, x_fp4, recipe: Recipe, seg: Segments):
+    def forward(ctx, x_hp, probs, x_fp4, recipe: Recipe, seg: Segments, *weights):
+        w1, w2 = Experts(weights[:seg.num]), Experts(weights[seg.num:])
         e_num, f2, h = w1.shape
         f = f2 // 2
         fp8 = recipe.fp8_compute
-        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        need_w1, need_w2 = any(ctx.needs_input_grad[5:5 + e_num]), any(ctx.needs_input_grad[5 + e_num:])
+        need_w = need_w1 or need_w2
         saved: dict[str, torch.Tensor] = {}
         # ---- fc1
         if not fp8:
@@ -249,18 +279,19 @@ class GroupedExpertMLP(torch.autograd.Function):
             y = _per_expert_gemm(z_row, w2, seg, h, "fprop")
         saved["probs"] = probs
         ctx.names = list(saved)
-        ctx.meta = (recipe, seg, h, f, w1.dtype, w2.dtype)
+        ctx.meta = (recipe, seg, h, f, need_w1, need_w2)
         ctx.saved_activation_bytes = sum(
             {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved.values()}.values()
         )
-        ctx.save_for_backward(w1, w2, *saved.values())
+        ctx.save_for_backward(*weights, *saved.values())  # the weights by reference
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        w1, w2, *vals = ctx.saved_tensors
-        s = dict(zip(ctx.names, vals))
-        recipe, seg, h, f, w1_dtype, w2_dtype = ctx.meta
+        recipe, seg, h, f, need_w1, need_w2 = ctx.meta
+        tensors = ctx.saved_tensors
+        w1, w2 = Experts(tensors[:seg.num]), Experts(tensors[seg.num:2 * seg.num])
+        s = dict(zip(ctx.names, tensors[2 * seg.num:]))
         fp8 = recipe.fp8_compute
         dy = dy.to(_BF16).contiguous()
         probs = s["probs"]
@@ -269,7 +300,7 @@ class GroupedExpertMLP(torch.autograd.Function):
             dz = _per_expert_gemm(kops.bf16_to_fp8_row(dy, seg), w2, seg, f, "dgrad")
         else:
             dz = _bf16_mm_per_expert(dy, w2, seg, False)
-        dw2 = _weight_grad(s, "z", dy, seg, w2, f, fp8) if ctx.needs_input_grad[2] else None
+        dw2 = _weight_grad(s, "z", dy, seg, w2, f, fp8) if need_w2 else None
         # ---- SwiGLU backward (from the saved, possibly MXFP4-decoded, h)
         if "h" in s:
             dh, dprobs = swiglu_math_backward(s["h"], dz, probs)
@@ -282,23 +313,30 @@ class GroupedExpertMLP(torch.autograd.Function):
         dx = dw1 = None
         if ctx.needs_input_grad[0]:
             dx = _per_expert_gemm(kops.bf16_to_fp8_row(dh, seg), w1, seg, h, "dgrad") if fp8 else _bf16_mm_per_expert(dh, w1, seg, False)
-        if ctx.needs_input_grad[1]:
+        if need_w1:
             dw1 = _weight_grad(s, "x", dh, seg, w1, h, fp8)
-        dp = dprobs.to(probs.dtype) if ctx.needs_input_grad[3] else None
-        return dx, dw1, dw2, dp, None, None, None
+        dp = dprobs.to(probs.dtype) if ctx.needs_input_grad[1] else None
+        per_expert = [None] * seg.num
+        dws = (per_expert if dw1 is None else list(dw1.unbind(0))) + (per_expert if dw2 is None else list(dw2.unbind(0)))
+        return (dx, dp, None, None, None, *dws)
 
 
-def grouped_expert_mlp(x, counts, w1: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe) -> torch.Tensor:
     """Routed experts (module docstring). x ``[T, H]`` bf16 or an ``MXFP4Tensor`` / ``DispatchedMXFP4``;
-    counts: tokens per expert (E ints >= 0 summing to T); w1 ``[E, 2F, H]``; w2 ``[E, H, F]``; probs ``[T]``
-    float32. Returns ``[T, H]`` bf16. ``y.grad_fn.saved_activation_bytes``: bytes saved for backward."""
+    counts: tokens per expert (E ints >= 0 summing to T); w1 ``[E, 2F, H]`` or E ``[2F, H]``; w2 ``[E, H, F]`` or E
+    ``[H, F]``; probs ``[T]`` float32. Returns ``[T, H]`` bf16. ``y.grad_fn.saved_activation_bytes``: bytes saved
+    for backward."""
     from .all_to_all import DispatchedMXFP4  # local import: all_to_all does not need this module
 
-    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != w2.shape[0]:
-        raise FormatError(f"w1 must be [E, 2F, H] and w2 [E, H, F], got {tuple(w1.shape)} and {tuple(w2.shape)}")
-    e_num, f2, h = w1.shape
-    if f2 % 2 or tuple(w2.shape[1:]) != (h, f2 // 2):
-        raise FormatError(f"w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} do not match: need [E, 2F, H] and [E, H, F]")
+    ws1 = tuple(w1.unbind(0)) if torch.is_tensor(w1) and w1.dim() == 3 else tuple(w1)
+    ws2 = tuple(w2.unbind(0)) if torch.is_tensor(w2) and w2.dim() == 3 else tuple(w2)
+    if not ws1 or len(ws1) != len(ws2) or ws1[0].dim() != 2 or ws2[0].dim() != 2:
+        raise FormatError(f"w1 must be [E, 2F, H] and w2 [E, H, F] (or E matrices each), got "
+                          f"{[tuple(w.shape) for w in ws1[:2]]}... and {[tuple(w.shape) for w in ws2[:2]]}...")
+    e_num, (f2, h) = len(ws1), ws1[0].shape
+    if f2 % 2 or tuple(ws2[0].shape) != (h, f2 // 2):
+        raise FormatError(f"w1 [{e_num}, {f2}, {h}] and w2 [{e_num}, {tuple(ws2[0].shape)}] do not match: need "
+                          "[E, 2F, H] and [E, H, F]")
     is_fp4 = isinstance(x, MXFP4Tensor)
     x_hp, x_fp4 = None, None
     if is_fp4:
@@ -323,7 +361,7 @@ def grouped_expert_mlp(x, counts, w1: torch.Tensor, w2: torch.Tensor, probs: tor
         raise FormatError(f"probs must be [T] = [{t}], got {tuple(probs.shape)}")
     if recipe.fp8_compute and (h % FP8_GROUP or (f2 // 2) % FP8_GROUP):
         raise FormatError(f"FP8 experts need H ({h}) and F ({f2 // 2}) multiples of {FP8_GROUP}")
-    return GroupedExpertMLP.apply(x_hp, w1, w2, probs.float(), x_fp4, recipe, seg)
+    return GroupedExpertMLP.apply(x_hp, probs.float(), x_fp4, recipe, seg, *ws1, *ws2)
 
 
-__all__ = ["GroupedExpertMLP", "expert_saved_bytes", "gemm_backend", "grouped_expert_mlp", "quantize_experts_128x128"]
+__all__ = ["Experts", "GroupedExpertMLP", "expert_saved_bytes", "gemm_backend", "grouped_expert_mlp", "quantize_experts_128x128"]
