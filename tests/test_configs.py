@@ -55,23 +55,34 @@ def test_experiments_exist():
                                 *(t for twins in TWINS.values() for t in twins)}
 
 
+def _paper_cells_of(sweep: dict) -> dict:
+    """A sweep with its recompute groups replaced by the paper scope each stands for (their ``paper_scope``): the
+    twins run megatron's core attention, experiment=paper_t1 the whole-block reading, for the same paper cells."""
+    out = dict(sweep)
+    if "recompute" in out:
+        out["recompute"] = [_compose(f"recompute={r}").recompute.paper_scope for r in out["recompute"]]
+    return out
+
+
 @pytest.mark.parametrize("paper", sorted(TWINS))
 def test_twins_sweep_the_papers_cells_on_one_gpu_two_gpus_and_cpu(paper):
-    want = _sweep(_compose(f"experiment={paper}", hydra_cfg=True))
+    want = _paper_cells_of(_sweep(_compose(f"experiment={paper}", hydra_cfg=True)))
     ref = _compose(f"experiment={paper}")
     for twin, (world, device) in zip(TWINS[paper], ((1, "cuda"), (2, "cuda"), (1, "cpu"))):
         cfg = _compose(f"experiment={twin}", hydra_cfg=True)
-        assert _sweep(cfg) == want, twin
+        assert _paper_cells_of(_sweep(cfg)) == want, twin
         assert (int(cfg.parallel.world_size), cfg.cluster.nodes) == (world, 1), twin
         assert (cfg.cluster.gpu is not None) == (device == "cuda"), twin
-        if paper != "paper_t1":  # T1 sweeps the scope; T2 and F5 fix one (the twins of F5 do not recompute)
-            assert cfg.recompute.name == (ref.recompute.name if paper == "paper_t2" else "none"), twin
+        if paper == "paper_t2":  # T1 sweeps the scope; T2 fixes one, F5's twins do not recompute
+            assert cfg.recompute.paper_scope == ref.recompute.paper_scope, twin
+        elif paper == "paper_f5":
+            assert cfg.recompute.name == "none", twin
 
 
 def test_eight_gpu_twin_sweeps_t1_with_ep8():
     """Issue 7's proxy on one 8-GPU host: T1's cells, EP8 x DP8, 4 of the proxy's 32 experts per GPU."""
     cfg = _compose("experiment=proxy_t1_8gpu", hydra_cfg=True)
-    assert _sweep(cfg) == _sweep(_compose("experiment=paper_t1", hydra_cfg=True))
+    assert _paper_cells_of(_sweep(cfg)) == _paper_cells_of(_sweep(_compose("experiment=paper_t1", hydra_cfg=True)))
     p = cfg.parallel
     assert (int(p.world_size), int(p.expert), int(p.data), cfg.cluster.gpus_per_node, cfg.cluster.nodes) == (8, 8, 8, 8, 1)
     assert int(cfg.model.moe.num_experts) // int(p.expert) == 4
@@ -105,25 +116,38 @@ def test_paper_t1():
         == (1536, 512, 128, 64, 128)
     assert (m.moe.first_k_dense, m.moe.num_experts, m.moe.shared_experts, m.moe.router_topk, m.moe.ffn_hidden_size) \
         == (3, 256, 1, 8, 2048)
-    assert (m.moe.score_function, m.moe.topk_scaling_factor, m.vocab_size, m.mtp_num_layers) == ("sigmoid", 2.5, 129280, 1)
+    assert (m.moe.score_function, m.moe.topk_scaling_factor, m.vocab_size) == ("sigmoid", 2.5, 129280)
+    # the lab's runs (sister artifact): no MTP layer, no group-limited routing, a frozen expert bias
+    assert (m.mtp_num_layers, m.moe.num_groups, m.moe.bias_update_rate) == (0, None, 0.0)
     p = cfg.parallel
     assert (p.tensor, p.pipeline, p.expert, p.data, p.context) == (1, 32, 8, 8, 1)
-    assert (p.micro_batch, p.global_batch, p.seq_length, p.distributed_optimizer) == (1, 15360, 4096, True)
+    assert (p.micro_batch, p.global_batch, p.seq_length) == (1, 15360, 4096)
+    assert cfg.optimizer.name == "offload" and cfg.optimizer.distributed and cfg.optimizer.cpu_offload
+    assert cfg.optimizer.overlap_grad_reduce
+    assert cfg.precision.scope == "all_linears" and cfg.precision.recompute_cache_fp4 is False
     stages = parse_pipeline_layout(p.pipeline_layout)
-    assert len(stages) == 32 and stages[0] == "E" and stages[-1] == "tmL" and all(s == "tt" for s in stages[1:-1])
-    # the 9-cell sweep, one multirun, precisions x the paper's recompute scopes
+    assert len(stages) == 32 and stages[0] == "E" and stages[-1] == "tL" and all(s == "tt" for s in stages[1:-1])
+    # the 9-cell sweep, one multirun, precisions x the recompute groups standing for the paper's scopes
     assert cfg.hydra.mode.name == "MULTIRUN"
     sweep = _sweep(cfg)
-    assert sweep == {"precision": list(PAPER.t1.recipes), "recompute": list(PAPER.t1.scopes)}
+    assert sweep["precision"] == list(PAPER.t1.recipes)
+    assert [_compose(f"recompute={r}").recompute.paper_scope for r in sweep["recompute"]] == list(PAPER.t1.scopes)
     assert len(_cells("paper_t1")) == 9
     assert d["grad_accum_steps"] == 15360 // (1 * 8) and d["experts_per_rank"] == 32
 
 
 def test_recompute_labels_match_paper_rows():
+    """Each paper scope has a recompute group of its own name (the core-attention reading) and the one paper_t1
+    sweeps (the whole-block reading): both say which paper cell they stand for."""
     for scope, row in PAPER.t1.scopes.items():
         cfg = _compose(f"recompute={scope}")
         assert cfg.recompute.paper_label == row.label
-        assert cfg.recompute.name == scope
+        assert cfg.recompute.name == cfg.recompute.paper_scope == scope
+    for name in ("attn_block_ln_experts", "attn_block_ln_mlp"):
+        r = _compose(f"recompute={name}").recompute
+        assert r.paper_scope in PAPER.t1.scopes and "self_attention" in r.fp4moe_modules
+    for name in ("none", "full"):
+        assert _compose(f"recompute={name}").recompute.paper_scope is None
 
 
 def test_paper_t2():
@@ -134,6 +158,11 @@ def test_paper_t2():
             m.moe.ffn_hidden_size) == (60, 5120, 160, 6, 2, 1536)
     assert d["world_size"] == 256
     assert _sweep(cfg) == {"precision": ["bf16", "fp8", "mxfp4_mlp_shared", "mxfp4"]}
+    # the lab's DeepSeek-V2 layout (sister artifact): PP16 EP8, 2 layers on the first and the last stage
+    p = cfg.parallel
+    assert (p.pipeline, p.expert, p.data, p.global_batch) == (16, 8, 16, 8192)
+    assert [s.count("t") for s in parse_pipeline_layout(p.pipeline_layout)] == [2] + [4] * 14 + [2]
+    assert cfg.recompute.name == "attn_block_ln_experts" and cfg.optimizer.name == "offload"
     first = Recipe.from_config(_compose("precision=mxfp4_mlp_shared").precision)
     assert first.name == "mxfp4" and not first.dispatch_fp4 and not first.expert_input_fp4 and first.save_fp4
 
@@ -150,7 +179,8 @@ def test_paper_f5_steps():
     assert d["steps"] == math.ceil(160e9 / (4800 * 4096)) == 8139
     assert 8138 * 19_660_800 < 160e9 <= 8139 * 19_660_800
     assert d["warmup_steps"] == math.ceil(37.7e9 / 19_660_800)
-    assert (cfg.train.optimizer.lr, cfg.train.optimizer.min_lr) == (4.2e-4, 4.2e-5)
+    assert (cfg.train.adamw.lr, cfg.train.adamw.min_lr) == (4.2e-4, 4.2e-5)
+    assert cfg.optimizer.name == "distributed"
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.mla.kv_lora_rank, m.mla.q_lora_rank, m.moe.num_experts, m.moe.router_topk,
             m.moe.shared_experts, m.moe.ffn_hidden_size, m.moe.first_k_dense) == (28, 2048, 512, None, 64, 6, 2, 1408, 0)
@@ -159,7 +189,7 @@ def test_paper_f5_steps():
 
 def test_train_defaults():
     t = _compose().train
-    assert list(t.optimizer.betas) == [0.9, 0.95] and t.optimizer.weight_decay == 0.1 and t.optimizer.grad_clip == 1.0
+    assert list(t.adamw.betas) == [0.9, 0.95] and t.adamw.weight_decay == 0.1 and t.adamw.grad_clip == 1.0
     assert t.schedule.name == "cosine" and t.schedule.warmup_steps > 0
 
 
@@ -178,7 +208,10 @@ def test_param_counts(name, total_b, active_b):
 
 def test_param_counts_small_models():
     assert abs(param_counts(OmegaConf.load(CONF / "model" / "moe_16b.yaml"))["total"] / 16e9 - 1) < 0.075
-    assert param_counts(OmegaConf.load(CONF / "model" / "dsv3_671b.yaml"))["mtp"] > 10e9
+    v3 = OmegaConf.load(CONF / "model" / "dsv3_671b.yaml")
+    assert param_counts(v3)["mtp"] == 0   # the lab's runs had no MTP layer; DeepSeek-V3's would be 11.6B
+    v3.mtp_num_layers = 1
+    assert param_counts(v3)["mtp"] > 10e9
     proxy = param_counts(OmegaConf.load(CONF / "model" / "proxy_h200.yaml"))
     assert proxy["total"] * 18 < 40e9   # weights + grads + Adam states leave most of 141 GB to activations
 
@@ -205,7 +238,7 @@ def test_derived_has_no_hardcoded_counts():
     # 6a. layers over PP without a layout
     (["experiment=paper_t1", "parallel.pipeline_layout=null"], "not divisible by parallel.pipeline"),
     # 6b. an explicit layout that does not fit
-    (["experiment=paper_t1", "parallel.pipeline_layout='E|(tt|)*30,tL'"], "'m' layers"),
+    (["experiment=paper_t1", "parallel.pipeline_layout='E|(tt|)*30,tmL'"], "'m' layers"),
     (["parallel.world_size=3", "cluster.gpus_per_node=3", "parallel.pipeline=3", "parallel.pipeline_layout='Ett||L'"],
      "stage(s) [1] hold nothing"),
     # 7. a recompute module megatron-core can only do with TE, on our TE-less backend

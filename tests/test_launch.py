@@ -37,7 +37,7 @@ def test_t1_has_nine_cells_precision_by_recompute(t1):
     assert len(t1) == 9
     cells = [tuple(o for o in ov if o.split("=")[0] in ("precision", "recompute")) for ov, _ in t1]
     assert cells == [(f"precision={p}", f"recompute={r}") for p in ("bf16", "fp8", "mxfp4")
-                     for r in ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")]
+                     for r in ("attn_block_ln_experts", "attn_block_ln_mlp", "mla_up_proj")]
 
 
 def test_t1_sbatch_resources_time_signal(t1):
@@ -146,3 +146,56 @@ def test_local_slurm_profile_has_no_gpus_or_nccl():
                  "#SBATCH --signal=USR2@30", "#SBATCH --time=10"):
         assert line in script, line
     assert "--gpus" not in script and "NCCL" not in script
+
+
+# ---------------------------------------------------------------------------------------------- predicted memory
+
+def _model_peak(cfg):
+    from fp4moe.scale.memory import MemoryAssumptions, mean_total_bytes, per_stage_memory
+
+    stages = per_stage_memory(cfg, MemoryAssumptions())
+    return max(b.total_gb for b in stages), mean_total_bytes(stages) / 2**30
+
+
+def test_dry_run_prints_each_cells_predicted_memory(capsys):
+    """Per cell: the memory model's most loaded GPU and the mean over the job's GPUs, for the job as submitted (its
+    own dispatcher, the measured outside-PyTorch terms), against cluster.gpu_memory_gb."""
+    overrides = ["experiment=paper_t1", "precision=mxfp4", "recompute=attn_block_ln_experts"]
+    [cell], _ = launch.dry_run(overrides)
+    peak, mean = _model_peak(cell.cfg)
+    m = cell.memory
+    assert (m.peak_gib, m.mean_gib, m.gpu_gib) == (peak, mean, 80.0) and m.fits == (peak <= 80.0)
+    assert launch.main(["dry-run", *overrides, "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "# ----- predicted peak memory (fp4moe.scale.memory; outside PyTorch: " in out
+    assert (f"most loaded GPU {peak:.1f} GiB ({100 * peak / 80:.1f} % of 80 GB)" in out
+            and f"mean over the 256 GPU(s) {mean:.1f} GiB: fits" in out)
+
+
+def test_strict_refuses_a_cell_predicted_not_to_fit(capsys):
+    """fp8 without routed-expert recompute at mla_up_proj is predicted above 80 GB: a warning, and with --strict a
+    refusal (exit 3) naming the cell, its prediction and what to change."""
+    overrides = ["experiment=paper_t1", "precision=fp8", "recompute=mla_up_proj", "--summary"]
+    [cell], _ = launch.dry_run(overrides[:-1])
+    assert cell.memory.fits is False and cell.memory.peak_gib == _model_peak(cell.cfg)[0] > 80
+    assert launch.main(["dry-run", *overrides]) == 0
+    captured = capsys.readouterr()
+    assert "WARNING: cell precision=fp8 recompute=mla_up_proj" in captured.err
+    assert "PREDICTED NOT TO FIT" in captured.out
+    assert "1 predicted not to fit the GPU (warned above)" in captured.out
+    assert launch.main(["dry-run", *overrides, "--strict"]) == 3
+    err = capsys.readouterr().err
+    assert "refused: cell precision=fp8 recompute=mla_up_proj" in err and "Lighten it (recompute" in err
+    assert "1 of 1 cells are predicted not to fit; nothing would be submitted (--strict)" in err
+    assert launch.main(["dry-run", "experiment=paper_t1", "precision=mxfp4", "recompute=mla_up_proj", "--summary",
+                        "--strict"]) == 0   # a cell that fits passes --strict
+
+
+def test_cells_without_a_gpu_size_or_a_training_run():
+    cells, _ = launch.dry_run(["experiment=tiny_cpu", "hydra/launcher=local"])
+    m = cells[0].memory
+    assert isinstance(m, launch.Memory) and m.fits is None and m.gpu_gib is None
+    assert m.text(1).endswith("no GPU size to check against (cluster.gpu_memory_gb)")
+    bench, _ = launch.dry_run(["experiment=paper_f3"])
+    assert bench[0].memory == "not predicted: a benchmark job, not a training run"
+

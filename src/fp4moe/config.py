@@ -26,11 +26,14 @@ Rules checked (``check``), each with its own message:
 8. data: ``data.path`` must be set for a user corpus; precision must load with ``Recipe.from_config``.
 9. dispatcher: ``parallel.dispatcher`` is one fp4moe builds (``alltoall``, ``allgather``; 'flex' needs DeepEP, not
    in the stack), and the fp8 / mxfp4 recipes, whose quantized all-to-all replaces megatron's, need ``alltoall``.
+10. optimizer: the ``optimizer`` group reads as an :class:`OptimizerSetting` (types, values, combinations that
+   megatron-core 0.16.1 can build without Transformer Engine) and ``train.adamw`` has lr >= min_lr >= 0.
 """
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -160,6 +163,84 @@ def param_counts(model_cfg: Any) -> dict[str, int]:
         "total_with_mtp": total + mtp,
         "active_with_mtp": active + n_mtp * (mtp_module + moe_layer_active),
     }
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+
+GRAD_DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class OptimizerSetting:
+    """Where megatron-core keeps AdamW's state and in what precision: the ``optimizer`` config group
+    (conf/optimizer/*.yaml, whose header gives the bytes per parameter of each preset). Read once by
+    :meth:`from_config`, which refuses what megatron-core 0.16.1 cannot build without Transformer Engine."""
+
+    name: str
+    distributed: bool                    # megatron's DistributedOptimizer (state sharded over DP / expert-DP)
+    main_grads_dtype: str                # 'fp32' | 'bf16': the DDP gradient buffer (bf16: precision-aware optimizer)
+    cpu_offload: bool                    # HybridDeviceOptimizer: main params, moments and update on the host
+    offload_fraction: float              # share of the state on the host when cpu_offload
+    overlap_cpu_optimizer_d2h_h2d: bool
+    overlap_grad_reduce: bool
+    bucket_size: int | None              # elements per DDP bucket (None: megatron's choice)
+
+    @property
+    def precision_aware(self) -> bool:
+        """megatron's ``use_precision_aware_optimizer``: BF16 main grads (and, without TE, a HybridDeviceOptimizer)."""
+        return self.main_grads_dtype == "bf16"
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of the DDP gradient buffer."""
+        return 4 if self.main_grads_dtype == "fp32" else 2
+
+    @property
+    def host_fraction(self) -> float:
+        """Share of the main params + moments that live in host memory."""
+        return self.offload_fraction if self.cpu_offload else 0.0
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "OptimizerSetting":
+        """The setting of a composed config: its ``optimizer`` group, or, for a config written before that group
+        existed (the archived runs' params), ``parallel.distributed_optimizer`` with FP32 grads on the GPU."""
+        cfg = _as_cfg(cfg)
+        o = cfg.get("optimizer")
+        if o is None:
+            dist = bool(_get(cfg, "parallel.distributed_optimizer", False))
+            return cls("distributed" if dist else "gpu_fp32", dist, "fp32", False, 0.0, False, False, None)
+        name = str(o.get("name", "?"))
+        for key in ("distributed", "cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "overlap_grad_reduce"):
+            if not isinstance(o.get(key), bool):
+                raise ConfigError(f"optimizer.{key}={o.get(key)!r} (optimizer={name}): use true or false")
+        grads = str(o.get("main_grads_dtype"))
+        if grads not in GRAD_DTYPES:
+            raise ConfigError(f"optimizer.main_grads_dtype={grads!r}: pick one of {', '.join(GRAD_DTYPES)}")
+        for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if str(o.get(key, "fp32")) != "fp32":
+                raise ConfigError(
+                    f"optimizer.{key}={o.get(key)!r}: megatron-core keeps Adam moments in lower precision only in "
+                    "Transformer Engine's FusedAdam, which is not in fp4moe's stack; use fp32")
+        fraction = o.get("offload_fraction", 0.0)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= float(fraction) <= 1.0:
+            raise ConfigError(f"optimizer.offload_fraction={fraction!r}: a share of the state in [0, 1]")
+        bucket = o.get("bucket_size")
+        if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
+            raise ConfigError(f"optimizer.bucket_size={bucket!r}: a positive element count, or null")
+        s = cls(name, bool(o.distributed), grads, bool(o.cpu_offload), float(fraction),
+                bool(o.overlap_cpu_optimizer_d2h_h2d), bool(o.overlap_grad_reduce), bucket)
+        if (s.precision_aware or s.cpu_offload) and not s.distributed:
+            raise ConfigError(
+                f"optimizer={name}: BF16 main grads and CPU offload are megatron-core's precision-aware optimizer, "
+                "which runs only as its distributed optimizer: set optimizer.distributed=true (or pick "
+                "optimizer=distributed_bf16_grads / offload)")
+        if s.cpu_offload and not s.precision_aware:
+            raise ConfigError(
+                f"optimizer={name}: megatron-core offloads the optimizer only with its precision-aware optimizer; "
+                "set optimizer.main_grads_dtype=bf16 (the lab's setup, optimizer=offload)")
+        if s.overlap_cpu_optimizer_d2h_h2d and not s.cpu_offload:
+            raise ConfigError(f"optimizer={name}: overlap_cpu_optimizer_d2h_h2d needs optimizer.cpu_offload=true")
+        return s
 
 
 # ---------------------------------------------------------------------------------------------- derived
@@ -335,12 +416,22 @@ def check(cfg: Any) -> dict[str, Any]:
     if recipe.name != "bf16" and dispatcher != "alltoall":
         raise ConfigError(f"precision={recipe.name} brings its own quantized all-to-all, on megatron-core's alltoall "
                           f"dispatcher, but parallel.dispatcher={dispatcher!r}: set parallel.dispatcher=alltoall")
+    # 10. optimizer
+    setting = OptimizerSetting.from_config(cfg)
+    if setting.main_grads_dtype == "bf16" and str(_get(cfg, "train.params_dtype", "bf16")) != "bf16":
+        raise ConfigError(f"optimizer={setting.name} keeps BF16 main grads, which megatron-core supports for BF16 "
+                          "parameters only: set train.params_dtype=bf16 or pick optimizer=gpu_fp32 / distributed")
+    adamw = _get(cfg, "train.adamw")
+    if adamw is not None:
+        lr, min_lr = float(adamw.lr), float(adamw.min_lr)
+        if not 0.0 <= min_lr <= lr:
+            raise ConfigError(f"train.adamw.min_lr={min_lr} and lr={lr}: need 0 <= min_lr <= lr")
     if cfg.data.get("name") == "user_corpus" and not cfg.data.get("path"):
         raise ConfigError("data=user_corpus needs a corpus: export FP4MOE_CORPUS=/path/to/text-or-jsonl-or-prefix "
                           "or pass data.path=...")
     return derived(cfg)
 
 
-__all__ = ["ConfigError", "check", "DISPATCHERS", "derived", "param_counts", "parse_pipeline_layout", "world_size",
+__all__ = ["ConfigError", "check", "OptimizerSetting", "GRAD_DTYPES", "DISPATCHERS", "derived", "param_counts", "parse_pipeline_layout", "world_size",
            "MEGATRON_RECOMPUTE_MODULES", "TE_ONLY_RECOMPUTE_MODULES", "FP4MOE_RECOMPUTE_MODULES",
            "NESTED_IN_SELF_ATTENTION", "nested_in_self_attention"]

@@ -1,13 +1,15 @@
 """Dry run of a Hydra multirun sweep on Slurm (P4, issue 5): what would be submitted, without submitting.
 
-    python -m fp4moe.launch dry-run experiment=paper_t1 [overrides...] [--summary]
+    python -m fp4moe.launch dry-run experiment=paper_t1 [overrides...] [--summary] [--strict]
 
 For each cell of the experiment's sweep (``hydra.sweeper.params`` plus the command line's own sweeps, expanded
 by Hydra's ``BasicSweeper.split_arguments``: the cartesian product, in Hydra's order) it composes the config
-through Hydra's compose API, runs ``fp4moe.config.check``, and prints the resolved config (or a summary) and the
-sbatch script, written by submitit's own ``SlurmExecutor`` from the ``hydra.launcher`` values exactly as
-hydra-submitit-launcher hands them over. Exits 1 with the ``ConfigError`` message(s) when a cell fails the check,
-2 when the config does not compose.
+through Hydra's compose API, runs ``fp4moe.config.check``, prints the resolved config (or a summary), the paper-scale
+memory model's predicted peak (``predicted_memory``: the most loaded GPU and the mean over the job's GPUs, as
+nvidia-smi would show them, against ``cluster.gpu_memory_gb``) and the sbatch script, written by submitit's own
+``SlurmExecutor`` from the ``hydra.launcher`` values exactly as hydra-submitit-launcher hands them over. Exits 1 with
+the ``ConfigError`` message(s) when a cell fails the check, 2 when the config does not compose, 3 under ``--strict``
+when a cell is predicted not to fit the GPU (without ``--strict`` such a cell is a warning).
 
 The launcher profile is the one on the command line (``hydra/launcher=slurm_h100``); when none is given and the
 composed cluster is a Slurm one (``cluster.kind: slurm``), ``hydra/launcher=<cluster.name>`` is added, the profile of
@@ -39,14 +41,42 @@ DRY_RUN_JOB_ID = "dry-run"
 
 
 @dataclass
+class Memory:
+    """The memory model's prediction for one cell, in GiB: the most loaded GPU (pipeline ``rank``, ``in_flight``
+    micro-batches) and the mean over the job's GPUs, both as nvidia-smi would show them; ``gpu_gib`` the cluster's
+    GPU (``cluster.gpu_memory_gb``, None: unknown); ``source`` where the outside-PyTorch terms come from."""
+    peak_gib: float
+    allocated_gib: float
+    mean_gib: float
+    rank: int
+    in_flight: int
+    gpu_gib: float | None
+    source: str
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu_gib is None else self.peak_gib <= self.gpu_gib
+
+    def text(self, world: int) -> str:
+        pct = "" if self.gpu_gib is None else f" ({100 * self.peak_gib / self.gpu_gib:.1f} % of {self.gpu_gib:g} GB)"
+        verdict = {None: "no GPU size to check against (cluster.gpu_memory_gb)", True: "fits",
+                   False: "PREDICTED NOT TO FIT"}[self.fits]
+        return (f"most loaded GPU {self.peak_gib:.1f} GiB{pct} (pipeline rank {self.rank}, {self.in_flight} "
+                f"micro-batch(es) in flight; allocated {self.allocated_gib:.1f}), mean over the {world} GPU(s) "
+                f"{self.mean_gib:.1f} GiB: {verdict}")
+
+
+@dataclass
 class Cell:
     """One job of the sweep: its overrides (as the launcher gets them), composed config (without the ``hydra``
-    node), ``check``'s derived values, the resolved ``hydra.launcher`` and the sbatch script (None if not Slurm)."""
+    node), ``check``'s derived values, the resolved ``hydra.launcher``, the sbatch script (None if not Slurm) and the
+    memory model's prediction (a ``Memory``, or the reason it has none)."""
     overrides: list[str]
     cfg: DictConfig
     derived: dict[str, Any]
     launcher: dict[str, Any]
     sbatch: str | None
+    memory: Memory | str = "not predicted"
 
 
 # ---------------------------------------------------------------------------------------------- composition
@@ -130,6 +160,27 @@ def _is_slurm(launcher: dict[str, Any]) -> bool:
     return str(launcher.get("_target_", "")).endswith(".SlurmLauncher")
 
 
+# ---------------------------------------------------------------------------------------------- memory
+
+def predicted_memory(cfg: DictConfig) -> Memory | str:
+    """fp4moe.scale.memory's peak for the job ``cfg`` runs (its own dispatcher, the measured outside-PyTorch terms),
+    or why there is none (a benchmark job, a layout the model does not cover)."""
+    from fp4moe import bench_job
+    from fp4moe.scale.memory import GB, MemoryAssumptions, mean_total_bytes, per_stage_memory
+
+    if bench_job.is_bench(cfg):
+        return "not predicted: a benchmark job, not a training run"
+    a = MemoryAssumptions(deepep_buffers=str(cfg.parallel.get("dispatcher")) == "flex")
+    try:
+        stages = per_stage_memory(cfg, a)
+    except (ValueError, KeyError) as e:
+        return f"not predicted: {e}"
+    b = max(stages, key=lambda x: x.total_bytes)
+    gpu = cfg.cluster.get("gpu_memory_gb")
+    return Memory(b.total_gb, b.allocated_gb, mean_total_bytes(stages) / GB, b.pipeline_rank, b.in_flight,
+                  None if gpu is None else float(gpu), a.outside_torch_source)
+
+
 # ---------------------------------------------------------------------------------------------- dry run
 
 def dry_run(overrides: Sequence[str]) -> tuple[list[Cell], list[tuple[list[str], str]]]:
@@ -150,7 +201,7 @@ def dry_run(overrides: Sequence[str]) -> tuple[list[Cell], list[tuple[list[str],
             failures.append((cell, str(e)))
             continue
         script = sbatch_text(launcher, train_command(cell)) if _is_slurm(launcher) else None
-        cells.append(Cell(cell, cfg, d, launcher, script))
+        cells.append(Cell(cell, cfg, d, launcher, script, predicted_memory(cfg)))
     return cells, failures
 
 
@@ -190,6 +241,11 @@ def _print_cell(i: int, n: int, cell: Cell, short: bool) -> None:
     print(f"# ===== cell {i}/{n}: {' '.join(cell.overrides)}")
     print("# ----- config" + (" (summary)" if short else " (resolved)"))
     print(summary(cell) if short else OmegaConf.to_yaml(cell.cfg, resolve=True).rstrip())
+    if isinstance(cell.memory, Memory):
+        print(f"# ----- predicted peak memory (fp4moe.scale.memory; outside PyTorch: {cell.memory.source})")
+        print(cell.memory.text(int(cell.derived["world_size"])))
+    else:
+        print(f"# ----- predicted peak memory: {cell.memory}")
     if cell.sbatch is None:
         print(f"# ----- launcher {cell.launcher.get('_target_')}: not Slurm, no sbatch script")
     else:
@@ -205,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     dr = sub.add_parser("dry-run", help="print each cell's resolved config and sbatch script; submit nothing")
     dr.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. experiment=paper_t1 hydra/launcher=slurm_h200")
     dr.add_argument("--summary", action="store_true", help="a short summary instead of the full resolved config")
+    dr.add_argument("--strict", action="store_true",
+                    help="refuse (exit 3) when a cell is predicted not to fit the GPU (cluster.gpu_memory_gb)")
     args = ap.parse_args(argv)
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -222,7 +280,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failures:
         print(f"fp4moe.launch: {len(failures)} of {n} cells cannot run; nothing would be submitted", file=sys.stderr)
         return 1
-    print(f"# {n} cell(s) pass fp4moe.config.check; nothing submitted")
+    over = [c for c in cells if isinstance(c.memory, Memory) and c.memory.fits is False]
+    for c in over:
+        print(f"fp4moe.launch: {'refused' if args.strict else 'WARNING'}: cell {' '.join(c.overrides)} is predicted "
+              f"not to fit: {c.memory.text(int(c.derived['world_size']))}. Lighten it (recompute, micro-batch, "
+              "optimizer=offload, more pipeline stages) or check the prediction (results/scale/paper_t1.md)",
+              file=sys.stderr)
+    if over and args.strict:
+        print(f"fp4moe.launch: {len(over)} of {n} cells are predicted not to fit; nothing would be submitted "
+              "(--strict)", file=sys.stderr)
+        return 3
+    print(f"# {n} cell(s) pass fp4moe.config.check"
+          + (f", {len(over)} predicted not to fit the GPU (warned above)" if over else "") + "; nothing submitted")
     return 0
 
 

@@ -114,10 +114,12 @@ def test_transformer_config_dsv3_671b():
     assert c.moe_shared_expert_intermediate_size == 2048
     assert c.moe_layer_freq == [0, 0, 0] + [1] * 58
     assert c.moe_router_score_function == "sigmoid" and c.moe_router_enable_expert_bias
-    assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor) == (8, 4, 2.5)
+    # the paper lab's routing (conf/model/dsv3_671b.yaml: no group-limited routing, no MTP; sister artifact)
+    assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor) == (None, None, 2.5)
+    assert not c.moe_router_pre_softmax
     assert c.normalization == "RMSNorm" and c.gated_linear_unit and not c.add_bias_linear
     assert c.rope_type == "yarn" and c.rotary_scaling_factor == 40
-    assert c.mtp_num_layers == 1
+    assert c.mtp_num_layers is None
     assert c.recompute_granularity == "selective" and c.recompute_modules == ["mla_up_proj"]
     assert c.moe_token_dispatcher_type == "alltoall"
 
@@ -129,3 +131,14 @@ def test_flex_dispatcher_is_a_clear_error():
     cfg.parallel.dispatcher = "flex"
     with pytest.raises(ConfigError, match="parallel.dispatcher='flex'"):
         transformer_config(cfg.model, cfg.parallel, cfg.recompute)
+
+
+def test_pre_softmax_routing_reaches_megatron():
+    """The 16B and 236B models route DeepSeek-V2's way (softmax over all experts before the top-k: megatron's
+    moe_router_pre_softmax), the 671B DeepSeek-V3's (sigmoid, no pre-softmax)."""
+    from fp4moe.model.build import transformer_config
+
+    for model, pre in (("moe_16b", True), ("dsv2_236b", True), ("dsv3_671b", False)):
+        cfg = _cfg(model=model)
+        c = transformer_config(cfg.model, cfg.parallel, cfg.recompute)
+        assert c.moe_router_pre_softmax is pre, model

@@ -66,7 +66,7 @@ def test_notebook_on_the_fixture_store(executed, name):
 def test_notebook_on_an_empty_store(executed, name):
     text = _text(executed[name, "empty"])
     if name == "scale_what_if":  # needs no runs; it says the model is not calibrated
-        assert "calibration: not done yet (0 trainer runs" in text
+        assert "its paper-scale numbers are predictions (0 trainer runs in this store)" in text
     else:
         assert "no runs yet" in text
 

@@ -82,7 +82,7 @@ def test_t1_table_exact(report):
     assert "Same comparison, measured on M1: tokens/GPU/s 5200 -> 5800 (+11.5 %)." in t1
     # every source is named at the top
     for label in ("**paper**: `conf/paper/numbers.yaml`", "**measured**: runs in the MLflow store",
-                  "**model, checked on 1-2 H200s**: `fp4moe.scale`"):
+                  f"**{model_mod.MODEL_LABEL}**: `fp4moe.scale`"):
         assert label in md
 
 
@@ -121,10 +121,13 @@ def test_f3_f4_f5_tables_exact(report):
 
 
 def test_model_columns_are_labelled_and_show_oom(report_store):
+    """The model column names its assumption set and says what was checked (the allocated peak on 1-2 H200s) and
+    what was not (this scale); each cell is the model's prediction for that cell of experiment=paper_t1."""
     rep = build_report(report_store)
     pred = {(r["scope"], r["recipe"]): r for r in model_mod.t1_prediction(80.0)}
-    lines = _table(_section(markdown(rep), "T1"))
-    assert lines[0].endswith("| model, checked on 1-2 H200s: peak GB | model, checked on 1-2 H200s: % of 80 GB |")
+    md = markdown(rep)
+    lines = _table(_section(md, "T1"))
+    assert lines[0].endswith(f"| {model_mod.MODEL_LABEL}: peak GB | {model_mod.MODEL_LABEL}: % of 80 GB |")
     labels = {v["label"]: k for k, v in paper.load()["t1"]["scopes"].items()}
     for line in lines[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -132,7 +135,9 @@ def test_model_columns_are_labelled_and_show_oom(report_store):
         pct = f"{100 * p['total_gb'] / 80:.1f} %"
         assert cells[-2] == f"{p['total_gb']:.1f}"
         assert cells[-1] == (pct if p["fits"] else f"OOM ({pct})")
-    assert "it is NOT checked at this scale (32 pipeline stages, EP8, the distributed optimizer)" in markdown(rep)
+    assert f"**Assumption set**: {model_mod.assumption_set()}." in md
+    assert "What is checked: the allocated peak against H200 proxy runs" in md
+    assert "NOT checked: anything at this scale (32 pipeline stages, EP8, the offloaded optimizer)" in md
 
 
 def test_paper_numbers_come_from_numbers_yaml_only(report_store, tmp_path):
@@ -205,22 +210,27 @@ def test_what_if_changes_layout():
     rows = model_mod.what_if(expert=16, pipeline=16, micro_batch=2, scopes=("mla_up_proj",), recipes=("mxfp4",))
     [r] = rows
     assert (r["tp"], r["pp"], r["ep"], r["dp"], r["micro_batch"]) == (1, 16, 16, 16, 2)
+    assert r["recompute"] == "mla_up_proj" and r["total_gb"] >= r["allocated_gb"] > 0
     assert model_mod.even_layout(5, 2, 1) == "Ettt|ttmL"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="world size 256 is not a multiple of TP x PP x CP = 3"):
         model_mod.what_if(pipeline=3)
 
 
-def test_assumptions_pick_the_attention_reading():
-    """The what-if's ``attention``: the whole block saves memory at the attention-recomputing scopes, not at
-    mla_up_proj; the setups stay what they were."""
-    core, block = model_mod.assumptions(), model_mod.assumptions(attention="self_attention")
-    assert (core.attn_recompute, block.attn_recompute, block.grad_bytes) == ("core_attn", "self_attention", 4)
-    off = model_mod.assumptions(True, "self_attention")
-    assert (off.grad_bytes, off.optimizer_offload, off.attn_recompute) == (2, True, "self_attention")
-    c = {(r["scope"], r["recipe"]): r["total_gb"] for r in model_mod.t1_prediction(80.0, core)}
-    b = {(r["scope"], r["recipe"]): r["total_gb"] for r in model_mod.t1_prediction(80.0, block)}
-    assert all(b[k] < c[k] for k in c if k[0] != "mla_up_proj")
-    assert all(b[k] == c[k] for k in c if k[0] == "mla_up_proj")
+def test_what_if_picks_the_optimizer_and_the_attention_reading():
+    """The what-ifs' optimizer (a conf/optimizer group) and attention: the optimizer state on the GPU raises every
+    cell; core attention raises the attention-recomputing scopes only."""
+    base = {(r["scope"], r["recipe"]): r for r in model_mod.t1_prediction(80.0, recipes=("mxfp4",))}
+    gpu = {(r["scope"], r["recipe"]): r for r in model_mod.t1_prediction(80.0, optimizer="distributed_bf16_grads",
+                                                                        recipes=("mxfp4",))}
+    core = {(r["scope"], r["recipe"]): r for r in model_mod.t1_prediction(80.0, attention="core_attn",
+                                                                         recipes=("mxfp4",))}
+    assert all(gpu[k]["optimizer_gb"] > 0 == base[k]["optimizer_gb"] for k in base)
+    assert all(core[k]["total_gb"] > base[k]["total_gb"] for k in base if k[0] != "mla_up_proj")
+    assert core["mla_up_proj", "mxfp4"] == base["mla_up_proj", "mxfp4"]
+    assert base["attn_ln_experts", "mxfp4"]["recompute"] == "attn_block_ln_experts"
+    assert core["attn_ln_experts", "mxfp4"]["recompute"] == "attn_ln_experts"
+    with pytest.raises(ValueError, match="attention='block': one of"):
+        model_mod.t1_prediction(80.0, attention="block")
 
 
 def test_t1_throughput_ratios_are_the_models_beside_the_papers(report_store):

@@ -315,8 +315,8 @@ def test_peaks_exact(rows):
         cfg = OmegaConf.create(c.cfg)
         assert c.peak_gib == peak
         b = per_gpu_memory(cfg, cal.code_of(c.archive))
-        assert (b.total_bytes, b.peak_phase) == (pred, phase) and r.pred_peak_gib == pred / GB
-        assert per_gpu_memory(cfg, cal.FIRST_PRINCIPLES).total_bytes == now and r.pred_peak_now_gib == now / GB
+        assert (b.allocated_bytes, b.peak_phase) == (pred, phase) and r.pred_peak_gib == pred / GB
+        assert per_gpu_memory(cfg, cal.FIRST_PRINCIPLES).allocated_bytes == now and r.pred_peak_now_gib == now / GB
     assert all(r.within_target for r in rows if r.cell.peak_gib is not None)
 
 
@@ -383,8 +383,11 @@ def test_fp32_accumulators_count_from_the_second_micro_batch(cells):
     four = OmegaConf.create(c.cfg)
     four.parallel.global_batch = 4 * int(one.parallel.micro_batch)
     n = per_gpu_memory(four, cal.FIRST_PRINCIPLES)
-    diff = n.total_bytes - per_gpu_memory(one, cal.FIRST_PRINCIPLES).total_bytes
+    diff = n.allocated_bytes - per_gpu_memory(one, cal.FIRST_PRINCIPLES).allocated_bytes
     assert diff == 4 * (n.dense_params + n.expert_params)
+    # megatron's DDP (today's trainer) keeps its FP32 gradient buffer from the start: one micro-batch or four alike
+    assert per_gpu_memory(one, cal.DDP_CODE).grads_bytes == per_gpu_memory(four, cal.DDP_CODE).grads_bytes == \
+        4 * (n.dense_params + n.expert_params)
 
 
 def test_withdrawn_peaks_are_not_read(tmp_path):
@@ -398,7 +401,7 @@ def test_cfg_from_params_is_the_composed_config(cells):
     ref = compose_cfg("proxy_h200", "single_gpu", "attn_ln_mlp", "mxfp4")
     ref.precision.scope = "all_linears"
     ref.parallel.micro_batch = ref.parallel.global_batch = 64
-    assert per_gpu_memory(ref).total_bytes == per_gpu_memory(OmegaConf.create(c.cfg)).total_bytes
+    assert per_gpu_memory(ref).allocated_bytes == per_gpu_memory(OmegaConf.create(c.cfg)).allocated_bytes
 
 
 def test_committed_table_is_current(rows, cells):
@@ -604,3 +607,21 @@ def test_layer_benchmark_peak():
     assert cal.traced_phase(None) == ""
     md = "\n".join(cal.render_layer(rows))
     assert "not modelled (older code)" in md and "| backward / backward |" in md
+
+
+def test_cfg_from_params_keeps_the_optimizer_group_of_newer_runs():
+    """A run that logged the optimizer group (issue 27's trainer) is modelled with it; older runs have none, and the
+    model then falls back to parallel.distributed_optimizer (fp4moe.config.OptimizerSetting)."""
+    from fp4moe.config import OptimizerSetting
+
+    old = cal.cfg_from_params({"parallel.data": "2", "parallel.distributed_optimizer": "True", "model.name": "x"})
+    assert "optimizer" not in old and "train" not in old
+    assert OptimizerSetting.from_config(old).distributed
+    params = {"optimizer.name": "offload", "optimizer.distributed": "True", "optimizer.main_grads_dtype": "bf16",
+              "optimizer.cpu_offload": "True", "optimizer.offload_fraction": "1.0",
+              "optimizer.overlap_cpu_optimizer_d2h_h2d": "True", "optimizer.overlap_grad_reduce": "False",
+              "optimizer.bucket_size": "None", "train.params_dtype": "bf16"}
+    new = cal.cfg_from_params(params)
+    s = OptimizerSetting.from_config(new)
+    assert (s.name, s.cpu_offload, s.grad_bytes, s.bucket_size) == ("offload", True, 2, None)
+    assert new["train"] == {"params_dtype": "bf16"}

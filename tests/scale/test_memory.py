@@ -10,16 +10,20 @@ import pytest
 from omegaconf import OmegaConf
 
 from fp4moe.config import param_counts
-from fp4moe.scale import comm, memory
+from fp4moe.scale import comm, memory, optimizer_state, outside_torch
 from fp4moe.scale.memory import (SCOPES, MemoryAssumptions, _dims, _stage_params, compose_cfg, layer_saved_tensors,
-                                 paper_t1_prediction, per_gpu_memory, per_stage_memory)
+                                 mean_total_bytes, per_gpu_memory, per_stage_memory)
+
+# the model's terms outside PyTorch set to 0 (whatever the H200 measurement file says): the allocated parts alone
+NO_OUTSIDE = MemoryAssumptions(cuda_context_bytes=0, nccl_communicator_bytes=0, nccl_peer_bytes=0,
+                               allocator_gap_bytes=0)
 
 RECIPES = ("bf16", "fp8", "mxfp4")
 PAPER_SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")
 
 
-def _cfg(model="tiny_cpu", parallel="cpu", recompute="none", precision="bf16", **par):
-    cfg = compose_cfg(model, parallel, recompute, precision)
+def _cfg(model="tiny_cpu", parallel="cpu", recompute="none", precision="bf16", optimizer="gpu_fp32", **par):
+    cfg = compose_cfg(model, parallel, recompute, precision, optimizer)
     for k, v in par.items():
         cfg.parallel[k] = v
     return cfg
@@ -82,7 +86,7 @@ def test_tiny_activations_by_hand():
     assert b.in_flight == 1  # PP = 1
     assert b.activations_bytes == EMBED_ACT + 2 * ATTN_ACT + DENSE_MLP_ACT + MOE_ACT + HEAD_ACT
     assert b.a2a_buffers_bytes == 2 * R * (2 * H + 4)  # send + receive of the dispatch (bf16 rows + fp32 prob)
-    assert b.recompute_transient_bytes == 0 and b.static_buffers_bytes == 0 and b.held_bytes == 0
+    assert b.recompute_transient_bytes == 0 and b.held_bytes == 0
     assert b.loss_transient_bytes == 2 * T * VOCAB   # the BF16 logits (or their gradient) beside the fp32 softmax
     # megatron's SequentialMLP backward: dY, the per-expert dX pieces, their concatenation + 2 [T, H] layer gradients
     # (no expert weight gradients for bf16, under either gradient setup: memory.py's _expert_backward says why)
@@ -93,12 +97,14 @@ def test_tiny_activations_by_hand():
     assert b.phases == {"head": 2 * T * VOCAB, "moe_forward": b.a2a_buffers_bytes - HEAD_ACT,
                         "backward": b.expert_backward_bytes - HEAD_ACT}
     assert b.peak_phase == "head"   # the tiny model's vocabulary is large next to its experts
-    assert b.total_bytes == (b.params_bytes + b.grads_bytes + b.optimizer_bytes + b.activations_bytes
-                             + 2 * T * VOCAB)
-    assert math.isclose(b.total_gb, b.total_bytes / 2**30)
+    assert b.allocated_bytes == (b.params_bytes + b.grads_bytes + b.optimizer_bytes + b.activations_bytes
+                                 + 2 * T * VOCAB)
+    assert b.total_bytes == b.allocated_bytes + b.outside_torch_bytes
+    assert math.isclose(b.total_gb, b.total_bytes / 2**30) and math.isclose(b.allocated_gb, b.allocated_bytes / 2**30)
     labels = [r[0] for r in b.table()]
-    assert "total" in labels and labels[labels.index("total") - 1] == "transient at the peak (head)"
-    assert b.fits(1.0) and not b.fits(0.0)
+    i = labels.index("allocated (max_memory_allocated)")
+    assert labels[i - 1] == "transient at the peak (head)" and labels[i + 5] == "total (nvidia-smi)"
+    assert b.fits(b.total_gb) and not b.fits(b.total_gb * 0.999)  # the measured outside-PyTorch terms included
 
 
 def test_expert_backward_by_hand():
@@ -247,16 +253,50 @@ def test_tiny_two_stage_pipeline_by_hand():
         assert st[0].a2a_buffers_bytes == 0 and st[1].a2a_buffers_bytes > 0
 
 
-def test_distributed_optimizer_shards_dense_over_dp_and_experts_over_edp():
-    # tiny on 4 ranks: DP 4, EP 2 -> EDP = 4 / 2 = 2.
-    cfg = _cfg(world_size=4, data=4, expert=2, distributed_optimizer=True, global_batch=8)
-    b = per_gpu_memory(cfg)
+def test_optimizer_group_is_megatrons_layout_on_the_most_loaded_rank():
+    """Part (a) is optimizer_state.rank_bytes of the config's optimizer group, at the data-parallel rank that holds the
+    most (tiny on 4 ranks: DP 4, EP 2, expert-DP 2; DP rank r is expert-DP rank r // EP), and its mean over them;
+    the distributed optimizer shards 12 B per element over DP (dense) and expert-DP (experts), up to padding."""
+    cfg = _cfg(world_size=4, data=4, expert=2, global_batch=8, optimizer="distributed")
+    b = per_gpu_memory(cfg, NO_OUTSIDE)
+    ranks = [optimizer_state.rank_bytes(cfg, 0, r, r // 2) for r in range(4)]
+    assert b.optimizer_bytes == max(x.state_device for x in ranks)
+    assert b.optimizer_mean_bytes == round(sum(x.state_device for x in ranks) / 4)
+    assert (b.params_bytes, b.grads_bytes) == (ranks[0].params, ranks[0].grads) and b.optimizer_host_bytes == 0
     dense = EMBED + DENSE_LAYER + MOE_LAYER + HEAD - E * 3 * H * F
     expert = (E // 2) * 3 * H * F
     assert (b.dense_params, b.expert_params) == (dense, expert)
-    assert b.optimizer_bytes == round(12 * (dense / 4 + expert / 2))
-    off = per_gpu_memory(cfg, MemoryAssumptions(optimizer_offload=True, grad_bytes=2))
-    assert off.optimizer_bytes == 0 and off.grads_bytes == 2 * (dense + expert)
+    assert 12 * (dense / 4 + expert / 2) <= b.optimizer_bytes < 12 * (dense / 4 + expert / 2) + 12 * 64 * 20
+    assert b.mean_total_bytes == b.total_bytes - b.optimizer_bytes + b.optimizer_mean_bytes
+    assert mean_total_bytes([b]) == b.mean_total_bytes <= b.total_bytes
+    # the lab's setup: BF16 main grads, FP32 main params + moments + the FP32 gradient copy (16 B) on the host
+    off = per_gpu_memory(_cfg(world_size=4, data=4, expert=2, global_batch=8, optimizer="offload"), NO_OUTSIDE)
+    assert off.optimizer_bytes == off.optimizer_mean_bytes == 0
+    assert off.optimizer_host_bytes == 16 * b.optimizer_bytes // 12 and off.grads_bytes == b.grads_bytes // 2
+
+
+def test_old_trainer_grads_exist_only_from_the_second_micro_batch():
+    """main_grad_resident='after_first_micro_batch' (the trainer before megatron's DDP, the archived runs): no FP32
+    gradient accumulators with one micro-batch per step, megatron's buffer with more."""
+    a = replace(NO_OUTSIDE, main_grad_resident="after_first_micro_batch")
+    n = EMBED + DENSE_LAYER + MOE_LAYER + HEAD
+    assert per_gpu_memory(_cfg(global_batch=2), a).grads_bytes == 0      # micro 2 x DP 1: one micro-batch
+    assert per_gpu_memory(_cfg(global_batch=4), a).grads_bytes == 4 * n
+
+
+def test_mtp_comes_from_the_config():
+    """MTP layers are the config's model.mtp_num_layers, once: a layout whose 'm' letters disagree is refused with the
+    fix; with one MTP layer the last stage holds it (a MoE layer, its norms and eh_proj, an embedding copy)."""
+    cfg = _cfg(pipeline=2, world_size=2, pipeline_layout="Et|tmL")
+    with pytest.raises(ValueError, match="1 'm' .*mtp_num_layers=0: put 0 'm' in the layout"):
+        per_stage_memory(cfg)
+    cfg.model.mtp_num_layers = 1
+    last = per_stage_memory(cfg, NO_OUTSIDE)[-1]
+    plain = per_stage_memory(_cfg(pipeline=2, world_size=2, pipeline_layout="Et|tL"), NO_OUTSIDE)[-1]
+    # enorm, hnorm, its final norm, eh_proj [H, 2H], a MoE layer and the embedding copy
+    assert last.dense_params + last.expert_params - (plain.dense_params + plain.expert_params) == \
+        3 * H + 2 * H * H + MOE_LAYER + EMBED
+    assert last.activations_bytes > plain.activations_bytes
 
 
 # ---------------------------------------------------------------------------------------------- cross-checks
@@ -315,7 +355,7 @@ def test_more_pipeline_stages_fewer_params_per_gpu():
 def test_in_flight_1f1b_decreases_per_stage():
     st = per_stage_memory(compose_cfg("dsv3_671b", "paper_671b", "attn_ln_experts", "mxfp4"))
     assert [s.in_flight for s in st] == list(range(32, 0, -1))
-    assert st[0].stage_letters == "E" and st[-1].stage_letters == "tmL"
+    assert st[0].stage_letters == "E" and st[-1].stage_letters == "tL"   # the lab's layout: no MTP
 
 
 # ---------------------------------------------------------------------------------------------- all-to-all
@@ -346,26 +386,45 @@ def test_flex_dispatch_deduplicates_ranks():
     assert math.isclose(comm.expected_distinct_ranks(4, 4, 4), 4.0)
 
 
-# ---------------------------------------------------------------------------------------------- T1 report
+# ---------------------------------------------------------------------------------------------- (f) outside PyTorch
 
-def test_report_t1_cells():
-    """REPORT, not a check against the paper: the model's T1 cells (dsv3_671b, paper_671b, 3 recipes x 3 scopes).
-    Only structural facts are asserted; the report puts them beside the paper's 59-74 %."""
-    cells = paper_t1_prediction()
-    assert set(cells) == set(PAPER_SCOPES)
-    lines = []
+def test_outside_torch_terms_and_how_they_scale():
+    """Part (f) on the lab's PP32 EP8 layout: the context once per GPU; NCCL, per communicator a step uses (world,
+    DP, EP, pipeline, model-parallel; expert-DP = 1 has none) plus its peers (NCCL's all-to-all: EP - 1; with DeepEP
+    one, and DeepEP's buffers instead); the allocator's gap in proportion to tokens x hidden; all of it scaled by
+    outside_torch_scale; total = allocated + outside."""
+    cfg = compose_cfg("dsv3_671b", "paper_671b", "mla_up_proj", "mxfp4", "offload")
+    a = MemoryAssumptions(cuda_context_bytes=1000, nccl_communicator_bytes=100, nccl_peer_bytes=10,
+                          allocator_gap_bytes=7000, allocator_gap_ref_elements=2048 * 4096)
+    st = per_stage_memory(cfg, a)
+    mid, last = st[5], st[-1]
+    assert mid.cuda_context_bytes == 1000
+    assert mid.nccl_bytes == 5 * 100 + (1 + 1 + 7 + 2 + 1) * 10 and last.nccl_bytes == mid.nccl_bytes - 10
+    assert mid.allocator_gap_bytes == round(7000 * 4096 * 7168 / (2048 * 4096)) and mid.deepep_bytes == 0
+    assert mid.total_bytes == mid.allocated_bytes + 1000 + mid.nccl_bytes + mid.allocator_gap_bytes
+    deep = per_stage_memory(cfg, replace(a, deepep_buffers=True))[5]
+    assert deep.deepep_bytes == outside_torch.deepep_buffer_bytes(7168, 8) and deep.nccl_bytes == mid.nccl_bytes - 60
+    assert per_stage_memory(cfg, replace(a, deepep_buffers=True))[0].deepep_bytes == 0   # the embedding stage: no MoE
+    big = per_stage_memory(cfg, replace(a, outside_torch_scale=1.5))[5]
+    assert big.outside_torch_bytes == (round(1.5 * 1000) + round(1.5 * mid.nccl_bytes)
+                                       + round(1.5 * mid.allocator_gap_bytes))
+    assert big.allocated_bytes == mid.allocated_bytes
+    with pytest.raises(ValueError, match="cuda_context_bytes=-1: must be >= 0"):
+        MemoryAssumptions(cuda_context_bytes=-1)
+
+
+def test_components_add_up_on_the_paper_layout():
+    """Every T1 cell of the paper layout: allocated = its components, the transient the largest phase, total =
+    allocated + outside PyTorch, the mean over GPUs at most the most loaded GPU."""
     for scope in PAPER_SCOPES:
-        assert set(cells[scope]) == set(RECIPES)
         for rec in RECIPES:
-            b = cells[scope][rec]
-            vals = [v for _, v in b.table()]
-            assert all(math.isfinite(v) for v in vals) and b.total_gb > 0
-            # the total is its components (the phase terms are parts of the transient, not added again)
-            assert b.total_bytes == sum(getattr(b, f"{c}_bytes") for c in memory.COMPONENTS)
+            st = per_stage_memory(compose_cfg("dsv3_671b", "paper_671b", scope, rec, "offload"))
+            b = max(st, key=lambda x: x.total_bytes)
+            assert all(math.isfinite(v) for _, v in b.table()) and b.total_gb > 0
+            assert b.allocated_bytes == sum(getattr(b, f"{c}_bytes") for c in memory.COMPONENTS)
+            assert b.total_bytes == b.allocated_bytes + sum(getattr(b, f"{c}_bytes") for c in memory.OUTSIDE_TORCH)
             assert b.transient_bytes == max(b.phases.values()) and b.peak_phase in b.phases
-            lines.append(f"{scope:16s} {rec:6s} rank {b.pipeline_rank:2d} ({b.stage_letters}) "
-                         + " ".join(f"{n}={v:.1f}" for n, v in b.table()))
-    print("\npaper-scale prediction (GB = 2**30 B):\n" + "\n".join(lines))
+            assert mean_total_bytes(st) < b.total_bytes
 
 
 # ---------------------------------------------------------------------------------------------- calibrated terms

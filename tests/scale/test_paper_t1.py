@@ -1,12 +1,17 @@
-"""fp4moe.scale.paper_t1: the paper's T1 cells under three gradient / optimizer setups, and the readings (layout x
-attention recompute x setup) against the paper's fit / OOM pattern. Arithmetic only."""
+"""fp4moe.scale.paper_t1: the paper's T1 cells as experiment=paper_t1 runs them, under the model's assumption set,
+how each assumption moves them, and the lab's own measurements beside them. Arithmetic only (Hydra compose, no
+torch)."""
 from dataclasses import replace
 
 import pytest
 
-from fp4moe.config import parse_pipeline_layout
 from fp4moe.scale import paper_t1 as pt
-from fp4moe.scale.memory import compose_cfg, per_gpu_memory, per_stage_memory
+from fp4moe.scale.memory import GB, MemoryAssumptions, experiment_cfg, mean_total_bytes, per_stage_memory
+
+
+@pytest.fixture(scope="module")
+def base():
+    return pt.cells()
 
 
 def test_paper_cells_come_from_numbers_yaml():
@@ -18,83 +23,85 @@ def test_paper_cells_come_from_numbers_yaml():
     assert paper["attn_ln_experts", "fp8"] == 74.20 and paper["mla_up_proj", "mxfp4"] == 70.11
 
 
-def test_cells_are_the_models_most_loaded_and_last_ranks():
-    rows = pt.cells()
-    assert len(rows) == 3 * 9
-    for r in rows[:9] + rows[-9:]:
-        cfg = compose_cfg("dsv3_671b", "paper_671b", r.scope, r.recipe)
-        a = pt.SETUPS[r.setup]
-        b = per_gpu_memory(cfg, a)
-        assert (r.peak_gib, r.peak_rank, r.in_flight) == (b.total_gb, b.pipeline_rank, b.in_flight)
-        assert r.last_rank_gib == per_stage_memory(cfg, a)[-1].total_gb
-        assert r.matches_paper == ((r.peak_gib <= 80) == (r.paper_pct is not None))
+def test_the_paper_scopes_are_the_experiments_sweep():
+    """Each of the paper's scopes maps to the recompute group experiment=paper_t1 sweeps for it (its paper_scope):
+    the whole-block reading of "attention"; the core-attention reading is the variant."""
+    assert pt.sweep_recompute() == {"attn_ln_experts": "attn_block_ln_experts", "attn_ln_mlp": "attn_block_ln_mlp",
+                                    "mla_up_proj": "mla_up_proj"}
+    assert set(pt.CORE_ATTENTION) == set(pt.SCOPES) and pt.CORE_ATTENTION["attn_ln_mlp"] == "attn_ln_mlp"
 
 
-def test_setups_change_only_gradients_and_optimizer():
-    """Per pipeline rank: BF16 main grads halve the gradient bytes; offloading drops the optimizer bytes; nothing
-    else moves."""
-    cfg = compose_cfg("dsv3_671b", "paper_671b", "attn_ln_experts", "fp8")
-    default, bf16, off = (per_stage_memory(cfg, a) for a in pt.SETUPS.values())
-    for d, b, o in zip(default, bf16, off):
-        assert d.grads_bytes == 2 * b.grads_bytes and b.optimizer_bytes == d.optimizer_bytes
-        assert b.total_bytes == d.total_bytes - b.grads_bytes
-        assert o.optimizer_bytes == 0 and o.total_bytes == b.total_bytes - b.optimizer_bytes
+def test_cells_are_the_models_most_loaded_gpu_of_the_experiment(base):
+    assert [(c.scope, c.recipe) for c in base] == [(s, r) for s in pt.SCOPES for r in pt.RECIPES]
+    for c in (base[0], base[-1]):
+        stages = per_stage_memory(experiment_cfg("paper_t1", f"precision={c.recipe}", f"recompute={c.recompute}"),
+                                  pt.PAPER_SETUP)
+        top = max(stages, key=lambda b: b.total_bytes)
+        assert (c.total_gib, c.allocated_gib, c.rank, c.in_flight) == (top.total_gb, top.allocated_gb,
+                                                                        top.pipeline_rank, top.in_flight)
+        assert c.mean_gib == mean_total_bytes(stages) / GB < c.total_gib
+        assert c.parts["deepep"] == top.deepep_bytes / GB > 0   # PAPER_SETUP: the lab's DeepEP dispatcher
+        assert c.parts["optimizer"] == 0 < c.parts["optimizer_host"]   # optimizer=offload
 
 
-def test_layouts_place_every_layer_on_256_gpus():
-    """Each layout: PP stages holding the 61 layers, the MTP layer and the loss once, on TP1 x PP x DP = 256 GPUs with
-    EP inside DP; PP32 EP8 is conf/parallel/paper_671b.yaml itself."""
+def test_cell_outcome_and_error_by_hand():
+    parts = {}
+    fits = pt.Cell("s", "r", "g", 60.0, 52.0, 50.0, 40.0, 3, 29, parts)
+    assert fits.pct == 65.0 and fits.fits and fits.matches_paper and fits.error_pp == pytest.approx(5.0)
+    over = pt.Cell("s", "r", "g", 60.0, 81.0, 80.5, 60.0, 3, 29, parts)
+    assert not over.fits and not over.matches_paper and over.error_pp is None
+    oom = pt.Cell("s", "r", "g", None, 81.0, 80.5, 60.0, 3, 29, parts)
+    assert oom.matches_paper and oom.error_pp is None
+
+
+def test_variants_change_what_they_name(base):
+    """A variant changes the model for its own reason only: core attention raises the attention-recomputing cells and
+    leaves mla_up_proj as it is; a precision key of mxfp4 leaves bf16 and fp8 as they are; x1.5 outside PyTorch adds
+    half of each cell's outside bytes and nothing allocated."""
+    by = {v.name: pt.variant_cells(v, base) for v in pt.VARIANTS
+          if v.recompute or v.recipes != pt.RECIPES or v.name.startswith("outside-PyTorch memory x 1.5")}
+    core = by[pt.VARIANTS[0].name]
+    for b, c in zip(base, core):
+        assert (c.total_gib > b.total_gib) if b.scope != "mla_up_proj" else c == b
+    caches = next(rs for name, rs in by.items() if "recompute caches" in name)
+    assert all(c == b for b, c in zip(base, caches) if b.recipe != "mxfp4")
+    assert all(c.total_gib < b.total_gib for b, c in zip(base, caches) if b.recipe == "mxfp4")
+    big = next(rs for name, rs in by.items() if name.startswith("outside-PyTorch memory x 1.5"))
+    for b, c in zip(base, big):
+        assert c.allocated_gib == b.allocated_gib
+        assert c.total_gib - c.allocated_gib == pytest.approx(1.5 * (b.total_gib - b.allocated_gib), abs=1e-6)
+
+
+def test_layouts_are_the_labs_three():
+    """ep16 and ep32 as run_dlc_e2e.sh spells them: PP16 with 1 layer on the last stage, PP8 with 5; each places the
+    61 layers and the loss once on 256 GPUs."""
+    from fp4moe.config import parse_pipeline_layout
+
     for name, over in pt.LAYOUTS.items():
-        p = pt.layout_cfg(name, "attn_ln_mlp", "fp8").parallel
+        p = experiment_cfg("paper_t1", *over).parallel
         stages = parse_pipeline_layout(p.pipeline_layout)
-        assert len(stages) == p.pipeline and p.pipeline * p.data == p.world_size == 256
-        assert p.data % p.expert == 0 and name == f"PP{p.pipeline} EP{p.expert}"
         joined = "".join(stages)
-        assert (joined.count("t"), joined.count("m"), joined.count("L"), joined[0]) == (61, 1, 1, "E")
-    assert pt.LAYOUTS["PP32 EP8"] == {}
+        assert (len(stages), joined.count("t"), joined.count("L"), joined.count("m")) == (p.pipeline, 61, 1, 0)
+        assert p.pipeline * p.data == 256 and name == f"ep{p.expert}"
+    assert [s.count("t") for s in parse_pipeline_layout(
+        experiment_cfg("paper_t1", *pt.LAYOUTS["ep32"]).parallel.pipeline_layout)] == [8] * 7 + [5]
 
 
-def test_capacity_window_by_hand():
-    """Fits where the model is at or below C, OOM above: consistent iff max(paper-fit cells) < min(paper-OOM cells)."""
-    paper = {("a", "x"): 60.0, ("b", "x"): None, ("c", "x"): 70.0}
-    ok = pt.reading({("a", "x"): 50.0, ("b", "x"): 90.0, ("c", "x"): 75.0}, paper)
-    assert ok.window == (75.0, 90.0) and ok.consistent and ok.errors == (-10.0, 5.0)
-    bad = pt.reading({("a", "x"): 50.0, ("b", "x"): 74.0, ("c", "x"): 75.0}, paper)
-    assert bad.window == (75.0, 74.0) and not bad.consistent
-    tie = pt.reading({("a", "x"): 50.0, ("b", "x"): 75.0, ("c", "x"): 75.0}, paper)
-    assert not tie.consistent   # a cell at C fits: the OOM cell must be above every fitting one
-    assert pt.reading({("a", "x"): 50.0, ("c", "x"): 75.0}, {("a", "x"): 60.0, ("c", "x"): 70.0}).window[1] == float("inf")
+def test_sister_check_is_the_model_of_the_labs_cells():
+    s = pt.sister_check()
+    assert [(c.layout, c.ac, c.recipe) for c in s][:4] == [("ep8", "full", "bf16"), ("ep8", "full", "fp8"),
+                                                           ("ep8", "sel", "bf16"), ("ep8", "sel", "fp8")]
+    full = per_stage_memory(experiment_cfg("paper_t1", "precision=bf16", "recompute=full"), pt.PAPER_SETUP)
+    assert s[0].total_gib == max(b.total_gb for b in full) and s[0].measured_gb == 39
+    oom = [c for c in s if c.measured_gb is None]
+    assert oom and all(c.same_outcome == (c.total_gib > pt.GPU_GIB) for c in oom)
 
 
-@pytest.fixture(scope="module")
-def reads():
-    return pt.readings()
+def test_setup_label_names_the_assumption_set():
+    text = pt.setup_label(replace(pt.PAPER_SETUP, outside_torch_source="results/x.json (H200, measured)"))
+    assert text.startswith("`experiment=paper_t1`") and "DeepEP buffers" in text and "results/x.json" in text
+    assert "DeepEP buffers off" in pt.setup_label(MemoryAssumptions())
 
 
-def test_readings_are_the_model_under_each_layout_attention_and_setup(reads):
-    assert len(reads) == len(pt.LAYOUTS) * len(pt.ATTENTION) * len(pt.SETUPS)
-    paper = pt.paper_cells()
-    for r in (reads[0], reads[-1]):
-        a = replace(pt.SETUPS[r.setup], attn_recompute=pt.ATTENTION[r.attention])
-        pcts = {k: 100 * per_gpu_memory(pt.layout_cfg(r.layout, *k), a).total_gb / 80 for k in paper}
-        assert r == pt.reading(pcts, paper, r.layout, r.attention, r.setup)
-    # the default reading is the first table's: PP32 EP8, core attention, megatron's default setup
-    first = pt.cells()[:9]
-    assert reads[0].window[0] == max(c.pct for c in first if c.paper_pct is not None)
-
-
-def test_only_the_whole_block_attention_reading_orders_the_cells_as_the_paper(reads):
-    """What results/scale/paper_t1.md concludes, as computed: no core-attention reading is consistent, every
-    whole-block one is; recomputing the whole block saves memory in the paper's fitting attn_ln_* cells and changes
-    nothing at mla_up_proj (no attention recompute there)."""
-    assert not any(r.consistent for r in reads if r.attention == "core attention")
-    assert all(r.consistent for r in reads if r.attention == "whole self-attention")
-    core = {(r.layout, r.setup): r for r in reads if r.attention == "core attention"}
-    for r in reads:
-        if r.attention == "whole self-attention":
-            *attn_ln, mla = zip(r.errors, core[r.layout, r.setup].errors)   # paper_cells' order of its fits
-            assert all(w < c for w, c in attn_ln) and mla[0] == mla[1]
-
-
-def test_committed_table_is_current(reads):
-    assert (pt.ROOT / pt.DEFAULT_OUT).read_text() == pt.render(pt.cells(), reads)
+def test_committed_table_is_current():
+    assert (pt.ROOT / pt.DEFAULT_OUT).read_text() == pt.document()

@@ -1,6 +1,8 @@
 """fp4moe.train on one CUDA GPU (marked ``gpu``; skipped without CUDA): the tiny model trains under each recipe and
 each recompute scope with the Triton/cuBLAS paths; peak memory is measured; under mxfp4 a micro-batch saves fewer
-bytes for backward than under fp8 at the same scope. Data: the byte-level stand-in of conftest.py."""
+bytes for backward than under fp8 at the same scope. Every ``optimizer`` group trains on the GPU and holds, on the
+GPU and in pinned host memory, the bytes fp4moe.scale.optimizer_state predicts; offloading lowers the memory a
+step starts with by those bytes. Data: the byte-level stand-in of conftest.py."""
 from __future__ import annotations
 
 import math
@@ -18,15 +20,18 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full", "attn_block_ln_experts", "attn_block_ln_mlp")
 
 
-def _train(tmp_path, precision, recompute):
-    from fp4moe.train.loop import train
-
+def _compose(tmp_path, precision, recompute, *extra):
     over = ["train=short_cpu", "train.progress_bar=false", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
             f"precision={precision}", f"recompute={recompute}", "train.steps=6", "train.eval_interval=null",
-            "train.checkpoint_interval=null", "cluster=workstation_1gpu", "+precision.scope=all_linears"]
+            "train.checkpoint_interval=null", "cluster=workstation_1gpu", "+precision.scope=all_linears", *extra]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=over)
-    return train(cfg)
+        return compose("train", overrides=over)
+
+
+def _train(tmp_path, precision, recompute, *extra):
+    from fp4moe.train.loop import train
+
+    return train(_compose(tmp_path, precision, recompute, *extra))
 
 
 @pytest.mark.parametrize("recompute", SCOPES)
@@ -50,6 +55,30 @@ def test_tiny_model_trains_on_gpu_under_every_recipe(tmp_path, store, recompute)
         assert saved["bf16"] == saved["fp8"] == saved["mxfp4"], saved
     else:
         assert saved["mxfp4"] < saved["fp8"], saved
+
+
+def test_every_optimizer_setting_on_gpu(tmp_path, store):
+    """mxfp4, no recompute, the four optimizer groups: the same first loss, learning, the predicted bytes on the GPU
+    and on the host; the step's starting memory falls by what the state and gradient buffer predictions say."""
+    from omegaconf import OmegaConf
+
+    from fp4moe.scale.optimizer_state import rank_bytes
+
+    start, first = {}, set()
+    for setting in ("gpu_fp32", "distributed", "distributed_bf16_grads", "offload"):
+        cfg = _compose(tmp_path / setting, "mxfp4", "none", f"optimizer={setting}")
+        r = _train(tmp_path / setting, "mxfp4", "none", f"optimizer={setting}")
+        assert r.losses[6] < r.losses[1] - 0.5, (setting, r.losses)
+        first.add(r.losses[1])
+        want = rank_bytes(OmegaConf.to_container(cfg, resolve=True), 0)
+        s = r.summary
+        assert (s["summary/optimizer_state_bytes"], s["summary/optimizer_state_host_bytes"],
+                s["summary/grad_buffer_bytes"]) == (want.state_device, want.state_host, want.grads), setting
+        start[setting] = (s["summary/mem_allocated_at_step_start_gb"] * 2**30, want)
+    assert len(first) == 1  # the same weights and data: the first forward does not depend on the optimizer
+    (dist_mem, d), (off_mem, o) = start["distributed"], start["offload"]
+    freed = (d.state_device + d.grads + d.params) - (o.state_device + o.grads + o.params)
+    assert dist_mem - off_mem == pytest.approx(freed, rel=0.05)
 
 
 def test_micro_batch_on_cuda_is_the_host_batch():

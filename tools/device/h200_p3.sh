@@ -11,7 +11,8 @@
 #   bash tools/device/h200_p3.sh t1 GPU MB GB [PRECS [SCOPES]]  # the T1 twin (16 steps, 10 warm-up), micro-batch MB
 #                                                      # (MB = auto: the one `choose` picked; GB = MB then)
 #   bash tools/device/h200_p3.sh t1cells GPU MB "fp8:attn_ln_mlp ..." [OVERRIDES]  # T1 cells, one process each (16
-#                                                      # steps, the last 6 measured: mxfp4's first 4-12 steps are slow)
+#                                                      # steps, the last 6 measured: mxfp4's first 4-12 steps are slow;
+#                                                      # OVERRIDES e.g. optimizer=offload; BASE=dir: an older trainer)
 #   bash tools/device/h200_p3.sh hostab GPU MB ROUNDS "cell[@VAR=v,VAR=v] ..." [OVERRIDES]  # host-stall A/B: each
 #                                                      # cell in its own process under its env settings, ROUNDS times
 #                                                      # alternated, nvidia-smi + top beside -> $OUT/step_times.md
@@ -20,7 +21,7 @@
 #   bash tools/device/h200_p3.sh profile GPU MB "mxfp4:attn_ln_experts ..."  # torch.profiler, steps 4-5, tables+trace
 #   bash tools/device/h200_p3.sh mem GPU MB "mxfp4:attn_ln_mlp ..."  # what is live at step 3's memory peak, by site
 #   bash tools/device/h200_p3.sh ep2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, EP2 x DP2), per cell
-#   bash tools/device/h200_p3.sh ep2dopt MB "mxfp4:attn_ln_mlp ..."  # ep2 with parallel.distributed_optimizer=true
+#   bash tools/device/h200_p3.sh ep2dopt MB "mxfp4:attn_ln_mlp ..."  # ep2 with optimizer=distributed
 #   bash tools/device/h200_p3.sh mem2 MB "fp8:attn_ln_mlp ..."  # mem on both GPUs, EP2 x DP2 (each rank's trace)
 #   bash tools/device/h200_p3.sh pp2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, PP2, 1F1B over 4
 #                                                      # micro-batches), per cell
@@ -35,6 +36,9 @@
 #   COMMIT=sha bash tools/device/h200_p3.sh reproduce [SECS]  # issue 6: python -m fp4moe.reproduce (make reproduce-table's
 #                                                      # command) for at most SECS (520); the same call again goes on
 #                                                      # (finished cells and benchmarks reused) -> $OUT/repro.tgz
+#   bash tools/device/h200_p3.sh outside [ARGS]         # issue 27: memory outside PyTorch (CUDA context, NCCL with a peer
+#                                                      # when 2 GPUs, the allocator's gap with and without expandable
+#                                                      # segments) -> $OUT/outside_torch_h200.json (ARGS: the tool's)
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -57,6 +61,11 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 COMMON=(train.progress_bar=false hydra/launcher=local)
 # the .git here is the session's base commit: COMMIT=sha names the code (benchmarks and MLflow tags record it)
 if [ -n "${COMMIT:-}" ]; then export FP4MOE_COMMIT=$COMMIT; fi
+# BASE=build/baseline_<sha>: run an earlier commit's trainer (git archive <sha> src kernels conf | tar x -C BASE,
+# carried) beside today's, e.g. COMMIT=<sha> BASE=build/baseline_<sha> bash $0 t1cells 0 64 "mxfp4:attn_ln_experts"
+if [ -n "${BASE:-}" ]; then
+  export PYTHONPATH=$ROOT/$BASE/src:$ROOT/$BASE/kernels:/tmp/site FP4MOE_CONF_DIR=$ROOT/$BASE/conf
+fi
 
 store() { echo "sqlite:///$STATE/mlflow_$1.db"; }
 keep() { cp -f "$STATE"/mlflow_*.db "$OUT"/ 2>/dev/null || true; }
@@ -215,8 +224,7 @@ ep2)  # MB "recipe:scope ...": the proxy on both GPUs, EP2 x DP2 (torchrun), glo
   gpu_cells 2 ep2 "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1))
   ;;
 ep2dopt)  # MB "recipe:scope ...": as ep2, with the distributed optimizer (fp32 masters + Adam moments sharded over DP2)
-  gpu_cells 2 ep2dopt "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1)) \
-    parallel.distributed_optimizer=true
+  gpu_cells 2 ep2dopt "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1)) optimizer=distributed
   ;;
 mem2)  # MB "recipe:scope ...": what is live at step 3's memory peak of EP2 x DP2 cells, on each GPU (profile_rank0/1)
   gpu_cells 2 mem2 "$1" "$2" experiment=proxy_t1_2gpu parallel.global_batch=$((2 * $1)) train.steps=3 \
@@ -273,6 +281,9 @@ reproduce)  # [SECS]: what `make reproduce-table` runs (not make itself: its ven
   new=$(find results/kernels results/moe_layer -newer "$STATE/.repro_call" -type f)
   # shellcheck disable=SC2086
   tar czf "$OUT/repro.tgz" logs/device/mlflow_repro.db logs/device/repro_*.log logs/reproduce results/report $new
+  ;;
+outside)  # [ARGS]: tools/device/measure_outside_torch.py (its docstring says what each part measures)
+  python3 tools/device/measure_outside_torch.py --out "$OUT" "$@" 2>&1 | tee "$OUT/outside_torch.log" | tail -12
   ;;
 conv)  # GPU RECIPE SECS [extra overrides...]
   gpu=$1 recipe=$2 secs=$3; shift 3

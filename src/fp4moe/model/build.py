@@ -161,6 +161,7 @@ def transformer_config(model_cfg: Any, parallel_cfg: Any = None, recompute_cfg: 
         moe_shared_expert_intermediate_size=shared or None,
         moe_router_topk=int(moe["router_topk"]),
         moe_router_score_function=str(moe.get("score_function", "softmax")),
+        moe_router_pre_softmax=bool(moe.get("pre_softmax", False)),  # softmax before the top-k (DeepSeek-V2's)
         moe_router_topk_scaling_factor=moe.get("topk_scaling_factor"),
         moe_router_num_groups=moe.get("num_groups"),
         moe_router_group_topk=moe.get("group_topk"),

@@ -10,6 +10,10 @@
 0b. ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` -> ``None``. moe_utils.py:22-39 imports it only
    when TE is present, but ``RouterGatingLinearFunction`` (moe_utils.py:1192, :1225, used whenever
    ``moe_router_dtype`` is set, e.g. fp32) tests ``te_general_gemm is not None`` -> ``NameError`` without TE.
+0c. ``is_te_min_version`` as megatron's optimizer package sees it (optimizer/optimizer_config.py:383 and
+   optimizer/__init__.py) -> False. megatron/core/utils.py ``is_te_min_version`` compares ``get_te_version()``,
+   None without TE, with a version: ``OptimizerConfig(use_precision_aware_optimizer=True)`` raises TypeError.
+   "TE is at least version x" is False when TE is absent.
 
 Only when CUDA is absent (CPU machine, gloo):
 
@@ -43,8 +47,22 @@ Only when CUDA is absent (CPU machine, gloo):
    language_module.py:244) moves the embedding copy of the last pipeline stage (tied embeddings or MTP, PP > 1)
    with ``weight.data.cuda()`` before all-reducing it from the first stage: on CPU it stays on the CPU.
 
-Only what the tests in tests/model and tests/train exercise is patched; megatron's optimizer (``device='cuda'`` in
-megatron/core/optimizer/optimizer.py) is not: on CPU use fp4moe.train.optim.
+7. megatron's DDP and optimizer modules (distributed/param_and_grad_buffer.py, distributed_data_parallel.py,
+   finalize_model_grads.py, optimizer/optimizer.py, distrib_optimizer.py, clip_grads.py,
+   cpu_offloading/hybrid_optimizer.py, utils.py's ``local_multi_tensor_l2_norm``) allocate with
+   ``device='cuda'`` / ``pin_memory=True``: each module's ``torch`` becomes a view of torch whose tensor
+   factories put such tensors in ordinary CPU memory (as shim 5).
+8. ``Tensor.type()`` without arguments names a CPU floating tensor as its CUDA type ('torch.cuda.BFloat16Tensor'):
+   megatron's optimizers accept parameters by that string (optimizer.py:671, distrib_optimizer.py:361/:420/:582,
+   clip_grads.py:167). Only the no-argument form changes; ``t.type(dtype)`` casts as before.
+9. ``HybridDeviceOptimizer`` (the offloading optimizer) decides what to copy to the host by ``param.is_cuda``
+   (hybrid_optimizer.py:_get_sub_optimizer_param_groups, which pins its host copies) and moves loaded state back
+   with ``.to("cuda")`` (_move_new_state_to_right_device): while it splits its groups, a tensor counts as a device
+   tensor unless it was made by ``.cpu()`` (a copy) or from such a copy (``detach`` / ``clone`` / ``float``), and
+   pinning is a no-op, so on the CPU it builds and runs its real host path
+   (gradients copied to host copies, torch's CPU AdamW, parameters copied back); "cuda" in the move is the CPU.
+
+Only what the tests in tests/model and tests/train exercise is patched.
 """
 
 from __future__ import annotations
@@ -128,18 +146,113 @@ class CPURNGStatesTracker:
             torch.set_rng_state(orig)
 
 
-class _TorchWithCPUZeros:
-    """What megatron's schedules.py sees as ``torch`` on CPU (shim 5): torch itself, except that ``zeros`` with
-    ``device="cuda"`` allocates on the CPU."""
+def _on_cpu(factory: Any) -> Any:
+    """``factory`` (torch.zeros, ...) with ``device="cuda"`` mapped to the CPU and ``pin_memory`` dropped."""
+
+    def make(*args: Any, device: Any = None, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return factory(*args, device=device, **kwargs)
+
+    return make
+
+
+class _TorchOnCPU:
+    """What a patched megatron module sees as ``torch`` on CPU (shims 5 and 7): torch itself, except that its
+    tensor factories put ``device="cuda"`` tensors on the CPU, unpinned."""
+
+    zeros = staticmethod(_on_cpu(torch.zeros))
+    empty = staticmethod(_on_cpu(torch.empty))
+    ones = staticmethod(_on_cpu(torch.ones))
+    full = staticmethod(_on_cpu(torch.full))
+    tensor = staticmethod(_on_cpu(torch.tensor))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
-    @staticmethod
-    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        if device is not None and torch.device(device).type == "cuda":
-            device = "cpu"
-        return torch.zeros(*args, device=device, **kwargs)
+
+# shim 7: megatron modules whose tensors are made on device='cuda' (or pinned) by their own code
+_CUDA_ALLOCATING_MODULES = (
+    "megatron.core.distributed.param_and_grad_buffer", "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.finalize_model_grads", "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer", "megatron.core.utils")
+_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor",
+                    torch.float16: "torch.cuda.HalfTensor"}
+
+
+# shim 9: tensor methods whose result stays where their input is (HybridDeviceOptimizer's host copies)
+_HOST_PROPAGATING = ("detach", "clone", "float")
+
+
+def _apply_optimizer_shims() -> None:
+    """Shims 7-9 (module docstring)."""
+    import importlib
+
+    for name in _CUDA_ALLOCATING_MODULES:
+        importlib.import_module(name).torch = _TorchOnCPU()
+    # 8. the no-argument Tensor.type() of a CPU floating tensor names its CUDA type
+    tensor_type = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return tensor_type(self) if dtype is None else tensor_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_  # type: ignore[method-assign]
+    # 9. HybridDeviceOptimizer: the parameters it is given are device tensors while it splits them
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer as HDO
+
+    split = HDO._get_sub_optimizer_param_groups
+
+    def split_groups(self, offload_fraction):
+        # On a GPU the host copies are the results of .cpu() (pinned), and tensors made from them stay on the host.
+        host: set[int] = set()
+        saved = {name: getattr(torch.Tensor, name) for name in ("is_cuda", "cpu", "pin_memory", *_HOST_PROPAGATING)}
+
+        def host_copy(t, *args, **kwargs):
+            out = t.clone()
+            host.add(id(out))
+            return out
+
+        def propagating(name):
+            method = saved[name]
+
+            def call(t, *args, **kwargs):
+                out = method(t, *args, **kwargs)
+                if id(t) in host:
+                    host.add(id(out))
+                return out
+
+            return call
+
+        torch.Tensor.is_cuda = property(lambda t: id(t) not in host)  # type: ignore[assignment,method-assign]
+        torch.Tensor.cpu = host_copy  # type: ignore[method-assign]
+        torch.Tensor.pin_memory = lambda t, *args, **kwargs: t  # type: ignore[method-assign] # no pinned memory
+        for name in _HOST_PROPAGATING:
+            setattr(torch.Tensor, name, propagating(name))
+        try:
+            return split(self, offload_fraction)
+        finally:
+            for name, method in saved.items():
+                setattr(torch.Tensor, name, method)
+
+    move = HDO._move_new_state_to_right_device
+
+    def move_state(self):
+        to = torch.Tensor.to
+
+        def to_cpu(t, *args, **kwargs):
+            return to(t, *("cpu" if a == "cuda" else a for a in args), **kwargs)
+
+        torch.Tensor.to = to_cpu  # type: ignore[method-assign]
+        try:
+            return move(self)
+        finally:
+            torch.Tensor.to = to  # type: ignore[method-assign]
+
+    HDO._get_sub_optimizer_param_groups = split_groups
+    HDO._move_new_state_to_right_device = move_state
 
 
 _NO_TE_APPLIED = False
@@ -164,6 +277,11 @@ def apply_no_te() -> bool:
         mla.HAVE_TE = False  # multi_latent_attention.py:62 sets True from a MagicMock TELinear
         if not hasattr(moe_utils, "te_general_gemm"):  # moe_utils.py:1192/:1225 NameError without TE
             moe_utils.te_general_gemm = None
+        import megatron.core.optimizer as mopt
+        from megatron.core.optimizer import optimizer_config
+
+        for module in (mopt, optimizer_config):  # 0c: is_te_min_version raises TypeError without TE
+            module.is_te_min_version = lambda *args, **kwargs: False
         _NO_TE_APPLIED = True
     return True
 
@@ -206,7 +324,7 @@ def apply() -> bool:
     # 5. pipeline_parallel/schedules.py total_num_tokens = torch.zeros([], ..., device="cuda")
     from megatron.core.pipeline_parallel import schedules
 
-    schedules.torch = _TorchWithCPUZeros()  # type: ignore[assignment]
+    schedules.torch = _TorchOnCPU()  # type: ignore[assignment]
     # 6. language_module.py:244 weight.data.cuda() of the last stage's embedding copy (tied / MTP, PP > 1)
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
@@ -221,6 +339,7 @@ def apply() -> bool:
             torch.Tensor.cuda = cuda  # type: ignore[method-assign]
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer  # type: ignore
+    _apply_optimizer_shims()  # 7-9: megatron's DDP and optimizers
     _APPLIED = True
     return True
 

@@ -1,45 +1,54 @@
 """The paper-scale model's side of the report: fp4moe.scale's per-GPU memory for T1's cells, and what-ifs.
 
-Checked on one and two H200s: fp4moe.scale's peak memory is within 5 % of every H200 proxy run of the checked code
-versions, on one GPU and over NCCL (EP2 x DP2, PP2; results/scale/calibration.md), not at paper scale, so every
-number from here is a prediction, labelled ``MODEL_LABEL``. GB here are fp4moe.scale's (2**30 B); "% of 80 GB" divides by 80 of them.
+Each cell is what ``experiment=paper_t1`` runs (the lab's setup, conf/experiment/paper_t1.yaml) under the model's
+assumption set ``fp4moe.scale.paper_t1.PAPER_SETUP`` (``ASSUMPTION_SET`` in words), labelled ``MODEL_LABEL``. What
+is checked, and where: the model's allocated peak against H200 proxy runs on one and two GPUs (within 5 %,
+results/scale/calibration.md); nothing at paper scale, so every number from here is a prediction. The total is what
+nvidia-smi would show (allocated + the memory outside PyTorch); GB are 2**30 B; "% of 80 GB" divides by 80 of them.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
-MODEL_LABEL = "model, checked on 1-2 H200s"
+MODEL_LABEL = "model (paper_t1 setup)"
 SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")
 RECIPES = ("bf16", "fp8", "mxfp4")
+ATTENTION = ("self_attention", "core_attn")   # the whole attention block (the config's reading) or core attention
 
 
-def _row(scope: str, recipe: str, b: Any, gpu_memory_gb: float) -> dict[str, Any]:
-    return {"scope": scope, "recipe": recipe, "total_gb": b.total_gb, "pct_of_gpu": 100.0 * b.total_gb / gpu_memory_gb,
-            "fits": b.fits(gpu_memory_gb), "pipeline_rank": b.pipeline_rank, "in_flight": b.in_flight,
-            "peak_phase": b.peak_phase,
-            **{f"{name}_gb": b.gb(name) for name in ("params", "grads", "optimizer", "activations", "held",
-                                                      "static_buffers", "transient", "loss_transient", "a2a_buffers",
-                                                      "expert_backward", "recompute_transient", "head_saved")}}
+def assumption_set() -> str:
+    """The model column's assumption set in words (config + the model's own assumptions)."""
+    from fp4moe.scale.paper_t1 import PAPER_SETUP, setup_label
+
+    return setup_label(PAPER_SETUP)
 
 
-def assumptions(precision_aware_optimizer: bool = False, attention: str = "core_attn") -> Any:
-    """fp4moe.scale's defaults, or (True) BF16 main grads with the optimizer states offloaded to the host: the
-    setup of the paper lab's sister scripts, an open question of the model (fp4moe.scale.memory docstring).
-    ``attention``: what the scopes' "attention" recomputes, ``core_attn`` or ``self_attention`` (the whole block,
-    the reading results/scale/paper_t1.md supports)."""
-    from fp4moe.scale import MemoryAssumptions
-
-    if precision_aware_optimizer:
-        return MemoryAssumptions(grad_bytes=2, optimizer_offload=True, attn_recompute=attention)
-    return MemoryAssumptions(attn_recompute=attention)
+def _row(cell: Any, gpu_memory_gb: float) -> dict[str, Any]:
+    return {"scope": cell.scope, "recipe": cell.recipe, "recompute": cell.recompute, "total_gb": cell.total_gib,
+            "allocated_gb": cell.allocated_gib, "mean_gb": cell.mean_gib,
+            "pct_of_gpu": 100.0 * cell.total_gib / gpu_memory_gb, "fits": cell.total_gib <= gpu_memory_gb,
+            "pipeline_rank": cell.rank, "in_flight": cell.in_flight, **{f"{k}_gb": v for k, v in cell.parts.items()}}
 
 
-def t1_prediction(gpu_memory_gb: float = 80.0, memory_assumptions: Any = None) -> list[dict[str, Any]]:
-    """fp4moe.scale.paper_t1_prediction as rows (scope, recipe, total_gb, pct_of_gpu, fits, components)."""
-    from fp4moe.scale import paper_t1_prediction
+def _recompute(attention: str | None) -> dict[str, str] | None:
+    from fp4moe.scale import paper_t1
 
-    cells = paper_t1_prediction(memory_assumptions, gpu_memory_gb=gpu_memory_gb)
-    return [_row(s, r, cells[s][r], gpu_memory_gb) for s in SCOPES for r in RECIPES]
+    if attention not in (None, *ATTENTION):
+        raise ValueError(f"attention={attention!r}: one of {ATTENTION}")
+    return paper_t1.CORE_ATTENTION if attention == "core_attn" else None
+
+
+def t1_prediction(gpu_memory_gb: float = 80.0, memory_assumptions: Any = None, *, optimizer: str | None = None,
+                  attention: str | None = None, overrides: Sequence[str] = (),
+                  recipes: Sequence[str] = RECIPES) -> list[dict[str, Any]]:
+    """The model's T1 cells as rows (scope, recipe, recompute, total_gb, allocated_gb, mean_gb, pct_of_gpu, fits,
+    components): experiment=paper_t1 with ``overrides`` (``optimizer``: another conf/optimizer group; ``attention``:
+    'core_attn' for megatron's core attention) under ``memory_assumptions`` (default ``PAPER_SETUP``)."""
+    from fp4moe.scale import paper_t1
+
+    extra = [*overrides, *([f"optimizer={optimizer}"] if optimizer else [])]
+    cells = paper_t1.cells(memory_assumptions or paper_t1.PAPER_SETUP, extra, _recompute(attention), recipes=recipes)
+    return [_row(c, gpu_memory_gb) for c in cells]
 
 
 def even_layout(num_layers: int, pipeline: int, mtp_layers: int = 0) -> str:
@@ -54,42 +63,40 @@ def even_layout(num_layers: int, pipeline: int, mtp_layers: int = 0) -> str:
     return "|".join(stages)
 
 
-def what_if(*, model: str = "dsv3_671b", parallel: str = "paper_671b", expert: int | None = None,
-            pipeline: int | None = None, micro_batch: int | None = None, seq_length: int | None = None,
-            scopes: tuple[str, ...] = SCOPES, recipes: tuple[str, ...] = RECIPES,
-            gpu_memory_gb: float = 80.0, memory_assumptions: Any = None) -> list[dict[str, Any]]:
-    """Predicted peak memory per (scope, recipe) with some parallel settings changed (world size fixed: data
-    parallel = world / (tensor x pipeline x context)); a changed pipeline gets ``even_layout``. Raises
+def what_if(*, expert: int | None = None, pipeline: int | None = None, micro_batch: int | None = None,
+            seq_length: int | None = None, optimizer: str | None = None, attention: str | None = None,
+            scopes: tuple[str, ...] = SCOPES, recipes: tuple[str, ...] = RECIPES, gpu_memory_gb: float = 80.0,
+            memory_assumptions: Any = None) -> list[dict[str, Any]]:
+    """Predicted peak memory per (scope, recipe) of experiment=paper_t1 with some settings changed (world size
+    fixed: data parallel = world / (tensor x pipeline x context)); a changed pipeline gets ``even_layout``. Raises
     ValueError for a layout that does not divide."""
-    from fp4moe.scale import compose_cfg, per_gpu_memory
+    from fp4moe.scale import paper_t1
+    from fp4moe.scale.memory import experiment_cfg
 
-    rows = []
-    for scope in scopes:
-        for recipe in recipes:
-            cfg = compose_cfg(model, parallel, scope, recipe)
-            p = cfg.parallel
-            if expert is not None:
-                p.expert = int(expert)
-            if micro_batch is not None:
-                p.micro_batch = int(micro_batch)
-            if seq_length is not None:
-                p.seq_length = int(seq_length)
-            if pipeline is not None and int(pipeline) != int(p.pipeline):
-                p.pipeline = int(pipeline)
-                p.pipeline_layout = even_layout(int(cfg.model.num_layers), int(pipeline),
-                                                int(cfg.model.get("mtp_num_layers") or 0))
-            world, tp, pp, cp = int(p.world_size), int(p.tensor), int(p.pipeline), int(p.context)
-            if world % (tp * pp * cp):
-                raise ValueError(f"world size {world} is not a multiple of TP x PP x CP = {tp * pp * cp}")
-            p.data = world // (tp * pp * cp)
-            if world % (int(p.expert) * int(p.expert_tensor) * pp):
-                raise ValueError(f"world size {world} is not a multiple of EP x ETP x PP")
-            if int(cfg.model.moe.num_experts) % int(p.expert):
-                raise ValueError(f"{cfg.model.moe.num_experts} experts do not split over EP={p.expert}")
-            rows.append({**_row(scope, recipe, per_gpu_memory(cfg, memory_assumptions), gpu_memory_gb),
-                         "tp": tp, "pp": pp, "ep": int(p.expert), "dp": int(p.data), "micro_batch": int(p.micro_batch),
-                         "seq_length": int(p.seq_length)})
-    return rows
+    base = experiment_cfg(paper_t1.EXPERIMENT)
+    p, m = base.parallel, base.model
+    ep, pp = int(expert or p.expert), int(pipeline or p.pipeline)
+    world, tp, cp = int(p.world_size), int(p.tensor), int(p.context)
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not a multiple of TP x PP x CP = {tp * pp * cp}")
+    if world % (ep * int(p.expert_tensor or tp) * pp):
+        raise ValueError(f"world size {world} is not a multiple of EP x ETP x PP")
+    if int(m.moe.num_experts) % ep:
+        raise ValueError(f"{m.moe.num_experts} experts do not split over EP={ep}")
+    over = [f"parallel.expert={ep}", f"parallel.data={world // (tp * pp * cp)}"]
+    if pp != int(p.pipeline):
+        layout = even_layout(int(m.num_layers), pp, int(m.get("mtp_num_layers") or 0))
+        over += [f"parallel.pipeline={pp}", f"parallel.pipeline_layout='{layout}'"]
+    if micro_batch is not None:
+        over.append(f"parallel.micro_batch={int(micro_batch)}")
+    if seq_length is not None:
+        over.append(f"parallel.seq_length={int(seq_length)}")
+    rows = [r for r in t1_prediction(gpu_memory_gb, memory_assumptions, optimizer=optimizer, attention=attention,
+                                     overrides=over, recipes=recipes) if r["scope"] in scopes]
+    par = {"tp": tp, "pp": pp, "ep": ep, "dp": world // (tp * pp * cp),
+           "micro_batch": int(micro_batch or p.micro_batch), "seq_length": int(seq_length or p.seq_length)}
+    return [{**r, **par} for r in rows]
 
 
-__all__ = ["MODEL_LABEL", "RECIPES", "SCOPES", "assumptions", "even_layout", "t1_prediction", "what_if"]
+__all__ = ["ATTENTION", "MODEL_LABEL", "RECIPES", "SCOPES", "assumption_set", "even_layout", "t1_prediction",
+           "what_if"]

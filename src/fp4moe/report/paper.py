@@ -37,9 +37,18 @@ def t2_rows(numbers: dict[str, Any]) -> list[dict[str, Any]]:
             for key, r in t2["rows"].items()]
 
 
+def sister_memory_cells(numbers: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sister artifact's DeepSeek-V3 peak memory (not the paper's): layout ('ep8' | 'ep16' | 'ep32'), ac ('full'
+    | 'sel'), recipe, gb (None: OOM), oom, source, file, units."""
+    s = numbers["sister_dsv3_memory"]
+    return [{"layout": layout, "ac": ac, "recipe": recipe, "gb": None if gb is None else float(gb), "oom": gb is None,
+             "source": s["source"], "file": s["file"], "units": s["units"]}
+            for layout, acs in s["cells"].items() for ac, row in acs.items() for recipe, gb in row.items()]
+
+
 def source_of(numbers: dict[str, Any], key: str) -> str:
     """The ``source`` of a top-level block (abstract / secondary-summary)."""
     return str(numbers[key].get("source", "unknown"))
 
 
-__all__ = ["NUMBERS", "load", "t1_cells", "t2_rows", "source_of"]
+__all__ = ["NUMBERS", "load", "t1_cells", "t2_rows", "sister_memory_cells", "source_of"]

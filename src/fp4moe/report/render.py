@@ -48,6 +48,7 @@ class Report:
     throughput: list[tuple[str, float | None, list[float]]] | None = None
     throughput_cases: list[str] = field(default_factory=list)
     throughput_error: str | None = None
+    model_assumptions: str = ""    # the model column's assumption set in words (fp4moe.report.model.assumption_set)
 
 
 def _store_label(uri: str) -> str:
@@ -71,12 +72,12 @@ def build_report(where: str | os.PathLike | None = None, *, with_model: bool = T
     st = store_mod.load(where)
     numbers = paper_mod.load(numbers_path)
     gpu_gb = float(numbers["t1"]["setup"]["gpu_memory_gb"])
-    model_rows, model_error = None, None
+    model_rows, model_error, model_assumptions = None, None, ""
     if with_model:
-        from .model import t1_prediction
+        from .model import assumption_set, t1_prediction
 
         try:
-            model_rows = t1_prediction(gpu_gb)
+            model_rows, model_assumptions = t1_prediction(gpu_gb), assumption_set()
         except Exception as exc:  # noqa: BLE001 - the report still shows paper and measured numbers; it says why
             model_error = f"{type(exc).__name__}: {exc}"
     trainer, kernels, layer = tables.split_store(st.runs)
@@ -88,7 +89,8 @@ def build_report(where: str | os.PathLike | None = None, *, with_model: bool = T
         curves.setdefault(row["config"], {})[row["recipe"]] = st.history(row["run_id"], "loss")
     rep = Report(_store_label(st.uri), numbers, gpu_gb, t1, found, model_rows, model_error,
                  tables.f3_rows(kernels), tables.f4_rows(layer), f5, curves,
-                 {"trainer": len(trainer), "kernels": len(kernels), "moe_layer": len(layer), "all": len(st.runs)})
+                 {"trainer": len(trainer), "kernels": len(kernels), "moe_layer": len(layer), "all": len(st.runs)},
+                 model_assumptions=model_assumptions)
     if with_model:
         from fp4moe.scale import throughput
 
@@ -182,12 +184,16 @@ def markdown(rep: Report) -> str:
            f"- **measured**: runs in the MLflow store {rep.store_label}: {rep.counts['trainer']} trainer runs, "
            f"{rep.counts['kernels']} `kernels` runs, {rep.counts['moe_layer']} `moe_layer` runs. Each measured "
            "number names its hardware and scale; the MLflow run ids are in the CSV files.",
-           f"- **{MODEL_LABEL}**: `fp4moe.scale`, the paper-scale memory model from first principles (DeepSeek-V3 "
-           "671B, `conf/parallel/paper_671b.yaml`: TP1 PP32 EP8 DP8, micro-batch 1, seq 4096). Against the "
-           "H200 proxy runs, on one GPU and on two over NCCL (EP2 x DP2, PP2), its saved activations agree tensor "
-           "by tensor and its peak is within 5 % in every run (results/scale/calibration.md, issue 6); it is NOT "
-           "checked at this scale (32 pipeline stages, EP8, the distributed optimizer), so these cells are "
-           "predictions of its arithmetic, not results. GB = 2^30 B.", ""]
+           f"- **{MODEL_LABEL}**: `fp4moe.scale`, the paper-scale memory model from first principles, for each "
+           "cell as `python -m fp4moe.train experiment=paper_t1` runs it (the lab's setup from its sister artifact: "
+           "DeepSeek-V3 without MTP, TP1 PP32 EP8 DP8, micro-batch 1, BF16 main grads with the optimizer state "
+           "offloaded, the paper's \"attention\" read as the whole self-attention block). **Assumption set**: "
+           f"{rep.model_assumptions}. The peak is the most loaded GPU's, as nvidia-smi would show it (PyTorch's "
+           "allocated peak + the memory outside it). What is checked: the allocated peak against H200 proxy runs "
+           "on one GPU and on two over NCCL (EP2 x DP2, PP2), within 5 % in every run (results/scale/"
+           "calibration.md). NOT checked: anything at this scale (32 pipeline stages, EP8, the offloaded "
+           "optimizer), so these cells are predictions of its arithmetic, not results; results/scale/paper_t1.md "
+           "has how each assumption moves them. GB = 2^30 B.", ""]
 
     # ---- T1
     out += ["## T1: throughput and peak memory per recompute scope x recipe", ""]
@@ -378,12 +384,11 @@ def _csv(rows: list[dict], columns: Iterable[str]) -> bytes:
     return buf.getvalue().encode()
 
 
-# total_gb = params + grads + optimizer + activations + held + static_buffers + transient (the largest phase,
-# peak_phase); the columns after it are the terms the phases are made of (fp4moe.scale.memory, part (e))
-MODEL_COLUMNS = ("scope", "recipe", "total_gb", "pct_of_gpu", "fits", "pipeline_rank", "in_flight", "params_gb",
-                 "grads_gb", "optimizer_gb", "activations_gb", "held_gb", "static_buffers_gb", "transient_gb",
-                 "peak_phase", "loss_transient_gb", "a2a_buffers_gb", "expert_backward_gb", "recompute_transient_gb",
-                 "head_saved_gb")
+# total_gb = allocated_gb (params + grads + optimizer + activations + transient) + cuda_context + nccl + deepep +
+# allocator_gap (fp4moe.scale.memory, parts (a)-(f)); optimizer_host_gb is in host memory, in neither
+MODEL_COLUMNS = ("scope", "recipe", "recompute", "total_gb", "allocated_gb", "mean_gb", "pct_of_gpu", "fits",
+                 "pipeline_rank", "in_flight", "params_gb", "grads_gb", "optimizer_gb", "optimizer_host_gb",
+                 "activations_gb", "transient_gb", "cuda_context_gb", "nccl_gb", "deepep_gb", "allocator_gap_gb")
 
 
 def _png(fig) -> bytes:

@@ -1,8 +1,9 @@
 """The report's tables as plain rows (dicts), from paper numbers, run records and model rows. No I/O here.
 
 Every row says where its numbers come from: ``source`` is ``paper (<numbers.yaml source>)``, ``measured`` (with
-the setup: hardware, model config, layout, MLflow run id) or ``model, checked on 1-2 H200s``. A value that does not exist
-is ``None`` with a ``status`` saying why (``OOM``, ``not measured``); nothing is filled in.
+the setup: hardware, model config, layout, MLflow run id) or ``fp4moe.report.model.MODEL_LABEL`` (the model for
+experiment=paper_t1). A value that does not exist is ``None`` with a ``status`` saying why (``OOM``, ``not
+measured``); nothing is filled in.
 """
 from __future__ import annotations
 
@@ -128,9 +129,9 @@ def t1_rows(paper_cells: list[dict], trainer_runs: list[RunRecord], model_rows: 
             m = model.get((scope, recipe))
             if model_rows is not None:
                 if m is None:
-                    rows.append({**base, "source": MODEL_LABEL, "setup": "paper_671b", "status": "not modelled"})
+                    rows.append({**base, "source": MODEL_LABEL, "setup": "experiment=paper_t1", "status": "not modelled"})
                 else:
-                    rows.append({**base, "source": MODEL_LABEL, "setup": "paper_671b",
+                    rows.append({**base, "source": MODEL_LABEL, "setup": "experiment=paper_t1",
                                  "status": "fits" if m["fits"] else OOM, "peak_memory_gb": m["total_gb"],
                                  "peak_memory_pct": m["pct_of_gpu"], "pct_basis": f"{gpu_memory_gb:g} GB"})
     return rows, found

@@ -13,7 +13,7 @@ Measured (runs archives in results/train_proxy/, format fp4moe-runs/1, loaded wi
   (fp4moe.train.metrics: GB = 2**30 B). OOM cells have no peak; their saved bytes were measured before the OOM.
 
 Predicted: each run's configuration is rebuilt from its logged params (the resolved Hydra config) and evaluated by
-``memory.per_gpu_memory`` (static + saved + the largest phase transient, all from tensor shapes) under the
+``memory.Breakdown.allocated_bytes`` (static + saved + the largest phase transient, all from tensor shapes) under the
 assumptions that describe the code the run measured (``code_of``): today's code is ``FIRST_PRINCIPLES`` (what
 fp4moe.train keeps); the archives of commit 38f25cd (and the older NCCL one) measured ``MEASURED_CODE``, today's plus
 two wastes found in their memory traces and removed since (``memory.MemoryAssumptions``:
@@ -33,7 +33,7 @@ from typing import Sequence
 
 from omegaconf import OmegaConf
 
-from .memory import GB, NOT_IN_STANDALONE_LAYER, MemoryAssumptions, compose_cfg, per_gpu_memory, per_stage_memory
+from .memory import GB, NOT_IN_STANDALONE_LAYER, Breakdown, MemoryAssumptions, compose_cfg, per_stage_memory
 
 ROOT = Path(__file__).resolve().parents[3]
 ARCHIVES = (   # one GPU
@@ -66,7 +66,8 @@ NCCL_ARCHIVES = ("results/train_proxy/proxy_nccl_h200x2_2026-11-30_61f1fcb.json"
 OUTSIDE_CHECK = ("proxy_nccl_h200x2_2026-11-30_924b9ef.json",)
 DEFAULT_OUT = "results/scale/calibration.md"
 TARGET_PCT = 5.0  # issue 6: predicted peak within 5 % of measured for every recipe x recompute cell run
-GROUPS = ("model", "parallel", "precision", "recompute")
+GROUPS = ("model", "parallel", "precision", "recompute", "optimizer", "train")
+OPTIONAL_GROUPS = ("optimizer", "train")   # absent from older runs' params (the optimizer group came with issue 27)
 
 # What fits on one H200, measured (results/train_proxy/README.md section 19, seven OOM runs of 67e6650): torch's
 # total capacity (cudaMemGetInfo; nvidia-smi's 140.40 GiB less what the driver keeps) less the process's memory
@@ -87,10 +88,14 @@ def fit_outcome(pred_peak_gib: float, usable_gib: float = H200_USABLE_GIB) -> st
     lo, hi = (pred_peak_gib / (1 + e) for e in reversed(PEAK_ERR_RANGE))
     return "fits" if hi <= usable_gib else ("OOM" if lo > usable_gib else "edge")
 
-# What fp4moe.train keeps on one GPU (fp4moe.train.optim): 2 B BF16 weight + 4 B FP32 master + 8 B AdamW m, v per
+# What fp4moe.train kept on one GPU before megatron's DDP (its own optimizer, every archive below): 2 B BF16 weight + 4 B FP32 master + 8 B AdamW m, v per
 # parameter, no distributed optimizer (one GPU); 4 B FP32 gradient accumulators only once a step's first
 # micro-batch has finished its backward; FP8 column copies padded per expert as real (uneven) routing pads them.
 FIRST_PRINCIPLES = MemoryAssumptions(main_grad_resident="after_first_micro_batch", expert_padding="expected")
+# The trainer since issue 27 (megatron-core's DDP and optimizer, fp4moe.train.optim): the main-gradient buffer exists
+# from the start (and each BF16 .grad is folded into it as it is made); the archives above measured the trainer
+# before it (its own optimizer: FIRST_PRINCIPLES). What --check compares new runs with by default.
+DDP_CODE = replace(FIRST_PRINCIPLES, main_grad_resident="always")
 # The code the archives measured (commit 38f25cd): the routed experts' backward kept an unused [R, H] GEMM output,
 # dZ and the decoded H until it returned; the norm checkpoints kept their BF16 input beside the MXFP4 cache.
 MEASURED_CODE = replace(FIRST_PRINCIPLES, expert_backward_keeps_dead=True, norm_cache_keeps_bf16=True)
@@ -156,7 +161,8 @@ def _value(text: str):
 
 
 def cfg_from_params(params: dict) -> dict:
-    """The four config groups the memory model reads, rebuilt from a run's flattened params."""
+    """The config groups the memory model reads, rebuilt from a run's flattened params (``optimizer`` and ``train``
+    only where the run logged them: without them the model takes ``parallel.distributed_optimizer``'s setting)."""
     out: dict = {g: {} for g in GROUPS}
     for key, text in params.items():
         group, _, rest = key.partition(".")
@@ -167,7 +173,7 @@ def cfg_from_params(params: dict) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = _value(text)
-    return out
+    return {g: v for g, v in out.items() if v or g not in OPTIONAL_GROUPS}
 
 
 def load_cells(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT) -> list[Cell]:
@@ -251,6 +257,12 @@ class Row:
         return self.cell.peak_gib is not None and Path(self.cell.archive).name not in OUTSIDE_CHECK
 
 
+def allocated_peak(cfg, a: MemoryAssumptions) -> Breakdown:
+    """The pipeline rank with the largest allocated peak (``Breakdown.allocated_bytes``, what
+    ``torch.cuda.max_memory_allocated`` measures; the memory outside PyTorch is not part of it)."""
+    return max(per_stage_memory(cfg, a), key=lambda x: x.allocated_bytes)
+
+
 def table(cells: Sequence[Cell] | None = None, measured: MemoryAssumptions | None = None,
           now: MemoryAssumptions = FIRST_PRINCIPLES) -> list[Row]:
     """One row per cell, predicted for the code the run measured (``measured``, default: ``code_of`` its archive)
@@ -264,11 +276,10 @@ def table(cells: Sequence[Cell] | None = None, measured: MemoryAssumptions | Non
         # the routing each run measured: its first step's for the saved bytes, the largest for the peak
         first = replace(code, expert_rows_factor=c.rows_factor_first or 1.0)
         top, top_now = (replace(x, expert_rows_factor=c.rows_factor_max or 1.0) for x in (code, now))
-        stages = per_stage_memory(cfg, top)
-        b = max(stages, key=lambda x: x.total_bytes)
+        b = allocated_peak(cfg, top)
         static = (b.params_bytes + b.grads_bytes + b.optimizer_bytes) / GB
         saved = sum(x.per_microbatch_activation_bytes for x in per_stage_memory(cfg, first))
-        rows.append(Row(c, saved, b.total_gb, b.peak_phase, static, per_gpu_memory(cfg, top_now).total_gb))
+        rows.append(Row(c, saved, b.allocated_gb, b.peak_phase, static, allocated_peak(cfg, top_now).allocated_gb))
     return rows
 
 
@@ -428,7 +439,7 @@ def fit_rows(archives: Sequence[str | Path] = ARCHIVES, root: Path = ROOT,
         for r in load(path)["runs"]:
             t = r["tags"]
             cfg = OmegaConf.create(cfg_from_params(r["params"]))
-            pred = per_gpu_memory(cfg, code_of(path.name)).total_bytes / GB
+            pred = allocated_peak(cfg, code_of(path.name)).allocated_gb
             out.append(FitRow(path.name, t["recipe"], t["recompute"], int(cfg.parallel.micro_batch),
                               "OOM" if t.get("outcome") == "OOM" else "ok", pred, fit_outcome(pred, usable_gib)))
     return out
@@ -621,7 +632,7 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
         "- **saved**: bytes one micro-batch's forward keeps for backward, parameters excluded "
         "(`saved_activation_bytes_per_micro_batch`, fp4moe.ops.accounting) vs the model's "
         "`per_microbatch_activation_bytes`, in GB = 10^9 B (exact bytes: tests/scale/test_calibration.py).",
-        "- **peak**: `torch.cuda.max_memory_allocated` in GiB (2^30 B) vs the model's `total_bytes` for the code "
+        "- **peak**: `torch.cuda.max_memory_allocated` in GiB (2^30 B) vs the model's `allocated_bytes` for the code "
         "the run measured (**code**: 38f25cd = `MEASURED_CODE`, with the two wastes removed since; 61f1fcb, "
         "49a089e, fe9934e, 52fe029, 7a8040d, 841bf8a, 44185b9, 390a277 and 1fb1546 = today's, `FIRST_PRINCIPLES`; "
         "61f1fcb still packed MLA's RoPE frequencies under mxfp4 mla_up_proj): static + saved + the largest of "
@@ -654,9 +665,10 @@ def render(rows: Sequence[Row], date: str | None = None, commit: str | None = No
     return "\n".join(lines + render_nccl(nccl_rows) + render_fits(fits) + render_layer(layer)) + "\n" + NOTES
 
 
-def check(sources: Sequence[str | Path], code: MemoryAssumptions = FIRST_PRINCIPLES) -> tuple[str, list[Row]]:
+def check(sources: Sequence[str | Path], code: MemoryAssumptions = DDP_CODE) -> tuple[str, list[Row]]:
     """Runs measured elsewhere (runs archives, or MLflow stores: a .db file, a folder holding mlflow.db or a URI)
-    against the model for ``code`` (default: today's code): a Markdown table and its rows. For the check of new
+    against the model for ``code`` (default: today's trainer, megatron-core's DDP: ``DDP_CODE``; the archived runs'
+    trainer is ``FIRST_PRINCIPLES``): a Markdown table and its rows. For the check of new
     H200 runs before they are archived, e.g. ``python -m fp4moe.scale.calibration --check logs/device/mlflow_probe16_gpu0.db``."""
     import tempfile
 
@@ -675,7 +687,8 @@ def check(sources: Sequence[str | Path], code: MemoryAssumptions = FIRST_PRINCIP
         rows = table(load_cells(archives), measured=code, now=code)
     peak = [r for r in rows if r.cell.peak_gib is not None]
     ok = sum(bool(r.within_target) for r in peak)
-    which = "today's code" if code == FIRST_PRINCIPLES else "the code described by the given assumptions"
+    which = {DDP_CODE: "today's trainer (megatron-core's DDP)", FIRST_PRINCIPLES: "the trainer before megatron's DDP"
+             }.get(code, "the code described by the given assumptions")
     lines = [f"{ok} of {len(peak)} measured peaks within {TARGET_PCT:g} % of the model for {which}.", "",
              "| recipe | recompute | layout | micro-batch | saved meas. (GB) | saved pred. (GB) | peak meas. (GiB) | "
              "peak pred. (GiB) | err % | phase |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -694,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--commit", default=None, help="commit written in the header (default: git HEAD)")
     ap.add_argument("--check", nargs="+", metavar="ARCHIVE_OR_STORE", default=None,
                     help="instead: compare these runs (archives .json, or MLflow stores) with the model for today's "
-                         "code and print the table (nothing written)")
+                         "trainer (DDP_CODE) and print the table (nothing written)")
     args = ap.parse_args(argv)
     if args.check:
         text, _ = check(args.check)

@@ -6,28 +6,32 @@ micro-batches in flight; nothing is fitted. Checked against the measured H200 pr
 ``saved_activation_bytes_per_micro_batch`` to 76 B (bf16, mxfp4) or 0.004 % (fp8: real routing's expert padding) in
 every leak-free run, every recipe x recompute scope x micro-batch. The PEAK is static + saved + the largest of three
 phase transients (e): the head's, the last MoE layer's forward and its routed experts' backward, each from tensor
-shapes; calibration.md says in which cells it is within 5 % and what the others miss. Other gaps are named fields of
-``MemoryAssumptions`` (allocator overhead, DeepEP buffers) that default to 0 until measured.
+shapes; calibration.md says in which cells it is within 5 % and what the others miss. What nvidia-smi shows beyond
+that (CUDA context, NCCL and DeepEP buffers, the allocator's gap) is part (f), measured terms.
 No torch import: configs and arithmetic only.
 
 Units: bytes internally; ``Breakdown.gb(component)`` and ``total_gb`` are GB = 2**30 bytes (GiB, as torch memory reports are usually read;
 an "80 GB" H100/H800 has 80 GiB of HBM). Whether the paper's "% of 80 GB" uses 10**9 or 2**30 is not known.
 
-(a) Parameters, gradients, optimizer state (megatron-core DDP + distributed optimizer, BF16 training)
-------------------------------------------------------------------------------------------------------
-Per parameter held by a GPU (``MemoryAssumptions`` defaults):
+(a) Parameters, gradients, optimizer state (megatron-core's DDP and optimizer, the config's ``optimizer`` group)
+-----------------------------------------------------------------------------------------------------------------
+Exactly as megatron-core 0.16.1 lays them out on one rank: ``fp4moe.scale.optimizer_state.rank_bytes`` for every
+model chunk of the rank, from the config's ``optimizer`` group (``fp4moe.config.OptimizerSetting``; a config from
+before that group, the archived runs' params, falls back to ``parallel.distributed_optimizer`` with FP32 grads):
 
-    BF16 model parameter                      2 B   every rank that holds the parameter
-    FP32 main-gradient buffer                 4 B   full size on every rank (megatron's grad buffer; the
-                                                    reduce-scatter writes into it, the buffer is not sharded)
-    FP32 main parameter + Adam m + Adam v    12 B   / shard size with the distributed optimizer
+    parameters     BF16 (``train.params_dtype``), in the distributed optimizer's padded parameter buffer
+    gradients      the DDP gradient buffer, FP32 or BF16 (``main_grads_dtype``), full size on every rank
+    optimizer      FP32 main params + Adam m, v of the elements the rank owns (its 1/d of every bucket with the
+                   distributed optimizer, d = DP x CP for dense parameters, expert-DP for routed experts under EP),
+                   + the FP32 gradient copy of megatron's HybridDeviceOptimizer with BF16 main grads (16 B per
+                   owned element instead of 12); the offloaded share lives in host memory (``optimizer_host``, not
+                   in the GPU total)
 
-i.e. megatron's documented "6 + 12/d" bytes per parameter for BF16 params with FP32 grads. The shard size d is
-the data-parallel group (DP x CP) for dense parameters (attention, norms, router, shared experts, dense MLPs,
-embedding, head) and the expert-data-parallel group EDP = world / (ETP x EP x PP) for routed-expert parameters.
-Without ``parallel.distributed_optimizer`` d = 1. The sister scripts of the paper's lab used a
-"precision-aware optimizer with BF16 main grads" and optimizer offload (notes/paper-details.md §1.2); that is
-``MemoryAssumptions(grad_bytes=2, optimizer_offload=True)`` here and is NOT the default (open question for P5).
+The distributed optimizer gives the data-parallel ranks of a stage slightly different shares (bucket padding):
+each pipeline rank's Breakdown is its most loaded data-parallel rank's, ``optimizer_mean_bytes`` the mean over its
+data-parallel ranks (``mean_total_bytes``). ``MemoryAssumptions.main_grad_resident='after_first_micro_batch'``
+describes the trainer before megatron's DDP (the archived H200 runs): its FP32 gradient accumulators existed only
+once a step had finished its first micro-batch.
 
 Parameters of a pipeline stage: the letters of ``parallel.pipeline_layout`` (``config.parse_pipeline_layout``:
 E embedding, t transformer layer, m MTP layer, L final norm + output head + loss), else num_layers / PP
@@ -112,8 +116,8 @@ self-attention block, use ``attn_recompute='self_attention'`` (what conf/recompu
 ``self_attention`` module; such a config sets it itself): then only the block input (attn.ln_out, freed by the
 layernorm recompute) is kept from the attention, plus under mxfp4's recompute caches the block checkpoint's MXFP4
 copy of it (attn.ckpt_in).
-With core_attn no usable capacity separates the paper's nine cells as it does, with self_attention one does in
-every layout the lab ran (results/scale/paper_t1.md, fp4moe.scale.paper_t1.readings).
+experiment=paper_t1 runs the whole block (conf/experiment/paper_t1.yaml says why); results/scale/paper_t1.md has
+both readings.
 
 Recompute transient: while a layer's backward runs, what the scope recomputed exists again for that layer and
 micro-batch. At the routed experts' backward (part (e)) that is: attn_ln_experts, the experts' recomputed tensors
@@ -139,12 +143,11 @@ approximation). Each rank's peak is taken at the end of its warm-up; the model r
 ---------------------------------------------------------------------------
 send + receive buffers of the largest of the four all-to-alls of a MoE layer: dispatch forward (R rows of the
 dispatch codec + fp32 probs), combine forward (R x 2H bf16), and the two gradient all-to-alls (R rows of
-``recipe.backward_a2a``). DeepEP's (``dispatcher: flex``) pre-allocated NVLink/RDMA buffers are not modelled
-from first principles: ``MemoryAssumptions.a2a_static_buffer_bytes`` (0 until measured).
+``recipe.backward_a2a``). Pre-allocated communication buffers (NCCL, DeepEP) are outside PyTorch's allocator: (f).
 
 (e) The peak: the largest of three phases (one micro-batch, one layer at a time)
 ------------------------------------------------------------------------------
-    total = params + grads + optimizer + activations + static buffers + max(head, moe_forward, backward)
+    allocated = params + grads + optimizer + activations + max(head, moe_forward, backward)
 
     head          the BF16 logits [T, V/TP] beside the saved fp32 softmax (``loss_transient``): the end of the
                   forward / the start of the backward of the stage with the head.
@@ -171,12 +174,23 @@ micro-batch (R rows on the GPU, H hidden, F expert FFN, all bf16 unless said):
         recomputed tensors + the pieces and their concatenation, if that is larger.
     plus the layer's output gradient and input gradient, 2 x [T,H].
 
-Not modelled (to be measured and then named here): allocator fragmentation / reserved-minus-allocated,
-GEMM workspaces, the forward peak inside attention or a dense MLP, CUDA context (not part of
-``max_memory_allocated`` anyway), NCCL buffers.
+(f) Memory outside PyTorch's allocated bytes (what nvidia-smi adds; ``fp4moe.scale.outside_torch``)
+---------------------------------------------------------------------------------------------------
+    total = allocated + CUDA context + NCCL communicators + DeepEP buffers + the allocator's reserved - allocated
+
+Each a named ``MemoryAssumptions`` field in bytes with its scaling rule (``fp4moe.scale.outside_torch``'s
+docstring), measured on an H200 (``outside_torch.MEASURED_FILE``; 0 and ``outside_torch_source='not measured'``
+until that file exists). ``total_bytes`` is the headline (the paper's "% of 80 GB" read as what nvidia-smi shows);
+``allocated_bytes`` is ``torch.cuda.max_memory_allocated``'s peak, which calibration.py checks.
+
+Not modelled: the forward peak inside attention or a dense MLP; Transformer Engine's FP8 weight caches (fp4moe
+quantizes weights per use).
 """
 from __future__ import annotations
 
+import copy
+import functools
+import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -186,6 +200,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import parse_pipeline_layout
 from ..recipe import Recipe
+from . import outside_torch, optimizer_state
+from .outside_torch import MEASURED as _MEASURED
 
 GB = 2**30  # bytes per "GB" in this module (GiB)
 BF16, FP32, INT64 = 2, 4, 8  # bytes per element
@@ -219,17 +235,23 @@ def mxfp4_bytes(m: int, k: int) -> int:
 
 @dataclass(frozen=True)
 class MemoryAssumptions:
-    """Every assumption of the model that is not in the config, with its unit. Defaults are megatron-core's
-    standard BF16 + distributed optimizer setup; measured quantities default to 0 until P5 measures them."""
+    """Every assumption of the model that is not in the config, with its unit (the optimizer is the config's
+    ``optimizer`` group). Measured quantities default to the H200 measurements, 0 where none exists."""
 
-    param_bytes: int = 2             # B/param, BF16 model weights
-    grad_bytes: int = 4              # B/param, FP32 main-grad buffer (2: precision-aware optimizer, BF16 grads)
-    main_param_bytes: int = 4        # B/param, FP32 master copy (sharded with the distributed optimizer)
-    adam_state_bytes: int = 8        # B/param, FP32 exp_avg + exp_avg_sq (sharded)
-    optimizer_offload: bool = False  # True: master params + Adam states live in host memory (0 on the GPU)
+    param_bytes: int = 2             # B/param of autograd's .grad of a weight (BF16 model weights)
     attn_recompute: str = "core_attn"   # what the scopes' "attention" recomputes (module docstring)
-    a2a_static_buffer_bytes: int = 0    # DeepEP pre-allocated buffers per GPU: to be measured (P5)
-    allocator_overhead_bytes: int = 0   # fragmentation etc.: to be measured on H200 (P5)
+    # (f) outside PyTorch's allocated bytes, per GPU (fp4moe.scale.outside_torch: what each is and how it scales);
+    # defaults from the H200 measurement file, 0 while it does not exist (outside_torch_source says which)
+    cuda_context_bytes: int = _MEASURED.cuda_context_bytes            # per process
+    nccl_communicator_bytes: int = _MEASURED.nccl_communicator_bytes  # per communicator a step uses
+    nccl_peer_bytes: int = _MEASURED.nccl_peer_bytes                  # per peer of a communicator
+    allocator_gap_bytes: int = _MEASURED.allocator_gap_bytes          # reserved - allocated at the peak, measured at
+    allocator_gap_ref_elements: int = _MEASURED.allocator_gap_ref_elements  # this tokens x hidden per micro-batch
+    outside_torch_source: str = _MEASURED.source
+    # True: the all-to-all runs on DeepEP (megatron's flex dispatcher, the lab's): its cudaMalloc'd buffers
+    # (outside_torch.deepep_buffer_bytes) and an EP communicator without all-to-all peers; False: NCCL's all-to-all
+    deepep_buffers: bool = False
+    outside_torch_scale: float = 1.0    # multiplies every term of (f) (a sensitivity: 0.5 / 1.5)
     # FP8 column copies of the routed experts' inputs are padded to 128 rows per expert: 'balanced' = every expert
     # gets exactly R/E rows (the hand-checkable case); 'expected' = real routing, whose per-expert counts have a
     # residue mod 128 spread uniformly, so (128 - 1) / 2 padding rows per expert on average.
@@ -276,13 +298,44 @@ class MemoryAssumptions:
             raise ValueError(f"main_grad_resident={self.main_grad_resident!r}: 'always' or 'after_first_micro_batch'")
         if self.bf16_experts not in ("sequential", "grouped"):
             raise ValueError(f"bf16_experts={self.bf16_experts!r}: 'sequential' or 'grouped'")
+        for name in ("cuda_context_bytes", "nccl_communicator_bytes", "nccl_peer_bytes", "allocator_gap_bytes",
+                     "allocator_gap_ref_elements", "outside_torch_scale"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
 
 
-def compose_cfg(model: str, parallel: str, recompute: str, precision: str) -> DictConfig:
-    """The four groups this model reads, loaded from conf/<group>/<name>.yaml (no Hydra needed)."""
-    return OmegaConf.create({g: OmegaConf.load(CONF / g / f"{n}.yaml") for g, n in
+def compose_cfg(model: str, parallel: str, recompute: str, precision: str, optimizer: str = "gpu_fp32") -> DictConfig:
+    """The five groups this model reads, loaded from conf/<group>/<name>.yaml (no Hydra; an ``optimizer`` file's
+    ``defaults`` list, e.g. ``[gpu_fp32, _self_]``, is merged in). ``optimizer``: conf/optimizer/<name>.yaml
+    (default train.yaml's, ``gpu_fp32``)."""
+    return OmegaConf.create({g: _load_group(g, n) for g, n in
                              (("model", model), ("parallel", parallel), ("recompute", recompute),
-                              ("precision", precision))})
+                              ("precision", precision), ("optimizer", optimizer))})
+
+
+def _load_group(group: str, name: str) -> DictConfig:
+    path = CONF / group / f"{name}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
+        raise ValueError(f"{group}={name}: no conf/{group}/{name}.yaml; pick one of {names}")
+    node = OmegaConf.load(path)
+    bases = [d for d in node.pop("defaults", []) if d != "_self_"]
+    return OmegaConf.merge(*(_load_group(group, b) for b in bases), node) if bases else node
+
+
+@functools.lru_cache(maxsize=512)
+def _experiment(overrides: tuple[str, ...]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides))
+    return cfg
+
+
+def experiment_cfg(experiment: str, *overrides: str) -> DictConfig:
+    """What ``python -m fp4moe.train experiment=<experiment> <overrides>`` composes (Hydra, conf/train.yaml), one
+    cell: e.g. ``experiment_cfg("paper_t1", "precision=fp8", "recompute=mla_up_proj")``. A fresh copy each call."""
+    return copy.deepcopy(_experiment((f"experiment={experiment}", *overrides)))
 
 
 def _as_cfg(cfg: Any) -> DictConfig:
@@ -693,36 +746,36 @@ def _stage_params(letters: str, first_layer: int, d: _Dims) -> tuple[float, floa
 
 
 def _stages(cfg: DictConfig) -> list[str]:
-    p, m = cfg.parallel, cfg.model
-    pp, vpp = int(p.pipeline), int(p.get("virtual_pipeline") or 1)
-    if p.get("pipeline_layout"):
-        return parse_pipeline_layout(str(p.pipeline_layout))
-    n = int(m.num_layers) // (pp * vpp)
-    out = ["t" * n for _ in range(pp * vpp)]
-    out[0] = "E" + out[0]
-    out[-1] = out[-1] + "m" * int(m.get("mtp_num_layers", 0) or 0) + "L"
-    return out
+    """The layout letters of every model chunk (``optimizer_state.stages``); a layout whose 'm' letters are not
+    ``model.mtp_num_layers`` raises (the MTP layers come from the config, once)."""
+    letters = optimizer_state.stages(cfg)
+    n_mtp = int(cfg.model.get("mtp_num_layers", 0) or 0)
+    if "".join(letters).count("m") != n_mtp:
+        raise ValueError(f"parallel.pipeline_layout={cfg.parallel.get('pipeline_layout')!r} has "
+                         f"{''.join(letters).count('m')} 'm' (MTP) layers but model.mtp_num_layers={n_mtp}: put "
+                         f"{n_mtp} 'm' in the layout or set model.mtp_num_layers")
+    return letters
 
 
 # ---------------------------------------------------------------------------------------------- output
 
 @dataclass
 class Breakdown:
-    """Predicted peak memory of one GPU (one pipeline rank), by named component. Bytes in ``*_bytes``; GB
-    (2**30 B) properties. Uncalibrated (P5 calibrates against measured H200 runs)."""
+    """Predicted peak memory of one GPU (one pipeline rank, its most loaded data-parallel rank), by named component.
+    Bytes in ``*_bytes``; GB (2**30 B) properties. ``allocated_bytes``: PyTorch's allocated peak (what calibration.md
+    checks on 1-2 H200s); ``total_bytes``: that plus the memory outside it (part (f)), what nvidia-smi shows."""
 
     pipeline_rank: int
     stage_letters: str
     recipe: str
     scope: str
     in_flight: int                 # micro-batches (model chunks with vpp) whose activations are held
-    params_bytes: int              # BF16 weights: (dense + expert params) x param_bytes
-    grads_bytes: int               # main-grad buffer: params x grad_bytes
-    optimizer_bytes: int           # FP32 master + Adam m, v, sharded over DP (dense) / EDP (experts)
+    params_bytes: int              # model weights (the distributed optimizer's padded parameter buffer)
+    grads_bytes: int               # the DDP main-gradient buffer (FP32 or BF16)
+    optimizer_bytes: int           # optimizer state on the GPU, this (most loaded) data-parallel rank's share
     activations_bytes: int         # in_flight x per-micro-batch saved activations of this stage
     a2a_buffers_bytes: int         # send + receive of the largest all-to-all of a MoE layer (transient)
     recompute_transient_bytes: int  # tensors the scope recomputes, for one layer and micro-batch (transient)
-    static_buffers_bytes: int      # assumed DeepEP buffers + allocator overhead (0 until measured)
     per_microbatch_activation_bytes: int
     dense_params: float
     expert_params: float
@@ -741,6 +794,13 @@ class Breakdown:
     # parameters after that layer (fp4moe.train without pipelining keeps each .grad until the step) minus the saved
     # activations of the layers after it (freed by then); > 0 when the scope saves little (full), else 0
     backward_depth_bytes: int = 0
+    optimizer_mean_bytes: int = 0  # optimizer state on the GPU, mean over the stage's data-parallel ranks
+    optimizer_host_bytes: int = 0  # the offloaded optimizer state in host memory (this rank's; not in the totals)
+    # (f) outside PyTorch's allocated bytes
+    cuda_context_bytes: int = 0
+    nccl_bytes: int = 0
+    deepep_bytes: int = 0
+    allocator_gap_bytes: int = 0
 
     @property
     def phases(self) -> dict[str, int]:
@@ -766,37 +826,58 @@ class Breakdown:
         return max(self.phases.values())
 
     @property
-    def total_bytes(self) -> int:
+    def allocated_bytes(self) -> int:
+        """PyTorch's allocated peak (``torch.cuda.max_memory_allocated``), parts (a)-(e)."""
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.held_bytes + self.static_buffers_bytes + self.transient_bytes)
+                + self.held_bytes + self.transient_bytes)
+
+    @property
+    def outside_torch_bytes(self) -> int:
+        """Part (f): CUDA context + NCCL + DeepEP buffers + the allocator's reserved - allocated."""
+        return self.cuda_context_bytes + self.nccl_bytes + self.deepep_bytes + self.allocator_gap_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """What nvidia-smi shows at the peak: allocated + outside PyTorch's allocated bytes."""
+        return self.allocated_bytes + self.outside_torch_bytes
+
+    @property
+    def mean_total_bytes(self) -> int:
+        """``total_bytes`` averaged over the stage's data-parallel ranks (their optimizer shares differ)."""
+        return self.total_bytes - self.optimizer_bytes + self.optimizer_mean_bytes
 
     @property
     def total_gb(self) -> float:
         return self.total_bytes / GB
 
+    @property
+    def allocated_gb(self) -> float:
+        return self.allocated_bytes / GB
+
     def fits(self, gpu_memory_gb: float) -> bool:
-        """Whether the predicted peak is at most ``gpu_memory_gb`` GB (2**30 B); no margin is added."""
+        """Whether the predicted peak (``total_bytes``) is at most ``gpu_memory_gb`` GB (2**30 B); no margin."""
         return self.total_gb <= gpu_memory_gb
 
     def gb(self, component: str) -> float:
-        """One component in GB (2**30 B): params, grads, optimizer, activations, a2a_buffers,
-        recompute_transient, expert_backward, head_saved, static_buffers, loss_transient or transient (the largest
-        phase, what the total adds)."""
+        """One component in GB (2**30 B): any ``<name>_bytes`` field or property (params, grads, optimizer,
+        activations, transient, allocated, outside_torch, total, ...)."""
         return getattr(self, f"{component}_bytes") / GB
 
     def table(self) -> list[tuple[str, float]]:
-        """(component, GB) rows, then the total: the static and saved parts, the peak's transient (its phase), then
-        the terms the phases are made of (not added again)."""
-        labels = {"params": "params (bf16)", "activations": f"activations ({self.in_flight} in flight)",
-                  "static_buffers": "static buffers (assumed)",
+        """(component, GB) rows: the allocated parts, the peak's transient (its phase), the allocated peak, the
+        parts outside PyTorch, the total; then the terms the phases are made of (not added again)."""
+        labels = {"params": "params", "activations": f"activations ({self.in_flight} in flight)",
                   "transient": f"transient at the peak ({self.peak_phase.replace('_', ' ')})"}
         rows = [(labels.get(c, c.replace("_", " ")), self.gb(c)) for c in COMPONENTS]
+        rows += [("allocated (max_memory_allocated)", self.allocated_gb)]
+        rows += [(c.replace("_", " "), self.gb(c)) for c in OUTSIDE_TORCH]
         parts = [(f"  of which: {c.replace('_', ' ')}", self.gb(c)) for c in PHASE_TERMS]
-        return rows + [("total", self.total_gb)] + parts
+        return rows + [("total (nvidia-smi)", self.total_gb)] + parts
 
 
-# what total_bytes adds; the phase terms are the parts the transient is the largest combination of
-COMPONENTS = ("params", "grads", "optimizer", "activations", "held", "static_buffers", "transient")
+# what allocated_bytes adds; what outside_torch_bytes adds; the phase terms the transient is the largest combination of
+COMPONENTS = ("params", "grads", "optimizer", "activations", "held", "transient")
+OUTSIDE_TORCH = ("cuda_context", "nccl", "deepep", "allocator_gap")
 PHASE_TERMS = ("loss_transient", "a2a_buffers", "expert_backward", "recompute_transient", "head_saved")
 
 
@@ -915,6 +996,44 @@ def _backward_depth(letters: str, first_layer: int, d: _Dims, tensors: list, a: 
     return max(depth) - depth[-1] if depth else 0
 
 
+def _rank_state(cfg: DictConfig, chunks: list[int], a: MemoryAssumptions) -> tuple[optimizer_state.RankBytes, int, int]:
+    """(the most loaded data-parallel rank's RankBytes summed over its model chunks, the mean over the data-parallel
+    ranks of their optimizer state on the GPU, that rank's state in host memory). Data-parallel rank r of a stage is
+    expert-data-parallel rank r // EP (megatron's rank order with TP = CP = 1)."""
+    params_bytes = 4 if str(cfg.get("train", {}).get("params_dtype", "bf16")) == "fp32" else a.param_bytes
+    # what rank_bytes reads, as a key: the same model / layout / optimizer gives the same bytes whatever the recipe
+    # (but the expert order, bf16 or not) and the recompute scope
+    key = {g: OmegaConf.to_container(cfg[g], resolve=True) if cfg.get(g) is not None else None
+           for g in ("model", "parallel", "optimizer")}
+    key["precision"] = {"name": str(cfg.get("precision", {}).get("name", "bf16"))}
+    return _rank_state_of(json.dumps(key, sort_keys=True), tuple(chunks), params_bytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_state_of(key: str, chunks: tuple[int, ...], params_bytes: int) -> tuple[optimizer_state.RankBytes, int, int]:
+    cfg = OmegaConf.create(json.loads(key))
+    dp, ep = int(cfg.parallel.data) * int(cfg.parallel.context), int(cfg.parallel.expert)
+    per_rank = []
+    for r in range(dp):
+        rb = [optimizer_state.rank_bytes(cfg, i, r, r // ep, params_bytes=params_bytes) for i in chunks]
+        per_rank.append(optimizer_state.RankBytes(*(sum(getattr(x, f) for x in rb) for f in
+                                                    ("params", "grads", "state_device", "state_host"))))
+    top = max(per_rank, key=lambda x: (x.params + x.grads + x.state_device, x.state_host))
+    return top, round(sum(x.state_device for x in per_rank) / dp), top.state_host
+
+
+def _outside_torch(cfg: DictConfig, d: _Dims, a: MemoryAssumptions, has_moe: bool, rank: int) -> dict[str, int]:
+    """Part (f) for one GPU, by field (fp4moe.scale.outside_torch: how each term scales)."""
+    deepep = a.deepep_buffers and has_moe and d.ep > 1
+    terms = {"cuda_context_bytes": a.cuda_context_bytes,
+             "nccl_bytes": outside_torch.nccl_bytes(cfg, a.nccl_communicator_bytes, a.nccl_peer_bytes,
+                                                    nccl_all_to_all=not a.deepep_buffers, pipeline_rank=rank),
+             "deepep_bytes": outside_torch.deepep_buffer_bytes(d.h, d.ep) if deepep else 0,
+             "allocator_gap_bytes": outside_torch.allocator_gap(a.allocator_gap_bytes, a.allocator_gap_ref_elements,
+                                                                d.t_tok, d.h)}
+    return {k: round(v * a.outside_torch_scale) for k, v in terms.items()}
+
+
 def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> list[Breakdown]:
     """One ``Breakdown`` per pipeline rank (see the module docstring for every term)."""
     cfg = _as_cfg(cfg)
@@ -924,12 +1043,8 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
     recipe = Recipe.from_config(cfg.precision)
     scope = _scope(cfg)
     pp, vpp = int(p.pipeline), int(p.get("virtual_pipeline") or 1)
-    dp = int(p.data) * int(p.context)
-    world = int(p.world_size)
-    edp = world // (d.etp * d.ep * pp)
     micro = int(p.micro_batch) * int(p.data)
     n_micro = max(1, int(p.global_batch) // micro)
-    dist_opt = bool(p.get("distributed_optimizer", False))
     stages = _stages(cfg)
     if len(stages) != pp * vpp:
         raise ValueError(f"{len(stages)} pipeline stages for pipeline x virtual_pipeline = {pp * vpp}")
@@ -987,28 +1102,26 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
         else:
             in_flight = min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, n_micro * vpp)
             per_mb = act_sum // vpp  # mean over the rank's chunks
-        n_params = dense_p + expert_p
-        grad_per = a.grad_bytes if (a.main_grad_resident == "always" or n_micro > 1) else 0
+        held, held_mean, host = _rank_state(cfg, chunks, a)
+        if a.main_grad_resident == "after_first_micro_batch" and n_micro == 1:
+            held = replace(held, grads=0)
         has_head = any("L" in stages[i] or "m" in stages[i] for i in chunks)
         head_saved = sum(x.bytes for x in _head_tensors(d)) if has_head else 0
         n_layers = sum(stages[i].count("t") + stages[i].count("m") for i in chunks)
         held_per_mb = (2 * BF16 * d.t_hid * d.h * n_layers if a.norm_cache_keeps_bf16 and recipe.recompute_cache_fp4
                        and scope in ("attn_ln_experts", "attn_ln_mlp") else 0)
         depth = _backward_depth(stages[chunks[0]], firsts[chunks[0]], d, tensors, a, scope) if pp == 1 and vpp == 1 else 0
-        opt_per = 0 if a.optimizer_offload else a.main_param_bytes + a.adam_state_bytes
-        opt = opt_per * (dense_p / (dp if dist_opt else 1) + expert_p / (edp if dist_opt else 1))
         out.append(Breakdown(
             pipeline_rank=rank, stage_letters="|".join(stages[i] for i in chunks), recipe=recipe.name, scope=scope,
-            in_flight=in_flight, params_bytes=round(n_params * a.param_bytes),
-            grads_bytes=round(n_params * grad_per), optimizer_bytes=round(opt),
+            in_flight=in_flight, params_bytes=held.params, grads_bytes=held.grads, optimizer_bytes=held.state_device,
             activations_bytes=in_flight * per_mb, held_bytes=in_flight * held_per_mb // max(1, vpp),
             a2a_buffers_bytes=_a2a_buffer_bytes(d, recipe) if has_moe else 0,
             recompute_transient_bytes=moe_rec if has_moe else trans,
-            static_buffers_bytes=a.allocator_overhead_bytes + (a.a2a_static_buffer_bytes if has_moe else 0),
             per_microbatch_activation_bytes=per_mb, dense_params=dense_p, expert_params=expert_p, tensors=tensors,
             loss_transient_bytes=BF16 * d.t_tok * (d.vocab // d.tp) if has_head else 0,
             expert_backward_bytes=expert_bwd if has_moe else 0, head_saved_bytes=head_saved,
-            backward_depth_bytes=depth if has_moe else 0))
+            backward_depth_bytes=depth if has_moe else 0, optimizer_mean_bytes=held_mean, optimizer_host_bytes=host,
+            **_outside_torch(cfg, d, a, has_moe, rank)))
     return out
 
 
@@ -1021,19 +1134,12 @@ def per_gpu_memory(cfg: Any, assumptions: MemoryAssumptions | None = None,
     return max(stages, key=lambda b: b.total_bytes)
 
 
-def paper_t1_prediction(assumptions: MemoryAssumptions | None = None, gpu_memory_gb: float = 80.0) -> dict:
-    """This model's prediction of the T1 cells (checked on H200 runs on 1-2 GPUs, not at this scale): dsv3_671b
-    with parallel=paper_671b (the likely layout TP1 PP32 EP8 DP8, micro 1, seq 4096), recipes bf16/fp8/mxfp4 x
-    scopes attn_ln_experts / attn_ln_mlp / mla_up_proj. Returns ``{scope: {recipe: Breakdown}}``; ``fits(gpu_memory_gb)`` says OOM or not.
-
-    Not tuned to the paper's 59-74 % figures; the report shows them side by side."""
-    out: dict = {}
-    for scope in ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj"):
-        out[scope] = {rec: per_gpu_memory(compose_cfg("dsv3_671b", "paper_671b", scope, rec), assumptions)
-                      for rec in ("bf16", "fp8", "mxfp4")}
-    return out
+def mean_total_bytes(stages: list[Breakdown]) -> int:
+    """What nvidia-smi shows at the peak, averaged over every GPU of the job (pipeline ranks x their data-parallel
+    ranks; every stage has the same number of data-parallel ranks)."""
+    return round(sum(b.mean_total_bytes for b in stages) / len(stages))
 
 
-__all__ = ["GB", "SCOPES", "Breakdown", "MemoryAssumptions", "SavedTensor", "compose_cfg", "fp8_row_col_bytes",
-           "layer_saved_tensors", "mxfp4_bytes", "NOT_IN_STANDALONE_LAYER", "paper_t1_prediction", "per_gpu_memory",
-           "per_stage_memory", "standalone_moe_layer_peak"]
+__all__ = ["GB", "SCOPES", "Breakdown", "MemoryAssumptions", "SavedTensor", "compose_cfg", "experiment_cfg",
+           "fp8_row_col_bytes", "layer_saved_tensors", "mean_total_bytes", "mxfp4_bytes", "NOT_IN_STANDALONE_LAYER",
+           "per_gpu_memory", "per_stage_memory", "standalone_moe_layer_peak"]

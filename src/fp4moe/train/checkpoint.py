@@ -1,14 +1,15 @@
 """Atomic, resumable checkpoints: ``<run dir>/step_NNNNNNN/{meta.json, rank_RRRRR.pt}`` (:func:`run_dir`).
 
-Each rank writes its own ``rank_RRRRR.pt`` (model state dict incl. the router expert-bias buffers, optimizer with
-fp32 masters and AdamW moments, schedule, RNG states of python / numpy / torch / CUDA / megatron's tracker) into a
+Each rank writes its own ``rank_RRRRR.pt`` (model state dict incl. the router expert-bias buffers, megatron's
+optimizer state with this rank's FP32 main params and AdamW moments (fp4moe.train.optim.optimizer_state_dict),
+megatron's scheduler, RNG states of python / numpy / torch / CUDA / megatron's tracker) into a
 hidden temporary folder ``.step_NNNNNNN.tmp``; after a barrier rank 0 writes ``meta.json`` (step, consumed
 samples, MLflow run id, the run's fingerprint, world size) and renames the folder into place. A folder without
 ``meta.json`` is never a checkpoint, so a run killed mid-save resumes from the previous one. The newest
 ``keep`` checkpoints are kept.
 
 Resuming needs the same world size and the same fingerprint (:func:`fingerprint`: the config groups that
-change what is trained); run length, intervals and logging may differ.
+change what is trained, the optimizer group included); run length, intervals and logging may differ.
 """
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ import torch
 from omegaconf import OmegaConf
 
 from fp4moe.config import ConfigError
+from fp4moe.train import optim
 from fp4moe.train.dist import barrier
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
 # Config keys whose change makes a checkpoint belong to another run. train.* run length, intervals, measure and
 # checkpointing knobs are left out on purpose (extending a run is a resume).
-FINGERPRINT_KEYS = ("model", "precision", "recompute", "parallel", "data", "backend", "train.seed",
-                    "train.params_dtype", "train.optimizer", "train.schedule")
+FINGERPRINT_KEYS = ("model", "precision", "recompute", "parallel", "data", "backend", "optimizer", "train.seed",
+                    "train.params_dtype", "train.adamw", "train.schedule")
 
 
 def fingerprint(cfg: Any) -> dict[str, str]:
@@ -111,8 +113,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size: int, model: torch.nn.Module,
          optimizer: Any, schedule: Any, mlflow_run_id: str | None, fingerprint_: dict[str, str],
          keep: int = 2, meter: Any = None) -> Path:
-    """Write the checkpoint of ``step`` (collective: every rank calls it). Returns the final folder. ``meter``: the
-    run's throughput / memory measurements so far (``fp4moe.train.metrics.Meter``), carried into a resumed run."""
+    """Write the checkpoint of ``step`` (collective: every rank calls it). Returns the final folder. ``model``: the
+    megatron model (not its DDP wrapper); ``optimizer``: megatron's; ``schedule``: megatron's scheduler; ``meter``:
+    the run's throughput / memory measurements so far (``fp4moe.train.metrics.Meter``), carried into a resumed
+    run."""
     final = _step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
     if rank == 0:
@@ -120,7 +124,8 @@ def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     barrier()
-    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+    payload = {"model": model.state_dict(), "optimizer": optim.optimizer_state_dict(optimizer),
+               "schedule": schedule.state_dict(),
                "rng": rng_state(), "step": step, "consumed_samples": consumed_samples, "rank": rank,
                "meter": None if meter is None else meter.state_dict()}
     path = tmp / f"rank_{rank:05d}.pt"
@@ -173,8 +178,9 @@ def load(folder: Path, *, rank: int, model: torch.nn.Module, optimizer: Any, sch
     processes, where the checkpoint has them); returns its ``meta.json`` (step, consumed samples, run id)."""
     meta = read_meta(folder)
     payload = torch.load(folder / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
+    # the optimizer first: megatron's offloading optimizer moves the weights while it loads (fp4moe.train.optim)
+    optim.load_optimizer_state_dict(optimizer, payload["optimizer"])
     model.load_state_dict(payload["model"], strict=True)
-    optimizer.load_state_dict(payload["optimizer"])
     schedule.load_state_dict(payload["schedule"])
     set_rng_state(payload["rng"])
     if meter is not None and payload.get("meter") is not None:

@@ -2,22 +2,23 @@
 MLflow. Entry point :func:`train`; ``python -m fp4moe.train`` (fp4moe/train/__main__.py) wraps it in Hydra.
 
 One step (one optimizer update) = ``global_batch`` samples of ``seq_length`` tokens: ``grad_accum_steps`` micro-
-batches of ``micro_batch`` samples on each of the DP ranks. Per micro-batch: megatron-core ``GPTModel`` forward
-with labels -> per-token cross entropy [micro, seq] -> mean / grad_accum_steps -> backward (megatron's MoE
-auxiliary and MTP losses ride the same backward, scaled by 1 / grad_accum_steps as megatron's schedules do). Then:
-gradient average over DP, router expert-bias update (megatron-core's, from the tokens each expert got in the
-global batch), global gradient norm, clipping, AdamW at the schedule's learning rate.
+batches of ``micro_batch`` samples on each of the DP ranks, run by megatron-core's own schedule
+(``get_forward_backward_func``: one micro-batch after the other for PP = 1, non-interleaved 1F1B for PP > 1,
+activations [seq, micro, hidden] sent between stages). Per micro-batch: megatron-core ``GPTModel`` forward with
+labels -> per-token cross entropy [micro, seq] -> mean, divided by grad_accum_steps by the schedule -> backward
+(megatron's MoE auxiliary and MTP losses ride the same backward, scaled the same way). The model is wrapped in
+megatron-core's ``DistributedDataParallel``, whose hooks add each gradient into its buffer. Then megatron's
+``finalize_model_grads``: the DP (and expert-DP) reduction, the word-embedding copies of first and last pipeline
+stage (tied output layer, MTP) summed over megatron's embedding group, the router expert-bias update from the tokens
+each expert got in the global batch. Then megatron's optimizer (fp4moe.train.optim: the ``optimizer`` group says
+where its state lives) takes the global gradient norm over all ranks, clips and updates, at the lr of megatron's
+scheduler for this update.
 
-Pipeline parallelism (``parallel.pipeline`` > 1): each process builds its stage (fp4moe.model.build) and megatron-
-core's own schedule (``get_forward_backward_func``: non-interleaved 1F1B) runs the ``grad_accum_steps`` micro-
-batches of a step, activations [seq, micro, hidden] sent between stages; the loss function on the last stage is
-the same per-token mean, divided by the micro-batch count by the schedule (as above). Then, as for PP = 1: DP
-average, the word-embedding copies of first and last stage (tied output layer, MTP) summed over megatron's
-embedding group, the gradient norm over all stages (fp4moe.train.optim), and the same update on every rank. The
-step's loss (and the evaluation loss, ``forward_only``) is the last stage's, broadcast over the pipeline so that
+The step's loss (and the evaluation loss, ``forward_only``) is the last stage's, broadcast over the pipeline so that
 rank 0 (a first stage) logs it; the MoE aux losses are reduced over the stages, the all-to-all bytes and the
 saved-activation bytes summed over them (the largest stage's saved bytes also logged). Checkpoints stay one file
-per rank (each stage's own parameters, names local to the stage), resumed with the same layout.
+per rank (each stage's own parameters, names local to the stage, and its optimizer shards), resumed with the same
+layout and optimizer group.
 
 Order of the set-up, so that every mistake is reported before anything expensive: ``fp4moe.config.check`` and
 the trainer's own limits (ConfigError), the MLflow store (``TrackingUnavailable``), megatron-core's transformer
@@ -89,9 +90,9 @@ def preflight(cfg: Any) -> dict[str, Any]:
     if seq > max_pos:
         raise ConfigError(f"parallel.seq_length={seq} > model.max_position_embeddings={max_pos}: shorten the "
                           "sequence or raise model.max_position_embeddings")
-    from fp4moe.train.optim import Schedule
+    from fp4moe.train.optim import check_schedule
 
-    Schedule(cfg.train, derived)  # schedule name, min_lr <= lr
+    check_schedule(cfg.train)  # the optimizer group and train.adamw were checked by check()
     from fp4moe.train.profile import profile_window
 
     profile_window(OmegaConf.select(cfg, "train.profile.steps", default=None))  # ConfigError for a bad window
@@ -125,18 +126,6 @@ def preflight(cfg: Any) -> dict[str, Any]:
     transformer_config(cfg.model, cfg.parallel, cfg.recompute,
                        params_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     return derived
-
-
-def _shard_groups(cfg: Any) -> tuple[Any, Any] | None:
-    """The (data-parallel, expert-data-parallel) groups to shard the optimizer state over when
-    ``parallel.distributed_optimizer`` is set and either group has more than one rank; else None (unsharded)."""
-    if not bool(cfg.parallel.get("distributed_optimizer", False)):
-        return None
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    groups = (parallel_state.get_data_parallel_group(), parallel_state.get_expert_data_parallel_group())
-    return groups if any(dist.get_world_size(g) > 1 for g in groups) else None
 
 
 def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path | None = None,
@@ -250,11 +239,11 @@ def _moe_losses(mcfg: Any, accum: int, pp_group: Any = None, device: Any = None)
     return {f"moe/{n}": next(r[f"moe/{n}"] for o, r in zip(owners, every) if n in o) for n in names}
 
 
-def _pipeline_forward_backward(model: Any, batches: list[Any], pos: Any, *, seq: int, micro: int,
-                               forward_only: bool, measure_exclude: Any = None) -> tuple[list[Any], int | None]:
-    """Run ``batches`` (this step's micro-batches, each ``(tokens, labels)``) through megatron-core's pipeline
-    schedule (``get_forward_backward_func``: 1F1B for PP > 1), activations of shape [seq, micro, hidden] sent
-    between stages. Returns the per-micro-batch mean LM losses (0-d fp32 tensors, in micro-batch order) on the
+def _forward_backward(model: Any, batches: list[Any], pos: Any, *, seq: int, micro: int,
+                      forward_only: bool, measure_exclude: Any = None) -> tuple[list[Any], int | None]:
+    """Run ``batches`` (this step's micro-batches, each ``(tokens, labels)``) through megatron-core's schedule
+    (``get_forward_backward_func``: one after the other for PP = 1, 1F1B for PP > 1, activations of shape
+    [seq, micro, hidden] sent between stages). Returns the per-micro-batch mean LM losses (0-d fp32 tensors, in micro-batch order) on the
     last stage ([] elsewhere) and, with ``measure_exclude`` (the parameters), the bytes this stage's forward of the
     first micro-batch kept for backward (None otherwise). Every stage reads the same micro-batches (the first for
     the tokens, the last for the labels; MTP needs both there)."""
@@ -310,8 +299,8 @@ def _evaluate(model: Any, valid_ds: Any, cfg: Any, derived: dict[str, Any], info
                 else:
                     batches.append((tokens, labels))
             if batches:
-                losses, _ = _pipeline_forward_backward(model, batches, pos, seq=int(cfg.parallel.seq_length),
-                                                       micro=micro, forward_only=True)
+                losses, _ = _forward_backward(model, batches, pos, seq=int(cfg.parallel.seq_length),
+                                              micro=micro, forward_only=True)
                 for loss in losses:
                     total += loss.double()
     model.train()
@@ -353,6 +342,9 @@ def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None
     from fp4moe.model import cpu_shims
 
     cpu_shims.apply()
+    # megatron-core logs its DDP buckets (every parameter's name) and its whole OptimizerConfig at INFO; the run's
+    # config is in MLflow's params, so only its warnings reach the console
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
     # megatron-core's jit_fuser is torch.compile: on CPU it would spend ~20 s in inductor for nothing.
     ctx = torch._dynamo.config.patch(disable=True) if info.device.type == "cpu" else contextlib.nullcontext()
     with ctx:
@@ -364,8 +356,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.distributed.finalize_model_grads import (_update_router_expert_bias,
-                                                                reset_model_temporary_tensors)
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
@@ -373,7 +364,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from fp4moe.ops.accounting import SavedTensorBytes
     from fp4moe.train import checkpoint as ckpt
     from fp4moe.train.metrics import Meter, Tracker, flatten, hardware_tags, resolve_uri
-    from fp4moe.train.optim import Optimizer, Schedule
+    from fp4moe.config import OptimizerSetting
+    from fp4moe.train import optim
     from fp4moe.train.profile import StepProfiler
 
     t = cfg.train
@@ -398,8 +390,12 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     if dtype == torch.bfloat16:
         to_bf16_params(model)  # as megatron-core's Float16Module, router expert-bias state kept fp32
     mcfg = model.config
-    opt = Optimizer(model, t, shard_groups=_shard_groups(cfg))
-    sched = Schedule(t, derived)
+    setting = OptimizerSetting.from_config(cfg)
+    ddp = optim.wrap_model(model, setting)  # megatron-core's DDP: gradient buffers (and parameter buffers)
+    opt = optim.build_optimizer(ddp, setting, t.adamw)
+    sched = optim.build_scheduler(opt, t, derived)
+    if setting.overlap_grad_reduce:  # as megatron-lm: only the last micro-batch's backward starts the reduction
+        mcfg.no_sync_func = ddp.no_sync
 
     measure = t.get("measure") or {}
     meter = Meter(int(derived["tokens_per_step"]), info.world_size, int(measure.get("warmup_steps") or 0),
@@ -436,6 +432,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                    "data.dataset_prefix": str(dinfo.get("dataset_prefix"))})
     tags = hardware_tags(device, info.world_size, info.launcher)
     tags.update({"recipe": str(cfg.precision.name), "recompute": str(cfg.recompute.name), "model": str(cfg.model.name),
+                 "optimizer": setting.name,
                  "checkpoint_dir": str(root), **slurm.job_tags()})
     extra = OmegaConf.select(cfg, "tracking.tags", default=None) or {}  # the caller's own (e.g. fp4moe.reproduce_runs)
     tags.update({str(k): str(v) for k, v in extra.items()})
@@ -453,15 +450,10 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     accum = int(derived["grad_accum_steps"])
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
-    edp_group = parallel_state.get_expert_data_parallel_group()
-    ep_group = parallel_state.get_expert_model_parallel_group()
     # pipeline parallelism: megatron's 1F1B schedule runs the micro-batches; the loss is the last stage's
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     pp_group = parallel_state.get_pipeline_model_parallel_group() if pp_size > 1 else None
     pp_last = parallel_state.get_pipeline_model_parallel_last_rank() if pp_size > 1 else info.rank
-    embd_group = parallel_state.get_embedding_group(check_initialized=False) if pp_size > 1 else None
-    if pp_size > 1:
-        opt.accumulate_in_backward()  # BF16 gradients into the fp32 accumulators after each backward pass
     # The auxiliary (MoE load-balancing, MTP) losses' backward scale, 1 / accumulation steps like the main loss, as
     # megatron's schedules set it. Assigned, not set_loss_scale(): that copies into whatever tensor an earlier model
     # in this process left there (a 0-d one cannot take our [1]).
@@ -499,51 +491,35 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             meter.before_step()
             a2a_before = a2a_stats(model)
             t0 = time.perf_counter()
-            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-            if pp_size == 1:
-                for k in range(accum):
-                    tokens, labels = data_mod.micro_batch(train_ds, consumed, k, micro, dp_rank, dp_size, device,
-                                                          non_blocking=True)
-                    if saved_bytes is None:
-                        with SavedTensorBytes(exclude=params) as counter:
-                            loss = model(tokens, pos, None, labels=labels).float().mean()
-                        saved_bytes = counter.release()  # else this micro-batch's activations outlive it
-                    else:
-                        loss = model(tokens, pos, None, labels=labels).float().mean()
-                    (loss / accum).backward()
-                    opt.accumulate()
-                    loss_sum += loss.detach()
-            else:
-                batches = [data_mod.micro_batch(train_ds, consumed, k, micro, dp_rank, dp_size, device,
-                                                non_blocking=True) for k in range(accum)]
-                losses, measured = _pipeline_forward_backward(
-                    model, batches, pos, seq=seq, micro=micro, forward_only=False,
-                    measure_exclude=params if saved_bytes is None else None)
-                for loss in losses:
-                    loss_sum += loss
-                if saved_bytes is None:
-                    saved_bytes = _per_stage(measured, pp_group)
-            opt.reduce_grads(dp_group, dp_size, edp_group)
-            opt.reduce_embedding_grads(embd_group)
-            if mcfg.moe_router_enable_expert_bias:
-                _update_router_expert_bias([model], mcfg)
-            reset_model_temporary_tensors(mcfg, [model])
-            release_dispatcher_tensors(model)  # else their graphs keep activations into the next step (full recompute)
-            norm = opt.grad_norm(ep_group, pp_group)
-            opt.clip(norm)
-            lr = sched(step)
-            opt.step(lr)
+            ddp.zero_grad_buffer()
             opt.zero_grad()
+            batches = [data_mod.micro_batch(train_ds, consumed, k, micro, dp_rank, dp_size, device, non_blocking=True)
+                       for k in range(accum)]
+            losses, measured = _forward_backward(ddp, batches, pos, seq=seq, micro=micro, forward_only=False,
+                                                 measure_exclude=params if saved_bytes is None else None)
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            for loss in losses:
+                loss_sum += loss
+            if saved_bytes is None:
+                saved_bytes = measured if pp_size == 1 else _per_stage(measured, pp_group)
+            finalize_model_grads([ddp])  # DP / expert-DP reduction, embedding copies (PP), router expert bias
+            release_dispatcher_tensors(model)  # else their graphs keep activations into the next step (full recompute)
+            sched.step(1)  # update `step + 1` takes the schedule's lr at step + 1
+            lr = optim.current_lr(sched)
+            ok, norm_v, _ = opt.step()  # global grad norm over every rank, clipping, AdamW; parameters gathered
+            if not ok:
+                raise FloatingPointError(f"megatron's optimizer skipped the update of step {step + 1} (non-finite "
+                                         "gradients)")
+            norm_v = float(norm_v)
             step += 1
             consumed += gbs
-            sched.last_step = step
             loss_step = loss_sum / accum
             if dp_size > 1:
                 dist.all_reduce(loss_step, group=dp_group)
                 loss_step /= dp_size
             if pp_size > 1:  # from the last stage to the others (rank 0, which logs, is a first stage)
                 dist.broadcast(loss_step, src=pp_last, group=pp_group)
-            loss_v, norm_v = float(loss_step.item()), float(norm.item())
+            loss_v = float(loss_step.item())
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
@@ -610,11 +586,18 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                 v = torch.tensor([summary[key]], dtype=torch.float64, device=device)
                 dist.all_reduce(v, op=dist.ReduceOp.MAX)
                 summary[key] = float(v.item())
-        # bytes of fp32 masters + AdamW moments on the fullest rank (the distributed optimizer shards them)
-        state = torch.tensor([float(opt.state_bytes())], dtype=torch.float64, device=device)
+        # FP32 main params + AdamW moments on the GPU (the distributed optimizer shards them) and in host memory
+        # (offload), and megatron DDP's gradient buffers: the fullest rank's, and (_min) the emptiest's
+        held = optim.state_bytes(opt, ddp)
+        state = torch.tensor([float(held["device"]), float(held["host"]), float(optim.grad_buffer_bytes(ddp))],
+                             dtype=torch.float64, device=device)
+        low = state.clone()
         if info.world_size > 1:
             dist.all_reduce(state, op=dist.ReduceOp.MAX)
-        summary["summary/optimizer_state_bytes"] = float(state.item())
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        for i, key in enumerate(("optimizer_state_bytes", "optimizer_state_host_bytes", "grad_buffer_bytes")):
+            summary[f"summary/{key}"] = float(state[i].item())
+            summary[f"summary/{key}_min"] = float(low[i].item())
         if result.losses:
             summary["summary/final_loss"] = result.losses[max(result.losses)]
         if result.eval_losses:

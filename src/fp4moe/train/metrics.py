@@ -21,8 +21,10 @@ whose id its checkpoint holds.
   ``summary/tgs_median``, ``summary/tgs_min``, ``summary/tgs_max``, ``summary/measured_steps``,
   ``summary/step_time_median_s``, ``summary/peak_mem_allocated_gb``, ``summary/peak_mem_reserved_gb``,
   ``summary/peak_mem_pct`` (% of the GPU's total memory), ``summary/mem_allocated_at_step_start_gb`` (the last
-  step's), ``summary/optimizer_state_bytes`` (fp32 master weights + AdamW moments, bytes, the fullest rank's:
-  12 per parameter, divided by the shard group with ``parallel.distributed_optimizer``), ``summary/final_loss``,
+  step's), ``summary/optimizer_state_bytes`` / ``_host_bytes`` (megatron's optimizer state on the GPU / in host
+  memory: FP32 main params, AdamW moments and, with BF16 main grads, the FP32 gradient copies; bytes, the fullest
+  rank's; ``fp4moe.scale.optimizer_state`` predicts them exactly), ``summary/grad_buffer_bytes`` (megatron DDP's
+  gradient buffers), each also as ``..._min`` (the emptiest rank's), ``summary/final_loss``,
   ``summary/final_eval_loss``.
 
 Metrics and tags are written by a background thread (``Tracker``), so that a step does not wait for the store (an
