@@ -198,7 +198,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import parse_pipeline_layout
 from ..recipe import Recipe
 from . import outside_torch, optimizer_state
 from .outside_torch import MEASURED as _MEASURED

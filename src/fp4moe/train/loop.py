@@ -361,7 +361,6 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     from fp4moe.model.build import a2a_stats, build_gpt_model, release_dispatcher_tensors, to_bf16_params
-    from fp4moe.ops.accounting import SavedTensorBytes
     from fp4moe.train import checkpoint as ckpt
     from fp4moe.train.metrics import Meter, Tracker, flatten, hardware_tags, resolve_uri
     from fp4moe.config import OptimizerSetting
