@@ -39,6 +39,11 @@
 #   bash tools/device/h200_p3.sh outside [ARGS]         # issue 27: memory outside PyTorch (CUDA context, NCCL with a peer
 #                                                      # when 2 GPUs, the allocator's gap with and without expandable
 #                                                      # segments) -> $OUT/outside_torch_h200.json (ARGS: the tool's)
+#   bash tools/device/h200_p3.sh convprobe [STEPS]      # issue 27 part D: tokens/s of the convergence proxy's candidate
+#                                                      # sizes (bf16, mxfp4 at the T1 scope) -> which one does 300 M
+#                                                      # tokens in one call
+#   bash tools/device/h200_p3.sh convrun RECIPE SEED [OVERRIDES]  # issue 27 part D: one 300 M-token run of
+#                                                      # experiment=proxy_t1_conv_1gpu inside the call (CONV_SECS=570)
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -294,6 +299,48 @@ conv)  # GPU RECIPE SECS [extra overrides...]
   cp -f "$STATE/conv_$recipe.log" "$OUT/"
   keep
   echo "conv $recipe exit $rc"; grep -h "done:\|Error" "$STATE/conv_$recipe.log" | tail -3 | cut -c1-200 || true
+  ;;
+convprobe)  # [STEPS]: issue 27 part D, which model trains 300 M tokens in one call: tokens/s of candidate sizes of
+  # the convergence proxy (conf/model/proxy_conv.yaml and three variants), bf16 (the slowest recipe) and mxfp4, at
+  # the T1 scope of experiment=proxy_t1_conv_1gpu; one process per candidate (a multirun over the recipes)
+  steps=${1:-30}
+  declare -A cand=(
+    [h1024_l4]=""
+    [h768_l4]="model.hidden_size=768 model.ffn_hidden_size=2048 model.moe.ffn_hidden_size=384 model.mla.q_lora_rank=256"
+    [h1024_l2]="model.num_layers=2"
+    [h1536_l4]="model.hidden_size=1536 model.num_attention_heads=12 model.ffn_hidden_size=3968 model.moe.ffn_hidden_size=768 model.mla.q_lora_rank=512 model.mla.kv_lora_rank=384"
+  )
+  for name in h768_l4 h1024_l2 h1024_l4 h1536_l4; do
+    log="$STATE/convprobe_$name.log"
+    # shellcheck disable=SC2086
+    MLFLOW_TRACKING_URI=$(store convprobe) timeout -k 20 240 python3 -m fp4moe.train experiment=proxy_t1_conv_1gpu \
+      "${COMMON[@]}" task_name=proxy_t1_conv_probe train.tokens=null train.steps=$steps train.eval_interval=null \
+      train.measure.warmup_steps=10 precision=bf16,mxfp4 ${cand[$name]} > "$log" 2>&1 || true
+    grep -h "done:\|out of GPU memory\|Error" "$log" | sed "s/^/$name /" | cut -c1-220 || true
+  done
+  # the three recipes of the default candidate at once on the one GPU: does sharing the GPU add throughput?
+  for recipe in bf16 fp8 mxfp4; do
+    MLFLOW_TRACKING_URI=$(store "convprobe3_$recipe") timeout -k 20 240 python3 -m fp4moe.train \
+      experiment=proxy_t1_conv_1gpu "${COMMON[@]}" hydra.mode=RUN task_name=proxy_t1_conv_probe3 train.tokens=null \
+      train.steps=$steps train.eval_interval=null train.measure.warmup_steps=10 precision=$recipe \
+      > "$STATE/convprobe_shared3_$recipe.log" 2>&1 &
+  done
+  wait
+  grep -h "done:\|out of GPU memory\|Error" "$STATE"/convprobe_shared3_*.log | sed "s/^/shared3 /" | cut -c1-220 || true
+  keep
+  (cd "$STATE" && tar czf "$OUT/convprobe_logs.tgz" convprobe_*.log)
+  ;;
+convrun)  # RECIPE SEED [OVERRIDES]: issue 27 part D, one run of experiment=proxy_t1_conv_1gpu to its end (2289 steps,
+  # 300 M tokens) inside this call; SIGTERM at 570 s checkpoints (lost with the machine unless resumed at once)
+  recipe=$1 seed=$2; shift 2
+  log="$STATE/convrun_${recipe}_s$seed.log"
+  rc=0
+  MLFLOW_TRACKING_URI=$(store "convrun_${recipe}_s$seed") timeout -s TERM -k 30 "${CONV_SECS:-570}" \
+    python3 -m fp4moe.train experiment=proxy_t1_conv_1gpu "${COMMON[@]}" hydra.mode=RUN precision=$recipe \
+    train.seed=$seed train.checkpoint_dir=$ROOT/checkpoints/conv_s$seed "$@" >> "$log" 2>&1 || rc=$?
+  cp -f "$log" "$OUT/"
+  keep
+  echo "convrun $recipe seed $seed exit $rc"; grep -h "done:\|Error" "$log" | tail -3 | cut -c1-220 || true
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -366,7 +366,7 @@ class RecipeGroupedMLP(SequentialMLP):
 
     forward(x ``[R, H]`` tensor or ``DispatchedMXFP4``, tokens_per_expert ``[E_local]`` int, probs ``[R]``
     float32) -> (``[R, H]`` bf16, None). ``recompute=True``: :class:`_ExpertRecompute` (cache stored MXFP4
-    under the mxfp4 recipe; the forward is unchanged)."""
+    under the mxfp4 recipe; the forward is unchanged; under ``torch.no_grad`` the plain forward)."""
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None, *, recipe: Recipe,
                  recompute: bool = False):
@@ -386,11 +386,15 @@ class RecipeGroupedMLP(SequentialMLP):
         counts = _splits(tokens_per_expert)
         w1, w2 = self.grouped_weights()
         probs = permuted_probs.float()
-        if not self.recompute:
+        if not self.recompute or not torch.is_grad_enabled():
+            # no backward to come (evaluation): nothing to cache, and under no_grad a DispatchedMXFP4 has no anchor
             return grouped_expert_mlp(x, counts, w1, w2, probs, self.recipe), None
         r = self.recipe
         if isinstance(x, DispatchedMXFP4):
-            y = _ExpertRecompute.apply(x.grad_anchor, x.data, x.scales, probs, counts, r, "fp4", *w1, *w2)
+            anchor = x.grad_anchor
+            if anchor is None:  # the sender's rows need no gradient: a stride-0 stand-in carries dtype and shape
+                anchor = torch.zeros((), dtype=_BF16, device=x.data.device).expand(x.shape)
+            y = _ExpertRecompute.apply(anchor, x.data, x.scales, probs, counts, r, "fp4", *w1, *w2)
         elif r.name == "mxfp4":  # cache as MXFP4 (_ExpertRecompute 'bf16_fp4')
             q = kops.bf16_to_fp4_row(x.detach().to(_BF16), r.scale_rule)
             y = _ExpertRecompute.apply(x, q.data, q.scales, probs, counts, r, "bf16_fp4", *w1, *w2)
