@@ -331,11 +331,16 @@ convprobe)  # [STEPS]: issue 27 part D, which model trains 300 M tokens in one c
   (cd "$STATE" && tar czf "$OUT/convprobe_logs.tgz" convprobe_*.log)
   ;;
 convrun)  # RECIPE SEED [OVERRIDES]: issue 27 part D, one run of experiment=proxy_t1_conv_1gpu to its end (2289 steps,
-  # 300 M tokens) inside this call; SIGTERM at 570 s checkpoints (lost with the machine unless resumed at once)
+  # 300 M tokens) inside this call; SIGTERM at CONV_SECS (570) s, or 575 s after CALL_START (epoch seconds), checkpoints
+  # (lost with the machine unless the same command resumes it at once)
   recipe=$1 seed=$2; shift 2
   log="$STATE/convrun_${recipe}_s$seed.log"
   rc=0
-  MLFLOW_TRACKING_URI=$(store "convrun_${recipe}_s$seed") timeout -s TERM -k 30 "${CONV_SECS:-570}" \
+  secs=${CONV_SECS:-570}
+  if [ -n "${CALL_START:-}" ]; then  # CALL_START=$(date +%s) at the start of the call: SIGTERM 25 s before its 600 s
+    secs=$((CALL_START + 575 - $(date +%s)))
+  fi
+  MLFLOW_TRACKING_URI=$(store "convrun_${recipe}_s$seed") timeout -s TERM -k 20 "$secs" \
     python3 -m fp4moe.train experiment=proxy_t1_conv_1gpu "${COMMON[@]}" hydra.mode=RUN precision=$recipe \
     train.seed=$seed train.checkpoint_dir=$ROOT/checkpoints/conv_s$seed "$@" >> "$log" 2>&1 || rc=$?
   cp -f "$log" "$OUT/"
