@@ -76,17 +76,13 @@ def test_permutation_from_topk_is_megatrons_from_the_routing_map(k):
     assert permutation_from_routing_map(cut, dense, k)[0] is None
 
 
-@pytest.mark.parametrize("k,chunk", [(2, 19), (3, 13), (8, 5), (8, 1)])
-def test_token_sums_in_chunks_are_bit_identical(k, chunk):
-    """unpermute_tokens (forward) and permute_tokens (backward) with ``chunk_tokens``: the same bits as all T tokens
-    at once (each token's k rows reduced by the same float32 sum), in BF16 and float32."""
+def _token_sums_in_chunks(k, chunk, device, t=37, h=64):
     g = torch.Generator().manual_seed(k * 10 + chunk)
-    t, e, h = 37, 16, 64
-    idx = torch.rand(t, e, generator=g).topk(k, dim=1).indices
-    perm, _ = permutation_from_topk(idx, torch.rand(t, k, generator=g))
+    idx = torch.rand(t, 16, generator=g).topk(k, dim=1).indices.to(device)
+    perm, _ = permutation_from_topk(idx, torch.rand(t, k, generator=g).to(device))
     for dtype in (torch.bfloat16, torch.float32):
-        rows = (torch.randn(t * k, h, generator=g) * 10).to(dtype)
-        tokens = torch.randn(t, h, generator=g).to(dtype)
+        rows = (torch.randn(t * k, h, generator=g) * 10).to(device, dtype)
+        tokens = torch.randn(t, h, generator=g).to(device, dtype)
         outs, grads = [], []
         for c in (None, chunk):
             r = rows.clone().requires_grad_(True)
@@ -99,3 +95,19 @@ def test_token_sums_in_chunks_are_bit_identical(k, chunk):
         assert outs[0][0].dtype == dtype
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
         assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("k,chunk", [(2, 19), (3, 13), (8, 5), (8, 1)])
+def test_token_sums_in_chunks_are_bit_identical(k, chunk):
+    """unpermute_tokens (forward) and permute_tokens (backward) with ``chunk_tokens``: the same bits as all T tokens
+    at once (each token's k rows reduced by the same float32 sum), in BF16 and float32."""
+    _token_sums_in_chunks(k, chunk, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k,chunk,t", [(2, 1024, 8192), (8, 1024, 8192), (8, 3, 37), (3, 13, 37)])
+def test_gpu_token_sums_in_chunks_are_bit_identical(k, chunk, t):
+    """The same on CUDA, whose reduction kernels pick their launch shape from the sizes (each token's k sums stay
+    within one thread for these k), at the benchmark's chunk of T/k tokens and at odd sizes."""
+    _token_sums_in_chunks(k, chunk, "cuda", t=t, h=7168 if t > 1000 else 64)
