@@ -463,13 +463,15 @@ def test_mxfp4_full_recompute_keeps_bf16_layer_inputs(mp):
 
 
 def test_permutation_as_gathers_equals_megatrons_permute_and_unpermute():
-    """The recipe dispatcher's permutation 1 (_PermuteTokens) and its inverse (_UnpermuteTokens): the same rows as
-    megatron's permute; the same sums as megatron's unpermute and the same token gradients as autograd's
-    index_add_, up to the order of k float32 additions; the unpermute's gradient is megatron's, exactly; in BF16
-    the k rows are summed in float32 and rounded once (within half a BF16 unit of the float64 sum)."""
+    """The MoE data path's permutation 1 (fp4moe.moe.dispatch.permute_tokens) and its inverse (unpermute_tokens), as
+    the recipe dispatcher runs them: the same rows as megatron's permute; the same sums as megatron's unpermute and
+    the same token gradients as autograd's index_add_, up to the order of k float32 additions; the unpermute's
+    gradient is megatron's, exactly; in BF16 the k rows are summed in float32 and rounded once (within half a BF16
+    unit of the float64 sum)."""
     from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
-    from fp4moe.model.recipe_moe import _PermuteTokens, _UnpermuteTokens
+    from fp4moe.moe.dispatch import permutation_from_routing_map, permute_tokens, unpermute_tokens
+    from fp4moe.recipe import Recipe
 
     g = torch.Generator().manual_seed(5)
     t, h, e, k = 53, 64, 8, 3
@@ -478,8 +480,9 @@ def test_permutation_as_gathers_equals_megatrons_permute_and_unpermute():
     x = torch.randn(t, h, generator=g, dtype=torch.float64).float()
     x0, x1 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     rows0, _, idx = permute(x0, routing)
-    order = torch.argsort(idx, stable=True)
-    rows1 = _PermuteTokens.apply(x1, idx, order, k)
+    perm, token, _ = permutation_from_routing_map(routing, routing.float(), k)
+    assert torch.equal(token, idx)
+    rows1 = permute_tokens(x1, perm, Recipe.preset("bf16"))
     assert torch.equal(rows0, rows1)
     gr = torch.randn(rows0.shape, generator=g)
     rows0.backward(gr)
@@ -487,7 +490,7 @@ def test_permutation_as_gathers_equals_megatrons_permute_and_unpermute():
     torch.testing.assert_close(x1.grad, x0.grad, rtol=1e-6, atol=1e-6)
     r0, r1 = gr.clone().requires_grad_(True), gr.clone().requires_grad_(True)
     y0 = unpermute(r0, idx, restore_shape=x.shape)
-    y1 = _UnpermuteTokens.apply(r1, idx, order, k, t)
+    y1 = unpermute_tokens(r1, perm)
     torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
     gy = torch.randn(t, h, generator=g)
     y0.backward(gy)
@@ -495,7 +498,7 @@ def test_permutation_as_gathers_equals_megatrons_permute_and_unpermute():
     assert torch.equal(r0.grad, r1.grad)
     rb = gr.to(torch.bfloat16)
     exact = torch.zeros(t, h, dtype=torch.float64).index_add_(0, idx, rb.double())
-    yb = _UnpermuteTokens.apply(rb, idx, order, k, t)
+    yb = unpermute_tokens(rb, perm)
     assert yb.dtype == torch.bfloat16
     ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
     assert ((yb.double() - exact).abs() <= 0.5 * ulp + 1e-12).all()
@@ -544,31 +547,46 @@ def test_full_recompute_frees_the_recomputed_graph_with_the_backward(mp, precisi
 
 @pytest.mark.parametrize("precision", ("fp8", "mxfp4"))
 def test_identity_permutation_2_is_skipped_and_changes_nothing(mp, precision, monkeypatch):
-    """One source rank (EP = 1) with several local experts: megatron's permutation 2 and its inverse would copy the
-    rows in the same order; the recipe dispatcher skips both (no sort_chunks_by_idxs call), bit for bit the same
-    output and gradients as with megatron's copies."""
+    """One source rank (EP = 1) with several local experts: permutation 2 and its inverse would copy the rows in the
+    same order; the recipe dispatcher skips both (no row copy: neither fp4moe.moe.dispatch.reorder_rows nor megatron's
+    sort_chunks_by_idxs runs), bit for bit the same output and gradients as with the copies made by reorder_rows
+    (skip_permutation_2 off: rows, probs and the combine's inverse, 3 calls) or by megatron's own permutation 2 (its
+    BF16-row code, the fallback under drop/pad: fp8 sorts in dispatch and combine, mxfp4's MXFP4 rows are always
+    sorted by reorder_rows, its combine by megatron)."""
     import megatron.core.transformer.moe.token_dispatcher as td
 
-    from fp4moe.model.recipe_moe import QuantizedAlltoAllTokenDispatcher
+    import fp4moe.model.recipe_moe as rm
 
-    calls = []
-    real = td.sort_chunks_by_idxs
-    monkeypatch.setattr(td, "sort_chunks_by_idxs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = {"megatron": 0, "fp4moe": 0}
+
+    def spy(name, real):
+        def call(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        return call
+
+    monkeypatch.setattr(td, "sort_chunks_by_idxs", spy("megatron", td.sort_chunks_by_idxs))
+    monkeypatch.setattr(rm, "reorder_rows", spy("fp4moe", rm.reorder_rows))
     x, gy = _layer_input_and_grad(3)
     runs = {}
-    for skip in (True, False):
+    for run in ("skip", "fp4moe", "megatron"):
         moe = _model(precision, **{"moe.aux_loss_coeff": 0.0}).decoder.layers[1].mlp
-        assert moe.num_local_experts > 1 and isinstance(moe.token_dispatcher, QuantizedAlltoAllTokenDispatcher)
-        assert moe.token_dispatcher.skip_permutation_2  # one source rank
-        moe.token_dispatcher.skip_permutation_2 = skip  # False: megatron's own permutation 2 and its inverse
-        n = len(calls)
+        d = moe.token_dispatcher
+        assert moe.num_local_experts > 1 and isinstance(d, rm.QuantizedAlltoAllTokenDispatcher)
+        assert d.skip_permutation_2  # one source rank
+        d.skip_permutation_2 = run == "skip"
+        if run == "megatron":
+            d._megatron_permutation_2 = lambda: True
+        before = dict(calls)
         y, dx = _moe_run(moe, x, gy)
         w1 = torch.stack([e.linear_fc1.weight.grad for e in moe.experts.local_experts])
-        runs[skip] = (y, dx, w1, len(calls) - n)
-    # megatron's BF16-row path (fp8) sorts in dispatch and combine; the MXFP4 rows are sorted by permute_rows
-    assert runs[True][3] == 0 and runs[False][3] == (2 if precision == "fp8" else 1)
-    for a, b in zip(runs[True][:3], runs[False][:3]):
-        assert torch.equal(a, b)
+        runs[run] = (y, dx, w1, {k: calls[k] - before[k] for k in calls})
+    assert runs["skip"][3] == {"megatron": 0, "fp4moe": 0}
+    assert runs["fp4moe"][3] == {"megatron": 0, "fp4moe": 3}
+    assert runs["megatron"][3] == ({"megatron": 2, "fp4moe": 0} if precision == "fp8" else {"megatron": 1, "fp4moe": 2})
+    for run in ("fp4moe", "megatron"):
+        for a, b in zip(runs["skip"][:3], runs[run][:3]):
+            assert torch.equal(a, b), run
 
 
 @pytest.mark.parametrize("precision", ("fp8", "mxfp4"))

@@ -4,8 +4,8 @@
   examples/megatron_own_model.py)
 - :mod:`fp4moe.model.build`: fp4moe config -> ``MLATransformerConfig`` / ``GPTModel`` (MLA + MoE, no TE)
 - :mod:`fp4moe.model.attention`: SDPA core attention for MLA (q/k head dim != v head dim)
-- :mod:`fp4moe.model.recipe_moe`: the precision recipe in megatron's MoE layer (quantized all-to-all dispatcher,
-  grouped FP8 experts, FP8 shared expert), parameter names unchanged
+- :mod:`fp4moe.model.recipe_moe`: the precision recipe in megatron's MoE layer, a thin adapter over fp4moe.moe's data
+  path (quantized all-to-all dispatcher, grouped FP8 experts, FP8 shared expert), parameter names unchanged
 - :mod:`fp4moe.model.recompute`: fp4moe's recompute modules (layernorm, moe_expert, self_attention) and the MXFP4
   recompute cache
 - :mod:`fp4moe.model.cpu_shims`: CPU/gloo shims, applied only when CUDA is absent

@@ -22,7 +22,7 @@ expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights
 * ``profile``: CUDA kernel time per iteration by category (FP8/BF16 GEMMs, our Triton kernels, NCCL,
   elementwise/other) and the top kernels, from ``torch.profiler`` (``--no-profile`` skips it).
 * ``memory_peak`` (``--memtrace``, CUDA): what is live at the peak above the base, by allocation site, from the
-  allocator's history (``fp4moe.train.memtrace``); ``fp4moe.scale.memory.standalone_moe_layer_peak`` models it.
+  allocator's history (``fp4moe.memtrace``); ``fp4moe.scale.memory.standalone_moe_layer_peak`` models it.
 
 And once: ``gemm``: the fp8 expert GEMMs over the routed counts (weights pre-quantized), as the grouped Triton
 kernel and as the per-expert ``F.scaled_mm`` loop, against one dense ``F.scaled_mm`` of the same total size
@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="first time the grouped Triton GEMMs under several tile configs and use the fastest")
     p.add_argument("--memtrace", action="store_true",
                    help="record the CUDA allocator's history over the memory measurement and list what is live at "
-                        "each recipe's peak, by allocation site (fp4moe.train.memtrace; CUDA only)")
+                        "each recipe's peak, by allocation site (fp4moe.memtrace; CUDA only)")
     p.add_argument("--out", default="results/moe_layer", help="output folder")
     p.add_argument("--commit", default=None,
                    help="commit to record (default: $FP4MOE_COMMIT, else git rev-parse --short HEAD)")
@@ -241,9 +241,9 @@ MEMTRACE_SITES = 16  # allocation sites listed per recipe (then one <other> row)
 
 def _memory_peak(dev, base: int) -> dict:
     """What was live at the peak of the forward + backward just recorded (``--memtrace``), above ``base`` (the
-    bytes allocated before it: weights, inputs): ``fp4moe.train.memtrace.peak_breakdown`` of the allocator
+    bytes allocated before it: weights, inputs): ``fp4moe.memtrace.peak_breakdown`` of the allocator
     history, its by-site rows (bytes, blocks, innermost fp4moe frame). Stops the recording."""
-    from fp4moe.train.memtrace import peak_breakdown
+    from fp4moe.memtrace import peak_breakdown
 
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
