@@ -345,6 +345,7 @@ def test_f5_seed_spread_from_runs_that_differ_only_in_the_seed():
     assert spread["bf16"]["eval_spread_pct"] == pytest.approx(2.0) and spread["bf16"]["train_spread_pct"] == pytest.approx(2.5)
     assert spread["mxfp4"]["eval_dev_pct_per_seed"] == pytest.approx([1.0, -1.0])
     assert spread["mxfp4"]["eval_dev_mean_pct"] == pytest.approx(0.0, abs=1e-12)
+    assert spread["mxfp4"]["eval_dev_range_pts"] == pytest.approx(2.0) and spread["bf16"]["eval_dev_range_pts"] is None
     assert spread["mxfp4"]["eval_spread_pct"] == pytest.approx(100 * (4.04 - 4.0392) / 4.0392)
 
 

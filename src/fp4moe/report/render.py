@@ -347,13 +347,15 @@ def markdown(rep: Report) -> str:
                     "spread is the size of a deviation that noise makes at this length; a recipe's deviation is its "
                     "own when it keeps its sign and size from seed to seed.", ""]
             out += [_md_table(["config", "archives", "recipe", "seeds", "eval loss spread", "train loss spread",
-                               "eval deviation from bf16, per seed", "mean"],
+                               "eval deviation from bf16, per seed", "mean", "range of the deviations"],
                               [[s["family"], s["archives"], s["recipe"], s["seeds"], _pct(s["eval_spread_pct"]),
                                 _pct(s["train_spread_pct"]),
                                 "reference" if s["eval_dev_pct_per_seed"] is None else
                                 " / ".join("-" if v is None else f"{v:+.2f} %" for v in s["eval_dev_pct_per_seed"]),
                                 "reference" if s["eval_dev_pct_per_seed"] is None else
-                                ("-" if s["eval_dev_mean_pct"] is None else f"{s['eval_dev_mean_pct']:+.2f} %")]
+                                ("-" if s["eval_dev_mean_pct"] is None else f"{s['eval_dev_mean_pct']:+.2f} %"),
+                                "reference" if s["eval_dev_pct_per_seed"] is None else
+                                ("-" if s["eval_dev_range_pts"] is None else f"{s['eval_dev_range_pts']:.2f} pts")]
                                for s in spread]), ""]
         out += ["Plot: `f5_loss.png`. CSV: `f5_loss.csv`.", ""]
     return "\n".join(out)

@@ -297,8 +297,9 @@ def f5_seed_spread(rows: list[dict]) -> list[dict]:
     """F5 rows of configs that differ only in the seed (``family``; the runs of each seed may come from another
     archive, i.e. session and commit: ``archives``), per recipe run from two seeds or more: the range of the final
     eval loss (and of the smoothed training loss) over the seeds, as (max - min) / min in %, the recipe's eval
-    deviation from bf16 in each seed and their mean. bf16's own spread says how large a deviation noise makes at
-    that length; a recipe's deviation is its own when it keeps its sign and size from seed to seed."""
+    deviation from bf16 in each seed, their mean and their range (max - min, in percentage points). bf16's own spread
+    says how large a deviation noise makes at that length; a recipe's deviation is its own when it keeps its sign and
+    size from seed to seed, i.e. when the range of its deviations is smaller than their mean."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["family"], r["recipe"])].append(r)
@@ -316,7 +317,8 @@ def f5_seed_spread(rows: list[dict]) -> list[dict]:
                     "eval_spread_pct": 100.0 * (max(ev) - min(ev)) / min(ev) if len(ev) > 1 else None,
                     "train_spread_pct": 100.0 * (max(tr) - min(tr)) / min(tr),
                     "eval_dev_pct_per_seed": devs,
-                    "eval_dev_mean_pct": statistics.fmean(known) if devs is not None and len(known) == len(devs) else None})
+                    "eval_dev_mean_pct": statistics.fmean(known) if devs is not None and len(known) == len(devs) else None,
+                    "eval_dev_range_pts": max(known) - min(known) if devs is not None and len(known) > 1 else None})
     return out
 
 
