@@ -35,7 +35,8 @@ def make_input(m: int, k: int, seed: int, device="cpu", special: bool = True, sp
     """BF16 ``[M, K]`` that exercises the formats: per-row magnitudes over 2**+-min(12, spread), per-32-block
     exponent offsets 0..``spread`` (spreads inside 128-groups: 30 reaches every slow path, 4 is typical of real
     activations and keeps the kernels' fast paths), exact zeros, -0.0, all-zero blocks, BF16 denormals,
-    and (``special``) a few NaN / +-Inf. Never all zeros."""
+    and (``special``) a few NaN / +-Inf, a first row up to BF16's largest magnitude and a last row around 2**-126.
+    Never all zeros."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g, dtype=torch.float64)
     rs = min(12, spread)
@@ -49,6 +50,12 @@ def make_input(m: int, k: int, seed: int, device="cpu", special: bool = True, sp
     x = x.reshape(m, k // 32, 32).masked_fill(zb.unsqueeze(-1), 0.0).reshape(m, k)
     if m > 0:
         x[torch.randint(0, m, (max(1, m // 16),), generator=g), torch.randint(0, k, (max(1, m // 16),), generator=g)] = 3e-39
+    if special and m > 1:
+        # the ends of the exponent range: a row up to BF16's largest finite magnitude (FP8 row scales 2**120-121,
+        # products that leave float32 if formed as E4M3 x scale) and a row around 2**-126 (BF16 denormals, FP8
+        # scale 2**-126, FP32-denormal products)
+        x[0] = (torch.rand(k, generator=g, dtype=torch.float64) * 3.98 - 1.99) * 2.0 ** 127
+        x[m - 1] = torch.randn(k, generator=g, dtype=torch.float64) * 2.0 ** -126
     if special and m > 0:
         n = max(1, m * k // 4096)
         for v in (float("nan"), float("inf"), float("-inf")):

@@ -85,6 +85,36 @@ def test_e2m1_encoder_on_every_bf16_magnitude_near_a_dozen_scales(device, rule):
 
 
 @pytest.mark.parametrize("device", _codec_devices())
+@pytest.mark.parametrize("e4m3, scale_exp", [(None, None), (0x7E, 121), (0x7E, 127), (0x70, 120), (0x01, 127),
+                                             (0x7E, 63), (0x7E, 64), (0x01, -126)])
+def test_fp8_row_to_fp4_at_the_ends_of_the_exponent_range(device, e4m3, scale_exp):
+    """FP8RowToFP4 where E4M3 x scale leaves float32: the kernel formed the product in float32, so one >= 2**128
+    became Inf and its 32-block a NaN block (code 255, data 0). (None, None): the case found in review, a BF16 row
+    whose element 0 is 0x7F78 (1.9375 * 2**127) through bf16_to_fp8_row (E4M3 256, scale 2**120): the reference
+    gives code 253 and the element 4.0 (2**128). The others are FP8 rows built directly (scales up to 2**127 are
+    in the format): E4M3 byte ``e4m3`` (0x7E = 448, 0x70 = 256, 0x01 = 2**-9) at element 0 under scale
+    2**scale_exp, beside 1.0 (far below it) and an E4M3 denormal in the other blocks of the group; code 254 with
+    elements saturated at 6 where the value passes 6 * 2**127, and both sides of the kernel's 2**64 switch."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import FP8RowTensor, Segments
+    from fp4moe_kernels.triton_kernels import launch
+
+    if e4m3 is None:
+        bits = torch.zeros(1, 128, dtype=torch.int16)
+        bits[0, 0] = 0x7F78
+        f = ref.bf16_to_fp8_row(bits.view(torch.bfloat16), None)
+        want = ref.fp8_row_to_fp4(f)
+        assert want.scales[0, 0].item() == 253 and ref.dequantize_mxfp4(want)[0, 0].item() == 2.0 ** 128
+    else:
+        data = torch.zeros(1, 128, dtype=torch.uint8)
+        data[0, 0], data[0, 40], data[0, 70], data[0, 100] = e4m3, 0x38, 0x01, 0x85  # 448..., 1.0, 2**-9, -5 * 2**-9
+        f = FP8RowTensor(data.view(torch.float8_e4m3fn), torch.tensor([2.0 ** scale_exp]), Segments.of(None, 1))
+        want = ref.fp8_row_to_fp4(f)
+    got = launch.fp8_row_to_fp4(FP8RowTensor(f.data.to(device), f.scales.to(device), f.segments))
+    assert not selfcheck.compare(got, want)
+
+
+@pytest.mark.parametrize("device", _codec_devices())
 def test_fp4_decoders_on_every_byte_and_scale_code(device):
     """FP4 -> BF16 and MXFP4 -> FP8 row (per-element decode from bits) on all 256 packed bytes x 256 UE8M0
     codes (0: the FP32-denormal scale, 255: NaN blocks) against the reference."""

@@ -54,6 +54,25 @@ def _mxfp4_blocks(lo, hi, RULE_CEIL: tl.constexpr):
 
 
 @triton.jit
+def _mxfp4_blocks_shifted(lo, hi, sh, RULE_CEIL: tl.constexpr):
+    """``_mxfp4_blocks`` of values that the caller divided by ``2**sh`` (``sh`` [R] int32 >= 0, per block) to keep
+    them inside float32: the blocks of ``x = v * 2**sh`` with ``v``'s float32 bits as pairs [R, 16]. Scaling by a
+    power of two moves the UE8M0 code by ``sh`` and leaves every E2M1 code as it is, so the codes of ``v`` are taken
+    with ``v``'s code capped at ``254 - sh`` (x's cap, 254: saturating elements at 6 there as the reference does)
+    and ``sh`` added back; all-zero blocks keep code 0 and NaN blocks 255."""
+    mlo = lo & _MAG
+    mhi = hi & _MAG
+    amax = tl.max(tl.maximum(mlo, mhi), axis=1)
+    code = mx_code_from_amax_bits(amax, RULE_CEIL)
+    code = tl.where(code < 255, tl.minimum(code, 254 - sh), 255)
+    clo = e2m1_codes_from_bits(mlo, code) | ((lo >> 28) & 8)
+    chi = e2m1_codes_from_bits(mhi, code) | ((hi >> 28) & 8)
+    byte = tl.where((code < 255)[:, None], clo | (chi << 4), 0)
+    code = tl.where((code < 255) & (amax > 0), code + sh, code)
+    return byte.to(tl.uint8), code.to(tl.uint8)
+
+
+@triton.jit
 def _fp8_groups(lo, hi, EMULATE: tl.constexpr):
     """float32 bits of 128-element groups as pairs [R, 64] -> (E4M3 pairs [R, 64] int16, exponents [R] int32)."""
     mlo = lo & _MAG
@@ -170,11 +189,16 @@ def fp8_row_to_fp4_kernel(q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, o_ptr, os_ptr,
     mask = g < M * (K // 128)
     pair = tl.load(q_ptr + g[:, None] * 64 + tl.arange(0, 64)[None, :], mask=mask[:, None], other=0).to(tl.int32)
     so = _row_scale_offset(g, M, K, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT)
-    scale = tl.load(s_ptr + so, mask=mask, other=1.0)[:, None]
-    # exact: E4M3 (4 significant bits) * 2**k with k >= -126 stays >= 2**-135, inside float32
-    lo = (e4m3_value((pair & 0xFF).to(tl.uint8), EMULATE) * scale).to(tl.int32, bitcast=True)
-    hi = (e4m3_value(((pair >> 8) & 0xFF).to(tl.uint8), EMULATE) * scale).to(tl.int32, bitcast=True)
-    byte, code = _mxfp4_blocks(tl.reshape(lo, (4 * R, 16)), tl.reshape(hi, (4 * R, 16)), RULE_CEIL)
+    scale = tl.load(s_ptr + so, mask=mask, other=1.0)
+    # value = E4M3 * 2**k, exact in float32 for k >= -126 (>= 2**-135) but >= 2**128 (Inf) for E4M3 up to 448 once
+    # k >= 120: groups with k >= 64 are converted as value * 2**-64 and their block codes raised by 64 after
+    big = scale >= 18446744073709551616.0  # 2**64
+    sh = tl.where(big, 64, 0)
+    s_eff = tl.where(big, scale * 5.421010862427522e-20, scale)[:, None]  # * 2**-64, exact
+    lo = (e4m3_value((pair & 0xFF).to(tl.uint8), EMULATE) * s_eff).to(tl.int32, bitcast=True)
+    hi = (e4m3_value(((pair >> 8) & 0xFF).to(tl.uint8), EMULATE) * s_eff).to(tl.int32, bitcast=True)
+    sh4 = tl.reshape(tl.broadcast_to(sh[:, None], (R, 4)), (4 * R,))
+    byte, code = _mxfp4_blocks_shifted(tl.reshape(lo, (4 * R, 16)), tl.reshape(hi, (4 * R, 16)), sh4, RULE_CEIL)
     b = tl.program_id(0).to(tl.int64) * (4 * R) + tl.arange(0, 4 * R)
     bmask = b < M * (K // 32)
     tl.store(o_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], byte, mask=bmask[:, None])
