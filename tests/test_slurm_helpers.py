@@ -45,6 +45,18 @@ def test_stop_signals_stop_and_only_the_preemption_signal_requeues_in_slurm(monk
         signal.signal(signal.SIGUSR2, before_usr2)
 
 
+def test_ctrl_c_stops_after_a_checkpoint_and_a_second_one_aborts():
+    """SIGINT is a stop signal (checkpoint, then stop; never a requeue); the second SIGINT raises KeyboardInterrupt
+    at once, and the default handler (KeyboardInterrupt) is back after the loop."""
+    before = signal.getsignal(signal.SIGINT)
+    with slurm.Preemption() as preempt:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preempt.poll() == signal.SIGINT and not preempt.will_requeue(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) == before
+
+
 def test_preempt_signal_follows_submitit_setting(monkeypatch):
     assert slurm.preempt_signal() == signal.SIGUSR2
     monkeypatch.setenv("SUBMITIT_PREEMPT_SIGNAL", "USR1")

@@ -32,7 +32,7 @@ from typing import Any
 
 from fp4moe import tracking
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)   # checkpoint and stop, no requeue
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)   # checkpoint and stop, no requeue (SIGINT: Ctrl-C)
 
 
 def preempt_signal() -> signal.Signals:
@@ -79,8 +79,8 @@ class Preemption:
     """Stop signals as a flag the loop polls between steps; ``leave()`` then hands over to Slurm.
 
     Watches the preemption signal (``preempt_signal()``, SIGUSR2: checkpoint, then requeue) and ``STOP_SIGNALS``
-    (SIGTERM from ``scancel`` or ``kill``, SIGUSR1 from ``sbatch --signal=USR1@...``: checkpoint, then stop).
-    The handler only records the first signal. Handlers are installed in the main thread only (Python's rule) and
+    (SIGTERM from ``scancel`` or ``kill``, SIGUSR1 from ``sbatch --signal=USR1@...``, SIGINT from Ctrl-C: checkpoint,
+    then stop). The handler only records the first signal; a second SIGINT raises KeyboardInterrupt (abort now). Handlers are installed in the main thread only (Python's rule) and
     the previous ones are restored on exit.
 
     Requeue (``requeue()``, for the preemption signal inside a Slurm job): inside a submitit job the previous
@@ -112,10 +112,13 @@ class Preemption:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.received:
+            if signum == signal.SIGINT:  # a second Ctrl-C: abort now, without the checkpoint
+                raise KeyboardInterrupt
             return
         self.received = signum
         then = "requeue" if self.will_requeue(signum) else "stop"
-        print(f"fp4moe.slurm: got {signal.Signals(signum).name}: checkpoint after this step, then {then}",
+        again = " (Ctrl-C again aborts without it)" if signum == signal.SIGINT else ""
+        print(f"fp4moe.slurm: got {signal.Signals(signum).name}: checkpoint after this step, then {then}{again}",
               file=sys.stderr, flush=True)
 
     def poll(self, device: Any = None) -> int:

@@ -8,8 +8,9 @@
 
 Exit status: 0 finished; 2 the config, a switch (``FP4MOE_CUDA_COL``, ``FP4MOE_DISPATCH_QUANTIZE``, ``FP4MOE_TRACKING_THREAD``), the
 data or the MLflow store cannot be used (one message, no traceback, before training starts); 3 out of GPU memory (recorded in MLflow as
-``outcome=OOM``; in a multirun the sweep goes on); 128 + N stopped by signal N (SIGTERM, SIGUSR1) after writing a
-checkpoint (rerun the same command to resume: with a relative ``train.checkpoint_dir``, pin ``hydra.run.dir``). In a
+``outcome=OOM``; in a multirun the sweep goes on); 128 + N stopped by signal N (SIGTERM, SIGUSR1, SIGINT: Ctrl-C; a
+second Ctrl-C aborts without it) after writing a checkpoint (rerun the same command to resume: with a relative
+``train.checkpoint_dir``, add the ``hydra.run.dir=...`` that the stop message prints). In a
 Slurm job, SIGUSR2 (the time-limit / preemption signal of the launcher profiles) writes a checkpoint and requeues the
 job, which resumes from it into the same MLflow run (fp4moe.slurm).
 """

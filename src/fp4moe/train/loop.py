@@ -351,6 +351,16 @@ def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None
         return _loop(cfg, derived, info, multirun_cell, output_dir, after_step, stop)
 
 
+def _resume_hint(checkpoint, output_dir) -> str:
+    """How to resume a stopped run: the same command, plus ``hydra.run.dir=`` when the checkpoint lies inside the
+    run's own (timestamped) Hydra folder, i.e. ``train.checkpoint_dir`` is relative."""
+    if checkpoint is not None and output_dir:
+        out = Path(output_dir).resolve()
+        if out in Path(checkpoint).resolve().parents:
+            return f"to resume, rerun the same command with hydra.run.dir={out}"
+    return "to resume, rerun the same command"
+
+
 def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
           after_step: Any, stop: slurm.Preemption) -> TrainResult:
     import torch
@@ -573,8 +583,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                 result.stopped_by = sig
                 log.warning("stopped by signal %d at step %d; checkpoint %s; %s", sig, step, result.checkpoint,
                             "requeued: the job resumes from it" if stop.will_requeue(sig) else
-                            "rerun the same command (same hydra.run.dir for a relative train.checkpoint_dir) "
-                            "to resume")
+                            _resume_hint(result.checkpoint, output_dir))
                 break
         if eval_every and not result.stopped_by and last_eval != step and step > start_step:
             result.eval_losses[step] = _evaluate(model, valid_ds, cfg, derived, info, pos)
