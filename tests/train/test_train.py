@@ -189,6 +189,27 @@ def test_config_mistakes_are_clear_errors(tmp_path, store, overrides, match):
     assert not dist.is_initialized()
 
 
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_training(tmp_path, store):
+    """train.checkpoint_dir under a file (not creatable), or on a file system without room for one checkpoint: a
+    ConfigError naming the folder and the fix before the model is built (before, the run trained every step and
+    crashed at its first save). Nothing is created."""
+    import shutil
+
+    from fp4moe.train import checkpoint as ckpt
+    from fp4moe.train.loop import train
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=r"checkpoint folder .*a_file/ckpt/train cannot be created: .*a_file is not a "
+                                          r"writable folder; point train.checkpoint_dir \(or FP4MOE_CKPT_DIR\)"):
+        train(_compose(tmp_path, f"train.checkpoint_dir={tmp_path / 'a_file' / 'ckpt'}"))
+    free = shutil.disk_usage(tmp_path).free
+    too_many = free // ckpt.CHECKPOINT_BYTES_PER_PARAM + 1
+    with pytest.raises(ConfigError, match=r"GB free on its file system, one checkpoint needs up to"):
+        ckpt.check_writable(tmp_path / "new" / "run", too_many)
+    ckpt.check_writable(tmp_path / "new" / "run", 1000)
+    assert not (tmp_path / "new").exists()
+
+
 def test_world_size_must_match_the_processes(tmp_path, store):
     """A config for 2 processes started as 1 process: ConfigError after init, process group torn down."""
     import torch.distributed as dist

@@ -65,6 +65,29 @@ def run_dir(cfg: Any, multirun_cell: str | None = None, output_dir: str | Path |
     return d / multirun_cell if multirun_cell else d
 
 
+# bytes one checkpoint holds per parameter, at most: BF16 weights + FP32 main weights + two FP32 Adam moments
+CHECKPOINT_BYTES_PER_PARAM = 2 + 4 + 4 + 4
+
+
+def check_writable(root: Path, params_total: int | None = None) -> None:
+    """Refuse (ConfigError) a checkpoint folder ``root`` that cannot be written, before anything trains: its nearest
+    existing ancestor must be a writable folder and, given ``params_total``, hold the free space of one checkpoint
+    (``CHECKPOINT_BYTES_PER_PARAM`` per parameter, an upper bound). Creates nothing."""
+    existing = Path(root)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    fix = "point train.checkpoint_dir (or FP4MOE_CKPT_DIR) at a writable folder"
+    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        raise ConfigError(f"checkpoint folder {root} cannot be created: {existing} is not a writable folder; {fix}")
+    if params_total:
+        need = int(params_total) * CHECKPOINT_BYTES_PER_PARAM
+        free = shutil.disk_usage(existing).free
+        if free < need:
+            raise ConfigError(f"checkpoint folder {root}: {free / 1e9:.2f} GB free on its file system, one checkpoint "
+                              f"needs up to {need / 1e9:.2f} GB ({params_total} parameters x "
+                              f"{CHECKPOINT_BYTES_PER_PARAM} B); free space there, or {fix} with room")
+
+
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:07d}"
 

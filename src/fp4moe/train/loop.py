@@ -141,6 +141,10 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
     # preemption) stops the run after its first step, with a checkpoint.
     with slurm.Preemption() as preempt:
         derived = preflight(cfg)
+        # before the model exists: a run that cannot checkpoint would only find out at its first save
+        from fp4moe.train import checkpoint as ckpt
+
+        ckpt.check_writable(ckpt.run_dir(cfg, multirun_cell, output_dir), derived.get("params_total"))
         apply_cluster_env(cfg)
         info = None
         try:
