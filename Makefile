@@ -72,5 +72,5 @@ report: venv ## write results/report/ (Markdown, CSV, PNG) from MLflow and conf/
 	$(VENV)/bin/python -m fp4moe.report $(REPORT_ARGS)
 
 clean: ## remove .venv, build outputs and caches (keeps mlruns/ and results/)
-	rm -rf $(VENV) build .pytest_cache .hypothesis
+	rm -rf $(VENV) build .pytest_cache .hypothesis .import_linter_cache
 	find . -path ./.git -prune -o \( -name __pycache__ -o -name '*.egg-info' \) -prune -exec rm -rf {} +

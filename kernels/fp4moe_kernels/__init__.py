@@ -5,21 +5,52 @@ formats, their conversions, a pure-PyTorch reference (the specification, runs on
 kernels that match it bit for bit on CUDA. Use the functions of ``fp4moe_kernels.ops``; they are
 re-exported here.
 
-Modules: ``constants`` (format numbers), ``formats`` (typed containers, ragged ``Segments``),
-``reference`` (the spec), ``ops`` (public API, validation, device dispatch), ``triton_kernels`` (GPU kernels),
-``selfcheck`` (kernels vs reference on the present hardware), ``bench`` (GPU benchmark CLI).
+Modules: ``constants`` (format numbers) and ``sizes`` (the formats' bytes from shapes), both torch-free;
+``formats`` (typed containers, ragged ``Segments``), ``reference`` (the spec), ``ops`` (public API, validation,
+device dispatch), ``triton_kernels`` (GPU kernels), ``cuda_kernels`` (CUDA C++), ``selfcheck`` (kernels vs
+reference on the present hardware), ``bench`` / ``bench_cuda`` / ``bench_peers`` (GPU benchmark CLIs).
+
+The re-exports and the submodules load on first use (PEP 562), so ``import fp4moe_kernels.constants`` or
+``fp4moe_kernels.sizes`` does not import torch: the torch-free side of fp4moe (fp4moe.scale) counts bytes with them.
 """
-from .formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
-from .ops import (
-    bf16_to_fp4_and_fp8_row,
-    bf16_to_fp4_row,
-    bf16_to_fp8_col,
-    bf16_to_fp8_row,
-    fp4_row_to_fp8_col,
-    fp4_row_to_fp8_row,
-    fp4_to_bf16,
-    fp8_row_to_fp4,
-)
+from __future__ import annotations
+
+import importlib
+
+# re-exported name -> the submodule that defines it
+_EXPORTS = {
+    "FormatError": "formats",
+    "FP8ColTensor": "formats",
+    "FP8RowTensor": "formats",
+    "MXFP4Tensor": "formats",
+    "Segments": "formats",
+    "bf16_to_fp4_and_fp8_row": "ops",
+    "bf16_to_fp4_row": "ops",
+    "bf16_to_fp8_col": "ops",
+    "bf16_to_fp8_row": "ops",
+    "fp4_row_to_fp8_col": "ops",
+    "fp4_row_to_fp8_row": "ops",
+    "fp4_to_bf16": "ops",
+    "fp8_row_to_fp4": "ops",
+}
+_SUBMODULES = ("bench", "bench_cuda", "bench_peers", "constants", "cuda_kernels", "formats", "ops", "reference",
+               "selfcheck", "sizes", "triton_kernels")
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_SUBMODULES})
+
 
 __all__ = [
     "FormatError",

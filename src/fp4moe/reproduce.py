@@ -416,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "report reads (default: $MLFLOW_TRACKING_URI, else mlruns/mlflow.db)")
     args = parser.parse_args(argv)
     if args.tracking_uri:
-        from fp4moe.report.store import normalize_uri
+        from fp4moe.tracking import normalize_uri
 
         os.environ["MLFLOW_TRACKING_URI"] = normalize_uri(args.tracking_uri)
 

@@ -31,6 +31,10 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from fp4moe import tracking
+from fp4moe.atomic_write import write_bytes_atomic
+from fp4moe.bench_log import expand as files_of
+
 FORMAT = "fp4moe-runs/1"
 ARCHIVED_ID = "fp4moe.archived_run_id"
 ARCHIVE_FILE = "fp4moe.archive"
@@ -42,12 +46,6 @@ class ArchiveError(ValueError):
     """A file is not a runs archive, or a store cannot be exported; the message names the file and the fix."""
 
 
-def _uri(where: str | os.PathLike) -> str:
-    from fp4moe.report.store import normalize_uri
-
-    return normalize_uri(where)
-
-
 def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
            experiments: Sequence[str] | None = None) -> int:
     """Write every run of ``store`` (only ``experiments`` when given) to ``out``; returns the number of runs."""
@@ -55,9 +53,7 @@ def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
-    from fp4moe.tracking import search_all_runs
-
-    uri = _uri(store)
+    uri = tracking.normalize_uri(store)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         raise ArchiveError(f"{store}: no MLflow store there (looked for {uri.removeprefix('sqlite:///')})")
     client = MlflowClient(tracking_uri=uri)
@@ -65,7 +61,7 @@ def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
     for exp in client.search_experiments(view_type=ViewType.ACTIVE_ONLY):
         if experiments and exp.name not in experiments:
             continue
-        for r in search_all_runs(client, [exp.experiment_id]):
+        for r in tracking.search_all_runs(client, [exp.experiment_id]):
             hist = {key: [[m.step, m.value, m.timestamp] for m in
                           sorted(client.get_metric_history(r.info.run_id, key), key=lambda m: (m.step, m.timestamp))]
                     for key in r.data.metrics}
@@ -84,8 +80,6 @@ def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
 
 def _write(doc: dict, out: Path) -> None:
     """Write ``doc`` to ``out`` atomically (fp4moe.atomic_write)."""
-    from fp4moe.atomic_write import write_bytes_atomic
-
     write_bytes_atomic(out, json.dumps(doc, indent=1, sort_keys=True).encode())
 
 
@@ -144,8 +138,6 @@ def _is_archive(path: Path) -> bool:
 def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """Files as given (each must be an archive); a folder stands for the archives among its ``*.json``
     (``fp4moe.bench_log.expand``'s walk; other JSON files there are left alone)."""
-    from fp4moe.bench_log import expand as files_of
-
     out: list[Path] = []
     for given in map(Path, paths):
         try:
@@ -162,8 +154,6 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param, RunTag
-
-    from fp4moe import tracking
 
     uri = uri or tracking.tracking_uri()
     tracking.check_reachable(uri)

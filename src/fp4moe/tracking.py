@@ -51,6 +51,17 @@ def tracking_uri() -> str:
     return f"sqlite:///{store / 'mlflow.db'}"
 
 
+def normalize_uri(where: str | os.PathLike | None) -> str:
+    """A tracking URI from a URI, a ``.db`` file or a folder holding ``mlflow.db``; None: ``tracking_uri()``."""
+    if where is None:
+        return tracking_uri()
+    text = str(where)
+    if "://" in text or text.startswith("sqlite:"):
+        return text
+    path = Path(text).expanduser().resolve()
+    return f"sqlite:///{path if path.suffix == '.db' else path / 'mlflow.db'}"
+
+
 def _local_store_dir(uri: str) -> Path | None:
     """The folder a local store (sqlite file or file store) lives in; None for remote stores."""
     if uri.startswith("sqlite:///"):

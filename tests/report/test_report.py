@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from fp4moe.report import model as model_mod
-from fp4moe.report import paper
+from fp4moe import paper
 from fp4moe.report.render import OUTPUTS, build_report, markdown, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,7 +198,7 @@ def test_empty_store_says_not_measured_and_creates_nothing(empty_store):
 
 
 def test_store_paths_and_folders(report_store):
-    from fp4moe.report.store import normalize_uri
+    from fp4moe.tracking import normalize_uri
 
     folder = Path(report_store.removeprefix("sqlite:///")).parent
     assert normalize_uri(folder) == report_store

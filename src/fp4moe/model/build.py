@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from fp4moe.config import (DISPATCHERS, FP4MOE_RECOMPUTE_MODULES, MEGATRON_RECOMPUTE_MODULES, TE_ONLY_RECOMPUTE_MODULES,
                            ConfigError, nested_in_self_attention)
 from fp4moe.model.attention import SDPACoreAttention
+from fp4moe.recipe import Recipe
 
 
 def _plain(cfg: Any) -> Any:
@@ -88,8 +89,6 @@ def fp4moe_recompute_modules(recompute_cfg: Any) -> list[str]:
 
 def recipe_of(cfg: Any):
     """``Recipe.from_config(cfg['precision'])``; bf16 when the config has no precision group."""
-    from fp4moe.recipe import Recipe
-
     prec = cfg.get("precision") if hasattr(cfg, "get") else None
     return Recipe.from_config(prec) if prec is not None else Recipe.bf16()
 
@@ -207,8 +206,6 @@ def transformer_config(model_cfg: Any, parallel_cfg: Any = None, recompute_cfg: 
                           f"refuses it ({e}): fix the layout string (letters E, t, m, L; one stage per "
                           "pipeline rank)") from e
     if precision_cfg is not None:
-        from fp4moe.recipe import Recipe
-
         _check_recipe_parallel(Recipe.from_config(precision_cfg), config)
     return config
 
@@ -268,7 +265,6 @@ def layer_spec(config, recipe=None, recompute_modules: tuple[str, ...] = ()):
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     from fp4moe.model.recompute import RecomputedMLASelfAttention
-    from fp4moe.recipe import Recipe
 
     recipe = recipe or Recipe.bf16()
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
@@ -330,6 +326,65 @@ def apply_fp8_dense_linears(model, recipe) -> list[str]:
     return skipped
 
 
+# The three calls of fp4moe.model.api (the recipe in a GPTModel the user configures), which build_gpt_model makes too.
+
+def prepare() -> None:
+    """Process-wide set-up before a model is built: the CPU/gloo shims when CUDA is absent, fp4moe's fixed
+    megatron checkpoints (the no-TE output-discarding checkpoint, the optional MXFP4 recompute cache), and an empty
+    megatron per-layer MoE aux-loss log (process-global, sized by the first model that logs). Idempotent."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    from fp4moe.model import cpu_shims
+    from fp4moe.model import recompute as fp4moe_recompute
+
+    cpu_shims.apply()
+    get_moe_layer_wise_logging_tracker().clear()
+    fp4moe_recompute.install()
+
+
+def decoder_block_spec(config: Any, recipe: Any = None, recompute_modules: tuple[str, ...] = ()):
+    """megatron-core's local decoder-block spec for ``config`` with the recipe inside (``recipe``: a
+    ``fp4moe.recipe.Recipe``; None = bf16, megatron's own MoE path) and fp4moe's own recompute modules
+    (``moe_expert``, ``self_attention``; ``layernorm`` goes in ``config.recompute_modules``). Raises ConfigError
+    for what the recipe's modules do not support (TP or expert-TP > 1, a dispatcher other than alltoall, token
+    dropping, shared-expert overlap) and for unknown or nested recompute modules."""
+    recipe = recipe or Recipe.bf16()
+    own = tuple(recompute_modules)
+    bad = [m for m in own if m not in FP4MOE_RECOMPUTE_MODULES or m == "layernorm"]
+    if bad:
+        raise ConfigError(f"recompute_modules {bad}: fp4moe's own are moe_expert and self_attention (layernorm is "
+                          "megatron's: put it in config.recompute_modules after api.prepare())")
+    selective = config.recompute_granularity == "selective"
+    nested = nested_in_self_attention(own, config.recompute_modules) if selective else []
+    if nested:
+        raise ConfigError(f"recompute module self_attention (the whole attention block) and config.recompute_modules "
+                          f"{nested}, which lie inside it: keep one or the other")
+    _check_recipe_parallel(recipe, config)
+    return layer_spec(config, recipe, own)
+
+
+def finish(model: Any, recipe: Any = None) -> list[str]:
+    """After ``GPTModel(...)``: FP8 through ``fp8_linear`` for the attention and dense-MLP linears when the recipe's
+    scope is ``all_linears``, MXFP4 recompute caches inside every ``TransformerLayer`` when the recipe stores them
+    (``recompute_cache_fp4``), the routed-row counters of every MoE dispatcher, and a hook that drops what each
+    dispatcher keeps once its layer's forward returns (``release_dispatcher_after_forward``). Sets ``model.fp4moe_recipe``
+    and ``model.fp4moe_bf16_linears``; returns the dense linears left BF16 (dims not multiples of 128)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from fp4moe.model import recompute as fp4moe_recompute
+
+    recipe = recipe or Recipe.bf16()
+    model.fp4moe_recipe = recipe
+    model.fp4moe_bf16_linears = apply_fp8_dense_linears(model, recipe)
+    if recipe.recompute_cache_fp4:
+        for layer in model.modules():
+            if isinstance(layer, TransformerLayer):
+                fp4moe_recompute.cache_mxfp4_inside(layer)
+    count_routed_rows(model)
+    release_dispatcher_after_forward(model)
+    return model.fp4moe_bf16_linears
+
+
 def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
                     pre_process: bool | None = None, post_process: bool | None = None):
     """``GPTModel`` (MLA + MoE, local spec, SDPA core attention) for the composed config ``cfg`` (groups
@@ -347,18 +402,16 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 
-    from fp4moe.model import api
-
     # the CPU shims, the no-TE fix of megatron's output-discarding checkpoint (recompute.py), and an empty megatron
     # per-layer MoE aux-loss log (moe_utils.py:43, :893-896: a process-global dict whose tensors are sized by the
     # first model that logs; a model with more layers built later in the same process would index past them)
-    api.prepare()
+    prepare()
     model_cfg = cfg["model"]
     recipe = recipe_of(cfg)
     own = [m for m in fp4moe_recompute_modules(cfg.get("recompute")) if m != "layernorm"]  # layernorm: megatron's
     config = transformer_config(model_cfg, cfg.get("parallel"), cfg.get("recompute"), params_dtype=params_dtype,
                                 precision_cfg=recipe.to_dict())
-    block = api.decoder_block_spec(config, recipe, tuple(own))
+    block = decoder_block_spec(config, recipe, tuple(own))
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
@@ -380,7 +433,7 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
         position_embedding_type="none",  # MLA applies its own (decoupled) RoPE
         mtp_block_spec=mtp,
     )
-    api.finish(model, recipe)  # FP8 dense linears (all_linears), MXFP4 recompute caches, routed-row counters
+    finish(model, recipe)  # FP8 dense linears (all_linears), MXFP4 recompute caches, routed-row counters
     return model
 
 

@@ -15,15 +15,28 @@
 Status: CPU-tested (gloo for the all-to-all) and GPU-tested on H200s (``F.scaled_mm`` layouts, the grouped
 Triton GEMMs, NCCL with 2 GPUs): results/moe_layer/gpu_tests_*.log.
 """
+from fp4moe_kernels.ops import cuda_col_mode
+
+from .all_to_all import dispatch_quantize_mode
 from .fp8_gemm import dequantize_weight_128x128, fp8_mm, quantize_weight_128x128, transpose_weight_128x128
 from .fp8_linear import FP8Linear, fp8_linear, linear_saved_bytes, saved_bytes
 from .grouped_experts import expert_saved_bytes, grouped_expert_mlp
 from .fp4_store import FP4Store, fp4_saved_tensors
 from .swiglu import swiglu
 
+
+def check_env() -> None:
+    """Read now the environment switches of the ops and kernels that a typo would otherwise break mid-run
+    (``FP4MOE_CUDA_COL`` at the first backward, ``FP4MOE_DISPATCH_QUANTIZE`` at the model's build): a ValueError
+    (``FormatError`` is one) naming the variable and its values. The trainer calls it among its config checks."""
+    cuda_col_mode()
+    dispatch_quantize_mode()
+
+
 __all__ = [
     "FP4Store",
     "FP8Linear",
+    "check_env",
     "dequantize_weight_128x128",
     "expert_saved_bytes",
     "fp4_saved_tensors",

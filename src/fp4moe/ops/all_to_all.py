@@ -56,6 +56,7 @@ import torch.distributed as dist
 from fp4moe_kernels import ops as kops
 from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
 from fp4moe_kernels.formats import MXFP4Tensor
+from fp4moe_kernels.sizes import payload_row_bytes as _row_bytes
 
 DISPATCH_QUANTIZE_ENV = "FP4MOE_DISPATCH_QUANTIZE"
 DISPATCH_QUANTIZE_MODES = ("tokens", "rows")
@@ -75,7 +76,6 @@ def dispatch_quantize_mode() -> str:
 FORWARD_CODECS = ("mxfp4", "fp8", "bf16")
 BACKWARD_CODECS = ("bf16", "fp8")  # gradients are never FP4 (SPEC §4)
 _INPUT_DTYPES = (torch.bfloat16, torch.float32)
-_FP8_SCALE_BYTES = 4  # one float32 per 1x128 group
 
 
 # ------------------------------------------------------------------------------------------ accounting
@@ -95,11 +95,7 @@ def _check_hidden(hidden: int, codec: str, what: str = "codec") -> None:
 def payload_row_bytes(hidden: int, codec: str) -> int:
     """Bytes of one payload row of ``hidden`` channels: mxfp4 ``H/2 + H/32``, fp8 ``H + 4*H/128``, bf16 ``2*H``."""
     _check_hidden(hidden, codec)
-    if codec == "mxfp4":
-        return hidden // 2 + hidden // MX_BLOCK
-    if codec == "fp8":
-        return hidden + _FP8_SCALE_BYTES * (hidden // FP8_GROUP)
-    return 2 * hidden
+    return _row_bytes(hidden, codec)
 
 
 def a2a_payload_bytes(rows: int, hidden: int, codec: str) -> int:

@@ -36,16 +36,13 @@ import torch.nn.functional as F
 from fp4moe_kernels import ops as kops
 from fp4moe_kernels.constants import FP8_GROUP
 from fp4moe_kernels.formats import FormatError, FP8ColTensor, MXFP4Tensor, Segments
+from fp4moe_kernels.sizes import fp8_row_col_bytes, mxfp4_bytes
 
 from ..recipe import Recipe
 from .fp8_gemm import fp8_mm, quantize_weight_128x128, transpose_weight_128x128
 
 _FP8 = torch.float8_e4m3fn
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def _pad128(n: int) -> int:
-    return -(-n // FP8_GROUP) * FP8_GROUP
 
 
 def _row_operand(f):
@@ -166,9 +163,8 @@ def linear_saved_bytes(m: int, k: int, recipe: Recipe, counts=None, *, layer_kin
     if not _in_scope(recipe, layer_kind):
         return 2 * m * k
     if recipe.save_fp4:
-        return m * k // 2 + m * k // 32
-    mp = Segments.of(counts, m).padded_total
-    return (m * k + 4 * m * k // FP8_GROUP) + (k * mp + 4 * k * mp // FP8_GROUP)
+        return mxfp4_bytes(m, k)
+    return fp8_row_col_bytes(m, k, Segments.of(counts, m).padded_total)
 
 
 def saved_bytes(y_or_ctx) -> int:

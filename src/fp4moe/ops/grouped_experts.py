@@ -46,8 +46,9 @@ import os
 import torch
 
 from fp4moe_kernels import ops as kops
-from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
+from fp4moe_kernels.constants import FP8_GROUP
 from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
+from fp4moe_kernels.sizes import fp8_row_col_bytes, mxfp4_bytes
 
 from ..recipe import Recipe
 from .fp8_gemm import fp8_mm, quantize_weight_128x128
@@ -56,20 +57,8 @@ from .swiglu import swiglu_math, swiglu_math_backward, swiglu_math_backward_fp4,
 _BF16 = torch.bfloat16
 
 
-def _pad128(n: int) -> int:
-    return -(-n // FP8_GROUP) * FP8_GROUP
-
-
 def _uses_fp4_input(recipe: Recipe, x_is_fp4: bool) -> bool:
     return recipe.fp8_compute and (recipe.expert_input_fp4 or (recipe.save_fp4 and not x_is_fp4))
-
-
-def _fp8_bytes_row_col(t: int, k: int, mp: int) -> int:
-    return (t * k + 4 * t * k // FP8_GROUP) + (k * mp + 4 * k * mp // FP8_GROUP)
-
-
-def _fp4_bytes(t: int, k: int) -> int:
-    return t * k // 2 + t * k // MX_BLOCK
 
 
 def expert_saved_bytes(counts, hidden: int, ffn: int, recipe: Recipe) -> int:
@@ -82,9 +71,9 @@ def expert_saved_bytes(counts, hidden: int, ffn: int, recipe: Recipe) -> int:
     t, mp, h, f = seg.total, seg.padded_total, hidden, ffn
     if not recipe.fp8_compute:
         return 2 * t * h + 2 * t * 2 * f + 2 * t * f + 4 * t
-    x_b = _fp4_bytes(t, h) if (recipe.expert_input_fp4 or recipe.save_fp4) else _fp8_bytes_row_col(t, h, mp)
-    h_b = _fp4_bytes(t, 2 * f) if recipe.activation_fp4_store else 2 * t * 2 * f
-    z_b = _fp4_bytes(t, f) if recipe.save_fp4 else _fp8_bytes_row_col(t, f, mp)
+    x_b = mxfp4_bytes(t, h) if (recipe.expert_input_fp4 or recipe.save_fp4) else fp8_row_col_bytes(t, h, mp)
+    h_b = mxfp4_bytes(t, 2 * f) if recipe.activation_fp4_store else 2 * t * 2 * f
+    z_b = mxfp4_bytes(t, f) if recipe.save_fp4 else fp8_row_col_bytes(t, f, mp)
     return x_b + h_b + z_b + 4 * t
 
 

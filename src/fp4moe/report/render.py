@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
+from .. import paper as paper_mod
 from ..atomic_write import write_bytes_atomic
-from . import paper as paper_mod
 from . import store as store_mod
 from . import tables
 from .model import MODEL_LABEL

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from fp4moe.tracking import normalize_uri, search_all_runs
+
 KERNELS = "kernels"          # fp4moe.bench_log.EXPERIMENT (not imported: keeps this module's imports small)
 MOE_LAYER = "moe_layer"      # fp4moe.layer_bench_log.EXPERIMENT
 TRAINER_TAGS = ("recipe", "recompute", "model", "hardware")
@@ -53,19 +55,6 @@ class Store:
         return [r for r in self.runs if r.is_trainer]
 
 
-def normalize_uri(where: str | os.PathLike | None) -> str:
-    """A tracking URI from a URI, a ``.db`` file or a folder holding ``mlflow.db``; None: fp4moe.tracking's."""
-    if where is None:
-        from fp4moe.tracking import tracking_uri
-
-        return tracking_uri()
-    text = str(where)
-    if "://" in text or text.startswith("sqlite:"):
-        return text
-    path = Path(text).expanduser().resolve()
-    return f"sqlite:///{path if path.suffix == '.db' else path / 'mlflow.db'}"
-
-
 def _missing_sqlite(uri: str) -> bool:
     if not uri.startswith("sqlite:///"):
         return False
@@ -81,8 +70,6 @@ def load(where: str | os.PathLike | None = None) -> Store:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
-
-    from fp4moe.tracking import search_all_runs
 
     client = MlflowClient(tracking_uri=uri)
     runs: list[RunRecord] = []
@@ -103,4 +90,4 @@ def load(where: str | os.PathLike | None = None) -> Store:
     return Store(uri, runs, history)
 
 
-__all__ = ["KERNELS", "MOE_LAYER", "RunRecord", "Store", "load", "normalize_uri"]
+__all__ = ["KERNELS", "MOE_LAYER", "RunRecord", "Store", "load"]

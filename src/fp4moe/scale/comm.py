@@ -3,7 +3,7 @@
 FIRST, UNCALIBRATED VERSION: payload sizes from the wire formats, row counts from balanced uniform routing; P5
 checks them against ``A2AStats`` of measured runs and measures the achieved bandwidth. No torch import.
 
-Payload row bytes (``fp4moe.ops.all_to_all.payload_row_bytes``; checked equal in the tests), H = hidden size:
+Payload row bytes (``fp4moe_kernels.sizes.payload_row_bytes``, which ``fp4moe.ops.all_to_all`` uses too), H = hidden size:
 
     mxfp4  H/2 + H/32       (E2M1 codes + UE8M0 scales)        H = 7168: 3808 B
     fp8    H + 4 H/128      (E4M3 + FP32 1x128 scales)                   7392 B
@@ -43,20 +43,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ..recipe import Recipe
-from .memory import FP8_GROUP, FP8_SCALE_BYTES, MX_BLOCK, _scope
+from fp4moe_kernels.sizes import CODECS, payload_row_bytes  # torch-free; the ops' all-to-all counts with it too
 
-CODECS = ("mxfp4", "fp8", "bf16")
-
-
-def payload_row_bytes(hidden: int, codec: str) -> int:
-    """Bytes of one payload row: mxfp4 ``H/2 + H/32``, fp8 ``H + 4H/128``, bf16 ``2H``."""
-    if codec not in CODECS:
-        raise ValueError(f"codec {codec!r} is not one of {CODECS}")
-    if codec == "mxfp4":
-        return hidden // 2 + hidden // MX_BLOCK
-    if codec == "fp8":
-        return hidden + FP8_SCALE_BYTES * (hidden // FP8_GROUP)
-    return 2 * hidden
+from .memory import _scope
 
 
 def expected_distinct_ranks(num_experts: int, topk: int, ep: int, num_groups: int | None = None,

@@ -198,36 +198,21 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+# The formats' numbers and bytes: fp4moe_kernels' torch-free modules (the same formulas the ops count with).
+from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
+from fp4moe_kernels.sizes import FP8_SCALE_BYTES, fp8_row_col_bytes, mxfp4_bytes
+from fp4moe_kernels.sizes import pad_to_group as _pad128
+
 from ..recipe import Recipe
 from . import outside_torch, optimizer_state
 from .outside_torch import MEASURED as _MEASURED
 
 GB = 2**30  # bytes per "GB" in this module (GiB)
 BF16, FP32, INT64 = 2, 4, 8  # bytes per element
-FP8_GROUP = 128  # 1x128 FP8 activation groups (fp4moe_kernels.constants.FP8_GROUP; that package imports torch)
-MX_BLOCK = 32  # MXFP4 elements per UE8M0 scale (fp4moe_kernels.constants.MX_BLOCK)
-FP8_SCALE_BYTES = 4  # one FP32 scale per 1x128 group
 
 SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full")
 ATTN_RECOMPUTE = ("core_attn", "self_attention")
 CONF = Path(__file__).resolve().parents[3] / "conf"
-
-
-# ---------------------------------------------------------------------------------------------- formats
-
-def _pad128(n: int) -> int:
-    return -(-n // FP8_GROUP) * FP8_GROUP
-
-
-def fp8_row_col_bytes(m: int, k: int, mp: int | None = None) -> int:
-    """FP8 rows (E4M3 [m,k] + FP32 scales [m,k/128]) + FP8 columns (E4M3 [k,mp] + FP32 scales [k,mp/128])."""
-    mp = _pad128(m) if mp is None else mp
-    return (m * k + FP8_SCALE_BYTES * m * k // FP8_GROUP) + (k * mp + FP8_SCALE_BYTES * k * mp // FP8_GROUP)
-
-
-def mxfp4_bytes(m: int, k: int) -> int:
-    """MXFP4: E2M1 codes (2 per byte) + one UE8M0 scale byte per 32 elements."""
-    return m * k // 2 + m * k // MX_BLOCK
 
 
 # ---------------------------------------------------------------------------------------------- inputs

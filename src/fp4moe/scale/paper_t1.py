@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 from omegaconf import OmegaConf
 
+from .. import paper
 from . import outside_torch
 from .calibration import H200_NON_TORCH_GIB
 from .memory import CONF, GB, MemoryAssumptions, experiment_cfg, mean_total_bytes, per_stage_memory
@@ -62,10 +63,9 @@ CORE_ATTENTION = {"attn_ln_experts": "attn_ln_experts", "attn_ln_mlp": "attn_ln_
 
 
 def paper_cells() -> dict[tuple[str, str], float | None]:
-    """The paper's T1 peaks, % of 80 GB (None: OOM), read by fp4moe.report.paper (the one reader of numbers.yaml)."""
-    from fp4moe.report.paper import load, t1_cells
-
-    return {(c["scope"], c["recipe"]): (None if c["oom"] else float(c["peak_memory_pct"])) for c in t1_cells(load())}
+    """The paper's T1 peaks, % of 80 GB (None: OOM), read by fp4moe.paper (the one reader of numbers.yaml)."""
+    return {(c["scope"], c["recipe"]): (None if c["oom"] else float(c["peak_memory_pct"]))
+            for c in paper.t1_cells(paper.load())}
 
 
 @dataclass(frozen=True)
@@ -187,11 +187,9 @@ def sister_check(a: MemoryAssumptions = PAPER_SETUP) -> list[SisterCell]:
     """The model for the sister artifact's measured cells (numbers.yaml ``sister_dsv3_memory``): the paper_t1 setup at
     that layout (``LAYOUTS``) with its recipe and recompute (``full``, or ``sel`` = attn layernorm moe_expert: the
     experiment's group for attn_ln_experts)."""
-    from fp4moe.report.paper import load, sister_memory_cells
-
     group = {"full": "full", "sel": sweep_recompute()["attn_ln_experts"]}
     out = []
-    for c in sister_memory_cells(load()):
+    for c in paper.sister_memory_cells(paper.load()):
         cfg = experiment_cfg(EXPERIMENT, f"precision={c['recipe']}", f"recompute={group[c['ac']]}",
                              *LAYOUTS[c["layout"]])
         b = max(per_stage_memory(cfg, a), key=lambda x: x.total_bytes)

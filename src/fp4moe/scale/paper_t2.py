@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from .. import paper
 from .memory import GB, MemoryAssumptions, experiment_cfg, per_stage_memory
 from .paper_t1 import PAPER_SETUP, setup_label, write_markdown_cli
 
@@ -38,10 +39,8 @@ SCOPES = (("attn_block_ln_experts", "whole block"), ("attn_ln_experts", "core"),
 
 
 def paper_rows() -> dict[str, tuple[float, float]]:
-    """{our precision: (change vs FP8 %, change vs BF16 %)} of the paper's T2, read by fp4moe.report.paper."""
-    from fp4moe.report.paper import load, t2_rows
-
-    return {ROWS[r["row"]]: (r["vs_fp8_pct"], r["vs_bf16_pct"]) for r in t2_rows(load())}
+    """{our precision: (change vs FP8 %, change vs BF16 %)} of the paper's T2, read by fp4moe.paper."""
+    return {ROWS[r["row"]]: (r["vs_fp8_pct"], r["vs_bf16_pct"]) for r in paper.t2_rows(paper.load())}
 
 
 @dataclass(frozen=True)

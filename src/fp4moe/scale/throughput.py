@@ -47,10 +47,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
+from fp4moe_kernels.sizes import FP8_SCALE_BYTES
+
 from ..recipe import Recipe
 from .comm import a2a_per_layer
-from .memory import (ATTN_RECOMPUTE, FP8_GROUP, FP8_SCALE_BYTES, MX_BLOCK, _as_cfg, _dims, _scope, _stages, compose_cfg,
-                     recomputes_attention_block)
+from .memory import ATTN_RECOMPUTE, _as_cfg, _dims, _scope, _stages, compose_cfg, recomputes_attention_block
 
 ROOT = Path(__file__).resolve().parents[3]
 # step times only (its peaks carry the SavedTensorBytes leak: results/train_proxy/superseded/README.md)

@@ -100,17 +100,13 @@ def preflight(cfg: Any) -> dict[str, Any]:
         v = cfg.train.get(key)
         if v is not None and int(v) < 1:
             raise ConfigError(f"train.{key}={v}: use a positive step count, or null to switch it off")
-    from fp4moe_kernels import ops
-    from fp4moe_kernels.formats import FormatError
-
-    from fp4moe.ops.all_to_all import dispatch_quantize_mode
+    from fp4moe.ops import check_env
     from fp4moe.train.metrics import tracking_thread
 
     try:
-        ops.cuda_col_mode()  # a typo in FP4MOE_CUDA_COL is refused here, not at the first backward
-        dispatch_quantize_mode()  # nor one in FP4MOE_DISPATCH_QUANTIZE at the model's build
+        check_env()  # a typo in FP4MOE_CUDA_COL / FP4MOE_DISPATCH_QUANTIZE is refused here, not at the first backward
         tracking_thread()  # nor one in FP4MOE_TRACKING_THREAD
-    except (FormatError, ValueError) as e:
+    except ValueError as e:  # FormatError included
         raise ConfigError(str(e)) from None
     from fp4moe.train.metrics import resolve_uri
 
