@@ -43,26 +43,19 @@ def _load_words(x_ptr, idx, n, mask, X_BF16: tl.constexpr):
 @triton.jit
 def _mxfp4_blocks(lo, hi, RULE_CEIL: tl.constexpr):
     """float32 bits of 32-element blocks as pairs [R, 16] -> (packed bytes [R, 16] uint8, UE8M0 [R] uint8)."""
-    mlo = lo & _MAG
-    mhi = hi & _MAG
-    amax = tl.max(tl.maximum(mlo, mhi), axis=1)  # int32 bits; NaN/Inf sort above every finite value
-    code = mx_code_from_amax_bits(amax, RULE_CEIL)
-    clo = e2m1_codes_from_bits(mlo, code) | ((lo >> 28) & 8)
-    chi = e2m1_codes_from_bits(mhi, code) | ((hi >> 28) & 8)
-    byte = tl.where((code < 255)[:, None], clo | (chi << 4), 0)
-    return byte.to(tl.uint8), code.to(tl.uint8)
+    return _mxfp4_blocks_shifted(lo, hi, 0, RULE_CEIL)  # the constant 0 folds away: the same code as before
 
 
 @triton.jit
 def _mxfp4_blocks_shifted(lo, hi, sh, RULE_CEIL: tl.constexpr):
-    """``_mxfp4_blocks`` of values that the caller divided by ``2**sh`` (``sh`` [R] int32 >= 0, per block) to keep
-    them inside float32: the blocks of ``x = v * 2**sh`` with ``v``'s float32 bits as pairs [R, 16]. Scaling by a
-    power of two moves the UE8M0 code by ``sh`` and leaves every E2M1 code as it is, so the codes of ``v`` are taken
+    """``_mxfp4_blocks`` of values that the caller divided by ``2**sh`` (``sh`` [R] int32 >= 0, per block, or 0) to
+    keep them inside float32: the blocks of ``x = v * 2**sh`` with ``v``'s float32 bits as pairs [R, 16]. Scaling by
+    a power of two moves the UE8M0 code by ``sh`` and leaves every E2M1 code as it is, so the codes of ``v`` are taken
     with ``v``'s code capped at ``254 - sh`` (x's cap, 254: saturating elements at 6 there as the reference does)
     and ``sh`` added back; all-zero blocks keep code 0 and NaN blocks 255."""
     mlo = lo & _MAG
     mhi = hi & _MAG
-    amax = tl.max(tl.maximum(mlo, mhi), axis=1)
+    amax = tl.max(tl.maximum(mlo, mhi), axis=1)  # int32 bits; NaN/Inf sort above every finite value
     code = mx_code_from_amax_bits(amax, RULE_CEIL)
     code = tl.where(code < 255, tl.minimum(code, 254 - sh), 255)
     clo = e2m1_codes_from_bits(mlo, code) | ((lo >> 28) & 8)
