@@ -1,5 +1,6 @@
 """Atomic file writes: a reader sees the old file or the new one, never a half-written one, and a failed write
-leaves nothing behind. Used by the report (fp4moe.report.render) and the runs archives (fp4moe.runs_archive)."""
+leaves nothing behind. Used by the report (fp4moe.report.render) and the runs archives (fp4moe.runs_archive).
+Also where a folder can be created (``writable_ancestor``: the MLflow store's and the checkpoints' preflight)."""
 from __future__ import annotations
 
 import os
@@ -24,4 +25,12 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, mode: int = 0o644) 
     return path
 
 
-__all__ = ["write_bytes_atomic"]
+def writable_ancestor(path: str | os.PathLike) -> tuple[Path, bool]:
+    """(``path`` or its nearest existing ancestor, whether that is a folder this process can create files in):
+    what decides, before anything is written, whether ``path`` can be created. Creates nothing."""
+    path = Path(path)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    return existing, existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+
+
+__all__ = ["writable_ancestor", "write_bytes_atomic"]

@@ -24,6 +24,8 @@ from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlparse
 
+from fp4moe.atomic_write import writable_ancestor
+
 HTTP_TIMEOUT_S = 3.0
 
 
@@ -102,8 +104,8 @@ def check_reachable(uri: str) -> None:
     folder = _local_store_dir(uri)
     if folder is None:
         return
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+    existing, writable = writable_ancestor(folder)
+    if not writable:
         raise TrackingUnavailable(
             f"MLflow store {uri} is not writable: {existing} is not a writable folder. "
             f"Fix its permissions, or point MLFLOW_TRACKING_URI (or FP4MOE_HOME) elsewhere."

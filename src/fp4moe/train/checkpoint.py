@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from fp4moe.atomic_write import writable_ancestor
 from fp4moe.config import ConfigError
 from fp4moe.train import optim
 from fp4moe.train.dist import barrier
@@ -73,11 +74,9 @@ def check_writable(root: Path, params_total: int | None = None) -> None:
     """Refuse (ConfigError) a checkpoint folder ``root`` that cannot be written, before anything trains: its nearest
     existing ancestor must be a writable folder and, given ``params_total``, hold the free space of one checkpoint
     (``CHECKPOINT_BYTES_PER_PARAM`` per parameter, an upper bound). Creates nothing."""
-    existing = Path(root)
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing, writable = writable_ancestor(root)
     fix = "point train.checkpoint_dir (or FP4MOE_CKPT_DIR) at a writable folder"
-    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+    if not writable:
         raise ConfigError(f"checkpoint folder {root} cannot be created: {existing} is not a writable folder; {fix}")
     if params_total:
         need = int(params_total) * CHECKPOINT_BYTES_PER_PARAM
