@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from fp4moe_kernels.formats import host_to_device
 
-from ..ops.all_to_all import (A2AStats, DispatchedMXFP4, permute_rows, quantize_gather_rows, quantized_all_to_all,
-                              sum_rows_by_token)
+from ..ops.all_to_all import (A2AStats, DispatchedMXFP4, inverse_permutation, permute_rows, quantize_gather_rows,
+                              quantized_all_to_all, sum_rows_by_token)
 from ..recipe import Recipe
 
 
@@ -213,13 +213,6 @@ class _ReorderRows(torch.autograd.Function):
     def backward(ctx, g):
         (perm,) = ctx.saved_tensors
         return g.index_select(0, inverse_permutation(perm)), None
-
-
-def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
-    """``inv`` with ``inv[perm] = arange``, on ``perm``'s device."""
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), dtype=perm.dtype, device=perm.device)
-    return inv
 
 
 def reorder_rows(x, perm: torch.Tensor):

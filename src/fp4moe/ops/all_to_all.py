@@ -376,9 +376,14 @@ class _PermuteAnchor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (perm,) = ctx.saved_tensors
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.numel(), dtype=perm.dtype, device=perm.device)
-        return g.index_select(0, inv), None
+        return g.index_select(0, inverse_permutation(perm)), None
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm] = arange``, on ``perm``'s device."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), dtype=perm.dtype, device=perm.device)
+    return inv
 
 
 class _QuantizeGather(torch.autograd.Function):
@@ -552,6 +557,7 @@ def quantized_all_to_all(
 
 __all__ = [
     "A2AStats",
+    "inverse_permutation",
     "BACKWARD_CODECS",
     "DispatchedMXFP4",
     "FORWARD_CODECS",
