@@ -80,8 +80,8 @@ class Preemption:
 
     Watches the preemption signal (``preempt_signal()``, SIGUSR2: checkpoint, then requeue) and ``STOP_SIGNALS``
     (SIGTERM from ``scancel`` or ``kill``, SIGUSR1 from ``sbatch --signal=USR1@...``, SIGINT from Ctrl-C: checkpoint,
-    then stop). The handler only records the first signal; a second SIGINT raises KeyboardInterrupt (abort now). Handlers are installed in the main thread only (Python's rule) and
-    the previous ones are restored on exit.
+    then stop). The handler only records the first signal; a second SIGINT raises KeyboardInterrupt (abort now).
+    Handlers are installed in the main thread only (Python's rule) and the previous ones are restored on exit.
 
     Requeue (``requeue()``, for the preemption signal inside a Slurm job): inside a submitit job the previous
     handler is submitit's: it is called, pickles the job again (hydra-submitit-launcher's ``checkpoint``: the same
