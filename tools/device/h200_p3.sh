@@ -44,6 +44,8 @@
 #                                                      # tokens in one call
 #   bash tools/device/h200_p3.sh convrun RECIPE SEED [OVERRIDES]  # issue 27 part D: one 300 M-token run of
 #                                                      # experiment=proxy_t1_conv_1gpu inside the call (CONV_SECS=570)
+#   bash tools/device/h200_p3.sh convrun3 SEED ["bf16 fp8 mxfp4"] [OVERRIDES]  # the same, the recipes at once on the
+#                                                      # one GPU (losses only; resumed by the same command)
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -342,10 +344,37 @@ convrun)  # RECIPE SEED [OVERRIDES]: issue 27 part D, one run of experiment=prox
   fi
   MLFLOW_TRACKING_URI=$(store "convrun_${recipe}_s$seed") timeout -s TERM -k 20 "$secs" \
     python3 -m fp4moe.train experiment=proxy_t1_conv_1gpu "${COMMON[@]}" hydra.mode=RUN precision=$recipe \
-    train.seed=$seed train.checkpoint_dir=$ROOT/checkpoints/conv_s$seed "$@" >> "$log" 2>&1 || rc=$?
+    train.seed=$seed train.checkpoint_dir=$ROOT/checkpoints/conv_${recipe}_s$seed "$@" >> "$log" 2>&1 || rc=$?
   cp -f "$log" "$OUT/"
   keep
   echo "convrun $recipe seed $seed exit $rc"; grep -h "done:\|Error" "$log" | tail -3 | cut -c1-220 || true
+  ;;
+convrun3)  # SEED [RECIPES] [OVERRIDES]: issue 27 part D, the recipes' runs of one seed at once on the one GPU (three
+  # processes get ~1.6x one's throughput from this small model: section 23), each with its own checkpoint folder, run
+  # folder and store; SIGTERM 575 s after CALL_START (or at CONV_SECS) checkpoints them, the same command in the next
+  # call resumes each, and a run whose log says it is done is not started again. Their tokens/s are not a recipe's
+  # (the MLflow tag gpu_shared_by says how many runs shared the GPU); their losses are.
+  seed=$1 recipes=${2:-"bf16 fp8 mxfp4"}; shift 1; [ $# -gt 0 ] && shift 1
+  secs=${CONV_SECS:-570}
+  if [ -n "${CALL_START:-}" ]; then secs=$((CALL_START + 575 - $(date +%s))); fi
+  n=0; for recipe in $recipes; do n=$((n + 1)); done
+  for recipe in $recipes; do
+    log="$STATE/convrun_${recipe}_s$seed.log"
+    if [ -f "$log" ] && grep -q "done:" "$log"; then echo "convrun3 $recipe seed $seed: done before"; continue; fi
+    MLFLOW_TRACKING_URI=$(store "convrun_${recipe}_s$seed") timeout -s TERM -k 20 "$secs" \
+      python3 -m fp4moe.train experiment=proxy_t1_conv_1gpu "${COMMON[@]}" hydra.mode=RUN precision=$recipe \
+      hydra.run.dir="$STATE/run_conv_${recipe}_s$seed" train.seed=$seed \
+      train.checkpoint_dir="$ROOT/checkpoints/conv_${recipe}_s$seed" "+tracking.tags.gpu_shared_by=$n" "$@" \
+      >> "$log" 2>&1 &
+  done
+  rc=0; wait || rc=$?
+  for recipe in $recipes; do
+    log="$STATE/convrun_${recipe}_s$seed.log"
+    cp -f "$log" "$OUT/" 2>/dev/null || true
+    echo "convrun3 $recipe seed $seed:"; grep -h "done:\|Error\|resumed from\|stopped" "$log" | tail -3 | cut -c1-220 || true
+    grep -h "step " "$log" | tail -1 | cut -c1-200 || true
+  done
+  keep
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
