@@ -99,6 +99,23 @@ def test_bad_input_is_a_clear_error_and_nothing_is_half_imported(tmp_path):
     assert runs_archive.main(["import", str(other / "kernels.json"), "--uri", target]) == 2
 
 
+def test_several_stores_go_into_one_archive(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    uri_a, ids_a = _store_with_runs(tmp_path / "a")
+    uri_b, ids_b = _store_with_runs(tmp_path / "b")
+    out = tmp_path / "seed.json"
+    assert runs_archive.main(["export", uri_a, str(tmp_path / "b" / "src.db"), str(out), "--note", "one seed"]) == 0
+    doc = json.loads(out.read_text())
+    assert sorted(r["run_id"] for r in doc["runs"]) == sorted(ids_a + ids_b)
+    target = f"sqlite:///{tmp_path / 'dst.db'}"
+    assert runs_archive.import_files([out], target, log=lambda s: None) == (4, 0)
+    # one store of the list missing: an error, and no archive
+    with pytest.raises(runs_archive.ArchiveError, match="no MLflow store"):
+        runs_archive.export([uri_a, tmp_path / "nowhere.db"], tmp_path / "x.json", note="")
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_withdrawn_metrics_stay_in_the_file_and_are_not_imported(tmp_path, capsys):
     uri, ids = _store_with_runs(tmp_path)
     out = tmp_path / "f5.json"

@@ -1,14 +1,15 @@
 """Trainer runs measured elsewhere (a GPU machine, a cluster) kept in the repository as JSON and loaded into any
 MLflow store, so that ``make reproduce-table`` on a fresh machine reports them beside the paper's numbers.
 
-    python -m fp4moe.runs_archive export STORE OUT.json --note "what, where, command" [--experiment NAME ...]
+    python -m fp4moe.runs_archive export STORE [STORE ...] OUT.json --note "what, where, command" [--experiment NAME ...]
     python -m fp4moe.runs_archive import results/train_proxy/ [more files or folders] [--uri URI]
     python -m fp4moe.runs_archive withdraw ARCHIVE.json --metric KEY [--metric KEY ...] --reason "why"
 
 An archive (``format: fp4moe-runs/1``) holds, per run: experiment name, run name, status, start/end time (ms), every
 param and tag, and every metric's full history ``[[step, value, timestamp_ms], ...]``; plus ``note`` (free text:
 hardware, commit, command) and ``exported_utc``. STORE is a tracking URI, a ``.db`` file or a folder holding
-``mlflow.db``. Export refuses a store with no runs (nothing would be archived) and writes atomically.
+``mlflow.db``; several stores go into one archive (runs that shared a machine but not a store, e.g. one seed's
+recipes run at once). Export refuses a store with no runs (nothing would be archived) and writes atomically.
 
 Withdrawn metrics: an archive may name metrics found to be wrong after the fact (``withdrawn_metrics``: ``keys`` and
 ``reason``, written by ``withdraw``; the measured values stay in the file, untouched). Import leaves those metrics
@@ -46,9 +47,23 @@ class ArchiveError(ValueError):
     """A file is not a runs archive, or a store cannot be exported; the message names the file and the fix."""
 
 
-def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
+def export(store: str | os.PathLike | Sequence[str | os.PathLike], out: str | os.PathLike, note: str,
            experiments: Sequence[str] | None = None) -> int:
-    """Write every run of ``store`` (only ``experiments`` when given) to ``out``; returns the number of runs."""
+    """Write every run of ``store`` (one, or a sequence of stores; only ``experiments`` when given) to ``out``;
+    returns the number of runs. Every store must hold runs: a missing or empty one is an error, nothing written."""
+    stores = [store] if isinstance(store, (str, os.PathLike)) else list(store)
+    if not stores:
+        raise ArchiveError("no store to export: name at least one tracking URI, .db file or folder")
+    runs = [run for s in stores for run in _runs_of(s, experiments)]
+    runs.sort(key=lambda r: (r["experiment"], r["start_time"] or 0, r["run_id"]))
+    doc = {"format": FORMAT, "exported_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "note": note,
+           "runs": runs}
+    _write(doc, Path(out))
+    return len(runs)
+
+
+def _runs_of(store: str | os.PathLike, experiments: Sequence[str] | None) -> list[dict]:
+    """Every run of one store (only ``experiments`` when given) as archive records; ArchiveError when none."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
@@ -71,11 +86,7 @@ def export(store: str | os.PathLike, out: str | os.PathLike, note: str,
     if not runs:
         which = f" in experiments {list(experiments)}" if experiments else ""
         raise ArchiveError(f"{store}: no runs{which} to export")
-    runs.sort(key=lambda r: (r["experiment"], r["start_time"] or 0, r["run_id"]))
-    doc = {"format": FORMAT, "exported_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "note": note,
-           "runs": runs}
-    _write(doc, Path(out))
-    return len(runs)
+    return runs
 
 
 def _write(doc: dict, out: Path) -> None:
@@ -200,8 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fp4moe.runs_archive", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="write a store's runs to a JSON archive")
-    e.add_argument("store", help="tracking URI, .db file, or folder holding mlflow.db")
+    e = sub.add_parser("export", help="write the runs of one or more stores to a JSON archive")
+    e.add_argument("store", nargs="+", help="tracking URI, .db file, or folder holding mlflow.db (several: one archive)")
     e.add_argument("out", help="the archive to write (.json)")
     e.add_argument("--note", required=True, help="what the runs are: hardware, commit, date, command")
     e.add_argument("--experiment", action="append", help="only this MLflow experiment (repeatable)")

@@ -358,23 +358,31 @@ convrun3)  # SEED [RECIPES] [OVERRIDES]: issue 27 part D, the recipes' runs of o
   secs=${CONV_SECS:-570}
   if [ -n "${CALL_START:-}" ]; then secs=$((CALL_START + 575 - $(date +%s))); fi
   n=0; for recipe in $recipes; do n=$((n + 1)); done
+  declare -A pids=()
   for recipe in $recipes; do
     log="$STATE/convrun_${recipe}_s$seed.log"
     if [ -f "$log" ] && grep -q "done:" "$log"; then echo "convrun3 $recipe seed $seed: done before"; continue; fi
-    MLFLOW_TRACKING_URI=$(store "convrun_${recipe}_s$seed") timeout -s TERM -k 20 "$secs" \
+    # -k 60: a process that has not checkpointed a minute after SIGTERM is killed (exit 137 below)
+    MLFLOW_TRACKING_URI=$(store "convrun_${recipe}_s$seed") timeout -s TERM -k 60 "$secs" \
       python3 -m fp4moe.train experiment=proxy_t1_conv_1gpu "${COMMON[@]}" hydra.mode=RUN precision=$recipe \
       hydra.run.dir="$STATE/run_conv_${recipe}_s$seed" train.seed=$seed \
       train.checkpoint_dir="$ROOT/checkpoints/conv_${recipe}_s$seed" "+tracking.tags.gpu_shared_by=$n" "$@" \
       >> "$log" 2>&1 &
+    pids[$recipe]=$!
   done
-  rc=0; wait || rc=$?
+  for recipe in "${!pids[@]}"; do  # each run's exit status: 0 done, 143 checkpointed on SIGTERM, 137 killed
+    rc=0; wait "${pids[$recipe]}" || rc=$?
+    echo "convrun3 $recipe seed $seed exit $rc" | tee -a "$STATE/convrun_${recipe}_s$seed.log"
+  done
   for recipe in $recipes; do
     log="$STATE/convrun_${recipe}_s$seed.log"
-    cp -f "$log" "$OUT/" 2>/dev/null || true
-    echo "convrun3 $recipe seed $seed:"; grep -h "done:\|Error\|resumed from\|stopped" "$log" | tail -3 | cut -c1-220 || true
-    grep -h "step " "$log" | tail -1 | cut -c1-200 || true
+    echo "convrun3 $recipe seed $seed:"; grep -h "done:\|Error\|resumed from\|stopped\|Fatal\|exit " "$log" \
+      | tail -4 | cut -c1-220 || true
   done
-  keep
+  # the host's view of a process that ended with no word (OOM killer, segmentation fault)
+  { free -g; dmesg 2>/dev/null | grep -i "killed process\|out of memory\|segfault" | tail -5; } > "$STATE/convrun_host.txt" 2>&1 || true
+  # one file back: the tool returns at most 8 files per call
+  (cd "$STATE" && tar czf "$OUT/convrun_s$seed.tgz" convrun_*_s"$seed".log mlflow_convrun_*_s"$seed".db convrun_host.txt)
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -16,6 +16,7 @@ job, which resumes from it into the same MLflow run (fp4moe.slurm).
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -53,6 +54,10 @@ def _hydra_context() -> tuple[str | None, str | None, bool]:
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> dict | None:
     """Train; returns a short result (in a multirun it reaches the launcher, e.g. through submitit)."""
+    # A crash inside a C extension (segmentation fault, abort) otherwise ends the process with no word in its log and
+    # its MLflow run left RUNNING: print every thread's Python stack to stderr first.
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
     cell, out, multirun = _hydra_context()
     from fp4moe import bench_job
     from fp4moe.train.host_env import apply_cluster_env
