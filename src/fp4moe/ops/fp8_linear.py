@@ -6,7 +6,8 @@ Forward: x ``[M, K]`` -> FP8 1x128 rows (``bf16_to_fp8_row``; under ``save_fp4``
 y = fprop GEMM, ``[M, N]`` bf16.
 
 Saved for backward (only when W needs a gradient; the weight itself is saved by reference and re-quantized in
-backward, which costs no memory and gives the same bits):
+backward, which costs no memory and gives the same bits, or, with ``fp4moe.ops.weight_cache`` enabled, its FP8
+copies are made once per optimizer step and reused by every forward and dgrad):
 
     recipe                        saved from x                                      bytes (one segment)
     bf16 (or out of scope)        x itself (``F.linear``, no FP8)                   2 M K
@@ -40,6 +41,7 @@ from fp4moe_kernels.sizes import fp8_row_col_bytes, mxfp4_bytes
 
 from ..recipe import Recipe
 from .fp8_gemm import fp8_mm, quantize_weight_128x128, transpose_weight_128x128
+from .weight_cache import CACHE
 
 _FP8 = torch.float8_e4m3fn
 _ACT_DTYPES = (torch.bfloat16, torch.float32)
@@ -51,6 +53,15 @@ def _row_operand(f):
     if f.segments.num == 1:
         return f.segment(0)
     return f.data, f.scale_matrix()
+
+
+def fp8_weight(weight: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 128x128 FP8 copy of ``weight`` ``[N, K]`` for fprop (data ``[N, K]``, scale ``[N/128, K/128]``) or, with
+    ``transposed``, of W^T for dgrad (``[K, N]``, ``[K/128, N/128]``); from ``weight_cache.CACHE`` when enabled."""
+    def make(both: bool):
+        q = quantize_weight_128x128(weight)
+        return q, (transpose_weight_128x128(*q) if both else None)
+    return CACHE.get((weight,), make, transposed)
 
 
 def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor) -> torch.Tensor:
@@ -83,7 +94,7 @@ class FP8Linear(torch.autograd.Function):
             x_fp4, x_row = kops.bf16_to_fp4_and_fp8_row(x, seg, rule=recipe.scale_rule)
         else:
             x_fp4, x_row = None, kops.bf16_to_fp8_row(x, seg)
-        wq, ws = quantize_weight_128x128(weight)
+        wq, ws = fp8_weight(weight)
         xa, xs = _row_operand(x_row)
         y = fp8_mm(xa, xs, wq, ws, "fprop")
 
@@ -112,7 +123,7 @@ class FP8Linear(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dy_row = kops.bf16_to_fp8_row(dy, seg)
-            wtq, wts = transpose_weight_128x128(*quantize_weight_128x128(weight))
+            wtq, wts = fp8_weight(weight, transposed=True)
             a, sa = _row_operand(dy_row)
             dx = fp8_mm(a, sa, wtq, wts, "dgrad").to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:

@@ -12,7 +12,8 @@ Backend for recipes fp8 / mxfp4 (``gemm_backend``): on CUDA one Triton launch pe
 else a loop over the non-empty experts of ``fp8_mm`` (``F.scaled_mm`` on CUDA, the exact emulation on CPU);
 plain BF16 ``@`` per expert for bf16. The SwiGLU runs once over all rows.
 
-What is saved for backward (the weights are saved by reference and re-quantized in backward, as FP8Linear):
+What is saved for backward (the weights are saved by reference and re-quantized in backward, as FP8Linear, or
+taken from ``fp4moe.ops.weight_cache`` when it is enabled: one quantizer pass per optimizer step for both copies):
 
     tensor             bf16            fp8                              mxfp4 (paper preset)
     fc1 input x        x (2TH)         FP8 rows + FP8 cols              MXFP4 (when expert_input_fp4 or save_fp4)
@@ -53,6 +54,7 @@ from fp4moe_kernels.sizes import fp8_row_col_bytes, mxfp4_bytes
 from ..recipe import Recipe
 from .fp8_gemm import fp8_mm, quantize_weight_128x128
 from .swiglu import swiglu_math, swiglu_math_backward, swiglu_math_backward_fp4, swiglu_math_fp4
+from .weight_cache import CACHE
 
 _BF16 = torch.bfloat16
 
@@ -121,6 +123,25 @@ def quantize_experts_128x128(w, transpose: bool = False) -> tuple[torch.Tensor, 
     return data, scale
 
 
+def fp8_experts(w: "Experts", transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_experts_128x128(w, transposed)``, from ``weight_cache.CACHE`` when enabled (then the forward and
+    the dgrad copies come from one quantizer pass: on CUDA one launch writes both)."""
+    ex = w if isinstance(w, Experts) else Experts(w)
+
+    def make(both: bool):
+        e, n, k = ex.shape
+        if not both:
+            return quantize_experts_128x128(ex), None
+        if ex.device.type == "cuda" and ex.dtype == torch.bfloat16 and e * n and k:
+            from fp4moe_kernels.triton_kernels import launch
+
+            q, s, qt, st = launch.quantize_weight_128x128([x.detach().contiguous() for x in ex.ws], n, True)
+            return (q.view(e, n, k), s.view(e, n // FP8_GROUP, k // FP8_GROUP)), (qt, st)
+        q, s = quantize_experts_128x128(ex)
+        return (q, s), (q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous())
+    return CACHE.get(ex.ws, make, transposed)
+
+
 def gemm_backend(device: torch.device) -> str:
     """'triton' (one grouped launch per GEMM, ``fp4moe_kernels.triton_kernels.gemm``) on CUDA, 'loop' (one
     ``fp8_mm`` per expert: ``F.scaled_mm`` on CUDA, the exact emulation on CPU) otherwise or when the
@@ -140,7 +161,7 @@ def _per_expert_gemm(row: FP8RowTensor, w: Experts, seg: Segments, n: int, kind:
     ``fp8_mm`` per non-empty expert."""
     if seg.total == 0:
         return torch.empty(0, n, dtype=_BF16, device=row.data.device)
-    wd, ws = quantize_experts_128x128(w, transpose=kind == "dgrad")
+    wd, ws = fp8_experts(w, transposed=kind == "dgrad")
     if gemm_backend(row.data.device) == "triton":
         from fp4moe_kernels.triton_kernels import launch
 
@@ -353,4 +374,4 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe) -
     return GroupedExpertMLP.apply(x_hp, probs.float(), x_fp4, recipe, seg, *ws1, *ws2)
 
 
-__all__ = ["Experts", "GroupedExpertMLP", "expert_saved_bytes", "gemm_backend", "grouped_expert_mlp", "quantize_experts_128x128"]
+__all__ = ["Experts", "GroupedExpertMLP", "expert_saved_bytes", "fp8_experts", "gemm_backend", "grouped_expert_mlp", "quantize_experts_128x128"]

@@ -27,6 +27,10 @@ before that group, the archived runs' params, falls back to ``parallel.distribut
                    owned element instead of 12); the offloaded share lives in host memory (``optimizer_host``, not
                    in the GPU total)
 
+    FP8 weight copies  with ``train.fp8_weight_cache`` (fp4moe.ops.weight_cache): every FP8-computed [N, K]
+                   weight's 128x128 copies for fprop and dgrad, ``2 N K + 8 N K / 128^2`` B, held from the first
+                   forward of a step to the next step (``fp8_weight_cache``); 0 without the cache
+
 The distributed optimizer gives the data-parallel ranks of a stage slightly different shares (bucket padding):
 each pipeline rank's Breakdown is its most loaded data-parallel rank's, ``optimizer_mean_bytes`` the mean over its
 data-parallel ranks (``mean_total_bytes``). ``MemoryAssumptions.main_grad_resident='after_first_micro_batch'``
@@ -729,6 +733,43 @@ def _stage_params(letters: str, first_layer: int, d: _Dims) -> tuple[float, floa
     return dense, expert
 
 
+def _fp8_matrix_bytes(n: int, k: int) -> int:
+    """The cached FP8 copies of one [N, K] weight (fprop + dgrad data, their 128x128 FP32 scales); 0 for a matrix
+    that is not a multiple of 128 both ways (it stays BF16: fp4moe.model.build.apply_fp8_dense_linears)."""
+    if n % FP8_GROUP or k % FP8_GROUP or not n or not k:
+        return 0
+    return 2 * n * k + 2 * 4 * (n // FP8_GROUP) * (k // FP8_GROUP)
+
+
+def _fp8_weight_cache_bytes(letters: str, first_layer: int, d: _Dims, recipe: Recipe) -> int:
+    """``train.fp8_weight_cache``: bytes of the FP8 weight copies one GPU of a stage holds (every matrix the recipe
+    computes in FP8; dense matrices / TP, expert matrices / ETP)."""
+    if not recipe.fp8_compute:
+        return 0
+    qk = d.nope + d.rope
+    attn = ([(d.q_lora, d.h), (d.n * qk, d.q_lora)] if d.q_lora else [(d.n * qk, d.h)]) + [
+        (d.kv_lora + d.rope, d.h), (d.n * (d.nope + d.v), d.kv_lora), (d.h, d.n * d.v)]
+    dense_on, shared_on = recipe.applies_to("dense"), recipe.applies_to("shared_expert")
+
+    def mats(pairs, div):
+        return sum(_fp8_matrix_bytes(n, k) for n, k in pairs) // div
+
+    attn_b = mats(attn, d.tp) if dense_on else 0
+    shared_b = mats([(2 * d.fs, d.h), (d.h, d.fs)], d.tp) if shared_on and d.fs else 0
+    expert_b = (d.e // d.ep) * mats([(2 * d.f, d.h), (d.h, d.f)], d.etp)
+    out, layer = 0, first_layer
+    for c in letters:
+        if c == "t":
+            if layer < d.first_dense:
+                out += attn_b + (mats([(2 * d.ffn, d.h), (d.h, d.ffn)], d.tp) if dense_on else 0)
+            else:
+                out += attn_b + shared_b + expert_b
+            layer += 1
+        elif c == "m":  # an MTP layer: its eh_proj and a MoE transformer layer
+            out += (mats([(d.h, 2 * d.h)], d.tp) if dense_on else 0) + attn_b + shared_b + expert_b
+    return out
+
+
 def _stages(cfg: DictConfig) -> list[str]:
     """The layout letters of every model chunk (``optimizer_state.stages``); a layout whose 'm' letters are not
     ``model.mtp_num_layers`` raises (the MTP layers come from the config, once)."""
@@ -778,6 +819,8 @@ class Breakdown:
     # parameters after that layer (fp4moe.train without pipelining keeps each .grad until the step) minus the saved
     # activations of the layers after it (freed by then); > 0 when the scope saves little (full), else 0
     backward_depth_bytes: int = 0
+    # the FP8 weight copies of train.fp8_weight_cache (part (a)); 0 without the cache
+    fp8_weight_cache_bytes: int = 0
     optimizer_mean_bytes: int = 0  # optimizer state on the GPU, mean over the stage's data-parallel ranks
     optimizer_host_bytes: int = 0  # the offloaded optimizer state in host memory (this rank's; not in the totals)
     # (f) outside PyTorch's allocated bytes
@@ -812,8 +855,8 @@ class Breakdown:
     @property
     def allocated_bytes(self) -> int:
         """PyTorch's allocated peak (``torch.cuda.max_memory_allocated``), parts (a)-(e)."""
-        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.held_bytes + self.transient_bytes)
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.fp8_weight_cache_bytes
+                + self.activations_bytes + self.held_bytes + self.transient_bytes)
 
     @property
     def outside_torch_bytes(self) -> int:
@@ -852,7 +895,8 @@ class Breakdown:
         parts outside PyTorch, the total; then the terms the phases are made of (not added again)."""
         labels = {"params": "params", "activations": f"activations ({self.in_flight} in flight)",
                   "transient": f"transient at the peak ({self.peak_phase.replace('_', ' ')})"}
-        rows = [(labels.get(c, c.replace("_", " ")), self.gb(c)) for c in COMPONENTS]
+        rows = [(labels.get(c, c.replace("_", " ")), self.gb(c)) for c in COMPONENTS
+                if c != "fp8_weight_cache" or self.fp8_weight_cache_bytes]
         rows += [("allocated (max_memory_allocated)", self.allocated_gb)]
         rows += [(c.replace("_", " "), self.gb(c)) for c in OUTSIDE_TORCH]
         parts = [(f"  of which: {c.replace('_', ' ')}", self.gb(c)) for c in PHASE_TERMS]
@@ -860,7 +904,7 @@ class Breakdown:
 
 
 # what allocated_bytes adds; what outside_torch_bytes adds; the phase terms the transient is the largest combination of
-COMPONENTS = ("params", "grads", "optimizer", "activations", "held", "transient")
+COMPONENTS = ("params", "grads", "optimizer", "fp8_weight_cache", "activations", "held", "transient")
 OUTSIDE_TORCH = ("cuda_context", "nccl", "deepep", "allocator_gap")
 PHASE_TERMS = ("loss_transient", "a2a_buffers", "expert_backward", "recompute_transient", "head_saved")
 
@@ -1030,6 +1074,7 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
     micro = int(p.micro_batch) * int(p.data)
     n_micro = max(1, int(p.global_batch) // micro)
     stages = _stages(cfg)
+    weight_cache = bool(OmegaConf.select(cfg, "train.fp8_weight_cache", default=False))
     if len(stages) != pp * vpp:
         raise ValueError(f"{len(stages)} pipeline stages for pipeline x virtual_pipeline = {pp * vpp}")
     # first transformer-layer index of every stage
@@ -1072,8 +1117,10 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
     for rank in range(pp):
         chunks = [rank + j * pp for j in range(vpp)]
         dense_p = expert_p = 0.0
-        tensors, trans, has_moe, act_sum = [], 0, False, 0
+        tensors, trans, has_moe, act_sum, wcache = [], 0, False, 0, 0
         for i in chunks:
+            if weight_cache:
+                wcache += _fp8_weight_cache_bytes(stages[i], firsts[i], d, recipe)
             dn, ex = _stage_params(stages[i], firsts[i], d)
             dense_p, expert_p = dense_p + dn, expert_p + ex
             ts, tr, hm = chunk(i)
@@ -1098,6 +1145,7 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
         out.append(Breakdown(
             pipeline_rank=rank, stage_letters="|".join(stages[i] for i in chunks), recipe=recipe.name, scope=scope,
             in_flight=in_flight, params_bytes=held.params, grads_bytes=held.grads, optimizer_bytes=held.state_device,
+            fp8_weight_cache_bytes=wcache,
             activations_bytes=in_flight * per_mb, held_bytes=in_flight * held_per_mb // max(1, vpp),
             a2a_buffers_bytes=_a2a_buffer_bytes(d, recipe) if has_moe else 0,
             recompute_transient_bytes=moe_rec if has_moe else trans,

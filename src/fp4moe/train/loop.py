@@ -371,6 +371,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     from fp4moe.model.build import a2a_stats, build_gpt_model, release_dispatcher_tensors, to_bf16_params
+    from fp4moe.ops.weight_cache import CACHE as wcache
     from fp4moe.train import checkpoint as ckpt
     from fp4moe.train.metrics import Meter, Tracker, flatten, hardware_tags, resolve_uri
     from fp4moe.config import OptimizerSetting
@@ -493,6 +494,11 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     last_saved = last_eval = -1
     params = list(model.parameters())
     saved_bytes: int | None = None  # measured once, on this process's first micro-batch
+    # FP8 copies of the weights once per optimizer step (fp4moe/ops/weight_cache.py), registered after the DDP wrap
+    # (megatron's buffers hold the parameters now); dropped after each opt.step() below
+    cache_bytes = 0
+    if bool(t.get("fp8_weight_cache", False)):
+        wcache.enable(params)
     try:
         model.train()
         while step < total_steps:
@@ -515,7 +521,9 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             release_dispatcher_tensors(model)  # else their graphs keep activations into the next step (full recompute)
             sched.step(1)  # update `step + 1` takes the schedule's lr at step + 1
             lr = optim.current_lr(sched)
+            cache_bytes = max(cache_bytes, wcache.bytes())  # the FP8 weight copies this step made (0: no cache)
             ok, norm_v, _ = opt.step()  # global grad norm over every rank, clipping, AdamW; parameters gathered
+            wcache.new_step()  # (a torch optimizer's step hook did too; megatron's copy to the model came after it)
             if not ok:
                 raise FloatingPointError(f"megatron's optimizer skipped the update of step {step + 1} (non-finite "
                                          "gradients)")
@@ -597,13 +605,15 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
         # FP32 main params + AdamW moments on the GPU (the distributed optimizer shards them) and in host memory
         # (offload), and megatron DDP's gradient buffers: the fullest rank's, and (_min) the emptiest's
         held = optim.state_bytes(opt, ddp)
-        state = torch.tensor([float(held["device"]), float(held["host"]), float(optim.grad_buffer_bytes(ddp))],
-                             dtype=torch.float64, device=device)
+        # (and the FP8 weight copies of train.fp8_weight_cache at their largest, fp4moe.scale.memory predicts them)
+        state = torch.tensor([float(held["device"]), float(held["host"]), float(optim.grad_buffer_bytes(ddp)),
+                              float(cache_bytes)], dtype=torch.float64, device=device)
         low = state.clone()
         if info.world_size > 1:
             dist.all_reduce(state, op=dist.ReduceOp.MAX)
             dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        for i, key in enumerate(("optimizer_state_bytes", "optimizer_state_host_bytes", "grad_buffer_bytes")):
+        for i, key in enumerate(("optimizer_state_bytes", "optimizer_state_host_bytes", "grad_buffer_bytes",
+                                 "fp8_weight_cache_bytes")):
             summary[f"summary/{key}"] = float(state[i].item())
             summary[f"summary/{key}_min"] = float(low[i].item())
         if result.losses:
@@ -628,6 +638,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             tracker.set_tags({"outcome": "OOM", "oom_step": str(step + 1)})
         raise
     finally:
+        wcache.disable()
         profiler.close()
         if bar is not None:
             bar.close()

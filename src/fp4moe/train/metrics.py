@@ -24,7 +24,8 @@ whose id its checkpoint holds.
   step's), ``summary/optimizer_state_bytes`` / ``_host_bytes`` (megatron's optimizer state on the GPU / in host
   memory: FP32 main params, AdamW moments and, with BF16 main grads, the FP32 gradient copies; bytes, the fullest
   rank's; ``fp4moe.scale.optimizer_state`` predicts them exactly), ``summary/grad_buffer_bytes`` (megatron DDP's
-  gradient buffers), each also as ``..._min`` (the emptiest rank's), ``summary/final_loss``,
+  gradient buffers), ``summary/fp8_weight_cache_bytes`` (the FP8 weight copies of ``train.fp8_weight_cache`` at
+  their largest; 0 without it), each also as ``..._min`` (the emptiest rank's), ``summary/final_loss``,
   ``summary/final_eval_loss``.
 
 Metrics and tags are written by a background thread (``Tracker``), so that a step does not wait for the store (an
