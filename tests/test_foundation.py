@@ -301,7 +301,7 @@ def test_reproduce_lists_what_is_missing_by_issue(capsys):
     missing, known = out.split("KNOWN DISAGREEMENTS")
     assert "[P6, issue 7]" in missing
     for label, issue in (("P2", 3), ("P3", 4), ("P4", 5), ("P5", 6)):
-        assert f"[{label}, issue {issue}]" not in missing  # done (README's status table)
+        assert f"[{label}, issue {issue}]" not in missing  # done (docs/results.md, By issue)
     assert "results/scale/paper_t1.md" in known and "results/scale/paper_t2.md" in known
 
 
