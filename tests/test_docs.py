@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 README_MAX_LINES = 200
 # Built from pieces so that this file does not match itself.
-OUTSIDE_REFERENCES = ("../" + "shared", "SPEC" + ".md", "DESIGN" + ".md", "shared " + "notes/")
+OUTSIDE_REFERENCES = ("../" + "shared", "SPEC" + ".md", "SPEC" + " §", "DESIGN" + ".md", "shared " + "notes/")
 # Folders that are never part of the repository's own text when there is no git index to ask (.gitignore's).
 UNTRACKED_DIRS = {".git", ".venv", "mlruns", "__pycache__", ".pytest_cache", ".hypothesis", ".import_linter_cache",
                   "outputs", "multirun", ".whl", ".corpus", "build", "data", "checkpoints", "logs"}
