@@ -88,7 +88,7 @@ def floor_log2_np(amax: np.ndarray) -> np.ndarray:
 
 
 def oracle_mxfp4(x: np.ndarray, rule: str = "ceil", elements: str = "ml_dtypes"):
-    """float64 [M, K] -> (nibbles [M, K] uint8, codes [M, K/32] uint8) by the SPEC rules.
+    """float64 [M, K] -> (nibbles [M, K] uint8, codes [M, K/32] uint8) by the rules of docs/formats.md.
 
     elements="ml_dtypes" rounds x/scale with ml_dtypes (exact for bf16/fp32 inputs, and for any x whose
     x/scale is float32-exact: ml_dtypes goes through float32); elements="exact" uses the exact float64

@@ -1,4 +1,4 @@
-"""The Hydra config tree (conf/) composes, passes fp4moe.config.check, and says what SPEC §5 says.
+"""The Hydra config tree (conf/) composes, passes fp4moe.config.check, and says what the paper's setups say.
 
 Fast (no torch): every experiment is composed through Hydra's compose API, as the trainer and launcher will.
 """

@@ -1,4 +1,4 @@
-"""Repository foundation: the paper-numbers config against SPEC §5, MLflow tracking, the CLI."""
+"""Repository foundation: the paper-numbers config against the paper's tables, MLflow tracking, the CLI."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _env_with_src() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
-# --- conf/paper/numbers.yaml holds SPEC §5 -------------------------------------------------------
+# --- conf/paper/numbers.yaml holds the paper's tables ---------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def numbers():
     return OmegaConf.load(NUMBERS)
 
 
-T1_MEASURED = [  # (scope, recipe, TGS, peak memory % of 80 GB), SPEC §5
+T1_MEASURED = [  # (scope, recipe, TGS, peak memory % of 80 GB), the paper's T1
     ("attn_ln_experts", "bf16", 1122, 68.29),
     ("attn_ln_experts", "fp8", 1157, 74.20),
     ("attn_ln_experts", "mxfp4", 1156, 59.40),
@@ -301,7 +301,7 @@ def test_reproduce_lists_what_is_missing_by_issue(capsys):
     missing, known = out.split("KNOWN DISAGREEMENTS")
     assert "[P6, issue 7]" in missing
     for label, issue in (("P2", 3), ("P3", 4), ("P4", 5), ("P5", 6)):
-        assert f"[{label}, issue {issue}]" not in missing  # done (README's status table)
+        assert f"[{label}, issue {issue}]" not in missing  # done (docs/results.md, By issue)
     assert "results/scale/paper_t1.md" in known and "results/scale/paper_t2.md" in known
 
 

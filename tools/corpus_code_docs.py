@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build the "code+docs" corpus (shared notes/corpus.md §3(a) + §3(b)) as ONE JSONL file, one document a line.
+"""Build the "code+docs" corpus (docs/training.md, "Training data") as ONE JSONL file, one document a line.
 
     python tools/corpus_code_docs.py --out data/code_docs/code_docs.jsonl [--work-dir data/cache/debs]
 

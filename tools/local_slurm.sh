@@ -13,8 +13,8 @@
 # DefMemPerCPU=512 MB, EnforcePartLimits=ALL (an impossible request fails at submit time instead of pending
 # forever), AuthInfo=cred_expire=5 and sched_interval=bf_interval=2 (a requeued job starts again after ~7 s, not
 # ~2 min). Settings apply when the daemons start: `down` then `up` after changing them. The PIDs live in STATE (default /tmp/fp4moe-slurm, one <daemon>.pid each); logs in /var/log/slurm.
-# Measured recipe and traps: ../shared/notes/local-slurm.md. It writes /etc/slurm/slurm.conf and slurmdbd.conf
-# and refuses to replace ones it did not write.
+# What each setting guards against: docs/slurm.md, "A Slurm on one Debian machine". It writes
+# /etc/slurm/slurm.conf and slurmdbd.conf and refuses to replace ones it did not write.
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 

@@ -1,4 +1,4 @@
-"""fp4moe_kernels: the FP4 path for Hopper GPUs (SPEC §2-3).
+"""fp4moe_kernels: the FP4 path for Hopper GPUs (docs/formats.md).
 
 MXFP4 (E2M1 elements, 32-element UE8M0 blocks) and FP8 E4M3 (1x128 / 128x128 power-of-two scales)
 formats, their conversions, a pure-PyTorch reference (the specification, runs on CPU) and Triton

@@ -1,4 +1,4 @@
-"""Kernel benchmark (SPEC §8, issue P1 part E): ``python -m fp4moe_kernels.bench --help``.
+"""Kernel benchmark (docs/training.md, issue P1 part E): ``python -m fp4moe_kernels.bench --help``.
 
 For every conversion at 32768x7168 (one segment, and ragged over 32 experts) and 32768x2048 (ragged over
 32 experts; --tokens / --experts change these) it measures the median time per call over CUDA-graph

@@ -7,7 +7,7 @@
   and ``..._transposed_lhs`` (FP8 of X^T [K, M], 1x128 along tokens). Compete with our BF16 -> FP8 row / col.
   In 0.17.0 both need M % 128 == 0 (the row kernel writes scales out of bounds otherwise).
 
-On the GPU machine (no package index) bring the wheel: see README.md, "Kernel benchmark".
+On the GPU machine (no package index) bring the wheel: see docs/training.md, "Benchmarks and GPU tests".
 """
 import os
 

@@ -1,4 +1,4 @@
-"""Numbers that define the formats (SPEC §2). Nothing here imports more than the standard library."""
+"""Numbers that define the formats (docs/formats.md). Nothing here imports more than the standard library."""
 
 # MXFP4 element: E2M1 (1 sign, 2 exponent bits with bias 1, 1 mantissa bit), no inf/nan.
 F4_E2M1_MAX = 6.0

@@ -1,9 +1,9 @@
-"""Reference implementation of every conversion: the executable specification (SPEC §2-3).
+"""Reference implementation of every conversion: the executable specification (docs/formats.md).
 
 Pure PyTorch, vectorised, runs on any device; computes in float64 so that every power-of-two scaling is
 exact. GPU kernels must match these functions bit for bit (NaN payload bits excepted: NaN-ness must match).
 
-Rules (where the paper is silent these are our decisions, SPEC §2):
+Rules (where the paper is silent these are our decisions, docs/formats.md):
 
 * UE8M0 block scale, rule "ceil" (default): code = 127 + ceil(log2(amax/6)), so amax/scale is in (3, 6]
   and nothing clips. Rule "floor" (OCP MX): code = 127 + floor(log2(amax)) - 2; values in (6, 8)*scale

@@ -1,4 +1,4 @@
-"""Bytes of the formats (SPEC §2-3) from shapes alone: the one place the byte formulas live, torch-free.
+"""Bytes of the formats (docs/formats.md) from shapes alone: the one place the byte formulas live, torch-free.
 
 The ops' saved-bytes and all-to-all accounting (``fp4moe.ops``) and the paper-scale model (``fp4moe.scale``, which
 runs without torch) both count with these. This module imports only ``constants``, and importing it does not import

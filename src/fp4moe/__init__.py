@@ -1,6 +1,6 @@
 """fp4moe: FP4-stored, FP8-computed MoE training on Hopper GPUs (arXiv 2603.02731, reproduced).
 
-Packages, lowest first (each imports only those below it; see DESIGN.md):
+Packages, lowest first (each imports only those below it; docs/layout.md, "Layers"):
 
 - ``fp4moe_kernels`` (separate root ``kernels/``): MXFP4/FP8 formats, the pure-PyTorch reference
   that specifies them, Triton GPU kernels and their benchmark.

@@ -1,4 +1,4 @@
-"""The precision recipe of a run: which linears compute in FP8, what is stored and sent in MXFP4 (SPEC §4).
+"""The precision recipe of a run: which linears compute in FP8, what is stored and sent in MXFP4 (docs/recipe.md).
 
 A leaf module (standard library only; OmegaConf is imported lazily by ``Recipe.from_config``).
 
@@ -26,7 +26,7 @@ Decisions where the paper is silent:
 * Gradients are never FP4: ``backward_a2a`` is 'bf16' or 'fp8' (the latter only with FP8 compute).
 * ``scope`` says which linears the FP8 compute *and* the FP4 storage cover (``applies_to``); linears outside it
   run in BF16. Presets use 'experts+shared' (the whole MoE layer, as in the paper's T2 "all MoE" row).
-* ``scale_rule`` is the MXFP4 UE8M0 scale rule (SPEC §2): 'ceil' (default, never clips) or 'floor' (OCP MX).
+* ``scale_rule`` is the MXFP4 UE8M0 scale rule (docs/formats.md): 'ceil' (default, never clips) or 'floor' (OCP MX).
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class Recipe:
             if not isinstance(v, bool):
                 raise RecipeError(f"{key} must be true or false, got {v!r} ({type(v).__name__})")
         _check_choice("backward_a2a", self.backward_a2a, BACKWARD_A2A, extra=(
-            " (gradients are never FP4: SPEC §4)" if self.backward_a2a in ("fp4", "mxfp4") else ""))
+            " (gradients are never FP4: docs/recipe.md)" if self.backward_a2a in ("fp4", "mxfp4") else ""))
         _check_choice("scope", self.scope, SCOPES)
         _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
         on = [k for k in FP4_SWITCHES if getattr(self, k)]

@@ -51,7 +51,7 @@ RESULTS_LAYER = "results/moe_layer"
 RESULTS_TRAIN = "results/train_proxy"
 RESULTS_REPORT = "results/report"
 
-# What is missing, by issue: (label, issue number, what). Keep in step with README.md "Status".
+# What is missing, by issue: (label, issue number, what). Keep in step with README.md "Open issues".
 # P1 (issue 2: foundation, formats, reference, kernels, benchmark), P2 (issue 3: the recipe, the MoE layer), P3
 # (issue 4: model, trainer, H200 runs), P4 (issue 5: configs, Slurm launch) and P5 (issue 6: this command, the
 # report, the paper-scale model, the notebooks) exist; P1's measured table is reported by the benchmark step, not here.

@@ -33,8 +33,9 @@ def e4m3_bits(q: np.ndarray, how: str = "ml_dtypes") -> np.ndarray:
 
 
 def oracle_fp8_groups(v: np.ndarray, how: str = "ml_dtypes"):
-    """float64 [..., 128] -> (bits, nan mask, scale exponent [...]) by SPEC: scale 2^ceil(log2(amax/448)) over
-    the finite values, exponent clamped to [-126, 127], all-zero group -> 2^0; NaN/Inf -> NaN."""
+    """float64 [..., 128] -> (bits, nan mask, scale exponent [...]) by docs/formats.md: scale
+    2^ceil(log2(amax/448)) over the finite values, exponent clamped to [-126, 127], all-zero group -> 2^0;
+    NaN/Inf -> NaN."""
     fin = np.isfinite(v)
     amax = np.where(fin, np.abs(np.where(fin, v, 0.0)), 0.0).max(-1, initial=0.0)
     pos = amax > 0
@@ -121,7 +122,7 @@ def rand_mxfp4_row(rng, m, k, spread, *, lo=0, hi=254, p_zero_nib=0.15, p_zero_b
 
 
 def oracle_fp4_to_fp8_row(nib: np.ndarray, codes: np.ndarray):
-    """SPEC §3 FP4RowToFP8Row: G = max(max finite code - 6, 1); element = RNE_E4M3(value * 2^-(G-127))."""
+    """FP4RowToFP8Row (docs/formats.md): G = max(max finite code - 6, 1); element = RNE_E4M3(value * 2^-(G-127))."""
     m, k = nib.shape
     val = hand_decode(nib, codes).reshape(m, k // 128, 128)
     c = codes.astype(np.int64).reshape(m, k // 128, 4)
@@ -447,7 +448,7 @@ def test_fp8_row_to_fp4_equals_quantize_of_dequantized_fp8(seed, m, g, p_nonfini
     nib, codes = oracle_mxfp4(deq)
     np.testing.assert_array_equal(a.scales.numpy(), codes)
     np.testing.assert_array_equal(nibbles_of(a), nib)
-    # FP8ToFP4 == BF16ToFP4Row applied to the dequantized FP8 values (SPEC §3)
+    # FP8ToFP4 == BF16ToFP4Row applied to the dequantized FP8 values (docs/formats.md)
     b = R.bf16_to_fp4_row(torch.from_numpy(deq))
     assert torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales)
 

@@ -52,7 +52,7 @@ def test_oracles_agree_with_each_other():
 
 # ------------------------------------------------------------------------------------ 1. E2M1 encoding
 
-# value (block scale 1) -> expected 4-bit code, written by hand from the E2M1 grid and SPEC §2.
+# value (block scale 1) -> expected 4-bit code, written by hand from the E2M1 grid and docs/formats.md.
 TIE_TABLE = [
     (0.25, 0b000),  # tie 0 | 0.5 -> 0 (even)
     (0.75, 0b010),  # tie 0.5 | 1 -> 1

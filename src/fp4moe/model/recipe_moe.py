@@ -1,4 +1,4 @@
-"""The precision recipe (fp4moe.recipe.Recipe, SPEC §4) inside megatron-core 0.16.1's MoE layer, no TE: a thin
+"""The precision recipe (fp4moe.recipe.Recipe, docs/recipe.md) inside megatron-core 0.16.1's MoE layer, no TE: a thin
 adapter. megatron keeps the routing, the config and the parameters (names, shapes); every row operation is
 fp4moe.moe's data path (:mod:`fp4moe.moe.dispatch`, :mod:`fp4moe.moe.experts`), the one the standalone
 ``fp4moe.moe.MoELayer`` runs (tests/model/test_one_moe_path.py: the same outputs and gradients, bit for bit).

@@ -1,4 +1,4 @@
-"""MoE layer benchmark (issue 3, SPEC §5 F4): every recipe side by side, one command, one results file.
+"""MoE layer benchmark (issue 3, the paper's F4): every recipe side by side, one command, one results file.
 
     python -m fp4moe.moe.bench [--out results/moe_layer] [--commit SHA]                        # 1 GPU (EP=1)
     python -m torch.distributed.run --nproc-per-node 2 -m fp4moe.moe.bench --commit SHA      # EP=2 (NCCL)

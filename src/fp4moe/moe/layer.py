@@ -1,6 +1,6 @@
 """A recipe-aware MoE layer for one expert-parallel (EP) group, on plain torch tensors and torch.distributed.
 
-Data flow (SPEC §4), for x ``[T, H]`` on each rank of an EP group of size W with E experts (E/W local ones,
+Data flow (docs/recipe.md), for x ``[T, H]`` on each rank of an EP group of size W with E experts (E/W local ones,
 rank r owning experts ``r*E/W .. (r+1)*E/W - 1``). Steps 2-6 are :mod:`fp4moe.moe.dispatch` and
 :mod:`fp4moe.moe.experts`, the functions megatron's MoE layer runs in training (``fp4moe.model.recipe_moe``), so
 given the same weights and routing both give the same outputs and gradients, bit for bit

@@ -1,7 +1,7 @@
 """fp4moe.ops: autograd-level building blocks on plain torch tensors (no megatron), over ``fp4moe_kernels``.
 
 - ``fp8_gemm``: the 128x128 weight quantizer and ``fp8_mm``, the three blockwise FP8 GEMMs of a linear
-  (fprop, dgrad, wgrad) over ``F.scaled_mm`` on CUDA, an exact-math emulation on CPU (SPEC §7).
+  (fprop, dgrad, wgrad) over ``F.scaled_mm`` on CUDA, an exact-math emulation on CPU (docs/formats.md).
 - ``fp8_linear``: ``FP8Linear`` / ``fp8_linear``, a linear whose GEMMs run in FP8 and whose saved input follows
   the recipe (FP8 row + column copies for fp8, MXFP4 for mxfp4's save_fp4), and ``linear_saved_bytes``.
 - ``all_to_all``: ``quantized_all_to_all``, the expert-parallel all-to-all with an MXFP4 / FP8 / BF16 wire

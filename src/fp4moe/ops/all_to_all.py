@@ -1,7 +1,7 @@
-"""Quantized expert-parallel all-to-all: MXFP4 / FP8 / BF16 on the wire, one autograd function (SPEC §4).
+"""Quantized expert-parallel all-to-all: MXFP4 / FP8 / BF16 on the wire, one autograd function (docs/recipe.md).
 
 ``quantized_all_to_all`` replaces the dispatch all-to-all of an MoE layer (megatron-core's
-``MoEAlltoAllTokenDispatcher.token_dispatch``; notes/megatron-core.md §3). Tokens ``x [T, H]`` arrive
+``MoEAlltoAllTokenDispatcher.token_dispatch``). Tokens ``x [T, H]`` arrive
 already permuted by destination rank; ``input_splits[r]`` rows go to rank r and ``output_splits[r]`` rows
 come from rank r. Every row is encoded into one uint8 *payload row* and the payload goes through a single
 ``torch.distributed.all_to_all_single``:
@@ -74,7 +74,7 @@ def dispatch_quantize_mode() -> str:
 
 
 FORWARD_CODECS = ("mxfp4", "fp8", "bf16")
-BACKWARD_CODECS = ("bf16", "fp8")  # gradients are never FP4 (SPEC §4)
+BACKWARD_CODECS = ("bf16", "fp8")  # gradients are never FP4 (docs/recipe.md)
 _INPUT_DTYPES = (torch.bfloat16, torch.float32)
 
 

@@ -1,4 +1,4 @@
-"""Keep tensors that autograd saves for backward as MXFP4: a ``saved_tensors_hooks`` context (SPEC §4).
+"""Keep tensors that autograd saves for backward as MXFP4: a ``saved_tensors_hooks`` context (docs/recipe.md).
 
     with fp4_saved_tensors() as store:          # inside: every eligible saved tensor is packed to MXFP4
         y = block(x)                            # e.g. a recompute wrapper's kept inputs, a layernorm's input

@@ -5,7 +5,7 @@ Operands (E4M3 data, FP32 power-of-two scales; x ~= data * scale):
 * activations: 1x128 groups along the contraction dim (``FP8RowTensor`` rows, ``FP8ColTensor`` columns);
 * weights: 128x128 blocks, ``quantize_weight_128x128``.
 
-The three GEMMs of a linear ``y = x W^T`` (SPEC §7; M tokens, K input channels, N output channels):
+The three GEMMs of a linear ``y = x W^T`` (docs/formats.md; M tokens, K input channels, N output channels):
 
     kind     a (1x128 along its last dim)             b                                              out
     'fprop'  x rows [M, K], scale [M, K/128]          W [N, K], 128x128 scale [N/128, K/128]         [M, N]
@@ -17,7 +17,7 @@ Every b is given row-major ``[out, contraction]``; the result is ``a @ b.T``. ``
 ``[M, K/128]`` view of ``FP8RowTensor.segment`` is already M-major; others are made so, a copy of the scales only).
 
 CUDA: ``F.scaled_mm(a, b.t(), scale_a, BlockWise1x128, scale_b, BlockWise128x128 | BlockWise1x128)`` with the
-scale layouts of SPEC §7 (``scaled_mm_args`` builds them; ``torch._scaled_mm``, which infers the scaling from
+scale layouts of docs/formats.md (``scaled_mm_args`` builds them; ``torch._scaled_mm``, which infers the scaling from
 the scale shapes, where ``F.scaled_mm`` is missing). torch itself checks C % 16 and S % 16 (here: multiples of
 128) and, for the 128x128 operand, wants its scale rows padded to a multiple of 4 floats (done here; a no-op
 for C % 512 == 0, e.g. 7168 and 2048). It does not check R (tokens); R that is not a multiple of 16 is padded
@@ -148,7 +148,7 @@ def scaled_mm_args(a, a_scale, b, b_scale, kind):
     ``GPU_ROW_MULTIPLE`` for fprop/dgrad (the rows after a in its buffer, else zero rows; scale 1; the caller
     slices the result back to R rows).
 
-    Layouts (torch's ``_scaled_block1x128_block128x128`` / ``_scaled_block1x128_block1x128`` checks, SPEC §7):
+    Layouts (torch's ``_scaled_block1x128_block128x128`` / ``_scaled_block1x128_block1x128`` checks, docs/formats.md):
     scale_a ``[R', C/128]`` strides ``(1, R')``; 128x128 scale_b ``[round_up(C/128, 4), S/128]`` strides
     ``(1, round_up(C/128, 4))`` (the transposed view of a row-major ``[S/128, C/128]`` buffer whose rows are
     padded to 4 floats = 16 bytes; with C a multiple of 512 that is ``b_scale.t()`` itself); 1x128 scale_b

@@ -1,5 +1,5 @@
 """FP8 linear ``y = x W^T`` as an autograd function: blockwise FP8 GEMMs forward and backward, with the input
-saved for backward the way the recipe says (SPEC §4).
+saved for backward the way the recipe says (docs/recipe.md).
 
 Forward: x ``[M, K]`` -> FP8 1x128 rows (``bf16_to_fp8_row``; under ``save_fp4`` the fused
 ``bf16_to_fp4_and_fp8_row``, which also emits the MXFP4 copy to save), W ``[N, K]`` -> 128x128 blocks,
@@ -16,7 +16,7 @@ copies are made once per optimizer step and reused by every forward and dgrad):
                                   ``fp4_row_to_fp8_col`` in backward)
 
 The fp8 recipe's row copy is not read by backward (dgrad uses dY and W); it is kept because the paper's
-baseline (Transformer Engine's blockwise recipe, SPEC §4) holds both copies, and the memory comparison is
+baseline (Transformer Engine's blockwise recipe, docs/recipe.md) holds both copies, and the memory comparison is
 against that. Dropping it would make fp8 save ``K Mp + 4 K Mp/128`` only.
 
 Mp = M rounded up to 128, per segment. Backward: dX = dY (bf16 -> FP8 rows) x W^T (128x128), the 'dgrad' GEMM;

@@ -1,4 +1,4 @@
-"""Routed experts of one rank over ragged per-expert token counts, as one autograd function (SPEC §4).
+"""Routed experts of one rank over ragged per-expert token counts, as one autograd function (docs/recipe.md).
 
 ``grouped_expert_mlp(x, counts, w1, w2, probs, recipe)``: for every expert e with rows ``r0:r1`` of x
 (``counts[e]`` tokens, any count including 0, experts in order)::

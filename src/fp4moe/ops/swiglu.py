@@ -1,4 +1,4 @@
-"""SwiGLU with a recipe-chosen saved copy of its input (SPEC §4, ``activation_fp4_store``).
+"""SwiGLU with a recipe-chosen saved copy of its input (docs/recipe.md, ``activation_fp4_store``).
 
 ``swiglu(h, recipe, layer_kind)``: h ``[T, 2F]`` bf16 (gate columns 0..F-1, up columns F..2F-1) ->
 ``z = silu(g) * u`` ``[T, F]`` bf16, computed in float32. Autograd would save float32 copies of g, silu(g)

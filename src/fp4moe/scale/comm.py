@@ -9,7 +9,7 @@ Payload row bytes (``fp4moe_kernels.sizes.payload_row_bytes``, which ``fp4moe.op
     fp8    H + 4 H/128      (E4M3 + FP32 1x128 scales)                   7392 B
     bf16   2 H                                                          14336 B
 
-Four all-to-alls per MoE layer and micro-batch (SPEC §4): dispatch forward (``mxfp4`` when
+Four all-to-alls per MoE layer and micro-batch (docs/recipe.md): dispatch forward (``mxfp4`` when
 ``recipe.dispatch_fp4``, else bf16; plus routing metadata), combine forward (bf16), and in backward the gradient
 of the combine and of the dispatch (``recipe.backward_a2a``: bf16 or fp8; gradients are never FP4).
 

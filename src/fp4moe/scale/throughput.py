@@ -63,7 +63,7 @@ SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full")
 PAPER_SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")
 
 # Where the measured constants come from (file, what)
-SRC_SPEC7 = "SPEC.md §7 (F.scaled_mm / bf16 matmul, M32768 K7168 N4096, H200)"
+SRC_GEMM_RATES = "docs/formats.md, FP8 GEMMs on Hopper (F.scaled_mm / bf16 matmul, M32768 K7168 N4096, H200)"
 SRC_LAYER = "results/moe_layer/README.md (grouped Triton FP8 kernel 0.45-0.51 x dense; weight quant 4.30 ms/iter)"
 SRC_KERN = "results/kernels/README.md (32768x7168 / ragged x7168, GB/s = minimum bytes / time)"
 SRC_PROF = "results/train_proxy/README.md, Profile (edae9e8, mb 16, attn_ln_experts, 2 steps = 131072 tokens)"
@@ -160,8 +160,8 @@ SRC_PROF_NOW = ("results/train_proxy/profile_h200_mb32_2ebd465/ (bf16, fp8 and m
 SRC_PROF_BLOCK = "results/train_proxy/profile_h200_mb32_1fb1546/ (fp8 1fb1546, mxfp4 390a277; attn_ln_mlp, mb 32)"
 
 SOURCES = [
-    ("fp8_fprop / fp8_dgrad / fp8_wgrad", "1303 / 1224 / 920 TFLOP/s", SRC_SPEC7),
-    ("bf16_dense", "772 TFLOP/s", SRC_SPEC7),
+    ("fp8_fprop / fp8_dgrad / fp8_wgrad", "1303 / 1224 / 920 TFLOP/s", SRC_GEMM_RATES),
+    ("bf16_dense", "772 TFLOP/s", SRC_GEMM_RATES),
     ("grouped_fp8_fraction", "0.48 x the dense FP8 rate of each pass", SRC_LAYER),
     ("bf16_expert", "772 TFLOP/s (ASSUMED = bf16_dense; not measured)", "megatron SequentialMLP, per-expert cuBLAS"),
     ("attention", "derived: attention FLOPs of the profiled run / its attention time", SRC_PROF),

@@ -10,7 +10,7 @@ whose id its checkpoint holds.
 - tags: hardware, device, world size, launcher, torch / megatron-core / triton / CUDA versions, git state.
 - metrics, step = optimizer update (1-based): ``loss`` (LM cross entropy, nats/token, mean over the global batch),
   ``lr``, ``grad_norm`` (before clipping), ``step_time_s``, ``tokens_per_gpu_per_s`` (measured steps only: the
-  first ``measure.warmup_steps`` steps of each process start are left out, SPEC §8), ``peak_mem_allocated_gb`` /
+  first ``measure.warmup_steps`` steps of each process start are left out), ``peak_mem_allocated_gb`` /
   ``peak_mem_reserved_gb`` (CUDA only, since the memory-stats reset at the end of the warm-up; NOT logged on CPU,
   the run carries the tag ``peak_memory=not measured (CPU)``), ``mem_allocated_at_step_start_gb`` (CUDA only, every
   step: what a step inherits from the last one, i.e. weights, FP32 master weights and AdamW states, nothing of the
@@ -254,7 +254,7 @@ class Tracker:
 
 
 class Meter:
-    """Step times, tokens/GPU/s and peak memory over the measured steps of the run (SPEC §8).
+    """Step times, tokens/GPU/s and peak memory over the measured steps of the run (docs/training.md, How we measure).
 
     ``warmup`` steps after each process start are not measured; then ``measure_steps`` steps of this process are
     (None: all). On CUDA the peak-memory counters are reset when measurement starts. A resumed run carries the
