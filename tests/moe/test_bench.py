@@ -47,6 +47,25 @@ def test_bench_cpu_smoke(tmp_path):
         assert g["triton_tflops"] > 0 and g["loop_tflops"] > 0 and g["dense_tflops"] > 0
 
 
+def test_bench_fp8_weight_cache(tmp_path):
+    """--fp8-weight-cache: each iteration one optimizer step; the copies one forward + backward made are the FP8
+    experts' (and the shared expert's where the recipe covers it), none under bf16; a file of its own."""
+    from fp4moe.scale.memory import _fp8_matrix_bytes
+
+    doc = main(["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k",
+                str(K), "--tokens", str(T), "--shared-ffn", "128", "--warmup", "1", "--iters", "1", "--recipes",
+                "bf16,fp8,mxfp4", "--no-gemm", "--no-profile", "--fp8-weight-cache", "--out", str(tmp_path),
+                "--commit", "test"])
+    assert doc["env"]["fp8_weight_cache"] and "_wcache_" in Path(doc["files"][0]).name
+    experts = EL * (_fp8_matrix_bytes(2 * F, H) + _fp8_matrix_bytes(H, F))
+    shared = _fp8_matrix_bytes(2 * 128, H) + _fp8_matrix_bytes(H, 128)
+    by = {r["recipe"]: r for r in doc["recipes"]}
+    assert by["bf16"]["fp8_weight_cache_bytes"] == 0
+    for name in ("fp8", "mxfp4"):
+        want = experts + (shared if Recipe.preset(name).applies_to("shared_expert") else 0)
+        assert by[name]["fp8_weight_cache_bytes"] == want, name
+
+
 def test_bench_eight_ranks_on_gloo(tmp_path):
     """Issue 7's command on CPU: 8 torchrun processes (gloo), EP8, every recipe; rank 0 writes one results file whose
     dispatch bytes are the formats' and whose routed rows crossed to other ranks."""

@@ -53,6 +53,8 @@ from ..ops.accounting import saved_bytes_during
 from ..ops.all_to_all import quantized_all_to_all
 from ..ops.fp8_gemm import fp8_mm
 from ..ops.grouped_experts import expert_saved_bytes, gemm_backend, quantize_experts_128x128
+from ..ops.weight_cache import CACHE as WEIGHT_CACHE
+from ..ops.weight_cache import enabled_for
 from ..recipe import Recipe
 from .layer import MoELayer
 
@@ -82,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memtrace", action="store_true",
                    help="record the CUDA allocator's history over the memory measurement and list what is live at "
                         "each recipe's peak, by allocation site (fp4moe.memtrace; CUDA only)")
+    p.add_argument("--fp8-weight-cache", action="store_true",
+                   help="FP8 weight copies made once per iteration (fp4moe.ops.weight_cache; each iteration is one "
+                        "optimizer step of one micro-batch, as the trainer with train.fp8_weight_cache=true)")
     p.add_argument("--out", default="results/moe_layer", help="output folder")
     p.add_argument("--commit", default=None,
                    help="commit to record (default: $FP4MOE_COMMIT, else git rev-parse --short HEAD)")
@@ -181,8 +186,13 @@ def _profile(step, dev, iters: int = 2) -> dict:
 def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
     layer.recipe = recipe
     params = list(layer.parameters())
+    with enabled_for(params if args.fp8_weight_cache else None):
+        return _bench_recipe_in(layer, recipe, x, dy, args, dev, params)
 
+
+def _bench_recipe_in(layer: MoELayer, recipe: Recipe, x, dy, args, dev, params) -> dict:
     def step():
+        WEIGHT_CACHE.new_step()  # each iteration is an optimizer step (a no-op without --fp8-weight-cache)
         for p in params:
             p.grad = None
         xx = x.detach().requires_grad_()
@@ -208,6 +218,7 @@ def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
             torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
     layer.dispatch_stats.reset()
     layer.combine_stats.reset()
+    WEIGHT_CACHE.new_step()
     xx = x.detach().requires_grad_()
     saved, y = saved_bytes_during(lambda: layer(xx), params)
     idx, _ = layer.last_routing
@@ -221,6 +232,7 @@ def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
     else:
         res.update(peak_gib=None, peak_over_base_gib=None)
     counts = _local_counts(layer, idx)
+    res["fp8_weight_cache_bytes"] = WEIGHT_CACHE.bytes()  # the copies this forward + backward made (0: off)
     res.update(saved_bytes=saved, saved_bytes_per_token=saved / x.shape[0],
                expert_saved_bytes=expert_saved_bytes(counts, layer.hidden, layer.ffn, recipe),
                routed_rows=sum(counts), expert_counts=counts)
@@ -530,7 +542,7 @@ def main(argv=None) -> dict:
         "env": {"date": datetime.date.today().isoformat(), "commit": _commit(args.commit), "gpu": _gpu_name(dev),
                 "world_size": world, "torch": torch.__version__, "python": platform.python_version(),
                 "command": cmd, "warmup": args.warmup, "iters": args.iters, "device": str(dev),
-                "grouped_gemm": gemm_backend(dev), "gemm_tiles": _tiles()},
+                "grouped_gemm": gemm_backend(dev), "gemm_tiles": _tiles(), "fp8_weight_cache": args.fp8_weight_cache},
         "shape": {"hidden": args.hidden, "ffn": args.ffn, "local_experts": args.local_experts, "experts": experts,
                   "top_k": args.top_k, "tokens": args.tokens, "shared_ffn": args.shared_ffn},
         "recipes": rows, "ratios": ratios, "gemm": gemm, "gemm_sweep": sweep,
@@ -538,7 +550,9 @@ def main(argv=None) -> dict:
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"moe_layer_{doc['env']['gpu']}_ep{world}{_shape_tag(args)}_{doc['env']['date']}_{doc['env']['commit']}"
+        cache = "_wcache" if args.fp8_weight_cache else ""
+        stem = (f"moe_layer_{doc['env']['gpu']}_ep{world}{_shape_tag(args)}{cache}_{doc['env']['date']}_"
+                f"{doc['env']['commit']}")
         if (out / (stem + ".json")).exists():  # measured again the same day at the same commit: keep both
             stem += datetime.datetime.now().strftime("_%H%M%S")
         for suffix, text in ((".json", json.dumps(doc, indent=1)), (".md", _markdown(doc))):
