@@ -23,16 +23,16 @@ def _off():
     CACHE.disable()
 
 
-def _dense(seed=0):
+def _dense(seed=0, dev="cpu"):
     g = torch.Generator().manual_seed(seed)
-    w = torch.nn.Parameter((torch.randn(F, H, generator=g) * H**-0.5).to(torch.bfloat16))
-    xs = [torch.randn(64, H, generator=g).to(torch.bfloat16) for _ in range(3)]
+    w = torch.nn.Parameter((torch.randn(F, H, generator=g) * H**-0.5).to(torch.bfloat16).to(dev))
+    xs = [torch.randn(64, H, generator=g).to(torch.bfloat16).to(dev) for _ in range(3)]
     return w, xs
 
 
-def _train_dense(recipe, cache: bool, steps=2):
+def _train_dense(recipe, cache: bool, steps=2, dev="cpu"):
     """``steps`` optimizer steps of 3 micro-batches each (gradient accumulation); every output and gradient."""
-    w, xs = _dense()
+    w, xs = _dense(dev=dev)
     opt = torch.optim.SGD([w], lr=0.5)
     out = []
     with enabled_for([w] if cache else None):
@@ -92,18 +92,19 @@ def test_in_place_change_and_unregistered_tensors_are_quantized_again():
     assert torch.equal(y, fp8_linear(xs[0], w, recipe))
 
 
-def _experts(seed=1):
+def _experts(seed=1, dev="cpu"):
     g = torch.Generator().manual_seed(seed)
     e, t = len(COUNTS), sum(COUNTS)
-    w1 = [torch.nn.Parameter((torch.randn(2 * F, H, generator=g) * H**-0.5).to(torch.bfloat16)) for _ in range(e)]
-    w2 = [torch.nn.Parameter((torch.randn(H, F, generator=g) * F**-0.5).to(torch.bfloat16)) for _ in range(e)]
-    xs = [torch.randn(t, H, generator=g).to(torch.bfloat16) for _ in range(2)]
-    p = torch.rand(t, generator=g) * 0.9 + 0.1
+    w1 = [torch.nn.Parameter((torch.randn(2 * F, H, generator=g) * H**-0.5).to(torch.bfloat16).to(dev))
+          for _ in range(e)]
+    w2 = [torch.nn.Parameter((torch.randn(H, F, generator=g) * F**-0.5).to(torch.bfloat16).to(dev)) for _ in range(e)]
+    xs = [torch.randn(t, H, generator=g).to(torch.bfloat16).to(dev) for _ in range(2)]
+    p = (torch.rand(t, generator=g) * 0.9 + 0.1).to(dev)
     return w1, w2, xs, p
 
 
-def _train_experts(recipe, cache: bool, recompute: bool):
-    w1, w2, xs, p = _experts()
+def _train_experts(recipe, cache: bool, recompute: bool, dev="cpu"):
+    w1, w2, xs, p = _experts(dev=dev)
     opt = torch.optim.SGD(w1 + w2, lr=0.5)
     out = []
     with enabled_for(w1 + w2 if cache else None):
@@ -147,3 +148,23 @@ def test_grouped_experts_stacked_weights_are_views_of_one_parameter():
             got = grouped_expert_mlp(xs[0], COUNTS, w1, w2, p, recipe)
             assert torch.equal(got, ref)
         assert (CACHE.stats.misses, CACHE.stats.hits) == (2, 4)
+
+
+CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with blockwise FP8 GEMMs (sm_90)")
+@pytest.mark.parametrize("name", ["fp8", "mxfp4"])
+def test_gpu_cache_is_bit_exact(name):
+    """The CUDA path (the Triton weight quantizer writing both layouts in one launch, grouped Triton GEMMs,
+    F.scaled_mm): bit for bit the uncached path, one pass per weight and step, with and without expert recompute."""
+    recipe = Recipe.preset(name)
+    ref, _ = _train_dense(recipe, cache=False, dev="cuda")
+    got, stats = _train_dense(recipe, cache=True, dev="cuda")
+    assert stats == (2, 10) and all(torch.equal(a, b) for a, b in zip(got, ref))
+    for recompute in (False, True):
+        ref, _ = _train_experts(recipe, cache=False, recompute=recompute, dev="cuda")
+        got, stats = _train_experts(recipe, cache=True, recompute=recompute, dev="cuda")
+        assert stats == ((4, 20) if recompute else (4, 12))
+        assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
