@@ -25,6 +25,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from fp4moe import known_warnings
 from fp4moe.config import ConfigError
 from fp4moe.data.errors import DataError
 from fp4moe.recipe import RecipeError
@@ -34,6 +35,7 @@ from fp4moe.train.data import DataUnavailable
 CONF_DIR = Path(os.environ.get("FP4MOE_CONF_DIR", Path(__file__).resolve().parents[3] / "conf"))
 EXIT_CONFIG, EXIT_OOM = 2, 3
 log = logging.getLogger("fp4moe.train")
+known_warnings.install()  # before megatron-core is imported (most of its known warnings come at import) and MLflow
 
 
 def _hydra_context() -> tuple[str | None, str | None, bool]:
