@@ -1,4 +1,4 @@
-"""``make mlflow-ui`` and ``make notebooks`` (checked with ``make -n``: nothing installed or started): they install
+"""``make mlflow-ui`` and ``make notebooks`` (checked with ``make -n -B``: nothing installed or started): they install
 their optional extra into .venv on first use and open the project's MLflow store, the one fp4moe.tracking logs to."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make
 def _make_n(target: str, **env: str) -> list[str]:
     e = {k: v for k, v in os.environ.items()
          if k not in ("MLFLOW_TRACKING_URI", "FP4MOE_HOME", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
-    return subprocess.run(["make", "--no-print-directory", "-n", "-C", str(ROOT), target], capture_output=True,
+    return subprocess.run(["make", "--no-print-directory", "-n", "-B", "-C", str(ROOT), target], capture_output=True,
                           text=True, env={**e, **env}, check=True, timeout=30).stdout.splitlines()
 
 
