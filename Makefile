@@ -12,10 +12,16 @@ LAYER_GPUS ?= 1
 LAYER_ARGS ?=
 REPORT_ARGS ?=
 SLURM ?=
+UI_HOST ?= 127.0.0.1
+UI_PORT ?= 5000
+JUPYTER_PORT ?= 8888
 STAMP := $(VENV)/.installed
+# The project's MLflow store, by fp4moe.tracking.tracking_uri()'s rule: $MLFLOW_TRACKING_URI, else the sqlite file
+# mlruns/mlflow.db under $FP4MOE_HOME or this folder (the repository root).
+STORE_URI := $(or $(MLFLOW_TRACKING_URI),sqlite:///$(abspath $(or $(FP4MOE_HOME),$(CURDIR)))/mlruns/mlflow.db)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv test test-gpu bench-kernels bench-layer log-bench reproduce-table report clean
+.PHONY: help venv test test-gpu bench-kernels bench-layer log-bench reproduce-table report mlflow-ui notebooks clean
 
 help: ## show this list
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -70,6 +76,27 @@ reproduce-table: venv ## run what exists of the reproduction and list what does 
 
 report: venv ## write results/report/ (Markdown, CSV, PNG) from MLflow and conf/paper/numbers.yaml (args: REPORT_ARGS)
 	$(VENV)/bin/python -m fp4moe.report $(REPORT_ARGS)
+
+# Optional extras, installed into .venv on first use (pyproject.toml): 'ui' is the full mlflow (its server; the
+# project itself needs only mlflow-skinny), 'notebooks' is JupyterLab.
+$(VENV)/.installed-%: $(STAMP)
+	$(VENV)/bin/python -m pip install -q -e '.[$*]'
+	touch $@
+
+# A store that is already a server (MLFLOW_TRACKING_URI=http...) is its own UI: nothing to start.
+ifneq ($(filter http://% https://%,$(STORE_URI)),)
+mlflow-ui: ## open the MLflow UI on the project's store (MLFLOW_TRACKING_URI, else mlruns/; UI_PORT)
+	@echo "the store $(STORE_URI) is an MLflow server: its UI is that address (open it in a browser)"
+else
+mlflow-ui: $(VENV)/.installed-ui
+	$(if $(filter sqlite:///%,$(STORE_URI)),mkdir -p '$(dir $(patsubst sqlite:///%,%,$(STORE_URI)))')
+	@echo "MLflow UI of $(STORE_URI) at http://$(UI_HOST):$(UI_PORT) (Ctrl-C stops it)"
+	MLFLOW_DISABLE_TELEMETRY=true $(VENV)/bin/mlflow ui --backend-store-uri '$(STORE_URI)' --host $(UI_HOST) --port $(UI_PORT)
+endif
+
+notebooks: $(VENV)/.installed-notebooks ## open JupyterLab on notebooks/ (they read MLFLOW_TRACKING_URI, else mlruns/)
+	@echo "the notebooks read $(STORE_URI) (their parameters cell's tracking_uri overrides it)"
+	MLFLOW_TRACKING_URI='$(STORE_URI)' $(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks --ServerApp.ip=$(UI_HOST) --ServerApp.port=$(JUPYTER_PORT)
 
 clean: ## remove .venv, build outputs and caches (keeps mlruns/ and results/)
 	rm -rf $(VENV) build .pytest_cache .hypothesis .import_linter_cache

@@ -3,6 +3,7 @@
 MLflow, reuse it on the next call, run it again with ``rerun``, and report a failing cell with its log."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -42,6 +43,18 @@ def test_a_cell_runs_once_is_reused_then_rerun(tmp_path):
     stale = client.create_run(client.create_experiment("reproduce_test"), tags={reproduce_runs.KEY_TAG: cell.key})
     assert reproduce_runs.run([cell], uri, trainer=TRAINER, log_dir=logs, log=lambda s: None) == (1, 0, [])
     assert client.get_run(stale.info.run_id).info.status == "KILLED"
+    # the trainer's output (stdout + stderr): none of megatron-core's known-harmless warnings (fp4moe.known_warnings;
+    # this cell recomputes core_attn, so its warning is among them), no other warning, and a rounded final line
+    from fp4moe.known_warnings import KNOWN
+
+    output = (logs / f"{cell.key}.log").read_text()
+    assert not [k.message for k in KNOWN if re.search(k.message, output)]
+    assert "Warning" not in output and "WARNING" not in output, output
+    (done,) = [ln for ln in output.splitlines() if "done: " in ln]
+    assert re.search(r"done: step 2/2, loss \d+\.\d{4}, eval loss n/a, [\d,]+ tokens/GPU/s \(median\), "
+                     r"peak memory n/a; "
+                     rf"log {re.escape(str(tmp_path / 'hydra'))}/\S+; checkpoints none written; "
+                     rf"MLflow {re.escape(uri)} run [0-9a-f]{{32}}$", done), done
     runs = [r for r in client.search_runs([client.get_experiment_by_name("reproduce_test").experiment_id])
             if r.info.run_id != stale.info.run_id]
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"

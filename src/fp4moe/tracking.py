@@ -32,6 +32,10 @@ HTTP_TIMEOUT_S = 3.0
 class TrackingUnavailable(RuntimeError):
     """The MLflow tracking store cannot be used; the message names the URI and the fix."""
 
+    def _render_traceback_(self) -> list[str]:
+        """IPython/Jupyter show this instead of a traceback: the one line is the whole story (notebooks)."""
+        return [f"{type(self).__name__}: {self}"]
+
 
 def repo_root() -> Path:
     """The project root: ``$FP4MOE_HOME``, else the nearest parent holding ``pyproject.toml``."""
@@ -77,12 +81,12 @@ def _local_store_dir(uri: str) -> Path | None:
     return None
 
 
-def check_reachable(uri: str) -> None:
+def check_reachable(uri: str, hint: str = "") -> None:
     """Raise TrackingUnavailable unless ``uri`` can take runs.
 
     http(s): the server answers ``GET <uri>/health`` within HTTP_TIMEOUT_S seconds.
     sqlite / file / plain path: the store's folder (or its nearest existing parent) is writable.
-    Other schemes (databricks, ...) are left to mlflow.
+    Other schemes (databricks, ...) are left to mlflow. ``hint``: a sentence appended to the message (another fix).
     """
     if urlparse(uri).scheme in ("http", "https"):
         url = uri.rstrip("/") + "/health"
@@ -97,9 +101,10 @@ def check_reachable(uri: str) -> None:
             reason = str(getattr(err, "reason", err))
         raise TrackingUnavailable(
             f"MLflow tracking server {uri} is not reachable ({reason} on GET {url}). "
-            f"Start it (e.g. `mlflow server --backend-store-uri sqlite:///mlruns/mlflow.db "
-            f"--host 127.0.0.1 --port 5000`, needs the full `mlflow` package) or unset "
-            f"MLFLOW_TRACKING_URI to log to the local store under {repo_root() / 'mlruns'}."
+            f"Start it (e.g. `make mlflow-ui` for the local store at http://127.0.0.1:5000, or `mlflow server "
+            f"--backend-store-uri sqlite:///mlruns/mlflow.db --host 127.0.0.1 --port 5000`; both need the full "
+            f"`mlflow` package: pip install -e '.[ui]') or unset "
+            f"MLFLOW_TRACKING_URI to use the local store under {repo_root() / 'mlruns'}.{hint and ' ' + hint}"
         )
     folder = _local_store_dir(uri)
     if folder is None:
@@ -110,6 +115,40 @@ def check_reachable(uri: str) -> None:
             f"MLflow store {uri} is not writable: {existing} is not a writable folder. "
             f"Fix its permissions, or point MLFLOW_TRACKING_URI (or FP4MOE_HOME) elsewhere."
         )
+
+
+def check_readable(uri: str, hint: str = "") -> None:
+    """Raise TrackingUnavailable (one line: the URI, what is wrong, the fix) unless runs can be read from ``uri``, in
+    at most HTTP_TIMEOUT_S seconds (mlflow itself retries an unreachable server for minutes).
+
+    http(s): as :func:`check_reachable`. ``sqlite:///<file>``: an existing file must be an SQLite database that is an
+    MLflow store (an ``experiments`` table) or still empty; a missing one is the caller's case (an empty store).
+    Other schemes are left to mlflow. ``hint``: a sentence appended to the message (e.g. the option that sets it).
+    """
+    if urlparse(uri).scheme in ("http", "https"):
+        check_reachable(uri, hint)
+        return
+    if not uri.startswith("sqlite:///"):
+        return
+    db = Path(uri.removeprefix("sqlite:///")).expanduser()
+    if not db.is_file():
+        return
+    fix = ("Point MLFLOW_TRACKING_URI at an MLflow store (sqlite:///<folder>/mlflow.db, a folder holding mlflow.db, "
+           f"or an http(s) server).{hint and ' ' + hint}")
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        raise TrackingUnavailable(
+            f"MLflow store {uri}: {db} cannot be read as an SQLite database ({e}). {fix}") from None
+    if tables and "experiments" not in tables:
+        raise TrackingUnavailable(f"MLflow store {uri}: {db} is an SQLite database but not an MLflow store (no "
+                                  f"'experiments' table among {len(tables)}). {fix}")
 
 
 def _git(*args: str, where: Path | None = None) -> str | None:

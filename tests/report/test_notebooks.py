@@ -4,6 +4,7 @@ against an empty one, without an error; the committed notebooks carry no outputs
 All eight runs share one kernel (a third of the time of eight kernels): each run starts with ``%reset -f``, so a
 notebook that leaned on a name left by another one would fail here, and its parameters cell gets
 ``tracking_uri = <store>`` appended, as papermill would inject it."""
+import socket
 from pathlib import Path
 
 import nbformat
@@ -43,8 +44,29 @@ def executed(report_store, tmp_path_factory):
                     cell.source += f"\ntracking_uri = {uri!r}"
                 combined.cells.append(cell)
             spans[path.stem, which] = (start, len(combined.cells))
+    # a server that does not answer: the notebook's store cell ends with one line (no traceback) within seconds
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    params, load = [c for c in nbformat.read(NOTEBOOKS[0], as_version=4).cells if c.cell_type == "code"][:2]
+    params.source += f"\ntracking_uri = 'http://127.0.0.1:{closed}'"
+    load.metadata.setdefault("tags", []).append("raises-exception")  # nbclient goes on after it
+    start = len(combined.cells)
+    combined.cells += [new_code_cell("%reset -f"), params, new_code_cell("import time\nt0 = time.monotonic()"), load,
+                       new_code_cell("print(f'took {time.monotonic() - t0:.1f} s')")]
+    spans["unreachable", str(closed)] = (start, len(combined.cells))
     NotebookClient(combined, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp)}}).execute()
     return {key: combined.cells[a:b] for key, (a, b) in spans.items()}
+
+
+def test_an_unreachable_store_is_one_line_in_seconds(executed):
+    (key,) = [k for k in executed if k[0] == "unreachable"]
+    cells = executed[key]
+    (error,) = [o for c in cells for o in c.get("outputs", []) if o.output_type == "error"]
+    (line,) = error.traceback
+    assert line.startswith(f"TrackingUnavailable: MLflow tracking server http://127.0.0.1:{key[1]} is not reachable")
+    assert "tracking_uri in the parameters cell" in line
+    assert float(_text(cells[-1:]).split()[1]) < 10
 
 
 def _text(cells) -> str:

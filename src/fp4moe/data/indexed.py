@@ -9,20 +9,19 @@ dtype (``DType.optimal_dtype(vocab_size)``: uint16 below 65500 ids, else int32),
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
+from fp4moe import known_warnings
 from fp4moe.data.errors import DataError
 
 
 def _mcore():
+    known_warnings.install()  # `import megatron.core` warns that TE/apex are absent (known, harmless)
     try:
-        with warnings.catch_warnings():      # `import megatron.core` warns that TE/apex are absent (known, harmless)
-            warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-            from megatron.core.datasets import indexed_dataset
+        from megatron.core.datasets import indexed_dataset
     except ImportError as e:  # pragma: no cover - megatron-core is a dependency
         raise DataError(f"megatron-core is not importable ({e}): pip install -e . (pins megatron-core==0.16.1)") from e
     return indexed_dataset

@@ -1,4 +1,6 @@
-"""``python -m fp4moe.report [--tracking-uri URI] [--out DIR]``: write results/report/ from MLflow + numbers.yaml."""
+"""``python -m fp4moe.report [--tracking-uri URI] [--out DIR]``: write results/report/ from MLflow + numbers.yaml.
+
+Exit status: 0 written; 2 the store cannot be read (one line on stderr naming it and the fix, within seconds)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +11,7 @@ from .render import build_report, write_report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fp4moe.tracking import repo_root
+    from fp4moe.tracking import TrackingUnavailable, repo_root
 
     ap = argparse.ArgumentParser(prog="python -m fp4moe.report", description=(
         "Write the report (Markdown, CSV, PNG): the paper's T1/F3/F4/F5 numbers (conf/paper/numbers.yaml) beside "
@@ -20,7 +22,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, metavar="DIR", help="output folder (default: <repo>/results/report)")
     ap.add_argument("--no-model", action="store_true", help="leave out the paper-scale model's columns")
     args = ap.parse_args(argv)
-    rep = build_report(args.tracking_uri, with_model=not args.no_model)
+    try:
+        rep = build_report(args.tracking_uri, with_model=not args.no_model)
+    except TrackingUnavailable as e:  # one line naming the store and the fix (no traceback)
+        print(f"fp4moe.report: {e}", file=sys.stderr)
+        return 2
     out = args.out or repo_root() / "results" / "report"
     paths = write_report(rep, out)
     print(f"report: {rep.counts['trainer']} trainer, {rep.counts['kernels']} kernels, {rep.counts['moe_layer']} "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from fp4moe.tracking import normalize_uri, search_all_runs
+from fp4moe.tracking import TrackingUnavailable, check_readable, normalize_uri, search_all_runs
 
 KERNELS = "kernels"          # fp4moe.bench_log.EXPERIMENT (not imported: keeps this module's imports small)
 MOE_LAYER = "moe_layer"      # fp4moe.layer_bench_log.EXPERIMENT
@@ -62,22 +62,36 @@ def _missing_sqlite(uri: str) -> bool:
     return db not in ("", ":memory:") and not Path(db).exists()
 
 
+# how to point the report and the notebooks at another store (appended to a store error's one line)
+WHERE_HINT = "Report: --tracking-uri URI; notebooks: tracking_uri in the parameters cell."
+
+
 def load(where: str | os.PathLike | None = None) -> Store:
-    """Every run of every experiment in the store; an absent sqlite file is an empty store (not created)."""
+    """Every run of every experiment in the store; an absent sqlite file is an empty store (not created).
+
+    A store that cannot be read (a server that does not answer, a file that is not an MLflow store, a server that is
+    not MLflow) raises ``fp4moe.tracking.TrackingUnavailable``: one line naming the URI and the fix, within seconds
+    (Jupyter shows that line without a traceback)."""
     uri = normalize_uri(where)
     if _missing_sqlite(uri):
         return Store(uri, [], note=f"no MLflow store at {uri} yet")
+    check_readable(uri, WHERE_HINT)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
     client = MlflowClient(tracking_uri=uri)
     runs: list[RunRecord] = []
-    for exp in client.search_experiments(view_type=ViewType.ACTIVE_ONLY):
-        for r in search_all_runs(client, [exp.experiment_id]):
-            runs.append(RunRecord(r.info.run_id, exp.name, r.info.run_name or "", r.info.status,
-                                  int(r.info.start_time or 0), dict(r.data.params), dict(r.data.metrics),
-                                  {k: v for k, v in r.data.tags.items()}))
+    try:
+        for exp in client.search_experiments(view_type=ViewType.ACTIVE_ONLY):
+            for r in search_all_runs(client, [exp.experiment_id]):
+                runs.append(RunRecord(r.info.run_id, exp.name, r.info.run_name or "", r.info.status,
+                                      int(r.info.start_time or 0), dict(r.data.params), dict(r.data.metrics),
+                                      {k: v for k, v in r.data.tags.items()}))
+    except Exception as e:  # noqa: BLE001 - mlflow's errors (HTML pages, SQL) become one line naming the store
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise TrackingUnavailable(f"MLflow store {uri} could not be read ({type(e).__name__}: {first}). Check that "
+                                  f"it is an MLflow store. {WHERE_HINT}") from None
     runs.sort(key=lambda r: (r.experiment, r.start_time, r.run_id))
 
     def history(run_id: str, key: str) -> list[tuple[int, float]]:

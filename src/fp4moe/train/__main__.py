@@ -6,6 +6,11 @@
     python -m fp4moe.train experiment=paper_t1 hydra/launcher=slurm_h100    # Slurm via submitit (P4)
     python -m fp4moe.train experiment=paper_f4 hydra/launcher=slurm_h100    # a benchmark (F3/F4): fp4moe.bench_job
 
+A finished run ends with one line, ``done: step S/T, loss L, ..., N tokens/GPU/s (median), peak memory M GiB; log
+DIR; checkpoints DIR; MLflow URI run ID`` (fp4moe.run_summary.done_line); a multirun with the table of its cells
+(fp4moe.run_summary.MultirunSummary). Known-harmless megatron-core/MLflow warnings are not shown
+(fp4moe.known_warnings).
+
 Exit status: 0 finished; 2 the config, a switch (``FP4MOE_CUDA_COL``, ``FP4MOE_DISPATCH_QUANTIZE``, ``FP4MOE_TRACKING_THREAD``), the
 data or the MLflow store cannot be used (one message, no traceback, before training starts); 3 out of GPU memory (recorded in MLflow as
 ``outcome=OOM``; in a multirun the sweep goes on); 128 + N stopped by signal N (SIGTERM, SIGUSR1, SIGINT: Ctrl-C; a
@@ -25,6 +30,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from fp4moe import known_warnings
 from fp4moe.config import ConfigError
 from fp4moe.data.errors import DataError
 from fp4moe.recipe import RecipeError
@@ -34,6 +40,7 @@ from fp4moe.train.data import DataUnavailable
 CONF_DIR = Path(os.environ.get("FP4MOE_CONF_DIR", Path(__file__).resolve().parents[3] / "conf"))
 EXIT_CONFIG, EXIT_OOM = 2, 3
 log = logging.getLogger("fp4moe.train")
+known_warnings.install()  # before megatron-core is imported (most of its known warnings come at import) and MLflow
 
 
 def _hydra_context() -> tuple[str | None, str | None, bool]:
@@ -91,13 +98,18 @@ def main(cfg: DictConfig) -> dict | None:
     if result.stopped_by:
         sys.exit(128 + result.stopped_by)
     s = result.summary
-    log.info("done: step %d/%d, loss %s, eval loss %s, tokens/GPU/s median %s, MLflow run %s", result.step,
-             result.total_steps, s.get("summary/final_loss"), s.get("summary/final_eval_loss"),
-             s.get("summary/tgs_median"), result.run_id)
-    return {"outcome": "done", "run_id": result.run_id, "start_step": result.start_step, "step": result.step,
+    from fp4moe.run_summary import done_line, without_credentials
+    from fp4moe.train.metrics import resolve_uri
+
+    done = {"outcome": "done", "run_id": result.run_id, "start_step": result.start_step, "step": result.step,
             "total_steps": result.total_steps, "recipe": str(cfg.precision.name),
             "checkpoint": str(result.checkpoint) if result.checkpoint else None,
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "final_loss": s.get("summary/final_loss")}
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "final_loss": s.get("summary/final_loss"),
+            "final_eval_loss": s.get("summary/final_eval_loss"), "tokens_per_gpu_s": s.get("summary/tgs_median"),
+            "peak_mem_gib": s.get("summary/peak_mem_allocated_gb"), "output_dir": out,
+            "tracking_uri": without_credentials(resolve_uri(cfg))}
+    log.info("%s", done_line(done))
+    return done
 
 
 if __name__ == "__main__":

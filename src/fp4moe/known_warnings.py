@@ -1,0 +1,91 @@
+"""The known-harmless warnings and log lines of megatron-core 0.16.1 and MLflow, silenced in one place.
+
+Every run printed ~17 of them; each entry below says where it comes from and why it is harmless here. Nothing else
+is hidden: a filter matches its message *and* the library that emits it, so the same words from fp4moe, torch or
+another library still show. ``install()`` must run before ``megatron.core`` is imported (most of them are emitted
+at import time); the trainer (``python -m fp4moe.train``, and the benchmark jobs it runs), the data pipeline
+(``fp4moe.data.indexed``) call it first. Idempotent; imports nothing heavy.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Known:
+    """One silenced message: a ``warnings.warn`` from a module matching ``source`` (kind "warning"), or a record of
+    the logger named ``source`` (kind "log"); ``message`` is a regular expression matched at the message's start."""
+
+    kind: str      # "warning" | "log"
+    source: str    # warning: regex of the emitting module; log: the logger's exact name
+    message: str
+    why: str
+
+
+_TE = "Transformer Engine and Apex are not installed"
+KNOWN: tuple[Known, ...] = (
+    Known("warning", r"megatron\.core\.", re.escape(_TE),
+          "megatron-core's optimizer, clip_grads and Megatron-FSDP (4 variants, at import): without TE/Apex they use "
+          "their torch implementations, which are the ones this project runs (backend.transformer_impl=local, "
+          "issue 4); the fused multi-tensor kernels only speed up the optimizer step"),
+    Known("warning", r"megatron\.core\.", re.escape("Apex is not installed. Falling back to Torch Norm"),
+          "models/backends.py and gpt_layer_specs.py (at import): the local backend's LayerNorm/RMSNorm are torch's, "
+          "as intended; fp4moe.model builds its own layer specs"),
+    Known("warning", r"megatron\.core\.transformer\.transformer_config",
+          re.escape("If you are using transformer_engine as the transformer implementation, the core_attn"),
+          "TransformerConfig with recompute_modules containing core_attn (recompute=attn_ln_*): the warning is about "
+          "TE's fused attention; this project's core attention is megatron's local (unfused) one, whose recompute "
+          "is what the paper's 'attention' scope measures"),
+    Known("warning", r"megatron\.core\.transformer\.transformer_config", re.escape("full scope is deprecated"),
+          "TransformerConfig's default cuda_graph_scope='full' (every config, megatron-core 0.16.1's own default): "
+          "no CUDA graphs are captured (cuda_graph_impl is none)"),
+    Known("log", "megatron.core.transformer.transformer_layer", re.escape("Unknown MLP type"),
+          "TransformerLayer building fp4moe's MoE layer (fp4moe.model.build: RecipeMoELayer, a subclass of megatron's "
+          "MoELayer, which that check compares by identity): it passes the default kwargs, so the layer takes its "
+          "process groups from megatron's parallel state, which the trainer initialises"),
+    Known("log", "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",
+          re.escape("Using Megatron-FSDP without Transformer Engine"),
+          "INFO at import of megatron.core.distributed: Megatron-FSDP is not used (megatron DDP / the distributed "
+          "optimizer are)"),
+    Known("log", "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+          re.escape("Detected Megatron Core, using Megatron-FSDP with Megatron"), "the same, second module"),
+    Known("log", "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+          re.escape("Detected Megatron Core, using Megatron-FSDP with Megatron"), "the same, third module"),
+    Known("log", "mlflow.store.db.utils", r"Creating initial MLflow database tables|Updating database tables",
+          "INFO of MLflow's sqlite store when it creates a new store's schema (the first run into mlruns/): expected; "
+          "the run's final line names the store"),
+)
+
+
+class _LogFilter(logging.Filter):
+    def __init__(self, patterns: list[str]):
+        super().__init__()
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
+_installed = False
+
+
+def install() -> None:
+    """Silence every entry of ``KNOWN`` in this process (warnings filters + filters on the named loggers)."""
+    global _installed
+    if _installed:
+        return
+    by_logger: dict[str, list[str]] = {}
+    for k in KNOWN:
+        if k.kind == "warning":
+            warnings.filterwarnings("ignore", message=k.message, module=k.source)
+        else:
+            by_logger.setdefault(k.source, []).append(k.message)
+    for name, patterns in by_logger.items():
+        logging.getLogger(name).addFilter(_LogFilter(patterns))
+    _installed = True
+
+
+__all__ = ["KNOWN", "Known", "install"]

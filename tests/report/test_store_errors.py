@@ -1,0 +1,76 @@
+"""An unreachable or wrong MLflow store is one line naming it and the fix, within seconds, for the report and the
+notebooks (fp4moe.report.store.load; before: mlflow retried a closed port for 248 s and printed five tracebacks)."""
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from fp4moe.report import store
+from fp4moe.tracking import TrackingUnavailable
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_report_on_an_unreachable_server_is_one_line_in_seconds(tmp_path):
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "fp4moe.report", "--tracking-uri", uri, "--out", str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert time.monotonic() - start < 10
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"fp4moe.report: MLflow tracking server {uri} is not reachable")
+    assert "--tracking-uri" in line and "mlflow server" in line  # the fixes
+    assert not (tmp_path / "r").exists()
+
+
+class _NotMlflow(BaseHTTPRequestHandler):
+    """A web server that is not MLflow: 404 for everything (its /health too)."""
+
+    def _404(self):
+        self.send_response(404)
+        self.send_header("Content-Type", "text/html")
+        self.end_headers()
+        self.wfile.write(b"<!DOCTYPE html>\n<html><body>Not Found</body></html>\n")
+
+    do_GET = do_POST = _404
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_wrong_store_is_one_line(tmp_path):
+    not_a_db = tmp_path / "notes.db"
+    not_a_db.write_text("not a database")
+    with pytest.raises(TrackingUnavailable, match=r"notes\.db cannot be read as an SQLite database .* --tracking-uri"):
+        store.load(not_a_db)
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as con:
+        con.execute("CREATE TABLE things (x)")
+    with pytest.raises(TrackingUnavailable, match=r"other\.db is an SQLite database but not an MLflow store"):
+        store.load(other)
+    assert [r[0] for r in sqlite3.connect(other).execute("SELECT name FROM sqlite_master")] == ["things"]  # untouched
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotMlflow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        start = time.monotonic()
+        with pytest.raises(TrackingUnavailable) as err:
+            store.load(uri)
+        assert time.monotonic() - start < 10
+    finally:
+        server.shutdown()
+    (line,) = str(err.value).splitlines()
+    assert line.startswith(f"MLflow store {uri} could not be read (MlflowException: ") and "tracking_uri" in line
+    # what Jupyter shows in place of a traceback (IPython's _render_traceback_): that one line
+    assert err.value._render_traceback_() == [f"TrackingUnavailable: {line}"]
