@@ -199,3 +199,19 @@ def test_cells_without_a_gpu_size_or_a_training_run():
     bench, _ = launch.dry_run(["experiment=paper_f3"])
     assert bench[0].memory == "not predicted: a benchmark job, not a training run"
 
+
+# ---------------------------------------------------------------------------------------------- slurm/ templates (P10)
+
+def test_templates_log_where_the_submit_helper_creates_the_folder():
+    """Slurm opens --output/--error before the script runs: every template logs into logs/slurm/, which
+    slurm/submit.sh (the documented way to submit them) creates; tests/test_slurm.py submits through it."""
+    import pathlib
+
+    slurm = pathlib.Path(__file__).resolve().parents[1] / "slurm"
+    templates = sorted(slurm.glob("*.sbatch"))
+    assert templates
+    for t in templates:
+        paths = re.findall(r"^#SBATCH --(?:output|error)=(\S+)$", t.read_text(), re.M)
+        assert len(paths) == 2 and {p.rsplit("/", 1)[0] for p in paths} == {"logs/slurm"}, t.name
+        assert "slurm/submit.sh" in t.read_text(), t.name
+    assert "\nmkdir -p logs/slurm\nexec sbatch \"$@\"\n" in (slurm / "submit.sh").read_text()
