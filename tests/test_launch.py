@@ -2,6 +2,7 @@
 conf/hydra/launcher profiles, and the check's refusal of a broken cell. No Slurm needed, nothing submitted."""
 import re
 import shlex
+import subprocess
 
 import pytest
 from omegaconf import OmegaConf
@@ -60,7 +61,7 @@ def test_t1_sbatch_exports_every_cluster_env_key(t1):
         setup = script.split("# setup\n")[1].split("# command")[0]
         assert setup.index("NCCL") < script.index("srun ")
         for key, value in env.items():
-            assert f"export {key}='{value}'" in setup, key
+            assert f"export {key}={shlex.quote(str(value))}\n" in setup, key
     assert "export NCCL_SOCKET_IFNAME='^lo,docker'" in t1[0][1]
 
 
@@ -77,7 +78,7 @@ def test_env_reaches_the_script(monkeypatch):
     monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0,mlx5_1")
     monkeypatch.setenv("FP4MOE_SLURM_ACCOUNT", "proj42")
     (_, script), *_ = launch.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp"])
-    assert "export NCCL_IB_HCA='mlx5_0,mlx5_1'" in script and "#SBATCH --account=proj42" in script
+    assert "export NCCL_IB_HCA=mlx5_0,mlx5_1\n" in script and "#SBATCH --account=proj42" in script
 
 
 def test_requeue_count_reaches_submitit():
@@ -215,3 +216,56 @@ def test_templates_log_where_the_submit_helper_creates_the_folder():
         assert len(paths) == 2 and {p.rsplit("/", 1)[0] for p in paths} == {"logs/slurm"}, t.name
         assert "slurm/submit.sh" in t.read_text(), t.name
     assert "\nmkdir -p logs/slurm\nexec sbatch \"$@\"\n" in (slurm / "submit.sh").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- shell safety (P10)
+
+HOSTILE = {   # cluster.env key -> a value that would run something, or split, if pasted into the script unquoted
+    "NCCL_IB_HCA": "mlx5'; touch PWNED1; echo '",
+    "NCCL_DEBUG": 'WARN"; touch PWNED2; echo "',
+    "NCCL_SOCKET_IFNAME": "$(touch PWNED3)",
+    "NCCL_IB_GID_INDEX": "`touch PWNED4`",
+    "NCCL_NVLS_ENABLE": "0; touch PWNED5 && echo ${HOME} $PATH * ? \\ \t|&<>!#",
+    "PYTORCH_CUDA_ALLOC_CONF": "",
+}
+
+
+def _setup_and_header(script):
+    """The script up to its command (shebang, #SBATCH lines, setup): what runs before srun."""
+    return script.split("\n# command\n")[0] + "\n"
+
+
+def test_hostile_env_values_are_exported_verbatim_and_run_nothing(monkeypatch, tmp_path):
+    """Every cluster.env value reaches the sbatch script through shlex.quote: bash parses the script, and running its
+    header and setup in an empty environment sets each variable to exactly the given string and creates no file."""
+    for var, value in HOSTILE.items():
+        monkeypatch.setenv(var, value)
+    account = "proj'$(touch PWNED6)`touch PWNED7`;\"x\""
+    monkeypatch.setenv("FP4MOE_SLURM_ACCOUNT", account)
+    (_, script), = launch.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_block_ln_mlp"])
+    assert f"#SBATCH --account={shlex.quote(account)}\n" in script   # one directive line; bash reads a comment
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    probe = "".join(f'printf "%s\\0" "${{{var}-UNSET}}"; ' for var in HOSTILE)
+    p = subprocess.run(["env", "-i", "bash", "-c", _setup_and_header(script) + probe], cwd=tmp_path,
+                       capture_output=True, text=True, check=True)
+    assert p.stdout.split("\0")[:-1] == list(HOSTILE.values())
+    assert list(tmp_path.iterdir()) == [], "the script ran part of a value"
+
+
+@pytest.mark.parametrize("var, key", [("NCCL_IB_HCA", "cluster.env.NCCL_IB_HCA"),
+                                      ("FP4MOE_SLURM_QOS", "hydra.launcher.qos")])
+def test_a_line_break_in_a_script_value_is_refused_in_one_line(monkeypatch, capsys, var, key):
+    """A line break cannot be written into an export line or an #SBATCH directive safely: refused, exit 2, one
+    line naming the key."""
+    monkeypatch.setenv(var, "ok\ntouch PWNED")
+    assert launch.main(["dry-run", "experiment=paper_t1", "precision=bf16", "recompute=attn_block_ln_mlp"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"fp4moe.launch: {key}='ok\\ntouch PWNED' holds a control"), err
+
+
+def test_export_line_refuses_a_key_that_is_not_a_variable_name():
+    from fp4moe.shell import UnsafeValue, export_line
+
+    assert export_line("A_1", "x y") == "export A_1='x y'"
+    with pytest.raises(UnsafeValue, match=r"env\.A;touch: not a shell variable name"):
+        export_line("A;touch", "1")

@@ -8,8 +8,9 @@ through Hydra's compose API, runs ``fp4moe.config.check``, prints the resolved c
 memory model's predicted peak (``predicted_memory``: the most loaded GPU and the mean over the job's GPUs, as
 nvidia-smi would show them, against ``cluster.gpu_memory_gb``) and the sbatch script, written by submitit's own
 ``SlurmExecutor`` from the ``hydra.launcher`` values exactly as hydra-submitit-launcher hands them over. Exits 1 with
-the ``ConfigError`` message(s) when a cell fails the check, 2 when the config does not compose, 3 under ``--strict``
-when a cell is predicted not to fit the GPU (without ``--strict`` such a cell is a warning).
+the ``ConfigError`` message(s) when a cell fails the check, 2 when the config does not compose (or a value cannot
+go into an sbatch script: fp4moe.shell), 3 under ``--strict`` when a cell is predicted not to fit the GPU (without
+``--strict`` such a cell is a warning).
 
 The launcher profile is the one on the command line (``hydra/launcher=slurm_h100``); when none is given and the
 composed cluster is a Slurm one (``cluster.kind: slurm``), ``hydra/launcher=<cluster.name>`` is added, the profile of
@@ -34,6 +35,7 @@ from unittest import mock
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fp4moe.config import ConfigError, check
+from fp4moe.shell import UnsafeValue
 
 CONF_DIR = Path(os.environ.get("FP4MOE_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
 TRAIN_MODULE = "fp4moe.train"
@@ -255,6 +257,16 @@ def _print_cell(i: int, n: int, cell: Cell, short: bool) -> None:
     print()
 
 
+def _cause(e: BaseException, kind: type) -> BaseException | None:
+    """``e`` or the first exception of kind ``kind`` it was raised from (OmegaConf wraps a resolver's error)."""
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, kind):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fp4moe.launch", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -270,7 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cells, failures = dry_run(args.overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        print(f"fp4moe.launch: the config does not compose: {type(e).__name__}: {e}", file=sys.stderr)
+        unsafe = _cause(e, UnsafeValue)
+        if unsafe is not None:
+            print(f"fp4moe.launch: {unsafe}", file=sys.stderr)
+        else:
+            print(f"fp4moe.launch: the config does not compose: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     n = len(cells) + len(failures)
     for i, cell in enumerate(cells, 1):
