@@ -99,10 +99,15 @@ def test_unknown_experiment_is_refused(capsys):
     assert "no conf/experiment/paper_t9.yaml" in capsys.readouterr().err
 
 
-def test_dry_run_prints_config_and_script(capsys):
-    assert launch.main(["dry-run", "experiment=paper_t1", "precision=fp8", "recompute=mla_up_proj"]) == 0
+def test_dry_run_prints_config_and_script_only_with_scripts(capsys):
+    cell = ["experiment=paper_t1", "precision=fp8", "recompute=mla_up_proj"]
+    assert launch.main(["dry-run", *cell]) == 0
     out = capsys.readouterr().out
-    assert out.count("# ===== cell") == 1 and "#SBATCH --nodes=32" in out and "num_experts: 256" in out
+    assert out.count("# ===== cell") == 1 and "num_experts: 256" in out and "#SBATCH" not in out
+    assert "--scripts prints each cell's sbatch script" in out
+    assert launch.main(["dry-run", *cell, "--summary", "--scripts"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("#!/bin/bash") == 1 and "#SBATCH --nodes=32" in out and "num_experts" not in out
 
 
 def test_tiny_cpu_with_local_launcher_composes(capsys):
@@ -269,3 +274,64 @@ def test_export_line_refuses_a_key_that_is_not_a_variable_name():
     assert export_line("A_1", "x y") == "export A_1='x y'"
     with pytest.raises(UnsafeValue, match=r"env\.A;touch: not a shell variable name"):
         export_line("A;touch", "1")
+
+
+# ---------------------------------------------------------------------------------------------- first contact (P10)
+
+@pytest.fixture(scope="module")
+def t1_summary():
+    """``dry-run experiment=paper_t1 --summary`` without FP4MOE_CORPUS: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    mp = pytest.MonkeyPatch()
+    for var in ("FP4MOE_CORPUS", "FP4MOE_SLURM_PARTITION", "FP4MOE_SLURM_ACCOUNT", "FP4MOE_SLURM_QOS",
+                "NCCL_IB_HCA", "NCCL_IB_GID_INDEX"):
+        mp.delenv(var, raising=False)
+    mp.setenv("FP4MOE_SLURM_QOS", "high")
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = launch.main(["dry-run", "experiment=paper_t1", "cluster.account=proj7", "--summary"])
+    finally:
+        mp.undo()
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_dry_run_without_a_corpus_says_once_what_the_jobs_need(t1_summary):
+    rc, out, err = t1_summary
+    assert rc == 0 and "fails the check" not in err, err
+    assert out.count("# ===== cell") == 9 and "# 9 cell(s) pass fp4moe.config.check" in out
+    assert out.count("export FP4MOE_CORPUS=") == 1 and "# ===== the job(s) will need (every cell)" in out
+
+
+def test_summary_is_one_screen_per_cell_without_scripts(t1_summary):
+    _, out, _ = t1_summary
+    assert "#SBATCH" not in out and "#!/bin/bash" not in out
+    cells = [c.split("\n\n")[0].splitlines() for c in out.split("# ===== cell")[1:]]
+    assert len(cells) == 9 and max(len(c) for c in cells) <= 30, [len(c) for c in cells]
+
+
+def _row(text, label):
+    """(value, origin) of the ``label`` row of a settings table in ``text`` (the first one)."""
+    m = re.search(rf"^  {re.escape(label)} +(.*?) +<- (.*)$", text, re.M)
+    assert m, label
+    return m.group(1), m.group(2)
+
+
+def test_summary_shows_each_job_value_and_what_sets_it(t1_summary):
+    _, out, _ = t1_summary
+    cell = out.split("# ===== cell")[1]
+    assert _row(cell, "nodes") == ("32", "cluster.nodes")
+    assert _row(cell, "GPUs per node") == ("8", "cluster.gpus_per_node")
+    assert _row(cell, "time limit") == ("120 min (2:00:00)", "cluster.time_limit_min")
+    assert _row(cell, "partition") == ("gpu", "default; set $FP4MOE_SLURM_PARTITION or cluster.partition=...")
+    assert _row(cell, "account") == ("proj7", "command line: cluster.account=proj7")
+    assert _row(cell, "QoS") == ("high", "$FP4MOE_SLURM_QOS")
+    assert "most loaded GPU" in cell and "GiB" in cell     # the memory model's prediction, per cell
+    site = out.split("# ===== site settings exported by every Slurm cell's setup lines")[1]
+    assert out.count("# ===== site settings") == 1        # once, not per cell
+    assert _row(site, "NCCL_IB_HCA") == ("mlx5", "default; set $NCCL_IB_HCA or cluster.env.NCCL_IB_HCA=...")
+    assert _row(site, "NCCL_IB_GID_INDEX") == ("3", "default; set $NCCL_IB_GID_INDEX or "
+                                                    "cluster.env.NCCL_IB_GID_INDEX=...")
+    assert _row(site, "NCCL_IB_TIMEOUT") == ("22", "cluster.env.NCCL_IB_TIMEOUT")
