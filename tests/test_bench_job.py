@@ -24,7 +24,7 @@ def _srun(script):
 def test_f3_dry_run_is_one_job_on_one_gpu(capsys):
     ((overrides, script),) = launch.sbatch_scripts("paper_f3")
     for line in ("#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=1", "#SBATCH --time=30",
-                 "#SBATCH --no-requeue", "#SBATCH --job-name=paper_f3", "export NCCL_IB_HCA='mlx5'"):
+                 "#SBATCH --no-requeue", "#SBATCH --job-name=paper_f3", "export NCCL_IB_HCA=mlx5\n"):
         assert line in script, line
     cmd = _srun(script)
     i = cmd.index("python")

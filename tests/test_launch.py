@@ -2,6 +2,7 @@
 conf/hydra/launcher profiles, and the check's refusal of a broken cell. No Slurm needed, nothing submitted."""
 import re
 import shlex
+import subprocess
 
 import pytest
 from omegaconf import OmegaConf
@@ -60,7 +61,7 @@ def test_t1_sbatch_exports_every_cluster_env_key(t1):
         setup = script.split("# setup\n")[1].split("# command")[0]
         assert setup.index("NCCL") < script.index("srun ")
         for key, value in env.items():
-            assert f"export {key}='{value}'" in setup, key
+            assert f"export {key}={shlex.quote(str(value))}\n" in setup, key
     assert "export NCCL_SOCKET_IFNAME='^lo,docker'" in t1[0][1]
 
 
@@ -77,7 +78,7 @@ def test_env_reaches_the_script(monkeypatch):
     monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0,mlx5_1")
     monkeypatch.setenv("FP4MOE_SLURM_ACCOUNT", "proj42")
     (_, script), *_ = launch.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp"])
-    assert "export NCCL_IB_HCA='mlx5_0,mlx5_1'" in script and "#SBATCH --account=proj42" in script
+    assert "export NCCL_IB_HCA=mlx5_0,mlx5_1\n" in script and "#SBATCH --account=proj42" in script
 
 
 def test_requeue_count_reaches_submitit():
@@ -98,10 +99,15 @@ def test_unknown_experiment_is_refused(capsys):
     assert "no conf/experiment/paper_t9.yaml" in capsys.readouterr().err
 
 
-def test_dry_run_prints_config_and_script(capsys):
-    assert launch.main(["dry-run", "experiment=paper_t1", "precision=fp8", "recompute=mla_up_proj"]) == 0
+def test_dry_run_prints_config_and_script_only_with_scripts(capsys):
+    cell = ["experiment=paper_t1", "precision=fp8", "recompute=mla_up_proj"]
+    assert launch.main(["dry-run", *cell]) == 0
     out = capsys.readouterr().out
-    assert out.count("# ===== cell") == 1 and "#SBATCH --nodes=32" in out and "num_experts: 256" in out
+    assert out.count("# ===== cell") == 1 and "num_experts: 256" in out and "#SBATCH" not in out
+    assert "--scripts prints each cell's sbatch script" in out
+    assert launch.main(["dry-run", *cell, "--summary", "--scripts"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("#!/bin/bash") == 1 and "#SBATCH --nodes=32" in out and "num_experts" not in out
 
 
 def test_tiny_cpu_with_local_launcher_composes(capsys):
@@ -199,3 +205,133 @@ def test_cells_without_a_gpu_size_or_a_training_run():
     bench, _ = launch.dry_run(["experiment=paper_f3"])
     assert bench[0].memory == "not predicted: a benchmark job, not a training run"
 
+
+# ---------------------------------------------------------------------------------------------- slurm/ templates (P10)
+
+def test_templates_log_where_the_submit_helper_creates_the_folder():
+    """Slurm opens --output/--error before the script runs: every template logs into logs/slurm/, which
+    slurm/submit.sh (the documented way to submit them) creates; tests/test_slurm.py submits through it."""
+    import pathlib
+
+    slurm = pathlib.Path(__file__).resolve().parents[1] / "slurm"
+    templates = sorted(slurm.glob("*.sbatch"))
+    assert templates
+    for t in templates:
+        paths = re.findall(r"^#SBATCH --(?:output|error)=(\S+)$", t.read_text(), re.M)
+        assert len(paths) == 2 and {p.rsplit("/", 1)[0] for p in paths} == {"logs/slurm"}, t.name
+        assert "slurm/submit.sh" in t.read_text(), t.name
+    assert "\nmkdir -p logs/slurm\nexec sbatch \"$@\"\n" in (slurm / "submit.sh").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- shell safety (P10)
+
+HOSTILE = {   # cluster.env key -> a value that would run something, or split, if pasted into the script unquoted
+    "NCCL_IB_HCA": "mlx5'; touch PWNED1; echo '",
+    "NCCL_DEBUG": 'WARN"; touch PWNED2; echo "',
+    "NCCL_SOCKET_IFNAME": "$(touch PWNED3)",
+    "NCCL_IB_GID_INDEX": "`touch PWNED4`",
+    "NCCL_NVLS_ENABLE": "0; touch PWNED5 && echo ${HOME} $PATH * ? \\ \t|&<>!#",
+    "PYTORCH_CUDA_ALLOC_CONF": "",
+}
+
+
+def _setup_and_header(script):
+    """The script up to its command (shebang, #SBATCH lines, setup): what runs before srun."""
+    return script.split("\n# command\n")[0] + "\n"
+
+
+def test_hostile_env_values_are_exported_verbatim_and_run_nothing(monkeypatch, tmp_path):
+    """Every cluster.env value reaches the sbatch script through shlex.quote: bash parses the script, and running its
+    header and setup in an empty environment sets each variable to exactly the given string and creates no file."""
+    for var, value in HOSTILE.items():
+        monkeypatch.setenv(var, value)
+    account = "proj'$(touch PWNED6)`touch PWNED7`;\"x\""
+    monkeypatch.setenv("FP4MOE_SLURM_ACCOUNT", account)
+    (_, script), = launch.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_block_ln_mlp"])
+    assert f"#SBATCH --account={shlex.quote(account)}\n" in script   # one directive line; bash reads a comment
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    probe = "".join(f'printf "%s\\0" "${{{var}-UNSET}}"; ' for var in HOSTILE)
+    p = subprocess.run(["env", "-i", "bash", "-c", _setup_and_header(script) + probe], cwd=tmp_path,
+                       capture_output=True, text=True, check=True)
+    assert p.stdout.split("\0")[:-1] == list(HOSTILE.values())
+    assert list(tmp_path.iterdir()) == [], "the script ran part of a value"
+
+
+@pytest.mark.parametrize("var, key", [("NCCL_IB_HCA", "cluster.env.NCCL_IB_HCA"),
+                                      ("FP4MOE_SLURM_QOS", "hydra.launcher.qos")])
+def test_a_line_break_in_a_script_value_is_refused_in_one_line(monkeypatch, capsys, var, key):
+    """A line break cannot be written into an export line or an #SBATCH directive safely: refused, exit 2, one
+    line naming the key."""
+    monkeypatch.setenv(var, "ok\ntouch PWNED")
+    assert launch.main(["dry-run", "experiment=paper_t1", "precision=bf16", "recompute=attn_block_ln_mlp"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"fp4moe.launch: {key}='ok\\ntouch PWNED' holds a control"), err
+
+
+def test_export_line_refuses_a_key_that_is_not_a_variable_name():
+    from fp4moe.shell import UnsafeValue, export_line
+
+    assert export_line("A_1", "x y") == "export A_1='x y'"
+    with pytest.raises(UnsafeValue, match=r"env\.A;touch: not a shell variable name"):
+        export_line("A;touch", "1")
+
+
+# ---------------------------------------------------------------------------------------------- first contact (P10)
+
+@pytest.fixture(scope="module")
+def t1_summary():
+    """``dry-run experiment=paper_t1 --summary`` without FP4MOE_CORPUS: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    mp = pytest.MonkeyPatch()
+    for var in ("FP4MOE_CORPUS", "FP4MOE_SLURM_PARTITION", "FP4MOE_SLURM_ACCOUNT", "FP4MOE_SLURM_QOS",
+                "NCCL_IB_HCA", "NCCL_IB_GID_INDEX"):
+        mp.delenv(var, raising=False)
+    mp.setenv("FP4MOE_SLURM_QOS", "high")
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = launch.main(["dry-run", "experiment=paper_t1", "cluster.account=proj7", "--summary"])
+    finally:
+        mp.undo()
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_dry_run_without_a_corpus_says_once_what_the_jobs_need(t1_summary):
+    rc, out, err = t1_summary
+    assert rc == 0 and "fails the check" not in err, err
+    assert out.count("# ===== cell") == 9 and "# 9 cell(s) pass fp4moe.config.check" in out
+    assert out.count("export FP4MOE_CORPUS=") == 1 and "# ===== the job(s) will need (every cell)" in out
+
+
+def test_summary_is_one_screen_per_cell_without_scripts(t1_summary):
+    _, out, _ = t1_summary
+    assert "#SBATCH" not in out and "#!/bin/bash" not in out
+    cells = [c.split("\n\n")[0].splitlines() for c in out.split("# ===== cell")[1:]]
+    assert len(cells) == 9 and max(len(c) for c in cells) <= 30, [len(c) for c in cells]
+
+
+def _row(text, label):
+    """(value, origin) of the ``label`` row of a settings table in ``text`` (the first one)."""
+    m = re.search(rf"^  {re.escape(label)} +(.*?) +<- (.*)$", text, re.M)
+    assert m, label
+    return m.group(1), m.group(2)
+
+
+def test_summary_shows_each_job_value_and_what_sets_it(t1_summary):
+    _, out, _ = t1_summary
+    cell = out.split("# ===== cell")[1]
+    assert _row(cell, "nodes") == ("32", "cluster.nodes")
+    assert _row(cell, "GPUs per node") == ("8", "cluster.gpus_per_node")
+    assert _row(cell, "time limit") == ("120 min (2:00:00)", "cluster.time_limit_min")
+    assert _row(cell, "partition") == ("gpu", "default; set $FP4MOE_SLURM_PARTITION or cluster.partition=...")
+    assert _row(cell, "account") == ("proj7", "command line: cluster.account=proj7")
+    assert _row(cell, "QoS") == ("high", "$FP4MOE_SLURM_QOS")
+    assert "most loaded GPU" in cell and "GiB" in cell     # the memory model's prediction, per cell
+    site = out.split("# ===== site settings exported by every Slurm cell's setup lines")[1]
+    assert out.count("# ===== site settings") == 1        # once, not per cell
+    assert _row(site, "NCCL_IB_HCA") == ("mlx5", "default; set $NCCL_IB_HCA or cluster.env.NCCL_IB_HCA=...")
+    assert _row(site, "NCCL_IB_GID_INDEX") == ("3", "default; set $NCCL_IB_GID_INDEX or "
+                                                    "cluster.env.NCCL_IB_GID_INDEX=...")
+    assert _row(site, "NCCL_IB_TIMEOUT") == ("22", "cluster.env.NCCL_IB_TIMEOUT")

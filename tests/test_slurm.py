@@ -176,11 +176,12 @@ def sbatch_run(store, time_limit_run):
     its job with `scontrol requeue`. Submitted once the store's schema exists; returns (job id, its folder)."""
     root, uri = store
     folder = root / "slurm_sbatch"
-    (folder / "logs" / "slurm").mkdir(parents=True)
+    folder.mkdir()   # no logs/slurm/: slurm/submit.sh creates it
     env = dict(_env(uri, folder), PYTHON=sys.executable)
     job_id = subprocess.run(
-        ["sbatch", "--parsable", "--job-name=sbatch", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
-         "--cpus-per-task=1", "--mem=1G", "--time=2", "--signal=USR2@10", str(REPO / "slurm" / "train.sbatch"),
+        [str(REPO / "slurm" / "submit.sh"), "--parsable", "--job-name=sbatch", "--nodes=1", "--ntasks-per-node=1",
+         "--gpus-per-node=0", "--cpus-per-task=1", "--mem=1G", "--time=2", "--signal=USR2@10",
+         str(REPO / "slurm" / "train.sbatch"),
          *BASE[:2], *FAST, "precision=fp8", "tracking.experiment=slurm_sbatch", *REQUEUE],
         cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
     yield job_id, folder
@@ -329,3 +330,33 @@ def test_plain_sbatch_template_requeues_at_the_time_limit_and_resumes(store, sba
     (ckpt,) = folder.glob(f"logs/sbatch/slurm-{job_id}/checkpoints")
     meta = json.loads((ckpt / f"step_{STEPS:07d}" / "meta.json").read_text())
     assert meta["mlflow_run_id"] == run["run_id"] and meta["step"] == STEPS
+
+
+def _wait_done(job_id: str, timeout_s: float = 60) -> str:
+    """The final state of ``job_id`` in sacct, waiting up to ``timeout_s``."""
+    deadline, states = time.time() + timeout_s, []
+    while time.time() < deadline:
+        states = _sacct(job_id)
+        if states and states[-1] not in ("RUNNING", "PENDING", "COMPLETING", "REQUEUED"):
+            return states[-1]
+        time.sleep(0.5)
+    return f"not done after {timeout_s} s: {states}"
+
+
+def test_submit_helper_creates_the_log_folder_before_slurm_opens_it(tmp_path):
+    """slurm/train.sbatch logs to logs/slurm/, which Slurm opens before the script runs (a missing folder fails the
+    job at once, 0:53, without a log): slurm/submit.sh, the documented way to submit it, creates the folder first.
+    From a fresh folder, the template's own echo lines and the Python command (``TRAIN``) land in the log."""
+    assert not (tmp_path / "logs").exists()
+    env = dict(os.environ, PYTHON=sys.executable, TRAIN="-c print('trainer-ran')")
+    env.pop("FP4MOE_ROOT", None)   # the template's default: the submit directory
+    job_id = subprocess.run(
+        [str(REPO / "slurm" / "submit.sh"), "--parsable", "--job-name=logdir", "--nodes=1", "--ntasks-per-node=1",
+         "--gpus-per-node=0", "--cpus-per-task=1", "--mem=200M", "--time=1", str(REPO / "slurm" / "train.sbatch"),
+         "experiment=tiny_cpu"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    state = _wait_done(job_id)
+    out = tmp_path / "logs" / "slurm" / f"logdir-{job_id}.out"
+    assert state == "COMPLETED" and out.is_file(), (state, sorted(p.name for p in tmp_path.rglob("*")))
+    text = out.read_text()
+    assert f"job {job_id} restart 0" in text and "overrides: experiment=tiny_cpu" in text and "trainer-ran" in text

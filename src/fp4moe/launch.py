@@ -1,15 +1,22 @@
 """Dry run of a Hydra multirun sweep on Slurm (P4, issue 5): what would be submitted, without submitting.
 
-    python -m fp4moe.launch dry-run experiment=paper_t1 [overrides...] [--summary] [--strict]
+    python -m fp4moe.launch dry-run experiment=paper_t1 [overrides...] [--summary] [--scripts] [--strict]
 
 For each cell of the experiment's sweep (``hydra.sweeper.params`` plus the command line's own sweeps, expanded
 by Hydra's ``BasicSweeper.split_arguments``: the cartesian product, in Hydra's order) it composes the config
-through Hydra's compose API, runs ``fp4moe.config.check``, prints the resolved config (or a summary), the paper-scale
-memory model's predicted peak (``predicted_memory``: the most loaded GPU and the mean over the job's GPUs, as
-nvidia-smi would show them, against ``cluster.gpu_memory_gb``) and the sbatch script, written by submitit's own
-``SlurmExecutor`` from the ``hydra.launcher`` values exactly as hydra-submitit-launcher hands them over. Exits 1 with
-the ``ConfigError`` message(s) when a cell fails the check, 2 when the config does not compose, 3 under ``--strict``
-when a cell is predicted not to fit the GPU (without ``--strict`` such a cell is a warning).
+through Hydra's compose API, runs ``fp4moe.config.check``, prints the resolved config (``--summary``: a few lines of
+it), the Slurm job (nodes, GPUs, time limit, partition/account/QoS, ...: each with the config key or environment
+variable that sets it, and whether it is the profile's default), the paper-scale memory model's predicted peak
+(``predicted_memory``: the most loaded GPU and the mean over the job's GPUs, as nvidia-smi would show them, against
+``cluster.gpu_memory_gb``) and, with ``--scripts``, the sbatch script, written by submitit's own ``SlurmExecutor``
+from the ``hydra.launcher`` values exactly as hydra-submitit-launcher hands them over. The site settings the jobs
+export (``cluster.env``: NCCL/InfiniBand, host threads) are printed once, each with its origin. Exits 1 with the
+``ConfigError`` message(s) when a cell fails the check, 2 when the config does not compose (or a value cannot go
+into an sbatch script: fp4moe.shell), 3 under ``--strict`` when a cell is predicted not to fit the GPU (without
+``--strict`` such a cell is a warning).
+
+Without a corpus (``data=user_corpus`` and neither ``FP4MOE_CORPUS`` nor ``data.path`` set) the cells are checked
+with a placeholder path, and the dry run says once what the jobs will need.
 
 The launcher profile is the one on the command line (``hydra/launcher=slurm_h100``); when none is given and the
 composed cluster is a Slurm one (``cluster.kind: slurm``), ``hydra/launcher=<cluster.name>`` is added, the profile of
@@ -24,9 +31,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 from unittest import mock
@@ -34,10 +42,13 @@ from unittest import mock
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fp4moe.config import ConfigError, check
+from fp4moe.shell import UnsafeValue
 
 CONF_DIR = Path(os.environ.get("FP4MOE_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
 TRAIN_MODULE = "fp4moe.train"
 DRY_RUN_JOB_ID = "dry-run"
+CORPUS_VAR = "FP4MOE_CORPUS"
+CORPUS_PLACEHOLDER = f"<{CORPUS_VAR}>"   # data.path while a corpus-less cell is checked
 
 
 @dataclass
@@ -67,16 +78,30 @@ class Memory:
 
 
 @dataclass
+class Setting:
+    """One value of a job as the dry run shows it: ``label``, the resolved ``value`` and ``origin``, the config key
+    or environment variable that sets it (``origin()``)."""
+    label: str
+    value: Any
+    origin: str
+
+
+@dataclass
 class Cell:
     """One job of the sweep: its overrides (as the launcher gets them), composed config (without the ``hydra``
-    node), ``check``'s derived values, the resolved ``hydra.launcher``, the sbatch script (None if not Slurm) and the
-    memory model's prediction (a ``Memory``, or the reason it has none)."""
+    node), ``check``'s derived values, the resolved ``hydra.launcher``, the sbatch script (None if not Slurm), the
+    memory model's prediction (a ``Memory``, or the reason it has none), the Slurm job's settings and the exported
+    environment (``cluster.env``), each a list of ``Setting`` (empty if not Slurm), and what the job needs that the
+    dry run did not have (e.g. the corpus)."""
     overrides: list[str]
     cfg: DictConfig
     derived: dict[str, Any]
     launcher: dict[str, Any]
     sbatch: str | None
     memory: Memory | str = "not predicted"
+    job: list[Setting] = field(default_factory=list)
+    env: list[Setting] = field(default_factory=list)
+    needs: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------- composition
@@ -181,10 +206,109 @@ def predicted_memory(cfg: DictConfig) -> Memory | str:
                   None if gpu is None else float(gpu), a.outside_torch_source)
 
 
+# ---------------------------------------------------------------------------------------------- origins
+
+_ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)")
+_KEY_REF = re.compile(r"\$\{(?:oc\.select:)?([A-Za-z_]\w*(?:\.\w+)+)[},]")
+
+
+def _raw(cfg: DictConfig, key: str) -> Any:
+    """The unresolved value of the dotted ``key`` (an interpolation stays its ``${...}`` text); None if absent."""
+    parent, _, last = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig) or last not in node:
+        return None
+    return node._get_node(last)._value()
+
+
+def _given(key: str, overrides: Sequence[str]) -> str | None:
+    """The command-line override of ``key`` among ``overrides``, if any."""
+    for o in overrides:
+        k, sep, _ = o.partition("=")
+        if sep and k.lstrip("+~") == key:
+            return o
+    return None
+
+
+def origin(cfg: DictConfig, key: str, overrides: Sequence[str] = ()) -> str:
+    """What sets the value of the dotted ``key`` of ``cfg`` (with its ``hydra`` node), for a person who wants to
+    change it: ``command line: <override>``; ``$VAR`` (an environment variable, set now); ``default; set $VAR or
+    <key>=...`` (the variable is unset: the profile's default); else the config key that holds it (its YAML file or
+    the experiment's override). Follows references (``${cluster.nodes}``, resolvers around one) to the key they name."""
+    for _ in range(8):
+        given = _given(key, overrides)
+        if given:
+            return f"command line: {given}"
+        raw = _raw(cfg, key)
+        if not isinstance(raw, str):
+            break
+        env = _ENV_REF.search(raw)
+        if env:
+            var = env.group(1)
+            return f"${var}" if var in os.environ else f"default; set ${var} or {key}=..."
+        ref = _KEY_REF.search(raw)
+        if not ref:
+            break
+        key = ref.group(1)
+    return key
+
+
+# ---------------------------------------------------------------------------------------------- job settings
+
+# (label, hydra.launcher key) of the Slurm job, in the order the dry run prints them
+JOB_KEYS = [("nodes", "nodes"), ("GPUs per node", "gpus_per_node"), ("tasks per node", "tasks_per_node"),
+            ("CPUs per task", "cpus_per_task"), ("memory per node", "mem_gb"), ("time limit", "timeout_min"),
+            ("partition", "partition"), ("account", "account"), ("QoS", "qos"), ("constraint", "constraint"),
+            ("requeue", "additional_parameters"), ("signal before limit", "signal_delay_s"),
+            ("requeues on time-out", "max_num_timeout")]
+
+
+def _job_value(key: str, value: Any) -> str:
+    if key == "additional_parameters":
+        return "yes (--requeue)" if (value or {}).get("requeue") else "no (--no-requeue)"
+    if value is None:
+        return "- (not set: the site's default)"
+    if key == "mem_gb":
+        return "the whole node (--mem=0GB)" if value == 0 else f"{value} GB"
+    if key == "timeout_min":
+        return f"{value} min ({int(value) // 60}:{int(value) % 60:02d}:00)"
+    if key == "signal_delay_s":
+        return f"USR2 {value} s before"
+    return str(value)
+
+
+def job_settings(cfg: DictConfig, launcher: dict[str, Any], overrides: Sequence[str]) -> list[Setting]:
+    """The Slurm job's resources and placement (``JOB_KEYS``) as the sbatch script gets them, each with its origin;
+    ``cfg`` still holds its ``hydra`` node."""
+    return [Setting(label, _job_value(key, launcher.get(key)), origin(cfg, f"hydra.launcher.{key}", overrides))
+            for label, key in JOB_KEYS if key in launcher]
+
+
+def env_settings(cfg: DictConfig, overrides: Sequence[str]) -> list[Setting]:
+    """``cluster.env``, the variables the launcher's setup lines export (none when its ``setup`` does not read
+    ``cluster.env``, e.g. slurm_local), each with its origin."""
+    setup = OmegaConf.to_container(cfg.hydra.launcher, resolve=False).get("setup") or []
+    if "cluster.env" not in str(setup):
+        return []
+    env = OmegaConf.to_container(cfg.cluster.env, resolve=True) or {}
+    return [Setting(k, v, origin(cfg, f"cluster.env.{k}", overrides)) for k, v in env.items() if v is not None]
+
+
+def _corpus_needs(cfg: DictConfig) -> list[str]:
+    """What a cell's job needs that the dry run does not: the corpus of ``data=user_corpus`` when none is set."""
+    if cfg.data.get("name") != "user_corpus" or cfg.data.get("path"):
+        return []
+    return [f"a corpus: export {CORPUS_VAR}=/path/to/text-or-jsonl-or-prefix (or pass data.path=...) in the shell "
+            "that submits (Slurm passes its environment on to the jobs); the cells were checked without it"]
+
+
 # ---------------------------------------------------------------------------------------------- dry run
 
 def dry_run(overrides: Sequence[str]) -> tuple[list[Cell], list[tuple[list[str], str]]]:
-    """Compose and check every cell. Returns (cells that pass, [(overrides, ConfigError message)] that fail)."""
+    """Compose and check every cell. Returns (cells that pass, [(overrides, ConfigError message)] that fail). A
+    cell without its corpus is checked with ``CORPUS_PLACEHOLDER`` as ``data.path``, its ``needs`` saying so."""
+    import copy
+
     cells, failures = [], []
     all_cells = sweep_cells(overrides)
     # Hydra resolves the sweep directory (${now:...}) once for the whole multirun: pin it for every cell.
@@ -193,15 +317,24 @@ def dry_run(overrides: Sequence[str]) -> tuple[list[Cell], list[tuple[list[str],
     for cell in all_cells:
         cfg = _compose([*cell, pin])
         launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+        slurm = _is_slurm(launcher)
+        job = job_settings(cfg, launcher, cell) if slurm else []
+        env = env_settings(cfg, cell) if slurm else []
         with open_dict(cfg):
             del cfg["hydra"]
+        needs = _corpus_needs(cfg)
+        checked = cfg
+        if needs:
+            checked = copy.deepcopy(cfg)
+            with open_dict(checked):
+                checked.data.path = CORPUS_PLACEHOLDER
         try:
-            d = check(cfg)
+            d = check(checked)
         except ConfigError as e:
             failures.append((cell, str(e)))
             continue
-        script = sbatch_text(launcher, train_command(cell)) if _is_slurm(launcher) else None
-        cells.append(Cell(cell, cfg, d, launcher, script, predicted_memory(cfg)))
+        script = sbatch_text(launcher, train_command(cell)) if slurm else None
+        cells.append(Cell(cell, cfg, d, launcher, script, predicted_memory(cfg), job, env, needs))
     return cells, failures
 
 
@@ -215,9 +348,17 @@ def sbatch_scripts(experiment: str, overrides: Sequence[str] = ()) -> list[tuple
 
 
 def summary(cell: Cell) -> str:
+    """A few lines of the cell's config: model, precision, recompute, layout, training length, data."""
     cfg, d = cell.cfg, cell.derived
     sel = lambda k: OmegaConf.select(cfg, k)  # noqa: E731
     p = cfg.parallel
+    data = f"data: {sel('data.name')}"
+    if sel("data.path"):
+        data += f"  path: {sel('data.path')}"
+    elif cell.needs:
+        data += f"  path: not set (the job needs ${CORPUS_VAR})"
+    if sel("data.name") == "user_corpus":
+        data += f"  tokenizer: {sel('data.tokenizer.path') or 'not set (a byte-level BPE is trained)'}"
     lines = [
         f"task_name: {sel('task_name')}",
         f"model: {sel('model.name')}  params total/active: {d['params_total'] / 1e9:.1f}B / {d['params_active'] / 1e9:.1f}B",
@@ -227,6 +368,7 @@ def summary(cell: Cell) -> str:
         f"parallel: TP{p.tensor} PP{p.pipeline} CP{p.context} EP{p.expert} DP{p.data}  micro {p.micro_batch} "
         f"global {p.global_batch} seq {p.seq_length}  grad accum {d['grad_accum_steps']}",
         f"train: {d['steps']} steps, {d['tokens_per_step']} tokens/step, {d['tokens']} tokens",
+        data,
     ]
     from fp4moe import bench_job
 
@@ -237,30 +379,65 @@ def summary(cell: Cell) -> str:
     return "\n".join(lines)
 
 
-def _print_cell(i: int, n: int, cell: Cell, short: bool) -> None:
+def _table(settings: Sequence[Setting]) -> str:
+    """``label  value  <- origin`` rows, aligned."""
+    wl = max(len(s.label) for s in settings)
+    wv = max(len(str(s.value)) for s in settings)
+    return "\n".join(f"  {s.label:<{wl}}  {str(s.value):<{wv}}  <- {s.origin}" for s in settings)
+
+
+def _print_cell(i: int, n: int, cell: Cell, short: bool, scripts: bool) -> None:
     print(f"# ===== cell {i}/{n}: {' '.join(cell.overrides)}")
     print("# ----- config" + (" (summary)" if short else " (resolved)"))
     print(summary(cell) if short else OmegaConf.to_yaml(cell.cfg, resolve=True).rstrip())
+    if cell.sbatch is None:
+        print(f"# ----- launcher {cell.launcher.get('_target_')}: not Slurm, no sbatch script")
+    else:
+        print(f"# ----- Slurm job {cell.launcher.get('name')} (value <- the config key or variable that sets it)")
+        print(_table(cell.job))
     if isinstance(cell.memory, Memory):
         print(f"# ----- predicted peak memory (fp4moe.scale.memory; outside PyTorch: {cell.memory.source})")
         print(cell.memory.text(int(cell.derived["world_size"])))
     else:
         print(f"# ----- predicted peak memory: {cell.memory}")
-    if cell.sbatch is None:
-        print(f"# ----- launcher {cell.launcher.get('_target_')}: not Slurm, no sbatch script")
-    else:
+    if scripts and cell.sbatch is not None:
         print("# ----- sbatch script (not submitted; hydra-submitit-launcher runs the same header and setup with "
               "`python -u -m submitit.core._submit <folder>`, all cells as one job array)")
         print(cell.sbatch.rstrip())
     print()
 
 
+def _print_site(cells: Sequence[Cell]) -> None:
+    """The exported environment (``cluster.env``) once per distinct set, naming the cells it applies to."""
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(cells, 1):
+        if c.env:
+            groups.setdefault(tuple((s.label, str(s.value), s.origin) for s in c.env), []).append(i)
+    for env, idx in groups.items():
+        every = len(idx) == sum(1 for c in cells if c.env)
+        which = "every Slurm cell" if every else f"cells {', '.join(map(str, idx))}"
+        print(f"# ===== site settings exported by {which}'s setup lines (cluster.env; value <- what sets it)")
+        print(_table([Setting(*row) for row in env]))
+        print()
+
+
+def _cause(e: BaseException, kind: type) -> BaseException | None:
+    """``e`` or the first exception of kind ``kind`` it was raised from (OmegaConf wraps a resolver's error)."""
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, kind):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fp4moe.launch", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    dr = sub.add_parser("dry-run", help="print each cell's resolved config and sbatch script; submit nothing")
+    dr = sub.add_parser("dry-run", help="print each cell's config, Slurm job and predicted memory; submit nothing")
     dr.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. experiment=paper_t1 hydra/launcher=slurm_h200")
     dr.add_argument("--summary", action="store_true", help="a short summary instead of the full resolved config")
+    dr.add_argument("--scripts", action="store_true", help="also print each cell's full sbatch script")
     dr.add_argument("--strict", action="store_true",
                     help="refuse (exit 3) when a cell is predicted not to fit the GPU (cluster.gpu_memory_gb)")
     args = ap.parse_args(argv)
@@ -270,16 +447,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cells, failures = dry_run(args.overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        print(f"fp4moe.launch: the config does not compose: {type(e).__name__}: {e}", file=sys.stderr)
+        unsafe = _cause(e, UnsafeValue)
+        if unsafe is not None:
+            print(f"fp4moe.launch: {unsafe}", file=sys.stderr)
+        else:
+            print(f"fp4moe.launch: the config does not compose: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     n = len(cells) + len(failures)
     for i, cell in enumerate(cells, 1):
-        _print_cell(i, n, cell, args.summary)
+        _print_cell(i, n, cell, args.summary, args.scripts)
+    _print_site(cells)
     for cell_overrides, msg in failures:
         print(f"fp4moe.launch: cell {' '.join(cell_overrides)} fails the check: ConfigError: {msg}", file=sys.stderr)
     if failures:
         print(f"fp4moe.launch: {len(failures)} of {n} cells cannot run; nothing would be submitted", file=sys.stderr)
         return 1
+    needs = list(dict.fromkeys(need for c in cells for need in c.needs))
+    if needs:
+        print(f"# ===== the job(s) will need{' (every cell)' if all(c.needs for c in cells) else ''}")
+        for need in needs:
+            print(f"- {need}")
+        print()
     over = [c for c in cells if isinstance(c.memory, Memory) and c.memory.fits is False]
     for c in over:
         print(f"fp4moe.launch: {'refused' if args.strict else 'WARNING'}: cell {' '.join(c.overrides)} is predicted "
@@ -290,8 +478,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fp4moe.launch: {len(over)} of {n} cells are predicted not to fit; nothing would be submitted "
               "(--strict)", file=sys.stderr)
         return 3
+    hint = "; --scripts prints each cell's sbatch script" if any(c.sbatch for c in cells) and not args.scripts else ""
     print(f"# {n} cell(s) pass fp4moe.config.check"
-          + (f", {len(over)} predicted not to fit the GPU (warned above)" if over else "") + "; nothing submitted")
+          + (f", {len(over)} predicted not to fit the GPU (warned above)" if over else "")
+          + f"; nothing submitted{hint}")
     return 0
 
 

@@ -5,6 +5,9 @@
 
 ``${fp4moe.dirname:<text>}``: ``text`` as one path component: kept when short, else its first 80 characters and a
 12-digit hash of the whole (a multirun cell's ``override_dirname`` grows past the file-name limit of 255 bytes).
+
+``${fp4moe.export_lines:${cluster.env}}`` and ``${fp4moe.sbatch_value:<value>}``: a launcher profile's ``export``
+lines, shell-quoted, and its ``#SBATCH`` values, refused when they hold a line break (fp4moe.shell).
 """
 from __future__ import annotations
 
@@ -36,3 +39,9 @@ def register() -> None:
         OmegaConf.register_new_resolver("fp4moe.requeue_flags", requeue_flags)
     if not OmegaConf.has_resolver("fp4moe.dirname"):
         OmegaConf.register_new_resolver("fp4moe.dirname", dirname)
+    from fp4moe import shell
+
+    if not OmegaConf.has_resolver("fp4moe.export_lines"):
+        OmegaConf.register_new_resolver("fp4moe.export_lines", shell.export_lines)
+    if not OmegaConf.has_resolver("fp4moe.sbatch_value"):
+        OmegaConf.register_new_resolver("fp4moe.sbatch_value", shell.sbatch_value)
