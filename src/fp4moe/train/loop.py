@@ -77,7 +77,8 @@ def is_oom(e: BaseException) -> bool:
 
 
 def preflight(cfg: Any) -> dict[str, Any]:
-    """Everything that can be refused without torch.distributed: ``fp4moe.config.check``, the trainer's limits,
+    """Everything that can be refused without torch.distributed: ``fp4moe.config.check`` (every value's type and
+    range first, ``fp4moe.config.check_values``), the trainer's limits,
     the switches (``FP4MOE_CUDA_COL``, ``FP4MOE_DISPATCH_QUANTIZE``, ``FP4MOE_TRACKING_THREAD``), the MLflow store, and megatron-core's ``MLATransformerConfig`` as
     fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError / TrackingUnavailable."""
     derived = check(cfg)
@@ -96,10 +97,6 @@ def preflight(cfg: Any) -> dict[str, Any]:
     from fp4moe.train.profile import profile_window
 
     profile_window(OmegaConf.select(cfg, "train.profile.steps", default=None))  # ConfigError for a bad window
-    for key in ("eval_interval", "checkpoint_interval", "log_interval"):
-        v = cfg.train.get(key)
-        if v is not None and int(v) < 1:
-            raise ConfigError(f"train.{key}={v}: use a positive step count, or null to switch it off")
     from fp4moe.ops import check_env
     from fp4moe.train.metrics import tracking_thread
 
