@@ -90,6 +90,9 @@ def main(cfg: DictConfig) -> dict | None:
         return {"outcome": "OOM"}
     if result.stopped_by:
         sys.exit(128 + result.stopped_by)
+    if result.already_finished:  # said so in the log; no figures of this call to report
+        return {"outcome": "already finished", "run_id": result.run_id, "step": result.step,
+                "total_steps": result.total_steps, "checkpoint": str(result.checkpoint)}
     s = result.summary
     log.info("done: step %d/%d, loss %s, eval loss %s, tokens/GPU/s median %s, MLflow run %s", result.step,
              result.total_steps, s.get("summary/final_loss"), s.get("summary/final_eval_loss"),
