@@ -506,6 +506,7 @@ def check(cfg: Any) -> dict[str, Any]:
     return derived(cfg)
 
 
-__all__ = ["ConfigError", "check", "check_values", "VALUE_RULES", "OptimizerSetting", "GRAD_DTYPES", "DISPATCHERS", "derived", "param_counts", "parse_pipeline_layout", "world_size",
+__all__ = ["ConfigError", "check", "check_values", "VALUE_RULES",
+           "OptimizerSetting", "GRAD_DTYPES", "DISPATCHERS", "derived", "param_counts", "parse_pipeline_layout", "world_size",
            "MEGATRON_RECOMPUTE_MODULES", "TE_ONLY_RECOMPUTE_MODULES", "FP4MOE_RECOMPUTE_MODULES",
            "NESTED_IN_SELF_ATTENTION", "nested_in_self_attention"]

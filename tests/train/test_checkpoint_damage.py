@@ -83,7 +83,8 @@ def test_rank_files_load_without_running_their_code(tmp_path):
     d = tmp_path / "step_0000001"
     d.mkdir()
     torch.save({"step": 1, "x": Payload()}, d / "rank_00000.pt")
-    with pytest.raises(ckpt.Damaged, match=r"rank_00000.pt cannot be read: .*GLOBAL (posix|os).system.* \(weights_only: fp4moe does not run code"):
+    with pytest.raises(ckpt.Damaged, match=r"rank_00000.pt cannot be read: .*GLOBAL (posix|os).system.* "
+                                           r"\(weights_only: fp4moe does not run code"):
         ckpt.read_payload(d, 0)
     assert not marker.exists()
     torch.save({"step": 1, "param_groups": [{"cpu_optimizer_cls": torch.optim.AdamW}],
@@ -123,7 +124,8 @@ def test_save_records_sizes_keeps_whole_checkpoints_and_loads_safely(tmp_path):
 
 
 def _compose(tmp_path, *overrides):
-    base = ["train=short_cpu", "precision=bf16", "train.progress_bar=false", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
+    base = ["train=short_cpu", "precision=bf16", "parallel.global_batch=2", "parallel.seq_length=64",
+            "train.progress_bar=false", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
             "train.eval_interval=null", "train.checkpoint_interval=1", "train.keep_checkpoints=3"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("train", overrides=base + list(overrides))

@@ -51,7 +51,8 @@ STEP_RE = re.compile(r"^step_(\d{7,})$")
 #   classes in its param_groups ('cpu_optimizer_cls', 'gpu_optimizer_cls': torch's AdamW without TE / apex);
 # - numpy's RNG key as an array, in checkpoints written before rng_state() stored it as a list of ints.
 SAFE_GLOBALS = [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD,
-                (getattr(np, "_core", None) or np.core).multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+                (getattr(np, "_core", None) or np.core).multiarray._reconstruct, np.ndarray, np.dtype,
+                np.dtypes.UInt32DType]
 # Config keys whose change makes a checkpoint belong to another run. train.* run length, intervals, measure and
 # checkpointing knobs are left out on purpose (extending a run is a resume).
 FINGERPRINT_KEYS = ("model", "precision", "recompute", "parallel", "data", "backend", "optimizer", "train.seed",
