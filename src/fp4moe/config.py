@@ -28,6 +28,9 @@ Rules checked (``check``), each with its own message:
    in the stack), and the fp8 / mxfp4 recipes, whose quantized all-to-all replaces megatron's, need ``alltoall``.
 10. optimizer: the ``optimizer`` group reads as an :class:`OptimizerSetting` (types, values, combinations that
    megatron-core 0.16.1 can build without Transformer Engine) and ``train.adamw`` has lr >= min_lr >= 0.
+
+Before all of these, :func:`check_values`: every count, interval and rate has the right type and range
+(``VALUE_RULES``: ``train.steps=-3``, ``train.steps=abc``, ``parallel.micro_batch=0`` are one line each).
 """
 from __future__ import annotations
 
@@ -99,6 +102,76 @@ def parse_pipeline_layout(layout: str) -> list[str]:
         raise ConfigError(f"parallel.pipeline_layout={layout!r} has unknown letters {bad}: use E, t, m, L, '|', "
                           "'(..)*n' and ',' (megatron-core --pipeline-model-parallel-layout)")
     return stages
+
+
+# ---------------------------------------------------------------------------------------------- values
+
+# (key, kind, lowest, nullable, what it is). kind "int": a whole number (an integral float such as 1e3 too);
+# "num": any number. lowest: the smallest value allowed (">0": any positive number). A key absent from the config
+# is not checked (the launcher checks partial configs); one that is null must be nullable.
+VALUE_RULES: tuple[tuple[str, str, Any, bool, str], ...] = (
+    ("cluster.nodes", "int", 1, False, "a node count"),
+    ("cluster.gpus_per_node", "int", 1, False, "a GPU count per node"),
+    ("parallel.world_size", "int", 1, False, "a process count"),
+    ("parallel.tensor", "int", 1, False, "a parallel size"),
+    ("parallel.pipeline", "int", 1, False, "a parallel size"),
+    ("parallel.virtual_pipeline", "int", 1, True, "a parallel size, or null"),
+    ("parallel.context", "int", 1, False, "a parallel size"),
+    ("parallel.data", "int", 1, False, "a parallel size"),
+    ("parallel.expert", "int", 1, False, "a parallel size"),
+    ("parallel.expert_tensor", "int", 1, True, "a parallel size, or null (= parallel.tensor)"),
+    ("parallel.micro_batch", "int", 1, False, "samples per micro-batch on one GPU"),
+    ("parallel.global_batch", "int", 1, False, "samples per optimizer step over all GPUs"),
+    ("parallel.seq_length", "int", 1, False, "tokens per sample"),
+    ("train.seed", "int", 0, False, "a seed"),
+    ("train.steps", "int", 1, True, "an optimizer step count, or null with train.tokens set"),
+    ("train.tokens", "num", ">0", True, "a token budget, or null with train.steps set"),
+    ("train.adamw.lr", "num", ">0", False, "a learning rate"),
+    ("train.adamw.min_lr", "num", 0, False, "the final learning rate"),
+    ("train.adamw.eps", "num", ">0", False, "AdamW's epsilon"),
+    ("train.adamw.weight_decay", "num", 0, False, "a weight decay"),
+    ("train.adamw.grad_clip", "num", ">0", True, "a gradient-norm limit, or null for no clipping"),
+    ("train.schedule.warmup_steps", "int", 0, True, "a warm-up step count, or null"),
+    ("train.schedule.warmup_tokens", "num", 0, True, "a warm-up token count, or null"),
+    ("train.log_interval", "int", 1, True, "a step count, or null for every step"),
+    ("train.eval_interval", "int", 1, True, "a step count, or null to switch evaluation off"),
+    ("train.eval_steps", "int", 1, True, "a number of validation batches"),
+    ("train.checkpoint_interval", "int", 1, True, "a step count, or null for checkpoints on a signal only"),
+    ("train.keep_checkpoints", "int", 1, True, "a number of checkpoints to keep"),
+    ("train.measure.warmup_steps", "int", 0, True, "a step count"),
+    ("train.measure.steps", "int", 1, True, "a step count, or null for every step"),
+)
+_MISSING = object()
+
+
+def _value_problem(v: Any, kind: str, lowest: Any, nullable: bool) -> str | None:
+    """What is wrong with ``v`` as a ``kind`` >= ``lowest``: " is not a number", ... ("" out of range, None: fine)."""
+    if v is None:
+        return None if nullable else " may not be null"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return " is not a number"
+    if kind == "int" and v != int(v):
+        return " is not a whole number"
+    return None if (v > 0 if lowest == ">0" else v >= lowest) else ""
+
+
+def check_values(cfg: Any) -> None:
+    """Raise ConfigError (one line: the key, its value, what it must be) for the first ``VALUE_RULES`` entry whose
+    value has the wrong type or range; also refuses a run length whose ``train.steps`` and ``train.tokens`` are both
+    null. Runs before anything is derived from the values."""
+    cfg = _as_cfg(cfg)
+    for key, kind, lowest, nullable, what in VALUE_RULES:
+        v = OmegaConf.select(cfg, key, default=_MISSING)
+        if v is _MISSING:
+            continue
+        why = _value_problem(v, kind, lowest, nullable)
+        if why is not None:
+            need = {"int": "a whole number", "num": "a number"}[kind]
+            bound = "> 0" if lowest == ">0" else f">= {lowest}"
+            raise ConfigError(f"{key}={v!r}{why}: use {need} {bound} ({what})")
+    t = cfg.get("train")
+    if isinstance(t, DictConfig) and "steps" in t and "tokens" in t and t.steps is None and t.tokens is None:
+        raise ConfigError("train.steps and train.tokens are both null: set one (a step count or a token budget)")
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -296,6 +369,7 @@ def derived(cfg: Any) -> dict[str, Any]:
 def check(cfg: Any) -> dict[str, Any]:
     """Raise ``ConfigError`` naming the fix when ``cfg`` cannot run; return ``derived(cfg)`` otherwise."""
     cfg = _as_cfg(cfg)
+    check_values(cfg)  # types and ranges first: the rules below compute with the values
     p, m, c = cfg.parallel, cfg.model, cfg.cluster
     tp, pp, cp, dp, ep = (int(p.tensor), int(p.pipeline), int(p.context), int(p.data), int(p.expert))
     vpp = int(p.get("virtual_pipeline") or 1)
@@ -432,6 +506,7 @@ def check(cfg: Any) -> dict[str, Any]:
     return derived(cfg)
 
 
-__all__ = ["ConfigError", "check", "OptimizerSetting", "GRAD_DTYPES", "DISPATCHERS", "derived", "param_counts", "parse_pipeline_layout", "world_size",
+__all__ = ["ConfigError", "check", "check_values", "VALUE_RULES",
+           "OptimizerSetting", "GRAD_DTYPES", "DISPATCHERS", "derived", "param_counts", "parse_pipeline_layout", "world_size",
            "MEGATRON_RECOMPUTE_MODULES", "TE_ONLY_RECOMPUTE_MODULES", "FP4MOE_RECOMPUTE_MODULES",
            "NESTED_IN_SELF_ATTENTION", "nested_in_self_attention"]

@@ -97,6 +97,9 @@ def main(cfg: DictConfig) -> dict | None:
         return {"outcome": "OOM"}
     if result.stopped_by:
         sys.exit(128 + result.stopped_by)
+    if result.already_finished:  # said so in the log; no figures of this call to report
+        return {"outcome": "already finished", "run_id": result.run_id, "step": result.step,
+                "total_steps": result.total_steps, "checkpoint": str(result.checkpoint)}
     s = result.summary
     from fp4moe.run_summary import done_line, without_credentials
     from fp4moe.train.metrics import resolve_uri

@@ -4,9 +4,18 @@ Each rank writes its own ``rank_RRRRR.pt`` (model state dict incl. the router ex
 optimizer state with this rank's FP32 main params and AdamW moments (fp4moe.train.optim.optimizer_state_dict),
 megatron's scheduler, RNG states of python / numpy / torch / CUDA / megatron's tracker) into a
 hidden temporary folder ``.step_NNNNNNN.tmp``; after a barrier rank 0 writes ``meta.json`` (step, consumed
-samples, MLflow run id, the run's fingerprint, world size) and renames the folder into place. A folder without
-``meta.json`` is never a checkpoint, so a run killed mid-save resumes from the previous one. The newest
-``keep`` checkpoints are kept.
+samples, MLflow run id, the run's fingerprint, world size, each rank file's size in bytes: the commit marker,
+written last) and renames the folder into place. A run killed mid-save leaves only the hidden folder, so it
+resumes from the previous checkpoint. The newest ``keep`` whole checkpoints are kept, damaged folders older
+than those removed.
+
+A ``step_NNNNNNN`` folder that is damaged (no ``meta.json``, a ``meta.json`` that does not parse, a rank file
+missing, shorter than ``meta.json`` says or not a whole torch.save archive, or one that torch cannot read) is
+skipped with a warning naming it, and the run resumes from the newest complete one (:func:`scan`,
+:func:`read_payload`); with none left, a ConfigError names the folder and the fix.
+
+Rank files are read with ``torch.load(weights_only=True)``: tensors, containers, numbers and strings, plus the
+classes of :data:`SAFE_GLOBALS` (no code from the file runs). Everything this module saves is of those types.
 
 Resuming needs the same world size and the same fingerprint (:func:`fingerprint`: the config groups that
 change what is trained, the optimizer group included); run length, intervals and logging may differ.
@@ -15,11 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import re
 import shutil
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +43,16 @@ from fp4moe.config import ConfigError
 from fp4moe.train import optim
 from fp4moe.train.dist import barrier
 
+log = logging.getLogger("fp4moe.train")
+
 STEP_RE = re.compile(r"^step_(\d{7,})$")
+# What torch.load(weights_only=True) may build besides tensors, containers, numbers and strings, each data only:
+# - megatron's HybridDeviceOptimizer (optimizer=offload / distributed_bf16_grads) keeps its inner optimizers'
+#   classes in its param_groups ('cpu_optimizer_cls', 'gpu_optimizer_cls': torch's AdamW without TE / apex);
+# - numpy's RNG key as an array, in checkpoints written before rng_state() stored it as a list of ints.
+SAFE_GLOBALS = [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD,
+                (getattr(np, "_core", None) or np.core).multiarray._reconstruct, np.ndarray, np.dtype,
+                np.dtypes.UInt32DType]
 # Config keys whose change makes a checkpoint belong to another run. train.* run length, intervals, measure and
 # checkpointing knobs are left out on purpose (extending a run is a resume).
 FINGERPRINT_KEYS = ("model", "precision", "recompute", "parallel", "data", "backend", "optimizer", "train.seed",
@@ -104,8 +124,65 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def latest(root: Path) -> Path | None:
+    """The newest folder with a ``meta.json`` (unchecked; :func:`scan` checks)."""
     found = complete_checkpoints(root)
     return found[-1][1] if found else None
+
+
+class Damaged(ConfigError):
+    """A step folder that cannot be resumed from; the message names the file and what is wrong with it."""
+
+
+def step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every ``step_NNNNNNN`` folder under ``root``, complete or not, oldest first (the hidden
+    ``.step_NNNNNNN.tmp`` folders of unfinished saves are not among them)."""
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), d) for d in root.iterdir() if (m := STEP_RE.match(d.name)) and d.is_dir())
+
+
+def verify(folder: Path) -> dict[str, Any]:
+    """``folder``'s meta.json, after checking without reading the tensors that the checkpoint is whole: the commit
+    marker parses and matches the folder, every rank file is there with the size meta.json records (checkpoints
+    written before it recorded sizes: a whole zip archive, torch.save's format). Raises :class:`Damaged`."""
+    meta = read_meta(folder)
+    m = STEP_RE.match(folder.name)
+    for key in ("step", "consumed_samples", "world_size"):
+        if isinstance(meta.get(key), bool) or not isinstance(meta.get(key), int):
+            raise Damaged(f"{folder / 'meta.json'} has no whole-number {key!r}: not a checkpoint's meta.json")
+    step, world = meta["step"], meta["world_size"]
+    if m and int(m.group(1)) != step:
+        raise Damaged(f"{folder / 'meta.json'} says step {step}, not the folder's")
+    sizes = meta.get("files") or {f"rank_{r:05d}.pt": None for r in range(world)}
+    for name, size in sizes.items():
+        f = folder / name
+        if not f.is_file():
+            raise Damaged(f"{f} is missing")
+        if size is not None and f.stat().st_size != int(size):
+            raise Damaged(f"{f} has {f.stat().st_size} bytes, {size} were written: truncated or overwritten")
+        if not zipfile.is_zipfile(f):
+            raise Damaged(f"{f} is not a whole torch.save archive (truncated?)")
+    return meta
+
+
+def scan(root: Path) -> tuple[list[tuple[Path, dict[str, Any]]], list[tuple[Path, str]]]:
+    """Every step folder under ``root`` checked with :func:`verify`: (the whole ones with their meta.json, newest
+    first; the damaged ones with what is wrong, newest first)."""
+    whole, damaged = [], []
+    for _, folder in reversed(step_folders(root)):
+        try:
+            whole.append((folder, verify(folder)))
+        except Damaged as e:
+            damaged.append((folder, str(e)))
+    return whole, damaged
+
+
+def none_usable(root: Path, damaged: list[tuple[Path, str]]) -> ConfigError:
+    """The error of a checkpoint folder whose step folders are all damaged."""
+    why = "; ".join(w for _, w in damaged[:3]) + ("; ..." if len(damaged) > 3 else "")
+    return ConfigError(f"no usable checkpoint in {root} ({len(damaged)} damaged: {why}): move its step_* folders "
+                       "elsewhere (or delete them) to start again from step 0, or point train.checkpoint_dir "
+                       "(or FP4MOE_CKPT_DIR) at another folder")
 
 
 # ---------------------------------------------------------------------------------------------- RNG
@@ -113,7 +190,10 @@ def latest(root: Path) -> Path | None:
 def rng_state() -> dict[str, Any]:
     from megatron.core.tensor_parallel import random as mrandom
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    # numpy's key as python ints: the rank file then loads with weights_only=True and no numpy types
+    state = {"python": random.getstate(), "numpy": (name, key.tolist(), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state(),
              "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
              "megatron_tracker": mrandom.get_cuda_rng_tracker().get_states()}
     return state
@@ -123,7 +203,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -157,8 +238,9 @@ def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size:
         os.fsync(f.fileno())
     barrier()
     if rank == 0:
+        files = {f"rank_{r:05d}.pt": (tmp / f"rank_{r:05d}.pt").stat().st_size for r in range(world_size)}
         meta = {"step": step, "consumed_samples": consumed_samples, "world_size": world_size,
-                "mlflow_run_id": mlflow_run_id, "fingerprint": fingerprint_, "time": time.time()}
+                "mlflow_run_id": mlflow_run_id, "fingerprint": fingerprint_, "time": time.time(), "files": files}
         with open(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
@@ -171,14 +253,29 @@ def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        for _, old in complete_checkpoints(root)[:-max(1, keep)]:
+        # the newest `keep` whole ones stay (a damaged folder does not count), and damaged ones older than those go
+        whole, damaged = scan(root)
+        kept = whole[:max(1, keep)]
+        oldest = int(kept[-1][1]["step"]) if kept else -1
+        for old, _ in whole[len(kept):] + [(d, w) for d, w in damaged if int(d.name[len("step_"):]) < oldest]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / "meta.json").read_text())
+    """``folder/meta.json``; :class:`Damaged` naming the file when it is missing or not a JSON object."""
+    path = folder / "meta.json"
+    if not path.is_file():
+        raise Damaged(f"{folder} has no meta.json (the commit marker a save writes last): an unfinished save, or "
+                      "a damaged folder")
+    try:
+        meta = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Damaged(f"{path} cannot be read as JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise Damaged(f"{path} holds {type(meta).__name__}, not a checkpoint's JSON object")
+    return meta
 
 
 def check_compatible(folder: Path, meta: dict[str, Any], *, world_size: int, fingerprint_: dict[str, str]) -> None:
@@ -194,12 +291,37 @@ def check_compatible(folder: Path, meta: dict[str, Any], *, world_size: int, fin
                           "empty checkpoint folder")
 
 
+def read_payload(folder: Path, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s file of ``folder``, read with ``weights_only=True`` (:data:`SAFE_GLOBALS`) onto the CPU;
+    :class:`Damaged` naming the file when torch cannot read it (truncated, corrupt, or a type outside the
+    allowlist: code that loading would run)."""
+    path = folder / f"rank_{rank:05d}.pt"
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to read is the file's: RuntimeError, UnpicklingError, EOF
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        advice = ("Weights only load failed", "In PyTorch 2.6", "(1)", "(2)", "Please file an issue", "Check the doc")
+        lines = [ln for ln in lines if not ln.startswith(advice)] or lines  # torch's advice to trust the file: no
+        refused = [ln for ln in lines if "GLOBAL" in ln]  # weights_only's refusal names the global
+        why = (f"{refused[0][:200]} (weights_only: fp4moe does not run code from a checkpoint)" if refused else
+               (lines[0] if lines else type(e).__name__)[:300])
+        raise Damaged(f"{path} cannot be read: {why}") from None
+    if not isinstance(payload, dict) or "step" not in payload:
+        raise Damaged(f"{path} is not a rank file of fp4moe's trainer")
+    return payload
+
+
 def load(folder: Path, *, rank: int, model: torch.nn.Module, optimizer: Any, schedule: Any,
-         meter: Any = None) -> dict[str, Any]:
-    """Restore this rank's state from ``folder`` (and, given ``meter``, the measurements of the run's earlier
-    processes, where the checkpoint has them); returns its ``meta.json`` (step, consumed samples, run id)."""
+         meter: Any = None, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Restore this rank's state from ``folder`` (``payload``: its rank file already read by :func:`read_payload`)
+    and, given ``meter``, the measurements of the run's earlier processes, where the checkpoint has them; returns
+    its ``meta.json`` (step, consumed samples, run id)."""
     meta = read_meta(folder)
-    payload = torch.load(folder / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
+    if payload is None:
+        payload = read_payload(folder, rank)
+    if int(payload["step"]) != int(meta["step"]):
+        raise Damaged(f"{folder}: rank file step {payload['step']} != meta step {meta['step']}")
     # the optimizer first: megatron's offloading optimizer moves the weights while it loads (fp4moe.train.optim)
     optim.load_optimizer_state_dict(optimizer, payload["optimizer"])
     model.load_state_dict(payload["model"], strict=True)
@@ -207,10 +329,9 @@ def load(folder: Path, *, rank: int, model: torch.nn.Module, optimizer: Any, sch
     set_rng_state(payload["rng"])
     if meter is not None and payload.get("meter") is not None:
         meter.load_state_dict(payload["meter"])
-    if int(payload["step"]) != int(meta["step"]):
-        raise RuntimeError(f"{folder}: rank file step {payload['step']} != meta step {meta['step']}")
     return meta
 
 
 __all__ = ["fingerprint", "run_dir", "complete_checkpoints", "latest", "save", "load", "read_meta",
-           "check_compatible", "rng_state", "set_rng_state", "FINGERPRINT_KEYS"]
+           "read_payload", "verify", "scan", "step_folders", "none_usable", "Damaged", "check_compatible",
+           "rng_state", "set_rng_state", "FINGERPRINT_KEYS", "SAFE_GLOBALS"]

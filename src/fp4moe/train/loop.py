@@ -23,7 +23,9 @@ layout and optimizer group.
 Order of the set-up, so that every mistake is reported before anything expensive: ``fp4moe.config.check`` and
 the trainer's own limits (ConfigError), the MLflow store (``TrackingUnavailable``), megatron-core's transformer
 config as fp4moe.model builds it (ConfigError for what cannot be built without TE), then torch.distributed,
-megatron parallel state, seeds, data, model, resume.
+megatron parallel state, the checkpoint to resume from (the newest whole one: damaged ones are skipped with a
+warning; a run whose checkpoint is at ``train.steps`` already stops there, trains and logs nothing), seeds, data,
+model, the checkpoint's state.
 """
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ class TrainResult:
     lrs: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float] = field(default_factory=dict)
     stopped_by: int = 0                  # signal number that stopped the run, 0 if it ran to the end
-    checkpoint: Path | None = None       # last checkpoint written by this call
+    checkpoint: Path | None = None       # last checkpoint written by this call (or, already_finished, the last)
+    already_finished: bool = False       # the checkpoint was at train.steps already: nothing trained, nothing logged
     summary: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -77,7 +80,8 @@ def is_oom(e: BaseException) -> bool:
 
 
 def preflight(cfg: Any) -> dict[str, Any]:
-    """Everything that can be refused without torch.distributed: ``fp4moe.config.check``, the trainer's limits,
+    """Everything that can be refused without torch.distributed: ``fp4moe.config.check`` (every value's type and
+    range first, ``fp4moe.config.check_values``), the trainer's limits,
     the switches (``FP4MOE_CUDA_COL``, ``FP4MOE_DISPATCH_QUANTIZE``, ``FP4MOE_TRACKING_THREAD``), the MLflow store, and megatron-core's ``MLATransformerConfig`` as
     fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError / TrackingUnavailable."""
     derived = check(cfg)
@@ -96,10 +100,6 @@ def preflight(cfg: Any) -> dict[str, Any]:
     from fp4moe.train.profile import profile_window
 
     profile_window(OmegaConf.select(cfg, "train.profile.steps", default=None))  # ConfigError for a bad window
-    for key in ("eval_interval", "checkpoint_interval", "log_interval"):
-        v = cfg.train.get(key)
-        if v is not None and int(v) < 1:
-            raise ConfigError(f"train.{key}={v}: use a positive step count, or null to switch it off")
     from fp4moe.ops import check_env
     from fp4moe.train.metrics import tracking_thread
 
@@ -361,6 +361,38 @@ def _resume_hint(checkpoint, output_dir) -> str:
     return "to resume, rerun the same command"
 
 
+def _resume_candidates(root: Path, info: Any, *, resume: bool) -> list[tuple[Path, dict[str, Any]]]:
+    """The whole-looking checkpoints of ``root`` (``fp4moe.train.checkpoint.scan``), newest first, the same on
+    every rank (rank 0 looks; collective): the damaged ones newer than the first are warned about, and a folder
+    with step folders but none whole is a ConfigError. ``resume`` false: ConfigError when any step folder exists."""
+    from fp4moe.train import checkpoint as ckpt
+
+    found: list[Any] = [None, None]
+    if info.rank == 0:
+        try:
+            whole, damaged = ckpt.scan(root)
+            if (whole or damaged) and not resume:
+                names = ", ".join(f.name for f, _ in (whole + damaged)[:3])
+                raise ConfigError(f"train.resume=false but {root} holds checkpoints ({names}): remove them, set "
+                                  "train.checkpoint_dir elsewhere, or resume")
+            if damaged and not whole:
+                raise ckpt.none_usable(root, damaged)
+            newest = whole[0][1]["step"] if whole else -1
+            for folder, why in damaged:
+                if int(folder.name[len("step_"):]) > newest:
+                    log.warning("checkpoint %s is damaged (%s); falling back to the newest complete one", folder, why)
+            found = [whole, None]
+        except ConfigError as e:
+            found = [None, str(e)]
+    if info.world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(found, src=0)
+    if found[1] is not None:
+        raise ConfigError(found[1])
+    return found[0]
+
+
 def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
           after_step: Any, stop: slurm.Preemption) -> TrainResult:
     import torch
@@ -380,6 +412,21 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
 
     t = cfg.train
     device = info.device
+    total_steps = int(derived["steps"])
+    # ---- resume, part 1 (before data and model): which checkpoint; a finished run stops here
+    root = ckpt.run_dir(cfg, multirun_cell, output_dir)
+    fp = ckpt.fingerprint(cfg)
+    candidates = _resume_candidates(root, info, resume=bool(t.get("resume", True)))
+    if candidates:
+        folder, meta = candidates[0]
+        ckpt.check_compatible(folder, meta, world_size=info.world_size, fingerprint_=fp)
+        if int(meta["step"]) >= total_steps:
+            if info.is_main:
+                log.info("already finished at step %d/%d (checkpoint %s); nothing to train", int(meta["step"]),
+                         total_steps, folder)
+            return TrainResult(run_id=meta.get("mlflow_run_id"), start_step=int(meta["step"]),
+                               step=int(meta["step"]), total_steps=total_steps, checkpoint=folder,
+                               already_finished=True)
     if device.type == "cuda":  # a local multirun runs its cells in one process: free what an earlier cell (or its
         import gc              # OOM traceback) left cached, so that each cell's peak memory is its own
 
@@ -411,21 +458,35 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     meter = Meter(int(derived["tokens_per_step"]), info.world_size, int(measure.get("warmup_steps") or 0),
                   None if measure.get("steps") is None else int(measure["steps"]), device)
 
-    # ---- resume
-    root = ckpt.run_dir(cfg, multirun_cell, output_dir)
-    fp = ckpt.fingerprint(cfg)
+    # ---- resume, part 2: the newest checkpoint whose rank files every rank can read
     step, consumed, run_id = 0, 0, None
-    found = ckpt.latest(root)
-    if found is not None and not bool(t.get("resume", True)):
-        raise ConfigError(f"train.resume=false but {root} holds checkpoints ({found.name}): remove them, set "
-                          "train.checkpoint_dir elsewhere, or resume")
-    if found is not None:
-        meta = ckpt.read_meta(found)
-        ckpt.check_compatible(found, meta, world_size=info.world_size, fingerprint_=fp)
-        meta = ckpt.load(found, rank=info.rank, model=model, optimizer=opt, schedule=sched, meter=meter)
+    for folder, meta in candidates:
+        ckpt.check_compatible(folder, meta, world_size=info.world_size, fingerprint_=fp)
+        try:
+            payload, why = ckpt.read_payload(folder, info.rank), None
+        except ckpt.Damaged as e:
+            payload, why = None, str(e)
+        whys = [why]
+        if info.world_size > 1:  # every rank resumes from the same one
+            whys = [None] * info.world_size
+            dist.all_gather_object(whys, why)
+        bad = [w for w in whys if w]
+        if bad:
+            if info.is_main:
+                log.warning("checkpoint %s is damaged (%s); falling back to the previous one", folder, bad[0])
+            continue
+        meta = ckpt.load(folder, rank=info.rank, model=model, optimizer=opt, schedule=sched, meter=meter,
+                         payload=payload)
+        del payload
         step, consumed, run_id = int(meta["step"]), int(meta["consumed_samples"]), meta.get("mlflow_run_id")
         if info.is_main:
-            log.info("resumed from %s (step %d, %d samples consumed)", found, step, consumed)
+            log.info("resumed from %s (step %d, %d samples consumed)", folder, step, consumed)
+        break
+    else:
+        if candidates:
+            raise ConfigError(f"no usable checkpoint in {root}: every complete-looking one failed to load (see the "
+                              "warnings above): move its step_* folders elsewhere (or delete them) to start again "
+                              "from step 0, or point train.checkpoint_dir (or FP4MOE_CKPT_DIR) at another folder")
     start_step = step
 
     # ---- MLflow (rank 0)
@@ -471,7 +532,6 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     if mcfg.mtp_num_layers:
         MTPLossAutoScaler.main_loss_backward_scale = torch.full((1,), 1.0 / accum, device=device)
     pos = torch.arange(seq, device=device).unsqueeze(0).expand(micro, -1)
-    total_steps = int(derived["steps"])
     log_every = int(t.get("log_interval") or 1)
     eval_every = t.get("eval_interval")
     ckpt_every = t.get("checkpoint_interval")

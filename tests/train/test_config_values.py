@@ -1,0 +1,66 @@
+"""Bad config values (a negative step count, a word for a number, a zero batch) are one line naming the key, its
+value and what it must be, before anything is built: ``fp4moe.config.check_values`` (in-process, for the whole
+family) and ``python -m fp4moe.train`` (exit 2, no traceback, no MLflow run)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from fp4moe.config import ConfigError, check
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=["train=short_cpu", *overrides])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.steps=-3", "train.steps=-3: use a whole number >= 1 (an optimizer step count"),
+    ("train.steps=0", "train.steps=0: use a whole number >= 1"),
+    ("train.steps=abc", "train.steps='abc' is not a number: use a whole number >= 1"),
+    ("train.steps=2.5", "train.steps=2.5 is not a whole number: use a whole number >= 1"),
+    ("train.steps=true", "train.steps=True is not a number"),
+    ("parallel.micro_batch=0", "parallel.micro_batch=0: use a whole number >= 1 (samples per micro-batch on one GPU)"),
+    ("parallel.global_batch=-4", "parallel.global_batch=-4: use a whole number >= 1"),
+    ("parallel.seq_length=0", "parallel.seq_length=0: use a whole number >= 1 (tokens per sample)"),
+    ("train.eval_interval=0", "train.eval_interval=0: use a whole number >= 1 (a step count, or null to switch"),
+    ("train.checkpoint_interval=-1", "train.checkpoint_interval=-1: use a whole number >= 1"),
+    ("train.adamw.lr=0", "train.adamw.lr=0: use a number > 0 (a learning rate)"),
+    ("train.adamw.lr=-1e-3", "train.adamw.lr=-0.001: use a number > 0"),
+    ("train.adamw.lr=fast", "train.adamw.lr='fast' is not a number"),
+    ("train.tokens=0", "train.tokens=0: use a number > 0 (a token budget"),
+    ("train.tokens=-5e6", "train.tokens=-5000000.0: use a number > 0"),
+    ("parallel.data=null", "parallel.data=None may not be null"),
+])
+def test_bad_values_are_refused_with_the_key_and_the_fix(override, message):
+    with pytest.raises(ConfigError) as err:
+        check(_compose(override))
+    assert str(err.value).startswith(message), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_good_values_pass():
+    """An integral float (1e3 steps), a token budget instead of steps, null intervals: accepted."""
+    assert check(_compose("train.steps=1e3"))["steps"] == 1000
+    assert check(_compose("train.steps=null", "train.tokens=1e6"))["steps"] == 1954  # ceil(1e6 / (4 x 128))
+    check(_compose("train.eval_interval=null", "train.checkpoint_interval=null", "train.adamw.grad_clip=null"))
+    with pytest.raises(ConfigError, match=r"train.steps and train.tokens are both null: set one"):
+        check(_compose("train.steps=null"))
+
+
+def test_the_command_exits_2_with_one_line(tmp_path):
+    """Before: a 20-line ValueError traceback (and train.steps=-3 exited 0 with an empty FINISHED MLflow run)."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    r = subprocess.run([sys.executable, "-m", "fp4moe.train", "train.steps=abc", f"hydra.run.dir={tmp_path / 'out'}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr == ("fp4moe.train: ConfigError: train.steps='abc' is not a number: use a whole number >= 1 (an "
+                        "optimizer step count, or null with train.tokens set)\n"), r.stderr[-2000:]
+    assert not (tmp_path / "mlflow.db").exists()  # no MLflow run was started
