@@ -15,18 +15,11 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+
+from fp4moe.tracking import without_credentials
 
 JOB_RETURN = "job_return.json"
 CELLS_FILE = "cells.md"
-
-
-def without_credentials(uri: str) -> str:
-    """``uri`` without a ``user:password@`` part (printed in logs)."""
-    parts = urlsplit(uri)
-    if "@" not in parts.netloc:
-        return uri
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 def _loss(v: Any) -> str:
@@ -157,5 +150,4 @@ class MultirunSummary(_Callback):
         print(f"multirun: {len(cells)} cells in {sweep}\n{table}", flush=True)
 
 
-__all__ = ["CELLS_FILE", "JOB_RETURN", "MultirunSummary", "cells_table", "done_line", "read_cells",
-           "without_credentials"]
+__all__ = ["CELLS_FILE", "JOB_RETURN", "MultirunSummary", "cells_table", "done_line", "read_cells"]

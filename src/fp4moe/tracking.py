@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit, urlunsplit
 
 from fp4moe.atomic_write import writable_ancestor
 
@@ -66,6 +66,14 @@ def normalize_uri(where: str | os.PathLike | None) -> str:
         return text
     path = Path(text).expanduser().resolve()
     return f"sqlite:///{path if path.suffix == '.db' else path / 'mlflow.db'}"
+
+
+def without_credentials(uri: str) -> str:
+    """``uri`` without a ``user:password@`` part (what logs and MLflow params may show)."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 def _local_store_dir(uri: str) -> Path | None:

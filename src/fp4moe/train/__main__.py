@@ -101,7 +101,8 @@ def main(cfg: DictConfig) -> dict | None:
         return {"outcome": "already finished", "run_id": result.run_id, "step": result.step,
                 "total_steps": result.total_steps, "checkpoint": str(result.checkpoint)}
     s = result.summary
-    from fp4moe.run_summary import done_line, without_credentials
+    from fp4moe.run_summary import done_line
+    from fp4moe.tracking import without_credentials
     from fp4moe.train.metrics import resolve_uri
 
     done = {"outcome": "done", "run_id": result.run_id, "start_step": result.start_step, "step": result.step,

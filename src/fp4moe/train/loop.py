@@ -155,16 +155,6 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
     return result
 
 
-def _without_credentials(uri: str) -> str:
-    """``uri`` without a ``user:password@`` part (it becomes an MLflow param)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(uri)
-    if "@" not in parts.netloc:
-        return uri
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
-
-
 def _seed_everything(seed: int) -> None:
     """python, numpy, torch (CPU and CUDA) and megatron-core's model-parallel RNG tracker (TP/EP streams)."""
     import numpy as np
@@ -494,7 +484,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                       enabled=info.is_main)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     params = flatten({k: v for k, v in resolved.items() if k != "hydra"})
-    params["tracking.uri"] = _without_credentials(resolve_uri(cfg))
+    params["tracking.uri"] = tracking.without_credentials(resolve_uri(cfg))
     params.update({f"derived.{k}": str(v) for k, v in derived.items()})
     params.update({"recipe": str(cfg.precision.name), "git_commit": tracking.environment_tags()["mlflow.source.git.commit"],
                    "data.vocab_size_tokenizer": str(dinfo.get("vocab_size")),
