@@ -150,11 +150,14 @@ def test_dp4_ep2_shards_experts_over_expert_data_parallel(tmp_path):
 
 def test_fp8_weight_cache_trains_bit_for_bit_quantizing_each_weight_once_per_step(tmp_path, store):
     """train.fp8_weight_cache (fp4moe.ops.weight_cache) changes no bit of the run and makes one quantizer pass per
-    FP8 weight and optimizer step: 4 micro-batches x (forward + dgrad) = 8 requests, 1 pass, 7 reuses."""
+    FP8 weight and optimizer step: 4 micro-batches x (forward + dgrad) = 8 requests, 1 pass, 7 reuses. Every linear
+    in FP8 (experts, shared expert, attention, dense MLP; MLA's kv_down, 256 -> 160, stays BF16)."""
     from fp4moe.ops.weight_cache import CACHE
+    from fp4moe.scale.memory import per_stage_memory
     from fp4moe.train.loop import train
 
-    base = [*COMMON, "train.checkpoint_interval=null", "train.eval_interval=null", "train.steps=2", "precision=mxfp4"]
+    base = [*COMMON, "train.checkpoint_interval=null", "train.eval_interval=null", "train.steps=2", "precision=mxfp4",
+            "+precision.scope=all_linears"]
     plain = train(_compose(*base, "task_name=plain", f"train.checkpoint_dir={tmp_path / 'a'}"))
     cached = train(_compose(*base, "task_name=cached", "train.fp8_weight_cache=true",
                             f"train.checkpoint_dir={tmp_path / 'b'}"))
@@ -163,14 +166,8 @@ def test_fp8_weight_cache_trains_bit_for_bit_quantizing_each_weight_once_per_ste
     assert not CACHE.enabled and CACHE.bytes() == 0  # the trainer turned it off and freed the copies
     assert misses > 0 and misses % 2 == 0 and hits == 7 * misses, (misses, hits)
     # the copies it held, byte for byte what fp4moe.scale.memory predicts for this config (0 without the cache)
-    from fp4moe.scale.memory import per_stage_memory
-
-    cfg = _compose(*base, "train.fp8_weight_cache=true")
-    assert cached.summary["summary/fp8_weight_cache_bytes"] == per_stage_memory(cfg)[0].fp8_weight_cache_bytes > 0
-    assert plain.summary["summary/fp8_weight_cache_bytes"] == 0 == per_stage_memory(
-        _compose(*base))[0].fp8_weight_cache_bytes
-    # every linear in FP8 (attention and the dense MLP too; MLA's kv_down, 256 -> 160, stays BF16)
-    wide = [*base, "+precision.scope=all_linears", "train.fp8_weight_cache=true"]
-    r = train(_compose(*wide, "task_name=wide", f"train.checkpoint_dir={tmp_path / 'c'}"))
-    assert r.summary["summary/fp8_weight_cache_bytes"] == per_stage_memory(_compose(*wide))[0].fp8_weight_cache_bytes
-    assert r.summary["summary/fp8_weight_cache_bytes"] > cached.summary["summary/fp8_weight_cache_bytes"]
+    predicted = [per_stage_memory(_compose(*base, f"train.fp8_weight_cache={on}"))[0].fp8_weight_cache_bytes
+                 for on in ("true", "false")]
+    only_experts = per_stage_memory(_compose(*base[:-1], "train.fp8_weight_cache=true"))[0].fp8_weight_cache_bytes
+    assert cached.summary["summary/fp8_weight_cache_bytes"] == predicted[0] > only_experts > 0
+    assert plain.summary["summary/fp8_weight_cache_bytes"] == 0 == predicted[1]
