@@ -4,7 +4,7 @@
 # /tmp/site). Run on a CPU machine with PyPI access:   bash tools/device/wheels_py312.sh
 #
 # Left out on purpose, to keep the carried tree under the device tool's 64 MiB:
-# - what the image already has (its package list: /work/.library/device/KINDS.md): torch, triton, numpy, pyyaml,
+# - what the image already has (the device image's package list): torch, triton, numpy, pyyaml,
 #   requests and its closure, click, cloudpickle, protobuf, packaging, typing-extensions, markupsafe, h11, anyio, ...;
 #   a wheel of ours on /tmp/site would shadow the image's copy;
 # - greenlet (SQLAlchemy's asyncio only) and gitpython / gitdb / smmap (MLflow's optional git tags; the device gets
