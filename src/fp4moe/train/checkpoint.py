@@ -111,24 +111,6 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:07d}"
 
 
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete checkpoint under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for d in root.iterdir():
-        m = STEP_RE.match(d.name)
-        if m and d.is_dir() and (d / "meta.json").is_file():
-            found.append((int(m.group(1)), d))
-    return sorted(found)
-
-
-def latest(root: Path) -> Path | None:
-    """The newest folder with a ``meta.json`` (unchecked; :func:`scan` checks)."""
-    found = complete_checkpoints(root)
-    return found[-1][1] if found else None
-
-
 class Damaged(ConfigError):
     """A step folder that cannot be resumed from; the message names the file and what is wrong with it."""
 
@@ -332,6 +314,6 @@ def load(folder: Path, *, rank: int, model: torch.nn.Module, optimizer: Any, sch
     return meta
 
 
-__all__ = ["fingerprint", "run_dir", "complete_checkpoints", "latest", "save", "load", "read_meta",
+__all__ = ["fingerprint", "run_dir", "save", "load", "read_meta",
            "read_payload", "verify", "scan", "step_folders", "none_usable", "Damaged", "check_compatible",
            "rng_state", "set_rng_state", "FINGERPRINT_KEYS", "SAFE_GLOBALS"]

@@ -450,6 +450,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
 
     # ---- resume, part 2: the newest checkpoint whose rank files every rank can read
     step, consumed, run_id = 0, 0, None
+    unreadable: list[tuple[Path, str]] = []
     for folder, meta in candidates:
         ckpt.check_compatible(folder, meta, world_size=info.world_size, fingerprint_=fp)
         try:
@@ -464,6 +465,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
         if bad:
             if info.is_main:
                 log.warning("checkpoint %s is damaged (%s); falling back to the previous one", folder, bad[0])
+            unreadable.append((folder, bad[0]))
             continue
         meta = ckpt.load(folder, rank=info.rank, model=model, optimizer=opt, schedule=sched, meter=meter,
                          payload=payload)
@@ -473,10 +475,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             log.info("resumed from %s (step %d, %d samples consumed)", folder, step, consumed)
         break
     else:
-        if candidates:
-            raise ConfigError(f"no usable checkpoint in {root}: every complete-looking one failed to load (see the "
-                              "warnings above): move its step_* folders elsewhere (or delete them) to start again "
-                              "from step 0, or point train.checkpoint_dir (or FP4MOE_CKPT_DIR) at another folder")
+        if candidates:  # every complete-looking one failed to load
+            raise ckpt.none_usable(root, unreadable)
     start_step = step
 
     # ---- MLflow (rank 0)
