@@ -103,24 +103,28 @@ class Experts:
         return self.ws[e]
 
 
-def quantize_experts_128x128(w, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_experts_128x128(w, transpose: bool = False, both: bool = False):
     """All experts' weights ``w`` (``[E, N, K]``, a sequence of E ``[N, K]``, or :class:`Experts`) quantized 128x128
     in one call: (data ``[E, N, K]`` E4M3, scale ``[E, N/128, K/128]`` float32), bit-equal to
     ``quantize_weight_128x128(w[e])`` per expert (N is a multiple of 128, so no block straddles two experts).
     ``transpose``: the blocks of every ``W_e^T`` instead (``[E, K, N]``, ``[E, K/128, N/128]``; exact, see
-    ``transpose_weight_128x128``). On CUDA each expert is read where it lies."""
+    ``transpose_weight_128x128``); ``both``: ((data, scale), (the transposed pair)) from the same pass. On CUDA each
+    expert is read where it lies, and one launch writes both layouts."""
     ex = w if isinstance(w, Experts) else Experts(w)
     e, n, k = ex.shape
     if ex.device.type == "cuda" and ex.dtype == torch.bfloat16 and e * n and k:  # one Triton launch
         from fp4moe_kernels.triton_kernels import launch
 
-        out = launch.quantize_weight_128x128([x.detach().contiguous() for x in ex.ws], n, transpose)
-        return (out[2], out[3]) if transpose else (out[0].view(e, n, k), out[1].view(e, n // FP8_GROUP, k // FP8_GROUP))
-    data, scale = quantize_weight_128x128(torch.stack([x.detach() for x in ex.ws]).reshape(e * n, k))
-    data, scale = data.view(e, n, k), scale.view(e, n // FP8_GROUP, k // FP8_GROUP)
-    if transpose:
-        return data.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()
-    return data, scale
+        out = launch.quantize_weight_128x128([x.detach().contiguous() for x in ex.ws], n, transpose or both)
+        fwd = (out[0].view(e, n, k), out[1].view(e, n // FP8_GROUP, k // FP8_GROUP))
+        tr = (out[2], out[3]) if transpose or both else None
+    else:
+        data, scale = quantize_weight_128x128(torch.stack([x.detach() for x in ex.ws]).reshape(e * n, k))
+        fwd = (data.view(e, n, k), scale.view(e, n // FP8_GROUP, k // FP8_GROUP))
+        tr = (fwd[0].transpose(1, 2).contiguous(), fwd[1].transpose(1, 2).contiguous()) if transpose or both else None
+    if both:
+        return fwd, tr
+    return tr if transpose else fwd
 
 
 def fp8_experts(w: "Experts", transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,16 +133,7 @@ def fp8_experts(w: "Experts", transposed: bool = False) -> tuple[torch.Tensor, t
     ex = w if isinstance(w, Experts) else Experts(w)
 
     def make(both: bool):
-        e, n, k = ex.shape
-        if not both:
-            return quantize_experts_128x128(ex), None
-        if ex.device.type == "cuda" and ex.dtype == torch.bfloat16 and e * n and k:
-            from fp4moe_kernels.triton_kernels import launch
-
-            q, s, qt, st = launch.quantize_weight_128x128([x.detach().contiguous() for x in ex.ws], n, True)
-            return (q.view(e, n, k), s.view(e, n // FP8_GROUP, k // FP8_GROUP)), (qt, st)
-        q, s = quantize_experts_128x128(ex)
-        return (q, s), (q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous())
+        return quantize_experts_128x128(ex, both=True) if both else (quantize_experts_128x128(ex), None)
     return CACHE.get(ex.ws, make, transposed)
 
 
