@@ -42,10 +42,11 @@
 #   bash tools/device/h200_p3.sh convprobe [STEPS]      # issue 27 part D: tokens/s of the convergence proxy's candidate
 #                                                      # sizes (bf16, mxfp4 at the T1 scope) -> which one does 300 M
 #                                                      # tokens in one call
-#   bash tools/device/h200_p3.sh convrun RECIPE SEED [OVERRIDES]  # issue 27 part D: one 300 M-token run of
-#                                                      # experiment=proxy_t1_conv_1gpu inside the call (CONV_SECS=570)
-#   bash tools/device/h200_p3.sh convrun3 SEED ["bf16 fp8 mxfp4"] [OVERRIDES]  # the same, the recipes at once on the
-#                                                      # one GPU (losses only; resumed by the same command)
+#   bash tools/device/h200_p3.sh convrun3 SEED ["bf16 fp8 mxfp4"] [OVERRIDES]  # issue 27 part D: 300 M-token runs
+#                                                      # of experiment=proxy_t1_conv_1gpu, the recipes at once on the
+#                                                      # one GPU (one recipe: alone); SIGTERM + checkpoint at the
+#                                                      # call's end, resumed by the same command (losses only when
+#                                                      # shared); replaces convrun RECIPE SEED of sections 23-24
 #   bash tools/device/h200_p3.sh conv GPU RECIPE SECS [OVERRIDES]  # F5 twin, one recipe; SIGTERM after SECS -> checkpoint;
 #                                                      # the same command later resumes it (machine kept warm)
 #
@@ -331,23 +332,6 @@ convprobe)  # [STEPS]: issue 27 part D, which model trains 300 M tokens in one c
   grep -h "done:\|out of GPU memory\|Error" "$STATE"/convprobe_shared3_*.log | sed "s/^/shared3 /" | cut -c1-220 || true
   keep
   (cd "$STATE" && tar czf "$OUT/convprobe_logs.tgz" convprobe_*.log)
-  ;;
-convrun)  # RECIPE SEED [OVERRIDES]: issue 27 part D, one run of experiment=proxy_t1_conv_1gpu to its end (2289 steps,
-  # 300 M tokens) inside this call; SIGTERM at CONV_SECS (570) s, or 575 s after CALL_START (epoch seconds), checkpoints
-  # (lost with the machine unless the same command resumes it at once)
-  recipe=$1 seed=$2; shift 2
-  log="$STATE/convrun_${recipe}_s$seed.log"
-  rc=0
-  secs=${CONV_SECS:-570}
-  if [ -n "${CALL_START:-}" ]; then  # CALL_START=$(date +%s) at the start of the call: SIGTERM 25 s before its 600 s
-    secs=$((CALL_START + 575 - $(date +%s)))
-  fi
-  MLFLOW_TRACKING_URI=$(store "convrun_${recipe}_s$seed") timeout -s TERM -k 20 "$secs" \
-    python3 -m fp4moe.train experiment=proxy_t1_conv_1gpu "${COMMON[@]}" hydra.mode=RUN precision=$recipe \
-    train.seed=$seed train.checkpoint_dir=$ROOT/checkpoints/conv_${recipe}_s$seed "$@" >> "$log" 2>&1 || rc=$?
-  cp -f "$log" "$OUT/"
-  keep
-  echo "convrun $recipe seed $seed exit $rc"; grep -h "done:\|Error" "$log" | tail -3 | cut -c1-220 || true
   ;;
 convrun3)  # SEED [RECIPES] [OVERRIDES]: issue 27 part D, the recipes' runs of one seed at once on the one GPU (three
   # processes get ~1.6x one's throughput from this small model: section 23), each with its own checkpoint folder, run
