@@ -138,3 +138,29 @@ def test_withdrawn_metrics_stay_in_the_file_and_are_not_imported(tmp_path, capsy
     with pytest.raises(runs_archive.ArchiveError, match="--reason"):
         runs_archive.withdraw(out, ["loss"], "  ")
     assert json.loads(out.read_text()) == doc
+
+
+def test_xz_archive_is_the_same_archive_compressed(tmp_path):
+    uri, ids = _store_with_runs(tmp_path)
+    folder = tmp_path / "results"
+    plain, packed = folder / "a.json", folder / "b.json.xz"
+    runs_archive.export(uri, plain, note="H200")
+    runs_archive.export(uri, packed, note="H200")
+    assert packed.read_bytes()[:6] == b"\xfd7zXZ\x00"
+    strip = lambda d: {k: v for k, v in d.items() if k != "exported_utc"}  # noqa: E731
+    assert strip(runs_archive.load(packed)) == strip(runs_archive.load(plain))
+    assert runs_archive.expand([folder]) == [plain, packed] and runs_archive.expand([packed]) == [packed]
+    target = f"sqlite:///{tmp_path / 'dst.db'}"
+    assert runs_archive.import_files([packed], target, log=lambda s: None) == (2, 0)
+    assert runs_archive.import_files([plain], target, log=lambda s: None) == (0, 2)  # the same runs
+    assert runs_archive.main(["withdraw", str(packed), "--metric", "loss", "--reason", "r"]) == 0
+    assert runs_archive.withdrawn(runs_archive.load(packed)) == {"loss": "r"}
+    with pytest.raises(runs_archive.ArchiveError, match=r"\.json\.xz"):
+        runs_archive.export(uri, tmp_path / "c.xz", note="")
+    assert not (tmp_path / "c.xz").exists()
+    (folder / "broken.json.xz").write_bytes(packed.read_bytes()[:100])
+    with pytest.raises(runs_archive.ArchiveError, match="cannot read"):
+        runs_archive.load(folder / "broken.json.xz")
+    # a damaged archive in a folder is not skipped: importing the folder names it
+    assert runs_archive.expand([folder]) == [plain, packed, folder / "broken.json.xz"]
+    assert runs_archive.main(["import", str(folder), "--uri", target]) == 2

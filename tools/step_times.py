@@ -30,13 +30,13 @@ ENV_LEFT_OUT = ("env.FP4MOE_CKPT_DIR", "env.FP4MOE_TOKENIZER", "env.CUDA_VISIBLE
 
 def read_runs(sources: list[str]) -> list[dict]:
     """Every run of the archives / stores in ``sources``, sorted by start time."""
-    from fp4moe.runs_archive import export, load
+    from fp4moe.runs_archive import SUFFIXES, export, load
 
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, src in enumerate(sources):
             path = Path(src)
-            if path.suffix != ".json":
+            if not path.name.endswith(SUFFIXES):
                 path = Path(tmp) / f"store{i}.json"
                 export(src, path, note=f"read by tools/step_times.py: {src}")
             runs += load(path)["runs"]

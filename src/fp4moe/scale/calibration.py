@@ -672,13 +672,13 @@ def check(sources: Sequence[str | Path], code: MemoryAssumptions = DDP_CODE) -> 
     H200 runs before they are archived, e.g. ``python -m fp4moe.scale.calibration --check logs/device/mlflow_probe16_gpu0.db``."""
     import tempfile
 
-    from fp4moe.runs_archive import export
+    from fp4moe.runs_archive import SUFFIXES, export
 
     archives: list[Path] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, src in enumerate(sources):
             path = Path(src)
-            if path.suffix == ".json":
+            if path.name.endswith(SUFFIXES):
                 archives.append(path.resolve())
             else:
                 out = Path(tmp) / f"store{i}.json"
