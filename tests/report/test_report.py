@@ -349,6 +349,23 @@ def test_f5_seed_spread_from_runs_that_differ_only_in_the_seed():
     assert spread["mxfp4"]["eval_spread_pct"] == pytest.approx(100 * (4.04 - 4.0392) / 4.0392)
 
 
+def test_f5_config_of_a_run_set_by_tokens_names_its_steps():
+    """A run given ``train.tokens`` logs ``train.steps`` = 'None' and the steps it ran as ``derived.steps``: the F5
+    config names those steps (the label said 'None steps' before)."""
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import f5_rows
+
+    params = {"parallel.micro_batch": "32", "parallel.seq_length": "4096", "parallel.global_batch": "32",
+              "train.steps": "None", "train.tokens": "300000000", "derived.steps": "2289", "train.seed": "1234"}
+    runs = [RunRecord(f"r{i}", "proxy_t1_conv_1gpu", f"r{i}", "FINISHED", i, params,
+                      {"summary/final_loss": loss, "summary/final_eval_loss": loss},
+                      {"model": "proxy_conv", "recipe": rec, "recompute": "attn_ln_experts", "world_size": "1",
+                       "hardware": "1 x NVIDIA H200"})
+            for i, (rec, loss) in enumerate((("bf16", 2.0), ("mxfp4", 2.02)))]
+    rows = f5_rows(runs, lambda run_id, key: [(s, 2.0) for s in range(10)], {"mxfp4": 0.61})
+    assert {r["steps"] for r in rows} == {"2289"} and "; 2289 steps, seed 1234" in rows[0]["config"]
+
+
 def test_headline_setup_prefers_paper_cells_then_tokens_per_micro_batch(report):
     """Two setups that measured the same cells: the one with more tokens per micro-batch stands beside the paper
     (a short probe at a small micro-batch fits every cell, so it says less about the paper's memory pressure);

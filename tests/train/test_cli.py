@@ -110,7 +110,10 @@ def test_ctrl_c_checkpoints_then_the_run_resumes(tmp_path, monkeypatch):
         cfg = compose("train", overrides=overrides)
     r = train(cfg)
     assert r.start_step == stopped and r.step == 8 and r.run_id == run.info.run_id
-    assert client.get_run(r.run_id).info.status == "FINISHED"
+    finished = client.get_run(r.run_id)
+    assert finished.info.status == "FINISHED" and finished.data.tags["resume.count"] == "1"
+    # how it ended (finished) is not contradicted by the earlier stop, which stays in the resume history
+    assert "stopped_by_signal" not in finished.data.tags and finished.data.tags["resume.stopped_by_signals"] == "2"
     steps = sorted(m.step for m in client.get_metric_history(r.run_id, "loss"))
     assert steps == list(range(1, 9))
 

@@ -354,7 +354,8 @@ convrun3)  # SEED [RECIPES] [OVERRIDES]: issue 27 part D, the recipes' runs of o
       >> "$log" 2>&1 &
     pids[$recipe]=$!
   done
-  for recipe in "${!pids[@]}"; do  # each run's exit status: 0 done, 143 checkpointed on SIGTERM, 137 killed
+  for recipe in "${!pids[@]}"; do  # each run's exit status (timeout's): 0 done, 124 stopped by the SIGTERM at the
+    # call's end (the trainer checkpointed; its log says at which step), 137 killed a minute after it (no checkpoint)
     rc=0; wait "${pids[$recipe]}" || rc=$?
     echo "convrun3 $recipe seed $seed exit $rc" | tee -a "$STATE/convrun_${recipe}_s$seed.log"
   done

@@ -250,7 +250,9 @@ def data_label(params: dict[str, str]) -> str:
 
 def config_key(run: RunRecord) -> tuple:
     p = run.params
-    return (setup_of(run), run.tags["recompute"], p.get("train.steps", "?"), p.get("train.seed", "?"), data_label(p))
+    # derived.steps: what the run was set to run, also when given as train.tokens (then train.steps is 'None')
+    steps = p.get("derived.steps") or p.get("train.steps", "?")
+    return (setup_of(run), run.tags["recompute"], steps, p.get("train.seed", "?"), data_label(p))
 
 
 def config_label(key: tuple) -> str:
