@@ -51,6 +51,24 @@ def test_shapes_of_one_commit_are_separate_benchmarks(tmp_path):
     assert L.layer_bench_id(env, {"tokens": 8192}) != old
 
 
+def test_a_variant_of_one_commit_is_its_own_benchmark(tmp_path):
+    """The same date / commit / GPU / shape with --fp8-weight-cache is another benchmark: both files are logged (the
+    second was skipped as 'already there' before), told apart by the variant param; the default path keeps its id."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    a = _doc(tmp_path)
+    doc = json.loads(a.read_text())
+    doc["env"]["fp8_weight_cache"] = True
+    b = tmp_path / "moe_layer_h200_ep2_wcache_2026-11-30_abc1234.json"
+    b.write_text(json.dumps(doc))
+    assert L.log_file(a, uri) == (3, 0) and L.log_file(b, uri) == (3, 0)
+    assert L.layer_bench_id(doc["env"]) != L.layer_bench_id(json.loads(a.read_text())["env"])
+    from fp4moe.report.store import load
+    from fp4moe.report.tables import f4_rows
+
+    rows = f4_rows([r for r in load(uri).runs if r.experiment == L.EXPERIMENT])
+    assert sorted(r["variant"] for r in rows) == ["", "fp8_weight_cache"]
+
+
 def test_bad_files(tmp_path):
     bad = tmp_path / "moe_layer_x.json"
     bad.write_text("{}")

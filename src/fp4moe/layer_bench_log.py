@@ -49,13 +49,22 @@ DEFAULT_SHAPE = {"hidden": 7168, "ffn": 2048, "local_experts": 32, "top_k": 8, "
 
 
 def layer_bench_id(env: dict, shape: dict | None = None) -> str:
-    """One benchmark run: date, commit, gpu, world size and, where it differs from DEFAULT_SHAPE, the shape (files of
-    the default shape keep the id they were logged under before shapes varied)."""
+    """One benchmark run: date, commit, gpu, world size and, where it differs from DEFAULT_SHAPE, the shape, and the
+    variant (``variant(env)``) when there is one (files of the default shape and no variant keep the id they were
+    logged under before shapes and variants were part of it)."""
     key = f"{env['date']}|{env['commit']}|{env['gpu']}|{env['world_size']}"
     other = {k: v for k, v in sorted((shape or {}).items()) if k in DEFAULT_SHAPE and DEFAULT_SHAPE[k] != v}
     if other:
         key += "|" + ",".join(f"{k}={v}" for k, v in other.items())
+    if variant(env):
+        key += "|" + variant(env)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def variant(env: dict) -> str:
+    """The benchmark's options that change what it measures beyond code and shape: ``fp8_weight_cache`` (FP8 weight
+    copies made once per iteration, ``--fp8-weight-cache``) or '' for the default path."""
+    return "fp8_weight_cache" if env.get("fp8_weight_cache") else ""
 
 
 def expand(paths: Iterable[str | Path]) -> list[Path]:
@@ -86,8 +95,8 @@ def log_file(path: str | Path, uri: str | None = None) -> tuple[int, int]:
         if row["recipe"] in done:
             continue
         params = {"gpu": env["gpu"], "world_size": env["world_size"], "commit": env["commit"], "date": env["date"],
-                  "recipe": row["recipe"], "command": env.get("command", ""), **{f"shape.{k}": v for k, v in
-                                                                                doc["shape"].items()}}
+                  "recipe": row["recipe"], "command": env.get("command", ""), "variant": variant(env),
+                  **{f"shape.{k}": v for k, v in doc["shape"].items()}}
         metrics = {k: row.get(k) for k in METRICS}
         tags = {"layer_bench_id": bid, "commit": env["commit"], "torch": env.get("torch", ""),
                 "source_file": Path(path).name}

@@ -104,6 +104,11 @@ def build_report(where: str | os.PathLike | None = None, *, with_model: bool = T
 
 # ---------------------------------------------------------------------------------------------- formatting
 
+def _commit_variant(row: dict) -> str:
+    """An F4 row's commit, with its benchmark variant (fp4moe.layer_bench_log.variant) when it has one."""
+    return f"{row['commit']} ({row['variant'].replace('_', ' ')})" if row.get("variant") else str(row["commit"])
+
+
 def _num(v: Any, digits: int = 0) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -309,7 +314,7 @@ def markdown(rep: Report) -> str:
         out += [_md_table(["GPU", "EP", "commit", "tokens", "experts", "tokens/s bf16", "fp8", "mxfp4", "mxfp4/fp8 tokens/s",
                            "saved B/token bf16", "fp8", "mxfp4", "mxfp4/fp8 saved", "mxfp4/fp8 expert saved",
                            "mxfp4/bf16 dispatch fwd bytes"],
-                          [[r["gpu"], r["world_size"], r["commit"], r["tokens"], r["local_experts"],
+                          [[r["gpu"], r["world_size"], _commit_variant(r), r["tokens"], r["local_experts"],
                             _num(r["tokens_per_s_bf16"]),
                             _num(r["tokens_per_s_fp8"]), _num(r["tokens_per_s_mxfp4"]),
                             _num(r["tokens_per_s_mxfp4_over_fp8"], 3), _num(r["saved_bytes_per_token_bf16"]),
@@ -478,7 +483,8 @@ def plots(rep: Report) -> dict[str, bytes]:
         out["f3_kernels.png"] = _png(fig)
 
     if rep.f4:
-        groups = [f"{r['gpu']} EP{r['world_size']} {r['tokens']}x{r['local_experts']}\n{r['commit']}" for r in rep.f4]
+        groups = [f"{r['gpu']} EP{r['world_size']} {r['tokens']}x{r['local_experts']}\n{_commit_variant(r)}"
+                  for r in rep.f4]
         fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(groups)), 4.5))
         _bars(ax, groups, {rec: [r[f"tokens_per_s_{rec}"] for r in rep.f4] for rec in ("bf16", "fp8", "mxfp4")})
         ax.set_ylabel("tokens/s per GPU (layer fwd + bwd)")

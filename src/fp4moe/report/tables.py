@@ -183,7 +183,7 @@ def f3_rows(kernel_runs: list[RunRecord]) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- F4 layer
 
-F4_COLUMNS = ("gpu", "world_size", "commit", "date", "tokens", "local_experts", "tokens_per_s_bf16", "tokens_per_s_fp8", "tokens_per_s_mxfp4",
+F4_COLUMNS = ("gpu", "world_size", "commit", "variant", "date", "tokens", "local_experts", "tokens_per_s_bf16", "tokens_per_s_fp8", "tokens_per_s_mxfp4",
               "tokens_per_s_mxfp4_over_fp8", "saved_bytes_per_token_bf16", "saved_bytes_per_token_fp8",
               "saved_bytes_per_token_mxfp4", "saved_bytes_mxfp4_over_fp8", "expert_saved_bytes_mxfp4_over_fp8",
               "dispatch_fwd_bytes_mxfp4_over_bf16", "peak_over_base_mxfp4_over_fp8")
@@ -206,6 +206,7 @@ def f4_rows(layer_runs: list[RunRecord]) -> list[dict]:
         m = {rec: run.metrics for rec, run in recs.items()}
         g = lambda rec, key: m.get(rec, {}).get(key)  # noqa: E731
         out.append({"gpu": p.get("gpu", "?"), "world_size": p.get("world_size", "?"), "commit": p.get("commit", "?"),
+                    "variant": p.get("variant", ""),  # fp4moe.layer_bench_log.variant: '' = the default path
                     "date": p.get("date", "?"), "tokens": p.get("shape.tokens", "?"),
                     "local_experts": p.get("shape.local_experts", "?"),
                     **{f"tokens_per_s_{rec}": g(rec, "tokens_per_s") for rec in ("bf16", "fp8", "mxfp4")},
@@ -219,7 +220,7 @@ def f4_rows(layer_runs: list[RunRecord]) -> list[dict]:
                     "peak_over_base_mxfp4_over_fp8": _ratio(g("mxfp4", "peak_over_base_gib"),
                                                             g("fp8", "peak_over_base_gib"))})
     out.sort(key=lambda x: (str(x["gpu"]), str(x["world_size"]), str(x["date"]), str(x["commit"]),
-                            _int_or(x["tokens"]), _int_or(x["local_experts"])))
+                            _int_or(x["tokens"]), _int_or(x["local_experts"]), x["variant"]))
     return out
 
 
