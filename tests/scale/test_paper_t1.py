@@ -57,7 +57,7 @@ def test_cell_outcome_and_error_by_hand():
 def test_variants_change_what_they_name(base):
     """A variant changes the model for its own reason only: core attention raises the attention-recomputing cells and
     leaves mla_up_proj as it is; a precision key of mxfp4 leaves bf16 and fp8 as they are; x1.5 outside PyTorch adds
-    half of each cell's outside bytes and nothing allocated."""
+    half of each cell's outside bytes and nothing allocated; the FP8 weight copies leave bf16 as it is."""
     by = {v.name: pt.variant_cells(v, base) for v in pt.VARIANTS
           if v.recompute or v.recipes != pt.RECIPES or v.name.startswith("outside-PyTorch memory x 1.5")}
     core = by[pt.VARIANTS[0].name]
@@ -66,6 +66,8 @@ def test_variants_change_what_they_name(base):
     caches = next(rs for name, rs in by.items() if "recompute caches" in name)
     assert all(c == b for b, c in zip(base, caches) if b.recipe != "mxfp4")
     assert all(c.total_gib < b.total_gib for b, c in zip(base, caches) if b.recipe == "mxfp4")
+    cache = next(rs for name, rs in by.items() if "fp8_weight_cache" in name)  # FP8 copies: none under bf16
+    assert all(c == b if b.recipe == "bf16" else c.allocated_gib > b.allocated_gib for b, c in zip(base, cache))
     big = next(rs for name, rs in by.items() if name.startswith("outside-PyTorch memory x 1.5"))
     for b, c in zip(base, big):
         assert c.allocated_gib == b.allocated_gib

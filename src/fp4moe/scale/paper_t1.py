@@ -153,6 +153,8 @@ VARIANTS = (
             recipes=("mxfp4",)),
     Variant("MoE-expert checkpoint keeps BF16 rows (+precision.expert_input_fp4=false)",
             ("+precision.expert_input_fp4=false",), recipes=("mxfp4",)),
+    Variant("FP8 weight copies kept for the step (train.fp8_weight_cache=true; fp4moe's option)",
+            ("train.fp8_weight_cache=true",), recipes=("fp8", "mxfp4")),
     Variant("MTP layer (DeepSeek-V3 has one)", ("model.mtp_num_layers=1", "parallel.pipeline_layout='E|(tt|)*30,tmL'")),
     Variant("PP16 EP16 (the lab's ep16 layout)", LAYOUTS["ep16"]),
     Variant("PP8 EP32 (the lab's ep32 layout)", LAYOUTS["ep32"]),
