@@ -72,18 +72,45 @@ def test_t1_table_exact(report):
     t1 = _section(md, "T1")
     assert _table(t1) == T1_EXPECTED
     # M1 measured 8 of the paper's 9 cells, M2 3: M1 stands beside the paper
-    assert "The measured columns are M1's: of the setups that measured most of the paper's cells" in t1
-    assert _table(t1.split("**M1** (tokens/GPU/s (min-max); peak memory):", 1)[1]) == M1_EXPECTED
-    assert _table(t1.split("**M2** (tokens/GPU/s (min-max); peak memory):", 1)[1]) == M2_EXPECTED
-    assert ("- **M1**: proxy_h200 on 1 x NVIDIA H200 (140 GiB), world size 1, TP1 PP1 EP1 DP1, micro 8 x seq 4096, "
-            "global batch 32 (MLflow experiment `proxy_t1_1gpu`)") in t1
-    assert ("- **M2**: tiny_cpu on 1 process(es) on CPU: Test CPU, 2 cores, world size 1, TP1 PP1 EP1 DP1, "
-            "micro 2 x seq 128, global batch 4 (MLflow experiment `tiny_cpu`)") in t1
+    assert "The measured columns are M1's (proxy_h200 on 1 x NVIDIA H200" in t1
+    assert "of the setups that measured most of the paper's cells" in t1
     assert "Same comparison, measured on M1: tokens/GPU/s 5200 -> 5800 (+11.5 %)." in t1
-    # every source is named at the top
+    # every setup, its grid and its label are in the appendix, not in T1
+    setups = _section(md, "Appendix B")
+    assert "**M1** (tokens/GPU/s" not in t1 and "- **M1**:" not in t1
+    assert _table(setups.split("**M1** (tokens/GPU/s (min-max); peak memory):", 1)[1]) == M1_EXPECTED
+    assert _table(setups.split("**M2** (tokens/GPU/s (min-max); peak memory):", 1)[1]) == M2_EXPECTED
+    assert ("- **M1**: proxy_h200 on 1 x NVIDIA H200 (140 GiB), world size 1, TP1 PP1 EP1 DP1, micro 8 x seq 4096, "
+            "global batch 32 (MLflow experiment `proxy_t1_1gpu`)") in setups
+    assert ("- **M2**: tiny_cpu on 1 process(es) on CPU: Test CPU, 2 cores, world size 1, TP1 PP1 EP1 DP1, "
+            "micro 2 x seq 128, global batch 4 (MLflow experiment `tiny_cpu`)") in setups
+    # every source is named, in the appendix
     for label in ("**paper**: `conf/paper/numbers.yaml`", "**measured**: runs in the MLflow store",
                   f"**{model_mod.MODEL_LABEL}**: `fp4moe.scale`"):
-        assert label in md
+        assert label in _section(md, "Appendix A")
+
+
+def test_report_leads_with_one_table_of_the_papers_numbers(report):
+    """The first section is one table: each paper number (T1's cells, the headline, F3, F4, F5), ours from the
+    setup named above it, and ours / paper where both are numbers; the T1 section follows it."""
+    md = markdown(report)
+    assert md.index("## The paper's numbers beside ours") < md.index("## T1") < md.index("## Appendix A")
+    first = _section(md, "The paper's numbers beside ours")
+    assert "Ours: T1 from **M1**: proxy_h200 on 1 x NVIDIA H200" in first
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in _table(first)[2:]}
+    assert rows["T1 attention + layernorm + MoE experts, fp8: tokens/GPU/s"] == (
+        "| T1 attention + layernorm + MoE experts, fp8: tokens/GPU/s | 1157 | 5200 | - | - |")  # no ratio: other scale
+    assert rows["T1 attention + layernorm + MoE experts, fp8: peak memory"] == (
+        "| T1 attention + layernorm + MoE experts, fp8: peak memory | 74.20 % of 80 GB | 71.6 % of its GPU | 0.96x | - |")
+    assert rows["T1 attention + layernorm + MLP, fp8: fits in memory"].split(" | ")[1:3] == ["OOM", "OOM"]
+    assert rows["T1 MLA up-projection only, fp8: fits in memory"].split(" | ")[2] == "not measured"
+    assert " | +12.5 % | +11.5 % | 0.92x | " in rows[
+        "headline: tokens/GPU/s, mxfp4 at MLA up-projection vs fp8 at attention + layernorm + MoE experts"]
+    assert rows["F3: fused conversion kernels vs separate quantize / dequantize"].split(" | ")[1:3] == [
+        "1.6-1.9x", "2.00x (vs torch.compile unfused)"]
+    assert rows["F4: expert grouped linears vs Transformer Engine FP8"].split(" | ")[2].startswith("0.95x")
+    assert rows["F5: final loss deviation from bf16, mxfp4"].split(" | ")[1:4] == [
+        "+0.61 % (training loss)", "+2.50 % (held-out, one seed)", "4.10x"]
 
 
 def test_t1_csv_rows_say_their_source(report):

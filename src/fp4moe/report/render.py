@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 from .. import paper as paper_mod
@@ -176,55 +176,256 @@ def _model_cells(c: dict | None) -> tuple[str, str]:
     return _num(c["peak_memory_gb"], 1), (f"OOM ({pct})" if c["status"] == tables.OOM else pct)
 
 
+def _latest(rows: list[dict], group: Callable[[dict], tuple], bench: Callable[[dict], tuple]) -> tuple[list, list]:
+    """(rows of the newest benchmark of each ``group``, the other rows): a benchmark is the rows sharing ``bench``;
+    the newest is the one logged last (``start_time``)."""
+    newest: dict[tuple, tuple] = {}
+    for r in sorted(rows, key=lambda r: r.get("start_time") or 0):
+        newest[group(r)] = bench(r)
+    keep = set(newest.values())
+    return [r for r in rows if bench(r) in keep], [r for r in rows if bench(r) not in keep]
+
+
+def _f3_bench(r: dict) -> tuple:
+    return (r["gpu"], r["commit"], r["date"])
+
+
+def _f4_bench(r: dict) -> tuple:
+    return (r["gpu"], r["world_size"], r["commit"], r["date"])
+
+
+def _f5_latest(rows: list[dict]) -> tuple[list, list]:
+    """(the F5 rows of the newest family: the configs that differ only in the seed, the newest run's; the rest)."""
+    return _latest(rows, lambda r: (), lambda r: (r["family"],))
+
+
+def _range_x(vals: list[float]) -> str:
+    vals = sorted(v for v in vals if v is not None)
+    if not vals:
+        return "not measured"
+    return f"{vals[0]:.2f}x" if vals[0] == vals[-1] else f"{vals[0]:.2f}-{vals[-1]:.2f}x"
+
+
+def headline_rows(rep: Report, head: str | None) -> list[list[str]]:
+    """The first table: one row per paper number (T1's cells, the abstract's headline, F3, F4, F5): the paper's,
+    ours (T1: setup ``head``; F3/F4: the newest benchmark of each GPU; F5: the newest family of configs), ours /
+    paper where both are numbers, and the paper-scale model's where it predicts that number."""
+    n = rep.numbers
+    scope_labels = {k: v["label"] for k, v in n["t1"]["scopes"].items()}
+    rows: list[list[str]] = []
+    cells = list(dict.fromkeys((r["scope"], r["recipe"]) for r in rep.t1))
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}x" if a is not None and b else "-"
+
+    for scope, recipe in cells:
+        paper = _cell(rep.t1, scope, recipe, "paper")
+        if paper is None or paper["status"] == "not in paper":
+            continue
+        ours = _cell(rep.t1, scope, recipe, "measured", head) if head else None
+        model = _cell(rep.t1, scope, recipe, MODEL_LABEL) if rep.model_rows is not None else None
+        name = f"T1 {scope_labels.get(scope, scope)}, {recipe}"
+        ours_status = tables.NOT_MEASURED if ours is None else ours["status"]
+        if paper["status"] == tables.OOM:
+            got = ours_status if ours_status in (tables.NOT_MEASURED, tables.OOM) else (
+                f"fits ({_num(ours['peak_memory_pct'], 1)} % of its GPU)" if ours.get("peak_memory_pct") is not None
+                else "fits")
+            rows.append([f"{name}: fits in memory", "OOM", got, "-", _model_fit(model)])
+            continue
+        measured = ours is not None and ours_status not in (tables.NOT_MEASURED, tables.OOM)
+        # no ratio: a proxy's absolute rate and the paper's 671B model on 256 GPUs are not the same quantity
+        rows.append([f"{name}: tokens/GPU/s", _num(paper["tgs"]), _num(ours["tgs"]) if measured else ours_status,
+                     "-", "-"])
+        pct = ours.get("peak_memory_pct") if measured else None
+        rows.append([f"{name}: peak memory", f"{_num(paper['peak_memory_pct'], 2)} % of {rep.gpu_memory_gb:g} GB",
+                     f"{_num(pct, 1)} % of its GPU" if pct is not None else
+                     (ours_status if not measured else (ours.get("note") or tables.NOT_MEASURED)),
+                     ratio(pct, paper["peak_memory_pct"]), _model_fit(model)])
+    h = n["headline"]
+    a = _cell(rep.t1, "attn_ln_experts", "fp8", "measured", head) if head else None
+    b = _cell(rep.t1, "mla_up_proj", "mxfp4", "measured", head) if head else None
+    both = a is not None and b is not None and a.get("tgs") and b.get("tgs")
+    pred = next((p for lab, _, p in rep.throughput or [] if lab.startswith("headline")), None)
+    rows.append(["headline: tokens/GPU/s, mxfp4 at MLA up-projection vs fp8 at attention + layernorm + MoE experts",
+                 f"{h['tgs_change_pct']:+g} %", f"{100 * (b['tgs'] / a['tgs'] - 1):+.1f} %" if both else
+                 tables.NOT_MEASURED, ratio(100 * (b["tgs"] / a["tgs"] - 1), h["tgs_change_pct"]) if both else "-",
+                 f"{100 * (min(pred) - 1):+.1f} to {100 * (max(pred) - 1):+.1f} % ({len(pred)} cases)" if pred else "-"])
+    pa = a.get("peak_memory_pct") if a else None
+    pb = b.get("peak_memory_pct") if b else None
+    ma = _cell(rep.t1, "attn_ln_experts", "fp8", MODEL_LABEL) if rep.model_rows is not None else None
+    mb = _cell(rep.t1, "mla_up_proj", "mxfp4", MODEL_LABEL) if rep.model_rows is not None else None
+    model_pp = (mb["peak_memory_pct"] - ma["peak_memory_pct"]) if ma and mb and ma.get("peak_memory_pct") is not None \
+        and mb.get("peak_memory_pct") is not None else None
+    rows.append(["headline: peak memory, the same two cells", f"{h['peak_memory_change_pp']:+g} points of 80 GB",
+                 f"{pb - pa:+.1f} points of its GPU" if pa is not None and pb is not None else tables.NOT_MEASURED,
+                 ratio(pb - pa, h["peak_memory_change_pp"]) if pa is not None and pb is not None else "-",
+                 f"{model_pp:+.1f} points" if model_pp is not None else "-"])
+    f3, f4 = n["f3"], n["f4"]
+    latest3, _ = _latest(rep.f3, lambda r: (r["gpu"],), _f3_bench)
+    rows.append(["F3: fused conversion kernels vs separate quantize / dequantize",
+                 f"{f3['fused_speedup_min']}-{f3['fused_speedup_max']}x",
+                 _range_x([r["vs_compiled_unfused"] for r in latest3]) + " (vs torch.compile unfused)" if latest3
+                 else tables.NOT_MEASURED, "-", "-"])
+    latest4, _ = _latest(rep.f4, lambda r: (r["gpu"], r["world_size"]), _f4_bench)
+    default4 = [r for r in latest4 if not r.get("variant")]
+    rows.append(["F4: expert grouped linears vs Transformer Engine FP8",
+                 f"{f4['expert_grouped_linear_speedup_min']}-{f4['expert_grouped_linear_speedup_max']}x",
+                 _range_x([r["tokens_per_s_mxfp4_over_fp8"] for r in default4]) + " (the whole layer, mxfp4 vs our "
+                 "fp8; not TE)" if default4 else tables.NOT_MEASURED, "-", "-"])
+    newest5, _ = _f5_latest(rep.f5)
+    spread = {s["recipe"]: s for s in tables.f5_seed_spread(newest5)}
+    for rec, paper_dev in n["f5"]["loss_deviation_vs_bf16_pct"].items():
+        s = spread.get(rec)
+        if s and s["eval_dev_mean_pct"] is not None:
+            v, how = s["eval_dev_mean_pct"], f"mean of {len(s['eval_dev_pct_per_seed'])} seeds"
+        else:
+            last = [r for r in newest5 if r["recipe"] == rec and r["eval_loss_dev_pct"] is not None]
+            v, how = (last[-1]["eval_loss_dev_pct"], "one seed") if last else (None, "")
+        rows.append([f"F5: final loss deviation from bf16, {rec}", f"{paper_dev:+g} % (training loss)",
+                     f"{v:+.2f} % (held-out, {how})" if v is not None else tables.NOT_MEASURED,
+                     ratio(v, paper_dev), "-"])
+    return rows
+
+
+def _model_fit(c: dict | None) -> str:
+    if c is None or c["status"] == "not modelled":
+        return "-"
+    pct = f"{_num(c['peak_memory_pct'], 1)} %"
+    return f"OOM ({pct})" if c["status"] == tables.OOM else pct
+
+
+def _sources(rep: Report) -> list[str]:
+    n = rep.numbers
+    return [f"- **paper**: `conf/paper/numbers.yaml` (arXiv {n['paper']['arxiv']}); its `source` field says whether "
+            "a number is from the abstract or from secondary summaries of the full text (not verified against it).",
+            f"- **measured**: runs in the MLflow store {rep.store_label}: {rep.counts['trainer']} trainer runs, "
+            f"{rep.counts['kernels']} `kernels` runs, {rep.counts['moe_layer']} `moe_layer` runs. Each measured "
+            "number names its hardware and scale; the MLflow run ids are in the CSV files.",
+            f"- **{MODEL_LABEL}**: `fp4moe.scale`, the paper-scale memory model from first principles, for each "
+            "cell as `python -m fp4moe.train experiment=paper_t1` runs it (the lab's setup from its sister artifact: "
+            "DeepSeek-V3 without MTP, TP1 PP32 EP8 DP8, micro-batch 1, BF16 main grads with the optimizer state "
+            "offloaded, the paper's \"attention\" read as the whole self-attention block). **Assumption set**: "
+            f"{rep.model_assumptions}. The peak is the most loaded GPU's, as nvidia-smi would show it (PyTorch's "
+            "allocated peak + the memory outside it). What is checked: the allocated peak against H200 proxy runs "
+            "on one GPU and on two over NCCL (EP2 x DP2, PP2), within 5 % in every run (results/scale/"
+            "calibration.md). NOT checked: anything at this scale (32 pipeline stages, EP8, the offloaded "
+            "optimizer), so these cells are predictions of its arithmetic, not results; results/scale/paper_t1.md "
+            "has how each assumption moves them. GB = 2^30 B.", ""]
+
+
+def _f3_tables(rows: list[dict]) -> list[str]:
+    out: list[str] = []
+    for bench in dict.fromkeys(_f3_bench(r) for r in rows):
+        rs = [r for r in rows if _f3_bench(r) == bench]
+        out += [f"**{bench[0]}**, commit {bench[1]}, {bench[2]} (copy {_num(rs[0]['copy_gbps'])} GB/s):", ""]
+        out += [_md_table(["shape", "kernel", "time (us)", "GB/s", "% of copy", "vs compiled unfused",
+                           "vs compiled one graph", "vs eager", "vs torchao"],
+                          [[r["shape"], r["kernel"], _num(r["time_us"], 1), _num(r["gbps"]),
+                            _num(r["pct_copy"], 1)] + [_x(r[c]) for _, c in tables.BASELINES] for r in rs]), ""]
+    return out
+
+
+def _f4_table(rows: list[dict]) -> list[str]:
+    return [_md_table(["GPU", "EP", "commit", "tokens", "experts", "tokens/s bf16", "fp8", "mxfp4", "mxfp4/fp8 tokens/s",
+                       "saved B/token bf16", "fp8", "mxfp4", "mxfp4/fp8 saved", "mxfp4/fp8 expert saved",
+                       "mxfp4/bf16 dispatch fwd bytes"],
+                      [[r["gpu"], r["world_size"], _commit_variant(r), r["tokens"], r["local_experts"],
+                        _num(r["tokens_per_s_bf16"]),
+                        _num(r["tokens_per_s_fp8"]), _num(r["tokens_per_s_mxfp4"]),
+                        _num(r["tokens_per_s_mxfp4_over_fp8"], 3), _num(r["saved_bytes_per_token_bf16"]),
+                        _num(r["saved_bytes_per_token_fp8"]), _num(r["saved_bytes_per_token_mxfp4"]),
+                        _num(r["saved_bytes_mxfp4_over_fp8"], 3), _num(r["expert_saved_bytes_mxfp4_over_fp8"], 3),
+                        _num(r["dispatch_fwd_bytes_mxfp4_over_bf16"], 4)] for r in rows]), ""]
+
+
+def _f5_configs(rows: list[dict]) -> list[str]:
+    out: list[str] = []
+    for config in dict.fromkeys(r["config"] for r in rows):
+        out += [f"Config: {config}", ""]
+        out += [_md_table(["recipe", "train loss (smoothed)", "deviation", "eval loss", "deviation",
+                           "paper deviation (16B, 160B tokens)"],
+                          [[r["recipe"], _num(r["train_loss_smoothed"], 4), _dev(r, r["train_loss_dev_pct"]),
+                            _num(r["eval_loss"], 4), _dev(r, r["eval_loss_dev_pct"]),
+                            _dev(r, r["paper_dev_pct"], "+g")]
+                           for r in rows if r["config"] == config]), ""]
+    return out
+
+
+def _setup_grids(rep: Report, labels: list[str]) -> list[str]:
+    """Every measured setup's scope x recipe grid (scopes with nothing measured left out)."""
+    scope_labels = {k: v["label"] for k, v in rep.numbers["t1"]["scopes"].items()}
+    cells = list(dict.fromkeys((r["scope"], r["recipe"]) for r in rep.t1))
+    recipes = list(dict.fromkeys(recipe for _, recipe in cells))
+    scopes = list(dict.fromkeys(scope for scope, _ in cells))
+    out: list[str] = []
+    for lab in labels:
+        grid = []
+        for scope in scopes:
+            got = [_cell(rep.t1, scope, recipe, "measured", lab) for recipe in recipes]
+            if all(c is None or c["status"] == tables.NOT_MEASURED for c in got):
+                continue
+            grid.append([scope_labels.get(scope, scope), *(_grid_cell(c) for c in got)])
+        if grid:
+            out += [f"**{lab}** (tokens/GPU/s (min-max); peak memory):", "",
+                    _md_table(["recompute scope", *recipes], grid), ""]
+    return out
+
+
+def _same_comparison(rep: Report, lab: str) -> list[str]:
+    a = _cell(rep.t1, "attn_ln_experts", "fp8", "measured", lab)
+    b = _cell(rep.t1, "mla_up_proj", "mxfp4", "measured", lab)
+    if a and b and a.get("tgs") and b.get("tgs"):
+        return [f"Same comparison, measured on {lab}: tokens/GPU/s {_num(a['tgs'])} -> {_num(b['tgs'])} "
+                f"({100 * (b['tgs'] / a['tgs'] - 1):+.1f} %).", ""]
+    return []
+
+
 # ---------------------------------------------------------------------------------------------- markdown
 
 def markdown(rep: Report) -> str:
+    """The report: the headline table first (each paper number beside ours and the model's), then one section per
+    figure with the newest measurement per GPU, then an appendix with the sources, every measured setup and the
+    older measurements (all of them are also in the CSV files)."""
     n = rep.numbers
     t1_src = paper_mod.source_of(n, "t1")
+    labels = [f"M{i}" for i in range(1, len(rep.setups) + 1)]
+    head = _headline_setup(rep, labels)
     out = ["# fp4moe report: the paper's numbers beside ours", "",
-           "Written by `python -m fp4moe.report` (also the last step of `make reproduce-table`). Each number says "
-           "where it comes from:", "",
-           f"- **paper**: `conf/paper/numbers.yaml` (arXiv {n['paper']['arxiv']}); its `source` field says whether "
-           "a number is from the abstract or from secondary summaries of the full text (not verified against it).",
-           f"- **measured**: runs in the MLflow store {rep.store_label}: {rep.counts['trainer']} trainer runs, "
-           f"{rep.counts['kernels']} `kernels` runs, {rep.counts['moe_layer']} `moe_layer` runs. Each measured "
-           "number names its hardware and scale; the MLflow run ids are in the CSV files.",
-           f"- **{MODEL_LABEL}**: `fp4moe.scale`, the paper-scale memory model from first principles, for each "
-           "cell as `python -m fp4moe.train experiment=paper_t1` runs it (the lab's setup from its sister artifact: "
-           "DeepSeek-V3 without MTP, TP1 PP32 EP8 DP8, micro-batch 1, BF16 main grads with the optimizer state "
-           "offloaded, the paper's \"attention\" read as the whole self-attention block). **Assumption set**: "
-           f"{rep.model_assumptions}. The peak is the most loaded GPU's, as nvidia-smi would show it (PyTorch's "
-           "allocated peak + the memory outside it). What is checked: the allocated peak against H200 proxy runs "
-           "on one GPU and on two over NCCL (EP2 x DP2, PP2), within 5 % in every run (results/scale/"
-           "calibration.md). NOT checked: anything at this scale (32 pipeline stages, EP8, the offloaded "
-           "optimizer), so these cells are predictions of its arithmetic, not results; results/scale/paper_t1.md "
-           "has how each assumption moves them. GB = 2^30 B.", ""]
+           "Written by `python -m fp4moe.report` (also the last step of `make reproduce-table`) from the paper's "
+           "numbers (`conf/paper/numbers.yaml`), the runs in the MLflow store and the paper-scale model "
+           "(`fp4moe.scale`). Where each number comes from, in full: Appendix A.", ""]
+
+    # ---- headline
+    newest5, older5 = _f5_latest(rep.f5)
+    out += ["## The paper's numbers beside ours", ""]
+    ours = [f"T1 from **{head}**: {rep.setups[labels.index(head)].label}" if head else
+            "T1: no trainer runs in the store yet"]
+    ours += ["F3 and F4: the newest benchmark of each GPU (sections F3, F4)",
+             f"F5: {newest5[-1]['family']}" if newest5 else "F5: no convergence comparison in the store yet"]
+    out += ["Ours: " + "; ".join(ours) + ".", "",
+            "A one-GPU proxy's tokens/GPU/s are not the paper's 671B model's on 256 GPUs (no ratio is given), and "
+            "its peak memory is a share of its own GPU; the relative rows (the headline's recipe against recipe, "
+            "kernel speedups, loss deviations) compare like with like. The model predicts the paper's own setup.",
+            ""]
+    out += [_md_table(["paper number", "paper", "ours", "ours / paper", MODEL_LABEL],
+                      headline_rows(rep, head)), ""]
 
     # ---- T1
     out += ["## T1: throughput and peak memory per recompute scope x recipe", ""]
-    labels = [f"M{i}" for i in range(1, len(rep.setups) + 1)]
-    if rep.setups:
-        out += ["Measured setups (throughput: tokens/GPU/s median over the measured steps, (min-max); peak memory: "
-                "`torch.cuda.max_memory_allocated`, % of that GPU's own memory, not of 80 GB):", ""]
-        out += [f"- **{lab}**: {s.label}" for lab, s in zip(labels, rep.setups)] + [""]
-    else:
+    if not rep.setups:
         out += ["Measured: **no trainer runs in the store yet**, so every measured cell says `not measured` "
                 "(`python -m fp4moe.train experiment=proxy_t1_1gpu` on an H200 fills them).", ""]
     if rep.model_error:
         out += [f"Model: could not be evaluated ({rep.model_error}).", ""]
-    # one row per paper cell: paper, the headline measured setup, the model; then every measured setup as its own
-    # scope x recipe grid (a column pair per setup did not stay readable past a few setups)
     header = ["recompute scope", "recipe", f"paper ({t1_src}): tokens/GPU/s",
               f"paper ({t1_src}): peak memory, % of {rep.gpu_memory_gb:g} GB"]
-    head = _headline_setup(rep, labels)
     if head:
         header += [f"measured ({head}): tokens/GPU/s", f"measured ({head}): peak memory"]
     if rep.model_rows is not None:
         header += [f"{MODEL_LABEL}: peak GB", f"{MODEL_LABEL}: % of {rep.gpu_memory_gb:g} GB"]
     scope_labels = {k: v["label"] for k, v in n["t1"]["scopes"].items()}
-    cells = list(dict.fromkeys((r["scope"], r["recipe"]) for r in rep.t1))
     rows = []
-    for scope, recipe in cells:
+    for scope, recipe in dict.fromkeys((r["scope"], r["recipe"]) for r in rep.t1):
         paper = _cell(rep.t1, scope, recipe, "paper")
         if paper is None or paper["status"] == "not in paper":
             continue
@@ -236,32 +437,18 @@ def markdown(rep: Report) -> str:
         rows.append(row)
     out += [_md_table(header, rows), ""]
     if head:
-        out += [f"The measured columns are {head}'s: of the setups that measured most of the paper's cells (OOM "
-                "counts as measured), the one with the most tokens per micro-batch; every setup's cells follow, one "
-                "grid each.", ""]
-    recipes = list(dict.fromkeys(recipe for _, recipe in cells))
-    scopes = list(dict.fromkeys(scope for scope, _ in cells))
-    for lab in labels:
-        grid = []
-        for scope in scopes:
-            got = [_cell(rep.t1, scope, recipe, "measured", lab) for recipe in recipes]
-            if all(c is None or c["status"] == tables.NOT_MEASURED for c in got):
-                continue
-            grid.append([scope_labels.get(scope, scope), *(_grid_cell(c) for c in got)])
-        if grid:
-            out += [f"**{lab}** (tokens/GPU/s (min-max); peak memory):", "",
-                    _md_table(["recompute scope", *recipes], grid), ""]
+        out += [f"Measured: tokens/GPU/s median over the measured steps (min-max); peak memory "
+                f"`torch.cuda.max_memory_allocated`, % of that GPU's own memory, not of 80 GB. The measured columns "
+                f"are {head}'s ({rep.setups[labels.index(head)].label}): of the setups that measured most of the "
+                f"paper's cells (OOM counts as measured), the one with the most tokens per micro-batch. All "
+                f"{len(labels)} measured setups, each with its grid: Appendix B.", ""]
     h = n["headline"]
     out += [f"Paper headline ({h['source']}): peak memory {h['peak_memory_change_pp']:+g} points of 80 GB "
             f"({h['peak_memory_change_gb']:+g} GB) and tokens/GPU/s {h['tgs_fp8']} -> {h['tgs_mxfp4']} "
             f"({h['tgs_change_pct']:+g} %), FP8 at `attn_ln_experts` against MXFP4 at `mla_up_proj` (a lighter "
             "scope only MXFP4 fits); at equal scope the gain is memory.", ""]
-    for lab in labels:
-        a = _cell(rep.t1, "attn_ln_experts", "fp8", "measured", lab)
-        b = _cell(rep.t1, "mla_up_proj", "mxfp4", "measured", lab)
-        if a and b and a.get("tgs") and b.get("tgs"):
-            out += [f"Same comparison, measured on {lab}: tokens/GPU/s {_num(a['tgs'])} -> {_num(b['tgs'])} "
-                    f"({100 * (b['tgs'] / a['tgs'] - 1):+.1f} %).", ""]
+    if head:
+        out += _same_comparison(rep, head)
     out += ["Plots: `t1_paper_vs_model.png` (paper and model)" + (", `t1_measured.png` (measured)" if rep.setups
             else "") + ". Long-form table: `t1.csv`; the model's memory by component: `t1_model_components.csv`.", ""]
     if rep.throughput:
@@ -278,6 +465,7 @@ def markdown(rep: Report) -> str:
 
     # ---- F3
     f3 = n["f3"]
+    latest3, older3 = _latest(rep.f3, lambda r: (r["gpu"],), _f3_bench)
     out += ["## F3: conversion kernels", "",
             f"Paper ({f3['source']}): fused conversion kernels {f3['fused_speedup_min']}-{f3['fused_speedup_max']}x "
             "faster than separate quantize/dequantize.", ""]
@@ -285,20 +473,16 @@ def markdown(rep: Report) -> str:
         out += ["Measured: **no `kernels` runs in the store yet** (`make bench-kernels` on a GPU, or "
                 "`make log-bench` for the results in `results/kernels/`).", ""]
     else:
-        out += ["Measured (experiment `kernels`): our kernels, % of the device-to-device copy bandwidth measured in "
-                "the same run, and speedup = baseline time / our time for the same shape (`vs compiled unfused` is "
-                "the closest to the paper's comparison).", ""]
-        for bench in dict.fromkeys((r["gpu"], r["commit"], r["date"]) for r in rep.f3):
-            rs = [r for r in rep.f3 if (r["gpu"], r["commit"], r["date"]) == bench]
-            out += [f"**{bench[0]}**, commit {bench[1]}, {bench[2]} (copy {_num(rs[0]['copy_gbps'])} GB/s):", ""]
-            out += [_md_table(["shape", "kernel", "time (us)", "GB/s", "% of copy", "vs compiled unfused",
-                               "vs compiled one graph", "vs eager", "vs torchao"],
-                              [[r["shape"], r["kernel"], _num(r["time_us"], 1), _num(r["gbps"]),
-                                _num(r["pct_copy"], 1)] + [_x(r[c]) for _, c in tables.BASELINES] for r in rs]), ""]
-        out += ["Plot: `f3_kernels.png`. CSV: `f3_kernels.csv`.", ""]
+        out += ["Measured (experiment `kernels`, the newest benchmark of each GPU): our kernels, % of the "
+                "device-to-device copy bandwidth measured in the same run, and speedup = baseline time / our time "
+                "for the same shape (`vs compiled unfused` is the closest to the paper's comparison).", ""]
+        out += _f3_tables(latest3)
+        out += [(f"Older benchmarks ({len({_f3_bench(r) for r in older3})}): Appendix C. " if older3 else "")
+                + "Plot: `f3_kernels.png`. CSV: `f3_kernels.csv` (every benchmark).", ""]
 
     # ---- F4
     f4 = n["f4"]
+    latest4, older4 = _latest(rep.f4, lambda r: (r["gpu"], r["world_size"]), _f4_bench)
     out += ["## F4: the MoE layer", "",
             f"Paper ({f4['source']}): against Transformer Engine FP8, dense linears "
             f"{f4['dense_linear_overhead_min']}-{f4['dense_linear_overhead_max']}x overhead, expert GroupedLinear "
@@ -309,19 +493,12 @@ def markdown(rep: Report) -> str:
         out += ["Measured: **no `moe_layer` runs in the store yet** (`make bench-layer` on a GPU; "
                 "`make reproduce-table` logs `results/moe_layer/`).", ""]
     else:
-        out += ["Measured (experiment `moe_layer`; DeepSeek-V3's layer shape per GPU: hidden 7168, expert ffn 2048, "
-                "top-8, one shared expert; tokens and local experts per GPU as given):", ""]
-        out += [_md_table(["GPU", "EP", "commit", "tokens", "experts", "tokens/s bf16", "fp8", "mxfp4", "mxfp4/fp8 tokens/s",
-                           "saved B/token bf16", "fp8", "mxfp4", "mxfp4/fp8 saved", "mxfp4/fp8 expert saved",
-                           "mxfp4/bf16 dispatch fwd bytes"],
-                          [[r["gpu"], r["world_size"], _commit_variant(r), r["tokens"], r["local_experts"],
-                            _num(r["tokens_per_s_bf16"]),
-                            _num(r["tokens_per_s_fp8"]), _num(r["tokens_per_s_mxfp4"]),
-                            _num(r["tokens_per_s_mxfp4_over_fp8"], 3), _num(r["saved_bytes_per_token_bf16"]),
-                            _num(r["saved_bytes_per_token_fp8"]), _num(r["saved_bytes_per_token_mxfp4"]),
-                            _num(r["saved_bytes_mxfp4_over_fp8"], 3), _num(r["expert_saved_bytes_mxfp4_over_fp8"], 3),
-                            _num(r["dispatch_fwd_bytes_mxfp4_over_bf16"], 4)] for r in rep.f4]), ""]
-        out += ["Plot: `f4_layer.png`. CSV: `f4_layer.csv`.", ""]
+        out += ["Measured (experiment `moe_layer`, the newest benchmark of each GPU and EP size; DeepSeek-V3's layer "
+                "shape per GPU: hidden 7168, expert ffn 2048, top-8, one shared expert; tokens and local experts per "
+                "GPU as given):", ""]
+        out += _f4_table(latest4)
+        out += [(f"Older benchmarks ({len({_f4_bench(r) for r in older4})}): Appendix D. " if older4 else "")
+                + "Plot: `f4_layer.png`. CSV: `f4_layer.csv` (every benchmark).", ""]
 
     # ---- F5
     f5 = n["f5"]
@@ -336,15 +513,8 @@ def markdown(rep: Report) -> str:
         out += [f"Measured: deviation = (loss - loss_bf16) / loss_bf16 at the end of the run, on the training loss "
                 f"smoothed over the last {tables.LOSS_SMOOTH_STEPS} logged steps (`summary/final_loss` where no "
                 "history was logged) and on the final held-out eval loss. "
-                "Short runs of small models: not the paper's scale.", ""]
-        for config in dict.fromkeys(r["config"] for r in rep.f5):
-            out += [f"Config: {config}", ""]
-            out += [_md_table(["recipe", "train loss (smoothed)", "deviation", "eval loss", "deviation",
-                               "paper deviation (16B, 160B tokens)"],
-                              [[r["recipe"], _num(r["train_loss_smoothed"], 4), _dev(r, r["train_loss_dev_pct"]),
-                                _num(r["eval_loss"], 4), _dev(r, r["eval_loss_dev_pct"]),
-                                _dev(r, r["paper_dev_pct"], "+g")]
-                               for r in rep.f5 if r["config"] == config]), ""]
+                "Short runs of small models: not the paper's scale. The newest configuration, each seed:", ""]
+        out += _f5_configs(newest5)
         spread = tables.f5_seed_spread(rep.f5)
         if spread:
             out += ["Across seeds (configs that differ only in the seed: other initial weights, the same data "
@@ -362,7 +532,28 @@ def markdown(rep: Report) -> str:
                                 "reference" if s["eval_dev_pct_per_seed"] is None else
                                 ("-" if s["eval_dev_range_pts"] is None else f"{s['eval_dev_range_pts']:.2f} pts")]
                                for s in spread]), ""]
-        out += ["Plot: `f5_loss.png`. CSV: `f5_loss.csv`.", ""]
+        out += [(f"Older configurations ({len({r['config'] for r in older5})}): Appendix E. " if older5 else "")
+                + "Plot: `f5_loss.png`. CSV: `f5_loss.csv` (every configuration).", ""]
+
+    # ---- appendix
+    out += ["## Appendix A: where each number comes from", ""] + _sources(rep)
+    out += ["## Appendix B: every measured setup (T1)", ""]
+    if rep.setups:
+        out += ["Throughput: tokens/GPU/s median over the measured steps, (min-max); peak memory: "
+                "`torch.cuda.max_memory_allocated`, % of that GPU's own memory, not of 80 GB.", ""]
+        out += [f"- **{lab}**: {s.label}" for lab, s in zip(labels, rep.setups)] + [""]
+        out += _setup_grids(rep, labels)
+        for lab in labels:
+            if lab != head:
+                out += _same_comparison(rep, lab)
+    else:
+        out += ["No trainer runs in the store yet.", ""]
+    if older3:
+        out += ["## Appendix C: older F3 benchmarks", ""] + _f3_tables(older3)
+    if older4:
+        out += ["## Appendix D: older F4 benchmarks", ""] + _f4_table(older4)
+    if older5:
+        out += ["## Appendix E: older F5 configurations", ""] + _f5_configs(older5)
     return "\n".join(out)
 
 

@@ -172,7 +172,8 @@ def f3_rows(kernel_runs: list[RunRecord]) -> list[dict]:
             ours = r.metrics.get("time_us")
             row = {"gpu": p.get("gpu", "?"), "commit": p.get("commit", "?"), "date": p.get("date", "?"),
                    "shape": p.get("shape"), "kernel": p.get("kernel"), "time_us": ours, "gbps": r.metrics.get("gbps"),
-                   "pct_copy": r.metrics.get("pct_copy"), "copy_gbps": copy, "run_id": r.run_id}
+                   "pct_copy": r.metrics.get("pct_copy"), "copy_gbps": copy, "run_id": r.run_id,
+                   "start_time": max(x.start_time for x in runs)}  # when the benchmark was logged (ms; not in CSV)
             for prefix, col in BASELINES:
                 theirs = [t for impl, t in times[(p.get("shape"), p.get("kernel"))].items() if impl.startswith(prefix)]
                 row[col] = min(theirs) / ours if theirs and ours else None
@@ -207,6 +208,7 @@ def f4_rows(layer_runs: list[RunRecord]) -> list[dict]:
         g = lambda rec, key: m.get(rec, {}).get(key)  # noqa: E731
         out.append({"gpu": p.get("gpu", "?"), "world_size": p.get("world_size", "?"), "commit": p.get("commit", "?"),
                     "variant": p.get("variant", ""),  # fp4moe.layer_bench_log.variant: '' = the default path
+                    "start_time": max(run.start_time for run in recs.values()),  # logged (ms; not in the CSV)
                     "date": p.get("date", "?"), "tokens": p.get("shape.tokens", "?"),
                     "local_experts": p.get("shape.local_experts", "?"),
                     **{f"tokens_per_s_{rec}": g(rec, "tokens_per_s") for rec in ("bf16", "fp8", "mxfp4")},
@@ -292,7 +294,8 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
                         "archive": key[0].archive, "family": family, "train_loss_smoothed": t,
                         "train_loss_dev_pct": 100.0 * (t - tb) / tb,
                         "eval_loss": e, "eval_loss_dev_pct": 100.0 * (e - eb) / eb if e is not None and eb else None,
-                        "paper_dev_pct": 0.0 if rec == "bf16" else paper_dev.get(rec), "run_id": recs[rec].run_id})
+                        "paper_dev_pct": 0.0 if rec == "bf16" else paper_dev.get(rec), "run_id": recs[rec].run_id,
+                        "start_time": max(run.start_time for run in recs.values())})  # the config's newest run (ms)
     return out
 
 
