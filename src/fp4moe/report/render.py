@@ -319,10 +319,23 @@ def _f3_tables(rows: list[dict]) -> list[str]:
         rs = [r for r in rows if _f3_bench(r) == bench]
         out += [f"**{bench[0]}**, commit {bench[1]}, {bench[2]} (copy {_num(rs[0]['copy_gbps'])} GB/s):", ""]
         out += [_md_table(["shape", "kernel", "time (us)", "GB/s", "% of copy", "vs compiled unfused",
-                           "vs compiled one graph", "vs eager", "vs torchao"],
+                           "vs compiled one graph", "vs eager", "vs torchao", "our target"],
                           [[r["shape"], r["kernel"], _num(r["time_us"], 1), _num(r["gbps"]),
-                            _num(r["pct_copy"], 1)] + [_x(r[c]) for _, c in tables.BASELINES] for r in rs]), ""]
+                            _num(r["pct_copy"], 1)] + [_x(r[c]) for _, c in tables.BASELINES] + [tables.f3_target(r)]
+                           for r in rs]), ""]
     return out
+
+
+def _f4_targets(rows: list[dict]) -> list[str]:
+    """Our layer targets (tables.F4_TARGETS) against each row of ``rows``: 'met' / 'missed' with the ratio."""
+    lines = []
+    for key, label, target in tables.F4_TARGETS:
+        got = [(r, r[key]) for r in rows if r.get(key) is not None]
+        if got:
+            lines.append(f"{label} >= {target:g}: " + ", ".join(
+                f"{_commit_variant(r)} {r['gpu']} EP{r['world_size']} {r['tokens']}x{r['local_experts']} {v:.3f} "
+                + ("met" if v >= target else "missed") for r, v in got))
+    return (["Our targets (issue P8; not the paper's numbers): " + "; ".join(lines) + ".", ""]) if lines else []
 
 
 def _f4_table(rows: list[dict]) -> list[str]:
@@ -496,7 +509,7 @@ def markdown(rep: Report) -> str:
         out += ["Measured (experiment `moe_layer`, the newest benchmark of each GPU and EP size; DeepSeek-V3's layer "
                 "shape per GPU: hidden 7168, expert ffn 2048, top-8, one shared expert; tokens and local experts per "
                 "GPU as given):", ""]
-        out += _f4_table(latest4)
+        out += _f4_table(latest4) + _f4_targets(latest4)
         out += [(f"Older benchmarks ({len({_f4_bench(r) for r in older4})}): Appendix D. " if older4 else "")
                 + "Plot: `f4_layer.png`. CSV: `f4_layer.csv` (every benchmark).", ""]
 
