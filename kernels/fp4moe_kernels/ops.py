@@ -13,12 +13,12 @@ each expert to a multiple of 128 tokens with zeros. See ``fp4moe_kernels.formats
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 
 from . import reference as _ref
+from . import switches
 from .constants import FP8_GROUP, MX_BLOCK, SCALE_RULES
 from .formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments, check_2d
 
@@ -78,18 +78,14 @@ def fp4_row_to_fp8_row(a: MXFP4Tensor, counts=None) -> FP8RowTensor:
     return _kernels().fp4_row_to_fp8_row(a, seg) if _use_gpu(a.data) else _ref.fp4_row_to_fp8_row(a, seg)
 
 
-CUDA_COL_ENV = "FP4MOE_CUDA_COL"
-CUDA_COL_MODES = ("auto", "1", "0")
+CUDA_COL_ENV = switches.ENV["cuda_col"]
 
 
 def cuda_col_mode() -> str:
-    """``FP4MOE_CUDA_COL``: unset or ``auto`` (the default) runs the CUDA C++ FP4RowToFP8Col where it can (a Hopper
-    GPU and nvcc), ``1`` insists on it (a warning says why when it cannot run), ``0`` keeps the Triton kernel."""
-    mode = os.environ.get(CUDA_COL_ENV, "auto").strip().lower() or "auto"
-    if mode not in CUDA_COL_MODES:
-        raise FormatError(f"{CUDA_COL_ENV}={os.environ[CUDA_COL_ENV]!r}: use auto (the default: CUDA C++ where it "
-                          "builds), 1 (CUDA C++, warn when it cannot run) or 0 (Triton)")
-    return mode
+    """The ``cuda_col`` switch (``fp4moe_kernels.switches``; ``FP4MOE_CUDA_COL``): ``auto`` (the default) runs the
+    CUDA C++ FP4RowToFP8Col where it can (a Hopper GPU and nvcc), ``1`` insists on it (a warning says why when it
+    cannot run), ``0`` keeps the Triton kernel. ``switches.SwitchError`` (a ValueError) for another value."""
+    return switches.current().cuda_col
 
 
 @functools.cache

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from fp4moe_kernels import FormatError, FP8RowTensor, MXFP4Tensor, Segments, ops
+from fp4moe_kernels.switches import SwitchError
 
 
 def x_bf16(m=4, k=256):
@@ -73,7 +74,7 @@ def test_cuda_col_switch_values(monkeypatch, value, mode):
         monkeypatch.setenv(ops.CUDA_COL_ENV, value)
     assert ops.cuda_col_mode() == mode
     monkeypatch.setenv(ops.CUDA_COL_ENV, "on")
-    with pytest.raises(FormatError, match="FP4MOE_CUDA_COL='on': use auto"):
+    with pytest.raises(SwitchError, match="FP4MOE_CUDA_COL='on': use auto"):
         ops.cuda_col_mode()
 
 

@@ -47,15 +47,17 @@ def test_missing_corpus_is_one_message(tmp_path):
 
 
 def test_kernel_switch_typo_is_one_message(tmp_path):
-    """FP4MOE_CUDA_COL with a value it does not know: exit 2 before training, naming the variable and its values."""
+    """A kernel switch with a value it does not know, from its FP4MOE_* variable or the kernels group on the command
+    line: exit 2 before training, naming the key, the variable and the values."""
     r = _run(["-m", "fp4moe.train"], tmp_path, env={"FP4MOE_CUDA_COL": "yes"})
     assert r.returncode == 2
-    assert "fp4moe.train: ConfigError: FP4MOE_CUDA_COL='yes': use auto" in r.stderr
+    assert ("fp4moe.train: ConfigError: kernels.cuda_col='yes' (the config's, or $FP4MOE_CUDA_COL's): use auto"
+            in r.stderr)
     assert "Traceback" not in r.stderr and "step" not in r.stderr
-    r = _run(["-m", "fp4moe.train"], tmp_path, env={"FP4MOE_DISPATCH_QUANTIZE": "row"})
+    r = _run(["-m", "fp4moe.train", "kernels.dispatch_quantize=row"], tmp_path)
     assert r.returncode == 2
-    assert "fp4moe.train: ConfigError: FP4MOE_DISPATCH_QUANTIZE='row': use tokens" in r.stderr
-    assert "Traceback" not in r.stderr and "step" not in r.stderr
+    assert "fp4moe.train: ConfigError: kernels.dispatch_quantize='row' (the config's, or " in r.stderr
+    assert "use tokens" in r.stderr and "Traceback" not in r.stderr and "step" not in r.stderr
     r = _run(["-m", "fp4moe.train"], tmp_path, env={"FP4MOE_TRACKING_THREAD": "off"})
     assert r.returncode == 2
     assert "fp4moe.train: ConfigError: FP4MOE_TRACKING_THREAD='off': use 1" in r.stderr

@@ -12,6 +12,7 @@ import functools
 import torch
 import triton
 
+from .. import switches
 from ..formats import FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments, host_to_device
 from . import col, row
 from .common import INTERPRET
@@ -34,13 +35,13 @@ TILES = {
 
 
 def tiles_from_env(env: str | None = None) -> dict:
-    """Tile overrides from ``FP4MOE_TILES``: a JSON object (or the path of a JSON file, e.g. a benchmark's output,
-    whose ``env.tiles_adopted`` is taken) mapping kernel names to [size, 0, num_warps]. Another GPU's best tiles
-    without editing this file: ``python -m fp4moe_kernels.bench --sweep`` writes them."""
+    """Tile overrides from ``env`` (default: the ``tiles`` switch, ``fp4moe_kernels.switches``, ``FP4MOE_TILES``): a
+    JSON object (or the path of a JSON file, e.g. a benchmark's output, whose ``env.tiles_adopted`` is taken) mapping
+    kernel names to [size, 0, num_warps]. Another GPU's best tiles without editing this file:
+    ``python -m fp4moe_kernels.bench --sweep`` writes them."""
     import json
-    import os
 
-    text = os.environ.get("FP4MOE_TILES", "") if env is None else env
+    text = switches.current().tiles if env is None else env
     if not text.strip():
         return {}
     try:
@@ -62,6 +63,7 @@ def tiles_from_env(env: str | None = None) -> dict:
     return out
 
 
+DEFAULT_TILES = dict(TILES)
 TILES.update(tiles_from_env())
 
 
@@ -287,11 +289,14 @@ def quantize_weight_128x128(w, rows_per_expert: int | None = None, transpose: bo
 GEMM_TILES = {"rows": (64, 128, 8, 4, 4), "wgrad": (64, 128, 4, 3)}  # H200 sweep at 96ab870
 
 
-def _gemm_tiles_from_env() -> None:
-    import json
-    import os
+DEFAULT_GEMM_TILES = dict(GEMM_TILES)
 
-    raw = os.environ.get("FP4MOE_GEMM_TILES")
+
+def _gemm_tiles_from_env(raw: str | None = None) -> None:
+    """Apply ``raw`` (default: the ``gemm_tiles`` switch, ``FP4MOE_GEMM_TILES``) to GEMM_TILES."""
+    import json
+
+    raw = switches.current().gemm_tiles if raw is None else raw
     if not raw:
         return
     try:
@@ -306,6 +311,23 @@ def _gemm_tiles_from_env() -> None:
 
 
 _gemm_tiles_from_env()
+
+
+def apply_tiles(s: "switches.Switches") -> None:
+    """Set TILES and GEMM_TILES to the defaults with ``s.tiles`` / ``s.gemm_tiles`` over them (what the trainer calls
+    with its config's switches; at import the environment's are applied). ValueError for a bad spec, nothing set."""
+    tiles = {**DEFAULT_TILES, **tiles_from_env(s.tiles)}
+    saved = dict(GEMM_TILES)
+    GEMM_TILES.clear()
+    GEMM_TILES.update(DEFAULT_GEMM_TILES)
+    try:
+        _gemm_tiles_from_env(s.gemm_tiles)
+    except ValueError:
+        GEMM_TILES.clear()
+        GEMM_TILES.update(saved)
+        raise
+    TILES.clear()
+    TILES.update(tiles)
 
 
 @functools.lru_cache(maxsize=64)

@@ -12,12 +12,18 @@
 - ``fp4_store``: ``fp4_saved_tensors()``, a saved-tensors context that keeps eligible saved activations as MXFP4
   (the generic mechanism for FP4 recompute caches).
 
+Which implementation each op runs (fused or not, CUDA C++ or Triton, grouped or looped GEMMs, tiles) is
+``fp4moe_kernels.switches``: ``kernel_switches`` reads them from the trainer's ``kernels`` config group,
+``use_kernel_switches`` puts them in force.
+
 Status: CPU-tested (gloo for the all-to-all) and GPU-tested on H200s (``F.scaled_mm`` layouts, the grouped
 Triton GEMMs, NCCL with 2 GPUs): results/moe_layer/gpu_tests_*.log.
 """
-from fp4moe_kernels.ops import cuda_col_mode
+import contextlib
 
-from .all_to_all import dispatch_quantize_mode
+from fp4moe_kernels import switches as _switches
+from fp4moe_kernels.switches import SwitchError, Switches
+
 from .fp8_gemm import dequantize_weight_128x128, fp8_mm, quantize_weight_128x128, transpose_weight_128x128
 from .fp8_linear import FP8Linear, fp8_linear, linear_saved_bytes, saved_bytes
 from .grouped_experts import expert_saved_bytes, grouped_expert_mlp
@@ -25,18 +31,36 @@ from .fp4_store import FP4Store, fp4_saved_tensors
 from .swiglu import swiglu
 
 
-def check_env() -> None:
-    """Read now the environment switches of the ops and kernels that a typo would otherwise break mid-run
-    (``FP4MOE_CUDA_COL`` at the first backward, ``FP4MOE_DISPATCH_QUANTIZE`` at the model's build): a ValueError
-    (``FormatError`` is one) naming the variable and its values. The trainer calls it among its config checks."""
-    cuda_col_mode()
-    dispatch_quantize_mode()
+def kernel_switches(node=None) -> Switches:
+    """The kernel switches of a ``kernels`` config node (conf/kernels/default.yaml; None: the environment's), checked
+    now rather than where a kernel first reads one (the first backward, the model's build): ``SwitchError`` (a
+    ValueError) naming the key, its environment variable and the values. The trainer calls it among its checks."""
+    return Switches.from_env() if node is None else Switches.from_config(node)
+
+
+@contextlib.contextmanager
+def use_kernel_switches(s: Switches):
+    """Run the block with ``s`` in force for every op and kernel (``fp4moe_kernels.switches.use``); on CUDA the tile
+    tables are set from ``s.tiles`` / ``s.gemm_tiles`` too (they stay set after the block: they are tuning, and the
+    next ``use`` sets them again)."""
+    import torch
+
+    if torch.cuda.is_available() and (s.tiles or s.gemm_tiles or _switches.current().tiles
+                                      or _switches.current().gemm_tiles):
+        from fp4moe_kernels.triton_kernels import launch
+
+        launch.apply_tiles(s)
+    with _switches.use(s):
+        yield s
 
 
 __all__ = [
     "FP4Store",
     "FP8Linear",
-    "check_env",
+    "SwitchError",
+    "Switches",
+    "kernel_switches",
+    "use_kernel_switches",
     "dequantize_weight_128x128",
     "expert_saved_bytes",
     "fp4_saved_tensors",

@@ -46,7 +46,6 @@ number computed from shapes.
 from __future__ import annotations
 
 import operator
-import os
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
@@ -54,23 +53,20 @@ import torch
 import torch.distributed as dist
 
 from fp4moe_kernels import ops as kops
+from fp4moe_kernels import switches
 from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
 from fp4moe_kernels.formats import MXFP4Tensor
 from fp4moe_kernels.sizes import payload_row_bytes as _row_bytes
 
-DISPATCH_QUANTIZE_ENV = "FP4MOE_DISPATCH_QUANTIZE"
-DISPATCH_QUANTIZE_MODES = ("tokens", "rows")
+DISPATCH_QUANTIZE_ENV = switches.ENV["dispatch_quantize"]
 
 
 def dispatch_quantize_mode() -> str:
-    """``FP4MOE_DISPATCH_QUANTIZE``: unset or ``tokens`` (the default) quantizes each token to MXFP4 once and
-    permutes its MXFP4 rows; ``rows`` permutes the BF16 tokens and quantizes the ``T*k`` rows (the same bits, more
-    work: kept for side-by-side measurements). ValueError naming the values for anything else."""
-    mode = os.environ.get(DISPATCH_QUANTIZE_ENV, "tokens").strip().lower() or "tokens"
-    if mode not in DISPATCH_QUANTIZE_MODES:
-        raise ValueError(f"{DISPATCH_QUANTIZE_ENV}={os.environ[DISPATCH_QUANTIZE_ENV]!r}: use tokens (the default: "
-                         "quantize each token once, then permute its MXFP4 rows) or rows (quantize the permuted rows)")
-    return mode
+    """The ``dispatch_quantize`` switch (``fp4moe_kernels.switches``; ``FP4MOE_DISPATCH_QUANTIZE``): ``tokens`` (the
+    default) quantizes each token to MXFP4 once and permutes its MXFP4 rows; ``rows`` permutes the BF16 tokens and
+    quantizes the ``T*k`` rows (the same bits, more work: kept for side-by-side measurements). ``SwitchError`` (a
+    ValueError) naming the values for anything else."""
+    return switches.current().dispatch_quantize
 
 
 FORWARD_CODECS = ("mxfp4", "fp8", "bf16")

@@ -42,11 +42,11 @@ columns per expert (tokens padded to 128). Shapes: H, F multiples of 128 on the 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from fp4moe_kernels import ops as kops
+from fp4moe_kernels import switches
 from fp4moe_kernels.constants import FP8_GROUP
 from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
 from fp4moe_kernels.sizes import fp8_row_col_bytes, mxfp4_bytes
@@ -140,13 +140,11 @@ def fp8_experts(w: "Experts", transposed: bool = False) -> tuple[torch.Tensor, t
 def gemm_backend(device: torch.device) -> str:
     """'triton' (one grouped launch per GEMM, ``fp4moe_kernels.triton_kernels.gemm``) on CUDA, 'loop' (one
     ``fp8_mm`` per expert: ``F.scaled_mm`` on CUDA, the exact emulation on CPU) otherwise or when the
-    environment sets ``FP4MOE_GROUPED_GEMM=loop`` (the benchmark compares both)."""
+    ``grouped_gemm`` switch says 'loop' (``fp4moe_kernels.switches``, ``FP4MOE_GROUPED_GEMM``; the benchmark
+    compares both)."""
     if device.type != "cuda":
         return "loop"
-    choice = os.environ.get("FP4MOE_GROUPED_GEMM", "triton")
-    if choice not in ("triton", "loop"):
-        raise ValueError(f"FP4MOE_GROUPED_GEMM={choice!r}: use 'triton' or 'loop'")
-    return choice
+    return switches.current().grouped_gemm
 
 
 def _per_expert_gemm(row: FP8RowTensor, w: Experts, seg: Segments, n: int, kind: str) -> torch.Tensor:

@@ -9,12 +9,12 @@ are the formulas, shared with the routed experts' SwiGLU weighted by routing pro
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from fp4moe_kernels import ops as kops
+from fp4moe_kernels import switches
 from fp4moe_kernels.formats import FormatError, MXFP4Tensor
 
 from ..recipe import Recipe
@@ -22,7 +22,7 @@ from ..recipe import Recipe
 _BF16 = torch.bfloat16
 
 
-FUSED_ENV = "FP4MOE_FUSED_SWIGLU"
+FUSED_ENV = switches.ENV["fused_swiglu"]
 
 
 def fused_enabled(h: torch.Tensor) -> bool:
@@ -31,17 +31,17 @@ def fused_enabled(h: torch.Tensor) -> bool:
     The CUDA default since the kernels passed their GPU tests on an H200 (results/train_proxy/README.md: 92-98 % of
     the copy bandwidth, 8-20x the unfused ops); the unfused torch ops below are the definition they are tested
     against, and what CPU tensors (and ``FP4MOE_FUSED_SWIGLU=0``) run."""
-    return h.is_cuda and h.dtype == _BF16 and os.environ.get(FUSED_ENV, "1") != "0"
+    return h.is_cuda and h.dtype == _BF16 and switches.current().fused_swiglu == "1"
 
 
-FUSED_FP4_ENV = "FP4MOE_FUSED_SWIGLU_FP4"
+FUSED_FP4_ENV = switches.ENV["fused_swiglu_fp4"]
 
 
 def _fp4_switch_on(is_cuda: bool, f: int) -> bool:
     """The fused FP4-storing SwiGLU's switch for a CUDA tensor of FFN width ``f``: fused kernels on
     (``FP4MOE_FUSED_SWIGLU`` not 0), ``FP4MOE_FUSED_SWIGLU_FP4`` not 0, and whole MXFP4 blocks per half (f % 32 == 0)."""
-    return (is_cuda and f % 32 == 0 and os.environ.get(FUSED_ENV, "1") != "0"
-            and os.environ.get(FUSED_FP4_ENV, "1") != "0")
+    s = switches.current()
+    return is_cuda and f % 32 == 0 and s.fused_swiglu == "1" and s.fused_swiglu_fp4 == "1"
 
 
 def fused_fp4_enabled(h: torch.Tensor) -> bool:

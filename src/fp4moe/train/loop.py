@@ -82,7 +82,7 @@ def is_oom(e: BaseException) -> bool:
 def preflight(cfg: Any) -> dict[str, Any]:
     """Everything that can be refused without torch.distributed: ``fp4moe.config.check`` (every value's type and
     range first, ``fp4moe.config.check_values``), the trainer's limits,
-    the switches (``FP4MOE_CUDA_COL``, ``FP4MOE_DISPATCH_QUANTIZE``, ``FP4MOE_TRACKING_THREAD``), the MLflow store, and megatron-core's ``MLATransformerConfig`` as
+    the switches (``kernels.*`` and their ``FP4MOE_*`` variables, ``FP4MOE_TRACKING_THREAD``), the MLflow store, and megatron-core's ``MLATransformerConfig`` as
     fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError / TrackingUnavailable."""
     derived = check(cfg)
     check_supported(cfg)
@@ -100,13 +100,14 @@ def preflight(cfg: Any) -> dict[str, Any]:
     from fp4moe.train.profile import profile_window
 
     profile_window(OmegaConf.select(cfg, "train.profile.steps", default=None))  # ConfigError for a bad window
-    from fp4moe.ops import check_env
+    from fp4moe.ops import kernel_switches
     from fp4moe.train.metrics import tracking_thread
 
     try:
-        check_env()  # a typo in FP4MOE_CUDA_COL / FP4MOE_DISPATCH_QUANTIZE is refused here, not at the first backward
+        # a typo in a kernel switch (kernels.*, or its FP4MOE_* variable) is refused here, not at the first backward
+        kernel_switches(OmegaConf.select(cfg, "kernels", default=None))
         tracking_thread()  # nor one in FP4MOE_TRACKING_THREAD
-    except ValueError as e:  # FormatError included
+    except ValueError as e:  # SwitchError included
         raise ConfigError(str(e)) from None
     from fp4moe.train.metrics import resolve_uri
 
@@ -143,11 +144,15 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
         ckpt.check_writable(ckpt.run_dir(cfg, multirun_cell, output_dir), derived.get("params_total"))
         apply_cluster_env(cfg)
         info = None
+        from fp4moe.ops import kernel_switches, use_kernel_switches
+
         try:
             info = init_distributed(cfg)
             init_model_parallel(cfg, info)
             warm_up_communicators(info)  # before the model fills the GPU: NCCL allocates outside torch's allocator
-            result = _run(cfg, derived, info, multirun_cell, output_dir, after_step, preempt)
+            # the config's kernel switches (kernels.*) for every op of this run, whatever the environment says later
+            with use_kernel_switches(kernel_switches(OmegaConf.select(cfg, "kernels", default=None))):
+                result = _run(cfg, derived, info, multirun_cell, output_dir, after_step, preempt)
         finally:
             teardown(info)
     if result.stopped_by:  # handlers restored: submitit's own now

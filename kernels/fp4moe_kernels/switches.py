@@ -1,0 +1,128 @@
+"""Kernel switches: which implementation of an operation runs, held in one place (torch-free).
+
+Every switch chooses between implementations that compute the same thing (each pair is tested against the other);
+none changes the recipe. Each has an environment variable, read here only (``from_env``), and the trainer's
+``kernels`` config group (conf/kernels/default.yaml), whose defaults are those variables: a run's config records the
+switches it ran with, and the environment stays a documented override for the kernels used on their own.
+
+=================  =========================  ======================================================================
+field              environment variable       values (first: the default)
+=================  =========================  ======================================================================
+cuda_col           FP4MOE_CUDA_COL            auto (CUDA C++ FP4RowToFP8Col where it builds), 1 (insist, warn when
+                                              it cannot run), 0 (Triton)
+dispatch_quantize  FP4MOE_DISPATCH_QUANTIZE   tokens (quantize each token once, permute its MXFP4 rows), rows
+                                              (permute BF16 tokens, quantize the T*k rows)
+fused_swiglu       FP4MOE_FUSED_SWIGLU        1 (fused Triton SwiGLU on CUDA), 0 (the torch formulas)
+fused_swiglu_fp4   FP4MOE_FUSED_SWIGLU_FP4    1 (the SwiGLU writes its input's MXFP4 copy in the same pass), 0
+grouped_gemm       FP4MOE_GROUPED_GEMM        triton (one grouped launch per expert GEMM on CUDA), loop (one GEMM
+                                              per expert)
+tiles              FP4MOE_TILES               '' (the swept defaults), or JSON / the path of a JSON file: conversion
+                                              kernels' tiles (``triton_kernels.launch.tiles_from_env``)
+gemm_tiles         FP4MOE_GEMM_TILES          '' (the swept defaults), or JSON: the grouped GEMMs' tiles
+=================  =========================  ======================================================================
+
+``current()`` is what the operations read: the switches set by ``use`` (the trainer sets its config's), else the
+environment's, read at each call (so a change of the environment, e.g. a test's, takes effect at once).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, fields
+from typing import Iterator, Mapping
+
+ENV = {"cuda_col": "FP4MOE_CUDA_COL", "dispatch_quantize": "FP4MOE_DISPATCH_QUANTIZE",
+       "fused_swiglu": "FP4MOE_FUSED_SWIGLU", "fused_swiglu_fp4": "FP4MOE_FUSED_SWIGLU_FP4",
+       "grouped_gemm": "FP4MOE_GROUPED_GEMM", "tiles": "FP4MOE_TILES", "gemm_tiles": "FP4MOE_GEMM_TILES"}
+# the values each choice switch takes (the first is the default) and what each means, for the error message
+CHOICES = {
+    "cuda_col": (("auto", "1", "0"), "auto (the default: CUDA C++ where it builds), 1 (CUDA C++, warn when it cannot "
+                                     "run) or 0 (Triton)"),
+    "dispatch_quantize": (("tokens", "rows"), "tokens (the default: quantize each token once, then permute its MXFP4 "
+                                              "rows) or rows (quantize the permuted rows)"),
+    "fused_swiglu": (("1", "0"), "1 (the default: the fused Triton SwiGLU on CUDA) or 0 (the torch formulas)"),
+    "fused_swiglu_fp4": (("1", "0"), "1 (the default: the SwiGLU writes its input's MXFP4 copy) or 0"),
+    "grouped_gemm": (("triton", "loop"), "'triton' (the default: one grouped launch per GEMM) or 'loop'"),
+}
+
+
+class SwitchError(ValueError):
+    """A switch with a value it does not take; the message names the variable (or config key) and the values."""
+
+    def __init__(self, message: str, name: str = "", raw: object = None, words: str = ""):
+        super().__init__(message)
+        self.name, self.raw, self.words = name, raw, words
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The kernel switches (the module docstring's table). Values are normalised (stripped, lower case for the
+    choices; an empty choice is its default) and checked: SwitchError names the switch as ``where`` spells it."""
+
+    cuda_col: str = "auto"
+    dispatch_quantize: str = "tokens"
+    fused_swiglu: str = "1"
+    fused_swiglu_fp4: str = "1"
+    grouped_gemm: str = "triton"
+    tiles: str = ""
+    gemm_tiles: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            raw = getattr(self, f.name)
+            text = "" if raw is None else str(raw).strip()
+            if isinstance(raw, bool):  # YAML true / false for the 1 / 0 switches
+                text = "1" if raw else "0"
+            if f.name in CHOICES:
+                values, words = CHOICES[f.name]
+                text = text.lower() or values[0]
+                if text not in values:
+                    raise SwitchError(f"{ENV[f.name]}={raw!r}: use {words}", f.name, raw, words)
+            object.__setattr__(self, f.name, text)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Switches":
+        """The switches the environment sets (unset ones: their defaults)."""
+        env = os.environ if environ is None else environ
+        return cls(**{name: env[var] for name, var in ENV.items() if var in env})
+
+    @classmethod
+    def from_config(cls, node: Mapping | None) -> "Switches":
+        """The switches of a ``kernels`` config node (its keys are the fields; missing ones: defaults). SwitchError
+        for an unknown key or value, naming ``kernels.<key>``."""
+        node = dict(node or {})
+        unknown = sorted(set(node) - set(ENV))
+        if unknown:
+            raise SwitchError(f"kernels has unknown key(s) {unknown}: the switches are {', '.join(ENV)}")
+        try:
+            return cls(**node)
+        except SwitchError as e:
+            raise SwitchError(f"kernels.{e.name}={e.raw!r} (the config's, or ${ENV[e.name]}'s): use {e.words}",
+                              e.name, e.raw, e.words) from None
+
+    def as_env(self) -> dict[str, str]:
+        """{variable: value} for the switches that differ from their defaults (e.g. for a child process)."""
+        default = Switches()
+        return {ENV[f.name]: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+_SET: list[Switches] = []
+
+
+def current() -> Switches:
+    """The switches in force: the innermost ``use``, else the environment's (read now)."""
+    return _SET[-1] if _SET else Switches.from_env()
+
+
+@contextlib.contextmanager
+def use(switches: Switches) -> Iterator[Switches]:
+    """Run the block with ``switches`` in force (nested uses stack; the previous ones return after the block)."""
+    _SET.append(switches)
+    try:
+        yield switches
+    finally:
+        _SET.pop()
+
+
+__all__ = ["CHOICES", "ENV", "SwitchError", "Switches", "current", "use"]
