@@ -167,6 +167,15 @@ def test_paper_t2():
     assert first.name == "mxfp4" and not first.dispatch_fp4 and not first.expert_input_fp4 and first.save_fp4
 
 
+def test_every_precision_file_is_its_own_recipe_in_results():
+    """The name results give each precision file's runs (``Recipe.tag``: the trainer's MLflow tag ``recipe``) is the
+    file's own: mxfp4_mlp_shared is the mxfp4 family but never files its runs under mxfp4."""
+    files = sorted(p.stem for p in (CONF / "precision").glob("*.yaml"))
+    recipes = {f: Recipe.from_config(_compose(f"precision={f}").precision) for f in files}
+    assert {f: r.tag for f, r in recipes.items()} == {f: f for f in files}
+    assert recipes["mxfp4_mlp_shared"].name == "mxfp4" and recipes["mxfp4_mlp_shared"] != recipes["mxfp4"]
+
+
 def test_paper_f5_steps():
     cfg = _compose("experiment=paper_f5", hydra_cfg=True)
     d = check(cfg)

@@ -1,8 +1,10 @@
 """The documentation holds together: README.md short and leading to docs/, every relative link in README.md and
 docs/*.md resolves inside the repository, and no tracked file points to files outside it (the research notes and
-specification the project started from are not in the repository; docs/ says what they said)."""
+specification the project started from are not in the repository; docs/ says what they said), nor names the folders
+of the machines that wrote it (results/ included: its writers name them ``<repo>``, ``$OUT``, ``~``)."""
 from __future__ import annotations
 
+import lzma
 import os
 import re
 import subprocess
@@ -15,9 +17,18 @@ README = ROOT / "README.md"
 README_MAX_LINES = 200
 # Built from pieces so that this file does not match itself.
 OUTSIDE_REFERENCES = ("../" + "shared", "SPEC" + ".md", "SPEC" + " §", "DESIGN" + ".md", "shared " + "notes/")
-# The development machine's paths and tool library: nowhere in the code, configs, docs or tools. (Measured files in
-# results/ still record the absolute paths of the machine that wrote them: an open item of issue 29.)
+# The development machine's paths and tool library: nowhere in the repository, results/ included (what benchmarks,
+# runs archives and the report write there names folders with fp4moe.tracking.portable: <repo>/..., $OUT/..., ~/...).
 MACHINE_PATHS = ("/work" + "/", "." + "library/")
+# results/ also names no home folder (the device's $OUT is one). /tmp/ and /opt/ stay: scratch and installed software
+# as tracebacks and logs show them (/tmp/site/megatron, a venv's site-packages, pytest's tmp_path), no checkout or
+# user's files.
+HOME_PATHS = ("/root" + "/", "/home" + "/")
+XZ_MAGIC = b"\xfd7zXZ\x00"
+# torch profiler traces (results/train_proxy/profile_*/*.trace.json.xz, ~200 MB decompressed) are kept byte for byte
+# as the profiler wrote them: their only path is traceName, the folder the trace was written to; rewriting it would
+# add ~9 MB of git objects to change one field.
+RAW_TRACES = ".trace.json.xz"
 # Folders that are never part of the repository's own text when there is no git index to ask (.gitignore's).
 UNTRACKED_DIRS = {".git", ".venv", "mlruns", "__pycache__", ".pytest_cache", ".hypothesis", ".import_linter_cache",
                   "outputs", "multirun", ".whl", ".corpus", "build", "data", "checkpoints", "logs"}
@@ -53,13 +64,26 @@ def tracked_files() -> list[Path]:
         return files
 
 
-def text_of(path: Path) -> str | None:
-    """The file's text, or None for a binary file (a NUL byte) or one that is not there (a deleted, unstaged file)."""
+def text_of(path: Path) -> bytes | None:
+    """The file's text as bytes (an xz file's decompressed), or None for a binary file (a NUL byte) or one that is
+    not there (a deleted, unstaged file). Bytes: large compressed results are searched without decoding them."""
     try:
         data = path.read_bytes()
     except (FileNotFoundError, IsADirectoryError):
         return None
-    return None if b"\0" in data[:8192] else data.decode("utf-8", errors="replace")
+    if data[:6] == XZ_MAGIC:
+        data = lzma.decompress(data)
+    return None if b"\0" in data[:8192] else data
+
+
+def outside_references(rel: str, data: bytes) -> list[str]:
+    """``rel:line: needle`` for each reference outside the repository in ``data`` (the file ``rel``): the project's
+    notes, the development machine's paths, and in results/ a home folder."""
+    needles = OUTSIDE_REFERENCES + MACHINE_PATHS + (HOME_PATHS if rel.startswith("results/") else ())
+    if not any(needle.encode() in data for needle in needles):
+        return []
+    return [f"{rel}:{lineno}: {needle}" for lineno, line in
+            enumerate(data.decode("utf-8", errors="replace").splitlines(), 1) for needle in needles if needle in line]
 
 
 def test_readme_is_short_and_names_the_two_commands():
@@ -98,16 +122,20 @@ def test_link_check_finds_a_broken_link(tmp_path: Path):
 def test_no_tracked_file_points_outside_the_repository():
     offenders = []
     for path in tracked_files():
-        rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("results/") and rel.endswith(".json"):
+        if path.name.endswith(RAW_TRACES):
             continue
         text = text_of(path)
-        if text is None:
-            continue
-        needles = OUTSIDE_REFERENCES + (() if rel.startswith("results/") else MACHINE_PATHS)
-        if not any(needle in text for needle in needles):
-            continue
-        for lineno, line in enumerate(text.splitlines(), 1):
-            offenders += [f"{rel}:{lineno}: {needle}" for needle in needles if needle in line]
-    assert not offenders, "files outside the repository are referenced (say it in docs/ instead):\n" + "\n".join(
-        offenders)
+        if text is not None:
+            offenders += outside_references(path.relative_to(ROOT).as_posix(), text)
+    assert not offenders, ("files or machine folders outside the repository are named (say it in docs/; results/ "
+                           "names them <repo>/..., $OUT/..., ~/...: fp4moe.tracking.portable):\n" + "\n".join(offenders))
+
+
+def test_the_reference_check_reads_compressed_results(tmp_path: Path):
+    """The checker itself: a home folder in an xz-compressed result is found; there, not elsewhere; /tmp/ stays."""
+    packed = tmp_path / "a.json.xz"
+    packed.write_bytes(lzma.compress(b'{"env.FP4MOE_TILES": "/root/out/kernels/k.json",\n "cache": "/tmp/x"}'))
+    text = text_of(packed)
+    assert outside_references("results/a.json.xz", text) == ["results/a.json.xz:1: /root/"]
+    assert outside_references("tests/a.json", text) == []
+    assert outside_references("results/a.md", b"--out <repo>/results/kernels, $OUT/moe_layer") == []

@@ -215,6 +215,22 @@ def test_check_reachable_local_store(tmp_path):
         tracking.check_reachable(f"sqlite:///{blocker / 'mlflow.db'}")
 
 
+def test_portable_names_the_checkout_out_and_home_folders_not_the_machine(tmp_path, monkeypatch):
+    """What goes into results/ names the checkout ``<repo>``, the device's output folder ``$OUT`` and the home ``~``;
+    only whole folders (a sibling ``checkout2`` is not the checkout), other absolute paths stay."""
+    repo, out = tmp_path / "checkout", tmp_path / "checkout" / "out"
+    monkeypatch.setenv("FP4MOE_HOME", str(repo))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("OUT", str(out))
+    text = (f"python -m fp4moe_kernels.bench --out {repo}/results/kernels sqlite:///{out}/mlflow.db "
+            f"{tmp_path}/notes {repo}2/x /elsewhere{repo}/y {repo} /tmp/site")
+    assert tracking.portable(text) == ("python -m fp4moe_kernels.bench --out <repo>/results/kernels "
+                                       "sqlite:///$OUT/mlflow.db ~/notes ~/checkout2/x "
+                                       f"/elsewhere{repo}/y <repo> /tmp/site")
+    monkeypatch.setenv("OUT", "relative/out")   # not a folder of this machine: left alone
+    assert tracking.portable(f"{out}/a relative/out") == "<repo>/out/a relative/out"
+
+
 def test_import_tracking_is_cheap():
     code = "import sys, fp4moe.tracking; print('mlflow' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], env=_env_with_src(), check=True,

@@ -164,3 +164,36 @@ def test_xz_archive_is_the_same_archive_compressed(tmp_path):
     # a damaged archive in a folder is not skipped: importing the folder names it
     assert runs_archive.expand([folder]) == [plain, packed, folder / "broken.json.xz"]
     assert runs_archive.main(["import", str(folder), "--uri", target]) == 2
+
+
+def test_export_names_the_checkout_portably_and_the_store_keeps_its_paths(tmp_path, monkeypatch):
+    """Archives go into results/: the trainer's absolute paths (data, checkpoints, store) become ``<repo>/...`` in
+    params, tags and the note; metrics and the store itself are untouched, and the report still names the corpus build."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param, RunTag
+
+    from fp4moe.report.tables import data_label
+
+    repo = tmp_path / "checkout"
+    monkeypatch.setenv("FP4MOE_HOME", str(repo))
+    uri = f"sqlite:///{tmp_path / 'src.db'}"
+    c = MlflowClient(tracking_uri=uri)
+    r = c.create_run(c.create_experiment("proxy_f5_1gpu"), run_name="f5 mxfp4")
+    prefix = f"{repo}/data/code_docs/hf-f525a8e40ed2/train"
+    c.log_batch(r.info.run_id, params=[Param("data.dataset_prefix", prefix), Param("data.name", "code_docs"),
+                                       Param("tracking.uri", f"sqlite:///{repo}/logs/device/mlflow.db")],
+                tags=[RunTag("recipe", "mxfp4"), RunTag("env.FP4MOE_CKPT_DIR", f"{repo}/checkpoints")],
+                metrics=[Metric("loss", 2.5, 5_000, 1)])
+    out = repo / "results" / "f5.json.xz"
+    runs_archive.export(uri, out, note=f"H200; python -m fp4moe.runs_archive export {repo}/logs/device/mlflow.db")
+    doc = runs_archive.load(out)
+    run = doc["runs"][0]
+    assert doc["note"] == "H200; python -m fp4moe.runs_archive export <repo>/logs/device/mlflow.db"
+    assert run["params"] == {"data.dataset_prefix": "<repo>/data/code_docs/hf-f525a8e40ed2/train",
+                             "data.name": "code_docs", "tracking.uri": "sqlite:///<repo>/logs/device/mlflow.db"}
+    assert run["tags"]["env.FP4MOE_CKPT_DIR"] == "<repo>/checkpoints" and run["tags"]["recipe"] == "mxfp4"
+    assert run["metrics"] == {"loss": [[1, 2.5, 5_000]]}
+    assert str(repo) not in json.dumps(doc)
+    assert data_label(run["params"]) == data_label({"data.dataset_prefix": prefix, "data.name": "code_docs"}) \
+        == "code_docs (hf-f525a8e40ed2)"
+    assert c.get_run(r.info.run_id).data.params["data.dataset_prefix"] == prefix

@@ -353,6 +353,10 @@ def adopt_best(sweep_rows: list[dict]) -> dict:
 
 
 def environment(command: str, commit: str | None) -> dict:
+    """What a benchmark result records about its run: date, commit, GPU, versions and ``command`` (its machine's
+    folders written portably: fp4moe.tracking.portable, e.g. ``--out <repo>/results/kernels``)."""
+    from fp4moe.tracking import portable
+
     def _git():
         try:
             return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
@@ -370,7 +374,7 @@ def environment(command: str, commit: str | None) -> dict:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "command": command,
+        "command": portable(command),
     }
 
 

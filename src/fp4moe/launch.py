@@ -359,10 +359,12 @@ def summary(cell: Cell) -> str:
         data += f"  path: not set (the job needs ${CORPUS_VAR})"
     if sel("data.name") == "user_corpus":
         data += f"  tokenizer: {sel('data.tokenizer.path') or 'not set (a byte-level BPE is trained)'}"
+    label = sel("precision.label")  # a variant of a preset: its own name (fp4moe.recipe.Recipe.tag), then the preset
+    precision = f"{label} ({sel('precision.name')})" if label else sel("precision.name")
     lines = [
         f"task_name: {sel('task_name')}",
         f"model: {sel('model.name')}  params total/active: {d['params_total'] / 1e9:.1f}B / {d['params_active'] / 1e9:.1f}B",
-        f"precision: {sel('precision.name')}  recompute: {sel('recompute.name')} ({sel('recompute.paper_label')})",
+        f"precision: {precision}  recompute: {sel('recompute.name')} ({sel('recompute.paper_label')})",
         f"cluster: {sel('cluster.name')}  {sel('cluster.nodes')} nodes x {sel('cluster.gpus_per_node')} = "
         f"world {d['world_size']}  time limit {sel('cluster.time_limit_min')} min",
         f"parallel: TP{p.tensor} PP{p.pipeline} CP{p.context} EP{p.expert} DP{p.data}  micro {p.micro_batch} "

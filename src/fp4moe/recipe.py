@@ -27,6 +27,10 @@ Decisions where the paper is silent:
 * ``scope`` says which linears the FP8 compute *and* the FP4 storage cover (``applies_to``); linears outside it
   run in BF16. Presets use 'experts+shared' (the whole MoE layer, as in the paper's T2 "all MoE" row).
 * ``scale_rule`` is the MXFP4 UE8M0 scale rule (docs/formats.md): 'ceil' (default, never clips) or 'floor' (OCP MX).
+* ``label`` is what results call a variant of a preset (``tag``: the trainer's MLflow tag ``recipe``, by which the
+  report groups runs): conf/precision/mxfp4_mlp_shared.yaml is ``name: mxfp4`` (its kernels, its memory) with
+  ``label: mxfp4_mlp_shared``, so its runs never share a row with the paper's mxfp4. A label may not be another
+  preset's name.
 """
 from __future__ import annotations
 
@@ -78,6 +82,8 @@ class Recipe:
     scope: str = "experts+shared"
     # MXFP4 UE8M0 scale rule: 'ceil' (2**ceil(log2(amax/6)), nothing clips) or 'floor' (OCP MX, may clip).
     scale_rule: str = "ceil"
+    # What results call this recipe when it is a variant of its preset (``tag``); empty: ``name``.
+    label: str = ""
 
     def __post_init__(self):
         _check_choice("name", self.name, NAMES)
@@ -89,6 +95,13 @@ class Recipe:
             " (gradients are never FP4: docs/recipe.md)" if self.backward_a2a in ("fp4", "mxfp4") else ""))
         _check_choice("scope", self.scope, SCOPES)
         _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
+        if not isinstance(self.label, str) or any(ch.isspace() for ch in self.label):
+            raise RecipeError(f"label must be a word (the name results give this recipe), got {self.label!r}")
+        if self.label in NAMES and self.label != self.name:
+            raise RecipeError(
+                f"label={self.label!r} with name={self.name!r} would put this recipe's runs with the {self.label} "
+                f"preset's: give the variant its own label (e.g. its precision file's name), or set name: {self.label}"
+            )
         on = [k for k in FP4_SWITCHES if getattr(self, k)]
         if self.name != "mxfp4" and on:
             raise RecipeError(
@@ -157,6 +170,12 @@ class Recipe:
         return dataclasses.replace(cls.preset(name), **cfg)
 
     # ------------------------------------------------------------------------------------------ queries
+
+    @property
+    def tag(self) -> str:
+        """The recipe's name in results (the trainer's MLflow tag and param ``recipe``; the report groups by it):
+        ``label``, else ``name``."""
+        return self.label or self.name
 
     @property
     def fp8_compute(self) -> bool:

@@ -10,6 +10,9 @@ param and tag, and every metric's full history ``[[step, value, timestamp_ms], .
 hardware, commit, command) and ``exported_utc``. STORE is a tracking URI, a ``.db`` file or a folder holding
 ``mlflow.db``; several stores go into one archive (runs that shared a machine but not a store, e.g. one seed's
 recipes run at once). Export refuses a store with no runs (nothing would be archived) and writes atomically.
+Archives go into results/, so export writes the param and tag values and the note with the machine's folders
+named portably (``fp4moe.tracking.portable``: ``/path/to/checkout/data/...`` -> ``<repo>/data/...``, ``$OUT``, ``~``);
+the store keeps what the trainer logged. Metrics are copied as they are.
 
 OUT ending in ``.json.xz`` is written xz-compressed (compact JSON): a 300 M-token run logs ~40 series of 2289 steps,
 9 MB as indented JSON and 0.5 MB compressed. Every command here reads both kinds; a folder stands for both.
@@ -55,7 +58,8 @@ class ArchiveError(ValueError):
 def export(store: str | os.PathLike | Sequence[str | os.PathLike], out: str | os.PathLike, note: str,
            experiments: Sequence[str] | None = None) -> int:
     """Write every run of ``store`` (one, or a sequence of stores; only ``experiments`` when given) to ``out``;
-    returns the number of runs. Every store must hold runs: a missing or empty one is an error, nothing written."""
+    returns the number of runs. Every store must hold runs: a missing or empty one is an error, nothing written.
+    Param and tag values and ``note`` name folders portably (``<repo>/...``; fp4moe.tracking.portable)."""
     if not Path(out).name.endswith(SUFFIXES):  # a folder's archives are found by these names only
         raise ArchiveError(f"{out}: an archive's name ends in .json, or .json.xz to write it xz-compressed")
     stores = [store] if isinstance(store, (str, os.PathLike)) else list(store)
@@ -63,8 +67,12 @@ def export(store: str | os.PathLike | Sequence[str | os.PathLike], out: str | os
         raise ArchiveError("no store to export: name at least one tracking URI, .db file or folder")
     runs = [run for s in stores for run in _runs_of(s, experiments)]
     runs.sort(key=lambda r: (r["experiment"], r["start_time"] or 0, r["run_id"]))
-    doc = {"format": FORMAT, "exported_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "note": note,
-           "runs": runs}
+    portable = tracking.portable_paths()
+    for run in runs:
+        for kind in ("params", "tags"):
+            run[kind] = {k: portable(v) for k, v in run[kind].items()}
+    doc = {"format": FORMAT, "exported_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "note": portable(note), "runs": runs}
     _write(doc, Path(out))
     return len(runs)
 

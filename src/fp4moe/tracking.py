@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 import os
 import platform
+import re
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlparse, urlsplit, urlunsplit
@@ -46,6 +47,29 @@ def repo_root() -> Path:
             if (folder / "pyproject.toml").is_file():
                 return folder
     return Path.cwd().resolve()
+
+
+def portable(text: str) -> str:
+    """``text`` (a path, command line, URI or note) with this machine's folders named the same on every machine: the
+    repository root as ``<repo>``, ``$OUT`` (the device tools' output folder, when set) as ``$OUT``, the home folder as
+    ``~`` (the longest first: a checkout under the home folder is ``<repo>``). Whatever goes into results/
+    (benchmark commands, runs archives, the report) goes through this; tests/test_docs.py checks results/."""
+    return portable_paths()(text)
+
+
+def portable_paths() -> Callable[[str], str]:
+    """``portable`` with the machine's folders looked up once (for many values: an archive's params and tags)."""
+    roots: dict[str, str] = {}
+    for folder, label in ((os.path.expanduser("~"), "~"), (os.environ.get("OUT", ""), "$OUT"),
+                          (str(repo_root()), "<repo>")):
+        if os.path.isabs(folder):  # a relative $OUT names no folder of this machine
+            for form in {os.path.abspath(folder), os.path.realpath(folder)}:
+                if form != os.sep:
+                    roots[form.rstrip(os.sep)] = label
+    # a whole folder only (not /srv/repo inside /srv/repo2 or /x/srv/repo), the longest first
+    pattern = re.compile("|".join(rf"(?<![\w.-]){re.escape(root)}(?![\w.-])"
+                                  for root in sorted(roots, key=len, reverse=True)))
+    return lambda text: pattern.sub(lambda m: roots[m.group(0)], text) if roots else text
 
 
 def tracking_uri() -> str:

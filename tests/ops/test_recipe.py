@@ -68,6 +68,9 @@ def test_dispatch_fp4_without_expert_input_fp4_is_allowed():
         ({"name": "mxfp4", "save_fp4": "yes"}, ["save_fp4", "true or false"]),
         ({"name": "mxfp4", "dispatch_fp4": False, "expert_input_fp4": False, "save_fp4": False,
           "activation_fp4_store": False, "recompute_cache_fp4": False}, ["is the fp8 recipe", "name: fp8"]),
+        ({"name": "mxfp4", "dispatch_fp4": False, "label": "fp8"},
+         ["label='fp8'", "name='mxfp4'", "with the fp8 preset's", "its own label"]),
+        ({"name": "mxfp4", "label": "mlp shared"}, ["label must be a word", "'mlp shared'"]),
     ],
 )
 def test_invalid_configs_name_the_key_and_the_fix(cfg, words):
@@ -76,6 +79,17 @@ def test_invalid_configs_name_the_key_and_the_fix(cfg, words):
     for w in words:
         assert w in str(info.value), (w, str(info.value))
     assert isinstance(info.value, ValueError)
+
+
+def test_tag_is_the_label_of_a_variant_else_the_name():
+    """What results call a recipe: a preset (or one given no label) by its name, a labelled variant by its label,
+    which may repeat its own name but is kept through to_dict / from_config."""
+    assert [Recipe.preset(n).tag for n in ("bf16", "fp8", "mxfp4")] == ["bf16", "fp8", "mxfp4"]
+    assert Recipe.from_config({"name": "mxfp4", "save_fp4": False}).tag == "mxfp4"
+    v = Recipe.from_config({"name": "mxfp4", "label": "mxfp4_mlp_shared", "dispatch_fp4": False})
+    assert (v.name, v.tag, v.fp8_compute) == ("mxfp4", "mxfp4_mlp_shared", True)
+    assert Recipe.from_config(v.to_dict()) == v and v != dataclasses.replace(v, label="")
+    assert Recipe.from_config({"name": "fp8", "label": "fp8"}).tag == "fp8"
 
 
 def test_direct_construction_is_validated_too():

@@ -422,3 +422,35 @@ def test_f3_targets_are_ours_per_kernel():
     assert f3_target({"kernel": "bf16_to_fp8_col", "vs_torchao": 0.95}) == "faster than torchao: missed"
     assert f3_target({"kernel": "bf16_to_fp8_row", "vs_torchao": 1.2}) == "faster than torchao: met"
     assert f3_target({"kernel": "swiglu", "pct_copy": 10.0}) == "-"
+
+
+def test_a_variant_of_a_preset_is_its_own_recipe_in_every_table():
+    """T2's mxfp4_mlp_shared is ``name: mxfp4`` (the mxfp4 kernels and memory model) with its own label, which the
+    trainer tags its runs with (``Recipe.tag``): T1's mxfp4 cell stays the full recipe's run though the variant ran
+    after it, the variant gets its own row, and F5 compares each with bf16 on its own."""
+    from omegaconf import OmegaConf
+
+    from fp4moe.recipe import Recipe
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import f5_rows, measured_cell, setup_of, t1_rows
+
+    recipes = {f: Recipe.from_config(OmegaConf.load(ROOT / "conf" / "precision" / f"{f}.yaml"))
+               for f in ("bf16", "mxfp4", "mxfp4_mlp_shared")}
+    assert recipes["mxfp4_mlp_shared"].name == recipes["mxfp4"].name == "mxfp4"
+    params = {"parallel.tensor": "1", "parallel.pipeline": "1", "parallel.expert": "1", "parallel.data": "1",
+              "parallel.micro_batch": "8", "parallel.seq_length": "4096", "parallel.global_batch": "8",
+              "train.steps": "16", "train.seed": "1234", "data.name": "shakespeare"}
+    runs = [RunRecord(f, "proxy_t2_1gpu", f, "FINISHED", i, dict(params, **{"precision.name": r.name}),
+                      {"summary/tgs_median": 100.0 + 10 * i, "summary/final_loss": 3.0 + i / 100,
+                       "summary/final_eval_loss": 3.0 + i / 100},
+                      {"model": "proxy_h200", "hardware": "1 x NVIDIA H200", "world_size": "1", "recipe": r.tag,
+                       "recompute": "attn_block_ln_experts"})
+            for i, (f, r) in enumerate(recipes.items())]
+    cell = measured_cell(runs, setup_of(runs[0]), "attn_block_ln_experts", "mxfp4")
+    assert (cell["run_id"], cell["tgs"]) == ("mxfp4", 110.0)
+    rows, _ = t1_rows([], runs, None, "secondary-summary", 80.0)
+    measured = {r["recipe"]: r["tgs"] for r in rows if r["source"] == "measured"}
+    assert measured == {"bf16": 100.0, "mxfp4": 110.0, "mxfp4_mlp_shared": 120.0}
+    f5 = f5_rows(runs, lambda run_id, key: [], {"mxfp4": 0.61})
+    assert [(r["recipe"], r["run_id"], r["paper_dev_pct"]) for r in f5] == [
+        ("bf16", "bf16", 0.0), ("mxfp4", "mxfp4", 0.61), ("mxfp4_mlp_shared", "mxfp4_mlp_shared", None)]

@@ -84,10 +84,15 @@ def test_allocator_gap_scales_with_tokens_times_hidden():
 
 # ---------------------------------------------------------------------------------------------- the tool
 
-def test_tool_dry_run_writes_an_unmeasured_document(tmp_path, capsys):
-    assert tool.main(["--dry-run", "--out", str(tmp_path), "--micro-batches", "8,16"]) == 0
+def test_tool_dry_run_writes_an_unmeasured_document(tmp_path, capsys, monkeypatch):
+    argv = ["--dry-run", "--out", str(tmp_path), "--micro-batches", "8,16"]
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", [str(tool.ROOT / "tools/device/measure_outside_torch.py"), *argv])
+    assert tool.main(argv) == 0
     doc = json.loads((tmp_path / tool.OUT_NAME).read_text())
     assert doc["format"] == ot.FORMAT and doc["dry_run"] is True and doc["training"] == []
+    # the command line as results/scale/ keeps it: no machine's folders
+    assert doc["command"] == "<repo>/tools/device/measure_outside_torch.py --dry-run --out $OUT --micro-batches 8,16"
     assert len(doc["plan"]) == 4 + 2 * 2 * 2   # context, NCCL x 3; 2 allocator settings x 2 cells x 2 micro-batches
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in doc["plan"][-1]
     assert "dry run: no GPU touched" in capsys.readouterr().out

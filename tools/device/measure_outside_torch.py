@@ -51,6 +51,16 @@ ALLOC_CONFS = {"default": None, "expandable_segments": "expandable_segments:True
 LAB_NCCL = {"NCCL_MIN_NCHANNELS": "32"}   # the lab's run_dlc_e2e.sh (sister artifact)
 
 
+def portable(text: str) -> str:
+    """``text`` with the machine's folders as ``<repo>``, ``$OUT`` and ``~`` (fp4moe.tracking.portable, imported from
+    this checkout's src/; the rest of the script needs no package): the document goes into results/scale/."""
+    if str(ROOT / "src") not in sys.path:
+        sys.path.insert(0, str(ROOT / "src"))
+    from fp4moe.tracking import portable as portable_text
+
+    return portable_text(text)
+
+
 # ---------------------------------------------------------------------------------------------- nvidia-smi
 
 def _smi(*query: str) -> list[list[str]]:
@@ -186,10 +196,11 @@ def _run_child(kind: str, gpu_uuids: list[str], env: dict | None = None) -> dict
         try:
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         except subprocess.TimeoutExpired:
-            return {"error": "timed out after 300 s", "command": cmd}
+            return {"error": "timed out after 300 s", "command": portable(shlex.join(cmd))}
         results = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("child.json*"))]
         if r.returncode or not results:
-            return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:] or ''}", "command": cmd}
+            return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:] or ''}",
+                    "command": portable(shlex.join(cmd))}
         if nproc == 1:
             return results[0]
         return {"ranks": results, "communicator_bytes": max(x["communicator_bytes"] for x in results),
@@ -252,7 +263,7 @@ def training_run(uuid: str, recipe: str, scope: str, micro_batch: int, steps: in
         done.set()
         t.join()
         run = {"recipe": recipe, "scope": scope, "micro_batch": micro_batch, "alloc_conf": alloc or "unset",
-               "returncode": proc.returncode, "command": " ".join(shlex.quote(c) for c in cmd),
+               "returncode": proc.returncode, "command": portable(shlex.join(cmd)),
                "smi_peak_device_bytes": peak["device"] * MiB,
                "smi_peak_process_bytes": peak["process"] * MiB or None}
         if not db.is_file():
@@ -314,7 +325,7 @@ def plan(n_gpus: int, cells: list[tuple[str, str]], micro_batches: list[int], st
 def measure(args, cells: list[tuple[str, str]], micro_batches: list[int]) -> dict:
     start = time.monotonic()
     doc: dict = {"format": FORMAT, "date": dt.date.today().isoformat(), "commit": _commit(),
-                 "command": " ".join(shlex.quote(a) for a in sys.argv), "dry_run": bool(args.dry_run)}
+                 "command": portable(shlex.join(sys.argv)), "dry_run": bool(args.dry_run)}
     visible = [] if args.dry_run else gpus()
     doc["gpus"] = visible
     doc["gpu"] = visible[0]["name"] if visible else None

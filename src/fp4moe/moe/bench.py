@@ -56,6 +56,7 @@ from ..ops.grouped_experts import expert_saved_bytes, gemm_backend, quantize_exp
 from ..ops.weight_cache import CACHE as WEIGHT_CACHE
 from ..ops.weight_cache import enabled_for
 from ..recipe import Recipe
+from ..tracking import portable
 from .layer import MoELayer
 
 RECIPES = ("bf16", "fp8", "mxfp4")
@@ -538,6 +539,7 @@ def main(argv=None) -> dict:
     cmd = " ".join(["python -m fp4moe.moe.bench"] + list(sys.argv[1:] if argv is None else argv))
     if world > 1:
         cmd = f"python -m torch.distributed.run --nproc-per-node {world} -m fp4moe.moe.bench " + cmd.split(" ", 3)[-1]
+    cmd = portable(cmd)  # <repo>/..., $OUT/...: no machine's folders in results/
     doc = {
         "env": {"date": datetime.date.today().isoformat(), "commit": _commit(args.commit), "gpu": _gpu_name(dev),
                 "world_size": world, "torch": torch.__version__, "python": platform.python_version(),

@@ -2,7 +2,8 @@
 
 Every file is written atomically (a temporary file in the same folder, then ``os.replace``). The output depends
 only on the store, numbers.yaml and the code: no clock time, store paths under the repository shown relative to
-it, so a rerun on the same store rewrites the same bytes. Report files of earlier runs that this run does not
+it (others without the machine's home or output folder: fp4moe.tracking.portable), so a rerun on the same store
+rewrites the same bytes. Report files of earlier runs that this run does not
 produce (a plot without data) are removed; other files in the folder are left alone.
 """
 from __future__ import annotations
@@ -52,18 +53,20 @@ class Report:
 
 
 def _store_label(uri: str) -> str:
-    from fp4moe.tracking import repo_root
+    """The store as the report names it: a path in the repository relative to it; elsewhere, the URI without
+    credentials and with the machine's folders named portably (``~/...``: fp4moe.tracking.portable)."""
+    from fp4moe.tracking import portable, repo_root
 
     if uri.startswith("sqlite:///"):
         path = Path(uri.removeprefix("sqlite:///"))
         try:
             return f"sqlite `{path.resolve().relative_to(repo_root())}` (in this repository)"
         except ValueError:
-            return f"`{uri}`"
+            return f"`{portable(uri)}`"
     parts = urlsplit(uri)
     if parts.username or parts.password:  # never print credentials
         uri = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
-    return f"`{uri}`"
+    return f"`{portable(uri)}`"
 
 
 def build_report(where: str | os.PathLike | None = None, *, with_model: bool = True,

@@ -42,6 +42,7 @@ from omegaconf import OmegaConf
 
 from fp4moe import slurm, tracking
 from fp4moe.config import ConfigError, check
+from fp4moe.recipe import Recipe
 from fp4moe.train import data as data_mod
 from fp4moe.train.dist import (barrier, check_supported, init_distributed, init_model_parallel, teardown,
                                warm_up_communicators)
@@ -491,18 +492,19 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     params = flatten({k: v for k, v in resolved.items() if k != "hydra"})
     params["tracking.uri"] = tracking.without_credentials(resolve_uri(cfg))
     params.update({f"derived.{k}": str(v) for k, v in derived.items()})
-    params.update({"recipe": str(cfg.precision.name), "git_commit": tracking.environment_tags()["mlflow.source.git.commit"],
+    recipe = Recipe.from_config(cfg.precision).tag  # a preset's name, or a variant's label (mxfp4_mlp_shared)
+    params.update({"recipe": recipe, "git_commit": tracking.environment_tags()["mlflow.source.git.commit"],
                    "data.vocab_size_tokenizer": str(dinfo.get("vocab_size")),
                    "data.train_tokens": str(dinfo.get("train_tokens")), "data.valid_tokens": str(dinfo.get("valid_tokens")),
                    "data.tokenizer_path": str(dinfo.get("tokenizer_path")),
                    "data.dataset_prefix": str(dinfo.get("dataset_prefix"))})
     tags = hardware_tags(device, info.world_size, info.launcher)
-    tags.update({"recipe": str(cfg.precision.name), "recompute": str(cfg.recompute.name), "model": str(cfg.model.name),
+    tags.update({"recipe": recipe, "recompute": str(cfg.recompute.name), "model": str(cfg.model.name),
                  "optimizer": setting.name,
                  "checkpoint_dir": str(root), **slurm.job_tags()})
     extra = OmegaConf.select(cfg, "tracking.tags", default=None) or {}  # the caller's own (e.g. fp4moe.reproduce_runs)
     tags.update({str(k): str(v) for k, v in extra.items()})
-    run_name = f"{cfg.get('task_name', 'train')}/{cfg.model.name}/{cfg.precision.name}/{cfg.recompute.name}"
+    run_name = f"{cfg.get('task_name', 'train')}/{cfg.model.name}/{recipe}/{cfg.recompute.name}"
     tracker.start(run_name, params, tags, resume_run_id=run_id)
     result = TrainResult(run_id=tracker.run_id, start_step=start_step, step=step, total_steps=int(derived["steps"]))
     if info.world_size > 1:  # every rank learns the run id (it goes into every checkpoint's meta via rank 0 only)
@@ -544,7 +546,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     if info.is_main and bool(t.get("progress_bar", True)):
         from tqdm import tqdm
 
-        bar = tqdm(total=total_steps, initial=step, desc=f"train {cfg.precision.name}", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=total_steps, initial=step, desc=f"train {recipe}", unit="step", dynamic_ncols=True)
     status = "FAILED"
     last_saved = last_eval = -1
     params = list(model.parameters())
@@ -681,7 +683,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             import json
 
             out = {"run_id": result.run_id, "step": step, "total_steps": total_steps, "stopped_by": result.stopped_by,
-                   "recipe": str(cfg.precision.name), "recompute": str(cfg.recompute.name),
+                   "recipe": recipe, "recompute": str(cfg.recompute.name),
                    "checkpoint": str(result.checkpoint) if result.checkpoint else None, **summary}
             Path(output_dir, "summary.json").write_text(json.dumps(out, indent=1))
         status = "KILLED" if result.stopped_by else "FINISHED"

@@ -6,7 +6,7 @@ checked with ``fp4moe.tracking.check_reachable`` before anything is built. A res
 whose id its checkpoint holds.
 
 - params: the resolved config flattened to dotted keys (lists as JSON), ``derived.*`` (fp4moe.config.derived),
-  ``recipe`` (precision.name), ``git_commit``.
+  ``recipe`` (the recipe's name in results, ``Recipe.tag``: precision.label or precision.name), ``git_commit``.
 - tags: hardware, device, world size, launcher, torch / megatron-core / triton / CUDA versions, git state.
 - metrics, step = optimizer update (1-based): ``loss`` (LM cross entropy, nats/token, mean over the global batch),
   ``lr``, ``grad_norm`` (before clipping), ``step_time_s``, ``tokens_per_gpu_per_s`` (measured steps only: the
