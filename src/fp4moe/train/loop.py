@@ -639,6 +639,11 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
         if eval_every and not result.stopped_by and last_eval != step and step > start_step:
             result.eval_losses[step] = _evaluate(model, valid_ds, cfg, derived, info, pos)
             tracker.log(step, {"eval_loss": result.eval_losses[step]})
+        if start_step and not result.stopped_by and last_saved != step and step > start_step:
+            # a resumed run ends with a checkpoint, train.checkpoint_interval or not: the same command then finds
+            # it finished, not its stop's checkpoint to train the rest from again into the finished MLflow run
+            save()
+            last_saved = step
         summary = meter.summary()
         for key in ("summary/peak_mem_allocated_gb", "summary/peak_mem_reserved_gb", "summary/peak_mem_pct"):
             if key in summary and info.world_size > 1:  # the largest over the GPUs
