@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # What must import without torch (the forbidden contract "torch-free" lists the same modules).
 TORCH_FREE_PACKAGES = ("fp4moe.scale", "fp4moe.report")
 TORCH_FREE_MODULES = ("fp4moe.paper", "fp4moe.recipe", "fp4moe.config", "fp4moe.atomic_write", "fp4moe.tracking",
-                      "fp4moe.bench_log", "fp4moe.layer_bench_log", "fp4moe.runs_archive", "fp4moe_kernels.sizes")
+                      "fp4moe.bench_log", "fp4moe.layer_bench_log", "fp4moe.runs_archive", "fp4moe.run_folder",
+                      "fp4moe_kernels.sizes")
 
 
 def lint_imports(src: Path, kernels: Path) -> subprocess.CompletedProcess:

@@ -326,8 +326,8 @@ def test_plain_sbatch_template_requeues_at_the_time_limit_and_resumes(store, sba
 
     history = mlflow.MlflowClient(uri).get_metric_history(run["run_id"], "loss")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
-    # the Hydra run dir is pinned to the job id, so every attempt used one checkpoint folder
-    (ckpt,) = folder.glob(f"logs/sbatch/slurm-{job_id}/checkpoints")
+    # the run folder is the config's (fp4moe.run_folder), so every attempt used one checkpoint folder
+    (ckpt,) = folder.glob("logs/*/runs/*/checkpoints")
     meta = json.loads((ckpt / f"step_{STEPS:07d}" / "meta.json").read_text())
     assert meta["mlflow_run_id"] == run["run_id"] and meta["step"] == STEPS
 

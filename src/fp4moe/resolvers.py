@@ -6,6 +6,9 @@
 ``${fp4moe.dirname:<text>}``: ``text`` as one path component: kept when short, else its first 80 characters and a
 12-digit hash of the whole (a multirun cell's ``override_dirname`` grows past the file-name limit of 255 bytes).
 
+``${fp4moe.run_name:}``: the trainer's run folder name, ``<model>-<precision>-<recompute>-<hash of the config>``
+(fp4moe.run_folder: the same config gives the same folder, so the same command resumes a stopped run).
+
 ``${fp4moe.export_lines:${cluster.env}}`` and ``${fp4moe.sbatch_value:<value>}``: a launcher profile's ``export``
 lines, shell-quoted, and its ``#SBATCH`` values, refused when they hold a line break (fp4moe.shell).
 """
@@ -39,6 +42,10 @@ def register() -> None:
         OmegaConf.register_new_resolver("fp4moe.requeue_flags", requeue_flags)
     if not OmegaConf.has_resolver("fp4moe.dirname"):
         OmegaConf.register_new_resolver("fp4moe.dirname", dirname)
+    if not OmegaConf.has_resolver("fp4moe.run_name"):
+        from fp4moe import run_folder
+
+        OmegaConf.register_new_resolver("fp4moe.run_name", run_folder.resolver)
     from fp4moe import shell
 
     if not OmegaConf.has_resolver("fp4moe.export_lines"):

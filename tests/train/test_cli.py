@@ -4,7 +4,9 @@ same MLflow run; two processes (torchrun, DP=2) train like one."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -74,50 +76,147 @@ def test_unreachable_mlflow_server(tmp_path):
     assert "Traceback" not in r.stderr and "step" not in r.stderr  # nothing trained
 
 
-def test_ctrl_c_checkpoints_then_the_run_resumes(tmp_path, monkeypatch):
+@pytest.fixture
+def app(monkeypatch, capsys):
+    """``app(*overrides)``: the command ``python tests/train/cli.py *overrides`` run in this process (its Hydra app,
+    ``fp4moe.train.__main__.main``); returns (exit status, stdout, stderr). Hydra's global state and the logging
+    handlers its job installs are undone after each call."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from fp4moe.train.__main__ import main
+
+    root = logging.getLogger()
+
+    def run(*overrides):
+        handlers, level = root.handlers[:], root.level
+        monkeypatch.setattr(sys, "argv", [str(HERE / "cli.py"), *overrides])
+        code = 0
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code
+        finally:
+            GlobalHydra.instance().clear()
+            for h in root.handlers[:]:
+                if h not in handlers:
+                    root.removeHandler(h)
+                    h.close()
+            root.handlers[:], root.level = handlers, level
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_ctrl_c_checkpoints_then_the_same_command_resumes(tmp_path, monkeypatch, app):
     """SIGINT (Ctrl-C) to the command: checkpoint at the next step, exit 130 (128 + 2, as SIGTERM gives 143: the same
-    path, tests/train/test_train.py), and say how to resume. The same overrides then resume it (in this process, to
-    save a second interpreter start) into the same MLflow run."""
-    from hydra import compose, initialize_config_dir
+    path, tests/train/test_train.py), and print the command that resumes: the same one, since the run's folder
+    (logs/train/runs/<model>-<precision>-<recompute>-<hash of the config>, fp4moe.run_folder) and its checkpoints
+    are found again. Then, in this process (one interpreter start less), the same command resumes into the same
+    folder and MLflow run; with an override that does not change the run (the progress bar) it finds the run
+    finished and exits 0 without training or logging; with train.resume=false it refuses in one line."""
     from mlflow import MlflowClient
 
-    from fp4moe.train.loop import train
-
-    overrides = ["train=short_cpu", "train.steps=8", "train.checkpoint_interval=2", "train.eval_interval=null",
-                 f"train.checkpoint_dir={tmp_path / 'ckpt'}"]
+    overrides = ["train=short_cpu", "precision=bf16", "parallel.global_batch=2", "parallel.seq_length=64",
+                 "train.steps=6", "train.checkpoint_interval=2", "train.eval_interval=null"]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
-    cmd = [sys.executable, str(HERE / "cli.py"), *overrides, f"hydra.run.dir={tmp_path / 'out'}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first = tmp_path / "ckpt" / "train" / "step_0000002"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("FP4MOE_CKPT_DIR", raising=False)
+    monkeypatch.delenv("FP4MOE_ROOT", raising=False)
+    cmd = [sys.executable, str(HERE / "cli.py"), *overrides]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    runs = tmp_path / "logs" / "train" / "runs"
     deadline = time.monotonic() + 120
-    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not list(runs.glob("*/checkpoints/step_0000002")) and proc.poll() is None \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "stopped by signal 2" in out + err and "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert "Ctrl-C again aborts" in err and "to resume, rerun the same command" in out + err
-    stopped = max(int(p.name.split("_")[1]) for p in (tmp_path / "ckpt" / "train").glob("step_*"))
-    assert 2 <= stopped < 8
+    assert "Ctrl-C again aborts" in err and f"to resume: {shlex.join(cmd)}\n" in out + err
+    (folder,) = runs.iterdir()
+    assert folder.name.startswith("tiny_cpu-bf16-none-")
+    ckpts = folder / "checkpoints"
+    stopped = max(int(p.name.split("_")[1]) for p in ckpts.glob("step_*"))
+    assert 2 <= stopped < 6
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs(client.get_experiment_by_name("train").experiment_id)
     assert run.info.status == "KILLED" and run.data.tags["stopped_by_signal"] == "2"
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    summary = json.loads((folder / "summary.json").read_text())
     assert summary["stopped_by"] == 2 and summary["step"] == stopped and summary["run_id"] == run.info.run_id
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    r = train(cfg)
-    assert r.start_step == stopped and r.step == 8 and r.run_id == run.info.run_id
-    finished = client.get_run(r.run_id)
+    monkeypatch.chdir(tmp_path)  # the command's folder: paths.root is "."
+    code, out, err = app(*overrides)
+    assert code == 0, err[-3000:]
+    assert list(runs.iterdir()) == [folder]
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["step"] == 6 and summary["stopped_by"] == 0 and summary["run_id"] == run.info.run_id
+    finished = client.get_run(run.info.run_id)
     assert finished.info.status == "FINISHED" and finished.data.tags["resume.count"] == "1"
     # how it ended (finished) is not contradicted by the earlier stop, which stays in the resume history
     assert "stopped_by_signal" not in finished.data.tags and finished.data.tags["resume.stopped_by_signals"] == "2"
-    steps = sorted(m.step for m in client.get_metric_history(r.run_id, "loss"))
-    assert steps == list(range(1, 9))
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss"))
+    assert steps == list(range(1, 7))
+    assert f"resumed from {ckpts / f'step_{stopped:07d}'}" in out
+
+    code, out, err = app(*overrides, "train.progress_bar=false")
+    assert code == 0, err[-3000:]
+    assert list(runs.iterdir()) == [folder]
+    assert f"already finished at step 6/6 (checkpoint {ckpts / 'step_0000006'}); nothing to train" in out
+    assert "done:" not in out + err
+    assert client.get_run(run.info.run_id).data.metrics == finished.data.metrics
+    assert len(client.search_runs(client.get_experiment_by_name("train").experiment_id)) == 1
+
+    code, out, err = app(*overrides, "train.resume=false")
+    assert code == 2 and list(runs.iterdir()) == [folder]
+    assert [ln for ln in err.splitlines() if ln.startswith("fp4moe.train")] == [
+        f"fp4moe.train: ConfigError: train.resume=false but {ckpts} holds checkpoints (step_0000006, "
+        f"step_0000004): remove them, set train.checkpoint_dir elsewhere, or resume"], err
+    assert "Traceback" not in err
+
+
+def test_the_resume_command_adds_the_folder_only_where_the_same_command_would_not_find_it(tmp_path, monkeypatch):
+    """The stop message's command: the run folder (fp4moe.run_folder) and a fixed hydra.run.dir are found again by
+    the same command; a folder set with a resolver whose value changes (a timestamp) is added as hydra.run.dir, a
+    multirun's timestamped sweep folder as hydra.sweep.dir, and only where the checkpoints are in it. Under
+    torchrun or Slurm the command is not this process's: 'rerun the same command'."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from fp4moe.train import __main__ as cli
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        default = compose("train", overrides=["train=short_cpu"], return_hydra_config=True)
+        fixed = compose("train", overrides=["train=short_cpu", "hydra.run.dir=/runs/mine"], return_hydra_config=True)
+        timed = compose("train", overrides=["train=short_cpu", "hydra.run.dir=logs/${now:%H-%M-%S}"],
+                        return_hydra_config=True)
+    out = str(tmp_path / "out")
+    assert cli._refind(default.hydra, False, out) is None and cli._refind(fixed.hydra, False, out) is None
+    assert cli._refind(timed.hydra, False, out) == f"hydra.run.dir={out}"
+    assert cli._refind(timed.hydra, False, "/a b,c") == "hydra.run.dir='/a b,c'"  # quoted for Hydra's parser
+    with open_dict(default.hydra):
+        default.hydra.job.num, default.hydra.job.override_dirname = 3, "precision=bf16"
+    cell = tmp_path / "multiruns" / "2026-12-03_10-00-00" / "3_precision=bf16"
+    assert cli._refind(default.hydra, True, str(cell)) == f"hydra.sweep.dir={cell.parent}"
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("FP4MOE_CKPT_DIR", raising=False)
+    monkeypatch.setattr(sys, "argv", [cli.__file__, "train=short_cpu", "hydra.run.dir=logs/${now:%H-%M-%S}"])
+    python = (getattr(sys, "orig_argv", None) or [sys.executable])[0]
+    refind = f"hydra.run.dir={out}"
+    assert cli._resume_hint(timed, out, refind) == \
+        f"to resume: {python} -m fp4moe.train train=short_cpu hydra.run.dir={out}"
+    assert cli._resume_hint(default, out, None) == \
+        f"to resume: {python} -m fp4moe.train train=short_cpu 'hydra.run.dir=logs/${{now:%H-%M-%S}}'"
+    with open_dict(timed):
+        timed.train.checkpoint_dir = str(tmp_path / "ckpt")  # absolute: found again whatever the Hydra folder
+    assert "hydra.run.dir=" + out not in cli._resume_hint(timed, out, refind)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert cli._resume_hint(default, out, refind) == f"to resume, rerun the same command with {refind}"
 
 
 def test_two_processes_data_parallel_equal_one_process(tmp_path, monkeypatch):

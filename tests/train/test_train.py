@@ -140,6 +140,28 @@ def test_stop_by_signal_and_kill_then_resume_give_the_same_losses(tmp_path, stor
     assert _history(client, c2.run_id, "loss") == a.losses    # step 3 logged twice, with the same value
 
 
+def test_a_resumed_run_ends_with_a_checkpoint_so_that_it_is_found_finished(tmp_path, store):
+    """train.checkpoint_interval=null (checkpoints on a signal only): a run stopped at step 1 and resumed ends with a
+    checkpoint at its last step, so the same config again finds it finished (before, it resumed from the stop's
+    checkpoint and trained steps 2-3 again into the finished MLflow run)."""
+    from fp4moe.train.loop import train
+
+    common = ["precision=bf16", "parallel.global_batch=2", "parallel.seq_length=64", "train.steps=3",
+              "train.checkpoint_interval=null", "train.eval_interval=null"]
+
+    def sigterm_at_1(step, metrics):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    stopped = train(_compose(tmp_path, *common), after_step=sigterm_at_1)
+    assert stopped.stopped_by == signal.SIGTERM and stopped.checkpoint.name == "step_0000001"
+    resumed = train(_compose(tmp_path, *common))
+    assert resumed.start_step == 1 and resumed.step == 3 and resumed.checkpoint.name == "step_0000003"
+    again = train(_compose(tmp_path, *common))
+    assert again.already_finished and again.run_id == stopped.run_id and not again.losses
+    assert sorted(_history(_client(store), stopped.run_id, "loss")) == [1, 2, 3]
+
+
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, store):
     from fp4moe.train.loop import train
 

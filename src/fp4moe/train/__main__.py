@@ -11,19 +11,27 @@ DIR; checkpoints DIR; MLflow URI run ID`` (fp4moe.run_summary.done_line); a mult
 (fp4moe.run_summary.MultirunSummary). Known-harmless megatron-core/MLflow warnings are not shown
 (fp4moe.known_warnings).
 
-Exit status: 0 finished; 2 the config, a switch (``kernels.*`` or its ``FP4MOE_*`` variable, ``FP4MOE_TRACKING_THREAD``), the
-data or the MLflow store cannot be used (one message, no traceback, before training starts); 3 out of GPU memory (recorded in MLflow as
-``outcome=OOM``; in a multirun the sweep goes on); 128 + N stopped by signal N (SIGTERM, SIGUSR1, SIGINT: Ctrl-C; a
-second Ctrl-C aborts without it) after writing a checkpoint (rerun the same command to resume: with a relative
-``train.checkpoint_dir``, add the ``hydra.run.dir=...`` that the stop message prints). In a
-Slurm job, SIGUSR2 (the time-limit / preemption signal of the launcher profiles) writes a checkpoint and requeues the
-job, which resumes from it into the same MLflow run (fp4moe.slurm).
+Each run has its own folder, ``logs/<task_name>/runs/<model>-<precision>-<recompute>-<hash of the config>``
+(fp4moe.run_folder; the hash leaves out keys that do not change the run, such as ``train.progress_bar``), where
+its checkpoints go (a relative ``train.checkpoint_dir``, the default): the same command continues a stopped run, and
+on a finished one says so and exits 0 without training. ``hydra.run.dir=...`` picks another folder.
+
+Exit status: 0 finished (or already finished: nothing trained); 2 the config, a switch (``kernels.*`` or its
+``FP4MOE_*`` variable, ``FP4MOE_TRACKING_THREAD``), the data or the MLflow store cannot be used, or
+``train.resume=false`` where the run's checkpoints exist (one message, no traceback, before training starts); 3 out
+of GPU memory (recorded in MLflow as ``outcome=OOM``; in a multirun the sweep goes on); 128 + N stopped by signal N
+(SIGTERM, SIGUSR1, SIGINT: Ctrl-C; a second Ctrl-C aborts without it) after writing a checkpoint; the stop message
+prints the command that resumes (the same command; in a multirun with checkpoints in its timestamped sweep folder,
+plus ``hydra.sweep.dir=...``). In a Slurm job, SIGUSR2 (the time-limit / preemption signal of the launcher
+profiles) writes a checkpoint and requeues the job, which resumes from it into the same MLflow run (fp4moe.slurm).
 """
 from __future__ import annotations
 
 import faulthandler
 import logging
 import os
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -43,19 +51,59 @@ log = logging.getLogger("fp4moe.train")
 known_warnings.install()  # before megatron-core is imported (most of its known warnings come at import) and MLflow
 
 
-def _hydra_context() -> tuple[str | None, str | None, bool]:
-    """(multirun cell name, output folder, is multirun) of the current Hydra job."""
+def _hydra_context() -> tuple[str | None, str | None, bool, str | None]:
+    """(multirun cell name, output folder, is multirun, the override that brings the same command back to the output
+    folder: None where it comes back by itself) of the current Hydra job."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if not HydraConfig.initialized():
-        return None, None, False
+        return None, None, False, None
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     from fp4moe.resolvers import dirname
 
     cell = dirname(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None
-    return cell, hc.runtime.output_dir, multirun
+    out = hc.runtime.output_dir
+    return cell, out, multirun, _refind(hc, multirun, out)
+
+
+# resolvers whose value is the same on every call with the same config (fp4moe.run_folder); any other one in the
+# folder's setting (Hydra's ${now:...}, ${oc.env:...}) may give another folder next time
+_STABLE_RESOLVERS = {"fp4moe.run_name"}
+
+
+def _refind(hc, multirun: bool, out: str) -> str | None:
+    """``hydra.run.dir=<out>`` (a multirun: ``hydra.sweep.dir=<its sweep folder>``) when the folder's setting uses a
+    resolver that may change between calls (the multiruns' timestamp); None when the same command finds ``out``
+    again (the run folder of fp4moe.run_folder, or a fixed ``hydra.run.dir=...``)."""
+    from omegaconf import OmegaConf
+
+    raw = str(OmegaConf.to_container(hc.sweep if multirun else hc.run, resolve=False)["dir"])
+    if not set(re.findall(r"\$\{\s*([\w.]+)\s*:", raw)) - _STABLE_RESOLVERS:
+        return None
+    folder = Path(out)
+    if multirun:  # <sweep dir>/<subdir>
+        folder = folder.parents[len(Path(str(hc.sweep.subdir)).parts) - 1]
+    text = str(folder)
+    if not re.fullmatch(r"[\w./+-]+", text):  # a Hydra override value with spaces, commas, quotes: quoted
+        text = "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return f"hydra.{'sweep' if multirun else 'run'}.dir={text}"
+
+
+def _resume_hint(cfg: DictConfig, out: str | None, refind: str | None) -> str:
+    """What a stop says to resume: the exact command where this is a plain ``python`` process (under torchrun or in
+    a Slurm job: 'rerun the same command'), with ``refind`` added when the checkpoints are in the job's folder."""
+    # the checkpoints are in the job's folder when train.checkpoint_dir is relative (fp4moe.train.checkpoint.run_dir)
+    relative = not Path(str(cfg.train.checkpoint_dir)).expanduser().is_absolute()
+    extra = refind if refind and out and relative else None
+    if any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")):
+        return "to resume, rerun the same command" + (f" with {shlex.quote(extra)}" if extra else "")
+    prog = sys.argv[0]
+    script = ["-m", "fp4moe.train"] if Path(prog).resolve() == Path(__file__).resolve() else [prog]
+    args = [a for a in sys.argv[1:] if not (extra and a.startswith(extra.split("=")[0] + "="))]
+    interpreter = (getattr(sys, "orig_argv", None) or [sys.executable])[0]
+    return "to resume: " + shlex.join([interpreter, *script, *args, *([extra] if extra else [])])
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
@@ -65,7 +113,7 @@ def main(cfg: DictConfig) -> dict | None:
     # its MLflow run left RUNNING: print every thread's Python stack to stderr first.
     if not faulthandler.is_enabled():
         faulthandler.enable()
-    cell, out, multirun = _hydra_context()
+    cell, out, multirun, refind = _hydra_context()
     from fp4moe import bench_job
     from fp4moe.train.host_env import apply_cluster_env
 
@@ -83,7 +131,7 @@ def main(cfg: DictConfig) -> dict | None:
     from fp4moe.train.loop import is_oom, train
 
     try:
-        result = train(cfg, multirun_cell=cell, output_dir=out)
+        result = train(cfg, multirun_cell=cell, output_dir=out, resume_hint=_resume_hint(cfg, out, refind))
     except (ConfigError, RecipeError, TrackingUnavailable, DataUnavailable, DataError) as e:
         print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)

@@ -127,13 +127,16 @@ def preflight(cfg: Any) -> dict[str, Any]:
 
 
 def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path | None = None,
-          after_step: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
+          after_step: Callable[[int, dict[str, float]], None] | None = None,
+          resume_hint: str | None = None) -> TrainResult:
     """Train per the composed config ``cfg`` (conf/train.yaml and its groups).
 
     ``multirun_cell``: Hydra's ``override_dirname`` of a sweep cell (its own checkpoint folder).
     ``output_dir``: the Hydra job folder: ``summary.json`` goes there (None: not written), and a relative
     ``train.checkpoint_dir`` is resolved in it (``checkpoint.run_dir``).
     ``after_step(step, metrics)``: called on every rank after each step (tests use it to send signals).
+    ``resume_hint``: what a stop by signal says to resume (``python -m fp4moe.train`` gives the exact command);
+    None: "to resume, rerun the same command".
     """
     # The signals are caught from the start: one that comes during the set-up (a short Slurm time limit, a
     # preemption) stops the run after its first step, with a checkpoint.
@@ -153,7 +156,8 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
             warm_up_communicators(info)  # before the model fills the GPU: NCCL allocates outside torch's allocator
             # the config's kernel switches (kernels.*) for every op of this run, whatever the environment says later
             with use_kernel_switches(kernel_switches(OmegaConf.select(cfg, "kernels", default=None))):
-                result = _run(cfg, derived, info, multirun_cell, output_dir, after_step, preempt)
+                result = _run(cfg, derived, info, multirun_cell, output_dir, after_step, preempt,
+                              resume_hint or "to resume, rerun the same command")
         finally:
             teardown(info)
     if result.stopped_by:  # handlers restored: submitit's own now
@@ -332,7 +336,7 @@ def _sum_over_stages(values: dict[str, float], pp_group: Any) -> dict[str, float
 
 
 def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
-         after_step: Any, stop: slurm.Preemption) -> TrainResult:
+         after_step: Any, stop: slurm.Preemption, resume_hint: str) -> TrainResult:
     import torch
 
     from fp4moe.model import cpu_shims
@@ -344,17 +348,7 @@ def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None
     # megatron-core's jit_fuser is torch.compile: on CPU it would spend ~20 s in inductor for nothing.
     ctx = torch._dynamo.config.patch(disable=True) if info.device.type == "cpu" else contextlib.nullcontext()
     with ctx:
-        return _loop(cfg, derived, info, multirun_cell, output_dir, after_step, stop)
-
-
-def _resume_hint(checkpoint, output_dir) -> str:
-    """How to resume a stopped run: the same command, plus ``hydra.run.dir=`` when the checkpoint lies inside the
-    run's own (timestamped) Hydra folder, i.e. ``train.checkpoint_dir`` is relative."""
-    if checkpoint is not None and output_dir:
-        out = Path(output_dir).resolve()
-        if out in Path(checkpoint).resolve().parents:
-            return f"to resume, rerun the same command with hydra.run.dir={out}"
-    return "to resume, rerun the same command"
+        return _loop(cfg, derived, info, multirun_cell, output_dir, after_step, stop, resume_hint)
 
 
 def _resume_candidates(root: Path, info: Any, *, resume: bool) -> list[tuple[Path, dict[str, Any]]]:
@@ -390,7 +384,7 @@ def _resume_candidates(root: Path, info: Any, *, resume: bool) -> list[tuple[Pat
 
 
 def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
-          after_step: Any, stop: slurm.Preemption) -> TrainResult:
+          after_step: Any, stop: slurm.Preemption, resume_hint: str) -> TrainResult:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -647,12 +641,16 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                     last_saved = step
                 result.stopped_by = sig
                 log.warning("stopped by signal %d at step %d; checkpoint %s; %s", sig, step, result.checkpoint,
-                            "requeued: the job resumes from it" if stop.will_requeue(sig) else
-                            _resume_hint(result.checkpoint, output_dir))
+                            "requeued: the job resumes from it" if stop.will_requeue(sig) else resume_hint)
                 break
         if eval_every and not result.stopped_by and last_eval != step and step > start_step:
             result.eval_losses[step] = _evaluate(model, valid_ds, cfg, derived, info, pos)
             tracker.log(step, {"eval_loss": result.eval_losses[step]})
+        if start_step and not result.stopped_by and last_saved != step and step > start_step:
+            # a resumed run ends with a checkpoint, train.checkpoint_interval or not: the same command then finds
+            # it finished, not its stop's checkpoint to train the rest from again into the finished MLflow run
+            save()
+            last_saved = step
         summary = meter.summary()
         for key in ("summary/peak_mem_allocated_gb", "summary/peak_mem_reserved_gb", "summary/peak_mem_pct"):
             if key in summary and info.world_size > 1:  # the largest over the GPUs

@@ -1,0 +1,93 @@
+"""The run folder of ``python -m fp4moe.train``, stable for a config: the same command finds a stopped run again.
+
+conf/train.yaml sets ``hydra.run.dir: ${paths.log_dir}/${task_name}/runs/${fp4moe.run_name:}``; the resolver
+(fp4moe.resolvers) gives :func:`name`, ``<model>-<precision>-<recompute>-<12 hex digits>``, e.g.
+``logs/train/runs/tiny_cpu-mxfp4-none-0123456789ab``. The digits are the sha256 of :func:`identity`: the composed
+config, resolved, without the keys of :data:`EXCLUDED` (where and how a run is recorded, not what it trains). So
+
+- one config spelled two ways (``precision=mxfp4`` or nothing, ``train.seed=1234`` or nothing) is one folder, and an
+  environment variable the config reads (``FP4MOE_CORPUS`` into ``data.path``) counts by its value;
+- an excluded override (``train.progress_bar=false``, ``train.checkpoint_interval=5``) lands in the same folder;
+- every other key is part of the run: ``precision``, ``train.seed``, ``train.steps`` / ``train.tokens`` (the run's
+  length sets its LR schedule and its figures: a longer run is another run; to extend a finished run on purpose,
+  pass its folder, ``hydra.run.dir=<folder>``, which the checkpoint's fingerprint allows), ``train.eval_interval``,
+  ``train.measure``, ``train.profile`` (a rerun with a profile window profiles instead of finding the run finished).
+
+The kernel switches are part of it (``kernels.*``, each defaulting to its ``FP4MOE_*`` variable, which therefore
+counts by its value): an A/B of a switch is two runs in two folders. An explicit ``hydra.run.dir=...`` wins over the
+default. Multirun cells keep their own folders (``hydra.sweep``).
+
+No torch, no Hydra; OmegaConf only.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+# The keys of the composed config that do not change what a run trains or reports, each with why: the run folder's
+# identity leaves them out, so changing one continues the same run. Everything else is part of the identity.
+EXCLUDED: dict[str, str] = {
+    "hydra": "Hydra's own settings: output folders, launcher, sweeper, logging",
+    "task_name": "already the folder's parent (<log_dir>/<task_name>/runs/)",
+    "paths": "where the logs go",
+    "tracking": "which MLflow store, experiment name and extra tags record the run (a resumed run continues the MLflow "
+                "run its checkpoint names)",
+    "cluster": "the machine and the job: Slurm resources and time limit, host threads and environment (the layout "
+               "is parallel.*, which fp4moe.config.check ties to cluster.nodes x cluster.gpus_per_node)",
+    "fault": "test knobs that stop or slow a run on purpose (+fault.*, fp4moe.slurm.inject_faults)",
+    "data.dir": "where the prepared tokens are kept (a build is found by the hash of its inputs, fp4moe.data)",
+    "data.cache_dir": "where the downloaded corpus is kept",
+    "train.progress_bar": "the console only",
+    "train.log_interval": "how often MLflow gets the step metrics, not their values",
+    "train.checkpoint_interval": "when checkpoints are written (a resume continues bit for bit from any of them)",
+    "train.keep_checkpoints": "how many checkpoints are kept",
+    "train.checkpoint_dir": "where checkpoints are written",
+    "train.resume": "whether an existing run may continue: train.resume=false must find the run it refuses to "
+                    "overwrite",
+}
+HASH_DIGITS = 12
+
+
+def identity(cfg: Any) -> dict[str, Any]:
+    """The composed config ``cfg`` (the task's, or the root with ``hydra``), resolved, without :data:`EXCLUDED`."""
+    from omegaconf import OmegaConf
+
+    out: dict[str, Any] = {}
+    for key in cfg:
+        if key in EXCLUDED:
+            continue
+        node = cfg[key]
+        out[str(key)] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    for dotted in EXCLUDED:
+        *parents, leaf = dotted.split(".")
+        holder: Any = out
+        for p in parents:
+            holder = holder.get(p) if isinstance(holder, dict) else None
+        if parents and isinstance(holder, dict):
+            holder.pop(leaf, None)
+    return out
+
+
+def digest(cfg: Any) -> str:
+    """:data:`HASH_DIGITS` hex digits of the sha256 of :func:`identity` (keys sorted)."""
+    text = json.dumps(identity(cfg), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:HASH_DIGITS]
+
+
+def name(cfg: Any) -> str:
+    """``<model>-<precision>-<recompute>-<digest>``: the run folder's name (a group's name left out when absent)."""
+    from omegaconf import OmegaConf
+
+    parts = [OmegaConf.select(cfg, f"{g}.name", default=None) for g in ("model", "precision", "recompute")]
+    readable = [re.sub(r"[^A-Za-z0-9_.+]", "_", str(p)) for p in parts if p is not None]
+    return "-".join([*readable, digest(cfg)])
+
+
+def resolver(*, _root_: Any) -> str:
+    """``${fp4moe.run_name:}``: :func:`name` of the whole composed config."""
+    return name(_root_)
+
+
+__all__ = ["EXCLUDED", "identity", "digest", "name", "resolver"]
