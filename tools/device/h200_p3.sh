@@ -76,6 +76,9 @@ if [ -n "${BASE:-}" ]; then
 fi
 
 store() { echo "sqlite:///$STATE/mlflow_$1.db"; }
+# a run folder of its own for each measurement: the trainer's default folder is keyed by the config (the same command
+# resumes, a finished run is not trained again), and a cell measured twice is two runs
+fresh() { echo "hydra.run.dir=$STATE/runs/$(date +%Y%m%d-%H%M%S-%N)"; }
 keep() { cp -f "$STATE"/mlflow_*.db "$OUT"/ 2>/dev/null || true; }
 
 # NPROC NAME MB "recipe:scope ..." OVERRIDES...: each cell on NPROC GPUs (torchrun, one process per GPU), store NAME
@@ -85,7 +88,7 @@ gpu_cells() {
     local recipe=${cell%%:*} scope=${cell##*:}
     local log="$STATE/${name}_${recipe}_${scope}_mb$mb.log"
     MLFLOW_TRACKING_URI=$(store "$name") timeout -k 20 300 python3 -m torch.distributed.run --standalone \
-      --nproc-per-node "$nproc" -m fp4moe.train "$@" "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb \
+      --nproc-per-node "$nproc" -m fp4moe.train "$@" "${COMMON[@]}" hydra.mode=RUN "$(fresh)" parallel.micro_batch=$mb \
       precision=$recipe recompute=$scope > "$log" 2>&1 || true
     echo "$recipe $scope: $(grep -h 'done:\|out of GPU memory\|Error' "$log" | tail -1 | cut -c1-160)"
   done
@@ -149,7 +152,7 @@ t1cells)  # GPU MB "recipe:scope ..." [OVERRIDES...]: T1 cells, each in its own 
     base="$STATE/t1_${recipe}_${scope}${FP4MOE_DISPATCH_QUANTIZE:+_dq-$FP4MOE_DISPATCH_QUANTIZE}_mb$mb"
     n=1; while [ -e "${base}_$n.log" ]; do n=$((n + 1)); done; log="${base}_$n.log"
     CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "t1_gpu$gpu") python3 -m fp4moe.train experiment=proxy_t1_1gpu \
-      "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb precision=$recipe \
+      "${COMMON[@]}" hydra.mode=RUN "$(fresh)" parallel.micro_batch=$mb parallel.global_batch=$mb precision=$recipe \
       recompute=$scope "$@" > "$log" 2>&1 || true
     echo "$recipe $scope ${FP4MOE_DISPATCH_QUANTIZE:-}: $(grep -h 'done:\|out of GPU memory\|Error' "$log" | tail -1 | cut -c1-160)"
   done
@@ -207,7 +210,7 @@ profile)  # GPU MB "recipe:scope ...": torch.profiler over steps 4-5 of each T1 
     recipe=${cell%%:*} scope=${cell##*:}
     name="profile_${recipe}_${scope}${FP4MOE_DISPATCH_QUANTIZE:+_dq-$FP4MOE_DISPATCH_QUANTIZE}_mb$mb"
     CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "profile_gpu$gpu") python3 -m fp4moe.train \
-      experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb \
+      experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN "$(fresh)" parallel.micro_batch=$mb parallel.global_batch=$mb \
       precision=$recipe recompute=$scope train.steps=5 train.measure.warmup_steps=3 train.measure.steps=2 'train.profile.steps=[4,5]' \
       train.profile.dir="$STATE/$name" > "$STATE/$name.log" 2>&1 || true
     head -40 "$STATE/$name/profile_rank0/ops_by_device_time.txt" 2>/dev/null | cut -c1-220
@@ -220,7 +223,7 @@ mem)  # GPU MB "recipe:scope ...": allocator history over step 3 (after the 2 wa
     recipe=${cell%%:*} scope=${cell##*:}
     d="$STATE/mem_${recipe}_${scope}_mb$mb"
     CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "mem_gpu$gpu") timeout -k 20 240 python3 -m fp4moe.train \
-      experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN parallel.micro_batch=$mb parallel.global_batch=$mb \
+      experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN "$(fresh)" parallel.micro_batch=$mb parallel.global_batch=$mb \
       precision=$recipe recompute=$scope train.steps=3 train.measure.warmup_steps=2 train.measure.steps=1 'train.profile.steps=[3,3]' \
       train.profile.memory=true train.profile.ops=false train.profile.dir="$d" > "$d.log" 2>&1 || true
     echo "== $recipe $scope mb$mb"; { head -12 "$d/profile_rank0/memory_peak.txt"; sed -n "/^live when the window opened/,\$p" "$d/profile_rank0/memory_peak.txt" | head -40; } 2>/dev/null | cut -c1-200 \
@@ -324,7 +327,7 @@ convprobe)  # [STEPS]: issue 27 part D, which model trains 300 M tokens in one c
   # the three recipes of the default candidate at once on the one GPU: does sharing the GPU add throughput?
   for recipe in bf16 fp8 mxfp4; do
     MLFLOW_TRACKING_URI=$(store "convprobe3_$recipe") timeout -k 20 240 python3 -m fp4moe.train \
-      experiment=proxy_t1_conv_1gpu "${COMMON[@]}" hydra.mode=RUN task_name=proxy_t1_conv_probe3 train.tokens=null \
+      experiment=proxy_t1_conv_1gpu "${COMMON[@]}" hydra.mode=RUN "$(fresh)" task_name=proxy_t1_conv_probe3 train.tokens=null \
       train.steps=$steps train.eval_interval=null train.measure.warmup_steps=10 precision=$recipe \
       > "$STATE/convprobe_shared3_$recipe.log" 2>&1 &
   done
