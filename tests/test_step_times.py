@@ -9,7 +9,7 @@ from tool_module import load_tool
 ROOT = Path(__file__).resolve().parents[1]
 st = load_tool("tools/step_times.py")
 
-ARCHIVE = ROOT / "results/train_proxy/proxy_t1_h200_2026-12-01_e431a41.json"
+ARCHIVE = ROOT / "results/train_proxy/proxy_t1_h200_2026-12-01_e431a41.json.xz"
 SMI = ROOT / "results/train_proxy/diagnostic/host_stalls_h200_2026-12-01_e431a41/nvidia_smi_call1_t1cells.csv.xz"
 
 

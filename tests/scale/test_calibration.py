@@ -361,7 +361,7 @@ def test_dispatcher_fix_lowered_the_measured_peaks_as_predicted(rows):
     """495f655 (the trainer drops megatron's dispatcher probabilities after each MoE forward): the full-recompute
     peaks measured on its code (2ebd465) sit below the newest older code's by what the model says, within 10 %
     (measured 0.78 GiB at 16 and 1.39-1.41 at 32; the model 0.75 and 1.32)."""
-    fix = "proxy_t1_h200_2026-12-02_2ebd465.json"
+    fix = "proxy_t1_h200_2026-12-02_2ebd465.json.xz"
     assert fix in cal.DROPS_DISPATCHER_GRAPH
     new = {(r.cell.recipe, r.cell.micro_batch): r for r in rows
            if Path(r.cell.archive).name == fix and r.cell.scope == "full"}
@@ -392,7 +392,7 @@ def test_fp32_accumulators_count_from_the_second_micro_batch(cells):
 
 def test_withdrawn_peaks_are_not_read(tmp_path):
     """The F5 archive's peaks are withdrawn (the leak): its cells load with no peak."""
-    f5 = [c for c in cal.load_cells(["results/train_proxy/superseded/proxy_f5_h200_2026-11-30_8689d69.json"])]
+    f5 = [c for c in cal.load_cells(["results/train_proxy/superseded/proxy_f5_h200_2026-11-30_8689d69.json.xz"])]
     assert len(f5) == 3 and all(c.peak_gib is None and c.saved_bytes > 0 for c in f5)
 
 
@@ -414,7 +414,7 @@ def test_committed_table_is_current(rows, cells):
                       layer=cal.layer_rows()) == text
 
 
-OLD_NCCL = "results/train_proxy/proxy_nccl_h200x2_2026-11-30_924b9ef.json"
+OLD_NCCL = "results/train_proxy/proxy_nccl_h200x2_2026-11-30_924b9ef.json.xz"
 
 
 def test_pipeline_saved_bytes_are_summed_over_the_stages():

@@ -37,33 +37,33 @@ from .memory import GB, NOT_IN_STANDALONE_LAYER, Breakdown, MemoryAssumptions, c
 
 ROOT = Path(__file__).resolve().parents[3]
 ARCHIVES = (   # one GPU
-    "results/train_proxy/proxy_t1_probe_h200_2026-11-30_38f25cd.json",   # 3 recipes x 5 scopes, micro-batch 16, 32
-    "results/train_proxy/proxy_t1_h200_2026-11-30_38f25cd.json",         # T1 cells at 32, 40, 64
-    "results/train_proxy/proxy_t1_probe_h200_2026-11-30_61f1fcb.json",   # the probe again, on today's code
-    "results/train_proxy/proxy_t1_h200_2026-11-30_61f1fcb.json",         # equal-scope pairs at 32, mla_up_proj 40 / 64
-    "results/train_proxy/proxy_t1_probe_h200_2026-11-30_49a089e.json",   # the probe on 49a089e (RoPE cache fix)
-    "results/train_proxy/proxy_t1_h200_2026-11-30_49a089e.json",         # equal-scope pair at 32, mla_up_proj 40 / 64
-    "results/train_proxy/proxy_t1_h200_2026-12-01_52fe029.json",         # faster FP4 kernels: equal-scope pair twice, mla_up_proj
-    "results/train_proxy/proxy_t1_h200_2026-12-01_7a8040d.json",         # and with the swept tiles: the pair twice
-    "results/train_proxy/proxy_t1_h200_2026-12-01_841bf8a.json",         # the pair, FP4 SwiGLU store on and off
-    "results/train_proxy/proxy_t1_h200_2026-12-01_44185b9.json",         # the fused FP4-storing SwiGLU: pairs, mla_up_proj
-    "results/train_proxy/proxy_t1_h200_2026-12-01_390a277-cudacol.json", # CUDA C++ column kernel: pairs, mla_up_proj
-    "results/train_proxy/proxy_t1_h200_2026-12-01_1fb1546.json",         # the whole MLA block recomputed (attn_block_*)
-    "results/train_proxy/proxy_t1_h200_2026-12-01_902d750.json",         # dispatch quantized per token vs per row, mla_up_proj
-    "results/train_proxy/proxy_t1_h200_2026-12-01_831ae2f.json",         # the host-time fixes: the equal-scope pair twice
-    "results/train_proxy/proxy_t1_h200_2026-12-01_e431a41.json",         # fp8 host stalls; full recompute's memory trace
-    "results/train_proxy/proxy_t1_h200_2026-12-02_2ebd465.json",         # host threads A/B; dispatcher fix under full recompute
+    "results/train_proxy/proxy_t1_probe_h200_2026-11-30_38f25cd.json.xz",   # 3 recipes x 5 scopes, micro-batch 16, 32
+    "results/train_proxy/proxy_t1_h200_2026-11-30_38f25cd.json.xz",         # T1 cells at 32, 40, 64
+    "results/train_proxy/proxy_t1_probe_h200_2026-11-30_61f1fcb.json.xz",   # the probe again, on today's code
+    "results/train_proxy/proxy_t1_h200_2026-11-30_61f1fcb.json.xz",         # equal-scope pairs at 32, mla_up_proj 40 / 64
+    "results/train_proxy/proxy_t1_probe_h200_2026-11-30_49a089e.json.xz",   # the probe on 49a089e (RoPE cache fix)
+    "results/train_proxy/proxy_t1_h200_2026-11-30_49a089e.json.xz",         # equal-scope pair at 32, mla_up_proj 40 / 64
+    "results/train_proxy/proxy_t1_h200_2026-12-01_52fe029.json.xz",         # faster FP4 kernels: equal-scope pair twice, mla_up_proj
+    "results/train_proxy/proxy_t1_h200_2026-12-01_7a8040d.json.xz",         # and with the swept tiles: the pair twice
+    "results/train_proxy/proxy_t1_h200_2026-12-01_841bf8a.json.xz",         # the pair, FP4 SwiGLU store on and off
+    "results/train_proxy/proxy_t1_h200_2026-12-01_44185b9.json.xz",         # the fused FP4-storing SwiGLU: pairs, mla_up_proj
+    "results/train_proxy/proxy_t1_h200_2026-12-01_390a277-cudacol.json.xz", # CUDA C++ column kernel: pairs, mla_up_proj
+    "results/train_proxy/proxy_t1_h200_2026-12-01_1fb1546.json.xz",         # the whole MLA block recomputed (attn_block_*)
+    "results/train_proxy/proxy_t1_h200_2026-12-01_902d750.json.xz",         # dispatch quantized per token vs per row, mla_up_proj
+    "results/train_proxy/proxy_t1_h200_2026-12-01_831ae2f.json.xz",         # the host-time fixes: the equal-scope pair twice
+    "results/train_proxy/proxy_t1_h200_2026-12-01_e431a41.json.xz",         # fp8 host stalls; full recompute's memory trace
+    "results/train_proxy/proxy_t1_h200_2026-12-02_2ebd465.json.xz",         # host threads A/B; dispatcher fix under full recompute
     "results/train_proxy/proxy_t1_h200_2026-12-02_8ae3f9a.json",         # the T1 row at micro-batch 64: fp8 full, mxfp4 none
-    "results/train_proxy/proxy_t1_h200_2026-12-02_67e6650.json",         # the whole row at 64 (7 OOM); bf16 at 32
+    "results/train_proxy/proxy_t1_h200_2026-12-02_67e6650.json.xz",         # the whole row at 64 (7 OOM); bf16 at 32
 )
 # Runs before 38f25cd measured other code (results/train_proxy/README.md: the MoE layer's forward kept more rows
 # alive; before 924b9ef a leaked micro-batch), so they are not part of the 5 % check.
 # Two H200s over NCCL (EP2 x DP2, PP2): a table of their own. 61f1fcb's are in the 5 % check; 924b9ef's (older code:
 # the MoE forward kept more rows alive, bf16 logged no routing) are shown outside it (OUTSIDE_CHECK).
-NCCL_ARCHIVES = ("results/train_proxy/proxy_nccl_h200x2_2026-11-30_61f1fcb.json",
+NCCL_ARCHIVES = ("results/train_proxy/proxy_nccl_h200x2_2026-11-30_61f1fcb.json.xz",
                  "results/train_proxy/proxy_nccl_h200x2_2026-12-01_fe9934e.json",   # the distributed optimizer
-                 "results/train_proxy/proxy_nccl_h200x2_2026-11-30_924b9ef.json")
-OUTSIDE_CHECK = ("proxy_nccl_h200x2_2026-11-30_924b9ef.json",)
+                 "results/train_proxy/proxy_nccl_h200x2_2026-11-30_924b9ef.json.xz")
+OUTSIDE_CHECK = ("proxy_nccl_h200x2_2026-11-30_924b9ef.json.xz",)
 DEFAULT_OUT = "results/scale/calibration.md"
 TARGET_PCT = 5.0  # issue 6: predicted peak within 5 % of measured for every recipe x recompute cell run
 GROUPS = ("model", "parallel", "precision", "recompute", "optimizer", "train")
@@ -100,17 +100,17 @@ DDP_CODE = replace(FIRST_PRINCIPLES, main_grad_resident="always")
 # dZ and the decoded H until it returned; the norm checkpoints kept their BF16 input beside the MXFP4 cache.
 MEASURED_CODE = replace(FIRST_PRINCIPLES, expert_backward_keeps_dead=True, norm_cache_keeps_bf16=True)
 # The code each archive measured, where it is not today's (by file name)
-CODE_OF = {"proxy_t1_probe_h200_2026-11-30_38f25cd.json": MEASURED_CODE,
-           "proxy_t1_h200_2026-11-30_38f25cd.json": MEASURED_CODE,
-           "proxy_nccl_h200x2_2026-11-30_924b9ef.json": MEASURED_CODE}
+CODE_OF = {"proxy_t1_probe_h200_2026-11-30_38f25cd.json.xz": MEASURED_CODE,
+           "proxy_t1_h200_2026-11-30_38f25cd.json.xz": MEASURED_CODE,
+           "proxy_nccl_h200x2_2026-11-30_924b9ef.json.xz": MEASURED_CODE}
 
 
 # The archives up to e431a41's measured megatron's token dispatchers keeping their last forward's routing probabilities
 # through the backward (MemoryAssumptions.dispatcher_keeps_recompute_graph; the trainer drops them since 495f655):
 # an archive of later code goes into DROPS_DISPATCHER_GRAPH (2ebd465: full recompute 0.78 GiB lower at 16, 1.40 at 32).
-DROPS_DISPATCHER_GRAPH: frozenset[str] = frozenset({"proxy_t1_h200_2026-12-02_2ebd465.json",
+DROPS_DISPATCHER_GRAPH: frozenset[str] = frozenset({"proxy_t1_h200_2026-12-02_2ebd465.json.xz",
                                                     "proxy_t1_h200_2026-12-02_8ae3f9a.json",
-                                                    "proxy_t1_h200_2026-12-02_67e6650.json"})
+                                                    "proxy_t1_h200_2026-12-02_67e6650.json.xz"})
 
 
 def code_of(archive: str) -> MemoryAssumptions:
@@ -548,7 +548,7 @@ NOTES = """
 
 
 def _archive_commit(name: str) -> str:
-    m = re.search(r"_([0-9a-f]{7})(?:-[a-z0-9-]+)?\.json$", name)  # <commit>.json or <commit>-<variant>.json
+    m = re.search(r"_([0-9a-f]{7})(?:-[a-z0-9-]+)?\.json(?:\.xz)?$", name)  # <commit>.json[.xz], <commit>-<variant>.json[.xz]
     return m.group(1) if m else "?"
 
 

@@ -56,7 +56,7 @@ from .memory import ATTN_RECOMPUTE, _as_cfg, _dims, _scope, _stages, compose_cfg
 
 ROOT = Path(__file__).resolve().parents[3]
 # step times only (its peaks carry the SavedTensorBytes leak: results/train_proxy/superseded/README.md)
-PROBE = "results/train_proxy/superseded/proxy_t1_probe_h200_2026-11-30_8689d69.json"
+PROBE = "results/train_proxy/superseded/proxy_t1_probe_h200_2026-11-30_8689d69.json.xz"
 DEFAULT_OUT = "results/scale/throughput.md"
 RECIPES = ("bf16", "fp8", "mxfp4")
 SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full")
@@ -611,7 +611,7 @@ PROFILE_GROUPS_NOW = {
 # The same cells alone in their processes, on the same machine: the 30-step T1 cells (steps 11-30 measured) of this
 # archive, two runs each alternated; fp8's with the host-thread settings the profiles ran with (its runs with
 # torch's defaults had slow steps, results/train_proxy/README.md section 18), mxfp4's with torch's defaults (none)
-PROFILE_TGS_ARCHIVE = "results/train_proxy/proxy_t1_h200_2026-12-02_2ebd465.json"
+PROFILE_TGS_ARCHIVE = "results/train_proxy/proxy_t1_h200_2026-12-02_2ebd465.json.xz"
 PROFILE_TGS_TAGS = {"fp8": {"env.OMP_NUM_THREADS": "4", "env.TORCHINDUCTOR_COMPILE_THREADS": "1"},
                     "mxfp4": {"env.OMP_NUM_THREADS": None}}
 
@@ -634,7 +634,7 @@ PROFILE_GROUPS_BF16 = {
 PROFILE_IDLE_MS = {"bf16": 235.6, "fp8": 42.1, "mxfp4": 54.1}
 # bf16 beside fp8 at the profiles' setting, each cell alone in its process, alternated (67e6650: bf16, fp8, mxfp4,
 # bf16; steps 11-30): results/train_proxy/README.md section 19
-BF16_TGS_ARCHIVE = "results/train_proxy/proxy_t1_h200_2026-12-02_67e6650.json"
+BF16_TGS_ARCHIVE = "results/train_proxy/proxy_t1_h200_2026-12-02_67e6650.json.xz"
 
 
 def _group_ms(tb: TimeBreakdown, key: str, rates: Rates) -> float:
@@ -759,7 +759,7 @@ PROXY_T1_MICRO_BATCH = 64
 # The row measured after the prediction (committed in 8ae3f9a): every cell at 64 on 67e6650, each in its own
 # process; the tokens/s compared are the 30-step runs' (the last 20 measured). bf16 full and fp8 none / attn_ln_mlp
 # ran 8 steps in a later call (what fits; bf16's tokens/s is not compared). results/train_proxy/README.md section 19.
-PROXY_T1_ARCHIVE = "results/train_proxy/proxy_t1_h200_2026-12-02_67e6650.json"
+PROXY_T1_ARCHIVE = "results/train_proxy/proxy_t1_h200_2026-12-02_67e6650.json.xz"
 PROXY_T1_STEPS = 30
 
 
@@ -841,8 +841,8 @@ def proxy_t1_measured(archive: str | Path = PROXY_T1_ARCHIVE, micro_batch: int =
 # T1 cells at micro-batch 32, one process each, 16 steps (the last 6 measured): the whole-block scopes (1fb1546)
 # and the core-attention pair they compare with (390a277 with the CUDA C++ column kernel, which 1fb1546 runs by
 # default; two runs each, alternating). The two archives were measured in two sessions on two machines.
-BLOCK_ARCHIVES = {"attn_block": "results/train_proxy/proxy_t1_h200_2026-12-01_1fb1546.json",
-                  "core": "results/train_proxy/proxy_t1_h200_2026-12-01_390a277-cudacol.json"}
+BLOCK_ARCHIVES = {"attn_block": "results/train_proxy/proxy_t1_h200_2026-12-01_1fb1546.json.xz",
+                  "core": "results/train_proxy/proxy_t1_h200_2026-12-01_390a277-cudacol.json.xz"}
 # the code those cells ran quantized the dispatch per row (before 92bb42f)
 BLOCK_RATES = replace(RATES, dispatch_quantize_per_token=False)
 
