@@ -12,7 +12,9 @@ DIR; checkpoints DIR; MLflow URI run ID`` (fp4moe.run_summary.done_line); a mult
 (fp4moe.known_warnings).
 
 Exit status: 0 finished; 2 the config, a switch (``FP4MOE_CUDA_COL``, ``FP4MOE_DISPATCH_QUANTIZE``, ``FP4MOE_TRACKING_THREAD``), the
-data or the MLflow store cannot be used (one message, no traceback, before training starts); 3 out of GPU memory (recorded in MLflow as
+data or the MLflow store cannot be used (one message, no traceback, before training starts), or a checkpoint cannot be
+written mid-run (a full disk: one message naming the folder and the newest complete checkpoint, which stays); 3 out of
+GPU memory (recorded in MLflow as
 ``outcome=OOM``; in a multirun the sweep goes on); 128 + N stopped by signal N (SIGTERM, SIGUSR1, SIGINT: Ctrl-C; a
 second Ctrl-C aborts without it) after writing a checkpoint (rerun the same command to resume: with a relative
 ``train.checkpoint_dir``, add the ``hydra.run.dir=...`` that the stop message prints). In a
