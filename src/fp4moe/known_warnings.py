@@ -57,6 +57,10 @@ KNOWN: tuple[Known, ...] = (
     Known("log", "mlflow.store.db.utils", r"Creating initial MLflow database tables|Updating database tables",
           "INFO of MLflow's sqlite store when it creates a new store's schema (the first run into mlruns/): expected; "
           "the run's final line names the store"),
+    Known("log", "mlflow.store.db.utils", re.escape("SQLAlchemy database error. The following exception is caught."),
+          "ERROR of MLflow's SQL store (the SQL statement, its parameters and a traceback: ~20 lines) just before it "
+          "raises the same error: the trainer's tracker (fp4moe.train.metrics.Tracker) catches it and reports it in "
+          "one line naming the store and where the metrics it could not take are kept"),
 )
 
 

@@ -18,7 +18,9 @@ on a finished one says so and exits 0 without training. ``hydra.run.dir=...`` pi
 
 Exit status: 0 finished (or already finished: nothing trained); 2 the config, a switch (``kernels.*`` or its
 ``FP4MOE_*`` variable, ``FP4MOE_TRACKING_THREAD``), the data or the MLflow store cannot be used, or
-``train.resume=false`` where the run's checkpoints exist (one message, no traceback, before training starts); 3 out
+``train.resume=false`` where the run's checkpoints exist (one message, no traceback, before training starts), or a
+checkpoint cannot be written mid-run (a full disk: one message naming the folder and the newest complete checkpoint,
+which stays); 3 out
 of GPU memory (recorded in MLflow as ``outcome=OOM``; in a multirun the sweep goes on); 128 + N stopped by signal N
 (SIGTERM, SIGUSR1, SIGINT: Ctrl-C; a second Ctrl-C aborts without it) after writing a checkpoint; the stop message
 prints the command that resumes (the same command; in a multirun with checkpoints in its timestamped sweep folder,

@@ -6,8 +6,9 @@ megatron's scheduler, RNG states of python / numpy / torch / CUDA / megatron's t
 hidden temporary folder ``.step_NNNNNNN.tmp``; after a barrier rank 0 writes ``meta.json`` (step, consumed
 samples, MLflow run id, the run's fingerprint, world size, each rank file's size in bytes: the commit marker,
 written last) and renames the folder into place. A run killed mid-save leaves only the hidden folder, so it
-resumes from the previous checkpoint. The newest ``keep`` whole checkpoints are kept, damaged folders older
-than those removed.
+resumes from the previous checkpoint (the next save removes the hidden folder). The newest ``keep`` whole
+checkpoints are kept, damaged folders older than those removed. A save that cannot be written (a full disk) removes
+its unfinished folder and stops the run with one line (:class:`Unwritable`).
 
 A ``step_NNNNNNN`` folder that is damaged (no ``meta.json``, a ``meta.json`` that does not parse, a rank file
 missing, shorter than ``meta.json`` says or not a whole torch.save archive, or one that torch cannot read) is
@@ -195,52 +196,110 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------- save / load
 
+class Unwritable(ConfigError):
+    """A checkpoint could not be written (a full disk, a folder gone); the message names the folder, the cause, the
+    newest complete checkpoint and the fix. The unfinished folder is removed."""
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The OSError behind ``e`` (torch.save reports a failed write as a RuntimeError whose context is the OSError)."""
+    seen = e
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    return seen or e
+
+
+def _agree(err: str | None, world_size: int) -> str | None:
+    """The first rank's error of every rank's ``err`` (collective: every rank calls it)."""
+    if world_size > 1 and torch.distributed.is_initialized():
+        errs: list[str | None] = [None] * world_size
+        torch.distributed.all_gather_object(errs, err)
+        err = next((e for e in errs if e), None)
+    return err
+
+
 def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size: int, model: torch.nn.Module,
          optimizer: Any, schedule: Any, mlflow_run_id: str | None, fingerprint_: dict[str, str],
          keep: int = 2, meter: Any = None) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank calls it). Returns the final folder. ``model``: the
     megatron model (not its DDP wrapper); ``optimizer``: megatron's; ``schedule``: megatron's scheduler; ``meter``:
     the run's throughput / memory measurements so far (``fp4moe.train.metrics.Meter``), carried into a resumed
-    run."""
+    run. A write that fails on any rank (disk full, folder gone) raises :class:`Unwritable` on every rank, after rank
+    0 removed the unfinished folder; the checkpoints before stay."""
     final = _step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
     payload = {"model": model.state_dict(), "optimizer": optim.optimizer_state_dict(optimizer),
                "schedule": schedule.state_dict(),
                "rng": rng_state(), "step": step, "consumed_samples": consumed_samples, "rank": rank,
                "meter": None if meter is None else meter.state_dict()}
-    path = tmp / f"rank_{rank:05d}.pt"
-    with open(path, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    barrier()
+
+    def failed(err: str | None) -> None:
+        if not _agree(err, world_size):
+            return
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint holds space a full disk needs
+        whole = scan(root)[0] if root.is_dir() else []
+        newest = f"newest complete checkpoint: {whole[0][0]}" if whole else "no complete checkpoint yet"
+        raise Unwritable(f"checkpoint of step {step} could not be written to {root} ({err}); {newest}; free space "
+                         "there, or point train.checkpoint_dir (or FP4MOE_CKPT_DIR) at a folder with room, and rerun "
+                         "the same command to resume")
+
+    def why(e: BaseException) -> str:
+        c = _cause(e)
+        return f"{type(c).__name__}: {' '.join(str(c).split())[:300]}"
+
+    err = None
     if rank == 0:
-        files = {f"rank_{r:05d}.pt": (tmp / f"rank_{r:05d}.pt").stat().st_size for r in range(world_size)}
-        meta = {"step": step, "consumed_samples": consumed_samples, "world_size": world_size,
-                "mlflow_run_id": mlflow_run_id, "fingerprint": fingerprint_, "time": time.time(), "files": files}
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f, indent=1)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            err = why(e)
+    failed(err)  # collective: the folder exists before any rank writes into it
+    try:
+        with open(tmp / f"rank_{rank:05d}.pt", "wb") as f:
+            torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():  # the same step saved again (e.g. a signal right after a periodic save)
-            trash = root / f".{final.name}.old"
-            shutil.rmtree(trash, ignore_errors=True)
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        # the newest `keep` whole ones stay (a damaged folder does not count), and damaged ones older than those go
+    except (OSError, RuntimeError) as e:  # torch.save: a failed write is a RuntimeError with the OSError behind it
+        if not isinstance(_cause(e), OSError):
+            raise
+        err = why(e)
+    del payload
+    failed(err)
+    trash = root / f".{final.name}.old"
+    if rank == 0:
+        try:
+            files = {f"rank_{r:05d}.pt": (tmp / f"rank_{r:05d}.pt").stat().st_size for r in range(world_size)}
+            meta = {"step": step, "consumed_samples": consumed_samples, "world_size": world_size,
+                    "mlflow_run_id": mlflow_run_id, "fingerprint": fingerprint_, "time": time.time(), "files": files}
+            with open(tmp / "meta.json", "w") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():  # the same step saved again (e.g. a signal right after a periodic save)
+                shutil.rmtree(trash, ignore_errors=True)
+                os.replace(final, trash)
+                os.replace(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        except OSError as e:
+            err = why(e)
+            if trash.exists() and not final.exists():  # the same step's earlier checkpoint goes back in place
+                os.replace(trash, final)
+    failed(err)
+    if rank == 0:
+        # the newest `keep` whole ones stay (a damaged folder does not count), damaged ones older than those go, and
+        # so do the hidden folders of saves that a kill cut short (the run's only save in progress was this one)
         whole, damaged = scan(root)
         kept = whole[:max(1, keep)]
         oldest = int(kept[-1][1]["step"]) if kept else -1
         for old, _ in whole[len(kept):] + [(d, w) for d, w in damaged if int(d.name[len("step_"):]) < oldest]:
             shutil.rmtree(old, ignore_errors=True)
+        for unfinished in root.glob(".step_*"):
+            shutil.rmtree(unfinished, ignore_errors=True)
     barrier()
     return final
 
@@ -316,4 +375,4 @@ def load(folder: Path, *, rank: int, model: torch.nn.Module, optimizer: Any, sch
 
 __all__ = ["fingerprint", "run_dir", "save", "load", "read_meta",
            "read_payload", "verify", "scan", "step_folders", "none_usable", "Damaged", "check_compatible",
-           "rng_state", "set_rng_state", "FINGERPRINT_KEYS", "SAFE_GLOBALS"]
+           "rng_state", "set_rng_state", "FINGERPRINT_KEYS", "SAFE_GLOBALS", "Unwritable"]

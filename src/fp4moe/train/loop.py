@@ -24,8 +24,8 @@ Order of the set-up, so that every mistake is reported before anything expensive
 the trainer's own limits (ConfigError), the MLflow store (``TrackingUnavailable``), megatron-core's transformer
 config as fp4moe.model builds it (ConfigError for what cannot be built without TE), then torch.distributed,
 megatron parallel state, the checkpoint to resume from (the newest whole one: damaged ones are skipped with a
-warning; a run whose checkpoint is at ``train.steps`` already stops there, trains and logs nothing), seeds, data,
-model, the checkpoint's state.
+warning; a run whose checkpoint is at ``train.steps`` already stops there and trains nothing, only logging what
+the MLflow store could not take at its end), seeds, data, model, the checkpoint's state.
 """
 from __future__ import annotations
 
@@ -395,7 +395,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from fp4moe.model.build import a2a_stats, build_gpt_model, release_dispatcher_tensors, to_bf16_params
     from fp4moe.ops.weight_cache import CACHE as wcache
     from fp4moe.train import checkpoint as ckpt
-    from fp4moe.train.metrics import Meter, Tracker, flatten, hardware_tags, resolve_uri
+    from fp4moe.train.metrics import (PENDING_FILE, Meter, Tracker, flatten, hardware_tags, replay_pending,
+                                      resolve_uri)
     from fp4moe.config import OptimizerSetting
     from fp4moe.train import optim
     from fp4moe.train.profile import StepProfiler
@@ -414,6 +415,11 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             if info.is_main:
                 log.info("already finished at step %d/%d (checkpoint %s); nothing to train", int(meta["step"]),
                          total_steps, folder)
+                pending = root / PENDING_FILE  # what the store could not take at the end of the run: log it now
+                if pending.is_file():
+                    n, runs = replay_pending(pending, resolve_uri(cfg))
+                    log.info("logged %d records that %s kept for run %s while the store failed", n, pending,
+                             ", ".join(runs))
             return TrainResult(run_id=meta.get("mlflow_run_id"), start_step=int(meta["step"]),
                                step=int(meta["step"]), total_steps=total_steps, checkpoint=folder,
                                already_finished=True)
@@ -480,8 +486,9 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     start_step = step
 
     # ---- MLflow (rank 0)
+    # a store that fails mid-run: training goes on, what it could not take waits in the checkpoint folder
     tracker = Tracker(resolve_uri(cfg), str(OmegaConf.select(cfg, "tracking.experiment") or "train"),
-                      enabled=info.is_main)
+                      enabled=info.is_main, pending=root / PENDING_FILE)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     params = flatten({k: v for k, v in resolved.items() if k != "hydra"})
     params["tracking.uri"] = tracking.without_credentials(resolve_uri(cfg))
@@ -529,7 +536,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     keep = int(t.get("keep_checkpoints") or 2)
 
     def save() -> Path:
-        tracker.flush()  # the store holds every logged step up to the checkpoint's before the checkpoint exists
+        tracker.flush()  # every logged step up to the checkpoint's is in the store (or the pending file) before
+        #                  the checkpoint exists
         path = ckpt.save(root, step=step, consumed_samples=consumed, rank=info.rank, world_size=info.world_size,
                          model=model, optimizer=opt, schedule=sched, mlflow_run_id=result.run_id,
                          fingerprint_=fp, keep=keep, meter=meter)

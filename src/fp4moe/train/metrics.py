@@ -30,24 +30,32 @@ whose id its checkpoint holds.
 
 Metrics and tags are written by a background thread (``Tracker``), so that a step does not wait for the store (an
 H200 profile showed the GPU idle while the trainer's step end ran); the trainer flushes before each checkpoint and at
-the end, and a write that failed stops the run at its next log, flush or finish with an error naming the store.
+the end. A store that fails mid-run does not stop the training: what it could not take is kept in
+``<checkpoint folder>/mlflow_pending.jsonl`` (one warning line names the store and the file), logged into the run
+when it resumes or is rerun with the store back, or by hand::
+
+    python -m fp4moe.train.metrics <checkpoint folder>/mlflow_pending.jsonl [--tracking-uri URI]
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import queue
+import re
 import statistics
 import threading
 import time
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Mapping
 
 from omegaconf import OmegaConf
 
 from fp4moe import tracking
 
+log = logging.getLogger("fp4moe.train")
 GB = 1024 ** 3
 MLFLOW_BATCH = 100  # log_batch limit on params per call
 
@@ -110,77 +118,205 @@ def tracking_thread() -> bool:
     return raw == "1"
 
 
+PENDING_FILE = "mlflow_pending.jsonl"  # in the run's checkpoint folder: what a failed store could not take
+REPLAY_COMMAND = "python -m fp4moe.train.metrics"
+
+
 class TrackingError(RuntimeError):
-    """A background write to the MLflow store failed; the message names the store and what was written before."""
+    """A write to the MLflow store failed and no pending file keeps it (the tracker has none, or it cannot be
+    written); the message names the store, the file and the last step the store holds."""
+
+
+def _why(e: BaseException) -> str:
+    """``e`` as one short line (MLflow's and SQLAlchemy's messages run over several, with the SQL statement)."""
+    text = " ".join(str(e).split()).split(" [SQL:")[0]
+    text = re.sub(r"^\(raised as a result of [^)]*\) ", "", text)  # SQLAlchemy's note on when it flushed
+    return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def _send(client: Any, rec: Mapping[str, Any]) -> None:
+    """Write one record (``kind`` metrics, tags or status, as the pending file holds them) to the store."""
+    from mlflow.entities import Metric, RunTag
+
+    run_id, kind = rec["run_id"], rec["kind"]
+    if kind == "metrics":
+        batch = [Metric(k, float(v), int(rec["time"]), int(rec["step"])) for k, v in rec["metrics"].items()]
+        for i in range(0, len(batch), 1000):  # log_batch's limit on metrics per call
+            client.log_batch(run_id, metrics=batch[i:i + 1000])
+    elif kind == "tags":
+        tags = [RunTag(k, str(v)) for k, v in rec["tags"].items()]
+        for i in range(0, len(tags), MLFLOW_BATCH):
+            client.log_batch(run_id, tags=tags[i:i + MLFLOW_BATCH])
+    elif kind == "status":
+        client.set_terminated(run_id, status=rec["status"], end_time=rec.get("time"))
+    else:
+        raise ValueError(f"unknown record kind {kind!r}")
+
+
+def replay_pending(path: str | os.PathLike, uri: str | None = None) -> tuple[int, list[str]]:
+    """Log what a :class:`Tracker` kept in ``path`` while its store failed into the runs it belongs to, in order, then
+    delete the file. ``uri``: the store (None: the one the file names). Returns (records logged, run ids).
+    A last line cut short by a kill is skipped. TrackingUnavailable (one line: the store, the file, the fix) when
+    the store cannot take them; the file then stays, and a second replay logs everything again (a metric logged
+    twice at one step has the same value)."""
+    from fp4moe.tracking import TrackingUnavailable, check_reachable
+
+    path = Path(path)
+    lines = path.read_text().splitlines()
+    recs: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise TrackingUnavailable(f"{path} line {i + 1} is not JSON: not a pending file of fp4moe.train "
+                                          "(fp4moe.train.metrics.Tracker writes them)") from None
+    stores = [r["uri"] for r in recs if r.get("kind") == "store"]
+    uri = uri or (stores[-1] if stores else tracking.tracking_uri())
+    writes = [r for r in recs if r.get("kind") != "store"]
+    runs = list(dict.fromkeys(r["run_id"] for r in writes))
+    check_reachable(uri, f"(The metrics of run(s) {', '.join(runs)} stay in {path} until then.)")
+    client = tracking._client(uri)
+    fix = f"the file stays; fix the store and run `{REPLAY_COMMAND} {path}` again"
+    for run_id in runs:
+        try:
+            client.get_run(run_id)
+        except Exception as e:  # noqa: BLE001 - mlflow raises its own exception types for a missing run
+            raise TrackingUnavailable(f"MLflow store {tracking.without_credentials(uri)} has no run {run_id}, which "
+                                      f"{path} belongs to ({_why(e)}): pass that run's store with --tracking-uri "
+                                      f"(or MLFLOW_TRACKING_URI), or move {path} away to go on without "
+                                      "logging it") from None
+    try:
+        for rec in writes:
+            _send(client, rec)
+    except Exception as e:  # noqa: BLE001 - any store failure: one line
+        raise TrackingUnavailable(f"logging {path} into MLflow store {tracking.without_credentials(uri)} failed "
+                                  f"({_why(e)}); {fix}") from None
+    path.unlink()
+    return len(writes), runs
 
 
 class Tracker:
     """The MLflow run of this training run (rank 0); a no-op object on the other ranks.
 
     ``start`` writes synchronously; ``log`` and ``set_tags`` queue their writes for one background thread (in
-    order; ``background=False`` writes at once). ``flush`` waits until everything queued is in the store,
-    ``finish`` flushes, ends the run and stops the thread. A failed write is raised (``TrackingError``) at the next
-    ``log`` / ``set_tags`` / ``flush`` / ``finish``; the writes queued after it are dropped, since the run stops."""
+    order; ``background=False`` writes at once). ``flush`` waits until everything queued is written, ``finish``
+    flushes, ends the run and stops the thread.
 
-    def __init__(self, uri: str, experiment: str, enabled: bool, background: bool | None = None) -> None:
+    A store that fails mid-run does not stop the training: with a ``pending`` file (the trainer's:
+    ``<checkpoint folder>/mlflow_pending.jsonl``) the first failed write logs one warning line naming the store and
+    the file, and that write and every later one of this process (metrics, tags, the run's end) are appended to the
+    file as JSON lines (fsynced) instead of being tried on the store again; ``finish`` says so once more, with how to
+    log them. ``start`` first logs a pending file it finds into its run (the resumed run, the store back);
+    ``python -m fp4moe.train.metrics FILE`` does the same by hand (:func:`replay_pending`). Without a ``pending``
+    file, or when it cannot be written either, the failure is raised (``TrackingError``) at the next ``log`` /
+    ``set_tags`` / ``flush`` / ``finish``."""
+
+    def __init__(self, uri: str, experiment: str, enabled: bool, background: bool | None = None,
+                 pending: str | os.PathLike | None = None) -> None:
         """``background``: None takes ``FP4MOE_TRACKING_THREAD`` (default on)."""
         self.uri, self.experiment, self.enabled = uri, experiment, enabled
         self.background = tracking_thread() if background is None else background
+        self.pending = Path(pending) if pending is not None else None
         self.client = None
         self.run_id: str | None = None
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
-        self._error: tuple[str, BaseException] | None = None
-        self._last_logged_step: int | None = None  # the last step whose metrics reached the store
+        self._error: TrackingError | None = None     # nothing more can be written anywhere: raised
+        self._failed: str | None = None              # the store failed (what, why): writes go to `pending`
+        self._kept_steps: list[int] = []             # first and last step whose metrics went to `pending`
+        self._last_logged_step: int | None = None    # the last step whose metrics reached the store
 
     def _work(self) -> None:
         while True:
-            item = self._queue.get()
+            rec = self._queue.get()
             try:
-                if item is None:
+                if rec is None:
                     return
-                what = item[0]
-                if self._error is None:  # after a failure nothing more is written
-                    try:
-                        self._write(*item)
-                    except BaseException as e:  # noqa: BLE001 - handed to the training thread
-                        self._error = (what, e)
+                self._write(rec)
             finally:
                 self._queue.task_done()
 
     def _raise_failed(self) -> None:
         if self._error is not None:
-            what, e = self._error
-            done = "none" if self._last_logged_step is None else f"up to step {self._last_logged_step}"
-            raise TrackingError(f"writing {what} to the MLflow store {self.uri} failed ({type(e).__name__}: {e}); "
-                                f"metrics in the store: {done}. Check the store (a server that went away, a full "
-                                "disk); a resumed run continues the same MLflow run from its checkpoint") from e
+            raise self._error
 
-    def _write(self, what: str, step: int | None, fn, args) -> None:
-        fn(*args)
-        if what == "metrics":
-            self._last_logged_step = step
+    def _stored(self) -> str:
+        return "none" if self._last_logged_step is None else f"up to step {self._last_logged_step}"
 
-    def _submit(self, what: str, step: int | None, fn, *args) -> None:
+    def _write(self, rec: dict[str, Any]) -> None:
+        """``rec`` to the store; once the store has failed, to the pending file. Never raises: a failure that
+        cannot be kept becomes ``self._error``."""
+        if self._error is not None:  # nothing more is written
+            return
+        what = f"the metrics of step {rec['step']}" if rec["kind"] == "metrics" else f"the run's {rec['kind']}"
+        if self._failed is None:
+            try:
+                _send(self.client, rec)
+                if rec["kind"] == "metrics":
+                    self._last_logged_step = rec["step"]
+                return
+            except Exception as e:  # noqa: BLE001 - any failure of the store
+                self._failed = f"{what} ({_why(e)})"
+                if self.pending is None:
+                    self._error = TrackingError(
+                        f"writing {what} to the MLflow store {self._store()} failed ({_why(e)}); metrics in the "
+                        f"store: {self._stored()}. Check the store (a server that went away, a full disk); a resumed "
+                        "run continues the same MLflow run from its checkpoint")
+                    return
+                log.warning("MLflow store %s failed writing %s; training goes on: run %s's metrics, tags and end "
+                            "from here on are kept in %s (%s %s logs them later)", self._store(), self._failed,
+                            self.run_id, self.pending, REPLAY_COMMAND, self.pending)
+                self._keep({"kind": "store", "uri": self._store(), "run_id": self.run_id, "failed": self._failed})
+        self._keep(rec)
+        if rec["kind"] == "metrics":
+            self._kept_steps = [self._kept_steps[0] if self._kept_steps else rec["step"], rec["step"]]
+
+    def _store(self) -> str:
+        return tracking.without_credentials(self.uri)
+
+    def _keep(self, rec: dict[str, Any]) -> None:
+        if self._error is not None:
+            return
+        try:
+            self.pending.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.pending, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            self._error = TrackingError(
+                f"MLflow store {self._store()} failed writing {self._failed}, and {self.pending} cannot keep what "
+                f"it could not take ({_why(e)}); metrics in the store: {self._stored()}. Fix the store or free "
+                "space there; a resumed run continues the same MLflow run from its checkpoint")
+
+    def _submit(self, rec: dict[str, Any]) -> None:
         self._raise_failed()
         if self._thread is None:
-            self._write(what, step, fn, args)
+            self._write(rec)
+            self._raise_failed()
         else:
-            self._queue.put((what, step, fn, args))
+            self._queue.put(rec)
 
     def flush(self) -> None:
-        """Wait until every queued write is in the store; raise ``TrackingError`` if one failed."""
+        """Wait until every queued write is in the store (or, the store failed, in the pending file); raise
+        ``TrackingError`` if one could be kept nowhere."""
         if self._thread is not None:
             self._queue.join()
         self._raise_failed()
 
     def start(self, run_name: str, params: dict[str, str], tags: dict[str, str], resume_run_id: str | None) -> None:
         """Create the run, or reopen ``resume_run_id`` (status RUNNING again; only params it lacks are added,
-        changed ones are listed in the tag ``resume.changed_params``)."""
+        changed ones are listed in the tag ``resume.changed_params``). A pending file left by an earlier process
+        is logged first (TrackingUnavailable when it cannot be)."""
         if not self.enabled:
             return
         from mlflow.entities import Param, RunTag
 
+        if self.pending is not None and self.pending.is_file():
+            n, runs = replay_pending(self.pending, self.uri)
+            log.info("logged %d records that %s kept for run %s while the store failed", n, self.pending,
+                     ", ".join(runs))
         self.client = tracking._client(self.uri)
         client = self.client
         existing = None
@@ -224,42 +360,44 @@ class Tracker:
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         if not self.enabled or self.run_id is None:
             return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
-        if batch:
-            self._submit("metrics", step, self.client.log_batch, self.run_id, batch)
+        values = {k: float(v) for k, v in metrics.items() if v is not None}
+        if values:
+            self._submit({"kind": "metrics", "run_id": self.run_id, "step": int(step),
+                          "time": int(time.time() * 1000), "metrics": values})
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         if self.enabled and self.run_id is not None:
-            from mlflow.entities import RunTag
-
-            self._submit("tags", None, self.client.log_batch, self.run_id, [], [], [RunTag(k, str(v))
-                                                                                   for k, v in tags.items()])
+            self._submit({"kind": "tags", "run_id": self.run_id, "tags": {k: str(v) for k, v in tags.items()}})
 
     def finish(self, status: str) -> None:
         """Flush, then end the run with ``status``: FINISHED, FAILED or KILLED (stopped by a signal; a resume sets it
-        RUNNING again); FAILED if a queued write failed, which is raised after the run is ended."""
+        RUNNING again). After a store failure the end goes to the pending file too, and one warning line says how
+        to log the file; a write that could be kept nowhere is raised (``TrackingError``) after the run is ended."""
         if not (self.enabled and self.run_id is not None):
             return
-        failed = None
         try:
             self.flush()
-        except TrackingError as e:
-            failed, status = e, "FAILED"
+        except TrackingError:
+            status = "FAILED"
         finally:
             if self._thread is not None:
                 self._queue.put(None)
                 self._thread.join()
                 self._thread = None
-        try:
-            self.client.set_terminated(self.run_id, status=status)
-        except Exception:  # noqa: BLE001 - the store already failed: the first error is the one to report
-            if failed is None:
-                raise
-        if failed is not None:
-            raise failed
+        if self._error is not None:
+            try:
+                self.client.set_terminated(self.run_id, status=status)
+            except Exception:  # noqa: BLE001 - the store already failed: the first error is the one to report
+                pass
+            raise self._error
+        self._write({"kind": "status", "run_id": self.run_id, "status": status, "time": int(time.time() * 1000)})
+        self._raise_failed()
+        if self._failed is not None:
+            steps = (f"steps {self._kept_steps[0]}-{self._kept_steps[1]}" if self._kept_steps else "no steps")
+            log.warning("MLflow store %s failed writing %s: the metrics of %s and the end (%s) of run %s are in %s; "
+                        "rerun the same command once the store works, or run `%s %s`, to log them into the run",
+                        self._store(), self._failed, steps, status, self.run_id, self.pending, REPLAY_COMMAND,
+                        self.pending)
 
 
 class Meter:
@@ -350,4 +488,38 @@ class Meter:
         return s
 
 
-__all__ = ["resolve_uri", "flatten", "hardware_tags", "Tracker", "Meter"]
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fp4moe.train.metrics FILE``: log a pending file into its run (:func:`replay_pending`)."""
+    import argparse
+    import sys
+
+    from fp4moe import known_warnings
+    from fp4moe.tracking import TrackingUnavailable
+
+    known_warnings.install()
+
+    ap = argparse.ArgumentParser(prog=REPLAY_COMMAND, description="Log what a training run kept in its pending "
+                                 "file while its MLflow store failed (<checkpoint folder>/mlflow_pending.jsonl) into "
+                                 "the run.")
+    ap.add_argument("file", type=Path)
+    ap.add_argument("--tracking-uri", default=None, help="the store (default: the one the file names)")
+    args = ap.parse_args(argv)
+    if not args.file.is_file():
+        print(f"{REPLAY_COMMAND}: {args.file} does not exist (a run whose store never failed leaves none)",
+              file=sys.stderr)
+        return 2
+    try:
+        n, runs = replay_pending(args.file, args.tracking_uri)
+    except TrackingUnavailable as e:
+        print(f"{REPLAY_COMMAND}: {e}", file=sys.stderr)
+        return 2
+    print(f"logged {n} records of {args.file} into run {', '.join(runs)}; the file is removed")
+    return 0
+
+
+__all__ = ["resolve_uri", "flatten", "hardware_tags", "Tracker", "TrackingError", "Meter", "replay_pending",
+           "PENDING_FILE"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
