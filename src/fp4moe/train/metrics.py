@@ -335,13 +335,11 @@ class Tracker:
             tags = {**tags, "resume.changed_params": ",".join(changed) or "none",
                     "resume.count": str(int(old_tags.get("resume.count", "0")) + 1)}
             # the stop that this resume continues from goes into the run's history: a run that went on to finish
-            # carries no stopped_by_signal (nor requeued), which describe how a run ended
+            # carries no stopped_by_signal, which describes how a run ended ('requeued' stays: it is history too)
             if "stopped_by_signal" in old_tags:
                 before = old_tags.get("resume.stopped_by_signals")
                 tags["resume.stopped_by_signals"] = ",".join(filter(None, (before, old_tags["stopped_by_signal"])))
-            for stale in ("stopped_by_signal", "requeued"):
-                if stale in old_tags:
-                    client.delete_tag(resume_run_id, stale)
+                client.delete_tag(resume_run_id, "stopped_by_signal")
         else:
             exp_id = tracking._experiment_id(client, self.experiment, self.uri)
             self.run_id = client.create_run(exp_id, run_name=run_name).info.run_id
