@@ -413,6 +413,19 @@ def test_headline_setup_prefers_paper_cells_then_tokens_per_micro_batch(report):
     assert _headline_setup(replace(report, setups=[report.setups[0], big], t1=fewer), ["M1", "M2"]) == "M1"
 
 
+def test_f5_headline_prefers_the_newest_gpu_family_over_newer_cpu_runs():
+    """make reproduce-table's tiny CPU runs are always the newest: the headline's F5 is the newest family measured on
+    GPUs when there is one, the CPU family only otherwise."""
+    from fp4moe.report.render import _f5_latest
+
+    rows = [{"family": "gpu-old", "hardware": "1 x NVIDIA H200", "start_time": 1},
+            {"family": "gpu-new", "hardware": "1 x NVIDIA H200", "start_time": 2},
+            {"family": "tiny", "hardware": "1 process(es) on CPU: Test CPU", "start_time": 3}]
+    newest, older = _f5_latest(rows)
+    assert [r["family"] for r in newest] == ["gpu-new"] and [r["family"] for r in older] == ["gpu-old", "tiny"]
+    assert [r["family"] for r in _f5_latest(rows[2:])[0]] == ["tiny"]
+
+
 def test_f3_targets_are_ours_per_kernel():
     """>= 85 % of copy for the conversions, faster than torchao for BF16 -> FP8; other kernels have none."""
     from fp4moe.report.tables import f3_target

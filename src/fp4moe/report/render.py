@@ -198,8 +198,12 @@ def _f4_bench(r: dict) -> tuple:
 
 
 def _f5_latest(rows: list[dict]) -> tuple[list, list]:
-    """(the F5 rows of the newest family: the configs that differ only in the seed, the newest run's; the rest)."""
-    return _latest(rows, lambda r: (), lambda r: (r["family"],))
+    """(the F5 rows of the newest family: the configs that differ only in the seed, the newest run's; the rest). A
+    family measured on GPUs comes before any CPU one (``make reproduce-table``'s tiny CPU runs are always newest)."""
+    gpu = [r for r in rows if "CPU" not in str(r.get("hardware", ""))]
+    newest, _ = _latest(gpu or rows, lambda r: (), lambda r: (r["family"],))
+    keep = {r["family"] for r in newest}
+    return [r for r in rows if r["family"] in keep], [r for r in rows if r["family"] not in keep]
 
 
 def _range_x(vals: list[float]) -> str:

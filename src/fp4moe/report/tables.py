@@ -317,7 +317,8 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
             # a family: the configs that differ only in the seed (and the archive, i.e. the session and commit)
             family = config_label((replace(key[0], archive=""),) + key[1:3] + ("*",) + key[4:])
             out.append({"config": config_label(key), "recipe": rec, "steps": key[2], "seed": key[3],
-                        "archive": key[0].archive, "family": family, "train_loss_smoothed": t,
+                        "archive": key[0].archive, "family": family, "hardware": key[0].hardware,
+                        "train_loss_smoothed": t,
                         "train_loss_dev_pct": 100.0 * (t - tb) / tb,
                         "eval_loss": e, "eval_loss_dev_pct": 100.0 * (e - eb) / eb if e is not None and eb else None,
                         "paper_dev_pct": 0.0 if rec == "bf16" else paper_dev.get(rec), "run_id": recs[rec].run_id,
