@@ -65,6 +65,29 @@ def test_tile_overrides_from_the_environment(tmp_path):
         tiles_from_env(str(tmp_path / "missing.json"))
 
 
+def test_apply_tiles_sets_both_tables_from_the_switches_or_neither():
+    """launch.apply_tiles (the trainer's kernels.tiles / kernels.gemm_tiles): the defaults with the switches' specs
+    over them; a bad spec is refused naming its variable and leaves both tables as they were."""
+    from fp4moe_kernels.switches import Switches
+    from fp4moe_kernels.triton_kernels import launch
+
+    saved = (dict(launch.TILES), dict(launch.GEMM_TILES))  # the environment's, as the import set them
+    try:
+        launch.apply_tiles(Switches(tiles='{"fp4_to_bf16": [32, 0, 4]}', gemm_tiles='{"wgrad": [128, 64, 8, 3]}'))
+        assert launch.TILES == {**launch.DEFAULT_TILES, "fp4_to_bf16": (32, 0, 4)}
+        assert launch.GEMM_TILES == {**launch.DEFAULT_GEMM_TILES, "wgrad": (128, 64, 8, 3)}
+        before = (dict(launch.TILES), dict(launch.GEMM_TILES))
+        with pytest.raises(ValueError, match=r"FP4MOE_GEMM_TILES='\{\"rows\": \[1, 2\]\}' is not valid"):
+            launch.apply_tiles(Switches(gemm_tiles='{"rows": [1, 2]}'))
+        assert (launch.TILES, launch.GEMM_TILES) == before
+        launch.apply_tiles(Switches())
+        assert (launch.TILES, launch.GEMM_TILES) == (launch.DEFAULT_TILES, launch.DEFAULT_GEMM_TILES)
+    finally:
+        for table, old in zip((launch.TILES, launch.GEMM_TILES), saved):
+            table.clear()
+            table.update(old)
+
+
 @pytest.mark.parametrize("value, mode", [(None, "auto"), ("", "auto"), ("AUTO", "auto"), ("1", "1"), (" 0 ", "0")])
 def test_cuda_col_switch_values(monkeypatch, value, mode):
     """FP4MOE_CUDA_COL: unset / auto (CUDA C++ where it builds), 1, 0; anything else names the variable and values."""

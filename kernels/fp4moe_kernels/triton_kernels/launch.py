@@ -292,42 +292,38 @@ GEMM_TILES = {"rows": (64, 128, 8, 4, 4), "wgrad": (64, 128, 4, 3)}  # H200 swee
 DEFAULT_GEMM_TILES = dict(GEMM_TILES)
 
 
-def _gemm_tiles_from_env(raw: str | None = None) -> None:
-    """Apply ``raw`` (default: the ``gemm_tiles`` switch, ``FP4MOE_GEMM_TILES``) to GEMM_TILES."""
+def gemm_tiles_from_env(raw: str | None = None) -> dict:
+    """GEMM tile overrides from ``raw`` (default: the ``gemm_tiles`` switch, ``FP4MOE_GEMM_TILES``): JSON mapping
+    'rows' / 'wgrad' to a tuple as long as the default's. ValueError naming the variable for anything else."""
     import json
 
     raw = switches.current().gemm_tiles if raw is None else raw
     if not raw:
-        return
+        return {}
     try:
-        over = json.loads(raw)
-        for key, val in over.items():
-            if key not in GEMM_TILES or len(val) != len(GEMM_TILES[key]):
+        out = {}
+        for key, val in json.loads(raw).items():
+            if key not in DEFAULT_GEMM_TILES or len(val) != len(DEFAULT_GEMM_TILES[key]):
                 raise ValueError(f"{key}={val}")
-            GEMM_TILES[key] = tuple(int(v) for v in val)
+            out[key] = tuple(int(v) for v in val)
+        return out
     except (ValueError, TypeError, AttributeError) as exc:
         raise ValueError(f"FP4MOE_GEMM_TILES={raw!r} is not valid ({exc}): give JSON like "
                          '\'{"rows": [128, 128, 8, 8, 4], "wgrad": [128, 64, 8, 3]}\'') from None
 
 
-_gemm_tiles_from_env()
+GEMM_TILES.update(gemm_tiles_from_env())
 
 
 def apply_tiles(s: "switches.Switches") -> None:
     """Set TILES and GEMM_TILES to the defaults with ``s.tiles`` / ``s.gemm_tiles`` over them (what the trainer calls
     with its config's switches; at import the environment's are applied). ValueError for a bad spec, nothing set."""
     tiles = {**DEFAULT_TILES, **tiles_from_env(s.tiles)}
-    saved = dict(GEMM_TILES)
-    GEMM_TILES.clear()
-    GEMM_TILES.update(DEFAULT_GEMM_TILES)
-    try:
-        _gemm_tiles_from_env(s.gemm_tiles)
-    except ValueError:
-        GEMM_TILES.clear()
-        GEMM_TILES.update(saved)
-        raise
+    gemm = {**DEFAULT_GEMM_TILES, **gemm_tiles_from_env(s.gemm_tiles)}
     TILES.clear()
     TILES.update(tiles)
+    GEMM_TILES.clear()
+    GEMM_TILES.update(gemm)
 
 
 @functools.lru_cache(maxsize=64)

@@ -45,8 +45,7 @@ def use_kernel_switches(s: Switches):
     next ``use`` sets them again)."""
     import torch
 
-    if torch.cuda.is_available() and (s.tiles or s.gemm_tiles or _switches.current().tiles
-                                      or _switches.current().gemm_tiles):
+    if torch.cuda.is_available():  # the tables the run's kernels launch with: s's, whatever was set before
         from fp4moe_kernels.triton_kernels import launch
 
         launch.apply_tiles(s)
