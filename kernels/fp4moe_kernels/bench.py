@@ -353,9 +353,14 @@ def adopt_best(sweep_rows: list[dict]) -> dict:
 
 
 def environment(command: str, commit: str | None) -> dict:
-    """What a benchmark result records about its run: date, commit, GPU, versions and ``command`` (its machine's
-    folders written portably: fp4moe.tracking.portable, e.g. ``--out <repo>/results/kernels``)."""
-    from fp4moe.tracking import portable
+    """What a benchmark result records about its run: date, commit, GPU, versions and ``command`` (in this
+    repository its machine's folders written portably: fp4moe.tracking.portable, e.g. ``--out
+    <repo>/results/kernels``; the kernels package used on its own, without fp4moe, records it as given)."""
+    try:
+        from fp4moe.tracking import portable
+    except ImportError:  # fp4moe_kernels stands alone: fp4moe sits above it
+        def portable(text: str) -> str:
+            return text
 
     def _git():
         try:
