@@ -395,7 +395,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from fp4moe.model.build import a2a_stats, build_gpt_model, release_dispatcher_tensors, to_bf16_params
     from fp4moe.ops.weight_cache import CACHE as wcache
     from fp4moe.train import checkpoint as ckpt
-    from fp4moe.train.metrics import (PENDING_FILE, Meter, Tracker, flatten, hardware_tags, replay_pending,
+    from fp4moe.train.metrics import (PENDING_FILE, Meter, Tracker, flatten, hardware_tags, replay_if_pending,
                                       resolve_uri)
     from fp4moe.config import OptimizerSetting
     from fp4moe.train import optim
@@ -415,11 +415,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
             if info.is_main:
                 log.info("already finished at step %d/%d (checkpoint %s); nothing to train", int(meta["step"]),
                          total_steps, folder)
-                pending = root / PENDING_FILE  # what the store could not take at the end of the run: log it now
-                if pending.is_file():
-                    n, runs = replay_pending(pending, resolve_uri(cfg))
-                    log.info("logged %d records that %s kept for run %s while the store failed", n, pending,
-                             ", ".join(runs))
+                # what the store could not take at the end of the run: log it now
+                replay_if_pending(root / PENDING_FILE, resolve_uri(cfg))
             return TrainResult(run_id=meta.get("mlflow_run_id"), start_step=int(meta["step"]),
                                step=int(meta["step"]), total_steps=total_steps, checkpoint=folder,
                                already_finished=True)

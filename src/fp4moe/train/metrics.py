@@ -196,6 +196,14 @@ def replay_pending(path: str | os.PathLike, uri: str | None = None) -> tuple[int
     return len(writes), runs
 
 
+def replay_if_pending(path: Path, uri: str) -> None:
+    """:func:`replay_pending` when ``path`` exists (a store that failed in an earlier process), saying what it
+    logged; nothing otherwise."""
+    if path.is_file():
+        n, runs = replay_pending(path, uri)
+        log.info("logged %d records that %s kept for run %s while the store failed", n, path, ", ".join(runs))
+
+
 class Tracker:
     """The MLflow run of this training run (rank 0); a no-op object on the other ranks.
 
@@ -313,10 +321,8 @@ class Tracker:
             return
         from mlflow.entities import Param, RunTag
 
-        if self.pending is not None and self.pending.is_file():
-            n, runs = replay_pending(self.pending, self.uri)
-            log.info("logged %d records that %s kept for run %s while the store failed", n, self.pending,
-                     ", ".join(runs))
+        if self.pending is not None:
+            replay_if_pending(self.pending, self.uri)
         self.client = tracking._client(self.uri)
         client = self.client
         existing = None
@@ -515,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["resolve_uri", "flatten", "hardware_tags", "Tracker", "TrackingError", "Meter", "replay_pending",
+__all__ = ["resolve_uri", "flatten", "hardware_tags", "Tracker", "TrackingError", "Meter", "replay_pending", "replay_if_pending",
            "PENDING_FILE"]
 
 
