@@ -249,24 +249,18 @@ def headline_rows(rep: Report, head: str | None) -> list[list[str]]:
                      (ours_status if not measured else (ours.get("note") or tables.NOT_MEASURED)),
                      ratio(pct, paper["peak_memory_pct"]), _model_fit(model)])
     h = n["headline"]
-    a = _cell(rep.t1, "attn_ln_experts", "fp8", "measured", head) if head else None
-    b = _cell(rep.t1, "mla_up_proj", "mxfp4", "measured", head) if head else None
-    both = a is not None and b is not None and a.get("tgs") and b.get("tgs")
+    a, b = _headline_pair(rep, "measured", head) if head else (None, None)
+    tgs = _change(a, b, "tgs", pct=True)
     pred = next((p for lab, _, p in rep.throughput or [] if lab.startswith("headline")), None)
     rows.append(["headline: tokens/GPU/s, mxfp4 at MLA up-projection vs fp8 at attention + layernorm + MoE experts",
-                 f"{h['tgs_change_pct']:+g} %", f"{100 * (b['tgs'] / a['tgs'] - 1):+.1f} %" if both else
-                 tables.NOT_MEASURED, ratio(100 * (b["tgs"] / a["tgs"] - 1), h["tgs_change_pct"]) if both else "-",
+                 f"{h['tgs_change_pct']:+g} %", f"{tgs:+.1f} %" if tgs is not None else tables.NOT_MEASURED,
+                 ratio(tgs, h["tgs_change_pct"]),
                  f"{100 * (min(pred) - 1):+.1f} to {100 * (max(pred) - 1):+.1f} % ({len(pred)} cases)" if pred else "-"])
-    pa = a.get("peak_memory_pct") if a else None
-    pb = b.get("peak_memory_pct") if b else None
-    ma = _cell(rep.t1, "attn_ln_experts", "fp8", MODEL_LABEL) if rep.model_rows is not None else None
-    mb = _cell(rep.t1, "mla_up_proj", "mxfp4", MODEL_LABEL) if rep.model_rows is not None else None
-    model_pp = (mb["peak_memory_pct"] - ma["peak_memory_pct"]) if ma and mb and ma.get("peak_memory_pct") is not None \
-        and mb.get("peak_memory_pct") is not None else None
+    pp = _change(a, b, "peak_memory_pct")
+    model_pp = _change(*_headline_pair(rep, MODEL_LABEL), "peak_memory_pct")
     rows.append(["headline: peak memory, the same two cells", f"{h['peak_memory_change_pp']:+g} points of 80 GB",
-                 f"{pb - pa:+.1f} points of its GPU" if pa is not None and pb is not None else tables.NOT_MEASURED,
-                 ratio(pb - pa, h["peak_memory_change_pp"]) if pa is not None and pb is not None else "-",
-                 f"{model_pp:+.1f} points" if model_pp is not None else "-"])
+                 f"{pp:+.1f} points of its GPU" if pp is not None else tables.NOT_MEASURED,
+                 ratio(pp, h["peak_memory_change_pp"]), f"{model_pp:+.1f} points" if model_pp is not None else "-"])
     f3, f4 = n["f3"], n["f4"]
     latest3, _ = _latest(rep.f3, lambda r: (r["gpu"],), _f3_bench)
     rows.append(["F3: fused conversion kernels vs separate quantize / dequantize",
@@ -295,10 +289,23 @@ def headline_rows(rep: Report, head: str | None) -> list[list[str]]:
 
 
 def _model_fit(c: dict | None) -> str:
-    if c is None or c["status"] == "not modelled":
-        return "-"
-    pct = f"{_num(c['peak_memory_pct'], 1)} %"
-    return f"OOM ({pct})" if c["status"] == tables.OOM else pct
+    """The model's % of the GPU for one cell (``_model_cells``' second column), '-' where it has none."""
+    return "-" if c is None or c["status"] == "not modelled" else _model_cells(c)[1]
+
+
+def _headline_pair(rep: Report, source: str, setup: str = "") -> tuple[dict | None, dict | None]:
+    """(fp8 at attn_ln_experts, mxfp4 at mla_up_proj) of ``source`` (and ``setup``): the abstract's headline pair."""
+    return (_cell(rep.t1, "attn_ln_experts", "fp8", source, setup),
+            _cell(rep.t1, "mla_up_proj", "mxfp4", source, setup))
+
+
+def _change(a: dict | None, b: dict | None, key: str, pct: bool = False) -> float | None:
+    """``b[key]`` against ``a[key]``: in % (``pct``; both must be non-zero) or as a difference; None unless both
+    have it."""
+    va, vb = (a or {}).get(key), (b or {}).get(key)
+    if va is None or vb is None or (pct and not (va and vb)):
+        return None
+    return 100 * (vb / va - 1) if pct else vb - va
 
 
 def _sources(rep: Report) -> list[str]:
@@ -392,12 +399,12 @@ def _setup_grids(rep: Report, labels: list[str]) -> list[str]:
 
 
 def _same_comparison(rep: Report, lab: str) -> list[str]:
-    a = _cell(rep.t1, "attn_ln_experts", "fp8", "measured", lab)
-    b = _cell(rep.t1, "mla_up_proj", "mxfp4", "measured", lab)
-    if a and b and a.get("tgs") and b.get("tgs"):
-        return [f"Same comparison, measured on {lab}: tokens/GPU/s {_num(a['tgs'])} -> {_num(b['tgs'])} "
-                f"({100 * (b['tgs'] / a['tgs'] - 1):+.1f} %).", ""]
-    return []
+    a, b = _headline_pair(rep, "measured", lab)
+    tgs = _change(a, b, "tgs", pct=True)
+    if tgs is None:
+        return []
+    return [f"Same comparison, measured on {lab}: tokens/GPU/s {_num(a['tgs'])} -> {_num(b['tgs'])} "
+            f"({tgs:+.1f} %).", ""]
 
 
 # ---------------------------------------------------------------------------------------------- markdown
