@@ -57,6 +57,46 @@ def test_ctrl_c_stops_after_a_checkpoint_and_a_second_one_aborts():
     assert signal.getsignal(signal.SIGINT) == before
 
 
+def test_a_stop_signal_leaves_every_threads_stack_in_the_stacks_file(tmp_path):
+    """``stacks_file``: SIGTERM appends the Python stacks (this test's frame among them) before the handler runs;
+    a run that got no signal leaves no file; the handlers are back as they were after the block."""
+    before = signal.getsignal(signal.SIGTERM)
+    quiet, stacks = tmp_path / "quiet.txt", tmp_path / "stacks.txt"
+    with slurm.Preemption(stacks_file=quiet) as preempt:
+        assert preempt.poll() == 0 and quiet.exists()
+    assert not quiet.exists() and signal.getsignal(signal.SIGTERM) == before
+    with slurm.Preemption(stacks_file=stacks) as preempt:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preempt.poll() == signal.SIGTERM
+    text = stacks.read_text()
+    assert "most recent call first" in text and "test_a_stop_signal_leaves_every_threads_stack" in text, text
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.skipif(slurm._c_handler(signal.SIGTERM) is None, reason="sigaction cannot be read here (not Linux)")
+def test_a_handler_replaced_by_a_library_is_put_back_with_a_warning(tmp_path, capfd):
+    """Something replaces the stop handler after the run started, at Python's level (``signal.signal``) or at the
+    C level (``sigaction`` from C code, invisible to ``signal.getsignal``): the next ``poll`` names it in one line
+    and puts the handler back, so the signal still reaches the flag (a checkpoint) instead of ending the process."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    with slurm.Preemption(stacks_file=tmp_path / "stacks.txt") as preempt:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        libc.signal(signal.SIGUSR1, ctypes.c_void_p(1))  # SIG_IGN, installed by C code
+        assert preempt.poll() == 0
+        err = capfd.readouterr().err
+        assert "the SIGTERM handler was replaced (now: Python handler <Handlers.SIG_DFL: 0>)" in err, err
+        assert "the SIGUSR1 handler was replaced (now: C handler at 0x1)" in err, err
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preempt.poll() == signal.SIGUSR1           # both reached the flag: the process is alive
+        assert preempt.poll() == signal.SIGUSR1 and "replaced" not in capfd.readouterr().err  # said once
+    # the stacks dump was put back with the handlers: one dump per signal
+    assert (tmp_path / "stacks.txt").read_text().count("most recent call first") == 2
+
+
 def test_preempt_signal_follows_submitit_setting(monkeypatch):
     assert slurm.preempt_signal() == signal.SIGUSR2
     monkeypatch.setenv("SUBMITIT_PREEMPT_SIGNAL", "USR1")

@@ -51,7 +51,31 @@ def job_tags() -> dict[str, str]:
     return tags
 
 
-def _rank() -> int:
+_LIBC: Any = None
+
+
+def _c_handler(signum: int) -> int | None:
+    """The address of the C-level handler of ``signum`` (``sigaction``; Linux x86-64 / aarch64 layout, where
+    ``sa_handler`` comes first), or None where it cannot be read. Python's ``signal.getsignal`` does not see a
+    handler that C code (a CUDA or communication library) installed over Python's."""
+    if not sys.platform.startswith("linux"):
+        return None
+    global _LIBC
+    try:
+        import ctypes
+
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct sigaction is 152 bytes on x86-64 glibc
+        if _LIBC.sigaction(int(signum), None, buf) != 0:
+            return None
+        return int.from_bytes(buf.raw[:ctypes.sizeof(ctypes.c_void_p)], sys.byteorder)
+    except (OSError, AttributeError):
+        return None
+
+
+def rank() -> int:
+    """This process's global rank from the launcher's environment (SLURM_PROCID, else RANK; 0 alone)."""
     return int(os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")))
 
 
@@ -83,6 +107,12 @@ class Preemption:
     then stop). The handler only records the first signal; a second SIGINT raises KeyboardInterrupt (abort now).
     Handlers are installed in the main thread only (Python's rule) and the previous ones are restored on exit.
 
+    Two guards for a stop that would otherwise end the process with no word and no checkpoint: with ``stacks_file``,
+    every watched signal first appends all threads' Python stacks to that file (``faulthandler.register``, chained
+    to the handler; where the run was when it was stopped); and ``poll`` checks that the handlers are still the
+    ones installed here, at Python's level and at the C level (``sigaction``, Linux): a library that replaced one
+    is named in one warning line and the handler is put back, so the stop still checkpoints.
+
     Requeue (``requeue()``, for the preemption signal inside a Slurm job): inside a submitit job the previous
     handler is submitit's: it is called, pickles the job again (hydra-submitit-launcher's ``checkpoint``: the same
     Hydra job), runs ``scontrol requeue`` and exits; it counts time-outs against ``max_num_timeout`` and raises when
@@ -90,19 +120,79 @@ class Preemption:
     ``scontrol requeue $SLURM_JOB_ID`` itself.
     """
 
-    def __init__(self, stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
+    def __init__(self, stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
+                 stacks_file: str | os.PathLike | None = None):
         self.signal = preempt_signal()
         self.signals = tuple(dict.fromkeys((*stop_signals, self.signal)))
         self.received = 0
         self._previous: dict[int, Any] = {}
+        self.stacks_file = stacks_file
+        self._stacks: Any = None
+        self._c_handlers: dict[int, int | None] = {}
+        self._warned: set[int] = set()
+        self._active = False
 
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():
             for s in self.signals:
                 self._previous[s] = signal.signal(s, self._on_signal)
+            if self.stacks_file is not None:
+                try:
+                    self._stacks = open(self.stacks_file, "a")
+                except OSError as e:
+                    print(f"fp4moe.slurm: cannot open {self.stacks_file} for the stacks at a stop signal ({e})",
+                          file=sys.stderr)
+            self._install_stacks()
+            self._active = True
         return self
 
+    def _install_stacks(self) -> None:
+        """faulthandler's dump before the Python handler (``stacks_file``), then the C handlers to watch."""
+        import faulthandler
+
+        for s in self._previous:
+            if self._stacks is not None:
+                faulthandler.register(s, file=self._stacks, all_threads=True, chain=True)
+            self._c_handlers[s] = _c_handler(s)
+
+    def _check_handlers(self) -> None:
+        """Put back a handler that something replaced since ``__enter__`` (warned once per signal)."""
+        replaced = []
+        for s in self._previous:
+            py = signal.getsignal(s)
+            if py != self._on_signal:
+                replaced.append((s, f"Python handler {py!r}"))
+            elif self._c_handlers.get(s) is not None and _c_handler(s) != self._c_handlers[s]:
+                replaced.append((s, f"C handler at {_c_handler(s):#x}"))
+        if not replaced:
+            return
+        import faulthandler
+
+        for s, what in replaced:
+            if s not in self._warned:
+                self._warned.add(s)
+                print(f"fp4moe.slurm: the {signal.Signals(s).name} handler was replaced (now: {what}) by a library "
+                      "after the run started; put back, so that the signal still checkpoints", file=sys.stderr,
+                      flush=True)
+            if self._stacks is not None:
+                faulthandler.unregister(s)
+            signal.signal(s, self._on_signal)
+        self._install_stacks()
+
     def __exit__(self, *exc: Any) -> None:
+        self._active = False
+        if self._stacks is not None:
+            import faulthandler
+
+            for s in self._previous:
+                faulthandler.unregister(s)  # back to the Python handler, restored below
+            self._stacks.close()
+            self._stacks = None
+            try:  # no signal came: no file
+                if os.path.getsize(self.stacks_file) == 0:
+                    os.remove(self.stacks_file)
+            except OSError:
+                pass
         for s, h in self._previous.items():  # kept in _previous: requeue() calls submitit's handler after exit
             if s == self.signal and "SLURM_JOB_ID" in os.environ:
                 # In a Slurm job the signal may come again, or late, after the loop: it must neither kill a finished
@@ -125,6 +215,8 @@ class Preemption:
         """The signal every rank agrees on (the largest number any rank received), or 0. With torch.distributed
         running this is one all-reduce of a scalar on ``device`` (default: the current CUDA device under nccl, else
         CPU), so all ranks stop at the same step: call it on every rank, every step or every few."""
+        if self._active and threading.current_thread() is threading.main_thread():
+            self._check_handlers()
         got = self.received
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -166,7 +258,7 @@ class Preemption:
                 raise Requeued(e.code) from None
             raise Requeued(0)
         if "SLURM_JOB_ID" in os.environ:
-            if _rank() == 0:
+            if rank() == 0:
                 subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
             raise Requeued(0)
         raise Requeued("fp4moe.slurm: preempted outside Slurm; the checkpoint is written, run again to resume")

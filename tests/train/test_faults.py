@@ -133,6 +133,59 @@ def test_kill_9_at_a_random_step_resumes_from_the_newest_whole_checkpoint(tmp_pa
     assert not list(root.glob(".step_*")), f"{why} unfinished save folders left: {list(root.glob('.step_*'))}"
 
 
+def test_a_second_command_on_a_busy_folder_stops_and_a_run_killed_before_its_first_checkpoint_is_marked_lost(
+        tmp_path, in_store, reference):
+    """``python -m fp4moe.train`` (slowed down: ``+fault.sleep_s``) runs with no periodic checkpoints. While it runs,
+    the same command (its checkpoint folder) in this process stops before building the model with one line naming
+    the process that holds the folder (fp4moe.train.attempt.Busy). Then the first process gets SIGKILL before any
+    checkpoint: its MLflow run is left RUNNING. The next command starts over from step 0 (nothing to resume), trains
+    the uninterrupted losses, ends the killed run FAILED with a ``lost`` tag naming the new run, and tags the new run
+    ``earlier_attempt``: both runs stay in the store, neither looks alive."""
+    from fp4moe.train import attempt
+    from fp4moe.train.loop import train
+
+    overrides = _overrides(tmp_path, "lost", "train.checkpoint_interval=null")
+    root = tmp_path / "ckpt" / "lost"
+    proc = subprocess.Popen([sys.executable, str(HERE / "cli.py"), *overrides, "+fault.sleep_s=1.0",
+                             f"hydra.run.dir={tmp_path / 'out'}"],
+                            cwd=tmp_path, env={**os.environ, "MLFLOW_TRACKING_URI": in_store},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, first = time.monotonic() + 180, None
+        while proc.poll() is None and time.monotonic() < deadline:  # its run exists and has logged a step
+            rec = json.loads((root / attempt.RECORD).read_text()) if (root / attempt.RECORD).exists() else {}
+            if rec.get("mlflow_run_id") and _client(in_store).get_metric_history(rec["mlflow_run_id"], "loss"):
+                first = rec["mlflow_run_id"]
+                break
+            time.sleep(0.05)
+        assert first, f"the first process logged no step: {proc.poll()} {proc.stderr.read()[-3000:] if proc.poll() is not None else ''}"
+        with pytest.raises(attempt.Busy) as e:
+            train(_compose(overrides))
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"{root} is being trained by pid {proc.pid} on "), msg
+        assert "hydra.run.dir=<new folder>" in msg, msg
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not ckpt_steps(root) and _client(in_store).get_run(first).info.status == "RUNNING"
+
+    r = train(_compose(overrides))
+    assert r.start_step == 0 and r.run_id != first and r.losses == reference
+    client = _client(in_store)
+    lost, new = client.get_run(first), client.get_run(r.run_id)
+    assert lost.info.status == "FAILED" and r.run_id in lost.data.tags["lost"], lost.data.tags
+    assert "ended without a checkpoint" in lost.data.tags["lost"]
+    assert new.info.status == "FINISHED" and new.data.tags["earlier_attempt"] == first
+    runs = client.search_runs([client.get_experiment_by_name("lost").experiment_id])
+    assert sorted(x.info.run_id for x in runs) == sorted([first, r.run_id])
+    assert json.loads((root / attempt.RECORD).read_text())["mlflow_run_id"] == r.run_id
+
+
+def ckpt_steps(root: Path) -> list[str]:
+    return sorted(p.name for p in root.glob("step_*"))
+
+
 def test_preempted_three_times_in_a_row_then_finished_equals_uninterrupted(tmp_path, in_store, reference,
                                                                           monkeypatch):
     """The preemption signal (SIGUSR2; outside Slurm it stops the run: exit 140) after steps 1, 2 and 3, each the
@@ -231,7 +284,8 @@ def test_a_full_checkpoint_folder_stops_the_run_with_one_line(tmp_path, in_store
     assert msg.startswith(f"checkpoint of step 4 could not be written to {root} (OSError: [Errno 27] File too large")
     assert f"newest complete checkpoint: {root / 'step_0000002'}" in msg
     assert "free space there, or point train.checkpoint_dir (or FP4MOE_CKPT_DIR)" in msg and "to resume" in msg
-    assert sorted(p.name for p in root.iterdir()) == ["step_0000002"]  # no unfinished folder left
+    # no unfinished folder left (beside the step folders: the attempt's lock and record, fp4moe.train.attempt)
+    assert sorted(p.name for p in root.iterdir() if "step_" in p.name) == ["step_0000002"]
     failed = _only_run(in_store, "full")
     assert failed.info.status == "FAILED"
 

@@ -140,7 +140,9 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
     """
     # The signals are caught from the start: one that comes during the set-up (a short Slurm time limit, a
     # preemption) stops the run after its first step, with a checkpoint.
-    with slurm.Preemption() as preempt:
+    # where each rank was when a stop signal came: all threads' stacks, in the run's folder
+    stacks = None if output_dir is None else Path(output_dir) / f"signal_stacks_rank{slurm.rank()}.txt"
+    with slurm.Preemption(stacks_file=stacks) as preempt:
         derived = preflight(cfg)
         # before the model exists: a run that cannot checkpoint would only find out at its first save
         from fp4moe.train import checkpoint as ckpt
@@ -347,8 +349,33 @@ def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     # megatron-core's jit_fuser is torch.compile: on CPU it would spend ~20 s in inductor for nothing.
     ctx = torch._dynamo.config.patch(disable=True) if info.device.type == "cpu" else contextlib.nullcontext()
-    with ctx:
-        return _loop(cfg, derived, info, multirun_cell, output_dir, after_step, stop, resume_hint)
+    from fp4moe.train import checkpoint as ckpt
+
+    with ctx, _claim(ckpt.run_dir(cfg, multirun_cell, output_dir), info) as claim:
+        return _loop(cfg, derived, info, multirun_cell, output_dir, after_step, stop, resume_hint, claim)
+
+
+def _claim(root: Path, info: Any) -> Any:
+    """fp4moe.train.attempt.claim on rank 0, its outcome shared with every rank (collective): all go on, or all
+    raise the same Busy (another process trains ``root``)."""
+    from fp4moe.train import attempt
+
+    held, why = None, None
+    try:
+        held = attempt.claim(root, info.rank == 0)
+    except attempt.Busy as e:
+        why = str(e)
+    if info.world_size > 1:
+        import torch.distributed as dist
+
+        holder = [why]
+        dist.broadcast_object_list(holder, src=0)
+        why = holder[0]
+    if why is not None:
+        if held is not None:
+            held.release()
+        raise attempt.Busy(why)
+    return held
 
 
 def _resume_candidates(root: Path, info: Any, *, resume: bool) -> list[tuple[Path, dict[str, Any]]]:
@@ -384,7 +411,7 @@ def _resume_candidates(root: Path, info: Any, *, resume: bool) -> list[tuple[Pat
 
 
 def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
-          after_step: Any, stop: slurm.Preemption, resume_hint: str) -> TrainResult:
+          after_step: Any, stop: slurm.Preemption, resume_hint: str, claim: Any) -> TrainResult:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -503,7 +530,10 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     extra = OmegaConf.select(cfg, "tracking.tags", default=None) or {}  # the caller's own (e.g. fp4moe.reproduce_runs)
     tags.update({str(k): str(v) for k, v in extra.items()})
     run_name = f"{cfg.get('task_name', 'train')}/{cfg.model.name}/{recipe}/{cfg.recompute.name}"
-    tracker.start(run_name, params, tags, resume_run_id=run_id)
+    store = tracking.without_credentials(resolve_uri(cfg))
+    tracker.start(run_name, params, tags, resume_run_id=run_id, earlier_run=claim.earlier_run(store))
+    if tracker.run_id is not None:  # rank 0: the folder's record names the MLflow run it trains now
+        claim.record(tracker.run_id, store)
     result = TrainResult(run_id=tracker.run_id, start_step=start_step, step=step, total_steps=int(derived["steps"]))
     if info.world_size > 1:  # every rank learns the run id (it goes into every checkpoint's meta via rank 0 only)
         holder = [tracker.run_id]

@@ -313,10 +313,16 @@ class Tracker:
             self._queue.join()
         self._raise_failed()
 
-    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str], resume_run_id: str | None) -> None:
+    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str], resume_run_id: str | None,
+              earlier_run: str | None = None) -> None:
         """Create the run, or reopen ``resume_run_id`` (status RUNNING again; only params it lacks are added,
         changed ones are listed in the tag ``resume.changed_params``). A pending file left by an earlier process
-        is logged first (TrackingUnavailable when it cannot be)."""
+        is logged first (TrackingUnavailable when it cannot be).
+
+        ``earlier_run``: the MLflow run of the attempt that trained the same checkpoint folder before
+        (fp4moe.train.attempt). When it is not the run continued here and still says RUNNING, its process ended
+        without a checkpoint of it: it is ended FAILED with the tag ``lost`` naming this run, and this run gets
+        the tag ``earlier_attempt``."""
         if not self.enabled:
             return
         from mlflow.entities import Param, RunTag
@@ -351,15 +357,37 @@ class Tracker:
             self.run_id = client.create_run(exp_id, run_name=run_name).info.run_id
             if resume_run_id:
                 tags = {**tags, "resumed_from_missing_run": resume_run_id}
+        lost = earlier_run if earlier_run and earlier_run != self.run_id else None
+        if lost:
+            tags = {**tags, "earlier_attempt": lost}
         items = [Param(k[:250], v[:6000]) for k, v in params.items()]
         for i in range(0, len(items), MLFLOW_BATCH):
             client.log_batch(self.run_id, params=items[i:i + MLFLOW_BATCH])
         all_tags = {**tracking.environment_tags(), **tags}
         client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
+        if lost:
+            self._end_lost(lost)
         if self.background:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._work, name="fp4moe-mlflow", daemon=True)
             self._thread.start()
+
+    def _end_lost(self, run_id: str) -> None:
+        """End ``run_id`` FAILED with the tag ``lost`` if it still says RUNNING (a run of another store, or gone:
+        nothing); one warning line either way it is ended."""
+        try:
+            run = self.client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - deleted, or never reached this store: nothing to mark
+            return
+        if run.info.status != "RUNNING":
+            return
+        last = max((m.step for m in self.client.get_metric_history(run_id, "loss")), default=None)
+        why = (f"its process ended without a checkpoint of this run (killed, crashed, or stopped before it could "
+               f"save; last logged step {last}); the same checkpoint folder was trained again as run {self.run_id}")
+        self.client.set_tag(run_id, "lost", why)
+        self.client.set_terminated(run_id, status="FAILED")
+        log.warning("MLflow run %s (an earlier attempt at this run, last step %s) ended without a checkpoint: "
+                    "marked FAILED, tag 'lost'; this attempt is run %s", run_id, last, self.run_id)
 
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         if not self.enabled or self.run_id is None:
