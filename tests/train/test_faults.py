@@ -133,6 +133,65 @@ def test_kill_9_at_a_random_step_resumes_from_the_newest_whole_checkpoint(tmp_pa
     assert not list(root.glob(".step_*")), f"{why} unfinished save folders left: {list(root.glob('.step_*'))}"
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of its own (tmpfs, 256 MiB) at ``tmp_path / 'disk'``, yielded with a function that
+    resizes it (``mount -o remount,size=``); skipped where this process may not mount (not root, no
+    CAP_SYS_ADMIN). Unmounted afterwards."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "fp4moe-test", str(disk)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip() or mount.returncode}")
+
+    def resize(size_bytes: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size_bytes}", str(disk)], check=True, capture_output=True)
+
+    try:
+        yield disk, resize
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_disk_that_fills_up_stops_the_run_with_one_line_and_a_rerun_with_room_resumes(small_disk, tmp_path,
+                                                                                       in_store, reference):
+    """The same as the stand-in above on a real full disk: the checkpoint folder's own file system (tmpfs) is shrunk
+    after the step-2 checkpoint to 8 MiB more than it holds, so the step-4 save fails with ENOSPC. One line naming
+    the folder, ENOSPC, the newest complete checkpoint and the fix; the unfinished folder is removed (its space is
+    free again); with room again the same command resumes from step 2 to the uninterrupted losses."""
+    from fp4moe.train import checkpoint as ckpt
+    from fp4moe.train.loop import train
+
+    disk, resize = small_disk
+    cfg = _compose([*COMMON, "task_name=enospc", f"train.checkpoint_dir={disk / 'ckpt'}",
+                    "train.checkpoint_interval=2"])
+    root = disk / "ckpt" / "enospc"
+
+    def fill_up(step, metrics):
+        if step == 3:
+            used = os.statvfs(disk)
+            resize((used.f_blocks - used.f_bfree) * used.f_frsize + (8 << 20))
+
+    with pytest.raises(ConfigError) as e:
+        train(cfg, after_step=fill_up)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    assert msg.startswith(f"checkpoint of step 4 could not be written to {root} (") and "No space left" in msg, msg
+    assert f"newest complete checkpoint: {root / 'step_0000002'}" in msg
+    assert sorted(p.name for p in root.iterdir() if "step_" in p.name) == ["step_0000002"]
+    st = os.statvfs(disk)
+    assert st.f_bfree * st.f_frsize > 6 << 20  # the unfinished save's space is free again
+    failed = _only_run(in_store, "enospc")
+    assert failed.info.status == "FAILED"
+
+    resize(256 << 20)
+    r = train(cfg)
+    assert r.start_step == 2 and r.losses == {s: reference[s] for s in range(3, STEPS + 1)}
+    assert _client(in_store).get_run(r.run_id).info.status == "FINISHED" and r.run_id == failed.info.run_id
+    assert [f.name for f, _ in ckpt.scan(root)[0]] == ["step_0000006", "step_0000004"]
+
+
 def test_a_second_command_on_a_busy_folder_stops_and_a_run_killed_before_its_first_checkpoint_is_marked_lost(
         tmp_path, in_store, reference):
     """``python -m fp4moe.train`` (slowed down: ``+fault.sleep_s``) runs with no periodic checkpoints. While it runs,
