@@ -174,6 +174,31 @@ def test_log_run_round_trip(git_repo, tmp_path, monkeypatch):
     assert (tmp_path / "store" / "artifacts").is_dir()  # artifacts beside the db, not in the cwd
 
 
+def test_log_batched_sends_more_than_one_call_holds_in_as_few_calls_as_the_limits_allow(tmp_path):
+    """250 params, 150 tags and 2500 metrics (over MLflow's per-call limits of 100 / 100 / 1000) all reach a real
+    sqlite store, in three log_batch calls (the metrics' count decides), each within the limits."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param, RunTag
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("batched")).info.run_id
+    sizes = []
+    real = client.log_batch
+
+    def counting(rid, metrics=(), params=(), tags=()):
+        sizes.append((len(metrics), len(params), len(tags)))
+        return real(rid, metrics=metrics, params=params, tags=tags)
+
+    client.log_batch = counting
+    tracking.log_batched(client, run_id, params=[Param(f"p{i}", str(i)) for i in range(250)],
+                         tags=[RunTag(f"t{i}", str(i)) for i in range(150)],
+                         metrics=[Metric("loss", float(s), 0, s) for s in range(2500)])
+    assert sizes == [(1000, 100, 100), (1000, 100, 50), (500, 50, 0)]
+    run = client.get_run(run_id)
+    assert len(run.data.params) == 250 and sum(k.startswith("t") for k in run.data.tags) == 150
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(2500))
+
+
 def test_log_table_one_run_per_row(git_repo, tmp_path):
     from mlflow import MlflowClient
 

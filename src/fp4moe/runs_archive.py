@@ -48,7 +48,6 @@ ARCHIVED_ID = "fp4moe.archived_run_id"
 ARCHIVE_FILE = "fp4moe.archive"
 WITHDRAWN = "fp4moe.withdrawn_metrics"
 SUFFIXES = (".json", ".json.xz")  # plain, or xz-compressed (chosen by the name given to export)
-_BATCH = 900  # MLflow's log_batch takes at most 1000 metrics, 100 params, 100 tags per call
 
 
 class ArchiveError(ValueError):
@@ -216,16 +215,11 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
                 if held:
                     tags[WITHDRAWN] = "; ".join(f"{k}: {gone[k]}" for k in held)[:5000]
                 tags.pop("mlflow.runName", None)
-                params = [Param(k, str(v)) for k, v in run["params"].items()]
-                for i in range(0, len(params), 100):
-                    client.log_batch(rid, params=params[i:i + 100])
-                tag_list = [RunTag(k, str(v)) for k, v in tags.items()]
-                for i in range(0, len(tag_list), 100):
-                    client.log_batch(rid, tags=tag_list[i:i + 100])
-                metrics = [Metric(k, float(v), int(ts), int(step)) for k, hist in run["metrics"].items()
-                           if k not in gone for step, v, ts in hist]
-                for i in range(0, len(metrics), _BATCH):
-                    client.log_batch(rid, metrics=metrics[i:i + _BATCH])
+                tracking.log_batched(client, rid, params=[Param(k, str(v)) for k, v in run["params"].items()],
+                                     tags=[RunTag(k, str(v)) for k, v in tags.items()],
+                                     metrics=[Metric(k, float(v), int(ts), int(step))
+                                              for k, hist in run["metrics"].items() if k not in gone
+                                              for step, v, ts in hist])
             except BaseException:
                 client.delete_run(rid)  # nothing half-imported stays (a later import retries the run)
                 raise

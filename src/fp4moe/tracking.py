@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlparse, urlsplit, urlunsplit
@@ -262,6 +263,21 @@ def _experiment_id(client, experiment: str, uri: str) -> str:
     return client.create_experiment(experiment, artifact_location=location)
 
 
+# MLflow's log_batch limits per call (its REST API's; the sqlite store enforces the same)
+BATCH_LIMITS = {"metrics": 1000, "params": 100, "tags": 100}
+
+
+def log_batched(client: Any, run_id: str, *, metrics: Sequence[Any] = (), params: Sequence[Any] = (),
+                tags: Sequence[Any] = ()) -> None:
+    """``client.log_batch`` of any number of mlflow ``Metric`` / ``Param`` / ``RunTag`` entities, in as few calls as
+    :data:`BATCH_LIMITS` allow (one call when everything fits). The one place that knows those limits."""
+    metrics, params, tags = list(metrics), list(params), list(tags)
+    while metrics or params or tags:
+        m, p, t = (metrics[:BATCH_LIMITS["metrics"]], params[:BATCH_LIMITS["params"]], tags[:BATCH_LIMITS["tags"]])
+        client.log_batch(run_id, metrics=m, params=p, tags=t)
+        metrics, params, tags = (metrics[len(m):], params[len(p):], tags[len(t):])
+
+
 def log_run(
     experiment: str,
     run_name: str,
@@ -288,12 +304,10 @@ def log_run(
     try:
         now_ms = int(time.time() * 1000)
         all_tags = {**environment_tags(), **(tags or {})}
-        client.log_batch(
-            run_id,
-            metrics=[Metric(k, float(v), now_ms, 0) for k, v in metrics.items() if v is not None],
-            params=[Param(k, str(v)) for k, v in params.items()],
-            tags=[RunTag(k, str(v)) for k, v in all_tags.items()],
-        )
+        log_batched(client, run_id,
+                    metrics=[Metric(k, float(v), now_ms, 0) for k, v in metrics.items() if v is not None],
+                    params=[Param(k, str(v)) for k, v in params.items()],
+                    tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
         for path in artifacts:
             client.log_artifact(run_id, str(path))
     except BaseException:

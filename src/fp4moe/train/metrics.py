@@ -57,7 +57,6 @@ from fp4moe import tracking
 
 log = logging.getLogger("fp4moe.train")
 GB = 1024 ** 3
-MLFLOW_BATCH = 100  # log_batch limit on params per call
 
 
 def resolve_uri(cfg: Any) -> str:
@@ -140,13 +139,10 @@ def _send(client: Any, rec: Mapping[str, Any]) -> None:
 
     run_id, kind = rec["run_id"], rec["kind"]
     if kind == "metrics":
-        batch = [Metric(k, float(v), int(rec["time"]), int(rec["step"])) for k, v in rec["metrics"].items()]
-        for i in range(0, len(batch), 1000):  # log_batch's limit on metrics per call
-            client.log_batch(run_id, metrics=batch[i:i + 1000])
+        tracking.log_batched(client, run_id, metrics=[Metric(k, float(v), int(rec["time"]), int(rec["step"]))
+                                                      for k, v in rec["metrics"].items()])
     elif kind == "tags":
-        tags = [RunTag(k, str(v)) for k, v in rec["tags"].items()]
-        for i in range(0, len(tags), MLFLOW_BATCH):
-            client.log_batch(run_id, tags=tags[i:i + MLFLOW_BATCH])
+        tracking.log_batched(client, run_id, tags=[RunTag(k, str(v)) for k, v in rec["tags"].items()])
     elif kind == "status":
         client.set_terminated(run_id, status=rec["status"], end_time=rec.get("time"))
     else:
@@ -360,11 +356,9 @@ class Tracker:
         lost = earlier_run if earlier_run and earlier_run != self.run_id else None
         if lost:
             tags = {**tags, "earlier_attempt": lost}
-        items = [Param(k[:250], v[:6000]) for k, v in params.items()]
-        for i in range(0, len(items), MLFLOW_BATCH):
-            client.log_batch(self.run_id, params=items[i:i + MLFLOW_BATCH])
         all_tags = {**tracking.environment_tags(), **tags}
-        client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
+        tracking.log_batched(client, self.run_id, params=[Param(k[:250], v[:6000]) for k, v in params.items()],
+                             tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
         if lost:
             self._end_lost(lost)
         if self.background:
