@@ -81,9 +81,9 @@ def test_bad_files(tmp_path):
 
 def test_repo_results_load():
     """Every layer benchmark file committed under results/moe_layer/ is readable."""
-    from fp4moe.tracking import repo_root
+    from fp4moe.paths import results_dir
 
-    files = L.expand([repo_root() / "results" / "moe_layer"])
+    files = L.expand([results_dir() / "moe_layer"])
     assert files, "no results/moe_layer/moe_layer_*.json in the repo"
     for f in files:
         doc = L.load(f)

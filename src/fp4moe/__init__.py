@@ -11,7 +11,8 @@ Packages, lowest first (each imports only those below it; docs/layout.md, "Layer
 - ``fp4moe.train``: the Hydra training app; ``fp4moe.launch``: the Slurm dry run; ``fp4moe.slurm``:
   checkpoint on Slurm's signal, requeue, resume;
   ``fp4moe.scale``: the paper-scale memory/all-to-all model; ``fp4moe.report``: MLflow -> results/.
-- Leaves: ``fp4moe.tracking`` (MLflow helpers) and ``fp4moe.reproduce`` (``make reproduce-table``).
+- Leaves: ``fp4moe.paths`` (the one place that finds the repository's folders), ``fp4moe.tracking`` (MLflow
+  helpers) and ``fp4moe.reproduce`` (``make reproduce-table``).
 
 Only the leaves exist so far; the others arrive with their issues.
 """

@@ -35,16 +35,16 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 from unittest import mock
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fp4moe.config import ConfigError, check
+from fp4moe.paths import conf_dir
 from fp4moe.shell import UnsafeValue
 
-CONF_DIR = Path(os.environ.get("FP4MOE_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
+CONF_DIR = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
 TRAIN_MODULE = "fp4moe.train"
 DRY_RUN_JOB_ID = "dry-run"
 CORPUS_VAR = "FP4MOE_CORPUS"

@@ -8,7 +8,9 @@ from typing import Any
 
 import yaml
 
-NUMBERS = Path(__file__).resolve().parents[2] / "conf" / "paper" / "numbers.yaml"
+from fp4moe.paths import conf_dir
+
+NUMBERS = conf_dir() / "paper" / "numbers.yaml"
 
 
 def load(path: str | Path | None = None) -> dict[str, Any]:

@@ -116,7 +116,7 @@ def _run_module(module: str, argv: Sequence[str]) -> bool:
     import subprocess
 
     from fp4moe.reproduce_runs import child_env
-    from fp4moe.tracking import repo_root
+    from fp4moe.paths import repo_root
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -209,7 +209,7 @@ def run_bench(bench_argv: Sequence[str], track: bool, rerun: bool = False, gpu: 
     if "--out" in argv[:-1]:
         out = argv[argv.index("--out") + 1]
     if out is None:
-        from fp4moe.tracking import repo_root
+        from fp4moe.paths import repo_root
 
         out = str(repo_root() / RESULTS_KERNELS)
         argv += ["--out", out]
@@ -257,7 +257,7 @@ def _log_to_mlflow(files: Sequence[Path], failure: str) -> bool:
 def report_results_on_disk(track: bool) -> bool:
     """Without a GPU: list the benchmark results already in the repo (measured on a GPU, each file
     naming its GPU, date and commit) and log them to MLflow (idempotent), or say there are none yet."""
-    from fp4moe.tracking import repo_root
+    from fp4moe.paths import repo_root
 
     found = sorted((repo_root() / RESULTS_KERNELS).glob(bench_log.GLOB))
     if not found:
@@ -279,7 +279,8 @@ def run_layer_bench(gpu: str | None, track: bool, rerun: bool = False, module: s
     only the second part (files measured on an H200 are in the repo)."""
     from fp4moe import layer_bench_log
     from fp4moe.moe.bench import gpu_slug
-    from fp4moe.tracking import code_commit, repo_root
+    from fp4moe.paths import repo_root
+    from fp4moe.tracking import code_commit
 
     out = repo_root() / RESULTS_LAYER
     reused = None
@@ -311,7 +312,7 @@ def load_trainer_archives(track: bool) -> bool:
     results/train_proxy/*.json (``fp4moe.runs_archive``); load them into the MLflow store (idempotent) so that the
     report shows them, labelled with their hardware and setup."""
     from fp4moe import runs_archive
-    from fp4moe.tracking import repo_root
+    from fp4moe.paths import repo_root
 
     folder = repo_root() / RESULTS_TRAIN
     if not track:

@@ -111,7 +111,9 @@ def child_env(**extra: str) -> dict[str, str]:
     PYTHONPATH, so that a child ``python -m ...`` runs this same code, installed or from a checkout."""
     import importlib.util
 
-    folders = [str(Path(__file__).resolve().parents[1])]
+    from fp4moe.paths import package_parent
+
+    folders = [str(package_parent())]
     spec = importlib.util.find_spec("fp4moe_kernels")
     if spec is not None and spec.origin:
         folders.append(str(Path(spec.origin).resolve().parents[1]))
@@ -134,7 +136,7 @@ def gpu_probe() -> dict[str, Any]:
 def plan(root: Path | None = None) -> tuple[list[Cell], list[str]]:
     """(cells, notes) for this machine: the GPU plan with a CUDA GPU of compute capability >= 9.0, else the CPU
     plan; notes say what is left out and why."""
-    from fp4moe.tracking import repo_root
+    from fp4moe.paths import repo_root
 
     root = root or repo_root()
     gpu = gpu_probe()
@@ -168,13 +170,13 @@ def slurm_plan(profile: str, root: Path | None = None) -> tuple[list[Cell], list
     from omegaconf import OmegaConf
 
     from fp4moe.config import ConfigError
-    from fp4moe.tracking import repo_root
+    from fp4moe.paths import conf_dir, repo_root
 
-    root = root or repo_root()
-    path = root / "conf" / "cluster" / f"{profile}.yaml"
-    launcher = root / "conf" / "hydra" / "launcher" / f"{profile}.yaml"
+    root, conf = root or repo_root(), conf_dir()   # the profiles the trainer composes
+    path = conf / "cluster" / f"{profile}.yaml"
+    launcher = conf / "hydra" / "launcher" / f"{profile}.yaml"
     if not path.is_file() or not launcher.is_file():
-        known = sorted(q.stem for q in (root / "conf" / "hydra" / "launcher").glob("slurm*.yaml"))
+        known = sorted(q.stem for q in (conf / "hydra" / "launcher").glob("slurm*.yaml"))
         raise ConfigError(f"--slurm {profile}: needs conf/cluster/{profile}.yaml and conf/hydra/launcher/"
                           f"{profile}.yaml; Slurm profiles here: {', '.join(known)}")
     cluster = OmegaConf.load(path)
@@ -228,7 +230,7 @@ def mark_interrupted(uri: str, cells: Sequence[Cell], say=print) -> int:
 
 def _start(cell: Cell, uri: str, trainer: Sequence[str], log_dir: Path) -> tuple[Path, Any, subprocess.Popen]:
     """Start ``cell`` (its command first in its log ``log_dir/<key>.log``): (log path, open log file, process)."""
-    from fp4moe.tracking import repo_root
+    from fp4moe.paths import repo_root
 
     path = log_dir / f"{cell.key}.log"
     cmd = [*trainer, *cell.overrides, f"+tracking.tags.{KEY_TAG}={cell.key}"]
@@ -247,10 +249,10 @@ def run(cells: Sequence[Cell], uri: str, *, rerun: bool = False, trainer: Sequen
     finished run nor its OOM outcome afterwards)."""
     from tqdm import tqdm
 
-    from fp4moe.tracking import repo_root
+    from fp4moe.paths import logs_dir
 
     trainer = list(trainer or [sys.executable, "-m", "fp4moe.train"])
-    log_dir = Path(log_dir or repo_root() / "logs" / "reproduce")
+    log_dir = Path(log_dir or logs_dir() / "reproduce")
     log_dir.mkdir(parents=True, exist_ok=True)
     done = set() if rerun else finished_keys(uri, {c.experiment for c in cells})
     todo = [c for c in cells if c.key not in done]

@@ -1,10 +1,9 @@
 """MLflow helpers for benchmarks and the trainer: where runs go; one call logs a run or a table.
 
 Where: ``$MLFLOW_TRACKING_URI`` if set, else an embedded SQLite store at ``<repo>/mlruns/mlflow.db``
-with artifacts beside it in ``<repo>/mlruns/artifacts/``. The repo root is ``$FP4MOE_HOME`` if set,
-else the nearest folder holding a ``pyproject.toml`` above this file or, failing that, above the
-working directory. No server is needed; ``mlflow ui`` (from the full ``mlflow`` package) can browse
-the same store.
+with artifacts beside it in ``<repo>/mlruns/artifacts/`` (``<repo>``: fp4moe.paths.repo_root, ``$FP4MOE_HOME`` if
+set, else the checkout; fp4moe.paths.mlruns_dir). No server is needed; ``mlflow ui`` (from the full ``mlflow``
+package) can browse the same store.
 
 mlflow is imported inside the functions, so ``import fp4moe.tracking`` stays cheap.
 """
@@ -27,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlparse, urlsplit, urlunsplit
 
 from fp4moe.atomic_write import writable_ancestor
+from fp4moe.paths import mlruns_dir, repo_root
 
 HTTP_TIMEOUT_S = 3.0
 
@@ -37,17 +37,6 @@ class TrackingUnavailable(RuntimeError):
     def _render_traceback_(self) -> list[str]:
         """IPython/Jupyter show this instead of a traceback: the one line is the whole story (notebooks)."""
         return [f"{type(self).__name__}: {self}"]
-
-
-def repo_root() -> Path:
-    """The project root: ``$FP4MOE_HOME``, else the nearest parent holding ``pyproject.toml``."""
-    if home := os.environ.get("FP4MOE_HOME"):
-        return Path(home).expanduser().resolve()
-    for start in (Path(__file__).resolve().parent, Path.cwd().resolve()):
-        for folder in (start, *start.parents):
-            if (folder / "pyproject.toml").is_file():
-                return folder
-    return Path.cwd().resolve()
 
 
 def portable(text: str) -> str:
@@ -77,7 +66,7 @@ def tracking_uri() -> str:
     """``$MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo>/mlruns/mlflow.db`` (dir created)."""
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
         return uri
-    store = repo_root() / "mlruns"
+    store = mlruns_dir()
     store.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{store / 'mlflow.db'}"
 
@@ -137,7 +126,7 @@ def check_reachable(uri: str, hint: str = "") -> None:
             f"Start it (e.g. `make mlflow-ui` for the local store at http://127.0.0.1:5000, or `mlflow server "
             f"--backend-store-uri sqlite:///mlruns/mlflow.db --host 127.0.0.1 --port 5000`; both need the full "
             f"`mlflow` package: pip install -e '.[ui]') or unset "
-            f"MLFLOW_TRACKING_URI to use the local store under {repo_root() / 'mlruns'}.{hint and ' ' + hint}"
+            f"MLFLOW_TRACKING_URI to use the local store under {mlruns_dir()}.{hint and ' ' + hint}"
         )
     folder = _local_store_dir(uri)
     if folder is None:

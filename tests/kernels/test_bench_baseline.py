@@ -66,10 +66,10 @@ def test_the_recorded_command_names_no_machine_folder(monkeypatch):
     """``environment`` (shared by the kernel, CUDA and SwiGLU benchmarks) records the command as results/ keeps it:
     ``make reproduce-table``'s absolute ``--out`` becomes ``<repo>/results/kernels``. Only the GPU query is stood in."""
     pytest.importorskip("triton")
-    from fp4moe.tracking import repo_root
+    from fp4moe.paths import results_dir
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    env = bench.environment(f"python -m fp4moe_kernels.bench --out {repo_root() / 'results' / 'kernels'}", "4aa6bd7")
+    env = bench.environment(f"python -m fp4moe_kernels.bench --out {results_dir() / 'kernels'}", "4aa6bd7")
     assert env["command"] == "python -m fp4moe_kernels.bench --out <repo>/results/kernels"
     assert env["commit"] == "4aa6bd7" and env["gpu"] == "NVIDIA H200"

@@ -42,12 +42,12 @@ def test_the_config_group_defaults_to_the_environment(monkeypatch):
     from hydra import compose, initialize_config_dir
 
     from fp4moe.ops import kernel_switches
-    from fp4moe.tracking import repo_root
+    from fp4moe.paths import conf_dir
 
     for var in sw.ENV.values():
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FP4MOE_DISPATCH_QUANTIZE", "rows")
-    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("train")
         over = compose("train", overrides=["kernels.dispatch_quantize=tokens", "kernels.fused_swiglu=0"])
     assert set(cfg.kernels) == set(sw.ENV)

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 from typing import Sequence
-
-CONF_DIR = Path(os.environ.get("FP4MOE_CONF_DIR", Path(__file__).resolve().parents[3] / "conf"))
 
 
 def compose(overrides: Sequence[str]):
     """conf/train.yaml composed with ``overrides`` (Hydra compose API, no hydra.run dir, no chdir)."""
     from hydra import compose as _compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    from fp4moe.paths import conf_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return _compose("train", overrides=list(overrides))
 
 

@@ -11,7 +11,8 @@ from .render import build_report, write_report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fp4moe.tracking import TrackingUnavailable, repo_root
+    from fp4moe.paths import results_dir
+    from fp4moe.tracking import TrackingUnavailable
 
     ap = argparse.ArgumentParser(prog="python -m fp4moe.report", description=(
         "Write the report (Markdown, CSV, PNG): the paper's T1/F3/F4/F5 numbers (conf/paper/numbers.yaml) beside "
@@ -27,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrackingUnavailable as e:  # one line naming the store and the fix (no traceback)
         print(f"fp4moe.report: {e}", file=sys.stderr)
         return 2
-    out = args.out or repo_root() / "results" / "report"
+    out = args.out or results_dir() / "report"
     paths = write_report(rep, out)
     print(f"report: {rep.counts['trainer']} trainer, {rep.counts['kernels']} kernels, {rep.counts['moe_layer']} "
           f"moe_layer runs from {rep.store_label} -> {out}/ ({', '.join(p.name for p in paths)})")

@@ -55,7 +55,8 @@ class Report:
 def _store_label(uri: str) -> str:
     """The store as the report names it: a path in the repository relative to it; elsewhere, the URI without
     credentials and with the machine's folders named portably (``~/...``: fp4moe.tracking.portable)."""
-    from fp4moe.tracking import portable, repo_root
+    from fp4moe.paths import repo_root
+    from fp4moe.tracking import portable
 
     if uri.startswith("sqlite:///"):
         path = Path(uri.removeprefix("sqlite:///"))

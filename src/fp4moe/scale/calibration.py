@@ -33,9 +33,10 @@ from typing import Sequence
 
 from omegaconf import OmegaConf
 
+from ..paths import source_root
 from .memory import GB, NOT_IN_STANDALONE_LAYER, Breakdown, MemoryAssumptions, compose_cfg, per_stage_memory
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = source_root()   # the checkout (fp4moe.paths): the committed archives are relative to it
 ARCHIVES = (   # one GPU
     "results/train_proxy/proxy_t1_probe_h200_2026-11-30_38f25cd.json.xz",   # 3 recipes x 5 scopes, micro-batch 16, 32
     "results/train_proxy/proxy_t1_h200_2026-11-30_38f25cd.json.xz",         # T1 cells at 32, 40, 64

@@ -197,7 +197,6 @@ import functools
 import json
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -207,6 +206,7 @@ from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
 from fp4moe_kernels.sizes import FP8_SCALE_BYTES, fp8_row_col_bytes, mxfp4_bytes
 from fp4moe_kernels.sizes import pad_to_group as _pad128
 
+from ..paths import conf_dir
 from ..recipe import Recipe
 from . import outside_torch, optimizer_state
 from .outside_torch import MEASURED as _MEASURED
@@ -216,7 +216,7 @@ BF16, FP32, INT64 = 2, 4, 8  # bytes per element
 
 SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full")
 ATTN_RECOMPUTE = ("core_attn", "self_attention")
-CONF = Path(__file__).resolve().parents[3] / "conf"
+CONF = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
 
 
 # ---------------------------------------------------------------------------------------------- inputs

@@ -41,7 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[3]
+from ..paths import source_root
+
+ROOT = source_root()   # the checkout (fp4moe.paths)
 MEASURED_FILE = ROOT / "results/scale/outside_torch_h200.json"
 FORMAT = "fp4moe-outside-torch/1"
 NOT_MEASURED = "not measured"

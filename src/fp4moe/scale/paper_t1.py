@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Callable, Sequence
 
 from omegaconf import OmegaConf
 
 from .. import paper
+from ..paths import source_root
 from . import outside_torch
 from .calibration import H200_NON_TORCH_GIB
 from .memory import CONF, GB, MemoryAssumptions, experiment_cfg, mean_total_bytes, per_stage_memory
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = source_root()   # the checkout (fp4moe.paths)
 DEFAULT_OUT = "results/scale/paper_t1.md"
 EXPERIMENT = "paper_t1"
 GPU_GIB = 80.0

@@ -19,14 +19,14 @@ checkpoint keeps their dispatched rows (MXFP4 under mxfp4, BF16 under mxfp4_mlp_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 from .. import paper
+from ..paths import source_root
 from .memory import GB, MemoryAssumptions, experiment_cfg, per_stage_memory
 from .paper_t1 import PAPER_SETUP, setup_label, write_markdown_cli
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = source_root()   # the checkout (fp4moe.paths)
 DEFAULT_OUT = "results/scale/paper_t2.md"
 EXPERIMENT = "paper_t2"
 GPU_GIB = 80.0

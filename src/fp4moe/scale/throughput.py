@@ -50,11 +50,12 @@ from omegaconf import DictConfig, OmegaConf
 from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
 from fp4moe_kernels.sizes import FP8_SCALE_BYTES
 
+from ..paths import conf_dir, source_root
 from ..recipe import Recipe
 from .comm import a2a_per_layer
 from .memory import ATTN_RECOMPUTE, _as_cfg, _dims, _scope, _stages, compose_cfg, recomputes_attention_block
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = source_root()   # the checkout (fp4moe.paths): the committed archives are relative to it
 # step times only (its peaks carry the SavedTensorBytes leak: results/train_proxy/superseded/README.md)
 PROBE = "results/train_proxy/superseded/proxy_t1_probe_h200_2026-11-30_8689d69.json.xz"
 DEFAULT_OUT = "results/scale/throughput.md"
@@ -709,7 +710,7 @@ PAPER_DISPATCHER = "flex"
 
 
 def paper_numbers() -> dict:
-    return OmegaConf.to_container(OmegaConf.load(ROOT / "conf/paper/numbers.yaml"))["t1"]["cells"]
+    return OmegaConf.to_container(OmegaConf.load(conf_dir() / "paper" / "numbers.yaml"))["t1"]["cells"]
 
 
 def paper_t1_time(recipe: str, scope: str, link_bandwidth_gb_s: float, glue: bool,

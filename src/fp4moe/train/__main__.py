@@ -43,11 +43,12 @@ from omegaconf import DictConfig
 from fp4moe import known_warnings
 from fp4moe.config import ConfigError
 from fp4moe.data.errors import DataError
+from fp4moe.paths import conf_dir
 from fp4moe.recipe import Recipe, RecipeError
 from fp4moe.tracking import TrackingUnavailable
 from fp4moe.train.data import DataUnavailable
 
-CONF_DIR = Path(os.environ.get("FP4MOE_CONF_DIR", Path(__file__).resolve().parents[3] / "conf"))
+CONF_DIR = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
 EXIT_CONFIG, EXIT_OOM = 2, 3
 log = logging.getLogger("fp4moe.train")
 known_warnings.install()  # before megatron-core is imported (most of its known warnings come at import) and MLflow
