@@ -12,6 +12,10 @@ first launcher creates before anything else starts (parallel jobs race in its mi
 - a job of two tasks trains EP2 x DP2, its ranks from Slurm's environment;
 - ``make reproduce-table SLURM=slurm_local`` submits its cells as jobs, waits, and reuses them on the next call;
 - a cell that raises ends FAILED in ``sacct``, and the launcher exits 1 with the cell's traceback;
+- on a cluster of two nodes (``NODES=2 tools/local_slurm.sh up``: two hosts with their own names and addresses; these
+  tests skip on one node), a job of one task on each node trains EP2 x DP2 across the hosts, each rank on its own
+  host, with the losses of one process bit for bit: through slurm/train.sbatch (``--nodes=2 --ntasks-per-node=1``)
+  and as a multirun cell of the Hydra launcher with ``cluster.nodes=2``, into the shared MLflow store;
 - a cell that runs past its 2-minute limit gets Slurm's signal, checkpoints, is requeued, and resumes from its
   checkpoint into the same MLflow run: through the Hydra launcher (submitit requeues) and through the plain
   template slurm/train.sbatch (the trainer runs `scontrol requeue`). The signal comes 80-110 s after the start
@@ -65,6 +69,23 @@ def _slurm_missing() -> str | None:
 
 _MISSING = _slurm_missing()
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")]
+
+
+def _nodes() -> list[str]:
+    """The cluster's compute nodes (sinfo), none without a Slurm."""
+    if _MISSING is not None:
+        return []
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=30).stdout
+    return sorted(set(out.split()))
+
+
+NODES = _nodes()
+two_nodes = pytest.mark.skipif(
+    len(NODES) < 2, reason=f"one Slurm node ({NODES}): `sudo NODES=2 tools/local_slurm.sh up` starts two (.ci/run does)")
+# The 2-node job: EP2 x DP2 over 2 tasks, one per node; fp32 parameters, mxfp4 (the dispatch quantizes and crosses the
+# hosts). One process with 2 accumulation steps computes the same losses bit for bit.
+TWO_NODE_COMMON = ["precision=mxfp4", "train.params_dtype=fp32", "train.steps=3", "train.checkpoint_interval=3"]
+TWO_NODE_LAYOUT = ["cluster.nodes=2", "parallel.world_size=2", "parallel.data=2", "parallel.expert=2"]
 
 
 class Launch:
@@ -188,7 +209,75 @@ def sbatch_run(store, time_limit_run):
     subprocess.run(["scancel", job_id], check=False)
 
 
-def test_sweep_runs_as_slurm_array_into_one_mlflow_store(store, time_limit_run, sbatch_run):
+@pytest.fixture(scope="module")
+def two_node_run(store, time_limit_run):
+    """The 2-node job through slurm/train.sbatch (a user's command line), submitted once the store's schema exists;
+    returns (job id, its folder), or None on a one-node cluster."""
+    if len(NODES) < 2:
+        yield None
+        return
+    root, uri = store
+    folder = root / "slurm_2nodes"
+    folder.mkdir()
+    env = dict(_env(uri, folder), PYTHON=sys.executable)
+    job_id = subprocess.run(
+        [str(REPO / "slurm" / "submit.sh"), "--parsable", "--job-name=two_nodes", "--nodes=2", "--ntasks-per-node=1",
+         "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=5", str(REPO / "slurm" / "train.sbatch"),
+         *BASE[:2], *FAST, "tracking.experiment=slurm_2nodes", *TWO_NODE_COMMON, *TWO_NODE_LAYOUT],
+        cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    yield job_id, folder
+    subprocess.run(["scancel", job_id], check=False)
+
+
+@pytest.fixture(scope="module")
+def two_node_launch(store, time_limit_run):
+    """The same 2-node job as a Hydra multirun cell (the submitit launcher, `nodes: ${cluster.nodes}`), started in the
+    background; None on a one-node cluster."""
+    if len(NODES) < 2:
+        yield None
+        return
+    root, uri = store
+    launch = Launch(root, "slurm_2nodes_hydra", [*TWO_NODE_COMMON, *TWO_NODE_LAYOUT, "cluster.mem_gb=2"], uri)
+    try:
+        yield launch
+    finally:
+        launch.stop()
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(store, tmp_path_factory) -> dict[int, float]:
+    """The 2-node jobs' run in this process, one process (2 accumulation steps for DP2): its loss per step."""
+    from hydra import compose, initialize_config_dir
+
+    from fp4moe.train.loop import train
+
+    tmp = tmp_path_factory.mktemp("one_process")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp / 'one.db'}")
+        mp.setenv("FP4MOE_DATA_DIR", DATA_DIR)
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose("train", overrides=[BASE[0], *FAST, *TWO_NODE_COMMON, f"train.checkpoint_dir={tmp}"])
+        return train(cfg).losses
+
+
+def _assert_two_hosts_like_one_process(uri: str, experiment: str, launcher: str, losses: dict[int, float]) -> None:
+    """The 2-node job's one MLflow run: finished, a rank on each node, tokens sent to the other host's experts, and
+    the losses of one process bit for bit."""
+    import mlflow
+
+    (run,) = [r for _, r in _runs(uri, experiment).iterrows()]
+    assert run["status"] == "FINISHED" and run["tags.world_size"] == "2" and run["tags.launcher"] == launcher
+    # each rank's own host name: the two nodes of the job's SLURM_JOB_NODELIST, one rank on each
+    allocated = subprocess.run(["scontrol", "show", "hostnames", run["tags.slurm_nodelist"]], capture_output=True,
+                               text=True, check=True).stdout.split()
+    assert run["tags.num_hosts"] == "2" and sorted(run["tags.hosts"].split(",")) == sorted(allocated)
+    assert run["metrics.a2a/dispatch_forward_sent_remote_bytes"] > 0   # EP2: tokens went to the other host
+    got = {m.step: m.value for m in mlflow.MlflowClient(uri).get_metric_history(run["run_id"], "loss")}
+    assert sorted(got) == [1, 2, 3] and got == losses   # bit for bit
+
+
+def test_sweep_runs_as_slurm_array_into_one_mlflow_store(store, time_limit_run, sbatch_run, two_node_run,
+                                                          two_node_launch):
     root, uri = store
     launch = Launch(root, "slurm_sweep", ["train.steps=3"], uri)
     rc, out, script = launch.finish()
@@ -281,6 +370,41 @@ def test_failed_job_is_failed_in_sacct_and_in_the_launcher(store, time_limit_run
     assert outcome == "error"
     runs = _runs(uri, "slurm_fail")
     assert list(runs["status"]) == ["FAILED"] and list(runs["tags.slurm_job_id"]) == [job_id]
+
+
+@two_nodes
+def test_two_nodes_train_ep2_x_dp2_through_the_sbatch_template_like_one_process(store, two_node_run,
+                                                                                one_process_losses):
+    """`slurm/submit.sh --nodes=2 --ntasks-per-node=1 slurm/train.sbatch ...`: two tasks on two hosts (each rank
+    reports its own host name; the rendezvous is the first node of SLURM_JOB_NODELIST), EP2 x DP2 with the mxfp4
+    dispatch crossing the hosts, one checkpoint folder holding both ranks' files, one MLflow run: the same losses as
+    one process, bit for bit."""
+    root, uri = store
+    job_id, folder = two_node_run
+    state = _wait_done(job_id, timeout_s=LAUNCH_TIMEOUT_S)
+    log = "".join(p.read_text() for p in sorted((folder / "logs" / "slurm").glob("*")))
+    assert state == "COMPLETED", (state, log[-4000:])
+    assert f"2 nodes, 2 tasks, master {NODES[0]}:" in log   # the template's rendezvous line
+    (ckpt,) = folder.glob("logs/*/runs/*/checkpoints")
+    assert sorted(p.name for p in (ckpt / "step_0000003").iterdir()) == ["meta.json", "rank_00000.pt", "rank_00001.pt"]
+    _assert_two_hosts_like_one_process(uri, "slurm_2nodes", "torchrun", one_process_losses)
+
+
+@two_nodes
+def test_two_node_multirun_cell_through_the_hydra_launcher_like_one_process(store, two_node_launch,
+                                                                            one_process_losses):
+    """The same job as a multirun cell of the submitit launcher (`hydra/launcher=slurm_local cluster.nodes=2`): one
+    `#SBATCH --nodes=2` job, ranks from Slurm's environment through submitit, rank 0's result back to the launcher,
+    the run in the shared store with the losses of one process."""
+    root, uri = store
+    rc, out, script = two_node_launch.finish()
+    assert rc == 0, out[-4000:]
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
+    (outcome, ret), = two_node_launch.results()[:1]
+    assert outcome == "success" and ret.return_value["step"] == 3
+    (job,) = two_node_launch.job_ids()
+    assert _sacct(job) == ["COMPLETED"]
+    _assert_two_hosts_like_one_process(uri, "slurm_2nodes_hydra", "slurm", one_process_losses)
 
 
 def test_time_limit_requeues_and_resumes_into_the_same_run(store, time_limit_run):

@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# A real single-node Slurm on this Debian 12 machine, for developers and CI (P4, issue 5): munge, MariaDB,
-# slurmdbd (so `sacct` reports failed jobs as FAILED), slurmctld and slurmd, started by hand (no systemd) and
-# stopped by PID. Needs root and apt; installs the Debian packages (--no-install-recommends) when missing.
+# A real Slurm on this Debian 12 machine, for developers and CI (P4, issue 5; two nodes: P11, issue 31): munge,
+# MariaDB, slurmdbd (so `sacct` reports failed jobs as FAILED), slurmctld and one slurmd per node, started by hand
+# (no systemd) and stopped by PID. Needs root and apt; installs the Debian packages (--no-install-recommends) when
+# missing.
 #
 #   sudo tools/local_slurm.sh up       # install if needed, write the configs, start what is not running; idempotent
+#   sudo NODES=2 tools/local_slurm.sh up   # two compute nodes, node1 and node2, each a host of its own (below)
 #   sudo tools/local_slurm.sh status   # each daemon's PID and state, then sinfo; exit 0 only if all run
 #   sudo tools/local_slurm.sh down     # cancel the cluster's jobs, stop the daemons it started (by PID)
 #   tools/local_slurm.sh can           # exit 0 if `up` can work here (root + apt-get), else print why, exit 1
 #
-# Cluster: ClusterName=fp4moe, one node `localhost` with NODE_CPUS CPUs (default max(nproc, 8): the tests' jobs
-# mostly sleep or wait, so they may share cores; SlurmdParameters=config_overrides), partition `debug` (no limit),
+# Nodes: NODES=1 (default): one node `localhost`. NODES=N (2..9): nodes node1..nodeN, each slurmd in its own network
+# namespace (fp4moe-nodeK, address $SUBNET.(10+K) on a veth pair to the bridge fp4moe-br, $SUBNET.1, where
+# slurmctld listens) and its own UTS namespace (hostname nodeK), so a job's tasks see N hosts with N addresses;
+# /etc/netns/fp4moe-nodeK/hosts names them all (bind-mounted on /etc/hosts in the node's mount namespace). Files
+# and PIDs are shared with the host: the munge socket, the job folders. `up` with another NODES than the running
+# cluster's refuses: `down` first. SUBNET: $FP4MOE_SLURM_SUBNET, default 10.131.31.
+# Cluster: ClusterName=fp4moe, NODE_CPUS CPUs per node (default max(nproc, 8): the tests' jobs mostly sleep or
+# wait, so they may share cores; SlurmdParameters=config_overrides), the machine's memory split among the nodes,
+# partition `debug` (no limit),
 # DefMemPerCPU=512 MB, EnforcePartLimits=ALL (an impossible request fails at submit time instead of pending
 # forever), AuthInfo=cred_expire=5 and sched_interval=bf_interval=2 (a requeued job starts again after ~7 s, not
 # ~2 min). Settings apply when the daemons start: `down` then `up` after changing them. The PIDs live in STATE (default /tmp/fp4moe-slurm, one <daemon>.pid each); logs in /var/log/slurm.
@@ -20,10 +29,13 @@ export DEBIAN_FRONTEND=noninteractive
 
 STATE=${FP4MOE_SLURM_STATE:-/tmp/fp4moe-slurm}
 NODE_CPUS=${NODE_CPUS:-$(( $(nproc) > 8 ? $(nproc) : 8 ))}
+NODES=${NODES:-1}
+SUBNET=${FP4MOE_SLURM_SUBNET:-10.131.31}
+BRIDGE=fp4moe-br
 CLUSTER=fp4moe
 MARK="# written by fp4moe tools/local_slurm.sh"
 PACKAGES="munge slurm-client slurmctld slurmd slurmdbd mariadb-server"
-DAEMONS="munged mariadbd slurmdbd slurmctld slurmd"   # start order; stopped in reverse
+SERVICES="munged mariadbd slurmdbd slurmctld"   # start order, then one slurmd-<node> per node; stopped in reverse
 DB_PASS=fp4moe-local   # the local MariaDB user `slurm`, bound to 127.0.0.1 only
 
 log() { echo "[local_slurm $(date +%T)] $*"; }
@@ -38,16 +50,25 @@ wait_for() {  # wait_for <seconds> <cmd...>: poll every 0.2 s, bounded
 can_run() {  # why `up` cannot work here, or nothing
   [ "$(id -u)" = 0 ] || { echo "not root (uid $(id -u))"; return; }
   command -v apt-get >/dev/null || { echo "no apt-get (not Debian/Ubuntu)"; return; }
-  [ -r /etc/debian_version ] || echo "no /etc/debian_version"
+  [ -r /etc/debian_version ] || { echo "no /etc/debian_version"; return; }
+  [[ "$NODES" =~ ^[1-9]$ ]] || { echo "NODES=$NODES: give a node count from 1 to 9"; return; }
+  if [ "$NODES" -gt 1 ]; then
+    command -v ip >/dev/null && command -v unshare >/dev/null || { echo "NODES=$NODES needs ip and unshare"; return; }
+    unshare --net --uts true 2>/dev/null || echo "NODES=$NODES: no network namespaces here (unshare --net fails)"
+  fi
+}
+
+node_names() {  # the compute nodes of a NODES-node cluster
+  if [ "$1" = 1 ]; then echo localhost; else seq -f 'node%g' 1 "$1" | tr '\n' ' '; fi
 }
 
 # ------------------------------------------------------------------------------------------ PIDs
 
 pid_of() { cat "$STATE/$1.pid" 2>/dev/null || true; }
 
-alive() {  # alive <daemon>: its recorded PID runs and is that program (not a reused PID)
+alive() {  # alive <daemon>: its recorded PID runs and is that program (not a reused PID); slurmd-<node>: slurmd
   local pid; pid=$(pid_of "$1")
-  [ -n "$pid" ] && [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$1" ]
+  [ -n "$pid" ] && [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "${1%%-*}" ]
 }
 
 record() {  # record <daemon> <pidfile>: copy the daemon's own pidfile into STATE once it appears
@@ -90,12 +111,20 @@ write_conf() {  # write_conf <path> <owner> <mode>, text on stdin; refuses to re
   chown "$2" "$1.tmp"; chmod "$3" "$1.tmp"; mv "$1.tmp" "$1"
 }
 
-write_configs() {
-  local mem; mem=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
+write_configs() {  # write_configs <node>...: slurm.conf for these compute nodes, and slurmdbd.conf
+  local mem n k=0 ctl=localhost nodes=""
+  mem=$(( $(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p') / $# ))
+  if [ "$1" != localhost ]; then ctl="localhost($SUBNET.1)"; fi   # the nodes reach slurmctld on the bridge
+  for n in "$@"; do
+    k=$((k + 1))
+    if [ "$n" = localhost ]; then nodes+="NodeName=localhost"
+    else nodes+="NodeName=$n NodeHostname=$n NodeAddr=$SUBNET.$((10 + k))"; fi
+    nodes+=" CPUs=$NODE_CPUS RealMemory=$mem State=UNKNOWN"$'\n'
+  done
   install -d -m 0755 /etc/slurm
   write_conf /etc/slurm/slurm.conf root:root 0644 <<CONF
 ClusterName=$CLUSTER
-SlurmctldHost=localhost
+SlurmctldHost=$ctl
 SlurmUser=slurm
 AuthType=auth/munge
 CredType=cred/munge
@@ -117,13 +146,12 @@ EnforcePartLimits=ALL
 ReturnToService=2
 MailProg=/bin/true
 StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
+SlurmdSpoolDir=/var/spool/slurmd/%n
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
+SlurmdPidFile=/run/slurmd-%n.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
-SlurmdLogFile=/var/log/slurm/slurmd.log
-NodeName=localhost CPUs=$NODE_CPUS RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile=/var/log/slurm/slurmd-%n.log
+${nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
   write_conf /etc/slurm/slurmdbd.conf slurm:slurm 0600 <<CONF
 AuthType=auth/munge
@@ -139,6 +167,39 @@ PidFile=/run/slurmdbd.pid
 CONF
   install -d -o slurm -g slurm -m 0755 /var/spool/slurmctld /var/log/slurm
   install -d -m 0755 /var/spool/slurmd
+}
+
+# ------------------------------------------------------------------------------------------ node hosts (NODES > 1)
+
+net_up() {  # net_up <node>...: the bridge, and per node its namespace, veth pair, address and hosts file
+  local n k=0 hosts=""
+  for n in "$@"; do k=$((k + 1)); hosts+="$SUBNET.$((10 + k)) $n"$'\n'; done
+  ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
+  ip addr replace "$SUBNET.1/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  k=0
+  for n in "$@"; do
+    k=$((k + 1))
+    local ns=fp4moe-$n veth=fp4moe-$n
+    [ -e "/run/netns/$ns" ] || ip netns add "$ns"
+    if ! ip -n "$ns" link show eth0 >/dev/null 2>&1; then
+      ip link del "$veth" 2>/dev/null || true
+      ip link add "$veth" type veth peer name eth0 netns "$ns"
+    fi
+    ip link set "$veth" master "$BRIDGE" up
+    ip -n "$ns" addr replace "$SUBNET.$((10 + k))/24" dev eth0
+    ip -n "$ns" link set lo up
+    ip -n "$ns" link set eth0 up
+    install -d -m 0755 "/etc/netns/$ns"
+    { grep -v "^$SUBNET\." /etc/hosts; printf '%s' "$hosts"; } > "/etc/netns/$ns/hosts"
+  done
+}
+
+net_down() {  # remove every node namespace, the bridge and the hosts files this script made (idempotent)
+  local ns
+  for ns in $(ip netns list 2>/dev/null | awk '$1 ~ /^fp4moe-node/ {print $1}'); do ip netns del "$ns"; done
+  if ip link show "$BRIDGE" >/dev/null 2>&1; then ip link del "$BRIDGE"; fi
+  rm -rf /etc/netns/fp4moe-node*
 }
 
 # ------------------------------------------------------------------------------------------ daemons
@@ -177,29 +238,54 @@ start_slurmctld() {
   record slurmctld /run/slurmctld.pid
 }
 
-start_slurmd() {
-  rm -f /run/slurmd.pid
-  /usr/sbin/slurmd -N localhost
-  record slurmd /run/slurmd.pid
+start_slurmd() {  # start_slurmd <node>: `-N <node>`, so the node name never depends on how a host name resolves
+  local n=$1
+  rm -f "/run/slurmd-$n.pid"
+  install -d -m 0755 "/var/spool/slurmd/$n"
+  if [ "$n" = localhost ]; then
+    /usr/sbin/slurmd -N localhost
+  else   # its network namespace; a UTS namespace with the node's name; a mount namespace with its hosts file
+    # (not `ip netns exec`: it remounts /sys without the cgroup folders slurmd needs)
+    nsenter --net="/run/netns/fp4moe-$n" unshare --mount --uts sh -c \
+      "mount --bind /etc/netns/fp4moe-$n/hosts /etc/hosts && hostname $n && exec /usr/sbin/slurmd -N $n"
+  fi
+  record "slurmd-$n" "/run/slurmd-$n.pid"
 }
 
-node_ready() { sinfo -h -n localhost -o %T | grep -qE '^(idle|mixed|allocated)$'; }
+start() {  # start <daemon>: munged ... slurmctld, or slurmd-<node>
+  case "$1" in slurmd-*) start_slurmd "${1#slurmd-}" ;; *) "start_$1" ;; esac
+}
+
+recorded_nodes() { cat "$STATE/nodes" 2>/dev/null || true; }   # the nodes of the cluster `up` last started
+
+daemons() {  # daemons <node>...: every daemon of a cluster with these nodes, in start order
+  local n; echo -n "$SERVICES"; for n in "$@"; do echo -n " slurmd-$n"; done; echo
+}
+
+nodes_ready() { [ -z "$(sinfo -h -N -o '%N %T' | grep -vE ' (idle|mixed|allocated)$')" ]; }
 
 cmd_up() {
   local why; why=$(can_run)
   [ -z "$why" ] || die "cannot start Slurm here: $why"
   mkdir -p "$STATE"
+  local nodes d running="" started=""
+  nodes=$(node_names "$NODES")
+  for d in $(daemons $(recorded_nodes)); do if alive "$d"; then running="$running $d"; fi; done
+  if [ -n "$running" ] && [ "$(echo $(recorded_nodes))" != "$(echo $nodes)" ]; then
+    die "the running cluster has the nodes '$(echo $(recorded_nodes))', not '$(echo $nodes)' (NODES=$NODES): \
+\`tools/local_slurm.sh down\` first, then \`NODES=$NODES tools/local_slurm.sh up\`"
+  fi
   install_packages
-  local started=""
-  for d in $DAEMONS; do
+  [ "$NODES" = 1 ] || net_up $nodes
+  for d in $(daemons $nodes); do
     if alive "$d"; then continue; fi
-    [ -n "$started" ] || write_configs   # configs only change while a daemon restarts
+    if [ -z "$started" ]; then write_configs $nodes; echo "$nodes" > "$STATE/nodes"; fi   # only while one restarts
     log "starting $d"
-    "start_$d"
+    start "$d"
     started="$started $d"
   done
-  wait_for 60 node_ready || die "node localhost is not idle: $(sinfo -h -n localhost -o '%T %E')"
-  log "up${started:+ (started$started)}: $(sinfo -h -o '%P %a %D %T %N') cpus=$NODE_CPUS"
+  wait_for 60 nodes_ready || die "nodes not idle: $(sinfo -h -N -o '%N %T %E' | tr '\n' ';')"
+  log "up${started:+ (started$started)}: $(sinfo -h -o '%P %a %D %T %N') cpus=$NODE_CPUS per node"
 }
 
 cmd_down() {
@@ -210,18 +296,22 @@ cmd_down() {
       wait_for 20 sh -c '[ -z "$(squeue -h -o %A)" ]' || true
     fi
   fi
-  stop slurmd slurmctld             # the daemons stop in parallel (about 2 s each): the Slurm pair first,
+  local f slurmds=""   # every slurmd recorded (slurmd.pid: one started by an older version of this script)
+  for f in "$STATE"/slurmd.pid "$STATE"/slurmd-*.pid; do if [ -e "$f" ]; then slurmds+=" $(basename "$f" .pid)"; fi; done
+  stop $slurmds slurmctld           # the daemons stop in parallel (about 2 s each): the Slurm ones first,
   stop slurmdbd mariadbd munged     # then accounting and authentication
-  rm -f /run/slurmctld.pid /run/slurmd.pid /run/slurmdbd.pid   # stale pidfiles break apt's prerm
+  rm -f /run/slurmctld.pid /run/slurmd.pid /run/slurmd-*.pid /run/slurmdbd.pid   # stale pidfiles break apt's prerm
+  net_down
+  rm -f "$STATE/nodes"
   log "down"
 }
 
 cmd_status() {
-  local ok=0
-  for d in $DAEMONS; do
+  local ok=0 d nodes; nodes=$(recorded_nodes)
+  for d in $(daemons ${nodes:-$(node_names "$NODES")}); do
     if alive "$d"; then echo "$d running (pid $(pid_of "$d"))"; else echo "$d not running"; ok=1; fi
   done
-  if [ "$ok" = 0 ]; then sinfo; fi
+  if [ "$ok" = 0 ]; then sinfo -N; fi
   return "$ok"
 }
 

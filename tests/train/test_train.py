@@ -273,8 +273,20 @@ def test_slurm_task_environment(monkeypatch):
     try:
         assert (info.launcher, info.rank, info.world_size, info.backend) == ("slurm", 0, 1, "gloo")
         assert os.environ["MASTER_ADDR"] == "localhost" and os.environ["WORLD_SIZE"] == "1"
+        assert info.hosts == [socket.gethostname()]   # every rank's host, in rank order
     finally:
         teardown(info)
+
+
+def test_host_tags_name_each_host_once_in_rank_order():
+    """The run's ``hosts`` / ``num_hosts`` tags from every rank's host name (two nodes x 2 tasks, then 300 hosts,
+    cut to MLflow's tag limit)."""
+    from fp4moe.tracking import MAX_TAG_CHARS
+    from fp4moe.train.dist import host_tags
+
+    assert host_tags(["node2", "node2", "node1", "node1"]) == {"hosts": "node2,node1", "num_hosts": "2"}
+    many = host_tags([f"gpu-node-{i:04d}.cluster.example.org" for i in range(300)])
+    assert many["num_hosts"] == "300" and len(many["hosts"]) == MAX_TAG_CHARS
 
 
 def test_checkpoint_folders_of_multirun_cells_are_separate(tmp_path):

@@ -20,19 +20,22 @@ pipeline raise a ConfigError saying so.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fp4moe.config import ConfigError
+from fp4moe.tracking import MAX_TAG_CHARS
 
 
 @dataclass
 class DistInfo:
     """Where this process sits: global rank / world size, local rank, device, backend, who launched it, and
-    whether this module created the process group (then :func:`teardown` destroys it)."""
+    whether this module created the process group (then :func:`teardown` destroys it); ``hosts``: every rank's host
+    name (``socket.gethostname()``), in rank order."""
     rank: int
     world_size: int
     local_rank: int
@@ -41,6 +44,7 @@ class DistInfo:
     launcher: str            # 'torchrun' | 'slurm' | 'single'
     owns_group: bool
     owns_model_parallel: bool = False
+    hosts: list[str] = field(default_factory=list)
 
     @property
     def is_main(self) -> bool:
@@ -95,7 +99,7 @@ def init_distributed(cfg: Any) -> DistInfo:
     rank, world = dist.get_rank(), dist.get_world_size()
     info = DistInfo(rank=rank, world_size=world, local_rank=local_rank,
                     device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
-                    backend=dist.get_backend(), launcher=launcher, owns_group=owns)
+                    backend=dist.get_backend(), launcher=launcher, owns_group=owns, hosts=rank_hosts(world))
     want = int(cfg.parallel.world_size)
     if world != want:
         if owns:
@@ -105,6 +109,24 @@ def init_distributed(cfg: Any) -> DistInfo:
             f"(torchrun --nproc-per-node {want}, or the Slurm launcher profile), or pick a parallel layout for "
             f"{world} (parallel.world_size, parallel.data and cluster.gpus_per_node together)")
     return info
+
+
+def rank_hosts(world_size: int) -> list[str]:
+    """Every rank's host name in rank order: one ``all_gather_object`` over the default group (collective: call it
+    on every rank). A multi-node job's tasks each report their own host, so the list shows where the ranks ran."""
+    host = socket.gethostname()
+    if world_size == 1:
+        return [host]
+    hosts: list[Any] = [None] * world_size
+    dist.all_gather_object(hosts, host)
+    return [str(h) for h in hosts]
+
+
+def host_tags(hosts: list[str]) -> dict[str, str]:
+    """``hosts``: the distinct host names in the order of their first rank (comma-separated, cut to MLflow's tag
+    limit), ``num_hosts``: how many."""
+    distinct = list(dict.fromkeys(hosts))
+    return {"hosts": ",".join(distinct)[:MAX_TAG_CHARS], "num_hosts": str(len(distinct))}
 
 
 def init_model_parallel(cfg: Any, info: DistInfo) -> None:
@@ -171,5 +193,5 @@ def teardown(info: DistInfo | None) -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["DistInfo", "check_supported", "init_distributed", "init_model_parallel", "warm_up_communicators", "barrier",
+__all__ = ["DistInfo", "check_supported", "host_tags", "init_distributed", "rank_hosts", "init_model_parallel", "warm_up_communicators", "barrier",
            "teardown"]

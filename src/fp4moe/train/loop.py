@@ -44,8 +44,8 @@ from fp4moe import slurm, tracking
 from fp4moe.config import ConfigError, check
 from fp4moe.recipe import Recipe
 from fp4moe.train import data as data_mod
-from fp4moe.train.dist import (barrier, check_supported, init_distributed, init_model_parallel, teardown,
-                               warm_up_communicators)
+from fp4moe.train.dist import (barrier, check_supported, host_tags, init_distributed, init_model_parallel,
+                               teardown, warm_up_communicators)
 from fp4moe.train.host_env import apply_cluster_env, cluster_env
 
 log = logging.getLogger("fp4moe.train")
@@ -526,7 +526,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     tags = hardware_tags(device, info.world_size, info.launcher)
     tags.update({"recipe": recipe, "recompute": str(cfg.recompute.name), "model": str(cfg.model.name),
                  "optimizer": setting.name,
-                 "checkpoint_dir": str(root), **slurm.job_tags()})
+                 "checkpoint_dir": str(root), **host_tags(info.hosts), **slurm.job_tags()})
     extra = OmegaConf.select(cfg, "tracking.tags", default=None) or {}  # the caller's own (e.g. fp4moe.reproduce_runs)
     tags.update({str(k): str(v) for k, v in extra.items()})
     run_name = f"{cfg.get('task_name', 'train')}/{cfg.model.name}/{recipe}/{cfg.recompute.name}"
