@@ -100,42 +100,36 @@ def test_ep2_dp2_checkpoint_resumes_on_one_process_and_back(tmp_path, monkeypatc
 
 
 def test_a_damaged_sharded_checkpoint_is_skipped(tmp_path, monkeypatch, caplog):
-    """One process, a sharded checkpoint at steps 1-3. Step 3's shard cut short (meta.json records each file's
-    size), step 2's common.pt gone: each is skipped with a warning and the run resumes from step 1 to the
-    uninterrupted losses, bit for bit. Then a shard unreadable at its full size: found while loading, skipped the
-    same way."""
+    """One process, a sharded checkpoint at steps 1-4. Step 4's shard cut short (meta.json records each file's
+    size), step 3's common.pt gone, step 2's shard overwritten at its full size (found while loading): each is
+    skipped with a warning naming it, and the run resumes from step 1 to the uninterrupted losses, bit for bit."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     from fp4moe.train.loop import train
 
-    base = ["parallel.global_batch=2", "train.checkpoint_interval=1", f"train.checkpoint_dir={tmp_path / 'ckpt'}"]
-    a = train(_compose(*base, "train.steps=3"))
+    cfg = _compose("parallel.global_batch=2", "train.steps=4", "train.checkpoint_interval=1",
+                   "train.keep_checkpoints=4", f"train.checkpoint_dir={tmp_path / 'ckpt'}")
+    a = train(cfg)
     root = tmp_path / "ckpt" / "train"
-    assert [f.name for f, _ in ckpt.scan(root)[0]] == ["step_0000003", "step_0000002", "step_0000001"]
-    shard = root / "step_0000003" / "__0_0.distcp"
-    size = shard.stat().st_size
-    shard.write_bytes(shard.read_bytes()[: size // 2])
-    (root / "step_0000002" / "common.pt").unlink()
+    assert [f.name for f, _ in ckpt.scan(root)[0]] == [f"step_{s:07d}" for s in (4, 3, 2, 1)]
+    cut = root / "step_0000004" / "__0_0.distcp"
+    size = cut.stat().st_size
+    cut.write_bytes(cut.read_bytes()[: size // 2])
+    (root / "step_0000003" / "common.pt").unlink()
+    bad = root / "step_0000002" / "__0_1.distcp"
+    bad.write_bytes(b"\xff" * bad.stat().st_size)
     caplog.set_level(logging.INFO, logger="fp4moe.train")
-    b = train(_compose(*base, "train.steps=3"))
-    assert b.start_step == 1 and b.run_id == a.run_id and b.losses == {s: a.losses[s] for s in (2, 3)}
+    b = train(cfg)
+    assert b.start_step == 1 and b.run_id == a.run_id and b.losses == {s: a.losses[s] for s in (2, 3, 4)}
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "fp4moe.train"]
-    assert warned == [
-        f"checkpoint {root / 'step_0000003'} is damaged ({shard} has {size // 2} bytes, {size} were written: "
+    assert warned[:2] == [
+        f"checkpoint {root / 'step_0000004'} is damaged ({cut} has {size // 2} bytes, {size} were written: "
         "truncated or overwritten); falling back to the newest complete one",
-        f"checkpoint {root / 'step_0000002'} is damaged ({root / 'step_0000002' / 'common.pt'} is missing); "
+        f"checkpoint {root / 'step_0000003'} is damaged ({root / 'step_0000003' / 'common.pt'} is missing); "
         "falling back to the newest complete one"]
-
-    shard = root / "step_0000003" / "__0_1.distcp"  # written again by the resumed run
-    data = bytearray(shard.read_bytes())
-    data[:] = b"\xff" * len(data)
-    shard.write_bytes(bytes(data))
-    caplog.clear()
-    c = train(_compose(*base, "train.steps=4"))
-    assert c.start_step == 2 and c.losses[3] == a.losses[3]
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "fp4moe.train"]
-    assert len(warned) == 1 and warned[0].startswith(
-        f"checkpoint {root / 'step_0000003'} is damaged ({root / 'step_0000003'} cannot be read: "), warned
+    assert len(warned) == 3 and warned[2].startswith(
+        f"checkpoint {root / 'step_0000002'} is damaged ({root / 'step_0000002'} cannot be read: "), warned
+    assert warned[2].endswith("; falling back to the previous one")
 
 
 def test_the_shard_index_may_name_only_torchs_checkpoint_classes(tmp_path):

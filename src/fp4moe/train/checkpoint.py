@@ -398,20 +398,46 @@ def _layout() -> dict[str, int]:
 
 def _sharded_state_dict(model: torch.nn.Module, optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
     """megatron's sharded state dict of the model (global names; experts by global index; layers by global number)
-    and of the optimizer over it (OPTIMIZER_METADATA), every value that is not a sharded tensor kept out of the
-    checkpoint (megatron's LocalNonpersistentObject: a load gives back this run's own)."""
+    and of the optimizer over it (OPTIMIZER_METADATA)."""
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd, "optimizer": optim.sharded_optimizer_state_dict(
+        optimizer, model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))}
+
+
+def _tensors_only(x: Any) -> Any:
+    """The sharded tensors (megatron ``ShardedBase``) of state dict ``x`` in nested dicts keyed as in ``x`` (a
+    list's positions as int keys); every other value left out. Only these are stored: what else megatron's state
+    dicts hold depends on the layout (one chained optimizer at EP1, two at EP > 1; param-group indices; local layer
+    names) and is the resuming run's own (AdamW's step count is the checkpoint's step, fp4moe.train.optim)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    if isinstance(x, ShardedBase):
+        return x
+    out = {}
+    for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+        if isinstance(v, (dict, list, ShardedBase)):
+            t = _tensors_only(v)
+            if isinstance(t, ShardedBase) or t:
+                out[k] = t
+    return out
+
+
+def _put_back(x: Any, loaded: dict[Any, Any]) -> None:
+    """Replace the sharded tensors of state dict ``x`` by what ``dist_checkpointing.load`` read for
+    :func:`_tensors_only` of it (``loaded``) and unwrap its LocalNonpersistentObjects, in place."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 
-    model_sd = model.sharded_state_dict()
-    optimizer_sd = optim.sharded_optimizer_state_dict(optimizer, model_sd, is_loading=is_loading,
-                                                      metadata=dict(OPTIMIZER_METADATA))
-    sd = {"model": model_sd, "optimizer": optimizer_sd}
-    # Only the tensors are stored (by their global keys): what else megatron's state dicts hold depends on the layout
-    # (one chained optimizer at EP1, two at EP > 1; param-group indices; local layer names) and is this run's own
-    # (the optimizer's step count is restored from the checkpoint's step, fp4moe.train.optim.set_step).
-    dict_list_map_inplace(lambda v: v if isinstance(v, ShardedBase) else LocalNonpersistentObject(v), sd)
-    return sd
+    def put(into: Any, got: dict[Any, Any]) -> None:
+        for k, v in got.items():
+            if isinstance(into[k], ShardedBase):
+                into[k] = v
+            else:
+                put(into[k], v)
+
+    put(x, loaded)
+    # what megatron marks as this run's own (e.g. the param groups' parameter indices), as its load unwraps it
+    dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, x)
 
 
 def _gather(obj: Any, world_size: int) -> list[Any]:
@@ -432,7 +458,7 @@ def _write_sharded(tmp: Path, *, step: int, consumed_samples: int, world_size: i
 
     ranks = _gather({"rng": rng_state(), "meter": None if meter is None else meter.state_dict(),
                      "layout": _layout()}, world_size)
-    sd = _sharded_state_dict(model, optimizer, is_loading=False)
+    sd = _tensors_only(_sharded_state_dict(model, optimizer, is_loading=False))
     sd[COMMON_KEY] = {"step": step, "consumed_samples": consumed_samples, "world_size": world_size,
                       "schedule": schedule.state_dict(), "ranks": ranks}
     try:
@@ -577,16 +603,17 @@ def load_sharded(folder: Path, *, rank: int, world_size: int, model: torch.nn.Mo
     sd = _sharded_state_dict(model, optimizer, is_loading=True)
     try:
         with _weights_only_loads():
-            state = dist_checkpointing.load(sd, str(folder))
+            state = dist_checkpointing.load(_tensors_only(sd), str(folder))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - a file that cannot be read, on any rank
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         raise Damaged(f"{folder} cannot be read: {type(e).__name__}: {(lines[0] if lines else '')[:300]}") from None
     common = state.pop(COMMON_KEY)
     if int(common["step"]) != int(meta["step"]):
         raise Damaged(f"{folder}: common state step {common['step']} != meta step {meta['step']}")
+    _put_back(sd, state)
     # the optimizer first: megatron's offloading optimizer moves the weights while it loads (fp4moe.train.optim)
-    optim.load_sharded_optimizer_state_dict(optimizer, state["optimizer"], step=int(common["step"]))
-    model.load_state_dict(state["model"], strict=True)
+    optim.load_sharded_optimizer_state_dict(optimizer, sd["optimizer"], step=int(common["step"]))
+    model.load_state_dict(sd["model"], strict=True)
     schedule.load_state_dict(common["schedule"])
     ranks = common["ranks"]
     missing = _restore_rng(ranks, rank)

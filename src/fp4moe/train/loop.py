@@ -16,9 +16,9 @@ scheduler for this update.
 
 The step's loss (and the evaluation loss, ``forward_only``) is the last stage's, broadcast over the pipeline so that
 rank 0 (a first stage) logs it; the MoE aux losses are reduced over the stages, the all-to-all bytes and the
-saved-activation bytes summed over them (the largest stage's saved bytes also logged). Checkpoints stay one file
-per rank (each stage's own parameters, names local to the stage, and its optimizer shards), resumed with the same
-layout and optimizer group.
+saved-activation bytes summed over them (the largest stage's saved bytes also logged). Checkpoints are sharded by
+default (fp4moe.train.checkpoint: megatron-core dist_checkpointing, tensors under their global names, resumed at
+any layout with the same optimizer group); per-rank ones resume at their own layout.
 
 Order of the set-up, so that every mistake is reported before anything expensive: ``fp4moe.config.check`` and
 the trainer's own limits (ConfigError), the MLflow store (``TrackingUnavailable``), megatron-core's transformer
@@ -456,7 +456,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     meter = Meter(int(derived["tokens_per_step"]), info.world_size, int(measure.get("warmup_steps") or 0),
                   None if measure.get("steps") is None else int(measure["steps"]), device)
 
-    # ---- resume, part 2: the newest checkpoint whose rank files every rank can read
+    # ---- resume, part 2: the newest checkpoint whose files every rank can read
     step, consumed, run_id = 0, 0, None
     unreadable: list[tuple[Path, str]] = []
     for folder, meta in candidates:

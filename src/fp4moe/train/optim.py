@@ -286,7 +286,20 @@ def sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: dict[
 def load_sharded_optimizer_state_dict(optimizer: Any, state: dict[str, Any], *, step: int) -> None:
     """Restore what ``dist_checkpointing.load`` read for :func:`sharded_optimizer_state_dict` into ``optimizer``
     (megatron's ``load_state_dict``, then workaround 4), with AdamW's step count ``step`` (the optimizer updates so
-    far: the checkpoint's training step, one update each). Load the model's weights after this."""
+    far: the checkpoint's training step, one update each). Load the model's weights after this.
+
+    ``state`` holds this run's own non-tensor values (fp4moe.train.checkpoint stores tensors only); megatron's
+    unsharded optimizers take the step from ``state['state']['common_step']`` (which a fresh optimizer's state dict
+    does not have), the distributed one from its param groups: both get ``step`` here."""
+    inner = _inner_optimizers(optimizer)
+    parts = [state[i] for i in sorted(state)] if len(inner) > 1 else [state]
+    for opt, part in zip(inner, parts):
+        torch_sd = part.get("optimizer", part)  # Float16OptimizerWithFloat16Params: {'optimizer': ...}; FP32: itself
+        if not _is_distributed(opt) and isinstance(torch_sd.get("state"), dict):
+            torch_sd["state"]["common_step"] = torch.tensor(float(step))
+        elif _is_distributed(opt):
+            for group in part["optimizer"]["param_groups"]:
+                group["step"] = step
     optimizer.load_state_dict(state)
     _after_load(optimizer, step)
 
