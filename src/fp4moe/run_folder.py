@@ -43,6 +43,7 @@ EXCLUDED: dict[str, str] = {
     "train.log_interval": "how often MLflow gets the step metrics, not their values",
     "train.checkpoint_interval": "when checkpoints are written (a resume continues bit for bit from any of them)",
     "train.keep_checkpoints": "how many checkpoints are kept",
+    "train.checkpoint_format": "how checkpoints are stored (both formats are read back)",
     "train.checkpoint_dir": "where checkpoints are written",
     "train.resume": "whether an existing run may continue: train.resume=false must find the run it refuses to "
                     "overwrite",

@@ -100,7 +100,7 @@ def test_rank_files_load_without_running_their_code(tmp_path):
 
 
 def test_save_records_sizes_keeps_whole_checkpoints_and_loads_safely(tmp_path):
-    """ckpt.save (one process): meta.json records the rank file's size; pruning keeps the newest ``keep`` whole
+    """ckpt.save (one process, the per-rank format): meta.json records the rank file's size; pruning keeps the newest ``keep`` whole
     checkpoints (a damaged newer folder does not count, damaged older ones go); the rank file reads back with
     weights_only=True, numpy's RNG state included."""
     import numpy as np
@@ -113,7 +113,7 @@ def test_save_records_sizes_keeps_whole_checkpoints_and_loads_safely(tmp_path):
         (root / f"step_{step:07d}").mkdir(parents=True)
     for step in (2, 3, 4):
         d = ckpt.save(root, step=step, consumed_samples=4 * step, rank=0, world_size=1, model=model, optimizer=opt,
-                      schedule=sched, mlflow_run_id="r", fingerprint_={}, keep=2)
+                      schedule=sched, mlflow_run_id="r", fingerprint_={}, keep=2, format_="per_rank")
     assert sorted(p.name for p in root.iterdir()) == ["step_0000003", "step_0000004", "step_0000009"]
     meta = ckpt.read_meta(d)
     assert meta["files"] == {"rank_00000.pt": (d / "rank_00000.pt").stat().st_size}
@@ -132,7 +132,8 @@ def _compose(tmp_path, *overrides):
 
 
 def test_damaged_newest_checkpoints_fall_back_and_a_finished_run_trains_nothing(tmp_path, store, caplog):
-    """A run of 2 steps with a checkpoint at each. The same run again: already finished (nothing trained, nothing
+    """The per-rank format (train.checkpoint_format=per_rank; the sharded one: test_checkpoint_layout.py). A run of 2
+    steps with a checkpoint at each. The same run again: already finished (nothing trained, nothing
     logged to MLflow; before, it reopened the run and logged its old throughput as a new summary). Then a step-3
     folder whose rank file is truncated and step 2's rank file unreadable at its full size, and train.steps=3:
     the trainer warns about each and resumes from step 1 to the same loss, bit for bit. Every step folder
@@ -143,14 +144,14 @@ def test_damaged_newest_checkpoints_fall_back_and_a_finished_run_trains_nothing(
 
     from fp4moe.train.loop import train
 
-    a = train(_compose(tmp_path, "train.steps=2"))
+    a = train(_compose(tmp_path, "train.steps=2", "train.checkpoint_format=per_rank"))
     root = tmp_path / "ckpt" / "train"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000001", "step_0000002"]
     client = MlflowClient(tracking_uri=store)
     before = client.get_run(a.run_id).data.metrics
 
     caplog.set_level(logging.INFO, logger="fp4moe.train")
-    again = train(_compose(tmp_path, "train.steps=2"))
+    again = train(_compose(tmp_path, "train.steps=2", "train.checkpoint_format=per_rank"))
     assert again.already_finished and again.start_step == again.step == 2 and not again.losses
     assert again.run_id == a.run_id and again.checkpoint == root / "step_0000002" and not again.summary
     assert f"already finished at step 2/2 (checkpoint {root / 'step_0000002'}); nothing to train" in caplog.text
@@ -167,7 +168,7 @@ def test_damaged_newest_checkpoints_fall_back_and_a_finished_run_trains_nothing(
     data[:64] = b"\0" * 64  # passes the size and zip checks; torch cannot read it
     (root / "step_0000002" / "rank_00000.pt").write_bytes(bytes(data))
     caplog.clear()
-    b = train(_compose(tmp_path, "train.steps=3"))
+    b = train(_compose(tmp_path, "train.steps=3", "train.checkpoint_format=per_rank"))
     # step 2's loss comes from the weights after update 1, whose lr (warm-up) does not depend on train.steps
     assert b.start_step == 1 and b.run_id == a.run_id and sorted(b.losses) == [2, 3] and b.losses[2] == a.losses[2]
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "fp4moe.train"]
@@ -183,7 +184,7 @@ def test_damaged_newest_checkpoints_fall_back_and_a_finished_run_trains_nothing(
         (root / f"step_{step:07d}" / "meta.json").unlink()
     with pytest.raises(ConfigError, match=rf"no usable checkpoint in {root} \(3 damaged: {step3} has no meta.json "
                                           r".*move its step_\* folders elsewhere"):
-        train(_compose(tmp_path))
+        train(_compose(tmp_path, "train.checkpoint_format=per_rank"))
 
 
 def test_the_command_says_a_finished_run_is_finished(tmp_path):

@@ -101,7 +101,8 @@ def test_kill_9_at_a_random_step_resumes_from_the_newest_whole_checkpoint(tmp_pa
     why = f"(seed {SEED}: SIGKILL at the save of step {kill_at})"
     overrides = _overrides(tmp_path, "kill9", "train.checkpoint_interval=1")
     root = tmp_path / "ckpt" / "kill9"
-    started, done = root / f".step_{kill_at:07d}.tmp" / "rank_00000.pt", root / f"step_{kill_at:07d}"
+    # common.pt: the first file of a sharded checkpoint (megatron writes it before the shards)
+    started, done = root / f".step_{kill_at:07d}.tmp" / "common.pt", root / f"step_{kill_at:07d}"
     proc = subprocess.Popen([sys.executable, str(HERE / "cli.py"), *overrides, f"hydra.run.dir={tmp_path / 'out'}"],
                             cwd=tmp_path, env={**os.environ, "MLFLOW_TRACKING_URI": in_store},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -317,7 +318,7 @@ def test_a_store_that_goes_away_mid_run_loses_no_metrics(tmp_path, store, refere
 
 
 def test_a_full_checkpoint_folder_stops_the_run_with_one_line(tmp_path, in_store, reference):
-    """The checkpoint of step 4 cannot be written (a stand-in for a full disk: RLIMIT_FSIZE below a rank file's size,
+    """The checkpoint of step 4 cannot be written (a stand-in for a full disk: RLIMIT_FSIZE below a shard file's size,
     so its write fails with EFBIG where a full disk gives ENOSPC; both reach torch.save as an OSError). The run stops
     with one line naming the folder, the cause, the newest complete checkpoint and the fix; the unfinished folder is
     removed (it holds space), and a rerun with room resumes from step 2 to the uninterrupted losses."""
@@ -331,7 +332,7 @@ def test_a_full_checkpoint_folder_stops_the_run_with_one_line(tmp_path, in_store
 
     def fill_up(step, metrics):
         if step == 3:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, limits[1]))  # 8 MiB; a rank file has ~26 MB
+            resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, limits[1]))  # 8 MiB; a shard file has ~13 MB
 
     try:
         with pytest.raises(ConfigError) as e:

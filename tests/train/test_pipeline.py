@@ -7,7 +7,9 @@ one process too, and so do four processes of PP=2 x DP=2 with EP=2 under mxfp4. 
 weights through ``train.layout_invariant_init``."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,9 +40,10 @@ def _torchrun(tmp_path, overrides, name, nproc=2):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
 
-def _one_process(tmp_path, monkeypatch, overrides):
+def _one_process(tmp_path, monkeypatch, overrides, name="pp1", ckpt="ckpt"):
     """The same run in this process, on one CPU thread as each torchrun process (OMP_NUM_THREADS=1): a CPU matmul
-    sums in another order on two threads (rel 3e-6 on the loss after 4 steps)."""
+    sums in another order on two threads (rel 3e-6 on the loss after 4 steps). ``name``: its task; ``ckpt``: its
+    checkpoint folder under ``tmp_path``."""
     import torch
     from hydra import compose, initialize_config_dir
 
@@ -48,8 +51,8 @@ def _one_process(tmp_path, monkeypatch, overrides):
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=[*COMMON, *overrides, "task_name=pp1",
-                                          f"train.checkpoint_dir={tmp_path / 'ckpt'}"])
+        cfg = compose("train", overrides=[*COMMON, *overrides, f"task_name={name}",
+                                          f"train.checkpoint_dir={tmp_path / ckpt}"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -71,23 +74,29 @@ def _run_metrics(tmp_path, name):
     return run, out
 
 
+def _shard_ranks(folder):
+    """The ranks that wrote shards (``__<rank>_<k>.distcp``) of the sharded checkpoint in ``folder``."""
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["format"] == "torch_dist", meta
+    return {n.split("_")[2] for n in meta["files"] if n.endswith(".distcp")}
+
+
 def test_pp2_killed_and_resumed_equals_one_process(tmp_path, monkeypatch):
-    """mxfp4 (the default recipe), PP=2: the run fails at step 3 (after its step-2 checkpoint: one file per rank),
-    the same command resumes it from step 2 into the same MLflow run; its losses, gradient norms, evaluation loss
-    and MoE aux loss (rank 0 is the first stage, the loss is the last stage's) equal one process's."""
+    """mxfp4 (the default recipe), PP=2: the run fails at step 3 (after its step-2 checkpoint: each stage writes
+    its shards), the same command resumes it from step 2 into the same MLflow run; its losses, gradient norms,
+    evaluation loss and MoE aux loss (rank 0 is the first stage, the loss is the last stage's) equal one process's.
+    The step-2 checkpoint also resumes in one process (PP2 -> PP1) to one process's losses, bit for bit."""
     r = _torchrun(tmp_path, ["+fault.fail_at_step=3"], "pp2")
     assert r.returncode != 0 and "fault.fail_at_step=3" in r.stderr, r.stderr[-3000:]
     ckpts = tmp_path / "ckpt" / "pp2"
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_0000002"]
-    assert sorted(p.name for p in (ckpts / "step_0000002").iterdir()) == ["meta.json", "rank_00000.pt",
-                                                                         "rank_00001.pt"]
+    assert _shard_ranks(ckpts / "step_0000002") == {"0", "1"}
     r = _torchrun(tmp_path, [], "pp2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr + r.stdout
     run, got = _run_metrics(tmp_path, "pp2")
     assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "2"
-    assert sorted(p.name for p in (ckpts / "step_0000004").iterdir()) == ["meta.json", "rank_00000.pt",
-                                                                         "rank_00001.pt"]
+    assert _shard_ranks(ckpts / "step_0000004") == {"0", "1"}
 
     one = _one_process(tmp_path, monkeypatch, [])
     assert sorted(got["loss"]) == [1, 2, 3, 4]
@@ -98,6 +107,14 @@ def test_pp2_killed_and_resumed_equals_one_process(tmp_path, monkeypatch):
     # summed over the two stages: the bytes one micro-batch's forward keeps for backward in the whole model
     assert got["saved_activation_bytes_per_micro_batch"][1] == pytest.approx(
         ref["saved_activation_bytes_per_micro_batch"][1], rel=0.01)
+
+    # the PP2 run's step-2 checkpoint (sharded: each stage's layers under their global numbers) goes on in one
+    # process, to the same bits
+    (tmp_path / "pp_to_one" / "pp2").mkdir(parents=True)
+    shutil.copytree(ckpts / "step_0000002", tmp_path / "pp_to_one" / "pp2" / "step_0000002")
+    resumed = _one_process(tmp_path, monkeypatch, [], name="pp2", ckpt="pp_to_one")
+    assert resumed.start_step == 2 and resumed.run_id == run.info.run_id
+    assert resumed.losses == {s: one.losses[s] for s in (3, 4)} and resumed.eval_losses == one.eval_losses
 
 
 def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkeypatch):

@@ -14,6 +14,11 @@
    optimizer/__init__.py) -> False. megatron/core/utils.py ``is_te_min_version`` compares ``get_te_version()``,
    None without TE, with a version: ``OptimizerConfig(use_precision_aware_optimizer=True)`` raises TypeError.
    "TE is at least version x" is False when TE is absent.
+0d. ``DistributedOptimizer._set_main_param_and_optimizer_states`` (optimizer/distrib_optimizer.py:937, the load of
+   the ``fully_reshardable`` checkpoint format, fp4moe.train.checkpoint) copies into every entry of the parameter's
+   optimizer state; torch's AdamW (the optimizer without TE / apex) keeps a ``step`` there, which the checkpoint's
+   tensors do not have (megatron restores it from the param groups): KeyError. Only the entries the checkpoint
+   gives are copied.
 
 Only when CUDA is absent (CPU machine, gloo):
 
@@ -61,6 +66,12 @@ Only when CUDA is absent (CPU machine, gloo):
    tensor unless it was made by ``.cpu()`` (a copy) or from such a copy (``detach`` / ``clone`` / ``float``), and
    pinning is a no-op, so on the CPU it builds and runs its real host path
    (gradients copied to host copies, torch's CPU AdamW, parameters copied back); "cuda" in the move is the CPU.
+10. ``DistributedOptimizer.get_parameter_state_dp_zero`` (distrib_optimizer.py:1089, the gather of the
+   ``fully_reshardable`` checkpoint format, fp4moe.train.checkpoint) moves each shard with ``.cuda()`` before
+   all-gathering it over the data-parallel group: on CPU it stays on the CPU (as shim 6).
+11. ``FileSystemWriterAsync.preload_tensors`` (dist_checkpointing/strategies/filesystem_async.py:231, the
+   torch_dist writer of fp4moe.train.checkpoint's sharded format) is called with ``non_blocking=True`` and then
+   calls ``torch.cuda.synchronize()``: on CPU it copies blocking (the same bytes) and does not synchronize.
 
 Only what the tests in tests/model and tests/train exercise is patched.
 """
@@ -186,7 +197,7 @@ _HOST_PROPAGATING = ("detach", "clone", "float")
 
 
 def _apply_optimizer_shims() -> None:
-    """Shims 7-9 (module docstring)."""
+    """Shims 7-11 (module docstring)."""
     import importlib
 
     for name in _CUDA_ALLOCATING_MODULES:
@@ -253,6 +264,26 @@ def _apply_optimizer_shims() -> None:
 
     HDO._get_sub_optimizer_param_groups = split_groups
     HDO._move_new_state_to_right_device = move_state
+    # 10. distrib_optimizer.py:1089 send_tensor.cuda() in the gather of the fully_reshardable checkpoint format
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    gather = DistributedOptimizer.get_parameter_state_dp_zero
+
+    def gather_on_cpu(self, *args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[assignment,method-assign]
+        try:
+            return gather(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    DistributedOptimizer.get_parameter_state_dp_zero = gather_on_cpu
+    # 11. filesystem_async.py:231 torch.cuda.synchronize() after the non-blocking copies of the torch_dist writer
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    preload = FileSystemWriterAsync.preload_tensors
+    FileSystemWriterAsync.preload_tensors = staticmethod(  # type: ignore[method-assign]
+        lambda write_buckets, non_blocking=True: preload(write_buckets, False))
 
 
 _NO_TE_APPLIED = False
@@ -263,7 +294,7 @@ def needed() -> bool:
 
 
 def apply_no_te() -> bool:
-    """Shim 0 (see the module docstring): needed whenever Transformer Engine is absent. Returns True if applied."""
+    """Shims 0-0d (see the module docstring): needed whenever Transformer Engine is absent. Returns True if applied."""
     global _NO_TE_APPLIED
     from megatron.core.extensions import transformer_engine as mte
 
@@ -282,6 +313,20 @@ def apply_no_te() -> bool:
 
         for module in (mopt, optimizer_config):  # 0c: is_te_min_version raises TypeError without TE
             module.is_te_min_version = lambda *args, **kwargs: False
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        upstream_set = DistributedOptimizer._set_main_param_and_optimizer_states
+
+        def set_states(self, model_param, tensors):  # 0d: torch AdamW's `step` is not among the loaded tensors
+            if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                return upstream_set(self, model_param, tensors)
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            dst = {"param": main_param, **self.optimizer.state[main_param]}
+            for key, value in tensors.items():
+                dst[key].copy_(value)
+
+        DistributedOptimizer._set_main_param_and_optimizer_states = set_states
         _NO_TE_APPLIED = True
     return True
 
@@ -339,7 +384,7 @@ def apply() -> bool:
             torch.Tensor.cuda = cuda  # type: ignore[method-assign]
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer  # type: ignore
-    _apply_optimizer_shims()  # 7-9: megatron's DDP and optimizers
+    _apply_optimizer_shims()  # 7-11: megatron's DDP, optimizers and checkpoint writer
     _APPLIED = True
     return True
 

@@ -1,32 +1,56 @@
-"""Atomic, resumable checkpoints: ``<run dir>/step_NNNNNNN/{meta.json, rank_RRRRR.pt}`` (:func:`run_dir`).
+"""Atomic, resumable checkpoints: ``<run dir>/step_NNNNNNN/`` (:func:`run_dir`), in one of two formats
+(``train.checkpoint_format``), both read back.
 
-Each rank writes its own ``rank_RRRRR.pt`` (model state dict incl. the router expert-bias buffers, megatron's
+**sharded** (the default): megatron-core's ``dist_checkpointing`` with its torch_dist backend (torch.distributed.
+checkpoint files ``__R_K.distcp``, their index ``.metadata``, megatron's ``common.pt`` and ``metadata.json``). The
+model's ``sharded_state_dict()`` names every tensor globally (layers by global number, routed experts by global
+index, each with its offsets in the global tensor) and the optimizer's ``sharded_state_dict`` puts the FP32 main
+params and AdamW moments beside it in the same model space (megatron's ``fully_reshardable`` form for the
+distributed optimizer, :data:`OPTIMIZER_METADATA`), so a checkpoint resumes at any world size and DP / EP / PP
+layout: each process reads the parts of the global tensors it holds now. The trainer's own state is in the common
+state (``common.pt``, key ``fp4moe``): step, consumed samples (the data order: the sampler is a function of them),
+megatron's scheduler, and each rank's RNG states, measurements and coordinates. At the same layout every rank gets
+its own RNG states back; at another, a rank takes those of a saved rank with its pipeline / tensor / expert /
+expert-tensor coordinates (the data-parallel replicas are seeded alike), and where the checkpoint has none (a rank
+the old layout did not have, e.g. expert rank 1 after EP1) the CPU generators of saved rank 0 and its own freshly
+seeded CUDA and megatron tracker states, with a warning (:func:`_restore_rng`). The throughput measurements carry
+over at the same world size only. Nothing of it runs code from the file: common.pt and the byte entries of the
+shards load with ``weights_only=True`` (:func:`_weights_only_loads`), and torch's ``.metadata`` pickle is read by an
+unpickler that knows torch's checkpoint classes only before megatron opens it (:func:`check_sharded_files`).
+megatron-core without TE / apex needs two workarounds here (fp4moe.train.optim, workaround 6;
+fp4moe.model.cpu_shims 0d), on CPU two more (cpu_shims 10, 11).
+
+**per_rank**: each rank writes ``rank_RRRRR.pt`` (model state dict incl. the router expert-bias buffers, megatron's
 optimizer state with this rank's FP32 main params and AdamW moments (fp4moe.train.optim.optimizer_state_dict),
-megatron's scheduler, RNG states of python / numpy / torch / CUDA / megatron's tracker) into a
-hidden temporary folder ``.step_NNNNNNN.tmp``; after a barrier rank 0 writes ``meta.json`` (step, consumed
-samples, MLflow run id, the run's fingerprint, world size, each rank file's size in bytes: the commit marker,
-written last) and renames the folder into place. A run killed mid-save leaves only the hidden folder, so it
-resumes from the previous checkpoint (the next save removes the hidden folder). The newest ``keep`` whole
-checkpoints are kept, damaged folders older than those removed. A save that cannot be written (a full disk) removes
-its unfinished folder and stops the run with one line (:class:`Unwritable`).
+megatron's scheduler, RNG states of python / numpy / torch / CUDA / megatron's tracker), resumed at the same world
+size and layout only. Rank files are read with ``torch.load(weights_only=True)``: tensors, containers, numbers and
+strings, plus the classes of :data:`SAFE_GLOBALS`.
 
-A ``step_NNNNNNN`` folder that is damaged (no ``meta.json``, a ``meta.json`` that does not parse, a rank file
-missing, shorter than ``meta.json`` says or not a whole torch.save archive, or one that torch cannot read) is
-skipped with a warning naming it, and the run resumes from the newest complete one (:func:`scan`,
-:func:`read_payload`); with none left, a ConfigError names the folder and the fix.
+Both are written into a hidden temporary folder ``.step_NNNNNNN.tmp``; after a barrier rank 0 writes ``meta.json``
+(step, consumed samples, MLflow run id, the run's fingerprint, world size, format, each file's size in bytes: the
+commit marker, written last) and renames the folder into place. A run killed mid-save leaves only the hidden
+folder, so it resumes from the previous checkpoint (the next save removes the hidden folder). The newest ``keep``
+whole checkpoints are kept, damaged folders older than those removed. A save that cannot be written (a full disk)
+removes its unfinished folder and stops the run with one line (:class:`Unwritable`).
 
-Rank files are read with ``torch.load(weights_only=True)``: tensors, containers, numbers and strings, plus the
-classes of :data:`SAFE_GLOBALS` (no code from the file runs). Everything this module saves is of those types.
+A ``step_NNNNNNN`` folder that is damaged (no ``meta.json``, a ``meta.json`` that does not parse, a file missing or
+shorter than ``meta.json`` says, a rank file that is not a whole torch.save archive, or a file that torch cannot
+read) is skipped with a warning naming it, and the run resumes from the newest complete one (:func:`scan`,
+:func:`read_payload`, :func:`load_sharded`); with none left, a ConfigError names the folder and the fix.
 
-Resuming needs the same world size and the same fingerprint (:func:`fingerprint`: the config groups that
-change what is trained, the optimizer group included); run length, intervals and logging may differ.
+Resuming needs the same fingerprint (:func:`fingerprint`: the config groups that change what is trained, the
+optimizer group included); run length, intervals and logging may differ, and for a sharded checkpoint the parallel
+layout (:data:`LAYOUT_KEYS`: world size, TP / PP / CP / EP / DP sizes, micro-batch) too.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import pickle
+import queue
 import random
 import re
 import shutil
@@ -38,6 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fp4moe.atomic_write import writable_ancestor
 from fp4moe.config import ConfigError
@@ -58,15 +83,28 @@ SAFE_GLOBALS = [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD,
 # checkpointing knobs are left out on purpose (extending a run is a resume).
 FINGERPRINT_KEYS = ("model", "precision", "recompute", "parallel", "data", "backend", "optimizer", "train.seed",
                     "train.params_dtype", "train.adamw", "train.schedule")
+# parallel.* keys that say how the work is spread over the processes, not what is trained: a sharded checkpoint
+# resumes when only these differ (global_batch, seq_length, dispatcher and any other parallel.* key must match).
+LAYOUT_KEYS = ("world_size", "tensor", "pipeline", "virtual_pipeline", "pipeline_layout", "context", "expert",
+               "expert_tensor", "data", "sequence_parallel", "micro_batch")
+TRAINED_PARALLEL = "parallel.trained"  # fingerprint entry: the parallel group without LAYOUT_KEYS
+FORMATS = ("sharded", "per_rank")  # train.checkpoint_format
+SHARDED = "torch_dist"  # meta.json's "format" of a sharded checkpoint (per-rank checkpoints have no "format")
 
 
 def fingerprint(cfg: Any) -> dict[str, str]:
-    """sha256 (16 hex digits) of each FINGERPRINT_KEYS entry of the resolved config."""
+    """sha256 (16 hex digits) of each FINGERPRINT_KEYS entry of the resolved config, and (``parallel.trained``)
+    of the parallel group without its LAYOUT_KEYS."""
+    def digest(value: Any) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
     out = {}
     for key in FINGERPRINT_KEYS:
         node = OmegaConf.select(cfg, key)
-        value = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-        out[key] = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        out[key] = digest(OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
+    par = OmegaConf.select(cfg, "parallel")
+    par = OmegaConf.to_container(par, resolve=True) if OmegaConf.is_config(par) else dict(par or {})
+    out[TRAINED_PARALLEL] = digest({k: v for k, v in par.items() if k not in LAYOUT_KEYS})
     return out
 
 
@@ -137,13 +175,15 @@ def verify(folder: Path) -> dict[str, Any]:
     if m and int(m.group(1)) != step:
         raise Damaged(f"{folder / 'meta.json'} says step {step}, not the folder's")
     sizes = meta.get("files") or {f"rank_{r:05d}.pt": None for r in range(world)}
+    if meta.get("format") == SHARDED and not (isinstance(meta.get("files"), dict) and meta["files"]):
+        raise Damaged(f"{folder / 'meta.json'} lists no files: not a sharded checkpoint's meta.json")
     for name, size in sizes.items():
         f = folder / name
         if not f.is_file():
             raise Damaged(f"{f} is missing")
         if size is not None and f.stat().st_size != int(size):
             raise Damaged(f"{f} has {f.stat().st_size} bytes, {size} were written: truncated or overwritten")
-        if not zipfile.is_zipfile(f):
+        if name.endswith(".pt") and not zipfile.is_zipfile(f):
             raise Damaged(f"{f} is not a whole torch.save archive (truncated?)")
     return meta
 
@@ -220,18 +260,18 @@ def _agree(err: str | None, world_size: int) -> str | None:
 
 def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size: int, model: torch.nn.Module,
          optimizer: Any, schedule: Any, mlflow_run_id: str | None, fingerprint_: dict[str, str],
-         keep: int = 2, meter: Any = None) -> Path:
+         keep: int = 2, meter: Any = None, format_: str = "sharded") -> Path:
     """Write the checkpoint of ``step`` (collective: every rank calls it). Returns the final folder. ``model``: the
     megatron model (not its DDP wrapper); ``optimizer``: megatron's; ``schedule``: megatron's scheduler; ``meter``:
     the run's throughput / memory measurements so far (``fp4moe.train.metrics.Meter``), carried into a resumed
-    run. A write that fails on any rank (disk full, folder gone) raises :class:`Unwritable` on every rank, after rank
-    0 removed the unfinished folder; the checkpoints before stay."""
+    run; ``format_``: ``sharded`` (megatron-core dist_checkpointing, any layout resumes) or ``per_rank`` (one
+    torch.save file per rank, the same layout resumes). A write that fails on any rank (disk full, folder gone)
+    raises :class:`Unwritable` on every rank, after rank 0 removed the unfinished folder; the checkpoints before
+    stay."""
+    if format_ not in FORMATS:
+        raise ConfigError(f"train.checkpoint_format={format_!r}: pick one of {', '.join(FORMATS)}")
     final = _step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
-    payload = {"model": model.state_dict(), "optimizer": optim.optimizer_state_dict(optimizer),
-               "schedule": schedule.state_dict(),
-               "rng": rng_state(), "step": step, "consumed_samples": consumed_samples, "rank": rank,
-               "meter": None if meter is None else meter.state_dict()}
 
     def failed(err: str | None) -> None:
         if not _agree(err, world_size):
@@ -244,10 +284,6 @@ def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size:
                          "there, or point train.checkpoint_dir (or FP4MOE_CKPT_DIR) at a folder with room, and rerun "
                          "the same command to resume")
 
-    def why(e: BaseException) -> str:
-        c = _cause(e)
-        return f"{type(c).__name__}: {' '.join(str(c).split())[:300]}"
-
     err = None
     if rank == 0:
         try:
@@ -255,25 +291,30 @@ def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         except OSError as e:
-            err = why(e)
+            err = _why(e)
     failed(err)  # collective: the folder exists before any rank writes into it
-    try:
-        with open(tmp / f"rank_{rank:05d}.pt", "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except (OSError, RuntimeError) as e:  # torch.save: a failed write is a RuntimeError with the OSError behind it
-        if not isinstance(_cause(e), OSError):
-            raise
-        err = why(e)
-    del payload
+    if format_ == "per_rank":
+        payload = {"model": model.state_dict(), "optimizer": optim.optimizer_state_dict(optimizer),
+                   "schedule": schedule.state_dict(),
+                   "rng": rng_state(), "step": step, "consumed_samples": consumed_samples, "rank": rank,
+                   "meter": None if meter is None else meter.state_dict()}
+        err = _write_rank_file(tmp / f"rank_{rank:05d}.pt", payload)
+        del payload
+    else:
+        err = _write_sharded(tmp, step=step, consumed_samples=consumed_samples, world_size=world_size, model=model,
+                             optimizer=optimizer, schedule=schedule, meter=meter)
     failed(err)
     trash = root / f".{final.name}.old"
     if rank == 0:
         try:
-            files = {f"rank_{r:05d}.pt": (tmp / f"rank_{r:05d}.pt").stat().st_size for r in range(world_size)}
+            if format_ == "per_rank":
+                files = {f"rank_{r:05d}.pt": (tmp / f"rank_{r:05d}.pt").stat().st_size for r in range(world_size)}
+            else:
+                files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
             meta = {"step": step, "consumed_samples": consumed_samples, "world_size": world_size,
                     "mlflow_run_id": mlflow_run_id, "fingerprint": fingerprint_, "time": time.time(), "files": files}
+            if format_ == "sharded":
+                meta["format"] = SHARDED
             with open(tmp / "meta.json", "w") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
@@ -286,7 +327,7 @@ def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size:
             else:
                 os.replace(tmp, final)
         except OSError as e:
-            err = why(e)
+            err = _why(e)
             if trash.exists() and not final.exists():  # the same step's earlier checkpoint goes back in place
                 os.replace(trash, final)
     failed(err)
@@ -297,11 +338,290 @@ def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size:
         kept = whole[:max(1, keep)]
         oldest = int(kept[-1][1]["step"]) if kept else -1
         for old, _ in whole[len(kept):] + [(d, w) for d, w in damaged if int(d.name[len("step_"):]) < oldest]:
-            shutil.rmtree(old, ignore_errors=True)
+            # hidden first (one rename), then removed: a kill meanwhile leaves no half-removed step folder
+            hidden = root / f".{old.name}.old"
+            shutil.rmtree(hidden, ignore_errors=True)
+            try:
+                os.replace(old, hidden)
+            except OSError:
+                continue
+            shutil.rmtree(hidden, ignore_errors=True)
         for unfinished in root.glob(".step_*"):
             shutil.rmtree(unfinished, ignore_errors=True)
     barrier()
     return final
+
+
+def _why(e: BaseException) -> str:
+    """One line of the OSError behind ``e`` (or of ``e``): ``OSError: [Errno 28] ...``."""
+    c = _cause(e)
+    return f"{type(c).__name__}: {' '.join(str(c).split())[:300]}"
+
+
+def _write_rank_file(path: Path, payload: dict[str, Any]) -> str | None:
+    """torch.save ``payload`` to ``path`` and fsync it; the error line of a failed write (None: written)."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch.save: a failed write is a RuntimeError with the OSError behind it
+        if not isinstance(_cause(e), OSError):
+            raise
+        return _why(e)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- sharded format
+
+# megatron's DistributedOptimizer state in model space, each rank's own flat range of each parameter's global tensor
+# ('fully_sharded_model_space'): saved and loaded with no gather, and resumable at any DP / EP / PP layout, since the
+# checkpoint keys every main param and moment by the model parameter's global name and offsets, not by megatron's
+# buckets. 'dp_reshardable' (buckets as they are) reshards over DP only; 'fully_reshardable' gathers each DP group's
+# whole state on every rank for the save and reads all of it on every rank for the load. The optimizers that are not
+# distributed (gpu_fp32) save their main params and moments in model space whatever this says.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+COMMON_KEY = "fp4moe"  # the trainer's own state in the checkpoint's common state (common.pt)
+# What the pickle of torch.distributed.checkpoint's `.metadata` may name besides its own classes: checked before
+# megatron hands the file to pickle.load (no code from a checkpoint runs, as with weights_only for the rest).
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+
+def _layout() -> dict[str, int]:
+    """This process's megatron coordinates: pipeline, tensor, expert, expert-tensor and data-parallel rank."""
+    from megatron.core import parallel_state as ps
+
+    return {"pp": ps.get_pipeline_model_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),
+            "ep": ps.get_expert_model_parallel_rank(), "etp": ps.get_expert_tensor_parallel_rank(),
+            "dp": ps.get_data_parallel_rank()}
+
+
+def _sharded_state_dict(model: torch.nn.Module, optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
+    """megatron's sharded state dict of the model (global names; experts by global index; layers by global number)
+    and of the optimizer over it (OPTIMIZER_METADATA)."""
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd, "optimizer": optim.sharded_optimizer_state_dict(
+        optimizer, model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))}
+
+
+def _tensors_only(x: Any) -> Any:
+    """The sharded tensors (megatron ``ShardedBase``) of state dict ``x`` in nested dicts keyed as in ``x`` (a
+    list's positions as int keys); every other value left out. Only these are stored: what else megatron's state
+    dicts hold depends on the layout (one chained optimizer at EP1, two at EP > 1; param-group indices; local layer
+    names) and is the resuming run's own (AdamW's step count is the checkpoint's step, fp4moe.train.optim)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    if isinstance(x, ShardedBase):
+        return x
+    out = {}
+    for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+        if isinstance(v, (dict, list, ShardedBase)):
+            t = _tensors_only(v)
+            if isinstance(t, ShardedBase) or t:
+                out[k] = t
+    return out
+
+
+def _put_back(x: Any, loaded: dict[Any, Any]) -> None:
+    """Replace the sharded tensors of state dict ``x`` by what ``dist_checkpointing.load`` read for
+    :func:`_tensors_only` of it (``loaded``) and unwrap its LocalNonpersistentObjects, in place."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+
+    def put(into: Any, got: dict[Any, Any]) -> None:
+        for k, v in got.items():
+            if isinstance(into[k], ShardedBase):
+                into[k] = v
+            else:
+                put(into[k], v)
+
+    put(x, loaded)
+    # what megatron marks as this run's own (e.g. the param groups' parameter indices), as its load unwraps it
+    dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, x)
+
+
+def _gather(obj: Any, world_size: int) -> list[Any]:
+    """``obj`` of every rank, in rank order (collective)."""
+    if world_size > 1 and torch.distributed.is_initialized():
+        out: list[Any] = [None] * world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def _write_sharded(tmp: Path, *, step: int, consumed_samples: int, world_size: int, model: torch.nn.Module,
+                   optimizer: Any, schedule: Any, meter: Any) -> str | None:
+    """megatron-core ``dist_checkpointing.save`` (torch_dist backend) of the model, the optimizer and, in the common
+    state, the trainer's own (step, consumed samples, scheduler, every rank's RNG states, measurements and
+    coordinates); the error line of a failed write (None: written). Collective."""
+    from megatron.core import dist_checkpointing
+
+    ranks = _gather({"rng": rng_state(), "meter": None if meter is None else meter.state_dict(),
+                     "layout": _layout()}, world_size)
+    sd = _tensors_only(_sharded_state_dict(model, optimizer, is_loading=False))
+    sd[COMMON_KEY] = {"step": step, "consumed_samples": consumed_samples, "world_size": world_size,
+                      "schedule": schedule.state_dict(), "ranks": ranks}
+    try:
+        with _sync_writer():
+            dist_checkpointing.save(sd, str(tmp), sharded_strategy=("torch_dist", 1))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch's writer: each failed rank's error
+        if isinstance(_cause(e), OSError):
+            return _why(e)
+        m = re.search(r"\[Errno \d+\][^\n']*", str(e))
+        if not m:
+            raise
+        return f"OSError: {' '.join(m.group(0).split())}"[:300]
+    return None
+
+
+class _OSErrorQueue:
+    """A writer process's results queue that passes on the OSError behind a failed write (torch.save reports a
+    failed write as a RuntimeError, whose context the queue's pickle drops)."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+
+    def put(self, item: Any) -> None:
+        idx, result = item
+        if isinstance(result, BaseException) and isinstance(_cause(result), OSError):
+            c = _cause(result)
+            result = OSError(c.errno, c.strerror) if c.errno is not None else OSError(str(c))
+        self.queue.put((idx, result))
+
+
+@contextlib.contextmanager
+def _sync_writer():
+    """megatron-core's torch_dist writer (``FileSystemWriterAsync``, which forks a process per file) as the trainer's
+    synchronous save uses it: (1) its results queue is an in-process ``queue.Queue`` (megatron's default, made on
+    first use, is a ``multiprocessing`` Manager queue: a server process that outlives a ``kill -9`` of the trainer,
+    holding its stdout); (2) a failed write reaches the caller as ``[Errno N] ...`` (a full disk: ``[Errno 28] No
+    space left on device``) instead of torch's ``unexpected pos`` message."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    if filesystem_async._results_queue is None:  # read and written by this process only in a synchronous save
+        filesystem_async._results_queue = queue.Queue()
+    upstream = FileSystemWriterAsync.__dict__["write_preloaded_data"]
+    write = upstream.__func__
+
+    def write_preloaded_data(*args: Any, results_queue: Any = None, **kwargs: Any) -> Any:
+        return write(*args, results_queue=_OSErrorQueue(results_queue), **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_preloaded_data)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FileSystemWriterAsync.write_preloaded_data = upstream  # type: ignore[method-assign]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module.startswith("torch.distributed.checkpoint.") or (module, name) in _METADATA_GLOBALS
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
+
+
+def check_sharded_files(folder: Path) -> None:
+    """:class:`Damaged` naming the file when ``folder``'s ``.metadata`` (torch's index of the shards, a pickle) names
+    anything but torch's checkpoint metadata classes, or does not unpickle."""
+    path = folder / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise Damaged(f"{path} cannot be read: {e} (fp4moe does not run code from a checkpoint)") from None
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt pickle: EOFError, ValueError, ...
+        raise Damaged(f"{path} cannot be read: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+
+
+class _WeightsOnlyTorch:
+    """torch, whose ``load`` reads with ``weights_only=True`` and :data:`SAFE_GLOBALS` whatever its caller asks."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(f: Any, *args: Any, weights_only: Any = None, **kwargs: Any) -> Any:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(f, *args, weights_only=True, **kwargs)
+
+
+@contextlib.contextmanager
+def _weights_only_loads():
+    """While megatron-core loads a sharded checkpoint, every torch.load of its files is ``weights_only=True``:
+    common.pt (megatron's common strategy) and the byte entries in the shards (torch's DefaultLoadPlanner reads them
+    with ``weights_only=False``; megatron saves an ``_extra_state`` of each linear layer there)."""
+    from megatron.core.dist_checkpointing.strategies import common
+    from torch.distributed.checkpoint import default_planner
+
+    saved = common.torch, default_planner.torch
+    common.torch = default_planner.torch = _WeightsOnlyTorch()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        common.torch, default_planner.torch = saved
+
+
+def _restore_rng(ranks: list[dict[str, Any]], rank: int) -> str | None:
+    """Set this process's RNG states from the checkpoint's per-rank ones (``ranks``); returns what could not be
+    restored (None: everything). The saved rank with this process's coordinates (the same rank at the same
+    layout; at another layout the first with the same pipeline, tensor, expert and expert-tensor rank: megatron seeds
+    the data-parallel replicas alike) gives all of its states; with none such (e.g. expert rank 1 of EP2 after EP1)
+    the python / numpy / torch CPU generators come from saved rank 0 (the trainer seeds them alike on every rank and
+    draws nothing from them per rank) and the CUDA and megatron tracker states stay as seeded."""
+    me = _layout()
+    if rank < len(ranks) and ranks[rank].get("layout") == me:
+        set_rng_state(ranks[rank]["rng"])
+        return None
+    coords = ("pp", "tp", "ep", "etp")
+    same = [r for r in ranks if all((r.get("layout") or {}).get(k) == me[k] for k in coords)]
+    if same:
+        set_rng_state(same[0]["rng"])
+        return None
+    state = dict(ranks[0]["rng"])
+    state["cuda"] = None
+    from megatron.core.tensor_parallel import random as mrandom
+
+    state["megatron_tracker"] = mrandom.get_cuda_rng_tracker().get_states()
+    set_rng_state(state)
+    return (f"no saved rank at pipeline / tensor / expert / expert-tensor rank "
+            f"{me['pp']} / {me['tp']} / {me['ep']} / {me['etp']}: its CUDA and megatron tracker RNG states start "
+            "from the seed")
+
+
+def load_sharded(folder: Path, *, rank: int, world_size: int, model: torch.nn.Module, optimizer: Any, schedule: Any,
+                 meter: Any = None) -> dict[str, Any]:
+    """Restore a sharded checkpoint (collective) at this run's layout, whatever the layout that wrote it: model and
+    optimizer through megatron-core ``dist_checkpointing.load``, the scheduler, the RNG states (:func:`_restore_rng`)
+    and, at the same world size, the measurements. Returns ``meta.json``. :class:`Damaged` when a file cannot be
+    read (on every rank: torch's loader reports each rank's failure to all)."""
+    from megatron.core import dist_checkpointing
+
+    meta = read_meta(folder)
+    check_sharded_files(folder)
+    sd = _sharded_state_dict(model, optimizer, is_loading=True)
+    try:
+        with _weights_only_loads():
+            state = dist_checkpointing.load(_tensors_only(sd), str(folder))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a file that cannot be read, on any rank
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise Damaged(f"{folder} cannot be read: {type(e).__name__}: {(lines[0] if lines else '')[:300]}") from None
+    common = state.pop(COMMON_KEY)
+    if int(common["step"]) != int(meta["step"]):
+        raise Damaged(f"{folder}: common state step {common['step']} != meta step {meta['step']}")
+    _put_back(sd, state)
+    # the optimizer first: megatron's offloading optimizer moves the weights while it loads (fp4moe.train.optim)
+    optim.load_sharded_optimizer_state_dict(optimizer, sd["optimizer"], step=int(common["step"]))
+    model.load_state_dict(sd["model"], strict=True)
+    schedule.load_state_dict(common["schedule"])
+    ranks = common["ranks"]
+    missing = _restore_rng(ranks, rank)
+    if missing:
+        log.warning("rank %d resumes %s at another layout: %s", rank, folder, missing)
+    if meter is not None and len(ranks) == world_size and ranks[rank].get("meter") is not None:
+        meter.load_state_dict(ranks[rank]["meter"])
+    return meta
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
@@ -320,15 +640,21 @@ def read_meta(folder: Path) -> dict[str, Any]:
 
 
 def check_compatible(folder: Path, meta: dict[str, Any], *, world_size: int, fingerprint_: dict[str, str]) -> None:
-    """ConfigError naming what differs when the checkpoint in ``folder`` belongs to another run."""
-    if int(meta["world_size"]) != world_size:
+    """ConfigError naming what differs when the checkpoint in ``folder`` belongs to another run. A sharded checkpoint
+    resumes at any world size and parallel layout (LAYOUT_KEYS); a per-rank one only at its own."""
+    sharded = meta.get("format") == SHARDED
+    if not sharded and int(meta["world_size"]) != world_size:
         raise ConfigError(f"checkpoint {folder} was written by {meta['world_size']} processes, this run has "
-                          f"{world_size}: resume with the same parallel layout, or use another train.checkpoint_dir")
+                          f"{world_size}: a per-rank checkpoint resumes only at its own parallel layout; resume with "
+                          "it, or use another train.checkpoint_dir")
     saved = meta.get("fingerprint") or {}
-    differs = [k for k in FINGERPRINT_KEYS if saved.get(k) != fingerprint_.get(k)]
+    keys = [k for k in FINGERPRINT_KEYS if k != "parallel"] + [TRAINED_PARALLEL] if sharded else FINGERPRINT_KEYS
+    differs = [k for k in keys if saved.get(k) != fingerprint_.get(k)]
     if differs:
-        raise ConfigError(f"checkpoint {folder} belongs to a run with other {', '.join(differs)}: resume with the "
-                          "same config, point train.checkpoint_dir elsewhere, or set train.resume=false with an "
+        layout = "" if sharded or "parallel" not in differs else (
+            " (a per-rank checkpoint resumes only at its own parallel layout)")
+        raise ConfigError(f"checkpoint {folder} belongs to a run with other {', '.join(differs)}{layout}: resume with "
+                          "the same config, point train.checkpoint_dir elsewhere, or set train.resume=false with an "
                           "empty checkpoint folder")
 
 
@@ -375,4 +701,5 @@ def load(folder: Path, *, rank: int, model: torch.nn.Module, optimizer: Any, sch
 
 __all__ = ["fingerprint", "run_dir", "save", "load", "read_meta",
            "read_payload", "verify", "scan", "step_folders", "none_usable", "Damaged", "check_compatible",
-           "rng_state", "set_rng_state", "FINGERPRINT_KEYS", "SAFE_GLOBALS", "Unwritable"]
+           "rng_state", "set_rng_state", "FINGERPRINT_KEYS", "SAFE_GLOBALS", "Unwritable", "load_sharded",
+           "check_sharded_files", "LAYOUT_KEYS", "FORMATS", "SHARDED", "OPTIMIZER_METADATA"]

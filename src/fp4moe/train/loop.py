@@ -16,9 +16,9 @@ scheduler for this update.
 
 The step's loss (and the evaluation loss, ``forward_only``) is the last stage's, broadcast over the pipeline so that
 rank 0 (a first stage) logs it; the MoE aux losses are reduced over the stages, the all-to-all bytes and the
-saved-activation bytes summed over them (the largest stage's saved bytes also logged). Checkpoints stay one file
-per rank (each stage's own parameters, names local to the stage, and its optimizer shards), resumed with the same
-layout and optimizer group.
+saved-activation bytes summed over them (the largest stage's saved bytes also logged). Checkpoints are sharded by
+default (fp4moe.train.checkpoint: megatron-core dist_checkpointing, tensors under their global names, resumed at
+any layout with the same optimizer group); per-rank ones resume at their own layout.
 
 Order of the set-up, so that every mistake is reported before anything expensive: ``fp4moe.config.check`` and
 the trainer's own limits (ConfigError), the MLflow store (``TrackingUnavailable``), megatron-core's transformer
@@ -98,6 +98,11 @@ def preflight(cfg: Any) -> dict[str, Any]:
     from fp4moe.train.optim import check_schedule
 
     check_schedule(cfg.train)  # the optimizer group and train.adamw were checked by check()
+    from fp4moe.train.checkpoint import FORMATS
+
+    fmt = str(OmegaConf.select(cfg, "train.checkpoint_format", default="sharded"))
+    if fmt not in FORMATS:
+        raise ConfigError(f"train.checkpoint_format={fmt!r}: pick one of {', '.join(FORMATS)}")
     from fp4moe.train.profile import profile_window
 
     profile_window(OmegaConf.select(cfg, "train.profile.steps", default=None))  # ConfigError for a bad window
@@ -478,15 +483,24 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     meter = Meter(int(derived["tokens_per_step"]), info.world_size, int(measure.get("warmup_steps") or 0),
                   None if measure.get("steps") is None else int(measure["steps"]), device)
 
-    # ---- resume, part 2: the newest checkpoint whose rank files every rank can read
+    # ---- resume, part 2: the newest checkpoint whose files every rank can read
     step, consumed, run_id = 0, 0, None
     unreadable: list[tuple[Path, str]] = []
     for folder, meta in candidates:
         ckpt.check_compatible(folder, meta, world_size=info.world_size, fingerprint_=fp)
-        try:
-            payload, why = ckpt.read_payload(folder, info.rank), None
-        except ckpt.Damaged as e:
-            payload, why = None, str(e)
+        sharded = meta.get("format") == ckpt.SHARDED
+        payload = why = None
+        if sharded:  # collective: torch's loader reports a rank's failure to every rank
+            try:
+                meta = ckpt.load_sharded(folder, rank=info.rank, world_size=info.world_size, model=model,
+                                         optimizer=opt, schedule=sched, meter=meter)
+            except ckpt.Damaged as e:
+                why = str(e)
+        else:
+            try:
+                payload = ckpt.read_payload(folder, info.rank)
+            except ckpt.Damaged as e:
+                why = str(e)
         whys = [why]
         if info.world_size > 1:  # every rank resumes from the same one
             whys = [None] * info.world_size
@@ -497,9 +511,10 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                 log.warning("checkpoint %s is damaged (%s); falling back to the previous one", folder, bad[0])
             unreadable.append((folder, bad[0]))
             continue
-        meta = ckpt.load(folder, rank=info.rank, model=model, optimizer=opt, schedule=sched, meter=meter,
-                         payload=payload)
-        del payload
+        if not sharded:
+            meta = ckpt.load(folder, rank=info.rank, model=model, optimizer=opt, schedule=sched, meter=meter,
+                             payload=payload)
+            del payload
         step, consumed, run_id = int(meta["step"]), int(meta["consumed_samples"]), meta.get("mlflow_run_id")
         if info.is_main:
             log.info("resumed from %s (step %d, %d samples consumed)", folder, step, consumed)
@@ -561,13 +576,14 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     eval_every = t.get("eval_interval")
     ckpt_every = t.get("checkpoint_interval")
     keep = int(t.get("keep_checkpoints") or 2)
+    ckpt_format = str(t.get("checkpoint_format") or "sharded")
 
     def save() -> Path:
         tracker.flush()  # every logged step up to the checkpoint's is in the store (or the pending file) before
         #                  the checkpoint exists
         path = ckpt.save(root, step=step, consumed_samples=consumed, rank=info.rank, world_size=info.world_size,
                          model=model, optimizer=opt, schedule=sched, mlflow_run_id=result.run_id,
-                         fingerprint_=fp, keep=keep, meter=meter)
+                         fingerprint_=fp, keep=keep, meter=meter, format_=ckpt_format)
         result.checkpoint = path
         return path
 

@@ -36,6 +36,12 @@ fp4moe.model.cpu_shims where megatron's own code needs patching):
    weights) and its ``dp_reshardable`` loader does not hand the loaded state to the sub-optimizers, as megatron's
    other loaders do (``_sync_hdo_state_to_sub_optimizers``): :func:`load_optimizer_state_dict` does, and the
    checkpoint loads the model's weights after the optimizer (fp4moe.train.checkpoint.load).
+6. megatron's sharded checkpoint of a DistributedOptimizer (fp4moe.train.checkpoint, ``sharded_state_dict`` with
+   ``is_loading``) starts with ``self.load_state_dict(self.state_dict())``, whose ``state_dict`` (the
+   ``not HAVE_APEX_OR_TE`` branch) asserts that the optimizer's states hold one ``step``: a fresh optimizer has none.
+   :func:`sharded_optimizer_state_dict` first gives it megatron's own dummy state (``_init_optimizer_states_with_
+   dummy_values``: a zero-gradient AdamW step; the HybridDeviceOptimizer's ``dummy_step``), which the load then
+   overwrites (main params, moments, step); the model's weights are loaded after.
 5. On a machine without CUDA (the tests): megatron's optimizer code allocates on ``device='cuda'``, checks
    ``tensor.type() == 'torch.cuda.*'`` and builds its HybridDeviceOptimizer from ``param.is_cuda``:
    fp4moe.model.cpu_shims.apply (shims 7-9) makes those run on the CPU, nothing else.
@@ -232,8 +238,6 @@ def optimizer_state_dict(optimizer: Any) -> list[dict[str, Any]]:
 def load_optimizer_state_dict(optimizer: Any, state: list[dict[str, Any]]) -> None:
     """Restore :func:`optimizer_state_dict`'s output into ``optimizer`` (same setting and layout; ValueError
     naming the mismatch otherwise). Load the model's weights after this (workaround 4)."""
-    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
-
     inner = _inner_optimizers(optimizer)
     if len(state) != len(inner):
         raise ValueError(f"checkpoint holds {len(state)} optimizers (dense / expert), this run builds {len(inner)}: "
@@ -243,15 +247,64 @@ def load_optimizer_state_dict(optimizer: Any, state: list[dict[str, Any]]) -> No
             raise ValueError("checkpoint's optimizer and this run's differ in optimizer.distributed: resume with the "
                              "same optimizer group")
         opt.load_state_dict(sd)
+    _after_load(optimizer)
+
+
+def _after_load(optimizer: Any, step: int | None = None) -> None:
+    """Workaround 4 after megatron's ``load_state_dict``: one ``step`` tensor per parameter state (set to ``step``
+    when given), and the HybridDeviceOptimizer's loaded state handed to its sub-optimizers."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    for opt in _inner_optimizers(optimizer):
         if opt.optimizer is None:
             continue
-        for st in opt.optimizer.state.values():  # workaround 4: one `step` tensor per parameter state
+        for st in opt.optimizer.state.values():
             if torch.is_tensor(st.get("step")):
-                st["step"] = st["step"].clone()
-        if isinstance(opt.optimizer, HybridDeviceOptimizer):  # workaround 4: the loaded state to the sub-optimizers
+                st["step"] = st["step"].clone() if step is None else torch.full_like(st["step"], float(step))
+        if isinstance(opt.optimizer, HybridDeviceOptimizer):
             opt.optimizer._sync_hdo_state_to_sub_optimizers()
+
+
+def sharded_optimizer_state_dict(optimizer: Any, model_sharded_state_dict: dict[str, Any], *, is_loading: bool,
+                                 metadata: dict[str, Any]) -> dict[str, Any]:
+    """megatron's ``optimizer.sharded_state_dict`` over the model's sharded state dict (fp4moe.train.checkpoint's
+    sharded format; ``metadata``: megatron's, e.g. ``distrib_optim_sharding_type``). For a load, a
+    DistributedOptimizer without state gets megatron's dummy state first (workaround 6)."""
+    if is_loading:
+        from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+        for opt in _inner_optimizers(optimizer):
+            if not _is_distributed(opt) or opt.optimizer is None or len(opt.optimizer.state):
+                continue
+            if isinstance(opt.optimizer, HybridDeviceOptimizer):
+                opt.optimizer.dummy_step()
+            else:
+                opt._init_optimizer_states_with_dummy_values()
+    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
+
+
+def load_sharded_optimizer_state_dict(optimizer: Any, state: dict[str, Any], *, step: int) -> None:
+    """Restore what ``dist_checkpointing.load`` read for :func:`sharded_optimizer_state_dict` into ``optimizer``
+    (megatron's ``load_state_dict``, then workaround 4), with AdamW's step count ``step`` (the optimizer updates so
+    far: the checkpoint's training step, one update each). Load the model's weights after this.
+
+    ``state`` holds this run's own non-tensor values (fp4moe.train.checkpoint stores tensors only); megatron's
+    unsharded optimizers take the step from ``state['state']['common_step']`` (which a fresh optimizer's state dict
+    does not have), the distributed one from its param groups: both get ``step`` here."""
+    inner = _inner_optimizers(optimizer)
+    parts = [state[i] for i in sorted(state)] if len(inner) > 1 else [state]
+    for opt, part in zip(inner, parts):
+        torch_sd = part.get("optimizer", part)  # Float16OptimizerWithFloat16Params: {'optimizer': ...}; FP32: itself
+        if not _is_distributed(opt) and isinstance(torch_sd.get("state"), dict):
+            torch_sd["state"]["common_step"] = torch.tensor(float(step))
+        elif _is_distributed(opt):
+            for group in part["optimizer"]["param_groups"]:
+                group["step"] = step
+    optimizer.load_state_dict(state)
+    _after_load(optimizer, step)
 
 
 __all__ = ["ddp_config", "optimizer_config", "wrap_model", "build_optimizer", "build_scheduler", "check_schedule",
            "current_lr", "state_bytes", "grad_buffer_bytes", "optimizer_state_dict", "load_optimizer_state_dict",
+           "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict",
            "SCHEDULES"]
