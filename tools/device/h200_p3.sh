@@ -340,7 +340,8 @@ convrun3)  # SEED [RECIPES] [OVERRIDES]: issue 27 part D, the recipes' runs of o
   # processes get ~1.6x one's throughput from this small model: section 23), each with its own checkpoint folder, run
   # folder and store; SIGTERM 575 s after CALL_START (or at CONV_SECS) checkpoints them, the same command in the next
   # call resumes each, and a run whose log says it is done is not started again. Their tokens/s are not a recipe's
-  # (the MLflow tag gpu_shared_by says how many runs shared the GPU); their losses are.
+  # (the MLflow tag gpu_shared_by says how many runs shared the GPU); their losses are. Checkpoints per rank, the
+  # format every H200 run so far resumed from: the sharded default (dist_checkpointing) has not run on a GPU yet.
   seed=$1 recipes=${2:-"bf16 fp8 mxfp4"}; shift 1; [ $# -gt 0 ] && shift 1
   secs=${CONV_SECS:-570}
   if [ -n "${CALL_START:-}" ]; then secs=$((CALL_START + 575 - $(date +%s))); fi
@@ -353,7 +354,8 @@ convrun3)  # SEED [RECIPES] [OVERRIDES]: issue 27 part D, the recipes' runs of o
     MLFLOW_TRACKING_URI=$(store "convrun_${recipe}_s$seed") timeout -s TERM -k 60 "$secs" \
       python3 -m fp4moe.train experiment=proxy_t1_conv_1gpu "${COMMON[@]}" hydra.mode=RUN precision=$recipe \
       hydra.run.dir="$STATE/run_conv_${recipe}_s$seed" train.seed=$seed \
-      train.checkpoint_dir="$ROOT/checkpoints/conv_${recipe}_s$seed" "+tracking.tags.gpu_shared_by=$n" "$@" \
+      train.checkpoint_dir="$ROOT/checkpoints/conv_${recipe}_s$seed" "+tracking.tags.gpu_shared_by=$n" \
+      train.checkpoint_format=per_rank "$@" \
       >> "$log" 2>&1 &
     pids[$recipe]=$!
   done
