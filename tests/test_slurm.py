@@ -386,7 +386,11 @@ def test_two_nodes_train_ep2_x_dp2_through_the_sbatch_template_like_one_process(
     assert state == "COMPLETED", (state, log[-4000:])
     assert f"2 nodes, 2 tasks, master {NODES[0]}:" in log   # the template's rendezvous line
     (ckpt,) = folder.glob("logs/*/runs/*/checkpoints")
-    assert sorted(p.name for p in (ckpt / "step_0000003").iterdir()) == ["meta.json", "rank_00000.pt", "rank_00001.pt"]
+    # one sharded checkpoint (dist_checkpointing) written by the ranks on both hosts (__<rank>_<k>.distcp shards)
+    meta = json.loads((ckpt / "step_0000003" / "meta.json").read_text())
+    assert meta["format"] == "torch_dist" and meta["world_size"] == 2
+    assert {n.split("_")[2] for n in meta["files"] if n.endswith(".distcp")} == {"0", "1"}
+    assert all((ckpt / "step_0000003" / n).is_file() for n in meta["files"])
     _assert_two_hosts_like_one_process(uri, "slurm_2nodes", "torchrun", one_process_losses)
 
 
