@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fp4moe.atomic_write import writable_ancestor
 from fp4moe.config import ConfigError
 from fp4moe.train import optim
-from fp4moe.train.dist import barrier
+from fp4moe.train.dist import barrier, gather_object
 
 log = logging.getLogger("fp4moe.train")
 
@@ -88,7 +88,7 @@ FINGERPRINT_KEYS = ("model", "precision", "recompute", "parallel", "data", "back
 LAYOUT_KEYS = ("world_size", "tensor", "pipeline", "virtual_pipeline", "pipeline_layout", "context", "expert",
                "expert_tensor", "data", "sequence_parallel", "micro_batch")
 TRAINED_PARALLEL = "parallel.trained"  # fingerprint entry: the parallel group without LAYOUT_KEYS
-FORMATS = ("sharded", "per_rank")  # train.checkpoint_format
+FORMATS = ("sharded", "per_rank")  # train.checkpoint_format; the first is the default
 SHARDED = "torch_dist"  # meta.json's "format" of a sharded checkpoint (per-rank checkpoints have no "format")
 
 
@@ -251,16 +251,12 @@ def _cause(e: BaseException) -> BaseException:
 
 def _agree(err: str | None, world_size: int) -> str | None:
     """The first rank's error of every rank's ``err`` (collective: every rank calls it)."""
-    if world_size > 1 and torch.distributed.is_initialized():
-        errs: list[str | None] = [None] * world_size
-        torch.distributed.all_gather_object(errs, err)
-        err = next((e for e in errs if e), None)
-    return err
+    return next((e for e in gather_object(err, world_size) if e), None)
 
 
 def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size: int, model: torch.nn.Module,
          optimizer: Any, schedule: Any, mlflow_run_id: str | None, fingerprint_: dict[str, str],
-         keep: int = 2, meter: Any = None, format_: str = "sharded") -> Path:
+         keep: int = 2, meter: Any = None, format_: str = FORMATS[0]) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank calls it). Returns the final folder. ``model``: the
     megatron model (not its DDP wrapper); ``optimizer``: megatron's; ``schedule``: megatron's scheduler; ``meter``:
     the run's throughput / memory measurements so far (``fp4moe.train.metrics.Meter``), carried into a resumed
@@ -268,8 +264,7 @@ def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size:
     torch.save file per rank, the same layout resumes). A write that fails on any rank (disk full, folder gone)
     raises :class:`Unwritable` on every rank, after rank 0 removed the unfinished folder; the checkpoints before
     stay."""
-    if format_ not in FORMATS:
-        raise ConfigError(f"train.checkpoint_format={format_!r}: pick one of {', '.join(FORMATS)}")
+    _check_format(format_)
     final = _step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
 
@@ -352,6 +347,18 @@ def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size:
     return final
 
 
+def _check_format(fmt: str) -> str:
+    """``fmt`` if it is one of :data:`FORMATS`, else a ConfigError naming them."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"train.checkpoint_format={fmt!r}: pick one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def format_of(cfg: Any) -> str:
+    """The config's ``train.checkpoint_format`` (absent: ``FORMATS[0]``), checked (ConfigError naming the choices)."""
+    return _check_format(str(OmegaConf.select(cfg, "train.checkpoint_format", default=FORMATS[0])))
+
+
 def _why(e: BaseException) -> str:
     """One line of the OSError behind ``e`` (or of ``e``): ``OSError: [Errno 28] ...``."""
     c = _cause(e)
@@ -374,12 +381,13 @@ def _write_rank_file(path: Path, payload: dict[str, Any]) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- sharded format
 
-# megatron's DistributedOptimizer state in model space, each rank's own flat range of each parameter's global tensor
-# ('fully_sharded_model_space'): saved and loaded with no gather, and resumable at any DP / EP / PP layout, since the
-# checkpoint keys every main param and moment by the model parameter's global name and offsets, not by megatron's
-# buckets. 'dp_reshardable' (buckets as they are) reshards over DP only; 'fully_reshardable' gathers each DP group's
-# whole state on every rank for the save and reads all of it on every rank for the load. The optimizers that are not
-# distributed (gpu_fp32) save their main params and moments in model space whatever this says.
+# megatron's DistributedOptimizer state as 'fully_reshardable': each DP group's whole state gathered on every rank for
+# the save and read whole on every rank for the load (host memory: the state of the parameters a DP group holds), keyed
+# by the model parameters' global names, so it resumes at any DP / EP / PP layout. The two other forms do not serve:
+# 'fully_sharded_model_space' (each rank's own flat range, no gather) raises "ShardedTensor.flattened_range is not
+# supported" in megatron-core 0.16.1, and 'dp_reshardable' (megatron's buckets as they are) reshards over DP only.
+# The optimizers that are not distributed (gpu_fp32) save their main params and moments in model space whatever this
+# says.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 COMMON_KEY = "fp4moe"  # the trainer's own state in the checkpoint's common state (common.pt)
 # What the pickle of torch.distributed.checkpoint's `.metadata` may name besides its own classes: checked before
@@ -440,15 +448,6 @@ def _put_back(x: Any, loaded: dict[Any, Any]) -> None:
     dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, x)
 
 
-def _gather(obj: Any, world_size: int) -> list[Any]:
-    """``obj`` of every rank, in rank order (collective)."""
-    if world_size > 1 and torch.distributed.is_initialized():
-        out: list[Any] = [None] * world_size
-        torch.distributed.all_gather_object(out, obj)
-        return out
-    return [obj]
-
-
 def _write_sharded(tmp: Path, *, step: int, consumed_samples: int, world_size: int, model: torch.nn.Module,
                    optimizer: Any, schedule: Any, meter: Any) -> str | None:
     """megatron-core ``dist_checkpointing.save`` (torch_dist backend) of the model, the optimizer and, in the common
@@ -456,7 +455,7 @@ def _write_sharded(tmp: Path, *, step: int, consumed_samples: int, world_size: i
     coordinates); the error line of a failed write (None: written). Collective."""
     from megatron.core import dist_checkpointing
 
-    ranks = _gather({"rng": rng_state(), "meter": None if meter is None else meter.state_dict(),
+    ranks = gather_object({"rng": rng_state(), "meter": None if meter is None else meter.state_dict(),
                      "layout": _layout()}, world_size)
     sd = _tensors_only(_sharded_state_dict(model, optimizer, is_loading=False))
     sd[COMMON_KEY] = {"step": step, "consumed_samples": consumed_samples, "world_size": world_size,
@@ -702,4 +701,4 @@ def load(folder: Path, *, rank: int, model: torch.nn.Module, optimizer: Any, sch
 __all__ = ["fingerprint", "run_dir", "save", "load", "read_meta",
            "read_payload", "verify", "scan", "step_folders", "none_usable", "Damaged", "check_compatible",
            "rng_state", "set_rng_state", "FINGERPRINT_KEYS", "SAFE_GLOBALS", "Unwritable", "load_sharded",
-           "check_sharded_files", "LAYOUT_KEYS", "FORMATS", "SHARDED", "OPTIMIZER_METADATA"]
+           "check_sharded_files", "LAYOUT_KEYS", "FORMATS", "format_of", "SHARDED", "OPTIMIZER_METADATA"]

@@ -111,15 +111,20 @@ def init_distributed(cfg: Any) -> DistInfo:
     return info
 
 
+def gather_object(obj: Any, world_size: int) -> list[Any]:
+    """``obj`` of every rank, in rank order: one ``all_gather_object`` over the default group (collective: call it
+    on every rank); ``[obj]`` alone or without a process group."""
+    if world_size > 1 and dist.is_initialized():
+        out: list[Any] = [None] * world_size
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
 def rank_hosts(world_size: int) -> list[str]:
-    """Every rank's host name in rank order: one ``all_gather_object`` over the default group (collective: call it
-    on every rank). A multi-node job's tasks each report their own host, so the list shows where the ranks ran."""
-    host = socket.gethostname()
-    if world_size == 1:
-        return [host]
-    hosts: list[Any] = [None] * world_size
-    dist.all_gather_object(hosts, host)
-    return [str(h) for h in hosts]
+    """Every rank's host name in rank order (:func:`gather_object`, collective). A multi-node job's tasks each report
+    their own host, so the list shows where the ranks ran."""
+    return [str(h) for h in gather_object(socket.gethostname(), world_size)]
 
 
 def host_tags(hosts: list[str]) -> dict[str, str]:
@@ -193,5 +198,5 @@ def teardown(info: DistInfo | None) -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["DistInfo", "check_supported", "host_tags", "init_distributed", "rank_hosts", "init_model_parallel", "warm_up_communicators", "barrier",
+__all__ = ["DistInfo", "check_supported", "gather_object", "host_tags", "init_distributed", "rank_hosts", "init_model_parallel", "warm_up_communicators", "barrier",
            "teardown"]

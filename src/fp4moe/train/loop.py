@@ -44,8 +44,8 @@ from fp4moe import slurm, tracking
 from fp4moe.config import ConfigError, check
 from fp4moe.recipe import Recipe
 from fp4moe.train import data as data_mod
-from fp4moe.train.dist import (barrier, check_supported, host_tags, init_distributed, init_model_parallel,
-                               teardown, warm_up_communicators)
+from fp4moe.train.dist import (barrier, check_supported, gather_object, host_tags, init_distributed,
+                               init_model_parallel, teardown, warm_up_communicators)
 from fp4moe.train.host_env import apply_cluster_env, cluster_env
 
 log = logging.getLogger("fp4moe.train")
@@ -98,11 +98,9 @@ def preflight(cfg: Any) -> dict[str, Any]:
     from fp4moe.train.optim import check_schedule
 
     check_schedule(cfg.train)  # the optimizer group and train.adamw were checked by check()
-    from fp4moe.train.checkpoint import FORMATS
+    from fp4moe.train.checkpoint import format_of
 
-    fmt = str(OmegaConf.select(cfg, "train.checkpoint_format", default="sharded"))
-    if fmt not in FORMATS:
-        raise ConfigError(f"train.checkpoint_format={fmt!r}: pick one of {', '.join(FORMATS)}")
+    format_of(cfg)
     from fp4moe.train.profile import profile_window
 
     profile_window(OmegaConf.select(cfg, "train.profile.steps", default=None))  # ConfigError for a bad window
@@ -370,17 +368,21 @@ def _claim(root: Path, info: Any) -> Any:
         held = attempt.claim(root, info.rank == 0)
     except attempt.Busy as e:
         why = str(e)
-    if info.world_size > 1:
-        import torch.distributed as dist
-
-        holder = [why]
-        dist.broadcast_object_list(holder, src=0)
-        why = holder[0]
+    (why,) = _from_rank0([why], info)
     if why is not None:
         if held is not None:
             held.release()
         raise attempt.Busy(why)
     return held
+
+
+def _from_rank0(values: list[Any], info: Any) -> list[Any]:
+    """Rank 0's ``values`` on every rank (``broadcast_object_list``; collective), as they are alone."""
+    if info.world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(values, src=0)
+    return values
 
 
 def _resume_candidates(root: Path, info: Any, *, resume: bool) -> list[tuple[Path, dict[str, Any]]]:
@@ -406,10 +408,7 @@ def _resume_candidates(root: Path, info: Any, *, resume: bool) -> list[tuple[Pat
             found = [whole, None]
         except ConfigError as e:
             found = [None, str(e)]
-    if info.world_size > 1:
-        import torch.distributed as dist
-
-        dist.broadcast_object_list(found, src=0)
+    found = _from_rank0(found, info)
     if found[1] is not None:
         raise ConfigError(found[1])
     return found[0]
@@ -501,10 +500,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                 payload = ckpt.read_payload(folder, info.rank)
             except ckpt.Damaged as e:
                 why = str(e)
-        whys = [why]
-        if info.world_size > 1:  # every rank resumes from the same one
-            whys = [None] * info.world_size
-            dist.all_gather_object(whys, why)
+        whys = gather_object(why, info.world_size)  # every rank resumes from the same one
         bad = [w for w in whys if w]
         if bad:
             if info.is_main:
@@ -550,10 +546,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     if tracker.run_id is not None:  # rank 0: the folder's record names the MLflow run it trains now
         claim.record(tracker.run_id, store)
     result = TrainResult(run_id=tracker.run_id, start_step=start_step, step=step, total_steps=int(derived["steps"]))
-    if info.world_size > 1:  # every rank learns the run id (it goes into every checkpoint's meta via rank 0 only)
-        holder = [tracker.run_id]
-        dist.broadcast_object_list(holder, src=0)
-        result.run_id = holder[0]
+    # every rank learns the run id (it goes into every checkpoint's meta via rank 0 only)
+    (result.run_id,) = _from_rank0([tracker.run_id], info)
 
     # ---- loop constants
     p = cfg.parallel
@@ -576,7 +570,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     eval_every = t.get("eval_interval")
     ckpt_every = t.get("checkpoint_interval")
     keep = int(t.get("keep_checkpoints") or 2)
-    ckpt_format = str(t.get("checkpoint_format") or "sharded")
+    ckpt_format = ckpt.format_of(cfg)
 
     def save() -> Path:
         tracker.flush()  # every logged step up to the checkpoint's is in the store (or the pending file) before
