@@ -159,11 +159,11 @@ class Preemption:
         """Put back a handler that something replaced since ``__enter__`` (warned once per signal)."""
         replaced = []
         for s in self._previous:
-            py = signal.getsignal(s)
+            py, c = signal.getsignal(s), _c_handler(s)
             if py != self._on_signal:
                 replaced.append((s, f"Python handler {py!r}"))
-            elif self._c_handlers.get(s) is not None and _c_handler(s) != self._c_handlers[s]:
-                replaced.append((s, f"C handler at {_c_handler(s):#x}"))
+            elif self._c_handlers.get(s) is not None and c != self._c_handlers[s]:
+                replaced.append((s, f"C handler at {c:#x}"))
         if not replaced:
             return
         import faulthandler

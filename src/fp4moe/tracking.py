@@ -20,9 +20,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse, urlsplit, urlunsplit
 
 from fp4moe.atomic_write import writable_ancestor
