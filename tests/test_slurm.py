@@ -307,6 +307,18 @@ def test_sweep_runs_as_slurm_array_into_one_mlflow_store(store, time_limit_run, 
     assert runs["metrics.loss"].notna().all()
 
 
+def _one_job_completed(launch, steps: int) -> str:
+    """The launcher's multirun finished (exit 0) with one job: its cell succeeded after ``steps`` steps and sacct
+    says COMPLETED. Returns the job's sbatch script."""
+    rc, out, script = launch.finish()
+    assert rc == 0, out[-4000:]
+    (outcome, ret), = launch.results()[:1]
+    assert outcome == "success" and ret.return_value["step"] == steps
+    (job,) = launch.job_ids()
+    assert _sacct(job) == ["COMPLETED"]
+    return script
+
+
 def test_two_tasks_of_one_job_train_as_ep2_x_dp2(store, time_limit_run, sbatch_run):
     """A job of 2 Slurm tasks (the multi-GPU job shape, one task per device): each task takes its rank from Slurm's
     environment (submitit's helpers, no rank arithmetic of ours), they form one gloo group and train EP2 x DP2, the
@@ -315,13 +327,8 @@ def test_two_tasks_of_one_job_train_as_ep2_x_dp2(store, time_limit_run, sbatch_r
     launch = Launch(root, "slurm_tasks2", ["precision=mxfp4", "train.steps=3", "cluster.tasks_per_node=2",
                                            "cluster.gpus_per_node=2", "cluster.cpus_per_task=1", "cluster.mem_gb=3",
                                            "parallel.world_size=2", "parallel.data=2", "parallel.expert=2"], uri)
-    rc, out, script = launch.finish()
-    assert rc == 0, out[-4000:]
+    script = _one_job_completed(launch, steps=3)
     assert "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --nodes=1" in script
-    (outcome, ret), = launch.results()[:1]
-    assert outcome == "success" and ret.return_value["step"] == 3
-    (job,) = launch.job_ids()
-    assert _sacct(job) == ["COMPLETED"]
     runs = _runs(uri, "slurm_tasks2")
     assert len(runs) == 1 and set(runs["status"]) == {"FINISHED"}
     assert runs["tags.world_size"].tolist() == ["2"] and runs["tags.launcher"].tolist() == ["slurm"]
@@ -401,13 +408,8 @@ def test_two_node_multirun_cell_through_the_hydra_launcher_like_one_process(stor
     `#SBATCH --nodes=2` job, ranks from Slurm's environment through submitit, rank 0's result back to the launcher,
     the run in the shared store with the losses of one process."""
     root, uri = store
-    rc, out, script = two_node_launch.finish()
-    assert rc == 0, out[-4000:]
+    script = _one_job_completed(two_node_launch, steps=3)
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
-    (outcome, ret), = two_node_launch.results()[:1]
-    assert outcome == "success" and ret.return_value["step"] == 3
-    (job,) = two_node_launch.job_ids()
-    assert _sacct(job) == ["COMPLETED"]
     _assert_two_hosts_like_one_process(uri, "slurm_2nodes_hydra", "slurm", one_process_losses)
 
 
