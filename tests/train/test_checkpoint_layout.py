@@ -58,7 +58,8 @@ def test_ep2_dp2_checkpoint_resumes_on_one_process_and_back(tmp_path, monkeypatc
     checkpoints; ONE process resumes that checkpoint to step 4 in the same MLflow run. (3) EP2 x DP2 resumes the
     one-process run's step-2 checkpoint to step 4.
 
-    The resumed runs' losses and gradient norms at steps 3 and 4 equal the uninterrupted run's within rel 1e-5,
+    The resumed runs' losses (and gradient norms, within rel 1e-4) at steps 3 and 4 equal the uninterrupted run's
+    within rel 1e-5,
     not bit for bit: at EP2 an expert's GEMMs see both ranks' tokens at once instead of one micro-batch after the
     other, so fp32 sums run in another order (the same 1e-6-level difference as test_cli's EP2 x DP2 = one process,
     with no checkpoint involved). A resume that lost the optimizer's moments, the data order or the schedule is off
@@ -83,7 +84,9 @@ def test_ep2_dp2_checkpoint_resumes_on_one_process_and_back(tmp_path, monkeypatc
     assert r.start_step == 2 and sorted(r.losses) == [3, 4] and r.run_id == meta["mlflow_run_id"]
     assert r.lrs == {s: one.lrs[s] for s in (3, 4)}
     assert r.losses == pytest.approx({s: one.losses[s] for s in (3, 4)}, rel=1e-5, abs=0)
-    assert r.grad_norms == pytest.approx({s: one.grad_norms[s] for s in (3, 4)}, rel=1e-5, abs=0)
+    # the norm squares and sums every gradient, each already summed in another order at EP2, and step 4's come from
+    # weights that update 3 moved by slightly different amounts: rel 4e-5 at step 4 was seen on a 2-core machine
+    assert r.grad_norms == pytest.approx({s: one.grad_norms[s] for s in (3, 4)}, rel=1e-4, abs=0)
     assert sorted(_history(uri, r.run_id, "loss")) == [1, 2, 3, 4]  # one MLflow run over both layouts
     assert json.loads((root / "step_0000004" / "meta.json").read_text())["world_size"] == 1
 
