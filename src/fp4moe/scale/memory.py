@@ -304,13 +304,21 @@ def compose_cfg(model: str, parallel: str, recompute: str, precision: str, optim
 
 
 def _load_group(group: str, name: str) -> DictConfig:
-    path = CONF / group / f"{name}.yaml"
+    """conf/<group>/<name>.yaml with its ``defaults`` merged in, a fresh copy each call (each file parsed once)."""
+    return OmegaConf.create(copy.deepcopy(_group_container(CONF, group, name)))
+
+
+@functools.lru_cache(maxsize=256)
+def _group_container(conf: Any, group: str, name: str) -> dict:
+    path = conf / group / f"{name}.yaml"
     if not path.is_file():
-        names = ", ".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
+        names = ", ".join(sorted(p.stem for p in (conf / group).glob("*.yaml")))
         raise ValueError(f"{group}={name}: no conf/{group}/{name}.yaml; pick one of {names}")
     node = OmegaConf.load(path)
     bases = [d for d in node.pop("defaults", []) if d != "_self_"]
-    return OmegaConf.merge(*(_load_group(group, b) for b in bases), node) if bases else node
+    if bases:
+        node = OmegaConf.merge(*(_load_group(group, b) for b in bases), node)
+    return OmegaConf.to_container(node, resolve=False)
 
 
 @functools.lru_cache(maxsize=512)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
@@ -331,17 +331,33 @@ def _swiglu(cfg: DictConfig, recipe: Recipe, scope: str, rates: Rates) -> float:
     return routed * (fwd * r_pass + bwd) + shared * (fwd * s_pass + bwd)
 
 
-def _params_fp8(cfg: DictConfig, letters: str, first: int, recipe: Recipe) -> float:
-    """Parameters of a stage that an FP8 recipe quantizes each micro-batch (128x128 weights)."""
+def _gemms_of(cfg: DictConfig) -> Callable[[str], list[Gemm]]:
+    """``layer_gemms(cfg, kind)``, computed once per kind (reading a config's attributes is slow; a stage has up to
+    dozens of layers)."""
+    memo: dict[str, list[Gemm]] = {}
+
+    def of(kind: str) -> list[Gemm]:
+        if kind not in memo:
+            memo[kind] = layer_gemms(cfg, kind)
+        return memo[kind]
+
+    return of
+
+
+def _params_fp8(cfg: DictConfig, letters: str, first: int, recipe: Recipe,
+                gemms: Callable[[str], list[Gemm]] | None = None) -> float:
+    """Parameters of a stage that an FP8 recipe quantizes each micro-batch (128x128 weights); ``gemms``: the layer
+    GEMMs by kind (default: ``layer_gemms``)."""
     if not recipe.fp8_compute:
         return 0.0
+    gemms = gemms or _gemms_of(cfg)
     d = _dims(cfg)
     tot, layer = 0.0, first
     for c in letters:
         if c not in "tm":
             continue
         kind = "dense" if (c == "t" and layer < d.first_dense) else "moe"
-        for g in layer_gemms(cfg, kind):
+        for g in gemms(kind):
             if g.kind == "attention" or g.kind == "bf16":
                 continue
             if not recipe.applies_to({"dense": "dense", "expert": "expert", "shared": "shared_expert"}[g.kind]):
@@ -375,6 +391,9 @@ def stage_time(cfg: Any, rates: Rates, *, link_bandwidth_gb_s: float | None = No
         lay = a2a_per_layer(cfg)
         a2a = lay.total_remote_bytes / tokens_mb / (link_bandwidth_gb_s * 1e9)
     stages, out, layer = _stages(cfg), [], 0
+    gemms = _gemms_of(cfg)
+    head = head_gemms(cfg)
+    swiglu = _swiglu(cfg, recipe, scope, rates) if rates.swiglu_s_per_elem and rates.glue else 0.0
     for letters in stages:
         tb = TimeBreakdown(recipe.name, scope)
         first = layer
@@ -382,26 +401,26 @@ def stage_time(cfg: Any, rates: Rates, *, link_bandwidth_gb_s: float | None = No
         for c in letters:
             if c in "tm":
                 kind = "dense" if (c == "t" and layer < d.first_dense) else "moe"
-                gems = layer_gemms(cfg, kind)
+                gems = gemms(kind)
                 if c == "m":
-                    gems = gems + [Gemm("mtp.eh_proj", "bf16", 2.0 * 2 * d.h * d.h, 2 * d.h, d.h)] + head_gemms(cfg)
+                    gems = gems + [Gemm("mtp.eh_proj", "bf16", 2.0 * 2 * d.h * d.h, 2 * d.h, d.h)] + head
                 for g in gems:
                     rec = recomputed(scope, g.name) and not g.name.startswith("mtp.")
                     for key, t in _gemm_time(g, recipe, rates, att, rec).items():
                         tb.terms[key] = tb.terms.get(key, 0.0) + t
                     tb.terms["conversion"] = tb.terms.get("conversion", 0.0) + _conv_time(g, recipe, rates, rec)
                 if kind == "moe" and rates.swiglu_s_per_elem and rates.glue:
-                    tb.terms["swiglu"] = tb.terms.get("swiglu", 0.0) + _swiglu(cfg, recipe, scope, rates)
+                    tb.terms["swiglu"] = tb.terms.get("swiglu", 0.0) + swiglu
                 if kind == "moe" and a2a is not None:
                     tb.terms["a2a"] = tb.terms.get("a2a", 0.0) + a2a
                 layer += c == "t"
                 n_layers += 1
             elif c == "L":
-                for key, t in _gemm_time(head_gemms(cfg)[0], recipe, rates, att, False).items():
+                for key, t in _gemm_time(head[0], recipe, rates, att, False).items():
                     tb.terms[key] = tb.terms.get(key, 0.0) + t
         if recipe.fp8_compute:
-            tb.terms["weight_quant"] = (_params_fp8(cfg, letters, first, recipe) * rates.weight_quant_s_per_param
-                                        / tokens_wq)
+            tb.terms["weight_quant"] = (_params_fp8(cfg, letters, first, recipe, gemms)
+                                        * rates.weight_quant_s_per_param / tokens_wq)
         if n_layers:
             # glue measured per token of the proxy's 4-layer stack: per layer x this stage's layers
             for k, v in _glue(recipe, scope, rates, glue_scale * n_layers / 4).items():
