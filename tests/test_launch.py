@@ -157,9 +157,10 @@ def test_local_slurm_profile_has_no_gpus_or_nccl():
 # ---------------------------------------------------------------------------------------------- predicted memory
 
 def _model_peak(cfg):
-    from fp4moe.scale.memory import MemoryAssumptions, mean_total_bytes, per_stage_memory
+    from fp4moe.analysis.outside_torch import measured_assumptions
+    from fp4moe.scale.memory import mean_total_bytes, per_stage_memory
 
-    stages = per_stage_memory(cfg, MemoryAssumptions())
+    stages = per_stage_memory(cfg, measured_assumptions())
     return max(b.total_gb for b in stages), mean_total_bytes(stages) / 2**30
 
 
@@ -171,6 +172,7 @@ def test_dry_run_prints_each_cells_predicted_memory(capsys):
     peak, mean = _model_peak(cell.cfg)
     m = cell.memory
     assert (m.peak_gib, m.mean_gib, m.gpu_gib) == (peak, mean, 80.0) and m.fits == (peak <= 80.0)
+    assert m.source.startswith("results/scale/outside_torch_h200.json (")   # the manifest's measurement
     assert launch.main(["dry-run", *overrides, "--summary"]) == 0
     out = capsys.readouterr().out
     assert "# ----- predicted peak memory (fp4moe.scale.memory; outside PyTorch: " in out

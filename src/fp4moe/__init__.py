@@ -10,7 +10,9 @@ Packages, lowest first (each imports only those below it; docs/layout.md, "Layer
 - ``fp4moe.model``: megatron-core model build for the DeepSeek-V3-like models.
 - ``fp4moe.train``: the Hydra training app; ``fp4moe.launch``: the Slurm dry run; ``fp4moe.slurm``:
   checkpoint on Slurm's signal, requeue, resume;
-  ``fp4moe.scale``: the paper-scale memory/all-to-all model; ``fp4moe.report``: MLflow -> results/.
+  ``fp4moe.scale``: the paper-scale model (memory, all-to-all, time per token, given rates); ``fp4moe.analysis``:
+  that model against our runs and the paper (the result files of results/manifest.yaml); ``fp4moe.report``:
+  MLflow -> results/.
 - Leaves: ``fp4moe.paths`` (the one place that finds the repository's folders), ``fp4moe.tracking`` (MLflow
   helpers) and ``fp4moe.reproduce`` (``make reproduce-table``).
 

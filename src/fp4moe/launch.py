@@ -188,14 +188,15 @@ def _is_slurm(launcher: dict[str, Any]) -> bool:
 # ---------------------------------------------------------------------------------------------- memory
 
 def predicted_memory(cfg: DictConfig) -> Memory | str:
-    """fp4moe.scale.memory's peak for the job ``cfg`` runs (its own dispatcher, the measured outside-PyTorch terms),
-    or why there is none (a benchmark job, a layout the model does not cover)."""
+    """fp4moe.scale.memory's peak for the job ``cfg`` runs (its own dispatcher, the measured outside-PyTorch terms of
+    fp4moe.analysis.outside_torch), or why there is none (a benchmark job, a layout the model does not cover)."""
     from fp4moe import bench_job
-    from fp4moe.scale.memory import GB, MemoryAssumptions, mean_total_bytes, per_stage_memory
+    from fp4moe.analysis.outside_torch import measured_assumptions
+    from fp4moe.scale.memory import GB, mean_total_bytes, per_stage_memory
 
     if bench_job.is_bench(cfg):
         return "not predicted: a benchmark job, not a training run"
-    a = MemoryAssumptions(deepep_buffers=str(cfg.parallel.get("dispatcher")) == "flex")
+    a = measured_assumptions(deepep_buffers=str(cfg.parallel.get("dispatcher")) == "flex")
     try:
         stages = per_stage_memory(cfg, a)
     except (ValueError, KeyError) as e:

@@ -498,3 +498,14 @@ def test_whole_attention_block_configs_are_the_self_attention_reading(recipe):
                 assert attn["attn.ln_in"].fmt == "mxfp4"
             else:
                 assert set(attn) == {"attn.ln_in"} and attn["attn.ln_in"].bytes == 2 * d.t_hid * d.h
+
+
+def test_compose_cfg_gives_a_fresh_config_each_call():
+    """compose_cfg parses each conf file once and hands out copies: changing one composed config changes no later
+    one; an unknown name says which exist."""
+    a = compose_cfg("proxy_h200", "single_gpu", "none", "fp8", "offload")
+    a.model.hidden_size, a.optimizer.cpu_offload = 1, "changed"
+    b = compose_cfg("proxy_h200", "single_gpu", "none", "fp8", "offload")
+    assert b.model.hidden_size != 1 and b.optimizer.cpu_offload is True   # offload.yaml over its gpu_fp32 default
+    with pytest.raises(ValueError, match="model=nope: no conf/model/nope.yaml; pick one of .*proxy_h200"):
+        compose_cfg("nope", "single_gpu", "none", "fp8")

@@ -1,9 +1,9 @@
 """The paper-scale model's side of the report: fp4moe.scale's per-GPU memory for T1's cells, and what-ifs.
 
 Each cell is what ``experiment=paper_t1`` runs (the lab's setup, conf/experiment/paper_t1.yaml) under the model's
-assumption set ``fp4moe.scale.paper_t1.PAPER_SETUP`` (``ASSUMPTION_SET`` in words), labelled ``MODEL_LABEL``. What
-is checked, and where: the model's allocated peak against H200 proxy runs on one and two GPUs (within 5 %,
-results/scale/calibration.md); nothing at paper scale, so every number from here is a prediction. The total is what
+assumption set ``fp4moe.analysis.paper_t1.paper_setup()`` (``assumption_set()`` in words), labelled
+``MODEL_LABEL``. What is checked, and where: the model's allocated peak against H200 proxy runs on one and two GPUs
+(within 5 %, results/scale/calibration.md); nothing at paper scale, so every number from here is a prediction. The total is what
 nvidia-smi would show (allocated + the memory outside PyTorch); GB are 2**30 B; "% of 80 GB" divides by 80 of them.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ ATTENTION = ("self_attention", "core_attn")   # the whole attention block (the c
 
 def assumption_set() -> str:
     """The model column's assumption set in words (config + the model's own assumptions)."""
-    from fp4moe.scale.paper_t1 import PAPER_SETUP, setup_label
+    from fp4moe.analysis.paper_t1 import setup_label
 
-    return setup_label(PAPER_SETUP)
+    return setup_label()
 
 
 def _row(cell: Any, gpu_memory_gb: float) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def _row(cell: Any, gpu_memory_gb: float) -> dict[str, Any]:
 
 
 def _recompute(attention: str | None) -> dict[str, str] | None:
-    from fp4moe.scale import paper_t1
+    from fp4moe.analysis import paper_t1
 
     if attention not in (None, *ATTENTION):
         raise ValueError(f"attention={attention!r}: one of {ATTENTION}")
@@ -43,11 +43,11 @@ def t1_prediction(gpu_memory_gb: float = 80.0, memory_assumptions: Any = None, *
                   recipes: Sequence[str] = RECIPES) -> list[dict[str, Any]]:
     """The model's T1 cells as rows (scope, recipe, recompute, total_gb, allocated_gb, mean_gb, pct_of_gpu, fits,
     components): experiment=paper_t1 with ``overrides`` (``optimizer``: another conf/optimizer group; ``attention``:
-    'core_attn' for megatron's core attention) under ``memory_assumptions`` (default ``PAPER_SETUP``)."""
-    from fp4moe.scale import paper_t1
+    'core_attn' for megatron's core attention) under ``memory_assumptions`` (default ``paper_setup()``)."""
+    from fp4moe.analysis import paper_t1
 
     extra = [*overrides, *([f"optimizer={optimizer}"] if optimizer else [])]
-    cells = paper_t1.cells(memory_assumptions or paper_t1.PAPER_SETUP, extra, _recompute(attention), recipes=recipes)
+    cells = paper_t1.cells(memory_assumptions or paper_t1.paper_setup(), extra, _recompute(attention), recipes=recipes)
     return [_row(c, gpu_memory_gb) for c in cells]
 
 
@@ -70,7 +70,7 @@ def what_if(*, expert: int | None = None, pipeline: int | None = None, micro_bat
     """Predicted peak memory per (scope, recipe) of experiment=paper_t1 with some settings changed (world size
     fixed: data parallel = world / (tensor x pipeline x context)); a changed pipeline gets ``even_layout``. Raises
     ValueError for a layout that does not divide."""
-    from fp4moe.scale import paper_t1
+    from fp4moe.analysis import paper_t1
     from fp4moe.scale.memory import experiment_cfg
 
     base = experiment_cfg(paper_t1.EXPERIMENT)

@@ -2,7 +2,7 @@
 
 Every term below is a tensor shape times bytes per element, an optimizer byte count per parameter, or a count of
 micro-batches in flight; nothing is fitted. Checked against the measured H200 proxy runs by
-``fp4moe.scale.calibration`` (results/scale/calibration.md): the saved activations (b) agree with the measured
+``fp4moe.analysis.calibration`` (results/scale/calibration.md): the saved activations (b) agree with the measured
 ``saved_activation_bytes_per_micro_batch`` to 76 B (bf16, mxfp4) or 0.004 % (fp8: real routing's expert padding) in
 every leak-free run, every recipe x recompute scope x micro-batch. The PEAK is static + saved + the largest of three
 phase transients (e): the head's, the last MoE layer's forward and its routed experts' backward, each from tensor
@@ -168,7 +168,7 @@ micro-batch (R rows on the GPU, H hidden, F expert FFN, all bf16 unless said):
     fp8 / mxfp4 (fp4moe.ops.grouped_experts): the larger of fc1's dgrad, dY [R,H] (the combine's gradient),
         dH [R,2F], its FP8 rows [R,2F] + 1x128 scales, dX [R,H], and fc1's wgrad after it, dY, dH, dX, dH's FP8
         column copy [2F,Mp] + scales and, when x was saved as MXFP4, x's FP8 column copy [H,Mp] + scales rebuilt
-        from it (mxfp4: the wgrad is the larger); the code measured up to commit 38f25cd also kept an unused
+        from it (mxfp4: the wgrad is the larger); the code of the first H200 archives also kept an unused
         [R,H] output buffer in the FP8 GEMM wrapper (dgrad), dZ [R,F] and (activation_fp4_store) the decoded H
         [R,2F] (``MemoryAssumptions.expert_backward_keeps_dead``).
     bf16 in fp4moe's grouped experts (``MemoryAssumptions.bf16_experts='grouped'``, P2's MoE layer): fc1's wgrad as
@@ -183,9 +183,10 @@ micro-batch (R rows on the GPU, H hidden, F expert FFN, all bf16 unless said):
     total = allocated + CUDA context + NCCL communicators + DeepEP buffers + the allocator's reserved - allocated
 
 Each a named ``MemoryAssumptions`` field in bytes with its scaling rule (``fp4moe.scale.outside_torch``'s
-docstring), measured on an H200 (``outside_torch.MEASURED_FILE``; 0 and ``outside_torch_source='not measured'``
-until that file exists). ``total_bytes`` is the headline (the paper's "% of 80 GB" read as what nvidia-smi shows);
-``allocated_bytes`` is ``torch.cuda.max_memory_allocated``'s peak, which calibration.py checks.
+docstring): 0 and ``outside_torch_source='not measured'`` unless the caller gives them (the H200 measurement:
+``fp4moe.analysis.outside_torch.measured_assumptions``).
+``total_bytes`` is the headline (the paper's "% of 80 GB" read as what nvidia-smi shows);
+``allocated_bytes`` is ``torch.cuda.max_memory_allocated``'s peak, which fp4moe.analysis.calibration checks.
 
 Not modelled: the forward peak inside attention or a dense MLP; Transformer Engine's FP8 weight caches (fp4moe
 quantizes weights per use).
@@ -209,7 +210,6 @@ from fp4moe_kernels.sizes import pad_to_group as _pad128
 from ..paths import conf_dir
 from ..recipe import Recipe
 from . import outside_torch, optimizer_state
-from .outside_torch import MEASURED as _MEASURED
 
 GB = 2**30  # bytes per "GB" in this module (GiB)
 BF16, FP32, INT64 = 2, 4, 8  # bytes per element
@@ -217,6 +217,7 @@ BF16, FP32, INT64 = 2, 4, 8  # bytes per element
 SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full")
 ATTN_RECOMPUTE = ("core_attn", "self_attention")
 CONF = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
+NOT_MEASURED = "not measured"   # MemoryAssumptions.outside_torch_source when no measured terms are given
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -224,18 +225,18 @@ CONF = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
 @dataclass(frozen=True)
 class MemoryAssumptions:
     """Every assumption of the model that is not in the config, with its unit (the optimizer is the config's
-    ``optimizer`` group). Measured quantities default to the H200 measurements, 0 where none exists."""
+    ``optimizer`` group). Measured quantities default to 0 (not measured): the caller gives them."""
 
     param_bytes: int = 2             # B/param of autograd's .grad of a weight (BF16 model weights)
     attn_recompute: str = "core_attn"   # what the scopes' "attention" recomputes (module docstring)
     # (f) outside PyTorch's allocated bytes, per GPU (fp4moe.scale.outside_torch: what each is and how it scales);
-    # defaults from the H200 measurement file, 0 while it does not exist (outside_torch_source says which)
-    cuda_context_bytes: int = _MEASURED.cuda_context_bytes            # per process
-    nccl_communicator_bytes: int = _MEASURED.nccl_communicator_bytes  # per communicator a step uses
-    nccl_peer_bytes: int = _MEASURED.nccl_peer_bytes                  # per peer of a communicator
-    allocator_gap_bytes: int = _MEASURED.allocator_gap_bytes          # reserved - allocated at the peak, measured at
-    allocator_gap_ref_elements: int = _MEASURED.allocator_gap_ref_elements  # this tokens x hidden per micro-batch
-    outside_torch_source: str = _MEASURED.source
+    # 0 unless measured (fp4moe.analysis.outside_torch gives the H200's; outside_torch_source says where from)
+    cuda_context_bytes: int = 0            # per process
+    nccl_communicator_bytes: int = 0       # per communicator a step uses
+    nccl_peer_bytes: int = 0               # per peer of a communicator
+    allocator_gap_bytes: int = 0           # reserved - allocated at the peak, measured at
+    allocator_gap_ref_elements: int = 0    # this tokens x hidden per micro-batch
+    outside_torch_source: str = NOT_MEASURED
     # True: the all-to-all runs on DeepEP (megatron's flex dispatcher, the lab's): its cudaMalloc'd buffers
     # (outside_torch.deepep_buffer_bytes) and an EP communicator without all-to-all peers; False: NCCL's all-to-all
     deepep_buffers: bool = False
@@ -252,23 +253,24 @@ class MemoryAssumptions:
     # The BF16 recipe's routed experts: 'sequential' (megatron's SequentialMLP, the trainer) or 'grouped' (fp4moe's
     # GroupedExpertMLP on BF16 GEMMs, P2's MoE layer: the same backward as the FP8 recipes' without FP8 copies)
     bf16_experts: str = "sequential"
-    # True: the routed experts' backward as measured up to commit 38f25cd (the H200 archives), which kept an unused
+    # True: the routed experts' backward as the first H200 archives measured it, which kept an unused
     # [R, H] GEMM output buffer, dZ [R, F] and the decoded H [R, 2F] until it returned (module docstring, (e)).
     expert_backward_keeps_dead: bool = False
-    # True: the norm checkpoints' MXFP4 caches (recompute_cache_fp4 under attn_ln_*) as measured up to commit
-    # 38f25cd, where megatron's checkpoint function kept each norm input [T, H] BF16 beside its MXFP4 copy (it saved
-    # them as leaves that require grad, which autograd holds itself): 2 x [T, H] bf16 per layer more, not in the
+    # True: the norm checkpoints' MXFP4 caches (recompute_cache_fp4 under attn_ln_*) as the first H200 archives
+    # measured them, where megatron's checkpoint function kept each norm input [T, H] BF16 beside its MXFP4 copy (it
+    # saved them as leaves that require grad, which autograd holds itself): 2 x [T, H] bf16 per layer more, not in the
     # saved bytes (``held_bytes``)
     norm_cache_keeps_bf16: bool = False
-    # True: megatron's token dispatchers as measured up to commit e431a41, which kept the routing probabilities of
-    # their last forward until the step's backward had passed. Under full recompute that forward is the
+    # True: megatron's token dispatchers as the trainer ran them before it dropped their state after each forward
+    # (results/manifest.yaml says which archives measured that code), keeping the routing probabilities of their
+    # last forward until the step's backward had passed. Under full recompute that forward is the
     # recomputation inside the backward, whose graph holds the layer's detached input and its gradient: every MoE
     # layer after the one whose experts are being differentiated keeps its input [T, H] and (all but the next one,
     # whose input gradient is this layer's output gradient) that gradient (``backward_depth_bytes``). Since then the
     # trainer drops them when the MoE layer's forward returns (fp4moe.model.build.release_dispatcher_after_forward).
     dispatcher_keeps_recompute_graph: bool = False
     # routed rows this GPU's experts receive, / T x k (the rows its own tokens send): 1 = balanced routing (on one
-    # GPU exactly 1). A MEASURED routing statistic where a run logged it (fp4moe.scale.calibration reads it from the
+    # GPU exactly 1). A MEASURED routing statistic where a run logged it (fp4moe.analysis.calibration reads it from the
     # trainer's a2a/dispatch_forward_received_rows / _sent_rows, or in older runs the recipe dispatcher's bytes);
     # scales every tensor of the experts'.
     expert_rows_factor: float = 1.0
@@ -302,13 +304,21 @@ def compose_cfg(model: str, parallel: str, recompute: str, precision: str, optim
 
 
 def _load_group(group: str, name: str) -> DictConfig:
-    path = CONF / group / f"{name}.yaml"
+    """conf/<group>/<name>.yaml with its ``defaults`` merged in, a fresh copy each call (each file parsed once)."""
+    return OmegaConf.create(copy.deepcopy(_group_container(CONF, group, name)))
+
+
+@functools.lru_cache(maxsize=256)
+def _group_container(conf: Any, group: str, name: str) -> dict:
+    path = conf / group / f"{name}.yaml"
     if not path.is_file():
-        names = ", ".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
+        names = ", ".join(sorted(p.stem for p in (conf / group).glob("*.yaml")))
         raise ValueError(f"{group}={name}: no conf/{group}/{name}.yaml; pick one of {names}")
     node = OmegaConf.load(path)
     bases = [d for d in node.pop("defaults", []) if d != "_self_"]
-    return OmegaConf.merge(*(_load_group(group, b) for b in bases), node) if bases else node
+    if bases:
+        node = OmegaConf.merge(*(_load_group(group, b) for b in bases), node)
+    return OmegaConf.to_container(node, resolve=False)
 
 
 @functools.lru_cache(maxsize=512)
@@ -927,7 +937,7 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     rows_h = BF16 * r * h                      # one [R, H] bf16 buffer
     # the layer's own expert weight gradients (autograd's .grad, in the parameters' dtype) in fp4moe's grouped
     # experts: fc2's [E_local, H, F] exists from fc2's backward on, fc1's [E_local, 2F, H] once fc1's wgrad has run
-    # (fp4moe.train keeps every .grad until the step; seen in the full-recompute traces of e431a41). With a resident
+    # (fp4moe.train keeps every .grad until the step; seen in the full-recompute memory traces). With a resident
     # main-gradient buffer ('always', megatron's DDP) each .grad is folded into it as soon as it is made: only fc1's,
     # the output of the wgrad GEMM running, is live then.
     e_local = d.e // d.ep
@@ -943,7 +953,7 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     if not recipe.fp8_compute:
         # megatron's SequentialMLP: dY, the per-expert dX pieces, their concatenation; under attn_ln_experts the
         # recomputation's forward ends with the recomputed outputs' pieces and their concatenation beside dY. No
-        # expert weight gradients: bf16's traced peaks (memtrace_h200_mb16_e95d4ca) are at the head or in a
+        # expert weight gradients: bf16's traced peaks (its H200 memory traces) are at the head or in a
         # recomputed forward, before the layer's own gradients exist, and the head peaks sit within 0.2 % of this
         # phase as it is
         backward = 3 * rows_h

@@ -30,79 +30,16 @@ DeepEP (``deepep_buffers``)    The lab's flex dispatcher pre-allocates DeepEP's 
                                differ.
 =============================  ======================================================================================
 
-The measured values come from ``MEASURED_FILE`` (written by ``tools/device/measure_outside_torch.py`` on an H200);
-until it exists every measured term is 0 and :data:`SOURCE` says "not measured", never a number fitted to the
-paper.
+The measured values are ``MemoryAssumptions`` fields the caller gives (``fp4moe.analysis.outside_torch`` derives
+them from the measuring tool's results, ``tools/device/measure_outside_torch.py``); the model's defaults are 0 and
+"not measured", never a number fitted to the paper.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ..paths import source_root
-
-ROOT = source_root()   # the checkout (fp4moe.paths)
-MEASURED_FILE = ROOT / "results/scale/outside_torch_h200.json"
-FORMAT = "fp4moe-outside-torch/1"
-NOT_MEASURED = "not measured"
 MiB = 2**20
-
-
-@dataclass(frozen=True)
-class Measured:
-    """The four measured terms in bytes and where they come from (``source``: the file, or ``NOT_MEASURED``)."""
-
-    cuda_context_bytes: int = 0
-    nccl_communicator_bytes: int = 0
-    nccl_peer_bytes: int = 0
-    allocator_gap_bytes: int = 0
-    allocator_gap_ref_elements: int = 0
-    source: str = NOT_MEASURED
-
-
-def derive(doc: dict[str, Any], source: str = "") -> Measured:
-    """The model's terms from a results document of the measuring tool (``FORMAT``); a term whose measurement is
-    missing (e.g. no second GPU: no peer bytes) is 0, and ``source`` says which terms are measured."""
-    if doc.get("format") != FORMAT:
-        raise ValueError(f"{source or 'results'}: format {doc.get('format')!r}, expected {FORMAT!r}: write it with "
-                         "tools/device/measure_outside_torch.py")
-    if doc.get("dry_run"):
-        raise ValueError(f"{source or 'results'} is a dry run (no GPU measured anything): run the tool on a GPU")
-    nccl = doc.get("nccl") or {}
-    one = (nccl.get("world1") or {}).get("communicator_bytes")
-    two = (nccl.get("world2_lab") or nccl.get("world2") or {}).get("communicator_bytes")
-    gap = doc.get("allocator") or {}
-    training = doc.get("training_process") or {}
-    context = training.get("outside_torch_bytes")
-    parts = []
-    if context is not None:
-        context = max(0, int(context) - int(one or 0))
-        parts.append("context")
-    if one is not None:
-        parts.append("NCCL communicator")
-    peer = max(0, int(two) - int(one or 0)) if two is not None else 0
-    if two is not None:
-        parts.append("NCCL peer")
-    if gap.get("gap_bytes") is not None:
-        parts.append("allocator gap")
-    what = f"{source or 'results'} ({doc.get('gpu', '?')}, {doc.get('date', '?')}, {doc.get('commit', '?')}: " \
-           f"{', '.join(parts) or 'nothing'} measured)"
-    return Measured(int(context or 0), int(one or 0), peer, int(gap.get("gap_bytes") or 0),
-                    int(gap.get("ref_elements") or 0), what)
-
-
-def load(path: Path | str = MEASURED_FILE) -> Measured:
-    """``derive`` of the results file, or every term 0 with ``source = NOT_MEASURED`` when it does not exist."""
-    path = Path(path)
-    if not path.is_file():
-        return Measured()
-    return derive(json.loads(path.read_text()), str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path))
-
-
-MEASURED = load()
-SOURCE = MEASURED.source
 
 
 # ---------------------------------------------------------------------------------------------- NCCL
@@ -193,5 +130,4 @@ def allocator_gap(gap_bytes: int, ref_elements: int, tokens: int, hidden: int) -
     return round(gap_bytes * tokens * hidden / ref_elements)
 
 
-__all__ = ["Communicator", "FORMAT", "MEASURED", "MEASURED_FILE", "Measured", "NOT_MEASURED", "SOURCE",
-           "allocator_gap", "communicators", "deepep_buffer_bytes", "derive", "load", "nccl_bytes"]
+__all__ = ["Communicator", "allocator_gap", "communicators", "deepep_buffer_bytes", "nccl_bytes"]

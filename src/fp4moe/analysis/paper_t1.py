@@ -1,12 +1,12 @@
 """The paper's T1 (DeepSeek-V3 671B, 256 GPUs) with the lab's setup, predicted by the memory model beside the paper's
 numbers, and how each assumption moves each cell (issue 27, part C).
 
-    python -m fp4moe.scale.paper_t1 [--out results/scale/paper_t1.md]
+    python -m fp4moe.analysis.paper_t1 [--out FILE]     # results/scale/paper_t1.md (results/manifest.yaml)
 
 Each cell is what ``python -m fp4moe.train experiment=paper_t1`` runs (``memory.experiment_cfg``: the configs
-state the setup and its sources, the sister artifact's DeepSeek-V3 runs), under ``PAPER_SETUP``, the model's
+state the setup and its sources, the sister artifact's DeepSeek-V3 runs), under ``paper_setup()``, the model's
 assumptions outside the config: DeepEP's buffers (the lab's dispatcher) and the measured memory outside PyTorch
-(``fp4moe.scale.outside_torch``). The headline is the most loaded GPU's peak as nvidia-smi would show it
+(``fp4moe.analysis.outside_torch``). The headline is the most loaded GPU's peak as nvidia-smi would show it
 (``Breakdown.total_bytes``), in GiB and in % of 80 GiB; PyTorch's allocated peak and the mean over the 256 GPUs beside
 it. The paper's cells come from conf/paper/numbers.yaml. Arithmetic only, no torch; nothing is fitted to the paper.
 
@@ -15,31 +15,35 @@ beside the lab's own measurements of the same setup (numbers.yaml ``sister_dsv3_
 """
 from __future__ import annotations
 
-import argparse
+import functools
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from omegaconf import OmegaConf
 
 from .. import paper
-from ..paths import source_root
-from . import outside_torch
-from .calibration import H200_NON_TORCH_GIB
-from .memory import CONF, GB, MemoryAssumptions, experiment_cfg, mean_total_bytes, per_stage_memory
+from ..scale.memory import (CONF, GB, NOT_MEASURED, MemoryAssumptions, experiment_cfg, mean_total_bytes,
+                            per_stage_memory)
+from .calibration import h200_memory
+from .output import markdown_cli
+from .outside_torch import measured_assumptions
 
-ROOT = source_root()   # the checkout (fp4moe.paths)
-DEFAULT_OUT = "results/scale/paper_t1.md"
 EXPERIMENT = "paper_t1"
 GPU_GIB = 80.0
 SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")   # the paper's scopes (numbers.yaml t1.scopes)
 RECIPES = ("bf16", "fp8", "mxfp4")
 TARGET_PP = 3.0   # issue 27: each cell the paper fits within 3 points of 80 GB
-# The model's assumptions beyond the config: the lab's DeepEP dispatcher, the measured terms outside PyTorch
-PAPER_SETUP = MemoryAssumptions(deepep_buffers=True)
 
 
-def setup_label(a: MemoryAssumptions = PAPER_SETUP, experiment: str = EXPERIMENT) -> str:
-    """The assumption set in words, for the report's model column and the tables."""
+@functools.cache
+def paper_setup() -> MemoryAssumptions:
+    """The model's assumptions beyond the config: the lab's DeepEP dispatcher, the measured terms outside PyTorch."""
+    return measured_assumptions(deepep_buffers=True)
+
+
+def setup_label(a: MemoryAssumptions | None = None, experiment: str = EXPERIMENT) -> str:
+    """The assumption set in words (default ``paper_setup()``), for the report's model column and the tables."""
+    a = paper_setup() if a is None else a
     return (f"`experiment={experiment}` (the lab's setup: sister artifact), DeepEP buffers"
             f"{'' if a.deepep_buffers else ' off'}, outside-PyTorch terms: {a.outside_torch_source}")
 
@@ -106,10 +110,11 @@ PARTS = ("params", "grads", "optimizer", "optimizer_host", "activations", "trans
          "deepep", "allocator_gap")
 
 
-def cells(a: MemoryAssumptions = PAPER_SETUP, overrides: Sequence[str] = (), recompute: dict[str, str] | None = None,
+def cells(a: MemoryAssumptions | None = None, overrides: Sequence[str] = (), recompute: dict[str, str] | None = None,
           experiment: str = EXPERIMENT, recipes: Sequence[str] = RECIPES) -> list[Cell]:
-    """The cells of ``experiment`` (+ Hydra ``overrides``) under ``a``, scope by scope; ``recompute`` maps the
-    paper's scopes to recompute groups (default: the experiment's sweep)."""
+    """The cells of ``experiment`` (+ Hydra ``overrides``) under ``a`` (default ``paper_setup()``), scope by scope;
+    ``recompute`` maps the paper's scopes to recompute groups (default: the experiment's sweep)."""
+    a = paper_setup() if a is None else a
     paper = paper_cells()
     groups = recompute or sweep_recompute(experiment)
     out = []
@@ -146,9 +151,9 @@ VARIANTS = (
     Variant("outside-PyTorch memory x 1.5", assumptions=lambda a: replace(a, outside_torch_scale=1.5)),
     Variant("NCCL's all-to-all instead of DeepEP", assumptions=lambda a: replace(a, deepep_buffers=False)),
     # measured already, in another way: what a one-GPU proxy process held outside PyTorch's allocator when it went
-    # OOM on an H200 (calibration.H200_NON_TORCH_GIB, the largest of seven OOM messages; no NCCL peers there)
+    # OOM on an H200 (calibration.h200_memory, the largest of seven OOM messages; no NCCL peers there)
     Variant("CUDA context = the H200 proxy's OOM messages (calibration.md)",
-            assumptions=lambda a: replace(a, cuda_context_bytes=round(H200_NON_TORCH_GIB * GB))),
+            assumptions=lambda a: replace(a, cuda_context_bytes=round(h200_memory().non_torch_gib * GB))),
     Variant("fp4moe's MXFP4 recompute caches (our extension)", ("~precision.recompute_cache_fp4",),
             recipes=("mxfp4",)),
     Variant("MoE-expert checkpoint keeps BF16 rows (+precision.expert_input_fp4=false)",
@@ -161,8 +166,10 @@ VARIANTS = (
 )
 
 
-def variant_cells(v: Variant, base: Sequence[Cell], a: MemoryAssumptions = PAPER_SETUP) -> list[Cell]:
-    """The nine cells with ``v``'s one change (``base``'s cells for the recipes it does not apply to)."""
+def variant_cells(v: Variant, base: Sequence[Cell], a: MemoryAssumptions | None = None) -> list[Cell]:
+    """The nine cells with ``v``'s one change to ``a`` (default ``paper_setup()``; ``base``'s cells for the recipes
+    it does not apply to)."""
+    a = paper_setup() if a is None else a
     changed = {(c.scope, c.recipe): c for c in cells(v.assumptions(a), v.overrides, v.recompute, recipes=v.recipes)}
     return [changed.get((c.scope, c.recipe), c) for c in base]
 
@@ -185,10 +192,11 @@ class SisterCell:
         return (self.measured_gb is None) == (self.total_gib > GPU_GIB)
 
 
-def sister_check(a: MemoryAssumptions = PAPER_SETUP) -> list[SisterCell]:
+def sister_check(a: MemoryAssumptions | None = None) -> list[SisterCell]:
     """The model for the sister artifact's measured cells (numbers.yaml ``sister_dsv3_memory``): the paper_t1 setup at
     that layout (``LAYOUTS``) with its recipe and recompute (``full``, or ``sel`` = attn layernorm moe_expert: the
-    experiment's group for attn_ln_experts)."""
+    experiment's group for attn_ln_experts). ``a``: default ``paper_setup()``."""
+    a = paper_setup() if a is None else a
     group = {"full": "full", "sel": sweep_recompute()["attn_ln_experts"]}
     out = []
     for c in paper.sister_memory_cells(paper.load()):
@@ -206,18 +214,21 @@ def _pct(c: Cell) -> str:
 
 
 def render(rows: Sequence[Cell], variants: Sequence[tuple[Variant, list[Cell]]] = (),
-           sister: Sequence[SisterCell] = (), a: MemoryAssumptions = PAPER_SETUP) -> str:
+           sister: Sequence[SisterCell] = (), a: MemoryAssumptions | None = None) -> str:
+    a = paper_setup() if a is None else a
     ok = sum(r.matches_paper for r in rows)
     errs = [r.error_pp for r in rows if r.error_pp is not None]
     lines = [
         "# The paper's T1 with the lab's setup: the memory model beside the paper (issue 27)", "",
-        "Written by `python -m fp4moe.scale.paper_t1`. Each cell is what `python -m fp4moe.train experiment=paper_t1` "
-        "runs (conf/experiment/paper_t1.yaml and its groups name the source of every setting: the paper, its release, "
+        "Written by `python -m fp4moe.analysis.paper_t1`. Each cell is what `python -m fp4moe.train "
+        "experiment=paper_t1` runs (conf/experiment/paper_t1.yaml and its groups name the source of every setting: "
+        "the paper, its release, "
         "the sister artifact 021ai/FP8-FLOW-MOE-AE, or our assumption): DeepSeek-V3 without MTP, TP1 PP32 EP8 DP8, "
         "layout `E|(tt|)*30,tL`, micro-batch 1, global batch 15360, sequence 4096, the distributed optimizer with BF16 "
         "main grads and the optimizer state offloaded to the host, FP8 / MXFP4 on every linear, no MXFP4 recompute "
         "caches, the paper's \"attention\" read as the whole self-attention block.", "",
-        f"**Assumption set** (`fp4moe.scale.paper_t1.PAPER_SETUP`): {setup_label(a)}. **model**: `fp4moe.scale.memory` "
+        f"**Assumption set** (`fp4moe.analysis.paper_t1.paper_setup()`): {setup_label(a)}. **model**: "
+        "`fp4moe.scale.memory` "
         "for the most loaded GPU: **total** = PyTorch's allocated peak + the memory outside it (CUDA context, NCCL "
         "communicators, DeepEP's buffers, the allocator's reserved - allocated), i.e. what nvidia-smi would show, "
         "in GiB and % of 80 GiB; **allocated** = `torch.cuda.max_memory_allocated`'s peak; **mean**: the total "
@@ -246,7 +257,7 @@ def render(rows: Sequence[Cell], variants: Sequence[tuple[Variant, list[Cell]]] 
         lines += render_variants(rows, variants)
     if sister:
         lines += render_sister(sister)
-    lines += ["## What it says", ""] + summary(rows, variants, sister) + [""]
+    lines += ["## What it says", ""] + summary(rows, variants, sister, a) + [""]
     return "\n".join(lines)
 
 
@@ -299,8 +310,9 @@ def render_sister(sister: Sequence[SisterCell]) -> list[str]:
 
 
 def summary(rows: Sequence[Cell], variants: Sequence[tuple[Variant, list[Cell]]] = (),
-            sister: Sequence[SisterCell] = ()) -> list[str]:
-    """What the tables say, computed from them."""
+            sister: Sequence[SisterCell] = (), a: MemoryAssumptions | None = None) -> list[str]:
+    """What the tables say, computed from them (``a``: the assumption set of ``rows``, default ``paper_setup()``)."""
+    a = paper_setup() if a is None else a
     ok = sum(r.matches_paper for r in rows)
     miss = [f"{r.scope} {r.recipe} (paper {'OOM' if r.paper_pct is None else f'{r.paper_pct:.2f} %'}, model "
             f"{_pct(r)})" for r in rows if not r.matches_paper]
@@ -326,11 +338,12 @@ def summary(rows: Sequence[Cell], variants: Sequence[tuple[Variant, list[Cell]]]
                        f"dequantized before it), mxfp4 at attn_ln_experts would be {c.pct:.1f} % (paper "
                        f"{c.paper_pct:.2f} %). The paper's release keeps them MXFP4 (its TE patch permutes "
                        "MXFP4Tensors and checkpoints them), so this is a what-if, not the base.")
-    if outside_torch.SOURCE == outside_torch.NOT_MEASURED:
+    if a.outside_torch_source == NOT_MEASURED:
         out.append("- The CUDA context, NCCL buffers and the allocator's gap are not measured yet (0 here): each cell "
                    "would move up by their sum; the break-even table says how much each cell can take. The H200 "
                    f"proxy's OOM messages put one training process's memory outside PyTorch's allocator at "
-                   f"{H200_NON_TORCH_GIB:.2f} GiB (one GPU, no NCCL peers): the sensitivity table's row with it.")
+                   f"{h200_memory().non_torch_gib:.2f} GiB (one GPU, no NCCL peers): the sensitivity table's row with "
+                   "it.")
     if sister:
         gaps = [s.measured_gb - s.total_gib for s in sister if s.measured_gb is not None]
         full = [s.measured_gb - s.total_gib for s in sister if s.measured_gb is not None and s.ac == "full"]
@@ -352,21 +365,6 @@ def summary(rows: Sequence[Cell], variants: Sequence[tuple[Variant, list[Cell]]]
     return out
 
 
-def write_markdown_cli(argv: Sequence[str] | None, doc: str, default_out: str, text: Callable[[], str]) -> int:
-    """The ``--out`` command line of a module that writes one Markdown file: ``text()`` written atomically (a .tmp
-    beside the target, then renamed), the path relative to the repository root unless absolute."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--out", default=default_out, help="Markdown file to write (relative to the repository root)")
-    args = ap.parse_args(argv)
-    out = ROOT / args.out  # an absolute path stays as it is
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(text())
-    tmp.replace(out)
-    print(f"wrote {out}")
-    return 0
-
-
 def document() -> str:
     """results/scale/paper_t1.md's text."""
     base = cells()
@@ -374,7 +372,7 @@ def document() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return write_markdown_cli(argv, __doc__, DEFAULT_OUT, document)
+    return markdown_cli(argv, __doc__, "paper_t1", document)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,30 @@
-"""fp4moe.scale.paper_t1: the paper's T1 cells as experiment=paper_t1 runs them, under the model's assumption set,
+"""fp4moe.analysis.paper_t1: the paper's T1 cells as experiment=paper_t1 runs them, under the model's assumption set,
 how each assumption moves them, and the lab's own measurements beside them. Arithmetic only (Hydra compose, no
 torch)."""
 from dataclasses import replace
 
 import pytest
 
-from fp4moe.scale import paper_t1 as pt
+from fp4moe.analysis import manifest
+from fp4moe.analysis import paper_t1 as pt
+from fp4moe.analysis.outside_torch import measured
 from fp4moe.scale.memory import GB, MemoryAssumptions, experiment_cfg, mean_total_bytes, per_stage_memory
 
 
 @pytest.fixture(scope="module")
 def base():
     return pt.cells()
+
+
+@pytest.fixture(scope="module")
+def variants(base):
+    """{variant name: its nine cells} of every VARIANTS row."""
+    return {v.name: pt.variant_cells(v, base) for v in pt.VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def sister():
+    return pt.sister_check()
 
 
 def test_paper_cells_come_from_numbers_yaml():
@@ -35,12 +48,12 @@ def test_cells_are_the_models_most_loaded_gpu_of_the_experiment(base):
     assert [(c.scope, c.recipe) for c in base] == [(s, r) for s in pt.SCOPES for r in pt.RECIPES]
     for c in (base[0], base[-1]):
         stages = per_stage_memory(experiment_cfg("paper_t1", f"precision={c.recipe}", f"recompute={c.recompute}"),
-                                  pt.PAPER_SETUP)
+                                  pt.paper_setup())
         top = max(stages, key=lambda b: b.total_bytes)
         assert (c.total_gib, c.allocated_gib, c.rank, c.in_flight) == (top.total_gb, top.allocated_gb,
                                                                         top.pipeline_rank, top.in_flight)
         assert c.mean_gib == mean_total_bytes(stages) / GB < c.total_gib
-        assert c.parts["deepep"] == top.deepep_bytes / GB > 0   # PAPER_SETUP: the lab's DeepEP dispatcher
+        assert c.parts["deepep"] == top.deepep_bytes / GB > 0   # paper_setup: the lab's DeepEP dispatcher
         assert c.parts["optimizer"] == 0 < c.parts["optimizer_host"]   # optimizer=offload
 
 
@@ -54,12 +67,11 @@ def test_cell_outcome_and_error_by_hand():
     assert oom.matches_paper and oom.error_pp is None
 
 
-def test_variants_change_what_they_name(base):
+def test_variants_change_what_they_name(base, variants):
     """A variant changes the model for its own reason only: core attention raises the attention-recomputing cells and
     leaves mla_up_proj as it is; a precision key of mxfp4 leaves bf16 and fp8 as they are; x1.5 outside PyTorch adds
     half of each cell's outside bytes and nothing allocated; the FP8 weight copies leave bf16 as it is."""
-    by = {v.name: pt.variant_cells(v, base) for v in pt.VARIANTS
-          if v.recompute or v.recipes != pt.RECIPES or v.name.startswith("outside-PyTorch memory x 1.5")}
+    by = variants
     core = by[pt.VARIANTS[0].name]
     for b, c in zip(base, core):
         assert (c.total_gib > b.total_gib) if b.scope != "mla_up_proj" else c == b
@@ -89,21 +101,28 @@ def test_layouts_are_the_labs_three():
         experiment_cfg("paper_t1", *pt.LAYOUTS["ep32"]).parallel.pipeline_layout)] == [8] * 7 + [5]
 
 
-def test_sister_check_is_the_model_of_the_labs_cells():
-    s = pt.sister_check()
+def test_sister_check_is_the_model_of_the_labs_cells(sister):
+    s = sister
     assert [(c.layout, c.ac, c.recipe) for c in s][:4] == [("ep8", "full", "bf16"), ("ep8", "full", "fp8"),
                                                            ("ep8", "sel", "bf16"), ("ep8", "sel", "fp8")]
-    full = per_stage_memory(experiment_cfg("paper_t1", "precision=bf16", "recompute=full"), pt.PAPER_SETUP)
+    full = per_stage_memory(experiment_cfg("paper_t1", "precision=bf16", "recompute=full"), pt.paper_setup())
     assert s[0].total_gib == max(b.total_gb for b in full) and s[0].measured_gb == 39
     oom = [c for c in s if c.measured_gb is None]
     assert oom and all(c.same_outcome == (c.total_gib > pt.GPU_GIB) for c in oom)
 
 
 def test_setup_label_names_the_assumption_set():
-    text = pt.setup_label(replace(pt.PAPER_SETUP, outside_torch_source="results/x.json (H200, measured)"))
+    """The assumption set: the lab's DeepEP buffers and the measured terms outside PyTorch (the manifest's file)."""
+    a = pt.paper_setup()
+    assert a.deepep_buffers and a.outside_torch_source == measured().source
+    assert (a.cuda_context_bytes, a.allocator_gap_bytes) == (measured().cuda_context_bytes,
+                                                            measured().allocator_gap_bytes)
+    text = pt.setup_label(replace(a, outside_torch_source="results/x.json (H200, measured)"))
     assert text.startswith("`experiment=paper_t1`") and "DeepEP buffers" in text and "results/x.json" in text
     assert "DeepEP buffers off" in pt.setup_label(MemoryAssumptions())
 
 
-def test_committed_table_is_current():
-    assert (pt.ROOT / pt.DEFAULT_OUT).read_text() == pt.document()
+def test_committed_table_is_current(base, variants, sister):
+    """results/scale/paper_t1.md is what the model gives today (python -m fp4moe.analysis.paper_t1 writes it)."""
+    text = pt.render(base, [(v, variants[v.name]) for v in pt.VARIANTS], sister)
+    assert manifest.load().output("paper_t1").read_text() == text

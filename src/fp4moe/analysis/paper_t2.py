@@ -1,13 +1,13 @@
 """The paper's T2, the DeepSeek-V2 236B peak-memory ablation by FP4 scope, predicted by the memory model with the
 same assumptions as T1 (issue 27, part C), beside the paper's numbers.
 
-    python -m fp4moe.scale.paper_t2 [--out results/scale/paper_t2.md]
+    python -m fp4moe.analysis.paper_t2 [--out FILE]     # results/scale/paper_t2.md (results/manifest.yaml)
 
 Paper (conf/paper/numbers.yaml t2, secondary summaries of the full text): MXFP4 on the MLP and shared experts -6.9 %
 peak memory against FP8, on all of the MoE (routed experts too) -7.2 %, both -11 % against BF16; whether these are
 relative changes or points of 80 GB is not known, so both are computed. Each cell is what ``python -m fp4moe.train
 experiment=paper_t2`` runs (the lab's DeepSeek-V2 layout and optimizer: conf/experiment/paper_t2.yaml), under
-``paper_t1.PAPER_SETUP``. The paper gives no recompute scope: the config's (T1's heaviest) is the base row, every
+``paper_t1.paper_setup()``. The paper gives no recompute scope: the config's (T1's heaviest) is the base row, every
 other scope and the core-attention reading are rows too. Peaks are the most loaded GPU's total (what nvidia-smi
 would show). Arithmetic only, no torch; nothing is fitted to the paper.
 
@@ -22,12 +22,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .. import paper
-from ..paths import source_root
-from .memory import GB, MemoryAssumptions, experiment_cfg, per_stage_memory
-from .paper_t1 import PAPER_SETUP, setup_label, write_markdown_cli
+from ..scale.memory import GB, MemoryAssumptions, experiment_cfg, per_stage_memory
+from .output import markdown_cli
+from .paper_t1 import paper_cells, paper_setup, setup_label
 
-ROOT = source_root()   # the checkout (fp4moe.paths)
-DEFAULT_OUT = "results/scale/paper_t2.md"
 EXPERIMENT = "paper_t2"
 GPU_GIB = 80.0
 RECIPES = ("bf16", "fp8", "mxfp4_mlp_shared", "mxfp4")
@@ -62,7 +60,9 @@ class Row:
                    for rec, (p8, p16) in paper.items())
 
 
-def rows(a: MemoryAssumptions = PAPER_SETUP) -> list[Row]:
+def rows(a: MemoryAssumptions | None = None) -> list[Row]:
+    """One Row per scope of ``SCOPES`` under ``a`` (default ``paper_setup()``)."""
+    a = paper_setup() if a is None else a
     out = []
     for scope, attention in SCOPES:
         peaks = {}
@@ -73,11 +73,12 @@ def rows(a: MemoryAssumptions = PAPER_SETUP) -> list[Row]:
     return out
 
 
-def render(rs: Sequence[Row], a: MemoryAssumptions = PAPER_SETUP) -> str:
+def render(rs: Sequence[Row], a: MemoryAssumptions | None = None) -> str:
+    a = paper_setup() if a is None else a
     paper = paper_rows()
     p = {rec: f"{v[0]:+.1f} / {v[1]:+.1f}" for rec, v in paper.items()}
     lines = ["# The paper's T2: the 236B peak-memory ablation by FP4 scope (issue 27)", "",
-             "Written by `python -m fp4moe.scale.paper_t2`. Each cell is what `python -m fp4moe.train "
+             "Written by `python -m fp4moe.analysis.paper_t2`. Each cell is what `python -m fp4moe.train "
              "experiment=paper_t2` runs: DeepSeek-V2 236B with the lab's layout (sister artifact: TP1 PP16 EP8 DP16, 2 "
              "layers on the first and the last stage, micro-batch 1, global batch 8192, sequence 4096) and T1's "
              "optimizer and precision settings (offloaded optimizer with BF16 main grads, FP8 / MXFP4 on every linear, "
@@ -115,8 +116,6 @@ def summary(rs: Sequence[Row], paper: dict[str, tuple[float, float]]) -> list[st
                    f"paper's); the closest row is {best.scope}"
                    + (f" ({best.attention})" if best.attention else "")
                    + f", within {best.distance(paper, points):.1f}.")
-    from .paper_t1 import paper_cells
-
     t1 = paper_cells()
     t1_bf16, t1_fp8 = t1["attn_ln_experts", "bf16"], t1["attn_ln_experts", "fp8"]
     above = sum(r.peak_gib["fp8"] > r.peak_gib["bf16"] for r in rs)
@@ -136,7 +135,7 @@ def summary(rs: Sequence[Row], paper: dict[str, tuple[float, float]]) -> list[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return write_markdown_cli(argv, __doc__, DEFAULT_OUT, lambda: render(rows()))
+    return markdown_cli(argv, __doc__, "paper_t2", lambda: render(rows()))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""fp4moe.scale.paper_t2: the paper's T2 (the 236B ablation) as experiment=paper_t2 runs it, under T1's assumption
+"""fp4moe.analysis.paper_t2: the paper's T2 (the 236B ablation) as experiment=paper_t2 runs it, under T1's assumption
 set, every recompute scope and both readings of "attention". Arithmetic only."""
 import pytest
 
-from fp4moe.scale import paper_t2 as p2
+from fp4moe.analysis import manifest
+from fp4moe.analysis import paper_t2 as p2
+from fp4moe.analysis.paper_t1 import paper_setup
 from fp4moe.scale.memory import experiment_cfg, per_stage_memory
-from fp4moe.scale.paper_t1 import PAPER_SETUP
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def test_rows_are_the_models_most_loaded_gpu(rows):
     assert rows[0].scope == experiment_cfg("paper_t2").recompute.name
     r = rows[-1]
     for rec in p2.RECIPES:
-        stages = per_stage_memory(experiment_cfg("paper_t2", f"precision={rec}", f"recompute={r.scope}"), PAPER_SETUP)
+        stages = per_stage_memory(experiment_cfg("paper_t2", f"precision={rec}", f"recompute={r.scope}"), paper_setup())
         assert r.peak_gib[rec] == max(b.total_gb for b in stages)
 
 
@@ -53,7 +54,7 @@ def test_what_it_says(rows):
 
 
 def test_committed_table_is_current(rows):
-    assert (p2.ROOT / p2.DEFAULT_OUT).read_text() == p2.render(rows)
+    assert manifest.load().output("paper_t2").read_text() == p2.render(rows)
 
 
 def test_cli_writes_the_table(rows, tmp_path):
