@@ -498,3 +498,23 @@ def test_whole_attention_block_configs_are_the_self_attention_reading(recipe):
                 assert attn["attn.ln_in"].fmt == "mxfp4"
             else:
                 assert set(attn) == {"attn.ln_in"} and attn["attn.ln_in"].bytes == 2 * d.t_hid * d.h
+
+
+# ---------------------------------------------------------------------------------------------- the lab's stack
+# MemoryAssumptions' lab-stack switches (megatron-core + Transformer Engine + the paper release's patches): each term
+# by hand on the proxy (hidden 2048, MLA kv_down 2048 -> 576, 32 experts top-8, T = 4096 at micro-batch 1).
+
+def test_fp8_any_shape_puts_kv_down_proj_in_fp8():
+    """TE computes every linear in FP8 whose input rows are a multiple of 8 and features of 16: kv_down_proj (2048 ->
+    576) saves its own FP8 copy instead of holding the norm output, and its weight is cached in FP8 (5 x 16 started
+    128 x 128 blocks of scales per copy)."""
+    t = 4096
+    a = MemoryAssumptions(fp8_any_shape=True)
+    ts = {x.name: x for x in layer_saved_tensors(_proxy(precision="fp8"), "dense", "none", a)}
+    assert ts["attn.kv_down_in_q"].bytes == memory.fp8_row_col_bytes(t, 2048) and "attn.ln_out" not in ts
+    bf16 = {x.name for x in layer_saved_tensors(_proxy(precision="bf16"), "dense", "none", a)}
+    assert "attn.kv_down_in_q" not in bf16 and "attn.ln_out" in bf16          # no FP8 without FP8 compute
+    cfg = _proxy(precision="fp8")
+    cfg.train = {"fp8_weight_cache": True}
+    cache = {on: per_gpu_memory(cfg, MemoryAssumptions(fp8_any_shape=on)).fp8_weight_cache_bytes for on in (0, 1)}
+    assert cache[True] - cache[False] == 4 * (2 * 576 * 2048 + 2 * 4 * 5 * 16)   # kv_down of the proxy's 4 layers

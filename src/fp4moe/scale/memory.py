@@ -276,6 +276,13 @@ class MemoryAssumptions:
     # column copies are padded as those counts pad (sum of each count rounded up to 128), whatever expert_padding
     # says; their sum must be the rows that expert_rows_factor gives
     expert_counts: tuple = ()
+    # ---- the paper lab's stack: megatron-core with Transformer Engine 2.8 and the paper release's patches, where it
+    # keeps other bytes than fp4moe's own code (docs/paper-scale.md, "The lab's stack"). All False: fp4moe's code,
+    # what calibration.md checks; ``LAB_STACK`` turns them all on (fp4moe.scale.paper_t1.PAPER_SETUP).
+    # True: every linear in the recipe's scope computes in FP8 whatever its shape (TE needs the input's rows to be a
+    # multiple of 8 and its features of 16: utils.py assert_dim_for_fp8_exec; MLA's kv_down_proj, H -> 576, too);
+    # False: fp4moe keeps a dense linear whose features are not multiples of 128 in BF16.
+    fp8_any_shape: bool = False
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
@@ -423,12 +430,14 @@ class _Ledger:
 
 
 def _linear_input(led: _Ledger, src: str, consumer: str, m: int, k: int, kind: str, recipe: Recipe,
-                  mp: int | None = None, n_out: int | None = None) -> None:
+                  a: MemoryAssumptions, mp: int | None = None, n_out: int | None = None) -> None:
     """A linear ``[k] -> [n_out]`` that reads the saved tensor ``src`` [m, k]: a BF16 linear holds ``src``; an FP8
     one saves its own quantized copy ``<consumer>_q`` (FP8 row+col, or MXFP4 under save_fp4) and does not hold
-    ``src``. A dense linear whose in or out features are not multiples of 128 stays BF16
-    (``fp4moe.model.build.apply_fp8_dense_linears``; MLA's kv_down_proj, H -> kv_lora + rope = 576, is one)."""
-    blockable = kind != "dense" or n_out is None or (k % FP8_GROUP == 0 and n_out % FP8_GROUP == 0)
+    ``src``. In fp4moe a dense linear whose in or out features are not multiples of 128 stays BF16
+    (``fp4moe.model.build.apply_fp8_dense_linears``; MLA's kv_down_proj, H -> kv_lora + rope = 576, is one); with
+    ``a.fp8_any_shape`` (Transformer Engine) it is FP8 too."""
+    blockable = (a.fp8_any_shape or kind != "dense" or n_out is None
+                 or (k % FP8_GROUP == 0 and n_out % FP8_GROUP == 0))
     if recipe.fp8_compute and recipe.applies_to(kind) and blockable:
         if recipe.save_fp4:
             led.add(f"{consumer}_q", (m, k), "mxfp4", mxfp4_bytes(m, k), {consumer})
@@ -444,27 +453,27 @@ def _norm(led: _Ledger, prefix: str, norm: str, t: int, width: int, out_holders=
     led.add(f"{prefix}.ln_out", (t, width), "bf16", BF16 * t * width, set(out_holders), tag="ln_out")
 
 
-def _attention(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
+def _attention(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
     t, th, n = d.t_tok, d.t_hid, d.n // d.tp
     qk = d.nope + d.rope
     _norm(led, "attn", "input_ln", th, d.h)
     if d.q_lora:
-        _linear_input(led, "attn.ln_out", "attn.q_down_in", th, d.h, "dense", recipe)
+        _linear_input(led, "attn.ln_out", "attn.q_down_in", th, d.h, "dense", recipe, a)
         led.add("attn.q_latent", (t, d.q_lora), "bf16", BF16 * t * d.q_lora, {"q_ln"})
         led.add("attn.q_ln_rstd", (t,), "fp32", FP32 * t, {"q_ln"})
         led.add("attn.q_ln_out", (t, d.q_lora), "bf16", BF16 * t * d.q_lora, set())
-        _linear_input(led, "attn.q_ln_out", "attn.q_up_in", t, d.q_lora, "dense", recipe)
+        _linear_input(led, "attn.q_ln_out", "attn.q_up_in", t, d.q_lora, "dense", recipe, a)
     else:
-        _linear_input(led, "attn.ln_out", "attn.q_proj_in", th, d.h, "dense", recipe)
-    _linear_input(led, "attn.ln_out", "attn.kv_down_in", th, d.h, "dense", recipe, n_out=d.kv_lora + d.rope)
+        _linear_input(led, "attn.ln_out", "attn.q_proj_in", th, d.h, "dense", recipe, a)
+    _linear_input(led, "attn.ln_out", "attn.kv_down_in", th, d.h, "dense", recipe, a, n_out=d.kv_lora + d.rope)
     led.add("attn.kv_latent", (t, d.kv_lora + d.rope), "bf16", BF16 * t * (d.kv_lora + d.rope), {"kv_ln"})
     led.add("attn.kv_ln_rstd", (t,), "fp32", FP32 * t, {"kv_ln"})
     led.add("attn.kv_ln_out", (t, d.kv_lora), "bf16", BF16 * t * d.kv_lora, set())
-    _linear_input(led, "attn.kv_ln_out", "attn.kv_up_in", t, d.kv_lora, "dense", recipe)
+    _linear_input(led, "attn.kv_ln_out", "attn.kv_up_in", t, d.kv_lora, "dense", recipe, a)
     for name, w in (("q", qk), ("k", qk), ("v", d.v)):
         led.add(f"attn.{name}", (t, n, w), "bf16", BF16 * t * n * w, {"core_attn"})
     led.add("attn.o", (t, n * d.v), "bf16", BF16 * t * n * d.v, {"core_attn"})
-    _linear_input(led, "attn.o", "attn.proj_in", t, n * d.v, "dense", recipe)
+    _linear_input(led, "attn.o", "attn.proj_in", t, n * d.v, "dense", recipe, a)
     led.add("attn.lse", (n, t), "fp32", FP32 * n * t, {"core_attn"})
     # MLA's RoPE: cos and sin [seq, 1, 1, rope] fp32 saved by the rotary application of every layer; sized by the
     # sequence, not by the micro-batch (the H200 probe: 8 388 608 B = 4 layers x 2 x 4096 x 64 x 4 at micro-batch 8
@@ -472,13 +481,13 @@ def _attention(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
     led.add("attn.rope_cos_sin", (2, d.seq, d.rope), "fp32", 2 * FP32 * d.seq * d.rope, {"rope"})
 
 
-def _dense_mlp(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
+def _dense_mlp(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
     th, f = d.t_hid, d.ffn // d.tp
     _norm(led, "mlp", "pre_mlp_ln", th, d.h)
-    _linear_input(led, "mlp.ln_out", "mlp.fc1_in", th, d.h, "dense", recipe)
+    _linear_input(led, "mlp.ln_out", "mlp.fc1_in", th, d.h, "dense", recipe, a)
     led.add("mlp.swiglu_in", (d.t_tok, 2 * f), "bf16", BF16 * d.t_tok * 2 * f, {"mlp.swiglu"})
     led.add("mlp.fc2_in", (d.t_tok, f), "bf16", BF16 * d.t_tok * f, set())
-    _linear_input(led, "mlp.fc2_in", "mlp.fc2", d.t_tok, f, "dense", recipe)
+    _linear_input(led, "mlp.fc2_in", "mlp.fc2", d.t_tok, f, "dense", recipe, a)
 
 
 def _expert_rows(d: _Dims, padding: str = "balanced", counts: tuple = ()) -> tuple[int, int, int]:
@@ -498,10 +507,10 @@ def _expert_rows(d: _Dims, padding: str = "balanced", counts: tuple = ()) -> tup
     return r, el, el * _pad128(per)
 
 
-def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced", counts: tuple = ()) -> None:
+def _moe(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
     t, th = d.t_tok, d.t_hid
     h, f, fs = d.h, d.f // d.etp, d.fs // d.tp
-    r, _, mp = _expert_rows(d, padding, counts)
+    r, _, mp = _expert_rows(d, a.expert_padding, a.expert_counts)
     _norm(led, "moe", "pre_mlp_ln", th, h, out_holders={"router"})
     # megatron-core 0.16.1's sigmoid top-k router with the sequence aux loss (moe/router.py, moe_utils.py), as
     # listed by fp4moe.ops.accounting on the model (plain torch ops, the same on CPU and GPU):
@@ -539,7 +548,7 @@ def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced", coun
         led.add("moe.expert_fc2_in", (r, f), "fp8_row_col", fp8_row_col_bytes(r, f, mp), {"experts"})
     led.add("moe.expert_probs", (r,), "fp32", FP32 * r, {"experts"})
     if fs:
-        _linear_input(led, "moe.ln_out", "moe.shared_fc1_in", th, h, "shared_expert", recipe)
+        _linear_input(led, "moe.ln_out", "moe.shared_fc1_in", th, h, "shared_expert", recipe, a)
         # the fused SwiGLU saves its input: BF16, or MXFP4 under activation_fp4_store (the shared expert too, as
         # fp4moe.model.recipe_moe builds it: measured on the model with fp4moe.ops.accounting)
         if recipe.activation_fp4_store:
@@ -547,7 +556,7 @@ def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced", coun
         else:
             led.add("moe.shared_swiglu_in", (t, 2 * fs), "bf16", BF16 * t * 2 * fs, {"shared.swiglu"})
         led.add("moe.shared_fc2_in", (t, fs), "bf16", BF16 * t * fs, set())
-        _linear_input(led, "moe.shared_fc2_in", "moe.shared_fc2", t, fs, "shared_expert", recipe)
+        _linear_input(led, "moe.shared_fc2_in", "moe.shared_fc2", t, fs, "shared_expert", recipe, a)
 
 
 def _to_mxfp4(led: _Ledger, name: str) -> None:
@@ -633,11 +642,11 @@ def layer_saved_tensors(cfg: Any, kind: str, scope: str | None = None,
     recipe = Recipe.from_config(cfg.precision)
     scope = scope or _scope(cfg)
     led = _Ledger()
-    _attention(led, d, recipe)
+    _attention(led, d, recipe, a)
     if kind == "dense":
-        _dense_mlp(led, d, recipe)
+        _dense_mlp(led, d, recipe, a)
     elif kind == "moe":
-        _moe(led, d, recipe, a.expert_padding, a.expert_counts)
+        _moe(led, d, recipe, a)
     else:
         raise ValueError(f"kind={kind!r}: 'dense' or 'moe'")
     _apply_scope(led, kind, scope, d, recipe, a)
@@ -733,15 +742,16 @@ def _stage_params(letters: str, first_layer: int, d: _Dims) -> tuple[float, floa
     return dense, expert
 
 
-def _fp8_matrix_bytes(n: int, k: int) -> int:
-    """The cached FP8 copies of one [N, K] weight (fprop + dgrad data, their 128x128 FP32 scales); 0 for a matrix
-    that is not a multiple of 128 both ways (it stays BF16: fp4moe.model.build.apply_fp8_dense_linears)."""
-    if n % FP8_GROUP or k % FP8_GROUP or not n or not k:
+def _fp8_matrix_bytes(n: int, k: int, any_shape: bool = False) -> int:
+    """The cached FP8 copies of one [N, K] weight (fprop + dgrad data, their 128x128 FP32 scales, one per started
+    block); 0 for a matrix that is not a multiple of 128 both ways (it stays BF16 in fp4moe:
+    fp4moe.model.build.apply_fp8_dense_linears) unless ``any_shape`` (``MemoryAssumptions.fp8_any_shape``)."""
+    if not n or not k or (not any_shape and (n % FP8_GROUP or k % FP8_GROUP)):
         return 0
-    return 2 * n * k + 2 * 4 * (n // FP8_GROUP) * (k // FP8_GROUP)
+    return 2 * n * k + 2 * 4 * (-(-n // FP8_GROUP)) * (-(-k // FP8_GROUP))
 
 
-def _fp8_weight_cache_bytes(letters: str, first_layer: int, d: _Dims, recipe: Recipe) -> int:
+def _fp8_weight_cache_bytes(letters: str, first_layer: int, d: _Dims, recipe: Recipe, any_shape: bool = False) -> int:
     """``train.fp8_weight_cache``: bytes of the FP8 weight copies one GPU of a stage holds (every matrix the recipe
     computes in FP8; dense matrices / TP, expert matrices / ETP)."""
     if not recipe.fp8_compute:
@@ -752,7 +762,7 @@ def _fp8_weight_cache_bytes(letters: str, first_layer: int, d: _Dims, recipe: Re
     dense_on, shared_on = recipe.applies_to("dense"), recipe.applies_to("shared_expert")
 
     def mats(pairs, div):
-        return sum(_fp8_matrix_bytes(n, k) for n, k in pairs) // div
+        return sum(_fp8_matrix_bytes(n, k, any_shape) for n, k in pairs) // div
 
     attn_b = mats(attn, d.tp) if dense_on else 0
     shared_b = mats([(2 * d.fs, d.h), (d.h, d.fs)], d.tp) if shared_on and d.fs else 0
@@ -1120,7 +1130,7 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
         tensors, trans, has_moe, act_sum, wcache = [], 0, False, 0, 0
         for i in chunks:
             if weight_cache:
-                wcache += _fp8_weight_cache_bytes(stages[i], firsts[i], d, recipe)
+                wcache += _fp8_weight_cache_bytes(stages[i], firsts[i], d, recipe, a.fp8_any_shape)
             dn, ex = _stage_params(stages[i], firsts[i], d)
             dense_p, expert_p = dense_p + dn, expert_p + ex
             ts, tr, hm = chunk(i)
