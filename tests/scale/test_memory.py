@@ -518,3 +518,22 @@ def test_fp8_any_shape_puts_kv_down_proj_in_fp8():
     cfg.train = {"fp8_weight_cache": True}
     cache = {on: per_gpu_memory(cfg, MemoryAssumptions(fp8_any_shape=on)).fp8_weight_cache_bytes for on in (0, 1)}
     assert cache[True] - cache[False] == 4 * (2 * 576 * 2048 + 2 * 4 * 5 * 16)   # kv_down of the proxy's 4 layers
+
+
+def test_te_weight_workspaces_are_the_fp8_weight_cache():
+    """TE caches every FP8 weight's copies for the run: the same bytes as fp4moe's train.fp8_weight_cache, none
+    under bf16, on every pipeline stage; the rest of the breakdown is unchanged."""
+    def cfg_of(rec):
+        cfg = compose_cfg("dsv3_671b", "paper_671b", "mla_up_proj", rec, "offload")
+        cfg.precision.scope = "all_linears"   # T1's scope: the dense layers' linears too
+        return cfg
+
+    for rec in RECIPES:
+        cfg = cfg_of(rec)
+        te = per_stage_memory(cfg, MemoryAssumptions(fp8_weight_workspaces=True))
+        cfg.train = {"fp8_weight_cache": True}
+        own = per_stage_memory(cfg)
+        assert [b.fp8_weight_cache_bytes for b in te] == [b.fp8_weight_cache_bytes for b in own]
+        assert all((b.fp8_weight_cache_bytes > 0) == (rec != "bf16" and "t" in b.stage_letters) for b in te)
+        plain = per_stage_memory(cfg_of(rec))
+        assert [b.allocated_bytes - b.fp8_weight_cache_bytes for b in te] == [b.allocated_bytes for b in plain]

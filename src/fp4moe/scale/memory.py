@@ -27,9 +27,10 @@ before that group, the archived runs' params, falls back to ``parallel.distribut
                    owned element instead of 12); the offloaded share lives in host memory (``optimizer_host``, not
                    in the GPU total)
 
-    FP8 weight copies  with ``train.fp8_weight_cache`` (fp4moe.ops.weight_cache): every FP8-computed [N, K]
-                   weight's 128x128 copies for fprop and dgrad, ``2 N K + 8 N K / 128^2`` B, held from the first
-                   forward of a step to the next step (``fp8_weight_cache``); 0 without the cache
+    FP8 weight copies  with ``train.fp8_weight_cache`` (fp4moe.ops.weight_cache) or Transformer Engine's weight
+                   workspaces (``MemoryAssumptions.fp8_weight_workspaces``, the lab's stack): every FP8-computed
+                   [N, K] weight's 128x128 copies for fprop and dgrad, ``2 N K + 8 N K / 128^2`` B, held from the
+                   first forward of a step to the next step (``fp8_weight_cache``); 0 without either
 
 The distributed optimizer gives the data-parallel ranks of a stage slightly different shares (bucket padding):
 each pipeline rank's Breakdown is its most loaded data-parallel rank's, ``optimizer_mean_bytes`` the mean over its
@@ -283,6 +284,11 @@ class MemoryAssumptions:
     # multiple of 8 and its features of 16: utils.py assert_dim_for_fp8_exec; MLA's kv_down_proj, H -> 576, too);
     # False: fp4moe keeps a dense linear whose features are not multiples of 128 in BF16.
     fp8_any_shape: bool = False
+    # True: every FP8 linear keeps its weight's FP8 copies (rows for fprop, columns for dgrad, 128 x 128 scales) for
+    # the whole run, as with ``train.fp8_weight_cache``: megatron's TE wrappers pass ``is_first_microbatch`` (not
+    # None unless --disable-parameter-transpose-cache) and TE then caches the quantized weight in the module
+    # (linear.py / grouped_linear.py ``get_weight_workspace(cache_name="weight")``), updated in place each step.
+    fp8_weight_workspaces: bool = False
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
@@ -829,7 +835,7 @@ class Breakdown:
     # parameters after that layer (fp4moe.train without pipelining keeps each .grad until the step) minus the saved
     # activations of the layers after it (freed by then); > 0 when the scope saves little (full), else 0
     backward_depth_bytes: int = 0
-    # the FP8 weight copies of train.fp8_weight_cache (part (a)); 0 without the cache
+    # the FP8 weight copies of train.fp8_weight_cache or TE's weight workspaces (part (a)); 0 without either
     fp8_weight_cache_bytes: int = 0
     optimizer_mean_bytes: int = 0  # optimizer state on the GPU, mean over the stage's data-parallel ranks
     optimizer_host_bytes: int = 0  # the offloaded optimizer state in host memory (this rank's; not in the totals)
@@ -1084,7 +1090,7 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
     micro = int(p.micro_batch) * int(p.data)
     n_micro = max(1, int(p.global_batch) // micro)
     stages = _stages(cfg)
-    weight_cache = bool(OmegaConf.select(cfg, "train.fp8_weight_cache", default=False))
+    weight_cache = bool(OmegaConf.select(cfg, "train.fp8_weight_cache", default=False)) or a.fp8_weight_workspaces
     if len(stages) != pp * vpp:
         raise ValueError(f"{len(stages)} pipeline stages for pipeline x virtual_pipeline = {pp * vpp}")
     # first transformer-layer index of every stage
