@@ -537,3 +537,24 @@ def test_te_weight_workspaces_are_the_fp8_weight_cache():
         assert all((b.fp8_weight_cache_bytes > 0) == (rec != "bf16" and "t" in b.stage_letters) for b in te)
         plain = per_stage_memory(cfg_of(rec))
         assert [b.allocated_bytes - b.fp8_weight_cache_bytes for b in te] == [b.allocated_bytes for b in plain]
+
+
+def test_fp8_saves_columnwise_keeps_the_wgrad_copy_only():
+    """TE's FP8 linears save the column-wise copy of their input only ([K, M] E4M3 + one FP32 scale per 1x128 group
+    along M): the dense linears, the shared expert and the routed experts (1024 rows each, no padding) of the fp8
+    recipe; MXFP4-saved inputs and BF16 are unchanged."""
+    t, r, h = 4096, 4096 * 8, 2048
+    a = MemoryAssumptions(fp8_saves_columnwise=True)
+    te = {x.name: x for x in layer_saved_tensors(_proxy(precision="fp8"), "moe", "none", a)}
+    own = {x.name: x for x in layer_saved_tensors(_proxy(precision="fp8"), "moe", "none")}
+    assert (te["moe.expert_fc1_in"].fmt, te["moe.expert_fc1_in"].bytes) == ("fp8_col", h * r + 4 * h * r // 128)
+    assert te["attn.q_down_in_q"].bytes == h * t + 4 * h * t // 128 == memory.fp8_col_bytes(t, h)
+    assert te["moe.shared_fc1_in_q"].bytes == memory.fp8_col_bytes(t, h)
+    for name, x in own.items():
+        col = {"fp8_row_col": "fp8_col"}.get(x.fmt, x.fmt)
+        assert te[name].fmt == col and (te[name].bytes < x.bytes if x.fmt == "fp8_row_col" else te[name].bytes == x.bytes)
+    for rec in ("bf16", "mxfp4"):
+        assert (_layer_bytes(_proxy(precision=rec), "moe", "none", fp8_saves_columnwise=True)
+                == _layer_bytes(_proxy(precision=rec), "moe", "none"))
+    assert memory.fp8_col_bytes(100, 256) == 256 * 100 + 4 * 256          # one started group of 128 rows
+    assert te["moe.shared_fc2_q"].bytes == memory.fp8_col_bytes(t, 1024)   # the shared expert's fc2 input [T, Fs]

@@ -51,9 +51,10 @@ paper's likely layout; approximate otherwise: megatron duplicates some MLA down-
 T = micro_batch x seq_length / CP tokens on the GPU (/ TP as well for hidden-size tensors with sequence
 parallelism); R = T x topk rows reach the experts of a GPU (balanced routing: each GPU sends T x k rows and, on
 average, receives as many). Per element: bf16 2 B, fp32 4 B, int64 8 B; a GEMM input saved by an FP8 linear
-as FP8 rows + FP8 columns (Transformer Engine Float8BlockScaling, our ``fp8_linear``) costs
-``M K + 4 M K/128 + K Mp + 4 K Mp/128`` (~2.06 B/elem; Mp = rows padded to 128 per expert); saved as MXFP4
-(``save_fp4``) ``M K/2 + M K/32`` (0.53 B/elem). These are the formulas of ``fp4moe.ops.fp8_linear
+as FP8 rows + FP8 columns (Float8BlockScaling's 1x128 groups, our ``fp8_linear``) costs
+``M K + 4 M K/128 + K Mp + 4 K Mp/128`` (~2.06 B/elem; Mp = rows padded to 128 per expert); the columns alone
+(Transformer Engine, ``MemoryAssumptions.fp8_saves_columnwise``) ``K M + 4 K Mp/128`` (~1.03 B/elem); saved as
+MXFP4 (``save_fp4``) ``M K/2 + M K/32`` (0.53 B/elem). These are the formulas of ``fp4moe.ops.fp8_linear
 .linear_saved_bytes``, ``fp4moe.ops.grouped_experts.expert_saved_bytes`` (checked equal in the tests).
 
 A tensor held by several consumers is counted once (a ledger of holders; a recompute scope removes holders or
@@ -289,6 +290,11 @@ class MemoryAssumptions:
     # None unless --disable-parameter-transpose-cache) and TE then caches the quantized weight in the module
     # (linear.py / grouped_linear.py ``get_weight_workspace(cache_name="weight")``), updated in place each step.
     fp8_weight_workspaces: bool = False
+    # True: an FP8 linear keeps only the column-wise FP8 copy of its input for backward (the wgrad operand; TE drops
+    # the rows it used in fprop: linear.py "Discard row-wise data since it is not needed in backward pass",
+    # grouped_linear.py and layernorm_linear.py ``update_usage(rowwise_usage=False)``); False: fp4moe's fp8_linear and
+    # grouped experts keep rows and columns. No effect on MXFP4-saved inputs (save_fp4).
+    fp8_saves_columnwise: bool = False
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
@@ -448,9 +454,25 @@ def _linear_input(led: _Ledger, src: str, consumer: str, m: int, k: int, kind: s
         if recipe.save_fp4:
             led.add(f"{consumer}_q", (m, k), "mxfp4", mxfp4_bytes(m, k), {consumer})
         else:
-            led.add(f"{consumer}_q", (m, k), "fp8_row_col", fp8_row_col_bytes(m, k, mp), {consumer})
+            fmt, nbytes = _fp8_saved(m, k, mp, a)
+            led.add(f"{consumer}_q", (m, k), fmt, nbytes, {consumer})
     else:
         led.t[src].holders.add(consumer)
+
+
+def fp8_col_bytes(m: int, k: int, mp: int | None = None) -> int:
+    """Transformer Engine's column-wise FP8 copy of an [m, k] input: E4M3 [k, m] + one FP32 scale per 1x128 group
+    along m (``mp``: m padded to 128 per segment, default one segment)."""
+    mp = _pad128(m) if mp is None else mp
+    return k * m + FP8_SCALE_BYTES * k * (mp // FP8_GROUP)
+
+
+def _fp8_saved(m: int, k: int, mp: int | None, a: MemoryAssumptions) -> tuple[str, int]:
+    """(format, bytes) an FP8 linear saves of its [m, k] input: rows + columns (fp4moe), or the columns alone
+    (``a.fp8_saves_columnwise``, Transformer Engine)."""
+    if a.fp8_saves_columnwise:
+        return "fp8_col", fp8_col_bytes(m, k, mp)
+    return "fp8_row_col", fp8_row_col_bytes(m, k, mp)
 
 
 def _norm(led: _Ledger, prefix: str, norm: str, t: int, width: int, out_holders=()) -> None:
@@ -540,7 +562,7 @@ def _moe(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
     elif recipe.expert_input_fp4 or recipe.save_fp4:
         x_fmt, x_b = "mxfp4", mxfp4_bytes(r, h)
     else:
-        x_fmt, x_b = "fp8_row_col", fp8_row_col_bytes(r, h, mp)
+        x_fmt, x_b = _fp8_saved(r, h, mp, a)
     led.add("moe.expert_fc1_in", (r, h), x_fmt, x_b, {"experts"})
     if recipe.activation_fp4_store:
         led.add("moe.expert_swiglu_in", (r, 2 * f), "mxfp4", mxfp4_bytes(r, 2 * f), {"experts"})
@@ -551,7 +573,7 @@ def _moe(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
     elif recipe.save_fp4:
         led.add("moe.expert_fc2_in", (r, f), "mxfp4", mxfp4_bytes(r, f), {"experts"})
     else:
-        led.add("moe.expert_fc2_in", (r, f), "fp8_row_col", fp8_row_col_bytes(r, f, mp), {"experts"})
+        led.add("moe.expert_fc2_in", (r, f), *_fp8_saved(r, f, mp, a), {"experts"})
     led.add("moe.expert_probs", (r,), "fp32", FP32 * r, {"experts"})
     if fs:
         _linear_input(led, "moe.ln_out", "moe.shared_fc1_in", th, h, "shared_expert", recipe, a)
@@ -1189,5 +1211,5 @@ def mean_total_bytes(stages: list[Breakdown]) -> int:
 
 
 __all__ = ["GB", "SCOPES", "Breakdown", "MemoryAssumptions", "SavedTensor", "compose_cfg", "experiment_cfg",
-           "fp8_row_col_bytes", "layer_saved_tensors", "mean_total_bytes", "mxfp4_bytes", "NOT_IN_STANDALONE_LAYER",
+           "fp8_col_bytes", "fp8_row_col_bytes", "layer_saved_tensors", "mean_total_bytes", "mxfp4_bytes", "NOT_IN_STANDALONE_LAYER",
            "per_gpu_memory", "per_stage_memory", "standalone_moe_layer_peak"]
