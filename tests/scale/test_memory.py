@@ -558,3 +558,24 @@ def test_fp8_saves_columnwise_keeps_the_wgrad_copy_only():
                 == _layer_bytes(_proxy(precision=rec), "moe", "none"))
     assert memory.fp8_col_bytes(100, 256) == 256 * 100 + 4 * 256          # one started group of 128 rows
     assert te["moe.shared_fc2_q"].bytes == memory.fp8_col_bytes(t, 1024)   # the shared expert's fc2 input [T, Fs]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_save_original_input_under_the_layernorm_recompute(recipe):
+    """With megatron's set_save_original_input the FP8 linears that read a norm's discarded output (q_down, kv_down,
+    the dense fc1, the shared expert's fc1) keep nothing of their own under attn_ln_*: their quantized copies leave
+    the ledger, exactly those; other scopes and bf16 are unchanged."""
+    a = MemoryAssumptions(save_original_input=True, fp8_any_shape=True)
+    cfg = _proxy(precision=recipe)
+    for kind in ("dense", "moe"):
+        for scope in ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "none"):
+            te = {x.name for x in layer_saved_tensors(cfg, kind, scope, a)}
+            own = {x.name for x in layer_saved_tensors(cfg, kind, scope, replace(a, save_original_input=False))}
+            gone = own - te
+            assert te <= own
+            if recipe == "bf16" or scope in ("mla_up_proj", "none"):
+                assert not gone
+            else:
+                mlp = {"mlp.fc1_in_q"} if scope == "attn_ln_experts" else set()   # attn_ln_mlp: checkpointed
+                assert gone == {"attn.q_down_in_q", "attn.kv_down_in_q"} | (
+                    mlp if kind == "dense" else {"moe.shared_fc1_in_q"})

@@ -136,6 +136,16 @@ storage with a copy (2 x [T,H] bf16), plus the decoded input [T,H] when its cach
 input norm's recomputation runs later, in the attention's backward. A dense layer's is (saved under none - saved
 under scope).
 
+The lab's stack: the paper's runs used megatron-core with Transformer Engine 2.8 and the paper release's patches,
+not fp4moe's own linears and experts. Where that code keeps other bytes, a ``MemoryAssumptions`` switch says so
+(each off by default, i.e. fp4moe's code as calibration.md checks it; ``LAB_STACK`` turns all of them on):
+
+    fp8_any_shape           every linear FP8 whatever its shape (kv_down_proj, H -> 576, too)
+    fp8_weight_workspaces   every FP8 linear's weight copies cached for the run (part (a))
+    fp8_saves_columnwise    an FP8 linear saves the column-wise copy of its input only (~1.03 B/elem)
+    save_original_input     under the layernorm recompute, the FP8 linears reading a discarded norm output save
+                            that output (refilled by the recompute), no copy of their own
+
 (c) Micro-batches in flight (1F1B)
 ----------------------------------
 M = global_batch / (micro_batch x DP) micro-batches per step. Without interleaving, pipeline rank r holds the
@@ -295,6 +305,13 @@ class MemoryAssumptions:
     # grouped_linear.py and layernorm_linear.py ``update_usage(rowwise_usage=False)``); False: fp4moe's fp8_linear and
     # grouped experts keep rows and columns. No effect on MXFP4-saved inputs (save_fp4).
     fp8_saves_columnwise: bool = False
+    # True: under the layernorm recompute (attn_ln_*) an FP8 linear that reads a norm's discarded output saves that
+    # original input (its storage refilled by the recompute) instead of a quantized copy of its own: megatron's
+    # TransformerLayer calls ``set_save_original_input`` on q_down / kv_down (MLA's
+    # ``set_for_recompute_input_layernorm``), the shared expert's fc1 (MoELayer's
+    # ``set_for_recompute_pre_mlp_layernorm``) and a dense MLP's fc1 behind a separate norm, whenever config.fp8 is
+    # set (fp8 and mxfp4; TE's save_fp4 requires ``not save_original_input``). False: fp4moe saves its own copy.
+    save_original_input: bool = False
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
@@ -412,7 +429,8 @@ def _dims(cfg: DictConfig, rows_factor: float = 1.0) -> _Dims:
 @dataclass
 class SavedTensor:
     """One tensor saved for backward: ``bytes`` for one micro-batch; ``holders`` the autograd nodes / checkpoints
-    that keep it; ``tag`` 'ln_out' / 'ln_rstd' marks what an output-discarding layernorm recompute frees."""
+    that keep it; ``tag`` 'ln_out' / 'ln_rstd' marks what an output-discarding layernorm recompute frees; ``source``
+    the saved tensor a linear's quantized copy was made from ('' for the others)."""
 
     name: str
     shape: tuple
@@ -420,14 +438,15 @@ class SavedTensor:
     bytes: int
     holders: set = field(default_factory=set)
     tag: str = ""
+    source: str = ""
 
 
 class _Ledger:
     def __init__(self):
         self.t: dict[str, SavedTensor] = {}
 
-    def add(self, name, shape, fmt, nbytes, holders, tag=""):
-        self.t[name] = SavedTensor(name, tuple(shape), fmt, int(nbytes), set(holders), tag)
+    def add(self, name, shape, fmt, nbytes, holders, tag="", source=""):
+        self.t[name] = SavedTensor(name, tuple(shape), fmt, int(nbytes), set(holders), tag, source)
 
     def drop(self, *names):
         for n in names:
@@ -452,10 +471,10 @@ def _linear_input(led: _Ledger, src: str, consumer: str, m: int, k: int, kind: s
                  or (k % FP8_GROUP == 0 and n_out % FP8_GROUP == 0))
     if recipe.fp8_compute and recipe.applies_to(kind) and blockable:
         if recipe.save_fp4:
-            led.add(f"{consumer}_q", (m, k), "mxfp4", mxfp4_bytes(m, k), {consumer})
+            led.add(f"{consumer}_q", (m, k), "mxfp4", mxfp4_bytes(m, k), {consumer}, source=src)
         else:
             fmt, nbytes = _fp8_saved(m, k, mp, a)
-            led.add(f"{consumer}_q", (m, k), fmt, nbytes, {consumer})
+            led.add(f"{consumer}_q", (m, k), fmt, nbytes, {consumer}, source=src)
     else:
         led.t[src].holders.add(consumer)
 
@@ -603,9 +622,11 @@ def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, 
         return
     if scope in ("attn_ln_experts", "attn_ln_mlp"):
         # layernorm (output-discarding): outputs and rstd freed, inputs kept.
-        for s in list(led.t.values()):
-            if s.tag in ("ln_out", "ln_rstd"):
-                del led.t[s.name]
+        freed = [s.name for s in led.t.values() if s.tag in ("ln_out", "ln_rstd")]
+        led.drop(*freed)
+        if a.save_original_input and recipe.fp8_compute:
+            # the FP8 linears reading a discarded output keep that output, not a copy of their own
+            led.drop(*[s.name for s in led.t.values() if s.source in freed])
         # attention
         if a.attn_recompute == "core_attn":
             led.drop("attn.lse")
