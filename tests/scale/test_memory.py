@@ -579,3 +579,32 @@ def test_save_original_input_under_the_layernorm_recompute(recipe):
                 mlp = {"mlp.fc1_in_q"} if scope == "attn_ln_experts" else set()   # attn_ln_mlp: checkpointed
                 assert gone == {"attn.q_down_in_q", "attn.kv_down_in_q"} | (
                     mlp if kind == "dense" else {"moe.shared_fc1_in_q"})
+
+
+def test_fused_norm_linears():
+    """TE's LayerNormLinear: the dense layer's pre-MLP norm keeps its input, 1/rms and fc1's own copy of its output
+    under the layernorm recompute (BF16, or FP8 columns under fp8 and mxfp4: no save_fp4 hook); MLA's q / kv up-
+    projections save an FP8 copy of their norm's output instead of MXFP4; under mla_up_proj the checkpoint holds the
+    latents q [T, q_lora] and kv [T, kv_lora + rope] and no norm tensor."""
+    t, h, ql = 4096, 2048, 768
+    a = MemoryAssumptions(fused_norm_linears=True, fp8_saves_columnwise=True)
+    for rec in RECIPES:
+        ts = {x.name: x for x in layer_saved_tensors(_proxy(precision=rec), "dense", "attn_ln_experts", a)}
+        assert ts["mlp.ln_in"].bytes == 2 * t * h and ts["mlp.ln_rstd"].bytes == 4 * t
+        if rec == "bf16":
+            assert ts["mlp.ln_out"].bytes == 2 * t * h and "mlp.fc1_in_q" not in ts
+        else:
+            assert (ts["mlp.fc1_in_q"].fmt, ts["mlp.fc1_in_q"].bytes) == ("fp8_col", memory.fp8_col_bytes(t, h))
+            assert "mlp.ln_out" not in ts
+        alm = {x.name for x in layer_saved_tensors(_proxy(precision=rec), "dense", "attn_ln_mlp", a)}
+        assert {n for n in alm if n.startswith("mlp.")} == {"mlp.ln_in"}   # the mlp checkpoint's input
+        none = {x.name: x for x in layer_saved_tensors(_proxy(precision=rec), "dense", "none", a)}
+        if rec != "bf16":
+            assert none["attn.q_up_in_q"].fmt == "fp8_col" == none["attn.kv_up_in_q"].fmt
+        mla = {x.name: x for x in layer_saved_tensors(_proxy(precision=rec), "moe", "mla_up_proj", a)}
+        assert mla["attn.q_latent"].holders == {"mla_up_proj_ckpt"} == mla["attn.kv_latent"].holders
+        size = memory.mxfp4_bytes if rec == "mxfp4" else (lambda m, k: 2 * m * k)   # the preset's recompute caches
+        assert (mla["attn.q_latent"].bytes, mla["attn.kv_latent"].bytes) == (size(t, ql), size(t, 512 + 64))
+        assert not {"attn.q_ln_out", "attn.kv_ln_out", "attn.q_ln_rstd", "attn.kv_ln_rstd"} & set(mla)
+    own = {x.name: x for x in layer_saved_tensors(_proxy(precision="mxfp4"), "dense", "none")}
+    assert own["attn.q_up_in_q"].fmt == "mxfp4" and own["mlp.ln_rstd"].tag == "ln_rstd"   # fp4moe's separate norms

@@ -145,6 +145,9 @@ not fp4moe's own linears and experts. Where that code keeps other bytes, a ``Mem
     fp8_saves_columnwise    an FP8 linear saves the column-wise copy of its input only (~1.03 B/elem)
     save_original_input     under the layernorm recompute, the FP8 linears reading a discarded norm output save
                             that output (refilled by the recompute), no copy of their own
+    fused_norm_linears      the dense pre-MLP norm and MLA's q / kv norms inside TE LayerNormLinears: not
+                            recomputed by 'layernorm', their output saved as an FP8 copy under fp8 and mxfp4; the
+                            mla_up_proj checkpoint holds the latents before the norms
 
 (c) Micro-batches in flight (1F1B)
 ----------------------------------
@@ -312,6 +315,14 @@ class MemoryAssumptions:
     # ``set_for_recompute_pre_mlp_layernorm``) and a dense MLP's fc1 behind a separate norm, whenever config.fp8 is
     # set (fp8 and mxfp4; TE's save_fp4 requires ``not save_original_input``). False: fp4moe saves its own copy.
     save_original_input: bool = False
+    # True: the norms that feed a single linear are fused into it (megatron's TE layer spec: a dense layer's pre-MLP
+    # norm into fc1, MLA's q / kv layernorms into q_up / kv_up, all ``TELayerNormColumnParallelLinear``; the dense
+    # layer's pre_mlp_layernorm is an IdentityOp, so the layernorm recompute leaves it alone). Such a linear saves
+    # the norm's input, 1/rms and its own copy of the norm output: BF16, or FP8 under fp8 and mxfp4 alike (the
+    # release's TE patch gives save_fp4 to Linear and GroupedLinear only, not to layernorm_linear.py). The
+    # mla_up_proj checkpoint then holds the q / kv latents before their norms (the norms run inside it). False:
+    # fp4moe's separate norms.
+    fused_norm_linears: bool = False
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
@@ -494,10 +505,24 @@ def _fp8_saved(m: int, k: int, mp: int | None, a: MemoryAssumptions) -> tuple[st
     return "fp8_row_col", fp8_row_col_bytes(m, k, mp)
 
 
-def _norm(led: _Ledger, prefix: str, norm: str, t: int, width: int, out_holders=()) -> None:
+def _norm(led: _Ledger, prefix: str, norm: str, t: int, width: int, out_holders=(), fused: bool = False) -> None:
+    """A norm's saved tensors; ``fused``: inside a TE LayerNormLinear, whose output the layernorm recompute does not
+    discard (untagged)."""
     led.add(f"{prefix}.ln_in", (t, width), "bf16", BF16 * t * width, {norm})
-    led.add(f"{prefix}.ln_rstd", (t,), "fp32", FP32 * t, {norm}, tag="ln_rstd")
-    led.add(f"{prefix}.ln_out", (t, width), "bf16", BF16 * t * width, set(out_holders), tag="ln_out")
+    led.add(f"{prefix}.ln_rstd", (t,), "fp32", FP32 * t, {norm}, tag="" if fused else "ln_rstd")
+    led.add(f"{prefix}.ln_out", (t, width), "bf16", BF16 * t * width, set(out_holders), tag="" if fused else "ln_out")
+
+
+def _norm_linear_input(led: _Ledger, src: str, consumer: str, m: int, k: int, recipe: Recipe,
+                       a: MemoryAssumptions) -> None:
+    """The input a dense linear that follows a norm saves: ``_linear_input``, or with ``a.fused_norm_linears`` TE's
+    LayerNormLinear, which saves an FP8 copy of the norm output under fp8 and mxfp4 alike (no save_fp4 hook)."""
+    if not a.fused_norm_linears:
+        _linear_input(led, src, consumer, m, k, "dense", recipe, a)
+    elif recipe.fp8_compute and recipe.applies_to("dense"):
+        led.add(f"{consumer}_q", (m, k), *_fp8_saved(m, k, None, a), {consumer}, source=src)
+    else:
+        led.t[src].holders.add(consumer)
 
 
 def _attention(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
@@ -509,14 +534,14 @@ def _attention(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> 
         led.add("attn.q_latent", (t, d.q_lora), "bf16", BF16 * t * d.q_lora, {"q_ln"})
         led.add("attn.q_ln_rstd", (t,), "fp32", FP32 * t, {"q_ln"})
         led.add("attn.q_ln_out", (t, d.q_lora), "bf16", BF16 * t * d.q_lora, set())
-        _linear_input(led, "attn.q_ln_out", "attn.q_up_in", t, d.q_lora, "dense", recipe, a)
+        _norm_linear_input(led, "attn.q_ln_out", "attn.q_up_in", t, d.q_lora, recipe, a)
     else:
         _linear_input(led, "attn.ln_out", "attn.q_proj_in", th, d.h, "dense", recipe, a)
     _linear_input(led, "attn.ln_out", "attn.kv_down_in", th, d.h, "dense", recipe, a, n_out=d.kv_lora + d.rope)
     led.add("attn.kv_latent", (t, d.kv_lora + d.rope), "bf16", BF16 * t * (d.kv_lora + d.rope), {"kv_ln"})
     led.add("attn.kv_ln_rstd", (t,), "fp32", FP32 * t, {"kv_ln"})
     led.add("attn.kv_ln_out", (t, d.kv_lora), "bf16", BF16 * t * d.kv_lora, set())
-    _linear_input(led, "attn.kv_ln_out", "attn.kv_up_in", t, d.kv_lora, "dense", recipe, a)
+    _norm_linear_input(led, "attn.kv_ln_out", "attn.kv_up_in", t, d.kv_lora, recipe, a)
     for name, w in (("q", qk), ("k", qk), ("v", d.v)):
         led.add(f"attn.{name}", (t, n, w), "bf16", BF16 * t * n * w, {"core_attn"})
     led.add("attn.o", (t, n * d.v), "bf16", BF16 * t * n * d.v, {"core_attn"})
@@ -530,8 +555,8 @@ def _attention(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> 
 
 def _dense_mlp(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
     th, f = d.t_hid, d.ffn // d.tp
-    _norm(led, "mlp", "pre_mlp_ln", th, d.h)
-    _linear_input(led, "mlp.ln_out", "mlp.fc1_in", th, d.h, "dense", recipe, a)
+    _norm(led, "mlp", "pre_mlp_ln", th, d.h, fused=a.fused_norm_linears)
+    _norm_linear_input(led, "mlp.ln_out", "mlp.fc1_in", th, d.h, recipe, a)
     led.add("mlp.swiglu_in", (d.t_tok, 2 * f), "bf16", BF16 * d.t_tok * 2 * f, {"mlp.swiglu"})
     led.add("mlp.fc2_in", (d.t_tok, f), "bf16", BF16 * d.t_tok * f, set())
     _linear_input(led, "mlp.fc2_in", "mlp.fc2", d.t_tok, f, "dense", recipe, a)
@@ -651,14 +676,17 @@ def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, 
             if not recipe.fp8_compute:   # bf16: RecomputedSequentialMLP's checkpoint also keeps tokens_per_expert
                 led.add("moe.expert_ckpt_counts", (d.e // d.ep,), "int64", INT64 * (d.e // d.ep), {"moe_expert_ckpt"})
         if scope == "attn_ln_mlp" and kind == "dense":
-            led.drop_prefix("mlp.", keep=("mlp.ln_in",))  # mlp checkpoint input = mlp.ln_out, already freed
-        if scope == "attn_ln_mlp" and kind == "dense" and recipe.recompute_cache_fp4:
+            # mlp checkpoint input = mlp.ln_out, already freed (fused norm: the layer's hidden state, mlp.ln_in)
+            led.drop_prefix("mlp.", keep=("mlp.ln_in",))
+        if scope == "attn_ln_mlp" and kind == "dense" and recipe.recompute_cache_fp4 and not a.fused_norm_linears:
             # the mlp checkpoint keeps its argument, the (discarded) pre-MLP norm output: an MXFP4 copy survives
             led.add("mlp.ckpt_in", (d.t_hid, d.h), "mxfp4", mxfp4_bytes(d.t_hid, d.h), {"mlp_ckpt"})
         if recipe.recompute_cache_fp4:
             # the norm checkpoints' inputs and core attention's checkpointed q, k, v are stored MXFP4
             # (fp4moe.model.recompute: every checkpoint inside a TransformerLayer)
-            for name in ("attn.ln_in", "mlp.ln_in", "moe.ln_in", "attn.q", "attn.k", "attn.v"):
+            # (a fused dense pre-MLP norm has no checkpoint: its input stays BF16)
+            for name in ("attn.ln_in", "moe.ln_in", "attn.q", "attn.k", "attn.v") + (
+                    () if a.fused_norm_linears else ("mlp.ln_in",)):
                 if name in led.t and a.attn_recompute == "core_attn" or name.endswith("ln_in") and name in led.t:
                     _to_mxfp4(led, name)
         return
@@ -667,6 +695,17 @@ def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, 
         # (kept: the norms stay outside it, with their inputs and 1/rms); under recompute_cache_fp4 those inputs are
         # stored MXFP4 (fp4moe.model.recompute). The up-projections' own saved inputs and q, k, v are freed.
         led.drop("attn.q_up_in_q", "attn.kv_up_in_q", "attn.q", "attn.k", "attn.v")
+        if a.fused_norm_linears:
+            # the q / kv norms are inside the up-projections, inside the checkpoint: it holds their inputs, the
+            # latents (kv_latent with the RoPE key, a view of the same storage); the norms save nothing
+            led.drop("attn.q_ln_rstd", "attn.q_ln_out", "attn.kv_ln_rstd", "attn.kv_ln_out")
+            for name in ("attn.q_latent", "attn.kv_latent"):
+                if name in led.t:
+                    led.t[name].holders = {"mla_up_proj_ckpt"}
+                    if recipe.recompute_cache_fp4:
+                        _to_mxfp4(led, name)
+            led.add("attn.rope_cos_sin", (d.seq, d.rope), "fp32", FP32 * d.seq * d.rope, {"mla_up_proj_ckpt"})
+            return
         for name in ("attn.q_ln_out", "attn.kv_ln_out"):
             if name in led.t:
                 led.t[name].holders = {"mla_up_proj_ckpt"}
