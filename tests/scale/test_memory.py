@@ -608,3 +608,17 @@ def test_fused_norm_linears():
         assert not {"attn.q_ln_out", "attn.kv_ln_out", "attn.q_ln_rstd", "attn.kv_ln_rstd"} & set(mla)
     own = {x.name: x for x in layer_saved_tensors(_proxy(precision="mxfp4"), "dense", "none")}
     assert own["attn.q_up_in_q"].fmt == "mxfp4" and own["mlp.ln_rstd"].tag == "ln_rstd"   # fp4moe's separate norms
+
+
+def test_dense_swiglu_fp4_under_the_release_patch():
+    """The release's megatron patch stores the dense MLPs' SwiGLU input [T, 2 x 5376] MXFP4 under
+    activation_fp4_store (mxfp4); bf16 / fp8 and the MoE layers are unchanged."""
+    t, f = 4096, 5376
+    a = MemoryAssumptions(dense_swiglu_fp4=True)
+    ts = {x.name: x for x in layer_saved_tensors(_proxy(precision="mxfp4"), "dense", "none", a)}
+    assert (ts["mlp.swiglu_in"].fmt, ts["mlp.swiglu_in"].bytes) == ("mxfp4", t * 2 * f // 2 + t * 2 * f // 32)
+    assert (_layer_bytes(_proxy(precision="mxfp4"), "dense", "none")
+            - _layer_bytes(_proxy(precision="mxfp4"), "dense", "none", dense_swiglu_fp4=True)) == 2 * t * 2 * f - ts["mlp.swiglu_in"].bytes
+    for rec, kind in (("bf16", "dense"), ("fp8", "dense"), ("mxfp4", "moe")):
+        assert (_layer_bytes(_proxy(precision=rec), kind, "none", dense_swiglu_fp4=True)
+                == _layer_bytes(_proxy(precision=rec), kind, "none"))

@@ -148,6 +148,7 @@ not fp4moe's own linears and experts. Where that code keeps other bytes, a ``Mem
     fused_norm_linears      the dense pre-MLP norm and MLA's q / kv norms inside TE LayerNormLinears: not
                             recomputed by 'layernorm', their output saved as an FP8 copy under fp8 and mxfp4; the
                             mla_up_proj checkpoint holds the latents before the norms
+    dense_swiglu_fp4        under activation_fp4_store the dense MLPs' SwiGLU input MXFP4 too (fp4moe: BF16)
 
 (c) Micro-batches in flight (1F1B)
 ----------------------------------
@@ -323,6 +324,10 @@ class MemoryAssumptions:
     # mla_up_proj checkpoint then holds the q / kv latents before their norms (the norms run inside it). False:
     # fp4moe's separate norms.
     fused_norm_linears: bool = False
+    # True: under ``activation_fp4_store`` the dense MLPs' SwiGLU input is stored MXFP4 as well (the release's
+    # megatron-0.15.0rc7.diff: MLP.forward passes ``fp4_input_store=config.activation_func_fp4_input_store`` to
+    # bias_swiglu_impl); False: fp4moe's dense MLP (megatron's own) keeps it BF16.
+    dense_swiglu_fp4: bool = False
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
@@ -557,7 +562,10 @@ def _dense_mlp(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> 
     th, f = d.t_hid, d.ffn // d.tp
     _norm(led, "mlp", "pre_mlp_ln", th, d.h, fused=a.fused_norm_linears)
     _norm_linear_input(led, "mlp.ln_out", "mlp.fc1_in", th, d.h, recipe, a)
-    led.add("mlp.swiglu_in", (d.t_tok, 2 * f), "bf16", BF16 * d.t_tok * 2 * f, {"mlp.swiglu"})
+    if recipe.activation_fp4_store and a.dense_swiglu_fp4:
+        led.add("mlp.swiglu_in", (d.t_tok, 2 * f), "mxfp4", mxfp4_bytes(d.t_tok, 2 * f), {"mlp.swiglu"})
+    else:
+        led.add("mlp.swiglu_in", (d.t_tok, 2 * f), "bf16", BF16 * d.t_tok * 2 * f, {"mlp.swiglu"})
     led.add("mlp.fc2_in", (d.t_tok, f), "bf16", BF16 * d.t_tok * f, set())
     _linear_input(led, "mlp.fc2_in", "mlp.fc2", d.t_tok, f, "dense", recipe, a)
 
