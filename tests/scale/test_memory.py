@@ -622,3 +622,30 @@ def test_dense_swiglu_fp4_under_the_release_patch():
     for rec, kind in (("bf16", "dense"), ("fp8", "dense"), ("mxfp4", "moe")):
         assert (_layer_bytes(_proxy(precision=rec), kind, "none", dense_swiglu_fp4=True)
                 == _layer_bytes(_proxy(precision=rec), kind, "none"))
+
+
+def test_te_grouped_experts_backward_by_hand():
+    """TE's grouped MLP backward on the proxy (R = 32768 rows, H 2048, F 1024, 1024 rows per expert: no padding):
+    the largest of fc2's (dY + its FP8 rows and columns + dZ), the SwiGLU's (dZ + decoded H + dH) and fc1's (dH +
+    its FP8 rows and columns + dX + x's column copy under mxfp4) + 2 [T, H]; no weight gradients; under
+    attn_ln_experts dY held throughout, with the recomputed tensors and output."""
+    t, r, h, f = 4096, 4096 * 8, 2048, 1024
+    rc = memory.fp8_row_col_bytes
+    grads = 2 * 2 * t * h
+    a = MemoryAssumptions(te_grouped_experts=True)
+    dy, dz, dh = 2 * r * h, 2 * r * f, 2 * r * 2 * f
+    want = {"bf16": max(dy + dz, dz + dh, dh + dy),
+            "fp8": max(dy + rc(r, h) + dz, dz + dh, dh + rc(r, 2 * f) + dy),
+            "mxfp4": max(dy + rc(r, h) + dz, dz + 2 * dh, dh + rc(r, 2 * f) + dy + memory.fp8_col_bytes(r, h))}
+    for rec, live in want.items():
+        b = per_gpu_memory(_proxy(precision=rec), a)
+        assert b.expert_backward_bytes == live + grads
+        ale = per_gpu_memory(_proxy("attn_ln_experts", rec), a)
+        none = {x.name: x for x in layer_saved_tensors(_proxy(precision=rec), "moe", "none", a)}
+        kept = {x.name: x for x in layer_saved_tensors(_proxy("attn_ln_experts", rec), "moe", None, a)}
+        fc1_in = none["moe.expert_fc1_in"]   # rebuilt unless the checkpoint keeps it as it is (bf16, mxfp4)
+        recomputed = none["moe.expert_swiglu_in"].bytes + none["moe.expert_fc2_in"].bytes + (
+            0 if kept["moe.expert_ckpt_in"].fmt == fc1_in.fmt else fc1_in.bytes)
+        fc2, swi = dy + (rc(r, h) if rec != "bf16" else 0) + dz, dz + dh + (dh if rec == "mxfp4" else 0)
+        fc1 = live if rec == "bf16" else dh + rc(r, 2 * f) + dy + (memory.fp8_col_bytes(r, h) if rec == "mxfp4" else 0)
+        assert ale.expert_backward_bytes == max(fc2, swi + dy, fc1 + dy) + recomputed + dy + grads

@@ -149,6 +149,7 @@ not fp4moe's own linears and experts. Where that code keeps other bytes, a ``Mem
                             recomputed by 'layernorm', their output saved as an FP8 copy under fp8 and mxfp4; the
                             mla_up_proj checkpoint holds the latents before the norms
     dense_swiglu_fp4        under activation_fp4_store the dense MLPs' SwiGLU input MXFP4 too (fp4moe: BF16)
+    te_grouped_experts      the routed experts' backward as TE's grouped MLP runs it, wgrad into the main grads
 
 (c) Micro-batches in flight (1F1B)
 ----------------------------------
@@ -192,6 +193,11 @@ micro-batch (R rows on the GPU, H hidden, F expert FFN, all bf16 unless said):
     bf16 (megatron's SequentialMLP): dY, the per-expert dX pieces and their concatenation, 3 x [R,H]; under
         attn_ln_experts its recomputation's forward peaks at the concatenation of the recomputed outputs: dY + the
         recomputed tensors + the pieces and their concatenation, if that is larger.
+    TE's grouped MLP (``MemoryAssumptions.te_grouped_experts``, the lab's stack; every recipe): the largest of fc2's
+        backward, dY [R,H] + its FP8 rows and columns (FP8 recipes) + dZ [R,F]; the SwiGLU's, dZ + the decoded H
+        [R,2F] (stored MXFP4) + dH [R,2F]; and fc1's, dH + its FP8 rows and columns + dX [R,H] + x's FP8 column
+        copy rebuilt from MXFP4 (mxfp4); no weight gradients (accumulated into the main-gradient buffer). Under
+        attn_ln_experts dY stays live through the SwiGLU's and fc1's backward (the checkpoint holds it).
     plus the layer's output gradient and input gradient, 2 x [T,H].
 
 (f) Memory outside PyTorch's allocated bytes (what nvidia-smi adds; ``fp4moe.scale.outside_torch``)
@@ -328,6 +334,13 @@ class MemoryAssumptions:
     # megatron-0.15.0rc7.diff: MLP.forward passes ``fp4_input_store=config.activation_func_fp4_input_store`` to
     # bias_swiglu_impl); False: fp4moe's dense MLP (megatron's own) keeps it BF16.
     dense_swiglu_fp4: bool = False
+    # True: the routed experts are TE's grouped MLP (megatron's TEGroupedMLP: GroupedLinear fc1, the weighted SwiGLU,
+    # GroupedLinear fc2, each its own autograd node) with megatron's default gradient-accumulation fusion, so the
+    # wgrad GEMMs write into the main-gradient buffer (grouped_linear.py ``wgrad_list = main_grads``): the experts'
+    # backward holds no weight-gradient buffer, and each step's gradient is freed once the next one has it, except the
+    # combine's gradient dY, which an enclosing moe_expert checkpoint holds through its whole backward (module
+    # docstring, (e)). False: fp4moe's grouped experts / megatron's SequentialMLP (``bf16_experts``).
+    te_grouped_experts: bool = False
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
@@ -1036,6 +1049,8 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     # (fp4moe.train keeps every .grad until the step; seen in the full-recompute traces of e431a41). With a resident
     # main-gradient buffer ('always', megatron's DDP) each .grad is folded into it as soon as it is made: only fc1's,
     # the output of the wgrad GEMM running, is live then.
+    if a.te_grouped_experts:
+        return _te_expert_backward(d, recipe, a, recomputed) + grads
     e_local = d.e // d.ep
     dw2, dw1 = a.param_bytes * e_local * h * f, a.param_bytes * e_local * 2 * f * h
     if a.main_grad_resident == "always":
@@ -1074,6 +1089,25 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     if recomputed:
         live += recomputed + rows_h            # + the checkpoint's recomputed output, held through its backward
     return live + grads
+
+
+def _te_expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed: int = 0) -> int:
+    """``_expert_backward`` of TE's grouped MLP (``MemoryAssumptions.te_grouped_experts``; module docstring, (e)),
+    without the two [T, H] layer gradients: the largest of fc2's, the SwiGLU's and fc1's backward, each holding its
+    input gradient, that gradient's FP8 rows + columns (FP8 recipes: TE's split_quantize for dgrad and wgrad) and its
+    output gradient; weight gradients go into the main-gradient buffer. Under an attn_ln_experts checkpoint dY is
+    held throughout, with ``recomputed`` bytes and the recomputed output [R, H]."""
+    r, h, f = d.rows, d.h, d.f // d.etp
+    _, _, mp = _expert_rows(d, a.expert_padding, a.expert_counts)
+    dy, dz, dh = BF16 * r * h, BF16 * r * f, BF16 * r * 2 * f
+    quant = recipe.fp8_compute
+    fc2 = dy + (fp8_row_col_bytes(r, h, mp) if quant else 0) + dz
+    swiglu = dz + (dh if recipe.activation_fp4_store else 0) + dh   # the decoded H beside dH when stored MXFP4
+    x_col = fp8_col_bytes(r, h, mp) if quant and (recipe.expert_input_fp4 or recipe.save_fp4) else 0
+    fc1 = dh + (fp8_row_col_bytes(r, 2 * f, mp) if quant else 0) + dy + x_col   # dX: an [R, H] bf16 like dY
+    if not recomputed:
+        return max(fc2, swiglu, fc1)
+    return max(fc2, swiglu + dy, fc1 + dy) + recomputed + dy   # + the recomputed output [R, H], held throughout
 
 
 def _norm_recompute(d: _Dims, recipe: Recipe, scope: str) -> int:
