@@ -649,3 +649,15 @@ def test_te_grouped_experts_backward_by_hand():
         fc2, swi = dy + (rc(r, h) if rec != "bf16" else 0) + dz, dz + dh + (dh if rec == "mxfp4" else 0)
         fc1 = live if rec == "bf16" else dh + rc(r, 2 * f) + dy + (memory.fp8_col_bytes(r, h) if rec == "mxfp4" else 0)
         assert ale.expert_backward_bytes == max(fc2, swi + dy, fc1 + dy) + recomputed + dy + grads
+
+
+def test_lab_stack_names_every_switch_each_off_by_default():
+    """LAB_STACK turns on exactly the MemoryAssumptions switches the module docstring lists under "The lab's stack";
+    each is off by default (fp4moe's code, what calibration.md checks)."""
+    import dataclasses
+
+    doc = memory.__doc__.split("The lab's stack:", 1)[1].split("\n\n", 2)[1]
+    listed = [line.split()[0] for line in doc.splitlines() if line.startswith("    ") and not line.startswith("     ")]
+    assert list(memory.LAB_STACK) == listed and all(v is True for v in memory.LAB_STACK.values())
+    defaults = {f.name: f.default for f in dataclasses.fields(MemoryAssumptions)}
+    assert all(defaults[name] is False for name in memory.LAB_STACK)

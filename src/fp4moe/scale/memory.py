@@ -357,6 +357,13 @@ class MemoryAssumptions:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
 
 
+# The lab's-stack switches of MemoryAssumptions (module docstring, "The lab's stack"), all on:
+# ``replace(assumptions, **LAB_STACK)``.
+LAB_STACK = {name: True for name in ("fp8_any_shape", "fp8_weight_workspaces", "fp8_saves_columnwise",
+                                     "save_original_input", "fused_norm_linears", "dense_swiglu_fp4",
+                                     "te_grouped_experts")}
+
+
 def compose_cfg(model: str, parallel: str, recompute: str, precision: str, optimizer: str = "gpu_fp32") -> DictConfig:
     """The five groups this model reads, loaded from conf/<group>/<name>.yaml (no Hydra; an ``optimizer`` file's
     ``defaults`` list, e.g. ``[gpu_fp32, _self_]``, is merged in). ``optimizer``: conf/optimizer/<name>.yaml
@@ -1312,6 +1319,6 @@ def mean_total_bytes(stages: list[Breakdown]) -> int:
     return round(sum(b.mean_total_bytes for b in stages) / len(stages))
 
 
-__all__ = ["GB", "SCOPES", "Breakdown", "MemoryAssumptions", "SavedTensor", "compose_cfg", "experiment_cfg",
+__all__ = ["GB", "LAB_STACK", "SCOPES", "Breakdown", "MemoryAssumptions", "SavedTensor", "compose_cfg", "experiment_cfg",
            "fp8_col_bytes", "fp8_row_col_bytes", "layer_saved_tensors", "mean_total_bytes", "mxfp4_bytes", "NOT_IN_STANDALONE_LAYER",
            "per_gpu_memory", "per_stage_memory", "standalone_moe_layer_peak"]
