@@ -45,10 +45,13 @@ def test_cells_are_the_models_most_loaded_gpu_of_the_experiment(base):
 
 
 def test_cell_outcome_and_error_by_hand():
+    """% of the 80 GB GPU's 81559 MiB (79.65 GiB): a cell at 80 GiB does not fit."""
     parts = {}
-    fits = pt.Cell("s", "r", "g", 60.0, 52.0, 50.0, 40.0, 3, 29, parts)
-    assert fits.pct == 65.0 and fits.fits and fits.matches_paper and fits.error_pp == pytest.approx(5.0)
-    over = pt.Cell("s", "r", "g", 60.0, 81.0, 80.5, 60.0, 3, 29, parts)
+    assert pt.GPU_GIB == 81559 / 1024
+    fits = pt.Cell("s", "r", "g", 60.0, 0.65 * pt.GPU_GIB, 50.0, 40.0, 3, 29, parts)
+    assert fits.pct == pytest.approx(65.0) and fits.fits and fits.matches_paper
+    assert fits.error_pp == pytest.approx(5.0)
+    over = pt.Cell("s", "r", "g", 60.0, 80.0, 79.5, 60.0, 3, 29, parts)
     assert not over.fits and not over.matches_paper and over.error_pp is None
     oom = pt.Cell("s", "r", "g", None, 81.0, 80.5, 60.0, 3, 29, parts)
     assert oom.matches_paper and oom.error_pp is None
@@ -97,6 +100,9 @@ def test_sister_check_is_the_model_of_the_labs_cells():
     assert s[0].total_gib == max(b.total_gb for b in full) and s[0].measured_gb == 39
     oom = [c for c in s if c.measured_gb is None]
     assert oom and all(c.same_outcome == (c.total_gib > pt.GPU_GIB) for c in oom)
+    # the monitoring's "GB" in GiB under both readings
+    assert s[0].measured_gib("GiB") == 39 and s[0].measured_gib("10^9 B") == pytest.approx(39e9 / 2**30)
+    assert oom[0].measured_gib("GiB") is None
 
 
 def test_setup_label_names_the_assumption_set():

@@ -30,7 +30,7 @@ def test_rows_are_the_models_most_loaded_gpu(rows):
 def test_changes_and_distance_by_hand():
     r = p2.Row("none", "", {"bf16": 40.0, "fp8": 50.0, "mxfp4_mlp_shared": 45.0, "mxfp4": 44.0})
     assert r.change("mxfp4", "fp8") == pytest.approx(-12.0)
-    assert r.change("mxfp4", "fp8", points=True) == pytest.approx(-7.5)        # (44 - 50) / 80 GiB
+    assert r.change("mxfp4", "fp8", points=True) == pytest.approx(-600 / (81559 / 1024))   # (44 - 50) / 81559 MiB
     assert r.change("mxfp4", "bf16") == pytest.approx(10.0)
     paper = {"mxfp4_mlp_shared": (-10.0, 12.0), "mxfp4": (-12.0, 10.0)}
     assert r.distance(paper) == pytest.approx(0.5)                              # |12.5 - 12|: mlp_shared vs bf16

@@ -7,8 +7,8 @@ Each cell is what ``python -m fp4moe.train experiment=paper_t1`` runs (``memory.
 state the setup and its sources, the sister artifact's DeepSeek-V3 runs), under ``PAPER_SETUP``, the model's
 assumptions outside the config: DeepEP's buffers (the lab's dispatcher) and the measured memory outside PyTorch
 (``fp4moe.scale.outside_torch``). The headline is the most loaded GPU's peak as nvidia-smi would show it
-(``Breakdown.total_bytes``), in GiB and in % of 80 GiB; PyTorch's allocated peak and the mean over the 256 GPUs beside
-it. The paper's cells come from conf/paper/numbers.yaml. Arithmetic only, no torch; nothing is fitted to the paper.
+(``Breakdown.total_bytes``), in GiB and in % of the 80 GB GPU's memory (``GPU_MIB``); PyTorch's allocated peak and
+the mean over the 256 GPUs beside it. The paper's cells come from conf/paper/numbers.yaml. Arithmetic only, no torch; nothing is fitted to the paper.
 
 ``VARIANTS`` are the sensitivity table's rows: one assumption changed at a time. ``sister_check`` puts the model
 beside the lab's own measurements of the same setup (numbers.yaml ``sister_dsv3_ep8_memory``).
@@ -30,10 +30,16 @@ from .memory import CONF, GB, MemoryAssumptions, experiment_cfg, mean_total_byte
 ROOT = source_root()   # the checkout (fp4moe.paths)
 DEFAULT_OUT = "results/scale/paper_t1.md"
 EXPERIMENT = "paper_t1"
-GPU_GIB = 80.0
+# The paper's GPU, an "80 GB" Hopper (H100 / H800 SXM): 81559 MiB of device memory, the total nvidia-smi and
+# torch.cuda.get_device_properties report. The paper's "% of 80 GB" is read as a share of it (the abstract's 14.8 %
+# = 11.8 GB holds for 80 GiB and for 81559 MiB alike) and a cell fits when its total does; GiB = 2**30 B throughout.
+GPU_MIB = 81559
+GPU_GIB = GPU_MIB / 1024
+# The lab's monitoring reports "GB" (numbers.yaml sister_dsv3_memory) without saying which: both readings, in GiB
+SISTER_GB_READINGS = {"GiB": 1.0, "10^9 B": 1e9 / 2**30}
 SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")   # the paper's scopes (numbers.yaml t1.scopes)
 RECIPES = ("bf16", "fp8", "mxfp4")
-TARGET_PP = 3.0   # issue 27: each cell the paper fits within 3 points of 80 GB
+TARGET_PP = 3.0   # issue 27: each cell the paper fits within 3 points of the 80 GB GPU
 # The model's assumptions beyond the config: the lab's DeepEP dispatcher, the measured terms outside PyTorch
 PAPER_SETUP = MemoryAssumptions(deepep_buffers=True)
 
@@ -70,7 +76,8 @@ def paper_cells() -> dict[tuple[str, str], float | None]:
 
 @dataclass(frozen=True)
 class Cell:
-    """One T1 cell: the paper's % of 80 GB (None: OOM) and the model's most loaded GPU (GiB)."""
+    """One T1 cell: the paper's % of 80 GB (None: OOM) and the model's most loaded GPU (GiB; ``pct``: % of
+    ``GPU_GIB``)."""
 
     scope: str
     recipe: str
@@ -97,7 +104,7 @@ class Cell:
 
     @property
     def error_pp(self) -> float | None:
-        """model - paper in points of 80 GB, where both fit."""
+        """model - paper in points of the GPU's memory, where both fit."""
         return None if self.paper_pct is None or not self.fits else self.pct - self.paper_pct
 
 
@@ -171,7 +178,8 @@ def variant_cells(v: Variant, base: Sequence[Cell], a: MemoryAssumptions = PAPER
 
 @dataclass(frozen=True)
 class SisterCell:
-    """The lab's own measurement of a DeepSeek-V3 cell (GB; None: OOM) beside the model's most loaded GPU (GiB)."""
+    """The lab's own measurement of a DeepSeek-V3 cell ("GB" of its monitoring; None: OOM) beside the model's most
+    loaded GPU (GiB)."""
 
     layout: str
     ac: str
@@ -183,6 +191,10 @@ class SisterCell:
     @property
     def same_outcome(self) -> bool:
         return (self.measured_gb is None) == (self.total_gib > GPU_GIB)
+
+    def measured_gib(self, reading: str) -> float | None:
+        """The measurement in GiB under one reading of the monitoring's "GB" (``SISTER_GB_READINGS``)."""
+        return None if self.measured_gb is None else self.measured_gb * SISTER_GB_READINGS[reading]
 
 
 def sister_check(a: MemoryAssumptions = PAPER_SETUP) -> list[SisterCell]:
@@ -220,10 +232,12 @@ def render(rows: Sequence[Cell], variants: Sequence[tuple[Variant, list[Cell]]] 
         f"**Assumption set** (`fp4moe.scale.paper_t1.PAPER_SETUP`): {setup_label(a)}. **model**: `fp4moe.scale.memory` "
         "for the most loaded GPU: **total** = PyTorch's allocated peak + the memory outside it (CUDA context, NCCL "
         "communicators, DeepEP's buffers, the allocator's reserved - allocated), i.e. what nvidia-smi would show, "
-        "in GiB and % of 80 GiB; **allocated** = `torch.cuda.max_memory_allocated`'s peak; **mean**: the total "
-        "averaged over the 256 GPUs. The model is checked against H200 runs on 1-2 GPUs (results/scale/"
-        "calibration.md, allocated bytes), not at this scale. **paper**: % of 80 GB, conf/paper/numbers.yaml. "
-        "Nothing here is fitted to the paper.", "",
+        f"in GiB (2^30 B) and % of the 80 GB GPU's {GPU_MIB} MiB (= {GPU_GIB:.2f} GiB, what nvidia-smi reports for "
+        "an H100 / H800 80 GB; a cell fits when its total does); **allocated** = `torch.cuda.max_memory_allocated`'s "
+        "peak; **mean**: the total averaged over the 256 GPUs. The model is checked against H200 runs on 1-2 GPUs "
+        "(results/scale/calibration.md, allocated bytes), not at this scale. **paper**: % of 80 GB, conf/paper/"
+        "numbers.yaml, read as % of the same 81559 MiB (80 GiB would lower every model % by 0.4 %, i.e. 0.3 points "
+        "at 70 %; 80 x 10^9 B would raise it by 6.9 %). Nothing here is fitted to the paper.", "",
         f"Fit / OOM as in the paper: **{ok} of {len(rows)}** cells. Where both fit, model - paper: "
         + (", ".join(f"{e:+.1f}" for e in errs) + f" points (target: within {TARGET_PP:g})." if errs else "-"), "",
         "| recompute (paper) | recipe | paper | model total | allocated (GiB) | outside PyTorch (GiB) | mean over GPUs "
@@ -251,9 +265,9 @@ def render(rows: Sequence[Cell], variants: Sequence[tuple[Variant, list[Cell]]] 
 
 
 def render_break_even(rows: Sequence[Cell]) -> list[str]:
-    """How much memory outside PyTorch would flip each cell's outcome: 80 GiB - allocated."""
-    return ["How much memory outside PyTorch's allocated bytes each cell can take before it goes OOM (80 GiB - "
-            "allocated; the model's outside terms for that GPU in brackets):", "",
+    """How much memory outside PyTorch would flip each cell's outcome: the GPU's memory - allocated."""
+    return [f"How much memory outside PyTorch's allocated bytes each cell can take before it goes OOM ({GPU_GIB:.2f} "
+            "GiB - allocated; the model's outside terms for that GPU in brackets):", "",
             "| recompute | " + " | ".join(RECIPES) + " |", "|---|" + "---:|" * len(RECIPES)] + [
         f"| {s} | " + " | ".join(f"{GPU_GIB - r.allocated_gib:.1f} ({r.total_gib - r.allocated_gib:.2f})"
                                  for r in rows if r.scope == s) + " |" for s in SCOPES] + [""]
@@ -266,7 +280,7 @@ def render_variants(base: Sequence[Cell], variants: Sequence[tuple[Variant, list
     head = " | ".join(f"{SHORT[s]} {r}" for s in SCOPES for r in RECIPES)
     lines = ["## Sensitivity: one assumption changed at a time", "",
              "Each row changes one assumption of the base above; each cell is the change of the model's total, in "
-             "points of 80 GiB (`*`: its fit / OOM outcome flips; " + ", ".join(f"{v} = {k}" for k, v in SHORT.items())
+             f"points of the GPU's {GPU_GIB:.2f} GiB (`*`: its fit / OOM outcome flips; " + ", ".join(f"{v} = {k}" for k, v in SHORT.items())
              + "). **outcomes**: fit / OOM as in the paper (of 9); **max |model - paper|**: over the cells both fit.",
              "",
              f"| assumption | {head} | outcomes | max \\|model - paper\\| (pp) |",
@@ -286,15 +300,17 @@ def render_variants(base: Sequence[Cell], variants: Sequence[tuple[Variant, list
 def render_sister(sister: Sequence[SisterCell]) -> list[str]:
     lines = ["## Against the lab's own measurements of this setup (not the paper's numbers)", "",
              "The sister artifact measured DeepSeek-V3 with this batch and optimizer at its three layouts (conf/paper/"
-             "numbers.yaml `sister_dsv3_memory`: GB per GPU from the cluster's GPU monitoring; `sel` = attn layernorm "
-             "moe_expert, `full` = full recompute; fp8 = its blockwise FP8). The model for the same cells:", "",
-             "| layout | recompute | recipe | measured (GB) | model total (GiB) | model allocated (GiB) | "
-             "measured - model | same outcome |", "|---|---|---|---:|---:|---:|---:|---|"]
+             "numbers.yaml `sister_dsv3_memory`: \"GB\" per GPU from the cluster's GPU monitoring, which does not say "
+             "whether its GB are 2^30 or 10^9 B, so the difference is given in GiB under both readings; `sel` = attn "
+             "layernorm moe_expert, `full` = full recompute; fp8 = its blockwise FP8). The model for the same cells:",
+             "", "| layout | recompute | recipe | measured (GB) | model total (GiB) | model allocated (GiB) | "
+             "measured - model (GiB), GB = GiB | measured - model (GiB), GB = 10^9 B | same outcome |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for s in sister:
         meas = "OOM" if s.measured_gb is None else f"{s.measured_gb:g}"
-        diff = "-" if s.measured_gb is None else f"{s.measured_gb - s.total_gib:+.1f}"
+        diffs = ["-" if s.measured_gb is None else f"{s.measured_gib(k) - s.total_gib:+.1f}" for k in SISTER_GB_READINGS]
         lines.append(f"| {s.layout} | {s.ac} | {s.recipe} | {meas} | {s.total_gib:.1f} | {s.allocated_gib:.1f} | "
-                     f"{diff} | {'yes' if s.same_outcome else 'no'} |")
+                     f"{' | '.join(diffs)} | {'yes' if s.same_outcome else 'no'} |")
     return lines + [""]
 
 
@@ -332,23 +348,25 @@ def summary(rows: Sequence[Cell], variants: Sequence[tuple[Variant, list[Cell]]]
                    f"proxy's OOM messages put one training process's memory outside PyTorch's allocator at "
                    f"{H200_NON_TORCH_GIB:.2f} GiB (one GPU, no NCCL peers): the sensitivity table's row with it.")
     if sister:
-        gaps = [s.measured_gb - s.total_gib for s in sister if s.measured_gb is not None]
-        full = [s.measured_gb - s.total_gib for s in sister if s.measured_gb is not None and s.ac == "full"]
         same = sum(s.same_outcome for s in sister)
+        spans = []
+        for k in SISTER_GB_READINGS:
+            gaps = [s.measured_gib(k) - s.total_gib for s in sister if s.measured_gb is not None]
+            spans.append(f"{min(gaps):+.1f} to {max(gaps):+.1f} GiB if its GB are {k}")
         out.append(f"- The lab's own measurements of this setup: {same} of {len(sister)} fit / OOM outcomes as the "
-                   f"model's; where they fit, {min(gaps):+.1f} to {max(gaps):+.1f} GB above the model's total, "
-                   f"{min(full):+.1f} to {max(full):+.1f} under full recompute, whose activations are small: most of "
-                   "the difference is memory the model does not hold, outside PyTorch beyond the terms above, or "
-                   "Transformer Engine's workspaces and FP8 weight caches, which fp4moe does not have.")
+                   f"model's; where they fit, the measured peak is {' and '.join(spans)} above the model's total.")
         ep8 = {(s.ac, s.recipe): s for s in sister if s.layout == "ep8" and s.measured_gb is not None}
         pairs = [(r, ep8.get(("sel", r.recipe))) for r in rows if r.scope == "attn_ln_experts" and r.paper_pct]
         pairs = [(r, s) for r, s in pairs if s is not None]
         if pairs:
+            pct = {k: ", ".join(f"{r.recipe} {100 * s.measured_gib(k) / GPU_GIB:.1f} %" for r, s in pairs)
+                   for k in SISTER_GB_READINGS}
             out.append("- The lab measured the paper's attn_ln_experts setup itself (sel, PP32 EP8): "
-                       + ", ".join(f"{r.recipe} {100 * s.measured_gb / GPU_GIB:.1f} % of 80 GB" for r, s in pairs)
-                       + ", against the paper's " + ", ".join(f"{r.recipe} {r.paper_pct:.2f} %" for r, _ in pairs)
-                       + ": the paper's runs held less than the lab's own runs of the same setup, so a model that met "
-                       "those would overshoot the paper's cells.")
+                       + " or ".join(f"{v} (GB = {k})" for k, v in pct.items())
+                       + " of the GPU, against the paper's " + ", ".join(f"{r.recipe} {r.paper_pct:.2f} %"
+                                                                        for r, _ in pairs)
+                       + ": under either reading the paper's runs held less than the lab's own runs of the same "
+                       "setup, so a model that met those would overshoot the paper's cells.")
     return out
 
 

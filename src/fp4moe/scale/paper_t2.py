@@ -24,12 +24,11 @@ from typing import Sequence
 from .. import paper
 from ..paths import source_root
 from .memory import GB, MemoryAssumptions, experiment_cfg, per_stage_memory
-from .paper_t1 import PAPER_SETUP, setup_label, write_markdown_cli
+from .paper_t1 import GPU_GIB, PAPER_SETUP, setup_label, write_markdown_cli
 
 ROOT = source_root()   # the checkout (fp4moe.paths)
 DEFAULT_OUT = "results/scale/paper_t2.md"
 EXPERIMENT = "paper_t2"
-GPU_GIB = 80.0
 RECIPES = ("bf16", "fp8", "mxfp4_mlp_shared", "mxfp4")
 # the paper's rows: its label -> our precision config
 ROWS = {"mlp_and_shared_experts": "mxfp4_mlp_shared", "all_moe": "mxfp4"}
@@ -52,7 +51,7 @@ class Row:
     peak_gib: dict
 
     def change(self, recipe: str, ref: str, points: bool = False) -> float:
-        """``recipe``'s peak against ``ref``'s: relative % or (``points``) points of 80 GiB."""
+        """``recipe``'s peak against ``ref``'s: relative % or (``points``) points of the 80 GB GPU (``GPU_GIB``)."""
         a, b = self.peak_gib[recipe], self.peak_gib[ref]
         return 100.0 * (a - b) / GPU_GIB if points else 100.0 * (a / b - 1.0)
 
@@ -106,7 +105,7 @@ def summary(rs: Sequence[Row], paper: dict[str, tuple[float, float]]) -> list[st
     """The base row against the paper, the closest row, the order of bf16 and fp8, and the saving's span (computed)."""
     base = rs[0]
     out = []
-    for points, unit in ((False, "relative %"), (True, "points of 80 GiB")):
+    for points, unit in ((False, "relative %"), (True, "points of the 80 GB GPU (81559 MiB)")):
         ch = [base.change(rec, ref, points) for rec, ref in (("mxfp4_mlp_shared", "fp8"), ("mxfp4", "fp8"),
                                                               ("mxfp4", "bf16"))]
         best = min(rs, key=lambda r: r.distance(paper, points))
