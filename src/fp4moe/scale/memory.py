@@ -209,8 +209,8 @@ docstring), measured on an H200 (``outside_torch.MEASURED_FILE``; 0 and ``outsid
 until that file exists). ``total_bytes`` is the headline (the paper's "% of 80 GB" read as what nvidia-smi shows);
 ``allocated_bytes`` is ``torch.cuda.max_memory_allocated``'s peak, which calibration.py checks.
 
-Not modelled: the forward peak inside attention or a dense MLP; Transformer Engine's FP8 weight caches (fp4moe
-quantizes weights per use).
+Not modelled: the forward peak inside attention or a dense MLP; Transformer Engine's workspaces (cuBLAS, the
+kernels' own buffers) beyond what the measured outside-PyTorch terms hold.
 """
 from __future__ import annotations
 
