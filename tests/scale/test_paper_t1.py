@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from fp4moe.scale import paper_t1 as pt
-from fp4moe.scale.memory import GB, MemoryAssumptions, experiment_cfg, mean_total_bytes, per_stage_memory
+from fp4moe.scale.memory import GB, LAB_STACK, MemoryAssumptions, experiment_cfg, mean_total_bytes, per_stage_memory
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +60,20 @@ def test_cell_outcome_and_error_by_hand():
 def test_variants_change_what_they_name(base):
     """A variant changes the model for its own reason only: core attention raises the attention-recomputing cells and
     leaves mla_up_proj as it is; a precision key of mxfp4 leaves bf16 and fp8 as they are; x1.5 outside PyTorch adds
-    half of each cell's outside bytes and nothing allocated; the FP8 weight copies leave bf16 as it is."""
+    half of each cell's outside bytes and nothing allocated; without TE's FP8 weight copies bf16 stays as it is and the
+    FP8 cells lose them."""
     by = {v.name: pt.variant_cells(v, base) for v in pt.VARIANTS
-          if v.recompute or v.recipes != pt.RECIPES or v.name.startswith("outside-PyTorch memory x 1.5")}
+          if v.recompute or v.recipes != pt.RECIPES or v.name.startswith("outside-PyTorch memory x 1.5")
+          or "(fp8_weight_workspaces off" in v.name}
     core = by[pt.VARIANTS[0].name]
     for b, c in zip(base, core):
         assert (c.total_gib > b.total_gib) if b.scope != "mla_up_proj" else c == b
     caches = next(rs for name, rs in by.items() if "recompute caches" in name)
     assert all(c == b for b, c in zip(base, caches) if b.recipe != "mxfp4")
     assert all(c.total_gib < b.total_gib for b, c in zip(base, caches) if b.recipe == "mxfp4")
-    cache = next(rs for name, rs in by.items() if "fp8_weight_cache" in name)  # FP8 copies: none under bf16
-    assert all(c == b if b.recipe == "bf16" else c.allocated_gib > b.allocated_gib for b, c in zip(base, cache))
+    cache = next(rs for name, rs in by.items() if "fp8_weight_workspaces" in name)  # FP8 copies: none under bf16
+    assert all(c == b if b.recipe == "bf16" else c.allocated_gib == pytest.approx(
+        b.allocated_gib - b.parts["fp8_weight_cache"]) for b, c in zip(base, cache))
     big = next(rs for name, rs in by.items() if name.startswith("outside-PyTorch memory x 1.5"))
     for b, c in zip(base, big):
         assert c.allocated_gib == b.allocated_gib
@@ -108,7 +111,37 @@ def test_sister_check_is_the_model_of_the_labs_cells():
 def test_setup_label_names_the_assumption_set():
     text = pt.setup_label(replace(pt.PAPER_SETUP, outside_torch_source="results/x.json (H200, measured)"))
     assert text.startswith("`experiment=paper_t1`") and "DeepEP buffers" in text and "results/x.json" in text
-    assert "DeepEP buffers off" in pt.setup_label(MemoryAssumptions())
+    assert "as the lab's code (megatron-core + Transformer Engine + the release's patches" in text
+    own = pt.setup_label(MemoryAssumptions())
+    assert "DeepEP buffers off" in own and "as fp4moe's code" in own
+    assert "the lab's code in part (fp8_any_shape of" in pt.setup_label(MemoryAssumptions(fp8_any_shape=True))
+
+
+def test_paper_setup_is_the_labs_code_and_names_each_switchs_source():
+    """PAPER_SETUP turns on every lab's-stack switch; STACK gives each a source in the lab's code; the sensitivity
+    table turns each off on its own (and all together), and the document names every switch with its source."""
+    assert all(getattr(pt.PAPER_SETUP, k) for k in LAB_STACK) and pt.PAPER_SETUP.deepep_buffers
+    assert list(pt.STACK) == list(LAB_STACK) and all(len(src) > 40 for _, src in pt.STACK.values())
+    names = [v.name for v in pt.VARIANTS]
+    for k in LAB_STACK:
+        [v] = [v for v in pt.VARIANTS if v.name.endswith(f"({k} off: fp4moe's code)")]
+        assert not getattr(v.assumptions(pt.PAPER_SETUP), k)
+        assert all(getattr(v.assumptions(pt.PAPER_SETUP), o) for o in LAB_STACK if o != k)
+    assert any("all of memory.LAB_STACK off" in n for n in names)
+    text = (pt.ROOT / pt.DEFAULT_OUT).read_text()
+    stack = text.split("## The lab's code, term by term", 1)[1].split("\n## ", 1)[0]
+    for k, (label, source) in pt.STACK.items():
+        assert f"- `{k}`, {label}: {source}. Adds " in stack
+
+
+def test_gaps_name_every_cell_off_target(base):
+    """The section on what would have to be true lists exactly the cells that miss the paper's outcome or are more
+    than TARGET_PP points off, each with the GiB it would take and the model's numbers to measure against."""
+    text = "\n".join(pt.render_gaps(base))
+    miss = [c for c in base if not c.matches_paper or (c.error_pp is not None and abs(c.error_pp) > pt.TARGET_PP)]
+    assert [line.split("**")[1] for line in text.splitlines() if line.startswith("- **")] == [
+        f"{c.scope} {c.recipe}" for c in miss]
+    assert text.count("The model's numbers to measure against:") == len(miss)
 
 
 def test_committed_table_is_current():
