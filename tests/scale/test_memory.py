@@ -509,3 +509,166 @@ def test_compose_cfg_gives_a_fresh_config_each_call():
     assert b.model.hidden_size != 1 and b.optimizer.cpu_offload is True   # offload.yaml over its gpu_fp32 default
     with pytest.raises(ValueError, match="model=nope: no conf/model/nope.yaml; pick one of .*proxy_h200"):
         compose_cfg("nope", "single_gpu", "none", "fp8")
+
+
+# ---------------------------------------------------------------------------------------------- the lab's stack
+# MemoryAssumptions' lab-stack switches (megatron-core + Transformer Engine + the paper release's patches): each term
+# by hand on the proxy (hidden 2048, MLA kv_down 2048 -> 576, 32 experts top-8, T = 4096 at micro-batch 1).
+
+def test_fp8_any_shape_puts_kv_down_proj_in_fp8():
+    """TE computes every linear in FP8 whose input rows are a multiple of 8 and features of 16: kv_down_proj (2048 ->
+    576) saves its own FP8 copy instead of holding the norm output, and its weight is cached in FP8 (5 x 16 started
+    128 x 128 blocks of scales per copy)."""
+    t = 4096
+    a = MemoryAssumptions(fp8_any_shape=True)
+    ts = {x.name: x for x in layer_saved_tensors(_proxy(precision="fp8"), "dense", "none", a)}
+    assert ts["attn.kv_down_in_q"].bytes == memory.fp8_row_col_bytes(t, 2048) and "attn.ln_out" not in ts
+    bf16 = {x.name for x in layer_saved_tensors(_proxy(precision="bf16"), "dense", "none", a)}
+    assert "attn.kv_down_in_q" not in bf16 and "attn.ln_out" in bf16          # no FP8 without FP8 compute
+    cfg = _proxy(precision="fp8")
+    cfg.train = {"fp8_weight_cache": True}
+    cache = {on: per_gpu_memory(cfg, MemoryAssumptions(fp8_any_shape=on)).fp8_weight_cache_bytes for on in (0, 1)}
+    assert cache[True] - cache[False] == 4 * (2 * 576 * 2048 + 2 * 4 * 5 * 16)   # kv_down of the proxy's 4 layers
+
+
+def test_te_weight_workspaces_are_the_fp8_weight_cache():
+    """TE caches every FP8 weight's copies for the run: the same bytes as fp4moe's train.fp8_weight_cache, none
+    under bf16, on every pipeline stage; the rest of the breakdown is unchanged."""
+    def cfg_of(rec):
+        cfg = compose_cfg("dsv3_671b", "paper_671b", "mla_up_proj", rec, "offload")
+        cfg.precision.scope = "all_linears"   # T1's scope: the dense layers' linears too
+        return cfg
+
+    for rec in RECIPES:
+        cfg = cfg_of(rec)
+        te = per_stage_memory(cfg, MemoryAssumptions(fp8_weight_workspaces=True))
+        cfg.train = {"fp8_weight_cache": True}
+        own = per_stage_memory(cfg)
+        assert [b.fp8_weight_cache_bytes for b in te] == [b.fp8_weight_cache_bytes for b in own]
+        assert all((b.fp8_weight_cache_bytes > 0) == (rec != "bf16" and "t" in b.stage_letters) for b in te)
+        plain = per_stage_memory(cfg_of(rec))
+        assert [b.allocated_bytes - b.fp8_weight_cache_bytes for b in te] == [b.allocated_bytes for b in plain]
+
+
+def test_fp8_saves_columnwise_keeps_the_wgrad_copy_only():
+    """TE's FP8 linears save the column-wise copy of their input only ([K, M] E4M3 + one FP32 scale per 1x128 group
+    along M): the dense linears, the shared expert and the routed experts (1024 rows each, no padding) of the fp8
+    recipe; MXFP4-saved inputs and BF16 are unchanged."""
+    t, r, h = 4096, 4096 * 8, 2048
+    a = MemoryAssumptions(fp8_saves_columnwise=True)
+    te = {x.name: x for x in layer_saved_tensors(_proxy(precision="fp8"), "moe", "none", a)}
+    own = {x.name: x for x in layer_saved_tensors(_proxy(precision="fp8"), "moe", "none")}
+    assert (te["moe.expert_fc1_in"].fmt, te["moe.expert_fc1_in"].bytes) == ("fp8_col", h * r + 4 * h * r // 128)
+    assert te["attn.q_down_in_q"].bytes == h * t + 4 * h * t // 128 == memory.fp8_col_bytes(t, h)
+    assert te["moe.shared_fc1_in_q"].bytes == memory.fp8_col_bytes(t, h)
+    for name, x in own.items():
+        col = {"fp8_row_col": "fp8_col"}.get(x.fmt, x.fmt)
+        assert te[name].fmt == col and (te[name].bytes < x.bytes if x.fmt == "fp8_row_col" else te[name].bytes == x.bytes)
+    for rec in ("bf16", "mxfp4"):
+        assert (_layer_bytes(_proxy(precision=rec), "moe", "none", fp8_saves_columnwise=True)
+                == _layer_bytes(_proxy(precision=rec), "moe", "none"))
+    assert memory.fp8_col_bytes(100, 256) == 256 * 100 + 4 * 256          # one started group of 128 rows
+    assert te["moe.shared_fc2_q"].bytes == memory.fp8_col_bytes(t, 1024)   # the shared expert's fc2 input [T, Fs]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_save_original_input_under_the_layernorm_recompute(recipe):
+    """With megatron's set_save_original_input the FP8 linears that read a norm's discarded output (q_down, kv_down,
+    the dense fc1, the shared expert's fc1) keep nothing of their own under attn_ln_*: their quantized copies leave
+    the ledger, exactly those; other scopes and bf16 are unchanged."""
+    a = MemoryAssumptions(save_original_input=True, fp8_any_shape=True)
+    cfg = _proxy(precision=recipe)
+    for kind in ("dense", "moe"):
+        for scope in ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "none"):
+            te = {x.name for x in layer_saved_tensors(cfg, kind, scope, a)}
+            own = {x.name for x in layer_saved_tensors(cfg, kind, scope, replace(a, save_original_input=False))}
+            gone = own - te
+            assert te <= own
+            if recipe == "bf16" or scope in ("mla_up_proj", "none"):
+                assert not gone
+            else:
+                mlp = {"mlp.fc1_in_q"} if scope == "attn_ln_experts" else set()   # attn_ln_mlp: checkpointed
+                assert gone == {"attn.q_down_in_q", "attn.kv_down_in_q"} | (
+                    mlp if kind == "dense" else {"moe.shared_fc1_in_q"})
+
+
+def test_fused_norm_linears():
+    """TE's LayerNormLinear: the dense layer's pre-MLP norm keeps its input, 1/rms and fc1's own copy of its output
+    under the layernorm recompute (BF16, or FP8 columns under fp8 and mxfp4: no save_fp4 hook); MLA's q / kv up-
+    projections save an FP8 copy of their norm's output instead of MXFP4; under mla_up_proj the checkpoint holds the
+    latents q [T, q_lora] and kv [T, kv_lora + rope] and no norm tensor."""
+    t, h, ql = 4096, 2048, 768
+    a = MemoryAssumptions(fused_norm_linears=True, fp8_saves_columnwise=True)
+    for rec in RECIPES:
+        ts = {x.name: x for x in layer_saved_tensors(_proxy(precision=rec), "dense", "attn_ln_experts", a)}
+        assert ts["mlp.ln_in"].bytes == 2 * t * h and ts["mlp.ln_rstd"].bytes == 4 * t
+        if rec == "bf16":
+            assert ts["mlp.ln_out"].bytes == 2 * t * h and "mlp.fc1_in_q" not in ts
+        else:
+            assert (ts["mlp.fc1_in_q"].fmt, ts["mlp.fc1_in_q"].bytes) == ("fp8_col", memory.fp8_col_bytes(t, h))
+            assert "mlp.ln_out" not in ts
+        alm = {x.name for x in layer_saved_tensors(_proxy(precision=rec), "dense", "attn_ln_mlp", a)}
+        assert {n for n in alm if n.startswith("mlp.")} == {"mlp.ln_in"}   # the mlp checkpoint's input
+        none = {x.name: x for x in layer_saved_tensors(_proxy(precision=rec), "dense", "none", a)}
+        if rec != "bf16":
+            assert none["attn.q_up_in_q"].fmt == "fp8_col" == none["attn.kv_up_in_q"].fmt
+        mla = {x.name: x for x in layer_saved_tensors(_proxy(precision=rec), "moe", "mla_up_proj", a)}
+        assert mla["attn.q_latent"].holders == {"mla_up_proj_ckpt"} == mla["attn.kv_latent"].holders
+        size = memory.mxfp4_bytes if rec == "mxfp4" else (lambda m, k: 2 * m * k)   # the preset's recompute caches
+        assert (mla["attn.q_latent"].bytes, mla["attn.kv_latent"].bytes) == (size(t, ql), size(t, 512 + 64))
+        assert not {"attn.q_ln_out", "attn.kv_ln_out", "attn.q_ln_rstd", "attn.kv_ln_rstd"} & set(mla)
+    own = {x.name: x for x in layer_saved_tensors(_proxy(precision="mxfp4"), "dense", "none")}
+    assert own["attn.q_up_in_q"].fmt == "mxfp4" and own["mlp.ln_rstd"].tag == "ln_rstd"   # fp4moe's separate norms
+
+
+def test_dense_swiglu_fp4_under_the_release_patch():
+    """The release's megatron patch stores the dense MLPs' SwiGLU input [T, 2 x 5376] MXFP4 under
+    activation_fp4_store (mxfp4); bf16 / fp8 and the MoE layers are unchanged."""
+    t, f = 4096, 5376
+    a = MemoryAssumptions(dense_swiglu_fp4=True)
+    ts = {x.name: x for x in layer_saved_tensors(_proxy(precision="mxfp4"), "dense", "none", a)}
+    assert (ts["mlp.swiglu_in"].fmt, ts["mlp.swiglu_in"].bytes) == ("mxfp4", t * 2 * f // 2 + t * 2 * f // 32)
+    assert (_layer_bytes(_proxy(precision="mxfp4"), "dense", "none")
+            - _layer_bytes(_proxy(precision="mxfp4"), "dense", "none", dense_swiglu_fp4=True)) == 2 * t * 2 * f - ts["mlp.swiglu_in"].bytes
+    for rec, kind in (("bf16", "dense"), ("fp8", "dense"), ("mxfp4", "moe")):
+        assert (_layer_bytes(_proxy(precision=rec), kind, "none", dense_swiglu_fp4=True)
+                == _layer_bytes(_proxy(precision=rec), kind, "none"))
+
+
+def test_te_grouped_experts_backward_by_hand():
+    """TE's grouped MLP backward on the proxy (R = 32768 rows, H 2048, F 1024, 1024 rows per expert: no padding):
+    the largest of fc2's (dY + its FP8 rows and columns + dZ), the SwiGLU's (dZ + decoded H + dH) and fc1's (dH +
+    its FP8 rows and columns + dX + x's column copy under mxfp4) + 2 [T, H]; no weight gradients; under
+    attn_ln_experts dY held throughout, with the recomputed tensors and output."""
+    t, r, h, f = 4096, 4096 * 8, 2048, 1024
+    rc = memory.fp8_row_col_bytes
+    grads = 2 * 2 * t * h
+    a = MemoryAssumptions(te_grouped_experts=True)
+    dy, dz, dh = 2 * r * h, 2 * r * f, 2 * r * 2 * f
+    want = {"bf16": max(dy + dz, dz + dh, dh + dy),
+            "fp8": max(dy + rc(r, h) + dz, dz + dh, dh + rc(r, 2 * f) + dy),
+            "mxfp4": max(dy + rc(r, h) + dz, dz + 2 * dh, dh + rc(r, 2 * f) + dy + memory.fp8_col_bytes(r, h))}
+    for rec, live in want.items():
+        b = per_gpu_memory(_proxy(precision=rec), a)
+        assert b.expert_backward_bytes == live + grads
+        ale = per_gpu_memory(_proxy("attn_ln_experts", rec), a)
+        none = {x.name: x for x in layer_saved_tensors(_proxy(precision=rec), "moe", "none", a)}
+        kept = {x.name: x for x in layer_saved_tensors(_proxy("attn_ln_experts", rec), "moe", None, a)}
+        fc1_in = none["moe.expert_fc1_in"]   # rebuilt unless the checkpoint keeps it as it is (bf16, mxfp4)
+        recomputed = none["moe.expert_swiglu_in"].bytes + none["moe.expert_fc2_in"].bytes + (
+            0 if kept["moe.expert_ckpt_in"].fmt == fc1_in.fmt else fc1_in.bytes)
+        fc2, swi = dy + (rc(r, h) if rec != "bf16" else 0) + dz, dz + dh + (dh if rec == "mxfp4" else 0)
+        fc1 = live if rec == "bf16" else dh + rc(r, 2 * f) + dy + (memory.fp8_col_bytes(r, h) if rec == "mxfp4" else 0)
+        assert ale.expert_backward_bytes == max(fc2, swi + dy, fc1 + dy) + recomputed + dy + grads
+
+
+def test_lab_stack_names_every_switch_each_off_by_default():
+    """LAB_STACK turns on exactly the MemoryAssumptions switches the module docstring lists under "The lab's stack";
+    each is off by default (fp4moe's code, what calibration.md checks)."""
+    import dataclasses
+
+    doc = memory.__doc__.split("The lab's stack:", 1)[1].split("\n\n", 2)[1]
+    listed = [line.split()[0] for line in doc.splitlines() if line.startswith("    ") and not line.startswith("     ")]
+    assert list(memory.LAB_STACK) == listed and all(v is True for v in memory.LAB_STACK.values())
+    defaults = {f.name: f.default for f in dataclasses.fields(MemoryAssumptions)}
+    assert all(defaults[name] is False for name in memory.LAB_STACK)

@@ -27,9 +27,10 @@ before that group, the archived runs' params, falls back to ``parallel.distribut
                    owned element instead of 12); the offloaded share lives in host memory (``optimizer_host``, not
                    in the GPU total)
 
-    FP8 weight copies  with ``train.fp8_weight_cache`` (fp4moe.ops.weight_cache): every FP8-computed [N, K]
-                   weight's 128x128 copies for fprop and dgrad, ``2 N K + 8 N K / 128^2`` B, held from the first
-                   forward of a step to the next step (``fp8_weight_cache``); 0 without the cache
+    FP8 weight copies  with ``train.fp8_weight_cache`` (fp4moe.ops.weight_cache) or Transformer Engine's weight
+                   workspaces (``MemoryAssumptions.fp8_weight_workspaces``, the lab's stack): every FP8-computed
+                   [N, K] weight's 128x128 copies for fprop and dgrad, ``2 N K + 8 N K / 128^2`` B, held from the
+                   first forward of a step to the next step (``fp8_weight_cache``); 0 without either
 
 The distributed optimizer gives the data-parallel ranks of a stage slightly different shares (bucket padding):
 each pipeline rank's Breakdown is its most loaded data-parallel rank's, ``optimizer_mean_bytes`` the mean over its
@@ -50,9 +51,10 @@ paper's likely layout; approximate otherwise: megatron duplicates some MLA down-
 T = micro_batch x seq_length / CP tokens on the GPU (/ TP as well for hidden-size tensors with sequence
 parallelism); R = T x topk rows reach the experts of a GPU (balanced routing: each GPU sends T x k rows and, on
 average, receives as many). Per element: bf16 2 B, fp32 4 B, int64 8 B; a GEMM input saved by an FP8 linear
-as FP8 rows + FP8 columns (Transformer Engine Float8BlockScaling, our ``fp8_linear``) costs
-``M K + 4 M K/128 + K Mp + 4 K Mp/128`` (~2.06 B/elem; Mp = rows padded to 128 per expert); saved as MXFP4
-(``save_fp4``) ``M K/2 + M K/32`` (0.53 B/elem). These are the formulas of ``fp4moe.ops.fp8_linear
+as FP8 rows + FP8 columns (Float8BlockScaling's 1x128 groups, our ``fp8_linear``) costs
+``M K + 4 M K/128 + K Mp + 4 K Mp/128`` (~2.06 B/elem; Mp = rows padded to 128 per expert); the columns alone
+(Transformer Engine, ``MemoryAssumptions.fp8_saves_columnwise``) ``K M + 4 K Mp/128`` (~1.03 B/elem); saved as
+MXFP4 (``save_fp4``) ``M K/2 + M K/32`` (0.53 B/elem). These are the formulas of ``fp4moe.ops.fp8_linear
 .linear_saved_bytes``, ``fp4moe.ops.grouped_experts.expert_saved_bytes`` (checked equal in the tests).
 
 A tensor held by several consumers is counted once (a ledger of holders; a recompute scope removes holders or
@@ -134,6 +136,21 @@ storage with a copy (2 x [T,H] bf16), plus the decoded input [T,H] when its cach
 input norm's recomputation runs later, in the attention's backward. A dense layer's is (saved under none - saved
 under scope).
 
+The lab's stack: the paper's runs used megatron-core with Transformer Engine 2.8 and the paper release's patches,
+not fp4moe's own linears and experts. Where that code keeps other bytes, a ``MemoryAssumptions`` switch says so
+(each off by default, i.e. fp4moe's code as calibration.md checks it; ``LAB_STACK`` turns all of them on):
+
+    fp8_any_shape           every linear FP8 whatever its shape (kv_down_proj, H -> 576, too)
+    fp8_weight_workspaces   every FP8 linear's weight copies cached for the run (part (a))
+    fp8_saves_columnwise    an FP8 linear saves the column-wise copy of its input only (~1.03 B/elem)
+    save_original_input     under the layernorm recompute, the FP8 linears reading a discarded norm output save
+                            that output (refilled by the recompute), no copy of their own
+    fused_norm_linears      the dense pre-MLP norm and MLA's q / kv norms inside TE LayerNormLinears: not
+                            recomputed by 'layernorm', their output saved as an FP8 copy under fp8 and mxfp4; the
+                            mla_up_proj checkpoint holds the latents before the norms
+    dense_swiglu_fp4        under activation_fp4_store the dense MLPs' SwiGLU input MXFP4 too (fp4moe: BF16)
+    te_grouped_experts      the routed experts' backward as TE's grouped MLP runs it, wgrad into the main grads
+
 (c) Micro-batches in flight (1F1B)
 ----------------------------------
 M = global_batch / (micro_batch x DP) micro-batches per step. Without interleaving, pipeline rank r holds the
@@ -176,6 +193,11 @@ micro-batch (R rows on the GPU, H hidden, F expert FFN, all bf16 unless said):
     bf16 (megatron's SequentialMLP): dY, the per-expert dX pieces and their concatenation, 3 x [R,H]; under
         attn_ln_experts its recomputation's forward peaks at the concatenation of the recomputed outputs: dY + the
         recomputed tensors + the pieces and their concatenation, if that is larger.
+    TE's grouped MLP (``MemoryAssumptions.te_grouped_experts``, the lab's stack; every recipe): the largest of fc2's
+        backward, dY [R,H] + its FP8 rows and columns (FP8 recipes) + dZ [R,F]; the SwiGLU's, dZ + the decoded H
+        [R,2F] (stored MXFP4) + dH [R,2F]; and fc1's, dH + its FP8 rows and columns + dX [R,H] + x's FP8 column
+        copy rebuilt from MXFP4 (mxfp4); no weight gradients (accumulated into the main-gradient buffer). Under
+        attn_ln_experts dY stays live through the SwiGLU's and fc1's backward (the checkpoint holds it).
     plus the layer's output gradient and input gradient, 2 x [T,H].
 
 (f) Memory outside PyTorch's allocated bytes (what nvidia-smi adds; ``fp4moe.scale.outside_torch``)
@@ -188,8 +210,8 @@ docstring): 0 and ``outside_torch_source='not measured'`` unless the caller give
 ``total_bytes`` is the headline (the paper's "% of 80 GB" read as what nvidia-smi shows);
 ``allocated_bytes`` is ``torch.cuda.max_memory_allocated``'s peak, which fp4moe.analysis.calibration checks.
 
-Not modelled: the forward peak inside attention or a dense MLP; Transformer Engine's FP8 weight caches (fp4moe
-quantizes weights per use).
+Not modelled: the forward peak inside attention or a dense MLP; Transformer Engine's workspaces (cuBLAS, the
+kernels' own buffers) beyond what the measured outside-PyTorch terms hold.
 """
 from __future__ import annotations
 
@@ -278,6 +300,49 @@ class MemoryAssumptions:
     # column copies are padded as those counts pad (sum of each count rounded up to 128), whatever expert_padding
     # says; their sum must be the rows that expert_rows_factor gives
     expert_counts: tuple = ()
+    # ---- the paper lab's stack: megatron-core with Transformer Engine 2.8 and the paper release's patches, where it
+    # keeps other bytes than fp4moe's own code (docs/paper-scale.md, "The lab's stack"). All False: fp4moe's code,
+    # what calibration.md checks; ``LAB_STACK`` turns them all on (fp4moe.scale.paper_t1.PAPER_SETUP).
+    # True: every linear in the recipe's scope computes in FP8 whatever its shape (TE needs the input's rows to be a
+    # multiple of 8 and its features of 16: utils.py assert_dim_for_fp8_exec; MLA's kv_down_proj, H -> 576, too);
+    # False: fp4moe keeps a dense linear whose features are not multiples of 128 in BF16.
+    fp8_any_shape: bool = False
+    # True: every FP8 linear keeps its weight's FP8 copies (rows for fprop, columns for dgrad, 128 x 128 scales) for
+    # the whole run, as with ``train.fp8_weight_cache``: megatron's TE wrappers pass ``is_first_microbatch`` (not
+    # None unless --disable-parameter-transpose-cache) and TE then caches the quantized weight in the module
+    # (linear.py / grouped_linear.py ``get_weight_workspace(cache_name="weight")``), updated in place each step.
+    fp8_weight_workspaces: bool = False
+    # True: an FP8 linear keeps only the column-wise FP8 copy of its input for backward (the wgrad operand; TE drops
+    # the rows it used in fprop: linear.py "Discard row-wise data since it is not needed in backward pass",
+    # grouped_linear.py and layernorm_linear.py ``update_usage(rowwise_usage=False)``); False: fp4moe's fp8_linear and
+    # grouped experts keep rows and columns. No effect on MXFP4-saved inputs (save_fp4).
+    fp8_saves_columnwise: bool = False
+    # True: under the layernorm recompute (attn_ln_*) an FP8 linear that reads a norm's discarded output saves that
+    # original input (its storage refilled by the recompute) instead of a quantized copy of its own: megatron's
+    # TransformerLayer calls ``set_save_original_input`` on q_down / kv_down (MLA's
+    # ``set_for_recompute_input_layernorm``), the shared expert's fc1 (MoELayer's
+    # ``set_for_recompute_pre_mlp_layernorm``) and a dense MLP's fc1 behind a separate norm, whenever config.fp8 is
+    # set (fp8 and mxfp4; TE's save_fp4 requires ``not save_original_input``). False: fp4moe saves its own copy.
+    save_original_input: bool = False
+    # True: the norms that feed a single linear are fused into it (megatron's TE layer spec: a dense layer's pre-MLP
+    # norm into fc1, MLA's q / kv layernorms into q_up / kv_up, all ``TELayerNormColumnParallelLinear``; the dense
+    # layer's pre_mlp_layernorm is an IdentityOp, so the layernorm recompute leaves it alone). Such a linear saves
+    # the norm's input, 1/rms and its own copy of the norm output: BF16, or FP8 under fp8 and mxfp4 alike (the
+    # release's TE patch gives save_fp4 to Linear and GroupedLinear only, not to layernorm_linear.py). The
+    # mla_up_proj checkpoint then holds the q / kv latents before their norms (the norms run inside it). False:
+    # fp4moe's separate norms.
+    fused_norm_linears: bool = False
+    # True: under ``activation_fp4_store`` the dense MLPs' SwiGLU input is stored MXFP4 as well (the release's
+    # megatron-0.15.0rc7.diff: MLP.forward passes ``fp4_input_store=config.activation_func_fp4_input_store`` to
+    # bias_swiglu_impl); False: fp4moe's dense MLP (megatron's own) keeps it BF16.
+    dense_swiglu_fp4: bool = False
+    # True: the routed experts are TE's grouped MLP (megatron's TEGroupedMLP: GroupedLinear fc1, the weighted SwiGLU,
+    # GroupedLinear fc2, each its own autograd node) with megatron's default gradient-accumulation fusion, so the
+    # wgrad GEMMs write into the main-gradient buffer (grouped_linear.py ``wgrad_list = main_grads``): the experts'
+    # backward holds no weight-gradient buffer, and each step's gradient is freed once the next one has it, except the
+    # combine's gradient dY, which an enclosing moe_expert checkpoint holds through its whole backward (module
+    # docstring, (e)). False: fp4moe's grouped experts / megatron's SequentialMLP (``bf16_experts``).
+    te_grouped_experts: bool = False
 
     def __post_init__(self):
         if self.attn_recompute not in ATTN_RECOMPUTE:
@@ -292,6 +357,13 @@ class MemoryAssumptions:
                      "allocator_gap_ref_elements", "outside_torch_scale"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+
+
+# The lab's-stack switches of MemoryAssumptions (module docstring, "The lab's stack"), all on:
+# ``replace(assumptions, **LAB_STACK)``.
+LAB_STACK = {name: True for name in ("fp8_any_shape", "fp8_weight_workspaces", "fp8_saves_columnwise",
+                                     "save_original_input", "fused_norm_linears", "dense_swiglu_fp4",
+                                     "te_grouped_experts")}
 
 
 def compose_cfg(model: str, parallel: str, recompute: str, precision: str, optimizer: str = "gpu_fp32") -> DictConfig:
@@ -403,7 +475,8 @@ def _dims(cfg: DictConfig, rows_factor: float = 1.0) -> _Dims:
 @dataclass
 class SavedTensor:
     """One tensor saved for backward: ``bytes`` for one micro-batch; ``holders`` the autograd nodes / checkpoints
-    that keep it; ``tag`` 'ln_out' / 'ln_rstd' marks what an output-discarding layernorm recompute frees."""
+    that keep it; ``tag`` 'ln_out' / 'ln_rstd' marks what an output-discarding layernorm recompute frees; ``source``
+    the saved tensor a linear's quantized copy was made from ('' for the others)."""
 
     name: str
     shape: tuple
@@ -411,14 +484,15 @@ class SavedTensor:
     bytes: int
     holders: set = field(default_factory=set)
     tag: str = ""
+    source: str = ""
 
 
 class _Ledger:
     def __init__(self):
         self.t: dict[str, SavedTensor] = {}
 
-    def add(self, name, shape, fmt, nbytes, holders, tag=""):
-        self.t[name] = SavedTensor(name, tuple(shape), fmt, int(nbytes), set(holders), tag)
+    def add(self, name, shape, fmt, nbytes, holders, tag="", source=""):
+        self.t[name] = SavedTensor(name, tuple(shape), fmt, int(nbytes), set(holders), tag, source)
 
     def drop(self, *names):
         for n in names:
@@ -433,48 +507,80 @@ class _Ledger:
 
 
 def _linear_input(led: _Ledger, src: str, consumer: str, m: int, k: int, kind: str, recipe: Recipe,
-                  mp: int | None = None, n_out: int | None = None) -> None:
+                  a: MemoryAssumptions, mp: int | None = None, n_out: int | None = None) -> None:
     """A linear ``[k] -> [n_out]`` that reads the saved tensor ``src`` [m, k]: a BF16 linear holds ``src``; an FP8
     one saves its own quantized copy ``<consumer>_q`` (FP8 row+col, or MXFP4 under save_fp4) and does not hold
-    ``src``. A dense linear whose in or out features are not multiples of 128 stays BF16
-    (``fp4moe.model.build.apply_fp8_dense_linears``; MLA's kv_down_proj, H -> kv_lora + rope = 576, is one)."""
-    blockable = kind != "dense" or n_out is None or (k % FP8_GROUP == 0 and n_out % FP8_GROUP == 0)
+    ``src``. In fp4moe a dense linear whose in or out features are not multiples of 128 stays BF16
+    (``fp4moe.model.build.apply_fp8_dense_linears``; MLA's kv_down_proj, H -> kv_lora + rope = 576, is one); with
+    ``a.fp8_any_shape`` (Transformer Engine) it is FP8 too."""
+    blockable = (a.fp8_any_shape or kind != "dense" or n_out is None
+                 or (k % FP8_GROUP == 0 and n_out % FP8_GROUP == 0))
     if recipe.fp8_compute and recipe.applies_to(kind) and blockable:
         if recipe.save_fp4:
-            led.add(f"{consumer}_q", (m, k), "mxfp4", mxfp4_bytes(m, k), {consumer})
+            led.add(f"{consumer}_q", (m, k), "mxfp4", mxfp4_bytes(m, k), {consumer}, source=src)
         else:
-            led.add(f"{consumer}_q", (m, k), "fp8_row_col", fp8_row_col_bytes(m, k, mp), {consumer})
+            fmt, nbytes = _fp8_saved(m, k, mp, a)
+            led.add(f"{consumer}_q", (m, k), fmt, nbytes, {consumer}, source=src)
     else:
         led.t[src].holders.add(consumer)
 
 
-def _norm(led: _Ledger, prefix: str, norm: str, t: int, width: int, out_holders=()) -> None:
+def fp8_col_bytes(m: int, k: int, mp: int | None = None) -> int:
+    """Transformer Engine's column-wise FP8 copy of an [m, k] input: E4M3 [k, m] + one FP32 scale per 1x128 group
+    along m (``mp``: m padded to 128 per segment, default one segment)."""
+    mp = _pad128(m) if mp is None else mp
+    return k * m + FP8_SCALE_BYTES * k * (mp // FP8_GROUP)
+
+
+def _fp8_saved(m: int, k: int, mp: int | None, a: MemoryAssumptions) -> tuple[str, int]:
+    """(format, bytes) an FP8 linear saves of its [m, k] input: rows + columns (fp4moe), or the columns alone
+    (``a.fp8_saves_columnwise``, Transformer Engine)."""
+    if a.fp8_saves_columnwise:
+        return "fp8_col", fp8_col_bytes(m, k, mp)
+    return "fp8_row_col", fp8_row_col_bytes(m, k, mp)
+
+
+def _norm(led: _Ledger, prefix: str, norm: str, t: int, width: int, out_holders=(), fused: bool = False) -> None:
+    """A norm's saved tensors; ``fused``: inside a TE LayerNormLinear, whose output the layernorm recompute does not
+    discard (untagged)."""
     led.add(f"{prefix}.ln_in", (t, width), "bf16", BF16 * t * width, {norm})
-    led.add(f"{prefix}.ln_rstd", (t,), "fp32", FP32 * t, {norm}, tag="ln_rstd")
-    led.add(f"{prefix}.ln_out", (t, width), "bf16", BF16 * t * width, set(out_holders), tag="ln_out")
+    led.add(f"{prefix}.ln_rstd", (t,), "fp32", FP32 * t, {norm}, tag="" if fused else "ln_rstd")
+    led.add(f"{prefix}.ln_out", (t, width), "bf16", BF16 * t * width, set(out_holders), tag="" if fused else "ln_out")
 
 
-def _attention(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
+def _norm_linear_input(led: _Ledger, src: str, consumer: str, m: int, k: int, recipe: Recipe,
+                       a: MemoryAssumptions) -> None:
+    """The input a dense linear that follows a norm saves: ``_linear_input``, or with ``a.fused_norm_linears`` TE's
+    LayerNormLinear, which saves an FP8 copy of the norm output under fp8 and mxfp4 alike (no save_fp4 hook)."""
+    if not a.fused_norm_linears:
+        _linear_input(led, src, consumer, m, k, "dense", recipe, a)
+    elif recipe.fp8_compute and recipe.applies_to("dense"):
+        led.add(f"{consumer}_q", (m, k), *_fp8_saved(m, k, None, a), {consumer}, source=src)
+    else:
+        led.t[src].holders.add(consumer)
+
+
+def _attention(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
     t, th, n = d.t_tok, d.t_hid, d.n // d.tp
     qk = d.nope + d.rope
     _norm(led, "attn", "input_ln", th, d.h)
     if d.q_lora:
-        _linear_input(led, "attn.ln_out", "attn.q_down_in", th, d.h, "dense", recipe)
+        _linear_input(led, "attn.ln_out", "attn.q_down_in", th, d.h, "dense", recipe, a)
         led.add("attn.q_latent", (t, d.q_lora), "bf16", BF16 * t * d.q_lora, {"q_ln"})
         led.add("attn.q_ln_rstd", (t,), "fp32", FP32 * t, {"q_ln"})
         led.add("attn.q_ln_out", (t, d.q_lora), "bf16", BF16 * t * d.q_lora, set())
-        _linear_input(led, "attn.q_ln_out", "attn.q_up_in", t, d.q_lora, "dense", recipe)
+        _norm_linear_input(led, "attn.q_ln_out", "attn.q_up_in", t, d.q_lora, recipe, a)
     else:
-        _linear_input(led, "attn.ln_out", "attn.q_proj_in", th, d.h, "dense", recipe)
-    _linear_input(led, "attn.ln_out", "attn.kv_down_in", th, d.h, "dense", recipe, n_out=d.kv_lora + d.rope)
+        _linear_input(led, "attn.ln_out", "attn.q_proj_in", th, d.h, "dense", recipe, a)
+    _linear_input(led, "attn.ln_out", "attn.kv_down_in", th, d.h, "dense", recipe, a, n_out=d.kv_lora + d.rope)
     led.add("attn.kv_latent", (t, d.kv_lora + d.rope), "bf16", BF16 * t * (d.kv_lora + d.rope), {"kv_ln"})
     led.add("attn.kv_ln_rstd", (t,), "fp32", FP32 * t, {"kv_ln"})
     led.add("attn.kv_ln_out", (t, d.kv_lora), "bf16", BF16 * t * d.kv_lora, set())
-    _linear_input(led, "attn.kv_ln_out", "attn.kv_up_in", t, d.kv_lora, "dense", recipe)
+    _norm_linear_input(led, "attn.kv_ln_out", "attn.kv_up_in", t, d.kv_lora, recipe, a)
     for name, w in (("q", qk), ("k", qk), ("v", d.v)):
         led.add(f"attn.{name}", (t, n, w), "bf16", BF16 * t * n * w, {"core_attn"})
     led.add("attn.o", (t, n * d.v), "bf16", BF16 * t * n * d.v, {"core_attn"})
-    _linear_input(led, "attn.o", "attn.proj_in", t, n * d.v, "dense", recipe)
+    _linear_input(led, "attn.o", "attn.proj_in", t, n * d.v, "dense", recipe, a)
     led.add("attn.lse", (n, t), "fp32", FP32 * n * t, {"core_attn"})
     # MLA's RoPE: cos and sin [seq, 1, 1, rope] fp32 saved by the rotary application of every layer; sized by the
     # sequence, not by the micro-batch (the H200 probe: 8 388 608 B = 4 layers x 2 x 4096 x 64 x 4 at micro-batch 8
@@ -482,13 +588,16 @@ def _attention(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
     led.add("attn.rope_cos_sin", (2, d.seq, d.rope), "fp32", 2 * FP32 * d.seq * d.rope, {"rope"})
 
 
-def _dense_mlp(led: _Ledger, d: _Dims, recipe: Recipe) -> None:
+def _dense_mlp(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
     th, f = d.t_hid, d.ffn // d.tp
-    _norm(led, "mlp", "pre_mlp_ln", th, d.h)
-    _linear_input(led, "mlp.ln_out", "mlp.fc1_in", th, d.h, "dense", recipe)
-    led.add("mlp.swiglu_in", (d.t_tok, 2 * f), "bf16", BF16 * d.t_tok * 2 * f, {"mlp.swiglu"})
+    _norm(led, "mlp", "pre_mlp_ln", th, d.h, fused=a.fused_norm_linears)
+    _norm_linear_input(led, "mlp.ln_out", "mlp.fc1_in", th, d.h, recipe, a)
+    if recipe.activation_fp4_store and a.dense_swiglu_fp4:
+        led.add("mlp.swiglu_in", (d.t_tok, 2 * f), "mxfp4", mxfp4_bytes(d.t_tok, 2 * f), {"mlp.swiglu"})
+    else:
+        led.add("mlp.swiglu_in", (d.t_tok, 2 * f), "bf16", BF16 * d.t_tok * 2 * f, {"mlp.swiglu"})
     led.add("mlp.fc2_in", (d.t_tok, f), "bf16", BF16 * d.t_tok * f, set())
-    _linear_input(led, "mlp.fc2_in", "mlp.fc2", d.t_tok, f, "dense", recipe)
+    _linear_input(led, "mlp.fc2_in", "mlp.fc2", d.t_tok, f, "dense", recipe, a)
 
 
 def _expert_rows(d: _Dims, padding: str = "balanced", counts: tuple = ()) -> tuple[int, int, int]:
@@ -508,10 +617,10 @@ def _expert_rows(d: _Dims, padding: str = "balanced", counts: tuple = ()) -> tup
     return r, el, el * _pad128(per)
 
 
-def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced", counts: tuple = ()) -> None:
+def _moe(led: _Ledger, d: _Dims, recipe: Recipe, a: MemoryAssumptions) -> None:
     t, th = d.t_tok, d.t_hid
     h, f, fs = d.h, d.f // d.etp, d.fs // d.tp
-    r, _, mp = _expert_rows(d, padding, counts)
+    r, _, mp = _expert_rows(d, a.expert_padding, a.expert_counts)
     _norm(led, "moe", "pre_mlp_ln", th, h, out_holders={"router"})
     # megatron-core 0.16.1's sigmoid top-k router with the sequence aux loss (moe/router.py, moe_utils.py), as
     # listed by fp4moe.ops.accounting on the model (plain torch ops, the same on CPU and GPU):
@@ -535,7 +644,7 @@ def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced", coun
     elif recipe.expert_input_fp4 or recipe.save_fp4:
         x_fmt, x_b = "mxfp4", mxfp4_bytes(r, h)
     else:
-        x_fmt, x_b = "fp8_row_col", fp8_row_col_bytes(r, h, mp)
+        x_fmt, x_b = _fp8_saved(r, h, mp, a)
     led.add("moe.expert_fc1_in", (r, h), x_fmt, x_b, {"experts"})
     if recipe.activation_fp4_store:
         led.add("moe.expert_swiglu_in", (r, 2 * f), "mxfp4", mxfp4_bytes(r, 2 * f), {"experts"})
@@ -546,10 +655,10 @@ def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced", coun
     elif recipe.save_fp4:
         led.add("moe.expert_fc2_in", (r, f), "mxfp4", mxfp4_bytes(r, f), {"experts"})
     else:
-        led.add("moe.expert_fc2_in", (r, f), "fp8_row_col", fp8_row_col_bytes(r, f, mp), {"experts"})
+        led.add("moe.expert_fc2_in", (r, f), *_fp8_saved(r, f, mp, a), {"experts"})
     led.add("moe.expert_probs", (r,), "fp32", FP32 * r, {"experts"})
     if fs:
-        _linear_input(led, "moe.ln_out", "moe.shared_fc1_in", th, h, "shared_expert", recipe)
+        _linear_input(led, "moe.ln_out", "moe.shared_fc1_in", th, h, "shared_expert", recipe, a)
         # the fused SwiGLU saves its input: BF16, or MXFP4 under activation_fp4_store (the shared expert too, as
         # fp4moe.model.recipe_moe builds it: measured on the model with fp4moe.ops.accounting)
         if recipe.activation_fp4_store:
@@ -557,7 +666,7 @@ def _moe(led: _Ledger, d: _Dims, recipe: Recipe, padding: str = "balanced", coun
         else:
             led.add("moe.shared_swiglu_in", (t, 2 * fs), "bf16", BF16 * t * 2 * fs, {"shared.swiglu"})
         led.add("moe.shared_fc2_in", (t, fs), "bf16", BF16 * t * fs, set())
-        _linear_input(led, "moe.shared_fc2_in", "moe.shared_fc2", t, fs, "shared_expert", recipe)
+        _linear_input(led, "moe.shared_fc2_in", "moe.shared_fc2", t, fs, "shared_expert", recipe, a)
 
 
 def _to_mxfp4(led: _Ledger, name: str) -> None:
@@ -576,9 +685,11 @@ def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, 
         return
     if scope in ("attn_ln_experts", "attn_ln_mlp"):
         # layernorm (output-discarding): outputs and rstd freed, inputs kept.
-        for s in list(led.t.values()):
-            if s.tag in ("ln_out", "ln_rstd"):
-                del led.t[s.name]
+        freed = [s.name for s in led.t.values() if s.tag in ("ln_out", "ln_rstd")]
+        led.drop(*freed)
+        if a.save_original_input and recipe.fp8_compute:
+            # the FP8 linears reading a discarded output keep that output, not a copy of their own
+            led.drop(*[s.name for s in led.t.values() if s.source in freed])
         # attention
         if a.attn_recompute == "core_attn":
             led.drop("attn.lse")
@@ -603,14 +714,17 @@ def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, 
             if not recipe.fp8_compute:   # bf16: RecomputedSequentialMLP's checkpoint also keeps tokens_per_expert
                 led.add("moe.expert_ckpt_counts", (d.e // d.ep,), "int64", INT64 * (d.e // d.ep), {"moe_expert_ckpt"})
         if scope == "attn_ln_mlp" and kind == "dense":
-            led.drop_prefix("mlp.", keep=("mlp.ln_in",))  # mlp checkpoint input = mlp.ln_out, already freed
-        if scope == "attn_ln_mlp" and kind == "dense" and recipe.recompute_cache_fp4:
+            # mlp checkpoint input = mlp.ln_out, already freed (fused norm: the layer's hidden state, mlp.ln_in)
+            led.drop_prefix("mlp.", keep=("mlp.ln_in",))
+        if scope == "attn_ln_mlp" and kind == "dense" and recipe.recompute_cache_fp4 and not a.fused_norm_linears:
             # the mlp checkpoint keeps its argument, the (discarded) pre-MLP norm output: an MXFP4 copy survives
             led.add("mlp.ckpt_in", (d.t_hid, d.h), "mxfp4", mxfp4_bytes(d.t_hid, d.h), {"mlp_ckpt"})
         if recipe.recompute_cache_fp4:
             # the norm checkpoints' inputs and core attention's checkpointed q, k, v are stored MXFP4
             # (fp4moe.model.recompute: every checkpoint inside a TransformerLayer)
-            for name in ("attn.ln_in", "mlp.ln_in", "moe.ln_in", "attn.q", "attn.k", "attn.v"):
+            # (a fused dense pre-MLP norm has no checkpoint: its input stays BF16)
+            for name in ("attn.ln_in", "moe.ln_in", "attn.q", "attn.k", "attn.v") + (
+                    () if a.fused_norm_linears else ("mlp.ln_in",)):
                 if name in led.t and a.attn_recompute == "core_attn" or name.endswith("ln_in") and name in led.t:
                     _to_mxfp4(led, name)
         return
@@ -619,6 +733,17 @@ def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, 
         # (kept: the norms stay outside it, with their inputs and 1/rms); under recompute_cache_fp4 those inputs are
         # stored MXFP4 (fp4moe.model.recompute). The up-projections' own saved inputs and q, k, v are freed.
         led.drop("attn.q_up_in_q", "attn.kv_up_in_q", "attn.q", "attn.k", "attn.v")
+        if a.fused_norm_linears:
+            # the q / kv norms are inside the up-projections, inside the checkpoint: it holds their inputs, the
+            # latents (kv_latent with the RoPE key, a view of the same storage); the norms save nothing
+            led.drop("attn.q_ln_rstd", "attn.q_ln_out", "attn.kv_ln_rstd", "attn.kv_ln_out")
+            for name in ("attn.q_latent", "attn.kv_latent"):
+                if name in led.t:
+                    led.t[name].holders = {"mla_up_proj_ckpt"}
+                    if recipe.recompute_cache_fp4:
+                        _to_mxfp4(led, name)
+            led.add("attn.rope_cos_sin", (d.seq, d.rope), "fp32", FP32 * d.seq * d.rope, {"mla_up_proj_ckpt"})
+            return
         for name in ("attn.q_ln_out", "attn.kv_ln_out"):
             if name in led.t:
                 led.t[name].holders = {"mla_up_proj_ckpt"}
@@ -643,11 +768,11 @@ def layer_saved_tensors(cfg: Any, kind: str, scope: str | None = None,
     recipe = Recipe.from_config(cfg.precision)
     scope = scope or _scope(cfg)
     led = _Ledger()
-    _attention(led, d, recipe)
+    _attention(led, d, recipe, a)
     if kind == "dense":
-        _dense_mlp(led, d, recipe)
+        _dense_mlp(led, d, recipe, a)
     elif kind == "moe":
-        _moe(led, d, recipe, a.expert_padding, a.expert_counts)
+        _moe(led, d, recipe, a)
     else:
         raise ValueError(f"kind={kind!r}: 'dense' or 'moe'")
     _apply_scope(led, kind, scope, d, recipe, a)
@@ -743,15 +868,16 @@ def _stage_params(letters: str, first_layer: int, d: _Dims) -> tuple[float, floa
     return dense, expert
 
 
-def _fp8_matrix_bytes(n: int, k: int) -> int:
-    """The cached FP8 copies of one [N, K] weight (fprop + dgrad data, their 128x128 FP32 scales); 0 for a matrix
-    that is not a multiple of 128 both ways (it stays BF16: fp4moe.model.build.apply_fp8_dense_linears)."""
-    if n % FP8_GROUP or k % FP8_GROUP or not n or not k:
+def _fp8_matrix_bytes(n: int, k: int, any_shape: bool = False) -> int:
+    """The cached FP8 copies of one [N, K] weight (fprop + dgrad data, their 128x128 FP32 scales, one per started
+    block); 0 for a matrix that is not a multiple of 128 both ways (it stays BF16 in fp4moe:
+    fp4moe.model.build.apply_fp8_dense_linears) unless ``any_shape`` (``MemoryAssumptions.fp8_any_shape``)."""
+    if not n or not k or (not any_shape and (n % FP8_GROUP or k % FP8_GROUP)):
         return 0
-    return 2 * n * k + 2 * 4 * (n // FP8_GROUP) * (k // FP8_GROUP)
+    return 2 * n * k + 2 * 4 * (-(-n // FP8_GROUP)) * (-(-k // FP8_GROUP))
 
 
-def _fp8_weight_cache_bytes(letters: str, first_layer: int, d: _Dims, recipe: Recipe) -> int:
+def _fp8_weight_cache_bytes(letters: str, first_layer: int, d: _Dims, recipe: Recipe, any_shape: bool = False) -> int:
     """``train.fp8_weight_cache``: bytes of the FP8 weight copies one GPU of a stage holds (every matrix the recipe
     computes in FP8; dense matrices / TP, expert matrices / ETP)."""
     if not recipe.fp8_compute:
@@ -762,7 +888,7 @@ def _fp8_weight_cache_bytes(letters: str, first_layer: int, d: _Dims, recipe: Re
     dense_on, shared_on = recipe.applies_to("dense"), recipe.applies_to("shared_expert")
 
     def mats(pairs, div):
-        return sum(_fp8_matrix_bytes(n, k) for n, k in pairs) // div
+        return sum(_fp8_matrix_bytes(n, k, any_shape) for n, k in pairs) // div
 
     attn_b = mats(attn, d.tp) if dense_on else 0
     shared_b = mats([(2 * d.fs, d.h), (d.h, d.fs)], d.tp) if shared_on and d.fs else 0
@@ -829,7 +955,7 @@ class Breakdown:
     # parameters after that layer (fp4moe.train without pipelining keeps each .grad until the step) minus the saved
     # activations of the layers after it (freed by then); > 0 when the scope saves little (full), else 0
     backward_depth_bytes: int = 0
-    # the FP8 weight copies of train.fp8_weight_cache (part (a)); 0 without the cache
+    # the FP8 weight copies of train.fp8_weight_cache or TE's weight workspaces (part (a)); 0 without either
     fp8_weight_cache_bytes: int = 0
     optimizer_mean_bytes: int = 0  # optimizer state on the GPU, mean over the stage's data-parallel ranks
     optimizer_host_bytes: int = 0  # the offloaded optimizer state in host memory (this rank's; not in the totals)
@@ -940,6 +1066,8 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     # (fp4moe.train keeps every .grad until the step; seen in the full-recompute memory traces). With a resident
     # main-gradient buffer ('always', megatron's DDP) each .grad is folded into it as soon as it is made: only fc1's,
     # the output of the wgrad GEMM running, is live then.
+    if a.te_grouped_experts:
+        return _te_expert_backward(d, recipe, a, recomputed) + grads
     e_local = d.e // d.ep
     dw2, dw1 = a.param_bytes * e_local * h * f, a.param_bytes * e_local * 2 * f * h
     if a.main_grad_resident == "always":
@@ -978,6 +1106,25 @@ def _expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed:
     if recomputed:
         live += recomputed + rows_h            # + the checkpoint's recomputed output, held through its backward
     return live + grads
+
+
+def _te_expert_backward(d: _Dims, recipe: Recipe, a: MemoryAssumptions, recomputed: int = 0) -> int:
+    """``_expert_backward`` of TE's grouped MLP (``MemoryAssumptions.te_grouped_experts``; module docstring, (e)),
+    without the two [T, H] layer gradients: the largest of fc2's, the SwiGLU's and fc1's backward, each holding its
+    input gradient, that gradient's FP8 rows + columns (FP8 recipes: TE's split_quantize for dgrad and wgrad) and its
+    output gradient; weight gradients go into the main-gradient buffer. Under an attn_ln_experts checkpoint dY is
+    held throughout, with ``recomputed`` bytes and the recomputed output [R, H]."""
+    r, h, f = d.rows, d.h, d.f // d.etp
+    _, _, mp = _expert_rows(d, a.expert_padding, a.expert_counts)
+    dy, dz, dh = BF16 * r * h, BF16 * r * f, BF16 * r * 2 * f
+    quant = recipe.fp8_compute
+    fc2 = dy + (fp8_row_col_bytes(r, h, mp) if quant else 0) + dz
+    swiglu = dz + (dh if recipe.activation_fp4_store else 0) + dh   # the decoded H beside dH when stored MXFP4
+    x_col = fp8_col_bytes(r, h, mp) if quant and (recipe.expert_input_fp4 or recipe.save_fp4) else 0
+    fc1 = dh + (fp8_row_col_bytes(r, 2 * f, mp) if quant else 0) + dy + x_col   # dX: an [R, H] bf16 like dY
+    if not recomputed:
+        return max(fc2, swiglu, fc1)
+    return max(fc2, swiglu + dy, fc1 + dy) + recomputed + dy   # + the recomputed output [R, H], held throughout
 
 
 def _norm_recompute(d: _Dims, recipe: Recipe, scope: str) -> int:
@@ -1084,7 +1231,7 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
     micro = int(p.micro_batch) * int(p.data)
     n_micro = max(1, int(p.global_batch) // micro)
     stages = _stages(cfg)
-    weight_cache = bool(OmegaConf.select(cfg, "train.fp8_weight_cache", default=False))
+    weight_cache = bool(OmegaConf.select(cfg, "train.fp8_weight_cache", default=False)) or a.fp8_weight_workspaces
     if len(stages) != pp * vpp:
         raise ValueError(f"{len(stages)} pipeline stages for pipeline x virtual_pipeline = {pp * vpp}")
     # first transformer-layer index of every stage
@@ -1130,7 +1277,7 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
         tensors, trans, has_moe, act_sum, wcache = [], 0, False, 0, 0
         for i in chunks:
             if weight_cache:
-                wcache += _fp8_weight_cache_bytes(stages[i], firsts[i], d, recipe)
+                wcache += _fp8_weight_cache_bytes(stages[i], firsts[i], d, recipe, a.fp8_any_shape)
             dn, ex = _stage_params(stages[i], firsts[i], d)
             dense_p, expert_p = dense_p + dn, expert_p + ex
             ts, tr, hm = chunk(i)
@@ -1182,6 +1329,6 @@ def mean_total_bytes(stages: list[Breakdown]) -> int:
     return round(sum(b.mean_total_bytes for b in stages) / len(stages))
 
 
-__all__ = ["GB", "SCOPES", "Breakdown", "MemoryAssumptions", "SavedTensor", "compose_cfg", "experiment_cfg",
-           "fp8_row_col_bytes", "layer_saved_tensors", "mean_total_bytes", "mxfp4_bytes", "NOT_IN_STANDALONE_LAYER",
+__all__ = ["GB", "LAB_STACK", "SCOPES", "Breakdown", "MemoryAssumptions", "SavedTensor", "compose_cfg", "experiment_cfg",
+           "fp8_col_bytes", "fp8_row_col_bytes", "layer_saved_tensors", "mean_total_bytes", "mxfp4_bytes", "NOT_IN_STANDALONE_LAYER",
            "per_gpu_memory", "per_stage_memory", "standalone_moe_layer_peak"]
