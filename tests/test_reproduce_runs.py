@@ -33,7 +33,8 @@ def test_a_cell_runs_once_is_reused_then_rerun(tmp_path):
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cell = reproduce_runs.Cell("T1 tiny mxfp4 attn_ln_mlp", "reproduce_test",
-                               ("model=tiny_cpu", "parallel=cpu", "cluster=cpu", "train=short_cpu", "train.steps=2",
+                               ("model=tiny_cpu", "parallel=cpu", "parallel.seq_length=64", "cluster=cpu",
+                                "train=short_cpu", "train.steps=2",
                                 "train.eval_interval=null", "train.checkpoint_interval=null", "train.progress_bar=false",
                                 "task_name=reproduce_test", "precision=mxfp4", "recompute=attn_ln_mlp",
                                 f"paths.log_dir={tmp_path / 'hydra'}", f"train.checkpoint_dir={tmp_path / 'ckpt'}"))

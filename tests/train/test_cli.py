@@ -1,5 +1,6 @@
 """``python -m fp4moe.train`` as a command: config typos and an unreachable MLflow server are one clear message
-and a non-zero exit (no traceback); a run stopped with Ctrl-C exits 130 after a checkpoint and resumes into the
+and a non-zero exit (no traceback; the config typos in a child process, the other mistakes through the same Hydra
+entry point in this process); a run stopped with Ctrl-C exits 130 after a checkpoint and resumes into the
 same MLflow run; two processes (torchrun, DP=2) train like one."""
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ from pathlib import Path
 
 import pytest
 
+import fp4moe.train.data
+
 pytest.importorskip("megatron.core")
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+# the real data pipeline's entry, taken before tests/train/conftest.py swaps in the byte-level stand-in
+BUILD_TOKEN_DATASETS = fp4moe.train.data.build_token_datasets
 
 
 def _run(args, tmp_path, env=None, timeout=120):
@@ -38,42 +43,6 @@ def test_config_typos_are_one_message(tmp_path, override, message):
     assert r.returncode != 0
     assert message in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
-
-
-def test_missing_corpus_is_one_message(tmp_path):
-    """A corpus path that does not exist: exit 2 with the data pipeline's message naming the path and the fix."""
-    r = _run(["-m", "fp4moe.train", "data=user_corpus", f"data.path={tmp_path / 'nowhere.jsonl'}"], tmp_path)
-    assert r.returncode == 2
-    assert "fp4moe.train: DataError: data.path=" in r.stderr and "does not exist" in r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
-
-
-def test_kernel_switch_typo_is_one_message(tmp_path):
-    """A kernel switch with a value it does not know, from its FP4MOE_* variable or the kernels group on the command
-    line: exit 2 before training, naming the key, the variable and the values."""
-    r = _run(["-m", "fp4moe.train"], tmp_path, env={"FP4MOE_CUDA_COL": "yes"})
-    assert r.returncode == 2
-    assert ("fp4moe.train: ConfigError: kernels.cuda_col='yes' (the config's, or $FP4MOE_CUDA_COL's): use auto"
-            in r.stderr)
-    assert "Traceback" not in r.stderr and "step" not in r.stderr
-    r = _run(["-m", "fp4moe.train", "kernels.dispatch_quantize=row"], tmp_path)
-    assert r.returncode == 2
-    assert "fp4moe.train: ConfigError: kernels.dispatch_quantize='row' (the config's, or " in r.stderr
-    assert "use tokens" in r.stderr and "Traceback" not in r.stderr and "step" not in r.stderr
-    r = _run(["-m", "fp4moe.train"], tmp_path, env={"FP4MOE_TRACKING_THREAD": "off"})
-    assert r.returncode == 2
-    assert "fp4moe.train: ConfigError: FP4MOE_TRACKING_THREAD='off': use 1" in r.stderr
-    assert "Traceback" not in r.stderr and "step" not in r.stderr
-
-
-def test_unreachable_mlflow_server(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = _run(["-m", "fp4moe.train"], tmp_path, env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"})
-    assert r.returncode == 2
-    assert f"MLflow tracking server http://127.0.0.1:{port} is not reachable" in r.stderr
-    assert "Traceback" not in r.stderr and "step" not in r.stderr  # nothing trained
 
 
 @pytest.fixture
@@ -106,6 +75,53 @@ def app(monkeypatch, capsys):
         return code, out, err
 
     return run
+
+
+def test_missing_corpus_is_one_message(tmp_path, monkeypatch, app):
+    """A corpus path that does not exist: exit 2 with the data pipeline's message naming the path and the fix (the
+    command in this process with the real data pipeline, not the tests' byte-level stand-in)."""
+    monkeypatch.setattr(fp4moe.train.data, "build_token_datasets", BUILD_TOKEN_DATASETS)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    code, out, err = app("data=user_corpus", f"data.path={tmp_path / 'nowhere.jsonl'}",
+                         f"hydra.run.dir={tmp_path / 'out'}")
+    assert code == 2
+    assert "fp4moe.train: DataError: data.path=" in err and "does not exist" in err
+    assert "Traceback" not in err + out
+
+
+def test_kernel_switch_typo_is_one_message(tmp_path, monkeypatch, app):
+    """A kernel switch with a value it does not know, from its FP4MOE_* variable or the kernels group on the command
+    line: exit 2 before training, naming the key, the variable and the values (the command in this process: an
+    uncaught error would raise here instead of printing a traceback)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_dir = f"hydra.run.dir={tmp_path / 'out'}"
+    monkeypatch.setenv("FP4MOE_CUDA_COL", "yes")
+    code, out, err = app(run_dir)
+    assert code == 2
+    assert ("fp4moe.train: ConfigError: kernels.cuda_col='yes' (the config's, or $FP4MOE_CUDA_COL's): use auto"
+            in err)
+    assert "Traceback" not in err and "step" not in err
+    monkeypatch.delenv("FP4MOE_CUDA_COL")
+    code, out, err = app("kernels.dispatch_quantize=row", run_dir)
+    assert code == 2
+    assert "fp4moe.train: ConfigError: kernels.dispatch_quantize='row' (the config's, or " in err
+    assert "use tokens" in err and "Traceback" not in err and "step" not in err
+    monkeypatch.setenv("FP4MOE_TRACKING_THREAD", "off")
+    code, out, err = app(run_dir)
+    assert code == 2
+    assert "fp4moe.train: ConfigError: FP4MOE_TRACKING_THREAD='off': use 1" in err
+    assert "Traceback" not in err and "step" not in err
+
+
+def test_unreachable_mlflow_server(tmp_path, monkeypatch, app):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    code, out, err = app(f"hydra.run.dir={tmp_path / 'out'}")
+    assert code == 2
+    assert f"MLflow tracking server http://127.0.0.1:{port} is not reachable" in err
+    assert "Traceback" not in err and "step" not in err  # nothing trained
 
 
 def test_ctrl_c_checkpoints_then_the_same_command_resumes(tmp_path, monkeypatch, app):
@@ -274,10 +290,10 @@ def test_eight_processes_ep8_dp8_equal_one_process(tmp_path, monkeypatch):
 
     common = ["train=short_cpu", "train.params_dtype=fp32", "train.steps=2", "train.eval_interval=null",
               "train.checkpoint_interval=null", "train.progress_bar=false", "model.moe.num_experts=32",
-              "parallel.micro_batch=1", "parallel.global_batch=8", "precision=mxfp4"]
+              "parallel.micro_batch=1", "parallel.global_batch=8", "parallel.seq_length=64", "precision=mxfp4"]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"}
-    ep8 = ["parallel=eight_gpu_ep8", "cluster=cpu", "cluster.gpus_per_node=8", "parallel.seq_length=128",
+    ep8 = ["parallel=eight_gpu_ep8", "cluster=cpu", "cluster.gpus_per_node=8", "parallel.seq_length=64",
            "task_name=ep8", f"train.checkpoint_dir={tmp_path / 'ckpt'}",
            f"hydra.run.dir={tmp_path / 'out'}"]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",

@@ -28,7 +28,9 @@ pytest.importorskip("megatron.core")
 HERE = Path(__file__).resolve().parent
 CONF = HERE.parents[1] / "conf"
 STEPS = 6
-COMMON = ["train=short_cpu", "train.progress_bar=false", f"train.steps={STEPS}", "train.eval_interval=null"]
+# sequences of 64 tokens (2 micro-batches of 2 per step, as train=short_cpu): what is asserted does not depend on them
+COMMON = ["train=short_cpu", "train.progress_bar=false", f"train.steps={STEPS}", "train.eval_interval=null",
+          "parallel.seq_length=64"]
 SEED = 30  # the kill step of test_kill_9 follows from it
 
 
@@ -135,58 +137,86 @@ def test_kill_9_at_a_random_step_resumes_from_the_newest_whole_checkpoint(tmp_pa
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A real file system of its own (tmpfs, 256 MiB) at ``tmp_path / 'disk'``, yielded with a function that
-    resizes it (``mount -o remount,size=``); skipped where this process may not mount (not root, no
-    CAP_SYS_ADMIN). Unmounted afterwards."""
+def filling_folder(tmp_path):
+    """A checkpoint folder whose room can be taken away mid-run. Where this process may mount: a real file system
+    of its own (tmpfs, 256 MiB) at ``tmp_path / 'disk'``, which ``fill_up()`` shrinks to 8 MiB more than it holds
+    (the next checkpoint's write fails with ENOSPC) and ``make_room()`` grows back. Elsewhere (not root, no
+    CAP_SYS_ADMIN) the stand-in: ``fill_up()`` sets RLIMIT_FSIZE to 8 MiB, below a shard file's ~13 MB (the write
+    fails with EFBIG; both reach torch.save as an OSError). Yields (folder, fill_up, make_room, the error's words);
+    unmounted, and the limit restored, afterwards."""
     disk = tmp_path / "disk"
     disk.mkdir()
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "fp4moe-test", str(disk)],
                            capture_output=True, text=True)
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip() or mount.returncode}")
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if mount.returncode == 0:
+        def resize(size_bytes: int) -> None:
+            subprocess.run(["mount", "-o", f"remount,size={size_bytes}", str(disk)], check=True,
+                           capture_output=True)
 
-    def resize(size_bytes: int) -> None:
-        subprocess.run(["mount", "-o", f"remount,size={size_bytes}", str(disk)], check=True, capture_output=True)
-
-    try:
-        yield disk, resize
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
-
-
-def test_a_disk_that_fills_up_stops_the_run_with_one_line_and_a_rerun_with_room_resumes(small_disk, tmp_path,
-                                                                                       in_store, reference):
-    """The same as the stand-in above on a real full disk: the checkpoint folder's own file system (tmpfs) is shrunk
-    after the step-2 checkpoint to 8 MiB more than it holds, so the step-4 save fails with ENOSPC. One line naming
-    the folder, ENOSPC, the newest complete checkpoint and the fix; the unfinished folder is removed (its space is
-    free again); with room again the same command resumes from step 2 to the uninterrupted losses."""
-    from fp4moe.train import checkpoint as ckpt
-    from fp4moe.train.loop import train
-
-    disk, resize = small_disk
-    cfg = _compose([*COMMON, "task_name=enospc", f"train.checkpoint_dir={disk / 'ckpt'}",
-                    "train.checkpoint_interval=2"])
-    root = disk / "ckpt" / "enospc"
-
-    def fill_up(step, metrics):
-        if step == 3:
+        def fill_up() -> None:
             used = os.statvfs(disk)
             resize((used.f_blocks - used.f_bfree) * used.f_frsize + (8 << 20))
 
-    with pytest.raises(ConfigError) as e:
-        train(cfg, after_step=fill_up)
+        words = "No space left"
+    else:
+        assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN  # Python's default: a write past the limit fails
+
+        def fill_up() -> None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, limits[1]))
+
+        words = "(OSError: [Errno 27] File too large"
+
+    def make_room() -> None:
+        if mount.returncode == 0:
+            resize(256 << 20)
+        else:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+
+    try:
+        yield disk, fill_up, make_room, words
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        if mount.returncode == 0:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_full_checkpoint_folder_stops_the_run_with_one_line_and_a_rerun_with_room_resumes(filling_folder, in_store,
+                                                                                           reference):
+    """The checkpoint folder fills up after the step-2 checkpoint (a real full disk where a tmpfs can be mounted,
+    else RLIMIT_FSIZE: fixture filling_folder), so the step-4 save fails. The run stops with one line naming the
+    folder, the cause, the newest complete checkpoint and the fix; the unfinished folder is removed (on the real
+    disk its space is free again); with room again the same command resumes from step 2 to the uninterrupted
+    losses, in the same MLflow run."""
+    from fp4moe.train import checkpoint as ckpt
+    from fp4moe.train.loop import train
+
+    disk, fill_up, make_room, words = filling_folder
+    cfg = _compose([*COMMON, "task_name=full", f"train.checkpoint_dir={disk / 'ckpt'}", "train.checkpoint_interval=2"])
+    root = disk / "ckpt" / "full"
+
+    def at_step_3(step, metrics):
+        if step == 3:
+            fill_up()
+
+    try:
+        with pytest.raises(ConfigError) as e:
+            train(cfg, after_step=at_step_3)
+        st = os.statvfs(disk)  # still full but for what the failed save left
+    finally:
+        make_room()
     msg = str(e.value)
     assert "\n" not in msg, msg
-    assert msg.startswith(f"checkpoint of step 4 could not be written to {root} (") and "No space left" in msg, msg
+    assert msg.startswith(f"checkpoint of step 4 could not be written to {root} (") and words in msg, msg
     assert f"newest complete checkpoint: {root / 'step_0000002'}" in msg
+    assert "free space there, or point train.checkpoint_dir (or FP4MOE_CKPT_DIR)" in msg and "to resume" in msg
+    # no unfinished folder left (beside the step folders: the attempt's lock and record, fp4moe.train.attempt)
     assert sorted(p.name for p in root.iterdir() if "step_" in p.name) == ["step_0000002"]
-    st = os.statvfs(disk)
-    assert st.f_bfree * st.f_frsize > 6 << 20  # the unfinished save's space is free again
-    failed = _only_run(in_store, "enospc")
+    if words == "No space left":
+        assert st.f_bfree * st.f_frsize > 6 << 20  # the unfinished save's space is free again
+    failed = _only_run(in_store, "full")
     assert failed.info.status == "FAILED"
 
-    resize(256 << 20)
     r = train(cfg)
     assert r.start_step == 2 and r.losses == {s: reference[s] for s in range(3, STEPS + 1)}
     assert _client(in_store).get_run(r.run_id).info.status == "FINISHED" and r.run_id == failed.info.run_id
@@ -315,41 +345,3 @@ def test_a_store_that_goes_away_mid_run_loses_no_metrics(tmp_path, store, refere
     run = _client(store).get_run(r.run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["summary/final_loss"] == reference[STEPS]
     assert _history(store, r.run_id) == reference
-
-
-def test_a_full_checkpoint_folder_stops_the_run_with_one_line(tmp_path, in_store, reference):
-    """The checkpoint of step 4 cannot be written (a stand-in for a full disk: RLIMIT_FSIZE below a shard file's size,
-    so its write fails with EFBIG where a full disk gives ENOSPC; both reach torch.save as an OSError). The run stops
-    with one line naming the folder, the cause, the newest complete checkpoint and the fix; the unfinished folder is
-    removed (it holds space), and a rerun with room resumes from step 2 to the uninterrupted losses."""
-    from fp4moe.train import checkpoint as ckpt
-    from fp4moe.train.loop import train
-
-    cfg = _compose(_overrides(tmp_path, "full", "train.checkpoint_interval=2"))
-    root = tmp_path / "ckpt" / "full"
-    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-    assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN  # Python's default: a write past the limit fails
-
-    def fill_up(step, metrics):
-        if step == 3:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, limits[1]))  # 8 MiB; a shard file has ~13 MB
-
-    try:
-        with pytest.raises(ConfigError) as e:
-            train(cfg, after_step=fill_up)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    assert msg.startswith(f"checkpoint of step 4 could not be written to {root} (OSError: [Errno 27] File too large")
-    assert f"newest complete checkpoint: {root / 'step_0000002'}" in msg
-    assert "free space there, or point train.checkpoint_dir (or FP4MOE_CKPT_DIR)" in msg and "to resume" in msg
-    # no unfinished folder left (beside the step folders: the attempt's lock and record, fp4moe.train.attempt)
-    assert sorted(p.name for p in root.iterdir() if "step_" in p.name) == ["step_0000002"]
-    failed = _only_run(in_store, "full")
-    assert failed.info.status == "FAILED"
-
-    r = train(cfg)
-    assert r.start_step == 2 and r.losses == {s: reference[s] for s in range(3, STEPS + 1)}
-    assert _client(in_store).get_run(r.run_id).info.status == "FINISHED" and r.run_id == failed.info.run_id
-    assert [f.name for f, _ in ckpt.scan(root)[0]] == ["step_0000006", "step_0000004"]

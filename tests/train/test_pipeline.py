@@ -22,13 +22,13 @@ pytest.importorskip("megatron.core")
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-# 3 optimizer steps of 2 micro-batches (micro 2, global 4); fp32 parameters, so that the only differences between
-# layouts could come from the reduction order. No gradient clipping: megatron's optimizer sums the squared norms
-# per stage, so under PP the norm (and a clipping factor below 1) differs from one process's in the last bits;
-# unclipped, the layouts' losses match bit for bit on CPU.
+# 3 optimizer steps of 2 micro-batches (micro 2 x 64 tokens, global 4); fp32 parameters, so that the only
+# differences between layouts could come from the reduction order. No gradient clipping: megatron's optimizer sums
+# the squared norms per stage, so under PP the norm (and a clipping factor below 1) differs from one process's in the
+# last bits; unclipped, the layouts' losses match bit for bit on CPU.
 COMMON = ["train=short_cpu", "train.params_dtype=fp32", "train.layout_invariant_init=true", "train.steps=4",
           "train.eval_interval=4", "train.eval_steps=1", "train.checkpoint_interval=2", "train.progress_bar=false",
-          "train.adamw.grad_clip=null"]
+          "train.adamw.grad_clip=null", "parallel.seq_length=64"]
 PP2 = ["parallel.world_size=2", "cluster.gpus_per_node=2", "parallel.pipeline=2"]
 
 

@@ -92,10 +92,15 @@ def test_tiny_model_trains_and_mlflow_holds_the_run(tmp_path, store, precision):
 def test_stop_by_signal_and_kill_then_resume_give_the_same_losses(tmp_path, store):
     """Uninterrupted run A; run B stopped by SIGTERM after step 1 then resumed; run C killed (an exception) after
     step 3 with its last checkpoint at step 2, then resumed. B and C reproduce A's losses bit for bit (BF16
-    parameters, fp32 masters and AdamW moments restored), and each continues its own MLflow run."""
+    parameters, fp32 masters and AdamW moments restored), and each continues its own MLflow run.
+
+    B runs with train.checkpoint_interval=null (checkpoints on a signal only; the layout invariants allow it, the
+    interval is not part of what is trained): its resumed run ends with a checkpoint at its last step, so that the
+    same config again finds it finished (before, it resumed from the stop's checkpoint and trained steps 2-4 again
+    into the finished MLflow run). Sequences of 64 tokens: 2 micro-batches of 2 per step, as train=short_cpu."""
     from fp4moe.train.loop import train
 
-    common = ["train.steps=4", "train.checkpoint_interval=2", "train.eval_interval=2"]
+    common = ["train.steps=4", "train.checkpoint_interval=2", "train.eval_interval=2", "parallel.seq_length=64"]
     a = train(_compose(tmp_path / "a", *common))
     assert sorted(a.losses) == [1, 2, 3, 4] and sorted(a.eval_losses) == [2, 4]
 
@@ -104,14 +109,18 @@ def test_stop_by_signal_and_kill_then_resume_give_the_same_losses(tmp_path, stor
             os.kill(os.getpid(), signal.SIGTERM)
 
     before = signal.getsignal(signal.SIGTERM)
-    b1 = train(_compose(tmp_path / "b", *common), after_step=sigterm_at_1)
+    on_signal_only = [*common, "train.checkpoint_interval=null"]
+    b1 = train(_compose(tmp_path / "b", *on_signal_only), after_step=sigterm_at_1)
     assert b1.stopped_by == signal.SIGTERM and b1.step == 1 and b1.checkpoint.name == "step_0000001"
     assert signal.getsignal(signal.SIGTERM) == before       # our handler is gone again
     assert _client(store).get_run(b1.run_id).info.status == "KILLED"
-    b2 = train(_compose(tmp_path / "b", *common))
+    b2 = train(_compose(tmp_path / "b", *on_signal_only))
     assert b2.start_step == 1 and b2.run_id == b1.run_id and sorted(b2.losses) == [2, 3, 4]
+    assert b2.step == 4 and b2.checkpoint.name == "step_0000004"  # the end of a resumed run is checkpointed
     assert {**b1.losses, **b2.losses} == a.losses           # bit for bit
     assert b2.eval_losses == a.eval_losses
+    again = train(_compose(tmp_path / "b", *on_signal_only))
+    assert again.already_finished and again.run_id == b1.run_id and not again.losses
 
     class Crash(RuntimeError):
         pass
@@ -136,40 +145,20 @@ def test_stop_by_signal_and_kill_then_resume_give_the_same_losses(tmp_path, stor
 
     run = client.get_run(b2.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
-    assert _history(client, b2.run_id, "loss") == a.losses
+    assert _history(client, b2.run_id, "loss") == a.losses    # the finished run found again logged nothing
     assert _history(client, c2.run_id, "loss") == a.losses    # step 3 logged twice, with the same value
-
-
-def test_a_resumed_run_ends_with_a_checkpoint_so_that_it_is_found_finished(tmp_path, store):
-    """train.checkpoint_interval=null (checkpoints on a signal only): a run stopped at step 1 and resumed ends with a
-    checkpoint at its last step, so the same config again finds it finished (before, it resumed from the stop's
-    checkpoint and trained steps 2-3 again into the finished MLflow run)."""
-    from fp4moe.train.loop import train
-
-    common = ["precision=bf16", "parallel.global_batch=2", "parallel.seq_length=64", "train.steps=3",
-              "train.checkpoint_interval=null", "train.eval_interval=null"]
-
-    def sigterm_at_1(step, metrics):
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    stopped = train(_compose(tmp_path, *common), after_step=sigterm_at_1)
-    assert stopped.stopped_by == signal.SIGTERM and stopped.checkpoint.name == "step_0000001"
-    resumed = train(_compose(tmp_path, *common))
-    assert resumed.start_step == 1 and resumed.step == 3 and resumed.checkpoint.name == "step_0000003"
-    again = train(_compose(tmp_path, *common))
-    assert again.already_finished and again.run_id == stopped.run_id and not again.losses
-    assert sorted(_history(_client(store), stopped.run_id, "loss")) == [1, 2, 3]
 
 
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, store):
     from fp4moe.train.loop import train
 
-    train(_compose(tmp_path, "train.steps=2", "train.checkpoint_interval=2", "train.eval_interval=null"))
+    # one bf16 step of 2 x 64 tokens makes the checkpoint; the refusals come before the model is built
+    small = ["parallel.global_batch=2", "parallel.seq_length=64", "train.eval_interval=null"]
+    train(_compose(tmp_path, *small, "precision=bf16", "train.steps=1", "train.checkpoint_interval=1"))
     with pytest.raises(ConfigError, match=r"belongs to a run with other precision"):
-        train(_compose(tmp_path, "train.steps=4", "precision=bf16", "train.eval_interval=null"))
+        train(_compose(tmp_path, *small, "train.steps=4", "precision=mxfp4"))
     with pytest.raises(ConfigError, match=r"train.resume=false but .* holds checkpoints"):
-        train(_compose(tmp_path, "train.steps=4", "train.resume=false"))
+        train(_compose(tmp_path, *small, "train.steps=4", "precision=bf16", "train.resume=false"))
 
 
 def _closed_port() -> int:
@@ -308,12 +297,15 @@ def test_checkpoint_folders_of_multirun_cells_are_separate(tmp_path):
 
 def test_profile_window_writes_op_tables_and_a_trace(tmp_path, store):
     """train.profile.steps=[2,3]: torch.profiler runs over steps 2-3 only; the op tables and the Chrome trace are
-    written and the run is tagged with where they are. A window that is not [first <= last] is refused."""
+    written and the run is tagged with where they are. A window that is not [first <= last] is refused. bf16 on 2 x
+    64 tokens: the profiler records every op, and on CPU the other recipes emulate FP8/MXFP4 with many more (they
+    train in test_tiny_model_trains_and_mlflow_holds_the_run)."""
     from fp4moe.train.loop import train
 
     out = tmp_path / "prof"
-    cfg = _compose(tmp_path, "precision=mxfp4", "train.steps=4", "train.eval_interval=null",
-                   "train.checkpoint_interval=null", "train.profile.steps=[2,3]", f"train.profile.dir={out}")
+    cfg = _compose(tmp_path, "precision=bf16", "parallel.global_batch=2", "parallel.seq_length=64", "train.steps=4",
+                   "train.eval_interval=null", "train.checkpoint_interval=null", "train.profile.steps=[2,3]",
+                   f"train.profile.dir={out}")
     r = train(cfg)
     folder = out / "profile_rank0"
     table = (folder / "ops_by_device_time.txt").read_text()
