@@ -91,13 +91,13 @@ two_nodes = pytest.mark.skipif(
 # processes on one host (torchrun) bit for bit.
 TWO_NODE_COMMON = ["precision=mxfp4", "train.params_dtype=fp32", "train.steps=3", "train.checkpoint_interval=3"]
 TWO_NODE_LAYOUT = ["cluster.nodes=2", "parallel.world_size=2", "parallel.data=2", "parallel.expert=2"]
-# The preempted 2-node job (PreemptedJob): the same model and layout, a checkpoint every step, 5 s of sleep per step on
-# attempts 0-2 (the test acts between two checkpoints) and full speed on attempt 3. Attempt 0 may train ~9 steps
-# before its time-limit signal (40-70 s after its start), the others 1-2 each: 16 steps leave attempt 3 some.
+# The preempted 2-node job (PreemptedJob): the same model and layout, a checkpoint every step, 3 s of sleep per step on
+# attempts 0-2 (the test acts between two checkpoints) and full speed on attempt 3. Attempt 0 may train ~8 steps
+# before its time-limit signal (10-40 s after its start), the others 1-2 each: 16 steps leave attempt 3 some.
 PREEMPT_STEPS = 16
 PREEMPT_COMMON = ["precision=mxfp4", "train.params_dtype=fp32", f"train.steps={PREEMPT_STEPS}",
                   "train.checkpoint_interval=1"]
-PREEMPT_FAULTS = ["+fault.sleep_s=5", "+fault.sleep_attempts=3"]
+PREEMPT_FAULTS = ["+fault.sleep_s=3", "+fault.sleep_attempts=3"]
 PREEMPT_LIMIT_MIN = 6   # the job's time limit after attempt 0's (2 minutes)
 LOCAL_SLURM = REPO / "tools" / "local_slurm.sh"
 
@@ -303,9 +303,10 @@ class PreemptedJob:
     """The preempted 2-node job, driven from a background thread while the other tests run: slurm/train.sbatch on
     2 nodes x 1 task (PREEMPT_COMMON, DP2 x EP2), stopped three ways, one per attempt:
 
-    - attempt 0: its time limit, 2 minutes (USR2 50 s before it, which Slurm sends 40-70 s after the start, during
-      the set-up or the first steps: the trainer checkpoints after a step and runs ``scontrol requeue`` itself); the
-      limit is raised to PREEMPT_LIMIT_MIN while the job waits to start again;
+    - attempt 0: its time limit, 2 minutes (USR2 80 s before it, which Slurm sends 10-40 s after the start, mostly
+      during the set-up, where ``fp4moe.slurm.catch_early`` keeps it: the trainer checkpoints after a step and runs
+      ``scontrol requeue`` itself, well before the limit); the limit is raised to PREEMPT_LIMIT_MIN while the job
+      waits to start again;
     - attempt 1: ``scontrol requeue`` from here after its first checkpoint (Slurm sends SIGTERM: the trainer finishes
       the step, checkpoints, exits; Slurm requeues the job);
     - attempt 2: one of its nodes fails once a save after the attempt's first checkpoint has begun
@@ -451,7 +452,7 @@ def preempted_two_node_run(store, time_limit_run):
     env = dict(_env(uri, folder), PYTHON=sys.executable)
     job_id = subprocess.run(
         [str(REPO / "slurm" / "submit.sh"), "--parsable", "--job-name=preempted", "--nodes=2", "--ntasks-per-node=1",
-         "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=2", "--signal=USR2@50",
+         "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=2", "--signal=USR2@80",
          str(REPO / "slurm" / "train.sbatch"), *BASE[:2], *FAST, "tracking.experiment=slurm_2nodes_preempted",
          *PREEMPT_COMMON, *PREEMPT_FAULTS, *TWO_NODE_LAYOUT],
         cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
@@ -467,7 +468,8 @@ def preempted_reference(store, tmp_path_factory):
     """The preempted job's run uninterrupted, in the same layout (EP2 x DP2: 2 gloo processes under torchrun on
     this host, which compute what the 2-node job computes bit for bit; one process differs by ~3e-7, fp32 sums in
     another order: tests/train/test_cli.py), started in the background; yields a function that waits for it and
-    returns its loss per step (None where the preempted job does not run)."""
+    returns its loss per step (None where the preempted job does not run). It saves no checkpoint (the losses do not
+    depend on them)."""
     if _NODE_STOP_MISSING is not None:
         yield None
         return
@@ -476,8 +478,9 @@ def preempted_reference(store, tmp_path_factory):
     log = open(tmp / "torchrun.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *APP[1:],
-         "hydra.mode=RUN", f"hydra.run.dir={tmp / 'out'}", BASE[0], *FAST, *PREEMPT_COMMON, "parallel.world_size=2",
-         "cluster.gpus_per_node=2", "parallel.data=2", "parallel.expert=2", "tracking.experiment=reference"],
+         "hydra.mode=RUN", f"hydra.run.dir={tmp / 'out'}", BASE[0], *FAST, *PREEMPT_COMMON[:-1],
+         "train.checkpoint_interval=null", "parallel.world_size=2", "cluster.gpus_per_node=2", "parallel.data=2",
+         "parallel.expert=2", "tracking.experiment=reference"],
         cwd=tmp, env=_env(uri, tmp), stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def losses() -> dict[int, float]:
