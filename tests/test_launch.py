@@ -126,6 +126,43 @@ def test_t1_sbatch_memory_and_requeue(t1):
         assert "#SBATCH --requeue" in script and "--no-requeue" not in script
 
 
+# T1 on 2 nodes (16 GPUs) instead of 32, as a smoke run of the 256-GPU submission: what the node count changes (the
+# PP32 layout becomes two stages: the embedding and 30 layers, then 31 layers and the loss); the rest is the profile's
+T1_TWO_NODES = ["cluster.nodes=2", "parallel.world_size=16", "parallel.pipeline=2",
+                "parallel.pipeline_layout=Et*30|t*31L"]
+
+
+def _counts_alike(script, extra):
+    """The script's lines with what must differ between two node counts made alike: the ``#SBATCH --nodes`` count,
+    the sweep folder's time stamp, and ``extra`` (the cell's own overrides for its node count) in the command."""
+    lines = []
+    for ln in script.splitlines():
+        ln = re.sub(r"^#SBATCH --nodes=\d+$", "#SBATCH --nodes=N", ln)
+        ln = re.sub(r"/multiruns/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d/", "/multiruns/<time>/", ln)
+        if ln.startswith("srun "):
+            ln = shlex.join(t for t in shlex.split(ln) if t not in extra)
+        lines.append(ln)
+    return lines
+
+
+def test_t1_on_two_nodes_gets_the_sbatch_lines_of_32_nodes_with_other_counts(t1):
+    """The dry run of T1 on 2 nodes writes, line for line, the sbatch script of the same cell on 32: the same
+    resource lines (tasks and GPUs per node, CPUs, memory, time, signal, requeue, partition), exports and command;
+    only the node count and the cell's layout overrides differ (the mxfp4 cells, all three recompute scopes)."""
+    def cell(overrides):
+        return tuple(o for o in overrides if o.split("=")[0] in ("precision", "recompute"))
+
+    on_32 = {cell(ov): script for ov, script in t1}
+    on_2 = launch.sbatch_scripts("paper_t1", ["precision=mxfp4", *T1_TWO_NODES])
+    assert [cell(ov) for ov, _ in on_2] == [("precision=mxfp4", f"recompute={r}")
+                                            for r in ("attn_block_ln_experts", "attn_block_ln_mlp", "mla_up_proj")]
+    for overrides, script in on_2:
+        big = on_32[cell(overrides)]
+        assert "#SBATCH --nodes=2" in script.splitlines() and "#SBATCH --nodes=32" in big.splitlines()
+        assert all(o in shlex.split(_command(script)) for o in T1_TWO_NODES)
+        assert _counts_alike(script, T1_TWO_NODES) == _counts_alike(big, []), overrides
+
+
 @pytest.mark.parametrize("overrides, present, absent", [
     (["cluster.mem_gb=512"], ["#SBATCH --mem=512GB"], []),
     (["cluster.mem_gb=null"], [], ["--mem"]),

@@ -14,8 +14,11 @@ first launcher creates before anything else starts (parallel jobs race in its mi
 - a cell that raises ends FAILED in ``sacct``, and the launcher exits 1 with the cell's traceback;
 - on a cluster of two nodes (``NODES=2 tools/local_slurm.sh up``: two hosts with their own names and addresses; these
   tests skip on one node), a job of one task on each node trains EP2 x DP2 across the hosts, each rank on its own
-  host, with the losses of one process bit for bit: through slurm/train.sbatch (``--nodes=2 --ntasks-per-node=1``)
+  host, with the losses of one process (to 1e-5): through slurm/train.sbatch (``--nodes=2 --ntasks-per-node=1``)
   and as a multirun cell of the Hydra launcher with ``cluster.nodes=2``, into the shared MLflow store;
+- on the same two nodes, one job (slurm/train.sbatch) is requeued by its time limit, then by ``scontrol requeue``,
+  then by Slurm when a node fails during a checkpoint save (``tools/local_slurm.sh node-stop``: NODE_FAIL), and ends
+  with the losses of the same run uninterrupted bit for bit (PreemptedJob; the node comes back at the end);
 - a cell that runs past its 2-minute limit gets Slurm's signal, checkpoints, is requeued, and resumes from its
   checkpoint into the same MLflow run: through the Hydra launcher (submitit requeues) and through the plain
   template slurm/train.sbatch (the trainer runs `scontrol requeue`). The signal comes 80-110 s after the start
@@ -30,6 +33,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,9 +87,34 @@ NODES = _nodes()
 two_nodes = pytest.mark.skipif(
     len(NODES) < 2, reason=f"one Slurm node ({NODES}): `sudo NODES=2 tools/local_slurm.sh up` starts two (.ci/run does)")
 # The 2-node job: EP2 x DP2 over 2 tasks, one per node; fp32 parameters, mxfp4 (the dispatch quantizes and crosses the
-# hosts). One process with 2 accumulation steps computes the same losses bit for bit.
+# hosts). One process with 2 accumulation steps computes the same losses to ~3e-7 (fp32 sums in another order), 2 gloo
+# processes on one host (torchrun) bit for bit.
 TWO_NODE_COMMON = ["precision=mxfp4", "train.params_dtype=fp32", "train.steps=3", "train.checkpoint_interval=3"]
 TWO_NODE_LAYOUT = ["cluster.nodes=2", "parallel.world_size=2", "parallel.data=2", "parallel.expert=2"]
+# The preempted 2-node job (PreemptedJob): the same model and layout, a checkpoint every step, 3 s of sleep per step on
+# attempts 0-2 (the test acts between two checkpoints) and full speed on attempt 3. Attempt 0 may train ~8 steps
+# before its time-limit signal (10-40 s after its start), the others 1-2 each: 16 steps leave attempt 3 some.
+PREEMPT_STEPS = 16
+PREEMPT_COMMON = ["precision=mxfp4", "train.params_dtype=fp32", f"train.steps={PREEMPT_STEPS}",
+                  "train.checkpoint_interval=1"]
+PREEMPT_FAULTS = ["+fault.sleep_s=3", "+fault.sleep_attempts=3"]
+PREEMPT_LIMIT_MIN = 6   # the job's time limit after attempt 0's (2 minutes)
+LOCAL_SLURM = REPO / "tools" / "local_slurm.sh"
+
+
+def _node_stop_missing() -> str | None:
+    """Why the last node cannot be stopped and started here (tools/local_slurm.sh node-stop), or None."""
+    if len(NODES) < 2:
+        return "fewer than two nodes"
+    if os.geteuid() != 0:
+        return "not root: tools/local_slurm.sh node-stop needs root"
+    p = subprocess.run([str(LOCAL_SLURM), "status"], capture_output=True, text=True)
+    if p.returncode != 0 or not all(f"slurmd-{n} running" in p.stdout for n in NODES[:2]):
+        return f"not the cluster of tools/local_slurm.sh (NODES=2 up), one of whose nodes this test stops: {p.stdout}"
+    return None
+
+
+_NODE_STOP_MISSING = _node_stop_missing() if len(NODES) >= 2 else "one Slurm node"
 
 
 class Launch:
@@ -153,6 +182,14 @@ def _sacct(job_id: str, duplicates: bool = False) -> list[str]:
             return states
         time.sleep(0.5)
     return states
+
+
+def _attempts(job_id: str) -> list[tuple[str, str]]:
+    """(state, node list) of each attempt of ``job_id`` so far, oldest first (sacct -D, one query)."""
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-D", "-o", "JobID,State,NodeList", "-j", job_id],
+                         capture_output=True, text=True, check=True).stdout
+    return [(state.split()[0], nodes) for jid, state, nodes in (ln.split("|") for ln in out.splitlines() if ln.strip())
+            if jid == job_id]
 
 
 def _runs(uri: str, experiment: str):
@@ -244,9 +281,228 @@ def two_node_launch(store, time_limit_run):
         launch.stop()
 
 
+def _scontrol_job(job_id: str) -> dict[str, str]:
+    """``scontrol show job -o``: the job's fields (JobState, Restarts, TimeLimit, NodeList, ...)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=True).stdout
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+
+def _squeue(*args: str) -> list[str]:
+    """The ids of the jobs ``squeue <args>`` lists (by default the pending, running and completing ones)."""
+    return subprocess.run(["squeue", "-h", "-o", "%A", *args], capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
+def _newest_step(root: Path | None) -> int:
+    """The newest step folder under ``root`` that holds a meta.json (0: none)."""
+    steps = [int(p.parent.name.split("_")[1]) for p in root.glob("step_*/meta.json")] if root else []
+    return max(steps, default=0)
+
+
+class PreemptedJob:
+    """The preempted 2-node job, driven from a background thread while the other tests run: slurm/train.sbatch on
+    2 nodes x 1 task (PREEMPT_COMMON, DP2 x EP2), stopped three ways, one per attempt:
+
+    - attempt 0: its time limit, 2 minutes (USR2 80 s before it, which Slurm sends 10-40 s after the start, mostly
+      during the set-up, where ``fp4moe.slurm.catch_early`` keeps it: the trainer checkpoints after a step and runs
+      ``scontrol requeue`` itself, well before the limit); the limit is raised to PREEMPT_LIMIT_MIN while the job
+      waits to start again;
+    - attempt 1: ``scontrol requeue`` from here after its first checkpoint (Slurm sends SIGTERM: the trainer finishes
+      the step, checkpoints, exits; Slurm requeues the job);
+    - attempt 2: one of its nodes fails once a save after the attempt's first checkpoint has begun
+      (``tools/local_slurm.sh node-stop``: off the network, then every process on it killed): node2, or node1 where
+      another test's job runs on node2 (while neither node is the job's alone, the job is suspended). slurmctld finds
+      the node not responding (SlurmdTimeout), ends the attempt NODE_FAIL and requeues the job (``--requeue``). Once
+      the ranks on the other node are gone too (rank 0's ``.attempt.lock`` free, the job no longer completing), the
+      checkpoint folder is read (``scan``), then the node comes back (``node-start``);
+    - attempt 3 trains the rest at full speed.
+
+    ``resumable``: the newest whole checkpoint's step when each of attempts 0-2 ended, which the next must resume from
+    (read when the next one runs, or, after the node failure, once the failed attempt's ranks are gone);
+    ``after_failure``: (whole steps, newest first; damaged folders; hidden unfinished folders) just after the node
+    failure; ``watched``: the step whose save had begun when ``failed_node`` failed. The first failure of the driver
+    is kept in ``error`` (the test raises it)."""
+
+    def __init__(self, job_id: str, folder: Path):
+        self.id, self.folder = job_id, folder
+        self.resumable: list[int] = []
+        self.after_failure: tuple[list[int], list[tuple[Path, str]], list[str]] | None = None
+        self.watched: int | None = None
+        self.failed_node: str | None = None
+        self.node_down: str | None = None
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"preempt-{job_id}", daemon=True)
+        self.thread.start()
+
+    def root(self) -> Path | None:
+        found = list(self.folder.glob("logs/*/runs/*/checkpoints"))
+        return found[0] if found else None
+
+    def _wait(self, what: str, cond, timeout: float, poll: float = 0.1):
+        deadline = time.time() + timeout
+        while not self._stop.is_set():
+            got = cond()
+            if got:
+                return got
+            if time.time() > deadline:
+                raise AssertionError(f"{what}: not within {timeout} s; job {_scontrol_job(self.id)}")
+            time.sleep(poll)
+        raise AssertionError(f"{what}: the test ended first")
+
+    def _running(self, attempt: int) -> bool:
+        job = _scontrol_job(self.id)
+        return job.get("JobState") == "RUNNING" and job.get("Restarts") == str(attempt)
+
+    def _pending(self, restarts: int) -> bool:
+        """Requeued ``restarts`` times and waiting to start again (the attempt before is over)."""
+        job = _scontrol_job(self.id)
+        return job.get("JobState") == "PENDING" and int(job.get("Restarts", "0")) >= restarts
+
+    def _scontrol(self, *args: str) -> None:
+        subprocess.run(["scontrol", *args], check=True, capture_output=True, text=True, timeout=60)
+
+    def _node(self, verb: str, node: str) -> None:
+        p = subprocess.run([str(LOCAL_SLURM), verb, node], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (verb, node, p.stdout, p.stderr)
+        self.node_down = node if verb == "node-stop" else None
+
+    def _free_node(self) -> str | None:
+        """A node of the job that runs no other job (node2 first), or None."""
+        return next((n for n in reversed(NODES[:2]) if _squeue("-w", n) == [self.id]), None)
+
+    def _rank0_gone(self) -> bool:
+        """The killed attempt's rank 0 (node1) has let go of the run folder's lock (fp4moe.train.attempt)."""
+        import fcntl
+
+        fd = os.open(self.root() / ".attempt.lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)   # releases the lock, if taken
+
+    def _run(self) -> None:
+        try:
+            self._drive()
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+
+    def _drive(self) -> None:
+        from fp4moe.train import checkpoint as ckpt
+
+        # attempt 0: its time limit
+        self._wait("attempt 0's time-limit requeue", lambda: self._pending(1), 300)
+        self._scontrol("update", f"JobId={self.id}", f"TimeLimit={PREEMPT_LIMIT_MIN}")
+        # attempt 1: scontrol requeue after its first checkpoint
+        self._wait("attempt 1", lambda: self._running(1), 120)
+        first = _newest_step(self.root())
+        self.resumable.append(first)
+        self._wait("attempt 1's first checkpoint", lambda: _newest_step(self.root()) > first, 180)
+        self._scontrol("requeue", self.id)
+        # attempt 2: a node fails during a save
+        self._wait("attempt 2", lambda: self._running(2), 120)
+        first = _newest_step(self.root())
+        self.resumable.append(first)
+        self._wait("attempt 2's first checkpoint", lambda: _newest_step(self.root()) > first, 180)
+        root = self.root()
+        while True:   # at the start of a save, a node of the job that runs no other test's job fails
+            step = _newest_step(root) + 1
+            tmp, final = root / f".step_{step:07d}.tmp", root / f"step_{step:07d}"
+            self._wait(f"attempt 2's save of step {step}", lambda: tmp.exists() or final.exists(), 60, poll=0.005)
+            self.failed_node = self._free_node()
+            if self.failed_node:
+                break
+            # one-node jobs fill node1 first (Weight, tools/local_slurm.sh), but take node2 while node1 still
+            # completes a job: the job waits, suspended (it must not run out of steps), until one node is its own
+            self._scontrol("suspend", self.id)
+            try:
+                self._wait("a node of the job without other jobs", self._free_node, 300, poll=1)
+            finally:
+                self._scontrol("resume", self.id)
+        self.watched = step
+        self._node("node-stop", self.failed_node)
+        self._wait("NODE_FAIL in sacct", lambda: "NODE_FAIL" in [a[0] for a in _attempts(self.id)], 90, poll=0.5)
+        self._wait("attempt 2's ranks gone", lambda: self._rank0_gone() and not _squeue("-j", self.id, "-t", "CG"), 60)
+        whole, damaged = ckpt.scan(root)
+        self.after_failure = ([int(m["step"]) for _, m in whole], damaged, sorted(p.name for p in root.glob(".step_*")))
+        self.resumable.append(int(whole[0][1]["step"]) if whole else 0)
+        self._node("node-start", self.failed_node)
+
+    def close(self) -> None:
+        """Stop driving; the job cancelled if it still runs; every node up (``node-start`` is idempotent)."""
+        self._stop.set()
+        self.thread.join(timeout=30)
+        subprocess.run(["scancel", self.id], check=False)
+        for node in NODES[:2]:
+            subprocess.run([str(LOCAL_SLURM), "node-start", node], capture_output=True, timeout=120)
+
+
 @pytest.fixture(scope="module")
-def one_process_losses(store, tmp_path_factory) -> dict[int, float]:
-    """The 2-node jobs' run in this process, one process (2 accumulation steps for DP2): its loss per step."""
+def preempted_two_node_run(store, time_limit_run):
+    """The PreemptedJob, submitted once the store's schema exists; None where no node can be stopped."""
+    if _NODE_STOP_MISSING is not None:
+        yield None
+        return
+    root, uri = store
+    folder = root / "slurm_2nodes_preempted"
+    folder.mkdir()
+    env = dict(_env(uri, folder), PYTHON=sys.executable)
+    job_id = subprocess.run(
+        [str(REPO / "slurm" / "submit.sh"), "--parsable", "--job-name=preempted", "--nodes=2", "--ntasks-per-node=1",
+         "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=2", "--signal=USR2@80",
+         str(REPO / "slurm" / "train.sbatch"), *BASE[:2], *FAST, "tracking.experiment=slurm_2nodes_preempted",
+         *PREEMPT_COMMON, *PREEMPT_FAULTS, *TWO_NODE_LAYOUT],
+        cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    job = PreemptedJob(job_id, folder)
+    try:
+        yield job
+    finally:
+        job.close()
+
+
+@pytest.fixture(scope="module")
+def preempted_reference(store, tmp_path_factory):
+    """The preempted job's run uninterrupted, in the same layout (EP2 x DP2: 2 gloo processes under torchrun on
+    this host, which compute what the 2-node job computes bit for bit; one process differs by ~3e-7, fp32 sums in
+    another order: tests/train/test_cli.py), started in the background; yields a function that waits for it and
+    returns its loss per step (None where the preempted job does not run). It saves no checkpoint (the losses do not
+    depend on them)."""
+    if _NODE_STOP_MISSING is not None:
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("preempted_reference")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    log = open(tmp / "torchrun.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *APP[1:],
+         "hydra.mode=RUN", f"hydra.run.dir={tmp / 'out'}", BASE[0], *FAST, *PREEMPT_COMMON[:-1],
+         "train.checkpoint_interval=null", "parallel.world_size=2", "cluster.gpus_per_node=2", "parallel.data=2",
+         "parallel.expert=2", "tracking.experiment=reference"],
+        cwd=tmp, env=_env(uri, tmp), stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def losses() -> dict[int, float]:
+        import mlflow
+
+        rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        log.seek(0)
+        assert rc == 0, log.read()[-4000:]
+        (run_id,) = _runs(uri, "reference")["run_id"]
+        return {m.step: m.value for m in mlflow.MlflowClient(uri).get_metric_history(run_id, "loss")}
+
+    try:
+        yield losses
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=30)
+        log.close()
+
+
+def _one_process(tmp_path_factory, overrides: list[str]) -> dict[int, float]:
+    """The tiny model trained in this process, one process (2 accumulation steps stand for DP2): its loss per step."""
     from hydra import compose, initialize_config_dir
 
     from fp4moe.train.loop import train
@@ -256,13 +512,19 @@ def one_process_losses(store, tmp_path_factory) -> dict[int, float]:
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp / 'one.db'}")
         mp.setenv("FP4MOE_DATA_DIR", DATA_DIR)
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            cfg = compose("train", overrides=[BASE[0], *FAST, *TWO_NODE_COMMON, f"train.checkpoint_dir={tmp}"])
+            cfg = compose("train", overrides=[BASE[0], *FAST, *overrides, f"train.checkpoint_dir={tmp}"])
         return train(cfg).losses
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(store, tmp_path_factory) -> dict[int, float]:
+    """The 2-node jobs' run in one process."""
+    return _one_process(tmp_path_factory, TWO_NODE_COMMON)
 
 
 def _assert_two_hosts_like_one_process(uri: str, experiment: str, launcher: str, losses: dict[int, float]) -> None:
     """The 2-node job's one MLflow run: finished, a rank on each node, tokens sent to the other host's experts, and
-    the losses of one process bit for bit."""
+    the losses of one process (to 1e-5)."""
     import mlflow
 
     (run,) = [r for _, r in _runs(uri, experiment).iterrows()]
@@ -273,11 +535,14 @@ def _assert_two_hosts_like_one_process(uri: str, experiment: str, launcher: str,
     assert run["tags.num_hosts"] == "2" and sorted(run["tags.hosts"].split(",")) == sorted(allocated)
     assert run["metrics.a2a/dispatch_forward_sent_remote_bytes"] > 0   # EP2: tokens went to the other host
     got = {m.step: m.value for m in mlflow.MlflowClient(uri).get_metric_history(run["run_id"], "loss")}
-    assert sorted(got) == [1, 2, 3] and got == losses   # bit for bit
+    # EP2: an expert's GEMMs see both ranks' tokens at once instead of one micro-batch after the other, so fp32 sums
+    # run in another order (3e-7 relative at step 3 here; tests/train/test_cli.py). Bit for bit against the same
+    # layout: the preempted job's test below
+    assert sorted(got) == [1, 2, 3] and got == pytest.approx(losses, rel=1e-5, abs=0)
 
 
-def test_sweep_runs_as_slurm_array_into_one_mlflow_store(store, time_limit_run, sbatch_run, two_node_run,
-                                                          two_node_launch):
+def test_sweep_runs_as_slurm_array_into_one_mlflow_store(store, time_limit_run, preempted_two_node_run, sbatch_run,
+                                                          two_node_run, two_node_launch, preempted_reference):
     root, uri = store
     launch = Launch(root, "slurm_sweep", ["train.steps=3"], uri)
     rc, out, script = launch.finish()
@@ -385,7 +650,7 @@ def test_two_nodes_train_ep2_x_dp2_through_the_sbatch_template_like_one_process(
     """`slurm/submit.sh --nodes=2 --ntasks-per-node=1 slurm/train.sbatch ...`: two tasks on two hosts (each rank
     reports its own host name; the rendezvous is the first node of SLURM_JOB_NODELIST), EP2 x DP2 with the mxfp4
     dispatch crossing the hosts, one checkpoint folder holding both ranks' files, one MLflow run: the same losses as
-    one process, bit for bit."""
+    one process (to 1e-5: EP2 sums in another order)."""
     root, uri = store
     job_id, folder = two_node_run
     state = _wait_done(job_id, timeout_s=LAUNCH_TIMEOUT_S)
@@ -460,6 +725,70 @@ def test_plain_sbatch_template_requeues_at_the_time_limit_and_resumes(store, sba
     (ckpt,) = folder.glob("logs/*/runs/*/checkpoints")
     meta = json.loads((ckpt / f"step_{STEPS:07d}" / "meta.json").read_text())
     assert meta["mlflow_run_id"] == run["run_id"] and meta["step"] == STEPS
+
+
+@two_nodes
+def test_two_node_job_requeued_timed_out_and_node_failed_resumes_with_the_losses_of_an_uninterrupted_run(
+        store, preempted_two_node_run, preempted_reference):
+    """The PreemptedJob: a 2-node job requeued by its time limit, then by ``scontrol requeue``, then NODE_FAIL when
+    a node fails mid-save (and Slurm's own requeue, ``--requeue``), each attempt resuming from the newest whole
+    checkpoint, ends COMPLETED with one MLflow run and the losses of the same run uninterrupted bit for bit. The node
+    failure leaves no step folder that is not whole (the unfinished save stays hidden, and is not taken).
+
+    Node order: every attempt runs on node1 and node2 with rank 0, the rendezvous, on node1. Slurm lays a job's
+    tasks out in node order (the order of slurm.conf's node lines) whatever the request: ``srun -N2 -w node2,node1``,
+    ``-m cyclic`` and a lower Weight for node2 all put task 0 on node1; only ``-m arbitrary`` with a SLURM_HOSTFILE
+    moves it, which the template's first-node rendezvous does not support. So the attempts cannot land in the other
+    order on a cluster of two; each one's nodes and rendezvous host are checked instead (sacct, the template's line)."""
+    import re
+
+    import mlflow
+
+    if preempted_two_node_run is None:
+        pytest.skip(_NODE_STOP_MISSING or "")
+    root, uri = store
+    job = preempted_two_node_run
+    deadline, attempts = time.time() + LAUNCH_TIMEOUT_S, []
+    while time.time() < deadline and job.error is None:
+        attempts = _attempts(job.id)
+        if attempts and attempts[-1][0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"):
+            break
+        time.sleep(1)
+    job.thread.join(timeout=60)
+    out = "".join(p.read_text() for p in (job.folder / "logs" / "slurm").glob("*.out"))
+    err = "".join(p.read_text() for p in (job.folder / "logs" / "slurm").glob("*.err"))
+    if job.error is not None:
+        raise AssertionError(f"{job.error}\n{out[-3000:]}\n{err[-3000:]}") from job.error
+    assert [a[0] for a in attempts] == ["REQUEUED", "REQUEUED", "NODE_FAIL", "COMPLETED"], (attempts, out[-3000:],
+                                                                                           err[-3000:])
+    hosts = subprocess.run(["scontrol", "show", "hostnames", attempts[0][1]], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert hosts == NODES[:2] and {a[1] for a in attempts} == {attempts[0][1]}, attempts
+    # the template's line of each attempt (the log is appended to: --open-mode=append)
+    assert re.findall(r"restart (\d): 2 nodes, 2 tasks, master (\w+):", out) == [(str(k), NODES[0]) for k in range(4)]
+    assert "got SIGUSR2: checkpoint after this step, then requeue" in err  # attempt 0: its time limit
+    assert "DUE TO JOB REQUEUE" in err and "got SIGTERM" in err            # attempt 1: scontrol requeue
+    if job.failed_node != NODES[0]:   # attempt 2: node2 lost (the batch host, node1, says so)
+        assert "DUE TO NODE FAILURE" in err
+    # each attempt resumed from the newest whole checkpoint the one before left
+    resumed = [int(m) for m in re.findall(r"resumed from \S+ \(step (\d+),", out)]
+    assert resumed == job.resumable and 0 < resumed[0] < resumed[1] < resumed[2] < PREEMPT_STEPS, job.resumable
+    whole, damaged, hidden = job.after_failure
+    assert damaged == [] and whole[0] == resumed[2], job.after_failure
+    if job.watched not in whole:   # the node failed mid-save: the save is a hidden folder, which the rerun did not take
+        assert hidden == [f".step_{job.watched:07d}.tmp"], (job.watched, job.after_failure)
+    (ckpt,) = job.folder.glob("logs/*/runs/*/checkpoints")
+    assert not list(ckpt.glob(".step_*")) and _newest_step(ckpt) == PREEMPT_STEPS
+    runs = _runs(uri, "slurm_2nodes_preempted")
+    assert len(runs) == 1, runs
+    run = runs.iloc[0]
+    assert run["status"] == "FINISHED" and run["tags.slurm_restart_count"] == "3" and run["tags.resume.count"] == "3"
+    assert run["tags.hosts"] == ",".join(NODES[:2])
+    history: dict[int, float] = {}
+    for m in mlflow.MlflowClient(uri).get_metric_history(run["run_id"], "loss"):
+        # a step logged twice (redone after the node failure) had the same value both times
+        assert history.setdefault(m.step, m.value) == m.value, (m.step, history[m.step], m.value)
+    assert history == preempted_reference()   # bit for bit
 
 
 def _wait_done(job_id: str, timeout_s: float = 60) -> str:

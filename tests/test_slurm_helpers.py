@@ -45,6 +45,29 @@ def test_stop_signals_stop_and_only_the_preemption_signal_requeues_in_slurm(monk
         signal.signal(signal.SIGUSR2, before_usr2)
 
 
+def test_a_signal_during_the_start_up_is_kept_for_the_run(monkeypatch):
+    """catch_early (``python -m fp4moe.train``'s first call): the time-limit signal before the Preemption exists (a
+    job still importing torch) neither kills the process nor is lost: the Preemption takes it over (the run
+    checkpoints after its first step and, in a Slurm job, requeues); after the run the default action is back. A
+    handler already there (submitit's) is left alone."""
+    monkeypatch.setattr(slurm, "_early", [])
+    before = signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    try:
+        slurm.catch_early((signal.SIGUSR2,))
+        os.kill(os.getpid(), signal.SIGUSR2)   # its default action would end this process
+        with slurm.Preemption() as preempt:
+            assert preempt.poll() == signal.SIGUSR2 and slurm._early == []
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+        with slurm.Preemption() as preempt:   # taken over once: the next run starts clean
+            assert preempt.poll() == 0
+        own = lambda signum, frame: None  # noqa: E731
+        signal.signal(signal.SIGUSR2, own)
+        slurm.catch_early((signal.SIGUSR2,))
+        assert signal.getsignal(signal.SIGUSR2) is own
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
 def test_ctrl_c_stops_after_a_checkpoint_and_a_second_one_aborts():
     """SIGINT is a stop signal (checkpoint, then stop; never a requeue); the second SIGINT raises KeyboardInterrupt
     at once, and the default handler (KeyboardInterrupt) is back after the loop."""

@@ -8,6 +8,9 @@
 #   sudo NODES=2 tools/local_slurm.sh up   # two compute nodes, node1 and node2, each a host of its own (below)
 #   sudo tools/local_slurm.sh status   # each daemon's PID and state, then sinfo; exit 0 only if all run
 #   sudo tools/local_slurm.sh down     # cancel the cluster's jobs, stop the daemons it started (by PID)
+#   sudo tools/local_slurm.sh reconfigure   # write the configs of the running cluster again, `scontrol reconfigure`
+#   sudo tools/local_slurm.sh node-stop 2   # node2 fails like a host losing power (two nodes or more; below)
+#   sudo tools/local_slurm.sh node-start 2  # and comes back: link up, its slurmd again, IDLE; idempotent
 #   tools/local_slurm.sh can           # exit 0 if `up` can work here (root + apt-get), else print why, exit 1
 #
 # Nodes: NODES=1 (default): one node `localhost`. NODES=N (2..9): nodes node1..nodeN, each slurmd in its own network
@@ -21,7 +24,16 @@
 # partition `debug` (no limit),
 # DefMemPerCPU=512 MB, EnforcePartLimits=ALL (an impossible request fails at submit time instead of pending
 # forever), AuthInfo=cred_expire=5 and sched_interval=bf_interval=2 (a requeued job starts again after ~7 s, not
-# ~2 min). Settings apply when the daemons start: `down` then `up` after changing them. The PIDs live in STATE (default /tmp/fp4moe-slurm, one <daemon>.pid each); logs in /var/log/slurm.
+# ~2 min). SlurmdTimeout=10 and KillWait=10: a node that stops answering is DOWN within ~10-15 s and its jobs
+# NODE_FAIL (default 300 s), and the tasks of a job that is ended get SIGKILL 10 s after SIGTERM (default 30 s).
+# Weight=K for nodeK: one-node jobs fill node1 first, so that node2 mostly runs multi-node jobs only (a node-failure
+# test stops a node that runs its job alone).
+# Settings apply when the daemons start (`down` then `up` after changing them), or with `reconfigure` (all but
+# the node list). The PIDs live in STATE (default /tmp/fp4moe-slurm, one <daemon>.pid each); logs in /var/log/slurm.
+# node-stop N: the host side of nodeN's veth goes down first (its peers then see silence, as from a host that lost
+# power, not a closed connection), then every process in its network namespace (slurmd, slurmstepd, the job's tasks
+# there: `ip netns pids`) gets SIGKILL. node-start N: the link up, slurmd started again in the same namespaces;
+# with ReturnToService=2 the node is IDLE once it registers.
 # What each setting guards against: docs/slurm.md, "A Slurm on one Debian machine". It writes
 # /etc/slurm/slurm.conf and slurmdbd.conf and refuses to replace ones it did not write.
 set -euo pipefail
@@ -119,7 +131,7 @@ write_configs() {  # write_configs <node>...: slurm.conf for these compute nodes
     k=$((k + 1))
     if [ "$n" = localhost ]; then nodes+="NodeName=localhost"
     else nodes+="NodeName=$n NodeHostname=$n NodeAddr=$SUBNET.$((10 + k))"; fi
-    nodes+=" CPUs=$NODE_CPUS RealMemory=$mem State=UNKNOWN"$'\n'
+    nodes+=" CPUs=$NODE_CPUS RealMemory=$mem Weight=$k State=UNKNOWN"$'\n'
   done
   install -d -m 0755 /etc/slurm
   write_conf /etc/slurm/slurm.conf root:root 0644 <<CONF
@@ -129,6 +141,8 @@ SlurmUser=slurm
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=cred_expire=5
+SlurmdTimeout=10
+KillWait=10
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -315,10 +329,62 @@ cmd_status() {
   return "$ok"
 }
 
+cmd_reconfigure() {  # the running cluster's configs written again (this script's settings now), then re-read
+  alive slurmctld || die "slurmctld is not running: \`up\` writes the configs and starts the daemons"
+  write_configs $(recorded_nodes)
+  scontrol reconfigure
+  log "reconfigured: $(scontrol show config | grep -E '^(SlurmdTimeout|KillWait) ' | tr -s ' ' | tr '\n' ' ')"
+}
+
+node_of() {  # node_of <K|nodeK>: the name of a node of the running multi-node cluster
+  local n=$1
+  if [[ "$n" =~ ^[0-9]+$ ]]; then n=node$n; fi
+  local nodes; nodes=" $(echo $(recorded_nodes)) "
+  [[ "$nodes" == *" $n "* ]] || die "no node '$1' in the running cluster ($(echo $nodes))"
+  [ -e "/run/netns/fp4moe-$n" ] || die "$n has no network namespace of its own: node-stop/node-start need NODES>1"
+  echo "$n"
+}
+
+gone() {  # gone <pid>...: none of them runs (a zombie waiting for its parent counts as gone)
+  local p; for p in "$@"; do
+    if [ -r "/proc/$p/stat" ] && [ "$(cut -d' ' -f3 "/proc/$p/stat" 2>/dev/null)" != Z ]; then return 1; fi
+  done
+}
+
+cmd_node_stop() {  # the node fails like a host losing power: off the network first, then all its processes killed
+  local n pids; n=$(node_of "${1:-}")
+  ip link set "fp4moe-$n" down
+  # and forget its MAC address, as a host that no longer answers ARP makes the others do within seconds: a cached
+  # one would leave slurmctld's pings waiting out MessageTimeout (10 s) each instead of failing at once
+  local addr ns; addr=$(ip -n "fp4moe-$n" -4 -o addr show dev eth0 | awk '{print $4}' | cut -d/ -f1)
+  ip neigh flush to "$addr" 2>/dev/null || true
+  for ns in $(ip netns list | awk '$1 ~ /^fp4moe-node/ {print $1}'); do ip -n "$ns" neigh flush to "$addr" || true; done
+  pids=$(ip netns pids "fp4moe-$n" | tr '\n' ' ')
+  if [ -n "${pids// }" ]; then
+    kill -9 $pids 2>/dev/null || true
+    wait_for 10 gone $pids || die "$n: processes $pids still run after SIGKILL"
+  fi
+  rm -f "$STATE/slurmd-$n.pid" "/run/slurmd-$n.pid"
+  log "$n stopped: link down, SIGKILL to ${pids:-nothing}"
+}
+
+node_idle() { sinfo -h -N -n "$1" -o '%T' | grep -qxE 'idle|mixed|allocated'; }
+
+cmd_node_start() {  # the node back: link up, its slurmd (if not running), IDLE again (ReturnToService=2)
+  local n; n=$(node_of "${1:-}")
+  ip link set "fp4moe-$n" up
+  if ! alive "slurmd-$n"; then log "starting slurmd-$n"; start "slurmd-$n"; fi
+  wait_for 60 node_idle "$n" || die "$n is not back: $(sinfo -h -N -n "$n" -o '%T %E')"
+  log "$n up: $(sinfo -h -N -n "$n" -o '%T')"
+}
+
 case "${1:-}" in
   up) cmd_up ;;
   down) cmd_down ;;
   status) cmd_status ;;
+  reconfigure) cmd_reconfigure ;;
+  node-stop) cmd_node_stop "${2:-}" ;;
+  node-start) cmd_node_start "${2:-}" ;;
   can) why=$(can_run); if [ -n "$why" ]; then echo "$why"; exit 1; fi ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -95,6 +95,30 @@ def prepare_tracking(uri: str | None = None) -> str:
 
 # ---------------------------------------------------------------------------------------------- preemption
 
+_early: list[int] = []   # the first signal catch_early() recorded, until a Preemption takes it over
+
+
+def _on_early_signal(signum: int, frame: Any) -> None:
+    if not _early:
+        _early.append(signum)
+        print(f"fp4moe.slurm: got {signal.Signals(signum).name} while starting: the run checkpoints after its first "
+              "step", file=sys.stderr, flush=True)
+
+
+def catch_early(signals: tuple[signal.Signals, ...] | None = None) -> None:
+    """Record the preemption signal, SIGTERM and SIGUSR1 (``signals``) from now until a ``Preemption`` is entered,
+    instead of dying by their default action. A job's start-up (imports, the config, the rendezvous: tens of seconds,
+    minutes on a large cluster) can meet the time-limit or a preemption signal; by default it would kill the process
+    and end the job FAILED, with no checkpoint and no requeue. The first ``Preemption`` takes the recorded signal
+    over (its run stops after its first step, with a checkpoint, and requeues on the preemption signal). Only
+    signals still at their default action are taken (submitit's own handlers stay); main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in signals or (preempt_signal(), signal.SIGTERM, signal.SIGUSR1):
+        if signal.getsignal(s) == signal.SIG_DFL:
+            signal.signal(s, _on_early_signal)
+
+
 class Requeued(SystemExit):
     """Raised to leave the job after the requeue was asked for (Hydra lets SystemExit through)."""
 
@@ -135,7 +159,9 @@ class Preemption:
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():
             for s in self.signals:
-                self._previous[s] = signal.signal(s, self._on_signal)
+                previous = signal.signal(s, self._on_signal)
+                # catch_early's recorder hands over: after this run the default action again
+                self._previous[s] = signal.SIG_DFL if previous == _on_early_signal else previous
             if self.stacks_file is not None:
                 try:
                     self._stacks = open(self.stacks_file, "a")
@@ -144,6 +170,8 @@ class Preemption:
                           file=sys.stderr)
             self._install_stacks()
             self._active = True
+            if _early and _early[0] in self.signals:   # a signal of the start-up (catch_early): this run's now
+                self._on_signal(_early.pop(), None)
         return self
 
     def _install_stacks(self) -> None:

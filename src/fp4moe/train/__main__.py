@@ -168,4 +168,9 @@ def main(cfg: DictConfig) -> dict | None:
 
 
 if __name__ == "__main__":
+    # a job's process: a time-limit or stop signal during the start-up (torch, megatron-core, the rendezvous) is kept
+    # for the run instead of killing it (fp4moe.slurm.catch_early)
+    from fp4moe import slurm
+
+    slurm.catch_early()
     main()
