@@ -99,5 +99,5 @@ notebooks: $(VENV)/.installed-notebooks ## open JupyterLab on notebooks/ (they r
 	MLFLOW_TRACKING_URI='$(STORE_URI)' $(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks --ServerApp.ip=$(UI_HOST) --ServerApp.port=$(JUPYTER_PORT)
 
 clean: ## remove .venv, build outputs and caches (keeps mlruns/ and results/)
-	rm -rf $(VENV) build .pytest_cache .hypothesis .import_linter_cache
+	rm -rf $(VENV) .venv-mlflow-server .venv-mlflow-server.lock build .pytest_cache .hypothesis .import_linter_cache
 	find . -path ./.git -prune -o \( -name __pycache__ -o -name '*.egg-info' \) -prune -exec rm -rf {} +

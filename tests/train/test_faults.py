@@ -353,3 +353,81 @@ def test_a_full_checkpoint_folder_stops_the_run_with_one_line(tmp_path, in_store
     assert r.start_step == 2 and r.losses == {s: reference[s] for s in range(3, STEPS + 1)}
     assert _client(in_store).get_run(r.run_id).info.status == "FINISHED" and r.run_id == failed.info.run_id
     assert [f.name for f, _ in ckpt.scan(root)[0]] == ["step_0000006", "step_0000004"]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real ``mlflow server`` (tests/mlflow_server.py) with its own sqlite backend; killed at the end."""
+    from mlflow_server import Server
+
+    server = Server(tmp_path / "server" / "mlflow.db", tmp_path / "server.log")
+    server.db.parent.mkdir()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def environ_kept():
+    """This process's environment as it was, after the test (the tracker bounds mlflow's HTTP retries in it)."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
+def test_an_http_tracking_server_killed_mid_run_loses_no_metrics(tmp_path, mlflow_server, reference, monkeypatch,
+                                                                 environ_kept):
+    """``python -m fp4moe.train`` logs to a real MLflow tracking server over HTTP; the server gets SIGKILL once the run
+    has logged its first step. The run trains to the end (no minutes of retries: fp4moe.tracking.HTTP_WRITE_LIMITS),
+    exits 0, and says so in one warning line naming the server and the pending file (and one at the end saying how to
+    log it; no urllib3 retry lines); the pending file holds every step the server missed and the run's end. With the
+    server back (same port, same backend), the same command logs them into the same MLflow run: the run holds the
+    uninterrupted losses at every step and ends FINISHED."""
+    from fp4moe.train.loop import train
+    from fp4moe.train.metrics import PENDING_FILE
+
+    mlflow_server.start()
+    uri = mlflow_server.uri
+    overrides = _overrides(tmp_path, "http_gone", "train.checkpoint_interval=2")
+    pending = tmp_path / "ckpt" / "http_gone" / PENDING_FILE
+    proc = subprocess.Popen([sys.executable, str(HERE / "cli.py"), *overrides, "+fault.sleep_s=0.5",
+                             f"hydra.run.dir={tmp_path / 'out'}"],
+                            cwd=tmp_path, env={**os.environ, "MLFLOW_TRACKING_URI": uri},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client, deadline, logged = _client(uri), time.monotonic() + 180, {}
+        while not logged and proc.poll() is None and time.monotonic() < deadline:
+            exp = client.get_experiment_by_name("http_gone")
+            runs = client.search_runs([exp.experiment_id]) if exp else []
+            logged = _history(uri, runs[0].info.run_id) if runs else {}
+            time.sleep(0.1)
+        assert logged, f"no step reached the server: {proc.poll()} {mlflow_server.log.read_text()[-2000:]}"
+        run_id = runs[0].info.run_id
+        mlflow_server.kill()
+        killed = time.monotonic()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert time.monotonic() - killed < 90  # mlflow's own retries took 4 minutes
+    assert max(logged) < STEPS and logged == {s: reference[s] for s in logged}
+    said = [line for line in (out + err).splitlines() if f"MLflow store {uri}" in line]
+    assert len(said) == 2, said
+    assert "failed" in said[0] and "training goes on" in said[0] and str(pending) in said[0]
+    assert "rerun the same command" in said[1] and f"python -m fp4moe.train.metrics {pending}" in said[1]
+    assert "Retrying" not in out + err and "Traceback" not in out + err
+    kept = [json.loads(line) for line in pending.read_text().splitlines()]
+    assert kept[0]["kind"] == "store" and kept[0]["uri"] == uri and kept[-1]["status"] == "FINISHED"
+    steps = sorted({rec["step"] for rec in kept if rec["kind"] == "metrics"})
+    assert steps[-1] == STEPS and set(logged) | set(steps) == set(range(1, STEPS + 1)), (sorted(logged), steps)
+
+    mlflow_server.start()                                          # the server is back
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    again = train(_compose(overrides))
+    assert again.already_finished and again.run_id == run_id and not pending.exists()
+    run = _only_run(uri, "http_gone")
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert run.data.metrics["summary/final_loss"] == reference[STEPS]
+    assert _history(uri, run_id) == reference

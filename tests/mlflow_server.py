@@ -1,0 +1,109 @@
+"""A real MLflow tracking server for the tests: ``mlflow server`` (HTTP: the REST API and the UI) on a free port of
+127.0.0.1, started, killed and restarted as a process group, like a tracking server that goes away.
+
+The project's environment has mlflow-skinny, a client without the server (``mlflow server`` there stops at ``import
+flask``). The server is the ``ui`` extra of pyproject.toml (the full ``mlflow`` of the pinned version), installed once
+into ``<repo>/.venv-mlflow-server``: a venv whose ``.pth`` file puts the running interpreter's packages behind its own,
+so pip adds only what full mlflow has beyond them (flask, gunicorn, graphene, huey, scipy, scikit-learn, pyarrow, ...;
+``--no-compile``: about 15 s of CPU, 370 MB) and the project's venv stays the skinny client the trainer runs with.
+It is rebuilt when the requirement or the running interpreter's packages folder changes; ``make clean`` removes it.
+
+Started with ``--workers 1`` and ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false``: mlflow 3's defaults (four uvicorn
+workers and a huey job runner with six consumer processes, for its GenAI jobs) take about 50 s to answer on two cores,
+one worker without the job runner about 15 s.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / ".venv-mlflow-server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_python() -> Path:
+    """The python of the server venv, built on first use (under a lock: one build at a time); RuntimeError with
+    pip's last lines when the install fails."""
+    requirement = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ui"]
+    packages = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    want = {"requirement": requirement, "packages": packages, "python": sys.version}
+    python, marker = VENV / "bin" / "python", VENV / "fp4moe-server.json"
+    with open(f"{VENV}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file() and json.loads(marker.read_text()) == want:
+            return python
+        shutil.rmtree(VENV, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(VENV)], check=True, capture_output=True)
+        site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   check=True, capture_output=True, text=True).stdout.strip())
+        (site / "fp4moe-project-venv.pth").write_text("".join(f"{p}\n" for p in packages))
+        pip = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *requirement],
+                             capture_output=True, text=True)
+        if pip.returncode != 0:
+            raise RuntimeError(f"installing {requirement} into {VENV} failed: {pip.stderr[-3000:]}")
+        marker.write_text(json.dumps(want))
+    return python
+
+
+class Server:
+    """``mlflow server --backend-store-uri sqlite:///<db>`` on ``127.0.0.1:<port>`` (a free port unless given); its
+    output goes to ``log``. ``start`` waits until ``/health`` answers; ``kill`` is SIGKILL to its process group (the
+    ``mlflow server`` process and its uvicorn worker)."""
+
+    def __init__(self, db: Path, log: Path, port: int | None = None) -> None:
+        self.db, self.log, self.port = db, log, port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 180) -> float:
+        """Start it and wait until it answers; returns the seconds that took."""
+        python = server_python()
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        t0 = time.monotonic()
+        with open(self.log, "a") as out:
+            self.proc = subprocess.Popen(
+                [str(python), "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.db}",
+                 "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.db.parent, start_new_session=True)
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except OSError:
+                time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"mlflow server did not answer in {timeout_s} s: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL to the whole server (no goodbye: a host or a network that goes away)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+        self.proc = None
