@@ -1,5 +1,6 @@
-"""A real MLflow tracking server for the tests: ``mlflow server`` (HTTP: the REST API and the UI) on a free port of
-127.0.0.1, started, killed and restarted as a process group, like a tracking server that goes away.
+"""A real MLflow tracking server for the tests: the project's ``make mlflow-ui`` (``mlflow ui``: the REST API and the
+UI over HTTP) on a free port of 127.0.0.1 and its own sqlite store, started, killed and restarted as a process group,
+like a tracking server that goes away.
 
 The project's environment has mlflow-skinny, a client without the server (``mlflow server`` there stops at ``import
 flask``). The server is the ``ui`` extra of pyproject.toml (the full ``mlflow`` of the pinned version), installed once
@@ -7,10 +8,8 @@ into ``<repo>/.venv-mlflow-server``: a venv whose ``.pth`` file puts the running
 so pip adds only what full mlflow has beyond them (flask, gunicorn, graphene, huey, scipy, scikit-learn, pyarrow, ...;
 ``--no-compile``: about 15 s of CPU, 370 MB) and the project's venv stays the skinny client the trainer runs with.
 It is rebuilt when the requirement or the running interpreter's packages folder changes; ``make clean`` removes it.
-
-Started with ``--workers 1`` and ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false``: mlflow 3's defaults (four uvicorn
-workers and a huey job runner with six consumer processes, for its GenAI jobs) take about 50 s to answer on two cores,
-one worker without the job runner about 15 s.
+make runs with that venv as ``VENV`` and its install stamps taken as done (``-o``): it runs the target's UI line only,
+which starts one worker without mlflow's job runner (the Makefile says why).
 """
 from __future__ import annotations
 
@@ -63,9 +62,9 @@ def server_python() -> Path:
 
 
 class Server:
-    """``mlflow server --backend-store-uri sqlite:///<db>`` on ``127.0.0.1:<port>`` (a free port unless given); its
-    output goes to ``log``. ``start`` waits until ``/health`` answers; ``kill`` is SIGKILL to its process group (the
-    ``mlflow server`` process and its uvicorn worker)."""
+    """``make mlflow-ui`` with the store ``sqlite:///<db>`` on ``127.0.0.1:<port>`` (a free port unless given); its
+    output goes to ``log``. ``start`` waits until ``/health`` answers; ``kill`` is SIGKILL to its process group (make,
+    the ``mlflow ui`` process and its uvicorn worker)."""
 
     def __init__(self, db: Path, log: Path, port: int | None = None) -> None:
         self.db, self.log, self.port = db, log, port or free_port()
@@ -75,20 +74,23 @@ class Server:
     def uri(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def command(self) -> list[str]:
+        venv = server_python().parents[1]
+        return ["make", "--no-print-directory", "-C", str(ROOT), "-o", f"{venv}/.installed", "-o",
+                f"{venv}/.installed-ui", "mlflow-ui", f"VENV={venv}", f"UI_PORT={self.port}"]
+
     def start(self, timeout_s: float = 180) -> float:
         """Start it and wait until it answers; returns the seconds that took."""
-        python = server_python()
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
-        env.pop("MLFLOW_TRACKING_URI", None)
+        command = self.command()
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+        env["MLFLOW_TRACKING_URI"] = f"sqlite:///{self.db}"  # the store the UI serves
         t0 = time.monotonic()
         with open(self.log, "a") as out:
-            self.proc = subprocess.Popen(
-                [str(python), "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.db}",
-                 "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
-                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.db.parent, start_new_session=True)
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+                raise RuntimeError(f"make mlflow-ui exited with {self.proc.returncode}: {self.log.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
                     if r.status == 200:
@@ -96,7 +98,7 @@ class Server:
             except OSError:
                 time.sleep(0.2)
         self.kill()
-        raise RuntimeError(f"mlflow server did not answer in {timeout_s} s: {self.log.read_text()[-3000:]}")
+        raise RuntimeError(f"make mlflow-ui did not answer in {timeout_s} s: {self.log.read_text()[-3000:]}")
 
     def kill(self) -> None:
         """SIGKILL to the whole server (no goodbye: a host or a network that goes away)."""

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -357,11 +358,15 @@ def test_a_full_checkpoint_folder_stops_the_run_with_one_line(tmp_path, in_store
 
 @pytest.fixture
 def mlflow_server(tmp_path):
-    """A real ``mlflow server`` (tests/mlflow_server.py) with its own sqlite backend; killed at the end."""
+    """A real MLflow tracking server, the project's ``make mlflow-ui`` (tests/mlflow_server.py), with its own sqlite
+    store; killed at the end."""
+    import shutil
+
     from mlflow_server import Server
 
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
     server = Server(tmp_path / "server" / "mlflow.db", tmp_path / "server.log")
-    server.db.parent.mkdir()
     try:
         yield server
     finally:
@@ -379,8 +384,8 @@ def environ_kept():
 
 def test_an_http_tracking_server_killed_mid_run_loses_no_metrics(tmp_path, mlflow_server, reference, monkeypatch,
                                                                  environ_kept):
-    """``python -m fp4moe.train`` logs to a real MLflow tracking server over HTTP; the server gets SIGKILL once the run
-    has logged its first step. The run trains to the end (no minutes of retries: fp4moe.tracking.HTTP_WRITE_LIMITS),
+    """``python -m fp4moe.train`` logs over HTTP to a real MLflow tracking server (``make mlflow-ui``, the UI the README
+    opens); the server gets SIGKILL once the run has logged its first step. The run trains to the end (no minutes of retries: fp4moe.tracking.HTTP_WRITE_LIMITS),
     exits 0, and says so in one warning line naming the server and the pending file (and one at the end saying how to
     log it; no urllib3 retry lines); the pending file holds every step the server missed and the run's end. With the
     server back (same port, same backend), the same command logs them into the same MLflow run: the run holds the
@@ -431,3 +436,5 @@ def test_an_http_tracking_server_killed_mid_run_loses_no_metrics(tmp_path, mlflo
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
     assert run.data.metrics["summary/final_loss"] == reference[STEPS]
     assert _history(uri, run_id) == reference
+    with urllib.request.urlopen(f"{uri}/", timeout=30) as page:  # and the UI's page is served
+        assert page.status == 200 and b"static-files/" in page.read()
