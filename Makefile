@@ -99,9 +99,10 @@ mlflow-ui: $(VENV)/.installed-ui
 	MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri '$(STORE_URI)' --host $(UI_HOST) --port $(UI_PORT) --workers 1
 endif
 
+# As root (containers, CI, the project's own machines) JupyterLab refuses to start without --allow-root.
 notebooks: $(VENV)/.installed-notebooks ## open JupyterLab on notebooks/ (they read MLFLOW_TRACKING_URI, else mlruns/)
 	@echo "the notebooks read $(STORE_URI) (their parameters cell's tracking_uri overrides it)"
-	MLFLOW_TRACKING_URI='$(STORE_URI)' $(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks --ServerApp.ip=$(UI_HOST) --ServerApp.port=$(JUPYTER_PORT)
+	MLFLOW_TRACKING_URI='$(STORE_URI)' $(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks --ServerApp.ip=$(UI_HOST) --ServerApp.port=$(JUPYTER_PORT)$(if $(filter 0,$(shell id -u)), --allow-root)
 
 clean: ## remove .venv, build outputs and caches (keeps mlruns/ and results/)
 	rm -rf $(VENV) .venv-mlflow-server .venv-mlflow-server.lock build .pytest_cache .hypothesis .import_linter_cache

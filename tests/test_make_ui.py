@@ -44,6 +44,7 @@ def test_notebooks_open_jupyterlab_on_the_store(monkeypatch):
     assert ".venv/bin/python -m pip install -q --no-compile -e '.[notebooks]'" in lines
     assert lines[-1].startswith(f"MLFLOW_TRACKING_URI='{tracking_uri()}' .venv/bin/jupyter lab "
                                 "--ServerApp.root_dir=notebooks ")
+    assert lines[-1].endswith(" --allow-root") == (os.geteuid() == 0)  # as root JupyterLab refuses to start without
 
 
 def test_the_ui_extra_is_the_full_mlflow_of_the_pinned_skinny():
