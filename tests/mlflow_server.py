@@ -63,12 +63,13 @@ def server_python() -> Path:
 
 class Server:
     """``make mlflow-ui`` with the store ``sqlite:///<db>`` on ``127.0.0.1:<port>`` (a free port unless given); its
-    output goes to ``log``. ``start`` waits until ``/health`` answers; ``kill`` is SIGKILL to its process group (make,
+    output goes to ``log``. ``start`` (``launch`` + ``wait``) waits until ``/health`` answers; ``kill`` is SIGKILL to its process group (make,
     the ``mlflow ui`` process and its uvicorn worker)."""
 
     def __init__(self, db: Path, log: Path, port: int | None = None) -> None:
         self.db, self.log, self.port = db, log, port or free_port()
         self.proc: subprocess.Popen | None = None
+        self.launched = 0.0
 
     @property
     def uri(self) -> str:
@@ -79,26 +80,35 @@ class Server:
         return ["make", "--no-print-directory", "-C", str(ROOT), "-o", f"{venv}/.installed", "-o",
                 f"{venv}/.installed-ui", "mlflow-ui", f"VENV={venv}", f"UI_PORT={self.port}"]
 
-    def start(self, timeout_s: float = 180) -> float:
-        """Start it and wait until it answers; returns the seconds that took."""
+    def launch(self) -> None:
+        """Start it without waiting (``wait`` waits until it answers)."""
         command = self.command()
         env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{self.db}"  # the store the UI serves
-        t0 = time.monotonic()
+        self.launched = time.monotonic()
         with open(self.log, "a") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
-        while time.monotonic() - t0 < timeout_s:
+
+    def wait(self, timeout_s: float = 180) -> float:
+        """Wait until ``/health`` answers; returns the seconds since ``launch``. RuntimeError with the log's end when
+        it exits or does not answer in ``timeout_s``."""
+        while time.monotonic() - self.launched < timeout_s:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"make mlflow-ui exited with {self.proc.returncode}: {self.log.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
                     if r.status == 200:
-                        return time.monotonic() - t0
+                        return time.monotonic() - self.launched
             except OSError:
                 time.sleep(0.2)
         self.kill()
         raise RuntimeError(f"make mlflow-ui did not answer in {timeout_s} s: {self.log.read_text()[-3000:]}")
+
+    def start(self, timeout_s: float = 180) -> float:
+        """``launch``, then ``wait``."""
+        self.launch()
+        return self.wait(timeout_s)
 
     def kill(self) -> None:
         """SIGKILL to the whole server (no goodbye: a host or a network that goes away)."""
