@@ -78,9 +78,11 @@ report: venv ## write results/report/ (Markdown, CSV, PNG) from MLflow and conf/
 	$(VENV)/bin/python -m fp4moe.report $(REPORT_ARGS)
 
 # Optional extras, installed into .venv on first use (pyproject.toml): 'ui' is the full mlflow (its server; the
-# project itself needs only mlflow-skinny), 'notebooks' is JupyterLab.
+# project itself needs only mlflow-skinny), 'notebooks' is JupyterLab. --no-compile: pip would byte-compile all of
+# scipy, scikit-learn and pyarrow that full mlflow brings (80 s of a 2-core machine's time instead of 25 s); the few
+# modules the server imports are compiled when it first imports them.
 $(VENV)/.installed-%: $(STAMP)
-	$(VENV)/bin/python -m pip install -q -e '.[$*]'
+	$(VENV)/bin/python -m pip install -q --no-compile -e '.[$*]'
 	touch $@
 
 # A store that is already a server (MLFLOW_TRACKING_URI=http...) is its own UI: nothing to start.
@@ -88,16 +90,20 @@ ifneq ($(filter http://% https://%,$(STORE_URI)),)
 mlflow-ui: ## open the MLflow UI on the project's store (MLFLOW_TRACKING_URI, else mlruns/; UI_PORT)
 	@echo "the store $(STORE_URI) is an MLflow server: its UI is that address (open it in a browser)"
 else
+# One worker and no job runner: mlflow's defaults (four uvicorn workers under uvicorn's supervisor, and a huey job runner
+# with seven consumer processes for its GenAI jobs) never served on a 2-core machine: a worker still importing mlflow
+# misses the supervisor's 5 s health check and is killed and started again, in a loop ("Child process [N] died").
 mlflow-ui: $(VENV)/.installed-ui
 	$(if $(filter sqlite:///%,$(STORE_URI)),mkdir -p '$(dir $(patsubst sqlite:///%,%,$(STORE_URI)))')
 	@echo "MLflow UI of $(STORE_URI) at http://$(UI_HOST):$(UI_PORT) (Ctrl-C stops it)"
-	MLFLOW_DISABLE_TELEMETRY=true $(VENV)/bin/mlflow ui --backend-store-uri '$(STORE_URI)' --host $(UI_HOST) --port $(UI_PORT)
+	MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri '$(STORE_URI)' --host $(UI_HOST) --port $(UI_PORT) --workers 1
 endif
 
+# As root (containers, CI, the project's own machines) JupyterLab refuses to start without --allow-root.
 notebooks: $(VENV)/.installed-notebooks ## open JupyterLab on notebooks/ (they read MLFLOW_TRACKING_URI, else mlruns/)
 	@echo "the notebooks read $(STORE_URI) (their parameters cell's tracking_uri overrides it)"
-	MLFLOW_TRACKING_URI='$(STORE_URI)' $(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks --ServerApp.ip=$(UI_HOST) --ServerApp.port=$(JUPYTER_PORT)
+	MLFLOW_TRACKING_URI='$(STORE_URI)' $(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks --ServerApp.ip=$(UI_HOST) --ServerApp.port=$(JUPYTER_PORT)$(if $(filter 0,$(shell id -u)), --allow-root)
 
 clean: ## remove .venv, build outputs and caches (keeps mlruns/ and results/)
-	rm -rf $(VENV) build .pytest_cache .hypothesis .import_linter_cache
+	rm -rf $(VENV) .venv-mlflow-server .venv-mlflow-server.lock build .pytest_cache .hypothesis .import_linter_cache
 	find . -path ./.git -prune -o \( -name __pycache__ -o -name '*.egg-info' \) -prune -exec rm -rf {} +

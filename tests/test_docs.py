@@ -30,8 +30,8 @@ XZ_MAGIC = b"\xfd7zXZ\x00"
 # add ~9 MB of git objects to change one field.
 RAW_TRACES = ".trace.json.xz"
 # Folders that are never part of the repository's own text when there is no git index to ask (.gitignore's).
-UNTRACKED_DIRS = {".git", ".venv", "mlruns", "__pycache__", ".pytest_cache", ".hypothesis", ".import_linter_cache",
-                  "outputs", "multirun", ".whl", ".corpus", "build", "data", "checkpoints", "logs"}
+UNTRACKED_DIRS = {".git", ".venv", ".venv-mlflow-server", "mlruns", "__pycache__", ".pytest_cache", ".hypothesis",
+                  ".import_linter_cache", "outputs", "multirun", ".whl", ".corpus", "build", "data", "checkpoints", "logs"}
 # [text](target) and ![alt](target); the target ends at whitespace or the closing parenthesis.
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 

@@ -1,4 +1,4 @@
-"""The known-harmless warnings and log lines of megatron-core 0.16.1 and MLflow, silenced in one place.
+"""The known-harmless warnings and log lines of megatron-core 0.16.1, MLflow and urllib3, silenced in one place.
 
 Every run printed ~17 of them; each entry below says where it comes from and why it is harmless here. Nothing else
 is hidden: a filter matches its message *and* the library that emits it, so the same words from fp4moe, torch or
@@ -61,6 +61,10 @@ KNOWN: tuple[Known, ...] = (
           "ERROR of MLflow's SQL store (the SQL statement, its parameters and a traceback: ~20 lines) just before it "
           "raises the same error: the trainer's tracker (fp4moe.train.metrics.Tracker) catches it and reports it in "
           "one line naming the store and where the metrics it could not take are kept"),
+    Known("log", "urllib3.connectionpool", re.escape("Retrying (Retry("),
+          "WARNING of urllib3 at each retry of an HTTP request whose connection broke (mlflow's client to a tracking "
+          "server that went away: one line a retry, fp4moe.tracking.HTTP_WRITE_LIMITS bounds them); the tracker "
+          "reports the failed write in one line once the retries are spent, the last error included"),
 )
 
 

@@ -29,6 +29,14 @@ from fp4moe.atomic_write import writable_ancestor
 from fp4moe.paths import mlruns_dir, repo_root
 
 HTTP_TIMEOUT_S = 3.0
+# mlflow's HTTP client retries a failed request 7 times (backoff factor 2, up to 120 s between tries) and waits up to
+# 120 s for each answer: a write to a tracking server that went away failed only after about 4 minutes (measured:
+# 240 s, with one urllib3 warning line per retry), and the trainer's flush before a checkpoint waited that long.
+# A writer that can keep what the store could not take (fp4moe.train.metrics.Tracker) gives a write 3 retries after
+# 0, 2 and 4 s (plus up to 1 s of jitter each) and 10 s per answer: about 8 s when the connection is refused, at most
+# about 50 s when the server accepts and never answers.
+HTTP_WRITE_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 class TrackingUnavailable(RuntimeError):
@@ -137,6 +145,14 @@ def check_reachable(uri: str, hint: str = "") -> None:
             f"MLflow store {uri} is not writable: {existing} is not a writable folder. "
             f"Fix its permissions, or point MLFLOW_TRACKING_URI (or FP4MOE_HOME) elsewhere."
         )
+
+
+def limit_http_retries() -> dict[str, str]:
+    """Set the variables of HTTP_WRITE_LIMITS that this process's environment leaves unset (one the user set wins; mlflow
+    reads them at each request); returns the values in force."""
+    for name, value in HTTP_WRITE_LIMITS.items():
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in HTTP_WRITE_LIMITS}
 
 
 def check_readable(uri: str, hint: str = "") -> None:

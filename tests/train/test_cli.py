@@ -113,15 +113,26 @@ def test_kernel_switch_typo_is_one_message(tmp_path, monkeypatch, app):
     assert "Traceback" not in err and "step" not in err
 
 
-def test_unreachable_mlflow_server(tmp_path, monkeypatch, app):
+@pytest.mark.parametrize("server, reason", [("closed", "Connection refused"), ("silent", "timed out")])
+def test_unreachable_mlflow_server(tmp_path, monkeypatch, app, server, reason):
+    """An MLflow server that is not there (a closed port) or does not answer (a port that accepts connections and
+    never replies; mlflow itself would wait 120 s for each of 7 retries): one line naming the server and the fix,
+    exit 2, nothing trained, within seconds (the /health probe waits 3 s)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
+        if server == "silent":
+            s.listen(8)
         port = s.getsockname()[1]
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
-    code, out, err = app(f"hydra.run.dir={tmp_path / 'out'}")
-    assert code == 2
-    assert f"MLflow tracking server http://127.0.0.1:{port} is not reachable" in err
-    assert "Traceback" not in err and "step" not in err  # nothing trained
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+        start = time.monotonic()
+        code, out, err = app(f"hydra.run.dir={tmp_path / 'out'}")
+        took = time.monotonic() - start
+    assert code == 2 and out == ""
+    (line,) = err.splitlines()
+    assert line.startswith(f"fp4moe.train: TrackingUnavailable: MLflow tracking server http://127.0.0.1:{port} is "
+                           "not reachable (") and f"{reason} on GET http://127.0.0.1:{port}/health)" in line
+    assert "mlflow server" in line and "MLFLOW_TRACKING_URI" in line  # the fixes
+    assert took < 30, took  # the 3 s probe (mlflow alone: 120 s for one try at a silent server)
 
 
 def test_ctrl_c_checkpoints_then_the_same_command_resumes(tmp_path, monkeypatch, app):

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -345,3 +346,92 @@ def test_a_store_that_goes_away_mid_run_loses_no_metrics(tmp_path, store, refere
     run = _client(store).get_run(r.run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["summary/final_loss"] == reference[STEPS]
     assert _history(store, r.run_id) == reference
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real MLflow tracking server, the project's ``make mlflow-ui`` (tests/mlflow_server.py), with its own sqlite
+    store; killed at the end."""
+    import shutil
+
+    from mlflow_server import Server
+
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    server = Server(tmp_path / "server" / "mlflow.db", tmp_path / "server.log")
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def environ_kept():
+    """This process's environment as it was, after the test (the tracker bounds mlflow's HTTP retries in it)."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
+def test_an_http_tracking_server_killed_mid_run_loses_no_metrics(tmp_path, mlflow_server, reference, monkeypatch,
+                                                                 environ_kept):
+    """``python -m fp4moe.train`` logs over HTTP to a real MLflow tracking server (``make mlflow-ui``, the UI the README
+    opens); the server gets SIGKILL once the run has logged its first step. The run trains to the end (no minutes of retries: fp4moe.tracking.HTTP_WRITE_LIMITS),
+    exits 0, and says so in one warning line naming the server and the pending file (and one at the end saying how to
+    log it; no urllib3 retry lines); the pending file holds every step the server missed and the run's end. With the
+    server back (same port, same backend), the same command logs them into the same MLflow run: the run holds the
+    uninterrupted losses at every step and ends FINISHED."""
+    from fp4moe.train.loop import train
+    from fp4moe.train.metrics import PENDING_FILE
+
+    mlflow_server.start()
+    uri = mlflow_server.uri
+    overrides = _overrides(tmp_path, "http_gone", "train.checkpoint_interval=2")
+    pending = tmp_path / "ckpt" / "http_gone" / PENDING_FILE
+    proc = subprocess.Popen([sys.executable, str(HERE / "cli.py"), *overrides, "+fault.sleep_s=0.5",
+                             f"hydra.run.dir={tmp_path / 'out'}"],
+                            cwd=tmp_path, env={**os.environ, "MLFLOW_TRACKING_URI": uri},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client, deadline, logged = _client(uri), time.monotonic() + 180, {}
+        while not logged and proc.poll() is None and time.monotonic() < deadline:
+            exp = client.get_experiment_by_name("http_gone")
+            runs = client.search_runs([exp.experiment_id]) if exp else []
+            logged = _history(uri, runs[0].info.run_id) if runs else {}
+            time.sleep(0.1)
+        assert logged, f"no step reached the server: {proc.poll()} {mlflow_server.log.read_text()[-2000:]}"
+        run_id = runs[0].info.run_id
+        mlflow_server.kill()
+        killed = time.monotonic()
+        while not pending.exists() and proc.poll() is None and time.monotonic() - killed < 120:
+            time.sleep(0.1)
+        # the tracker has failed over: this process writes to the file only from here on, so the server may come back
+        # while it finishes (its start overlaps the run's last steps)
+        mlflow_server.launch()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert pending.exists() and time.monotonic() - killed < 90  # mlflow's own retries took 4 minutes
+    assert max(logged) < STEPS and logged == {s: reference[s] for s in logged}
+    said = [line for line in (out + err).splitlines() if f"MLflow store {uri}" in line]
+    assert len(said) == 2, said
+    assert "failed" in said[0] and "training goes on" in said[0] and str(pending) in said[0]
+    assert "rerun the same command" in said[1] and f"python -m fp4moe.train.metrics {pending}" in said[1]
+    assert "Retrying" not in out + err and "Traceback" not in out + err
+    kept = [json.loads(line) for line in pending.read_text().splitlines()]
+    assert kept[0]["kind"] == "store" and kept[0]["uri"] == uri and kept[-1]["status"] == "FINISHED"
+    steps = sorted({rec["step"] for rec in kept if rec["kind"] == "metrics"})
+    assert steps[-1] == STEPS and set(logged) | set(steps) == set(range(1, STEPS + 1)), (sorted(logged), steps)
+
+    mlflow_server.wait()                                           # the server is back
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    again = train(_compose(overrides))
+    assert again.already_finished and again.run_id == run_id and not pending.exists()
+    run = _only_run(uri, "http_gone")
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert run.data.metrics["summary/final_loss"] == reference[STEPS]
+    assert _history(uri, run_id) == reference
+    with urllib.request.urlopen(f"{uri}/", timeout=30) as page:  # and the UI's page is served
+        assert page.status == 200 and b"static-files/" in page.read()

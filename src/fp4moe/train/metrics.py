@@ -324,6 +324,8 @@ class Tracker:
         from mlflow.entities import Param, RunTag
 
         if self.pending is not None:
+            if self.uri.startswith(("http://", "https://")):  # fail over to the pending file in seconds, not minutes
+                tracking.limit_http_retries()
             replay_if_pending(self.pending, self.uri)
         self.client = tracking._client(self.uri)
         client = self.client
