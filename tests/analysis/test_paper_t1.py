@@ -8,7 +8,8 @@ import pytest
 from fp4moe.analysis import manifest
 from fp4moe.analysis import paper_t1 as pt
 from fp4moe.analysis.outside_torch import measured
-from fp4moe.scale.memory import GB, MemoryAssumptions, experiment_cfg, mean_total_bytes, per_stage_memory
+from fp4moe.scale.memory import (GB, LAB_STACK, MemoryAssumptions, experiment_cfg, mean_total_bytes,
+                                per_stage_memory)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +59,13 @@ def test_cells_are_the_models_most_loaded_gpu_of_the_experiment(base):
 
 
 def test_cell_outcome_and_error_by_hand():
+    """% of the 80 GB GPU's 81559 MiB (79.65 GiB): a cell at 80 GiB does not fit."""
     parts = {}
-    fits = pt.Cell("s", "r", "g", 60.0, 52.0, 50.0, 40.0, 3, 29, parts)
-    assert fits.pct == 65.0 and fits.fits and fits.matches_paper and fits.error_pp == pytest.approx(5.0)
-    over = pt.Cell("s", "r", "g", 60.0, 81.0, 80.5, 60.0, 3, 29, parts)
+    assert pt.GPU_GIB == 81559 / 1024
+    fits = pt.Cell("s", "r", "g", 60.0, 0.65 * pt.GPU_GIB, 50.0, 40.0, 3, 29, parts)
+    assert fits.pct == pytest.approx(65.0) and fits.fits and fits.matches_paper
+    assert fits.error_pp == pytest.approx(5.0)
+    over = pt.Cell("s", "r", "g", 60.0, 80.0, 79.5, 60.0, 3, 29, parts)
     assert not over.fits and not over.matches_paper and over.error_pp is None
     oom = pt.Cell("s", "r", "g", None, 81.0, 80.5, 60.0, 3, 29, parts)
     assert oom.matches_paper and oom.error_pp is None
@@ -70,7 +74,8 @@ def test_cell_outcome_and_error_by_hand():
 def test_variants_change_what_they_name(base, variants):
     """A variant changes the model for its own reason only: core attention raises the attention-recomputing cells and
     leaves mla_up_proj as it is; a precision key of mxfp4 leaves bf16 and fp8 as they are; x1.5 outside PyTorch adds
-    half of each cell's outside bytes and nothing allocated; the FP8 weight copies leave bf16 as it is."""
+    half of each cell's outside bytes and nothing allocated; without TE's FP8 weight copies bf16 stays as it is and the
+    FP8 cells lose them."""
     by = variants
     core = by[pt.VARIANTS[0].name]
     for b, c in zip(base, core):
@@ -78,8 +83,9 @@ def test_variants_change_what_they_name(base, variants):
     caches = next(rs for name, rs in by.items() if "recompute caches" in name)
     assert all(c == b for b, c in zip(base, caches) if b.recipe != "mxfp4")
     assert all(c.total_gib < b.total_gib for b, c in zip(base, caches) if b.recipe == "mxfp4")
-    cache = next(rs for name, rs in by.items() if "fp8_weight_cache" in name)  # FP8 copies: none under bf16
-    assert all(c == b if b.recipe == "bf16" else c.allocated_gib > b.allocated_gib for b, c in zip(base, cache))
+    cache = next(rs for name, rs in by.items() if "fp8_weight_workspaces" in name)  # FP8 copies: none under bf16
+    assert all(c == b if b.recipe == "bf16" else c.allocated_gib == pytest.approx(
+        b.allocated_gib - b.parts["fp8_weight_cache"]) for b, c in zip(base, cache))
     big = next(rs for name, rs in by.items() if name.startswith("outside-PyTorch memory x 1.5"))
     for b, c in zip(base, big):
         assert c.allocated_gib == b.allocated_gib
@@ -109,6 +115,9 @@ def test_sister_check_is_the_model_of_the_labs_cells(sister):
     assert s[0].total_gib == max(b.total_gb for b in full) and s[0].measured_gb == 39
     oom = [c for c in s if c.measured_gb is None]
     assert oom and all(c.same_outcome == (c.total_gib > pt.GPU_GIB) for c in oom)
+    # the monitoring's "GB" in GiB under both readings
+    assert s[0].measured_gib("GiB") == 39 and s[0].measured_gib("10^9 B") == pytest.approx(39e9 / 2**30)
+    assert oom[0].measured_gib("GiB") is None
 
 
 def test_setup_label_names_the_assumption_set():
@@ -119,7 +128,39 @@ def test_setup_label_names_the_assumption_set():
                                                             measured().allocator_gap_bytes)
     text = pt.setup_label(replace(a, outside_torch_source="results/x.json (H200, measured)"))
     assert text.startswith("`experiment=paper_t1`") and "DeepEP buffers" in text and "results/x.json" in text
-    assert "DeepEP buffers off" in pt.setup_label(MemoryAssumptions())
+    assert "as the lab's code (megatron-core + Transformer Engine + the release's patches" in text
+    own = pt.setup_label(MemoryAssumptions())
+    assert "DeepEP buffers off" in own and "as fp4moe's code" in own
+    assert "the lab's code in part (fp8_any_shape of" in pt.setup_label(MemoryAssumptions(fp8_any_shape=True))
+
+
+def test_paper_setup_is_the_labs_code_and_names_each_switchs_source(base, variants):
+    """paper_setup() turns on every lab's-stack switch; STACK gives each a source in the lab's code; the sensitivity
+    table turns each off on its own (and all together), and the section on the lab's code names every switch with its
+    source."""
+    a = pt.paper_setup()
+    assert all(getattr(a, k) for k in LAB_STACK) and a.deepep_buffers
+    assert list(pt.STACK) == list(LAB_STACK) and all(len(src) > 40 for _, src in pt.STACK.values())
+    names = [v.name for v in pt.VARIANTS]
+    for k in LAB_STACK:
+        [v] = [v for v in pt.VARIANTS if v.name.endswith(f"({k} off: fp4moe's code)")]
+        assert not getattr(v.assumptions(a), k)
+        assert all(getattr(v.assumptions(a), o) for o in LAB_STACK if o != k)
+    [own] = [v for v in pt.VARIANTS if "all of memory.LAB_STACK off" in v.name]
+    assert not any(getattr(own.assumptions(a), k) for k in LAB_STACK)
+    stack = "\n".join(pt.render_stack(base, [(v, variants[v.name]) for v in pt.VARIANTS]))
+    for k, (label, source) in pt.STACK.items():
+        assert f"- `{k}`, {label}: {source}. Adds " in stack
+
+
+def test_gaps_name_every_cell_off_target(base):
+    """The section on what would have to be true lists exactly the cells that miss the paper's outcome or are more
+    than TARGET_PP points off, each with the GiB it would take and the model's numbers to measure against."""
+    text = "\n".join(pt.render_gaps(base))
+    miss = [c for c in base if not c.matches_paper or (c.error_pp is not None and abs(c.error_pp) > pt.TARGET_PP)]
+    assert [line.split("**")[1] for line in text.splitlines() if line.startswith("- **")] == [
+        f"{c.scope} {c.recipe}" for c in miss]
+    assert text.count("The model's numbers to measure against:") == len(miss)
 
 
 def test_committed_table_is_current(base, variants, sister):

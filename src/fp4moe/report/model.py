@@ -3,8 +3,9 @@
 Each cell is what ``experiment=paper_t1`` runs (the lab's setup, conf/experiment/paper_t1.yaml) under the model's
 assumption set ``fp4moe.analysis.paper_t1.paper_setup()`` (``assumption_set()`` in words), labelled
 ``MODEL_LABEL``. What is checked, and where: the model's allocated peak against H200 proxy runs on one and two GPUs
-(within 5 %, results/scale/calibration.md); nothing at paper scale, so every number from here is a prediction. The total is what
-nvidia-smi would show (allocated + the memory outside PyTorch); GB are 2**30 B; "% of 80 GB" divides by 80 of them.
+(within 5 %, results/scale/calibration.md); nothing at paper scale, so every number from here is a prediction. The
+total is what nvidia-smi would show (allocated + the memory outside PyTorch); GB are 2**30 B; "% of 80 GB" divides by
+the 80 GB Hopper's 81559 MiB (``fp4moe.analysis.paper_t1.GPU_GIB``), as the paper's cells are read.
 """
 from __future__ import annotations
 
@@ -38,14 +39,16 @@ def _recompute(attention: str | None) -> dict[str, str] | None:
     return paper_t1.CORE_ATTENTION if attention == "core_attn" else None
 
 
-def t1_prediction(gpu_memory_gb: float = 80.0, memory_assumptions: Any = None, *, optimizer: str | None = None,
-                  attention: str | None = None, overrides: Sequence[str] = (),
+def t1_prediction(gpu_memory_gb: float | None = None, memory_assumptions: Any = None, *,
+                  optimizer: str | None = None, attention: str | None = None, overrides: Sequence[str] = (),
                   recipes: Sequence[str] = RECIPES) -> list[dict[str, Any]]:
     """The model's T1 cells as rows (scope, recipe, recompute, total_gb, allocated_gb, mean_gb, pct_of_gpu, fits,
     components): experiment=paper_t1 with ``overrides`` (``optimizer``: another conf/optimizer group; ``attention``:
-    'core_attn' for megatron's core attention) under ``memory_assumptions`` (default ``paper_setup()``)."""
+    'core_attn' for megatron's core attention) under ``memory_assumptions`` (default ``paper_setup()``);
+    ``pct_of_gpu`` and ``fits`` against ``gpu_memory_gb`` GiB (default ``paper_t1.GPU_GIB``)."""
     from fp4moe.analysis import paper_t1
 
+    gpu_memory_gb = paper_t1.GPU_GIB if gpu_memory_gb is None else gpu_memory_gb
     extra = [*overrides, *([f"optimizer={optimizer}"] if optimizer else [])]
     cells = paper_t1.cells(memory_assumptions or paper_t1.paper_setup(), extra, _recompute(attention), recipes=recipes)
     return [_row(c, gpu_memory_gb) for c in cells]
@@ -65,8 +68,8 @@ def even_layout(num_layers: int, pipeline: int, mtp_layers: int = 0) -> str:
 
 def what_if(*, expert: int | None = None, pipeline: int | None = None, micro_batch: int | None = None,
             seq_length: int | None = None, optimizer: str | None = None, attention: str | None = None,
-            scopes: tuple[str, ...] = SCOPES, recipes: tuple[str, ...] = RECIPES, gpu_memory_gb: float = 80.0,
-            memory_assumptions: Any = None) -> list[dict[str, Any]]:
+            scopes: tuple[str, ...] = SCOPES, recipes: tuple[str, ...] = RECIPES,
+            gpu_memory_gb: float | None = None, memory_assumptions: Any = None) -> list[dict[str, Any]]:
     """Predicted peak memory per (scope, recipe) of experiment=paper_t1 with some settings changed (world size
     fixed: data parallel = world / (tensor x pipeline x context)); a changed pipeline gets ``even_layout``. Raises
     ValueError for a layout that does not divide."""

@@ -302,7 +302,7 @@ class MemoryAssumptions:
     expert_counts: tuple = ()
     # ---- the paper lab's stack: megatron-core with Transformer Engine 2.8 and the paper release's patches, where it
     # keeps other bytes than fp4moe's own code (docs/paper-scale.md, "The lab's stack"). All False: fp4moe's code,
-    # what calibration.md checks; ``LAB_STACK`` turns them all on (fp4moe.scale.paper_t1.PAPER_SETUP).
+    # what calibration.md checks; ``LAB_STACK`` turns them all on (fp4moe.analysis.paper_t1.paper_setup()).
     # True: every linear in the recipe's scope computes in FP8 whatever its shape (TE needs the input's rows to be a
     # multiple of 8 and its features of 16: utils.py assert_dim_for_fp8_exec; MLA's kv_down_proj, H -> 576, too);
     # False: fp4moe keeps a dense linear whose features are not multiples of 128 in BF16.
