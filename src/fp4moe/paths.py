@@ -10,6 +10,8 @@ Every folder the code finds by itself comes from here; the environment variables
 - :func:`repo_root`: where the outputs and stores go: ``$FP4MOE_HOME``, else :func:`source_root`.
 - :func:`conf_dir`: the Hydra config folder: ``$FP4MOE_CONF_DIR``, else ``<source_root>/conf``.
 - :func:`results_dir`: ``<repo_root>/results`` (benchmark results, run archives, the report).
+- :func:`committed_results_dir`: ``<source_root>/results``, the results committed with the code (the manifest and
+  the files the analysis reads), whatever ``$FP4MOE_HOME`` says.
 - :func:`mlruns_dir`: the default MLflow store, ``<repo_root>/mlruns`` (``mlflow.db`` and ``artifacts/`` in it);
   ``$MLFLOW_TRACKING_URI`` chooses another store (fp4moe.tracking.tracking_uri).
 - :func:`logs_dir`: ``<repo_root>/logs``, the logs of ``python -m fp4moe.reproduce_runs``.
@@ -62,6 +64,11 @@ def results_dir() -> Path:
     return repo_root() / "results"
 
 
+def committed_results_dir() -> Path:
+    """``<source_root>/results``: the committed results (results/manifest.yaml and what it lists)."""
+    return source_root() / "results"
+
+
 def mlruns_dir() -> Path:
     """``<repo_root>/mlruns``: the default MLflow store's folder (not created here)."""
     return repo_root() / "mlruns"
@@ -77,5 +84,5 @@ def package_parent() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
-__all__ = ["CONF_VAR", "HOME_VAR", "conf_dir", "logs_dir", "mlruns_dir", "package_parent", "repo_root",
-           "results_dir", "source_root"]
+__all__ = ["CONF_VAR", "HOME_VAR", "committed_results_dir", "conf_dir", "logs_dir", "mlruns_dir", "package_parent",
+           "repo_root", "results_dir", "source_root"]

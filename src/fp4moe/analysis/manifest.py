@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from ..paths import source_root
+from ..paths import committed_results_dir
 
 FORMAT = "fp4moe-results-manifest/1"
 CONSTANTS_FORMAT = "fp4moe-constants/1"
@@ -151,8 +151,8 @@ def read(path: str | Path) -> Manifest:
 
 @functools.cache
 def load() -> Manifest:
-    """The checkout's results/manifest.yaml (``fp4moe.paths.source_root``: the committed results)."""
-    return read(source_root() / "results" / NAME)
+    """The checkout's results/manifest.yaml (``fp4moe.paths.committed_results_dir``)."""
+    return read(committed_results_dir() / NAME)
 
 
 def constants(analysis: str, manifest: Manifest | None = None) -> dict[str, Any]:
