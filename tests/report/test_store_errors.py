@@ -26,7 +26,7 @@ def test_report_on_an_unreachable_server_is_one_line_in_seconds(tmp_path, server
         start = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "fp4moe.report", "--tracking-uri", uri, "--out",
                                str(tmp_path / "r")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 30  # the imports and the 3 s probe, on a loaded CI machine (mlflow: minutes)
     assert proc.returncode == 2 and proc.stdout == ""
     (line,) = proc.stderr.splitlines()
     assert line.startswith(f"fp4moe.report: MLflow tracking server {uri} is not reachable (")
@@ -69,7 +69,7 @@ def test_a_wrong_store_is_one_line(tmp_path):
         start = time.monotonic()
         with pytest.raises(TrackingUnavailable) as err:
             store.load(uri)
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 30  # ~2 s alone, 11 s seen under a loaded CI machine (mlflow: minutes)
     finally:
         server.shutdown()
     (line,) = str(err.value).splitlines()
