@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from fp4moe.config import ConfigError, check, derived, param_counts, parse_pipeline_layout
+from fp4moe.analysis.paper_t1 import GPU_GIB
 from fp4moe.recipe import Recipe
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -109,7 +110,8 @@ def test_paper_t1():
     d = check(cfg)
     setup = PAPER.t1.setup
     assert d["world_size"] == setup.nodes * setup.gpus_per_node == 256
-    assert cfg.cluster.gpus_per_node == 8 and cfg.cluster.nodes == 32 and cfg.cluster.gpu_memory_gb == setup.gpu_memory_gb
+    assert cfg.cluster.gpus_per_node == 8 and cfg.cluster.nodes == 32 and setup.gpu_memory_gb == 80
+    assert cfg.cluster.gpu_memory_gb == round(GPU_GIB, 2)  # the 80 GB GPU's 81559 MiB, in GiB
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size) == (61, 7168, 128, 18432)
     assert (m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.qk_head_dim, m.mla.qk_pos_emb_head_dim, m.mla.v_head_dim) \

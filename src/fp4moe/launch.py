@@ -69,7 +69,7 @@ class Memory:
         return None if self.gpu_gib is None else self.peak_gib <= self.gpu_gib
 
     def text(self, world: int) -> str:
-        pct = "" if self.gpu_gib is None else f" ({100 * self.peak_gib / self.gpu_gib:.1f} % of {self.gpu_gib:g} GB)"
+        pct = "" if self.gpu_gib is None else f" ({100 * self.peak_gib / self.gpu_gib:.1f} % of the GPU's {self.gpu_gib:g} GiB)"
         verdict = {None: "no GPU size to check against (cluster.gpu_memory_gb)", True: "fits",
                    False: "PREDICTED NOT TO FIT"}[self.fits]
         return (f"most loaded GPU {self.peak_gib:.1f} GiB{pct} (pipeline rank {self.rank}, {self.in_flight} "
