@@ -246,6 +246,18 @@ def sbatch_run(store, time_limit_run):
     subprocess.run(["scancel", job_id], check=False)
 
 
+def _submit_two_nodes(uri: str, folder: Path, sbatch: list[str], overrides: list[str]) -> str:
+    """Submit slurm/train.sbatch through slurm/submit.sh (a user's command line) as a 2-node job of one CPU task per
+    node from a new ``folder``, with ``sbatch`` options and the trainer's ``overrides``; returns the job id."""
+    folder.mkdir()
+    env = dict(_env(uri, folder), PYTHON=sys.executable)
+    return subprocess.run(
+        [str(REPO / "slurm" / "submit.sh"), "--parsable", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0",
+         "--cpus-per-task=1", "--mem=2G", *sbatch, str(REPO / "slurm" / "train.sbatch"), *BASE[:2], *FAST,
+         *overrides],
+        cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+
+
 @pytest.fixture(scope="module")
 def two_node_run(store, time_limit_run):
     """The 2-node job through slurm/train.sbatch (a user's command line), submitted once the store's schema exists;
@@ -255,13 +267,8 @@ def two_node_run(store, time_limit_run):
         return
     root, uri = store
     folder = root / "slurm_2nodes"
-    folder.mkdir()
-    env = dict(_env(uri, folder), PYTHON=sys.executable)
-    job_id = subprocess.run(
-        [str(REPO / "slurm" / "submit.sh"), "--parsable", "--job-name=two_nodes", "--nodes=2", "--ntasks-per-node=1",
-         "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=5", str(REPO / "slurm" / "train.sbatch"),
-         *BASE[:2], *FAST, "tracking.experiment=slurm_2nodes", *TWO_NODE_COMMON, *TWO_NODE_LAYOUT],
-        cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    job_id = _submit_two_nodes(uri, folder, ["--job-name=two_nodes", "--time=5"],
+                               ["tracking.experiment=slurm_2nodes", *TWO_NODE_COMMON, *TWO_NODE_LAYOUT])
     yield job_id, folder
     subprocess.run(["scancel", job_id], check=False)
 
@@ -448,14 +455,9 @@ def preempted_two_node_run(store, time_limit_run):
         return
     root, uri = store
     folder = root / "slurm_2nodes_preempted"
-    folder.mkdir()
-    env = dict(_env(uri, folder), PYTHON=sys.executable)
-    job_id = subprocess.run(
-        [str(REPO / "slurm" / "submit.sh"), "--parsable", "--job-name=preempted", "--nodes=2", "--ntasks-per-node=1",
-         "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G", "--time=2", "--signal=USR2@80",
-         str(REPO / "slurm" / "train.sbatch"), *BASE[:2], *FAST, "tracking.experiment=slurm_2nodes_preempted",
-         *PREEMPT_COMMON, *PREEMPT_FAULTS, *TWO_NODE_LAYOUT],
-        cwd=folder, env=env, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    job_id = _submit_two_nodes(uri, folder, ["--job-name=preempted", "--time=2", "--signal=USR2@80"],
+                               ["tracking.experiment=slurm_2nodes_preempted", *PREEMPT_COMMON, *PREEMPT_FAULTS,
+                                *TWO_NODE_LAYOUT])
     job = PreemptedJob(job_id, folder)
     try:
         yield job
