@@ -5,6 +5,7 @@ GPU and in pinned host memory, the bytes fp4moe.scale.optimizer_state predicts; 
 step starts with by those bytes. Data: the byte-level stand-in of conftest.py."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -99,3 +100,27 @@ def test_micro_batch_on_cuda_is_the_host_batch():
         got = data.micro_batch(ds, consumed, k, 4, rank, 2, torch.device("cuda"), non_blocking=True)
         for w, g in zip(want, got, strict=True):
             assert g.is_cuda and g.is_contiguous() and g.dtype == torch.long and torch.equal(g.cpu(), w)
+
+
+@pytest.mark.parametrize("setting", ["distributed", "offload"])
+def test_sharded_checkpoint_resumes_on_gpu(tmp_path, store, setting):
+    """mxfp4 on CUDA with megatron's optimizer (offload: its state in pinned host memory): a run that fails at step 3
+    after its step-2 checkpoint, written in the default ``sharded`` format (megatron-core dist_checkpointing), resumes
+    from it, and steps 3-4 give the uninterrupted run's losses and gradient norms (the model, the FP32 main params,
+    the AdamW moments and the RNG states come back from the GPU and the host). Equal to within 1e-6 relative, not
+    bit for bit: a resumed process builds its kernels' autotuned configurations and CUDA streams anew."""
+    from fp4moe.train import checkpoint
+
+    common = ("train.eval_interval=null", "train.steps=4", f"optimizer={setting}")
+    full = _train(tmp_path / "full", "mxfp4", "none", *common)
+    resumed = (*common, "train.checkpoint_interval=1", "train.checkpoint_format=sharded")
+    with pytest.raises(RuntimeError, match="fault.fail_at_step=3"):
+        _train(tmp_path / "resumed", "mxfp4", "none", *resumed, "+fault.fail_at_step=3")
+    r = _train(tmp_path / "resumed", "mxfp4", "none", *resumed)
+    assert r.start_step == 2 and sorted(r.losses) == [3, 4], (r.start_step, r.losses)
+    for step in (3, 4):
+        assert r.losses[step] == pytest.approx(full.losses[step], rel=1e-6, abs=0), (step, r.losses, full.losses)
+        assert r.grad_norms[step] == pytest.approx(full.grad_norms[step], rel=1e-6, abs=0), step
+    folders = sorted((tmp_path / "resumed" / "ckpt").rglob("step_*"))
+    assert folders and all((f / ".metadata").is_file() and (f / "meta.json").is_file() for f in folders), folders
+    assert {json.loads((f / "meta.json").read_text()).get("format") for f in folders} == {checkpoint.SHARDED}
