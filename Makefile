@@ -18,8 +18,8 @@ UI_HOST ?= 127.0.0.1
 UI_PORT ?= 5000
 JUPYTER_PORT ?= 8888
 STAMP := $(VENV)/.installed
-# The project's MLflow store, by fp4moe.tracking.mlflow_store.tracking_uri()'s rule: $MLFLOW_TRACKING_URI, else the sqlite file
-# mlruns/mlflow.db under $FP4MOE_HOME or this folder (the repository root).
+# The project's MLflow store, by fp4moe.tracking.mlflow_store.tracking_uri()'s rule: $MLFLOW_TRACKING_URI, else the
+# sqlite file mlruns/mlflow.db under $FP4MOE_HOME or this folder (the repository root).
 STORE_URI := $(or $(MLFLOW_TRACKING_URI),sqlite:///$(abspath $(or $(FP4MOE_HOME),$(CURDIR)))/mlruns/mlflow.db)
 
 .DEFAULT_GOAL := help

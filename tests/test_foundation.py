@@ -192,8 +192,8 @@ def test_log_batched_sends_more_than_one_call_holds_in_as_few_calls_as_the_limit
 
     client.log_batch = counting
     mlflow_store.log_batched(client, run_id, params=[Param(f"p{i}", str(i)) for i in range(250)],
-                         tags=[RunTag(f"t{i}", str(i)) for i in range(150)],
-                         metrics=[Metric("loss", float(s), 0, s) for s in range(2500)])
+                             tags=[RunTag(f"t{i}", str(i)) for i in range(150)],
+                             metrics=[Metric("loss", float(s), 0, s) for s in range(2500)])
     assert sizes == [(1000, 100, 100), (1000, 100, 50), (500, 50, 0)]
     run = client.get_run(run_id)
     assert len(run.data.params) == 250 and sum(k.startswith("t") for k in run.data.tags) == 150
@@ -209,8 +209,8 @@ def test_log_table_one_run_per_row(git_repo, tmp_path):
         {"scope": "attn_ln_mlp", "recipe": "mxfp4", "tgs": 10.0, "mem_pct": 60.5},
     ]
     ids = mlflow_store.log_table("table", rows, key_cols=["scope", "recipe"],
-                             metric_cols=["tgs", "mem_pct"], common_params={"gpu": "cpu"},
-                             tags={"kind": "unit"}, uri=uri)
+                                 metric_cols=["tgs", "mem_pct"], common_params={"gpu": "cpu"},
+                                 tags={"kind": "unit"}, uri=uri)
     client = MlflowClient(tracking_uri=uri)
     runs = [client.get_run(i) for i in ids]
     assert [r.info.run_name for r in runs] == ["scope=attn_ln_mlp/recipe=fp8",
@@ -251,8 +251,8 @@ def test_portable_names_the_checkout_out_and_home_folders_not_the_machine(tmp_pa
     text = (f"python -m fp4moe_kernels.bench --out {repo}/results/kernels sqlite:///{out}/mlflow.db "
             f"{tmp_path}/notes {repo}2/x /elsewhere{repo}/y {repo} /tmp/site")
     assert mlflow_store.portable(text) == ("python -m fp4moe_kernels.bench --out <repo>/results/kernels "
-                                       "sqlite:///$OUT/mlflow.db ~/notes ~/checkout2/x "
-                                       f"/elsewhere{repo}/y <repo> /tmp/site")
+                                           "sqlite:///$OUT/mlflow.db ~/notes ~/checkout2/x "
+                                           f"/elsewhere{repo}/y <repo> /tmp/site")
     monkeypatch.setenv("OUT", "relative/out")   # not a folder of this machine: left alone
     assert mlflow_store.portable(f"{out}/a relative/out") == "<repo>/out/a relative/out"
 
@@ -366,7 +366,7 @@ def _result(folder: Path, name: str, **env) -> Path:
 
 def test_a_benchmark_result_is_reusable_only_for_its_gpu_commit_and_default_command(tmp_path):
     find = lambda head=HEAD, **m: pipeline.reusable_result(tmp_path, "kernels_*.json", "fp4moe_kernels.bench",
-                                                            head, **{"gpu": "NVIDIA H200", **m})
+                                                           head, **{"gpu": "NVIDIA H200", **m})
     assert find() is None  # nothing there
     _result(tmp_path, "kernels_other_options.json", commit=HEAD,
             command="python -m fp4moe_kernels.bench --out /x --tokens 1024")
@@ -390,7 +390,7 @@ def test_a_layer_result_is_reusable_only_at_the_default_shape(tmp_path):
     odd = _result(tmp_path, "moe_layer_h200_ep1_t8192.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)
     odd.write_text(json.dumps({**json.loads(odd.read_text()), "shape": {**DEFAULT_SHAPE, "tokens": 8192}}))
     find = lambda: pipeline.reusable_result(tmp_path, "moe_layer_*.json", "fp4moe.moe.bench", HEAD,
-                                             shape=DEFAULT_SHAPE, gpu="h200", world_size=1)
+                                            shape=DEFAULT_SHAPE, gpu="h200", world_size=1)
     assert find() is None
     ok = _result(tmp_path, "moe_layer_h200_ep1.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)
     ok.write_text(json.dumps({**json.loads(ok.read_text()), "shape": dict(DEFAULT_SHAPE)}))
@@ -418,7 +418,7 @@ def test_reproduce_reuses_this_gpus_kernel_result_at_this_commit_and_logs_it(mon
     assert pipeline.run_bench(["--out", str(res)], track=False, gpu="NVIDIA H100 80GB HBM3", module=bench)
     assert len(_calls(tmp_path)) == 1  # another GPU: measured
     assert pipeline.run_bench(["--out", str(res), "--tokens", "1024"], track=False, gpu="NVIDIA H200",
-                               module=bench)
+                              module=bench)
     assert len(_calls(tmp_path)) == 2  # other options: measured
     assert pipeline.run_bench(["--out", str(res)], track=False, rerun=True, gpu="NVIDIA H200", module=bench)
     assert len(_calls(tmp_path)) == 3 and old.exists()

@@ -233,7 +233,7 @@ def test_strict_refuses_a_cell_predicted_not_to_fit(capsys):
     assert "refused: cell precision=fp8 recompute=mla_up_proj" in err and "Lighten it (recompute" in err
     assert "1 of 1 cells are predicted not to fit; nothing would be submitted (--strict)" in err
     assert dry_run.main(["dry-run", "experiment=paper_t1", "precision=mxfp4", "recompute=mla_up_proj", "--summary",
-                        "--strict"]) == 0   # a cell that fits passes --strict
+                         "--strict"]) == 0   # a cell that fits passes --strict
 
 
 def test_cells_without_a_gpu_size_or_a_training_run():

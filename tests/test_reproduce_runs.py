@@ -33,11 +33,11 @@ def test_a_cell_runs_once_is_reused_then_rerun(tmp_path):
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cell = train_runs.Cell("T1 tiny mxfp4 attn_ln_mlp", "reproduce_test",
-                               ("model=tiny_cpu", "parallel=cpu", "parallel.seq_length=64", "cluster=cpu",
-                                "train=short_cpu", "train.steps=2",
-                                "train.eval_interval=null", "train.checkpoint_interval=null", "train.progress_bar=false",
-                                "task_name=reproduce_test", "precision=mxfp4", "recompute=attn_ln_mlp",
-                                f"paths.log_dir={tmp_path / 'hydra'}", f"train.checkpoint_dir={tmp_path / 'ckpt'}"))
+                           ("model=tiny_cpu", "parallel=cpu", "parallel.seq_length=64", "cluster=cpu",
+                            "train=short_cpu", "train.steps=2",
+                            "train.eval_interval=null", "train.checkpoint_interval=null", "train.progress_bar=false",
+                            "task_name=reproduce_test", "precision=mxfp4", "recompute=attn_ln_mlp",
+                            f"paths.log_dir={tmp_path / 'hydra'}", f"train.checkpoint_dir={tmp_path / 'ckpt'}"))
     logs = tmp_path / "logs"
     client = MlflowClient(tracking_uri=uri)
     # an earlier reproduce stopped with this cell (its process killed): its run is still RUNNING in the store

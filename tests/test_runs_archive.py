@@ -122,7 +122,7 @@ def test_withdrawn_metrics_stay_in_the_file_and_are_not_imported(tmp_path, capsy
     archive.export(uri, out, note="H200")
     before = json.loads(out.read_text())["runs"]
     assert archive.main(["withdraw", str(out), "--metric", "summary/tgs_median",
-                              "--reason", "leak inflated it"]) == 0
+                         "--reason", "leak inflated it"]) == 0
     assert "withdrawn in 2 runs" in capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["runs"] == before  # the measured values are kept as they were

@@ -618,7 +618,7 @@ def test_reproduce_runs_its_cells_as_slurm_jobs_then_reuses_them(store, time_lim
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("FP4MOE_CKPT_DIR", str(tmp_path / "ckpt"))
     ran, reused, failures = train_runs.run(picked, uri, log_dir=tmp_path / "logs", log=lambda s: None,
-                                               at_once=True)
+                                           at_once=True)
     assert (ran, reused, failures) == (2, 0, []), [p.read_text()[-2000:] for p in (tmp_path / "logs").iterdir()]
     for exp in ("reproduce_tiny_t1", "reproduce_tiny_f5"):
         runs = _runs(uri, exp)

@@ -378,7 +378,8 @@ def summary(cell: Cell) -> str:
     if bench_job.is_bench(cfg):  # F3/F4: the job runs a benchmark; the model/train lines do not apply
         lines = [lines[0], lines[3], f"parallel: EP{p.expert} world {d['world_size']}",
                  f"bench: {cfg.bench.module}.main({' '.join(map(str, cfg.bench.args))}) in each of the "
-                 f"{d['world_size']} GPU process(es) (fp4moe.launch.bench_job); without Hydra: {bench_job.command(cfg)}"]
+                 f"{d['world_size']} GPU process(es) (fp4moe.launch.bench_job); "
+                 f"without Hydra: {bench_job.command(cfg)}"]
     return "\n".join(lines)
 
 

@@ -101,8 +101,8 @@ _early: list[int] = []   # the first signal catch_early() recorded, until a Pree
 def _on_early_signal(signum: int, frame: Any) -> None:
     if not _early:
         _early.append(signum)
-        print(f"fp4moe.launch.slurm: got {signal.Signals(signum).name} while starting: the run checkpoints after its first "
-              "step", file=sys.stderr, flush=True)
+        print(f"fp4moe.launch.slurm: got {signal.Signals(signum).name} while starting: the run checkpoints after its "
+              "first step", file=sys.stderr, flush=True)
 
 
 def catch_early(signals: tuple[signal.Signals, ...] | None = None) -> None:
@@ -199,8 +199,8 @@ class Preemption:
         for s, what in replaced:
             if s not in self._warned:
                 self._warned.add(s)
-                print(f"fp4moe.launch.slurm: the {signal.Signals(s).name} handler was replaced (now: {what}) by a library "
-                      "after the run started; put back, so that the signal still checkpoints", file=sys.stderr,
+                print(f"fp4moe.launch.slurm: the {signal.Signals(s).name} handler was replaced (now: {what}) by a "
+                      "library after the run started; put back, so that the signal still checkpoints", file=sys.stderr,
                       flush=True)
             if self._stacks is not None:
                 faulthandler.unregister(s)

@@ -2,8 +2,8 @@
 
 Every file is written atomically (a temporary file in the same folder, then ``os.replace``). The output depends
 only on the store, numbers.yaml and the code: no clock time, store paths under the repository shown relative to
-it (others without the machine's home or output folder: fp4moe.tracking.mlflow_store.portable), so a rerun on the same store
-rewrites the same bytes. Report files of earlier runs that this run does not
+it (others without the machine's home or output folder: fp4moe.tracking.mlflow_store.portable), so a rerun on the
+same store rewrites the same bytes. Report files of earlier runs that this run does not
 produce (a plot without data) are removed; other files in the folder are left alone.
 """
 from __future__ import annotations

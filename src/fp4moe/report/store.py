@@ -70,8 +70,8 @@ def load(where: str | os.PathLike | None = None) -> Store:
     """Every run of every experiment in the store; an absent sqlite file is an empty store (not created).
 
     A store that cannot be read (a server that does not answer, a file that is not an MLflow store, a server that is
-    not MLflow) raises ``fp4moe.tracking.mlflow_store.TrackingUnavailable``: one line naming the URI and the fix, within seconds
-    (Jupyter shows that line without a traceback)."""
+    not MLflow) raises ``fp4moe.tracking.mlflow_store.TrackingUnavailable``: one line naming the URI and the fix,
+    within seconds (Jupyter shows that line without a traceback)."""
     uri = normalize_uri(where)
     if _missing_sqlite(uri):
         return Store(uri, [], note=f"no MLflow store at {uri} yet")

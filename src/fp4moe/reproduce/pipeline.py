@@ -338,8 +338,8 @@ def load_trainer_archives(track: bool) -> bool:
 
 
 def run_trainer_cells(rerun: bool, slurm: str | None = None) -> bool:
-    """The scaled-down experiments this machine can run (``fp4moe.reproduce.train_runs``: the tiny model on CPU, the H200
-    proxy's T1 and F5 twins on a Hopper GPU), or with ``slurm`` those of that cluster profile as Slurm jobs, each
+    """The scaled-down experiments this machine can run (``fp4moe.reproduce.train_runs``: the tiny model on CPU, the
+    H200 proxy's T1 and F5 twins on a Hopper GPU), or with ``slurm`` those of that cluster profile as Slurm jobs, each
     cell once: those already in MLflow are reused."""
     if importlib.util.find_spec("mlflow") is None or importlib.util.find_spec("megatron") is None:
         print(f"trainer runs (this machine): skipped, mlflow and megatron-core are needed for {sys.executable}")
@@ -351,7 +351,7 @@ def run_trainer_cells(rerun: bool, slurm: str | None = None) -> bool:
     try:
         where = f"Slurm {slurm}" if slurm else "this machine"
         return train_runs.run_here(mlflow_store.tracking_uri(), rerun=rerun, slurm=slurm,
-                                       say=lambda s: print(f"trainer runs ({where}): {s}"))
+                                   say=lambda s: print(f"trainer runs ({where}): {s}"))
     except ConfigError as e:
         print(f"trainer runs: {e}")
         return False
@@ -362,8 +362,8 @@ def run_trainer_cells(rerun: bool, slurm: str | None = None) -> bool:
 
 
 def run_report() -> bool:
-    """Write results/report/ from the MLflow store (``fp4moe.tracking.mlflow_store.tracking_uri()``, the store the steps above
-    logged to) with ``fp4moe.report``; without mlflow, say so (not a failure)."""
+    """Write results/report/ from the MLflow store (``fp4moe.tracking.mlflow_store.tracking_uri()``, the store the
+    steps above logged to) with ``fp4moe.report``; without mlflow, say so (not a failure)."""
     if importlib.util.find_spec("mlflow") is None:
         print(f"report: skipped, mlflow is not installed for {sys.executable}; run `make reproduce-table` "
               f"(or `.venv/bin/python -m fp4moe.report`) on a machine with the venv")
@@ -406,7 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-tracking", action="store_true",
                         help="do not log benchmark rows to MLflow")
     parser.add_argument("--no-train", action="store_true",
-                        help="do not run the scaled-down trainer experiments of this machine (fp4moe.reproduce.train_runs)")
+                        help="do not run the scaled-down trainer experiments of this machine "
+                             "(fp4moe.reproduce.train_runs)")
     parser.add_argument("--rerun", action="store_true",
                         help="run the trainer experiments again even where MLflow already has them, and the "
                              "benchmarks even where this GPU's results at this commit are in results/")

@@ -301,7 +301,8 @@ def run_plan(cells: Sequence[Cell], notes: Sequence[str], uri: str, *, rerun: bo
     """:func:`run_here`'s work for a plan already made."""
     for n in notes:
         say(n)
-    say(f"{len(cells)} cells{f' as Slurm jobs ({slurm})' if slurm else ''} (python -m fp4moe.reproduce.train_runs --list)")
+    say(f"{len(cells)} cells{f' as Slurm jobs ({slurm})' if slurm else ''} "
+        "(python -m fp4moe.reproduce.train_runs --list)")
     ran, reused, failures = run(cells, uri, rerun=rerun, at_once=bool(slurm))
     say(f"{ran} ran, {reused} reused from MLflow, {len(failures)} failed")
     for f in failures:

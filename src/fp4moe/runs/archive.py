@@ -11,8 +11,8 @@ hardware, commit, command) and ``exported_utc``. STORE is a tracking URI, a ``.d
 ``mlflow.db``; several stores go into one archive (runs that shared a machine but not a store, e.g. one seed's
 recipes run at once). Export refuses a store with no runs (nothing would be archived) and writes atomically.
 Archives go into results/, so export writes the param and tag values and the note with the machine's folders
-named portably (``fp4moe.tracking.mlflow_store.portable``: ``/path/to/checkout/data/...`` -> ``<repo>/data/...``, ``$OUT``, ``~``);
-the store keeps what the trainer logged. Metrics are copied as they are.
+named portably (``fp4moe.tracking.mlflow_store.portable``: ``/path/to/checkout/data/...`` -> ``<repo>/data/...``,
+``$OUT``, ``~``); the store keeps what the trainer logged. Metrics are copied as they are.
 
 OUT ending in ``.json.xz`` is written xz-compressed (compact JSON): a 300 M-token run logs ~40 series of 2289 steps,
 9 MB as indented JSON and 0.5 MB compressed. Every command here reads both kinds; a folder stands for both.
@@ -173,7 +173,8 @@ def _is_archive(path: Path) -> bool:
 
 def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """Files as given (each must be an archive); a folder stands for the archives among its ``*.json`` and
-    every ``*.json.xz``, in name order (``fp4moe.tracking.bench_log.expand``'s walk; other JSON files there are left alone)."""
+    every ``*.json.xz``, in name order (``fp4moe.tracking.bench_log.expand``'s walk; other JSON files there are left
+    alone)."""
     out: list[Path] = []
     for given in map(Path, paths):
         try:
@@ -216,10 +217,10 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
                     tags[WITHDRAWN] = "; ".join(f"{k}: {gone[k]}" for k in held)[:5000]
                 tags.pop("mlflow.runName", None)
                 mlflow_store.log_batched(client, rid, params=[Param(k, str(v)) for k, v in run["params"].items()],
-                                     tags=[RunTag(k, str(v)) for k, v in tags.items()],
-                                     metrics=[Metric(k, float(v), int(ts), int(step))
-                                              for k, hist in run["metrics"].items() if k not in gone
-                                              for step, v, ts in hist])
+                                         tags=[RunTag(k, str(v)) for k, v in tags.items()],
+                                         metrics=[Metric(k, float(v), int(ts), int(step))
+                                                  for k, hist in run["metrics"].items() if k not in gone
+                                                  for step, v, ts in hist])
             except BaseException:
                 client.delete_run(rid)  # nothing half-imported stays (a later import retries the run)
                 raise

@@ -2,8 +2,8 @@
 
 One MLflow run per training run, in experiment ``tracking.experiment`` of store ``tracking.uri`` (else
 ``fp4moe.tracking.mlflow_store.tracking_uri()``: ``$MLFLOW_TRACKING_URI`` or ``<repo>/mlruns/mlflow.db``). The store is
-checked with ``fp4moe.tracking.mlflow_store.check_reachable`` before anything is built. A resumed run continues the MLflow run
-whose id its checkpoint holds.
+checked with ``fp4moe.tracking.mlflow_store.check_reachable`` before anything is built. A resumed run continues the
+MLflow run whose id its checkpoint holds.
 
 - params: the resolved config flattened to dotted keys (lists as JSON), ``derived.*`` (fp4moe.config.derived),
   ``recipe`` (the recipe's name in results, ``Recipe.tag``: precision.label or precision.name), ``git_commit``.
@@ -140,7 +140,7 @@ def _send(client: Any, rec: Mapping[str, Any]) -> None:
     run_id, kind = rec["run_id"], rec["kind"]
     if kind == "metrics":
         mlflow_store.log_batched(client, run_id, metrics=[Metric(k, float(v), int(rec["time"]), int(rec["step"]))
-                                                      for k, v in rec["metrics"].items()])
+                                                          for k, v in rec["metrics"].items()])
     elif kind == "tags":
         mlflow_store.log_batched(client, run_id, tags=[RunTag(k, str(v)) for k, v in rec["tags"].items()])
     elif kind == "status":
@@ -360,7 +360,7 @@ class Tracker:
             tags = {**tags, "earlier_attempt": lost}
         all_tags = {**mlflow_store.environment_tags(), **tags}
         mlflow_store.log_batched(client, self.run_id, params=[Param(k[:250], v[:6000]) for k, v in params.items()],
-                             tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
+                                 tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
         if lost:
             self._end_lost(lost)
         if self.background:
