@@ -18,8 +18,8 @@ UI_HOST ?= 127.0.0.1
 UI_PORT ?= 5000
 JUPYTER_PORT ?= 8888
 STAMP := $(VENV)/.installed
-# The project's MLflow store, by fp4moe.tracking.tracking_uri()'s rule: $MLFLOW_TRACKING_URI, else the sqlite file
-# mlruns/mlflow.db under $FP4MOE_HOME or this folder (the repository root).
+# The project's MLflow store, by fp4moe.tracking.mlflow_store.tracking_uri()'s rule: $MLFLOW_TRACKING_URI, else the
+# sqlite file mlruns/mlflow.db under $FP4MOE_HOME or this folder (the repository root).
 STORE_URI := $(or $(MLFLOW_TRACKING_URI),sqlite:///$(abspath $(or $(FP4MOE_HOME),$(CURDIR)))/mlruns/mlflow.db)
 
 .DEFAULT_GOAL := help
@@ -51,13 +51,13 @@ bench-kernels: ## run the kernel benchmark on the GPU, then log it to MLflow (ar
 	if [ -z "$$files" ]; then echo "no $(BENCH_OUT)/kernels_*.json to log"; exit 1; fi; \
 	for py in $(VENV)/bin/python $(GPU_PYTHON); do \
 	  if PYTHONPATH=src $$py -c 'import mlflow' >/dev/null 2>&1; then \
-	    echo "PYTHONPATH=src $$py -m fp4moe.bench_log" $$files; \
-	    PYTHONPATH=src $$py -m fp4moe.bench_log $$files; exit $$?; \
+	    echo "PYTHONPATH=src $$py -m fp4moe.tracking.bench_log" $$files; \
+	    PYTHONPATH=src $$py -m fp4moe.tracking.bench_log $$files; exit $$?; \
 	  fi; \
 	done; \
 	echo "mlflow is not importable here, so the results were NOT logged to MLflow."; \
 	echo "Copy $(BENCH_OUT)/ to a machine with the venv and run there, in the repository root:"; \
-	echo "  make log-bench    # = $(VENV)/bin/python -m fp4moe.bench_log" $$files
+	echo "  make log-bench    # = $(VENV)/bin/python -m fp4moe.tracking.bench_log" $$files
 
 # The MoE layer benchmark (P2): bf16 / fp8 / mxfp4 side by side; LAYER_GPUS=2 runs EP=2 with torchrun.
 bench-layer: ## run the MoE layer benchmark on 1 GPU (LAYER_GPUS=2: EP=2), results in $(LAYER_OUT)
@@ -70,8 +70,8 @@ endif
 log-bench: venv ## log every results/kernels/kernels_*.json (BENCH_OUT) to MLflow with the venv (idempotent)
 	@files="$$(ls $(BENCH_OUT)/kernels_*.json 2>/dev/null)"; \
 	if [ -z "$$files" ]; then echo "no $(BENCH_OUT)/kernels_*.json to log (make bench-kernels on a GPU writes them)"; exit 1; fi; \
-	echo "$(VENV)/bin/python -m fp4moe.bench_log" $$files; \
-	$(VENV)/bin/python -m fp4moe.bench_log $$files
+	echo "$(VENV)/bin/python -m fp4moe.tracking.bench_log" $$files; \
+	$(VENV)/bin/python -m fp4moe.tracking.bench_log $$files
 
 reproduce-table: venv ## run what exists of the reproduction and list what does not yet (SLURM=<profile>: as Slurm jobs)
 	$(VENV)/bin/python -m fp4moe.reproduce $(if $(SLURM),--slurm $(SLURM))

@@ -1,12 +1,12 @@
 """F3/F4 presets (conf/experiment/paper_f3.yaml, paper_f4.yaml): their dry-run sbatch scripts, and the benchmark
-job they submit (fp4moe.bench_job) run on CPU with a small layer. No Slurm needed, nothing submitted."""
+job they submit (fp4moe.launch.bench_job) run on CPU with a small layer. No Slurm needed, nothing submitted."""
 import json
 import shlex
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from fp4moe import bench_job, launch
+from fp4moe.launch import bench_job, dry_run
 from fp4moe.config import ConfigError
 
 
@@ -22,7 +22,7 @@ def _srun(script):
 
 
 def test_f3_dry_run_is_one_job_on_one_gpu(capsys):
-    ((overrides, script),) = launch.sbatch_scripts("paper_f3")
+    ((overrides, script),) = dry_run.sbatch_scripts("paper_f3")
     for line in ("#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=1", "#SBATCH --time=30",
                  "#SBATCH --no-requeue", "#SBATCH --job-name=paper_f3", "export NCCL_IB_HCA=mlx5\n"):
         assert line in script, line
@@ -30,28 +30,28 @@ def test_f3_dry_run_is_one_job_on_one_gpu(capsys):
     i = cmd.index("python")
     assert cmd[i:] == ["python", "-m", "fp4moe.train", "hydra.mode=RUN", "experiment=paper_f3",
                        "hydra/launcher=slurm_h100"]
-    assert launch.main(["dry-run", "experiment=paper_f3", "--summary"]) == 0
+    assert dry_run.main(["dry-run", "experiment=paper_f3", "--summary"]) == 0
     out = capsys.readouterr().out
     assert "bench: fp4moe_kernels.bench.main(--out results/kernels)" in out
     assert "without Hydra: python -m fp4moe_kernels.bench --out results/kernels" in out
 
 
 def test_f4_dry_run_is_ep1_and_ep2_one_task_per_gpu(capsys):
-    cells = launch.sbatch_scripts("paper_f4")
+    cells = dry_run.sbatch_scripts("paper_f4")
     assert [ov[0] for ov, _ in cells] == ["parallel=single_gpu", "parallel=two_gpu_ep2"]
     for (overrides, script), gpus in zip(cells, (1, 2)):
         for line in ("#SBATCH --nodes=1", f"#SBATCH --ntasks-per-node={gpus}", f"#SBATCH --gpus-per-node={gpus}",
                      "#SBATCH --time=30", "#SBATCH --mem=128GB", "#SBATCH --job-name=paper_f4"):
             assert line in script, line
         assert _srun(script)[-len(overrides) - 4:] == ["python", "-m", "fp4moe.train", "hydra.mode=RUN", *overrides]
-    assert launch.main(["dry-run", "experiment=paper_f4", "--summary"]) == 0
+    assert dry_run.main(["dry-run", "experiment=paper_f4", "--summary"]) == 0
     out = capsys.readouterr().out
     assert out.count("# ===== cell") == 2 and "parallel: EP2 world 2" in out
     assert "without Hydra: torchrun --nproc-per-node 2 -m fp4moe.moe.bench --out results/moe_layer" in out
 
 
 def _compose(*overrides):
-    with initialize_config_dir(config_dir=str(launch.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(dry_run.CONF_DIR), version_base="1.3"):
         return compose("train", overrides=list(overrides))
 
 

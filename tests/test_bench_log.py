@@ -1,4 +1,4 @@
-"""fp4moe.bench_log: a kernel-benchmark JSON into MLflow, once (CPU, temporary sqlite store)."""
+"""fp4moe.tracking.bench_log: a kernel-benchmark JSON into MLflow, once (CPU, temporary sqlite store)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fp4moe import bench_log
+from fp4moe.tracking import bench_log
 
 ENV = {
     "date": "2026-11-30T12:00:00Z", "commit": "0123456789abcdef0123456789abcdef01234567",

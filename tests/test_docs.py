@@ -18,7 +18,7 @@ README_MAX_LINES = 200
 # Built from pieces so that this file does not match itself.
 OUTSIDE_REFERENCES = ("../" + "shared", "SPEC" + ".md", "SPEC" + " §", "DESIGN" + ".md", "shared " + "notes/")
 # The development machine's paths and tool library: nowhere in the repository, results/ included (what benchmarks,
-# runs archives and the report write there names folders with fp4moe.tracking.portable: <repo>/..., $OUT/..., ~/...).
+# runs archives and the report write there names folders with fp4moe.tracking.mlflow_store.portable: <repo>/..., $OUT/..., ~/...).
 MACHINE_PATHS = ("/work" + "/", "." + "library/")
 # results/ also names no home folder (the device's $OUT is one). /tmp/ and /opt/ stay: scratch and installed software
 # as tracebacks and logs show them (/tmp/site/megatron, a venv's site-packages, pytest's tmp_path), no checkout or
@@ -128,7 +128,7 @@ def test_no_tracked_file_points_outside_the_repository():
         if text is not None:
             offenders += outside_references(path.relative_to(ROOT).as_posix(), text)
     assert not offenders, ("files or machine folders outside the repository are named (say it in docs/; results/ "
-                           "names them <repo>/..., $OUT/..., ~/...: fp4moe.tracking.portable):\n" + "\n".join(offenders))
+                           "names them <repo>/..., $OUT/..., ~/...: fp4moe.tracking.mlflow_store.portable):\n" + "\n".join(offenders))
 
 
 def test_the_reference_check_reads_compressed_results(tmp_path: Path):

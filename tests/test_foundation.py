@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fp4moe import reproduce, tracking
+from fp4moe.reproduce import pipeline
+from fp4moe.tracking import mlflow_store
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBERS = REPO / "conf" / "paper" / "numbers.yaml"
@@ -113,7 +114,7 @@ def test_every_number_has_a_source(numbers):
     assert not unlabelled, f"numbers without a source label: {unlabelled}"
 
 
-# --- fp4moe.tracking -----------------------------------------------------------------------------
+# --- fp4moe.tracking.mlflow_store --------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -137,7 +138,7 @@ def git_repo(tmp_path, monkeypatch):
 
 
 def test_default_uri_is_sqlite_under_repo(git_repo):
-    uri = tracking.tracking_uri()
+    uri = mlflow_store.tracking_uri()
     db = Path(os.environ["FP4MOE_HOME"]) / "mlruns" / "mlflow.db"
     assert uri == f"sqlite:///{db}" and db.parent.is_dir()
 
@@ -153,7 +154,7 @@ def test_log_run_round_trip(git_repo, tmp_path, monkeypatch):
     (tmp_path / "store").mkdir()
     artifact = tmp_path / "table.csv"
     artifact.write_text("a,b\n1,2\n")
-    run_id = tracking.log_run(
+    run_id = mlflow_store.log_run(
         "unit", "run-1", params={"recipe": "mxfp4", "m": 4096},
         metrics={"tgs": 1234.5, "skipped": None}, tags={"purpose": "test"},
         artifacts=[artifact], uri=uri,
@@ -167,7 +168,7 @@ def test_log_run_round_trip(git_repo, tmp_path, monkeypatch):
     assert tags["purpose"] == "test" and tags["host"] == socket.gethostname()
     assert tags["python"].startswith(f"{sys.version_info.major}.{sys.version_info.minor}")
     assert "torch" in tags
-    assert tags["env.FP4MOE_FUSED_SWIGLU_FP4"] == "1" and tags["env.FP4MOE_TILES"] == "x" * tracking.MAX_TAG_CHARS
+    assert tags["env.FP4MOE_FUSED_SWIGLU_FP4"] == "1" and tags["env.FP4MOE_TILES"] == "x" * mlflow_store.MAX_TAG_CHARS
     assert tags["env.TORCHINDUCTOR_COMPILE_THREADS"] == "1" and "env.HOME" not in tags
     names = [a.path for a in MlflowClient(tracking_uri=uri).list_artifacts(run_id)]
     assert names == ["table.csv"]
@@ -190,9 +191,9 @@ def test_log_batched_sends_more_than_one_call_holds_in_as_few_calls_as_the_limit
         return real(rid, metrics=metrics, params=params, tags=tags)
 
     client.log_batch = counting
-    tracking.log_batched(client, run_id, params=[Param(f"p{i}", str(i)) for i in range(250)],
-                         tags=[RunTag(f"t{i}", str(i)) for i in range(150)],
-                         metrics=[Metric("loss", float(s), 0, s) for s in range(2500)])
+    mlflow_store.log_batched(client, run_id, params=[Param(f"p{i}", str(i)) for i in range(250)],
+                             tags=[RunTag(f"t{i}", str(i)) for i in range(150)],
+                             metrics=[Metric("loss", float(s), 0, s) for s in range(2500)])
     assert sizes == [(1000, 100, 100), (1000, 100, 50), (500, 50, 0)]
     run = client.get_run(run_id)
     assert len(run.data.params) == 250 and sum(k.startswith("t") for k in run.data.tags) == 150
@@ -207,9 +208,9 @@ def test_log_table_one_run_per_row(git_repo, tmp_path):
         {"scope": "attn_ln_mlp", "recipe": "fp8", "tgs": None, "mem_pct": None},
         {"scope": "attn_ln_mlp", "recipe": "mxfp4", "tgs": 10.0, "mem_pct": 60.5},
     ]
-    ids = tracking.log_table("table", rows, key_cols=["scope", "recipe"],
-                             metric_cols=["tgs", "mem_pct"], common_params={"gpu": "cpu"},
-                             tags={"kind": "unit"}, uri=uri)
+    ids = mlflow_store.log_table("table", rows, key_cols=["scope", "recipe"],
+                                 metric_cols=["tgs", "mem_pct"], common_params={"gpu": "cpu"},
+                                 tags={"kind": "unit"}, uri=uri)
     client = MlflowClient(tracking_uri=uri)
     runs = [client.get_run(i) for i in ids]
     assert [r.info.run_name for r in runs] == ["scope=attn_ln_mlp/recipe=fp8",
@@ -219,7 +220,7 @@ def test_log_table_one_run_per_row(git_repo, tmp_path):
     assert runs[1].data.metrics == {"tgs": 10.0, "mem_pct": 60.5}
     assert runs[1].data.tags["kind"] == "unit"
     with pytest.raises(KeyError, match="lacks columns"):
-        tracking.log_table("table", [{"scope": "x"}], ["scope"], ["tgs"], uri=uri)
+        mlflow_store.log_table("table", [{"scope": "x"}], ["scope"], ["tgs"], uri=uri)
 
 
 def test_check_reachable_closed_port_names_the_uri():
@@ -227,17 +228,17 @@ def test_check_reachable_closed_port_names_the_uri():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     uri = f"http://127.0.0.1:{port}"
-    with pytest.raises(tracking.TrackingUnavailable, match=f"127.0.0.1:{port}") as info:
-        tracking.check_reachable(uri)
+    with pytest.raises(mlflow_store.TrackingUnavailable, match=f"127.0.0.1:{port}") as info:
+        mlflow_store.check_reachable(uri)
     assert "MLFLOW_TRACKING_URI" in str(info.value)
 
 
 def test_check_reachable_local_store(tmp_path):
-    tracking.check_reachable(f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}")
+    mlflow_store.check_reachable(f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}")
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(tracking.TrackingUnavailable, match="not writable"):
-        tracking.check_reachable(f"sqlite:///{blocker / 'mlflow.db'}")
+    with pytest.raises(mlflow_store.TrackingUnavailable, match="not writable"):
+        mlflow_store.check_reachable(f"sqlite:///{blocker / 'mlflow.db'}")
 
 
 def test_portable_names_the_checkout_out_and_home_folders_not_the_machine(tmp_path, monkeypatch):
@@ -249,15 +250,15 @@ def test_portable_names_the_checkout_out_and_home_folders_not_the_machine(tmp_pa
     monkeypatch.setenv("OUT", str(out))
     text = (f"python -m fp4moe_kernels.bench --out {repo}/results/kernels sqlite:///{out}/mlflow.db "
             f"{tmp_path}/notes {repo}2/x /elsewhere{repo}/y {repo} /tmp/site")
-    assert tracking.portable(text) == ("python -m fp4moe_kernels.bench --out <repo>/results/kernels "
-                                       "sqlite:///$OUT/mlflow.db ~/notes ~/checkout2/x "
-                                       f"/elsewhere{repo}/y <repo> /tmp/site")
+    assert mlflow_store.portable(text) == ("python -m fp4moe_kernels.bench --out <repo>/results/kernels "
+                                           "sqlite:///$OUT/mlflow.db ~/notes ~/checkout2/x "
+                                           f"/elsewhere{repo}/y <repo> /tmp/site")
     monkeypatch.setenv("OUT", "relative/out")   # not a folder of this machine: left alone
-    assert tracking.portable(f"{out}/a relative/out") == "<repo>/out/a relative/out"
+    assert mlflow_store.portable(f"{out}/a relative/out") == "<repo>/out/a relative/out"
 
 
 def test_import_tracking_is_cheap():
-    code = "import sys, fp4moe.tracking; print('mlflow' in sys.modules, 'torch' in sys.modules)"
+    code = "import sys, fp4moe.tracking.mlflow_store; print('mlflow' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], env=_env_with_src(), check=True,
                          capture_output=True, text=True).stdout.split()
     assert out == ["False", "False"]
@@ -314,7 +315,7 @@ def test_reproduce_logs_what_the_benchmark_wrote(monkeypatch, tmp_path):
     bench = _fake_bench(monkeypatch, tmp_path, WRITES_JSON)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    assert reproduce.run_bench(["--out", str(tmp_path / "res")], track=True, module=bench)
+    assert pipeline.run_bench(["--out", str(tmp_path / "res")], track=True, module=bench)
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("kernels").experiment_id])
     [run] = [r for r in runs if r.data.tags["kind"] == "row"]
@@ -327,17 +328,17 @@ def test_reproduce_logs_what_the_benchmark_wrote(monkeypatch, tmp_path):
 
 def test_reproduce_without_mlflow_prints_the_log_command(monkeypatch, tmp_path, capsys):
     bench = _fake_bench(monkeypatch, tmp_path, WRITES_JSON)
-    real_find_spec = reproduce.importlib.util.find_spec
-    monkeypatch.setattr(reproduce.importlib.util, "find_spec",
+    real_find_spec = pipeline.importlib.util.find_spec
+    monkeypatch.setattr(pipeline.importlib.util, "find_spec",
                         lambda name, *a: None if name == "mlflow" else real_find_spec(name, *a))
-    assert reproduce.run_bench(["--out", str(tmp_path / "res")], track=True, module=bench)
+    assert pipeline.run_bench(["--out", str(tmp_path / "res")], track=True, module=bench)
     out = capsys.readouterr().out
     assert "NOT logged" in out
-    assert f"python -m fp4moe.bench_log {tmp_path / 'res' / 'kernels_h200.json'}" in out
+    assert f"python -m fp4moe.tracking.bench_log {tmp_path / 'res' / 'kernels_h200.json'}" in out
 
 
 def test_reproduce_lists_what_is_missing_by_issue(capsys):
-    reproduce.print_not_yet_implemented()
+    pipeline.print_not_yet_implemented()
     out = capsys.readouterr().out
     missing, known = out.split("KNOWN DISAGREEMENTS")
     assert "[P6, issue 7]" in missing
@@ -348,7 +349,7 @@ def test_reproduce_lists_what_is_missing_by_issue(capsys):
 
 def test_reproduce_fails_when_the_benchmark_fails(monkeypatch, tmp_path):
     bench = _fake_bench(monkeypatch, tmp_path, "sys.exit(1)\n")
-    assert not reproduce.run_bench(["--out", str(tmp_path)], track=False, module=bench)
+    assert not pipeline.run_bench(["--out", str(tmp_path)], track=False, module=bench)
     assert len(_calls(tmp_path)) == 1
 
 
@@ -364,8 +365,8 @@ def _result(folder: Path, name: str, **env) -> Path:
 
 
 def test_a_benchmark_result_is_reusable_only_for_its_gpu_commit_and_default_command(tmp_path):
-    find = lambda head=HEAD, **m: reproduce.reusable_result(tmp_path, "kernels_*.json", "fp4moe_kernels.bench",
-                                                            head, **{"gpu": "NVIDIA H200", **m})
+    find = lambda head=HEAD, **m: pipeline.reusable_result(tmp_path, "kernels_*.json", "fp4moe_kernels.bench",
+                                                           head, **{"gpu": "NVIDIA H200", **m})
     assert find() is None  # nothing there
     _result(tmp_path, "kernels_other_options.json", commit=HEAD,
             command="python -m fp4moe_kernels.bench --out /x --tokens 1024")
@@ -383,13 +384,13 @@ def test_a_benchmark_result_is_reusable_only_for_its_gpu_commit_and_default_comm
 
 
 def test_a_layer_result_is_reusable_only_at_the_default_shape(tmp_path):
-    from fp4moe.layer_bench_log import DEFAULT_SHAPE
+    from fp4moe.tracking.layer_bench_log import DEFAULT_SHAPE
 
     cmd = "python -m fp4moe.moe.bench --out /w/results/moe_layer"
     odd = _result(tmp_path, "moe_layer_h200_ep1_t8192.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)
     odd.write_text(json.dumps({**json.loads(odd.read_text()), "shape": {**DEFAULT_SHAPE, "tokens": 8192}}))
-    find = lambda: reproduce.reusable_result(tmp_path, "moe_layer_*.json", "fp4moe.moe.bench", HEAD,
-                                             shape=DEFAULT_SHAPE, gpu="h200", world_size=1)
+    find = lambda: pipeline.reusable_result(tmp_path, "moe_layer_*.json", "fp4moe.moe.bench", HEAD,
+                                            shape=DEFAULT_SHAPE, gpu="h200", world_size=1)
     assert find() is None
     ok = _result(tmp_path, "moe_layer_h200_ep1.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)
     ok.write_text(json.dumps({**json.loads(ok.read_text()), "shape": dict(DEFAULT_SHAPE)}))
@@ -401,7 +402,7 @@ def test_reproduce_reuses_this_gpus_kernel_result_at_this_commit_and_logs_it(mon
     again; other options or --rerun measure again."""
     from mlflow import MlflowClient
 
-    head = tracking.code_commit()
+    head = mlflow_store.code_commit()
     if head is None:
         pytest.skip("not a git checkout: no commit to match results against")
     bench = _fake_bench(monkeypatch, tmp_path, WRITES_JSON)
@@ -409,50 +410,50 @@ def test_reproduce_reuses_this_gpus_kernel_result_at_this_commit_and_logs_it(mon
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     res = tmp_path / "res"
     old = _result(res, "kernels_h200_2026-11-30_x.json", commit=head, command=f"python -m {bench} --out {res}")
-    assert reproduce.run_bench(["--out", str(res)], track=True, gpu="NVIDIA H200", module=bench)
+    assert pipeline.run_bench(["--out", str(res)], track=True, gpu="NVIDIA H200", module=bench)
     assert _calls(tmp_path) == []
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("kernels").experiment_id])
     assert {r.data.tags["kind"] for r in runs} == {"row", "summary"}  # the reused file is logged, not lost
-    assert reproduce.run_bench(["--out", str(res)], track=False, gpu="NVIDIA H100 80GB HBM3", module=bench)
+    assert pipeline.run_bench(["--out", str(res)], track=False, gpu="NVIDIA H100 80GB HBM3", module=bench)
     assert len(_calls(tmp_path)) == 1  # another GPU: measured
-    assert reproduce.run_bench(["--out", str(res), "--tokens", "1024"], track=False, gpu="NVIDIA H200",
-                               module=bench)
+    assert pipeline.run_bench(["--out", str(res), "--tokens", "1024"], track=False, gpu="NVIDIA H200",
+                              module=bench)
     assert len(_calls(tmp_path)) == 2  # other options: measured
-    assert reproduce.run_bench(["--out", str(res)], track=False, rerun=True, gpu="NVIDIA H200", module=bench)
+    assert pipeline.run_bench(["--out", str(res)], track=False, rerun=True, gpu="NVIDIA H200", module=bench)
     assert len(_calls(tmp_path)) == 3 and old.exists()
 
 
 def test_reproduce_reuses_this_gpus_layer_result_at_this_commit(monkeypatch, tmp_path):
-    from fp4moe.layer_bench_log import DEFAULT_SHAPE
+    from fp4moe.tracking.layer_bench_log import DEFAULT_SHAPE
 
-    head = tracking.code_commit()
+    head = mlflow_store.code_commit()
     if head is None:
         pytest.skip("not a git checkout: no commit to match results against")
     monkeypatch.setenv("FP4MOE_HOME", str(tmp_path))
     bench = _fake_bench(monkeypatch, tmp_path, "sys.exit(0)\n", name="fake_layer_bench")
-    path = _result(tmp_path / reproduce.RESULTS_LAYER, "moe_layer_h200_ep1_2026-12-02_x.json", commit=head[:7],
+    path = _result(tmp_path / pipeline.RESULTS_LAYER, "moe_layer_h200_ep1_2026-12-02_x.json", commit=head[:7],
                    gpu="h200", world_size=1, command=f"python -m {bench} --out /w/results/moe_layer")
     path.write_text(json.dumps({**json.loads(path.read_text()), "shape": dict(DEFAULT_SHAPE)}))
-    assert reproduce.run_layer_bench("NVIDIA H200", track=False, module=bench)
+    assert pipeline.run_layer_bench("NVIDIA H200", track=False, module=bench)
     assert _calls(tmp_path) == []
-    assert reproduce.run_layer_bench("NVIDIA H200", track=False, rerun=True, module=bench)
-    assert _calls(tmp_path) == [f"--out {tmp_path / reproduce.RESULTS_LAYER}"]
+    assert pipeline.run_layer_bench("NVIDIA H200", track=False, rerun=True, module=bench)
+    assert _calls(tmp_path) == [f"--out {tmp_path / pipeline.RESULTS_LAYER}"]
 
 
 def test_the_commit_to_match_can_be_named(monkeypatch):
     """A copy of the tree without its history (the lent GPU machines) names its commit in FP4MOE_COMMIT, as the
     benchmarks record it."""
     monkeypatch.setenv("FP4MOE_COMMIT", "548760d")
-    assert tracking.code_commit() == tracking.code_commit(short=True) == "548760d"
-    assert reproduce._same_commit("548760d", "548760dabc") and not reproduce._same_commit("5487", "5487")
+    assert mlflow_store.code_commit() == mlflow_store.code_commit(short=True) == "548760d"
+    assert pipeline._same_commit("548760d", "548760dabc") and not pipeline._same_commit("5487", "5487")
 
 
 def test_reproduce_runs_the_self_check_in_a_child_with_its_own_arguments(monkeypatch, capsys):
     """make reproduce-table ARGS...: the kernel self-check runs as its own process (python -m
     fp4moe_kernels.selfcheck, under the Triton interpreter on CPU), with its own (empty) argument list."""
     monkeypatch.setattr(sys, "argv", ["python -m fp4moe.reproduce", "--skip-bench", "--no-report"])
-    assert reproduce.run_selfcheck()
+    assert pipeline.run_selfcheck()
     assert "kernel self-check: passed" in capsys.readouterr().out
 
 
@@ -461,12 +462,12 @@ def test_the_gpu_probe_runs_in_a_child(monkeypatch):
     on this CPU machine it finds none and plans the CPU cells."""
     import torch
 
-    from fp4moe import reproduce_runs
+    from fp4moe.reproduce import train_runs
 
-    reproduce_runs.gpu_probe.cache_clear()
-    probe = reproduce_runs.gpu_probe()
+    train_runs.gpu_probe.cache_clear()
+    probe = train_runs.gpu_probe()
     assert probe["count"] == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if not probe["count"]:
         assert probe["name"] is None
-        cells, notes = reproduce_runs.plan()
-        assert cells == reproduce_runs._cpu_plan() and notes == []
+        cells, notes = train_runs.plan()
+        assert cells == train_runs._cpu_plan() and notes == []

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from omegaconf import OmegaConf
 
-from fp4moe import launch
+from fp4moe.launch import dry_run
 from fp4moe.config import ConfigError
 
 
@@ -25,7 +25,7 @@ def t1():
     mp = pytest.MonkeyPatch()
     mp.setenv("FP4MOE_CORPUS", "/nonexistent/corpus.jsonl")
     try:
-        return launch.sbatch_scripts("paper_t1")
+        return dry_run.sbatch_scripts("paper_t1")
     finally:
         mp.undo()
 
@@ -42,7 +42,7 @@ def test_t1_has_nine_cells_precision_by_recompute(t1):
 
 
 def test_t1_sbatch_resources_time_signal(t1):
-    cfg = launch._compose(["experiment=paper_t1"])
+    cfg = dry_run._compose(["experiment=paper_t1"])
     for _, script in t1:
         assert "#SBATCH --nodes=32" in script
         assert "#SBATCH --ntasks-per-node=8" in script
@@ -56,7 +56,7 @@ def test_t1_sbatch_resources_time_signal(t1):
 
 
 def test_t1_sbatch_exports_every_cluster_env_key(t1):
-    env = OmegaConf.to_container(launch._compose(["experiment=paper_t1"]).cluster.env, resolve=True)
+    env = OmegaConf.to_container(dry_run._compose(["experiment=paper_t1"]).cluster.env, resolve=True)
     for _, script in t1:
         setup = script.split("# setup\n")[1].split("# command")[0]
         assert setup.index("NCCL") < script.index("srun ")
@@ -77,46 +77,46 @@ def test_t1_sbatch_runs_the_trainer_with_the_cell_overrides(t1):
 def test_env_reaches_the_script(monkeypatch):
     monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0,mlx5_1")
     monkeypatch.setenv("FP4MOE_SLURM_ACCOUNT", "proj42")
-    (_, script), *_ = launch.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp"])
+    (_, script), *_ = dry_run.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp"])
     assert "export NCCL_IB_HCA=mlx5_0,mlx5_1\n" in script and "#SBATCH --account=proj42" in script
 
 
 def test_requeue_count_reaches_submitit():
-    cfg = launch._compose(["experiment=paper_t1", "hydra/launcher=slurm_h200", "cluster=slurm_h200"])
+    cfg = dry_run._compose(["experiment=paper_t1", "hydra/launcher=slurm_h200", "cluster=slurm_h200"])
     assert cfg.hydra.launcher.max_num_timeout > 0 and cfg.hydra.launcher.nodes == 32
 
 
 def test_broken_parallel_layout_exits_nonzero_with_the_check_message(capsys):
-    assert launch.main(["dry-run", "experiment=paper_t1", "parallel.tensor=3", "--summary"]) == 1
+    assert dry_run.main(["dry-run", "experiment=paper_t1", "parallel.tensor=3", "--summary"]) == 1
     err = capsys.readouterr().err
     assert "ConfigError: parallel.tensor x pipeline x context x data = 3 x 32 x 1 x 8" in err
     with pytest.raises(ConfigError, match="!= parallel.world_size=256"):
-        launch.sbatch_scripts("paper_t1", ["parallel.tensor=3"])
+        dry_run.sbatch_scripts("paper_t1", ["parallel.tensor=3"])
 
 
 def test_unknown_experiment_is_refused(capsys):
-    assert launch.main(["dry-run", "experiment=paper_t9"]) == 2
+    assert dry_run.main(["dry-run", "experiment=paper_t9"]) == 2
     assert "no conf/experiment/paper_t9.yaml" in capsys.readouterr().err
 
 
 def test_dry_run_prints_config_and_script_only_with_scripts(capsys):
     cell = ["experiment=paper_t1", "precision=fp8", "recompute=mla_up_proj"]
-    assert launch.main(["dry-run", *cell]) == 0
+    assert dry_run.main(["dry-run", *cell]) == 0
     out = capsys.readouterr().out
     assert out.count("# ===== cell") == 1 and "num_experts: 256" in out and "#SBATCH" not in out
     assert "--scripts prints each cell's sbatch script" in out
-    assert launch.main(["dry-run", *cell, "--summary", "--scripts"]) == 0
+    assert dry_run.main(["dry-run", *cell, "--summary", "--scripts"]) == 0
     out = capsys.readouterr().out
     assert out.count("#!/bin/bash") == 1 and "#SBATCH --nodes=32" in out and "num_experts" not in out
 
 
 def test_tiny_cpu_with_local_launcher_composes(capsys):
-    cfg = launch._compose(["experiment=tiny_cpu", "hydra/launcher=local"])
+    cfg = dry_run._compose(["experiment=tiny_cpu", "hydra/launcher=local"])
     assert cfg.hydra.launcher._target_.endswith("BasicLauncher")
     assert "partition" not in cfg.hydra.launcher
-    cells, failures = launch.dry_run(["experiment=tiny_cpu", "hydra/launcher=local"])
+    cells, failures = dry_run.dry_run(["experiment=tiny_cpu", "hydra/launcher=local"])
     assert not failures and len(cells) == 3 and all(c.sbatch is None for c in cells)
-    assert launch.main(["dry-run", "experiment=tiny_cpu", "hydra/launcher=local", "--summary"]) == 0
+    assert dry_run.main(["dry-run", "experiment=tiny_cpu", "hydra/launcher=local", "--summary"]) == 0
     assert "not Slurm, no sbatch script" in capsys.readouterr().out
 
 
@@ -153,7 +153,7 @@ def test_t1_on_two_nodes_gets_the_sbatch_lines_of_32_nodes_with_other_counts(t1)
         return tuple(o for o in overrides if o.split("=")[0] in ("precision", "recompute"))
 
     on_32 = {cell(ov): script for ov, script in t1}
-    on_2 = launch.sbatch_scripts("paper_t1", ["precision=mxfp4", *T1_TWO_NODES])
+    on_2 = dry_run.sbatch_scripts("paper_t1", ["precision=mxfp4", *T1_TWO_NODES])
     assert [cell(ov) for ov, _ in on_2] == [("precision=mxfp4", f"recompute={r}")
                                             for r in ("attn_block_ln_experts", "attn_block_ln_mlp", "mla_up_proj")]
     for overrides, script in on_2:
@@ -169,7 +169,7 @@ def test_t1_on_two_nodes_gets_the_sbatch_lines_of_32_nodes_with_other_counts(t1)
     (["cluster.requeue=false"], ["#SBATCH --no-requeue"], ["#SBATCH --requeue"]),
 ], ids=["mem-512", "mem-null", "no-requeue"])
 def test_cluster_memory_and_requeue_reach_sbatch(overrides, present, absent):
-    (_, script), *_ = launch.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp", *overrides])
+    (_, script), *_ = dry_run.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp", *overrides])
     for line in present:
         assert line in script, line
     for text in absent:
@@ -178,11 +178,11 @@ def test_cluster_memory_and_requeue_reach_sbatch(overrides, present, absent):
 
 def test_requeue_must_be_a_bool():
     with pytest.raises(Exception, match="cluster.requeue must be true or false"):
-        launch.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp", "cluster.requeue=maybe"])
+        dry_run.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp", "cluster.requeue=maybe"])
 
 
 def test_local_slurm_profile_has_no_gpus_or_nccl():
-    cells, failures = launch.dry_run(["experiment=tiny_cpu", "cluster=slurm_local", "hydra/launcher=slurm_local"])
+    cells, failures = dry_run.dry_run(["experiment=tiny_cpu", "cluster=slurm_local", "hydra/launcher=slurm_local"])
     assert not failures and len(cells) == 3
     script = cells[0].sbatch
     for line in ("#SBATCH --partition=debug", "#SBATCH --mem=1GB", "#SBATCH --requeue", "#SBATCH --ntasks-per-node=1",
@@ -205,12 +205,12 @@ def test_dry_run_prints_each_cells_predicted_memory(capsys):
     """Per cell: the memory model's most loaded GPU and the mean over the job's GPUs, for the job as submitted (its
     own dispatcher, the measured outside-PyTorch terms), against cluster.gpu_memory_gb."""
     overrides = ["experiment=paper_t1", "precision=mxfp4", "recompute=attn_block_ln_experts"]
-    [cell], _ = launch.dry_run(overrides)
+    [cell], _ = dry_run.dry_run(overrides)
     peak, mean = _model_peak(cell.cfg)
     m = cell.memory
     assert (m.peak_gib, m.mean_gib, m.gpu_gib) == (peak, mean, 79.65) and m.fits == (peak <= 79.65)   # 81559 MiB
     assert m.source.startswith("results/scale/outside_torch_h200.json (")   # the manifest's measurement
-    assert launch.main(["dry-run", *overrides, "--summary"]) == 0
+    assert dry_run.main(["dry-run", *overrides, "--summary"]) == 0
     out = capsys.readouterr().out
     assert "# ----- predicted peak memory (fp4moe.scale.memory; outside PyTorch: " in out
     assert (f"most loaded GPU {peak:.1f} GiB ({100 * peak / 79.65:.1f} % of the GPU's 79.65 GiB)" in out
@@ -221,27 +221,27 @@ def test_strict_refuses_a_cell_predicted_not_to_fit(capsys):
     """fp8 without routed-expert recompute at mla_up_proj is predicted above 80 GB: a warning, and with --strict a
     refusal (exit 3) naming the cell, its prediction and what to change."""
     overrides = ["experiment=paper_t1", "precision=fp8", "recompute=mla_up_proj", "--summary"]
-    [cell], _ = launch.dry_run(overrides[:-1])
+    [cell], _ = dry_run.dry_run(overrides[:-1])
     assert cell.memory.fits is False and cell.memory.peak_gib == _model_peak(cell.cfg)[0] > 79.65
-    assert launch.main(["dry-run", *overrides]) == 0
+    assert dry_run.main(["dry-run", *overrides]) == 0
     captured = capsys.readouterr()
     assert "WARNING: cell precision=fp8 recompute=mla_up_proj" in captured.err
     assert "PREDICTED NOT TO FIT" in captured.out
     assert "1 predicted not to fit the GPU (warned above)" in captured.out
-    assert launch.main(["dry-run", *overrides, "--strict"]) == 3
+    assert dry_run.main(["dry-run", *overrides, "--strict"]) == 3
     err = capsys.readouterr().err
     assert "refused: cell precision=fp8 recompute=mla_up_proj" in err and "Lighten it (recompute" in err
     assert "1 of 1 cells are predicted not to fit; nothing would be submitted (--strict)" in err
-    assert launch.main(["dry-run", "experiment=paper_t1", "precision=mxfp4", "recompute=mla_up_proj", "--summary",
-                        "--strict"]) == 0   # a cell that fits passes --strict
+    assert dry_run.main(["dry-run", "experiment=paper_t1", "precision=mxfp4", "recompute=mla_up_proj", "--summary",
+                         "--strict"]) == 0   # a cell that fits passes --strict
 
 
 def test_cells_without_a_gpu_size_or_a_training_run():
-    cells, _ = launch.dry_run(["experiment=tiny_cpu", "hydra/launcher=local"])
+    cells, _ = dry_run.dry_run(["experiment=tiny_cpu", "hydra/launcher=local"])
     m = cells[0].memory
-    assert isinstance(m, launch.Memory) and m.fits is None and m.gpu_gib is None
+    assert isinstance(m, dry_run.Memory) and m.fits is None and m.gpu_gib is None
     assert m.text(1).endswith("no GPU size to check against (cluster.gpu_memory_gb)")
-    bench, _ = launch.dry_run(["experiment=paper_f3"])
+    bench, _ = dry_run.dry_run(["experiment=paper_f3"])
     assert bench[0].memory == "not predicted: a benchmark job, not a training run"
 
 
@@ -286,7 +286,7 @@ def test_hostile_env_values_are_exported_verbatim_and_run_nothing(monkeypatch, t
         monkeypatch.setenv(var, value)
     account = "proj'$(touch PWNED6)`touch PWNED7`;\"x\""
     monkeypatch.setenv("FP4MOE_SLURM_ACCOUNT", account)
-    (_, script), = launch.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_block_ln_mlp"])
+    (_, script), = dry_run.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_block_ln_mlp"])
     assert f"#SBATCH --account={shlex.quote(account)}\n" in script   # one directive line; bash reads a comment
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     probe = "".join(f'printf "%s\\0" "${{{var}-UNSET}}"; ' for var in HOSTILE)
@@ -302,13 +302,13 @@ def test_a_line_break_in_a_script_value_is_refused_in_one_line(monkeypatch, caps
     """A line break cannot be written into an export line or an #SBATCH directive safely: refused, exit 2, one
     line naming the key."""
     monkeypatch.setenv(var, "ok\ntouch PWNED")
-    assert launch.main(["dry-run", "experiment=paper_t1", "precision=bf16", "recompute=attn_block_ln_mlp"]) == 2
+    assert dry_run.main(["dry-run", "experiment=paper_t1", "precision=bf16", "recompute=attn_block_ln_mlp"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"fp4moe.launch: {key}='ok\\ntouch PWNED' holds a control"), err
 
 
 def test_export_line_refuses_a_key_that_is_not_a_variable_name():
-    from fp4moe.shell import UnsafeValue, export_line
+    from fp4moe.launch.shell import UnsafeValue, export_line
 
     assert export_line("A_1", "x y") == "export A_1='x y'"
     with pytest.raises(UnsafeValue, match=r"env\.A;touch: not a shell variable name"):
@@ -331,7 +331,7 @@ def t1_summary():
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = launch.main(["dry-run", "experiment=paper_t1", "cluster.account=proj7", "--summary"])
+            rc = dry_run.main(["dry-run", "experiment=paper_t1", "cluster.account=proj7", "--summary"])
     finally:
         mp.undo()
     return rc, out.getvalue(), err.getvalue()

@@ -1,11 +1,11 @@
-"""MoE layer benchmark JSON -> MLflow (fp4moe.layer_bench_log): real runs in a local store, idempotent."""
+"""MoE layer benchmark JSON -> MLflow (fp4moe.tracking.layer_bench_log): real runs in a local store, idempotent."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from fp4moe import layer_bench_log as L
+from fp4moe.tracking import layer_bench_log as L
 
 
 def _doc(tmp_path, name="moe_layer_h200_ep2_2026-11-30_abc1234.json"):

@@ -1,5 +1,5 @@
 """``make mlflow-ui`` and ``make notebooks`` (checked with ``make -n -B``: nothing installed or started): they install
-their optional extra into .venv on first use and open the project's MLflow store, the one fp4moe.tracking logs to."""
+their optional extra into .venv on first use and open the project's MLflow store, the one fp4moe.tracking.mlflow_store logs to."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4moe.tracking import tracking_uri
+from fp4moe.tracking.mlflow_store import tracking_uri
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fp4moe import paths, tracking
+from fp4moe import paths
+from fp4moe.tracking import mlflow_store
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = ROOT / "src" / "fp4moe" / "paths.py"
@@ -73,14 +74,14 @@ def test_in_a_checkout(clean_env):
 
 
 def test_fp4moe_home_moves_the_outputs_not_the_code(clean_env, monkeypatch, tmp_path):
-    """FP4MOE_HOME moves the stores and outputs (and the default MLflow store tracking.tracking_uri creates there);
+    """FP4MOE_HOME moves the stores and outputs (and the default MLflow store mlflow_store.tracking_uri creates there);
     conf/ and the committed results the model reads stay the checkout's."""
     monkeypatch.setenv(paths.HOME_VAR, str(tmp_path))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert paths.repo_root() == tmp_path.resolve()
     assert (paths.results_dir(), paths.mlruns_dir(), paths.logs_dir()) == (tmp_path / "results", tmp_path / "mlruns",
                                                                            tmp_path / "logs")
-    assert tracking.tracking_uri() == f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
+    assert mlflow_store.tracking_uri() == f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
     assert (tmp_path / "mlruns").is_dir()
     assert paths.source_root() == ROOT and paths.conf_dir() == ROOT / "conf"
 

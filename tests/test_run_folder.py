@@ -1,4 +1,4 @@
-"""The trainer's run folder (fp4moe.run_folder, conf/train.yaml ``hydra.run.dir``): one folder per config, so that the
+"""The trainer's run folder (fp4moe.runs.folder, conf/train.yaml ``hydra.run.dir``): one folder per config, so that the
 same command finds a stopped run again. Composed through Hydra's compose API, no torch (the runs themselves:
 tests/train/test_cli.py::test_ctrl_c_checkpoints_then_the_same_command_resumes)."""
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from fp4moe import run_folder
+from fp4moe.runs import folder
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 BASE = ["train=short_cpu"]
@@ -35,7 +35,7 @@ def _changed(cfg, key: str, value) -> str:
     cfg = cfg.copy()
     with open_dict(cfg):
         OmegaConf.update(cfg, key, value, force_add=True)
-    return run_folder.name(cfg)
+    return folder.name(cfg)
 
 
 def test_the_folder_is_named_by_the_groups_and_the_configs_hash():
@@ -45,7 +45,7 @@ def test_the_folder_is_named_by_the_groups_and_the_configs_hash():
     with open_dict(task):
         del task["hydra"]
     # the resolver sees the whole config, the trainer the task's: one name
-    assert d.parent == Path("logs/train/runs") and d.name == run_folder.name(task)
+    assert d.parent == Path("logs/train/runs") and d.name == folder.name(task)
     readable, digits = d.name.rsplit("-", 1)
     assert readable == "tiny_cpu-mxfp4-none" and len(digits) == 12 and int(digits, 16) >= 0
     # the task's name is the folder above it, not part of the hash
@@ -66,7 +66,7 @@ def test_one_config_spelled_two_ways_and_overrides_that_do_not_change_the_run_sh
         assert _changed(cfg, key, value) == d.name, key
     monkeypatch.setenv("FP4MOE_CKPT_DIR", "/ckpt")  # read into train.checkpoint_dir, which is not the run's
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere/mlflow.db")
-    assert run_folder.name(cfg) == d.name
+    assert folder.name(cfg) == d.name
 
 
 def test_overrides_that_change_the_run_give_another_folder(monkeypatch):
@@ -79,7 +79,7 @@ def test_overrides_that_change_the_run_give_another_folder(monkeypatch):
                "backend.transformer_impl": "transformer_engine", "kernels.dispatch_quantize": "rows",
                "a_new_key": 1}
     names = {key: _changed(cfg, key, value) for key, value in changed.items()}
-    assert len({run_folder.name(cfg), *names.values()}) == len(names) + 1, names
+    assert len({folder.name(cfg), *names.values()}) == len(names) + 1, names
     # an environment variable the config reads counts by its value
     monkeypatch.setenv("FP4MOE_CORPUS", "/corpus/a.jsonl")
     a = _run_dir("data=user_corpus")
@@ -103,6 +103,6 @@ def test_every_excluded_key_is_in_the_config():
     added on the command line, +fault.sleep_s=...)."""
     cfg = _compose("+fault.sleep_s=1")
     absent = object()
-    assert [k for k in run_folder.EXCLUDED if OmegaConf.select(cfg, k, default=absent) is absent] == []
-    ident = run_folder.identity(cfg)
+    assert [k for k in folder.EXCLUDED if OmegaConf.select(cfg, k, default=absent) is absent] == []
+    ident = folder.identity(cfg)
     assert "hydra" not in ident and "progress_bar" not in ident["train"] and "seed" in ident["train"]

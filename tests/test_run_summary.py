@@ -1,4 +1,4 @@
-"""What a run and a multirun say at the end (fp4moe.run_summary): the trainer's ``done:`` line with rounded figures and
+"""What a run and a multirun say at the end (fp4moe.runs.outcome): the trainer's ``done:`` line with rounded figures and
 the paths of its log, checkpoints and store; a multirun's table of cells, written by the Hydra callback from each
 job's result; and the known-harmless warnings filtered in one place (fp4moe.known_warnings)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from fp4moe import known_warnings
-from fp4moe.run_summary import JOB_RETURN, MultirunSummary, cells_table, done_line
+from fp4moe.runs.outcome import JOB_RETURN, MultirunSummary, cells_table, done_line
 
 # what `python -m fp4moe.train` returns (fp4moe/train/__main__.py), from a CPU run and from a GPU run
 CPU_DONE = {"outcome": "done", "run_id": "4e370f51fc47", "start_step": 0, "step": 3, "total_steps": 3,

@@ -1,4 +1,4 @@
-"""fp4moe.runs_archive: a store's runs written to JSON and loaded into another store give the same params, tags
+"""fp4moe.runs.archive: a store's runs written to JSON and loaded into another store give the same params, tags
 and metric histories; loading twice adds nothing; bad input is a clear error and leaves nothing half-imported."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("mlflow")
 
-from fp4moe import runs_archive  # noqa: E402
+from fp4moe.runs import archive  # noqa: E402
 
 
 def _store_with_runs(tmp_path):
@@ -35,7 +35,7 @@ def _store_with_runs(tmp_path):
 def _runs(uri):
     from fp4moe.report.store import load
 
-    return {r.tags[runs_archive.ARCHIVED_ID] if runs_archive.ARCHIVED_ID in r.tags else r.run_id: r
+    return {r.tags[archive.ARCHIVED_ID] if archive.ARCHIVED_ID in r.tags else r.run_id: r
             for r in load(uri).runs}
 
 
@@ -44,12 +44,12 @@ def test_export_then_import_round_trips_and_is_idempotent(tmp_path):
 
     uri, ids = _store_with_runs(tmp_path)
     out = tmp_path / "results" / "proxy_t1.json"
-    assert runs_archive.export(uri, out, note="H200, commit abc, bash tools/device/h200_p3.sh t1cells") == 2
+    assert archive.export(uri, out, note="H200, commit abc, bash tools/device/h200_p3.sh t1cells") == 2
     doc = json.loads(out.read_text())
-    assert doc["format"] == runs_archive.FORMAT and doc["note"].startswith("H200")
+    assert doc["format"] == archive.FORMAT and doc["note"].startswith("H200")
     target = f"sqlite:///{tmp_path / 'dst.db'}"
-    assert runs_archive.import_files(runs_archive.expand([out.parent]), target, log=lambda s: None) == (2, 0)
-    assert runs_archive.import_files([out], target, log=lambda s: None) == (0, 2)   # nothing twice
+    assert archive.import_files(archive.expand([out.parent]), target, log=lambda s: None) == (2, 0)
+    assert archive.import_files([out], target, log=lambda s: None) == (0, 2)   # nothing twice
     src, dst = _runs(uri), _runs(target)
     assert sorted(dst) == sorted(ids)
     cs, cd = MlflowClient(tracking_uri=uri), MlflowClient(tracking_uri=target)
@@ -58,16 +58,16 @@ def test_export_then_import_round_trips_and_is_idempotent(tmp_path):
         assert (a.experiment, a.name, a.status, a.start_time, a.params, a.metrics) == \
                (b.experiment, b.name, b.status, b.start_time, b.params, b.metrics)
         assert {k: v for k, v in b.tags.items() if not k.startswith("fp4moe.")} == a.tags
-        assert b.tags[runs_archive.ARCHIVE_FILE] == "proxy_t1.json"
+        assert b.tags[archive.ARCHIVE_FILE] == "proxy_t1.json"
         hist = lambda c, r: [(m.step, m.value, m.timestamp) for m in sorted(c.get_metric_history(r, "loss"),  # noqa: E731
                                                                             key=lambda m: m.step)]
         assert hist(cs, rid) == hist(cd, b.run_id) and len(hist(cs, rid)) == 5
     # archived again from the second store, the original id is kept: a third store still de-duplicates by it
     again = tmp_path / "again.json"
-    runs_archive.export(target, again, note="re-archived")
+    archive.export(target, again, note="re-archived")
     third = f"sqlite:///{tmp_path / 'third.db'}"
-    runs_archive.import_files([out], third, log=lambda s: None)
-    assert runs_archive.import_files([again], third, log=lambda s: None) == (0, 2)
+    archive.import_files([out], third, log=lambda s: None)
+    assert archive.import_files([again], third, log=lambda s: None) == (0, 2)
 
 
 def test_bad_input_is_a_clear_error_and_nothing_is_half_imported(tmp_path):
@@ -75,28 +75,28 @@ def test_bad_input_is_a_clear_error_and_nothing_is_half_imported(tmp_path):
     other = tmp_path / "results"
     other.mkdir()
     (other / "kernels.json").write_text(json.dumps({"env": {}}))   # another kind of results file: left alone
-    assert runs_archive.expand([other]) == []
-    with pytest.raises(runs_archive.ArchiveError, match="not a runs archive"):
-        runs_archive.load(other / "kernels.json")
-    with pytest.raises(runs_archive.ArchiveError, match="no such file"):
-        runs_archive.expand([tmp_path / "missing.json"])
-    with pytest.raises(runs_archive.ArchiveError, match="no MLflow store"):
-        runs_archive.export(tmp_path / "nowhere.db", tmp_path / "x.json", note="")
-    with pytest.raises(runs_archive.ArchiveError, match="no runs in experiments"):
-        runs_archive.export(uri, tmp_path / "x.json", note="", experiments=["absent"])
+    assert archive.expand([other]) == []
+    with pytest.raises(archive.ArchiveError, match="not a runs archive"):
+        archive.load(other / "kernels.json")
+    with pytest.raises(archive.ArchiveError, match="no such file"):
+        archive.expand([tmp_path / "missing.json"])
+    with pytest.raises(archive.ArchiveError, match="no MLflow store"):
+        archive.export(tmp_path / "nowhere.db", tmp_path / "x.json", note="")
+    with pytest.raises(archive.ArchiveError, match="no runs in experiments"):
+        archive.export(uri, tmp_path / "x.json", note="", experiments=["absent"])
     assert not (tmp_path / "x.json").exists()
     out = tmp_path / "a.json"
-    runs_archive.export(uri, out, note="")
+    archive.export(uri, out, note="")
     doc = json.loads(out.read_text())
     doc["runs"][1]["metrics"]["loss"][2][1] = "not a number"
     out.write_text(json.dumps(doc))
     target = f"sqlite:///{tmp_path / 'dst.db'}"
     with pytest.raises(ValueError):
-        runs_archive.import_files([out], target, log=lambda s: None)
+        archive.import_files([out], target, log=lambda s: None)
     from fp4moe.report.store import load
 
-    assert [r.tags[runs_archive.ARCHIVED_ID] for r in load(target).runs] == [doc["runs"][0]["run_id"]]
-    assert runs_archive.main(["import", str(other / "kernels.json"), "--uri", target]) == 2
+    assert [r.tags[archive.ARCHIVED_ID] for r in load(target).runs] == [doc["runs"][0]["run_id"]]
+    assert archive.main(["import", str(other / "kernels.json"), "--uri", target]) == 2
 
 
 def test_several_stores_go_into_one_archive(tmp_path):
@@ -105,38 +105,38 @@ def test_several_stores_go_into_one_archive(tmp_path):
     uri_a, ids_a = _store_with_runs(tmp_path / "a")
     uri_b, ids_b = _store_with_runs(tmp_path / "b")
     out = tmp_path / "seed.json"
-    assert runs_archive.main(["export", uri_a, str(tmp_path / "b" / "src.db"), str(out), "--note", "one seed"]) == 0
+    assert archive.main(["export", uri_a, str(tmp_path / "b" / "src.db"), str(out), "--note", "one seed"]) == 0
     doc = json.loads(out.read_text())
     assert sorted(r["run_id"] for r in doc["runs"]) == sorted(ids_a + ids_b)
     target = f"sqlite:///{tmp_path / 'dst.db'}"
-    assert runs_archive.import_files([out], target, log=lambda s: None) == (4, 0)
+    assert archive.import_files([out], target, log=lambda s: None) == (4, 0)
     # one store of the list missing: an error, and no archive
-    with pytest.raises(runs_archive.ArchiveError, match="no MLflow store"):
-        runs_archive.export([uri_a, tmp_path / "nowhere.db"], tmp_path / "x.json", note="")
+    with pytest.raises(archive.ArchiveError, match="no MLflow store"):
+        archive.export([uri_a, tmp_path / "nowhere.db"], tmp_path / "x.json", note="")
     assert not (tmp_path / "x.json").exists()
 
 
 def test_withdrawn_metrics_stay_in_the_file_and_are_not_imported(tmp_path, capsys):
     uri, ids = _store_with_runs(tmp_path)
     out = tmp_path / "f5.json"
-    runs_archive.export(uri, out, note="H200")
+    archive.export(uri, out, note="H200")
     before = json.loads(out.read_text())["runs"]
-    assert runs_archive.main(["withdraw", str(out), "--metric", "summary/tgs_median",
-                              "--reason", "leak inflated it"]) == 0
+    assert archive.main(["withdraw", str(out), "--metric", "summary/tgs_median",
+                         "--reason", "leak inflated it"]) == 0
     assert "withdrawn in 2 runs" in capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["runs"] == before  # the measured values are kept as they were
     assert doc["withdrawn_metrics"] == [{"keys": ["summary/tgs_median"], "reason": "leak inflated it"}]
     target = f"sqlite:///{tmp_path / 'dst.db'}"
-    runs_archive.import_files([out], target, log=lambda s: None)
+    archive.import_files([out], target, log=lambda s: None)
     for r in _runs(target).values():
         assert "summary/tgs_median" not in r.metrics and "loss" in r.metrics
-        assert r.tags[runs_archive.WITHDRAWN] == "summary/tgs_median: leak inflated it"
+        assert r.tags[archive.WITHDRAWN] == "summary/tgs_median: leak inflated it"
     # a metric no run has (a typo) and an empty reason are errors; the file is unchanged by them
-    assert runs_archive.main(["withdraw", str(out), "--metric", "summary/peak_mem_gb", "--reason", "x"]) == 2
+    assert archive.main(["withdraw", str(out), "--metric", "summary/peak_mem_gb", "--reason", "x"]) == 2
     assert "no run has metric(s) ['summary/peak_mem_gb']" in capsys.readouterr().err
-    with pytest.raises(runs_archive.ArchiveError, match="--reason"):
-        runs_archive.withdraw(out, ["loss"], "  ")
+    with pytest.raises(archive.ArchiveError, match="--reason"):
+        archive.withdraw(out, ["loss"], "  ")
     assert json.loads(out.read_text()) == doc
 
 
@@ -144,26 +144,26 @@ def test_xz_archive_is_the_same_archive_compressed(tmp_path):
     uri, ids = _store_with_runs(tmp_path)
     folder = tmp_path / "results"
     plain, packed = folder / "a.json", folder / "b.json.xz"
-    runs_archive.export(uri, plain, note="H200")
-    runs_archive.export(uri, packed, note="H200")
+    archive.export(uri, plain, note="H200")
+    archive.export(uri, packed, note="H200")
     assert packed.read_bytes()[:6] == b"\xfd7zXZ\x00"
     strip = lambda d: {k: v for k, v in d.items() if k != "exported_utc"}  # noqa: E731
-    assert strip(runs_archive.load(packed)) == strip(runs_archive.load(plain))
-    assert runs_archive.expand([folder]) == [plain, packed] and runs_archive.expand([packed]) == [packed]
+    assert strip(archive.load(packed)) == strip(archive.load(plain))
+    assert archive.expand([folder]) == [plain, packed] and archive.expand([packed]) == [packed]
     target = f"sqlite:///{tmp_path / 'dst.db'}"
-    assert runs_archive.import_files([packed], target, log=lambda s: None) == (2, 0)
-    assert runs_archive.import_files([plain], target, log=lambda s: None) == (0, 2)  # the same runs
-    assert runs_archive.main(["withdraw", str(packed), "--metric", "loss", "--reason", "r"]) == 0
-    assert runs_archive.withdrawn(runs_archive.load(packed)) == {"loss": "r"}
-    with pytest.raises(runs_archive.ArchiveError, match=r"\.json\.xz"):
-        runs_archive.export(uri, tmp_path / "c.xz", note="")
+    assert archive.import_files([packed], target, log=lambda s: None) == (2, 0)
+    assert archive.import_files([plain], target, log=lambda s: None) == (0, 2)  # the same runs
+    assert archive.main(["withdraw", str(packed), "--metric", "loss", "--reason", "r"]) == 0
+    assert archive.withdrawn(archive.load(packed)) == {"loss": "r"}
+    with pytest.raises(archive.ArchiveError, match=r"\.json\.xz"):
+        archive.export(uri, tmp_path / "c.xz", note="")
     assert not (tmp_path / "c.xz").exists()
     (folder / "broken.json.xz").write_bytes(packed.read_bytes()[:100])
-    with pytest.raises(runs_archive.ArchiveError, match="cannot read"):
-        runs_archive.load(folder / "broken.json.xz")
+    with pytest.raises(archive.ArchiveError, match="cannot read"):
+        archive.load(folder / "broken.json.xz")
     # a damaged archive in a folder is not skipped: importing the folder names it
-    assert runs_archive.expand([folder]) == [plain, packed, folder / "broken.json.xz"]
-    assert runs_archive.main(["import", str(folder), "--uri", target]) == 2
+    assert archive.expand([folder]) == [plain, packed, folder / "broken.json.xz"]
+    assert archive.main(["import", str(folder), "--uri", target]) == 2
 
 
 def test_export_names_the_checkout_portably_and_the_store_keeps_its_paths(tmp_path, monkeypatch):
@@ -185,10 +185,10 @@ def test_export_names_the_checkout_portably_and_the_store_keeps_its_paths(tmp_pa
                 tags=[RunTag("recipe", "mxfp4"), RunTag("env.FP4MOE_CKPT_DIR", f"{repo}/checkpoints")],
                 metrics=[Metric("loss", 2.5, 5_000, 1)])
     out = repo / "results" / "f5.json.xz"
-    runs_archive.export(uri, out, note=f"H200; python -m fp4moe.runs_archive export {repo}/logs/device/mlflow.db")
-    doc = runs_archive.load(out)
+    archive.export(uri, out, note=f"H200; python -m fp4moe.runs.archive export {repo}/logs/device/mlflow.db")
+    doc = archive.load(out)
     run = doc["runs"][0]
-    assert doc["note"] == "H200; python -m fp4moe.runs_archive export <repo>/logs/device/mlflow.db"
+    assert doc["note"] == "H200; python -m fp4moe.runs.archive export <repo>/logs/device/mlflow.db"
     assert run["params"] == {"data.dataset_prefix": "<repo>/data/code_docs/hf-f525a8e40ed2/train",
                              "data.name": "code_docs", "tracking.uri": "sqlite:///<repo>/logs/device/mlflow.db"}
     assert run["tags"]["env.FP4MOE_CKPT_DIR"] == "<repo>/checkpoints" and run["tags"]["recipe"] == "mxfp4"

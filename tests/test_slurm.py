@@ -311,7 +311,7 @@ class PreemptedJob:
     2 nodes x 1 task (PREEMPT_COMMON, DP2 x EP2), stopped three ways, one per attempt:
 
     - attempt 0: its time limit, 2 minutes (USR2 80 s before it, which Slurm sends 10-40 s after the start, mostly
-      during the set-up, where ``fp4moe.slurm.catch_early`` keeps it: the trainer checkpoints after a step and runs
+      during the set-up, where ``fp4moe.launch.slurm.catch_early`` keeps it: the trainer checkpoints after a step and runs
       ``scontrol requeue`` itself, well before the limit); the limit is raised to PREEMPT_LIMIT_MIN while the job
       waits to start again;
     - attempt 1: ``scontrol requeue`` from here after its first checkpoint (Slurm sends SIGTERM: the trainer finishes
@@ -604,29 +604,29 @@ def test_two_tasks_of_one_job_train_as_ep2_x_dp2(store, time_limit_run, sbatch_r
 
 def test_reproduce_runs_its_cells_as_slurm_jobs_then_reuses_them(store, time_limit_run, sbatch_run, tmp_path,
                                                                    monkeypatch):
-    """``make reproduce-table SLURM=slurm_local`` (fp4moe.reproduce_runs --slurm): the profile has no GPU, so the CPU
+    """``make reproduce-table SLURM=slurm_local`` (fp4moe.reproduce.train_runs --slurm): the profile has no GPU, so the CPU
     plan's cells, each submitted at once as a one-cell multirun of the Hydra Slurm launcher; the jobs log into the
     shared store; a second call finds them there and submits nothing."""
-    from fp4moe import reproduce_runs
+    from fp4moe.reproduce import train_runs
 
     root, uri = store
-    cells, notes = reproduce_runs.slurm_plan("slurm_local")
+    cells, notes = train_runs.slurm_plan("slurm_local")
     assert notes == [] and len(cells) == 12 and all(c.overrides[0] == "-m" for c in cells)
     assert all("hydra/launcher=slurm_local" in c.overrides and "cluster=slurm_local" in c.overrides for c in cells)
     short = ("train.steps=2", "train.eval_interval=2")   # two of them, shortened
-    picked = [reproduce_runs.Cell(c.label, c.experiment, c.overrides + short) for c in cells
+    picked = [train_runs.Cell(c.label, c.experiment, c.overrides + short) for c in cells
               if c.label in ("T1 tiny mxfp4 attn_ln_mlp", "F5 tiny fp8")]
     for k, v in _env(uri, root).items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("FP4MOE_CKPT_DIR", str(tmp_path / "ckpt"))
-    ran, reused, failures = reproduce_runs.run(picked, uri, log_dir=tmp_path / "logs", log=lambda s: None,
-                                               at_once=True)
+    ran, reused, failures = train_runs.run(picked, uri, log_dir=tmp_path / "logs", log=lambda s: None,
+                                           at_once=True)
     assert (ran, reused, failures) == (2, 0, []), [p.read_text()[-2000:] for p in (tmp_path / "logs").iterdir()]
     for exp in ("reproduce_tiny_t1", "reproduce_tiny_f5"):
         runs = _runs(uri, exp)
-        mine = runs[runs[f"tags.{reproduce_runs.KEY_TAG}"].isin([c.key for c in picked])]
+        mine = runs[runs[f"tags.{train_runs.KEY_TAG}"].isin([c.key for c in picked])]
         assert len(mine) == 1 and set(mine["status"]) == {"FINISHED"} and mine["tags.slurm_job_id"].notna().all()
-    assert reproduce_runs.run(picked, uri, log_dir=tmp_path / "logs", log=lambda s: None, at_once=True) == (0, 2, [])
+    assert train_runs.run(picked, uri, log_dir=tmp_path / "logs", log=lambda s: None, at_once=True) == (0, 2, [])
 
 
 def test_failed_job_is_failed_in_sacct_and_in_the_launcher(store, time_limit_run, sbatch_run):
@@ -637,9 +637,9 @@ def test_failed_job_is_failed_in_sacct_and_in_the_launcher(store, time_limit_run
     finally:
         launch.stop()
     assert rc == 1, out[-4000:]
-    assert "FailedJobError" in out and "RuntimeError: fp4moe.slurm.inject_faults: fault.fail_at_step=1" in out
+    assert "FailedJobError" in out and "RuntimeError: fp4moe.launch.slurm.inject_faults: fault.fail_at_step=1" in out
     (job_id,) = launch.job_ids()
-    assert _sacct(job_id) == ["FAILED"]  # not COMPLETED, which Slurm reports without fp4moe.slurm.SlurmCallback
+    assert _sacct(job_id) == ["FAILED"]  # not COMPLETED, which Slurm reports without fp4moe.launch.slurm.SlurmCallback
     (outcome, _), = launch.results()
     assert outcome == "error"
     runs = _runs(uri, "slurm_fail")
@@ -723,7 +723,7 @@ def test_plain_sbatch_template_requeues_at_the_time_limit_and_resumes(store, sba
 
     history = mlflow.MlflowClient(uri).get_metric_history(run["run_id"], "loss")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
-    # the run folder is the config's (fp4moe.run_folder), so every attempt used one checkpoint folder
+    # the run folder is the config's (fp4moe.runs.folder), so every attempt used one checkpoint folder
     (ckpt,) = folder.glob("logs/*/runs/*/checkpoints")
     meta = json.loads((ckpt / f"step_{STEPS:07d}" / "meta.json").read_text())
     assert meta["mlflow_run_id"] == run["run_id"] and meta["step"] == STEPS

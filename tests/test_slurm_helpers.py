@@ -1,11 +1,11 @@
-"""fp4moe.slurm without Slurm: the preemption/stop flag (a real signal to this process), the test faults and the
+"""fp4moe.launch.slurm without Slurm: the preemption/stop flag (a real signal to this process), the test faults and the
 Hydra callback. The same pieces in the trainer on a real Slurm: tests/test_slurm.py."""
 import os
 import signal
 
 import pytest
 
-from fp4moe import slurm
+from fp4moe.launch import slurm
 
 
 @pytest.fixture(autouse=True)

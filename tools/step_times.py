@@ -30,7 +30,7 @@ ENV_LEFT_OUT = ("env.FP4MOE_CKPT_DIR", "env.FP4MOE_TOKENIZER", "env.CUDA_VISIBLE
 
 def read_runs(sources: list[str]) -> list[dict]:
     """Every run of the archives / stores in ``sources``, sorted by start time."""
-    from fp4moe.runs_archive import SUFFIXES, export, load
+    from fp4moe.runs.archive import SUFFIXES, export, load
 
     runs = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -302,14 +302,14 @@ def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, lo
 def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) -> list[dict]:
     """Time each kernel (all, or ``kernels``) under several (tile, warps) configs; one record per config.
     Leaves the launcher's TILES unchanged (see ``adopt_best``)."""
-    from .triton_kernels import launch
+    from .triton_kernels import launchers
 
     x = torch.randn(shape.m, shape.k, device="cuda", dtype=torch.bfloat16)
     a = ops.bf16_to_fp4_row(x)
     f = ops.bf16_to_fp8_row(x, shape.counts)
     fns = _ours(shape, x, a, f)
     out = []
-    saved = dict(launch.TILES)
+    saved = dict(launchers.TILES)
     try:
         for kernel, fn in fns.items():
             if kernels and kernel not in kernels:
@@ -321,7 +321,7 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) ->
             else:  # R = 128-element groups per program
                 configs = [(16, 0, 2), (16, 0, 4), (32, 0, 2), (32, 0, 4), (32, 0, 8), (64, 0, 4), (64, 0, 8)]
             for t in configs:
-                launch.TILES[kernel] = t
+                launchers.TILES[kernel] = t
                 try:
                     ms = do_bench(fn, warmup_ms, rep_ms)
                 except Exception as e:  # noqa: BLE001 - a config may exceed resources; record and go on
@@ -330,22 +330,22 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) ->
                 gbps = min_bytes(kernel, shape.m, shape.k, shape.seg) / (ms * 1e-3) / 1e9
                 out.append(dict(kernel=kernel, tile=list(t), ms=ms, gbps=gbps))
                 log(f"  sweep {kernel:>24} tile {t}: {ms * 1e3:8.1f} us {gbps:6.0f} GB/s")
-            launch.TILES[kernel] = saved[kernel]
+            launchers.TILES[kernel] = saved[kernel]
     finally:
-        launch.TILES.update(saved)
+        launchers.TILES.update(saved)
     return out
 
 
 def adopt_best(sweep_rows: list[dict]) -> dict:
     """Set the launcher's TILES to the fastest swept config of each kernel; return what was set."""
-    from .triton_kernels import launch
+    from .triton_kernels import launchers
 
     best = {}
     for r in sweep_rows:
         if r.get("ms") is not None and (r["kernel"] not in best or r["ms"] < best[r["kernel"]]["ms"]):
             best[r["kernel"]] = r
     for kernel, r in best.items():
-        launch.TILES[kernel] = tuple(r["tile"])
+        launchers.TILES[kernel] = tuple(r["tile"])
     return {k: list(v["tile"]) for k, v in best.items()}
 
 
@@ -354,10 +354,10 @@ def adopt_best(sweep_rows: list[dict]) -> dict:
 
 def environment(command: str, commit: str | None) -> dict:
     """What a benchmark result records about its run: date, commit, GPU, versions and ``command`` (in this
-    repository its machine's folders written portably: fp4moe.tracking.portable, e.g. ``--out
+    repository its machine's folders written portably: fp4moe.tracking.mlflow_store.portable, e.g. ``--out
     <repo>/results/kernels``; the kernels package used on its own, without fp4moe, records it as given)."""
     try:
-        from fp4moe.tracking import portable
+        from fp4moe.tracking.mlflow_store import portable
     except ImportError:  # fp4moe_kernels stands alone: fp4moe sits above it
         def portable(text: str) -> str:
             return text
@@ -487,9 +487,9 @@ def main(argv=None) -> int:
         sweep_rows = sweep(shapes[1], args.warmup_ms, args.rep_ms,
                            kernels=[k for k in args.sweep_kernels.split(",") if k] or None)
         env["tiles_adopted"] = adopt_best(sweep_rows)
-    from .triton_kernels import launch
+    from .triton_kernels import launchers
 
-    env["tiles"] = {k: list(v) for k, v in launch.TILES.items()}
+    env["tiles"] = {k: list(v) for k, v in launchers.TILES.items()}
     baseline = None
     if args.baseline:
         path, _, label = args.baseline.partition(":")

@@ -38,9 +38,9 @@ def _use_gpu(t: torch.Tensor) -> bool:
 
 
 def _kernels():
-    from .triton_kernels import launch  # imported lazily: triton is only needed for CUDA tensors
+    from .triton_kernels import launchers  # imported lazily: triton is only needed for CUDA tensors
 
-    return launch
+    return launchers
 
 
 def _check_rule(rule: str) -> None:

@@ -140,9 +140,9 @@ def _impl(kind: str):
         from . import ops
 
         return ops
-    from .triton_kernels import launch
+    from .triton_kernels import launchers
 
-    return launch
+    return launchers
 
 
 def run_case(case: Case, device, impl: str = "ops", inputs: dict | None = None) -> list[str]:

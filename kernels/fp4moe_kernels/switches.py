@@ -17,7 +17,7 @@ fused_swiglu_fp4   FP4MOE_FUSED_SWIGLU_FP4    1 (the SwiGLU writes its input's M
 grouped_gemm       FP4MOE_GROUPED_GEMM        triton (one grouped launch per expert GEMM on CUDA), loop (one GEMM
                                               per expert)
 tiles              FP4MOE_TILES               '' (the swept defaults), or JSON / the path of a JSON file: conversion
-                                              kernels' tiles (``triton_kernels.launch.tiles_from_env``)
+                                              kernels' tiles (``triton_kernels.launchers.tiles_from_env``)
 gemm_tiles         FP4MOE_GEMM_TILES          '' (the swept defaults), or JSON: the grouped GEMMs' tiles
 =================  =========================  ======================================================================
 

@@ -8,15 +8,16 @@ Packages, lowest first (each imports only those below it; docs/layout.md, "Layer
   FP4 saved-tensor storage).
 - ``fp4moe.moe``: the recipe-aware MoE layer (bf16 / fp8 / mxfp4).
 - ``fp4moe.model``: megatron-core model build for the DeepSeek-V3-like models.
-- ``fp4moe.train``: the Hydra training app; ``fp4moe.launch``: the Slurm dry run; ``fp4moe.slurm``:
-  checkpoint on Slurm's signal, requeue, resume;
-  ``fp4moe.scale``: the paper-scale model (memory, all-to-all, time per token, given rates); ``fp4moe.analysis``:
+- ``fp4moe.train``: the Hydra training app (``python -m fp4moe.train``).
+- ``fp4moe.launch``: jobs on Slurm: the dry run (``python -m fp4moe.launch dry-run``), sbatch-safe values, the
+  running job's signals (checkpoint, requeue, resume), the benchmark experiments as jobs.
+- ``fp4moe.scale``: the paper-scale model (memory, all-to-all, time per token, given rates); ``fp4moe.analysis``:
   that model against our runs and the paper (the result files of results/manifest.yaml); ``fp4moe.report``:
   MLflow -> results/.
-- Leaves: ``fp4moe.paths`` (the one place that finds the repository's folders), ``fp4moe.tracking`` (MLflow
-  helpers) and ``fp4moe.reproduce`` (``make reproduce-table``).
-
-Only the leaves exist so far; the others arrive with their issues.
+- ``fp4moe.runs``: a run's folder, its final summary, runs archives; ``fp4moe.tracking``: the MLflow store and the
+  benchmark loggers; ``fp4moe.reproduce``: ``make reproduce-table``.
+- Leaves: ``fp4moe.paths`` (the one place that finds the repository's folders), ``fp4moe.paper``, ``fp4moe.recipe``,
+  ``fp4moe.config``, ``fp4moe.resolvers``, ``fp4moe.known_warnings``, ``fp4moe.atomic_write``.
 """
 
 __version__ = "0.1.0"

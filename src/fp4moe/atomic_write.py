@@ -1,5 +1,5 @@
 """Atomic file writes: a reader sees the old file or the new one, never a half-written one, and a failed write
-leaves nothing behind. Used by the report (fp4moe.report.render) and the runs archives (fp4moe.runs_archive).
+leaves nothing behind. Used by the report (fp4moe.report.render) and the runs archives (fp4moe.runs.archive).
 Also where a folder can be created (``writable_ancestor``: the MLflow store's and the checkpoints' preflight)."""
 from __future__ import annotations
 

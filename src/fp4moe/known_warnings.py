@@ -63,8 +63,8 @@ KNOWN: tuple[Known, ...] = (
           "one line naming the store and where the metrics it could not take are kept"),
     Known("log", "urllib3.connectionpool", re.escape("Retrying (Retry("),
           "WARNING of urllib3 at each retry of an HTTP request whose connection broke (mlflow's client to a tracking "
-          "server that went away: one line a retry, fp4moe.tracking.HTTP_WRITE_LIMITS bounds them); the tracker "
-          "reports the failed write in one line once the retries are spent, the last error included"),
+          "server that went away: one line a retry, fp4moe.tracking.mlflow_store.HTTP_WRITE_LIMITS bounds them); "
+          "the tracker reports the failed write in one line once the retries are spent, the last error included"),
 )
 
 

@@ -13,8 +13,8 @@ Every folder the code finds by itself comes from here; the environment variables
 - :func:`committed_results_dir`: ``<source_root>/results``, the results committed with the code (the manifest and
   the files the analysis reads), whatever ``$FP4MOE_HOME`` says.
 - :func:`mlruns_dir`: the default MLflow store, ``<repo_root>/mlruns`` (``mlflow.db`` and ``artifacts/`` in it);
-  ``$MLFLOW_TRACKING_URI`` chooses another store (fp4moe.tracking.tracking_uri).
-- :func:`logs_dir`: ``<repo_root>/logs``, the logs of ``python -m fp4moe.reproduce_runs``.
+  ``$MLFLOW_TRACKING_URI`` chooses another store (fp4moe.tracking.mlflow_store.tracking_uri).
+- :func:`logs_dir`: ``<repo_root>/logs``, the logs of ``python -m fp4moe.reproduce.train_runs``.
 - :func:`package_parent`: the folder the ``fp4moe`` package is imported from (``src/`` in a checkout), put on a
   child process's ``PYTHONPATH`` so that it runs this same code.
 

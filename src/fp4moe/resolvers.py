@@ -7,10 +7,10 @@
 12-digit hash of the whole (a multirun cell's ``override_dirname`` grows past the file-name limit of 255 bytes).
 
 ``${fp4moe.run_name:}``: the trainer's run folder name, ``<model>-<precision>-<recompute>-<hash of the config>``
-(fp4moe.run_folder: the same config gives the same folder, so the same command resumes a stopped run).
+(fp4moe.runs.folder: the same config gives the same folder, so the same command resumes a stopped run).
 
 ``${fp4moe.export_lines:${cluster.env}}`` and ``${fp4moe.sbatch_value:<value>}``: a launcher profile's ``export``
-lines, shell-quoted, and its ``#SBATCH`` values, refused when they hold a line break (fp4moe.shell).
+lines, shell-quoted, and its ``#SBATCH`` values, refused when they hold a line break (fp4moe.launch.shell).
 """
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ def register() -> None:
     if not OmegaConf.has_resolver("fp4moe.dirname"):
         OmegaConf.register_new_resolver("fp4moe.dirname", dirname)
     if not OmegaConf.has_resolver("fp4moe.run_name"):
-        from fp4moe import run_folder
+        from fp4moe.runs import folder
 
-        OmegaConf.register_new_resolver("fp4moe.run_name", run_folder.resolver)
-    from fp4moe import shell
+        OmegaConf.register_new_resolver("fp4moe.run_name", folder.resolver)
+    from fp4moe.launch import shell
 
     if not OmegaConf.has_resolver("fp4moe.export_lines"):
         OmegaConf.register_new_resolver("fp4moe.export_lines", shell.export_lines)

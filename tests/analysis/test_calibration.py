@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from fp4moe.analysis import calibration as cal
 from fp4moe.analysis import manifest
-from fp4moe.runs_archive import load, withdrawn
+from fp4moe.runs.archive import load, withdrawn
 from fp4moe.scale import memory
 from fp4moe.scale.memory import GB, compose_cfg, per_gpu_memory
 
@@ -321,7 +321,7 @@ def test_check_reads_archives_and_mlflow_stores_alike(tmp_path):
     """--check: the same rows from an archive and from an MLflow store holding its runs (what the next H200 session
     runs before archiving); with the archive's own code the rows are the calibration table's."""
     pytest.importorskip("mlflow")
-    from fp4moe.runs_archive import import_files
+    from fp4moe.runs.archive import import_files
 
     old = _old_nccl()
     import_files([old.path], uri=f"sqlite:///{tmp_path / 'mlflow.db'}", log=lambda *a: None)

@@ -12,7 +12,7 @@ import pytest
 
 from fp4moe.analysis import manifest
 from fp4moe.paths import source_root
-from fp4moe.runs_archive import expand, load
+from fp4moe.runs.archive import expand, load
 
 ROOT = source_root()
 COMMIT = re.compile(r"^[0-9a-f]{7}$")

@@ -10,7 +10,7 @@ import pytest
 
 from fp4moe.analysis import manifest
 from fp4moe.analysis import throughput as T
-from fp4moe.runs_archive import load
+from fp4moe.runs.archive import load
 from fp4moe.scale.throughput import BLOCK_OF, SCOPES, time_per_token
 
 

@@ -50,7 +50,7 @@ def test_ops_switch_picks_the_kernel_with_the_same_bits_as_triton(monkeypatch, m
     """ops.fp4_row_to_fp8_col (the trainer's call) runs the CUDA kernel by default and with FP4MOE_CUDA_COL=1, the
     Triton kernel with 0 (a spy counts the CUDA calls); either way the output is the Triton kernel's, bit for bit."""
     from fp4moe_kernels import ops
-    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels import launchers
 
     x = selfcheck.make_input(4096, 2048, 7, "cuda", spread=4, special=False)
     a = ops.bf16_to_fp4_row(x)
@@ -64,4 +64,4 @@ def test_ops_switch_picks_the_kernel_with_the_same_bits_as_triton(monkeypatch, m
         monkeypatch.setenv(ops.CUDA_COL_ENV, mode)
     got = ops.fp4_row_to_fp8_col(a, counts)
     assert len(calls) == int(runs_cuda)
-    assert not selfcheck.compare(got, launch.fp4_row_to_fp8_col(a, Segments.of(counts, 4096)))
+    assert not selfcheck.compare(got, launchers.fp4_row_to_fp8_col(a, Segments.of(counts, 4096)))

@@ -14,7 +14,7 @@ import torch
 from fp4moe.ops.fp8_gemm import fp8_mm
 from fp4moe.ops.grouped_experts import quantize_experts_128x128
 from fp4moe_kernels import ops as kops
-from fp4moe_kernels.triton_kernels import launch
+from fp4moe_kernels.triton_kernels import launchers
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -60,14 +60,14 @@ COUNTS = [37, 0, 150, 13, 63]
 @pytest.mark.parametrize("kind", ["fprop", "dgrad"])
 def test_grouped_rows_interpreted(kind):
     a, wd, ws = rows_case(COUNTS, 256, 384, kind, "cpu")
-    got = launch.grouped_fp8_rows(a, wd, ws, out_dtype=torch.float32)
+    got = launchers.grouped_fp8_rows(a, wd, ws, out_dtype=torch.float32)
     assert rel(got, loop_rows(a, wd, ws, COUNTS, kind, torch.float32)) < 1e-5
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
 def test_grouped_wgrad_interpreted():
     a, b = cols_case(COUNTS, 256, 384, "cpu")
-    got = launch.grouped_fp8_wgrad(a, b, out_dtype=torch.float32)
+    got = launchers.grouped_fp8_wgrad(a, b, out_dtype=torch.float32)
     assert not got[1].any()  # the expert without tokens
     assert rel(got, loop_wgrad(a, b, COUNTS, torch.float32)) < 1e-5
 
@@ -80,7 +80,7 @@ def test_grouped_rows_gpu(kind, kc, n):
     counts = torch.multinomial(torch.ones(32), 8192, replacement=True, generator=g).bincount(minlength=32).tolist()
     counts[5] = 0
     a, wd, ws = rows_case(counts, kc, n, kind, "cuda")
-    got = launch.grouped_fp8_rows(a, wd, ws)
+    got = launchers.grouped_fp8_rows(a, wd, ws)
     assert rel(got, loop_rows(a, wd, ws, counts, kind, torch.bfloat16)) < 1e-3
 
 
@@ -91,7 +91,7 @@ def test_grouped_wgrad_gpu():
     counts = torch.multinomial(torch.ones(32), 8192, replacement=True, generator=g).bincount(minlength=32).tolist()
     counts[7] = 0
     a, b = cols_case(counts, 4096, 7168, "cuda")
-    got = launch.grouped_fp8_wgrad(a, b)
+    got = launchers.grouped_fp8_wgrad(a, b)
     assert not got[7].any()
     assert rel(got, loop_wgrad(a, b, counts, torch.bfloat16)) < 1e-3
 
@@ -99,8 +99,8 @@ def test_grouped_wgrad_gpu():
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
 def test_grouped_rows_other_tiles_interpreted(monkeypatch):
     """BN = 256 (two weight scale blocks per tile, a partial last N tile at N = 384) and BM = 64."""
-    monkeypatch.setitem(launch.GEMM_TILES, "rows", (64, 256, 2, 4, 2))
-    launch._row_tiles.cache_clear()
+    monkeypatch.setitem(launchers.GEMM_TILES, "rows", (64, 256, 2, 4, 2))
+    launchers._row_tiles.cache_clear()
     a, wd, ws = rows_case(COUNTS, 256, 384, "fprop", "cpu", seed=7)
-    got = launch.grouped_fp8_rows(a, wd, ws, out_dtype=torch.float32)
+    got = launchers.grouped_fp8_rows(a, wd, ws, out_dtype=torch.float32)
     assert rel(got, loop_rows(a, wd, ws, COUNTS, "fprop", torch.float32)) < 1e-5

@@ -77,18 +77,18 @@ def test_e2m1_encoder_on_every_bf16_magnitude_near_a_dozen_scales(device, rule):
     scale rules, through the three kernels that encode."""
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import FP8RowTensor, Segments
-    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels import launchers
 
     x = selfcheck.every_bf16_near_scales().to(device)
-    assert not selfcheck.compare(launch.bf16_to_fp4_row(x, rule), ref.bf16_to_fp4_row(x.cpu(), rule))
+    assert not selfcheck.compare(launchers.bf16_to_fp4_row(x, rule), ref.bf16_to_fp4_row(x.cpu(), rule))
     if rule == "ceil":  # the fused kernel and FP8 row -> MXFP4 use the default rule
         x128 = x[: x.shape[0] // 4 * 4].reshape(-1, 128)
         seg = Segments.of(None, x128.shape[0])
-        got = launch.bf16_to_fp4_and_fp8_row(x128, seg)
+        got = launchers.bf16_to_fp4_and_fp8_row(x128, seg)
         assert not selfcheck.compare(got, ref.bf16_to_fp4_and_fp8_row(x128.cpu(), None))
         f = ref.bf16_to_fp8_row(x128.cpu(), None)
         f_dev = FP8RowTensor(f.data.to(device), f.scales.to(device), f.segments)
-        assert not selfcheck.compare(launch.fp8_row_to_fp4(f_dev), ref.fp8_row_to_fp4(f))
+        assert not selfcheck.compare(launchers.fp8_row_to_fp4(f_dev), ref.fp8_row_to_fp4(f))
 
 
 @pytest.mark.parametrize("device", _codec_devices())
@@ -104,7 +104,7 @@ def test_fp8_row_to_fp4_at_the_ends_of_the_exponent_range(device, e4m3, scale_ex
     elements saturated at 6 where the value passes 6 * 2**127, and both sides of the kernel's 2**64 switch."""
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import FP8RowTensor, Segments
-    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels import launchers
 
     if e4m3 is None:
         bits = torch.zeros(1, 128, dtype=torch.int16)
@@ -117,7 +117,7 @@ def test_fp8_row_to_fp4_at_the_ends_of_the_exponent_range(device, e4m3, scale_ex
         data[0, 0], data[0, 40], data[0, 70], data[0, 100] = e4m3, 0x38, 0x01, 0x85  # 448..., 1.0, 2**-9, -5 * 2**-9
         f = FP8RowTensor(data.view(torch.float8_e4m3fn), torch.tensor([2.0 ** scale_exp]), Segments.of(None, 1))
         want = ref.fp8_row_to_fp4(f)
-    got = launch.fp8_row_to_fp4(FP8RowTensor(f.data.to(device), f.scales.to(device), f.segments))
+    got = launchers.fp8_row_to_fp4(FP8RowTensor(f.data.to(device), f.scales.to(device), f.segments))
     assert not selfcheck.compare(got, want)
 
 
@@ -127,15 +127,15 @@ def test_fp4_decoders_on_every_byte_and_scale_code(device):
     codes (0: the FP32-denormal scale, 255: NaN blocks) against the reference."""
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import MXFP4Tensor, Segments
-    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels import launchers
 
     a = selfcheck.every_fp4_byte_and_code()
     a_dev = MXFP4Tensor(a.data.to(device), a.scales.to(device), a.shape)
-    assert not selfcheck.compare(launch.fp4_to_bf16(a_dev), ref.fp4_to_bf16(a))
+    assert not selfcheck.compare(launchers.fp4_to_bf16(a_dev), ref.fp4_to_bf16(a))
     # 128-channel groups: four blocks of one scale code each, so every group is lossless
     a128 = MXFP4Tensor(a.data.reshape(-1, 64), a.scales.reshape(-1, 4), (1024, 128))
     a128_dev = MXFP4Tensor(a128.data.to(device), a128.scales.to(device), a128.shape)
-    assert not selfcheck.compare(launch.fp4_row_to_fp8_row(a128_dev, Segments.of(None, 1024)), ref.fp4_row_to_fp8_row(a128, None))
+    assert not selfcheck.compare(launchers.fp4_row_to_fp8_row(a128_dev, Segments.of(None, 1024)), ref.fp4_row_to_fp8_row(a128, None))
 
 
 @pytest.mark.parametrize("device", _codec_devices())
@@ -145,7 +145,7 @@ def test_fp4_row_to_fp8_col_on_every_byte_and_scale_code(device):
     each channel's scale comes from its largest element, the rest land anywhere from E4M3 normals to zero."""
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import MXFP4Tensor, Segments
-    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels import launchers
 
     a = selfcheck.every_fp4_byte_and_code()
     data, scales = a.data.reshape(-1, 64), a.scales.reshape(-1, 4)  # [1024, 128]
@@ -153,7 +153,7 @@ def test_fp4_row_to_fp8_col_on_every_byte_and_scale_code(device):
     for d, s in ((data, scales), (data[perm], scales[perm])):
         a128 = MXFP4Tensor(d.contiguous(), s.contiguous(), (1024, 128))
         seg = Segments.of([300, 0, 724], 1024)
-        got = launch.fp4_row_to_fp8_col(MXFP4Tensor(a128.data.to(device), a128.scales.to(device), a128.shape), seg)
+        got = launchers.fp4_row_to_fp8_col(MXFP4Tensor(a128.data.to(device), a128.scales.to(device), a128.shape), seg)
         assert not selfcheck.compare(got, ref.fp4_row_to_fp8_col(a128, seg))
 
 
@@ -164,7 +164,7 @@ def test_fp4_row_to_fp8_col_fast_and_rare_tiles(device):
     reference."""
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import MXFP4Tensor, Segments
-    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels import launchers
 
     counts = [200, 0, 184]
     x = selfcheck.make_input(384, 256, 5, spread=3, special=False).float()
@@ -172,7 +172,7 @@ def test_fp4_row_to_fp8_col_fast_and_rare_tiles(device):
     x[300, 128:160] *= 2.0 ** -60  # tile (second expert, tokens 100-183, channels 128-159)
     a = ref.bf16_to_fp4_row(x.to(torch.bfloat16))
     seg = Segments.of(counts, 384)
-    got = launch.fp4_row_to_fp8_col(MXFP4Tensor(a.data.to(device), a.scales.to(device), a.shape), seg)
+    got = launchers.fp4_row_to_fp8_col(MXFP4Tensor(a.data.to(device), a.scales.to(device), a.shape), seg)
     assert not selfcheck.compare(got, ref.fp4_row_to_fp8_col(a, seg))
 
 

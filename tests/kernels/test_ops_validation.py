@@ -50,7 +50,7 @@ def test_tile_overrides_from_the_environment(tmp_path):
     """FP4MOE_TILES: inline JSON or a benchmark's JSON output (its env.tiles_adopted); typos are clear errors."""
     import json
 
-    from fp4moe_kernels.triton_kernels.launch import tiles_from_env
+    from fp4moe_kernels.triton_kernels.launchers import tiles_from_env
 
     assert tiles_from_env("") == {}
     assert tiles_from_env('{"fp4_row_to_fp8_col": [32, 0, 1]}') == {"fp4_row_to_fp8_col": (32, 0, 1)}
@@ -66,24 +66,24 @@ def test_tile_overrides_from_the_environment(tmp_path):
 
 
 def test_apply_tiles_sets_both_tables_from_the_switches_or_neither():
-    """launch.apply_tiles (the trainer's kernels.tiles / kernels.gemm_tiles): the defaults with the switches' specs
+    """launchers.apply_tiles (the trainer's kernels.tiles / kernels.gemm_tiles): the defaults with the switches' specs
     over them; a bad spec is refused naming its variable and leaves both tables as they were."""
     from fp4moe_kernels.switches import Switches
-    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels import launchers
 
-    saved = (dict(launch.TILES), dict(launch.GEMM_TILES))  # the environment's, as the import set them
+    saved = (dict(launchers.TILES), dict(launchers.GEMM_TILES))  # the environment's, as the import set them
     try:
-        launch.apply_tiles(Switches(tiles='{"fp4_to_bf16": [32, 0, 4]}', gemm_tiles='{"wgrad": [128, 64, 8, 3]}'))
-        assert launch.TILES == {**launch.DEFAULT_TILES, "fp4_to_bf16": (32, 0, 4)}
-        assert launch.GEMM_TILES == {**launch.DEFAULT_GEMM_TILES, "wgrad": (128, 64, 8, 3)}
-        before = (dict(launch.TILES), dict(launch.GEMM_TILES))
+        launchers.apply_tiles(Switches(tiles='{"fp4_to_bf16": [32, 0, 4]}', gemm_tiles='{"wgrad": [128, 64, 8, 3]}'))
+        assert launchers.TILES == {**launchers.DEFAULT_TILES, "fp4_to_bf16": (32, 0, 4)}
+        assert launchers.GEMM_TILES == {**launchers.DEFAULT_GEMM_TILES, "wgrad": (128, 64, 8, 3)}
+        before = (dict(launchers.TILES), dict(launchers.GEMM_TILES))
         with pytest.raises(ValueError, match=r"FP4MOE_GEMM_TILES='\{\"rows\": \[1, 2\]\}' is not valid"):
-            launch.apply_tiles(Switches(gemm_tiles='{"rows": [1, 2]}'))
-        assert (launch.TILES, launch.GEMM_TILES) == before
-        launch.apply_tiles(Switches())
-        assert (launch.TILES, launch.GEMM_TILES) == (launch.DEFAULT_TILES, launch.DEFAULT_GEMM_TILES)
+            launchers.apply_tiles(Switches(gemm_tiles='{"rows": [1, 2]}'))
+        assert (launchers.TILES, launchers.GEMM_TILES) == before
+        launchers.apply_tiles(Switches())
+        assert (launchers.TILES, launchers.GEMM_TILES) == (launchers.DEFAULT_TILES, launchers.DEFAULT_GEMM_TILES)
     finally:
-        for table, old in zip((launch.TILES, launch.GEMM_TILES), saved):
+        for table, old in zip((launchers.TILES, launchers.GEMM_TILES), saved):
             table.clear()
             table.update(old)
 
@@ -118,15 +118,15 @@ def _tile_tables_by_definition(seg, bm):
                                     tuple(range(0, 3300, 100))])
 @pytest.mark.parametrize("bm", [64, 128])
 def test_tile_tables_match_their_definition(counts, bm):
-    """The vectorized tile tables (launch._row_tiles, launch._col_tiles) equal the loops that define them, on empty
+    """The vectorized tile tables (launchers._row_tiles, launchers._col_tiles) equal the loops that define them, on empty
     experts, partial and exact tiles, one row, one segment."""
     from fp4moe_kernels.formats import Segments
-    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels import launchers
 
     seg = Segments(counts)
     rows, cols = _tile_tables_by_definition(seg, bm)
-    got_rows, got_off = launch._row_tiles(seg, bm, "cpu")
+    got_rows, got_off = launchers._row_tiles(seg, bm, "cpu")
     assert got_rows.dtype == torch.int32 and torch.equal(got_rows, rows)
     assert torch.equal(got_off, torch.tensor(seg.offsets, dtype=torch.int32))
-    got_cols = launch._col_tiles(seg, "cpu")
+    got_cols = launchers._col_tiles(seg, "cpu")
     assert got_cols.dtype == torch.int32 and torch.equal(got_cols, cols)

@@ -124,7 +124,7 @@ def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
     from fp4moe_kernels import ops as kops
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import MXFP4Tensor
-    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels import launchers
     from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_bwd_fp4, swiglu_fwd, swiglu_fwd_fp4
 
     h = (torch.randn(t, 2 * f, generator=gen) * 3).to(torch.bfloat16)
@@ -137,7 +137,7 @@ def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
     want = ref.bf16_to_fp4_row(h.cpu(), rule)
     assert torch.equal(z.view(torch.int16), swiglu_fwd(h, probs).view(torch.int16))
     assert torch.equal(q.cpu(), want.data) and torch.equal(s.cpu(), want.scales)
-    h_hat = launch.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f))) if device == "cpu" else kops.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f)))
+    h_hat = launchers.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f))) if device == "cpu" else kops.fp4_to_bf16(MXFP4Tensor(q, s, (t, 2 * f)))
     dh0, dp0 = swiglu_bwd(h_hat, dz, probs)
     # the default (whole-block tiles), a tile that splits a row into several and leaves a program's last rows past T,
     # and the previous default (2-D tiles)

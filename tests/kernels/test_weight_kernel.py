@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fp4moe.ops.fp8_gemm import quantize_weight_128x128_torch, transpose_weight_128x128
-from fp4moe_kernels.triton_kernels import launch
+from fp4moe_kernels.triton_kernels import launchers
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 CUDA = torch.cuda.is_available()
@@ -39,7 +39,7 @@ def bits_equal(a, b):
 
 def check(w, n, dev):
     e = w.shape[0] // n
-    q, s, qt, st = launch.quantize_weight_128x128(w.to(dev), n, transpose=True)
+    q, s, qt, st = launchers.quantize_weight_128x128(w.to(dev), n, transpose=True)
     rq, rs = quantize_weight_128x128_torch(w)
     assert bits_equal(q.cpu(), rq) and torch.equal(s.cpu(), rs)
     for i in range(e):
@@ -51,14 +51,14 @@ def check_scattered(w, n, gap, dev):
     """W's experts read where they lie: in one buffer, ``gap`` elements apart and last to first, and each in an
     allocation of its own."""
     e, k = w.shape[0] // n, w.shape[1]
-    want = launch.quantize_weight_128x128(w.to(dev), n, transpose=True)
+    want = launchers.quantize_weight_128x128(w.to(dev), n, transpose=True)
     buf = torch.full((e * (n * k + gap),), float("nan"), dtype=w.dtype, device=dev)  # gaps hold NaN: never read
     in_buffer = [buf[(e - 1 - i) * (n * k + gap):][:n * k].view(n, k) for i in range(e)]
     own = [torch.empty(n, k, dtype=w.dtype, device=dev) for _ in range(e)]
     for ws in (in_buffer, own):
         for i, x in enumerate(ws):
             x.copy_(w[i * n:(i + 1) * n])
-        got = launch.quantize_weight_128x128(ws, transpose=True)
+        got = launchers.quantize_weight_128x128(ws, transpose=True)
         assert all(bits_equal(a.cpu(), b.cpu()) for a, b in zip(got, want))
 
 
@@ -73,7 +73,7 @@ def test_weight_kernel_interpreted():
 def test_experts_need_row_major_storage():
     w = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"experts must be row-major \[N, K\] tensors"):
-        launch.quantize_weight_128x128(list(w.transpose(1, 2)))
+        launchers.quantize_weight_128x128(list(w.transpose(1, 2)))
 
 
 @pytest.mark.gpu
@@ -87,4 +87,4 @@ def test_weight_kernel_gpu():
 
 def test_weight_kernel_rejects_float32():
     with pytest.raises(TypeError, match="bfloat16 only"):
-        launch.quantize_weight_128x128(torch.zeros(128, 128))
+        launchers.quantize_weight_128x128(torch.zeros(128, 128))

@@ -101,7 +101,7 @@ def test_shape_tag_names_what_differs_from_the_default_shape():
 
 @pytest.mark.gpu
 def test_bench_memtrace_accounts_for_the_measured_peak(tmp_path):
-    """--memtrace on a GPU: the allocator history replayed (fp4moe.memtrace) gives the bytes above the base
+    """--memtrace on a GPU: the allocator history replayed (fp4moe.tracking.memtrace) gives the bytes above the base
     at the peak that max_memory_allocated measured, within the allocator's whole-block slack (1 %), and names the
     sites."""
     import torch

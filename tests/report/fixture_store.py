@@ -1,5 +1,5 @@
 """A small MLflow store with every kind of run the report reads, logged through the project's own writers
-(fp4moe.train.metrics.Tracker, fp4moe.bench_log, fp4moe.layer_bench_log), with hand-picked numbers."""
+(fp4moe.train.metrics.Tracker, fp4moe.tracking.bench_log, fp4moe.tracking.layer_bench_log), with hand-picked numbers."""
 from __future__ import annotations
 
 import json
@@ -78,7 +78,7 @@ def _trainer_run(uri, experiment, model, hardware, recipe, scope, params, steps_
 
 def build(folder: Path) -> str:
     """Create the store in ``folder`` (mlflow.db) and return its URI."""
-    from fp4moe import bench_log, layer_bench_log
+    from fp4moe.tracking import bench_log, layer_bench_log
 
     folder.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{folder / 'mlflow.db'}"

@@ -228,7 +228,7 @@ def test_empty_store_says_not_measured_and_creates_nothing(empty_store):
 
 
 def test_store_paths_and_folders(report_store):
-    from fp4moe.tracking import normalize_uri
+    from fp4moe.tracking.mlflow_store import normalize_uri
 
     folder = Path(report_store.removeprefix("sqlite:///")).parent
     assert normalize_uri(folder) == report_store

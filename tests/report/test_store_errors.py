@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from fp4moe.report import store
-from fp4moe.tracking import TrackingUnavailable
+from fp4moe.tracking.mlflow_store import TrackingUnavailable
 
 
 @pytest.mark.parametrize("server, reason", [("closed", "Connection refused"), ("silent", "timed out")])

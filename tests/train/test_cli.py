@@ -138,7 +138,7 @@ def test_unreachable_mlflow_server(tmp_path, monkeypatch, app, server, reason):
 def test_ctrl_c_checkpoints_then_the_same_command_resumes(tmp_path, monkeypatch, app):
     """SIGINT (Ctrl-C) to the command: checkpoint at the next step, exit 130 (128 + 2, as SIGTERM gives 143: the same
     path, tests/train/test_train.py), and print the command that resumes: the same one, since the run's folder
-    (logs/train/runs/<model>-<precision>-<recompute>-<hash of the config>, fp4moe.run_folder) and its checkpoints
+    (logs/train/runs/<model>-<precision>-<recompute>-<hash of the config>, fp4moe.runs.folder) and its checkpoints
     are found again. Then, in this process (one interpreter start less), the same command resumes into the same
     folder and MLflow run; with an override that does not change the run (the progress bar) it finds the run
     finished and exits 0 without training or logging; with train.resume=false it refuses in one line."""
@@ -206,7 +206,7 @@ def test_ctrl_c_checkpoints_then_the_same_command_resumes(tmp_path, monkeypatch,
 
 
 def test_the_resume_command_adds_the_folder_only_where_the_same_command_would_not_find_it(tmp_path, monkeypatch):
-    """The stop message's command: the run folder (fp4moe.run_folder) and a fixed hydra.run.dir are found again by
+    """The stop message's command: the run folder (fp4moe.runs.folder) and a fixed hydra.run.dir are found again by
     the same command; a folder set with a resolver whose value changes (a timestamp) is added as hydra.run.dir, a
     multirun's timestamped sweep folder as hydra.sweep.dir, and only where the checkpoints are in it. Under
     torchrun or Slurm the command is not this process's: 'rerun the same command'."""

@@ -3,7 +3,7 @@ preemption signal three times in a row, an MLflow store that goes away mid-run, 
 Nothing trained is lost beyond the last checkpoint, the losses are the uninterrupted run's bit for bit, the MLflow
 run stays one run, and a failure is one line that names the fix. (SIGINT: test_cli.py; SIGTERM and an exception:
 test_train.py; damaged checkpoints: test_checkpoint_damage.py; a folder that cannot be written at the start:
-test_train.py; hostile launcher strings: tests/test_slurm_helpers.py and fp4moe.shell's tests.)"""
+test_train.py; hostile launcher strings: tests/test_slurm_helpers.py and fp4moe.launch.shell's tests.)"""
 from __future__ import annotations
 
 import json
@@ -283,7 +283,7 @@ def test_preempted_three_times_in_a_row_then_finished_equals_uninterrupted(tmp_p
     first step of its process, with no periodic checkpoints: each stop writes its checkpoint, each restart resumes
     it, and the fourth process finishes. The losses are the uninterrupted run's bit for bit and the MLflow run is
     one run, resumed three times, FINISHED."""
-    from fp4moe import slurm
+    from fp4moe.launch import slurm
     from fp4moe.train.loop import train
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # a requeue would call scontrol
@@ -377,7 +377,7 @@ def environ_kept():
 def test_an_http_tracking_server_killed_mid_run_loses_no_metrics(tmp_path, mlflow_server, reference, monkeypatch,
                                                                  environ_kept):
     """``python -m fp4moe.train`` logs over HTTP to a real MLflow tracking server (``make mlflow-ui``, the UI the README
-    opens); the server gets SIGKILL once the run has logged its first step. The run trains to the end (no minutes of retries: fp4moe.tracking.HTTP_WRITE_LIMITS),
+    opens); the server gets SIGKILL once the run has logged its first step. The run trains to the end (no minutes of retries: fp4moe.tracking.mlflow_store.HTTP_WRITE_LIMITS),
     exits 0, and says so in one warning line naming the server and the pending file (and one at the end saying how to
     log it; no urllib3 retry lines); the pending file holds every step the server missed and the run's end. With the
     server back (same port, same backend), the same command logs them into the same MLflow run: the run holds the

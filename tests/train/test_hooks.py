@@ -6,7 +6,7 @@ import os
 import signal
 from pathlib import Path
 
-from fp4moe import slurm
+from fp4moe.launch import slurm
 from fp4moe.train import hooks
 
 

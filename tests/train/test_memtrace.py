@@ -1,4 +1,4 @@
-"""fp4moe.memtrace: replaying an allocator trace finds the peak and what was live at it. The CPU tests feed a
+"""fp4moe.tracking.memtrace: replaying an allocator trace finds the peak and what was live at it. The CPU tests feed a
 hand-built trace (the replay's arithmetic); the GPU test records a real one through ``train.profile.memory``."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4moe.memtrace import format_breakdown, peak_breakdown
+from fp4moe.tracking.memtrace import format_breakdown, peak_breakdown
 
 LOOP = "/x/src/fp4moe/train/loop.py"
 
@@ -108,7 +108,7 @@ def test_window_start_splits_what_was_live_before_from_the_peak_after():
     b = peak_breakdown(trace, 0, start_event=3)
     assert (b["at_start_bytes"], b["traced_at_peak_bytes"], b["peak_event"]) == (10 * k, 70 * k, 4)
     assert b["at_start_by_site"] == [{"where": "fp4moe/w.py:1 weights", "bytes": 10 * k, "blocks": 1}]
-    from fp4moe.memtrace import NO_LOOP_FRAME
+    from fp4moe.tracking.memtrace import NO_LOOP_FRAME
     assert b["at_start_by_trainer_line"] == [{"where": NO_LOOP_FRAME, "bytes": 10 * k, "blocks": 1}]
     assert {r["where"]: r["bytes"] for r in b["by_site"]} == {"fp4moe/w.py:1 weights": 50 * k,
                                                              "fp4moe/o.py:2 optim": 20 * k}

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from fp4moe.tracking import TrackingUnavailable
+from fp4moe.tracking.mlflow_store import TrackingUnavailable
 from fp4moe.train.metrics import PENDING_FILE, Tracker, TrackingError, main, replay_pending
 
 

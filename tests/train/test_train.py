@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from fp4moe.config import ConfigError
-from fp4moe.tracking import TrackingUnavailable
+from fp4moe.tracking.mlflow_store import TrackingUnavailable
 
 pytest.importorskip("megatron.core")
 
@@ -270,7 +270,7 @@ def test_slurm_task_environment(monkeypatch):
 def test_host_tags_name_each_host_once_in_rank_order():
     """The run's ``hosts`` / ``num_hosts`` tags from every rank's host name (two nodes x 2 tasks, then 300 hosts,
     cut to MLflow's tag limit)."""
-    from fp4moe.tracking import MAX_TAG_CHARS
+    from fp4moe.tracking.mlflow_store import MAX_TAG_CHARS
     from fp4moe.train.dist import host_tags
 
     assert host_tags(["node2", "node2", "node1", "node1"]) == {"hosts": "node2,node1", "num_hosts": "2"}

@@ -372,7 +372,7 @@ convrun3)  # SEED [RECIPES] [OVERRIDES]: issue 27 part D, the recipes' runs of o
   # the host's view of a process that ended with no word (OOM killer, segmentation fault)
   { free -g; dmesg 2>/dev/null | grep -i "killed process\|out of memory\|segfault" | tail -5; } > "$STATE/convrun_host.txt" 2>&1 || true
   # one file back: the tool returns at most 8 files per call
-  # with the stacks each run's threads were in when its stop signal came (fp4moe.slurm.Preemption), if any
+  # with the stacks each run's threads were in when its stop signal came (fp4moe.launch.slurm.Preemption), if any
   (cd "$STATE" && tar czf "$OUT/convrun_s$seed.tgz" convrun_*_s"$seed".log mlflow_convrun_*_s"$seed".db convrun_host.txt \
     $(ls run_conv_*_s"$seed"/signal_stacks_rank*.txt 2>/dev/null))
   ;;

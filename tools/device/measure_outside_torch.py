@@ -53,11 +53,11 @@ LAB_NCCL = {"NCCL_MIN_NCHANNELS": "32"}   # the lab's run_dlc_e2e.sh (sister art
 
 
 def portable(text: str) -> str:
-    """``text`` with the machine's folders as ``<repo>``, ``$OUT`` and ``~`` (fp4moe.tracking.portable, imported from
-    this checkout's src/; the rest of the script needs no package): the document goes into results/scale/."""
+    """``text`` with the machine's folders as ``<repo>``, ``$OUT`` and ``~`` (fp4moe.tracking.mlflow_store.portable,
+    imported from this checkout's src/; the rest of the script needs no package): the document goes into results/scale/."""
     if str(ROOT / "src") not in sys.path:
         sys.path.insert(0, str(ROOT / "src"))
-    from fp4moe.tracking import portable as portable_text
+    from fp4moe.tracking.mlflow_store import portable as portable_text
 
     return portable_text(text)
 

@@ -77,7 +77,7 @@ def col_input_problem(a: MXFP4Tensor) -> str | None:
 def fp4_row_to_fp8_col(a: MXFP4Tensor, seg: Segments, variant: str = "swar") -> FP8ColTensor:
     """FP4RowToFP8Col by the CUDA C++ kernel: the same output as ``fp4moe_kernels.ops.fp4_row_to_fp8_col``.
     ``a`` on a CUDA device, as ``col_input_problem`` accepts it."""
-    from ..triton_kernels.launch import _col_tiles
+    from ..triton_kernels.launchers import _col_tiles
 
     problem = col_input_problem(a)
     if problem:

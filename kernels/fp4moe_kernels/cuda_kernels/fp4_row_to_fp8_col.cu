@@ -5,7 +5,7 @@
 // owns one packed byte column (two channels) of 32 tokens in registers, after a transpose through shared memory.
 //
 // Grid (K / 64, tiles); one block of 128 threads per tile of 128 tokens x 64 channels. The tile table (int32
-// [tiles, 5]) is launch.py's: first input row, valid rows (<= 128), the expert's padded offset P_e and padded
+// [tiles, 5]) is launchers.py's: first input row, valid rows (<= 128), the expert's padded offset P_e and padded
 // length Mp_e (multiples of 128), the tile's first token inside the expert. Rows past the valid ones are zeros.
 //
 // Per element (E2M1 magnitude code c, sign, block code e): a nonzero element of a finite block (e < 255) has the

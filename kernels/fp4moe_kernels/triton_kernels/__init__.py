@@ -1,1 +1,1 @@
-"""Triton GPU kernels for the conversions; ``launch`` holds the host-side launchers."""
+"""Triton GPU kernels for the conversions; ``launchers`` holds the host-side launchers."""

@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import col, gemm, launch, row, swiglu, weight
+from . import col, gemm, launchers, row, swiglu, weight
 
 _FP8 = {"M": "i32", "K": "constexpr", "R": "constexpr"}
 
@@ -98,9 +98,9 @@ SPILL_ALLOWED = {"fp4_row_to_fp8_col": 1024}
 def _gemm_consts(name: str, k: int) -> tuple[dict, int, int]:
     """(constexprs, num_warps, num_stages) of a grouped GEMM kernel at contraction ``k``, the launcher's tiles."""
     if name == "grouped_fp8_rows":
-        bm, bn, group_m, warps, stages = launch.GEMM_TILES["rows"]
+        bm, bn, group_m, warps, stages = launchers.GEMM_TILES["rows"]
         return {"KC": k, "BM": bm, "BN": bn, "GROUP_M": group_m, "EMULATE": False}, warps, stages
-    bn, bk, warps, stages = launch.GEMM_TILES["wgrad"]
+    bn, bk, warps, stages = launchers.GEMM_TILES["wgrad"]
     return {"MAXJ": 0, "BN": bn, "BK": bk, "EMULATE": False}, warps, stages
 
 
@@ -139,7 +139,7 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
             cb, rpp, warps = tile or swiglu.BWD_FP4_BLOCKS_TILE
             consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "CB": cb, "RPP": rpp}
     else:
-        size, _, warps = tile or launch.TILES[name]
+        size, _, warps = tile or launchers.TILES[name]
         consts = {"K": k, "EMULATE": False, "BN": size, "R": size, "N": 4096}
         for c in ("RULE_CEIL", "X_BF16", "SINGLE_SEGMENT", "TRANSPOSE"):
             if c in sig:

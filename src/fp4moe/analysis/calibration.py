@@ -6,7 +6,7 @@ for backward and the measured and the predicted peak.
     python -m fp4moe.analysis.calibration --check RUNS.json|STORE.db ...   # new runs vs the model for today's code
 
 Inputs: results/manifest.yaml's ``calibration`` roles: ``one_gpu`` and ``nccl`` (runs archives, format fp4moe-runs/1,
-loaded with fp4moe.runs_archive.load), ``moe_layer`` (P2's layer benchmark), ``constants`` (what fits on an H200)
+loaded with fp4moe.runs.archive.load), ``moe_layer`` (P2's layer benchmark), ``constants`` (what fits on an H200)
 and ``notes`` (the document's hand-written text). Measured:
 
 - ``saved_activation_bytes_per_micro_batch``: storage bytes autograd holds after ONE micro-batch's forward,
@@ -183,7 +183,7 @@ def load_cells(sources: Sequence[Archive | str | Path] | None = None) -> list[Ce
     """Every run of the archives (default: the manifest's ``one_gpu`` ones; a path is an archive of today's
     ``FIRST_PRINCIPLES``, commit unknown) that logged the saved-bytes metric, in archive order, then recipe, scope,
     micro-batch."""
-    from fp4moe.runs_archive import load, withdrawn
+    from fp4moe.runs.archive import load, withdrawn
 
     cells = []
     for a in map(_archive, archives("one_gpu") if sources is None else sources):
@@ -447,7 +447,7 @@ def fit_rows(sources: Sequence[Archive | str | Path] | None = None, usable_gib: 
     memory in its first forward logged no saved bytes and is not in ``load_cells``), its measured outcome beside
     ``fit_outcome`` of the model's peak (the code the run measured, the archive's ``code``; uniform routing) against
     ``usable_gib`` (default: the H200's)."""
-    from fp4moe.runs_archive import load
+    from fp4moe.runs.archive import load
 
     out = []
     for a in map(_archive, archives("one_gpu") if sources is None else sources):
@@ -602,7 +602,7 @@ def check(sources: Sequence[str | Path], code: MemoryAssumptions = DDP_CODE) -> 
     logs/device/mlflow_probe16_gpu0.db``."""
     import tempfile
 
-    from fp4moe.runs_archive import SUFFIXES, export
+    from fp4moe.runs.archive import SUFFIXES, export
 
     archives: list[Path] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -108,7 +108,7 @@ def measured_runs(archive: str | Path, params: dict | None = None,
     kernel, where the untagged ones ran the Triton kernel); with ``params``, only the
     runs whose logged params have those values (e.g. ``{"train.steps": 30}``: the 30-step cells of an archive that
     also holds 16-step ones)."""
-    from fp4moe.runs_archive import load
+    from fp4moe.runs.archive import load
 
     out: dict[tuple[str, str, int], list[float]] = {}
     for r in load(Path(archive))["runs"]:
@@ -384,7 +384,7 @@ def proxy_t1_measured(archive: str | Path | None = None,
                       micro_batch: int = PROXY_T1_MICRO_BATCH) -> dict[tuple[str, str], MeasuredCell]:
     """{(recipe, scope): MeasuredCell} of the archive's runs at ``micro_batch`` (default: the manifest's
     ``proxy_t1_row``; the last run of a cell wins)."""
-    from fp4moe.runs_archive import load
+    from fp4moe.runs.archive import load
 
     path = manifest.load().one("throughput", "proxy_t1_row")[0].file if archive is None else Path(archive)
     out = {}

@@ -22,7 +22,7 @@ expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights
 * ``profile``: CUDA kernel time per iteration by category (FP8/BF16 GEMMs, our Triton kernels, NCCL,
   elementwise/other) and the top kernels, from ``torch.profiler`` (``--no-profile`` skips it).
 * ``memory_peak`` (``--memtrace``, CUDA): what is live at the peak above the base, by allocation site, from the
-  allocator's history (``fp4moe.memtrace``); ``fp4moe.scale.memory.standalone_moe_layer_peak`` models it.
+  allocator's history (``fp4moe.tracking.memtrace``); ``fp4moe.scale.memory.standalone_moe_layer_peak`` models it.
 
 And once: ``gemm``: the fp8 expert GEMMs over the routed counts (weights pre-quantized), as the grouped Triton
 kernel and as the per-expert ``F.scaled_mm`` loop, against one dense ``F.scaled_mm`` of the same total size
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..atomic_write import write_bytes_atomic
-from ..layer_bench_log import DEFAULT_SHAPE
+from ..tracking.layer_bench_log import DEFAULT_SHAPE
 from ..ops.accounting import saved_bytes_during
 from ..ops.all_to_all import quantized_all_to_all
 from ..ops.fp8_gemm import fp8_mm
@@ -56,7 +56,7 @@ from ..ops.grouped_experts import expert_saved_bytes, gemm_backend, quantize_exp
 from ..ops.weight_cache import CACHE as WEIGHT_CACHE
 from ..ops.weight_cache import enabled_for
 from ..recipe import Recipe
-from ..tracking import portable
+from ..tracking.mlflow_store import portable
 from .layer import MoELayer
 
 RECIPES = ("bf16", "fp8", "mxfp4")
@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="first time the grouped Triton GEMMs under several tile configs and use the fastest")
     p.add_argument("--memtrace", action="store_true",
                    help="record the CUDA allocator's history over the memory measurement and list what is live at "
-                        "each recipe's peak, by allocation site (fp4moe.memtrace; CUDA only)")
+                        "each recipe's peak, by allocation site (fp4moe.tracking.memtrace; CUDA only)")
     p.add_argument("--fp8-weight-cache", action="store_true",
                    help="FP8 weight copies made once per iteration (fp4moe.ops.weight_cache; each iteration is one "
                         "optimizer step of one micro-batch, as the trainer with train.fp8_weight_cache=true)")
@@ -254,9 +254,9 @@ MEMTRACE_SITES = 16  # allocation sites listed per recipe (then one <other> row)
 
 def _memory_peak(dev, base: int) -> dict:
     """What was live at the peak of the forward + backward just recorded (``--memtrace``), above ``base`` (the
-    bytes allocated before it: weights, inputs): ``fp4moe.memtrace.peak_breakdown`` of the allocator
+    bytes allocated before it: weights, inputs): ``fp4moe.tracking.memtrace.peak_breakdown`` of the allocator
     history, its by-site rows (bytes, blocks, innermost fp4moe frame). Stops the recording."""
-    from fp4moe.memtrace import peak_breakdown
+    from fp4moe.tracking.memtrace import peak_breakdown
 
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -309,7 +309,7 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev, only: str | Non
     beforehand (not timed)."""
     from fp4moe_kernels import ops as kops
     from fp4moe_kernels.formats import Segments
-    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels import launchers
     from fp4moe_kernels.triton_kernels.common import INTERPRET
 
     h, f = layer.hidden, layer.ffn
@@ -330,7 +330,7 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev, only: str | Non
             a_col, b_col = kops.bf16_to_fp8_col(dy2, seg), kops.bf16_to_fp8_col(x, seg)
             ops = [(a_col.segment(e), b_col.segment(e)) for e in range(seg.num) if counts[e]]
             fns = {
-                "triton": lambda a_col=a_col, b_col=b_col: launch.grouped_fp8_wgrad(a_col, b_col),
+                "triton": lambda a_col=a_col, b_col=b_col: launchers.grouped_fp8_wgrad(a_col, b_col),
                 "loop": lambda ops=ops: [fp8_mm(*a, *b, "wgrad", check=False) for a, b in ops],
             }
             dense_a, dense_b = kops.bf16_to_fp8_col(dy2), kops.bf16_to_fp8_col(x)
@@ -341,7 +341,7 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev, only: str | Non
             ops = [(row.segment(e), wd[e], ws[e]) for e in range(seg.num) if counts[e]]
             drow = kops.bf16_to_fp8_row(a_src)
             fns = {
-                "triton": lambda row=row, wd=wd, ws=ws: launch.grouped_fp8_rows(row, wd, ws),
+                "triton": lambda row=row, wd=wd, ws=ws: launchers.grouped_fp8_rows(row, wd, ws),
                 "loop": lambda ops=ops, kind=kind: [fp8_mm(*a, bw, bs, kind, check=False) for a, bw, bs in ops],
                 "dense": lambda drow=drow, wd=wd, ws=ws, kind=kind: fp8_mm(*drow.segment(0), wd[0], ws[0], kind,
                                                                            check=False),
@@ -375,28 +375,28 @@ WGRAD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4,
 
 def _sweep_gemm(layer: MoELayer, counts: list[int], args, dev) -> dict:
     """Time the grouped Triton GEMMs under each tile config (rows: fc1/fc2 fprop + fc1 dgrad, wgrad: fc1 wgrad),
-    adopt the fastest into ``launch.GEMM_TILES`` for the rest of the run, and return every time."""
-    from fp4moe_kernels.triton_kernels import launch
+    adopt the fastest into ``launchers.GEMM_TILES`` for the rest of the run, and return every time."""
+    from fp4moe_kernels.triton_kernels import launchers
 
     out = {"rows": [], "wgrad": []}
     for key, configs, names in (("rows", ROWS_TILES, ("fc1 fprop", "fc2 fprop", "fc1 dgrad")),
                                 ("wgrad", WGRAD_TILES, ("fc1 wgrad",))):
-        default = launch.GEMM_TILES[key]
+        default = launchers.GEMM_TILES[key]
         for cfg in configs:
-            launch.GEMM_TILES[key] = cfg
-            launch._row_tiles.cache_clear()
+            launchers.GEMM_TILES[key] = cfg
+            launchers._row_tiles.cache_clear()
             try:
                 rows = [r for r in _gemm_compare(layer, counts, args, dev, only="triton") if r["gemm"] in names]
                 out[key].append({"tiles": list(cfg), "ms": sum(r["triton_ms"] for r in rows)})
             except Exception as exc:  # a config that does not compile or fit: recorded, skipped
                 out[key].append({"tiles": list(cfg), "ms": None, "error": str(exc)[:200]})
         ok = [r for r in out[key] if r["ms"] is not None]
-        launch.GEMM_TILES[key] = tuple(min(ok, key=lambda r: r["ms"])["tiles"]) if ok else default
-        launch._row_tiles.cache_clear()
-        out[f"best_{key}"] = list(launch.GEMM_TILES[key])
+        launchers.GEMM_TILES[key] = tuple(min(ok, key=lambda r: r["ms"])["tiles"]) if ok else default
+        launchers._row_tiles.cache_clear()
+        out[f"best_{key}"] = list(launchers.GEMM_TILES[key])
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"sweep {key}: " + ", ".join(f"{r['tiles']}={r['ms']}" for r in out[key]) +
-                  f" -> {launch.GEMM_TILES[key]}", flush=True)
+                  f" -> {launchers.GEMM_TILES[key]}", flush=True)
     return out
 
 
@@ -404,14 +404,14 @@ def _sweep_gemm(layer: MoELayer, counts: list[int], args, dev) -> dict:
 
 
 def _tiles() -> dict:
-    from fp4moe_kernels.triton_kernels import launch
+    from fp4moe_kernels.triton_kernels import launchers
 
-    return {k: list(v) for k, v in launch.GEMM_TILES.items()}
+    return {k: list(v) for k, v in launchers.GEMM_TILES.items()}
 
 
 def _commit(arg):
-    """``--commit``, else ``fp4moe.tracking.code_commit`` (short), else 'unknown'."""
-    from ..tracking import code_commit
+    """``--commit``, else ``fp4moe.tracking.mlflow_store.code_commit`` (short), else 'unknown'."""
+    from ..tracking.mlflow_store import code_commit
 
     return arg or code_commit(short=True) or "unknown"
 

@@ -46,9 +46,9 @@ def use_kernel_switches(s: Switches):
     import torch
 
     if torch.cuda.is_available():  # the tables the run's kernels launch with: s's, whatever was set before
-        from fp4moe_kernels.triton_kernels import launch
+        from fp4moe_kernels.triton_kernels import launchers
 
-        launch.apply_tiles(s)
+        launchers.apply_tiles(s)
     with _switches.use(s):
         yield s
 

@@ -76,9 +76,9 @@ def quantize_weight_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
             f"weight [N={n}, K={k}]: 128x128 blocks need N and K multiples of {FP8_GROUP}: pad the weight"
         )
     if w.is_cuda and w.dtype == torch.bfloat16:  # one Triton pass, the same bits
-        from fp4moe_kernels.triton_kernels import launch
+        from fp4moe_kernels.triton_kernels import launchers
 
-        return launch.quantize_weight_128x128(w.detach().contiguous())
+        return launchers.quantize_weight_128x128(w.detach().contiguous())
     return quantize_weight_128x128_torch(w)
 
 

@@ -113,9 +113,9 @@ def quantize_experts_128x128(w, transpose: bool = False, both: bool = False):
     ex = w if isinstance(w, Experts) else Experts(w)
     e, n, k = ex.shape
     if ex.device.type == "cuda" and ex.dtype == torch.bfloat16 and e * n and k:  # one Triton launch
-        from fp4moe_kernels.triton_kernels import launch
+        from fp4moe_kernels.triton_kernels import launchers
 
-        out = launch.quantize_weight_128x128([x.detach().contiguous() for x in ex.ws], n, transpose or both)
+        out = launchers.quantize_weight_128x128([x.detach().contiguous() for x in ex.ws], n, transpose or both)
         fwd = (out[0].view(e, n, k), out[1].view(e, n // FP8_GROUP, k // FP8_GROUP))
         tr = (out[2], out[3]) if transpose or both else None
     else:
@@ -156,9 +156,9 @@ def _per_expert_gemm(row: FP8RowTensor, w: Experts, seg: Segments, n: int, kind:
         return torch.empty(0, n, dtype=_BF16, device=row.data.device)
     wd, ws = fp8_experts(w, transposed=kind == "dgrad")
     if gemm_backend(row.data.device) == "triton":
-        from fp4moe_kernels.triton_kernels import launch
+        from fp4moe_kernels.triton_kernels import launchers
 
-        return launch.grouped_fp8_rows(row, wd, ws)
+        return launchers.grouped_fp8_rows(row, wd, ws)
     # the loop path fills its own output; the Triton kernel allocates one (an [T, n] buffer here would be a second
     # one, live at the backward's memory peak)
     out = torch.empty(seg.total, n, dtype=_BF16, device=row.data.device)
@@ -174,9 +174,9 @@ def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch
     """dW [E, n, k] in ``like.dtype``: per expert dY_e^T X_e (FP8 columns, FP32 accumulation, one rounding to
     the weight dtype); zeros for empty experts."""
     if gemm_backend(like.device) == "triton":
-        from fp4moe_kernels.triton_kernels import launch
+        from fp4moe_kernels.triton_kernels import launchers
 
-        return launch.grouped_fp8_wgrad(dy_col, x_col, out_dtype=like.dtype)
+        return launchers.grouped_fp8_wgrad(dy_col, x_col, out_dtype=like.dtype)
     out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     for e, c in enumerate(seg.counts):
         if c == 0:

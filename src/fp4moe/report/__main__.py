@@ -12,7 +12,7 @@ from .render import build_report, write_report
 
 def main(argv: Sequence[str] | None = None) -> int:
     from fp4moe.paths import results_dir
-    from fp4moe.tracking import TrackingUnavailable
+    from fp4moe.tracking.mlflow_store import TrackingUnavailable
 
     ap = argparse.ArgumentParser(prog="python -m fp4moe.report", description=(
         "Write the report (Markdown, CSV, PNG): the paper's T1/F3/F4/F5 numbers (conf/paper/numbers.yaml) beside "

@@ -2,8 +2,8 @@
 
 Every file is written atomically (a temporary file in the same folder, then ``os.replace``). The output depends
 only on the store, numbers.yaml and the code: no clock time, store paths under the repository shown relative to
-it (others without the machine's home or output folder: fp4moe.tracking.portable), so a rerun on the same store
-rewrites the same bytes. Report files of earlier runs that this run does not
+it (others without the machine's home or output folder: fp4moe.tracking.mlflow_store.portable), so a rerun on the
+same store rewrites the same bytes. Report files of earlier runs that this run does not
 produce (a plot without data) are removed; other files in the folder are left alone.
 """
 from __future__ import annotations
@@ -54,9 +54,9 @@ class Report:
 
 def _store_label(uri: str) -> str:
     """The store as the report names it: a path in the repository relative to it; elsewhere, the URI without
-    credentials and with the machine's folders named portably (``~/...``: fp4moe.tracking.portable)."""
+    credentials and with the machine's folders named portably (``~/...``: fp4moe.tracking.mlflow_store.portable)."""
     from fp4moe.paths import repo_root
-    from fp4moe.tracking import portable
+    from fp4moe.tracking.mlflow_store import portable
 
     if uri.startswith("sqlite:///"):
         path = Path(uri.removeprefix("sqlite:///"))
@@ -72,7 +72,7 @@ def _store_label(uri: str) -> str:
 
 def build_report(where: str | os.PathLike | None = None, *, with_model: bool = True,
                  numbers_path: str | os.PathLike | None = None) -> Report:
-    """Read the store (URI, ``.db`` file or folder; None: fp4moe.tracking's) and build every table."""
+    """Read the store (URI, ``.db`` file or folder; None: fp4moe.tracking.mlflow_store's) and build every table."""
     st = store_mod.load(where)
     numbers = paper_mod.load(numbers_path)
     gpu_gb = float(numbers["t1"]["setup"]["gpu_memory_gb"])
@@ -109,7 +109,7 @@ def build_report(where: str | os.PathLike | None = None, *, with_model: bool = T
 # ---------------------------------------------------------------------------------------------- formatting
 
 def _commit_variant(row: dict) -> str:
-    """An F4 row's commit, with its benchmark variant (fp4moe.layer_bench_log.variant) when it has one."""
+    """An F4 row's commit, with its benchmark variant (fp4moe.tracking.layer_bench_log.variant) when it has one."""
     return f"{row['commit']} ({row['variant'].replace('_', ' ')})" if row.get("variant") else str(row["commit"])
 
 

@@ -4,8 +4,8 @@ Which runs mean what:
 
 - trainer runs (``python -m fp4moe.train``, fp4moe.train.metrics): any experiment; recognised by the tags
   ``recipe``, ``recompute``, ``model`` and ``hardware`` the trainer sets;
-- kernel benchmark rows (experiment ``kernels``, fp4moe.bench_log): tag ``kind=row`` / ``kind=summary``;
-- MoE layer benchmark rows (experiment ``moe_layer``, fp4moe.layer_bench_log): tag ``layer_bench_id``.
+- kernel benchmark rows (experiment ``kernels``, fp4moe.tracking.bench_log): tag ``kind=row`` / ``kind=summary``;
+- MoE layer benchmark rows (experiment ``moe_layer``, fp4moe.tracking.layer_bench_log): tag ``layer_bench_id``.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from fp4moe.tracking import TrackingUnavailable, check_readable, normalize_uri, search_all_runs
+from fp4moe.tracking.mlflow_store import TrackingUnavailable, check_readable, normalize_uri, search_all_runs
 
-KERNELS = "kernels"          # fp4moe.bench_log.EXPERIMENT (not imported: keeps this module's imports small)
-MOE_LAYER = "moe_layer"      # fp4moe.layer_bench_log.EXPERIMENT
+KERNELS = "kernels"          # fp4moe.tracking.bench_log.EXPERIMENT (not imported: keeps this module's imports small)
+MOE_LAYER = "moe_layer"      # fp4moe.tracking.layer_bench_log.EXPERIMENT
 TRAINER_TAGS = ("recipe", "recompute", "model", "hardware")
 
 
@@ -70,8 +70,8 @@ def load(where: str | os.PathLike | None = None) -> Store:
     """Every run of every experiment in the store; an absent sqlite file is an empty store (not created).
 
     A store that cannot be read (a server that does not answer, a file that is not an MLflow store, a server that is
-    not MLflow) raises ``fp4moe.tracking.TrackingUnavailable``: one line naming the URI and the fix, within seconds
-    (Jupyter shows that line without a traceback)."""
+    not MLflow) raises ``fp4moe.tracking.mlflow_store.TrackingUnavailable``: one line naming the URI and the fix,
+    within seconds (Jupyter shows that line without a traceback)."""
     uri = normalize_uri(where)
     if _missing_sqlite(uri):
         return Store(uri, [], note=f"no MLflow store at {uri} yet")

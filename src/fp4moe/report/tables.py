@@ -34,7 +34,7 @@ class Setup:
     world_size: str
     layout: str       # TP/PP/EP/DP
     batch: str        # micro x seq, global batch
-    archive: str = ""  # the runs archive the runs came from (fp4moe.runs_archive; its name holds the commit), if any
+    archive: str = ""  # the runs archive the runs came from (fp4moe.runs.archive; its name holds the commit), if any
 
     @property
     def label(self) -> str:
@@ -87,7 +87,7 @@ def measured_cell(runs: Iterable[RunRecord], setup: Setup, scope: str, recipe: s
     cell.update(status="measured", tgs=m.get("summary/tgs_median"), tgs_min=m.get("summary/tgs_min"),
                 tgs_max=m.get("summary/tgs_max"), peak_memory_gb=m.get("summary/peak_mem_allocated_gb"),
                 peak_memory_pct=m.get("summary/peak_mem_pct"))
-    if cell["peak_memory_gb"] is None:  # withdrawn from its archive (fp4moe.runs_archive), or a CPU run
+    if cell["peak_memory_gb"] is None:  # withdrawn from its archive (fp4moe.runs.archive), or a CPU run
         note = run.tags.get("peak_memory", "")
         cell["memory_note"] = (WITHDRAWN if "fp4moe.withdrawn_metrics" in run.tags
                                else note if note.startswith(NOT_MEASURED) else NOT_MEASURED)
@@ -232,7 +232,7 @@ def f4_rows(layer_runs: list[RunRecord]) -> list[dict]:
         m = {rec: run.metrics for rec, run in recs.items()}
         g = lambda rec, key: m.get(rec, {}).get(key)  # noqa: E731
         out.append({"gpu": p.get("gpu", "?"), "world_size": p.get("world_size", "?"), "commit": p.get("commit", "?"),
-                    "variant": p.get("variant", ""),  # fp4moe.layer_bench_log.variant: '' = the default path
+                    "variant": p.get("variant", ""),  # fp4moe.tracking.layer_bench_log.variant: '' = the default path
                     "start_time": max(run.start_time for run in recs.values()),  # logged (ms; not in the CSV)
                     "date": p.get("date", "?"), "tokens": p.get("shape.tokens", "?"),
                     "local_experts": p.get("shape.local_experts", "?"),

@@ -13,7 +13,7 @@
 - :mod:`fp4moe.train.optim`: megatron-core's DDP, optimizer and LR scheduler from the ``optimizer`` group,
   ``train.adamw`` and ``train.schedule``
 - :mod:`fp4moe.train.checkpoint`: atomic per-rank checkpoints, resume checks
-- :mod:`fp4moe.slurm` (outside this package): checkpoint-and-stop on SIGTERM / SIGUSR1, checkpoint-and-requeue on
+- :mod:`fp4moe.launch.slurm` (outside this package): checkpoint-and-stop on SIGTERM / SIGUSR1, checkpoint-and-requeue on
   Slurm's SIGUSR2, the failed-job callback
 - :mod:`fp4moe.train.metrics`: MLflow run (params, tags, per-step metrics, summary), tokens/GPU/s, peak memory
 

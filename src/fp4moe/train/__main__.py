@@ -4,15 +4,15 @@
     python -m fp4moe.train train=short_cpu train.params_dtype=fp32
     torchrun --nproc-per-node 2 -m fp4moe.train parallel=two_gpu_ep2 cluster=workstation_2gpu
     python -m fp4moe.train experiment=paper_t1 hydra/launcher=slurm_h100    # Slurm via submitit (P4)
-    python -m fp4moe.train experiment=paper_f4 hydra/launcher=slurm_h100    # a benchmark (F3/F4): fp4moe.bench_job
+    python -m fp4moe.train experiment=paper_f4 hydra/launcher=slurm_h100    # a benchmark (F3/F4): fp4moe.launch.bench_job
 
 A finished run ends with one line, ``done: step S/T, loss L, ..., N tokens/GPU/s (median), peak memory M GiB; log
-DIR; checkpoints DIR; MLflow URI run ID`` (fp4moe.run_summary.done_line); a multirun with the table of its cells
-(fp4moe.run_summary.MultirunSummary). Known-harmless megatron-core/MLflow warnings are not shown
+DIR; checkpoints DIR; MLflow URI run ID`` (fp4moe.runs.outcome.done_line); a multirun with the table of its cells
+(fp4moe.runs.outcome.MultirunSummary). Known-harmless megatron-core/MLflow warnings are not shown
 (fp4moe.known_warnings).
 
 Each run has its own folder, ``logs/<task_name>/runs/<model>-<precision>-<recompute>-<hash of the config>``
-(fp4moe.run_folder; the hash leaves out keys that do not change the run, such as ``train.progress_bar``), where
+(fp4moe.runs.folder; the hash leaves out keys that do not change the run, such as ``train.progress_bar``), where
 its checkpoints go (a relative ``train.checkpoint_dir``, the default): the same command continues a stopped run, and
 on a finished one says so and exits 0 without training. ``hydra.run.dir=...`` picks another folder.
 
@@ -25,7 +25,7 @@ of GPU memory (recorded in MLflow as ``outcome=OOM``; in a multirun the sweep go
 (SIGTERM, SIGUSR1, SIGINT: Ctrl-C; a second Ctrl-C aborts without it) after writing a checkpoint; the stop message
 prints the command that resumes (the same command; in a multirun with checkpoints in its timestamped sweep folder,
 plus ``hydra.sweep.dir=...``). In a Slurm job, SIGUSR2 (the time-limit / preemption signal of the launcher
-profiles) writes a checkpoint and requeues the job, which resumes from it into the same MLflow run (fp4moe.slurm).
+profiles) writes a checkpoint and requeues the job, which resumes from it into the same MLflow run (fp4moe.launch.slurm).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from fp4moe.config import ConfigError
 from fp4moe.data.errors import DataError
 from fp4moe.paths import conf_dir
 from fp4moe.recipe import Recipe, RecipeError
-from fp4moe.tracking import TrackingUnavailable
+from fp4moe.tracking.mlflow_store import TrackingUnavailable
 from fp4moe.train.data import DataUnavailable
 
 CONF_DIR = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
@@ -71,7 +71,7 @@ def _hydra_context() -> tuple[str | None, str | None, bool, str | None]:
     return cell, out, multirun, _refind(hc, multirun, out)
 
 
-# resolvers whose value is the same on every call with the same config (fp4moe.run_folder); any other one in the
+# resolvers whose value is the same on every call with the same config (fp4moe.runs.folder); any other one in the
 # folder's setting (Hydra's ${now:...}, ${oc.env:...}) may give another folder next time
 _STABLE_RESOLVERS = {"fp4moe.run_name"}
 
@@ -79,7 +79,7 @@ _STABLE_RESOLVERS = {"fp4moe.run_name"}
 def _refind(hc, multirun: bool, out: str) -> str | None:
     """``hydra.run.dir=<out>`` (a multirun: ``hydra.sweep.dir=<its sweep folder>``) when the folder's setting uses a
     resolver that may change between calls (the multiruns' timestamp); None when the same command finds ``out``
-    again (the run folder of fp4moe.run_folder, or a fixed ``hydra.run.dir=...``)."""
+    again (the run folder of fp4moe.runs.folder, or a fixed ``hydra.run.dir=...``)."""
     from omegaconf import OmegaConf
 
     raw = str(OmegaConf.to_container(hc.sweep if multirun else hc.run, resolve=False)["dir"])
@@ -117,7 +117,7 @@ def main(cfg: DictConfig) -> dict | None:
     if not faulthandler.is_enabled():
         faulthandler.enable()
     cell, out, multirun, refind = _hydra_context()
-    from fp4moe import bench_job
+    from fp4moe.launch import bench_job
     from fp4moe.train.host_env import apply_cluster_env
 
     try:
@@ -125,7 +125,7 @@ def main(cfg: DictConfig) -> dict | None:
     except ConfigError as e:
         print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    if bench_job.is_bench(cfg):  # F3/F4: a benchmark, not training (fp4moe/bench_job.py)
+    if bench_job.is_bench(cfg):  # F3/F4: a benchmark, not training (fp4moe/launch/bench_job.py)
         try:
             return bench_job.run(cfg)
         except ConfigError as e:
@@ -152,8 +152,8 @@ def main(cfg: DictConfig) -> dict | None:
         return {"outcome": "already finished", "run_id": result.run_id, "step": result.step,
                 "total_steps": result.total_steps, "checkpoint": str(result.checkpoint)}
     s = result.summary
-    from fp4moe.run_summary import done_line
-    from fp4moe.tracking import without_credentials
+    from fp4moe.runs.outcome import done_line
+    from fp4moe.tracking.mlflow_store import without_credentials
     from fp4moe.train.metrics import resolve_uri
 
     done = {"outcome": "done", "run_id": result.run_id, "start_step": result.start_step, "step": result.step,
@@ -169,8 +169,8 @@ def main(cfg: DictConfig) -> dict | None:
 
 if __name__ == "__main__":
     # a job's process: a time-limit or stop signal during the start-up (torch, megatron-core, the rendezvous) is kept
-    # for the run instead of killing it (fp4moe.slurm.catch_early)
-    from fp4moe import slurm
+    # for the run instead of killing it (fp4moe.launch.slurm.catch_early)
+    from fp4moe.launch import slurm
 
     slurm.catch_early()
     main()

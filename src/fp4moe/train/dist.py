@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fp4moe.config import ConfigError
-from fp4moe.tracking import MAX_TAG_CHARS
+from fp4moe.tracking.mlflow_store import MAX_TAG_CHARS
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fp4moe import slurm
+from fp4moe.launch import slurm
 
 log = logging.getLogger("fp4moe.train")
 
@@ -87,7 +87,7 @@ def caller(after_step: Callable[[int, dict[str, float]], None]) -> Hook:
 
 
 def faults(cfg: Any) -> Hook:
-    """The ``+fault.*`` test knobs (fp4moe.slurm.inject_faults: fail at a step, sleep after each step); the Slurm
+    """The ``+fault.*`` test knobs (fp4moe.launch.slurm.inject_faults: fail at a step, sleep after each step); the Slurm
     tests set them on the command line of a job, where no Python hook can reach."""
     return lambda s: slurm.inject_faults(cfg, s.step)
 

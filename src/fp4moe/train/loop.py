@@ -43,7 +43,8 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from fp4moe import slurm, tracking
+from fp4moe.launch import slurm
+from fp4moe.tracking import mlflow_store
 from fp4moe.config import ConfigError, check
 from fp4moe.train import resume
 from fp4moe.train.dist import check_supported, init_distributed, init_model_parallel, teardown, warm_up_communicators
@@ -116,7 +117,7 @@ def preflight(cfg: Any) -> dict[str, Any]:
         raise ConfigError(str(e)) from None
     from fp4moe.train.metrics import resolve_uri
 
-    tracking.check_reachable(resolve_uri(cfg))
+    mlflow_store.check_reachable(resolve_uri(cfg))
     import torch
 
     from fp4moe.model.megatron_import import import_megatron_core

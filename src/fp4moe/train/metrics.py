@@ -1,9 +1,9 @@
 """MLflow for a training run (rank 0 only), throughput and memory measurement.
 
 One MLflow run per training run, in experiment ``tracking.experiment`` of store ``tracking.uri`` (else
-``fp4moe.tracking.tracking_uri()``: ``$MLFLOW_TRACKING_URI`` or ``<repo>/mlruns/mlflow.db``). The store is
-checked with ``fp4moe.tracking.check_reachable`` before anything is built. A resumed run continues the MLflow run
-whose id its checkpoint holds.
+``fp4moe.tracking.mlflow_store.tracking_uri()``: ``$MLFLOW_TRACKING_URI`` or ``<repo>/mlruns/mlflow.db``). The store is
+checked with ``fp4moe.tracking.mlflow_store.check_reachable`` before anything is built. A resumed run continues the
+MLflow run whose id its checkpoint holds.
 
 - params: the resolved config flattened to dotted keys (lists as JSON), ``derived.*`` (fp4moe.config.derived),
   ``recipe`` (the recipe's name in results, ``Recipe.tag``: precision.label or precision.name), ``git_commit``.
@@ -53,7 +53,7 @@ from typing import Any, Mapping
 
 from omegaconf import OmegaConf
 
-from fp4moe import tracking
+from fp4moe.tracking import mlflow_store
 
 log = logging.getLogger("fp4moe.train")
 GB = 1024 ** 3
@@ -61,7 +61,7 @@ GB = 1024 ** 3
 
 def resolve_uri(cfg: Any) -> str:
     uri = OmegaConf.select(cfg, "tracking.uri")
-    return str(uri) if uri else tracking.tracking_uri()
+    return str(uri) if uri else mlflow_store.tracking_uri()
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, str]:
@@ -139,10 +139,10 @@ def _send(client: Any, rec: Mapping[str, Any]) -> None:
 
     run_id, kind = rec["run_id"], rec["kind"]
     if kind == "metrics":
-        tracking.log_batched(client, run_id, metrics=[Metric(k, float(v), int(rec["time"]), int(rec["step"]))
-                                                      for k, v in rec["metrics"].items()])
+        mlflow_store.log_batched(client, run_id, metrics=[Metric(k, float(v), int(rec["time"]), int(rec["step"]))
+                                                          for k, v in rec["metrics"].items()])
     elif kind == "tags":
-        tracking.log_batched(client, run_id, tags=[RunTag(k, str(v)) for k, v in rec["tags"].items()])
+        mlflow_store.log_batched(client, run_id, tags=[RunTag(k, str(v)) for k, v in rec["tags"].items()])
     elif kind == "status":
         client.set_terminated(run_id, status=rec["status"], end_time=rec.get("time"))
     else:
@@ -155,7 +155,7 @@ def replay_pending(path: str | os.PathLike, uri: str | None = None) -> tuple[int
     A last line cut short by a kill is skipped. TrackingUnavailable (one line: the store, the file, the fix) when
     the store cannot take them; the file then stays, and a second replay logs everything again (a metric logged
     twice at one step has the same value)."""
-    from fp4moe.tracking import TrackingUnavailable, check_reachable
+    from fp4moe.tracking.mlflow_store import TrackingUnavailable, check_reachable
 
     path = Path(path)
     lines = path.read_text().splitlines()
@@ -168,17 +168,17 @@ def replay_pending(path: str | os.PathLike, uri: str | None = None) -> tuple[int
                 raise TrackingUnavailable(f"{path} line {i + 1} is not JSON: not a pending file of fp4moe.train "
                                           "(fp4moe.train.metrics.Tracker writes them)") from None
     stores = [r["uri"] for r in recs if r.get("kind") == "store"]
-    uri = uri or (stores[-1] if stores else tracking.tracking_uri())
+    uri = uri or (stores[-1] if stores else mlflow_store.tracking_uri())
     writes = [r for r in recs if r.get("kind") != "store"]
     runs = list(dict.fromkeys(r["run_id"] for r in writes))
     check_reachable(uri, f"(The metrics of run(s) {', '.join(runs)} stay in {path} until then.)")
-    client = tracking._client(uri)
+    client = mlflow_store._client(uri)
     fix = f"the file stays; fix the store and run `{REPLAY_COMMAND} {path}` again"
     for run_id in runs:
         try:
             client.get_run(run_id)
         except Exception as e:  # noqa: BLE001 - mlflow raises its own exception types for a missing run
-            raise TrackingUnavailable(f"MLflow store {tracking.without_credentials(uri)} has no run {run_id}, which "
+            raise TrackingUnavailable(f"MLflow store {mlflow_store.without_credentials(uri)} has no run {run_id}, which "
                                       f"{path} belongs to ({_why(e)}): pass that run's store with --tracking-uri "
                                       f"(or MLFLOW_TRACKING_URI), or move {path} away to go on without "
                                       "logging it") from None
@@ -186,7 +186,7 @@ def replay_pending(path: str | os.PathLike, uri: str | None = None) -> tuple[int
         for rec in writes:
             _send(client, rec)
     except Exception as e:  # noqa: BLE001 - any store failure: one line
-        raise TrackingUnavailable(f"logging {path} into MLflow store {tracking.without_credentials(uri)} failed "
+        raise TrackingUnavailable(f"logging {path} into MLflow store {mlflow_store.without_credentials(uri)} failed "
                                   f"({_why(e)}); {fix}") from None
     path.unlink()
     return len(writes), runs
@@ -277,7 +277,7 @@ class Tracker:
             self._kept_steps = [self._kept_steps[0] if self._kept_steps else rec["step"], rec["step"]]
 
     def _store(self) -> str:
-        return tracking.without_credentials(self.uri)
+        return mlflow_store.without_credentials(self.uri)
 
     def _keep(self, rec: dict[str, Any]) -> None:
         if self._error is not None:
@@ -325,9 +325,9 @@ class Tracker:
 
         if self.pending is not None:
             if self.uri.startswith(("http://", "https://")):  # fail over to the pending file in seconds, not minutes
-                tracking.limit_http_retries()
+                mlflow_store.limit_http_retries()
             replay_if_pending(self.pending, self.uri)
-        self.client = tracking._client(self.uri)
+        self.client = mlflow_store._client(self.uri)
         client = self.client
         existing = None
         if resume_run_id:
@@ -351,16 +351,16 @@ class Tracker:
                 tags["resume.stopped_by_signals"] = ",".join(filter(None, (before, old_tags["stopped_by_signal"])))
                 client.delete_tag(resume_run_id, "stopped_by_signal")
         else:
-            exp_id = tracking._experiment_id(client, self.experiment, self.uri)
+            exp_id = mlflow_store._experiment_id(client, self.experiment, self.uri)
             self.run_id = client.create_run(exp_id, run_name=run_name).info.run_id
             if resume_run_id:
                 tags = {**tags, "resumed_from_missing_run": resume_run_id}
         lost = earlier_run if earlier_run and earlier_run != self.run_id else None
         if lost:
             tags = {**tags, "earlier_attempt": lost}
-        all_tags = {**tracking.environment_tags(), **tags}
-        tracking.log_batched(client, self.run_id, params=[Param(k[:250], v[:6000]) for k, v in params.items()],
-                             tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
+        all_tags = {**mlflow_store.environment_tags(), **tags}
+        mlflow_store.log_batched(client, self.run_id, params=[Param(k[:250], v[:6000]) for k, v in params.items()],
+                                 tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
         if lost:
             self._end_lost(lost)
         if self.background:
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from fp4moe import known_warnings
-    from fp4moe.tracking import TrackingUnavailable
+    from fp4moe.tracking.mlflow_store import TrackingUnavailable
 
     known_warnings.install()
 

@@ -10,7 +10,7 @@ Writes, per rank, into ``<train.profile.dir or the Hydra job folder or .>/profil
 * ``trace.json``: the Chrome trace of the window (open in chrome://tracing or Perfetto);
 * with ``train.profile.memory=true`` (CUDA only): ``memory_peak.txt`` / ``memory_peak.json``, what was live at the
   window's memory peak, and what was already live when it opened, by allocation site and trainer line
-  (:mod:`fp4moe.memtrace`; the history is recorded from before the model is built), and
+  (:mod:`fp4moe.tracking.memtrace`; the history is recorded from before the model is built), and
   ``memory_snapshot.pickle`` (open it at https://pytorch.org/memory_viz). ``train.profile.ops=false`` turns the
   torch.profiler part off (its own allocations then stay out of the memory trace).
 
@@ -142,7 +142,7 @@ class StepProfiler:
 
         import torch
 
-        from fp4moe.memtrace import format_breakdown, peak_breakdown
+        from fp4moe.tracking.memtrace import format_breakdown, peak_breakdown
 
         trace = self._trace(snapshot)
         if len(trace) >= MEMORY_MAX_EVENTS:

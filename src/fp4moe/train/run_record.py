@@ -13,7 +13,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from fp4moe import slurm, tracking
+from fp4moe.launch import slurm
+from fp4moe.tracking import mlflow_store
 from fp4moe.recipe import Recipe
 from fp4moe.train.dist import host_tags
 
@@ -36,13 +37,13 @@ def describe(cfg: Any, derived: dict[str, Any], info: Any, setting: Any, dinfo: 
     ``dinfo``, checkpointing into ``root``."""
     from fp4moe.train.metrics import flatten, hardware_tags, resolve_uri
 
-    store = tracking.without_credentials(resolve_uri(cfg))
+    store = mlflow_store.without_credentials(resolve_uri(cfg))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     params = flatten({k: v for k, v in resolved.items() if k != "hydra"})
     params["tracking.uri"] = store
     params.update({f"derived.{k}": str(v) for k, v in derived.items()})
     recipe = Recipe.from_config(cfg.precision).tag
-    params.update({"recipe": recipe, "git_commit": tracking.environment_tags()["mlflow.source.git.commit"],
+    params.update({"recipe": recipe, "git_commit": mlflow_store.environment_tags()["mlflow.source.git.commit"],
                    "data.vocab_size_tokenizer": str(dinfo.get("vocab_size")),
                    "data.train_tokens": str(dinfo.get("train_tokens")),
                    "data.valid_tokens": str(dinfo.get("valid_tokens")),
@@ -52,7 +53,7 @@ def describe(cfg: Any, derived: dict[str, Any], info: Any, setting: Any, dinfo: 
     tags.update({"recipe": recipe, "recompute": str(cfg.recompute.name), "model": str(cfg.model.name),
                  "optimizer": setting.name, "checkpoint_dir": str(root), **host_tags(info.hosts),
                  **slurm.job_tags()})
-    extra = OmegaConf.select(cfg, "tracking.tags", default=None) or {}  # the caller's own (fp4moe.reproduce_runs)
+    extra = OmegaConf.select(cfg, "tracking.tags", default=None) or {}  # the caller's own (fp4moe.reproduce.train_runs)
     tags.update({str(k): str(v) for k, v in extra.items()})
     name = f"{cfg.get('task_name', 'train')}/{cfg.model.name}/{recipe}/{cfg.recompute.name}"
     return RunRecord(name=name, params=params, tags=tags, recipe=recipe, store=store)

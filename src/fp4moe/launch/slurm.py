@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from fp4moe import tracking
+from fp4moe.tracking import mlflow_store
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)   # checkpoint and stop, no requeue (SIGINT: Ctrl-C)
 
@@ -84,8 +84,8 @@ def rank() -> int:
 def prepare_tracking(uri: str | None = None) -> str:
     """Create the MLflow store's schema now, in one process: parallel jobs opening a new sqlite file race in its
     migrations (``table _alembic_tmp_... already exists``). Returns the URI."""
-    uri = uri or tracking.tracking_uri()
-    tracking.check_reachable(uri)
+    uri = uri or mlflow_store.tracking_uri()
+    mlflow_store.check_reachable(uri)
     if uri.startswith("sqlite:"):
         from mlflow import MlflowClient
 
@@ -101,8 +101,8 @@ _early: list[int] = []   # the first signal catch_early() recorded, until a Pree
 def _on_early_signal(signum: int, frame: Any) -> None:
     if not _early:
         _early.append(signum)
-        print(f"fp4moe.slurm: got {signal.Signals(signum).name} while starting: the run checkpoints after its first "
-              "step", file=sys.stderr, flush=True)
+        print(f"fp4moe.launch.slurm: got {signal.Signals(signum).name} while starting: the run checkpoints after its "
+              "first step", file=sys.stderr, flush=True)
 
 
 def catch_early(signals: tuple[signal.Signals, ...] | None = None) -> None:
@@ -166,7 +166,7 @@ class Preemption:
                 try:
                     self._stacks = open(self.stacks_file, "a")
                 except OSError as e:
-                    print(f"fp4moe.slurm: cannot open {self.stacks_file} for the stacks at a stop signal ({e})",
+                    print(f"fp4moe.launch.slurm: cannot open {self.stacks_file} for the stacks at a stop signal ({e})",
                           file=sys.stderr)
             self._install_stacks()
             self._active = True
@@ -199,8 +199,8 @@ class Preemption:
         for s, what in replaced:
             if s not in self._warned:
                 self._warned.add(s)
-                print(f"fp4moe.slurm: the {signal.Signals(s).name} handler was replaced (now: {what}) by a library "
-                      "after the run started; put back, so that the signal still checkpoints", file=sys.stderr,
+                print(f"fp4moe.launch.slurm: the {signal.Signals(s).name} handler was replaced (now: {what}) by a "
+                      "library after the run started; put back, so that the signal still checkpoints", file=sys.stderr,
                       flush=True)
             if self._stacks is not None:
                 faulthandler.unregister(s)
@@ -236,7 +236,7 @@ class Preemption:
         self.received = signum
         then = "requeue" if self.will_requeue(signum) else "stop"
         again = " (Ctrl-C again aborts without it)" if signum == signal.SIGINT else ""
-        print(f"fp4moe.slurm: got {signal.Signals(signum).name}: checkpoint after this step, then {then}{again}",
+        print(f"fp4moe.launch.slurm: got {signal.Signals(signum).name}: checkpoint after this step, then {then}{again}",
               file=sys.stderr, flush=True)
 
     def poll(self, device: Any = None) -> int:
@@ -289,7 +289,7 @@ class Preemption:
             if rank() == 0:
                 subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
             raise Requeued(0)
-        raise Requeued("fp4moe.slurm: preempted outside Slurm; the checkpoint is written, run again to resume")
+        raise Requeued("fp4moe.launch.slurm: preempted outside Slurm; the checkpoint is written, run again to resume")
 
 
 # ---------------------------------------------------------------------------------------------- test knobs
@@ -304,7 +304,7 @@ def inject_faults(cfg: Any, step: int) -> None:
     if not fault:
         return
     if fault.get("fail_at_step") is not None and step == int(fault.fail_at_step):
-        raise RuntimeError(f"fp4moe.slurm.inject_faults: fault.fail_at_step={step}")
+        raise RuntimeError(f"fp4moe.launch.slurm.inject_faults: fault.fail_at_step={step}")
     attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     if fault.get("sleep_s") and attempt < int(fault.get("sleep_attempts", 1)):
         time.sleep(float(fault.sleep_s))
@@ -364,4 +364,4 @@ def _submitit_error_result(err: BaseException) -> None:
         with utils.temporary_save_path(path) as tmp:
             utils.cloudpickle_dump(("error", text), tmp)
     except Exception as e:  # noqa: BLE001
-        print(f"fp4moe.slurm: could not write submitit's error result ({e!r})", file=sys.stderr)
+        print(f"fp4moe.launch.slurm: could not write submitit's error result ({e!r})", file=sys.stderr)

@@ -1,9 +1,9 @@
 """Trainer runs measured elsewhere (a GPU machine, a cluster) kept in the repository as JSON and loaded into any
 MLflow store, so that ``make reproduce-table`` on a fresh machine reports them beside the paper's numbers.
 
-    python -m fp4moe.runs_archive export STORE [STORE ...] OUT.json --note "what, where, command" [--experiment NAME ...]
-    python -m fp4moe.runs_archive import results/train_proxy/ [more files or folders] [--uri URI]
-    python -m fp4moe.runs_archive withdraw ARCHIVE.json --metric KEY [--metric KEY ...] --reason "why"
+    python -m fp4moe.runs.archive export STORE [STORE ...] OUT.json --note "what, where, command" [--experiment NAME ...]
+    python -m fp4moe.runs.archive import results/train_proxy/ [more files or folders] [--uri URI]
+    python -m fp4moe.runs.archive withdraw ARCHIVE.json --metric KEY [--metric KEY ...] --reason "why"
 
 An archive (``format: fp4moe-runs/1``) holds, per run: experiment name, run name, status, start/end time (ms), every
 param and tag, and every metric's full history ``[[step, value, timestamp_ms], ...]``; plus ``note`` (free text:
@@ -11,8 +11,8 @@ hardware, commit, command) and ``exported_utc``. STORE is a tracking URI, a ``.d
 ``mlflow.db``; several stores go into one archive (runs that shared a machine but not a store, e.g. one seed's
 recipes run at once). Export refuses a store with no runs (nothing would be archived) and writes atomically.
 Archives go into results/, so export writes the param and tag values and the note with the machine's folders
-named portably (``fp4moe.tracking.portable``: ``/path/to/checkout/data/...`` -> ``<repo>/data/...``, ``$OUT``, ``~``);
-the store keeps what the trainer logged. Metrics are copied as they are.
+named portably (``fp4moe.tracking.mlflow_store.portable``: ``/path/to/checkout/data/...`` -> ``<repo>/data/...``,
+``$OUT``, ``~``); the store keeps what the trainer logged. Metrics are copied as they are.
 
 OUT ending in ``.json.xz`` is written xz-compressed (compact JSON): a 300 M-token run logs ~40 series of 2289 steps,
 9 MB as indented JSON and 0.5 MB compressed. Every command here reads both kinds; a folder stands for both.
@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from fp4moe import tracking
+from fp4moe.tracking import mlflow_store
 from fp4moe.atomic_write import write_bytes_atomic
-from fp4moe.bench_log import expand as files_of
+from fp4moe.tracking.bench_log import expand as files_of
 
 FORMAT = "fp4moe-runs/1"
 ARCHIVED_ID = "fp4moe.archived_run_id"
@@ -58,7 +58,7 @@ def export(store: str | os.PathLike | Sequence[str | os.PathLike], out: str | os
            experiments: Sequence[str] | None = None) -> int:
     """Write every run of ``store`` (one, or a sequence of stores; only ``experiments`` when given) to ``out``;
     returns the number of runs. Every store must hold runs: a missing or empty one is an error, nothing written.
-    Param and tag values and ``note`` name folders portably (``<repo>/...``; fp4moe.tracking.portable)."""
+    Param and tag values and ``note`` name folders portably (``<repo>/...``; fp4moe.tracking.mlflow_store.portable)."""
     if not Path(out).name.endswith(SUFFIXES):  # a folder's archives are found by these names only
         raise ArchiveError(f"{out}: an archive's name ends in .json, or .json.xz to write it xz-compressed")
     stores = [store] if isinstance(store, (str, os.PathLike)) else list(store)
@@ -66,7 +66,7 @@ def export(store: str | os.PathLike | Sequence[str | os.PathLike], out: str | os
         raise ArchiveError("no store to export: name at least one tracking URI, .db file or folder")
     runs = [run for s in stores for run in _runs_of(s, experiments)]
     runs.sort(key=lambda r: (r["experiment"], r["start_time"] or 0, r["run_id"]))
-    portable = tracking.portable_paths()
+    portable = mlflow_store.portable_paths()
     for run in runs:
         for kind in ("params", "tags"):
             run[kind] = {k: portable(v) for k, v in run[kind].items()}
@@ -82,7 +82,7 @@ def _runs_of(store: str | os.PathLike, experiments: Sequence[str] | None) -> lis
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
-    uri = tracking.normalize_uri(store)
+    uri = mlflow_store.normalize_uri(store)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         raise ArchiveError(f"{store}: no MLflow store there (looked for {uri.removeprefix('sqlite:///')})")
     client = MlflowClient(tracking_uri=uri)
@@ -90,7 +90,7 @@ def _runs_of(store: str | os.PathLike, experiments: Sequence[str] | None) -> lis
     for exp in client.search_experiments(view_type=ViewType.ACTIVE_ONLY):
         if experiments and exp.name not in experiments:
             continue
-        for r in tracking.search_all_runs(client, [exp.experiment_id]):
+        for r in mlflow_store.search_all_runs(client, [exp.experiment_id]):
             hist = {key: [[m.step, m.value, m.timestamp] for m in
                           sorted(client.get_metric_history(r.info.run_id, key), key=lambda m: (m.step, m.timestamp))]
                     for key in r.data.metrics}
@@ -152,7 +152,7 @@ def load(path: str | os.PathLike) -> dict:
         raise ArchiveError(f"{p}: cannot read a JSON document ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ArchiveError(f"{p}: not a runs archive (no 'format: {FORMAT}'); write one with "
-                           "python -m fp4moe.runs_archive export")
+                           "python -m fp4moe.runs.archive export")
     for i, run in enumerate(doc.get("runs") or []):
         missing = [k for k in ("run_id", "experiment", "params", "tags", "metrics") if k not in run]
         if missing:
@@ -160,7 +160,7 @@ def load(path: str | os.PathLike) -> dict:
     for entry in doc.get("withdrawn_metrics") or []:
         if not (isinstance(entry, dict) and isinstance(entry.get("keys"), list) and entry.get("reason")):
             raise ArchiveError(f"{p}: withdrawn_metrics entries need 'keys' (a list) and 'reason'; write them with "
-                               "python -m fp4moe.runs_archive withdraw")
+                               "python -m fp4moe.runs.archive withdraw")
     return doc
 
 
@@ -173,7 +173,8 @@ def _is_archive(path: Path) -> bool:
 
 def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """Files as given (each must be an archive); a folder stands for the archives among its ``*.json`` and
-    every ``*.json.xz``, in name order (``fp4moe.bench_log.expand``'s walk; other JSON files there are left alone)."""
+    every ``*.json.xz``, in name order (``fp4moe.tracking.bench_log.expand``'s walk; other JSON files there are left
+    alone)."""
     out: list[Path] = []
     for given in map(Path, paths):
         try:
@@ -187,21 +188,21 @@ def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log=print) -> tuple[int, int]:
-    """Load every run of the archives ``paths`` into the store ``uri`` (default fp4moe.tracking's); returns
+    """Load every run of the archives ``paths`` into the store ``uri`` (default fp4moe.tracking.mlflow_store's); returns
     (runs added, runs already there)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param, RunTag
 
-    uri = uri or tracking.tracking_uri()
-    tracking.check_reachable(uri)
+    uri = uri or mlflow_store.tracking_uri()
+    mlflow_store.check_reachable(uri)
     client = MlflowClient(tracking_uri=uri)
     added = skipped = 0
     for path in paths:
         doc = load(path)
         gone = withdrawn(doc)
         for run in doc["runs"]:
-            exp_id = tracking._experiment_id(client, run["experiment"], uri)
+            exp_id = mlflow_store._experiment_id(client, run["experiment"], uri)
             origin = run["tags"].get(ARCHIVED_ID, run["run_id"])  # the id where it was measured, kept through re-archiving
             found = client.search_runs([exp_id], filter_string=f"tags.`{ARCHIVED_ID}` = '{origin}'", max_results=1)
             if found:
@@ -215,11 +216,11 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
                 if held:
                     tags[WITHDRAWN] = "; ".join(f"{k}: {gone[k]}" for k in held)[:5000]
                 tags.pop("mlflow.runName", None)
-                tracking.log_batched(client, rid, params=[Param(k, str(v)) for k, v in run["params"].items()],
-                                     tags=[RunTag(k, str(v)) for k, v in tags.items()],
-                                     metrics=[Metric(k, float(v), int(ts), int(step))
-                                              for k, hist in run["metrics"].items() if k not in gone
-                                              for step, v, ts in hist])
+                mlflow_store.log_batched(client, rid, params=[Param(k, str(v)) for k, v in run["params"].items()],
+                                         tags=[RunTag(k, str(v)) for k, v in tags.items()],
+                                         metrics=[Metric(k, float(v), int(ts), int(step))
+                                                  for k, hist in run["metrics"].items() if k not in gone
+                                                  for step, v, ts in hist])
             except BaseException:
                 client.delete_run(rid)  # nothing half-imported stays (a later import retries the run)
                 raise
@@ -230,7 +231,7 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fp4moe.runs_archive", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m fp4moe.runs.archive", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="write the runs of one or more stores to a JSON archive")
@@ -257,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             added, skipped = import_files(expand(a.paths), a.uri)
             print(f"imported {added} runs, {skipped} already there")
     except ArchiveError as exc:
-        print(f"fp4moe.runs_archive: {exc}", file=sys.stderr)
+        print(f"fp4moe.runs.archive: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -1,6 +1,6 @@
 """The scaled-down experiments this machine can run, as a step of ``make reproduce-table`` (issue 6).
 
-    python -m fp4moe.reproduce_runs [--list] [--rerun] [--slurm PROFILE]   # also run by python -m fp4moe.reproduce
+    python -m fp4moe.reproduce.train_runs [--list] [--rerun] [--slurm PROFILE]   # also run by python -m fp4moe.reproduce
 
 What runs where (``plan()``):
 
@@ -191,7 +191,7 @@ def slurm_plan(profile: str, root: Path | None = None) -> tuple[list[Cell], list
 
 def _keyed_runs(client, experiments: set[str]) -> list:
     """The runs of ``experiments`` (names; missing ones skipped) that carry a cell key (``KEY_TAG``)."""
-    from fp4moe.tracking import search_all_runs
+    from fp4moe.tracking.mlflow_store import search_all_runs
 
     ids = [e.experiment_id for e in map(client.get_experiment_by_name, sorted(experiments)) if e is not None]
     return search_all_runs(client, ids, f"tags.`{KEY_TAG}` != ''") if ids else []
@@ -203,7 +203,7 @@ def finished_keys(uri: str, experiments: set[str]) -> set[str]:
     machine's and does not stand in for this one's."""
     from mlflow import MlflowClient
 
-    from fp4moe.runs_archive import ARCHIVE_FILE
+    from fp4moe.runs.archive import ARCHIVE_FILE
 
     return {r.data.tags[KEY_TAG] for r in _keyed_runs(MlflowClient(tracking_uri=uri), experiments)
             if (r.info.status == "FINISHED" or r.data.tags.get("outcome") == "OOM") and ARCHIVE_FILE not in r.data.tags}
@@ -301,7 +301,8 @@ def run_plan(cells: Sequence[Cell], notes: Sequence[str], uri: str, *, rerun: bo
     """:func:`run_here`'s work for a plan already made."""
     for n in notes:
         say(n)
-    say(f"{len(cells)} cells{f' as Slurm jobs ({slurm})' if slurm else ''} (python -m fp4moe.reproduce_runs --list)")
+    say(f"{len(cells)} cells{f' as Slurm jobs ({slurm})' if slurm else ''} "
+        "(python -m fp4moe.reproduce.train_runs --list)")
     ran, reused, failures = run(cells, uri, rerun=rerun, at_once=bool(slurm))
     say(f"{ran} ran, {reused} reused from MLflow, {len(failures)} failed")
     for f in failures:
@@ -310,7 +311,7 @@ def run_plan(cells: Sequence[Cell], notes: Sequence[str], uri: str, *, rerun: bo
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fp4moe.reproduce_runs", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m fp4moe.reproduce.train_runs", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--list", action="store_true", help="print this machine's cells and whether each is done")
     ap.add_argument("--rerun", action="store_true", help="run every cell again, even those already in MLflow")
@@ -318,16 +319,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--slurm", default=None, metavar="PROFILE",
                     help="submit the cells as Slurm jobs of this cluster/launcher profile (e.g. slurm_h100) and wait")
     a = ap.parse_args(argv)
-    from fp4moe import tracking
+    from fp4moe.tracking import mlflow_store
 
     from fp4moe.config import ConfigError
 
-    uri = a.tracking_uri or tracking.tracking_uri()
-    tracking.check_reachable(uri)
+    uri = a.tracking_uri or mlflow_store.tracking_uri()
+    mlflow_store.check_reachable(uri)
     try:
         cells, notes = slurm_plan(a.slurm) if a.slurm else plan()
     except ConfigError as e:
-        print(f"fp4moe.reproduce_runs: {e}", file=sys.stderr)
+        print(f"fp4moe.reproduce.train_runs: {e}", file=sys.stderr)
         return 2
     if a.list:
         for n in notes:

@@ -1,4 +1,4 @@
-"""``python -m fp4moe.bench_log <kernels_*.json | folder> ...``: log kernel benchmarks to MLflow.
+"""``python -m fp4moe.tracking.bench_log <kernels_*.json | folder> ...``: log kernel benchmarks to MLflow.
 
 Reads the JSON that ``fp4moe_kernels.bench`` writes (``kernels_<gpu>_<date>_<commit>.json``)::
 
@@ -8,7 +8,7 @@ Reads the JSON that ``fp4moe_kernels.bench`` writes (``kernels_<gpu>_<date>_<com
      "rows": [{"shape", "kernel", "impl", "ms", "bytes", "gbps", "pct_copy", "note", "extra"}, ...],
      "summary": [...], "notes": [...], "sweep": [...]}
 
-and logs it through ``fp4moe.tracking`` into the MLflow experiment ``kernels``:
+and logs it through ``fp4moe.tracking.mlflow_store`` into the MLflow experiment ``kernels``:
 
 * one run per row, named ``<shape>/<kernel>/<impl>``, tag ``kind=row``: params shape, kernel, impl,
   gpu, commit, date, command (and bytes, the minimum bytes the conversion moves); metrics time_us,
@@ -18,7 +18,7 @@ and logs it through ``fp4moe.tracking`` into the MLflow experiment ``kernels``:
   artifacts.
 
 Every run carries the tags ``bench_id`` (a hash of env.date, env.commit and env.gpu: one
-benchmark run) and ``source_file_sha256`` (the file's bytes). The tags that ``fp4moe.tracking`` adds
+benchmark run) and ``source_file_sha256`` (the file's bytes). The tags that ``fp4moe.tracking.mlflow_store`` adds
 about the machine are replaced by what the benchmark recorded (commit, torch, python), since the
 logging machine is usually not the GPU machine; ``logged_from`` names the machine that logged.
 
@@ -113,7 +113,7 @@ def _existing_runs(uri: str, bid: str, experiment_name: str = EXPERIMENT, tag: s
     experiment = client.get_experiment_by_name(experiment_name)
     if experiment is None:
         return []
-    from fp4moe.tracking import search_all_runs
+    from fp4moe.tracking.mlflow_store import search_all_runs
 
     return list(search_all_runs(client, [experiment.experiment_id],
                                 f"tags.{tag} = '{bid}' and attributes.status = 'FINISHED'"))
@@ -121,13 +121,13 @@ def _existing_runs(uri: str, bid: str, experiment_name: str = EXPERIMENT, tag: s
 
 def log_file(path: str | Path, uri: str | None = None) -> LogResult:
     """Log one benchmark JSON (see the module docstring); skip what the store holds already."""
-    from fp4moe import tracking
+    from fp4moe.tracking import mlflow_store
 
     path = Path(path)
     payload, sha = load(path)
     env = payload["env"]
-    uri = uri or tracking.tracking_uri()
-    tracking.check_reachable(uri)
+    uri = uri or mlflow_store.tracking_uri()
+    mlflow_store.check_reachable(uri)
     result = LogResult(path, bench_id(env))
 
     existing = _existing_runs(uri, result.bench_id)
@@ -146,7 +146,7 @@ def log_file(path: str | Path, uri: str | None = None) -> LogResult:
         "bench_id": result.bench_id,
         "source_file_sha256": sha,
         "source_file": path.name,
-        # Where the numbers came from, not the machine that logs them (fp4moe.tracking's defaults).
+        # Where the numbers came from, not the machine that logs them (fp4moe.tracking.mlflow_store's defaults).
         "mlflow.source.git.commit": str(env["commit"]),
         "git_dirty": "unknown",
         "host": str(env.get("host", "unknown")),
@@ -170,7 +170,7 @@ def log_file(path: str | Path, uri: str | None = None) -> LogResult:
         ms = row["ms"]
         metrics = {"time_us": None if ms is None else ms * 1e3,
                    "gbps": row["gbps"], "pct_copy": row["pct_copy"]}
-        result.logged.append(tracking.log_run(
+        result.logged.append(mlflow_store.log_run(
             EXPERIMENT, "/".join(key), params, metrics, tags={**tags, "kind": "row"}, uri=uri))
 
     if not have_summary:
@@ -179,7 +179,7 @@ def log_file(path: str | Path, uri: str | None = None) -> LogResult:
             params["notes"] = _param(" | ".join(map(str, payload["notes"])))
         artifacts = [path] + [p for p in (path.with_suffix(".md"), path.with_suffix(".csv"))
                               if p.is_file()]
-        result.logged.append(tracking.log_run(
+        result.logged.append(mlflow_store.log_run(
             EXPERIMENT, f"summary {env['gpu']} {env['date']}", params,
             {"copy_gbps": payload["copy_gbps"]}, tags={**tags, "kind": "summary"},
             artifacts=artifacts, uri=uri))
@@ -205,14 +205,14 @@ def expand(paths: Iterable[str | Path], glob: str = GLOB, allow_empty: bool = Fa
 
 def log_files(paths: Sequence[str | Path], uri: str | None = None, log=print) -> bool:
     """Log every file; print one line per file. Return False if any file failed (others go on)."""
-    from fp4moe import tracking
+    from fp4moe.tracking import mlflow_store
 
-    uri = uri or tracking.tracking_uri()
+    uri = uri or mlflow_store.tracking_uri()
     ok = True
     for path in paths:
         try:
             res = log_file(path, uri)
-        except (OSError, BenchFileError, tracking.TrackingUnavailable) as err:
+        except (OSError, BenchFileError, mlflow_store.TrackingUnavailable) as err:
             log(f"bench_log: {path}: NOT logged: {err}")
             ok = False
             continue
@@ -229,16 +229,16 @@ def log_files(paths: Sequence[str | Path], uri: str | None = None, log=print) ->
 
 def command_for(paths: Iterable[str | Path]) -> str:
     """The command that logs ``paths`` on a machine with the venv (shown where mlflow is absent)."""
-    return ".venv/bin/python -m fp4moe.bench_log " + " ".join(str(p) for p in paths)
+    return ".venv/bin/python -m fp4moe.tracking.bench_log " + " ".join(str(p) for p in paths)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fp4moe.bench_log",
+        prog="python -m fp4moe.tracking.bench_log",
         description="Log fp4moe_kernels.bench JSON results to MLflow (experiment 'kernels'): one "
                     "run per (shape, kernel, impl) row plus a summary run with the files as "
                     "artifacts. Logging the same benchmark again adds nothing.",
-        epilog="Store: $MLFLOW_TRACKING_URI, else sqlite under <repo>/mlruns/ (fp4moe.tracking).",
+        epilog="Store: $MLFLOW_TRACKING_URI, else sqlite under <repo>/mlruns/ (fp4moe.tracking.mlflow_store).",
     )
     parser.add_argument("paths", nargs="+", metavar="PATH",
                         help=f"a benchmark JSON, or a folder (its {GLOB})")

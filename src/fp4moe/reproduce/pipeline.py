@@ -6,14 +6,14 @@ Steps, in order:
      hardware present), when that module exists;
   3. on a CUDA GPU, the kernel benchmark ``python -m fp4moe_kernels.bench argv``, which writes
      ``results/kernels/kernels_<gpu>_<date>_<commit>.{json,csv,md}``; the JSON it wrote is then logged to
-     MLflow by ``fp4moe.bench_log`` (the same code as ``make log-bench``), or, where mlflow is not
+     MLflow by ``fp4moe.tracking.bench_log`` (the same code as ``make log-bench``), or, where mlflow is not
      installed (the GPU image), the command that logs it elsewhere is printed; on CPU, the
      benchmark files already in results/kernels/ are listed (or their absence said); then the MoE layer
      benchmark (``fp4moe.moe.bench``, EP=1) into results/moe_layer/ the same way. A benchmark of its default
      command that this GPU already ran at this commit is reused, not measured again (``--rerun`` measures again);
-  4. the trainer runs measured on GPUs and archived in ``results/train_proxy/*.json`` (``fp4moe.runs_archive``)
+  4. the trainer runs measured on GPUs and archived in ``results/train_proxy/*.json`` (``fp4moe.runs.archive``)
      loaded into MLflow (idempotent); then the scaled-down experiments this machine can run
-     (``fp4moe.reproduce_runs``: the tiny model on CPU, the H200 proxy's T1 and F5 twins on a Hopper GPU), each
+     (``fp4moe.reproduce.train_runs``: the tiny model on CPU, the H200 proxy's T1 and F5 twins on a Hopper GPU), each
      cell once, reusing the cells MLflow already holds (``--no-train`` skips them, ``--rerun`` repeats them);
   5. the report (``fp4moe.report``): every run in the MLflow store, beside the paper's numbers
      (conf/paper/numbers.yaml) and the paper-scale model's prediction for experiment=paper_t1 (its allocated
@@ -44,7 +44,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fp4moe import bench_log
+from fp4moe.tracking import bench_log
 
 RESULTS_KERNELS = "results/kernels"
 RESULTS_LAYER = "results/moe_layer"
@@ -117,7 +117,7 @@ def _run_module(module: str, argv: Sequence[str]) -> bool:
     benchmarks on an H200), which the trainer cells started afterwards would lose."""
     import subprocess
 
-    from fp4moe.reproduce_runs import child_env
+    from fp4moe.reproduce.train_runs import child_env
     from fp4moe.paths import repo_root
 
     sys.stdout.flush()
@@ -132,7 +132,7 @@ def print_hardware() -> str | None:
 
     import torch
 
-    from fp4moe.reproduce_runs import gpu_probe
+    from fp4moe.reproduce.train_runs import gpu_probe
 
     print(f"torch {torch.__version__}, Python {platform.python_version()}")
     gpu = gpu_probe()
@@ -218,7 +218,7 @@ def run_bench(bench_argv: Sequence[str], track: bool, rerun: bool = False, gpu: 
     out_dir = Path(out)
     reused = None
     if not rerun and gpu and _default_args(argv):
-        from fp4moe.tracking import code_commit
+        from fp4moe.tracking.mlflow_store import code_commit
 
         reused = reusable_result(out_dir, bench_log.GLOB, module, code_commit(), gpu=gpu)
     if reused is not None:
@@ -279,10 +279,10 @@ def run_layer_bench(gpu: str | None, track: bool, rerun: bool = False, module: s
     (``module``; EP=1, DeepSeek-V3 shape) into results/moe_layer/, unless (without ``rerun``) this GPU's result of that
     command at this commit is there; then log every results/moe_layer/*.json to MLflow (idempotent). Without a GPU
     only the second part (files measured on an H200 are in the repo)."""
-    from fp4moe import layer_bench_log
+    from fp4moe.tracking import layer_bench_log
     from fp4moe.moe.bench import gpu_slug
     from fp4moe.paths import repo_root
-    from fp4moe.tracking import code_commit
+    from fp4moe.tracking.mlflow_store import code_commit
 
     out = repo_root() / RESULTS_LAYER
     reused = None
@@ -311,9 +311,9 @@ def run_layer_bench(gpu: str | None, track: bool, rerun: bool = False, module: s
 
 def load_trainer_archives(track: bool) -> bool:
     """Trainer runs measured on GPUs (the H200 proxy's T1 twin, its memory probe, the F5 twin) are archived in
-    results/train_proxy/*.json (``fp4moe.runs_archive``); load them into the MLflow store (idempotent) so that the
+    results/train_proxy/*.json (``fp4moe.runs.archive``); load them into the MLflow store (idempotent) so that the
     report shows them, labelled with their hardware and setup."""
-    from fp4moe import runs_archive
+    from fp4moe.runs import archive
     from fp4moe.paths import repo_root
 
     folder = repo_root() / RESULTS_TRAIN
@@ -324,11 +324,11 @@ def load_trainer_archives(track: bool) -> bool:
         print(f"trainer runs: skipped, mlflow is not installed for {sys.executable}")
         return True
     try:
-        files = runs_archive.expand([folder]) if folder.is_dir() else []
+        files = archive.expand([folder]) if folder.is_dir() else []
         if not files:
             print(f"trainer runs: no archives in {RESULTS_TRAIN}/")
             return True
-        added, skipped = runs_archive.import_files(files, log=lambda line: print(f"trainer runs: {line}"))
+        added, skipped = archive.import_files(files, log=lambda line: print(f"trainer runs: {line}"))
         print(f"trainer runs: {added} loaded into MLflow, {skipped} already there")
         return True
     except Exception:
@@ -338,19 +338,20 @@ def load_trainer_archives(track: bool) -> bool:
 
 
 def run_trainer_cells(rerun: bool, slurm: str | None = None) -> bool:
-    """The scaled-down experiments this machine can run (``fp4moe.reproduce_runs``: the tiny model on CPU, the H200
-    proxy's T1 and F5 twins on a Hopper GPU), or with ``slurm`` those of that cluster profile as Slurm jobs, each
+    """The scaled-down experiments this machine can run (``fp4moe.reproduce.train_runs``: the tiny model on CPU, the
+    H200 proxy's T1 and F5 twins on a Hopper GPU), or with ``slurm`` those of that cluster profile as Slurm jobs, each
     cell once: those already in MLflow are reused."""
     if importlib.util.find_spec("mlflow") is None or importlib.util.find_spec("megatron") is None:
         print(f"trainer runs (this machine): skipped, mlflow and megatron-core are needed for {sys.executable}")
         return True
-    from fp4moe import reproduce_runs, tracking
+    from fp4moe.reproduce import train_runs
+    from fp4moe.tracking import mlflow_store
     from fp4moe.config import ConfigError
 
     try:
         where = f"Slurm {slurm}" if slurm else "this machine"
-        return reproduce_runs.run_here(tracking.tracking_uri(), rerun=rerun, slurm=slurm,
-                                       say=lambda s: print(f"trainer runs ({where}): {s}"))
+        return train_runs.run_here(mlflow_store.tracking_uri(), rerun=rerun, slurm=slurm,
+                                   say=lambda s: print(f"trainer runs ({where}): {s}"))
     except ConfigError as e:
         print(f"trainer runs: {e}")
         return False
@@ -361,8 +362,8 @@ def run_trainer_cells(rerun: bool, slurm: str | None = None) -> bool:
 
 
 def run_report() -> bool:
-    """Write results/report/ from the MLflow store (``fp4moe.tracking.tracking_uri()``, the store the steps above
-    logged to) with ``fp4moe.report``; without mlflow, say so (not a failure)."""
+    """Write results/report/ from the MLflow store (``fp4moe.tracking.mlflow_store.tracking_uri()``, the store the
+    steps above logged to) with ``fp4moe.report``; without mlflow, say so (not a failure)."""
     if importlib.util.find_spec("mlflow") is None:
         print(f"report: skipped, mlflow is not installed for {sys.executable}; run `make reproduce-table` "
               f"(or `.venv/bin/python -m fp4moe.report`) on a machine with the venv")
@@ -405,7 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-tracking", action="store_true",
                         help="do not log benchmark rows to MLflow")
     parser.add_argument("--no-train", action="store_true",
-                        help="do not run the scaled-down trainer experiments of this machine (fp4moe.reproduce_runs)")
+                        help="do not run the scaled-down trainer experiments of this machine "
+                             "(fp4moe.reproduce.train_runs)")
     parser.add_argument("--rerun", action="store_true",
                         help="run the trainer experiments again even where MLflow already has them, and the "
                              "benchmarks even where this GPU's results at this commit are in results/")
@@ -419,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "report reads (default: $MLFLOW_TRACKING_URI, else mlruns/mlflow.db)")
     args = parser.parse_args(argv)
     if args.tracking_uri:
-        from fp4moe.tracking import normalize_uri
+        from fp4moe.tracking.mlflow_store import normalize_uri
 
         os.environ["MLFLOW_TRACKING_URI"] = normalize_uri(args.tracking_uri)
 
@@ -460,7 +462,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\nreproduce: wall time per step: " + ", ".join(f"{k} {v:.0f} s" for k, v in took.items()))
     print(f"reproduce: {verdict}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,7 +12,7 @@ variable that sets it, and whether it is the profile's default), the paper-scale
 from the ``hydra.launcher`` values exactly as hydra-submitit-launcher hands them over. The site settings the jobs
 export (``cluster.env``: NCCL/InfiniBand, host threads) are printed once, each with its origin. Exits 1 with the
 ``ConfigError`` message(s) when a cell fails the check, 2 when the config does not compose (or a value cannot go
-into an sbatch script: fp4moe.shell), 3 under ``--strict`` when a cell is predicted not to fit the GPU (without
+into an sbatch script: fp4moe.launch.shell), 3 under ``--strict`` when a cell is predicted not to fit the GPU (without
 ``--strict`` such a cell is a warning).
 
 Without a corpus (``data=user_corpus`` and neither ``FP4MOE_CORPUS`` nor ``data.path`` set) the cells are checked
@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from fp4moe.config import ConfigError, check
 from fp4moe.paths import conf_dir
-from fp4moe.shell import UnsafeValue
+from fp4moe.launch.shell import UnsafeValue
 
 CONF_DIR = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
 TRAIN_MODULE = "fp4moe.train"
@@ -190,7 +190,7 @@ def _is_slurm(launcher: dict[str, Any]) -> bool:
 def predicted_memory(cfg: DictConfig) -> Memory | str:
     """fp4moe.scale.memory's peak for the job ``cfg`` runs (its own dispatcher, the measured outside-PyTorch terms of
     fp4moe.analysis.outside_torch), or why there is none (a benchmark job, a layout the model does not cover)."""
-    from fp4moe import bench_job
+    from fp4moe.launch import bench_job
     from fp4moe.analysis.outside_torch import measured_assumptions
     from fp4moe.scale.memory import GB, mean_total_bytes, per_stage_memory
 
@@ -373,12 +373,13 @@ def summary(cell: Cell) -> str:
         f"train: {d['steps']} steps, {d['tokens_per_step']} tokens/step, {d['tokens']} tokens",
         data,
     ]
-    from fp4moe import bench_job
+    from fp4moe.launch import bench_job
 
     if bench_job.is_bench(cfg):  # F3/F4: the job runs a benchmark; the model/train lines do not apply
         lines = [lines[0], lines[3], f"parallel: EP{p.expert} world {d['world_size']}",
                  f"bench: {cfg.bench.module}.main({' '.join(map(str, cfg.bench.args))}) in each of the "
-                 f"{d['world_size']} GPU process(es) (fp4moe.bench_job); without Hydra: {bench_job.command(cfg)}"]
+                 f"{d['world_size']} GPU process(es) (fp4moe.launch.bench_job); "
+                 f"without Hydra: {bench_job.command(cfg)}"]
     return "\n".join(lines)
 
 
@@ -486,7 +487,3 @@ def main(argv: Sequence[str] | None = None) -> int:
           + (f", {len(over)} predicted not to fit the GPU (warned above)" if over else "")
           + f"; nothing submitted{hint}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

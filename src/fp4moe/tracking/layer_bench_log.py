@@ -1,4 +1,4 @@
-"""``python -m fp4moe.layer_bench_log <moe_layer_*.json | folder> ...``: log MoE layer benchmarks to MLflow.
+"""``python -m fp4moe.tracking.layer_bench_log <moe_layer_*.json | folder> ...``: log MoE layer benchmarks to MLflow.
 
 Reads what ``fp4moe.moe.bench`` writes (``moe_layer_<gpu>_ep<W>_<date>_<commit>.json``: ``env``, ``shape``,
 ``recipes`` rows, ``ratios``, ``gemm``) and logs, into the MLflow experiment ``moe_layer``, one run per recipe
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from fp4moe import bench_log
+from fp4moe.tracking import bench_log
 
 EXPERIMENT = "moe_layer"
 GLOB = "moe_layer_*.json"
@@ -82,7 +82,7 @@ def _logged(uri: str, bid: str) -> set[str]:
 
 def log_file(path: str | Path, uri: str | None = None) -> tuple[int, int]:
     """(rows logged, rows already there) for one file."""
-    from fp4moe.tracking import check_reachable, log_run, tracking_uri
+    from fp4moe.tracking.mlflow_store import check_reachable, log_run, tracking_uri
 
     doc = load(path)
     uri = uri or tracking_uri()
@@ -113,7 +113,7 @@ def log_files(paths: Sequence[str | Path], uri: str | None = None, log=print) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fp4moe.layer_bench_log", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m fp4moe.tracking.layer_bench_log", description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="+", help="moe_layer_*.json files or folders holding them")
     ap.add_argument("--uri", default=None, help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or the local store)")
     args = ap.parse_args(argv)

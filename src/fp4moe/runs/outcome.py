@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fp4moe.tracking import without_credentials
+from fp4moe.tracking.mlflow_store import without_credentials
 
 JOB_RETURN = "job_return.json"
 CELLS_FILE = "cells.md"
@@ -131,7 +131,7 @@ class MultirunSummary(_Callback):
         try:
             Path(out, JOB_RETURN).write_text(json.dumps(record, indent=1))
         except OSError as e:  # the table then says "no result" for this cell; the job itself is not failed for it
-            print(f"fp4moe.run_summary: could not write {Path(out, JOB_RETURN)}: {e}")
+            print(f"fp4moe.runs.outcome: could not write {Path(out, JOB_RETURN)}: {e}")
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         from omegaconf import OmegaConf

@@ -5,7 +5,7 @@ with artifacts beside it in ``<repo>/mlruns/artifacts/`` (``<repo>``: fp4moe.pat
 set, else the checkout; fp4moe.paths.mlruns_dir). No server is needed; ``mlflow ui`` (from the full ``mlflow``
 package) can browse the same store.
 
-mlflow is imported inside the functions, so ``import fp4moe.tracking`` stays cheap.
+mlflow is imported inside the functions, so ``import fp4moe.tracking.mlflow_store`` stays cheap.
 """
 
 from __future__ import annotations
