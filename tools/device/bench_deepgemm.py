@@ -1,0 +1,251 @@
+"""Issue 28 (P8), a maintained library measured before writing our own: DeepGEMM's grouped FP8 GEMMs (PyPI
+``deepinfer-gemm``, an sdist: built here with torch's extension loader, its kernels JIT-compiled by NVCC) against
+fp4moe's grouped Triton kernels and one dense ``F.scaled_mm`` of equal work, on one Hopper GPU.
+
+Shapes: DeepSeek-V3's routed experts on one GPU (32 experts, top-8 of 4096 tokens = 32768 rows, H 7168, F 2048;
+fc1 = gate+up N 4096), with one empty and one 5-row expert among ragged counts. Scales as the recipe has them:
+activations 1x128 FP32 powers of two, weights 128x128 (fprop / dgrad); wgrad both operands 1x128 along tokens
+(fp4moe's column layout, tokens padded to 128 per expert). DeepGEMM's m-grouped kernel needs each expert's rows
+padded to its alignment (``m_indices`` -1 on the padding): the padding copy is timed apart (``pad_ms``).
+TFLOP/s count the real rows only (2 M N K). ``rel_err``: ||out - ref|| / ||ref|| against an FP32 product of the
+dequantized operands over three experts (the largest, the 5-row one, a typical one).
+
+    python tools/device/bench_deepgemm.py --sdist build/deepgemm/deepinfer_gemm-2.8.2.tar.gz --out $OUT/deepgemm
+
+Writes ``deepgemm_<gpu>.json`` and ``.md`` (build time, each candidate's ms, TFLOP/s, ratio to dense, error, or
+the error message of a candidate that did not run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels")]
+
+
+def build_deepgemm(sdist: Path, work: Path):
+    """Unpack the sdist, lay out the includes its setup.py would, compile ``deep_gemm._C``; returns (module, s)."""
+    from torch.utils.cpp_extension import CUDA_HOME, load
+
+    t0 = time.time()
+    with tarfile.open(sdist) as tf:
+        tf.extractall(work, filter="data")
+    src = next(work.glob("deepinfer_gemm-*"))
+    inc = src / "deep_gemm" / "include"
+    for d in ("cute", "cutlass"):
+        if not (inc / d).exists():
+            shutil.copytree(src / "third-party" / "cutlass" / "include" / d, inc / d)
+    (src / "deep_gemm" / "envs.py").write_text("persistent_envs = dict()\n")
+    abi = int(torch.compiled_with_cxx11_abi())
+    mod = load(name="_C", sources=[str(src / "csrc" / "python_api.cpp")],
+               extra_include_paths=[f"{CUDA_HOME}/include", f"{CUDA_HOME}/include/cccl", str(inc),
+                                    str(src / "third-party" / "deep_jit" / "include"),
+                                    str(src / "third-party" / "cutlass" / "include")],
+               extra_cflags=["-std=c++20", "-O3", "-fPIC", "-Wno-psabi", "-Wno-deprecated-declarations",
+                             f"-D_GLIBCXX_USE_CXX11_ABI={abi}"],
+               extra_ldflags=[f"-L{CUDA_HOME}/lib64", "-lcudart"], build_directory=str(work),
+               with_cuda=True, verbose=False)
+    sys.modules["deep_gemm._C"] = mod
+    sys.path.insert(0, str(src))
+    import deep_gemm
+
+    return deep_gemm, time.time() - t0
+
+
+def counts_v3(e=32, rows=32768, seed=0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(e, generator=g) + 0.5  # uneven: 0.5-1.5 x the mean load
+    c = torch.multinomial(p / p.sum(), rows, replacement=True, generator=g).bincount(minlength=e).tolist()
+    c[0] += c[3] + c[7] - 5
+    c[3] = 0
+    c[7] = 5
+    return c
+
+
+def bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100))
+
+
+def rel(out, ref) -> float:
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def run(args) -> dict:
+    from fp4moe.ops.fp8_gemm import fp8_mm
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launchers as L
+
+    dev = torch.device("cuda")
+    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("FP4MOE_COMMIT"),
+           "sdist": Path(args.sdist).name, "rows": [], "errors": {}}
+    try:
+        dg, secs = build_deepgemm(Path(args.sdist), Path(args.work))
+        doc["build_s"] = round(secs, 1)
+        doc["alignment"] = int(dg.get_mk_alignment_for_contiguous_layout())
+    except Exception as exc:  # record why the library did not build; the Triton and dense rows still run
+        dg = None
+        doc["errors"]["build"] = "".join(traceback.format_exception_only(exc))[-3000:]
+        traceback.print_exc()
+    counts = counts_v3()
+    seg = Segments(tuple(counts))
+    m, e = seg.total, seg.num
+    doc["counts"] = counts
+    picks = [max(range(e), key=counts.__getitem__), 7, 1]
+    torch.manual_seed(0)
+
+    def row(gemm, backend, n, k, ms, err=None, **extra):
+        flops = 2 * m * n * k
+        r = {"gemm": gemm, "backend": backend, "M": m, "N": n, "K": k, "ms": round(ms, 4),
+             "tflops": round(flops / ms / 1e9, 1), "rel_err": err, **extra}
+        doc["rows"].append(r)
+        print(json.dumps(r), flush=True)
+
+    for gemm, n, k in (("fc1_fprop", 4096, 7168), ("fc2_fprop", 7168, 2048), ("fc1_dgrad", 7168, 4096),
+                       ("fc2_dgrad", 2048, 7168)):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(e * n, k, device=dev) * 0.02).to(torch.bfloat16)
+        a = L.bf16_to_fp8_row(x, seg)
+        sa = a.scale_matrix().contiguous()
+        wq, ws = L.quantize_weight_128x128(w, rows_per_expert=n)
+        wq3, ws3 = wq.view(e, n, k), ws.view(e, n // 128, k // 128)
+        ref = {}
+        for i in picks:
+            r0, r1 = seg.offsets[i], seg.offsets[i + 1]
+            xa = a.data[r0:r1].float() * sa[r0:r1].repeat_interleave(128, 1)
+            wb = wq3[i].float() * ws3[i].repeat_interleave(128, 0).repeat_interleave(128, 1)
+            ref[i] = xa @ wb.t()
+
+        def err_of(out, off=None):
+            off = off or seg.offsets
+            return max(rel(out[off[i]:off[i] + counts[i]], ref[i]) for i in picks if counts[i])
+
+        dense_ms = bench(lambda: fp8_mm(a.data, sa, wq[:n], ws[: n // 128], "fprop", check=False))
+        row(gemm, "dense F.scaled_mm (one weight, M x N x K)", n, k, dense_ms)
+        out = L.grouped_fp8_rows(a, wq3, ws3)
+        row(gemm, "fp4moe grouped Triton", n, k, bench(lambda: L.grouped_fp8_rows(a, wq3, ws3)), err_of(out))
+        if dg is None:
+            continue
+        try:
+            al = doc["alignment"]
+            pc = [(c + al - 1) // al * al for c in counts]
+            poff = [0]
+            for c in pc:
+                poff.append(poff[-1] + c)
+            mp = poff[-1]
+            src_rows = torch.cat([torch.arange(seg.offsets[i], seg.offsets[i + 1]) for i in range(e)]).to(dev)
+            dst_rows = torch.cat([torch.arange(poff[i], poff[i] + counts[i]) for i in range(e)]).to(dev)
+            m_idx = torch.full((mp,), -1, dtype=torch.int32, device=dev)
+            for i in range(e):
+                m_idx[poff[i]:poff[i] + counts[i]] = i
+            ap = torch.zeros(mp, k, dtype=torch.float8_e4m3fn, device=dev)
+            sp = torch.ones(mp, k // 128, dtype=torch.float32, device=dev)
+
+            def pad():
+                ap.view(torch.uint8).index_copy_(0, dst_rows, a.data.view(torch.uint8).index_select(0, src_rows))
+                sp.index_copy_(0, dst_rows, sa.index_select(0, src_rows))
+
+            pad()
+            d = torch.empty(mp, n, dtype=torch.bfloat16, device=dev)
+            call = lambda: dg.m_grouped_fp8_gemm_nt_contiguous((ap, sp), (wq3, ws3), d, m_idx)  # noqa: E731
+            call()
+            torch.cuda.synchronize()
+            row(gemm, "DeepGEMM m_grouped_fp8_gemm_nt_contiguous (rows padded)", n, k, bench(call),
+                err_of(d, poff), pad_ms=round(bench(pad), 4), padded_rows=mp)
+        except Exception as exc:
+            doc["errors"][f"{gemm} m_grouped"] = "".join(traceback.format_exception_only(exc))[-2000:]
+            traceback.print_exc()
+        try:
+            dd = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+            call = lambda: dg.fp8_gemm_nt((a.data, sa), (wq[:n], ws[: n // 128]), dd)  # noqa: E731
+            call()
+            row(gemm, "DeepGEMM fp8_gemm_nt dense (one weight)", n, k, bench(call))
+        except Exception as exc:
+            doc["errors"][f"{gemm} dense"] = "".join(traceback.format_exception_only(exc))[-2000:]
+
+    for gemm, n, k in (("fc1_wgrad", 4096, 7168), ("fc2_wgrad", 7168, 2048)):
+        dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        ca, cb = L.bf16_to_fp8_col(dy, seg), L.bf16_to_fp8_col(x, seg)
+        out = L.grouped_fp8_wgrad(ca, cb)
+        pos = seg.padded_offsets
+
+        def col(ct, i, ch):
+            p0, pe = pos[i], seg.padded_counts[i]
+            data = ct.data[ch * p0: ch * (p0 + pe)].view(ch, pe).float()
+            return data * ct.scales[p0 // 128:(p0 + pe) // 128].t().repeat_interleave(128, 1)
+
+        ref = {i: col(ca, i, n) @ col(cb, i, k).t() for i in picks if counts[i]}
+        err = max(rel(out[i], ref[i]) for i in ref)
+        one = Segments((m,))
+        da, db = L.bf16_to_fp8_col(dy, one), L.bf16_to_fp8_col(x, one)
+        mp1 = one.padded_total
+        a2, b2 = da.data.view(n, mp1), db.data.view(k, mp1)
+        s2a, s2b = da.scales.t().contiguous(), db.scales.t().contiguous()
+        row(gemm, "dense F.scaled_mm (one weight, M x N x K)", n, k,
+            bench(lambda: fp8_mm(a2, s2a, b2, s2b, "wgrad", check=False)))
+        row(gemm, "fp4moe grouped Triton", n, k, bench(lambda: L.grouped_fp8_wgrad(ca, cb)), err)
+        if dg is None:
+            continue
+        try:
+            ks = list(seg.padded_counts)
+            ks_t = torch.tensor(ks, dtype=torch.int32, device=dev)
+            d = torch.zeros(e, n, k, dtype=torch.float32, device=dev)
+            call = lambda: dg.k_grouped_fp8_gemm_nt_contiguous((ca.data, ca.scales), (cb.data, cb.scales), d, ks,  # noqa: E731
+                                                                ks_t, d)
+            d.zero_()
+            call()
+            torch.cuda.synchronize()
+            e2 = max(rel(d[i], ref[i]) for i in ref)
+            row(gemm, "DeepGEMM k_grouped_fp8_gemm_nt_contiguous (accumulates into FP32)", n, k, bench(call), e2)
+        except Exception as exc:
+            doc["errors"][f"{gemm} k_grouped"] = "".join(traceback.format_exception_only(exc))[-2000:]
+            traceback.print_exc()
+    return doc
+
+
+def markdown(doc) -> str:
+    L = [f"# DeepGEMM vs fp4moe grouped FP8 GEMMs ({doc['gpu']}, torch {doc['torch']}, code {doc['commit']})", "",
+         f"{doc['sdist']}; built in {doc.get('build_s')} s; alignment {doc.get('alignment')}; counts {doc['counts']}",
+         "", "| GEMM | backend | M | N | K | ms | TFLOP/s | x dense | rel. error | pad ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    dense = {r["gemm"]: r["ms"] for r in doc["rows"] if r["backend"].startswith("dense")}
+    for r in doc["rows"]:
+        x = dense[r["gemm"]] / r["ms"] if r["gemm"] in dense else None
+        err = "" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
+        L.append(f"| {r['gemm']} | {r['backend']} | {r['M']} | {r['N']} | {r['K']} | {r['ms']:.3f} | {r['tflops']} | "
+                 f"{x:.2f} | {err} | {r.get('pad_ms', '')} |")
+    for k, v in doc["errors"].items():
+        L += ["", f"**{k}**: `{v.strip().splitlines()[-1][:400]}`"]
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sdist", required=True, help="deepinfer_gemm-<v>.tar.gz (PyPI sdist)")
+    p.add_argument("--out", required=True, help="folder for deepgemm_<gpu>.json / .md")
+    p.add_argument("--work", default="/tmp/deepgemm_build", help="where the sdist is unpacked and built")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_deepgemm: needs a CUDA GPU (Hopper)")
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    doc = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "deepgemm_h200.json").write_text(json.dumps(doc, indent=1))
+    (out / "deepgemm_h200.md").write_text(markdown(doc))
+    print(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()
