@@ -12,6 +12,9 @@ dequantized operands over three experts (the largest, the 5-row one, a typical o
 
     python tools/device/bench_deepgemm.py --sdist build/deepgemm/deepinfer_gemm-2.8.2.tar.gz --out $OUT/deepgemm
 
+Carried in build/deepgemm/: the sdist and include/ (elfutils' headers: ``apt-get download libdw-dev libelf-dev``,
+``dpkg-deb -x`` each, copy usr/include), which the sdist's C++ includes and the GPU image lacks.
+
 Writes ``deepgemm_<gpu>.json`` and ``.md`` (build time, each candidate's ms, TFLOP/s, ratio to dense, error, or
 the error message of a candidate that did not run).
 """
@@ -33,8 +36,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels")]
 
 
-def build_deepgemm(sdist: Path, work: Path):
-    """Unpack the sdist, lay out the includes its setup.py would, compile ``deep_gemm._C``; returns (module, s)."""
+def build_deepgemm(sdist: Path, work: Path, headers: Path | None):
+    """Unpack the sdist, lay out the includes its setup.py would, compile ``deep_gemm._C``; returns (module, s).
+    ``headers``: elfutils' development headers (``elfutils/libdwfl.h``, ``libelf.h``, ``gelf.h``; Debian's
+    libdw-dev / libelf-dev), which its deep_jit exception handler includes (it dlopens libdw at run time only) and
+    the GPU image lacks."""
     from torch.utils.cpp_extension import CUDA_HOME, load
 
     t0 = time.time()
@@ -48,7 +54,7 @@ def build_deepgemm(sdist: Path, work: Path):
     (src / "deep_gemm" / "envs.py").write_text("persistent_envs = dict()\n")
     abi = int(torch.compiled_with_cxx11_abi())
     mod = load(name="_C", sources=[str(src / "csrc" / "python_api.cpp")],
-               extra_include_paths=[f"{CUDA_HOME}/include", f"{CUDA_HOME}/include/cccl", str(inc),
+               extra_include_paths=[*([str(headers)] if headers else []), f"{CUDA_HOME}/include", f"{CUDA_HOME}/include/cccl", str(inc),
                                     str(src / "third-party" / "deep_jit" / "include"),
                                     str(src / "third-party" / "cutlass" / "include")],
                extra_cflags=["-std=c++20", "-O3", "-fPIC", "-Wno-psabi", "-Wno-deprecated-declarations",
@@ -91,7 +97,8 @@ def run(args) -> dict:
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("FP4MOE_COMMIT"),
            "sdist": Path(args.sdist).name, "rows": [], "errors": {}}
     try:
-        dg, secs = build_deepgemm(Path(args.sdist), Path(args.work))
+        headers = Path(args.headers) if args.headers and Path(args.headers).is_dir() else None
+        dg, secs = build_deepgemm(Path(args.sdist), Path(args.work), headers)
         doc["build_s"] = round(secs, 1)
         doc["alignment"] = int(dg.get_mk_alignment_for_contiguous_layout())
     except Exception as exc:  # record why the library did not build; the Triton and dense rows still run
@@ -234,6 +241,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sdist", required=True, help="deepinfer_gemm-<v>.tar.gz (PyPI sdist)")
     p.add_argument("--out", required=True, help="folder for deepgemm_<gpu>.json / .md")
+    p.add_argument("--headers", default=str(ROOT / "build" / "deepgemm" / "include"),
+                   help="elfutils development headers (apt-get download libdw-dev libelf-dev; dpkg-deb -x)")
     p.add_argument("--work", default="/tmp/deepgemm_build", help="where the sdist is unpacked and built")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
