@@ -62,6 +62,9 @@ def build_deepgemm(sdist: Path, work: Path, headers: Path | None):
                extra_ldflags=[f"-L{CUDA_HOME}/lib64", "-lcudart"], build_directory=str(work),
                with_cuda=True, verbose=False)
     sys.modules["deep_gemm._C"] = mod
+    for name in dir(mod):  # pybind submodules (deep_gemm imports `from ._C.locality_domain import ...`)
+        if type(getattr(mod, name)) is type(mod):
+            sys.modules[f"deep_gemm._C.{name}"] = getattr(mod, name)
     sys.path.insert(0, str(src))
     import deep_gemm
 
