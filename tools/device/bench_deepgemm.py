@@ -212,13 +212,22 @@ def run(args) -> dict:
             ks = list(seg.padded_counts)
             ks_t = torch.tensor(ks, dtype=torch.int32, device=dev)
             d = torch.zeros(e, n, k, dtype=torch.float32, device=dev)
-            call = lambda: dg.k_grouped_fp8_gemm_nt_contiguous((ca.data, ca.scales), (cb.data, cb.scales), d, ks,  # noqa: E731
-                                                                ks_t, d)
-            d.zero_()
-            call()
-            torch.cuda.synchronize()
-            e2 = max(rel(d[i], ref[i]) for i in ref)
-            row(gemm, "DeepGEMM k_grouped_fp8_gemm_nt_contiguous (accumulates into FP32)", n, k, bench(call), e2)
+            # operands as [channels, sum of padded tokens] row-major (each expert a column block), scales
+            # [sum_k/128, channels] as fp4moe's column layout has them
+            def whole(ct, ch):
+                return torch.cat([ct.data[ch * pos[i]: ch * (pos[i] + seg.padded_counts[i])].view(ch, -1)
+                                  for i in range(e)], dim=1).contiguous()
+
+            for label, (xa, xb) in (("per-expert blocks", (ca.data, cb.data)),
+                                    ("[channels, tokens]", (whole(ca, n), whole(cb, k)))):
+                call = lambda: dg.k_grouped_fp8_gemm_nt_contiguous((xa, ca.scales), (xb, cb.scales), d, ks,  # noqa: E731
+                                                                    ks_t, d)
+                d.zero_()
+                call()
+                torch.cuda.synchronize()
+                e2 = max(rel(d[i], ref[i]) for i in ref)
+                row(gemm, f"DeepGEMM k_grouped_fp8_gemm_nt_contiguous ({label}; accumulates into FP32)", n, k,
+                    bench(call), e2)
         except Exception as exc:
             doc["errors"][f"{gemm} k_grouped"] = "".join(traceback.format_exception_only(exc))[-2000:]
             traceback.print_exc()
