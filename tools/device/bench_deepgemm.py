@@ -218,9 +218,14 @@ def run(args) -> dict:
                 return torch.cat([ct.data[ch * pos[i]: ch * (pos[i] + seg.padded_counts[i])].view(ch, -1)
                                   for i in range(e)], dim=1).contiguous()
 
-            for label, (xa, xb) in (("per-expert blocks", (ca.data, cb.data)),
-                                    ("[channels, tokens]", (whole(ca, n), whole(cb, k)))):
-                call = lambda: dg.k_grouped_fp8_gemm_nt_contiguous((xa, ca.scales), (xb, cb.scales), d, ks,  # noqa: E731
+            # scales: DeepGEMM's SM90 path reads a 2-D FP32 scale tensor as [channels, sum_k/128] (MN-major after
+            # get_mn_major_tma_aligned_tensor): fp4moe's [sum_k/128, channels] transposed is that, as a view
+            blocks, mat = (ca.data, cb.data), (whole(ca, n), whole(cb, k))
+            for label, (xa, xb), (sxa, sxb) in (
+                    ("per-expert blocks, scales [sum_k/128, channels]", blocks, (ca.scales, cb.scales)),
+                    ("per-expert blocks, scales [channels, sum_k/128]", blocks, (ca.scales.t(), cb.scales.t())),
+                    ("[channels, tokens], scales [channels, sum_k/128]", mat, (ca.scales.t(), cb.scales.t()))):
+                call = lambda: dg.k_grouped_fp8_gemm_nt_contiguous((xa, sxa), (xb, sxb), d, ks,  # noqa: E731
                                                                     ks_t, d)
                 d.zero_()
                 call()
