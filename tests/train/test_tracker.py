@@ -117,6 +117,41 @@ def test_a_store_that_goes_away_keeps_the_rest_in_the_pending_file_until_it_is_b
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_a_store_that_comes_back_mid_run_takes_the_pending_file_and_the_writes_go_live_again(tmp_path, store,
+                                                                                            caplog):
+    """As above, with the store back before the run ends: the writer's next retry (``retry_s=0``: before every write
+    while failed) logs what the file kept into the run, removes the file and writes step 5 and the run's end to the
+    store itself; while the store's database file is away, a retry creates nothing in its place."""
+    pending = tmp_path / "ckpt" / PENDING_FILE
+    folder = tmp_path / "mlruns"
+    t = Tracker(store, "tracker_test", enabled=True, pending=pending, retry_s=0)
+    t.start("run", {}, {}, resume_run_id=None)
+    for step in (1, 2):
+        t.log(step, {"loss": float(step)})
+    t.flush()
+    folder.rename(tmp_path / "away")
+    with caplog.at_level(logging.INFO, logger="fp4moe.train"):
+        for step in (3, 4):
+            t.log(step, {"loss": float(step)})
+        t.set_tags({"note": "kept"})
+        t.flush()
+        assert pending.is_file() and not folder.exists()  # the retries before steps 4 and the tag made no new store
+        (tmp_path / "away").rename(folder)
+        t.log(5, {"loss": 5.0})
+        t.flush()
+        assert not pending.exists()
+        assert _history(store, t.run_id, "loss") == [(s, float(s)) for s in range(1, 6)]  # before the run ends
+        t.finish("FINISHED")
+    said = [r.getMessage() for r in caplog.records if r.name == "fp4moe.train"]
+    assert len(said) == 2, said
+    assert said[0].startswith(f"MLflow store {store} failed writing the metrics of step 3")
+    assert said[1] == (f"MLflow store {store} is back: the 3 records (steps 3-4) that {pending} kept are logged into "
+                       f"run {t.run_id}, and its writes go to the store again")
+    run = _client(store).get_run(t.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["note"] == "kept"
+    assert not pending.exists()
+
+
 def test_a_pending_file_of_a_run_the_store_lacks_stays(tmp_path, shared, store):
     """Replaying into a store without the file's run: one line naming the run, the store and the fix; the file
     stays. A resumed run's tracker replays before it starts, so it stops there too."""

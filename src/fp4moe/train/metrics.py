@@ -118,6 +118,7 @@ def tracking_thread() -> bool:
 
 
 PENDING_FILE = "mlflow_pending.jsonl"  # in the run's checkpoint folder: what a failed store could not take
+RETRY_S = 60.0  # after a store failure, the writer tries the store again at most this often (seconds)
 REPLAY_COMMAND = "python -m fp4moe.train.metrics"
 
 
@@ -210,16 +211,21 @@ class Tracker:
     A store that fails mid-run does not stop the training: with a ``pending`` file (the trainer's:
     ``<checkpoint folder>/mlflow_pending.jsonl``) the first failed write logs one warning line naming the store and
     the file, and that write and every later one of this process (metrics, tags, the run's end) are appended to the
-    file as JSON lines (fsynced) instead of being tried on the store again; ``finish`` says so once more, with how to
-    log them. ``start`` first logs a pending file it finds into its run (the resumed run, the store back);
+    file as JSON lines (fsynced). The writer tries the store again at most every ``retry_s`` seconds (before a
+    write; a local SQLite store only if its database file is there again, a server only if ``/health`` answers, so
+    that a retry creates nothing): when the store takes the pending file (:func:`replay_pending`), the file is
+    removed, one line says so, and writes go to the store again. Otherwise ``finish`` says once more where they
+    are, with how to log them. ``start`` first logs a pending file it finds into its run (the resumed run, the store back);
     ``python -m fp4moe.train.metrics FILE`` does the same by hand (:func:`replay_pending`). Without a ``pending``
     file, or when it cannot be written either, the failure is raised (``TrackingError``) at the next ``log`` /
     ``set_tags`` / ``flush`` / ``finish``."""
 
     def __init__(self, uri: str, experiment: str, enabled: bool, background: bool | None = None,
-                 pending: str | os.PathLike | None = None) -> None:
+                 pending: str | os.PathLike | None = None, retry_s: float = RETRY_S) -> None:
         """``background``: None takes ``FP4MOE_TRACKING_THREAD`` (default on)."""
         self.uri, self.experiment, self.enabled = uri, experiment, enabled
+        self.retry_s = float(retry_s)
+        self._last_try = 0.0                         # time.monotonic() of the last retry of a failed store
         self.background = tracking_thread() if background is None else background
         self.pending = Path(pending) if pending is not None else None
         self.client = None
@@ -254,6 +260,8 @@ class Tracker:
         if self._error is not None:  # nothing more is written
             return
         what = f"the metrics of step {rec['step']}" if rec["kind"] == "metrics" else f"the run's {rec['kind']}"
+        if self._failed is not None and self.pending is not None:
+            self._retry_store()
         if self._failed is None:
             try:
                 _send(self.client, rec)
@@ -278,6 +286,37 @@ class Tracker:
 
     def _store(self) -> str:
         return mlflow_store.without_credentials(self.uri)
+
+    def _store_back(self) -> bool:
+        """Whether the failed store looks back, asking in a way that creates nothing: a local SQLite store's database
+        file exists again, a server's ``/health`` answers, a folder store is writable."""
+        if self.uri.startswith("sqlite:///") and not Path(self.uri[len("sqlite:///"):]).is_file():
+            return False
+        try:
+            mlflow_store.check_reachable(self.uri)
+        except mlflow_store.TrackingUnavailable:
+            return False
+        return True
+
+    def _retry_store(self) -> None:
+        """At most every ``retry_s`` seconds: if the store is back, log the pending file into it (the file is then
+        removed) and write to the store again from here on; if not, or it fails again, keep writing to the file."""
+        now = time.monotonic()
+        if now - self._last_try < self.retry_s:
+            return
+        self._last_try = now
+        if not self._store_back():
+            return
+        kept = (f"steps {self._kept_steps[0]}-{self._kept_steps[1]}" if self._kept_steps else "no steps")
+        try:
+            n, _ = replay_pending(self.pending, self.uri)
+        except Exception as e:  # noqa: BLE001 - still failing: the file stays and grows, as before the retry
+            log.debug("MLflow store %s still fails (%s); writes stay in %s", self._store(), _why(e), self.pending)
+            return
+        log.info("MLflow store %s is back: the %d records (%s) that %s kept are logged into run %s, and its writes go "
+                 "to the store again", self._store(), n, kept, self.pending, self.run_id)
+        self._failed, self._kept_steps = None, []
+        self.client = mlflow_store._client(self.uri)
 
     def _keep(self, rec: dict[str, Any]) -> None:
         if self._error is not None:
