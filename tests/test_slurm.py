@@ -174,14 +174,16 @@ def _env(uri: str, root: Path) -> dict[str, str]:
 def _sacct(job_id: str, duplicates: bool = False) -> list[str]:
     """States of ``job_id``'s allocation, oldest first (with ``duplicates``: one per attempt of a requeued job)."""
     cmd = ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id] + (["-D"] if duplicates else [])
-    for _ in range(20):  # slurmctld hands finished jobs to slurmdbd a moment later
+    # slurmctld hands a finished job to slurmdbd a moment later: on a loaded 2-core CI machine more than 10 s
+    # (a CI run saw RUNNING after the job's tasks had exited), so wait up to a minute for a final state
+    deadline = time.monotonic() + 60
+    while True:
         rows = [ln.split("|") for ln in subprocess.run(cmd, capture_output=True, text=True, check=True)
                 .stdout.splitlines() if ln.strip()]
         states = [state.split()[0] for jid, state in rows if jid == job_id]
-        if states and states[-1] not in ("RUNNING", "PENDING", "COMPLETING"):
+        if (states and states[-1] not in ("RUNNING", "PENDING", "COMPLETING")) or time.monotonic() > deadline:
             return states
         time.sleep(0.5)
-    return states
 
 
 def _attempts(job_id: str) -> list[tuple[str, str]]:
