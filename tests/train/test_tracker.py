@@ -76,19 +76,25 @@ def test_a_store_that_fails_mid_run_stops_the_run_with_a_named_error(store, tmp_
     assert not any(th.name == "fp4moe-mlflow" for th in threading.enumerate())
 
 
+def _two_steps_then_the_store_goes_away(tmp_path, store, pending, **kw) -> Tracker:
+    """A tracker with ``pending`` that logged steps 1-2 into ``store``, whose folder (``tmp_path/mlruns``) then moves
+    to ``tmp_path/away`` (SQLite refuses to write to a moved database)."""
+    t = Tracker(store, "tracker_test", enabled=True, pending=pending, **kw)
+    t.start("run", {}, {}, resume_run_id=None)
+    for step in (1, 2):
+        t.log(step, {"loss": float(step)})
+    t.flush()
+    (tmp_path / "mlruns").rename(tmp_path / "away")
+    return t
+
+
 def test_a_store_that_goes_away_keeps_the_rest_in_the_pending_file_until_it_is_back(tmp_path, store, caplog,
                                                                                    capsys):
     """The store's folder moves away after step 2 (SQLite refuses to write to a moved database): one warning line,
     steps 3-5, a tag and the run's end go to the pending file (a last line cut short by a kill is skipped); once the
     store is back, ``python -m fp4moe.train.metrics FILE`` logs them into the run and removes the file."""
-    pending = tmp_path / "ckpt" / PENDING_FILE
-    folder = tmp_path / "mlruns"
-    t = Tracker(store, "tracker_test", enabled=True, pending=pending)
-    t.start("run", {}, {}, resume_run_id=None)
-    for step in (1, 2):
-        t.log(step, {"loss": float(step)})
-    t.flush()
-    folder.rename(tmp_path / "away")
+    pending, folder = tmp_path / "ckpt" / PENDING_FILE, tmp_path / "mlruns"
+    t = _two_steps_then_the_store_goes_away(tmp_path, store, pending)
     with caplog.at_level(logging.WARNING, logger="fp4moe.train"):
         for step in (3, 4, 5):
             t.log(step, {"loss": float(step)})
@@ -122,20 +128,14 @@ def test_a_store_that_comes_back_mid_run_takes_the_pending_file_and_the_writes_g
     """As above, with the store back before the run ends: the writer's next retry (``retry_s=0``: before every write
     while failed) logs what the file kept into the run, removes the file and writes step 5 and the run's end to the
     store itself; while the store's database file is away, a retry creates nothing in its place."""
-    pending = tmp_path / "ckpt" / PENDING_FILE
-    folder = tmp_path / "mlruns"
-    t = Tracker(store, "tracker_test", enabled=True, pending=pending, retry_s=0)
-    t.start("run", {}, {}, resume_run_id=None)
-    for step in (1, 2):
-        t.log(step, {"loss": float(step)})
-    t.flush()
-    folder.rename(tmp_path / "away")
+    pending, folder = tmp_path / "ckpt" / PENDING_FILE, tmp_path / "mlruns"
+    t = _two_steps_then_the_store_goes_away(tmp_path, store, pending, retry_s=0)
     with caplog.at_level(logging.INFO, logger="fp4moe.train"):
         for step in (3, 4):
             t.log(step, {"loss": float(step)})
         t.set_tags({"note": "kept"})
         t.flush()
-        assert pending.is_file() and not folder.exists()  # the retries before steps 4 and the tag made no new store
+        assert pending.is_file() and not folder.exists()  # the retries before step 4 and the tag made no new store
         (tmp_path / "away").rename(folder)
         t.log(5, {"loss": 5.0})
         t.flush()

@@ -107,8 +107,8 @@ def test_sharded_checkpoint_resumes_on_gpu(tmp_path, store, setting):
     """mxfp4 on CUDA with megatron's optimizer (offload: its state in pinned host memory): a run that fails at step 3
     after its step-2 checkpoint, written in the default ``sharded`` format (megatron-core dist_checkpointing), resumes
     from it, and steps 3-4 give the uninterrupted run's losses and gradient norms (the model, the FP32 main params,
-    the AdamW moments and the RNG states come back from the GPU and the host). Equal to within 1e-6 relative, not
-    bit for bit: a resumed process builds its kernels' autotuned configurations and CUDA streams anew."""
+    the AdamW moments and the RNG states come back from the GPU and the host), compared to 1e-6 relative (bit-exactness
+    across two CUDA processes is not what this test asks)."""
     from fp4moe.train import checkpoint
 
     common = ("train.eval_interval=null", "train.steps=4", f"optimizer={setting}")

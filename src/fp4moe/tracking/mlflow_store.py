@@ -98,11 +98,20 @@ def without_credentials(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///<file>`` store (``~`` expanded); None for an in-memory one and for every
+    other kind of store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = uri.removeprefix("sqlite:///")
+    return None if db in ("", ":memory:") else Path(db).expanduser()
+
+
 def _local_store_dir(uri: str) -> Path | None:
     """The folder a local store (sqlite file or file store) lives in; None for remote stores."""
     if uri.startswith("sqlite:///"):
-        db = uri.removeprefix("sqlite:///")
-        return None if db in ("", ":memory:") else Path(db).expanduser().resolve().parent
+        db = sqlite_file(uri)
+        return None if db is None else db.resolve().parent
     parsed = urlparse(uri)
     if parsed.scheme == "file":
         return Path(parsed.path).resolve()
@@ -166,10 +175,8 @@ def check_readable(uri: str, hint: str = "") -> None:
     if urlparse(uri).scheme in ("http", "https"):
         check_reachable(uri, hint)
         return
-    if not uri.startswith("sqlite:///"):
-        return
-    db = Path(uri.removeprefix("sqlite:///")).expanduser()
-    if not db.is_file():
+    db = sqlite_file(uri)
+    if db is None or not db.is_file():
         return
     fix = ("Point MLFLOW_TRACKING_URI at an MLflow store (sqlite:///<folder>/mlflow.db, a folder holding mlflow.db, "
            f"or an http(s) server).{hint and ' ' + hint}")

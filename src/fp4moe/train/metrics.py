@@ -287,17 +287,6 @@ class Tracker:
     def _store(self) -> str:
         return mlflow_store.without_credentials(self.uri)
 
-    def _store_back(self) -> bool:
-        """Whether the failed store looks back, asking in a way that creates nothing: a local SQLite store's database
-        file exists again, a server's ``/health`` answers, a folder store is writable."""
-        if self.uri.startswith("sqlite:///") and not Path(self.uri[len("sqlite:///"):]).is_file():
-            return False
-        try:
-            mlflow_store.check_reachable(self.uri)
-        except mlflow_store.TrackingUnavailable:
-            return False
-        return True
-
     def _retry_store(self) -> None:
         """At most every ``retry_s`` seconds: if the store is back, log the pending file into it (the file is then
         removed) and write to the store again from here on; if not, or it fails again, keep writing to the file."""
@@ -305,10 +294,11 @@ class Tracker:
         if now - self._last_try < self.retry_s:
             return
         self._last_try = now
-        if not self._store_back():
+        db = mlflow_store.sqlite_file(self.uri)
+        if db is not None and not db.is_file():  # an SQLite store away: opening it would create an empty one
             return
         kept = (f"steps {self._kept_steps[0]}-{self._kept_steps[1]}" if self._kept_steps else "no steps")
-        try:
+        try:  # replay_pending asks the store first (check_reachable: a server's /health, a folder's write access)
             n, _ = replay_pending(self.pending, self.uri)
         except Exception as e:  # noqa: BLE001 - still failing: the file stays and grows, as before the retry
             log.debug("MLflow store %s still fails (%s); writes stay in %s", self._store(), _why(e), self.pending)
