@@ -189,14 +189,12 @@ def run(args) -> dict:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         ca, cb = L.bf16_to_fp8_col(dy, seg), L.bf16_to_fp8_col(x, seg)
         out = L.grouped_fp8_wgrad(ca, cb)
-        pos = seg.padded_offsets
 
-        def col(ct, i, ch):
-            p0, pe = pos[i], seg.padded_counts[i]
-            data = ct.data[ch * p0: ch * (p0 + pe)].view(ch, pe).float()
-            return data * ct.scales[p0 // 128:(p0 + pe) // 128].t().repeat_interleave(128, 1)
+        def col(ct, i):  # expert i's [channels, padded tokens] in FP32, dequantized
+            data, scale = ct.segment(i)
+            return data.float() * scale.repeat_interleave(128, 1)
 
-        ref = {i: col(ca, i, n) @ col(cb, i, k).t() for i in picks if counts[i]}
+        ref = {i: col(ca, i) @ col(cb, i).t() for i in picks if counts[i]}
         err = max(rel(out[i], ref[i]) for i in ref)
         one = Segments((m,))
         da, db = L.bf16_to_fp8_col(dy, one), L.bf16_to_fp8_col(x, one)
@@ -214,13 +212,12 @@ def run(args) -> dict:
             d = torch.zeros(e, n, k, dtype=torch.float32, device=dev)
             # operands as [channels, sum of padded tokens] row-major (each expert a column block), scales
             # [sum_k/128, channels] as fp4moe's column layout has them
-            def whole(ct, ch):
-                return torch.cat([ct.data[ch * pos[i]: ch * (pos[i] + seg.padded_counts[i])].view(ch, -1)
-                                  for i in range(e)], dim=1).contiguous()
+            def whole(ct):
+                return torch.cat([ct.segment(i)[0] for i in range(e)], dim=1).contiguous()
 
             # scales: DeepGEMM's SM90 path reads a 2-D FP32 scale tensor as [channels, sum_k/128] (MN-major after
             # get_mn_major_tma_aligned_tensor): fp4moe's [sum_k/128, channels] transposed is that, as a view
-            blocks, mat = (ca.data, cb.data), (whole(ca, n), whole(cb, k))
+            blocks, mat = (ca.data, cb.data), (whole(ca), whole(cb))
             for label, (xa, xb), (sxa, sxb) in (
                     ("per-expert blocks, scales [sum_k/128, channels]", blocks, (ca.scales, cb.scales)),
                     ("per-expert blocks, scales [channels, sum_k/128]", blocks, (ca.scales.t(), cb.scales.t())),
