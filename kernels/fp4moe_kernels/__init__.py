@@ -7,7 +7,8 @@ re-exported here.
 
 Modules: ``constants`` (format numbers) and ``sizes`` (the formats' bytes from shapes), both torch-free;
 ``formats`` (typed containers, ragged ``Segments``), ``reference`` (the spec), ``ops`` (public API, validation,
-device dispatch), ``triton_kernels`` (GPU kernels), ``cuda_kernels`` (CUDA C++), ``selfcheck`` (kernels vs
+device dispatch), ``triton_kernels`` (GPU kernels), ``cuda_kernels`` (CUDA C++), ``deepgemm`` (DeepGEMM's grouped
+FP8 GEMM, an optional backend), ``selfcheck`` (kernels vs
 reference on the present hardware), ``bench`` / ``bench_cuda`` / ``bench_peers`` (GPU benchmark CLIs).
 
 The re-exports and the submodules load on first use (PEP 562), so ``import fp4moe_kernels.constants`` or
@@ -33,8 +34,8 @@ _EXPORTS = {
     "fp4_to_bf16": "ops",
     "fp8_row_to_fp4": "ops",
 }
-_SUBMODULES = ("bench", "bench_cuda", "bench_peers", "constants", "cuda_kernels", "formats", "ops", "reference",
-               "selfcheck", "sizes", "triton_kernels")
+_SUBMODULES = ("bench", "bench_cuda", "bench_peers", "constants", "cuda_kernels", "deepgemm", "formats", "ops",
+               "reference", "selfcheck", "sizes", "triton_kernels")
 
 
 def __getattr__(name: str):

@@ -14,8 +14,9 @@ dispatch_quantize  FP4MOE_DISPATCH_QUANTIZE   tokens (quantize each token once, 
                                               (permute BF16 tokens, quantize the T*k rows)
 fused_swiglu       FP4MOE_FUSED_SWIGLU        1 (fused Triton SwiGLU on CUDA), 0 (the torch formulas)
 fused_swiglu_fp4   FP4MOE_FUSED_SWIGLU_FP4    1 (the SwiGLU writes its input's MXFP4 copy in the same pass), 0
-grouped_gemm       FP4MOE_GROUPED_GEMM        triton (one grouped launch per expert GEMM on CUDA), loop (one GEMM
-                                              per expert)
+grouped_gemm       FP4MOE_GROUPED_GEMM        triton (one grouped launch per expert GEMM on CUDA), deepgemm
+                                              (fprop / dgrad through DeepGEMM on rows padded to 128 per expert,
+                                              wgrad Triton; fp4moe_kernels.deepgemm), loop (one GEMM per expert)
 tiles              FP4MOE_TILES               '' (the swept defaults), or JSON / the path of a JSON file: conversion
                                               kernels' tiles (``triton_kernels.launchers.tiles_from_env``)
 gemm_tiles         FP4MOE_GEMM_TILES          '' (the swept defaults), or JSON: the grouped GEMMs' tiles
@@ -42,7 +43,8 @@ CHOICES = {
                                               "rows) or rows (quantize the permuted rows)"),
     "fused_swiglu": (("1", "0"), "1 (the default: the fused Triton SwiGLU on CUDA) or 0 (the torch formulas)"),
     "fused_swiglu_fp4": (("1", "0"), "1 (the default: the SwiGLU writes its input's MXFP4 copy) or 0"),
-    "grouped_gemm": (("triton", "loop"), "'triton' (the default: one grouped launch per GEMM) or 'loop'"),
+    "grouped_gemm": (("triton", "deepgemm", "loop"), "'triton' (the default: one grouped launch per GEMM), 'deepgemm' "
+                                                  "(fprop / dgrad through DeepGEMM) or 'loop'"),
 }
 
 

@@ -24,9 +24,14 @@ def test_bench_cpu_smoke(tmp_path):
     assert files == [stem + ".json", stem + ".md"]
     again = main(["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k",
                   str(K), "--tokens", str(T), "--shared-ffn", "128", "--warmup", "1", "--iters", "1", "--recipes",
-                  "bf16", "--no-gemm", "--no-profile", "--out", str(tmp_path), "--commit", "test"])
+                  "bf16,fp8@loop", "--no-gemm", "--no-profile", "--out", str(tmp_path), "--commit", "test"])
     kept = Path(again["files"][0])  # the same day and commit: written beside the first run, which is kept
     assert kept.name.startswith(stem + "_") and (tmp_path / files[0]).exists() and len(list(tmp_path.iterdir())) == 4
+    # a recipe @ a grouped_gemm value: its own row, run under that switch, with its ratio to bf16
+    assert [(r["recipe"], r["grouped_gemm"]) for r in again["recipes"]] == [("bf16", "loop"), ("fp8@loop", "loop")]
+    assert list(again["ratios"]) == ["tokens_per_s fp8@loop/bf16"]
+    with pytest.raises(SystemExit, match="fp8@cublas: the part after @ is a grouped_gemm value"):
+        main(["--device", "cpu", "--recipes", "fp8@cublas", "--out", str(tmp_path)])
     on_disk = json.loads((tmp_path / files[0]).read_text())
     assert [r["recipe"] for r in on_disk["recipes"]] == ["bf16", "fp8", "mxfp4"]
     rows = T * K

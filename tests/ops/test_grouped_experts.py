@@ -46,9 +46,19 @@ def case(counts, seed=0, h=H, f=F):
     return x, w1, w2, p, dy
 
 
-def run(x, counts, w1, w2, p, dy, recipe):
+def run(x, counts, w1, w2, p, dy, recipe, **kw):
     xx, a, b, pp = (t.clone().requires_grad_() for t in (x, w1, w2, p))
-    y = grouped_expert_mlp(xx, counts, a, b, pp, recipe)
+    y = grouped_expert_mlp(xx, counts, a, b, pp, recipe, **kw)
+    y.backward(dy)
+    return dict(y=y.detach(), dx=xx.grad, dw1=a.grad, dw2=b.grad, dp=pp.grad)
+
+
+def run_dispatched(x, counts, w1, w2, p, dy, recipe, **kw):
+    """As ``run``, the input arriving as a dispatched MXFP4 (keep_fp4); dx is the sender's gradient."""
+    xx = x.clone().requires_grad_()
+    d = quantized_all_to_all(xx, [x.shape[0]], [x.shape[0]], keep_fp4=True)
+    a, b, pp = (t.clone().requires_grad_() for t in (w1, w2, p))
+    y = grouped_expert_mlp(d, counts, a, b, pp, recipe, **kw)
     y.backward(dy)
     return dict(y=y.detach(), dx=xx.grad, dw1=a.grad, dw2=b.grad, dp=pp.grad)
 
@@ -179,13 +189,45 @@ def test_dispatched_mxfp4_input_is_the_same_computation():
     recipe = Recipe.mxfp4()
     x, w1, w2, p, dy = case(COUNTS, seed=3)
     ref = run(x, COUNTS, w1, w2, p, dy, recipe)
-    xx = x.clone().requires_grad_()
-    d = quantized_all_to_all(xx, [x.shape[0]], [x.shape[0]], keep_fp4=True)
-    a, b, pp = (t.clone().requires_grad_() for t in (w1, w2, p))
-    y = grouped_expert_mlp(d, COUNTS, a, b, pp, recipe)
-    y.backward(dy)
-    for k, v in dict(y=y.detach(), dx=xx.grad, dw1=a.grad, dw2=b.grad, dp=pp.grad).items():
+    for k, v in run_dispatched(x, COUNTS, w1, w2, p, dy, recipe).items():
         assert torch.equal(v, ref[k]), k
+
+
+@pytest.mark.parametrize("name", ["fp8", "mxfp4", "mxfp4_dispatched", "mxfp4_no_save_fp4"])
+def test_rows_padded_to_128_per_expert_are_the_same_computation(name):
+    """row_align=128 (DeepGEMM's layout: zero rows with probability 0 after each expert's rows, taken away after)
+    gives the unpadded result bit for bit: output, input, weight and probability gradients."""
+    recipe = SAVE_RECIPES.get(name, Recipe.mxfp4())
+    go = run_dispatched if name.endswith("dispatched") else run
+    counts = [70, 0, 150, 128, 37, 0, 63]  # empty experts, one already a multiple of 128
+    x, w1, w2, p, dy = case(counts, seed=6)
+    want = go(x, counts, w1, w2, p, dy, recipe, row_align=1)
+    got = go(x, counts, w1, w2, p, dy, recipe, row_align=128)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_saved_bytes_with_padded_rows():
+    """Under row_align the experts save their formats' bytes for the padded counts, plus the row map (int64 [T])."""
+    from fp4moe.ops.grouped_experts import padded_rows
+    from fp4moe_kernels.formats import Segments
+
+    padded = list(padded_rows(Segments(tuple(COUNTS)), 128, torch.device("cpu"))[0].counts)
+    for name in ("fp8", "mxfp4"):
+        x, w1, w2, p, _ = case(COUNTS, seed=4)
+        xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        nbytes, _ = count_saved(lambda: grouped_expert_mlp(xx, COUNTS, a, b, p, Recipe.preset(name), row_align=128),
+                                [a, b])
+        assert nbytes == expert_saved_bytes(padded, H, F, Recipe.preset(name)) + 8 * sum(COUNTS), name
+
+
+def test_padded_rows_map():
+    from fp4moe.ops.grouped_experts import padded_rows
+    from fp4moe_kernels.formats import Segments
+
+    seg_p, dst = padded_rows(Segments((3, 0, 130, 128)), 128, torch.device("cpu"))
+    assert seg_p.counts == (128, 0, 256, 128)
+    assert dst.tolist() == [0, 1, 2, *range(128, 258), *range(384, 512)]
 
 
 def test_no_tokens_at_all():
@@ -244,6 +286,91 @@ def test_saved_bytes_by_hand_and_deepseek_like_ratio():
 # ---------------------------------------------------------------------------------------------------- GPU
 
 CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _deepgemm_missing() -> str | None:
+    from fp4moe_kernels import deepgemm
+
+    return deepgemm.why_unavailable()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with blockwise FP8 GEMMs (sm_90)")
+@pytest.mark.parametrize("name", ["fp8", "mxfp4"])
+def test_gpu_padded_rows_are_the_same_computation(name):
+    """On CUDA (grouped Triton GEMMs) rows padded to 128 per expert give the unpadded result bit for bit."""
+    from fp4moe_kernels import switches
+
+    x, w1, w2, p, dy = (t.cuda() for t in case(COUNTS, seed=2))
+    with switches.use(switches.Switches(grouped_gemm="triton")):
+        want = run(x, COUNTS, w1, w2, p, dy, Recipe.preset(name), row_align=1)
+        got = run(x, COUNTS, w1, w2, p, dy, Recipe.preset(name), row_align=128)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with blockwise FP8 GEMMs (sm_90)")
+@pytest.mark.parametrize("name", ["fp8", "mxfp4"])
+def test_gpu_deepgemm_against_float64_and_triton(name):
+    """grouped_gemm=deepgemm (DeepGEMM's m-grouped fprop / dgrad on padded rows, Triton wgrad): the same error
+    bounds against float64 as the Triton path (its error is the operands' rounding, not the kernel's), within the
+    sum of both errors of the Triton path's result, and zero weight gradients for empty experts."""
+    why = _deepgemm_missing()
+    if why:
+        pytest.skip(why)
+    from fp4moe_kernels import switches
+
+    recipe = Recipe.preset(name)
+    x, w1, w2, p, dy = case(COUNTS, seed=1)
+    dev = torch.device("cuda")
+    xs = [t.to(dev) for t in (x, w1, w2, p, dy)]
+    with switches.use(switches.Switches(grouped_gemm="deepgemm")):
+        got = {k: v.cpu() for k, v in run(*xs[:1], COUNTS, *xs[1:], recipe).items()}
+    with switches.use(switches.Switches(grouped_gemm="triton")):
+        tri = {k: v.cpu() for k, v in run(*xs[:1], COUNTS, *xs[1:], recipe).items()}
+    ref = model(x, COUNTS, w1, w2, p, dy, {})
+    for k in ref:
+        assert rel(got[k], tri[k].to(F64)) <= rel(got[k], ref[k]) + rel(tri[k], ref[k]) + 1e-9, k
+    for e, c in enumerate(COUNTS):
+        if c == 0:
+            assert not got["dw1"][e].any() and not got["dw2"][e].any()
+    check_error_model(got, ref, model(x, COUNTS, w1, w2, p, dy, error_model(recipe)), f"GPU deepgemm {name}", hi=1.4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with blockwise FP8 GEMMs (sm_90)")
+def test_gpu_deepgemm_gemm_equals_an_fp32_product_of_the_dequantized_operands():
+    """fp4moe_kernels.deepgemm.m_grouped_rows on row-aligned segments (one empty expert) against the FP32 product
+    of the dequantized operands, per expert, and against the grouped Triton kernel; padding rows come out zero."""
+    why = _deepgemm_missing()
+    if why:
+        pytest.skip(why)
+    from fp4moe_kernels import deepgemm, ops as kops
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launchers
+    from fp4moe.ops.grouped_experts import quantize_experts_128x128
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seg = Segments((256, 0, 128, 384))
+    k, n = 512, 256
+    x = torch.randn(seg.total, k, device="cuda", generator=g).to(torch.bfloat16)
+    x[128 + 100:256] = 0  # expert 0's padding rows, as grouped_expert_mlp writes them
+    w = (torch.randn(seg.num, n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    row = kops.bf16_to_fp8_row(x, seg)
+    wd, ws = quantize_experts_128x128(w)
+    out = deepgemm.m_grouped_rows(row, wd, ws)
+    tri = launchers.grouped_fp8_rows(row, wd, ws)
+    assert not out[128 + 100:256].any()
+    for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
+        if r1 == r0:
+            continue
+        a, sa = row.segment(e)
+        xa = a.float() * sa.repeat_interleave(128, 1)
+        wb = wd[e].float() * ws[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        ref = xa @ wb.t()
+        assert rel(out[r0:r1], ref) < 4e-3, e  # the BF16 output's rounding (~1.7e-3 measured)
+        assert rel(out[r0:r1], tri[r0:r1].float()) < 4e-3, e
 
 
 @pytest.mark.gpu

@@ -23,10 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tarfile
-import time
 import traceback
 from pathlib import Path
 
@@ -37,38 +34,12 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels")]
 
 
 def build_deepgemm(sdist: Path, work: Path, headers: Path | None):
-    """Unpack the sdist, lay out the includes its setup.py would, compile ``deep_gemm._C``; returns (module, s).
-    ``headers``: elfutils' development headers (``elfutils/libdwfl.h``, ``libelf.h``, ``gelf.h``; Debian's
-    libdw-dev / libelf-dev), which its deep_jit exception handler includes (it dlopens libdw at run time only) and
-    the GPU image lacks."""
-    from torch.utils.cpp_extension import CUDA_HOME, load
+    """DeepGEMM built from its sdist into ``work`` (``fp4moe_kernels.deepgemm.build``) and imported from there;
+    returns (module, seconds)."""
+    from fp4moe_kernels import deepgemm
 
-    t0 = time.time()
-    with tarfile.open(sdist) as tf:
-        tf.extractall(work, filter="data")
-    src = next(work.glob("deepinfer_gemm-*"))
-    inc = src / "deep_gemm" / "include"
-    for d in ("cute", "cutlass"):
-        if not (inc / d).exists():
-            shutil.copytree(src / "third-party" / "cutlass" / "include" / d, inc / d)
-    (src / "deep_gemm" / "envs.py").write_text("persistent_envs = dict()\n")
-    abi = int(torch.compiled_with_cxx11_abi())
-    mod = load(name="_C", sources=[str(src / "csrc" / "python_api.cpp")],
-               extra_include_paths=[*([str(headers)] if headers else []), f"{CUDA_HOME}/include", f"{CUDA_HOME}/include/cccl", str(inc),
-                                    str(src / "third-party" / "deep_jit" / "include"),
-                                    str(src / "third-party" / "cutlass" / "include")],
-               extra_cflags=["-std=c++20", "-O3", "-fPIC", "-Wno-psabi", "-Wno-deprecated-declarations",
-                             f"-D_GLIBCXX_USE_CXX11_ABI={abi}"],
-               extra_ldflags=[f"-L{CUDA_HOME}/lib64", "-lcudart"], build_directory=str(work),
-               with_cuda=True, verbose=False)
-    sys.modules["deep_gemm._C"] = mod
-    for name in dir(mod):  # pybind submodules (deep_gemm imports `from ._C.locality_domain import ...`)
-        if type(getattr(mod, name)) is type(mod):
-            sys.modules[f"deep_gemm._C.{name}"] = getattr(mod, name)
-    sys.path.insert(0, str(src))
-    import deep_gemm
-
-    return deep_gemm, time.time() - t0
+    secs = deepgemm.build(sdist, work, headers)
+    return deepgemm._from_dir(work), secs
 
 
 def counts_v3(e=32, rows=32768, seed=0) -> list[int]:

@@ -26,7 +26,9 @@
 #   bash tools/device/h200_p3.sh pp2 MB "mxfp4:attn_ln_mlp ..."  # proxy on both GPUs (torchrun, PP2, 1F1B over 4
 #                                                      # micro-batches), per cell
 #   bash tools/device/h200_p3.sh ep8 MB "mxfp4:attn_ln_mlp ..."  # issue 7 (nvidia-h200-x8): the proxy on 8 GPUs, EP8 x DP8
-#   COMMIT=sha bash tools/device/h200_p3.sh layer1     # P2's V3 MoE layer on one GPU (32 experts), every recipe -> $OUT/moe_layer
+#   COMMIT=sha bash tools/device/h200_p3.sh layer1 [ARGS]  # P2's V3 MoE layer on one GPU (32 experts), every recipe
+#                                                      # -> $OUT/moe_layer (ARGS: fp4moe.moe.bench's)
+#   bash tools/device/h200_p3.sh deepgemm              # build DeepGEMM's carried sdist for kernels.grouped_gemm=deepgemm
 #   COMMIT=sha bash tools/device/h200_p3.sh layer8     # issue 7: the V3 MoE layer with EP8, every recipe -> $OUT/moe_layer
 #   COMMIT=sha bash tools/device/h200_p3.sh kbench [DIR:LABEL [ARGS]]  # kernel benchmark -> $OUT/kernels, side by side
 #                                                      # with the baseline copy DIR (carried: git archive, see README)
@@ -67,6 +69,13 @@ export MLFLOW_DISABLE_TELEMETRY=true TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 # without this); megatron-core users set the same.
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 COMMON=(train.progress_bar=false hydra/launcher=local)
+# DeepGEMM for kernels.grouped_gemm=deepgemm: the `deepgemm` phase builds the carried sdist into DG_DIR (kept while the
+# machine stays warm); the extension needs the system libstdc++ first (the image's python loads an older one: segfault
+# in std::regex otherwise, results/moe_layer/README.md section "DeepGEMM")
+DG_DIR=$ROOT/build/deepgemm/site
+if [ -f "$DG_DIR/build/_C.so" ]; then
+  export FP4MOE_DEEPGEMM_DIR=$DG_DIR LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6
+fi
 # the .git here is the session's base commit: COMMIT=sha names the code (benchmarks and MLflow tags record it)
 if [ -n "${COMMIT:-}" ]; then export FP4MOE_COMMIT=$COMMIT; fi
 # BASE=build/baseline_<sha>: run an earlier commit's trainer (git archive <sha> src kernels conf | tar x -C BASE,
@@ -250,9 +259,18 @@ pp2)  # MB "recipe:scope ...": the proxy as 2 pipeline stages over NCCL, global 
 ep8)  # MB "recipe:scope ...": issue 7, the proxy on all 8 GPUs, EP8 x DP8 (torchrun), global batch 8 x MB
   gpu_cells 8 ep8 "$1" "$2" experiment=proxy_t1_8gpu parallel.global_batch=$((8 * $1))
   ;;
-layer1)  # P2's MoE layer benchmark on one GPU (DeepSeek-V3 shape: 32 experts, top-8, 4096 tokens), every recipe
+layer1)  # [bench args]: P2's MoE layer benchmark on one GPU (DeepSeek-V3 shape: 32 experts, top-8, 4096 tokens), every
+  # recipe (e.g. --recipes bf16,fp8,mxfp4,fp8@deepgemm,mxfp4@deepgemm after the deepgemm phase)
   mkdir -p "$OUT/moe_layer"
-  timeout -k 20 300 python3 -m fp4moe.moe.bench --commit "${COMMIT:-unknown}" --out "$OUT/moe_layer" 2>&1 | tail -40
+  timeout -k 20 300 python3 -m fp4moe.moe.bench --commit "${COMMIT:-unknown}" --out "$OUT/moe_layer" "$@" 2>&1 | tail -40
+  ;;
+deepgemm)  # build DeepGEMM (carried: build/deepgemm/deepinfer_gemm-*.tar.gz and include/, elfutils' headers) into
+  # DG_DIR for kernels.grouped_gemm=deepgemm; later phases of this warm machine find it
+  if [ ! -f "$DG_DIR/build/_C.so" ]; then
+    python3 -m fp4moe_kernels.deepgemm build --sdist "$(ls build/deepgemm/deepinfer_gemm-*.tar.gz | tail -1)" \
+      --out "$DG_DIR" --headers build/deepgemm/include 2>&1 | tail -5
+  fi
+  FP4MOE_DEEPGEMM_DIR=$DG_DIR LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6 python3 -m fp4moe_kernels.deepgemm check
   ;;
 layer8)  # issue 7: DeepSeek-V3's MoE layer with EP8 (256 experts, 32 per GPU, top-8, 4096 tokens per GPU), every recipe
   mkdir -p "$OUT/moe_layer"

@@ -18,14 +18,17 @@ expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights
   forward + backward; ``dispatch_ms`` / ``combine_ms``: time of the same ``quantized_all_to_all`` calls alone
   (encode + exchange + decode, forward + backward, same splits and codecs);
 * the expert GEMMs run on ``gemm_backend`` (the grouped Triton kernel on CUDA; ``FP4MOE_GROUPED_GEMM=loop``
-  selects the per-expert ``F.scaled_mm`` loop);
+  selects the per-expert ``F.scaled_mm`` loop, ``deepgemm`` DeepGEMM's fprop / dgrad); a ``--recipes`` entry
+  ``fp8@deepgemm`` runs that recipe under that switch value, beside the others in the same run (its row is labelled
+  so, with ``tokens_per_s <entry>/<recipe>`` and ``/bf16`` ratios);
 * ``profile``: CUDA kernel time per iteration by category (FP8/BF16 GEMMs, our Triton kernels, NCCL,
   elementwise/other) and the top kernels, from ``torch.profiler`` (``--no-profile`` skips it).
 * ``memory_peak`` (``--memtrace``, CUDA): what is live at the peak above the base, by allocation site, from the
   allocator's history (``fp4moe.tracking.memtrace``); ``fp4moe.scale.memory.standalone_moe_layer_peak`` models it.
 
 And once: ``gemm``: the fp8 expert GEMMs over the routed counts (weights pre-quantized), as the grouped Triton
-kernel and as the per-expert ``F.scaled_mm`` loop, against one dense ``F.scaled_mm`` of the same total size
+kernel, as the per-expert ``F.scaled_mm`` loop and (fprop / dgrad, where it loads) as DeepGEMM's m-grouped kernel on
+rows padded to 128 per expert (the padding not timed), against one dense ``F.scaled_mm`` of the same total size
 (M = all routed rows): TFLOP/s and ratios, for fc1/fc2 fprop, dgrad and wgrad.
 
 Output: ``<out>/moe_layer_<gpu>_ep<W>[<shape>]_<date>_<commit>.{json,md}`` (rank 0 writes; ``<shape>`` names what
@@ -73,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=d["top_k"])
     p.add_argument("--tokens", type=int, default=d["tokens"], help="tokens per GPU per micro-batch")
     p.add_argument("--shared-ffn", type=int, default=d["shared_ffn"], help="shared expert ffn size (0: none)")
-    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe presets")
+    p.add_argument("--recipes", default=",".join(RECIPES),
+                   help="comma-separated recipe presets, each optionally @ a grouped_gemm switch value, e.g. "
+                        "bf16,fp8,mxfp4,fp8@deepgemm,mxfp4@deepgemm (that recipe again with those expert GEMMs)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -182,6 +187,34 @@ def _profile(step, dev, iters: int = 2) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- the cases
+
+
+def _recipe_entries(text: str) -> list[tuple[str, Recipe, str | None]]:
+    """``--recipes`` -> [(label, Recipe, grouped_gemm value or None)]: ``fp8`` or ``fp8@deepgemm``."""
+    from fp4moe_kernels.switches import CHOICES
+
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        name, _, backend = item.partition("@")
+        if backend and backend not in CHOICES["grouped_gemm"][0]:
+            raise SystemExit(f"--recipes {item}: the part after @ is a grouped_gemm value, "
+                             f"{' / '.join(CHOICES['grouped_gemm'][0])}")
+        out.append((item, Recipe.preset(name), backend or None))
+    return out
+
+
+def _grouped_gemm(backend: str | None):
+    """A context with the ``grouped_gemm`` switch set to ``backend`` (None: as it is)."""
+    import contextlib
+    import dataclasses
+
+    from fp4moe_kernels import switches
+
+    if backend is None:
+        return contextlib.nullcontext()
+    return switches.use(dataclasses.replace(switches.current(), grouped_gemm=backend))
 
 
 def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
@@ -307,10 +340,12 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev, only: str | Non
     ``fp4moe_kernels.triton_kernels.gemm``), ``loop`` (one ``fp8_mm`` = ``F.scaled_mm`` per expert) and
     ``dense`` (one ``fp8_mm`` of the same total size, M = all routed rows). Weights and activations are quantized
     beforehand (not timed)."""
-    from fp4moe_kernels import ops as kops
+    from fp4moe_kernels import deepgemm, ops as kops
     from fp4moe_kernels.formats import Segments
     from fp4moe_kernels.triton_kernels import launchers
     from fp4moe_kernels.triton_kernels.common import INTERPRET
+
+    from ..ops.grouped_experts import padded_rows
 
     h, f = layer.hidden, layer.ffn
     t = sum(counts)
@@ -346,6 +381,11 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev, only: str | Non
                 "dense": lambda drow=drow, wd=wd, ws=ws, kind=kind: fp8_mm(*drow.segment(0), wd[0], ws[0], kind,
                                                                            check=False),
             }
+            if dev.type == "cuda" and deepgemm.available():  # on rows padded to 128 per expert (padding not timed)
+                seg_p, dst = padded_rows(seg, deepgemm.ALIGN, dev)
+                a_pad = a_src.new_zeros(seg_p.total, a_src.shape[1]).index_copy_(0, dst, a_src)
+                row_p = kops.bf16_to_fp8_row(a_pad, seg_p)
+                fns["deepgemm"] = lambda row_p=row_p, wd=wd, ws=ws: deepgemm.m_grouped_rows(row_p, wd, ws)
         if not use_triton:
             del fns["triton"]
         if only:
@@ -362,8 +402,9 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev, only: str | Non
             out[f"{label}_tflops"] = flops / ms / 1e9
         if "loop_tflops" in out:
             out["loop_over_dense"] = out["loop_tflops"] / out["dense_tflops"]
-        if "triton_tflops" in out and "dense_tflops" in out:
-            out["triton_over_dense"] = out["triton_tflops"] / out["dense_tflops"]
+        for label in ("triton", "deepgemm"):
+            if f"{label}_tflops" in out and "dense_tflops" in out:
+                out[f"{label}_over_dense"] = out[f"{label}_tflops"] / out["dense_tflops"]
         cases.append(out)
     return cases
 
@@ -461,14 +502,18 @@ def _markdown(doc: dict) -> str:
                   "", "| MiB | blocks | allocated at |", "|---:|---:|---|"]
             L += [f"| {x['bytes'] / 2**20:.1f} | {x['blocks']} | `{x['where']}` |" for x in mp["by_site"]]
     if doc.get("gemm"):
-        L += ["", "## FP8 expert GEMMs: grouped Triton kernel and per-expert F.scaled_mm loop vs one dense F.scaled_mm",
-              "", "| GEMM | M | N | K | experts | triton TFLOP/s | loop TFLOP/s | dense TFLOP/s | triton / dense "
-              "| loop / dense |", "|---|---|---|---|---|---|---|---|---|---|"]
+        L += ["", "## FP8 expert GEMMs: grouped Triton kernel, DeepGEMM (rows padded to 128) and per-expert "
+              "F.scaled_mm loop vs one dense F.scaled_mm", "",
+              "| GEMM | M | N | K | experts | triton TFLOP/s | deepgemm TFLOP/s | loop TFLOP/s | dense TFLOP/s "
+              "| triton / dense | deepgemm / dense | loop / dense |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+        def cell(g, key, fmt):
+            return format(g[key], fmt) if key in g else "-"
         for g in doc["gemm"]:
-            tri = f"{g['triton_tflops']:.0f}" if "triton_tflops" in g else "-"
-            tri_r = f"{g['triton_over_dense']:.3f}" if "triton_over_dense" in g else "-"
-            L.append(f"| {g['gemm']} | {g['M']} | {g['N']} | {g['K']} | {g['experts']} | {tri} | "
-                     f"{g['loop_tflops']:.0f} | {g['dense_tflops']:.0f} | {tri_r} | {g['loop_over_dense']:.3f} |")
+            L.append(f"| {g['gemm']} | {g['M']} | {g['N']} | {g['K']} | {g['experts']} | "
+                     f"{cell(g, 'triton_tflops', '.0f')} | {cell(g, 'deepgemm_tflops', '.0f')} | "
+                     f"{g['loop_tflops']:.0f} | {g['dense_tflops']:.0f} | {cell(g, 'triton_over_dense', '.3f')} | "
+                     f"{cell(g, 'deepgemm_over_dense', '.3f')} | {g['loop_over_dense']:.3f} |")
     for r in rows:
         pr = r.get("profile")
         if not pr:
@@ -502,7 +547,8 @@ def main(argv=None) -> dict:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
-    recipes = [Recipe.preset(n.strip()) for n in args.recipes.split(",") if n.strip()]
+    entries = _recipe_entries(args.recipes)
+    recipes = [r for _, r, _ in entries]
     experts = args.local_experts * world
     layer = MoELayer(args.hidden, args.ffn, experts, args.top_k, recipes[0], shared_ffn=args.shared_ffn,
                      score="sigmoid", seed=args.seed, init_device=dev)
@@ -515,19 +561,28 @@ def main(argv=None) -> dict:
             layer(x)
         sweep = _sweep_gemm(layer, _local_counts(layer, layer.last_routing[0]), args, dev)
     rows = []
-    for r in recipes:
-        rows.append(_bench_recipe(layer, r, x, dy, args, dev))
+    for label, r, backend in entries:
+        with _grouped_gemm(backend):
+            rows.append(_bench_recipe(layer, r, x, dy, args, dev))
+            rows[-1].update(recipe=label, grouped_gemm=gemm_backend(dev))
         if rank == 0:
-            print(f"{r.name}: {rows[-1]['tokens_per_s']:.0f} tokens/s, saved {rows[-1]['saved_bytes'] / 2**20:.1f} MiB",
+            print(f"{label}: {rows[-1]['tokens_per_s']:.0f} tokens/s, saved {rows[-1]['saved_bytes'] / 2**20:.1f} MiB",
                   flush=True)
     by = {r["recipe"]: r for r in rows}
     ratios = {}
+    for label, r, backend in entries:
+        for base in dict.fromkeys(("bf16", r.name)):
+            if backend and base in by:
+                ratios[f"tokens_per_s {label}/{base}"] = by[label]["tokens_per_s"] / by[base]["tokens_per_s"]
     if "fp8" in by and "mxfp4" in by:
         ratios["tokens_per_s mxfp4/fp8"] = by["mxfp4"]["tokens_per_s"] / by["fp8"]["tokens_per_s"]
         ratios["saved_bytes mxfp4/fp8"] = by["mxfp4"]["saved_bytes"] / by["fp8"]["saved_bytes"]
         ratios["expert_saved_bytes mxfp4/fp8"] = by["mxfp4"]["expert_saved_bytes"] / by["fp8"]["expert_saved_bytes"]
         if by["mxfp4"]["peak_over_base_gib"] is not None:
             ratios["peak_over_base mxfp4/fp8"] = by["mxfp4"]["peak_over_base_gib"] / by["fp8"]["peak_over_base_gib"]
+    for name in ("fp8", "mxfp4"):
+        if "bf16" in by and name in by:
+            ratios[f"tokens_per_s {name}/bf16"] = by[name]["tokens_per_s"] / by["bf16"]["tokens_per_s"]
     if "bf16" in by and "mxfp4" in by:
         ratios["dispatch_fwd_bytes mxfp4/bf16"] = by["mxfp4"]["dispatch_fwd_bytes"] / by["bf16"]["dispatch_fwd_bytes"]
     gemm = None

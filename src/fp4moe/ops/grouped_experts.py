@@ -138,13 +138,24 @@ def fp8_experts(w: "Experts", transposed: bool = False) -> tuple[torch.Tensor, t
 
 
 def gemm_backend(device: torch.device) -> str:
-    """'triton' (one grouped launch per GEMM, ``fp4moe_kernels.triton_kernels.gemm``) on CUDA, 'loop' (one
-    ``fp8_mm`` per expert: ``F.scaled_mm`` on CUDA, the exact emulation on CPU) otherwise or when the
-    ``grouped_gemm`` switch says 'loop' (``fp4moe_kernels.switches``, ``FP4MOE_GROUPED_GEMM``; the benchmark
-    compares both)."""
+    """'triton' (one grouped launch per GEMM, ``fp4moe_kernels.triton_kernels.gemm``) on CUDA, 'deepgemm' (fprop and
+    dgrad through DeepGEMM's grouped GEMM on rows padded to 128 per expert, wgrad Triton; ``fp4moe_kernels.deepgemm``)
+    or 'loop' (one ``fp8_mm`` per expert: ``F.scaled_mm`` on CUDA, the exact emulation on CPU) as the
+    ``grouped_gemm`` switch says (``fp4moe_kernels.switches``, ``FP4MOE_GROUPED_GEMM``; the benchmark compares them);
+    always 'loop' off CUDA."""
     if device.type != "cuda":
         return "loop"
     return switches.current().grouped_gemm
+
+
+def gemm_row_align(device: torch.device, recipe: Recipe) -> int:
+    """Rows each expert's block must be a multiple of for the GEMM backend: ``fp4moe_kernels.deepgemm.ALIGN`` (128)
+    for 'deepgemm' under an FP8-compute recipe, else 1 (no padding)."""
+    if recipe.fp8_compute and gemm_backend(device) == "deepgemm":
+        from fp4moe_kernels.deepgemm import ALIGN
+
+        return ALIGN
+    return 1
 
 
 def _per_expert_gemm(row: FP8RowTensor, w: Experts, seg: Segments, n: int, kind: str) -> torch.Tensor:
@@ -155,7 +166,13 @@ def _per_expert_gemm(row: FP8RowTensor, w: Experts, seg: Segments, n: int, kind:
     if seg.total == 0:
         return torch.empty(0, n, dtype=_BF16, device=row.data.device)
     wd, ws = fp8_experts(w, transposed=kind == "dgrad")
-    if gemm_backend(row.data.device) == "triton":
+    backend = gemm_backend(row.data.device)
+    if backend == "deepgemm":
+        from fp4moe_kernels import deepgemm
+
+        if deepgemm.row_aligned(seg):  # grouped_expert_mlp pads the rows; unpadded callers take the Triton kernel
+            return deepgemm.m_grouped_rows(row, wd, ws)
+    if backend in ("triton", "deepgemm"):
         from fp4moe_kernels.triton_kernels import launchers
 
         return launchers.grouped_fp8_rows(row, wd, ws)
@@ -173,7 +190,7 @@ def _per_expert_gemm(row: FP8RowTensor, w: Experts, seg: Segments, n: int, kind:
 def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
     """dW [E, n, k] in ``like.dtype``: per expert dY_e^T X_e (FP8 columns, FP32 accumulation, one rounding to
     the weight dtype); zeros for empty experts."""
-    if gemm_backend(like.device) == "triton":
+    if gemm_backend(like.device) in ("triton", "deepgemm"):  # DeepGEMM's k-grouped wgrad was no faster (0.58x dense)
         from fp4moe_kernels.triton_kernels import launchers
 
         return launchers.grouped_fp8_wgrad(dy_col, x_col, out_dtype=like.dtype)
@@ -324,11 +341,81 @@ class GroupedExpertMLP(torch.autograd.Function):
         return (dx, dp, None, None, None, *dws)
 
 
-def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+# ------------------------------------------------------------------------- rows padded to the backend's blocks
+
+
+def padded_rows(seg: Segments, align: int, device) -> tuple[Segments, torch.Tensor]:
+    """(the segments with every count rounded up to a multiple of ``align``, ``dst`` int64 ``[T]``: the padded
+    position of each of the T rows; expert e's rows keep their order and start at its padded offset)."""
+    padded = Segments(tuple(-(-c // align) * align for c in seg.counts))
+    shift = torch.tensor([p - o for p, o in zip(padded.offsets[:-1], seg.offsets[:-1])], dtype=torch.int64, device=device)
+    counts = torch.tensor(seg.counts, dtype=torch.int64, device=device)
+    dst = torch.arange(seg.total, device=device) + torch.repeat_interleave(shift, counts, output_size=seg.total)
+    return padded, dst
+
+
+class _PadRows(torch.autograd.Function):
+    """x ``[T, ...]`` -> ``[Tp, ...]``: row i at ``dst[i]``, zero rows between; the gradient is gathered back."""
+
+    @staticmethod
+    def forward(ctx, x, dst, tp: int):
+        ctx.save_for_backward(dst)
+        return x.new_zeros((tp, *x.shape[1:])).index_copy_(0, dst, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (dst,) = ctx.saved_tensors
+        return g.index_select(0, dst), None, None
+
+
+class _UnpadRows(torch.autograd.Function):
+    """y ``[Tp, ...]`` -> ``[T, ...]``: the rows at ``dst``; the gradient scattered back (zero on the padding)."""
+
+    @staticmethod
+    def forward(ctx, y, dst):
+        ctx.save_for_backward(dst)
+        ctx.tp = y.shape[0]
+        return y.index_select(0, dst)
+
+    @staticmethod
+    def backward(ctx, g):
+        (dst,) = ctx.saved_tensors
+        return g.new_zeros((ctx.tp, *g.shape[1:])).index_copy_(0, dst, g), None
+
+
+class _PadAnchor(torch.autograd.Function):
+    """A dispatched MXFP4's gradient anchor (values unused) ``[T, H]`` -> a stride-0 zero ``[Tp, H]`` whose gradient
+    (dL/dx_hat of the padded rows) is gathered back to the T rows."""
+
+    @staticmethod
+    def forward(ctx, anchor, dst, tp: int):
+        ctx.save_for_backward(dst)
+        return torch.zeros((), dtype=anchor.dtype, device=anchor.device).expand(tp, anchor.shape[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        (dst,) = ctx.saved_tensors
+        return g.index_select(0, dst), None, None
+
+
+def _pad_mxfp4(x: MXFP4Tensor, dst: torch.Tensor, tp: int) -> MXFP4Tensor:
+    """MXFP4 rows at ``dst`` of ``tp`` rows; the padding rows are zero codes (value 0)."""
+    data = x.data.new_zeros((tp, x.data.shape[1])).index_copy_(0, dst, x.data)
+    scales = x.scales.new_zeros((tp, x.scales.shape[1])).index_copy_(0, dst, x.scales)
+    return MXFP4Tensor(data, scales, (tp, x.shape[1]))
+
+
+def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe, *,
+                       row_align: int | None = None) -> torch.Tensor:
     """Routed experts (module docstring). x ``[T, H]`` bf16 or an ``MXFP4Tensor`` / ``DispatchedMXFP4``;
     counts: tokens per expert (E ints >= 0 summing to T); w1 ``[E, 2F, H]`` or E ``[2F, H]``; w2 ``[E, H, F]`` or E
     ``[H, F]``; probs ``[T]`` float32. Returns ``[T, H]`` bf16. ``y.grad_fn.saved_activation_bytes``: bytes saved
-    for backward."""
+    for backward (of the function that ran the experts; under padding the ``grad_fn`` is the un-padding's).
+
+    ``row_align`` (None: the GEMM backend's, :func:`gemm_row_align`; 128 for DeepGEMM): when > 1 every expert's rows are
+    padded with zero rows (probability 0) to a multiple of it before the experts and taken back after, so the
+    computation is the same bit for bit on the real rows (each output row depends on its own input row only; the
+    wgrad's zero rows add zeros); the padding costs a copy of the input and output rows each way."""
     from .all_to_all import DispatchedMXFP4  # local import: all_to_all does not need this module
 
     ws1 = tuple(w1.unbind(0)) if torch.is_tensor(w1) and w1.dim() == 3 else tuple(w1)
@@ -342,6 +429,7 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe) -
                           "[E, 2F, H] and [E, H, F]")
     is_fp4 = isinstance(x, MXFP4Tensor)
     x_hp, x_fp4 = None, None
+    x_is_anchor = is_fp4 and recipe.fp8_compute and recipe.expert_input_fp4  # x_hp: the gradient anchor (or None)
     if is_fp4:
         if tuple(x.shape)[1] != h:
             raise FormatError(f"x has {x.shape[1]} channels, w1 expects H={h}")
@@ -364,7 +452,20 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe) -
         raise FormatError(f"probs must be [T] = [{t}], got {tuple(probs.shape)}")
     if recipe.fp8_compute and (h % FP8_GROUP or (f2 // 2) % FP8_GROUP):
         raise FormatError(f"FP8 experts need H ({h}) and F ({f2 // 2}) multiples of {FP8_GROUP}")
-    return GroupedExpertMLP.apply(x_hp, probs.float(), x_fp4, recipe, seg, *ws1, *ws2)
+    device = (x.data if is_fp4 else x).device
+    align = gemm_row_align(device, recipe) if row_align is None else int(row_align)
+    probs = probs.float()
+    if align <= 1 or all(c % align == 0 for c in seg.counts):
+        return GroupedExpertMLP.apply(x_hp, probs, x_fp4, recipe, seg, *ws1, *ws2)
+    seg_p, dst = padded_rows(seg, align, device)
+    tp = seg_p.total
+    if x_fp4 is not None:
+        x_fp4 = _pad_mxfp4(x_fp4, dst, tp)
+    if x_hp is not None:
+        x_hp = _PadAnchor.apply(x_hp, dst, tp) if x_is_anchor else _PadRows.apply(x_hp, dst, tp)
+    y = GroupedExpertMLP.apply(x_hp, _PadRows.apply(probs, dst, tp), x_fp4, recipe, seg_p, *ws1, *ws2)
+    return _UnpadRows.apply(y, dst)
 
 
-__all__ = ["Experts", "GroupedExpertMLP", "expert_saved_bytes", "fp8_experts", "gemm_backend", "grouped_expert_mlp", "quantize_experts_128x128"]
+__all__ = ["Experts", "GroupedExpertMLP", "expert_saved_bytes", "fp8_experts", "gemm_backend", "grouped_expert_mlp",
+           "gemm_row_align", "padded_rows", "quantize_experts_128x128"]
