@@ -71,6 +71,21 @@ def test_bench_fp8_weight_cache(tmp_path):
         assert by[name]["fp8_weight_cache_bytes"] == want, name
 
 
+def test_bench_weight_cache_over_micro_batches(tmp_path):
+    """--micro-batches 2: an optimizer step is two iterations, so the weights are quantized half as often as with one
+    (the cache's quantizer passes over the timed iterations); the file says so; a count that does not divide --iters
+    is refused."""
+    common = ["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k", str(K),
+              "--tokens", str(T), "--shared-ffn", "0", "--warmup", "1", "--iters", "4", "--recipes", "fp8",
+              "--no-gemm", "--no-profile", "--fp8-weight-cache", "--out", str(tmp_path), "--commit", "test"]
+    one, two = main(common), main(common + ["--micro-batches", "2"])
+    per_iter = [d["recipes"][0]["fp8_weight_quantizations_per_iter"] for d in (one, two)]
+    assert per_iter == [2.0, 1.0]  # the fc1 and the fc2 expert groups, once per step
+    assert two["env"]["micro_batches_per_step"] == 2 and "_wcache_mb2_" in Path(two["files"][0]).name
+    with pytest.raises(SystemExit, match="--micro-batches 3: give a count >= 1 that divides --iters 4"):
+        main(common + ["--micro-batches", "3"])
+
+
 def test_bench_eight_ranks_on_gloo(tmp_path):
     """Issue 7's command on CPU: 8 torchrun processes (gloo), EP8, every recipe; rank 0 writes one results file whose
     dispatch bytes are the formats' and whose routed rows crossed to other ranks."""

@@ -208,26 +208,31 @@ def test_rows_padded_to_128_per_expert_are_the_same_computation(name):
 
 
 def test_saved_bytes_with_padded_rows():
-    """Under row_align the experts save their formats' bytes for the padded counts, plus the row map (int64 [T])."""
+    """Under row_align the experts save their formats' bytes for the padded counts (the row map, int64 [T] and
+    [Tp], rides on the autograd context, not among the saved tensors)."""
     from fp4moe.ops.grouped_experts import padded_rows
     from fp4moe_kernels.formats import Segments
 
-    padded = list(padded_rows(Segments(tuple(COUNTS)), 128, torch.device("cpu"))[0].counts)
+    padded = list(padded_rows(Segments(tuple(COUNTS)), 128, torch.device("cpu")).padded.counts)
     for name in ("fp8", "mxfp4"):
         x, w1, w2, p, _ = case(COUNTS, seed=4)
         xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
         nbytes, _ = count_saved(lambda: grouped_expert_mlp(xx, COUNTS, a, b, p, Recipe.preset(name), row_align=128),
                                 [a, b])
-        assert nbytes == expert_saved_bytes(padded, H, F, Recipe.preset(name)) + 8 * sum(COUNTS), name
+        assert nbytes == expert_saved_bytes(padded, H, F, Recipe.preset(name)), name
 
 
 def test_padded_rows_map():
     from fp4moe.ops.grouped_experts import padded_rows
     from fp4moe_kernels.formats import Segments
 
-    seg_p, dst = padded_rows(Segments((3, 0, 130, 128)), 128, torch.device("cpu"))
-    assert seg_p.counts == (128, 0, 256, 128)
-    assert dst.tolist() == [0, 1, 2, *range(128, 258), *range(384, 512)]
+    rp = padded_rows(Segments((3, 0, 130, 128)), 128, torch.device("cpu"))
+    assert rp.padded.counts == (128, 0, 256, 128)
+    assert rp.dst.tolist() == [0, 1, 2, *range(128, 258), *range(384, 512)]
+    assert rp.pad.tolist() == [*range(3, 128), *range(258, 384)]
+    x = torch.arange(1, 262, dtype=torch.float32).unsqueeze(1).repeat(1, 2)
+    xp = rp.rows(x)
+    assert torch.equal(xp[rp.dst], x) and not xp[rp.pad].any() and torch.equal(rp.unpad(xp), x)
 
 
 def test_no_tokens_at_all():

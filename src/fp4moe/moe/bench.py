@@ -91,8 +91,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="record the CUDA allocator's history over the memory measurement and list what is live at "
                         "each recipe's peak, by allocation site (fp4moe.tracking.memtrace; CUDA only)")
     p.add_argument("--fp8-weight-cache", action="store_true",
-                   help="FP8 weight copies made once per iteration (fp4moe.ops.weight_cache; each iteration is one "
-                        "optimizer step of one micro-batch, as the trainer with train.fp8_weight_cache=true)")
+                   help="FP8 weight copies made once per optimizer step (fp4moe.ops.weight_cache, as the trainer "
+                        "with train.fp8_weight_cache=true); a step is --micro-batches iterations")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="iterations per optimizer step under --fp8-weight-cache (gradient accumulation: the FP8 "
+                        "weights are quantized in the first and reused by the others; default 1)")
     p.add_argument("--out", default="results/moe_layer", help="output folder")
     p.add_argument("--commit", default=None,
                    help="commit to record (default: $FP4MOE_COMMIT, else git rev-parse --short HEAD)")
@@ -225,21 +228,24 @@ def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
 
 
 def _bench_recipe_in(layer: MoELayer, recipe: Recipe, x, dy, args, dev, params) -> dict:
-    def step():
-        WEIGHT_CACHE.new_step()  # each iteration is an optimizer step (a no-op without --fp8-weight-cache)
+    def step(i: int):
+        if i % args.micro_batches == 0:  # an optimizer step begins (a no-op without --fp8-weight-cache)
+            WEIGHT_CACHE.new_step()
         for p in params:
             p.grad = None
         xx = x.detach().requires_grad_()
         y = layer(xx)
         y.backward(dy)
 
-    for _ in range(args.warmup):
-        step()
-    with _Timer(dev) as t:
-        for _ in range(args.iters):
-            step()
+    for i in range(args.warmup):
+        step(i)
+    misses = WEIGHT_CACHE.stats.misses
+    with _Timer(dev) as t:  # whole optimizer steps: the first iteration of each quantizes the weights
+        for i in range(args.iters):
+            step(i)
     ms = _max_over_ranks(t.ms / args.iters, dev)
-    res = {"recipe": recipe.name, "ms_per_iter": ms, "tokens_per_s": x.shape[0] / ms * 1e3}
+    res = {"recipe": recipe.name, "ms_per_iter": ms, "tokens_per_s": x.shape[0] / ms * 1e3,
+           "fp8_weight_quantizations_per_iter": (WEIGHT_CACHE.stats.misses - misses) / args.iters}
     # memory and saved bytes over one forward + backward
     for p in params:
         p.grad = None
@@ -382,9 +388,8 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev, only: str | Non
                                                                            check=False),
             }
             if dev.type == "cuda" and deepgemm.available():  # on rows padded to 128 per expert (padding not timed)
-                seg_p, dst = padded_rows(seg, deepgemm.ALIGN, dev)
-                a_pad = a_src.new_zeros(seg_p.total, a_src.shape[1]).index_copy_(0, dst, a_src)
-                row_p = kops.bf16_to_fp8_row(a_pad, seg_p)
+                rp = padded_rows(seg, deepgemm.ALIGN, dev)
+                row_p = kops.bf16_to_fp8_row(rp.rows(a_src), rp.padded)
                 fns["deepgemm"] = lambda row_p=row_p, wd=wd, ws=ws: deepgemm.m_grouped_rows(row_p, wd, ws)
         if not use_triton:
             del fns["triton"]
@@ -479,7 +484,8 @@ def _markdown(doc: dict) -> str:
          f"{doc['shape']['top_k']} of {doc['shape']['experts']} experts ({doc['shape']['local_experts']} local), "
          f"{doc['shape']['tokens']} tokens, shared ffn {doc['shape']['shared_ffn']}. torch {env['torch']}, "
          f"timing: {'CUDA events' if env['gpu'] != 'cpu' else 'perf_counter'}, {env['iters']} iterations after {env['warmup']} warm-up. Expert GEMMs: "
-         f"{env.get('grouped_gemm')}, tiles {env.get('gemm_tiles')}.", "",
+         f"{env.get('grouped_gemm')}, tiles {env.get('gemm_tiles')}. FP8 weight cache: "
+         f"{'on, ' + str(env.get('micro_batches_per_step', 1)) + ' iteration(s) per optimizer step' if env.get('fp8_weight_cache') else 'off'}.", "",
          "| recipe | ms/iter | tokens/s | vs fp8 | peak GiB | peak over base GiB | saved MiB | saved B/token "
          "| expert saved MiB | dispatch fwd MiB | dispatch ms | combine ms |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -548,6 +554,9 @@ def main(argv=None) -> dict:
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
     entries = _recipe_entries(args.recipes)
+    if args.micro_batches < 1 or args.iters % args.micro_batches:
+        raise SystemExit(f"--micro-batches {args.micro_batches}: give a count >= 1 that divides --iters {args.iters} "
+                         "(the timing covers whole optimizer steps)")
     recipes = [r for _, r, _ in entries]
     experts = args.local_experts * world
     layer = MoELayer(args.hidden, args.ffn, experts, args.top_k, recipes[0], shared_ffn=args.shared_ffn,
@@ -599,7 +608,8 @@ def main(argv=None) -> dict:
         "env": {"date": datetime.date.today().isoformat(), "commit": _commit(args.commit), "gpu": _gpu_name(dev),
                 "world_size": world, "torch": torch.__version__, "python": platform.python_version(),
                 "command": cmd, "warmup": args.warmup, "iters": args.iters, "device": str(dev),
-                "grouped_gemm": gemm_backend(dev), "gemm_tiles": _tiles(), "fp8_weight_cache": args.fp8_weight_cache},
+                "grouped_gemm": gemm_backend(dev), "gemm_tiles": _tiles(), "fp8_weight_cache": args.fp8_weight_cache,
+                "micro_batches_per_step": args.micro_batches},
         "shape": {"hidden": args.hidden, "ffn": args.ffn, "local_experts": args.local_experts, "experts": experts,
                   "top_k": args.top_k, "tokens": args.tokens, "shared_ffn": args.shared_ffn},
         "recipes": rows, "ratios": ratios, "gemm": gemm, "gemm_sweep": sweep,
@@ -607,7 +617,7 @@ def main(argv=None) -> dict:
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        cache = "_wcache" if args.fp8_weight_cache else ""
+        cache = ("_wcache" + (f"_mb{args.micro_batches}" if args.micro_batches > 1 else "")) if args.fp8_weight_cache else ""
         stem = (f"moe_layer_{doc['env']['gpu']}_ep{world}{_shape_tag(args)}{cache}_{doc['env']['date']}_"
                 f"{doc['env']['commit']}")
         if (out / (stem + ".json")).exists():  # measured again the same day at the same commit: keep both
