@@ -190,10 +190,11 @@ def _per_expert_gemm(row: FP8RowTensor, w: Experts, seg: Segments, n: int, kind:
 
 def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
     """dW [E, n, k] in ``like.dtype``: per expert dY_e^T X_e (FP8 columns, FP32 accumulation, one rounding to
-    the weight dtype); zeros for empty experts. The grouped Triton kernel under 'triton', else one ``fp8_mm`` per
-    expert: under 'deepgemm' that is cuBLAS's ``F.scaled_mm`` (0.69x of one dense GEMM at DeepSeek-V3's shapes,
-    where the grouped Triton kernel reaches 0.44x and DeepGEMM's k-grouped one 0.58x: results/moe_layer)."""
-    if gemm_backend(like.device) == "triton":
+    the weight dtype); zeros for empty experts. The grouped Triton kernel under 'triton' and 'deepgemm' (DeepGEMM's
+    k-grouped kernel reached 0.58x of dense; cuBLAS per expert 0.69x alone, but its loop is host-bound inside a
+    layer whose other GEMMs are fast: 0.89x of the Triton wgrad's layer throughput with the FP8 weight cache on,
+    results/moe_layer/README.md), else one ``fp8_mm`` per expert."""
+    if gemm_backend(like.device) in ("triton", "deepgemm"):
         from fp4moe_kernels.triton_kernels import launchers
 
         return launchers.grouped_fp8_wgrad(dy_col, x_col, out_dtype=like.dtype)
