@@ -119,19 +119,21 @@ def row_aligned(seg: Segments) -> bool:
     return all(c % ALIGN == 0 for c in seg.counts)
 
 
-@functools.lru_cache(maxsize=16)
-def _layout(seg: Segments, groups: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m_indices int32 ``[M]``: each row's expert; gather index int64 ``[groups, M]`` taking fp4moe's
-    segment-major row scales (segment e's ``[groups, m_e]`` blocks one after the other) to one MN-major
-    ``[groups, M]`` matrix, DeepGEMM's SM90 scale layout)."""
-    counts = torch.tensor(seg.counts, dtype=torch.int64)
-    offsets = torch.tensor(seg.offsets[:-1], dtype=torch.int64)
-    expert = torch.repeat_interleave(torch.arange(seg.num), counts)
-    rows = torch.arange(seg.total)
-    o, c = offsets[expert], counts[expert]
-    j = torch.arange(groups).unsqueeze(1)
-    gather = groups * o + j * c + (rows - o)
-    return expert.to(torch.int32).to(device), gather.to(device)
+def expert_of_rows(seg: Segments, device: torch.device) -> torch.Tensor:
+    """m_indices int32 ``[M]``: each row's expert (DeepGEMM's grouped layout), built on ``device``."""
+    counts = torch.tensor(seg.counts, dtype=torch.int64, device=device)
+    return torch.repeat_interleave(torch.arange(seg.num, dtype=torch.int32, device=device), counts,
+                                   output_size=seg.total)
+
+
+def mn_major_scales(a: FP8RowTensor) -> torch.Tensor:
+    """fp4moe's segment-major row scales (segment e's ``[K/128, m_e]`` block after segment e-1's) as one
+    ``[K/128, M]`` matrix, DeepGEMM's SM90 (MN-major) scale layout: one concatenation of the segments' blocks on
+    the scales' device (no index tensor: at 4M rows one would be hundreds of MB)."""
+    g = a.data.shape[1] // 128
+    blocks = [a.scales[g * r0:g * r1].view(g, r1 - r0)
+              for r0, r1 in zip(a.segments.offsets[:-1], a.segments.offsets[1:]) if r1 > r0]
+    return torch.cat(blocks, dim=1) if blocks else a.scales.new_empty(g, 0)
 
 
 def m_grouped_rows(a: FP8RowTensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -149,9 +151,8 @@ def m_grouped_rows(a: FP8RowTensor, b: torch.Tensor, b_scale: torch.Tensor, out_
     out = torch.empty(m, n, dtype=out_dtype, device=a.data.device)
     if m == 0 or n == 0:
         return out
-    m_indices, gather = _layout(seg, k // 128, a.data.device)
-    sfa = a.scales[gather].t()  # [M, K/128] with strides (1, M): MN-major, as DeepGEMM's SM90 kernel reads it
-    load().m_grouped_fp8_gemm_nt_contiguous((a.data, sfa), (b, b_scale), out, m_indices)
+    sfa = mn_major_scales(a).t()  # [M, K/128] with strides (1, M): MN-major, as DeepGEMM's SM90 kernel reads it
+    load().m_grouped_fp8_gemm_nt_contiguous((a.data, sfa), (b, b_scale), out, expert_of_rows(seg, a.data.device))
     return out
 
 

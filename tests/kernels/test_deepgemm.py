@@ -52,13 +52,13 @@ def test_rows_not_aligned_to_128_are_refused_before_loading():
 
 
 def test_scale_layout_gathers_segment_major_scales_into_one_mn_major_matrix():
-    """fp4moe's row scales are segment-major (expert e's [K/128, m_e] block after expert e-1's); the gather index
-    makes the [K/128, M] matrix DeepGEMM reads, equal to the dense scale matrix transposed."""
+    """fp4moe's row scales are segment-major (expert e's [K/128, m_e] block after expert e-1's); mn_major_scales
+    makes the [K/128, M] matrix DeepGEMM reads, equal to the dense scale matrix transposed; each row's expert."""
     seg = Segments((256, 0, 128))
     row = kops.bf16_to_fp8_row(torch.randn(384, 512).to(torch.bfloat16) * torch.rand(384, 1) * 100, seg)
-    m_indices, gather = deepgemm._layout(seg, 512 // 128, torch.device("cpu"))
+    m_indices = deepgemm.expert_of_rows(seg, torch.device("cpu"))
     assert m_indices.tolist() == [0] * 256 + [2] * 128 and m_indices.dtype == torch.int32
-    assert torch.equal(row.scales[gather], row.scale_matrix().t())
+    assert torch.equal(deepgemm.mn_major_scales(row), row.scale_matrix().t())
 
 
 def test_the_switch_takes_deepgemm_and_cpu_runs_the_loop():
