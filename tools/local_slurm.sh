@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# A real Slurm on this Debian 12 machine, for developers and CI (P4, issue 5; two nodes: P11, issue 31): munge,
+# A real Slurm on this Debian 12 machine, for developers and CI (P4, issue 5; several nodes: P11, issue 31): munge,
 # MariaDB, slurmdbd (so `sacct` reports failed jobs as FAILED), slurmctld and one slurmd per node, started by hand
 # (no systemd) and stopped by PID. Needs root and apt; installs the Debian packages (--no-install-recommends) when
 # missing.
 #
 #   sudo tools/local_slurm.sh up       # install if needed, write the configs, start what is not running; idempotent
-#   sudo NODES=2 tools/local_slurm.sh up   # two compute nodes, node1 and node2, each a host of its own (below)
+#   sudo NODES=3 tools/local_slurm.sh up   # three compute nodes, node1..node3, each a host of its own (below; CI's)
 #   sudo tools/local_slurm.sh status   # each daemon's PID and state, then sinfo; exit 0 only if all run
 #   sudo tools/local_slurm.sh down     # cancel the cluster's jobs, stop the daemons it started (by PID)
 #   sudo tools/local_slurm.sh reconfigure   # write the configs of the running cluster again, `scontrol reconfigure`
@@ -20,14 +20,18 @@
 # and PIDs are shared with the host: the munge socket, the job folders. `up` with another NODES than the running
 # cluster's refuses: `down` first. SUBNET: $FP4MOE_SLURM_SUBNET, default 10.131.31.
 # Cluster: ClusterName=fp4moe, NODE_CPUS CPUs per node (default max(nproc, 8): the tests' jobs mostly sleep or
-# wait, so they may share cores; SlurmdParameters=config_overrides), the machine's memory split among the nodes,
+# wait, so they may share cores; SlurmdParameters=config_overrides), the machine's memory split between two nodes
+# (with more nodes each declares that half too: the tests' jobs ask more than they use, and a third node should not
+# squeeze them onto the nodes a multi-node test stops),
 # partition `debug` (no limit),
 # DefMemPerCPU=512 MB, EnforcePartLimits=ALL (an impossible request fails at submit time instead of pending
 # forever), AuthInfo=cred_expire=5 and sched_interval=bf_interval=2 (a requeued job starts again after ~7 s, not
 # ~2 min). SlurmdTimeout=10 and KillWait=10: a node that stops answering is DOWN within ~10-15 s and its jobs
 # NODE_FAIL (default 300 s), and the tasks of a job that is ended get SIGKILL 10 s after SIGTERM (default 30 s).
-# Weight=K for nodeK: one-node jobs fill node1 first, so that node2 mostly runs multi-node jobs only (a node-failure
-# test stops a node that runs its job alone).
+# Weights: node2 1, node1 2, nodeK K (K >= 3): one-node jobs fill node2 first, then node1, then node3...; a job of
+# two nodes gets node1 and node2, and Slurm puts its task 0 (rank 0, the batch script) on node1, the first in node
+# order, which then mostly runs multi-node jobs only: the node-failure test stops rank 0's host while no other job
+# runs there, and with three nodes or more the requeue lands on node2 and node3 (rank 0 on node2).
 # Settings apply when the daemons start (`down` then `up` after changing them), or with `reconfigure` (all but
 # the node list). The PIDs live in STATE (default /tmp/fp4moe-slurm, one <daemon>.pid each); logs in /var/log/slurm.
 # node-stop N: the host side of nodeN's veth goes down first (its peers then see silence, as from a host that lost
@@ -124,14 +128,15 @@ write_conf() {  # write_conf <path> <owner> <mode>, text on stdin; refuses to re
 }
 
 write_configs() {  # write_configs <node>...: slurm.conf for these compute nodes, and slurmdbd.conf
-  local mem n k=0 ctl=localhost nodes=""
-  mem=$(( $(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p') / $# ))
+  local mem n w k=0 ctl=localhost nodes=""
+  mem=$(( $(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p') / ($# < 2 ? $# : 2) ))
   if [ "$1" != localhost ]; then ctl="localhost($SUBNET.1)"; fi   # the nodes reach slurmctld on the bridge
   for n in "$@"; do
     k=$((k + 1))
     if [ "$n" = localhost ]; then nodes+="NodeName=localhost"
     else nodes+="NodeName=$n NodeHostname=$n NodeAddr=$SUBNET.$((10 + k))"; fi
-    nodes+=" CPUs=$NODE_CPUS RealMemory=$mem Weight=$k State=UNKNOWN"$'\n'
+    case "$n:$k" in node*:1) w=2 ;; node*:2) w=1 ;; *) w=$k ;; esac   # node2 before node1: see the header
+    nodes+=" CPUs=$NODE_CPUS RealMemory=$mem Weight=$w State=UNKNOWN"$'\n'
   done
   install -d -m 0755 /etc/slurm
   write_conf /etc/slurm/slurm.conf root:root 0644 <<CONF

@@ -45,7 +45,7 @@ def claim(root: Path, info: Any) -> Any:
 
     held, why = None, None
     try:
-        held = attempt.claim(root, info.rank == 0)
+        held = attempt.claim(root, info.rank == 0, hosts=info.hosts)
     except attempt.Busy as e:
         why = str(e)
     (why,) = from_rank0([why], info)
