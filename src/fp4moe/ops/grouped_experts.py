@@ -376,10 +376,12 @@ def padded_rows(seg: Segments, align: int, device) -> RowPadding:
     shift = torch.tensor([p - o for p, o in zip(padded.offsets[:-1], seg.offsets[:-1])], dtype=torch.int64, device=device)
     counts = torch.tensor(seg.counts, dtype=torch.int64, device=device)
     dst = torch.arange(seg.total, device=device) + torch.repeat_interleave(shift, counts, output_size=seg.total)
-    real = torch.zeros(padded.total, dtype=torch.bool, device=device).index_fill_(0, dst, True)
     src = torch.zeros(padded.total, dtype=torch.int64, device=device).index_copy_(
         0, dst, torch.arange(seg.total, device=device))
-    return RowPadding(padded, dst, src, (~real).nonzero().squeeze(1))
+    # the padding rows from the host's counts (fewer than align per expert): no device-to-host sync, as a mask's
+    # nonzero() would be
+    pad = [i for p0, c, p1 in zip(padded.offsets[:-1], seg.counts, padded.offsets[1:]) for i in range(p0 + c, p1)]
+    return RowPadding(padded, dst, src, torch.tensor(pad, dtype=torch.int64, device=device))
 
 
 class _PadRows(torch.autograd.Function):
