@@ -40,6 +40,9 @@ EXCLUDED: dict[str, str] = {
     "data.dir": "where the prepared tokens are kept (a build is found by the hash of its inputs, fp4moe.data)",
     "data.cache_dir": "where the downloaded corpus is kept",
     "train.progress_bar": "the console only",
+    "train.hooks": "after-step hooks of your own (fp4moe.train.hooks): they see the loop between steps, not the "
+                   "model, data or optimizer, so they watch, checkpoint or stop a run, not change what it trains; a "
+                   "run a hook failed or slowed resumes with the same command, with the hook or without it",
     "train.log_interval": "how often MLflow gets the step metrics, not their values",
     "train.checkpoint_interval": "when checkpoints are written (a resume continues bit for bit from any of them)",
     "train.keep_checkpoints": "how many checkpoints are kept",
