@@ -73,21 +73,6 @@ def test_a_stop_signal_checkpoints_once_at_its_step_and_ends_the_loop():
     assert state.stopped_by == signal.SIGUSR1 and state.step == 5 and rec.saved == [5]
 
 
-def test_the_fault_knob_fails_at_its_step_through_the_hook():
-    from omegaconf import OmegaConf
-
-    rec = Recorder()
-    state = _state(rec, total=5)
-    cfg = OmegaConf.create({"fault": {"fail_at_step": 3}})
-    try:
-        _drive(5, [hooks.faults(cfg), hooks.periodic_checkpoint(1)], state)
-    except RuntimeError as e:
-        assert "fault.fail_at_step=3" in str(e)
-    else:
-        raise AssertionError("fault.fail_at_step=3 did not fail")
-    assert rec.saved == [1, 2] and state.step == 3
-
-
 def _cfg(hooks_: object):
     from omegaconf import OmegaConf
 

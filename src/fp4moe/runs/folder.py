@@ -36,7 +36,6 @@ EXCLUDED: dict[str, str] = {
                 "run its checkpoint names)",
     "cluster": "the machine and the job: Slurm resources and time limit, host threads and environment (the layout "
                "is parallel.*, which fp4moe.config.check ties to cluster.nodes x cluster.gpus_per_node)",
-    "fault": "test knobs that stop or slow a run on purpose (+fault.*, fp4moe.launch.slurm.inject_faults)",
     "data.dir": "where the prepared tokens are kept (a build is found by the hash of its inputs, fp4moe.data)",
     "data.cache_dir": "where the downloaded corpus is kept",
     "train.progress_bar": "the console only",

@@ -1,6 +1,5 @@
 """What runs after each optimizer step, in this order: evaluation, MLflow, the progress bar, the profiler window,
-the caller's ``after_step``, the hooks of ``train.hooks`` (yours), the ``fault`` test knobs, the periodic checkpoint,
-and the stop signals.
+the caller's ``after_step``, the hooks of ``train.hooks`` (yours), the periodic checkpoint, and the stop signals.
 
 Each hook is a callable taking the :class:`LoopState`; the trainer builds the list once (fp4moe.train.loop) and calls
 every hook on every rank after every step. A hook may add metrics before the MLflow hook logs them (evaluation adds
@@ -12,7 +11,7 @@ importable hook factories, ``name: "package.module:factory"`` or ``name: {factor
 process before the model is built, as ``factory(cfg, **keywords)`` with the composed config, and returns a
 :data:`Hook`. :func:`configured` resolves the entries (import, attribute, signature; a mistake is a one-line
 ConfigError naming the key and the fix, from ``fp4moe.train.loop.preflight``), :func:`from_config` calls the
-factories.
+factories. The tests inject their faults this way (tests/faults.py: fail at a step, sleep after each step).
 """
 from __future__ import annotations
 
@@ -97,12 +96,6 @@ def profiler_window(profiler: Any, tracker: Any, is_main: bool) -> Hook:
 def caller(after_step: Callable[[int, dict[str, float]], None]) -> Hook:
     """The caller's ``after_step(step, metrics)`` (tests send signals from it)."""
     return lambda s: after_step(s.step, s.metrics)
-
-
-def faults(cfg: Any) -> Hook:
-    """The ``+fault.*`` test knobs (fp4moe.launch.slurm.inject_faults: fail at a step, sleep after each step); the Slurm
-    tests set them on the command line of a job, where no Python hook can reach."""
-    return lambda s: slurm.inject_faults(cfg, s.step)
 
 
 def periodic_checkpoint(every: int | None) -> Hook:
@@ -248,5 +241,5 @@ def from_config(cfg: Any) -> list[Hook]:
     return [f.build(cfg) for f in configured(cfg)]
 
 
-__all__ = ["FORM", "Hook", "HookFactory", "KEY", "LoopState", "caller", "configured", "evaluation", "faults", "from_config",
+__all__ = ["FORM", "Hook", "HookFactory", "KEY", "LoopState", "caller", "configured", "evaluation", "from_config",
            "mlflow_log", "periodic_checkpoint", "profiler_window", "progress_bar", "stop_signals"]

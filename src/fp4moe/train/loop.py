@@ -23,8 +23,8 @@ any layout with the same optimizer group); per-rank ones resume at their own lay
 The run's phases, each in its own module: :func:`preflight` (below), where it starts (fp4moe.train.resume), the
 build (fp4moe.train.components), the MLflow run (fp4moe.train.run_record, fp4moe.train.metrics.Tracker), the steps
 (fp4moe.train.step.Stepper) each followed by the after-step hooks (fp4moe.train.hooks: evaluation, logging,
-progress, profiler, the caller's callback, the hooks of ``train.hooks``, test faults, checkpoints, stop signals),
-the end (fp4moe.train.summary).
+progress, profiler, the caller's callback, the hooks of ``train.hooks``, checkpoints, stop signals), the end
+(fp4moe.train.summary).
 
 Order of the set-up, so that every mistake is reported before anything expensive: ``fp4moe.config.check`` and
 the trainer's own limits, the hook factories of ``train.hooks`` (imported and checked; ConfigError), the MLflow store
@@ -273,7 +273,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     after += [hooks.progress_bar(bar, int(derived["tokens_per_step"]))] if bar is not None else []
     after += [hooks.profiler_window(parts.profiler, tracker, info.is_main)]
     after += extra
-    after += [hooks.faults(cfg), hooks.periodic_checkpoint(t.get("checkpoint_interval")),
+    after += [hooks.periodic_checkpoint(t.get("checkpoint_interval")),
               hooks.stop_signals(stop, info.device, resume_hint)]
     status = "FAILED"
     # FP8 copies of the weights once per optimizer step (fp4moe/ops/weight_cache.py), registered after the DDP wrap
