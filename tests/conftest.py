@@ -2,9 +2,19 @@
 
 Without an NVIDIA GPU the Triton kernels run under the Triton interpreter (CPU), which must be switched
 on before triton is first imported. On a GPU machine ``make test-gpu`` sets TRITON_INTERPRET=0.
+
+tests/ goes on ``PYTHONPATH`` (first), so that every process a test starts imports the hooks the tests inject faults
+with (tests/faults.py, named in ``train.hooks``): subprocesses, torchrun's workers and Slurm jobs, which inherit the
+environment they are submitted from (tests/test_slurm.py). This process has it on ``sys.path`` already (pytest's
+"prepend" import mode puts this file's folder there).
 """
 import os
 import shutil
+from pathlib import Path
 
 if not (os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi")):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)

@@ -57,9 +57,13 @@ def test_one_config_spelled_two_ways_and_overrides_that_do_not_change_the_run_sh
     d = Path(cfg.hydra.run.dir)
     # the defaults spelled out, and an excluded key, through Hydra's command-line parsing
     assert _run_dir("precision=mxfp4", "train.seed=1234", "train.adamw.lr=0.0003", "train.progress_bar=false") == d
+    # an after-step hook (train.hooks) watches or stops a run, it does not change what is trained: a run a hook slowed
+    # or failed resumes in its folder without it (tests/faults.py)
+    assert _run_dir("+train.hooks.fail={factory: faults:fail_at_step, step: 3}") == d
     same = {"train.progress_bar": False, "train.log_interval": 5, "train.checkpoint_interval": 3,
             "train.keep_checkpoints": 5, "train.resume": False, "train.checkpoint_dir": "/elsewhere",
-            "tracking.tags.note": "x", "tracking.experiment": "other", "fault.sleep_s": 1,
+            "tracking.tags.note": "x", "tracking.experiment": "other",
+            "train.hooks.slow": {"factory": "faults:sleep_after_step", "seconds": 1},
             "cluster.time_limit_min": 30, "cluster.env.OMP_NUM_THREADS": "2", "data.cache_dir": "/cache",
             "data.dir": "/data", "paths.root": "/somewhere"}
     for key, value in same.items():
@@ -99,9 +103,8 @@ def test_an_explicit_run_dir_wins_and_multiruns_keep_their_sweep_folders(tmp_pat
 
 
 def test_every_excluded_key_is_in_the_config():
-    """A misspelt key in EXCLUDED would leave out nothing: each names a key of the composed config (fault.* is
-    added on the command line, +fault.sleep_s=...)."""
-    cfg = _compose("+fault.sleep_s=1")
+    """A misspelt key in EXCLUDED would leave out nothing: each names a key of the composed config."""
+    cfg = _compose()
     absent = object()
     assert [k for k in folder.EXCLUDED if OmegaConf.select(cfg, k, default=absent) is absent] == []
     ident = folder.identity(cfg)

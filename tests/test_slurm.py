@@ -55,7 +55,7 @@ DATA_DIR = os.environ.get("FP4MOE_DATA_DIR") or str(REPO / "data")
 # Checkpoints: on the signal, and at the end.
 STEPS = 12
 REQUEUE = [f"train.steps={STEPS}", f"train.checkpoint_interval={STEPS}", "cluster.time_limit_min=2",
-           "cluster.signal_delay_s=10", "+fault.sleep_s=10"]
+           "cluster.signal_delay_s=10", "+train.hooks.slow={factory: faults:sleep_after_step, seconds: 10}"]
 LAUNCH_TIMEOUT_S = 360
 
 
@@ -100,7 +100,9 @@ TWO_NODE_LAYOUT = ["cluster.nodes=2", "parallel.world_size=2", "parallel.data=2"
 PREEMPT_STEPS = 16
 PREEMPT_COMMON = ["precision=mxfp4", "train.params_dtype=fp32", f"train.steps={PREEMPT_STEPS}",
                   "train.checkpoint_interval=1"]
-PREEMPT_FAULTS = ["+fault.sleep_s=3", "+fault.sleep_attempts=3"]
+# tests/faults.py's hooks (train.hooks), imported in the jobs through PYTHONPATH (tests/conftest.py puts tests/ there;
+# sbatch passes the submitting environment on, _env below)
+PREEMPT_FAULTS = ["+train.hooks.slow={factory: faults:sleep_after_step, seconds: 3, attempts: 3}"]
 PREEMPT_LIMIT_MIN = 6   # the job's time limit after attempt 0's (2 minutes)
 LOCAL_SLURM = REPO / "tools" / "local_slurm.sh"
 
@@ -658,13 +660,14 @@ def test_reproduce_runs_its_cells_as_slurm_jobs_then_reuses_them(store, time_lim
 
 def test_failed_job_is_failed_in_sacct_and_in_the_launcher(store, time_limit_run, sbatch_run):
     root, uri = store
-    launch = Launch(root, "slurm_fail", ["precision=fp8", "train.steps=3", "+fault.fail_at_step=1"], uri)
+    launch = Launch(root, "slurm_fail", ["precision=fp8", "train.steps=3",
+                                         "+train.hooks.fail={factory: faults:fail_at_step, step: 1}"], uri)
     try:
         rc, out = launch.wait()
     finally:
         launch.stop()
     assert rc == 1, out[-4000:]
-    assert "FailedJobError" in out and "RuntimeError: fp4moe.launch.slurm.inject_faults: fault.fail_at_step=1" in out
+    assert "FailedJobError" in out and "RuntimeError: faults.fail_at_step: step=1" in out
     (job_id,) = launch.job_ids()
     assert _sacct(job_id) == ["FAILED"]  # not COMPLETED, which Slurm reports without fp4moe.launch.slurm.SlurmCallback
     (outcome, _), = launch.results()

@@ -1,5 +1,6 @@
-"""fp4moe.launch.slurm without Slurm: the preemption/stop flag (a real signal to this process), the test faults and the
-Hydra callback. The same pieces in the trainer on a real Slurm: tests/test_slurm.py."""
+"""fp4moe.launch.slurm without Slurm: the preemption/stop flag (a real signal to this process) and the Hydra callback
+(the faults the tests inject into runs: tests/faults.py, tested in tests/train/test_hooks.py). The same pieces in the
+trainer on a real Slurm: tests/test_slurm.py."""
 import os
 import signal
 
@@ -125,22 +126,6 @@ def test_preempt_signal_follows_submitit_setting(monkeypatch):
     assert slurm.preempt_signal() == signal.SIGUSR2
     monkeypatch.setenv("SUBMITIT_PREEMPT_SIGNAL", "USR1")
     assert slurm.preempt_signal() == signal.SIGUSR1
-
-
-def test_inject_faults(monkeypatch):
-    from omegaconf import OmegaConf
-
-    slurm.inject_faults(OmegaConf.create({}), 3)  # no fault node: nothing
-    cfg = OmegaConf.create({"fault": {"fail_at_step": 2, "sleep_s": 0.2}})
-    slurm.inject_faults(cfg, 1)
-    with pytest.raises(RuntimeError, match="fault.fail_at_step=2"):
-        slurm.inject_faults(cfg, 2)
-    import time
-
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the requeued attempt runs at full speed
-    t0 = time.perf_counter()
-    slurm.inject_faults(cfg, 5)
-    assert time.perf_counter() - t0 < 0.1
 
 
 def test_callback_fails_the_slurm_job_only_inside_slurm(monkeypatch):

@@ -113,6 +113,17 @@ def test_kernel_switch_typo_is_one_message(tmp_path, monkeypatch, app):
     assert "Traceback" not in err and "step" not in err
 
 
+def test_a_hook_that_cannot_be_loaded_is_one_message(tmp_path, monkeypatch, app):
+    """A train.hooks entry naming a factory that is not there: exit 2 before the model is built, one line naming the
+    key and the fix (the command in this process; the other mistakes of an entry: tests/train/test_hooks.py)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    code, out, err = app("+train.hooks.fail={factory: faults:fail_at_stp, step: 1}", f"hydra.run.dir={tmp_path / 'out'}")
+    assert code == 2
+    assert ("fp4moe.train: ConfigError: train.hooks.fail='faults:fail_at_stp': faults has no attribute 'fail_at_stp' "
+            "(did you mean faults:fail_at_step?)") in err
+    assert "Traceback" not in err and "step 1" not in err and not (tmp_path / "out" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("server, reason", [("closed", "Connection refused"), ("silent", "timed out")])
 def test_unreachable_mlflow_server(tmp_path, monkeypatch, app, server, reason):
     """An MLflow server that is not there (a closed port) or does not answer (a port that accepts connections and

@@ -33,6 +33,8 @@ STEPS = 6
 COMMON = ["train=short_cpu", "train.progress_bar=false", f"train.steps={STEPS}", "train.eval_interval=null",
           "parallel.seq_length=64"]
 SEED = 30  # the kill step of test_kill_9 follows from it
+# a run slowed down by the tests' after-step hook (tests/faults.py, through train.hooks), so that a test acts mid-run
+SLOW = "+train.hooks.slow={{factory: faults:sleep_after_step, seconds: {seconds}}}"
 
 
 def _overrides(tmp_path: Path, task: str, *more: str) -> list[str]:
@@ -226,7 +228,7 @@ def test_a_full_checkpoint_folder_stops_the_run_with_one_line_and_a_rerun_with_r
 
 def test_a_second_command_on_a_busy_folder_stops_and_a_run_killed_before_its_first_checkpoint_is_marked_lost(
         tmp_path, in_store, reference):
-    """``python -m fp4moe.train`` (slowed down: ``+fault.sleep_s``) runs with no periodic checkpoints. While it runs,
+    """``python -m fp4moe.train`` (slowed down: tests/faults.py's ``sleep_after_step`` hook) runs with no periodic checkpoints. While it runs,
     the same command (its checkpoint folder) in this process stops before building the model with one line naming
     the process that holds the folder (fp4moe.train.attempt.Busy). Then the first process gets SIGKILL before any
     checkpoint: its MLflow run is left RUNNING. The next command starts over from step 0 (nothing to resume), trains
@@ -237,7 +239,7 @@ def test_a_second_command_on_a_busy_folder_stops_and_a_run_killed_before_its_fir
 
     overrides = _overrides(tmp_path, "lost", "train.checkpoint_interval=null")
     root = tmp_path / "ckpt" / "lost"
-    proc = subprocess.Popen([sys.executable, str(HERE / "cli.py"), *overrides, "+fault.sleep_s=1.0",
+    proc = subprocess.Popen([sys.executable, str(HERE / "cli.py"), *overrides, SLOW.format(seconds=1.0),
                              f"hydra.run.dir={tmp_path / 'out'}"],
                             cwd=tmp_path, env={**os.environ, "MLFLOW_TRACKING_URI": in_store},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -389,7 +391,7 @@ def test_an_http_tracking_server_killed_mid_run_loses_no_metrics(tmp_path, mlflo
     uri = mlflow_server.uri
     overrides = _overrides(tmp_path, "http_gone", "train.checkpoint_interval=2")
     pending = tmp_path / "ckpt" / "http_gone" / PENDING_FILE
-    proc = subprocess.Popen([sys.executable, str(HERE / "cli.py"), *overrides, "+fault.sleep_s=0.5",
+    proc = subprocess.Popen([sys.executable, str(HERE / "cli.py"), *overrides, SLOW.format(seconds=0.5),
                              f"hydra.run.dir={tmp_path / 'out'}"],
                             cwd=tmp_path, env={**os.environ, "MLFLOW_TRACKING_URI": uri},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

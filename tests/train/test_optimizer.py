@@ -102,8 +102,8 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, store, uninterrupted,
     _, full, _ = uninterrupted(setting)
     resumed = [*COMMON, "train.checkpoint_interval=1", "train.eval_interval=null", "train.steps=3",
                f"optimizer={setting}", "task_name=resumed", f"train.checkpoint_dir={tmp_path / 'b'}"]
-    with pytest.raises(RuntimeError, match="fault.fail_at_step=2"):
-        train(_compose(*resumed, "+fault.fail_at_step=2"))
+    with pytest.raises(RuntimeError, match="faults.fail_at_step: step=2"):
+        train(_compose(*resumed, "+train.hooks.fail={factory: faults:fail_at_step, step: 2}"))
     r = train(_compose(*resumed))
     assert r.start_step == 1 and sorted(r.losses) == [2, 3]
     assert {s: full.losses[s] for s in (2, 3)} == r.losses
@@ -143,8 +143,8 @@ def test_dp2_distributed_killed_and_resumed_equals_unsharded(tmp_path):
     r = _torchrun(tmp_path, [*dp2, "optimizer=gpu_fp32"], "full", 2)
     assert r.returncode == 0, r.stderr[-3000:]
     sharded = [*dp2, "optimizer=distributed", "optimizer.overlap_grad_reduce=true", "optimizer.bucket_size=100000"]
-    r = _torchrun(tmp_path, [*sharded, "+fault.fail_at_step=3"], "sharded", 2)
-    assert r.returncode != 0 and "fault.fail_at_step=3" in r.stderr, r.stderr[-3000:]
+    r = _torchrun(tmp_path, [*sharded, "+train.hooks.fail={factory: faults:fail_at_step, step: 3}"], "sharded", 2)
+    assert r.returncode != 0 and "faults.fail_at_step: step=3" in r.stderr, r.stderr[-3000:]
     r = _torchrun(tmp_path, sharded, "sharded", 2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr + r.stdout

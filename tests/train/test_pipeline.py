@@ -86,8 +86,8 @@ def test_pp2_killed_and_resumed_equals_one_process(tmp_path, monkeypatch):
     its shards), the same command resumes it from step 2 into the same MLflow run; its losses, gradient norms,
     evaluation loss and MoE aux loss (rank 0 is the first stage, the loss is the last stage's) equal one process's.
     The step-2 checkpoint also resumes in one process (PP2 -> PP1) to one process's losses, bit for bit."""
-    r = _torchrun(tmp_path, ["+fault.fail_at_step=3"], "pp2")
-    assert r.returncode != 0 and "fault.fail_at_step=3" in r.stderr, r.stderr[-3000:]
+    r = _torchrun(tmp_path, ["+train.hooks.fail={factory: faults:fail_at_step, step: 3}"], "pp2")
+    assert r.returncode != 0 and "faults.fail_at_step: step=3" in r.stderr, r.stderr[-3000:]
     ckpts = tmp_path / "ckpt" / "pp2"
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_0000002"]
     assert _shard_ranks(ckpts / "step_0000002") == {"0", "1"}

@@ -114,8 +114,9 @@ def test_sharded_checkpoint_resumes_on_gpu(tmp_path, store, setting):
     common = ("train.eval_interval=null", "train.steps=4", f"optimizer={setting}")
     full = _train(tmp_path / "full", "mxfp4", "none", *common)
     resumed = (*common, "train.checkpoint_interval=1", "train.checkpoint_format=sharded")
-    with pytest.raises(RuntimeError, match="fault.fail_at_step=3"):
-        _train(tmp_path / "resumed", "mxfp4", "none", *resumed, "+fault.fail_at_step=3")
+    with pytest.raises(RuntimeError, match="faults.fail_at_step: step=3"):
+        _train(tmp_path / "resumed", "mxfp4", "none", *resumed,
+               "+train.hooks.fail={factory: faults:fail_at_step, step: 3}")
     r = _train(tmp_path / "resumed", "mxfp4", "none", *resumed)
     assert r.start_step == 2 and sorted(r.losses) == [3, 4], (r.start_step, r.losses)
     for step in (3, 4):

@@ -7,8 +7,7 @@ checkpoints (fp4moe/train/checkpoint.py, which also hold the MLflow run id)::
 
     with slurm.Preemption() as preempt:                    # SIGUSR2 (requeue), SIGTERM and SIGUSR1 (stop)
         for step in range(start, steps):
-            ...                                            # one step
-            slurm.inject_faults(cfg, step)                 # test knobs `+fault.*`; no-op without them
+            ...                                            # one step, then the after-step hooks
             signum = preempt.poll(device)                  # the signal, agreed by all ranks (0: none)
             if signum:
                 save_checkpoint(); break
@@ -27,7 +26,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Any
 
 from fp4moe.tracking import mlflow_store
@@ -290,24 +288,6 @@ class Preemption:
                 subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
             raise Requeued(0)
         raise Requeued("fp4moe.launch.slurm: preempted outside Slurm; the checkpoint is written, run again to resume")
-
-
-# ---------------------------------------------------------------------------------------------- test knobs
-
-def inject_faults(cfg: Any, step: int) -> None:
-    """Test knobs, all off unless given with ``+fault.<key>=...``: ``fail_at_step`` (raise RuntimeError at that
-    step), ``sleep_s`` (sleep after each step, so a job runs past its time limit) on attempts below
-    ``sleep_attempts`` (default 1: the first; the requeued one runs at full speed)."""
-    from omegaconf import OmegaConf
-
-    fault = OmegaConf.select(cfg, "fault", default=None)
-    if not fault:
-        return
-    if fault.get("fail_at_step") is not None and step == int(fault.fail_at_step):
-        raise RuntimeError(f"fp4moe.launch.slurm.inject_faults: fault.fail_at_step={step}")
-    attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    if fault.get("sleep_s") and attempt < int(fault.get("sleep_attempts", 1)):
-        time.sleep(float(fault.sleep_s))
 
 
 # ---------------------------------------------------------------------------------------------- Hydra

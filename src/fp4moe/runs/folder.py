@@ -36,10 +36,12 @@ EXCLUDED: dict[str, str] = {
                 "run its checkpoint names)",
     "cluster": "the machine and the job: Slurm resources and time limit, host threads and environment (the layout "
                "is parallel.*, which fp4moe.config.check ties to cluster.nodes x cluster.gpus_per_node)",
-    "fault": "test knobs that stop or slow a run on purpose (+fault.*, fp4moe.launch.slurm.inject_faults)",
     "data.dir": "where the prepared tokens are kept (a build is found by the hash of its inputs, fp4moe.data)",
     "data.cache_dir": "where the downloaded corpus is kept",
     "train.progress_bar": "the console only",
+    "train.hooks": "after-step hooks of your own (fp4moe.train.hooks): they see the loop between steps, not the "
+                   "model, data or optimizer, so they watch, checkpoint or stop a run, not change what it trains; a "
+                   "run a hook failed or slowed resumes with the same command, with the hook or without it",
     "train.log_interval": "how often MLflow gets the step metrics, not their values",
     "train.checkpoint_interval": "when checkpoints are written (a resume continues bit for bit from any of them)",
     "train.keep_checkpoints": "how many checkpoints are kept",

@@ -23,14 +23,16 @@ any layout with the same optimizer group); per-rank ones resume at their own lay
 The run's phases, each in its own module: :func:`preflight` (below), where it starts (fp4moe.train.resume), the
 build (fp4moe.train.components), the MLflow run (fp4moe.train.run_record, fp4moe.train.metrics.Tracker), the steps
 (fp4moe.train.step.Stepper) each followed by the after-step hooks (fp4moe.train.hooks: evaluation, logging,
-progress, profiler, the caller's callback, test faults, checkpoints, stop signals), the end (fp4moe.train.summary).
+progress, profiler, the caller's callback, the hooks of ``train.hooks``, checkpoints, stop signals), the end
+(fp4moe.train.summary).
 
 Order of the set-up, so that every mistake is reported before anything expensive: ``fp4moe.config.check`` and
-the trainer's own limits (ConfigError), the MLflow store (``TrackingUnavailable``), megatron-core's transformer
-config as fp4moe.model builds it (ConfigError for what cannot be built without TE), then torch.distributed,
-megatron parallel state, the checkpoint to resume from (the newest whole one: damaged ones are skipped with a
-warning; a run whose checkpoint is at ``train.steps`` already stops there and trains nothing, only logging what
-the MLflow store could not take at its end), seeds, data, model, the checkpoint's state.
+the trainer's own limits, the hook factories of ``train.hooks`` (imported and checked; ConfigError), the MLflow store
+(``TrackingUnavailable``), megatron-core's transformer config as fp4moe.model builds it (ConfigError for what cannot
+be built without TE), then the hook factories are called, then torch.distributed, megatron parallel state, the
+checkpoint to resume from (the newest whole one: damaged ones are skipped with a warning; a run whose checkpoint is at
+``train.steps`` already stops there and trains nothing, only logging what the MLflow store could not take at its
+end), seeds, data, model, the checkpoint's state.
 """
 from __future__ import annotations
 
@@ -84,9 +86,11 @@ def is_oom(e: BaseException) -> bool:
 
 def preflight(cfg: Any) -> dict[str, Any]:
     """Everything that can be refused without torch.distributed: ``fp4moe.config.check`` (every value's type and
-    range first, ``fp4moe.config.check_values``), the trainer's limits,
-    the switches (``kernels.*`` and their ``FP4MOE_*`` variables, ``FP4MOE_TRACKING_THREAD``), the MLflow store, and megatron-core's ``MLATransformerConfig`` as
-    fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError / TrackingUnavailable."""
+    range first, ``fp4moe.config.check_values``), the trainer's limits, the hook factories of ``train.hooks``
+    (imported and checked against their keywords, not called: fp4moe.train.hooks.configured), the switches
+    (``kernels.*`` and their ``FP4MOE_*`` variables, ``FP4MOE_TRACKING_THREAD``), the MLflow store, and megatron-core's
+    ``MLATransformerConfig`` as fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError /
+    TrackingUnavailable."""
     derived = check(cfg)
     check_supported(cfg)
     cluster_env(cfg)  # a thread count that is not a positive integer
@@ -106,6 +110,9 @@ def preflight(cfg: Any) -> dict[str, Any]:
     from fp4moe.train.profile import profile_window
 
     profile_window(OmegaConf.select(cfg, "train.profile.steps", default=None))  # ConfigError for a bad window
+    from fp4moe.train import hooks
+
+    hooks.configured(cfg)  # a hook factory that cannot be imported or called with its keywords
     from fp4moe.ops import kernel_switches
     from fp4moe.train.metrics import tracking_thread
 
@@ -139,7 +146,8 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
     ``multirun_cell``: Hydra's ``override_dirname`` of a sweep cell (its own checkpoint folder).
     ``output_dir``: the Hydra job folder: ``summary.json`` goes there (None: not written), and a relative
     ``train.checkpoint_dir`` is resolved in it (``checkpoint.run_dir``).
-    ``after_step(step, metrics)``: called on every rank after each step (tests use it to send signals).
+    ``after_step(step, metrics)``: called on every rank after each step (tests use it to send signals), before
+    the hooks of ``train.hooks`` (fp4moe.train.hooks; their factories are called here, before the model is built).
     ``resume_hint``: what a stop by signal says to resume (``python -m fp4moe.train`` gives the exact command);
     None: "to resume, rerun the same command".
     """
@@ -149,6 +157,10 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
     stacks = None if output_dir is None else Path(output_dir) / f"signal_stacks_rank{slurm.rank()}.txt"
     with slurm.Preemption(stacks_file=stacks) as preempt:
         derived = preflight(cfg)
+        from fp4moe.train import hooks
+
+        extra = [hooks.caller(after_step)] if after_step is not None else []
+        extra += hooks.from_config(cfg)  # the factories of train.hooks, before anything is built
         # before the model exists: a run that cannot checkpoint would only find out at its first save
         from fp4moe.train import checkpoint as ckpt
 
@@ -163,7 +175,7 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
             warm_up_communicators(info)  # before the model fills the GPU: NCCL allocates outside torch's allocator
             # the config's kernel switches (kernels.*) for every op of this run, whatever the environment says later
             with use_kernel_switches(kernel_switches(OmegaConf.select(cfg, "kernels", default=None))):
-                result = _run(cfg, derived, info, multirun_cell, output_dir, after_step, preempt,
+                result = _run(cfg, derived, info, multirun_cell, output_dir, extra, preempt,
                               resume_hint or "to resume, rerun the same command")
         finally:
             teardown(info)
@@ -173,7 +185,7 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
 
 
 def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
-         after_step: Any, stop: slurm.Preemption, resume_hint: str) -> TrainResult:
+         extra: list[Any], stop: slurm.Preemption, resume_hint: str) -> TrainResult:
     import torch
 
     from fp4moe.model import cpu_shims
@@ -187,13 +199,14 @@ def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None
     from fp4moe.train import checkpoint as ckpt
 
     with ctx, resume.claim(ckpt.run_dir(cfg, multirun_cell, output_dir), info) as claim:
-        return _loop(cfg, derived, info, multirun_cell, output_dir, after_step, stop, resume_hint, claim)
+        return _loop(cfg, derived, info, multirun_cell, output_dir, extra, stop, resume_hint, claim)
 
 
 def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
-          after_step: Any, stop: slurm.Preemption, resume_hint: str, claim: Any) -> TrainResult:
+          extra: list[Any], stop: slurm.Preemption, resume_hint: str, claim: Any) -> TrainResult:
     """The run's phases: where it starts (a finished run stops here), build, resume, the MLflow run, the steps
-    with their after-step hooks, the end (a last evaluation and checkpoint, the summary)."""
+    with their after-step hooks (``extra``: the caller's and those of ``train.hooks``, after the profiler's and
+    before the periodic checkpoint), the end (a last evaluation and checkpoint, the summary)."""
     from fp4moe.ops.weight_cache import CACHE as wcache
     from fp4moe.train import checkpoint as ckpt
     from fp4moe.train import components, hooks
@@ -259,8 +272,8 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     after = [hooks.evaluation(eval_every, stepper.evaluate), hooks.mlflow_log(tracker, int(t.get("log_interval") or 1))]
     after += [hooks.progress_bar(bar, int(derived["tokens_per_step"]))] if bar is not None else []
     after += [hooks.profiler_window(parts.profiler, tracker, info.is_main)]
-    after += [hooks.caller(after_step)] if after_step is not None else []
-    after += [hooks.faults(cfg), hooks.periodic_checkpoint(t.get("checkpoint_interval")),
+    after += extra
+    after += [hooks.periodic_checkpoint(t.get("checkpoint_interval")),
               hooks.stop_signals(stop, info.device, resume_hint)]
     status = "FAILED"
     # FP8 copies of the weights once per optimizer step (fp4moe/ops/weight_cache.py), registered after the DDP wrap
