@@ -8,7 +8,8 @@
   path (quantized all-to-all dispatcher, grouped FP8 experts, FP8 shared expert), parameter names unchanged
 - :mod:`fp4moe.model.recompute`: fp4moe's recompute modules (layernorm, moe_expert, self_attention) and the MXFP4
   recompute cache
-- :mod:`fp4moe.model.cpu_shims`: CPU/gloo shims, applied only when CUDA is absent
+- :mod:`fp4moe.model.cpu_shims`: every patch of megatron-core and torch (no TE; CPU / gloo when CUDA is absent),
+  held only inside ``cpu_shims.active()`` (reference-counted; every original back on exit)
 - :mod:`fp4moe.model.megatron_import`: megatron-core imported with its fused functions eager (CPU runs: ~3 s less
   per process)
 

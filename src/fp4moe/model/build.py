@@ -328,18 +328,48 @@ def apply_fp8_dense_linears(model, recipe) -> list[str]:
 
 # The three calls of fp4moe.model.api (the recipe in a GPTModel the user configures), which build_gpt_model makes too.
 
-def prepare() -> None:
-    """Process-wide set-up before a model is built: the CPU/gloo shims when CUDA is absent, fp4moe's fixed
-    megatron checkpoints (the no-TE output-discarding checkpoint, the optional MXFP4 recompute cache), and an empty
-    megatron per-layer MoE aux-loss log (process-global, sized by the first model that logs). Idempotent."""
+def _clear_moe_log() -> None:
+    """An empty megatron per-layer MoE aux-loss log (moe_utils.py:43, :893-896: a process-global dict whose tensors
+    are sized by the first model that logs; a model with more layers built later in the same process would index
+    past them)."""
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    from fp4moe.model import cpu_shims
-    from fp4moe.model import recompute as fp4moe_recompute
-
-    cpu_shims.apply()
     get_moe_layer_wise_logging_tracker().clear()
-    fp4moe_recompute.install()
+
+
+class Prepared:
+    """What :func:`prepare` returns: holds ``fp4moe.model.cpu_shims.active()`` from the call on, until
+    :meth:`close` or the end of a ``with`` block around it (``with prepare(): ...``); without either, for the rest
+    of the process (a script that cannot put its building and training inside one block)."""
+
+    def __init__(self) -> None:
+        from fp4moe.model import cpu_shims
+
+        self._shims = cpu_shims.active()
+        self.cpu = self._shims.__enter__()  # True: the CPU shims are among them (CUDA absent)
+        self._held = True
+        _clear_moe_log()
+
+    def __enter__(self) -> "Prepared":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the shims (every original is back once no one else holds them). Idempotent."""
+        if self._held:
+            self._held = False
+            self._shims.__exit__(None, None, None)
+
+
+def prepare() -> Prepared:
+    """Before a model is built: hold fp4moe's patches of megatron and torch (``fp4moe.model.cpu_shims.active()``:
+    the no-TE fixes, fp4moe's megatron checkpoints with the optional MXFP4 recompute cache, the CPU/gloo shims when
+    CUDA is absent) and empty megatron's per-layer MoE aux-loss log. Held from the call: ``with prepare(): <build
+    and train>`` lets go at the block's end (every original back), a bare ``prepare()`` keeps them for the process
+    (:class:`Prepared`). Calls may nest."""
+    return Prepared()
 
 
 def decoder_block_spec(config: Any, recipe: Any = None, recompute_modules: tuple[str, ...] = ()):
@@ -396,16 +426,22 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
     ``post_process`` (final norm, output layer, loss) default to megatron's parallel state (first / last pipeline
     stage); megatron's ``TransformerBlock`` builds the stage's layers (an even split of ``num_layers``, or
     ``parallel.pipeline_layout``'s), the MTP block only on the stage that holds it. Parameter names are megatron's
-    module names, so a stage's layers are ``decoder.layers.0..`` locally (``layer_number`` stays global)."""
+    module names, so a stage's layers are ``decoder.layers.0..`` locally (``layer_number`` stays global).
+
+    Needs fp4moe's patches of megatron and torch held (``with prepare():`` or ``fp4moe.model.cpu_shims.active()``,
+    for building and for training; ``fp4moe.train`` holds them for its run): RuntimeError otherwise."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 
-    # the CPU shims, the no-TE fix of megatron's output-discarding checkpoint (recompute.py), and an empty megatron
-    # per-layer MoE aux-loss log (moe_utils.py:43, :893-896: a process-global dict whose tensors are sized by the
-    # first model that logs; a model with more layers built later in the same process would index past them)
-    prepare()
+    from fp4moe.model import cpu_shims
+
+    if cpu_shims.depth() == 0:
+        raise RuntimeError("build_gpt_model: fp4moe's patches of megatron-core and torch are not held; build and "
+                           "train the model inside `with fp4moe.model.build.prepare():` (or "
+                           "fp4moe.model.cpu_shims.active())")
+    _clear_moe_log()
     model_cfg = cfg["model"]
     recipe = recipe_of(cfg)
     own = [m for m in fp4moe_recompute_modules(cfg.get("recompute")) if m != "layernorm"]  # layernorm: megatron's

@@ -5,8 +5,8 @@
 ``discard_output_and_register_recompute``: the norm output's storage is freed after its consumers ran and
 refilled from the recompute when the layer's output gradient arrives). Upstream crashes without TE:
 ``CheckpointWithoutOutput.__init__(fp8=False)`` sets ``self.fp8 = fp8 is not None`` (random.py), True for the
-default, and then calls TE's ``FP8GlobalStateManager`` (NameError). :func:`install` swaps in
-:class:`FP4CacheCheckpointWithoutOutput`, which (a) sets ``fp8`` False without TE and (b) when the checkpointed
+default, and then calls TE's ``FP8GlobalStateManager`` (NameError). ``fp4moe.model.cpu_shims.active()`` (shim 0e)
+swaps in :class:`FP4CacheCheckpointWithoutOutput`, which (a) sets ``fp8`` False without TE and (b) when the checkpointed
 module carries ``fp4moe_recompute_cache = 'mxfp4'`` stores the recompute cache (the norm input, the residual
 stream ``[s, b, H]``) as MXFP4 rows (data ``[M, H/2]`` + UE8M0 scales ``[M, H/32]`` uint8, M = s*b) instead
 of BF16 (2H bytes per token -> 17H/32), through ``fp4moe.ops.fp4_store`` (a ``saved_tensors_hooks`` context). The recompute then
@@ -17,7 +17,7 @@ is stored MXFP4 the same way.
 
 ``core_attn`` and ``mlp`` (dense MLPs) (megatron's own, reentrant ``tensor_parallel.checkpoint``, which keeps its
 tensor arguments: q ``[s, b, n, dqk]`` / k / v ``[s, b, n, dv]``; the pre-MLP norm output ``[s, b, H]``):
-:func:`install` also wraps that function so that, under mxfp4, those arguments are stored MXFP4.
+``fp4moe.model.cpu_shims.active()`` also swaps in :func:`checkpoint`, which stores those arguments MXFP4 under mxfp4.
 
 Which checkpoints store MXFP4: every one that runs while a module marked by :func:`cache_mxfp4_inside` is in its
 forward (``fp4moe.model.build`` marks every ``TransformerLayer`` when ``Recipe.recompute_cache_fp4``), or whose
@@ -170,7 +170,6 @@ def cache_mxfp4_inside(module: torch.nn.Module) -> None:
         module._fp4moe_cache_hooks = True
 
 
-_INSTALLED = False
 _MEGATRON_CHECKPOINT = mrandom.checkpoint  # megatron's reentrant checkpoint (tensor_parallel/random.py)
 
 
@@ -182,17 +181,6 @@ def checkpoint(function, distribute_saved_activations, *args):
         with mxfp4_cache():
             return _MEGATRON_CHECKPOINT(function, distribute_saved_activations, *args)
     return _MEGATRON_CHECKPOINT(function, distribute_saved_activations, *args)
-
-
-def install() -> None:
-    """Make ``megatron.core.tensor_parallel.CheckpointWithoutOutput`` and ``megatron.core.tensor_parallel.checkpoint``
-    (both looked up at call time by transformer_layer.py, transformer_block.py, attention.py,
-    multi_latent_attention.py, experts.py) fp4moe's: the no-TE fix and the optional MXFP4 cache. Idempotent."""
-    global _INSTALLED
-    if not _INSTALLED:
-        tensor_parallel.CheckpointWithoutOutput = FP4CacheCheckpointWithoutOutput
-        tensor_parallel.checkpoint = checkpoint
-        _INSTALLED = True
 
 
 class RecomputedSequentialMLP(SequentialMLP):
@@ -238,4 +226,4 @@ class RecomputedMLASelfAttention(MLASelfAttention):
 
 
 __all__ = ["FP4CacheCheckpointWithoutOutput", "RecomputedMLASelfAttention", "RecomputedSequentialMLP",
-           "cache_mxfp4_inside", "checkpoint", "install", "mxfp4_cache", "CACHE_ATTR"]
+           "cache_mxfp4_inside", "checkpoint", "mxfp4_cache", "CACHE_ATTR"]
