@@ -4,8 +4,9 @@
     torchrun --nproc-per-node 2 examples/megatron_own_model.py --recipe mxfp4  # EP=2 over the processes
 
 Your own ``MLATransformerConfig`` (here a small DeepSeek-V3-shaped one: MLA, 8 experts top-2, a shared expert, the
-first layer dense), megatron-core's ``GPTModel``, and fp4moe in three calls: ``api.prepare()`` before building,
-``api.decoder_block_spec(config, recipe, ...)`` as the layer spec, ``api.finish(model, recipe)`` after. Prints the
+first layer dense), megatron-core's ``GPTModel``, and fp4moe in three calls: ``with api.prepare():`` around building
+and training, ``api.decoder_block_spec(config, recipe, ...)`` as the layer spec (the whole recipe is in it),
+``api.finish(model, recipe)`` after building (a check and instrumentation of megatron's own MoE layers). Prints the
 loss per step and the all-to-all payload the MoE layers sent (MXFP4 rows under mxfp4). Needs megatron-core 0.16.1
 and torch; no Transformer Engine.
 """
@@ -28,13 +29,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from fp4moe.model import api
-    from fp4moe.model.build import a2a_stats, to_bf16_params
-    from fp4moe.recipe import Recipe
 
     # 1. processes: every rank is one expert-parallel rank (torchrun sets RANK / WORLD_SIZE; alone: a group of one)
     cuda = torch.cuda.is_available()
@@ -45,8 +41,22 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    api.prepare()   # before megatron builds anything: CPU shims (no CUDA), fp4moe's checkpoints, megatron's MoE log
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    # fp4moe's patches of megatron and torch (no TE; CPU shims without CUDA), held while the model is built and trained
+    with api.prepare():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+        _build_and_train(args, world, rank, cuda)
+    dist.destroy_process_group()
+
+
+def _build_and_train(args, world: int, rank: int, cuda: bool) -> None:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from fp4moe.model import api
+    from fp4moe.model.build import a2a_stats, to_bf16_params
+    from fp4moe.recipe import Recipe
+
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
 
@@ -74,7 +84,7 @@ def main() -> None:
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=512, max_sequence_length=256,
                      position_embedding_type="none")   # MLA applies its own RoPE
     to_bf16_params(model)   # as megatron's Float16Module (the router's expert bias stays fp32)
-    api.finish(model, recipe)
+    api.finish(model, recipe)   # checks the model is the recipe's; counters of megatron's own MoE layers (bf16)
     device = torch.device("cuda" if cuda else "cpu")
     model.to(device)
 
@@ -94,7 +104,6 @@ def main() -> None:
     if rank == 0:
         print(f"recipe {recipe.name}, EP={world}: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.items())),
               flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,21 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True)
+def megatron_shims(request):
+    """fp4moe's patches of megatron-core and torch (``fp4moe.model.cpu_shims.active()``: no TE, CPU / gloo) held for
+    the test, every original back after it. A test module that enters and leaves them itself sets
+    ``HOLDS_SHIMS_ITSELF = True`` (tests/model/test_cpu_shims.py)."""
+    if getattr(request.module, "HOLDS_SHIMS_ITSELF", False):
+        yield
+        return
+    pytest.importorskip("megatron.core")
+    from fp4moe.model import cpu_shims
+
+    with cpu_shims.active():
+        yield
+
+
 @pytest.fixture(scope="module")
 def mp():
     """gloo process group of one rank on an in-process store + megatron model-parallel state (TP1 PP1)."""

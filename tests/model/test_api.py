@@ -72,3 +72,47 @@ def test_spec_refuses_what_the_recipe_cannot_run():
     nested = {**ok, "recompute_granularity": "selective", "recompute_modules": ["core_attn", "layernorm"]}
     with pytest.raises(ConfigError, match="self_attention .* and config.recompute_modules \\['core_attn'\\]"):
         api.decoder_block_spec(SimpleNamespace(**nested), mx, recompute_modules=("self_attention",))
+
+
+def test_the_spec_alone_carries_the_recipe(mp):
+    """A GPTModel built from ``api.decoder_block_spec`` has the whole recipe with no call after building (mxfp4 with
+    FP8 attention / dense linears, MXFP4 recompute caches, the recipe's MoE layer counting its rows): the same loss,
+    gradients and all-to-all counts bit for bit as fp4moe's own build (``build_gpt_model``, which calls ``finish``).
+    ``finish`` with another recipe than the spec's is a ConfigError."""
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from omegaconf import OmegaConf
+
+    from fp4moe.config import ConfigError
+    from fp4moe.model import api
+    from fp4moe.model.build import a2a_stats, build_gpt_model, to_bf16_params, transformer_config
+    from fp4moe.recipe import Recipe
+
+    conf = ROOT / "conf"
+    cfg = OmegaConf.create({"model": OmegaConf.load(conf / "model" / "tiny_cpu.yaml"),
+                            "parallel": OmegaConf.load(conf / "parallel" / "cpu.yaml"),
+                            "recompute": OmegaConf.load(conf / "recompute" / "attn_ln_experts.yaml"),
+                            "precision": {**OmegaConf.load(conf / "precision" / "mxfp4.yaml"), "scope": "all_linears"}})
+    recipe = Recipe.from_config(cfg.precision)
+    config = transformer_config(cfg.model, cfg.parallel, cfg.recompute, params_dtype=torch.bfloat16)
+    spec = api.decoder_block_spec(config, recipe, recompute_modules=("moe_expert",))
+    torch.manual_seed(0)
+    own = to_bf16_params(GPTModel(config=config, transformer_layer_spec=spec, vocab_size=512, max_sequence_length=256,
+                                  share_embeddings_and_output_weights=False, position_embedding_type="none"))
+    torch.manual_seed(0)
+    ref = to_bf16_params(build_gpt_model(cfg, params_dtype=torch.bfloat16))
+
+    def step(model):
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 512, (2, 32), generator=g)
+        loss = model(ids, torch.arange(32).unsqueeze(0).expand(2, -1), None, labels=torch.roll(ids, -1, 1))
+        loss = loss.float().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    (l0, g0), (l1, g1) = step(ref), step(own)
+    assert torch.equal(l0, l1) and g0.keys() == g1.keys() and all(torch.equal(g0[n], g1[n]) for n in g0)
+    assert a2a_stats(own) == a2a_stats(ref) and a2a_stats(own)["dispatch_forward_sent_rows"] == 2 * 32 * 2
+    with pytest.raises(ConfigError, match="not built from the spec of recipe 'fp8'"):
+        api.finish(own, Recipe.preset("fp8"))
+    assert api.finish(own, recipe) == ref.fp4moe_bf16_linears

@@ -17,6 +17,13 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
+    from fp4moe.model import cpu_shims
+
+    with cpu_shims.active():  # a spawned process: the model tests' fixture holds them in the parent only
+        _train(rank, port, out_dir)
+
+
+def _train(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from omegaconf import OmegaConf

@@ -333,18 +333,31 @@ def test_whole_attention_block_and_core_attention_are_one_or_the_other():
 
 
 def test_all_linears_scope_uses_fp8_for_attention(mp):
-    """scope all_linears: attention / dense-MLP linears go through fp8_linear (names unchanged); those whose
-    dims are not multiples of 128 (tiny_cpu's kv down-projection, 256 -> 160) stay BF16 and are listed."""
-    from fp4moe.model.build import build_gpt_model
+    """scope all_linears: the layer spec makes the attention / dense-MLP linears FP8 ones (fp4moe.model.recipe_dense,
+    parameter names unchanged): exactly megatron's Column/RowParallelLinear of the decoder and MTP layers outside
+    the MoE layers (MLA's projections, the dense MLP, MTP's eh_proj), the two MLA down-projections included; those
+    whose dims are not multiples of 128 (tiny_cpu's kv down-projection, 256 -> 160) stay BF16 and are listed."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    cfg = _cfg("fp8")
+    from fp4moe.model.recipe_dense import FP8ColumnParallelLinear, RecipeMLASelfAttention, fp8_linears
+
+    cfg = _cfg("fp8", mtp_num_layers=1)
     cfg.precision.scope = "all_linears"
-    torch.manual_seed(0)
-    m = build_gpt_model(cfg, params_dtype=torch.bfloat16).bfloat16()
+    m = _build(cfg)
     assert m.fp4moe_bf16_linears == ["decoder.layers.0.self_attention.linear_kv_down_proj",
-                                     "decoder.layers.1.self_attention.linear_kv_down_proj"]
-    q = m.decoder.layers[0].self_attention.linear_q_down_proj
-    assert "_forward_impl" in vars(q)
+                                     "decoder.layers.1.self_attention.linear_kv_down_proj",
+                                     "mtp.layers.0.transformer_layer.self_attention.linear_kv_down_proj"]
+    moe = [n + "." for n, x in m.named_modules() if isinstance(x, MoELayer)]
+    dense = [n for n, x in m.named_modules() if isinstance(x, (ColumnParallelLinear, RowParallelLinear))
+             and ".layers." in f".{n}" and not any(n.startswith(p) for p in moe)]
+    assert "mtp.layers.0.eh_proj" in dense and "decoder.layers.0.mlp.linear_fc1" in dense
+    assert fp8_linears(m) == [n for n in dense if n not in m.fp4moe_bf16_linears]
+    attn = m.decoder.layers[0].self_attention
+    assert type(attn) is RecipeMLASelfAttention and type(attn.linear_q_down_proj) is FP8ColumnParallelLinear
+    assert "_forward_impl" in vars(attn.linear_q_down_proj) and "_forward_impl" not in vars(attn.linear_kv_down_proj)
+    plain = _build(_cfg("fp8", mtp_num_layers=1))
+    assert fp8_linears(plain) == [] and list(plain.state_dict()) == list(m.state_dict())
     loss, grads = _loss_and_grads(m)
     assert torch.isfinite(loss) and all(torch.isfinite(v).all() for v in grads.values())
 
@@ -508,12 +521,16 @@ def test_permutation_as_gathers_equals_megatrons_permute_and_unpermute():
 def test_full_recompute_frees_the_recomputed_graph_with_the_backward(mp, precision):
     """Under full recompute the dispatcher's routing probabilities come from the recomputation inside the backward
     and hold that graph, whose leaves are the layer's detached input and its gradient ([seq, micro, hidden] each).
-    The hook ``finish`` installs drops them when the MoE layer's forward returns, so reference counting frees both
-    as the backward passes (before, they lived until the step's end: every MoE layer already differentiated kept
-    two such tensors while the earlier layers ran their backward). Without the hook they are still there."""
+    The MoE layer drops them when its forward returns (the recipe's RecipeMoELayer itself, megatron's under bf16 by
+    the hook ``finish`` installs), so reference counting frees both as the backward passes (before, they lived until
+    the step's end: every MoE layer already differentiated kept two such tensors while the earlier layers ran their
+    backward). With the release switched off they are still there."""
     import gc
 
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     from fp4moe.model.build import release_dispatcher_tensors
+    from fp4moe.model.recipe_moe import RELEASES_DISPATCHER
 
     def layer_sized():  # [seq, micro, hidden] tensors made since ``before`` (earlier tests may keep their own)
         return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == (32, 2, 256)
@@ -521,11 +538,11 @@ def test_full_recompute_frees_the_recomputed_graph_with_the_backward(mp, precisi
 
     for hooked in (True, False):
         m = _model(precision, "full")
+        layers = [layer for layer in m.modules() if isinstance(layer, MoELayer)]
+        assert layers and all(getattr(layer, RELEASES_DISPATCHER) for layer in layers)
         if not hooked:
-            for layer in m.modules():
-                if getattr(layer, "_fp4moe_drops_dispatcher_tensors", False):
-                    layer._forward_hooks.clear()
-                    layer._forward_hooks_with_kwargs.clear()
+            for layer in layers:
+                setattr(layer, RELEASES_DISPATCHER, False)
         gc.collect()
         before: set[int] = set()
         before = {id(o) for o in layer_sized()}

@@ -6,9 +6,12 @@
 - :mod:`fp4moe.model.attention`: SDPA core attention for MLA (q/k head dim != v head dim)
 - :mod:`fp4moe.model.recipe_moe`: the precision recipe in megatron's MoE layer, a thin adapter over fp4moe.moe's data
   path (quantized all-to-all dispatcher, grouped FP8 experts, FP8 shared expert), parameter names unchanged
+- :mod:`fp4moe.model.recipe_dense`: the recipe in the attention and dense MLPs (``scope: all_linears``): FP8
+  subclasses of megatron's linears for the layer spec
 - :mod:`fp4moe.model.recompute`: fp4moe's recompute modules (layernorm, moe_expert, self_attention) and the MXFP4
-  recompute cache
-- :mod:`fp4moe.model.cpu_shims`: CPU/gloo shims, applied only when CUDA is absent
+  recompute cache (a layer class of the spec)
+- :mod:`fp4moe.model.cpu_shims`: every patch of megatron-core and torch (no TE; CPU / gloo when CUDA is absent),
+  held only inside ``cpu_shims.active()`` (reference-counted; every original back on exit)
 - :mod:`fp4moe.model.megatron_import`: megatron-core imported with its fused functions eager (CPU runs: ~3 s less
   per process)
 

@@ -4,10 +4,14 @@ The layer spec is megatron's local (torch-native) spec with ``core_attention`` s
 :class:`fp4moe.model.attention.SDPACoreAttention` (the local ``DotProductAttention`` rejects MLA's
 ``k_channels``/``v_channels``). Needs ``megatron.core.parallel_state.initialize_model_parallel`` to have run.
 
-Precision (``cfg.precision`` -> ``Recipe.from_config``): bf16 builds megatron's own modules unchanged; fp8 and
-mxfp4 swap the MoE layer, its dispatcher, routed experts and shared expert for the recipe's
-(:mod:`fp4moe.model.recipe_moe`, parameter names unchanged), and with ``scope: all_linears`` route the attention
-and dense-MLP linears through ``fp8_linear`` (:func:`apply_fp8_dense_linears`).
+Precision (``cfg.precision`` -> ``Recipe.from_config``) is in the layer spec alone (:func:`layer_spec`): bf16 builds
+megatron's own modules unchanged; fp8 and mxfp4 swap the MoE layer, its dispatcher, routed experts and shared
+expert for the recipe's (:mod:`fp4moe.model.recipe_moe`), with ``scope: all_linears`` the attention and dense-MLP
+linears (and MTP's ``eh_proj``) for FP8 ones (:mod:`fp4moe.model.recipe_dense`), and with ``recompute_cache_fp4``
+the layers for ones whose recompute caches are MXFP4 (``fp4moe.model.recompute.MXFP4CacheTransformerLayer``);
+parameter names stay megatron's. Nothing is patched into a built module; megatron's own MoE layers (bf16) get
+fp4moe's instrumentation from :func:`finish`. megatron and torch themselves are patched only while
+``fp4moe.model.cpu_shims.active()`` is held (:func:`prepare`).
 
 Recompute (``cfg.recompute``): ``megatron_modules`` go to megatron's ``recompute_modules``; ``fp4moe_modules``
 are ours (:mod:`fp4moe.model.recompute`): ``layernorm`` (megatron's output-discarding norm checkpoint, fixed for
@@ -255,16 +259,36 @@ def _moe_spec(mlp_spec, recipe, moe_expert_recompute: bool):
                       params={**mlp_spec.params, "recipe": recipe}, metainfo=dict(mlp_spec.metainfo))
 
 
+def _dense_spec(mlp_spec, recipe):
+    """A dense MLP's spec with its linears FP8 (``scope: all_linears``; a copy)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from fp4moe.model.recipe_dense import fp8_linear_spec
+
+    sub = copy.copy(mlp_spec.submodules)
+    sub.linear_fc1 = fp8_linear_spec(sub.linear_fc1, recipe)
+    sub.linear_fc2 = fp8_linear_spec(sub.linear_fc2, recipe)
+    return ModuleSpec(module=mlp_spec.module, submodules=sub, params=dict(mlp_spec.params),
+                      metainfo=dict(mlp_spec.metainfo))
+
+
 def layer_spec(config, recipe=None, recompute_modules: tuple[str, ...] = ()):
     """megatron's local decoder-block spec (dense layers for the first ``first_k_dense``, MoE after) with our
-    SDPA core attention in every layer's MLA and, for an fp8/mxfp4 ``recipe`` (fp4moe.recipe.Recipe; None =
-    bf16), the recipe's MoE modules. ``recompute_modules``: fp4moe's own ('moe_expert' changes the experts,
-    'self_attention' the attention module to :class:`fp4moe.model.recompute.RecomputedMLASelfAttention`)."""
+    SDPA core attention in every layer's MLA and the whole ``recipe`` (fp4moe.recipe.Recipe; None = bf16: megatron's
+    modules): for fp8 / mxfp4 the recipe's MoE modules (:mod:`fp4moe.model.recipe_moe`), under ``scope:
+    all_linears`` FP8 attention and dense-MLP linears (:mod:`fp4moe.model.recipe_dense`), under
+    ``recompute_cache_fp4`` layers whose recompute caches are MXFP4
+    (:class:`fp4moe.model.recompute.MXFP4CacheTransformerLayer`). ``recompute_modules``: fp4moe's own ('moe_expert'
+    changes the experts, 'self_attention' the attention module to
+    :class:`fp4moe.model.recompute.RecomputedMLASelfAttention`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from fp4moe.model.recompute import RecomputedMLASelfAttention
+    from fp4moe.model.recipe_dense import RecipeMLASelfAttention, fp8_linear_spec
+    from fp4moe.model.recompute import MXFP4CacheTransformerLayer, RecomputedMLASelfAttention
 
     recipe = recipe or Recipe.bf16()
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
@@ -283,63 +307,75 @@ def layer_spec(config, recipe=None, recompute_modules: tuple[str, ...] = ()):
                 raise ConfigError(f"recompute module self_attention recomputes megatron's MLASelfAttention; this "
                                   f"model's attention is {attn.module.__name__}")
             attn.module = RecomputedMLASelfAttention
+        dense = recipe.applies_to("dense")
+        if dense:  # FP8 linears; the down-projections inside RecipeMLASelfAttention (recipe_dense.py says why)
+            if attn.module not in (MLASelfAttention, RecomputedMLASelfAttention):
+                raise ConfigError(f"precision {recipe.name!r} scope all_linears: fp4moe's FP8 attention is MLA's; "
+                                  f"this model's attention is {attn.module.__name__}")
+            if attn.module is MLASelfAttention:
+                attn.module = RecipeMLASelfAttention
+            attn.params = {**attn.params, "recipe": recipe}
+            for name in ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_proj"):
+                setattr(attn.submodules, name, fp8_linear_spec(getattr(attn.submodules, name), recipe))
         mlp = spec.submodules.mlp
         if getattr(mlp, "module", None) is MoELayer:
             spec.submodules.mlp = _moe_spec(mlp, recipe, "moe_expert" in recompute_modules)
+        elif dense and getattr(mlp, "module", None) is MLP:
+            spec.submodules.mlp = _dense_spec(mlp, recipe)
+        if recipe.recompute_cache_fp4:
+            if spec.module is not TransformerLayer:
+                raise ConfigError(f"precision {recipe.name!r}: recompute_cache_fp4 marks megatron's TransformerLayer; "
+                                  f"this model's layer is {spec.module.__name__}")
+            spec.module = MXFP4CacheTransformerLayer
         specs.append(spec)
     block.layer_specs = specs
     return block
 
 
-def apply_fp8_dense_linears(model, recipe) -> list[str]:
-    """``scope: all_linears``: the attention and dense-MLP linears (megatron ``ColumnParallelLinear`` /
-    ``RowParallelLinear`` outside the MoE layers; not the embedding or output layer) compute through
-    ``fp8_linear(..., layer_kind='dense')`` by overriding each instance's ``_forward_impl`` (MLA accepts only
-    the exact linear classes, so the class stays, and so do parameter names). Linears whose in/out features are
-    not multiples of 128 stay BF16. Returns the names of the linears left in BF16. TP = 1 only."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    from fp4moe.ops.fp8_linear import fp8_linear
-
-    if not recipe.applies_to("dense"):
-        return []
-    moe_prefixes = [n + "." for n, m in model.named_modules() if isinstance(m, MoELayer)]
-    skipped = []
-
-    def make_impl(rec):
-        def impl(input, weight, bias=None, *args, **kwargs):
-            y = fp8_linear(input, weight, rec, layer_kind="dense").to(input.dtype)
-            return y if bias is None else y + bias
-        return impl
-
-    for name, mod in model.named_modules():
-        if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) or ".layers." not in f".{name}":
-            continue
-        if any(name.startswith(p) for p in moe_prefixes):
-            continue
-        n, k = mod.weight.shape
-        if n % 128 or k % 128:
-            skipped.append(name)
-            continue
-        mod._forward_impl = make_impl(recipe)
-    return skipped
-
-
 # The three calls of fp4moe.model.api (the recipe in a GPTModel the user configures), which build_gpt_model makes too.
 
-def prepare() -> None:
-    """Process-wide set-up before a model is built: the CPU/gloo shims when CUDA is absent, fp4moe's fixed
-    megatron checkpoints (the no-TE output-discarding checkpoint, the optional MXFP4 recompute cache), and an empty
-    megatron per-layer MoE aux-loss log (process-global, sized by the first model that logs). Idempotent."""
+def _clear_moe_log() -> None:
+    """An empty megatron per-layer MoE aux-loss log (moe_utils.py:43, :893-896: a process-global dict whose tensors
+    are sized by the first model that logs; a model with more layers built later in the same process would index
+    past them)."""
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    from fp4moe.model import cpu_shims
-    from fp4moe.model import recompute as fp4moe_recompute
-
-    cpu_shims.apply()
     get_moe_layer_wise_logging_tracker().clear()
-    fp4moe_recompute.install()
+
+
+class Prepared:
+    """What :func:`prepare` returns: holds ``fp4moe.model.cpu_shims.active()`` from the call on, until
+    :meth:`close` or the end of a ``with`` block around it (``with prepare(): ...``); without either, for the rest
+    of the process (a script that cannot put its building and training inside one block)."""
+
+    def __init__(self) -> None:
+        from fp4moe.model import cpu_shims
+
+        self._shims = cpu_shims.active()
+        self.cpu = self._shims.__enter__()  # True: the CPU shims are among them (CUDA absent)
+        self._held = True
+        _clear_moe_log()
+
+    def __enter__(self) -> "Prepared":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the shims (every original is back once no one else holds them). Idempotent."""
+        if self._held:
+            self._held = False
+            self._shims.__exit__(None, None, None)
+
+
+def prepare() -> Prepared:
+    """Before a model is built: hold fp4moe's patches of megatron and torch (``fp4moe.model.cpu_shims.active()``:
+    the no-TE fixes, fp4moe's megatron checkpoints with the optional MXFP4 recompute cache, the CPU/gloo shims when
+    CUDA is absent) and empty megatron's per-layer MoE aux-loss log. Held from the call: ``with prepare(): <build
+    and train>`` lets go at the block's end (every original back), a bare ``prepare()`` keeps them for the process
+    (:class:`Prepared`). Calls may nest."""
+    return Prepared()
 
 
 def decoder_block_spec(config: Any, recipe: Any = None, recompute_modules: tuple[str, ...] = ()):
@@ -363,26 +399,74 @@ def decoder_block_spec(config: Any, recipe: Any = None, recompute_modules: tuple
     return layer_spec(config, recipe, own)
 
 
-def finish(model: Any, recipe: Any = None) -> list[str]:
-    """After ``GPTModel(...)``: FP8 through ``fp8_linear`` for the attention and dense-MLP linears when the recipe's
-    scope is ``all_linears``, MXFP4 recompute caches inside every ``TransformerLayer`` when the recipe stores them
-    (``recompute_cache_fp4``), the routed-row counters of every MoE dispatcher, and a hook that drops what each
-    dispatcher keeps once its layer's forward returns (``release_dispatcher_after_forward``). Sets ``model.fp4moe_recipe``
-    and ``model.fp4moe_bf16_linears``; returns the dense linears left BF16 (dims not multiples of 128)."""
+def check_built_from_spec(model: Any, recipe: Any) -> None:
+    """ConfigError unless ``model``'s modules are those :func:`decoder_block_spec` gives for ``recipe`` (the recipe's
+    MoE layers, FP8 dense linears under all_linears, MXFP4-cache layers under recompute_cache_fp4): the recipe is in
+    the spec, so a model built from another spec does not get it afterwards."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from fp4moe.model import recompute as fp4moe_recompute
+    from fp4moe.model.recipe_dense import bf16_linears, fp8_linears
+    from fp4moe.model.recipe_moe import RecipeMoELayer
+    from fp4moe.model.recompute import MXFP4CacheTransformerLayer
+
+    mods = list(model.modules())
+    moe = [m for m in mods if isinstance(m, MoELayer)]
+    layers = [m for m in mods if isinstance(m, TransformerLayer)]
+    wrong = []
+    if any(isinstance(m, RecipeMoELayer) != recipe.fp8_compute for m in moe):
+        wrong.append("its MoE layers")
+    if bool(fp8_linears(model) or bf16_linears(model)) != recipe.applies_to("dense"):
+        wrong.append("its attention and dense-MLP linears")
+    if any(isinstance(m, MXFP4CacheTransformerLayer) != recipe.recompute_cache_fp4 for m in layers):
+        wrong.append("its layers' recompute caches")
+    if wrong:
+        raise ConfigError(f"the model was not built from the spec of recipe {recipe.tag!r} ({', '.join(wrong)} are "
+                          "another recipe's): build it with transformer_layer_spec=decoder_block_spec(config, recipe, "
+                          "...) and give finish() the same recipe")
+
+
+def finish(model: Any, recipe: Any = None) -> list[str]:
+    """After ``GPTModel(...)`` built from :func:`decoder_block_spec` of the same ``recipe`` (checked:
+    :func:`check_built_from_spec`). The recipe itself is all in the spec; what ``finish`` adds is instrumentation of
+    megatron's own MoE layers (the bf16 recipe's, which stay megatron's modules, so no spec carries it; the
+    recipe's :class:`fp4moe.model.recipe_moe.RecipeMoELayer` does both itself): the routed-row counters of their
+    dispatchers (:func:`count_routed_rows`) and a hook that drops what each dispatcher keeps once its layer's
+    forward returns (:func:`release_dispatcher_after_forward`). Sets ``model.fp4moe_recipe`` and
+    ``model.fp4moe_bf16_linears``; returns the dense linears left BF16 under all_linears (dims not multiples of
+    128)."""
+    from fp4moe.model.recipe_dense import bf16_linears
 
     recipe = recipe or Recipe.bf16()
+    check_built_from_spec(model, recipe)
     model.fp4moe_recipe = recipe
-    model.fp4moe_bf16_linears = apply_fp8_dense_linears(model, recipe)
-    if recipe.recompute_cache_fp4:
-        for layer in model.modules():
-            if isinstance(layer, TransformerLayer):
-                fp4moe_recompute.cache_mxfp4_inside(layer)
+    model.fp4moe_bf16_linears = bf16_linears(model)
     count_routed_rows(model)
     release_dispatcher_after_forward(model)
     return model.fp4moe_bf16_linears
+
+
+def mtp_block_spec(config: Any, block: Any, recipe: Any = None):
+    """megatron's local MTP block spec whose transformer layer is ``block``'s last (:func:`decoder_block_spec`'s
+    result) and, under the recipe's ``scope: all_linears``, whose ``eh_proj`` is FP8 too. ``block`` is given whole:
+    megatron's ``get_gpt_mtp_block_spec`` takes a single layer spec only if it is exactly ``TransformerLayer``'s,
+    which the recipe's MXFP4-cache layer is not (fp4moe.model.recompute.MXFP4CacheTransformerLayer)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from fp4moe.model.recipe_dense import fp8_linear_spec
+
+    recipe = recipe or Recipe.bf16()
+    spec = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False)
+    if spec is None or not recipe.applies_to("dense"):
+        return spec
+    layers = []
+    for layer in spec.layer_specs:
+        layer = copy.copy(layer)
+        layer.submodules = copy.copy(layer.submodules)
+        layer.submodules.eh_proj = fp8_linear_spec(layer.submodules.eh_proj, recipe)
+        layers.append(layer)
+    spec.layer_specs = layers
+    return spec
 
 
 def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
@@ -396,16 +480,21 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
     ``post_process`` (final norm, output layer, loss) default to megatron's parallel state (first / last pipeline
     stage); megatron's ``TransformerBlock`` builds the stage's layers (an even split of ``num_layers``, or
     ``parallel.pipeline_layout``'s), the MTP block only on the stage that holds it. Parameter names are megatron's
-    module names, so a stage's layers are ``decoder.layers.0..`` locally (``layer_number`` stays global)."""
+    module names, so a stage's layers are ``decoder.layers.0..`` locally (``layer_number`` stays global).
+
+    Needs fp4moe's patches of megatron and torch held (``with prepare():`` or ``fp4moe.model.cpu_shims.active()``,
+    for building and for training; ``fp4moe.train`` holds them for its run): RuntimeError otherwise."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 
-    # the CPU shims, the no-TE fix of megatron's output-discarding checkpoint (recompute.py), and an empty megatron
-    # per-layer MoE aux-loss log (moe_utils.py:43, :893-896: a process-global dict whose tensors are sized by the
-    # first model that logs; a model with more layers built later in the same process would index past them)
-    prepare()
+    from fp4moe.model import cpu_shims
+
+    if cpu_shims.depth() == 0:
+        raise RuntimeError("build_gpt_model: fp4moe's patches of megatron-core and torch are not held; build and "
+                           "train the model inside `with fp4moe.model.build.prepare():` (or "
+                           "fp4moe.model.cpu_shims.active())")
+    _clear_moe_log()
     model_cfg = cfg["model"]
     recipe = recipe_of(cfg)
     own = [m for m in fp4moe_recompute_modules(cfg.get("recompute")) if m != "layernorm"]  # layernorm: megatron's
@@ -421,7 +510,7 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
         if not block.layer_specs:
             raise ConfigError("parallel.pipeline_layout puts the MTP block on a stage without decoder layers: "
                               "give that stage at least one 't' (e.g. '...|tmL')")
-        mtp = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=False)
+        mtp = mtp_block_spec(config, block, recipe)
     model = GPTModel(
         config=config,
         transformer_layer_spec=block,
@@ -433,7 +522,7 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
         position_embedding_type="none",  # MLA applies its own (decoupled) RoPE
         mtp_block_spec=mtp,
     )
-    finish(model, recipe)  # FP8 dense linears (all_linears), MXFP4 recompute caches, routed-row counters
+    finish(model, recipe)  # routed-row counters and the dispatcher release of megatron's own MoE layers (bf16)
     return model
 
 
@@ -448,11 +537,13 @@ def _moe_dispatchers(model):
 
 
 def count_routed_rows(model) -> None:
-    """Count, on every MoE layer's token dispatcher (megatron's for bf16, ours otherwise), the routed rows this
-    rank's tokens send and the rows its local experts receive (``dispatcher.fp4moe_rows``; read with
-    ``a2a_stats``). Their ratio is the routing's imbalance on this GPU, which sets the experts' memory under EP
-    (fp4moe.scale.memory ``expert_rows_factor``). Row counts come from shapes: no device sync. Under full recompute
-    the recomputed forward dispatches again and counts again (both sides; the ratio holds). Idempotent."""
+    """Count, on every megatron MoE token dispatcher of ``model`` (the bf16 recipe's; the recipe's own dispatcher
+    counts itself, ``QuantizedAlltoAllTokenDispatcher.fp4moe_rows``), the routed rows this rank's tokens send and
+    the rows its local experts receive (``dispatcher.fp4moe_rows``; read with ``a2a_stats``), by wrapping the
+    instance's ``token_dispatch``: post-build instrumentation, not precision. Their ratio is the routing's imbalance
+    on this GPU, which sets the experts' memory under EP (fp4moe.scale.memory ``expert_rows_factor``). Row counts
+    come from shapes: no device sync. Under full recompute the recomputed forward dispatches again and counts again
+    (both sides; the ratio holds). Idempotent."""
     for _, d in _moe_dispatchers(model):
         if getattr(d, "fp4moe_rows", None) is not None:
             continue
@@ -497,47 +588,27 @@ def a2a_stats(model) -> dict[str, int]:
     return total
 
 
-# megatron's token dispatchers keep these from one forward for its combine; each holds the autograd graph it came from
-DISPATCHER_STEP_TENSORS = ("probs", "routing_map")
-
-
-def _drop_step_tensors(dispatcher) -> int:
-    """Set the ``DISPATCHER_STEP_TENSORS`` a token dispatcher holds to None; returns how many it held."""
-    n = 0
-    for name in DISPATCHER_STEP_TENSORS:
-        if getattr(dispatcher, name, None) is not None:
-            setattr(dispatcher, name, None)
-            n += 1
-    return n
-
-
-def _drop_dispatcher_tensors(layer, args, kwargs, output) -> None:
-    """Forward hook of a MoE layer: its combine has run, so what its dispatcher kept for it is dead
-    (``release_dispatcher_after_forward``). A partial forward (CUDA-graph capture with intermediate tensors, or an
-    execution map other than the whole layer) keeps them for the calls that follow."""
-    from fp4moe.model.recipe_moe import WHOLE_FORWARD
-
-    partial = kwargs.get("intermediate_tensors", args[1] if len(args) > 1 else None) is not None
-    if tuple(getattr(layer, "fwd_execution_map", WHOLE_FORWARD)) == WHOLE_FORWARD and not partial:
-        _drop_step_tensors(layer.token_dispatcher)
-
-
 def release_dispatcher_after_forward(model) -> int:
-    """Make every MoE layer of ``model`` drop what its token dispatcher keeps (``DISPATCHER_STEP_TENSORS``) as soon as
-    the layer's forward returns; idempotent. Returns how many layers got the hook.
+    """Make every megatron ``MoELayer`` of ``model`` drop what its token dispatcher keeps (``DISPATCHER_STEP_TENSORS``)
+    as soon as the layer's forward returns, as the recipe's ``RecipeMoELayer`` does by itself (a forward hook calling
+    ``fp4moe.model.recipe_moe.release_after_forward``, which says why; post-build instrumentation of megatron's own
+    modules, which a spec cannot carry without replacing them). Idempotent; returns how many layers got the hook.
+    A layer's ``fp4moe_releases_dispatcher`` set False switches it off."""
+    from fp4moe.model.recipe_moe import RELEASES_DISPATCHER
 
-    Under full recompute the forward that sets them last is the recomputation inside the backward: kept, the
-    probabilities held that graph (the layer's detached input and its gradient, [seq, micro, hidden] each) until
-    the step's backward had passed, so every MoE layer already differentiated kept two such tensors while the layers
-    before it ran theirs (0.75 GiB at the H200 proxy's first MoE layer at micro-batch 16:
-    results/train_proxy/memtrace_h200_mb16_e431a41/)."""
     n = 0
     for layer, _ in _moe_dispatchers(model):
-        if not getattr(layer, "_fp4moe_drops_dispatcher_tensors", False):
-            layer.register_forward_hook(_drop_dispatcher_tensors, with_kwargs=True)
-            layer._fp4moe_drops_dispatcher_tensors = True
+        if not hasattr(layer, RELEASES_DISPATCHER):
+            layer.register_forward_hook(_release_hook, with_kwargs=True)
+            setattr(layer, RELEASES_DISPATCHER, True)
             n += 1
     return n
+
+
+def _release_hook(layer, args, kwargs, output) -> None:
+    from fp4moe.model.recipe_moe import release_after_forward
+
+    release_after_forward(layer, kwargs.get("intermediate_tensors", args[1] if len(args) > 1 else None))
 
 
 def release_dispatcher_tensors(model) -> int:
@@ -549,9 +620,12 @@ def release_dispatcher_tensors(model) -> int:
     probabilities hold the recomputed graph, whose leaves are the layer's detached input and its gradient: two
     [seq, micro, hidden] activations per MoE layer stayed allocated from one step into the next (on the H200 proxy
     at micro-batch 16, a step under full recompute began with 1.5 GiB more than under the other scopes)."""
-    return sum(_drop_step_tensors(d) for _, d in _moe_dispatchers(model))
+    from fp4moe.model.recipe_moe import drop_step_tensors
+
+    return sum(drop_step_tensors(d) for _, d in _moe_dispatchers(model))
 
 
-__all__ = ["transformer_config", "build_gpt_model", "to_bf16_params", "layer_spec", "recipe_of", "apply_fp8_dense_linears", "a2a_stats",
-           "fp4moe_recompute_modules", "DISPATCHERS", "release_dispatcher_after_forward", "release_dispatcher_tensors",
-           "count_routed_rows"]
+__all__ = ["transformer_config", "build_gpt_model", "to_bf16_params", "layer_spec", "mtp_block_spec", "recipe_of",
+           "a2a_stats", "fp4moe_recompute_modules", "DISPATCHERS", "release_dispatcher_after_forward",
+           "release_dispatcher_tensors", "count_routed_rows", "prepare", "Prepared", "decoder_block_spec", "finish",
+           "check_built_from_spec"]

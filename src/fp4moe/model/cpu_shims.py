@@ -1,6 +1,15 @@
-"""Every shim megatron-core 0.16.1 needs to build and run fp4moe's GPTModel without a GPU (and without TE).
+"""Every patch fp4moe makes to megatron-core 0.16.1 and torch, in one scope: what fp4moe's GPTModel needs to build and
+run without Transformer Engine, and without a GPU.
 
-``apply()`` patches, once and idempotently. Without Transformer Engine (on any machine, CPU or GPU):
+``with active(): ...`` applies them on entry and puts every original back on exit (the attribute's own object, or no
+attribute where there was none). Reference-counted: nested and repeated entries (one ``active()`` object or several,
+from one thread or several) patch on the first entry and restore on the last exit; the patches are process-wide
+while any entry holds them, since megatron looks them up at call time. Who holds them: ``fp4moe.train`` for the run
+(``fp4moe.train.loop``), ``fp4moe.model.build.prepare()`` / ``fp4moe.model.api.prepare()`` for a model you build and
+train yourself (``with api.prepare(): ...``), the model tests for each test (tests/model/conftest.py).
+``fp4moe.model.build.build_gpt_model`` refuses to build without them. Nothing is patched process-wide for good.
+
+Without Transformer Engine (on any machine, CPU or GPU):
 
 0. ``megatron.core.transformer.multi_latent_attention.HAVE_TE`` -> the real TE availability. Without TE,
    megatron/core/extensions/transformer_engine.py:74-77 replaces ``transformer_engine`` by a ``MagicMock``, so
@@ -19,6 +28,12 @@
    optimizer state; torch's AdamW (the optimizer without TE / apex) keeps a ``step`` there, which the checkpoint's
    tensors do not have (megatron restores it from the param groups): KeyError. Only the entries the checkpoint
    gives are copied.
+0e. ``megatron.core.tensor_parallel.CheckpointWithoutOutput`` and ``megatron.core.tensor_parallel.checkpoint`` (looked
+   up at call time by transformer_layer.py, transformer_block.py, attention.py, multi_latent_attention.py,
+   experts.py) -> fp4moe's (:mod:`fp4moe.model.recompute`): the output-discarding checkpoint of the ``layernorm``
+   recompute module crashes without TE (its fp8 flag), and both store their cache MXFP4 inside a layer that asks
+   for it (the mxfp4 recipe's ``recompute_cache_fp4``); elsewhere they are megatron's. Applied with TE too (the
+   MXFP4 cache).
 
 Only when CUDA is absent (CPU machine, gloo):
 
@@ -73,17 +88,40 @@ Only when CUDA is absent (CPU machine, gloo):
    torch_dist writer of fp4moe.train.checkpoint's sharded format) is called with ``non_blocking=True`` and then
    calls ``torch.cuda.synchronize()``: on CPU it copies blocking (the same bytes) and does not synchronize.
 
-Only what the tests in tests/model and tests/train exercise is patched.
+Only what the tests in tests/model and tests/train exercise is patched; tests/model/test_cpu_shims.py checks that
+after the scope every attribute of torch, torch.cuda, torch.Tensor and every megatron module and class is the
+object it was before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import torch
 
-_APPLIED = False
+_LOCK = threading.RLock()
+_DEPTH = 0  # entries of active() now holding the patches
+_SAVED: list[tuple[Any, str, bool, Any]] = []  # (owner, name, had its own attribute, that attribute), in patch order
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    """``setattr(owner, name, value)``, remembering what ``owner`` itself held under ``name`` (its ``__dict__``
+    entry: a class's raw descriptor, e.g. a staticmethod; nothing when it was inherited or absent)."""
+    own = vars(owner)
+    _SAVED.append((owner, name, name in own, own.get(name)))
+    setattr(owner, name, value)
+
+
+def _restore() -> None:
+    """Undo every ``_set`` of the scope, last first."""
+    while _SAVED:
+        owner, name, had, old = _SAVED.pop()
+        if had:
+            setattr(owner, name, old)
+        else:
+            delattr(owner, name)
 
 
 class _NullStream:
@@ -201,7 +239,7 @@ def _apply_optimizer_shims() -> None:
     import importlib
 
     for name in _CUDA_ALLOCATING_MODULES:
-        importlib.import_module(name).torch = _TorchOnCPU()
+        _set(importlib.import_module(name), "torch", _TorchOnCPU())
     # 8. the no-argument Tensor.type() of a CPU floating tensor names its CUDA type
     tensor_type = torch.Tensor.type
 
@@ -210,7 +248,7 @@ def _apply_optimizer_shims() -> None:
             return _CUDA_TYPE_NAMES[self.dtype]
         return tensor_type(self) if dtype is None else tensor_type(self, dtype, non_blocking, **kwargs)
 
-    torch.Tensor.type = type_  # type: ignore[method-assign]
+    _set(torch.Tensor, "type", type_)
     # 9. HybridDeviceOptimizer: the parameters it is given are device tensors while it splits them
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer as HDO
 
@@ -262,8 +300,8 @@ def _apply_optimizer_shims() -> None:
         finally:
             torch.Tensor.to = to  # type: ignore[method-assign]
 
-    HDO._get_sub_optimizer_param_groups = split_groups
-    HDO._move_new_state_to_right_device = move_state
+    _set(HDO, "_get_sub_optimizer_param_groups", split_groups)
+    _set(HDO, "_move_new_state_to_right_device", move_state)
     # 10. distrib_optimizer.py:1089 send_tensor.cuda() in the gather of the fully_reshardable checkpoint format
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -277,84 +315,80 @@ def _apply_optimizer_shims() -> None:
         finally:
             torch.Tensor.cuda = cuda  # type: ignore[method-assign]
 
-    DistributedOptimizer.get_parameter_state_dp_zero = gather_on_cpu
+    _set(DistributedOptimizer, "get_parameter_state_dp_zero", gather_on_cpu)
     # 11. filesystem_async.py:231 torch.cuda.synchronize() after the non-blocking copies of the torch_dist writer
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     preload = FileSystemWriterAsync.preload_tensors
-    FileSystemWriterAsync.preload_tensors = staticmethod(  # type: ignore[method-assign]
-        lambda write_buckets, non_blocking=True: preload(write_buckets, False))
-
-
-_NO_TE_APPLIED = False
+    _set(FileSystemWriterAsync, "preload_tensors",
+         staticmethod(lambda write_buckets, non_blocking=True: preload(write_buckets, False)))
 
 
 def needed() -> bool:
+    """Whether the CPU shims (1-11) are needed: CUDA is absent."""
     return not torch.cuda.is_available()
 
 
-def apply_no_te() -> bool:
-    """Shims 0-0d (see the module docstring): needed whenever Transformer Engine is absent. Returns True if applied."""
-    global _NO_TE_APPLIED
+def _apply_no_te() -> None:
+    """Shims 0-0d (module docstring): needed whenever Transformer Engine is absent."""
     from megatron.core.extensions import transformer_engine as mte
 
     if mte.HAVE_TE:
-        return False
-    if not _NO_TE_APPLIED:
-        from megatron.core.transformer import multi_latent_attention as mla
+        return
+    from megatron.core.transformer import multi_latent_attention as mla
+    from megatron.core.transformer.moe import moe_utils
 
-        from megatron.core.transformer.moe import moe_utils
+    _set(mla, "HAVE_TE", False)  # multi_latent_attention.py:62 sets True from a MagicMock TELinear
+    if not hasattr(moe_utils, "te_general_gemm"):  # moe_utils.py:1192/:1225 NameError without TE
+        _set(moe_utils, "te_general_gemm", None)
+    import megatron.core.optimizer as mopt
+    from megatron.core.optimizer import optimizer_config
 
-        mla.HAVE_TE = False  # multi_latent_attention.py:62 sets True from a MagicMock TELinear
-        if not hasattr(moe_utils, "te_general_gemm"):  # moe_utils.py:1192/:1225 NameError without TE
-            moe_utils.te_general_gemm = None
-        import megatron.core.optimizer as mopt
-        from megatron.core.optimizer import optimizer_config
+    for module in (mopt, optimizer_config):  # 0c: is_te_min_version raises TypeError without TE
+        _set(module, "is_te_min_version", lambda *args, **kwargs: False)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-        for module in (mopt, optimizer_config):  # 0c: is_te_min_version raises TypeError without TE
-            module.is_te_min_version = lambda *args, **kwargs: False
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    upstream_set = DistributedOptimizer._set_main_param_and_optimizer_states
 
-        upstream_set = DistributedOptimizer._set_main_param_and_optimizer_states
+    def set_states(self, model_param, tensors):  # 0d: torch AdamW's `step` is not among the loaded tensors
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return upstream_set(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in tensors.items():
+            dst[key].copy_(value)
 
-        def set_states(self, model_param, tensors):  # 0d: torch AdamW's `step` is not among the loaded tensors
-            if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-                return upstream_set(self, model_param, tensors)
-            group_index, group_order = self.model_param_group_index_map[model_param]
-            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-            dst = {"param": main_param, **self.optimizer.state[main_param]}
-            for key, value in tensors.items():
-                dst[key].copy_(value)
-
-        DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-        _NO_TE_APPLIED = True
-    return True
+    _set(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_states)
 
 
-def apply() -> bool:
-    """Apply the no-TE shim when TE is absent, and the CPU shims when CUDA is absent. Returns True when the CPU
-    shims are active."""
-    global _APPLIED
-    apply_no_te()
-    if not needed():
-        return False
-    if _APPLIED:
-        return True
+def _apply_checkpoints() -> None:
+    """Shim 0e: megatron's checkpoint functions as fp4moe.model.recompute's."""
+    from megatron.core import tensor_parallel
+
+    from fp4moe.model import recompute
+
+    _set(tensor_parallel, "CheckpointWithoutOutput", recompute.FP4CacheCheckpointWithoutOutput)
+    _set(tensor_parallel, "checkpoint", recompute.checkpoint)
+
+
+def _apply_cpu() -> None:
+    """Shims 1-11 (module docstring): CUDA is absent."""
     # 1. rotary_pos_embedding.py:78/:162/:297, tensor_parallel/mappings.py device=torch.cuda.current_device()
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    _set(torch.cuda, "current_device", lambda: "cpu")
     # 2. transformer/moe/token_dispatcher.py:445 torch.cuda.Stream() in MoEAlltoAllTokenDispatcher.__init__
-    torch.cuda.Stream = _NullStream  # type: ignore[assignment,misc]
-    torch.cuda.Event = _NullEvent  # type: ignore[assignment,misc]
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
-    # 3. tensor_parallel/random.py:346 get_cuda_rng_tracker, :41/:72 _get/_set_cuda_rng_state (recompute, :514)
+    _set(torch.cuda, "Stream", _NullStream)
+    _set(torch.cuda, "Event", _NullEvent)
+    _set(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    _set(torch.cuda, "current_stream", lambda *a, **k: _NullStream())
+    # 3. tensor_parallel/random.py:346 get_cuda_rng_tracker, :41/:72 _get/_set_cuda_rng_state (recompute, :514); a
+    # fresh tracker per scope (megatron's model_parallel_cuda_manual_seed fills it; fp4moe.train seeds every run)
     from megatron.core.tensor_parallel import random as mrandom
 
-    tracker = CPURNGStatesTracker()
-    mrandom._CUDA_RNG_STATE_TRACKER = tracker
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    _set(mrandom, "_CUDA_RNG_STATE_TRACKER", CPURNGStatesTracker())
+    _set(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    _set(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    _set(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
     # 4. token_dispatcher.py _maybe_dtoh_and_synchronize: split sizes as numpy on CPU too (EP > 1 on gloo)
     from megatron.core.transformer.moe import token_dispatcher
 
@@ -365,11 +399,11 @@ def apply() -> bool:
             return tensor.numpy() if as_numpy else tensor
         return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _set(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
     # 5. pipeline_parallel/schedules.py total_num_tokens = torch.zeros([], ..., device="cuda")
     from megatron.core.pipeline_parallel import schedules
 
-    schedules.torch = _TorchOnCPU()  # type: ignore[assignment]
+    _set(schedules, "torch", _TorchOnCPU())
     # 6. language_module.py:244 weight.data.cuda() of the last stage's embedding copy (tied / MTP, PP > 1)
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
@@ -383,10 +417,53 @@ def apply() -> bool:
         finally:
             torch.Tensor.cuda = cuda  # type: ignore[method-assign]
 
-    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer  # type: ignore
+    _set(LanguageModule, "setup_embeddings_and_output_layer", setup_embeddings_and_output_layer)
     _apply_optimizer_shims()  # 7-11: megatron's DDP, optimizers and checkpoint writer
-    _APPLIED = True
-    return True
 
 
-__all__ = ["apply", "apply_no_te", "needed", "CPURNGStatesTracker"]
+def _apply_all() -> None:
+    try:
+        _apply_no_te()
+        _apply_checkpoints()
+        if needed():
+            _apply_cpu()
+    except BaseException:
+        _restore()
+        raise
+
+
+class active:  # noqa: N801 (used as a function: ``with cpu_shims.active():``)
+    """Context manager: the shims (module docstring) held from entry to exit; every original back when the last
+    holder exits. ``__enter__`` returns whether the CPU shims are among them (CUDA absent). One object may be
+    entered again, also while it is entered (each entry needs its exit)."""
+
+    def __enter__(self) -> bool:
+        global _DEPTH
+        with _LOCK:
+            if _DEPTH == 0:
+                _apply_all()
+            _DEPTH += 1
+        return needed()
+
+    def __exit__(self, *exc: Any) -> None:
+        global _DEPTH
+        with _LOCK:
+            if _DEPTH <= 0:
+                raise RuntimeError("cpu_shims.active(): exit without a matching entry")
+            _DEPTH -= 1
+            if _DEPTH == 0:
+                _restore()
+
+
+def depth() -> int:
+    """How many entries of :class:`active` hold the shims now (0: torch and megatron are as they came)."""
+    return _DEPTH
+
+
+def patched() -> list[tuple[Any, str]]:
+    """(owner, attribute name) of every attribute the shims hold patched now, in patch order (empty outside)."""
+    with _LOCK:
+        return [(owner, name) for owner, name, _, _ in _SAVED]
+
+
+__all__ = ["active", "depth", "needed", "patched", "CPURNGStatesTracker"]

@@ -9,7 +9,8 @@ What replaces what (fp8 / mxfp4 recipes; the bf16 recipe keeps megatron's module
 megatron (local spec)      ours                                what changes
 =========================  ==================================  =============================================
 ``MoELayer``               :class:`RecipeMoELayer`             swaps in the dispatcher below; releases the
-                                                              rows of each stage once the next has them
+                                                              rows of each stage once the next has them,
+                                                              and what the dispatcher kept, on return
 ``MoEAlltoAllToken-``      :class:`QuantizedAlltoAllToken-`    permutations as gathers, the EP all-to-alls
 ``Dispatcher``             ``Dispatcher``                      through ``quantized_all_to_all`` (dispatch.py)
 ``SequentialMLP``          :class:`RecipeGroupedMLP`           ``routed_experts`` (``grouped_expert_mlp``)
@@ -23,7 +24,8 @@ the permuted BF16 rows instead), and stay MXFP4 on the receiver (a ``DispatchedM
 ``recipe.expert_input_fp4``; the gradient all-to-all uses ``recipe.backward_a2a``. The routing probabilities
 travel beside them in their own dtype (``dispatch_probs``). Combine (``token_combine``): BF16 forward,
 ``recipe.backward_a2a`` backward. Bytes: ``dispatch_stats`` / ``combine_stats`` (``A2AStats``) of the
-dispatcher, summed over calls (``RecipeMoELayer.a2a_stats()``).
+dispatcher, summed over calls (``RecipeMoELayer.a2a_stats()``); the routed rows sent and received,
+``fp4moe_rows`` (megatron's own dispatcher under bf16 gets the same counter from ``fp4moe.model.build.finish``).
 
 Routing probabilities are applied as megatron does for its experts (megatron/core/transformer/mlp.py
 ``per_token_scale``): after the SwiGLU, before fc2 (``grouped_expert_mlp``'s weighted SwiGLU).
@@ -86,6 +88,9 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         order = torch.as_tensor(self.sort_input_by_local_experts).reshape(-1)
         self.skip_permutation_2 = (self.num_local_experts > 1 and not self.drop_and_pad
                                    and bool((order.cpu() == torch.arange(order.numel())).all()))
+        # routed rows this rank's tokens sent and its local experts received (fp4moe.model.build.a2a_stats): their
+        # ratio is the routing's imbalance on this GPU. From shapes, no device sync; a recomputed forward counts again
+        self.fp4moe_rows = {"sent": 0, "received": 0}
 
     def _megatron_permutation_1(self) -> bool:
         """Whether megatron's own permutation 1 runs (drop/pad, padding for quantization, permute fusion)."""
@@ -146,6 +151,8 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         ins, outs = self._ep_splits(permutated_local_input_tokens.shape[0])
         tokens = dispatch_rows(permutated_local_input_tokens, ins, outs, self.ep_group, self.recipe,
                                self.dispatch_stats)
+        self.fp4moe_rows["sent"] += int(permutated_local_input_tokens.shape[0])
+        self.fp4moe_rows["received"] += int(tokens.shape[0])
         return tokens, dispatch_probs(permuted_probs, ins, outs, self.ep_group, self.ep_size)
 
     def _local_expert_perm(self, rows: int, device, restore: bool = False) -> torch.Tensor:
@@ -193,9 +200,42 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 # megatron's MoELayer.fwd_execution_map when one forward call runs the whole layer (route, experts, combine)
 WHOLE_FORWARD = ("route", "expert_compute", "postprocess")
 
+# megatron's token dispatchers keep these from one forward for its combine; each holds the autograd graph it came from
+DISPATCHER_STEP_TENSORS = ("probs", "routing_map")
+# a MoE layer attribute: when True (the default of RecipeMoELayer, and of megatron's MoELayer once
+# fp4moe.model.build.finish hooked it), the layer drops its dispatcher's DISPATCHER_STEP_TENSORS as its forward returns
+RELEASES_DISPATCHER = "fp4moe_releases_dispatcher"
+
+
+def drop_step_tensors(dispatcher) -> int:
+    """Set the ``DISPATCHER_STEP_TENSORS`` a token dispatcher holds to None; returns how many it held."""
+    n = 0
+    for name in DISPATCHER_STEP_TENSORS:
+        if getattr(dispatcher, name, None) is not None:
+            setattr(dispatcher, name, None)
+            n += 1
+    return n
+
+
+def release_after_forward(layer, intermediate_tensors) -> None:
+    """At the end of a MoE layer's forward: its combine has run, so what its dispatcher kept for it is dead (unless
+    the layer's ``RELEASES_DISPATCHER`` is False). Under full recompute the forward that sets them last is the
+    recomputation inside the backward: kept, the probabilities held that graph (the layer's detached input and its
+    gradient, [seq, micro, hidden] each) until the step's backward had passed, so every MoE layer already
+    differentiated kept two such tensors while the layers before it ran theirs (0.75 GiB at the H200 proxy's first
+    MoE layer at micro-batch 16: results/train_proxy/memtrace_h200_mb16_e431a41/). A partial forward (CUDA-graph
+    capture with intermediate tensors, or an execution map other than the whole layer) keeps them for the calls that
+    follow."""
+    if (getattr(layer, RELEASES_DISPATCHER, False) and intermediate_tensors is None
+            and tuple(getattr(layer, "fwd_execution_map", WHOLE_FORWARD)) == WHOLE_FORWARD):
+        drop_step_tensors(layer.token_dispatcher)
+
 
 class RecipeMoELayer(MoELayer):
-    """megatron's ``MoELayer`` with :class:`QuantizedAlltoAllTokenDispatcher` (spec param ``recipe``)."""
+    """megatron's ``MoELayer`` with :class:`QuantizedAlltoAllTokenDispatcher` (spec param ``recipe``); drops what the
+    dispatcher kept when its forward returns (:func:`release_after_forward`)."""
+
+    fp4moe_releases_dispatcher = True  # RELEASES_DISPATCHER
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *, recipe: Recipe):
         super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
@@ -218,6 +258,7 @@ class RecipeMoELayer(MoELayer):
                and tuple(self.fwd_execution_map) == WHOLE_FORWARD)
         out = (self._forward_releasing(hidden_states, padding_mask) if own
                else super().forward(hidden_states, intermediate_tensors, padding_mask))
+        release_after_forward(self, intermediate_tensors)
         if intermediate_tensors is None and isinstance(out, tuple) and isinstance(out[0], torch.Tensor):
             return (out[0].to(hidden_states.dtype), *out[1:])
         return out
@@ -301,4 +342,5 @@ class RecipeSharedExpertMLP(SharedExpertMLP):
 
 
 __all__ = ["QuantizedAlltoAllTokenDispatcher", "RecipeMoELayer", "RecipeGroupedMLP", "RecipeSharedExpertMLP",
-           "WHOLE_FORWARD"]
+           "WHOLE_FORWARD", "DISPATCHER_STEP_TENSORS", "RELEASES_DISPATCHER", "drop_step_tensors",
+           "release_after_forward"]

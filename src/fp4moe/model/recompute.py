@@ -5,8 +5,8 @@
 ``discard_output_and_register_recompute``: the norm output's storage is freed after its consumers ran and
 refilled from the recompute when the layer's output gradient arrives). Upstream crashes without TE:
 ``CheckpointWithoutOutput.__init__(fp8=False)`` sets ``self.fp8 = fp8 is not None`` (random.py), True for the
-default, and then calls TE's ``FP8GlobalStateManager`` (NameError). :func:`install` swaps in
-:class:`FP4CacheCheckpointWithoutOutput`, which (a) sets ``fp8`` False without TE and (b) when the checkpointed
+default, and then calls TE's ``FP8GlobalStateManager`` (NameError). ``fp4moe.model.cpu_shims.active()`` (shim 0e)
+swaps in :class:`FP4CacheCheckpointWithoutOutput`, which (a) sets ``fp8`` False without TE and (b) when the checkpointed
 module carries ``fp4moe_recompute_cache = 'mxfp4'`` stores the recompute cache (the norm input, the residual
 stream ``[s, b, H]``) as MXFP4 rows (data ``[M, H/2]`` + UE8M0 scales ``[M, H/32]`` uint8, M = s*b) instead
 of BF16 (2H bytes per token -> 17H/32), through ``fp4moe.ops.fp4_store`` (a ``saved_tensors_hooks`` context). The recompute then
@@ -17,11 +17,11 @@ is stored MXFP4 the same way.
 
 ``core_attn`` and ``mlp`` (dense MLPs) (megatron's own, reentrant ``tensor_parallel.checkpoint``, which keeps its
 tensor arguments: q ``[s, b, n, dqk]`` / k / v ``[s, b, n, dv]``; the pre-MLP norm output ``[s, b, H]``):
-:func:`install` also wraps that function so that, under mxfp4, those arguments are stored MXFP4.
+``fp4moe.model.cpu_shims.active()`` also swaps in :func:`checkpoint`, which stores those arguments MXFP4 under mxfp4.
 
 Which checkpoints store MXFP4: every one that runs while a module marked by :func:`cache_mxfp4_inside` is in its
-forward (``fp4moe.model.build`` marks every ``TransformerLayer`` when ``Recipe.recompute_cache_fp4``), or whose
-checkpointed module carries the attribute itself. Only activations are packed (``_cacheable``). Full-layer
+forward, or whose checkpointed module carries the attribute itself. The layer spec marks every layer when
+``Recipe.recompute_cache_fp4``: its layers are :class:`MXFP4CacheTransformerLayer` (``fp4moe.model.build.layer_spec``). Only activations are packed (``_cacheable``). Full-layer
 recompute (``full``: the block checkpoints each layer's input, outside the layer's forward) keeps its cache BF16 on
 purpose: its backward re-runs the router, and an E2M1-rounded layer input would pick other experts for some
 tokens than the forward did (gradients then flow to experts that never saw those tokens; measured on the tiny
@@ -43,11 +43,12 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from fp4moe_kernels.constants import MX_BLOCK
 
 from ..ops.fp4_store import fp4_saved_tensors
+from .recipe_dense import RecipeMLASelfAttention
 
 CACHE_ATTR = "fp4moe_recompute_cache"  # 'mxfp4' on a module: its recompute cache is stored MXFP4
 
@@ -170,7 +171,6 @@ def cache_mxfp4_inside(module: torch.nn.Module) -> None:
         module._fp4moe_cache_hooks = True
 
 
-_INSTALLED = False
 _MEGATRON_CHECKPOINT = mrandom.checkpoint  # megatron's reentrant checkpoint (tensor_parallel/random.py)
 
 
@@ -184,15 +184,18 @@ def checkpoint(function, distribute_saved_activations, *args):
     return _MEGATRON_CHECKPOINT(function, distribute_saved_activations, *args)
 
 
-def install() -> None:
-    """Make ``megatron.core.tensor_parallel.CheckpointWithoutOutput`` and ``megatron.core.tensor_parallel.checkpoint``
-    (both looked up at call time by transformer_layer.py, transformer_block.py, attention.py,
-    multi_latent_attention.py, experts.py) fp4moe's: the no-TE fix and the optional MXFP4 cache. Idempotent."""
-    global _INSTALLED
-    if not _INSTALLED:
-        tensor_parallel.CheckpointWithoutOutput = FP4CacheCheckpointWithoutOutput
-        tensor_parallel.checkpoint = checkpoint
-        _INSTALLED = True
+class MXFP4CacheTransformerLayer(TransformerLayer):
+    """megatron's ``TransformerLayer`` whose recompute caches are MXFP4 (:func:`cache_mxfp4_inside` on itself): the
+    layer class of the spec when ``Recipe.recompute_cache_fp4`` (``fp4moe.model.build.layer_spec``). Needs
+    ``fp4moe.model.cpu_shims.active()`` (its checkpoint functions) to store anything MXFP4.
+
+    megatron's ``get_gpt_mtp_block_spec`` accepts a layer spec only when its module is exactly ``TransformerLayer``
+    (gpt_layer_specs.py, ``spec.module == TransformerLayer``): give it the decoder block spec instead, whose last
+    layer it takes (``fp4moe.model.build.mtp_block_spec`` does)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cache_mxfp4_inside(self)
 
 
 class RecomputedSequentialMLP(SequentialMLP):
@@ -210,11 +213,12 @@ class RecomputedSequentialMLP(SequentialMLP):
         return y, None
 
 
-class RecomputedMLASelfAttention(MLASelfAttention):
+class RecomputedMLASelfAttention(RecipeMLASelfAttention):
     """megatron's ``MLASelfAttention`` run under megatron's reentrant ``tensor_parallel.checkpoint`` when training
     (the ``self_attention`` recompute module): saves its input ``hidden_states`` ``[s, b, H]`` (and the mask, None
     for causal SDPA), re-runs the whole block in backward; bit-identical results. Inference runs as megatron's.
-    Needs ``add_bias_linear=False`` (DeepSeek's; fp4moe.model.build refuses the module otherwise)."""
+    Needs ``add_bias_linear=False`` (DeepSeek's; fp4moe.model.build refuses the module otherwise). Spec param
+    ``recipe``: :class:`fp4moe.model.recipe_dense.RecipeMLASelfAttention`'s (FP8 linears under all_linears)."""
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
@@ -237,5 +241,5 @@ class RecomputedMLASelfAttention(MLASelfAttention):
         return tensor_parallel.checkpoint(run, False, hidden_states, attention_mask), None
 
 
-__all__ = ["FP4CacheCheckpointWithoutOutput", "RecomputedMLASelfAttention", "RecomputedSequentialMLP",
-           "cache_mxfp4_inside", "checkpoint", "install", "mxfp4_cache", "CACHE_ATTR"]
+__all__ = ["FP4CacheCheckpointWithoutOutput", "MXFP4CacheTransformerLayer", "RecomputedMLASelfAttention",
+           "RecomputedSequentialMLP", "cache_mxfp4_inside", "checkpoint", "mxfp4_cache", "CACHE_ATTR"]

@@ -511,7 +511,7 @@ def _linear_input(led: _Ledger, src: str, consumer: str, m: int, k: int, kind: s
     """A linear ``[k] -> [n_out]`` that reads the saved tensor ``src`` [m, k]: a BF16 linear holds ``src``; an FP8
     one saves its own quantized copy ``<consumer>_q`` (FP8 row+col, or MXFP4 under save_fp4) and does not hold
     ``src``. In fp4moe a dense linear whose in or out features are not multiples of 128 stays BF16
-    (``fp4moe.model.build.apply_fp8_dense_linears``; MLA's kv_down_proj, H -> kv_lora + rope = 576, is one); with
+    (``fp4moe.model.recipe_dense``; MLA's kv_down_proj, H -> kv_lora + rope = 576, is one); with
     ``a.fp8_any_shape`` (Transformer Engine) it is FP8 too."""
     blockable = (a.fp8_any_shape or kind != "dense" or n_out is None
                  or (k % FP8_GROUP == 0 and n_out % FP8_GROUP == 0))
@@ -871,7 +871,7 @@ def _stage_params(letters: str, first_layer: int, d: _Dims) -> tuple[float, floa
 def _fp8_matrix_bytes(n: int, k: int, any_shape: bool = False) -> int:
     """The cached FP8 copies of one [N, K] weight (fprop + dgrad data, their 128x128 FP32 scales, one per started
     block); 0 for a matrix that is not a multiple of 128 both ways (it stays BF16 in fp4moe:
-    fp4moe.model.build.apply_fp8_dense_linears) unless ``any_shape`` (``MemoryAssumptions.fp8_any_shape``)."""
+    fp4moe.model.recipe_dense) unless ``any_shape`` (``MemoryAssumptions.fp8_any_shape``)."""
     if not n or not k or (not any_shape and (n % FP8_GROUP or k % FP8_GROUP)):
         return 0
     return 2 * n * k + 2 * 4 * (-(-n // FP8_GROUP)) * (-(-k // FP8_GROUP))

@@ -190,7 +190,6 @@ def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None
 
     from fp4moe.model import cpu_shims
 
-    cpu_shims.apply()
     # megatron-core logs its DDP buckets (every parameter's name) and its whole OptimizerConfig at INFO; the run's
     # config is in MLflow's params, so only its warnings reach the console
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
@@ -198,7 +197,8 @@ def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None
     ctx = torch._dynamo.config.patch(disable=True) if info.device.type == "cpu" else contextlib.nullcontext()
     from fp4moe.train import checkpoint as ckpt
 
-    with ctx, resume.claim(ckpt.run_dir(cfg, multirun_cell, output_dir), info) as claim:
+    # fp4moe's patches of megatron-core and torch (no TE; CPU / gloo) are held for the run and undone after it
+    with cpu_shims.active(), ctx, resume.claim(ckpt.run_dir(cfg, multirun_cell, output_dir), info) as claim:
         return _loop(cfg, derived, info, multirun_cell, output_dir, extra, stop, resume_hint, claim)
 
 

@@ -26,7 +26,7 @@ fp4moe.model.cpu_shims where megatron's own code needs patching):
    built as ``optimizer_cpu_offload=True`` with ``optimizer_offload_fraction=0``: the same HybridDeviceOptimizer,
    every tensor on the GPU (FP32 copies of the BF16 shards, FP32 moments).
 2. ``OptimizerConfig.__post_init__`` calls ``is_te_min_version`` for the precision-aware optimizer, which raises
-   TypeError when TE is absent (it compares None with a version): cpu_shims.apply_no_te makes it False.
+   TypeError when TE is absent (it compares None with a version): cpu_shims shim 0c makes it False.
 3. Adam moments in BF16 (``exp_avg_dtype``) exist only in TE's FusedAdam: refused by OptimizerSetting.
 4. Resuming megatron's DistributedOptimizer around torch's AdamW (no apex / TE): its ``load_state_dict``
    (distrib_optimizer.py, the ``not HAVE_APEX_OR_TE`` branch) gives every parameter's state the same ``step``
@@ -44,7 +44,7 @@ fp4moe.model.cpu_shims where megatron's own code needs patching):
    overwrites (main params, moments, step); the model's weights are loaded after.
 5. On a machine without CUDA (the tests): megatron's optimizer code allocates on ``device='cuda'``, checks
    ``tensor.type() == 'torch.cuda.*'`` and builds its HybridDeviceOptimizer from ``param.is_cuda``:
-   fp4moe.model.cpu_shims.apply (shims 7-9) makes those run on the CPU, nothing else.
+   fp4moe.model.cpu_shims (shims 7-9, held for the run) makes those run on the CPU, nothing else.
 """
 from __future__ import annotations
 
