@@ -468,3 +468,16 @@ def test_a_variant_of_a_preset_is_its_own_recipe_in_every_table():
     f5 = f5_rows(runs, lambda run_id, key: [], {"mxfp4": 0.61})
     assert [(r["recipe"], r["run_id"], r["paper_dev_pct"]) for r in f5] == [
         ("bf16", "bf16", 0.0), ("mxfp4", "mxfp4", 0.61), ("mxfp4_mlp_shared", "mxfp4_mlp_shared", None)]
+
+
+def test_f4_newest_benchmark_per_variant():
+    """A layer benchmark of a variant (the FP8 weight cache) logged after the default path's keeps its own row; the
+    default path's newest stays the headline's (it used to be hidden as 'older')."""
+    from fp4moe.report.render import _f4_latest
+
+    def bench(commit, variant, t):
+        return {"gpu": "h200", "world_size": "1", "commit": commit, "date": "2026-12-04", "variant": variant,
+                "start_time": t}
+    rows = [bench("a", "", 1), bench("b", "", 2), bench("c", "fp8_weight_cache", 3)]
+    latest, older = _f4_latest(rows)
+    assert [r["commit"] for r in latest] == ["b", "c"] and [r["commit"] for r in older] == ["a"]

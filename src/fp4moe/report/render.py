@@ -195,7 +195,13 @@ def _f3_bench(r: dict) -> tuple:
 
 
 def _f4_bench(r: dict) -> tuple:
-    return (r["gpu"], r["world_size"], r["commit"], r["date"])
+    return (r["gpu"], r["world_size"], r["commit"], r["date"], r.get("variant", ""))
+
+
+def _f4_latest(rows: list[dict]) -> tuple[list, list]:
+    """(the newest layer benchmark of each GPU, EP size and variant, the rest): a benchmark of a variant (e.g. the
+    FP8 weight cache, ``layer_bench_log.variant``) logged after the default path's does not hide the default's."""
+    return _latest(rows, lambda r: (r["gpu"], r["world_size"], r.get("variant", "")), _f4_bench)
 
 
 def _f5_latest(rows: list[dict]) -> tuple[list, list]:
@@ -268,7 +274,7 @@ def headline_rows(rep: Report, head: str | None) -> list[list[str]]:
                  f"{f3['fused_speedup_min']}-{f3['fused_speedup_max']}x",
                  _range_x([r["vs_compiled_unfused"] for r in latest3]) + " (vs torch.compile unfused)" if latest3
                  else tables.NOT_MEASURED, "-", "-"])
-    latest4, _ = _latest(rep.f4, lambda r: (r["gpu"], r["world_size"]), _f4_bench)
+    latest4, _ = _f4_latest(rep.f4)
     default4 = [r for r in latest4 if not r.get("variant")]
     rows.append(["F4: expert grouped linears vs Transformer Engine FP8",
                  f"{f4['expert_grouped_linear_speedup_min']}-{f4['expert_grouped_linear_speedup_max']}x",
@@ -510,7 +516,7 @@ def markdown(rep: Report) -> str:
 
     # ---- F4
     f4 = n["f4"]
-    latest4, older4 = _latest(rep.f4, lambda r: (r["gpu"], r["world_size"]), _f4_bench)
+    latest4, older4 = _f4_latest(rep.f4)
     out += ["## F4: the MoE layer", "",
             f"Paper ({f4['source']}): against Transformer Engine FP8, dense linears "
             f"{f4['dense_linear_overhead_min']}-{f4['dense_linear_overhead_max']}x overhead, expert GroupedLinear "
