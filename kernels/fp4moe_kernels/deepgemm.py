@@ -127,13 +127,11 @@ def expert_of_rows(seg: Segments, device: torch.device) -> torch.Tensor:
 
 
 def mn_major_scales(a: FP8RowTensor) -> torch.Tensor:
-    """fp4moe's segment-major row scales (segment e's ``[K/128, m_e]`` block after segment e-1's) as one
-    ``[K/128, M]`` matrix, DeepGEMM's SM90 (MN-major) scale layout: one concatenation of the segments' blocks on
-    the scales' device (no index tensor: at 4M rows one would be hundreds of MB)."""
-    g = a.data.shape[1] // 128
-    blocks = [a.scales[g * r0:g * r1].view(g, r1 - r0)
-              for r0, r1 in zip(a.segments.offsets[:-1], a.segments.offsets[1:]) if r1 > r0]
-    return torch.cat(blocks, dim=1) if blocks else a.scales.new_empty(g, 0)
+    """fp4moe's segment-major row scales (segment e's ``[K/128, m_e]`` block after segment e-1's, as
+    ``FP8RowTensor.segment`` reads them) as one ``[K/128, M]`` matrix, DeepGEMM's SM90 (MN-major) scale layout: one
+    concatenation of the segments' blocks on the scales' device (no index tensor: at 4M rows one would be hundreds
+    of MB)."""
+    return torch.cat([a.segment(e)[1].t() for e in range(a.segments.num)], dim=1)
 
 
 def m_grouped_rows(a: FP8RowTensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:

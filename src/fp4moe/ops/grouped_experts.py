@@ -384,30 +384,19 @@ def padded_rows(seg: Segments, align: int, device) -> RowPadding:
     return RowPadding(padded, dst, src, torch.tensor(pad, dtype=torch.int64, device=device))
 
 
-class _PadRows(torch.autograd.Function):
-    """x ``[T, ...]`` -> ``[Tp, ...]`` (:meth:`RowPadding.rows`); the gradient: the real rows of it."""
+class _RowMap(torch.autograd.Function):
+    """``there(x)`` forward, ``back(g)`` backward, for a pair of :class:`RowPadding` maps that are each other's
+    adjoint: ``(rp.rows, rp.unpad)`` pads (the gradient: its real rows), ``(rp.unpad, rp.rows)`` takes the real rows
+    back (the gradient padded with zeros)."""
 
     @staticmethod
-    def forward(ctx, x, rp: RowPadding):
-        ctx.rp = rp
-        return rp.rows(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.rp.unpad(g), None
-
-
-class _UnpadRows(torch.autograd.Function):
-    """y ``[Tp, ...]`` -> its T real rows; the gradient padded back (zero on the padding)."""
-
-    @staticmethod
-    def forward(ctx, y, rp: RowPadding):
-        ctx.rp = rp
-        return rp.unpad(y)
+    def forward(ctx, x, there, back):
+        ctx.back = back
+        return there(x)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.rp.rows(g), None
+        return ctx.back(g), None, None
 
 
 class _PadAnchor(torch.autograd.Function):
@@ -485,9 +474,9 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe, *
     if x_fp4 is not None:
         x_fp4 = _pad_mxfp4(x_fp4, rp)
     if x_hp is not None:
-        x_hp = _PadAnchor.apply(x_hp, rp) if x_is_anchor else _PadRows.apply(x_hp, rp)
-    y = GroupedExpertMLP.apply(x_hp, _PadRows.apply(probs, rp), x_fp4, recipe, rp.padded, *ws1, *ws2)
-    return _UnpadRows.apply(y, rp)
+        x_hp = _PadAnchor.apply(x_hp, rp) if x_is_anchor else _RowMap.apply(x_hp, rp.rows, rp.unpad)
+    y = GroupedExpertMLP.apply(x_hp, _RowMap.apply(probs, rp.rows, rp.unpad), x_fp4, recipe, rp.padded, *ws1, *ws2)
+    return _RowMap.apply(y, rp.unpad, rp.rows)
 
 
 __all__ = ["Experts", "GroupedExpertMLP", "expert_saved_bytes", "fp8_experts", "gemm_backend", "grouped_expert_mlp",
