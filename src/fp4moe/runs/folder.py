@@ -17,7 +17,7 @@ The kernel switches are part of it (``kernels.*``, each defaulting to its ``FP4M
 counts by its value): an A/B of a switch is two runs in two folders. An explicit ``hydra.run.dir=...`` wins over the
 default. Multirun cells keep their own folders (``hydra.sweep``).
 
-No torch, no Hydra; OmegaConf only.
+No torch, no Hydra; OmegaConf (and fp4moe.settings' key list) only.
 """
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ EXCLUDED: dict[str, str] = {
                     "overwrite",
 }
 HASH_DIGITS = 12
+# Keys the config groups' schemas (fp4moe.settings) add with a null that means "not given": left out of the identity
+# while null, so a config spelled before the schema existed keeps its folder.
+from fp4moe.settings import ABSENT_WHEN_NULL  # noqa: E402
 
 
 def identity(cfg: Any) -> dict[str, Any]:
@@ -63,12 +66,12 @@ def identity(cfg: Any) -> dict[str, Any]:
             continue
         node = cfg[key]
         out[str(key)] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-    for dotted in EXCLUDED:
+    for dotted in (*EXCLUDED, *ABSENT_WHEN_NULL):
         *parents, leaf = dotted.split(".")
         holder: Any = out
         for p in parents:
             holder = holder.get(p) if isinstance(holder, dict) else None
-        if parents and isinstance(holder, dict):
+        if parents and isinstance(holder, dict) and (dotted in EXCLUDED or holder.get(leaf, 0) is None):
             holder.pop(leaf, None)
     return out
 
