@@ -61,6 +61,9 @@ def test_a_config_composed_without_the_schemas_gets_the_same_checks():
     plain.train.steps = "abc"
     with pytest.raises(ConfigError, match=r"^train.steps='abc' is not a number: use a whole number >= 1"):
         Settings.from_config(plain)
+    del plain.train.steps
+    with pytest.raises(ConfigError, match=r"^train.steps has no value: set it in its YAML file or on the command line"):
+        Settings.from_config(plain)
     plain.train.steps, plain.parallel.micro_btach = 3, 2
     with pytest.raises(ConfigError, match=r"^parallel.micro_btach is not a key .*did you mean parallel.micro_batch\?"):
         Settings.from_config(plain)

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional
 
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 
@@ -648,7 +648,7 @@ def explain(e: BaseException, group: str = "") -> str:
             return f"{key}={m.group(1)!r} is not {_NEED.get(m.group(2), 'a ' + m.group(2))}: use {_need(f)}"
         if "None" in text or "Optional" in text:
             return f"{key}=None may not be null: use {_need(f)}"
-    if isinstance(cur, ValidationError) and "MISSING" in text.upper() or "Missing mandatory value" in text:
+    if "missing mandatory value" in text.lower():
         return f"{key} has no value: set it in its YAML file or on the command line ({key}=...)"
     return f"{key}: {text.splitlines()[0]}" if key else text.splitlines()[0]
 
