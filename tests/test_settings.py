@@ -92,6 +92,14 @@ def test_the_schemas_leave_the_run_folders_where_they_were():
     assert digest(_compose("model=dsv2_236b")) == "cbc12d0c9553"
 
 
+def test_a_token_budget_typed_float_keeps_the_folder_of_its_integer_spelling():
+    """train.tokens is a float in the schema (3.0e11 is a budget); the T1 convergence runs wrote it as an integer
+    before the schemas existed, and their folders stay (fp4moe.settings.WHOLE_WHEN_INTEGRAL; digest from 1c177ea)."""
+    cfg = _compose("experiment=proxy_t1_conv_1gpu")
+    assert isinstance(cfg.train.tokens, float)
+    assert digest(cfg) == "0d8decfb5b23"
+
+
 def test_check_takes_the_settings_built_once():
     cfg = _compose()
     s = Settings.from_config(cfg)

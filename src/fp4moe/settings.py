@@ -305,6 +305,9 @@ class Model(_Group):
 # Keys a schema adds with a null that means "not given, the code's default": a run folder's identity
 # (fp4moe.runs.folder) leaves them out while null, so that the folders of configs written before the schema stay.
 ABSENT_WHEN_NULL = ("model.mtp_loss_scaling_factor", "model.moe.bias_update_rate", "model.moe.pre_softmax")
+# Counts typed float (a token budget may be written 3.0e11) that configs written before the schema held as integers:
+# the run folder's identity writes an integral value as the integer it equals.
+WHOLE_WHEN_INTEGRAL = ("train.tokens", "train.schedule.warmup_tokens")
 
 
 # ---------------------------------------------------------------------------------------------- optimizer

@@ -26,6 +26,11 @@ import json
 import re
 from typing import Any
 
+# ABSENT_WHEN_NULL: keys the config groups' schemas add with a null that means "not given", left out of the identity
+# while null; WHOLE_WHEN_INTEGRAL: counts the schemas type as float (a token budget may be 3.0e11), written as the
+# integer they equal. Both so that a config spelled before the schemas existed keeps its folder.
+from fp4moe.settings import ABSENT_WHEN_NULL, WHOLE_WHEN_INTEGRAL
+
 # The keys of the composed config that do not change what a run trains or reports, each with why: the run folder's
 # identity leaves them out, so changing one continues the same run. Everything else is part of the identity.
 EXCLUDED: dict[str, str] = {
@@ -51,9 +56,6 @@ EXCLUDED: dict[str, str] = {
                     "overwrite",
 }
 HASH_DIGITS = 12
-# Keys the config groups' schemas (fp4moe.settings) add with a null that means "not given": left out of the identity
-# while null, so a config spelled before the schema existed keeps its folder.
-from fp4moe.settings import ABSENT_WHEN_NULL  # noqa: E402
 
 
 def identity(cfg: Any) -> dict[str, Any]:
@@ -73,6 +75,14 @@ def identity(cfg: Any) -> dict[str, Any]:
             holder = holder.get(p) if isinstance(holder, dict) else None
         if parents and isinstance(holder, dict) and (dotted in EXCLUDED or holder.get(leaf, 0) is None):
             holder.pop(leaf, None)
+    for dotted in WHOLE_WHEN_INTEGRAL:
+        *parents, leaf = dotted.split(".")
+        holder = out
+        for p in parents:
+            holder = holder.get(p) if isinstance(holder, dict) else None
+        v = holder.get(leaf) if isinstance(holder, dict) else None
+        if isinstance(v, float) and v.is_integer():
+            holder[leaf] = int(v)
     return out
 
 
