@@ -176,9 +176,17 @@ def test_cluster_memory_and_requeue_reach_sbatch(overrides, present, absent):
         assert text not in script, text
 
 
-def test_requeue_must_be_a_bool():
-    with pytest.raises(Exception, match="cluster.requeue must be true or false"):
+def test_requeue_must_be_a_bool(capsys):
+    """Refused while composing, by the cluster group's schema (fp4moe.settings.Cluster); the dry run says it in one
+    line."""
+    from fp4moe.settings import explain
+
+    with pytest.raises(Exception) as err:
         dry_run.sbatch_scripts("paper_t1", ["precision=bf16", "recompute=attn_ln_mlp", "cluster.requeue=maybe"])
+    assert explain(err.value) == "cluster.requeue='maybe' is not true or false: use true or false"
+    assert dry_run.main(["dry-run", "experiment=paper_t1", "cluster.requeue=maybe"]) == 2
+    assert capsys.readouterr().err == ("fp4moe.launch: the config does not compose: cluster.requeue='maybe' is not "
+                                       "true or false: use true or false\n")
 
 
 def test_local_slurm_profile_has_no_gpus_or_nccl():

@@ -17,7 +17,8 @@ Packages, lowest first (each imports only those below it; docs/layout.md, "Layer
 - ``fp4moe.runs``: a run's folder, its final summary, runs archives; ``fp4moe.tracking``: the MLflow store and the
   benchmark loggers; ``fp4moe.reproduce``: ``make reproduce-table``.
 - Leaves: ``fp4moe.paths`` (the one place that finds the repository's folders), ``fp4moe.paper``, ``fp4moe.recipe``,
-  ``fp4moe.config``, ``fp4moe.resolvers``, ``fp4moe.known_warnings``, ``fp4moe.atomic_write``.
+  ``fp4moe.config``, ``fp4moe.settings`` (the config groups' schemas and typed
+  settings), ``fp4moe.resolvers``, ``fp4moe.known_warnings``, ``fp4moe.atomic_write``.
 """
 
 __version__ = "0.1.0"
@@ -33,4 +34,14 @@ def _register_resolvers() -> None:
         pass
 
 
+def _register_schemas() -> None:
+    """The config groups' schemas in Hydra's ConfigStore (fp4moe.settings), there before any composition."""
+    try:
+        from fp4moe import settings
+
+        settings.register()
+    except ImportError:  # omegaconf / hydra absent (the GPU image's bare python): no configs to compose there
+        pass
+
 _register_resolvers()
+_register_schemas()

@@ -29,19 +29,20 @@ Rules checked (``check``), each with its own message:
 10. optimizer: the ``optimizer`` group reads as an :class:`OptimizerSetting` (types, values, combinations that
    megatron-core 0.16.1 can build without Transformer Engine) and ``train.adamw`` has lr >= min_lr >= 0.
 
-Before all of these, :func:`check_values`: every count, interval and rate has the right type and range
-(``VALUE_RULES``: ``train.steps=-3``, ``train.steps=abc``, ``parallel.micro_batch=0`` are one line each).
+Before all of these, :meth:`fp4moe.settings.Settings.from_config`: every group's values as its frozen dataclass,
+with the right type and range (``train.steps=-3``, ``train.steps=abc``, ``parallel.micro_batch=0`` are one line
+each; a config composed from conf/ already had its types checked by Hydra against the same dataclasses).
 """
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from fp4moe.recipe import Recipe, RecipeError
+from fp4moe.settings import GRAD_DTYPES, ConfigError, OptimizerSetting, Settings
 
 # megatron-core recompute_modules (TransformerConfig) and those that need Transformer Engine there.
 MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "moe", "shared_experts")
@@ -65,10 +66,6 @@ def nested_in_self_attention(fp4moe_modules: Any, megatron_modules: Any) -> list
     return [m for m in (megatron_modules or ()) if m in NESTED_IN_SELF_ATTENTION]
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DISPATCHERS = ("alltoall", "allgather")  # megatron-core token dispatchers fp4moe builds ('flex' needs DeepEP)
-
-
-class ConfigError(ValueError):
-    """A composed config that cannot run; the message names the offending keys and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -102,76 +99,6 @@ def parse_pipeline_layout(layout: str) -> list[str]:
         raise ConfigError(f"parallel.pipeline_layout={layout!r} has unknown letters {bad}: use E, t, m, L, '|', "
                           "'(..)*n' and ',' (megatron-core --pipeline-model-parallel-layout)")
     return stages
-
-
-# ---------------------------------------------------------------------------------------------- values
-
-# (key, kind, lowest, nullable, what it is). kind "int": a whole number (an integral float such as 1e3 too);
-# "num": any number. lowest: the smallest value allowed (">0": any positive number). A key absent from the config
-# is not checked (the launcher checks partial configs); one that is null must be nullable.
-VALUE_RULES: tuple[tuple[str, str, Any, bool, str], ...] = (
-    ("cluster.nodes", "int", 1, False, "a node count"),
-    ("cluster.gpus_per_node", "int", 1, False, "a GPU count per node"),
-    ("parallel.world_size", "int", 1, False, "a process count"),
-    ("parallel.tensor", "int", 1, False, "a parallel size"),
-    ("parallel.pipeline", "int", 1, False, "a parallel size"),
-    ("parallel.virtual_pipeline", "int", 1, True, "a parallel size, or null"),
-    ("parallel.context", "int", 1, False, "a parallel size"),
-    ("parallel.data", "int", 1, False, "a parallel size"),
-    ("parallel.expert", "int", 1, False, "a parallel size"),
-    ("parallel.expert_tensor", "int", 1, True, "a parallel size, or null (= parallel.tensor)"),
-    ("parallel.micro_batch", "int", 1, False, "samples per micro-batch on one GPU"),
-    ("parallel.global_batch", "int", 1, False, "samples per optimizer step over all GPUs"),
-    ("parallel.seq_length", "int", 1, False, "tokens per sample"),
-    ("train.seed", "int", 0, False, "a seed"),
-    ("train.steps", "int", 1, True, "an optimizer step count, or null with train.tokens set"),
-    ("train.tokens", "num", ">0", True, "a token budget, or null with train.steps set"),
-    ("train.adamw.lr", "num", ">0", False, "a learning rate"),
-    ("train.adamw.min_lr", "num", 0, False, "the final learning rate"),
-    ("train.adamw.eps", "num", ">0", False, "AdamW's epsilon"),
-    ("train.adamw.weight_decay", "num", 0, False, "a weight decay"),
-    ("train.adamw.grad_clip", "num", ">0", True, "a gradient-norm limit, or null for no clipping"),
-    ("train.schedule.warmup_steps", "int", 0, True, "a warm-up step count, or null"),
-    ("train.schedule.warmup_tokens", "num", 0, True, "a warm-up token count, or null"),
-    ("train.log_interval", "int", 1, True, "a step count, or null for every step"),
-    ("train.eval_interval", "int", 1, True, "a step count, or null to switch evaluation off"),
-    ("train.eval_steps", "int", 1, True, "a number of validation batches"),
-    ("train.checkpoint_interval", "int", 1, True, "a step count, or null for checkpoints on a signal only"),
-    ("train.keep_checkpoints", "int", 1, True, "a number of checkpoints to keep"),
-    ("train.measure.warmup_steps", "int", 0, True, "a step count"),
-    ("train.measure.steps", "int", 1, True, "a step count, or null for every step"),
-)
-_MISSING = object()
-
-
-def _value_problem(v: Any, kind: str, lowest: Any, nullable: bool) -> str | None:
-    """What is wrong with ``v`` as a ``kind`` >= ``lowest``: " is not a number", ... ("" out of range, None: fine)."""
-    if v is None:
-        return None if nullable else " may not be null"
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        return " is not a number"
-    if kind == "int" and v != int(v):
-        return " is not a whole number"
-    return None if (v > 0 if lowest == ">0" else v >= lowest) else ""
-
-
-def check_values(cfg: Any) -> None:
-    """Raise ConfigError (one line: the key, its value, what it must be) for the first ``VALUE_RULES`` entry whose
-    value has the wrong type or range; also refuses a run length whose ``train.steps`` and ``train.tokens`` are both
-    null. Runs before anything is derived from the values."""
-    cfg = _as_cfg(cfg)
-    for key, kind, lowest, nullable, what in VALUE_RULES:
-        v = OmegaConf.select(cfg, key, default=_MISSING)
-        if v is _MISSING:
-            continue
-        why = _value_problem(v, kind, lowest, nullable)
-        if why is not None:
-            need = {"int": "a whole number", "num": "a number"}[kind]
-            bound = "> 0" if lowest == ">0" else f">= {lowest}"
-            raise ConfigError(f"{key}={v!r}{why}: use {need} {bound} ({what})")
-    t = cfg.get("train")
-    if isinstance(t, DictConfig) and "steps" in t and "tokens" in t and t.steps is None and t.tokens is None:
-        raise ConfigError("train.steps and train.tokens are both null: set one (a step count or a token budget)")
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -238,84 +165,6 @@ def param_counts(model_cfg: Any) -> dict[str, int]:
     }
 
 
-# ---------------------------------------------------------------------------------------------- optimizer
-
-GRAD_DTYPES = ("fp32", "bf16")
-
-
-@dataclass(frozen=True)
-class OptimizerSetting:
-    """Where megatron-core keeps AdamW's state and in what precision: the ``optimizer`` config group
-    (conf/optimizer/*.yaml, whose header gives the bytes per parameter of each preset). Read once by
-    :meth:`from_config`, which refuses what megatron-core 0.16.1 cannot build without Transformer Engine."""
-
-    name: str
-    distributed: bool                    # megatron's DistributedOptimizer (state sharded over DP / expert-DP)
-    main_grads_dtype: str                # 'fp32' | 'bf16': the DDP gradient buffer (bf16: precision-aware optimizer)
-    cpu_offload: bool                    # HybridDeviceOptimizer: main params, moments and update on the host
-    offload_fraction: float              # share of the state on the host when cpu_offload
-    overlap_cpu_optimizer_d2h_h2d: bool
-    overlap_grad_reduce: bool
-    bucket_size: int | None              # elements per DDP bucket (None: megatron's choice)
-
-    @property
-    def precision_aware(self) -> bool:
-        """megatron's ``use_precision_aware_optimizer``: BF16 main grads (and, without TE, a HybridDeviceOptimizer)."""
-        return self.main_grads_dtype == "bf16"
-
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes per element of the DDP gradient buffer."""
-        return 4 if self.main_grads_dtype == "fp32" else 2
-
-    @property
-    def host_fraction(self) -> float:
-        """Share of the main params + moments that live in host memory."""
-        return self.offload_fraction if self.cpu_offload else 0.0
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "OptimizerSetting":
-        """The setting of a composed config: its ``optimizer`` group, or, for a config written before that group
-        existed (the archived runs' params), ``parallel.distributed_optimizer`` with FP32 grads on the GPU."""
-        cfg = _as_cfg(cfg)
-        o = cfg.get("optimizer")
-        if o is None:
-            dist = bool(_get(cfg, "parallel.distributed_optimizer", False))
-            return cls("distributed" if dist else "gpu_fp32", dist, "fp32", False, 0.0, False, False, None)
-        name = str(o.get("name", "?"))
-        for key in ("distributed", "cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "overlap_grad_reduce"):
-            if not isinstance(o.get(key), bool):
-                raise ConfigError(f"optimizer.{key}={o.get(key)!r} (optimizer={name}): use true or false")
-        grads = str(o.get("main_grads_dtype"))
-        if grads not in GRAD_DTYPES:
-            raise ConfigError(f"optimizer.main_grads_dtype={grads!r}: pick one of {', '.join(GRAD_DTYPES)}")
-        for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
-            if str(o.get(key, "fp32")) != "fp32":
-                raise ConfigError(
-                    f"optimizer.{key}={o.get(key)!r}: megatron-core keeps Adam moments in lower precision only in "
-                    "Transformer Engine's FusedAdam, which is not in fp4moe's stack; use fp32")
-        fraction = o.get("offload_fraction", 0.0)
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= float(fraction) <= 1.0:
-            raise ConfigError(f"optimizer.offload_fraction={fraction!r}: a share of the state in [0, 1]")
-        bucket = o.get("bucket_size")
-        if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
-            raise ConfigError(f"optimizer.bucket_size={bucket!r}: a positive element count, or null")
-        s = cls(name, bool(o.distributed), grads, bool(o.cpu_offload), float(fraction),
-                bool(o.overlap_cpu_optimizer_d2h_h2d), bool(o.overlap_grad_reduce), bucket)
-        if (s.precision_aware or s.cpu_offload) and not s.distributed:
-            raise ConfigError(
-                f"optimizer={name}: BF16 main grads and CPU offload are megatron-core's precision-aware optimizer, "
-                "which runs only as its distributed optimizer: set optimizer.distributed=true (or pick "
-                "optimizer=distributed_bf16_grads / offload)")
-        if s.cpu_offload and not s.precision_aware:
-            raise ConfigError(
-                f"optimizer={name}: megatron-core offloads the optimizer only with its precision-aware optimizer; "
-                "set optimizer.main_grads_dtype=bf16 (the lab's setup, optimizer=offload)")
-        if s.overlap_cpu_optimizer_d2h_h2d and not s.cpu_offload:
-            raise ConfigError(f"optimizer={name}: overlap_cpu_optimizer_d2h_h2d needs optimizer.cpu_offload=true")
-        return s
-
-
 # ---------------------------------------------------------------------------------------------- derived
 
 def world_size(cfg: Any) -> int:
@@ -366,21 +215,18 @@ def derived(cfg: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- check
 
-def check(cfg: Any) -> dict[str, Any]:
-    """Raise ``ConfigError`` naming the fix when ``cfg`` cannot run; return ``derived(cfg)`` otherwise."""
+def check(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
+    """Raise ``ConfigError`` naming the fix when ``cfg`` cannot run; return ``derived(cfg)`` otherwise. ``settings``:
+    ``Settings.from_config(cfg)`` where the caller built it already."""
     cfg = _as_cfg(cfg)
-    check_values(cfg)  # types and ranges first: the rules below compute with the values
-    p, m, c = cfg.parallel, cfg.model, cfg.cluster
-    tp, pp, cp, dp, ep = (int(p.tensor), int(p.pipeline), int(p.context), int(p.data), int(p.expert))
-    vpp = int(p.get("virtual_pipeline") or 1)
-    etp = int(p.expert_tensor) if p.get("expert_tensor") is not None else tp
-    for key, v in (("tensor", tp), ("pipeline", pp), ("context", cp), ("data", dp), ("expert", ep),
-                   ("expert_tensor", etp)):
-        if v < 1:
-            raise ConfigError(f"parallel.{key}={v} must be >= 1")
+    s = settings or Settings.from_config(cfg)  # types and ranges first: the rules below compute with the values
+    p, m, c = s.parallel, s.model, s.cluster
+    tp, pp, cp, dp, ep = p.tensor, p.pipeline, p.context, p.data, p.expert
+    vpp = p.virtual_pipeline or 1
+    etp = p.etp
 
     # 1. world size vs cluster
-    world, nodes, gpn = int(p.world_size), int(c.nodes), int(c.gpus_per_node)
+    world, nodes, gpn = p.world_size, c.nodes, c.gpus_per_node
     if world != nodes * gpn:
         fix = f"cluster.nodes={world // gpn}" if world % gpn == 0 else f"a parallel layout for {nodes * gpn} GPUs"
         raise ConfigError(
@@ -395,7 +241,7 @@ def check(cfg: Any) -> dict[str, Any]:
             f"parallel.tensor x pipeline x context x data = {tp} x {pp} x {cp} x {dp} = {tp * pp * cp * dp} != "
             f"parallel.world_size={world}: set {fix}")
     # 3. experts split evenly over EP
-    n_exp = int(m.moe.num_experts)
+    n_exp = m.moe.num_experts
     if n_exp % ep:
         raise ConfigError(
             f"model.moe.num_experts={n_exp} is not divisible by parallel.expert={ep}: every EP rank must hold the "
@@ -407,14 +253,14 @@ def check(cfg: Any) -> dict[str, Any]:
             f"{tp} x {cp} x {dp} = {tp * cp * dp} (megatron-core: world_size % (ETP x EP x PP) == 0, the expert "
             f"grid folds onto the same ranks as the dense one): lower parallel.expert or raise parallel.data")
     # 5. batch
-    micro, gbs = int(p.micro_batch), int(p.global_batch)
-    if micro < 1 or gbs % (micro * dp):
+    micro, gbs = p.micro_batch, p.global_batch
+    if gbs % (micro * dp):
         raise ConfigError(
             f"parallel.global_batch={gbs} is not a multiple of micro_batch x data = {micro} x {dp} = {micro * dp}: "
             f"set parallel.global_batch to a multiple of {micro * dp} (gradient accumulation = the quotient)")
     # 6. pipeline stages
-    layers, n_mtp = int(m.num_layers), int(m.get("mtp_num_layers", 0) or 0)
-    layout = p.get("pipeline_layout")
+    layers, n_mtp = m.num_layers, m.mtp_num_layers
+    layout = p.pipeline_layout
     if layout:
         stages = parse_pipeline_layout(str(layout))
         joined = "".join(stages)
@@ -481,7 +327,7 @@ def check(cfg: Any) -> dict[str, Any]:
     except RecipeError as e:
         raise ConfigError(f"precision: {e}") from e
     # 9. token dispatcher
-    dispatcher = str(p.get("dispatcher") or "alltoall")
+    dispatcher = p.dispatcher
     if dispatcher not in DISPATCHERS:
         why = (" needs DeepEP (megatron-core's 'flex'), which is not in fp4moe's stack" if dispatcher == "flex"
                else " is not a megatron-core dispatcher fp4moe builds")
@@ -491,22 +337,17 @@ def check(cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"precision={recipe.name} brings its own quantized all-to-all, on megatron-core's alltoall "
                           f"dispatcher, but parallel.dispatcher={dispatcher!r}: set parallel.dispatcher=alltoall")
     # 10. optimizer
-    setting = OptimizerSetting.from_config(cfg)
-    if setting.main_grads_dtype == "bf16" and str(_get(cfg, "train.params_dtype", "bf16")) != "bf16":
+    setting = s.optimizer  # its own combinations (OptimizerSetting); lr >= min_lr >= 0: train.adamw's (AdamW)
+    if setting.main_grads_dtype == "bf16" and s.train.params_dtype != "bf16":
         raise ConfigError(f"optimizer={setting.name} keeps BF16 main grads, which megatron-core supports for BF16 "
                           "parameters only: set train.params_dtype=bf16 or pick optimizer=gpu_fp32 / distributed")
-    adamw = _get(cfg, "train.adamw")
-    if adamw is not None:
-        lr, min_lr = float(adamw.lr), float(adamw.min_lr)
-        if not 0.0 <= min_lr <= lr:
-            raise ConfigError(f"train.adamw.min_lr={min_lr} and lr={lr}: need 0 <= min_lr <= lr")
-    if cfg.data.get("name") == "user_corpus" and not cfg.data.get("path"):
+    if s.data.name == "user_corpus" and not s.data.path:
         raise ConfigError("data=user_corpus needs a corpus: export FP4MOE_CORPUS=/path/to/text-or-jsonl-or-prefix "
                           "or pass data.path=...")
     return derived(cfg)
 
 
-__all__ = ["ConfigError", "check", "check_values", "VALUE_RULES",
+__all__ = ["ConfigError", "check", "Settings",
            "OptimizerSetting", "GRAD_DTYPES", "DISPATCHERS", "derived", "param_counts", "parse_pipeline_layout", "world_size",
            "MEGATRON_RECOMPUTE_MODULES", "TE_ONLY_RECOMPUTE_MODULES", "FP4MOE_RECOMPUTE_MODULES",
            "NESTED_IN_SELF_ATTENTION", "nested_in_self_attention"]

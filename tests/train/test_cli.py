@@ -34,14 +34,21 @@ def _run(args, tmp_path, env=None, timeout=120):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.stpes=3", "Key 'stpes' is not in struct"),
-    ("precision=mxfp5", "Could not find 'precision/mxfp5'"),
+    # the schemas' (fp4moe.settings): Hydra refuses these while composing, fp4moe.settings.explain says them in one line
+    ("train.stpes=3", "ConfigError: train.stpes is not a key of the train schema (fp4moe.settings): did you mean "
+                      "train.steps?"),
+    ("+parallel.micro_btach=3", "ConfigError: parallel.micro_btach is not a key of the parallel schema "
+                                "(fp4moe.settings): did you mean parallel.micro_batch?"),
+    ("train.adamw.lr=fast", "ConfigError: train.adamw.lr='fast' is not a number: use a number > 0 (a learning rate)"),
+    ("precision=mxfp5", "Could not find 'precision/mxfp5'; Available options in 'precision': bf16, fp8, mxfp4, "
+                        "mxfp4_mlp_shared"),
     ("parallel.micro_batch=3", "parallel.global_batch=4 is not a multiple of micro_batch x data = 3 x 1 = 3"),
 ])
 def test_config_typos_are_one_message(tmp_path, override, message):
     r = _run(["-m", "fp4moe.train", override], tmp_path)
-    assert r.returncode != 0
+    assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("fp4moe.train: "), r.stderr[-2000:]
     assert "Traceback" not in r.stderr + r.stdout
 
 

@@ -454,8 +454,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         unsafe = _cause(e, UnsafeValue)
         if unsafe is not None:
             print(f"fp4moe.launch: {unsafe}", file=sys.stderr)
-        else:
-            print(f"fp4moe.launch: the config does not compose: {type(e).__name__}: {e}", file=sys.stderr)
+        else:  # a wrong type or a key no schema has (fp4moe.settings) in one line; others as Hydra says them
+            from fp4moe.settings import explain
+
+            said = explain(e) if isinstance(e, (HydraException, OmegaConfBaseException)) else f"{type(e).__name__}: {e}"
+            print(f"fp4moe.launch: the config does not compose: {said}", file=sys.stderr)
         return 2
     n = len(cells) + len(failures)
     for i, cell in enumerate(cells, 1):

@@ -33,6 +33,12 @@ from fp4moe.model.attention import SDPACoreAttention
 from fp4moe.recipe import Recipe
 
 
+
+def _given(value, default):
+    """``value``, or ``default`` where the config leaves it null (a key whose schema's null means "not given")."""
+    return default if value is None else value
+
+
 def _plain(cfg: Any) -> Any:
     if cfg is None:
         return {}
@@ -145,7 +151,8 @@ def transformer_config(model_cfg: Any, parallel_cfg: Any = None, recompute_cfg: 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         mtp_num_layers=int(m.get("mtp_num_layers") or 0) or None,
-        mtp_loss_scaling_factor=float(m.get("mtp_loss_scaling_factor", 0.1)),
+        # null or absent: megatron's default (fp4moe.settings.ABSENT_WHEN_NULL: the schema's null means "not given")
+        mtp_loss_scaling_factor=float(_given(m.get("mtp_loss_scaling_factor"), 0.1)),
         # MLA
         multi_latent_attention=True,
         q_lora_rank=mla.get("q_lora_rank"),
@@ -164,12 +171,12 @@ def transformer_config(model_cfg: Any, parallel_cfg: Any = None, recompute_cfg: 
         moe_shared_expert_intermediate_size=shared or None,
         moe_router_topk=int(moe["router_topk"]),
         moe_router_score_function=str(moe.get("score_function", "softmax")),
-        moe_router_pre_softmax=bool(moe.get("pre_softmax", False)),  # softmax before the top-k (DeepSeek-V2's)
+        moe_router_pre_softmax=bool(_given(moe.get("pre_softmax"), False)),  # softmax before the top-k (DeepSeek-V2's)
         moe_router_topk_scaling_factor=moe.get("topk_scaling_factor"),
         moe_router_num_groups=moe.get("num_groups"),
         moe_router_group_topk=moe.get("group_topk"),
         moe_router_enable_expert_bias=bool(moe.get("expert_bias", False)),
-        moe_router_bias_update_rate=float(moe.get("bias_update_rate", 1e-3)),
+        moe_router_bias_update_rate=float(_given(moe.get("bias_update_rate"), 1e-3)),
         moe_router_load_balancing_type=str(moe.get("load_balancing_type", "aux_loss")),
         moe_aux_loss_coeff=float(moe.get("aux_loss_coeff", 0.0)),
         moe_router_dtype=moe.get("router_dtype"),

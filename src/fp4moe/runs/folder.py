@@ -17,7 +17,7 @@ The kernel switches are part of it (``kernels.*``, each defaulting to its ``FP4M
 counts by its value): an A/B of a switch is two runs in two folders. An explicit ``hydra.run.dir=...`` wins over the
 default. Multirun cells keep their own folders (``hydra.sweep``).
 
-No torch, no Hydra; OmegaConf only.
+No torch, no Hydra; OmegaConf (and fp4moe.settings' key list) only.
 """
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ import hashlib
 import json
 import re
 from typing import Any
+
+# ABSENT_WHEN_NULL: keys the config groups' schemas add with a null that means "not given", left out of the identity
+# while null; WHOLE_WHEN_INTEGRAL: counts the schemas type as float (a token budget may be 3.0e11), written as the
+# integer they equal. Both so that a config spelled before the schemas existed keeps its folder.
+from fp4moe.settings import ABSENT_WHEN_NULL, WHOLE_WHEN_INTEGRAL
 
 # The keys of the composed config that do not change what a run trains or reports, each with why: the run folder's
 # identity leaves them out, so changing one continues the same run. Everything else is part of the identity.
@@ -63,13 +68,21 @@ def identity(cfg: Any) -> dict[str, Any]:
             continue
         node = cfg[key]
         out[str(key)] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-    for dotted in EXCLUDED:
+    for dotted in (*EXCLUDED, *ABSENT_WHEN_NULL):
         *parents, leaf = dotted.split(".")
         holder: Any = out
         for p in parents:
             holder = holder.get(p) if isinstance(holder, dict) else None
-        if parents and isinstance(holder, dict):
+        if parents and isinstance(holder, dict) and (dotted in EXCLUDED or holder.get(leaf, 0) is None):
             holder.pop(leaf, None)
+    for dotted in WHOLE_WHEN_INTEGRAL:
+        *parents, leaf = dotted.split(".")
+        holder = out
+        for p in parents:
+            holder = holder.get(p) if isinstance(holder, dict) else None
+        v = holder.get(leaf) if isinstance(holder, dict) else None
+        if isinstance(v, float) and v.is_integer():
+            holder[leaf] = int(v)
     return out
 
 

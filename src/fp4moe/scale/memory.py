@@ -231,6 +231,7 @@ from fp4moe_kernels.sizes import pad_to_group as _pad128
 
 from ..paths import conf_dir
 from ..recipe import Recipe
+from ..settings import SCHEMAS
 from . import outside_torch, optimizer_state
 
 GB = 2**30  # bytes per "GB" in this module (GiB)
@@ -387,7 +388,8 @@ def _group_container(conf: Any, group: str, name: str) -> dict:
         names = ", ".join(sorted(p.stem for p in (conf / group).glob("*.yaml")))
         raise ValueError(f"{group}={name}: no conf/{group}/{name}.yaml; pick one of {names}")
     node = OmegaConf.load(path)
-    bases = [d for d in node.pop("defaults", []) if d != "_self_"]
+    # the group's schema (fp4moe.settings, a ConfigStore node, not a file) is Hydra's: its types are not needed here
+    bases = [d for d in node.pop("defaults", []) if d != "_self_" and d not in SCHEMAS.get(group, {})]
     if bases:
         node = OmegaConf.merge(*(_load_group(group, b) for b in bases), node)
     return OmegaConf.to_container(node, resolve=False)

@@ -109,8 +109,44 @@ def _resume_hint(cfg: DictConfig, out: str | None, refind: str | None) -> str:
     return "to resume: " + shlex.join([interpreter, *script, *args, *([extra] if extra else [])])
 
 
+def one_line_config_errors() -> None:
+    """Make a config Hydra cannot compose (a value of the wrong type, a key no schema of fp4moe.settings has) end the
+    process like every other bad input: one line naming the key and the fix, exit 2, no traceback, no MLflow run
+    (fp4moe.settings.explain; a missing config file keeps Hydra's list of the options, on the same line).
+
+    Hydra (1.3.8, pinned) prints a composition error as two or three lines and exits 1 inside
+    ``hydra._internal.utils.run_and_report``, before the task function runs, so this wraps that function; any other
+    error keeps Hydra's own report."""
+    from hydra._internal import utils as hydra_utils
+    from hydra.errors import ConfigCompositionException
+
+    from fp4moe.settings import explain
+
+    report = hydra_utils.run_and_report
+    if getattr(report, "fp4moe_one_line", False):
+        return
+
+    def run_and_report(func):
+        def composed():
+            try:
+                return func()
+            except ConfigCompositionException as e:
+                print(f"fp4moe.train: ConfigError: {explain(e)}", file=sys.stderr)
+                sys.exit(EXIT_CONFIG)
+        return report(composed)
+
+    run_and_report.fp4moe_one_line = True
+    hydra_utils.run_and_report = run_and_report
+
+
+def main(*args, **kwargs):
+    """``python -m fp4moe.train [overrides]``: Hydra's app (:func:`task`), its composition errors in one line."""
+    one_line_config_errors()
+    return task(*args, **kwargs)
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> dict | None:
+def task(cfg: DictConfig) -> dict | None:
     """Train; returns a short result (in a multirun it reaches the launcher, e.g. through submitit)."""
     # A crash inside a C extension (segmentation fault, abort) otherwise ends the process with no word in its log and
     # its MLflow run left RUNNING: print every thread's Python stack to stderr first.

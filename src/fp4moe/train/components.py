@@ -20,9 +20,9 @@ from fp4moe.train.dist import barrier
 class Components:
     """The built run: ``model`` (megatron-core GPTModel, this rank's stages and experts), ``ddp`` (megatron's
     DistributedDataParallel around it), ``opt`` / ``sched`` (megatron's optimizer and OptimizerParamScheduler),
-    ``setting`` (fp4moe.config.OptimizerSetting), ``mcfg`` (the model's TransformerConfig), the token datasets and
+    ``setting`` (fp4moe.settings.OptimizerSetting, = ``settings.optimizer``), ``mcfg`` (the model's TransformerConfig), the token datasets and
     their ``dinfo`` (tokenizer, token counts, dataset prefix), the ``meter`` (tokens/GPU/s, peak memory) and the
-    ``profiler`` (train.profile)."""
+    ``profiler`` (train.profile); ``settings``: the run's typed config (fp4moe.settings.Settings)."""
     model: Any
     ddp: Any
     opt: Any
@@ -34,6 +34,7 @@ class Components:
     dinfo: dict[str, Any]
     meter: Any
     profiler: Any
+    settings: Any = None
 
 
 def seed_everything(seed: int) -> None:
@@ -48,7 +49,7 @@ def seed_everything(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def build_data(cfg: Any, info: Any):
+def build_data(cfg: Any, info: Any, settings: Any = None):
     """The train and valid token datasets and their info. Rank 0 builds first (tokenizer, indexed dataset,
     caches), the others then read what it wrote. ConfigError for a tokenizer larger than the model's vocabulary,
     an empty split, or samples of the wrong length."""
@@ -58,7 +59,11 @@ def build_data(cfg: Any, info: Any):
     if info.rank != 0:
         out = data_mod.build_token_datasets(cfg)
     train_ds, valid_ds, dinfo = out
-    seq, vocab = int(cfg.parallel.seq_length), int(cfg.model.vocab_size)
+    if settings is None:
+        from fp4moe.settings import Settings
+
+        settings = Settings.from_config(cfg)
+    seq, vocab = settings.parallel.seq_length, settings.model.vocab_size
     if int(dinfo["vocab_size"]) > vocab:
         raise ConfigError(f"the tokenizer has {dinfo['vocab_size']} tokens but model.vocab_size={vocab}: raise "
                           "model.vocab_size or use a smaller tokenizer")
@@ -72,52 +77,51 @@ def build_data(cfg: Any, info: Any):
     return train_ds, valid_ds, dinfo
 
 
-def build(cfg: Any, derived: dict[str, Any], info: Any, output_dir: Any) -> Components:
-    """Seeds, data, model (``train.params_dtype``, layout-invariant initial weights), DDP, optimizer, scheduler,
+def build(cfg: Any, derived: dict[str, Any], info: Any, output_dir: Any, settings: Any = None) -> Components:
+    """``settings``: the run's fp4moe.settings.Settings (built from ``cfg`` when None). Seeds, data, model (``train.params_dtype``, layout-invariant initial weights), DDP, optimizer, scheduler,
     meter and profiler for this rank. On CUDA first frees what an earlier run of this process left cached (a local
     multirun runs its cells in one process), so that each run's peak memory is its own."""
     import torch
 
-    from fp4moe.config import OptimizerSetting
+    from fp4moe.settings import Settings
     from fp4moe.model.build import build_gpt_model, to_bf16_params
     from fp4moe.train import optim
     from fp4moe.train.metrics import Meter
     from fp4moe.train.profile import StepProfiler
 
-    t = cfg.train
+    settings = settings or Settings.from_config(cfg)
+    t = settings.train
     device = info.device
     if device.type == "cuda":
         import gc
 
         gc.collect()
         torch.cuda.empty_cache()
-    seed_everything(int(t.seed))
-    train_ds, valid_ds, dinfo = build_data(cfg, info)
+    seed_everything(t.seed)
+    train_ds, valid_ds, dinfo = build_data(cfg, info, settings)
 
     profiler = StepProfiler(cfg, output_dir, device, info.rank)
     profiler.start_memory_history()  # train.profile.memory: every allocation from here on gets its site
-    dtype = torch.bfloat16 if str(t.get("params_dtype", "bf16")) == "bf16" else torch.float32
+    dtype = torch.bfloat16 if t.params_dtype == "bf16" else torch.float32
     model = build_gpt_model(cfg, params_dtype=dtype).to(device)
-    if bool(t.get("layout_invariant_init", True)):  # megatron's draws depend on the EP/PP layout (fp4moe.model.init)
+    if t.layout_invariant_init:  # megatron's draws depend on the EP/PP layout (fp4moe.model.init)
         from fp4moe.model.init import reinit_layout_invariant
 
-        reinit_layout_invariant(model, int(t.seed))
-        seed_everything(int(t.seed))  # and the RNG state after the build is the same for every layout too
+        reinit_layout_invariant(model, t.seed)
+        seed_everything(t.seed)  # and the RNG state after the build is the same for every layout too
     if dtype == torch.bfloat16:
         to_bf16_params(model)  # as megatron-core's Float16Module, router expert-bias state kept fp32
     mcfg = model.config
-    setting = OptimizerSetting.from_config(cfg)
+    setting = settings.optimizer
     ddp = optim.wrap_model(model, setting)  # megatron-core's DDP: gradient buffers (and parameter buffers)
     opt = optim.build_optimizer(ddp, setting, t.adamw)
     sched = optim.build_scheduler(opt, t, derived)
     if setting.overlap_grad_reduce:  # as megatron-lm: only the last micro-batch's backward starts the reduction
         mcfg.no_sync_func = ddp.no_sync
 
-    measure = t.get("measure") or {}
-    meter = Meter(int(derived["tokens_per_step"]), info.world_size, int(measure.get("warmup_steps") or 0),
-                  None if measure.get("steps") is None else int(measure["steps"]), device)
+    meter = Meter(int(derived["tokens_per_step"]), info.world_size, t.measure.warmup_steps, t.measure.steps, device)
     return Components(model=model, ddp=ddp, opt=opt, sched=sched, setting=setting, mcfg=mcfg, train_ds=train_ds,
-                      valid_ds=valid_ds, dinfo=dinfo, meter=meter, profiler=profiler)
+                      valid_ds=valid_ds, dinfo=dinfo, meter=meter, profiler=profiler, settings=settings)
 
 
 __all__ = ["Components", "build", "build_data", "seed_everything"]

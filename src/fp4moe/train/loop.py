@@ -48,13 +48,13 @@ from omegaconf import OmegaConf
 from fp4moe.launch import slurm
 from fp4moe.tracking import mlflow_store
 from fp4moe.config import ConfigError, check
+from fp4moe.settings import PARAMS_DTYPES, Settings
 from fp4moe.train import resume
 from fp4moe.train.dist import check_supported, init_distributed, init_model_parallel, teardown, warm_up_communicators
 from fp4moe.train.host_env import apply_cluster_env, cluster_env
 
 log = logging.getLogger("fp4moe.train")
 
-PARAMS_DTYPES = ("bf16", "fp32")
 
 
 @dataclass
@@ -84,32 +84,31 @@ def is_oom(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and any(m in str(e) for m in _OOM_MESSAGES))
 
 
-def preflight(cfg: Any) -> dict[str, Any]:
+def preflight(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
     """Everything that can be refused without torch.distributed: ``fp4moe.config.check`` (every value's type and
-    range first, ``fp4moe.config.check_values``), the trainer's limits, the hook factories of ``train.hooks``
-    (imported and checked against their keywords, not called: fp4moe.train.hooks.configured), the switches
+    range first: ``settings``, the run's fp4moe.settings.Settings, built here when not given), the trainer's
+    limits, the hook factories of ``train.hooks`` (imported and checked against their keywords, not called: fp4moe.train.hooks.configured), the switches
     (``kernels.*`` and their ``FP4MOE_*`` variables, ``FP4MOE_TRACKING_THREAD``), the MLflow store, and megatron-core's
     ``MLATransformerConfig`` as fp4moe.model builds it. Returns ``derived(cfg)``; raises ConfigError / RecipeError /
     TrackingUnavailable."""
-    derived = check(cfg)
+    s = settings or Settings.from_config(cfg)
+    derived = check(cfg, s)
     check_supported(cfg)
     cluster_env(cfg)  # a thread count that is not a positive integer
-    dtype = str(OmegaConf.select(cfg, "train.params_dtype", default="bf16"))
-    if dtype not in PARAMS_DTYPES:
-        raise ConfigError(f"train.params_dtype={dtype!r}: pick one of {', '.join(PARAMS_DTYPES)}")
-    seq, max_pos = int(cfg.parallel.seq_length), int(cfg.model.max_position_embeddings)
+    dtype = s.train.params_dtype  # one of PARAMS_DTYPES (fp4moe.settings.Train)
+    seq, max_pos = s.parallel.seq_length, s.model.max_position_embeddings
     if seq > max_pos:
         raise ConfigError(f"parallel.seq_length={seq} > model.max_position_embeddings={max_pos}: shorten the "
                           "sequence or raise model.max_position_embeddings")
     from fp4moe.train.optim import check_schedule
 
-    check_schedule(cfg.train)  # the optimizer group and train.adamw were checked by check()
+    check_schedule(s.train)  # the optimizer group and train.adamw were checked by Settings
     from fp4moe.train.checkpoint import format_of
 
     format_of(cfg)
     from fp4moe.train.profile import profile_window
 
-    profile_window(OmegaConf.select(cfg, "train.profile.steps", default=None))  # ConfigError for a bad window
+    profile_window(s.train.profile.steps)  # ConfigError for a bad window
     from fp4moe.train import hooks
 
     hooks.configured(cfg)  # a hook factory that cannot be imported or called with its keywords
@@ -156,7 +155,8 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
     # where each rank was when a stop signal came: all threads' stacks, in the run's folder
     stacks = None if output_dir is None else Path(output_dir) / f"signal_stacks_rank{slurm.rank()}.txt"
     with slurm.Preemption(stacks_file=stacks) as preempt:
-        derived = preflight(cfg)
+        settings = Settings.from_config(cfg)  # the typed config, once; the groups' raw nodes stay for the model
+        derived = preflight(cfg, settings)
         from fp4moe.train import hooks
 
         extra = [hooks.caller(after_step)] if after_step is not None else []
@@ -175,7 +175,7 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
             warm_up_communicators(info)  # before the model fills the GPU: NCCL allocates outside torch's allocator
             # the config's kernel switches (kernels.*) for every op of this run, whatever the environment says later
             with use_kernel_switches(kernel_switches(OmegaConf.select(cfg, "kernels", default=None))):
-                result = _run(cfg, derived, info, multirun_cell, output_dir, extra, preempt,
+                result = _run(cfg, settings, derived, info, multirun_cell, output_dir, extra, preempt,
                               resume_hint or "to resume, rerun the same command")
         finally:
             teardown(info)
@@ -184,7 +184,7 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
     return result
 
 
-def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
+def _run(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
          extra: list[Any], stop: slurm.Preemption, resume_hint: str) -> TrainResult:
     import torch
 
@@ -199,10 +199,10 @@ def _run(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None
 
     # fp4moe's patches of megatron-core and torch (no TE; CPU / gloo) are held for the run and undone after it
     with cpu_shims.active(), ctx, resume.claim(ckpt.run_dir(cfg, multirun_cell, output_dir), info) as claim:
-        return _loop(cfg, derived, info, multirun_cell, output_dir, extra, stop, resume_hint, claim)
+        return _loop(cfg, settings, derived, info, multirun_cell, output_dir, extra, stop, resume_hint, claim)
 
 
-def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
+def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, multirun_cell: str | None, output_dir: Any,
           extra: list[Any], stop: slurm.Preemption, resume_hint: str, claim: Any) -> TrainResult:
     """The run's phases: where it starts (a finished run stops here), build, resume, the MLflow run, the steps
     with their after-step hooks (``extra``: the caller's and those of ``train.hooks``, after the profiler's and
@@ -215,12 +215,12 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     from fp4moe.train.step import Stepper
     from fp4moe.train.summary import summarize, write_summary_json
 
-    t = cfg.train
+    t = settings.train
     total_steps = int(derived["steps"])
     # ---- where it starts (before data and model): which checkpoint; a finished run stops here
     root = ckpt.run_dir(cfg, multirun_cell, output_dir)
     fp = ckpt.fingerprint(cfg)
-    found = resume.candidates(root, info, resume=bool(t.get("resume", True)))
+    found = resume.candidates(root, info, resume=t.resume)
     if found:
         folder, meta = found[0]
         ckpt.check_compatible(folder, meta, world_size=info.world_size, fingerprint_=fp)
@@ -234,7 +234,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
                                step=int(meta["step"]), total_steps=total_steps, checkpoint=folder,
                                already_finished=True)
     # ---- build, then resume: the newest checkpoint whose files every rank can read
-    parts = components.build(cfg, derived, info, output_dir)
+    parts = components.build(cfg, derived, info, output_dir, settings)
     start = resume.load_newest(root, found, info, parts, fp)
 
     # ---- MLflow (rank 0): a store that fails mid-run does not stop the training, what it could not take waits in
@@ -253,7 +253,7 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
     stepper = Stepper(cfg, derived, parts, info.device)
     step, consumed = start.step, start.consumed
     ckpt_format = ckpt.format_of(cfg)
-    keep = int(t.get("keep_checkpoints") or 2)
+    keep = t.keep_checkpoints
 
     def save() -> Path:
         tracker.flush()  # every logged step up to the checkpoint's is in the store (or the pending file) before
@@ -264,21 +264,21 @@ def _loop(cfg: Any, derived: dict[str, Any], info: Any, multirun_cell: str | Non
 
     state = hooks.LoopState(step=step, total_steps=total_steps, save=save, eval_losses=result.eval_losses)
     bar = None
-    if info.is_main and bool(t.get("progress_bar", True)):
+    if info.is_main and t.progress_bar:
         from tqdm import tqdm
 
         bar = tqdm(total=total_steps, initial=step, desc=f"train {record.recipe}", unit="step", dynamic_ncols=True)
-    eval_every = t.get("eval_interval")
-    after = [hooks.evaluation(eval_every, stepper.evaluate), hooks.mlflow_log(tracker, int(t.get("log_interval") or 1))]
+    eval_every = t.eval_interval
+    after = [hooks.evaluation(eval_every, stepper.evaluate), hooks.mlflow_log(tracker, t.log_interval or 1)]
     after += [hooks.progress_bar(bar, int(derived["tokens_per_step"]))] if bar is not None else []
     after += [hooks.profiler_window(parts.profiler, tracker, info.is_main)]
     after += extra
-    after += [hooks.periodic_checkpoint(t.get("checkpoint_interval")),
+    after += [hooks.periodic_checkpoint(t.checkpoint_interval),
               hooks.stop_signals(stop, info.device, resume_hint)]
     status = "FAILED"
     # FP8 copies of the weights once per optimizer step (fp4moe/ops/weight_cache.py), registered after the DDP wrap
     # (megatron's buffers hold the parameters now); dropped after each optimizer step
-    if bool(t.get("fp8_weight_cache", False)):
+    if t.fp8_weight_cache:
         wcache.enable(stepper.params)
     try:
         parts.model.train()

