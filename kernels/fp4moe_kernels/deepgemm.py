@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from .constants import FP8_GROUP
 from .formats import FormatError, FP8RowTensor, Segments
 
 ALIGN = 128  # rows per block of DeepGEMM's m-grouped contiguous layout (get_mk_alignment_for_contiguous_layout)
@@ -119,19 +120,41 @@ def row_aligned(seg: Segments) -> bool:
     return all(c % ALIGN == 0 for c in seg.counts)
 
 
+@functools.lru_cache(maxsize=4)
 def expert_of_rows(seg: Segments, device: torch.device) -> torch.Tensor:
-    """m_indices int32 ``[M]``: each row's expert (DeepGEMM's grouped layout), built on ``device``."""
+    """m_indices int32 ``[M]``: each row's expert (DeepGEMM's grouped layout), built on ``device``. Cached for the
+    last few segmentations: one micro-batch's fc1 / fc2 fprop and dgrad share one."""
     counts = torch.tensor(seg.counts, dtype=torch.int64, device=device)
     return torch.repeat_interleave(torch.arange(seg.num, dtype=torch.int32, device=device), counts,
                                    output_size=seg.total)
 
 
+@functools.lru_cache(maxsize=4)
+def _scale_chunks(seg: Segments, groups: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[groups * M/128]``: for the MN-major scale matrix ``[groups, M]`` read as 128-float chunks, chunk
+    ``(kb, t)`` (k-block kb, row tile t of 128 rows) is chunk ``groups * T0_e + kb * n_e + (t - T0_e)`` of the
+    segment-major scales, where tile t lies in expert e, which starts at tile T0_e and has n_e tiles (row-aligned
+    segments: no tile spans two experts). Built with a few device ops whatever the expert count."""
+    n = torch.tensor([c // ALIGN for c in seg.counts], dtype=torch.int64, device=device)
+    t0 = torch.cumsum(n, 0) - n
+    tiles = seg.total // ALIGN
+    e = torch.repeat_interleave(torch.arange(seg.num, device=device), n, output_size=tiles)
+    t = torch.arange(tiles, device=device)
+    first = (groups - 1) * t0[e] + t                    # = groups * T0_e + (t - T0_e)
+    kb = torch.arange(groups, device=device)[:, None]
+    return (first[None, :] + kb * n[e][None, :]).reshape(-1)
+
+
 def mn_major_scales(a: FP8RowTensor) -> torch.Tensor:
     """fp4moe's segment-major row scales (segment e's ``[K/128, m_e]`` block after segment e-1's, as
-    ``FP8RowTensor.segment`` reads them) as one ``[K/128, M]`` matrix, DeepGEMM's SM90 (MN-major) scale layout: one
-    concatenation of the segments' blocks on the scales' device (no index tensor: at 4M rows one would be hundreds
-    of MB)."""
-    return torch.cat([a.segment(e)[1].t() for e in range(a.segments.num)], dim=1)
+    ``FP8RowTensor.segment`` reads them) as one ``[K/128, M]`` matrix, DeepGEMM's SM90 (MN-major) scale layout. On
+    row-aligned segments one gather of 128-float chunks (:func:`_scale_chunks`, an index of ``K/128 * M/128``
+    entries: 15 MB at 4M rows and K 7168), else a concatenation of the segments' blocks."""
+    seg, groups = a.segments, a.data.shape[1] // FP8_GROUP
+    if not row_aligned(seg):
+        return torch.cat([a.segment(e)[1].t() for e in range(seg.num)], dim=1)
+    chunks = a.scales.view(-1, ALIGN).index_select(0, _scale_chunks(seg, groups, a.scales.device))
+    return chunks.view(groups, seg.total)
 
 
 def m_grouped_rows(a: FP8RowTensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:

@@ -61,6 +61,20 @@ def test_scale_layout_gathers_segment_major_scales_into_one_mn_major_matrix():
     assert torch.equal(deepgemm.mn_major_scales(row), row.scale_matrix().t())
 
 
+@pytest.mark.parametrize("counts", [(128,), (0, 384, 0, 128, 256), (512, 128, 0), (0, 0, 128)])
+@pytest.mark.parametrize("k", [128, 384, 896])
+def test_scale_layout_by_chunk_gather_equals_the_dense_scale_matrix(counts, k):
+    """The row-aligned path (one gather of 128-float chunks) against the dense scale matrix transposed, with empty
+    experts first, between and last and K/128 from 1 to 7; unaligned rows take the concatenation, also equal."""
+    seg = Segments(counts)
+    x = torch.randn(seg.total, k) * torch.rand(seg.total, 1) * 100
+    row = kops.bf16_to_fp8_row(x.to(torch.bfloat16), seg)
+    assert torch.equal(deepgemm.mn_major_scales(row), row.scale_matrix().t())
+    ragged = Segments(tuple(max(c - 3, 0) for c in counts))
+    row = kops.bf16_to_fp8_row(x[: ragged.total].to(torch.bfloat16), ragged)
+    assert torch.equal(deepgemm.mn_major_scales(row), row.scale_matrix().t())
+
+
 def test_the_switch_takes_deepgemm_and_cpu_runs_the_loop():
     from fp4moe.ops.grouped_experts import gemm_backend, gemm_row_align
     from fp4moe.recipe import Recipe
