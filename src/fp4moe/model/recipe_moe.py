@@ -53,9 +53,11 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from ..moe.dispatch import (as_int_list, combine_rows, dispatch_probs, dispatch_rows, local_expert_permutation,
-                            permutation_from_routing_map, permute_tokens, reorder_rows, unpermute_tokens)
+                            pad_probs, permutation_from_routing_map, permute_tokens, reorder_rows, row_padding,
+                            unpermute_tokens)
 from ..moe.experts import routed_experts, shared_expert
 from ..ops.all_to_all import A2AStats, DispatchedMXFP4, dispatch_quantize_mode
+from ..ops.grouped_experts import gemm_row_align
 from ..recipe import Recipe
 
 # ------------------------------------------------------------------------------------------ dispatcher
@@ -72,7 +74,17 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     ``combine_preprocess`` sort the rows by local expert and back with ``reorder_rows`` through
     ``local_expert_permutation`` (megatron's ``sort_chunks_by_idxs`` only takes tensors), skipped where that is the
     identity (``skip_permutation_2``: one source rank). megatron's own code where a token may have other than k
-    rows, and for drop/pad and permute fusion."""
+    rows, and for drop/pad and permute fusion.
+
+    Rows padded for the expert GEMMs (``fp4moe.moe.dispatch``, "Rows padded for the expert GEMMs"): when the experts'
+    GEMMs want every expert's rows a multiple of ``row_align`` (None, the default: the GEMM backend's,
+    ``gemm_row_align``; 128 under DeepGEMM) and the rows are BF16 (no ``dispatch_fp4``), the gather before the
+    experts writes them padded (zero rows, probability 0): permutation 1 when EP = 1 and permutation 2 does not run,
+    else permutation 2 when it runs; ``dispatch_postprocess`` returns the padded counts as ``tokens_per_expert``
+    and the padded rows, and ``combine_preprocess`` / ``combine_postprocess`` take the padded expert output back
+    through the inverse gather. ``pad_in_dispatch = False`` leaves the padding to the experts (a copy each way, the
+    same bits). megatron's MoELayer hands ``tokens_per_expert`` to the experts only (the router's aux losses count
+    the routing map themselves)."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None, *, recipe: Recipe):
         super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
@@ -91,6 +103,20 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         # routed rows this rank's tokens sent and its local experts received (fp4moe.model.build.a2a_stats): their
         # ratio is the routing's imbalance on this GPU. From shapes, no device sync; a recomputed forward counts again
         self.fp4moe_rows = {"sent": 0, "received": 0}
+        # the expert GEMMs' row alignment (None: the backend's) and whether the dispatch's gathers pad to it
+        self.row_align = None
+        self.pad_in_dispatch = True
+        self._fp4moe_pad1 = self._fp4moe_pad2 = None  # the RowPadding of permutation 1 / 2 in this forward
+
+    def _row_padding(self, counts, device):
+        """The padding of BF16 rows grouped by local expert (``counts``) for the expert GEMMs, or None."""
+        if not self.pad_in_dispatch or self.recipe.dispatch_fp4:
+            return None
+        align = gemm_row_align(device, self.recipe) if self.row_align is None else int(self.row_align)
+        return row_padding(counts, align, device)
+
+    def _runs_permutation_2(self) -> bool:
+        return self.num_local_experts > 1 and not self.skip_permutation_2
 
     def _megatron_permutation_1(self) -> bool:
         """Whether megatron's own permutation 1 runs (drop/pad, padding for quantization, permute fusion)."""
@@ -111,7 +137,7 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """megatron's ``dispatch_preprocess`` with permutation 1 as ``permute_tokens`` (same rows, same probs, same
         ``reversed_local_input_permutation_mapping``; under dispatch_fp4 the tokens quantized once and their MXFP4
         rows gathered); megatron's own where a token may have other than k rows."""
-        self._fp4moe_perm = None
+        self._fp4moe_perm = self._fp4moe_pad1 = self._fp4moe_pad2 = None
         if self._megatron_permutation_1():
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
         self.hidden_shape = hidden_states.shape
@@ -127,12 +153,18 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.reversed_local_input_permutation_mapping = sorted_indices
         if perm is None:  # not exactly k rows per token: megatron's index_add_ path
             return hidden_states.index_select(0, sorted_indices), permuted_probs
+        if self.ep_size == 1 and not self._runs_permutation_2():  # the gather before the experts: pad there
+            # tokens_per_expert: the local experts' counts (EP = TP = 1); permutation_from_routing_map synced already
+            rp = self._row_padding(as_int_list(self.tokens_per_expert), hidden_states.device)
+            if rp is not None:
+                self._fp4moe_pad1 = rp
+                perm, permuted_probs = perm.padded(rp), pad_probs(permuted_probs, rp)
         self._fp4moe_perm = perm
         return permute_tokens(hidden_states, perm, self.recipe, self.quantize_tokens), permuted_probs
 
     def combine_postprocess(self, permutated_local_input_tokens):
         """megatron's ``combine_postprocess`` with the inverse of permutation 1 as ``unpermute_tokens``."""
-        perm, self._fp4moe_perm = getattr(self, "_fp4moe_perm", None), None
+        perm, self._fp4moe_perm, self._fp4moe_pad1 = getattr(self, "_fp4moe_perm", None), None, None
         if perm is None:
             return super().combine_postprocess(permutated_local_input_tokens)
         if self.shared_experts is not None:
@@ -151,8 +183,9 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         ins, outs = self._ep_splits(permutated_local_input_tokens.shape[0])
         tokens = dispatch_rows(permutated_local_input_tokens, ins, outs, self.ep_group, self.recipe,
                                self.dispatch_stats)
-        self.fp4moe_rows["sent"] += int(permutated_local_input_tokens.shape[0])
-        self.fp4moe_rows["received"] += int(tokens.shape[0])
+        padding = 0 if self._fp4moe_pad1 is None else int(self._fp4moe_pad1.pad.numel())  # count the routed rows
+        self.fp4moe_rows["sent"] += int(permutated_local_input_tokens.shape[0]) - padding
+        self.fp4moe_rows["received"] += int(tokens.shape[0]) - padding
         return tokens, dispatch_probs(permuted_probs, ins, outs, self.ep_group, self.ep_size)
 
     def _local_expert_perm(self, rows: int, device, restore: bool = False) -> torch.Tensor:
@@ -173,22 +206,29 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if not mx and self.shared_experts is not None:  # megatron's overlapped shared expert, as in its own
             self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
-        if self.num_local_experts > 1 and not self.skip_permutation_2:
+        if self._runs_permutation_2():
             perm = self._local_expert_perm(global_probs.shape[0], global_probs.device)
-            global_input_tokens = reorder_rows(global_input_tokens, perm)
-            global_probs = reorder_rows(global_probs, perm)
+            rp = None if mx else self._row_padding(as_int_list(self.tokens_per_expert), global_probs.device)
+            global_input_tokens = reorder_rows(global_input_tokens, perm, pad=rp)
+            global_probs = reorder_rows(global_probs, perm, pad=rp)
+            self._fp4moe_pad2 = rp
         tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish", self.tokens_per_expert)
         self.tokens_per_expert = None
+        rp = self._fp4moe_pad1 if self._fp4moe_pad1 is not None else self._fp4moe_pad2
+        if rp is not None:  # the experts' counts are the padded ones
+            tokens_per_expert = torch.tensor(rp.padded.counts, dtype=torch.int64,
+                                             device=getattr(tokens_per_expert, "device", "cpu"))
         return global_input_tokens, tokens_per_expert, global_probs
 
     def combine_preprocess(self, hidden_states):
         """megatron's un-permutation 2 as ``reorder_rows``, skipped with permutation 2 (``skip_permutation_2``)."""
         if self._megatron_permutation_2():
             return super().combine_preprocess(hidden_states)
-        if self.num_local_experts == 1 or self.skip_permutation_2:
-            return hidden_states
-        return reorder_rows(hidden_states, self._local_expert_perm(hidden_states.shape[0], hidden_states.device,
-                                                                   restore=True))
+        if not self._runs_permutation_2():
+            return hidden_states  # padded as permutation 1 wrote them, if it did: combine_postprocess reads them so
+        rp, self._fp4moe_pad2 = self._fp4moe_pad2, None
+        rows = hidden_states.shape[0] if rp is None else int(rp.dst.numel())
+        return reorder_rows(hidden_states, self._local_expert_perm(rows, hidden_states.device, restore=True), unpad=rp)
 
     def token_combine(self, hidden_states, async_finish: bool = True, allocate_on_comm_stream: bool = True):
         """Expert outputs ``[R, H]`` back to the token owners (``combine_rows``): BF16 forward, ``recipe.backward_a2a``
@@ -298,7 +338,9 @@ class RecipeGroupedMLP(SequentialMLP):
 
     forward(x ``[R, H]`` tensor or ``DispatchedMXFP4``, tokens_per_expert ``[E_local]`` int, probs ``[R]``)
     -> (``[R, H]`` bf16, None). ``recompute=True``: the experts' recompute (``_ExpertRecompute``; cache stored
-    MXFP4 under the mxfp4 recipe; the forward is unchanged; under ``torch.no_grad`` the plain forward)."""
+    MXFP4 under the mxfp4 recipe; the forward is unchanged; under ``torch.no_grad`` the plain forward).
+    ``row_align`` (attribute, None: the GEMM backend's): ``grouped_expert_mlp``'s; the dispatcher's padded rows
+    (``QuantizedAlltoAllTokenDispatcher.row_align``, the same value) come with counts it need not pad."""
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None, *, recipe: Recipe,
                  recompute: bool = False):
@@ -307,6 +349,7 @@ class RecipeGroupedMLP(SequentialMLP):
             raise ValueError("RecipeGroupedMLP needs SwiGLU experts without biases")
         self.recipe = recipe
         self.recompute = recompute
+        self.row_align = None
 
     def grouped_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(the E fc1 weights ``[2F, H]``, the E fc2 weights ``[H, F]``) of the local experts, in expert order:
@@ -316,7 +359,7 @@ class RecipeGroupedMLP(SequentialMLP):
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         w1, w2 = self.grouped_weights()
         y = routed_experts(permuted_local_hidden_states, as_int_list(tokens_per_expert), w1, w2,
-                           permuted_probs.float(), self.recipe, self.recompute)
+                           permuted_probs.float(), self.recipe, self.recompute, row_align=self.row_align)
         return y, None
 
 

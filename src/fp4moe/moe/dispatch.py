@@ -19,6 +19,18 @@ tokens are quantized once and their MXFP4 rows gathered (``quantize_gather_rows`
 routed rows, which ``FP4MOE_DISPATCH_QUANTIZE=rows`` does instead). Permutation 2 and its inverse are gathers through
 index tensors built on the device from the W*El chunk sizes (:func:`local_expert_permutation`).
 
+Rows padded for the expert GEMMs: where the GEMM backend wants every expert's rows a multiple of an alignment
+(``gemm_row_align``: 128 under ``kernels.grouped_gemm=deepgemm``), the gather right before the experts writes BF16
+rows straight into that padded layout (zero rows, probability 0: :func:`row_padding`, :meth:`TokenPermutation.padded`,
+:func:`pad_probs`), the experts get the padded counts (``grouped_expert_mlp`` then pads nothing itself), and the gather
+right after them reads the real rows of their padded output. That gather is permutation 1 and its inverse when
+W = 1, permutation 2 and its inverse (``reorder_rows(..., pad=/unpad=)``) when W > 1 with more than one local expert;
+each backward reads the real rows only and gives the padding rows a zero gradient. This saves a copy of the rows
+and of the output on the way in and out, and their adjoints in the backward; the results are bit for bit those
+of the experts padding on their own. Not for MXFP4 rows (``dispatch_fp4``: the experts pad the 4x smaller rows),
+nor at W > 1 with one local expert (no gather there). At W = 1 the (local) all-to-alls then carry, and count, the
+padded rows.
+
 Wire formats (:func:`dispatch_rows`, :func:`combine_rows`): ``fp4moe.ops.all_to_all.quantized_all_to_all``; dispatch
 MXFP4 when ``recipe.dispatch_fp4`` (kept MXFP4 on the receiver, a ``DispatchedMXFP4``, when also
 ``expert_input_fp4``) else BF16, combine BF16; gradients with ``recipe.backward_a2a``. The routing probabilities
@@ -32,10 +44,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fp4moe_kernels.formats import host_to_device
+from fp4moe_kernels.formats import Segments, host_to_device
 
 from ..ops.all_to_all import (A2AStats, DispatchedMXFP4, inverse_permutation, permute_rows, quantize_gather_rows,
                               quantized_all_to_all, sum_rows_by_token)
+from ..ops.grouped_experts import RowPadding, map_rows, padded_rows
 from ..recipe import Recipe
 
 
@@ -60,17 +73,31 @@ class TokenPermutation:
 
     token   ``[R]`` int64: the token of each routed row (megatron's ``reversed_local_input_permutation_mapping``)
     order   ``[R]`` int64: the routed rows grouped by token (token 0's k rows first, experts ascending within)
-    tokens  T; ``k``: rows per token (R = T*k)"""
+    tokens  T; ``k``: rows per token (R = T*k)
+    pad     None, or (:meth:`padded`) int64 ``[Rp - R]``: the padding rows of a padded layout of ``Rp`` rows (then
+            ``token`` is ``[Rp]``, with any token on the padding, and ``order`` indexes the padded rows)"""
 
     token: torch.Tensor
     order: torch.Tensor
     tokens: int
     k: int
+    pad: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, token: torch.Tensor, tokens: int, k: int) -> "TokenPermutation":
         """From the rows' tokens (each token appearing exactly k times, ascending inside each expert)."""
         return cls(token, torch.argsort(token, stable=True), tokens, k)
+
+    def padded(self, rp: RowPadding) -> "TokenPermutation":
+        """This permutation composed with the row padding ``rp`` of its rows (every expert's rows padded to the GEMM
+        backend's alignment, :func:`row_padding`): padded row j is token ``token[rp.src[j]]`` (zero on ``rp.pad``),
+        and token t's k rows are the padded rows ``rp.dst[order]``. :func:`permute_tokens` then gathers the tokens
+        straight into the padded layout and :func:`unpermute_tokens` reads the padded rows, instead of a gather of
+        the rows and a second one of the padded rows (``grouped_expert_mlp``'s own padding) each way."""
+        if self.pad is not None:
+            raise ValueError("this permutation is already padded")
+        return TokenPermutation(self.token.index_select(0, rp.src), rp.dst.index_select(0, self.order), self.tokens,
+                                self.k, rp.pad)
 
 
 def permutation_from_topk(idx: torch.Tensor, probs: torch.Tensor) -> tuple[TokenPermutation, torch.Tensor]:
@@ -94,36 +121,45 @@ def permutation_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor,
     return perm, token, row_probs
 
 
+def _gather_padded(x: torch.Tensor, index: torch.Tensor, pad: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x[index]`` with the rows ``pad`` (None: none) zeroed."""
+    out = x.index_select(0, index)
+    return out if pad is None or pad.numel() == 0 else out.index_fill_(0, pad, 0)
+
+
 class _PermuteTokens(torch.autograd.Function):
-    """tokens ``[T, H]`` -> rows ``[T*k, H]`` = ``tokens[token]``. Backward: each token's k row gradients gathered
-    through ``order`` and summed in float32 (``sum_rows_by_token``), instead of autograd's ``index_add_`` with atomics
-    (an H200 profile measured megatron's permute/unpermute atomics at ~6 % of an mxfp4 step)."""
+    """tokens ``[T, H]`` -> rows ``[T*k, H]`` = ``tokens[token]`` (padded: ``[Rp, H]`` with the rows ``pad`` zeroed).
+    Backward: each token's k row gradients gathered through ``order`` and summed in float32 (``sum_rows_by_token``),
+    instead of autograd's ``index_add_`` with atomics (an H200 profile measured megatron's permute/unpermute atomics
+    at ~6 % of an mxfp4 step); the padding rows' gradients are not read."""
 
     @staticmethod
-    def forward(ctx, tokens, token, order, k: int, chunk: Optional[int]):
+    def forward(ctx, tokens, token, order, k: int, chunk: Optional[int], pad: Optional[torch.Tensor] = None):
         ctx.save_for_backward(order)
         ctx.k, ctx.t, ctx.chunk = k, tokens.shape[0], chunk
-        return tokens.index_select(0, token)
+        return _gather_padded(tokens, token, pad)
 
     @staticmethod
     def backward(ctx, g):
         (order,) = ctx.saved_tensors
-        return _sum_by_token(g, order, ctx.t, ctx.k, ctx.chunk), None, None, None, None
+        return _sum_by_token(g, order, ctx.t, ctx.k, ctx.chunk), None, None, None, None, None
 
 
 class _UnpermuteTokens(torch.autograd.Function):
-    """rows ``[T*k, H]`` -> tokens ``[T, H]``: each token's k rows summed in float32 and rounded once to the rows'
-    dtype (megatron's unpermute without probs scatter-adds in the rows' dtype). Backward: a gather, ``g[token]``."""
+    """rows ``[T*k, H]`` (padded: ``[Rp, H]``) -> tokens ``[T, H]``: each token's k rows summed in float32 and
+    rounded once to the rows' dtype (megatron's unpermute without probs scatter-adds in the rows' dtype). Backward: a
+    gather, ``g[token]``, with the padding rows zeroed (their gradient must be zero: the experts' wgrad quantizes dy
+    in 1x128 columns of 128 rows of one expert, padding included)."""
 
     @staticmethod
-    def forward(ctx, rows, token, order, k: int, t: int, chunk: Optional[int]):
-        ctx.save_for_backward(token)
+    def forward(ctx, rows, token, order, k: int, t: int, chunk: Optional[int], pad: Optional[torch.Tensor] = None):
+        ctx.save_for_backward(token, *(() if pad is None else (pad,)))
         return _sum_by_token(rows, order, t, k, chunk)
 
     @staticmethod
     def backward(ctx, g):
-        (token,) = ctx.saved_tensors
-        return g.index_select(0, token), None, None, None, None, None
+        token, *pad = ctx.saved_tensors
+        return _gather_padded(g, token, pad[0] if pad else None), None, None, None, None, None, None
 
 
 def _sum_by_token(g: torch.Tensor, order: torch.Tensor, t: int, k: int, chunk: Optional[int]) -> torch.Tensor:
@@ -145,18 +181,44 @@ def permute_tokens(tokens: torch.Tensor, perm: TokenPermutation, recipe: Recipe,
     :func:`dispatch_rows`. Under ``recipe.dispatch_fp4`` with ``quantize_tokens`` (``FP4MOE_DISPATCH_QUANTIZE=tokens``,
     the default) a ``DispatchedMXFP4``: each token quantized once and its k MXFP4 rows gathered (the same bits as
     quantizing the BF16 rows; k times fewer rows to quantize, a quarter of the bytes to permute); else the BF16 rows.
-    ``chunk_tokens``: the gradient's per-token sums are made that many tokens at a time (:func:`unpermute_tokens`)."""
+    ``chunk_tokens``: the gradient's per-token sums are made that many tokens at a time (:func:`unpermute_tokens`).
+    A padded ``perm`` (:meth:`TokenPermutation.padded`, BF16 rows only) gives the padded rows ``[Rp, H]``, zero rows
+    on the padding."""
     if recipe.dispatch_fp4 and quantize_tokens:
+        if perm.pad is not None:
+            raise ValueError("a padded permutation 1 gathers BF16 rows; under dispatch_fp4 the experts pad the "
+                             "MXFP4 rows")
         return quantize_gather_rows(tokens, perm.token, recipe.scale_rule, order=perm.order, k=perm.k)
-    return _PermuteTokens.apply(tokens, perm.token, perm.order, perm.k, chunk_tokens)
+    return _PermuteTokens.apply(tokens, perm.token, perm.order, perm.k, chunk_tokens, perm.pad)
 
 
 def unpermute_tokens(rows: torch.Tensor, perm: TokenPermutation, *, chunk_tokens: Optional[int] = None) -> torch.Tensor:
     """The inverse of permutation 1: the combined rows ``[T*k, H]`` (``perm``'s order) -> ``[T, H]`` in the rows'
     dtype, each token's k rows summed in float32 and rounded once. Saves only ``perm.token`` for backward.
     ``chunk_tokens`` (None: all at once): sum that many tokens at a time; the same bits, and a gathered copy of
-    ``[chunk_tokens*k, H]`` alive at once instead of ``[T*k, H]``."""
-    return _UnpermuteTokens.apply(rows, perm.token, perm.order, perm.k, perm.tokens, chunk_tokens)
+    ``[chunk_tokens*k, H]`` alive at once instead of ``[T*k, H]``. A padded ``perm`` reads the padded rows ``[Rp, H]``
+    (the padding rows are not read, and get a zero gradient)."""
+    return _UnpermuteTokens.apply(rows, perm.token, perm.order, perm.k, perm.tokens, chunk_tokens, perm.pad)
+
+
+# ------------------------------------------------------------------------------------------ row padding
+
+
+def row_padding(counts, align: int, device) -> Optional[RowPadding]:
+    """The :class:`~fp4moe.ops.grouped_experts.RowPadding` of rows grouped by expert, ``counts[e]`` rows of expert e
+    (host ints or a tensor), every expert's rows padded to a multiple of ``align`` (the GEMM backend's,
+    ``gemm_row_align``: 128 under DeepGEMM); None when nothing needs padding (``align`` <= 1, or every count a
+    multiple of it)."""
+    counts = as_int_list(counts)
+    if align <= 1 or all(c % align == 0 for c in counts):
+        return None
+    return padded_rows(Segments(tuple(counts)), align, device)
+
+
+def pad_probs(probs: torch.Tensor, rp: RowPadding) -> torch.Tensor:
+    """The rows' probabilities ``[R]`` in the padded layout ``[Rp]`` of ``rp``, 0 on the padding; differentiable
+    (the gradient: that of the real rows)."""
+    return map_rows(probs, rp.rows, rp.unpad)
 
 
 # ------------------------------------------------------------------------------------------ splits, permutation 2
@@ -215,10 +277,26 @@ class _ReorderRows(torch.autograd.Function):
         return g.index_select(0, inverse_permutation(perm)), None
 
 
-def reorder_rows(x, perm: torch.Tensor):
+def reorder_rows(x, perm: torch.Tensor, *, pad: Optional[RowPadding] = None, unpad: Optional[RowPadding] = None):
     """Rows ``x[perm]`` (``perm`` a permutation of ``range(len(x))``, int64 on x's device) of a tensor ``[R, ...]``
     (the rows or their probabilities) or of a ``DispatchedMXFP4`` (data/scales gathered, the gradient anchor
-    re-made: ``permute_rows``). Differentiable; the gradient is gathered back."""
+    re-made: ``permute_rows``). Differentiable; the gradient is gathered back.
+
+    Composed with a row padding (tensors only), one gather each way: ``pad`` (the padding of the result's rows,
+    :func:`row_padding` of the expert-major counts) gives ``x[perm]`` in the padded layout ``[Rp, ...]`` (zero rows
+    on the padding; permutation 2 writing the experts' padded input); ``unpad`` (the padding of x's rows) gives
+    ``x_real[perm]`` of the real rows of a padded x (the inverse permutation 2 reading the experts' padded output;
+    the gradient is zero on the padding)."""
+    if pad is not None or unpad is not None:
+        if isinstance(x, DispatchedMXFP4) or (pad is not None and unpad is not None):
+            raise ValueError("reorder_rows pads or unpads a tensor's rows, not a DispatchedMXFP4's, and not both")
+        if pad is not None:  # out[j] = x[perm[src[j]]]; gradient[i] = g[dst[perm^-1[i]]]
+            index = perm.index_select(0, pad.src)
+            return map_rows(x, lambda v: _gather_padded(v, index, pad.pad),
+                            lambda g: g.index_select(0, pad.dst.index_select(0, inverse_permutation(perm))))
+        index = unpad.dst.index_select(0, perm)  # out[i] = x[dst[perm[i]]]; gradient[j] = g[perm^-1[src[j]]]
+        return map_rows(x, lambda v: v.index_select(0, index),
+                        lambda g: _gather_padded(g, inverse_permutation(perm).index_select(0, unpad.src), unpad.pad))
     if isinstance(x, DispatchedMXFP4):
         return permute_rows(x, perm)
     return _ReorderRows.apply(x, perm)
@@ -271,5 +349,6 @@ def dispatch_probs(probs: torch.Tensor, input_splits, output_splits, group, worl
 
 
 __all__ = ["TokenPermutation", "as_int_list", "chunk_orders", "combine_rows", "dispatch_probs", "dispatch_rows",
-           "ep_world", "expert_splits", "inverse_permutation", "local_expert_permutation", "permutation_from_routing_map",
-           "permutation_from_topk", "permute_tokens", "reorder_rows", "unpermute_tokens"]
+           "ep_world", "expert_splits", "inverse_permutation", "local_expert_permutation", "pad_probs",
+           "permutation_from_routing_map", "permutation_from_topk", "permute_tokens", "reorder_rows", "row_padding",
+           "unpermute_tokens"]

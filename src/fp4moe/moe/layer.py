@@ -20,7 +20,10 @@ given the same weights and routing both give the same outputs and gradients, bit
 4. permutation 2: the received rows (ordered by source rank, then local expert) are regrouped expert-major by a
    gather through ``local_expert_permutation`` (skipped when it is the identity: W = 1 or one local expert), go
    through ``routed_experts`` (``grouped_expert_mlp``, weighted SwiGLU; ``expert_recompute``: its recompute), and
-   are gathered back to source-major order.
+   are gathered back to source-major order. Where the expert GEMMs want every expert's rows a multiple of an
+   alignment (``row_align``: 128 under DeepGEMM), BF16 rows are gathered straight into that padded layout by
+   permutation 1 (W = 1) or permutation 2 (W > 1, several local experts) and read back by their inverses
+   (``fp4moe.moe.dispatch``, "Rows padded for the expert GEMMs"); the experts then pad nothing themselves.
 5. combine (``combine_rows``): ``quantized_all_to_all`` with forward codec bf16 (backward ``recipe.backward_a2a``),
    then (``unpermute_tokens``) the k weighted expert outputs of each token are summed in float32 and rounded once
    to bf16, ``T/k`` tokens at a time (the gathered copy alive at once is ``[T, H]``, not ``[T*k, H]``); only the
@@ -45,9 +48,11 @@ from typing import Optional
 import torch
 
 from ..ops.all_to_all import A2AStats, dispatch_quantize_mode
+from ..ops.grouped_experts import gemm_row_align
 from ..recipe import Recipe
 from .dispatch import (chunk_orders, combine_rows, dispatch_probs, dispatch_rows, ep_world, expert_splits,
-                       local_expert_permutation, permutation_from_topk, permute_tokens, reorder_rows, unpermute_tokens)
+                       local_expert_permutation, pad_probs, permutation_from_topk, permute_tokens, reorder_rows,
+                       row_padding, unpermute_tokens)
 from .experts import routed_experts, shared_expert
 
 _BF16 = torch.bfloat16
@@ -79,14 +84,21 @@ class MoELayer(torch.nn.Module):
     every EP size gets the same model), params_dtype of the expert weights (bf16 default), init_device (where
     the global weights are drawn: 'cpu' default; a CUDA device is much faster at DeepSeek-V3 sizes and gives
     other values, from CUDA's generator; parameters stay on that device), expert_recompute (the routed experts'
-    recompute, fp4moe's ``moe_expert`` module: the forward unchanged, a smaller cache).
+    recompute, fp4moe's ``moe_expert`` module: the forward unchanged, a smaller cache), row_align (the rows every
+    expert's block must be a multiple of in the expert GEMMs; None: the GEMM backend's, ``gemm_row_align``, 128
+    under DeepGEMM, else 1; an explicit value forces it, e.g. on CPU in tests).
+
+    Attributes read at each forward: ``row_align``; ``pad_in_dispatch`` (default True): BF16 rows are padded to
+    ``row_align`` by the gather before the experts and read back by the one after (``fp4moe.moe.dispatch``, "Rows
+    padded for the expert GEMMs"); False leaves the padding to ``grouped_expert_mlp`` (a copy each way; the same
+    bits).
 
     Parameters: ``router`` [E, H] float32, ``w1`` [E/W, 2F, H], ``w2`` [E/W, H, F], and with a shared
     expert ``shared_w1`` [2Fs, H], ``shared_w2`` [H, Fs]."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, recipe: Recipe, group=None, *,
                  shared_ffn: int = 0, score: str = "softmax", seed: int = 0, params_dtype=_BF16,
-                 init_device="cpu", expert_recompute: bool = False):
+                 init_device="cpu", expert_recompute: bool = False, row_align: Optional[int] = None):
         super().__init__()
         world, rank = ep_world(group)
         if num_experts % world:
@@ -99,6 +111,7 @@ class MoELayer(torch.nn.Module):
         self.recipe, self.group, self.score, self.world, self.rank = recipe, group, score, world, rank
         self.local_experts = num_experts // world
         self.expert_recompute = expert_recompute
+        self.row_align, self.pad_in_dispatch = row_align, True
         dev = torch.device(init_device)
         gen = torch.Generator(device=dev).manual_seed(seed)
         rnd = lambda *shape: torch.randn(*shape, generator=gen, device=dev)  # noqa: E731
@@ -154,20 +167,32 @@ class MoELayer(torch.nn.Module):
         # more than two of them are alive at once in this forward (fp4moe.scale.memory.standalone_moe_layer_peak)
         chunk = -(-t // k)  # the un-permutation's token sums, T/k tokens at a time: a [T, H] gathered copy at once
         perm, row_probs = permutation_from_topk(idx, probs)
-        rows = permute_tokens(x2, perm, r, self.quantize_tokens, chunk_tokens=chunk)
         recv, ins, outs = self.split_sizes(idx)
+        counts = recv.sum(0).tolist()
+        regroup = w > 1 and el > 1  # permutation 2 is the identity otherwise
+        # BF16 rows padded for the expert GEMMs by the gather before the experts (permutation 1 at W = 1,
+        # permutation 2 when it runs) and read back by the one after, instead of grouped_expert_mlp's copies
+        align = gemm_row_align(x2.device, r) if self.row_align is None else int(self.row_align)
+        pad = self.pad_in_dispatch and not r.dispatch_fp4 and (w == 1 or regroup)
+        rp = row_padding(counts, align, x2.device) if pad else None
+        if rp is not None:
+            counts = list(rp.padded.counts)
+            if w == 1:
+                perm, row_probs = perm.padded(rp), pad_probs(row_probs, rp)
+                ins = outs = [rp.padded.total]
+        rows = permute_tokens(x2, perm, r, self.quantize_tokens, chunk_tokens=chunk)
         rows = dispatch_rows(rows, ins, outs, self.group, r, self.dispatch_stats)  # rebinding frees the sent rows
         row_probs = dispatch_probs(row_probs, ins, outs, self.group, w)
         n = int(recv.sum())
-        regroup = w > 1 and el > 1  # permutation 2 is the identity otherwise
         if regroup:
             to_expert, to_source = chunk_orders(w, el)
             p2 = local_expert_permutation(recv.reshape(-1), to_expert, n, x2.device)
-            rows, row_probs = reorder_rows(rows, p2), reorder_rows(row_probs, p2)
-        y = routed_experts(rows, recv.sum(0).tolist(), self.w1, self.w2, row_probs.float(), r, self.expert_recompute)
+            rows, row_probs = reorder_rows(rows, p2, pad=rp), reorder_rows(row_probs, p2, pad=rp)
+        y = routed_experts(rows, counts, self.w1, self.w2, row_probs.float(), r, self.expert_recompute,
+                           row_align=align)
         del rows, row_probs
         if regroup:
-            y = reorder_rows(y, local_expert_permutation(recv.T.reshape(-1), to_source, n, x2.device))
+            y = reorder_rows(y, local_expert_permutation(recv.T.reshape(-1), to_source, n, x2.device), unpad=rp)
         y = combine_rows(y, outs, ins, self.group, r, self.combine_stats)
         out = unpermute_tokens(y, perm, chunk_tokens=chunk)
         del y

@@ -399,6 +399,14 @@ class _RowMap(torch.autograd.Function):
         return ctx.back(g), None, None
 
 
+def map_rows(x: torch.Tensor, there, back) -> torch.Tensor:
+    """``there(x)``, differentiable with gradient ``back(g)``: a pair of row maps that are each other's adjoint
+    (gathers, with zero rows where one side has padding), e.g. ``(rp.rows, rp.unpad)`` to pad the rows of ``x``
+    (the gradient: its real rows) as :class:`RowPadding` ``rp`` says. ``fp4moe.moe.dispatch`` pads the routed
+    rows' probabilities so and composes the padding with its permutations through it."""
+    return _RowMap.apply(x, there, back)
+
+
 class _PadAnchor(torch.autograd.Function):
     """A dispatched MXFP4's gradient anchor (values unused) ``[T, H]`` -> a stride-0 zero ``[Tp, H]`` whose gradient
     (dL/dx_hat of the padded rows) goes back to the T rows."""
@@ -428,7 +436,11 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe, *
     ``row_align`` (None: the GEMM backend's, :func:`gemm_row_align`; 128 for DeepGEMM): when > 1 every expert's rows are
     padded with zero rows (probability 0) to a multiple of it before the experts and taken back after, so the
     computation is the same bit for bit on the real rows (each output row depends on its own input row only; the
-    wgrad's zero rows add zeros); the padding costs a copy of the input and output rows each way."""
+    wgrad's zero rows add zeros); the padding costs a copy of the input and output rows each way. Counts that are
+    all multiples of it are taken as they are: the MoE layer's dispatch (``fp4moe.moe.dispatch``) gathers BF16 rows
+    straight into that padded layout (zero rows, probability 0) and reads the padded output back through its
+    inverse gather, so those copies are only made here for a dispatched MXFP4 (4x smaller rows) or where no
+    permutation precedes the experts (EP > 1 with one local expert)."""
     from .all_to_all import DispatchedMXFP4  # local import: all_to_all does not need this module
 
     ws1 = tuple(w1.unbind(0)) if torch.is_tensor(w1) and w1.dim() == 3 else tuple(w1)
@@ -480,4 +492,4 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe, *
 
 
 __all__ = ["Experts", "GroupedExpertMLP", "expert_saved_bytes", "fp8_experts", "gemm_backend", "grouped_expert_mlp",
-           "RowPadding", "gemm_row_align", "padded_rows", "quantize_experts_128x128"]
+           "RowPadding", "gemm_row_align", "map_rows", "padded_rows", "quantize_experts_128x128"]

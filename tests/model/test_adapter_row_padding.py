@@ -1,0 +1,183 @@
+"""Rows padded for the expert GEMMs by megatron's MoE layer as fp4moe.model builds it (``RecipeMoELayer``, the
+recipe dispatcher, ``RecipeGroupedMLP``; tiny_cpu's MoE layer, 8 local experts): with a forced alignment
+(``token_dispatcher.row_align``, ``experts.row_align``; DeepGEMM's 128 on the GPU), permutation 1 writes the padded
+rows (EP = 1, permutation 2 skipped) or permutation 2 does (run instead of skipped), ``dispatch_postprocess`` returns
+the padded counts, and the outputs and gradients equal bit for bit the standalone layer with the experts padding
+on their own (``pad_in_dispatch = False``), which tests/moe/test_layer_row_padding.py shows equal to its own
+dispatch padding. bf16 (the adapter's modules under the bf16 recipe, as test_one_moe_path), fp8, fp8 with an FP8
+gradient all-to-all, mxfp4 without dispatch_fp4, and the mxfp4 preset (the experts pad its MXFP4 rows).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import torch.multiprocessing as tmp  # noqa: E402
+
+from tests.model.test_one_moe_path import _free_port, _pair, _run_megatron, _run_standalone  # noqa: E402
+
+ALIGN = 128
+VARIANTS = ("top2", "expert_recompute", "permutation_2", "fp8_bwd_a2a", "no_dispatch_fp4")
+
+
+def _recipe(precision: str, variant: str):
+    from fp4moe.recipe import Recipe
+
+    if variant == "fp8_bwd_a2a":
+        return Recipe.from_config({"name": precision, "backward_a2a": "fp8"})
+    if variant == "no_dispatch_fp4":
+        return Recipe.from_config({"name": "mxfp4", "dispatch_fp4": False})
+    return None
+
+
+def _inputs(k: int, e: int, seed: int):
+    """x, dL/dy ``[16, 2, 256]`` bf16 and a ragged routing of the 32 tokens with empty experts (3, 6) and an
+    expert whose count is already a multiple of 8 (the 2nd test's alignment); dy spans powers of two as in
+    tests/moe/test_layer_row_padding.py (a non-zero gradient on padding would change FP8 wgrad bits)."""
+    g = torch.Generator().manual_seed(seed)
+    x, gy = (torch.randn(16, 2, 256, generator=g) for _ in range(2))
+    allowed = torch.tensor([0, 1, 2, 4, 5, 7])
+    scores = torch.rand(32, allowed.numel(), generator=g)
+    scores[:16, 0] += 2.0  # expert 0 takes the first 16 tokens: 16 rows
+    scores[16:, 0] -= 2.0
+    idx = allowed[scores.topk(k, dim=1).indices]
+    scale = torch.exp2(-torch.randint(1, 16, (32,), generator=g).float())
+    scale[(idx == 0).any(1)] = 16.0
+    gy = gy * scale.view(16, 2, 1)
+    return x.to(torch.bfloat16), gy.to(torch.bfloat16), idx, torch.rand(32, k, generator=g) + 0.05
+
+
+def _aligned_pair(precision: str, variant: str, align: int, ep: int = 1):
+    from fp4moe.moe.dispatch import row_padding
+
+    base = {"fp8_bwd_a2a": "top2", "no_dispatch_fp4": "top2"}.get(variant, variant)
+    moe, ref, k = _pair(precision, base, ep)
+    recipe = _recipe(precision, variant)
+    if recipe is not None:
+        for mod in (moe, moe.token_dispatcher, moe.experts, moe.shared_experts):
+            mod.recipe = recipe
+        ref.recipe = recipe
+    moe.token_dispatcher.row_align = moe.experts.row_align = align  # the dispatch pads (pad_in_dispatch default)
+    ref.row_align, ref.pad_in_dispatch = align, False                # the experts pad
+    return moe, ref, k, row_padding
+
+
+@pytest.mark.parametrize("align", [ALIGN, 8])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("precision", ("bf16", "fp8", "mxfp4"))
+def test_adapter_dispatch_padding_equals_experts_padding(mp, monkeypatch, precision, variant, align):
+    if variant == "fp8_bwd_a2a" and precision == "bf16":
+        pytest.skip("backward_a2a fp8 needs FP8 compute")
+    if variant == "no_dispatch_fp4" and precision != "mxfp4":
+        pytest.skip("a variant of the mxfp4 recipe")
+    if align == 8 and variant not in ("top2", "permutation_2"):
+        pytest.skip("the small alignment on the plain paths")
+    import fp4moe.ops.grouped_experts as ge
+
+    moe, ref, k, row_padding = _aligned_pair(precision, variant, align)
+    d = moe.token_dispatcher
+    seen = {}
+    post = d.dispatch_postprocess
+
+    def dispatch_postprocess(tokens, probs):  # what the experts get
+        rows, counts, p = post(tokens, probs)
+        seen.update(rows=rows.shape[0], counts=[int(c) for c in counts], probs=p.shape[0])
+        return rows, counts, p
+
+    monkeypatch.setattr(d, "dispatch_postprocess", dispatch_postprocess)
+    expert_pads = []
+    real = ge.padded_rows
+    monkeypatch.setattr(ge, "padded_rows", lambda seg, *a: expert_pads.append(seg.counts) or real(seg, *a))
+    x, gy, idx, probs = _inputs(k, moe.config.num_moe_experts, seed=5)
+    a = _run_megatron(moe, x, gy, idx, probs)
+    got_pads, expert_pads[:] = list(expert_pads), []
+    b = _run_standalone(ref, x, gy, idx, probs)
+    assert [n for n in a if n != "a2a" and not torch.equal(a[n], b[n])] == []
+    counts = torch.bincount(idx.reshape(-1), minlength=8).tolist()
+    assert counts[3] == counts[6] == 0 and counts[0] == 16
+    dispatch_fp4 = moe.token_dispatcher.recipe.dispatch_fp4
+    rp = row_padding(counts, align, torch.device("cpu"))
+    want = counts if dispatch_fp4 else list(rp.padded.counts)
+    assert seen == dict(rows=sum(want), counts=want, probs=sum(want))
+    # the (local, EP = 1) all-to-alls carry the padded rows when permutation 1 pads them: their bytes count them
+    if dispatch_fp4 or variant == "permutation_2":
+        assert a["a2a"] == b["a2a"]
+    else:
+        rows_bytes = {n: v * sum(want) // (32 * k) for n, v in b["a2a"].items() if n.endswith("_bytes")}
+        assert {n: a["a2a"][n] for n in rows_bytes} == rows_bytes
+    # the experts pad the rows themselves only for dispatched MXFP4 rows; the reference's experts always do (twice
+    # under the experts' recompute: forward and the backward's recomputation)
+    runs = 2 if variant == "expert_recompute" else 1
+    assert (len(got_pads), len(expert_pads)) == (runs if dispatch_fp4 else 0, runs)
+    # the routed rows counted as sent / received are the real ones
+    assert d.fp4moe_rows == {"sent": 32 * k, "received": 32 * k}
+
+
+EP2_CASES = (("bf16", "top2"), ("fp8", "top2"), ("fp8", "expert_recompute"), ("mxfp4", "no_dispatch_fp4"),
+             ("mxfp4", "top2"))
+
+
+def _ep2_case(precision: str, variant: str, rank: int) -> list[str]:
+    """EP = 2 (4 local experts): permutation 2 pads; what differs from the standalone layer whose experts pad, plus
+    'counts' when the experts' counts were not aligned (BF16 rows) or the experts padded BF16 rows themselves."""
+    import fp4moe.ops.grouped_experts as ge
+
+    moe, ref, k, _ = _aligned_pair(precision, variant, 8, ep=2)
+    d = moe.token_dispatcher
+    assert not d.skip_permutation_2
+    seen = []
+    post = d.dispatch_postprocess
+
+    def dispatch_postprocess(tokens, probs):
+        rows, counts, p = post(tokens, probs)
+        seen.append([int(c) for c in counts])
+        return rows, counts, p
+
+    d.dispatch_postprocess = dispatch_postprocess
+    pads = []
+    real = ge.padded_rows
+    ge.padded_rows = lambda seg, *a: pads.append(seg.counts) or real(seg, *a)
+    try:
+        x, gy, idx, probs = _inputs(k, moe.config.num_moe_experts, seed=5 + rank)
+        a = _run_megatron(moe, x, gy, idx, probs)
+        got_pads = len(pads)
+        b = _run_standalone(ref, x, gy, idx, probs)
+    finally:
+        ge.padded_rows = real
+    bad = [n for n in a if not (torch.equal(a[n], b[n]) if isinstance(a[n], torch.Tensor) else a[n] == b[n])]
+    mx = d.recipe.dispatch_fp4
+    if (not mx and (got_pads or any(c % 8 for c in seen[0]))) or (mx and not got_pads):
+        bad.append("counts")
+    return bad
+
+
+def _ep2_worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    torch._dynamo.config.disable = True
+    res = {}
+    from fp4moe.model import cpu_shims
+
+    try:
+        with cpu_shims.active():
+            for precision, variant in EP2_CASES:
+                res[f"{precision}/{variant}"] = _ep2_case(precision, variant, rank)
+    finally:
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_adapter_permutation_2_pads_at_ep2(tmp_path):
+    """EP = 2 on gloo: permutation 2 writes the padded rows (the a2a bytes are the real rows': both layers agree)."""
+    tmp.spawn(_ep2_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert res == {f"{p}/{v}": [] for p, v in EP2_CASES}, (rank, res)
