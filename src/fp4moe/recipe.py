@@ -148,8 +148,8 @@ class Recipe:
     @classmethod
     def from_config(cls, cfg: Any) -> "Recipe":
         """From a mapping or an OmegaConf node: the preset of ``cfg['name']`` (default 'bf16') with the other keys
-        overriding it (a null key keeps the preset's value). Unknown keys and invalid combinations raise
-        ``RecipeError``."""
+        overriding it (a null key keeps the preset's value; a precision file's ``defaults`` list is skipped). Unknown
+        keys and invalid combinations raise ``RecipeError``."""
         if isinstance(cfg, Recipe):
             return cfg
         if not isinstance(cfg, Mapping):
@@ -161,7 +161,9 @@ class Recipe:
                 cfg = OmegaConf.to_container(cfg, resolve=True)
             else:
                 raise RecipeError(f"a recipe config must be a mapping (dict or OmegaConf node), got {type(cfg).__name__}")
-        cfg = {k: v for k, v in dict(cfg).items() if v is not None}  # null: the preset's (fp4moe.settings.Precision)
+        # null: the preset's value (fp4moe.settings.Precision); 'defaults': a conf/precision file's Hydra defaults list
+        # (its schema), when the file is loaded as it is
+        cfg = {k: v for k, v in dict(cfg).items() if v is not None and k != "defaults"}
         fields = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(str(k) for k in cfg if k not in fields)
         if unknown:

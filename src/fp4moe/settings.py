@@ -709,11 +709,13 @@ def _build(cls: type, cfg: DictConfig, group: str) -> Any:
 def build_group(group: str, node: Any) -> Any:
     """The frozen settings of one group's node (``cfg.recompute``, a dict, or already its settings object, which is
     returned as it is); ``precision`` gives the parsed :class:`fp4moe.recipe.Recipe`. For code handed one group
-    rather than a whole config (fp4moe.model.build); a whole config goes through :meth:`Settings.from_config`."""
+    rather than a whole config (fp4moe.model.build); a whole config goes through :meth:`Settings.from_config`.
+    ConfigError (one line) as there."""
     if isinstance(node, (Recipe, *(c for c in SCHEMAS[group].values()))):
         return node
-    cfg = OmegaConf.create({group: OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node)
-                            else dict(node)})
+    plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    plain.pop("defaults", None)  # a group's file loaded as it is: its defaults list (the schema) is Hydra's
+    cfg = OmegaConf.create({group: plain})
     built = _build(_schema_of(group, cfg[group]), cfg, group)
     return built.recipe() if group == "precision" else built
 
