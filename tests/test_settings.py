@@ -209,3 +209,11 @@ def test_the_new_schemas_leave_the_run_folders_where_they_were():
     assert digest(_compose("experiment=paper_t1")) == "36ea2ca05cab"
     assert digest(_compose("experiment=paper_t2", "precision=mxfp4_mlp_shared")) == "01a8f1333ebc"
     assert digest(_compose("experiment=tiny_t2_cpu")) == "eddd6c6fe651"
+
+
+def test_a_group_option_that_does_not_exist_lists_the_files_not_the_schemas():
+    """Hydra lists the group's ConfigStore nodes (base_precision) and its search path too; explain keeps the files."""
+    with pytest.raises(Exception) as err:
+        _compose("precision=mxfp5")
+    assert explain(err.value) == ("In 'train': Could not find 'precision/mxfp5'; Available options in 'precision': "
+                                  "bf16, fp8, mxfp4, mxfp4_mlp_shared")

@@ -814,7 +814,11 @@ def explain(e: BaseException, group: str = "") -> str:
     while cur is not None and not isinstance(cur, OmegaConfBaseException):
         cur = cur.__cause__ or cur.__context__
     if cur is None:  # Hydra's own (a config file that does not exist: its message lists the options)
-        first, *rest = [x.strip() for x in str(e).splitlines() if x.strip()] or [type(e).__name__]
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        if "Config search path:" in lines:  # where Hydra looked: not what the user can pick
+            lines = lines[:lines.index("Config search path:")]
+        schemas = {name for names in SCHEMAS.values() for name in names}  # ConfigStore nodes, not files to pick
+        first, *rest = [x for x in lines if x not in schemas] or [type(e).__name__]
         return first + (f"; {rest[0]} {', '.join(rest[1:])}" if rest else "")
     key = _full_key(cur, group)
     text = str(cur)
