@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from fp4moe.config import ConfigError, check, derived, param_counts, parse_pipeline_layout
 from fp4moe.analysis.paper_t1 import GPU_GIB
 from fp4moe.recipe import Recipe
+from fp4moe.settings import Settings
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -256,7 +257,7 @@ def test_derived_has_no_hardcoded_counts():
     (["recompute=attn_ln_mlp", "recompute.megatron_modules=[core_attn,layernorm]"], "need Transformer Engine"),
     (["recompute=attn_ln_mlp", "recompute.megatron_modules=[moe_act]"], "need Transformer Engine"),
     # 8. precision that Recipe refuses, user corpus without a path
-    (["precision=fp8", "+precision.dispatch_fp4=true"], "precision:"),   # a key the file lacks takes "+"
+    (["precision=fp8", "precision.dispatch_fp4=true"], "precision:"),   # every Recipe key is in the schema
     (["data=user_corpus", "data.path=null"], "FP4MOE_CORPUS"),
     # 9. a dispatcher fp4moe does not build (DeepEP's 'flex'), or a recipe on another dispatcher than its own a2a
     (["experiment=paper_t1", "parallel.dispatcher=flex"], "needs DeepEP"),
@@ -293,5 +294,5 @@ def test_experiment_values_win_over_root(name):
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "precision").glob("*.yaml")))
 def test_precision_files_load_as_recipes(name):
-    r = Recipe.from_config(OmegaConf.load(CONF / "precision" / f"{name}.yaml"))
-    assert r.name == name.split("_")[0]
+    r = Settings.from_config(_compose(f"precision={name}")).precision
+    assert isinstance(r, Recipe) and r.name == name.split("_")[0]

@@ -1,6 +1,8 @@
-"""The config groups' schemas (fp4moe.settings): every YAML file of train, parallel, cluster, model, optimizer and data
-extends its group's dataclass in Hydra's ConfigStore, so composition refuses a key the schema lacks and a value of the
-wrong type; ``Settings.from_config`` builds the frozen, typed settings once, each group checking its own ranges.
+"""The config groups' schemas (fp4moe.settings): every YAML file of train, parallel, cluster, model, optimizer, data,
+precision, recompute, kernels and paths extends its group's dataclass in Hydra's ConfigStore, so composition refuses a
+key the schema lacks and a value of the wrong type; ``Settings.from_config`` builds the frozen, typed settings once,
+each group checking its own ranges (the precision group parsed into its Recipe, the recompute rules checked, the
+kernel switches with their FP4MOE_* overrides).
 
 Fast (no torch): Hydra's compose API, as the trainer and the launcher compose."""
 import dataclasses
@@ -13,8 +15,10 @@ from omegaconf import OmegaConf
 
 from fp4moe.config import ConfigError, check
 from fp4moe.runs.folder import digest
-from fp4moe.settings import (SCHEMAS, BundledCorpus, Cluster, Model, OptimizerSetting, Parallel, Settings, Train,
-                             UserCorpus, explain)
+from fp4moe.recipe import Recipe
+from fp4moe.settings import (SCHEMAS, BundledCorpus, Cluster, Model, OptimizerSetting, Parallel, Paths, Precision,
+                             Recompute, Settings, Train, UserCorpus, explain)
+from fp4moe_kernels import switches
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUP_FILES = [(g, p.stem) for g in SCHEMAS for p in sorted((CONF / g).glob("*.yaml"))]
@@ -24,7 +28,7 @@ GROUP_FILES = [(g, p.stem) for g in SCHEMAS for p in sorted((CONF / g).glob("*.y
 def _env(monkeypatch):
     monkeypatch.setenv("FP4MOE_CORPUS", "/nonexistent/corpus.jsonl")
     for var in ("FP4MOE_SLURM_PARTITION", "FP4MOE_SLURM_ACCOUNT", "NCCL_IB_HCA", "FP4MOE_SLURM_CPUS_PER_TASK",
-                "FP4MOE_TOKENIZER"):
+                "FP4MOE_TOKENIZER", "FP4MOE_ROOT", "FP4MOE_DATA_DIR", "FP4MOE_CKPT_DIR", *switches.ENV.values()):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -35,17 +39,22 @@ def _compose(*overrides, conf=CONF):
 
 @pytest.mark.parametrize("group, name", GROUP_FILES)
 def test_every_group_file_extends_its_schema(group, name):
-    """Each file of the six groups composes into its schema's type and builds its frozen settings."""
+    """Each file of the ten groups composes into its schema's type and builds its frozen settings (the precision
+    group: its Recipe)."""
     cfg = _compose(f"{group}={name}")
     assert OmegaConf.get_type(cfg[group]) in SCHEMAS[group].values(), f"conf/{group}/{name}.yaml has no schema"
     built = getattr(Settings.from_config(cfg), group)
-    assert type(built) is OmegaConf.get_type(cfg[group])
+    assert type(built) is (Recipe if group == "precision" else OmegaConf.get_type(cfg[group]))
 
 
 def test_settings_are_frozen_and_typed():
     s = Settings.from_config(_compose("train=short_cpu"))
     assert (type(s.train), type(s.parallel), type(s.cluster), type(s.model), type(s.optimizer), type(s.data)) == \
         (Train, Parallel, Cluster, Model, OptimizerSetting, BundledCorpus)
+    assert (type(s.precision), type(s.recompute), type(s.kernels), type(s.paths)) == \
+        (Recipe, Recompute, switches.Switches, Paths)
+    assert s.precision == Recipe.mxfp4() and s.recompute.granularity is None and s.kernels == switches.Switches()
+    assert s.paths.log_dir == "./logs"
     assert s.train.steps == 20 and s.train.adamw.lr == 3.0e-4 and s.parallel.etp == 1
     assert s.model.moe.num_experts == 8 and s.model.mla.q_lora_rank == 128 and s.optimizer.grad_bytes == 4
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -104,3 +113,107 @@ def test_check_takes_the_settings_built_once():
     cfg = _compose()
     s = Settings.from_config(cfg)
     assert check(cfg, s) == check(cfg)
+
+
+# ------------------------------------------------------------------------------ precision, recompute, kernels, paths
+
+def test_the_precision_schema_is_the_recipe_and_the_settings_hold_it_parsed():
+    """The schema has Recipe's fields (null: the preset's value); Settings.precision is the Recipe, parsed once."""
+    assert [f.name for f in dataclasses.fields(Precision)] == [f.name for f in dataclasses.fields(Recipe)]
+    s = Settings.from_config(_compose("precision=mxfp4_mlp_shared", "precision.scale_rule=floor"))
+    assert s.precision == Recipe(name="mxfp4", label="mxfp4_mlp_shared", save_fp4=True, activation_fp4_store=True,
+                                 recompute_cache_fp4=True, scale_rule="floor")
+    # a key a file leaves out needs no "+" any more; the old spelling still composes
+    assert Settings.from_config(_compose("precision.save_fp4=false")).precision.save_fp4 is False
+    assert Settings.from_config(_compose("+precision.save_fp4=false")).precision.save_fp4 is False
+    # null is the preset's value (what deleting the key from an experiment's precision node did before)
+    cfg = _compose("experiment=paper_t1", "precision=mxfp4", "precision.recompute_cache_fp4=null")
+    assert Settings.from_config(cfg).precision.recompute_cache_fp4 is True
+    with pytest.raises(ConfigError, match=r"^precision: dispatch_fp4=true needs name='mxfp4' \(got name='fp8'\)"):
+        Settings.from_config(_compose("precision=fp8", "precision.dispatch_fp4=true"))
+
+
+@pytest.mark.parametrize("group, text, message", [
+    ("precision", "name: fp8\nsave_fp5: false\n",
+     "precision.save_fp5 is not a key of the precision schema (fp4moe.settings): did you mean precision.save_fp4?"),
+    ("precision", "name: fp8\nsave_fp4: sometimes\n", "precision.save_fp4='sometimes' is not true or false: use true or false"),
+    ("recompute", "name: mine\ngranularity: selective\nmegatron_module: [core_attn]\n",
+     "recompute.megatron_module is not a key of the recompute schema (fp4moe.settings): did you mean "
+     "recompute.megatron_modules?"),
+    ("kernels", "cuda_col: '0'\ngroupd_gemm: loop\n",
+     "kernels.groupd_gemm is not a key of the kernels schema (fp4moe.settings): did you mean kernels.grouped_gemm?"),
+    ("paths", "root: .\nlog_dir: logs\ndata_dir: data\ncheckpoint_dir: ckpt\ncache_dir: c\n",
+     "paths.cache_dir is not a key of the paths schema (fp4moe.settings): the keys of paths are checkpoint_dir, "
+     "data_dir, log_dir, root"),
+])
+def test_a_typo_in_a_precision_recompute_kernels_or_paths_file_is_one_line(tmp_path, group, text, message):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / group / "typo.yaml").write_text(f"defaults:\n  - base_{group}\n  - _self_\n{text}")
+    with pytest.raises(Exception) as err:  # hydra.errors.ConfigCompositionException
+        _compose(f"{group}=typo", conf=conf)
+    assert explain(err.value) == message
+
+
+@pytest.mark.parametrize("override, message", [
+    ("precision.scope=all", "precision: scope='all' is not one of 'experts', 'experts+shared', 'all_linears'"),
+    ("recompute.granularity=partial", "recompute.granularity='partial': pick null, selective or full"),
+    ("recompute.fp4moe_modules=[moe_expert]", "recompute.megatron_modules/fp4moe_modules are set but "
+                                              "recompute.granularity=None"),
+    ("kernels.grouped_gemm=cutlass", "kernels.grouped_gemm='cutlass' (the config's, or $FP4MOE_GROUPED_GEMM's): use "
+                                     "'triton'"),
+])
+def test_a_value_its_group_refuses_is_one_line_when_the_settings_are_built(override, message):
+    with pytest.raises(ConfigError) as err:
+        Settings.from_config(_compose(override))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("scope", ["attn_ln_experts", "attn_block_ln_mlp", "full"])
+def test_the_recompute_rules_live_in_the_settings(scope):
+    r = Settings.from_config(_compose(f"recompute={scope}")).recompute
+    assert r.name == scope and (r.method == "uniform") == (scope == "full")
+    bad = dataclasses.asdict(r) | {"megatron_modules": ["core_attn"], "fp4moe_modules": ["self_attention"]}
+    if r.granularity == "selective":
+        with pytest.raises(ConfigError, match="which lie inside it: keep one or the other"):
+            Recompute(**bad)
+
+
+def test_a_kernel_switch_variable_is_read_in_one_place_and_lands_in_the_settings(monkeypatch):
+    """FP4MOE_GROUPED_GEMM overrides the default through ${fp4moe.kernel_env:...} (switches.env_value, which
+    Switches.from_env reads too); the command line wins over the variable; a bad variable is one line naming it."""
+    monkeypatch.setenv("FP4MOE_GROUPED_GEMM", "loop")
+    monkeypatch.setenv("FP4MOE_TILES", '{"row": [64]}')
+    cfg = _compose()
+    assert cfg.kernels.grouped_gemm == "loop"
+    s = Settings.from_config(cfg)
+    assert s.kernels == switches.Switches.from_env() == switches.Switches(grouped_gemm="loop", tiles='{"row": [64]}')
+    assert Settings.from_config(_compose("kernels.grouped_gemm=triton")).kernels.grouped_gemm == "triton"
+    monkeypatch.setenv("FP4MOE_CUDA_COL", "yes")
+    with pytest.raises(ConfigError, match=r"^kernels.cuda_col='yes' \(the config's, or \$FP4MOE_CUDA_COL's\): use auto"):
+        Settings.from_config(_compose())
+    # no other module reads a kernel switch's variable
+    src = Path(__file__).resolve().parents[1]
+    readers = [p.relative_to(src).as_posix() for d in ("src", "kernels") for p in (src / d).rglob("*.py")
+               if any(f"environ.get({v!r}" in p.read_text() or f"getenv({v!r}" in p.read_text()
+                      for v in switches.ENV.values())]
+    assert readers == []
+
+
+def test_the_new_schemas_leave_the_run_folders_where_they_were():
+    """Digests of configs composed at 8a69154 (before the precision, recompute, kernels and paths schemas): the
+    precision keys the schema adds with null are not part of a run folder's identity (ABSENT_WHEN_NULL)."""
+    assert digest(_compose("precision=mxfp4_mlp_shared")) == "01242f43c0cc"
+    assert digest(_compose("precision=bf16")) == "5b6b9309913c"
+    assert digest(_compose("recompute=full")) == "8df59dfa9c74"
+    assert digest(_compose("experiment=paper_t1")) == "36ea2ca05cab"
+    assert digest(_compose("experiment=paper_t2", "precision=mxfp4_mlp_shared")) == "01a8f1333ebc"
+    assert digest(_compose("experiment=tiny_t2_cpu")) == "eddd6c6fe651"
+
+
+def test_a_group_option_that_does_not_exist_lists_the_files_not_the_schemas():
+    """Hydra lists the group's ConfigStore nodes (base_precision) and its search path too; explain keeps the files."""
+    with pytest.raises(Exception) as err:
+        _compose("precision=mxfp5")
+    assert explain(err.value) == ("In 'train': Could not find 'precision/mxfp5'; Available options in 'precision': "
+                                  "bf16, fp8, mxfp4, mxfp4_mlp_shared")

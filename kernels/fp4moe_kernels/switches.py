@@ -1,9 +1,13 @@
 """Kernel switches: which implementation of an operation runs, held in one place (torch-free).
 
 Every switch chooses between implementations that compute the same thing (each pair is tested against the other);
-none changes the recipe. Each has an environment variable, read here only (``from_env``), and the trainer's
-``kernels`` config group (conf/kernels/default.yaml), whose defaults are those variables: a run's config records the
-switches it ran with, and the environment stays a documented override for the kernels used on their own.
+none changes the recipe. :class:`Switches` is also the schema of the trainer's ``kernels`` config group
+(``kernels/base_kernels`` in Hydra's ConfigStore, fp4moe.settings): composition refuses a key it lacks, and
+``fp4moe.settings.Settings.kernels`` is the instance the run holds. Each switch has an environment variable, an
+override read here and nowhere else (:func:`env_value`): by :meth:`Switches.from_env` for the kernels used on their
+own, and by conf/kernels/default.yaml, whose values are ``${fp4moe.kernel_env:<switch>}`` (the resolver is
+:func:`env_value`), so a run's config records the switches it ran with. A command-line ``kernels.<switch>=...``
+wins over the variable.
 
 =================  =========================  ======================================================================
 field              environment variable       values (first: the default)
@@ -85,8 +89,7 @@ class Switches:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Switches":
         """The switches the environment sets (unset ones: their defaults)."""
-        env = os.environ if environ is None else environ
-        return cls(**{name: env[var] for name, var in ENV.items() if var in env})
+        return cls(**{name: env_value(name, environ) for name in ENV})
 
     @classmethod
     def from_config(cls, node: Mapping | None) -> "Switches":
@@ -109,6 +112,17 @@ class Switches:
                 if getattr(self, f.name) != getattr(default, f.name)}
 
 
+def env_value(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """Switch ``name``'s environment variable as written (``ENV[name]``; ``environ``: default ``os.environ``), else
+    the switch's default: the one place the ``FP4MOE_*`` kernel variables are read. Also the resolver
+    ``${fp4moe.kernel_env:<name>}`` of conf/kernels/default.yaml."""
+    if name not in ENV:
+        raise SwitchError(f"{name!r} is not a kernel switch: the switches are {', '.join(ENV)}", name)
+    env = os.environ if environ is None else environ
+    return env.get(ENV[name], _DEFAULTS[name])
+
+
+_DEFAULTS = {f.name: f.default for f in fields(Switches)}
 _SET: list[Switches] = []
 
 
@@ -127,4 +141,4 @@ def use(switches: Switches) -> Iterator[Switches]:
         _SET.pop()
 
 
-__all__ = ["CHOICES", "ENV", "SwitchError", "Switches", "current", "use"]
+__all__ = ["CHOICES", "ENV", "SwitchError", "Switches", "current", "env_value", "use"]

@@ -22,8 +22,10 @@ Rules checked (``check``), each with its own message:
    'L' last.
 7. recompute: a module handed to megatron-core (``recompute.megatron_modules``) that needs Transformer Engine
    there (``layernorm``: output-discarding checkpoint crashes without TE; ``moe_act``: needs TE's grouped MLP)
-   is refused while ``backend.transformer_impl`` is 'local'; such modules go in ``recompute.fp4moe_modules``.
-8. data: ``data.path`` must be set for a user corpus; precision must load with ``Recipe.from_config``.
+   is refused while ``backend.transformer_impl`` is 'local'; such modules go in ``recompute.fp4moe_modules``. The
+   scope's own rules are :class:`fp4moe.settings.Recompute`'s.
+8. data: ``data.path`` must be set for a user corpus; the precision group is parsed into its Recipe by
+   :meth:`fp4moe.settings.Settings.from_config` (``Settings.precision``).
 9. dispatcher: ``parallel.dispatcher`` is one fp4moe builds (``alltoall``, ``allgather``; 'flex' needs DeepEP, not
    in the stack), and the fp8 / mxfp4 recipes, whose quantized all-to-all replaces megatron's, need ``alltoall``.
 10. optimizer: the ``optimizer`` group reads as an :class:`OptimizerSetting` (types, values, combinations that
@@ -41,29 +43,12 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fp4moe.recipe import Recipe, RecipeError
-from fp4moe.settings import GRAD_DTYPES, ConfigError, OptimizerSetting, Settings
+from fp4moe.settings import (FP4MOE_RECOMPUTE_MODULES, GRAD_DTYPES, MEGATRON_RECOMPUTE_MODULES,
+                             NESTED_IN_SELF_ATTENTION, TE_ONLY_RECOMPUTE_MODULES, ConfigError, OptimizerSetting,
+                             Settings, nested_in_self_attention)
 
-# megatron-core recompute_modules (TransformerConfig) and those that need Transformer Engine there.
-MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "moe", "shared_experts")
-TE_ONLY_RECOMPUTE_MODULES = {
-    "layernorm": "megatron-core's output-discarding layernorm checkpoint crashes without TE (random.py)",
-    "moe_act": "megatron-core recomputes the expert activation only inside TEGroupedMLP",
-}
-# Modules fp4moe recomputes itself (P3): the layernorms (our output-discarding checkpoint), the routed-expert
-# MLP ("moe_expert" of the FP8-Flow-MoE fork: fc1 -> SwiGLU -> fc2 of the experts, dispatch not re-run) and the
-# whole MLA self-attention block ("self_attention": the fork's "attn" as results/scale/paper_t1.md reads it).
-FP4MOE_RECOMPUTE_MODULES = ("layernorm", "moe_expert", "self_attention")
-# recompute modules that would checkpoint inside a self_attention checkpoint: one or the other
-NESTED_IN_SELF_ATTENTION = ("core_attn", "mla_up_proj")
-
-
-def nested_in_self_attention(fp4moe_modules: Any, megatron_modules: Any) -> list[str]:
-    """The megatron recompute modules that lie inside fp4moe's ``self_attention`` checkpoint when both are asked
-    for (a configuration error: keep one or the other); empty otherwise."""
-    if "self_attention" not in (fp4moe_modules or ()):
-        return []
-    return [m for m in (megatron_modules or ()) if m in NESTED_IN_SELF_ATTENTION]
+# The recompute modules (megatron-core's, those that need Transformer Engine there, fp4moe's own) and their rules
+# are fp4moe.settings.Recompute's; re-exported here for the code that checks a whole config.
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DISPATCHERS = ("alltoall", "allgather")  # megatron-core token dispatchers fp4moe builds ('flex' needs DeepEP)
 
@@ -289,43 +274,18 @@ def check(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
     impl = str(_get(cfg, "backend.transformer_impl", "local"))
     if impl not in TRANSFORMER_IMPLS:
         raise ConfigError(f"backend.transformer_impl={impl!r}: pick one of {', '.join(TRANSFORMER_IMPLS)}")
-    r = cfg.recompute
-    gran = r.get("granularity")
-    mods = list(r.get("megatron_modules") or [])
-    own = list(r.get("fp4moe_modules") or [])
-    if gran not in (None, "selective", "full"):
-        raise ConfigError(f"recompute.granularity={gran!r}: pick null, selective or full")
-    if gran != "selective" and (mods or own):
-        raise ConfigError(f"recompute.megatron_modules/fp4moe_modules are set but recompute.granularity={gran!r}: "
-                          "set granularity: selective, or empty the module lists")
-    unknown = [x for x in mods if x not in MEGATRON_RECOMPUTE_MODULES]
-    if unknown:
-        raise ConfigError(f"recompute.megatron_modules has {unknown}, not megatron-core recompute modules "
-                          f"({', '.join(MEGATRON_RECOMPUTE_MODULES)}): move fp4moe-only ones to recompute.fp4moe_modules")
-    unknown = [x for x in own if x not in FP4MOE_RECOMPUTE_MODULES]
-    if unknown:
-        raise ConfigError(f"recompute.fp4moe_modules has {unknown}: fp4moe implements {', '.join(FP4MOE_RECOMPUTE_MODULES)}")
-    nested = nested_in_self_attention(own, mods)
-    if nested:
-        raise ConfigError(f"recompute.fp4moe_modules has self_attention (the whole attention block) and "
-                          f"recompute.megatron_modules has {nested}, which lie inside it: keep one or the other")
-    if impl == "local":
-        te = [x for x in mods if x in TE_ONLY_RECOMPUTE_MODULES]
-        if te:
-            why = "; ".join(f"{x}: {TE_ONLY_RECOMPUTE_MODULES[x]}" for x in te)
-            alt = [x for x in te if x in FP4MOE_RECOMPUTE_MODULES]
-            fix = (f"move {alt} to recompute.fp4moe_modules (our implementation)" if alt else
-                   "drop them (for the expert activation use fp4moe_modules: [moe_expert])")
-            raise ConfigError(
-                f"recompute.megatron_modules {te} need Transformer Engine in megatron-core, but backend.transformer_impl"
-                f"='local' ({why}): {fix}, or pick another recompute scope")
-    if gran == "full" and r.get("method") not in ("uniform", "block"):
-        raise ConfigError(f"recompute.granularity=full needs recompute.method uniform or block, got {r.get('method')!r}")
-    # 8. precision and data
-    try:
-        recipe = Recipe.from_config(cfg.precision)
-    except RecipeError as e:
-        raise ConfigError(f"precision: {e}") from e
+    # the recompute scope's own rules (granularity, module names, nesting, method) are fp4moe.settings.Recompute's
+    te = s.recompute.te_only_modules
+    if impl == "local" and te:
+        why = "; ".join(f"{x}: {TE_ONLY_RECOMPUTE_MODULES[x]}" for x in te)
+        alt = [x for x in te if x in FP4MOE_RECOMPUTE_MODULES]
+        fix = (f"move {alt} to recompute.fp4moe_modules (our implementation)" if alt else
+               "drop them (for the expert activation use fp4moe_modules: [moe_expert])")
+        raise ConfigError(
+            f"recompute.megatron_modules {list(te)} need Transformer Engine in megatron-core, but "
+            f"backend.transformer_impl='local' ({why}): {fix}, or pick another recompute scope")
+    # 8. precision and data: the recipe was parsed (and its combinations checked) once, into s.precision
+    recipe = s.precision
     # 9. token dispatcher
     dispatcher = p.dispatcher
     if dispatcher not in DISPATCHERS:

@@ -11,8 +11,10 @@ Three presets, one per column of the paper's tables::
                      saves its input as MXFP4, SwiGLU input stored MXFP4; backward on the FP8 path
 
 ``Recipe.from_config({"name": "mxfp4", "save_fp4": False})`` starts from the preset that ``name`` picks and
-overrides the given keys (so a Hydra ``precision/`` file only lists what differs). Invalid combinations raise
-``RecipeError`` naming the key and the fix.
+overrides the given keys (so a Hydra ``precision/`` file only lists what differs; a null keeps the preset's value,
+which is what the ``precision`` group's schema, fp4moe.settings.Precision, holds for a key no file sets). Invalid
+combinations raise ``RecipeError`` naming the key and the fix; the trainer parses its recipe once
+(``fp4moe.settings.Settings.precision``).
 
 Decisions where the paper is silent:
 
@@ -146,7 +148,8 @@ class Recipe:
     @classmethod
     def from_config(cls, cfg: Any) -> "Recipe":
         """From a mapping or an OmegaConf node: the preset of ``cfg['name']`` (default 'bf16') with the other keys
-        overriding it. Unknown keys and invalid combinations raise ``RecipeError``."""
+        overriding it (a null key keeps the preset's value; a precision file's ``defaults`` list is skipped). Unknown
+        keys and invalid combinations raise ``RecipeError``."""
         if isinstance(cfg, Recipe):
             return cfg
         if not isinstance(cfg, Mapping):
@@ -158,7 +161,9 @@ class Recipe:
                 cfg = OmegaConf.to_container(cfg, resolve=True)
             else:
                 raise RecipeError(f"a recipe config must be a mapping (dict or OmegaConf node), got {type(cfg).__name__}")
-        cfg = dict(cfg)
+        # null: the preset's value (fp4moe.settings.Precision); 'defaults': a conf/precision file's Hydra defaults list
+        # (its schema), when the file is loaded as it is
+        cfg = {k: v for k, v in dict(cfg).items() if v is not None and k != "defaults"}
         fields = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(str(k) for k in cfg if k not in fields)
         if unknown:

@@ -6,6 +6,9 @@
 ``${fp4moe.dirname:<text>}``: ``text`` as one path component: kept when short, else its first 80 characters and a
 12-digit hash of the whole (a multirun cell's ``override_dirname`` grows past the file-name limit of 255 bytes).
 
+``${fp4moe.kernel_env:<switch>}``: a kernel switch's ``FP4MOE_*`` variable, else its default
+(fp4moe_kernels.switches.env_value, the one place those variables are read): conf/kernels/default.yaml.
+
 ``${fp4moe.run_name:}``: the trainer's run folder name, ``<model>-<precision>-<recompute>-<hash of the config>``
 (fp4moe.runs.folder: the same config gives the same folder, so the same command resumes a stopped run).
 
@@ -42,6 +45,10 @@ def register() -> None:
         OmegaConf.register_new_resolver("fp4moe.requeue_flags", requeue_flags)
     if not OmegaConf.has_resolver("fp4moe.dirname"):
         OmegaConf.register_new_resolver("fp4moe.dirname", dirname)
+    if not OmegaConf.has_resolver("fp4moe.kernel_env"):
+        from fp4moe_kernels.switches import env_value  # torch-free: the kernel switches' variables, read there only
+
+        OmegaConf.register_new_resolver("fp4moe.kernel_env", env_value)
     if not OmegaConf.has_resolver("fp4moe.run_name"):
         from fp4moe.runs import folder
 

@@ -1,5 +1,5 @@
-"""The typed configuration: one frozen dataclass per config group whose values are plain data (``train``,
-``parallel``, ``cluster``, ``model``, ``optimizer``, ``data``), each both
+"""The typed configuration: one frozen dataclass per config group (``train``, ``parallel``, ``cluster``, ``model``,
+``optimizer``, ``data``, ``precision``, ``recompute``, ``kernels``, ``paths``), each both
 
 - the group's **schema** in Hydra's ConfigStore (:func:`register`, run by ``import fp4moe``): every YAML file of the
   group extends it (``defaults: [base_<group>, _self_]``, Hydra 1.3's structured-config schema pattern), so
@@ -10,11 +10,16 @@
   replaced ``fp4moe.config.VALUE_RULES``). A config not composed with the schemas (an archived run's params, a
   hand-written dict) is merged into them first, with the same errors.
 
-One class for both, so that a field's type, its range and what it means are written once. Checks that span groups
-(world size against the cluster, the expert grid, the pipeline layout, ...) stay in :func:`fp4moe.config.check`,
-which starts with :meth:`Settings.from_config`.
+One class for both, so that a field's type, its range and what it means are written once. Three groups differ:
+``precision``'s schema (:class:`Precision`) has :class:`fp4moe.recipe.Recipe`'s fields, null where the preset's
+value holds, and ``Settings.precision`` is the Recipe parsed from it once; ``recompute``'s rules are checked by
+:class:`Recompute` alone; ``kernels``' schema is ``fp4moe_kernels.switches.Switches``, whose values default to the
+``FP4MOE_*`` variables read in one place (``fp4moe_kernels.switches.env_value``, the module docstring's table). Checks
+that span groups (world size against the cluster, the expert grid, the pipeline layout, recompute modules that need
+Transformer Engine, ...) stay in :func:`fp4moe.config.check`, which starts with :meth:`Settings.from_config`.
 
-No torch, no Hydra at import (``register`` imports Hydra's ConfigStore when it runs); OmegaConf only.
+No torch, no Hydra at import (``register`` imports Hydra's ConfigStore when it runs); OmegaConf, fp4moe.recipe and
+fp4moe_kernels.switches (both torch-free) only.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ from typing import Any, ClassVar, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from fp4moe.recipe import Recipe, RecipeError
+from fp4moe_kernels.switches import ENV, SwitchError, Switches
 
 
 class ConfigError(ValueError):
@@ -302,9 +310,165 @@ class Model(_Group):
     moe: MoE = MISSING
 
 
+# ---------------------------------------------------------------------------------------------- precision
+
+@dataclass(frozen=True)
+class Precision(_Group):
+    """The ``precision`` group's schema (conf/precision/*.yaml): the fields of :class:`fp4moe.recipe.Recipe`, each
+    null unless a file or the command line sets it (``precision.save_fp4=false``); null means the value of the
+    preset that ``name`` picks. :meth:`Settings.from_config` parses it once into the frozen ``Recipe``
+    (``Settings.precision``), whose ``__post_init__`` refuses invalid combinations."""
+
+    PREFIX: ClassVar[str] = "precision"
+    name: str = MISSING                           # bf16 | fp8 | mxfp4: the preset
+    dispatch_fp4: Optional[bool] = None
+    expert_input_fp4: Optional[bool] = None
+    save_fp4: Optional[bool] = None
+    activation_fp4_store: Optional[bool] = None
+    recompute_cache_fp4: Optional[bool] = None
+    backward_a2a: Optional[str] = None            # bf16 | fp8
+    scope: Optional[str] = None                   # experts | experts+shared | all_linears
+    scale_rule: Optional[str] = None              # ceil | floor
+    label: Optional[str] = None                   # the MLflow tag ``recipe`` of a preset's variant
+
+    def recipe(self) -> Recipe:
+        """The preset of ``name`` with the keys set here; ConfigError (one line, ``precision: ...``) when Recipe
+        refuses the combination."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        try:
+            return Recipe.from_config(given)
+        except RecipeError as e:
+            raise ConfigError(f"precision: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------- recompute
+
+# megatron-core recompute_modules (TransformerConfig) and those that need Transformer Engine there.
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "moe", "shared_experts")
+TE_ONLY_RECOMPUTE_MODULES = {
+    "layernorm": "megatron-core's output-discarding layernorm checkpoint crashes without TE (random.py)",
+    "moe_act": "megatron-core recomputes the expert activation only inside TEGroupedMLP",
+}
+# Modules fp4moe recomputes itself (P3): the layernorms (our output-discarding checkpoint), the routed-expert
+# MLP ("moe_expert" of the FP8-Flow-MoE fork: fc1 -> SwiGLU -> fc2 of the experts, dispatch not re-run) and the
+# whole MLA self-attention block ("self_attention": the fork's "attn" as results/scale/paper_t1.md reads it).
+FP4MOE_RECOMPUTE_MODULES = ("layernorm", "moe_expert", "self_attention")
+# recompute modules that would checkpoint inside a self_attention checkpoint: one or the other
+NESTED_IN_SELF_ATTENTION = ("core_attn", "mla_up_proj")
+GRANULARITIES = ("selective", "full")
+FULL_METHODS = ("uniform", "block")
+
+
+def nested_in_self_attention(fp4moe_modules: Any, megatron_modules: Any) -> list[str]:
+    """The megatron recompute modules that lie inside fp4moe's ``self_attention`` checkpoint when both are asked
+    for (a configuration error: keep one or the other); empty otherwise."""
+    if "self_attention" not in (fp4moe_modules or ()):
+        return []
+    return [m for m in (megatron_modules or ()) if m in NESTED_IN_SELF_ATTENTION]
+
+
+@dataclass(frozen=True)
+class Recompute(_Group):
+    """The ``recompute`` group (conf/recompute/*.yaml): which activations backward recomputes. The one place its
+    rules are checked (``__post_init__``); the rule that depends on the backend (modules megatron-core runs only
+    with Transformer Engine) is :func:`fp4moe.config.check`'s."""
+
+    PREFIX: ClassVar[str] = "recompute"
+    name: str = MISSING
+    paper_label: Optional[str] = None             # the T1 row this scope is (conf/paper/numbers.yaml), or null
+    paper_scope: Optional[str] = None             # the cell of the paper's T1 it stands for, or null
+    granularity: Optional[str] = None             # null (nothing recomputed) | selective | full (megatron-core's)
+    megatron_modules: List[str] = field(default_factory=list)   # -> TransformerConfig.recompute_modules
+    fp4moe_modules: List[str] = field(default_factory=list)     # ours: FP4MOE_RECOMPUTE_MODULES
+    fork_modules: List[str] = field(default_factory=list)       # the FP8-Flow-MoE scripts' spelling (provenance)
+    method: Optional[str] = None                  # full: uniform | block
+    num_layers: Optional[int] = _rule("layers per recompute chunk, or null (full: 1)", 1, default=None)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        gran, mods, own = self.granularity, list(self.megatron_modules), list(self.fp4moe_modules)
+        if gran is not None and gran not in GRANULARITIES:
+            raise ConfigError(f"recompute.granularity={gran!r}: pick null, selective or full")
+        if gran != "selective" and (mods or own):
+            raise ConfigError(f"recompute.megatron_modules/fp4moe_modules are set but recompute.granularity={gran!r}: "
+                              "set granularity: selective, or empty the module lists")
+        unknown = [x for x in mods if x not in MEGATRON_RECOMPUTE_MODULES]
+        if unknown:
+            raise ConfigError(f"recompute.megatron_modules has {unknown}, not megatron-core recompute modules "
+                              f"({', '.join(MEGATRON_RECOMPUTE_MODULES)}): move fp4moe-only ones to "
+                              "recompute.fp4moe_modules")
+        unknown = [x for x in own if x not in FP4MOE_RECOMPUTE_MODULES]
+        if unknown:
+            raise ConfigError(f"recompute.fp4moe_modules has {unknown}: fp4moe implements "
+                              f"{', '.join(FP4MOE_RECOMPUTE_MODULES)}")
+        if gran == "selective" and not mods and not own:
+            raise ConfigError(f"recompute.granularity=selective with no modules (recompute={self.name}): set "
+                              "recompute.megatron_modules or recompute.fp4moe_modules, or granularity: null")
+        nested = nested_in_self_attention(own, mods)
+        if nested:
+            raise ConfigError(f"recompute.fp4moe_modules has self_attention (the whole attention block) and "
+                              f"recompute.megatron_modules has {nested}, which lie inside it: keep one or the other")
+        if gran == "full" and self.method not in FULL_METHODS:
+            raise ConfigError(f"recompute.granularity=full needs recompute.method uniform or block, got "
+                              f"{self.method!r}")
+
+    @property
+    def own_modules(self) -> tuple[str, ...]:
+        """The ``fp4moe_modules`` in force (those of a selective scope; none otherwise)."""
+        return tuple(self.fp4moe_modules) if self.granularity == "selective" else ()
+
+    @property
+    def te_only_modules(self) -> tuple[str, ...]:
+        """The ``megatron_modules`` megatron-core runs only with Transformer Engine."""
+        return tuple(m for m in self.megatron_modules if m in TE_ONLY_RECOMPUTE_MODULES)
+
+
+# ---------------------------------------------------------------------------------------------- kernels, paths
+
+# The ``kernels`` group's schema is fp4moe_kernels.switches.Switches itself (torch-free): one field per switch,
+# typed str, each checked against its values in __post_init__; conf/kernels/default.yaml defaults each to its
+# FP4MOE_* variable through the resolver ${fp4moe.kernel_env:<switch>} (fp4moe_kernels.switches.env_value, the one
+# place those variables are read; its module docstring is the table of switches, variables and values).
+
+
+@dataclass(frozen=True)
+class Paths(_Group):
+    """The ``paths`` group (conf/paths/default.yaml, which reads ``FP4MOE_ROOT``, ``FP4MOE_DATA_DIR`` and
+    ``FP4MOE_CKPT_DIR``): where a run writes and reads; relative folders are relative to the working directory.
+    Not part of a run folder's identity (fp4moe.runs.folder.EXCLUDED)."""
+
+    PREFIX: ClassVar[str] = "paths"
+    root: str = MISSING                           # the run's base folder
+    log_dir: str = MISSING                        # run folders: <log_dir>/<task_name>/runs/, .../multiruns/
+    data_dir: str = MISSING                       # prepared corpora: data.dir = <data_dir>/<corpus>
+    checkpoint_dir: str = MISSING                 # train.checkpoint_dir's default: relative = in the run folder
+
+
 # Keys a schema adds with a null that means "not given, the code's default": a run folder's identity
 # (fp4moe.runs.folder) leaves them out while null, so that the folders of configs written before the schema stay.
-ABSENT_WHEN_NULL = ("model.mtp_loss_scaling_factor", "model.moe.bias_update_rate", "model.moe.pre_softmax")
+ABSENT_WHEN_NULL = ("model.mtp_loss_scaling_factor", "model.moe.bias_update_rate", "model.moe.pre_softmax",
+                    *(f"precision.{f.name}" for f in dataclasses.fields(Precision) if f.name != "name"))
+
+def drop_absent(key: str, value: Any) -> Any:
+    """``value``, the resolved config at dotted ``key`` (a plain dict), without the :data:`ABSENT_WHEN_NULL` keys
+    below it that are null: what a config written before the schemas held there (a run folder's identity, a
+    checkpoint's fingerprint)."""
+    if not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for dotted in ABSENT_WHEN_NULL:
+        if not dotted.startswith(key + "."):
+            continue
+        *parents, leaf = dotted[len(key) + 1:].split(".")
+        holder: Any = out
+        for p in parents:
+            holder[p] = dict(holder[p]) if isinstance(holder.get(p), dict) else holder.get(p)
+            holder = holder[p]
+        if isinstance(holder, dict) and leaf in holder and holder[leaf] is None:
+            del holder[leaf]
+    return out
+
+
 # Counts typed float (a token budget may be written 3.0e11) that configs written before the schema held as integers:
 # the run folder's identity writes an integral value as the integer it equals.
 WHOLE_WHEN_INTEGRAL = ("train.tokens", "train.schedule.warmup_tokens")
@@ -464,6 +628,10 @@ SCHEMAS: Dict[str, Dict[str, type]] = {
     "model": {"base_model": Model},
     "optimizer": {"base_optimizer": OptimizerSetting},
     "data": {"base_bundled_corpus": BundledCorpus, "base_user_corpus": UserCorpus},
+    "precision": {"base_precision": Precision},
+    "recompute": {"base_recompute": Recompute},
+    "kernels": {"base_kernels": Switches},
+    "paths": {"base_paths": Paths},
 }
 
 
@@ -534,6 +702,22 @@ def _build(cls: type, cfg: DictConfig, group: str) -> Any:
         return OmegaConf.to_object(node)
     except OmegaConfBaseException as e:
         raise ConfigError(explain(e, group)) from e
+    except SwitchError as e:  # Switches checks its values itself: name the key and the variable
+        raise ConfigError(f"kernels.{e.name}={e.raw!r} (the config's, or ${ENV[e.name]}'s): use {e.words}") from None
+
+
+def build_group(group: str, node: Any) -> Any:
+    """The frozen settings of one group's node (``cfg.recompute``, a dict, or already its settings object, which is
+    returned as it is); ``precision`` gives the parsed :class:`fp4moe.recipe.Recipe`. For code handed one group
+    rather than a whole config (fp4moe.model.build); a whole config goes through :meth:`Settings.from_config`.
+    ConfigError (one line) as there."""
+    if isinstance(node, (Recipe, *(c for c in SCHEMAS[group].values()))):
+        return node
+    plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    plain.pop("defaults", None)  # a group's file loaded as it is: its defaults list (the schema) is Hydra's
+    cfg = OmegaConf.create({group: plain})
+    built = _build(_schema_of(group, cfg[group]), cfg, group)
+    return built.recipe() if group == "precision" else built
 
 
 @dataclass(frozen=True)
@@ -546,17 +730,23 @@ class Settings:
     model: Model
     optimizer: OptimizerSetting
     data: Any                             # BundledCorpus | UserCorpus
+    precision: Recipe                     # the precision group parsed once (Precision.recipe)
+    recompute: Recompute
+    kernels: Switches                     # the kernel switches in force for the run (fp4moe_kernels.switches)
+    paths: Paths
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Settings":
-        """Every group of ``cfg`` as its frozen dataclass; ConfigError (one line: the key, its value, what it must
-        be) for the first value of the wrong type or out of its range."""
+        """Every group of ``cfg`` as its frozen dataclass (``precision`` as its Recipe); ConfigError (one line: the
+        key, its value, what it must be) for the first value of the wrong type, out of its range, or a combination
+        its group refuses."""
         cfg = _as_cfg(cfg)
         missing = [g for g in SCHEMAS if cfg.get(g) is None]
         if missing:
             raise ConfigError(f"the config has no {', '.join(missing)} group: compose it from conf/train.yaml")
         built = {g: (OptimizerSetting.from_config(cfg) if g == "optimizer" else _build(_schema_of(g, cfg[g]), cfg, g))
                  for g in SCHEMAS}
+        built["precision"] = built["precision"].recipe()
         return cls(**built)
 
 
@@ -624,7 +814,11 @@ def explain(e: BaseException, group: str = "") -> str:
     while cur is not None and not isinstance(cur, OmegaConfBaseException):
         cur = cur.__cause__ or cur.__context__
     if cur is None:  # Hydra's own (a config file that does not exist: its message lists the options)
-        first, *rest = [x.strip() for x in str(e).splitlines() if x.strip()] or [type(e).__name__]
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        if "Config search path:" in lines:  # where Hydra looked: not what the user can pick
+            lines = lines[:lines.index("Config search path:")]
+        schemas = {name for names in SCHEMAS.values() for name in names}  # ConfigStore nodes, not files to pick
+        first, *rest = [x for x in lines if x not in schemas] or [type(e).__name__]
         return first + (f"; {rest[0]} {', '.join(rest[1:])}" if rest else "")
     key = _full_key(cur, group)
     text = str(cur)
@@ -657,5 +851,7 @@ def explain(e: BaseException, group: str = "") -> str:
 
 
 __all__ = ["ConfigError", "Settings", "Train", "AdamW", "Schedule", "Measure", "Profile", "Parallel", "Cluster",
-           "Model", "MLA", "MoE", "OptimizerSetting", "GRAD_DTYPES", "BundledCorpus", "UserCorpus", "Tokenizer", "UserTokenizer",
-           "SCHEMAS", "ABSENT_WHEN_NULL", "register", "explain", "unknown_key_message"]
+           "Model", "MLA", "MoE", "OptimizerSetting", "Precision", "Recompute", "Paths", "build_group",
+           "MEGATRON_RECOMPUTE_MODULES", "TE_ONLY_RECOMPUTE_MODULES", "FP4MOE_RECOMPUTE_MODULES",
+           "nested_in_self_attention", "GRAD_DTYPES", "BundledCorpus", "UserCorpus", "Tokenizer", "UserTokenizer",
+           "SCHEMAS", "ABSENT_WHEN_NULL", "drop_absent", "register", "explain", "unknown_key_message"]

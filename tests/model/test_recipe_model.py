@@ -328,7 +328,8 @@ def test_whole_attention_block_and_core_attention_are_one_or_the_other():
 
     r = OmegaConf.load(CONF / "recompute" / "attn_block_ln_experts.yaml")
     r.megatron_modules = ["core_attn"]
-    with pytest.raises(ConfigError, match="self_attention .* and megatron_modules \\['core_attn'\\], which lie inside it"):
+    with pytest.raises(ConfigError, match="self_attention .* and recompute.megatron_modules has \\['core_attn'\\], "
+                                          "which lie inside it"):
         _recompute_kwargs(r)
 
 

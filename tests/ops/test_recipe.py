@@ -37,6 +37,13 @@ def test_from_config_starts_from_the_named_preset():
     assert Recipe.from_config(r) is r
 
 
+def test_a_null_key_is_the_presets_value_and_a_files_defaults_list_is_skipped():
+    """The precision group's schema (fp4moe.settings.Precision) holds null for every key a file leaves out; a
+    conf/precision file loaded as it is has its Hydra defaults list (the schema's name)."""
+    assert Recipe.from_config({"name": "mxfp4", "save_fp4": None, "scope": None}) == Recipe.mxfp4()
+    assert Recipe.from_config({"defaults": ["base_precision", "_self_"], "name": "fp8"}) == Recipe.fp8()
+
+
 def test_from_config_omegaconf():
     omegaconf = pytest.importorskip("omegaconf")
     cfg = omegaconf.OmegaConf.create({"name": "fp8", "backward_a2a": "fp8", "scope": "experts"})

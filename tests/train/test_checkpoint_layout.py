@@ -174,3 +174,17 @@ def test_a_layout_change_is_refused_for_per_rank_checkpoints_only():
     other = ckpt.fingerprint(_compose("parallel.global_batch=8"))
     with pytest.raises(ConfigError, match=r"belongs to a run with other parallel.trained: "):
         ckpt.check_compatible(Path("s"), {**saved, "format": ckpt.SHARDED}, world_size=1, fingerprint_=other)
+
+
+def test_the_schemas_leave_checkpoint_fingerprints_as_they_were():
+    """The nulls the config groups' schemas add for keys not given (fp4moe.settings.ABSENT_WHEN_NULL: the model's,
+    precision's) are not part of a checkpoint's fingerprint, so checkpoints written before the schemas (1c177ea)
+    resume; a value given (precision.save_fp4=false) is."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg, shared = compose("train"), compose("train", overrides=["precision=mxfp4_mlp_shared"])
+        no_fp4_save = compose("train", overrides=["precision.save_fp4=false"])
+    fp = ckpt.fingerprint(cfg)
+    assert (fp["model"], fp["precision"], fp["recompute"]) == ("ab40599cfafc53c9", "fb8ca8cd925c9fae",
+                                                               "be2ef5542c6939d5")
+    assert ckpt.fingerprint(shared)["precision"] == "183cbfea88dc458d"
+    assert ckpt.fingerprint(no_fp4_save)["precision"] != fp["precision"]

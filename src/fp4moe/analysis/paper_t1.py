@@ -211,7 +211,7 @@ VARIANTS = (
     # OOM on an H200 (calibration.h200_memory, the largest of seven OOM messages; no NCCL peers there)
     Variant("CUDA context = the H200 proxy's OOM messages (calibration.md)",
             assumptions=lambda a: replace(a, cuda_context_bytes=round(h200_memory().non_torch_gib * GB))),
-    Variant("fp4moe's MXFP4 recompute caches (our extension)", ("~precision.recompute_cache_fp4",),
+    Variant("fp4moe's MXFP4 recompute caches (our extension)", ("precision.recompute_cache_fp4=null",),
             recipes=("mxfp4",)),
     Variant("MoE-expert checkpoint keeps BF16 rows (+precision.expert_input_fp4=false)",
             ("+precision.expert_input_fp4=false",), recipes=("mxfp4",)),

@@ -4,7 +4,7 @@ The layer spec is megatron's local (torch-native) spec with ``core_attention`` s
 :class:`fp4moe.model.attention.SDPACoreAttention` (the local ``DotProductAttention`` rejects MLA's
 ``k_channels``/``v_channels``). Needs ``megatron.core.parallel_state.initialize_model_parallel`` to have run.
 
-Precision (``cfg.precision`` -> ``Recipe.from_config``) is in the layer spec alone (:func:`layer_spec`): bf16 builds
+Precision (``cfg.precision`` -> its Recipe, ``fp4moe.settings``; the trainer hands in the one it parsed) is in the layer spec alone (:func:`layer_spec`): bf16 builds
 megatron's own modules unchanged; fp8 and mxfp4 swap the MoE layer, its dispatcher, routed experts and shared
 expert for the recipe's (:mod:`fp4moe.model.recipe_moe`), with ``scope: all_linears`` the attention and dense-MLP
 linears (and MTP's ``eh_proj``) for FP8 ones (:mod:`fp4moe.model.recipe_dense`), and with ``recompute_cache_fp4``
@@ -13,7 +13,8 @@ parameter names stay megatron's. Nothing is patched into a built module; megatro
 fp4moe's instrumentation from :func:`finish`. megatron and torch themselves are patched only while
 ``fp4moe.model.cpu_shims.active()`` is held (:func:`prepare`).
 
-Recompute (``cfg.recompute``): ``megatron_modules`` go to megatron's ``recompute_modules``; ``fp4moe_modules``
+Recompute (``cfg.recompute`` -> ``fp4moe.settings.Recompute``, which checks its rules; here only what building
+without Transformer Engine adds): ``megatron_modules`` go to megatron's ``recompute_modules``; ``fp4moe_modules``
 are ours (:mod:`fp4moe.model.recompute`): ``layernorm`` (megatron's output-discarding norm checkpoint, fixed for
 no-TE, cache MXFP4 under mxfp4) and ``moe_expert`` (routed experts only, no dispatch re-run).
 """
@@ -27,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from fp4moe.config import (DISPATCHERS, FP4MOE_RECOMPUTE_MODULES, MEGATRON_RECOMPUTE_MODULES, TE_ONLY_RECOMPUTE_MODULES,
-                           ConfigError, nested_in_self_attention)
+from fp4moe.config import DISPATCHERS, ConfigError
 from fp4moe.model.attention import SDPACoreAttention
 from fp4moe.recipe import Recipe
+from fp4moe.settings import (FP4MOE_RECOMPUTE_MODULES, TE_ONLY_RECOMPUTE_MODULES, Recompute, build_group,
+                             nested_in_self_attention)
 
 
 
@@ -45,62 +47,44 @@ def _plain(cfg: Any) -> Any:
     return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
 
 
-def _recompute_kwargs(recompute_cfg: Any) -> dict[str, Any]:
-    r = _plain(recompute_cfg)
-    name = r.get("name", "<unnamed>")
-    gran = r.get("granularity")
-    mods = list(r.get("megatron_modules") or [])
-    own = list(r.get("fp4moe_modules") or [])
-    if gran is None:
-        if mods or own:
-            raise ConfigError(f"recompute scope {name!r}: modules {mods + own} are set but granularity is null: "
-                              "set granularity: selective or empty the module lists")
+def recompute_of(recompute: Any) -> Recompute | None:
+    """The ``recompute`` group as :class:`fp4moe.settings.Recompute` (its rules checked when it is built; the
+    settings' own instance is taken as it is); None for no group."""
+    return None if recompute is None else build_group("recompute", recompute)
+
+
+def _recompute_kwargs(recompute: Any) -> dict[str, Any]:
+    """megatron-core's recompute settings for a recompute scope (a Recompute, or its config node)."""
+    r = recompute_of(recompute)
+    if r is None or r.granularity is None:
         return {}
-    if gran == "full":
-        method = r.get("method")
-        if method not in ("uniform", "block"):
-            raise ConfigError(f"recompute scope {name!r}: granularity full needs method uniform or block, got {method!r}")
-        return {"recompute_granularity": "full", "recompute_method": method,
-                "recompute_num_layers": int(r.get("num_layers") or 1)}
-    if gran != "selective":
-        raise ConfigError(f"recompute scope {name!r}: granularity={gran!r}; pick null, selective or full")
-    unknown = [m for m in mods if m not in MEGATRON_RECOMPUTE_MODULES]
-    if unknown:
-        raise ConfigError(f"recompute scope {name!r}: megatron_modules {unknown} are not megatron-core recompute "
-                          f"modules ({', '.join(MEGATRON_RECOMPUTE_MODULES)})")
-    te = [m for m in mods if m in TE_ONLY_RECOMPUTE_MODULES]
+    te = r.te_only_modules
     if te:
         why = "; ".join(f"{m}: {TE_ONLY_RECOMPUTE_MODULES[m]}" for m in te)
-        raise ConfigError(f"recompute scope {name!r}: megatron_modules {te} need Transformer Engine in megatron-core "
-                          f"and fp4moe builds the model without it ({why}). Use recompute.fp4moe_modules "
+        raise ConfigError(f"recompute scope {r.name!r}: megatron_modules {list(te)} need Transformer Engine in "
+                          f"megatron-core and fp4moe builds the model without it ({why}). Use recompute.fp4moe_modules "
                           f"({', '.join(FP4MOE_RECOMPUTE_MODULES)}) or another recompute scope")
-    bad = [m for m in own if m not in FP4MOE_RECOMPUTE_MODULES]
-    if bad:
-        raise ConfigError(f"recompute scope {name!r}: fp4moe_modules {bad} are not fp4moe recompute modules "
-                          f"({', '.join(FP4MOE_RECOMPUTE_MODULES)})")
-    if not mods and not own:
-        raise ConfigError(f"recompute scope {name!r}: granularity selective with no modules; use granularity: null")
-    nested = nested_in_self_attention(own, mods)
-    if nested:
-        raise ConfigError(f"recompute scope {name!r}: fp4moe_modules self_attention (the whole attention block) and "
-                          f"megatron_modules {nested}, which lie inside it: keep one or the other")
-    if "layernorm" in own:  # megatron's output-discarding norm checkpoint, made to work without TE (recompute.py)
-        mods = mods + ["layernorm"]
+    if r.granularity == "full":
+        return {"recompute_granularity": "full", "recompute_method": r.method,
+                "recompute_num_layers": int(r.num_layers or 1)}
+    mods = list(r.megatron_modules)
+    if "layernorm" in r.fp4moe_modules:  # megatron's output-discarding norm checkpoint, made to work without TE
+        mods.append("layernorm")
     if not mods:
         return {}
     return {"recompute_granularity": "selective", "recompute_modules": mods}
 
 
-def fp4moe_recompute_modules(recompute_cfg: Any) -> list[str]:
+def fp4moe_recompute_modules(recompute: Any) -> list[str]:
     """The ``recompute.fp4moe_modules`` that fp4moe implements itself ('layernorm', 'moe_expert', 'self_attention')."""
-    r = _plain(recompute_cfg)
-    return list(r.get("fp4moe_modules") or []) if r.get("granularity") == "selective" else []
+    r = recompute_of(recompute)
+    return [] if r is None else list(r.own_modules)
 
 
-def recipe_of(cfg: Any):
-    """``Recipe.from_config(cfg['precision'])``; bf16 when the config has no precision group."""
+def recipe_of(cfg: Any) -> Recipe:
+    """The Recipe of a config's ``precision`` group (``fp4moe.settings.Precision.recipe``); bf16 when it has none."""
     prec = cfg.get("precision") if hasattr(cfg, "get") else None
-    return Recipe.from_config(prec) if prec is not None else Recipe.bf16()
+    return build_group("precision", prec) if prec is not None else Recipe.bf16()
 
 
 def _check_recipe_parallel(recipe, config) -> None:
@@ -121,8 +105,9 @@ def _check_recipe_parallel(recipe, config) -> None:
 def transformer_config(model_cfg: Any, parallel_cfg: Any = None, recompute_cfg: Any = None, *,
                        params_dtype: torch.dtype = torch.float32, precision_cfg: Any = None):
     """Build megatron-core's ``MLATransformerConfig`` from ``conf/model``, ``conf/parallel`` and ``conf/recompute``
-    entries. Raises :class:`fp4moe.config.ConfigError` for what cannot run without TE (and, given
-    ``precision_cfg``, for parallel settings the recipe's modules do not support)."""
+    entries (``recompute_cfg``: a node or the settings' Recompute). Raises :class:`fp4moe.config.ConfigError` for
+    what cannot run without TE (and, given ``precision_cfg``, a Recipe or a precision node, for parallel settings the
+    recipe's modules do not support)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     m, p = _plain(model_cfg), _plain(parallel_cfg)
@@ -217,7 +202,7 @@ def transformer_config(model_cfg: Any, parallel_cfg: Any = None, recompute_cfg: 
                           f"refuses it ({e}): fix the layout string (letters E, t, m, L; one stage per "
                           "pipeline rank)") from e
     if precision_cfg is not None:
-        _check_recipe_parallel(Recipe.from_config(precision_cfg), config)
+        _check_recipe_parallel(build_group("precision", precision_cfg), config)
     return config
 
 
@@ -477,10 +462,11 @@ def mtp_block_spec(config: Any, block: Any, recipe: Any = None):
 
 
 def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
-                    pre_process: bool | None = None, post_process: bool | None = None):
+                    pre_process: bool | None = None, post_process: bool | None = None, settings: Any = None):
     """``GPTModel`` (MLA + MoE, local spec, SDPA core attention) for the composed config ``cfg`` (groups
-    ``model``, ``parallel``, ``recompute``, ``precision``; no precision = bf16). Applies the CPU shims when CUDA
-    is absent. ``model.fp4moe_recipe``: the Recipe; ``model.fp4moe_bf16_linears``: dense linears left BF16 under
+    ``model``, ``parallel``, ``recompute``, ``precision``; no precision = bf16). ``settings``: the run's
+    fp4moe.settings.Settings, whose Recipe and Recompute are used as they are (else parsed from ``cfg`` here).
+    Applies the CPU shims when CUDA is absent. ``model.fp4moe_recipe``: the Recipe; ``model.fp4moe_bf16_linears``: dense linears left BF16 under
     ``scope: all_linears`` (dims not multiples of 128).
 
     Pipeline parallelism: this process's stage, as megatron-lm builds it. ``pre_process`` (embedding) and
@@ -503,10 +489,12 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
                            "fp4moe.model.cpu_shims.active())")
     _clear_moe_log()
     model_cfg = cfg["model"]
-    recipe = recipe_of(cfg)
-    own = [m for m in fp4moe_recompute_modules(cfg.get("recompute")) if m != "layernorm"]  # layernorm: megatron's
-    config = transformer_config(model_cfg, cfg.get("parallel"), cfg.get("recompute"), params_dtype=params_dtype,
-                                precision_cfg=recipe.to_dict())
+    # the trainer's settings hold the recipe and the recompute scope already parsed and checked
+    recipe = settings.precision if settings is not None else recipe_of(cfg)
+    recompute = settings.recompute if settings is not None else recompute_of(cfg.get("recompute"))
+    own = [m for m in fp4moe_recompute_modules(recompute) if m != "layernorm"]  # layernorm: megatron's
+    config = transformer_config(model_cfg, cfg.get("parallel"), recompute, params_dtype=params_dtype,
+                                precision_cfg=recipe)
     block = decoder_block_spec(config, recipe, tuple(own))
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
@@ -633,6 +621,7 @@ def release_dispatcher_tensors(model) -> int:
 
 
 __all__ = ["transformer_config", "build_gpt_model", "to_bf16_params", "layer_spec", "mtp_block_spec", "recipe_of",
+           "recompute_of",
            "a2a_stats", "fp4moe_recompute_modules", "DISPATCHERS", "release_dispatcher_after_forward",
            "release_dispatcher_tensors", "count_routed_rows", "prepare", "Prepared", "decoder_block_spec", "finish",
            "check_built_from_spec"]

@@ -32,12 +32,13 @@ from .swiglu import swiglu
 
 
 def kernel_switches(node=None) -> Switches:
-    """The kernel switches of a ``kernels`` config node (conf/kernels/default.yaml; None: the environment's), checked
-    now rather than where a kernel first reads one (the first backward, the model's build): ``SwitchError`` (a
-    ValueError) naming the key, its environment variable and the values. The trainer calls it among its checks.
+    """The kernel switches of a ``kernels`` config node or of a ``Switches`` (the trainer's: ``Settings.kernels``,
+    already typed and checked; None: the environment's), checked now rather than where a kernel first reads one (the
+    first backward, the model's build): ``SwitchError`` (a ValueError) naming the key, its environment variable and
+    the values. The trainer calls it among its checks.
     ``grouped_gemm=deepgemm`` on a machine with a GPU where DeepGEMM does not load is refused here too (the reason
     and the fix: ``fp4moe_kernels.deepgemm``); without a GPU the experts run the CPU loop whatever the switch says."""
-    s = Switches.from_env() if node is None else Switches.from_config(node)
+    s = node if isinstance(node, Switches) else Switches.from_env() if node is None else Switches.from_config(node)
     if s.grouped_gemm == "deepgemm":
         import torch
 

@@ -44,7 +44,7 @@ from fp4moe import known_warnings
 from fp4moe.config import ConfigError
 from fp4moe.data.errors import DataError
 from fp4moe.paths import conf_dir
-from fp4moe.recipe import Recipe, RecipeError
+from fp4moe.recipe import RecipeError
 from fp4moe.tracking.mlflow_store import TrackingUnavailable
 from fp4moe.train.data import DataUnavailable
 
@@ -193,7 +193,7 @@ def task(cfg: DictConfig) -> dict | None:
     from fp4moe.train.metrics import resolve_uri
 
     done = {"outcome": "done", "run_id": result.run_id, "start_step": result.start_step, "step": result.step,
-            "total_steps": result.total_steps, "recipe": Recipe.from_config(cfg.precision).tag,
+            "total_steps": result.total_steps, "recipe": result.recipe,
             "checkpoint": str(result.checkpoint) if result.checkpoint else None,
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "final_loss": s.get("summary/final_loss"),
             "final_eval_loss": s.get("summary/final_eval_loss"), "tokens_per_gpu_s": s.get("summary/tgs_median"),

@@ -66,6 +66,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fp4moe.atomic_write import writable_ancestor
 from fp4moe.config import ConfigError
+from fp4moe.settings import drop_absent
 from fp4moe.train import optim
 from fp4moe.train.dist import barrier, gather_object
 
@@ -93,15 +94,17 @@ SHARDED = "torch_dist"  # meta.json's "format" of a sharded checkpoint (per-rank
 
 
 def fingerprint(cfg: Any) -> dict[str, str]:
-    """sha256 (16 hex digits) of each FINGERPRINT_KEYS entry of the resolved config, and (``parallel.trained``)
-    of the parallel group without its LAYOUT_KEYS."""
+    """sha256 (16 hex digits) of each FINGERPRINT_KEYS entry of the resolved config (without the nulls of
+    fp4moe.settings.ABSENT_WHEN_NULL), and (``parallel.trained``) of the parallel group without its LAYOUT_KEYS."""
     def digest(value: Any) -> str:
         return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     out = {}
     for key in FINGERPRINT_KEYS:
         node = OmegaConf.select(cfg, key)
-        out[key] = digest(OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
+        # a null the groups' schemas add for a key not given is left out: checkpoints from before them still match
+        out[key] = digest(drop_absent(key, OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node)
+                                      else node))
     par = OmegaConf.select(cfg, "parallel")
     par = OmegaConf.to_container(par, resolve=True) if OmegaConf.is_config(par) else dict(par or {})
     out[TRAINED_PARALLEL] = digest({k: v for k, v in par.items() if k not in LAYOUT_KEYS})

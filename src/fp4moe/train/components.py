@@ -103,7 +103,7 @@ def build(cfg: Any, derived: dict[str, Any], info: Any, output_dir: Any, setting
     profiler = StepProfiler(cfg, output_dir, device, info.rank)
     profiler.start_memory_history()  # train.profile.memory: every allocation from here on gets its site
     dtype = torch.bfloat16 if t.params_dtype == "bf16" else torch.float32
-    model = build_gpt_model(cfg, params_dtype=dtype).to(device)
+    model = build_gpt_model(cfg, params_dtype=dtype, settings=settings).to(device)
     if t.layout_invariant_init:  # megatron's draws depend on the EP/PP layout (fp4moe.model.init)
         from fp4moe.model.init import reinit_layout_invariant
 

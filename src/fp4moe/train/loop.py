@@ -72,6 +72,7 @@ class TrainResult:
     checkpoint: Path | None = None       # last checkpoint written by this call (or, already_finished, the last)
     already_finished: bool = False       # the checkpoint was at train.steps already: nothing trained, nothing logged
     summary: dict[str, float | None] = field(default_factory=dict)
+    recipe: str = ""                     # the recipe's name in results (Recipe.tag); "" when nothing was trained
 
 
 _OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
@@ -116,8 +117,9 @@ def preflight(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
     from fp4moe.train.metrics import tracking_thread
 
     try:
-        # a typo in a kernel switch (kernels.*, or its FP4MOE_* variable) is refused here, not at the first backward
-        kernel_switches(OmegaConf.select(cfg, "kernels", default=None))
+        # a typo in a kernel switch (kernels.*, or its FP4MOE_* variable) was refused by Settings; DeepGEMM that does
+        # not load is refused here, not at the first backward
+        kernel_switches(s.kernels)
         tracking_thread()  # nor one in FP4MOE_TRACKING_THREAD
     except ValueError as e:  # SwitchError included
         raise ConfigError(str(e)) from None
@@ -132,7 +134,7 @@ def preflight(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
     from fp4moe.model.build import transformer_config
 
     # megatron-core's own config checks and what fp4moe.model cannot build (recompute scopes, dispatcher), now
-    transformer_config(cfg.model, cfg.parallel, cfg.recompute,
+    transformer_config(cfg.model, cfg.parallel, s.recompute,
                        params_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     return derived
 
@@ -174,7 +176,7 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
             init_model_parallel(cfg, info)
             warm_up_communicators(info)  # before the model fills the GPU: NCCL allocates outside torch's allocator
             # the config's kernel switches (kernels.*) for every op of this run, whatever the environment says later
-            with use_kernel_switches(kernel_switches(OmegaConf.select(cfg, "kernels", default=None))):
+            with use_kernel_switches(kernel_switches(settings.kernels)):
                 result = _run(cfg, settings, derived, info, multirun_cell, output_dir, extra, preempt,
                               resume_hint or "to resume, rerun the same command")
         finally:
@@ -241,12 +243,13 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
     # the checkpoint folder
     tracker = Tracker(resolve_uri(cfg), str(OmegaConf.select(cfg, "tracking.experiment") or "train"),
                       enabled=info.is_main, pending=root / PENDING_FILE)
-    record = describe(cfg, derived, info, parts.setting, parts.dinfo, root)
+    record = describe(cfg, derived, info, settings, parts.dinfo, root)
     tracker.start(record.name, record.params, record.tags, resume_run_id=start.run_id,
                   earlier_run=claim.earlier_run(record.store))
     if tracker.run_id is not None:  # rank 0: the folder's record names the MLflow run it trains now
         claim.record(tracker.run_id, record.store)
-    result = TrainResult(run_id=tracker.run_id, start_step=start.step, step=start.step, total_steps=total_steps)
+    result = TrainResult(run_id=tracker.run_id, start_step=start.step, step=start.step, total_steps=total_steps,
+                         recipe=record.recipe)
     # every rank learns the run id (it goes into every checkpoint's meta via rank 0 only)
     (result.run_id,) = resume.from_rank0([tracker.run_id], info)
 
@@ -311,7 +314,7 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
         if output_dir is not None and info.is_main:
             write_summary_json(output_dir, {
                 "run_id": result.run_id, "step": step, "total_steps": total_steps, "stopped_by": result.stopped_by,
-                "recipe": record.recipe, "recompute": str(cfg.recompute.name),
+                "recipe": record.recipe, "recompute": settings.recompute.name,
                 "checkpoint": str(result.checkpoint) if result.checkpoint else None, **summary})
         status = "KILLED" if result.stopped_by else "FINISHED"
         if result.stopped_by:

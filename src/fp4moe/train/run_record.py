@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 
 from fp4moe.launch import slurm
 from fp4moe.tracking import mlflow_store
-from fp4moe.recipe import Recipe
 from fp4moe.train.dist import host_tags
 
 
@@ -31,10 +30,10 @@ class RunRecord:
     store: str
 
 
-def describe(cfg: Any, derived: dict[str, Any], info: Any, setting: Any, dinfo: dict[str, Any],
+def describe(cfg: Any, derived: dict[str, Any], info: Any, settings: Any, dinfo: dict[str, Any],
              root: Path) -> RunRecord:
-    """The run's record for ``cfg`` trained on ``info``'s ranks with the optimizer ``setting``, on data
-    ``dinfo``, checkpointing into ``root``."""
+    """The run's record for ``cfg`` (``settings``: its fp4moe.settings.Settings, whose recipe, recompute scope,
+    model and optimizer it names) trained on ``info``'s ranks, on data ``dinfo``, checkpointing into ``root``."""
     from fp4moe.train.metrics import flatten, hardware_tags, resolve_uri
 
     store = mlflow_store.without_credentials(resolve_uri(cfg))
@@ -42,7 +41,7 @@ def describe(cfg: Any, derived: dict[str, Any], info: Any, setting: Any, dinfo: 
     params = flatten({k: v for k, v in resolved.items() if k != "hydra"})
     params["tracking.uri"] = store
     params.update({f"derived.{k}": str(v) for k, v in derived.items()})
-    recipe = Recipe.from_config(cfg.precision).tag
+    recipe = settings.precision.tag
     params.update({"recipe": recipe, "git_commit": mlflow_store.environment_tags()["mlflow.source.git.commit"],
                    "data.vocab_size_tokenizer": str(dinfo.get("vocab_size")),
                    "data.train_tokens": str(dinfo.get("train_tokens")),
@@ -50,12 +49,12 @@ def describe(cfg: Any, derived: dict[str, Any], info: Any, setting: Any, dinfo: 
                    "data.tokenizer_path": str(dinfo.get("tokenizer_path")),
                    "data.dataset_prefix": str(dinfo.get("dataset_prefix"))})
     tags = hardware_tags(info.device, info.world_size, info.launcher)
-    tags.update({"recipe": recipe, "recompute": str(cfg.recompute.name), "model": str(cfg.model.name),
-                 "optimizer": setting.name, "checkpoint_dir": str(root), **host_tags(info.hosts),
+    tags.update({"recipe": recipe, "recompute": settings.recompute.name, "model": settings.model.name,
+                 "optimizer": settings.optimizer.name, "checkpoint_dir": str(root), **host_tags(info.hosts),
                  **slurm.job_tags()})
     extra = OmegaConf.select(cfg, "tracking.tags", default=None) or {}  # the caller's own (fp4moe.reproduce.train_runs)
     tags.update({str(k): str(v) for k, v in extra.items()})
-    name = f"{cfg.get('task_name', 'train')}/{cfg.model.name}/{recipe}/{cfg.recompute.name}"
+    name = f"{cfg.get('task_name', 'train')}/{settings.model.name}/{recipe}/{settings.recompute.name}"
     return RunRecord(name=name, params=params, tags=tags, recipe=recipe, store=store)
 
 
