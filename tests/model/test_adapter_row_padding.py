@@ -4,8 +4,11 @@ recipe dispatcher, ``RecipeGroupedMLP``; tiny_cpu's MoE layer, 8 local experts):
 rows (EP = 1, permutation 2 skipped) or permutation 2 does (run instead of skipped), ``dispatch_postprocess`` returns
 the padded counts, and the outputs and gradients equal bit for bit the standalone layer with the experts padding
 on their own (``pad_in_dispatch = False``), which tests/moe/test_layer_row_padding.py shows equal to its own
-dispatch padding. bf16 (the adapter's modules under the bf16 recipe, as test_one_moe_path), fp8, fp8 with an FP8
-gradient all-to-all, mxfp4 without dispatch_fp4, and the mxfp4 preset (the experts pad its MXFP4 rows).
+dispatch padding; so do the experts' inputs (counts, MXFP4 data and scales, probabilities), and the experts pad
+nothing themselves. bf16 (the adapter's modules under the bf16 recipe, as test_one_moe_path), fp8, fp8 with an FP8
+gradient all-to-all, mxfp4 without dispatch_fp4, and the mxfp4 preset (permutation 1 gathers its MXFP4 rows padded,
+zero codes and zero scales on the padding; permutation 2 reorders the received ones padded), with the experts'
+recompute too (its 'fp4' cache: the padded MXFP4 rows).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ pytest.importorskip("megatron.core")
 import torch.multiprocessing as tmp  # noqa: E402
 
 from tests.model.test_one_moe_path import _free_port, _pair, _run_megatron, _run_standalone  # noqa: E402
+from tests.moe.test_layer_row_padding import _ExpertInputs, _same_expert_inputs  # noqa: E402
 
 ALIGN = 128
 VARIANTS = ("top2", "expert_recompute", "permutation_2", "fp8_bwd_a2a", "no_dispatch_fp4")
@@ -74,10 +78,9 @@ def test_adapter_dispatch_padding_equals_experts_padding(mp, monkeypatch, precis
         pytest.skip("backward_a2a fp8 needs FP8 compute")
     if variant == "no_dispatch_fp4" and precision != "mxfp4":
         pytest.skip("a variant of the mxfp4 recipe")
-    if align == 8 and variant not in ("top2", "permutation_2"):
-        pytest.skip("the small alignment on the plain paths")
-    import fp4moe.ops.grouped_experts as ge
-
+    if align == 8 and variant not in ("top2", "permutation_2") and not (precision, variant) == ("mxfp4",
+                                                                                              "expert_recompute"):
+        pytest.skip("the small alignment on the plain paths (and the mxfp4 preset's recompute)")
     moe, ref, k, row_padding = _aligned_pair(precision, variant, align)
     d = moe.token_dispatcher
     seen = {}
@@ -89,43 +92,44 @@ def test_adapter_dispatch_padding_equals_experts_padding(mp, monkeypatch, precis
         return rows, counts, p
 
     monkeypatch.setattr(d, "dispatch_postprocess", dispatch_postprocess)
-    expert_pads = []
-    real = ge.padded_rows
-    monkeypatch.setattr(ge, "padded_rows", lambda seg, *a: expert_pads.append(seg.counts) or real(seg, *a))
+    experts = _ExpertInputs(monkeypatch)  # what GroupedExpertMLP gets, and the experts' own padding
     x, gy, idx, probs = _inputs(k, moe.config.num_moe_experts, seed=5)
     a = _run_megatron(moe, x, gy, idx, probs)
-    got_pads, expert_pads[:] = list(expert_pads), []
+    got_calls, got_pads = experts.take()
     b = _run_standalone(ref, x, gy, idx, probs)
+    ref_calls, expert_pads = experts.take()
     assert [n for n in a if n != "a2a" and not torch.equal(a[n], b[n])] == []
+    # the experts' inputs too: counts, the MXFP4 rows' data and scales (padding included), the probabilities
+    assert _same_expert_inputs(got_calls, ref_calls)
+    assert all((f is not None) == moe.token_dispatcher.recipe.expert_input_fp4 for _, f, _ in got_calls)
     counts = torch.bincount(idx.reshape(-1), minlength=8).tolist()
     assert counts[3] == counts[6] == 0 and counts[0] == 16
-    dispatch_fp4 = moe.token_dispatcher.recipe.dispatch_fp4
     rp = row_padding(counts, align, torch.device("cpu"))
-    want = counts if dispatch_fp4 else list(rp.padded.counts)
+    want = list(rp.padded.counts)
     assert seen == dict(rows=sum(want), counts=want, probs=sum(want))
-    # the (local, EP = 1) all-to-alls carry the padded rows when permutation 1 pads them: their bytes count them
-    if dispatch_fp4 or variant == "permutation_2":
+    # the (local, EP = 1) all-to-alls carry the padded rows when permutation 1 pads them (BF16 or MXFP4 rows): their
+    # bytes count them
+    if variant == "permutation_2":
         assert a["a2a"] == b["a2a"]
     else:
         rows_bytes = {n: v * sum(want) // (32 * k) for n, v in b["a2a"].items() if n.endswith("_bytes")}
         assert {n: a["a2a"][n] for n in rows_bytes} == rows_bytes
-    # the experts pad the rows themselves only for dispatched MXFP4 rows; the reference's experts always do (twice
-    # under the experts' recompute: forward and the backward's recomputation)
+    # the experts pad nothing themselves; the reference's experts always do (twice under the experts' recompute:
+    # forward and the backward's recomputation)
     runs = 2 if variant == "expert_recompute" else 1
-    assert (len(got_pads), len(expert_pads)) == (runs if dispatch_fp4 else 0, runs)
+    assert (len(got_pads), len(expert_pads)) == (0, runs)
     # the routed rows counted as sent / received are the real ones
     assert d.fp4moe_rows == {"sent": 32 * k, "received": 32 * k}
 
 
 EP2_CASES = (("bf16", "top2"), ("fp8", "top2"), ("fp8", "expert_recompute"), ("mxfp4", "no_dispatch_fp4"),
-             ("mxfp4", "top2"))
+             ("mxfp4", "top2"), ("mxfp4", "expert_recompute"))
 
 
 def _ep2_case(precision: str, variant: str, rank: int) -> list[str]:
-    """EP = 2 (4 local experts): permutation 2 pads; what differs from the standalone layer whose experts pad, plus
-    'counts' when the experts' counts were not aligned (BF16 rows) or the experts padded BF16 rows themselves."""
-    import fp4moe.ops.grouped_experts as ge
-
+    """EP = 2 (4 local experts): permutation 2 pads (BF16 or received MXFP4 rows); what differs from the standalone
+    layer whose experts pad, plus 'counts' when the experts' counts were not aligned or they padded rows themselves,
+    and 'inputs' when the experts' inputs (MXFP4 data and scales included) differ from the reference's."""
     moe, ref, k, _ = _aligned_pair(precision, variant, 8, ep=2)
     d = moe.token_dispatcher
     assert not d.skip_permutation_2
@@ -138,20 +142,18 @@ def _ep2_case(precision: str, variant: str, rank: int) -> list[str]:
         return rows, counts, p
 
     d.dispatch_postprocess = dispatch_postprocess
-    pads = []
-    real = ge.padded_rows
-    ge.padded_rows = lambda seg, *a: pads.append(seg.counts) or real(seg, *a)
-    try:
+    with pytest.MonkeyPatch.context() as mpatch:
+        experts = _ExpertInputs(mpatch)
         x, gy, idx, probs = _inputs(k, moe.config.num_moe_experts, seed=5 + rank)
         a = _run_megatron(moe, x, gy, idx, probs)
-        got_pads = len(pads)
+        got_calls, got_pads = experts.take()
         b = _run_standalone(ref, x, gy, idx, probs)
-    finally:
-        ge.padded_rows = real
+        ref_calls, ref_pads = experts.take()
     bad = [n for n in a if not (torch.equal(a[n], b[n]) if isinstance(a[n], torch.Tensor) else a[n] == b[n])]
-    mx = d.recipe.dispatch_fp4
-    if (not mx and (got_pads or any(c % 8 for c in seen[0]))) or (mx and not got_pads):
+    if got_pads or not ref_pads or any(c % 8 for c in seen[0]):
         bad.append("counts")
+    if not _same_expert_inputs(got_calls, ref_calls):
+        bad.append("inputs")
     return bad
 
 

@@ -78,13 +78,14 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     Rows padded for the expert GEMMs (``fp4moe.moe.dispatch``, "Rows padded for the expert GEMMs"): when the experts'
     GEMMs want every expert's rows a multiple of ``row_align`` (None, the default: the GEMM backend's,
-    ``gemm_row_align``; 128 under DeepGEMM) and the rows are BF16 (no ``dispatch_fp4``), the gather before the
-    experts writes them padded (zero rows, probability 0): permutation 1 when EP = 1 and permutation 2 does not run,
-    else permutation 2 when it runs; ``dispatch_postprocess`` returns the padded counts as ``tokens_per_expert``
-    and the padded rows, and ``combine_preprocess`` / ``combine_postprocess`` take the padded expert output back
-    through the inverse gather. ``pad_in_dispatch = False`` leaves the padding to the experts (a copy each way, the
-    same bits). megatron's MoELayer hands ``tokens_per_expert`` to the experts only (the router's aux losses count
-    the routing map themselves)."""
+    ``gemm_row_align``; 128 under DeepGEMM), the gather before the experts writes the rows padded (zero rows, or
+    MXFP4 zero codes with zero scales under ``dispatch_fp4``; probability 0): permutation 1 when EP = 1 and
+    permutation 2 does not run (under dispatch_fp4 with ``FP4MOE_DISPATCH_QUANTIZE=tokens`` only: in the rows mode
+    the experts pad), else permutation 2 when it runs (BF16 or received MXFP4 rows); ``dispatch_postprocess``
+    returns the padded counts as ``tokens_per_expert`` and the padded rows, and ``combine_preprocess`` /
+    ``combine_postprocess`` take the padded expert output back through the inverse gather. ``pad_in_dispatch =
+    False`` leaves the padding to the experts (a copy each way, the same bits). megatron's MoELayer hands
+    ``tokens_per_expert`` to the experts only (the router's aux losses count the routing map themselves)."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None, *, recipe: Recipe):
         super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
@@ -108,9 +109,12 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.pad_in_dispatch = True
         self._fp4moe_pad1 = self._fp4moe_pad2 = None  # the RowPadding of permutation 1 / 2 in this forward
 
-    def _row_padding(self, counts, device):
-        """The padding of BF16 rows grouped by local expert (``counts``) for the expert GEMMs, or None."""
-        if not self.pad_in_dispatch or self.recipe.dispatch_fp4:
+    def _row_padding(self, counts, device, permutation: int):
+        """The padding of the rows grouped by local expert (``counts``) for the expert GEMMs, or None, written by
+        ``permutation`` 1 or 2. Permutation 2 pads any rows (BF16, or received MXFP4); permutation 1 BF16 rows, or
+        the MXFP4 rows it gathers itself under dispatch_fp4 (``FP4MOE_DISPATCH_QUANTIZE=tokens``; the rows mode
+        quantizes after it: the experts pad those)."""
+        if not self.pad_in_dispatch or (permutation == 1 and self.recipe.dispatch_fp4 and not self.quantize_tokens):
             return None
         align = gemm_row_align(device, self.recipe) if self.row_align is None else int(self.row_align)
         return row_padding(counts, align, device)
@@ -155,7 +159,7 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             return hidden_states.index_select(0, sorted_indices), permuted_probs
         if self.ep_size == 1 and not self._runs_permutation_2():  # the gather before the experts: pad there
             # tokens_per_expert: the local experts' counts (EP = TP = 1); permutation_from_routing_map synced already
-            rp = self._row_padding(as_int_list(self.tokens_per_expert), hidden_states.device)
+            rp = self._row_padding(as_int_list(self.tokens_per_expert), hidden_states.device, 1)
             if rp is not None:
                 self._fp4moe_pad1 = rp
                 perm, permuted_probs = perm.padded(rp), pad_probs(permuted_probs, rp)
@@ -208,7 +212,7 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
         if self._runs_permutation_2():
             perm = self._local_expert_perm(global_probs.shape[0], global_probs.device)
-            rp = None if mx else self._row_padding(as_int_list(self.tokens_per_expert), global_probs.device)
+            rp = self._row_padding(as_int_list(self.tokens_per_expert), global_probs.device, 2)
             global_input_tokens = reorder_rows(global_input_tokens, perm, pad=rp)
             global_probs = reorder_rows(global_probs, perm, pad=rp)
             self._fp4moe_pad2 = rp

@@ -20,16 +20,21 @@ routed rows, which ``FP4MOE_DISPATCH_QUANTIZE=rows`` does instead). Permutation 
 index tensors built on the device from the W*El chunk sizes (:func:`local_expert_permutation`).
 
 Rows padded for the expert GEMMs: where the GEMM backend wants every expert's rows a multiple of an alignment
-(``gemm_row_align``: 128 under ``kernels.grouped_gemm=deepgemm``), the gather right before the experts writes BF16
-rows straight into that padded layout (zero rows, probability 0: :func:`row_padding`, :meth:`TokenPermutation.padded`,
-:func:`pad_probs`), the experts get the padded counts (``grouped_expert_mlp`` then pads nothing itself), and the gather
-right after them reads the real rows of their padded output. That gather is permutation 1 and its inverse when
-W = 1, permutation 2 and its inverse (``reorder_rows(..., pad=/unpad=)``) when W > 1 with more than one local expert;
-each backward reads the real rows only and gives the padding rows a zero gradient. This saves a copy of the rows
-and of the output on the way in and out, and their adjoints in the backward; the results are bit for bit those
-of the experts padding on their own. Not for MXFP4 rows (``dispatch_fp4``: the experts pad the 4x smaller rows),
-nor at W > 1 with one local expert (no gather there). At W = 1 the (local) all-to-alls then carry, and count, the
-padded rows.
+(``gemm_row_align``: 128 under ``kernels.grouped_gemm=deepgemm``), the gather right before the experts writes the
+rows straight into that padded layout (probability 0 on the padding: :func:`row_padding`,
+:meth:`TokenPermutation.padded`, :func:`pad_probs`), the experts get the padded counts (``grouped_expert_mlp`` then
+pads nothing itself), and the gather right after them reads the real rows of their padded output. That gather is
+permutation 1 and its inverse when W = 1, permutation 2 and its inverse (``reorder_rows(..., pad=/unpad=)``) when
+W > 1 with more than one local expert; each backward reads the real rows only and gives the padding rows a zero
+gradient. The rows: BF16 (zero rows on the padding), or under ``dispatch_fp4`` the ``DispatchedMXFP4`` (zero codes
+and zero scale bytes, the bits ``grouped_expert_mlp``'s own padding writes): permutation 1 quantizes each token once
+and gathers its k MXFP4 rows into the padded layout (``quantize_gather_rows(..., pad=)``; the gradient anchor's
+per-token sums read the real rows), permutation 2 reorders the received MXFP4 rows into it (``permute_rows(...,
+pad=, back=)``); the experts' recompute caches the padded MXFP4 rows. This saves a copy of the rows and of the
+output on the way in and out, and their adjoints in the backward; the results are bit for bit those of the experts
+padding on their own. Not at W > 1 with one local expert (no gather there), nor at W = 1 under ``dispatch_fp4``
+with ``FP4MOE_DISPATCH_QUANTIZE=rows`` (the rows are quantized after permutation 1: the experts pad them). At W = 1
+the (local) all-to-alls then carry, and count, the padded rows.
 
 Wire formats (:func:`dispatch_rows`, :func:`combine_rows`): ``fp4moe.ops.all_to_all.quantized_all_to_all``; dispatch
 MXFP4 when ``recipe.dispatch_fp4`` (kept MXFP4 on the receiver, a ``DispatchedMXFP4``, when also
@@ -182,13 +187,11 @@ def permute_tokens(tokens: torch.Tensor, perm: TokenPermutation, recipe: Recipe,
     the default) a ``DispatchedMXFP4``: each token quantized once and its k MXFP4 rows gathered (the same bits as
     quantizing the BF16 rows; k times fewer rows to quantize, a quarter of the bytes to permute); else the BF16 rows.
     ``chunk_tokens``: the gradient's per-token sums are made that many tokens at a time (:func:`unpermute_tokens`).
-    A padded ``perm`` (:meth:`TokenPermutation.padded`, BF16 rows only) gives the padded rows ``[Rp, H]``, zero rows
-    on the padding."""
+    A padded ``perm`` (:meth:`TokenPermutation.padded`) gives the padded rows ``[Rp, H]``: zero rows on the padding
+    (BF16), or zero codes with zero scale bytes (the ``DispatchedMXFP4``: the experts' own padding's bits); the
+    padding rows' gradients are not read."""
     if recipe.dispatch_fp4 and quantize_tokens:
-        if perm.pad is not None:
-            raise ValueError("a padded permutation 1 gathers BF16 rows; under dispatch_fp4 the experts pad the "
-                             "MXFP4 rows")
-        return quantize_gather_rows(tokens, perm.token, recipe.scale_rule, order=perm.order, k=perm.k)
+        return quantize_gather_rows(tokens, perm.token, recipe.scale_rule, order=perm.order, k=perm.k, pad=perm.pad)
     return _PermuteTokens.apply(tokens, perm.token, perm.order, perm.k, chunk_tokens, perm.pad)
 
 
@@ -282,16 +285,20 @@ def reorder_rows(x, perm: torch.Tensor, *, pad: Optional[RowPadding] = None, unp
     (the rows or their probabilities) or of a ``DispatchedMXFP4`` (data/scales gathered, the gradient anchor
     re-made: ``permute_rows``). Differentiable; the gradient is gathered back.
 
-    Composed with a row padding (tensors only), one gather each way: ``pad`` (the padding of the result's rows,
-    :func:`row_padding` of the expert-major counts) gives ``x[perm]`` in the padded layout ``[Rp, ...]`` (zero rows
-    on the padding; permutation 2 writing the experts' padded input); ``unpad`` (the padding of x's rows) gives
-    ``x_real[perm]`` of the real rows of a padded x (the inverse permutation 2 reading the experts' padded output;
-    the gradient is zero on the padding)."""
+    Composed with a row padding, one gather each way: ``pad`` (the padding of the result's rows, :func:`row_padding`
+    of the expert-major counts) gives ``x[perm]`` in the padded layout ``[Rp, ...]`` (zero rows on the padding, or
+    for a ``DispatchedMXFP4`` zero codes and zero scale bytes, the experts' own padding's bits; permutation 2 writing
+    the experts' padded input); ``unpad`` (tensors only: the padding of x's rows) gives ``x_real[perm]`` of the real
+    rows of a padded x (the inverse permutation 2 reading the experts' padded output; the gradient is zero on the
+    padding)."""
     if pad is not None or unpad is not None:
-        if isinstance(x, DispatchedMXFP4) or (pad is not None and unpad is not None):
-            raise ValueError("reorder_rows pads or unpads a tensor's rows, not a DispatchedMXFP4's, and not both")
+        if (isinstance(x, DispatchedMXFP4) and unpad is not None) or (pad is not None and unpad is not None):
+            raise ValueError("reorder_rows pads a tensor's or a DispatchedMXFP4's rows, or unpads a tensor's, not both")
         if pad is not None:  # out[j] = x[perm[src[j]]]; gradient[i] = g[dst[perm^-1[i]]]
             index = perm.index_select(0, pad.src)
+            if isinstance(x, DispatchedMXFP4):
+                back = pad.dst.index_select(0, inverse_permutation(perm)) if x.grad_anchor is not None else None
+                return permute_rows(x, index, pad=pad.pad, back=back)
             return map_rows(x, lambda v: _gather_padded(v, index, pad.pad),
                             lambda g: g.index_select(0, pad.dst.index_select(0, inverse_permutation(perm))))
         index = unpad.dst.index_select(0, perm)  # out[i] = x[dst[perm[i]]]; gradient[j] = g[perm^-1[src[j]]]

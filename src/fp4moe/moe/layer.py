@@ -21,9 +21,10 @@ given the same weights and routing both give the same outputs and gradients, bit
    gather through ``local_expert_permutation`` (skipped when it is the identity: W = 1 or one local expert), go
    through ``routed_experts`` (``grouped_expert_mlp``, weighted SwiGLU; ``expert_recompute``: its recompute), and
    are gathered back to source-major order. Where the expert GEMMs want every expert's rows a multiple of an
-   alignment (``row_align``: 128 under DeepGEMM), BF16 rows are gathered straight into that padded layout by
-   permutation 1 (W = 1) or permutation 2 (W > 1, several local experts) and read back by their inverses
-   (``fp4moe.moe.dispatch``, "Rows padded for the expert GEMMs"); the experts then pad nothing themselves.
+   alignment (``row_align``: 128 under DeepGEMM), the rows (BF16, or the dispatched MXFP4) are gathered straight
+   into that padded layout by permutation 1 (W = 1) or permutation 2 (W > 1, several local experts) and read back
+   by their inverses (``fp4moe.moe.dispatch``, "Rows padded for the expert GEMMs"); the experts then pad nothing
+   themselves.
 5. combine (``combine_rows``): ``quantized_all_to_all`` with forward codec bf16 (backward ``recipe.backward_a2a``),
    then (``unpermute_tokens``) the k weighted expert outputs of each token are summed in float32 and rounded once
    to bf16, ``T/k`` tokens at a time (the gathered copy alive at once is ``[T, H]``, not ``[T*k, H]``); only the
@@ -88,7 +89,7 @@ class MoELayer(torch.nn.Module):
     expert's block must be a multiple of in the expert GEMMs; None: the GEMM backend's, ``gemm_row_align``, 128
     under DeepGEMM, else 1; an explicit value forces it, e.g. on CPU in tests).
 
-    Attributes read at each forward: ``row_align``; ``pad_in_dispatch`` (default True): BF16 rows are padded to
+    Attributes read at each forward: ``row_align``; ``pad_in_dispatch`` (default True): the rows are padded to
     ``row_align`` by the gather before the experts and read back by the one after (``fp4moe.moe.dispatch``, "Rows
     padded for the expert GEMMs"); False leaves the padding to ``grouped_expert_mlp`` (a copy each way; the same
     bits).
@@ -170,10 +171,12 @@ class MoELayer(torch.nn.Module):
         recv, ins, outs = self.split_sizes(idx)
         counts = recv.sum(0).tolist()
         regroup = w > 1 and el > 1  # permutation 2 is the identity otherwise
-        # BF16 rows padded for the expert GEMMs by the gather before the experts (permutation 1 at W = 1,
-        # permutation 2 when it runs) and read back by the one after, instead of grouped_expert_mlp's copies
+        # rows padded for the expert GEMMs by the gather before the experts (permutation 1 at W = 1, permutation 2
+        # when it runs) and read back by the one after, instead of grouped_expert_mlp's copies; at W = 1 under
+        # dispatch_fp4 only when permutation 1 gathers the MXFP4 rows (FP4MOE_DISPATCH_QUANTIZE=tokens): the rows
+        # mode quantizes the rows after it (the experts pad them)
         align = gemm_row_align(x2.device, r) if self.row_align is None else int(self.row_align)
-        pad = self.pad_in_dispatch and not r.dispatch_fp4 and (w == 1 or regroup)
+        pad = self.pad_in_dispatch and (regroup or (w == 1 and (not r.dispatch_fp4 or self.quantize_tokens)))
         rp = row_padding(counts, align, x2.device) if pad else None
         if rp is not None:
             counts = list(rp.padded.counts)

@@ -359,20 +359,24 @@ class _DequantizeSTE(torch.autograd.Function):
 
 
 class _PermuteAnchor(torch.autograd.Function):
-    """A fresh stride-0 zero anchor ``[len(perm), H]`` for MXFP4 rows reordered by the permutation ``perm``; its
-    gradient goes back to the old row order (the anchor carries dL/d(dequantized rows), see DispatchedMXFP4) as a
-    gather through the inverse permutation: one read and one write per element, no zero fill, no scatter (an H200
-    profile measured the scatter at 2 % of an mxfp4 step)."""
+    """A fresh stride-0 zero anchor ``[rows, H]`` for MXFP4 rows reordered by a row map; its gradient goes back to the
+    old row order (the anchor carries dL/d(dequantized rows), see DispatchedMXFP4) as a gather ``g[back]``: one read
+    and one write per element, no zero fill, no scatter (an H200 profile measured the scatter at 2 % of an mxfp4
+    step). For a permutation ``perm``: ``rows = len(perm)``, ``index = perm`` and ``invert`` (``back``: its inverse,
+    made in the backward); for a permutation into a padded layout (``fp4moe.moe.dispatch.reorder_rows(..., pad=)``):
+    ``rows`` the padded rows, ``index = back``, the padded position of each old row (the padding rows' gradients are
+    not read)."""
 
     @staticmethod
-    def forward(ctx, anchor, perm):
-        ctx.save_for_backward(perm)
-        return torch.zeros((), dtype=anchor.dtype, device=anchor.device).expand(perm.numel(), anchor.shape[1])
+    def forward(ctx, anchor, rows: int, index, invert: bool):
+        ctx.save_for_backward(index)
+        ctx.invert = invert
+        return torch.zeros((), dtype=anchor.dtype, device=anchor.device).expand(rows, anchor.shape[1])
 
     @staticmethod
     def backward(ctx, g):
-        (perm,) = ctx.saved_tensors
-        return g.index_select(0, inverse_permutation(perm)), None
+        (index,) = ctx.saved_tensors
+        return g.index_select(0, inverse_permutation(index) if ctx.invert else index), None, None, None
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -382,17 +386,23 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+def _zero_rows(t: torch.Tensor, pad: Optional[torch.Tensor]) -> torch.Tensor:
+    """``t`` with the rows ``pad`` (None or empty: none) set to 0, in place: MXFP4 padding rows, zero codes and zero
+    scale bytes, as ``fp4moe.ops.grouped_experts.RowPadding.rows`` writes them."""
+    return t if pad is None or pad.numel() == 0 else t.index_fill_(0, pad, 0)
+
+
 class _QuantizeGather(torch.autograd.Function):
-    """MXFP4 rows of ``x[index]`` made from ``x`` quantized once per row (module docstring, "Pre-quantized rows").
-    Backward (the anchor carries dL/d(dequantized rows) ``[N, H]``): with ``order``/``k`` (every row of ``x``
-    gathered exactly k times, ``index[order]`` grouped by row), each row's k gradients gathered through ``order``
-    and summed in float32, rounded once; without, autograd's gradient of ``x[index]`` (``index_put_`` with
-    accumulate)."""
+    """MXFP4 rows of ``x[index]`` made from ``x`` quantized once per row (module docstring, "Pre-quantized rows"),
+    the rows ``pad`` (if any) zero codes with zero scale bytes. Backward (the anchor carries dL/d(dequantized rows)
+    ``[N, H]``): with ``order``/``k`` (every row of ``x`` gathered exactly k times, ``index[order]`` grouped by row,
+    the padding rows not listed), each row's k gradients gathered through ``order`` and summed in float32, rounded
+    once; without, autograd's gradient of ``x[index]`` (``index_put_`` with accumulate)."""
 
     @staticmethod
-    def forward(ctx, x, index, order, k, rule):
+    def forward(ctx, x, index, order, k, rule, pad=None):
         fp4 = kops.bf16_to_fp4_row(x.contiguous(), rule)
-        data, scales = fp4.data.index_select(0, index), fp4.scales.index_select(0, index)
+        data, scales = (_zero_rows(t.index_select(0, index), pad) for t in (fp4.data, fp4.scales))
         ctx.save_for_backward(index if order is None else order)
         ctx.k, ctx.shape, ctx.by_order = k, tuple(x.shape), order is not None
         ctx.mark_non_differentiable(data, scales)
@@ -407,22 +417,32 @@ class _QuantizeGather(torch.autograd.Function):
             gx = sum_rows_by_token(g, ix, t, ctx.k)
         else:
             gx = torch.zeros((t, h), dtype=g.dtype, device=g.device).index_put_((ix,), g, accumulate=True)
-        return gx, None, None, None, None
+        return gx, None, None, None, None, None
 
 
 def quantize_gather_rows(x: torch.Tensor, index: torch.Tensor, rule: str = "ceil", *,
-                         order: Optional[torch.Tensor] = None, k: Optional[int] = None) -> "DispatchedMXFP4":
+                         order: Optional[torch.Tensor] = None, k: Optional[int] = None,
+                         pad: Optional[torch.Tensor] = None) -> "DispatchedMXFP4":
     """``DispatchedMXFP4`` rows ``[N, H]`` = MXFP4 of ``x[index]`` (``x [T, H]`` bf16 or float32, ``index [N]``
     int64), quantized as ``T`` rows and gathered as MXFP4: bit for bit ``bf16_to_fp4_row(x[index], rule)``. Its
     anchor takes dL/d(dequantized rows) back to ``x`` (summed per row of x); pass ``order`` (a permutation of
     ``range(N)`` grouping ``index`` by row) and ``k`` when every row of x appears exactly ``k`` times (``N = k*T``)
-    for an atomics-free sum in float32. Feed the result to ``quantized_all_to_all(..., forward_codec='mxfp4')``."""
+    for an atomics-free sum in float32. Feed the result to ``quantized_all_to_all(..., forward_codec='mxfp4')``.
+
+    ``pad`` (int64 ``[P]``, with ``order``/``k``): rows of the result that are padding for the expert GEMMs
+    (``fp4moe.moe.dispatch.TokenPermutation.padded``): zero codes and zero scale bytes, as the experts' own padding
+    (``grouped_experts.RowPadding.rows``) writes them; ``index`` has any row of x there, ``N = k*T + P`` and
+    ``order`` lists the ``k*T`` real rows grouped by row of x (the padding rows' gradients are not read)."""
     if x.dim() != 2 or x.dtype not in _INPUT_DTYPES:
         raise ValueError(f"x must be [T, H] bfloat16 or float32, got {x.dtype} {tuple(x.shape)}")
     _check_hidden(x.shape[1], "mxfp4", "quantize_gather_rows")
-    if order is not None and (k is None or k * x.shape[0] != index.numel()):
-        raise ValueError(f"order needs k with k * T = len(index): k={k}, T={x.shape[0]}, len(index)={index.numel()}")
-    data, scales, anchor = _QuantizeGather.apply(x, index, order, k, rule)
+    npad = 0 if pad is None else pad.numel()
+    if pad is not None and order is None:
+        raise ValueError("pad needs order and k (the real rows grouped by row of x)")
+    if order is not None and (k is None or k * x.shape[0] != order.numel() or order.numel() + npad != index.numel()):
+        raise ValueError(f"order needs k with k * T = len(order) = len(index) - len(pad): k={k}, T={x.shape[0]}, "
+                         f"len(order)={order.numel()}, len(index)={index.numel()}, len(pad)={npad}")
+    data, scales, anchor = _QuantizeGather.apply(x, index, order, k, rule, pad)
     return DispatchedMXFP4(data, scales, (index.numel(), x.shape[1]), anchor if x.requires_grad else None)
 
 
@@ -462,14 +482,26 @@ def _prequantized_all_to_all(x: "DispatchedMXFP4", ins, outs, group, world, rank
     return out.dequantize_ste() if anchor is not None else kops.fp4_to_bf16(recv)
 
 
-def permute_rows(x, perm: torch.Tensor):
+def permute_rows(x, perm: torch.Tensor, *, pad: Optional[torch.Tensor] = None, back: Optional[torch.Tensor] = None):
     """Rows ``x[perm]`` of a tensor ``[T, H]`` or of a ``DispatchedMXFP4`` (data/scales gathered, gradient anchor
     re-made so that the gradient still reaches the sender's rows). perm: a permutation of ``range(T)``, int64 on
-    x's device."""
+    x's device.
+
+    Into a padded layout (``DispatchedMXFP4`` only; ``fp4moe.moe.dispatch.reorder_rows(..., pad=)``): ``perm`` the
+    gather index ``[Tp]`` (any row on the padding), ``pad`` the padding rows (zero codes and zero scale bytes, as
+    ``grouped_experts.RowPadding.rows`` writes them) and ``back`` ``[T]`` the padded position of each row of x:
+    the anchor's gradient is ``g[back]``, the padding rows' gradients are not read."""
     if isinstance(x, DispatchedMXFP4):
-        anchor = _PermuteAnchor.apply(x.grad_anchor, perm) if x.grad_anchor is not None else None
-        return DispatchedMXFP4(x.data.index_select(0, perm), x.scales.index_select(0, perm), (perm.numel(), x.shape[1]),
-                               anchor)
+        if (back is not None and pad is None) or (pad is not None and back is None and x.grad_anchor is not None):
+            raise ValueError("permute_rows into a padded layout needs pad and back (each row's padded position)")
+        anchor = None
+        if x.grad_anchor is not None:
+            anchor = _PermuteAnchor.apply(x.grad_anchor, perm.numel(), perm if back is None else back, back is None)
+        return DispatchedMXFP4(_zero_rows(x.data.index_select(0, perm), pad),
+                               _zero_rows(x.scales.index_select(0, perm), pad), (perm.numel(), x.shape[1]), anchor)
+    if pad is not None or back is not None:
+        raise ValueError("permute_rows pads the rows of a DispatchedMXFP4 only (fp4moe.moe.dispatch.reorder_rows "
+                         "pads tensors)")
     return x.index_select(0, perm)
 
 

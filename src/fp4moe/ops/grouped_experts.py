@@ -422,7 +422,8 @@ class _PadAnchor(torch.autograd.Function):
 
 
 def _pad_mxfp4(x: MXFP4Tensor, rp: RowPadding) -> MXFP4Tensor:
-    """MXFP4 rows padded as ``rp`` says; the padding rows are zero codes (value 0)."""
+    """MXFP4 rows padded as ``rp`` says; the padding rows are zero codes (value 0) with zero scale bytes, the bits
+    the dispatch's padded MXFP4 gathers write too (``fp4moe.ops.all_to_all._zero_rows``)."""
     return MXFP4Tensor(rp.rows(x.data), rp.rows(x.scales), (rp.padded.total, x.shape[1]))
 
 
@@ -437,10 +438,12 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe, *
     padded with zero rows (probability 0) to a multiple of it before the experts and taken back after, so the
     computation is the same bit for bit on the real rows (each output row depends on its own input row only; the
     wgrad's zero rows add zeros); the padding costs a copy of the input and output rows each way. Counts that are
-    all multiples of it are taken as they are: the MoE layer's dispatch (``fp4moe.moe.dispatch``) gathers BF16 rows
-    straight into that padded layout (zero rows, probability 0) and reads the padded output back through its
-    inverse gather, so those copies are only made here for a dispatched MXFP4 (4x smaller rows) or where no
-    permutation precedes the experts (EP > 1 with one local expert)."""
+    all multiples of it are taken as they are: the MoE layer's dispatch (``fp4moe.moe.dispatch``) gathers the rows
+    straight into that padded layout (BF16 zero rows, or for a dispatched MXFP4 zero codes with zero scale bytes, as
+    :func:`_pad_mxfp4` writes them; probability 0) and reads the padded output back through its inverse gather, so
+    those copies are only made here where no permutation precedes the experts (EP > 1 with one local expert), for
+    MXFP4 rows quantized after permutation 1 (``FP4MOE_DISPATCH_QUANTIZE=rows`` at EP = 1), and for callers that do
+    not pad (``pad_in_dispatch = False``, direct calls)."""
     from .all_to_all import DispatchedMXFP4  # local import: all_to_all does not need this module
 
     ws1 = tuple(w1.unbind(0)) if torch.is_tensor(w1) and w1.dim() == 3 else tuple(w1)
