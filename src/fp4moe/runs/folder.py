@@ -26,10 +26,11 @@ import json
 import re
 from typing import Any
 
-# ABSENT_WHEN_NULL: keys the config groups' schemas add with a null that means "not given", left out of the identity
-# while null; WHOLE_WHEN_INTEGRAL: counts the schemas type as float (a token budget may be 3.0e11), written as the
-# integer they equal. Both so that a config spelled before the schemas existed keeps its folder.
-from fp4moe.settings import ABSENT_WHEN_NULL, WHOLE_WHEN_INTEGRAL
+# drop_absent: the keys the config groups' schemas add with a null that means "not given" (ABSENT_WHEN_NULL) left
+# out while null, as a checkpoint's fingerprint leaves them out; WHOLE_WHEN_INTEGRAL: counts the schemas type as
+# float (a token budget may be 3.0e11), written as the integer they equal. Both so that a config spelled before the
+# schemas existed keeps its folder.
+from fp4moe.settings import WHOLE_WHEN_INTEGRAL, drop_absent
 
 # The keys of the composed config that do not change what a run trains or reports, each with why: the run folder's
 # identity leaves them out, so changing one continues the same run. Everything else is part of the identity.
@@ -67,23 +68,27 @@ def identity(cfg: Any) -> dict[str, Any]:
         if key in EXCLUDED:
             continue
         node = cfg[key]
-        out[str(key)] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-    for dotted in (*EXCLUDED, *ABSENT_WHEN_NULL):
-        *parents, leaf = dotted.split(".")
-        holder: Any = out
-        for p in parents:
-            holder = holder.get(p) if isinstance(holder, dict) else None
-        if parents and isinstance(holder, dict) and (dotted in EXCLUDED or holder.get(leaf, 0) is None):
+        value = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        out[str(key)] = drop_absent(str(key), value)
+    for dotted in EXCLUDED:
+        holder, leaf = _holder(out, dotted)
+        if holder is not None and holder is not out:
             holder.pop(leaf, None)
     for dotted in WHOLE_WHEN_INTEGRAL:
-        *parents, leaf = dotted.split(".")
-        holder = out
-        for p in parents:
-            holder = holder.get(p) if isinstance(holder, dict) else None
-        v = holder.get(leaf) if isinstance(holder, dict) else None
+        holder, leaf = _holder(out, dotted)
+        v = holder.get(leaf) if holder is not None else None
         if isinstance(v, float) and v.is_integer():
             holder[leaf] = int(v)
     return out
+
+
+def _holder(out: dict, dotted: str) -> tuple[dict | None, str]:
+    """(the dict of ``out`` that holds the last key of ``dotted``, that key); None where a parent is missing."""
+    *parents, leaf = dotted.split(".")
+    holder: Any = out
+    for p in parents:
+        holder = holder.get(p) if isinstance(holder, dict) else None
+    return (holder if isinstance(holder, dict) else None), leaf
 
 
 def digest(cfg: Any) -> str:
