@@ -116,7 +116,7 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         quantizes after it: the experts pad those)."""
         if not self.pad_in_dispatch or (permutation == 1 and self.recipe.dispatch_fp4 and not self.quantize_tokens):
             return None
-        align = gemm_row_align(device, self.recipe) if self.row_align is None else int(self.row_align)
+        align = gemm_row_align(device, self.recipe, self.row_align)
         return row_padding(counts, align, device)
 
     def _runs_permutation_2(self) -> bool:

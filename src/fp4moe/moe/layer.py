@@ -175,7 +175,7 @@ class MoELayer(torch.nn.Module):
         # when it runs) and read back by the one after, instead of grouped_expert_mlp's copies; at W = 1 under
         # dispatch_fp4 only when permutation 1 gathers the MXFP4 rows (FP4MOE_DISPATCH_QUANTIZE=tokens): the rows
         # mode quantizes the rows after it (the experts pad them)
-        align = gemm_row_align(x2.device, r) if self.row_align is None else int(self.row_align)
+        align = gemm_row_align(x2.device, r, self.row_align)
         pad = self.pad_in_dispatch and (regroup or (w == 1 and (not r.dispatch_fp4 or self.quantize_tokens)))
         rp = row_padding(counts, align, x2.device) if pad else None
         if rp is not None:

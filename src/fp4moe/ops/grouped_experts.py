@@ -149,9 +149,12 @@ def gemm_backend(device: torch.device) -> str:
     return switches.current().grouped_gemm
 
 
-def gemm_row_align(device: torch.device, recipe: Recipe) -> int:
-    """Rows each expert's block must be a multiple of for the GEMM backend: ``fp4moe_kernels.deepgemm.ALIGN`` (128)
-    for 'deepgemm' under an FP8-compute recipe, else 1 (no padding)."""
+def gemm_row_align(device: torch.device, recipe: Recipe, given: int | None = None) -> int:
+    """Rows each expert's block must be a multiple of for the GEMM backend: ``given`` when not None (a caller's
+    explicit ``row_align``, e.g. forced on CPU in tests), else ``fp4moe_kernels.deepgemm.ALIGN`` (128) for
+    'deepgemm' under an FP8-compute recipe, else 1 (no padding)."""
+    if given is not None:
+        return int(given)
     if recipe.fp8_compute and gemm_backend(device) == "deepgemm":
         from fp4moe_kernels.deepgemm import ALIGN
 
@@ -481,7 +484,7 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe, *
     if recipe.fp8_compute and (h % FP8_GROUP or (f2 // 2) % FP8_GROUP):
         raise FormatError(f"FP8 experts need H ({h}) and F ({f2 // 2}) multiples of {FP8_GROUP}")
     device = (x.data if is_fp4 else x).device
-    align = gemm_row_align(device, recipe) if row_align is None else int(row_align)
+    align = gemm_row_align(device, recipe, row_align)
     probs = probs.float()
     if align <= 1 or all(c % align == 0 for c in seg.counts):
         return GroupedExpertMLP.apply(x_hp, probs, x_fp4, recipe, seg, *ws1, *ws2)
