@@ -213,21 +213,26 @@ def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch
 
 
 def _bf16_mm_per_expert(x: torch.Tensor, w: Experts, seg: Segments, transpose_w: bool) -> torch.Tensor:
-    """BF16 path: out_e = x_e @ W_e^T (transpose_w) or x_e @ W_e."""
+    """BF16 path: out_e = x_e @ W_e^T (transpose_w) or x_e @ W_e, ``[T, n]``. Each product is written into its rows
+    of the output (``torch.mm(..., out=)``: no temporary and no copy per expert; every row belongs to an expert,
+    so the output needs no zero fill)."""
     n = w.shape[1] if transpose_w else w.shape[2]
-    out = torch.zeros(seg.total, n, dtype=_BF16, device=x.device)
+    out = torch.empty(seg.total, n, dtype=_BF16, device=x.device)
     for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
         if r1 == r0:
             continue
         we = w[e].to(_BF16)
-        out[r0:r1] = x[r0:r1] @ (we.t() if transpose_w else we)
+        torch.mm(x[r0:r1], we.t() if transpose_w else we, out=out[r0:r1])
     return out
 
 
 def _bf16_wgrad(dy: torch.Tensor, x: torch.Tensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
+    """dW ``[E, n, k]`` in ``like.dtype``: per expert dY_e^T X_e written into its slice (zeros for empty experts)."""
     out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
-        if r1 > r0:
+        if r1 > r0 and out.dtype == dy.dtype == x.dtype:
+            torch.mm(dy[r0:r1].t(), x[r0:r1], out=out[e])
+        elif r1 > r0:  # weights in another dtype (e.g. float32): the product rounded into it
             out[e] = dy[r0:r1].t() @ x[r0:r1]
         else:
             out[e].zero_()
