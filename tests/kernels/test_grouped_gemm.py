@@ -72,6 +72,28 @@ def test_grouped_wgrad_interpreted():
     assert rel(got, loop_wgrad(a, b, COUNTS, torch.float32)) < 1e-5
 
 
+def scaled_cols_case(counts, n, k, dev, seed=2):
+    """``cols_case`` with each token's values times a power of two in 2^-4 .. 2^4, so that the 1x128 scales differ
+    from block to block and a kernel that pairs a tile with the wrong block's scale gives another result."""
+    g = torch.Generator().manual_seed(seed)
+    t = sum(counts)
+    mult = torch.pow(2.0, torch.randint(-4, 5, (t, 1), generator=g).float())
+    dy = (torch.randn(t, n, generator=g) * mult).to(torch.bfloat16).to(dev)
+    x = (torch.randn(t, k, generator=g) * mult).to(torch.bfloat16).to(dev)
+    return kops.bf16_to_fp8_col(dy, counts), kops.bf16_to_fp8_col(x, counts)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_grouped_wgrad_tma_interpreted_bit_equal_to_pointer_loads():
+    counts = [0, 5, 300, 129]
+    a, b = scaled_cols_case(counts, 256, 384, "cpu")
+    tma = launchers.grouped_fp8_wgrad(a, b, out_dtype=torch.float32, tma=True)
+    ptr = launchers.grouped_fp8_wgrad(a, b, out_dtype=torch.float32, tma=False)
+    assert torch.equal(tma, ptr)
+    assert not tma[0].any()
+    assert rel(tma, loop_wgrad(a, b, counts, torch.float32)) < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs an sm_90 CUDA GPU")
 @pytest.mark.parametrize("kind, kc, n", [("fprop", 7168, 4096), ("fprop", 2048, 7168), ("dgrad", 4096, 7168)])
@@ -104,3 +126,21 @@ def test_grouped_rows_other_tiles_interpreted(monkeypatch):
     a, wd, ws = rows_case(COUNTS, 256, 384, "fprop", "cpu", seed=7)
     got = launchers.grouped_fp8_rows(a, wd, ws, out_dtype=torch.float32)
     assert rel(got, loop_rows(a, wd, ws, COUNTS, "fprop", torch.float32)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs an sm_90 CUDA GPU")
+def test_grouped_wgrad_tma_gpu_bit_equal_and_allocator_left_alone():
+    from triton.runtime import _allocation
+
+    g = torch.Generator().manual_seed(5)
+    counts = torch.multinomial(torch.ones(32), 8192, replacement=True, generator=g).bincount(minlength=32).tolist()
+    counts[3], counts[9] = 0, 5
+    a, b = scaled_cols_case(counts, 4096, 2048, "cuda")
+    before = _allocation._allocator.get()
+    assert launchers._tma_available(a.data.device)
+    tma = launchers.grouped_fp8_wgrad(a, b, tma=True)
+    assert _allocation._allocator.get() is before
+    assert torch.equal(tma, launchers.grouped_fp8_wgrad(a, b, tma=False))
+    assert not tma[3].any()
+    assert rel(tma, loop_wgrad(a, b, counts, torch.bfloat16)) < 1e-3

@@ -7,6 +7,7 @@ the CPU under ``TRITON_INTERPRET=1`` (then FP8 conversions are emulated exactly,
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -367,9 +368,36 @@ def grouped_fp8_rows(a: FP8RowTensor, b: torch.Tensor, b_scale: torch.Tensor, ou
     return c
 
 
-def grouped_fp8_wgrad(a: FP8ColTensor, b: FP8ColTensor, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """C ``[E, N, K]`` = per expert ``A_e B_e^T`` over its (padded) tokens (``gemm.grouped_wgrad_kernel``);
-    a: columns of N channels, b: columns of K channels, over the same segments."""
+def _tma_available(device: torch.device) -> bool:
+    """Whether the wgrad can load its tiles by TMA here: a Hopper-or-newer GPU and a Triton with device-side tensor
+    descriptors and the launch-time scratch allocator (``triton.runtime._allocation``, Triton >= 3.3)."""
+    if INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    try:
+        from triton.runtime import _allocation
+    except ImportError:
+        return False
+    return hasattr(triton.language, "make_tensor_descriptor") and hasattr(_allocation, "_allocator")
+
+
+@contextlib.contextmanager
+def _descriptor_scratch(device: torch.device):
+    """Triton's launch-time allocator set, for this launch only, to torch's caching allocator on ``device``: the
+    device-side TMA descriptors (128 bytes each, two per program) are written there. The process-wide
+    ``triton.set_allocator`` is left as the caller set it."""
+    from triton.runtime import _allocation
+
+    token = _allocation._allocator.set(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def grouped_fp8_wgrad(a: FP8ColTensor, b: FP8ColTensor, out_dtype=torch.bfloat16, tma: bool | None = None) -> torch.Tensor:
+    """C ``[E, N, K]`` = per expert ``A_e B_e^T`` over its (padded) tokens; a: columns of N channels, b: columns of
+    K channels, over the same segments. ``tma`` (None: where ``_tma_available``): ``gemm.grouped_wgrad_tma_kernel``
+    (tiles loaded by TMA; bit for bit the same result), else ``gemm.grouped_wgrad_kernel`` (pointer loads)."""
     from . import gemm
 
     seg = a.segments
@@ -377,9 +405,15 @@ def grouped_fp8_wgrad(a: FP8ColTensor, b: FP8ColTensor, out_dtype=torch.bfloat16
     bn, bk, warps, stages = GEMM_TILES["wgrad"]
     c = torch.empty(seg.num, n, k, dtype=out_dtype, device=a.data.device)
     if seg.num and n and k:
+        use_tma = _tma_available(a.data.device) if tma is None else tma
         grid = (triton.cdiv(n, bn), triton.cdiv(k, bk), seg.num)
-        gemm.grouped_wgrad_kernel[grid](_fp8_arg(a.data), a.scales, _fp8_arg(b.data), b.scales, c,
-                                        _padded_offsets(seg, a.data.device), n, k,
-                                        max(seg.padded_counts) // 128 if INTERPRET else 0, BN=bn, BK=bk, EMULATE=INTERPRET,
-                                        num_warps=warps, num_stages=stages)
+        args = (_fp8_arg(a.data), a.scales, _fp8_arg(b.data), b.scales, c, _padded_offsets(seg, a.data.device), n, k,
+                max(seg.padded_counts) // 128 if INTERPRET else 0)
+        if use_tma:
+            with _descriptor_scratch(a.data.device):
+                gemm.grouped_wgrad_tma_kernel[grid](*args, BN=bn, BK=bk, EMULATE=INTERPRET, num_warps=warps,
+                                                    num_stages=stages)
+        else:
+            gemm.grouped_wgrad_kernel[grid](*args, BN=bn, BK=bk, EMULATE=INTERPRET, num_warps=warps,
+                                            num_stages=stages)
     return c
