@@ -76,19 +76,11 @@ import triton.language as tl
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels")]
 
-from fp4moe_kernels.triton_kernels.common import INTERPRET, e4m3_value  # noqa: E402
-from fp4moe_kernels.triton_kernels.gemm import _dot_t, _load_fp8, _wgrad_step  # noqa: E402
+from fp4moe_kernels.triton_kernels.common import INTERPRET  # noqa: E402
+from fp4moe_kernels.triton_kernels.gemm import _dec, _dot_t, _load_fp8, _wgrad_step  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _dec(x, EMULATE: tl.constexpr):
-    """A tile loaded through a descriptor -> dot operand (uint8 bits decoded exactly under EMULATE)."""
-    if EMULATE:
-        return e4m3_value(x, True)
-    return x
 
 
 @triton.jit

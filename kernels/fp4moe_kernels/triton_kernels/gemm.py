@@ -89,16 +89,23 @@ def grouped_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tiles_ptr, seg_off_
 
 
 @triton.jit
+def _promote(acc, a, b, j, live, sa_ptr, sb_ptr, p0, rn, rk, nmask, kmask, N, K, EMULATE: tl.constexpr):
+    """acc + the partial product of token block j's tiles a ``[BN, 128]``, b ``[BK, 128]`` times their 1x128 scales
+    (the promotion)."""
+    part = _dot_t(a, b, EMULATE)
+    sa = tl.load(sa_ptr + (p0 // 128 + j) * N + rn, mask=nmask & live, other=0.0)
+    sb = tl.load(sb_ptr + (p0 // 128 + j) * K + rk, mask=kmask & live, other=0.0)
+    return acc + (part * sa[:, None]) * sb[None, :]
+
+
+@triton.jit
 def _wgrad_step(acc, j, live, a_ptr, b_ptr, sa_ptr, sb_ptr, p0, mp, rn, rk, nmask, kmask, N, K, EMULATE: tl.constexpr):
     """acc + the scaled partial product of token block j (128 tokens) of one expert. Pointers are formed here
     from the index vectors (runtime row stride mp): precomputed [128, 128] pointer tiles would spill."""
     rt = j * 128 + tl.arange(0, 128)
     a = _load_fp8(a_ptr + N * p0 + rn[:, None].to(tl.int64) * mp + rt[None, :], nmask[:, None] & live, EMULATE)
     b = _load_fp8(b_ptr + K * p0 + rk[:, None].to(tl.int64) * mp + rt[None, :], kmask[:, None] & live, EMULATE)
-    part = _dot_t(a, b, EMULATE)
-    sa = tl.load(sa_ptr + (p0 // 128 + j) * N + rn, mask=nmask & live, other=0.0)
-    sb = tl.load(sb_ptr + (p0 // 128 + j) * K + rk, mask=kmask & live, other=0.0)
-    return acc + (part * sa[:, None]) * sb[None, :]
+    return _promote(acc, a, b, j, live, sa_ptr, sb_ptr, p0, rn, rk, nmask, kmask, N, K, EMULATE)
 
 
 @triton.jit
@@ -139,10 +146,7 @@ def _wgrad_tma_step(acc, adesc, bdesc, j, live, sa_ptr, sb_ptr, p0, n0, k0, rn, 
     """``_wgrad_step`` with the tiles of token block j loaded through the expert's descriptors."""
     a = _dec(adesc.load([n0, j * 128]), EMULATE)
     b = _dec(bdesc.load([k0, j * 128]), EMULATE)
-    part = _dot_t(a, b, EMULATE)
-    sa = tl.load(sa_ptr + (p0 // 128 + j) * N + rn, mask=nmask & live, other=0.0)
-    sb = tl.load(sb_ptr + (p0 // 128 + j) * K + rk, mask=kmask & live, other=0.0)
-    return acc + (part * sa[:, None]) * sb[None, :]
+    return _promote(acc, a, b, j, live, sa_ptr, sb_ptr, p0, rn, rk, nmask, kmask, N, K, EMULATE)
 
 
 @triton.jit
