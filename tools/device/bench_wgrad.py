@@ -538,14 +538,6 @@ def markdown(doc) -> str:
     return "\n".join(L) + "\n"
 
 
-def gpu_slug(name: str) -> str:
-    n = name.lower()
-    for key in ("gh200", "h200", "h100", "h800", "h20", "a100"):
-        if key in n:
-            return key
-    return n.replace(" ", "-")[:24]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -561,6 +553,8 @@ def main(argv=None) -> int:
     doc = gpu_run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from fp4moe.moe.bench import gpu_slug
+
     slug = gpu_slug(doc["gpu"])
     (out / f"wgrad_{slug}.json").write_text(json.dumps(doc, indent=1))
     (out / f"wgrad_{slug}.md").write_text(markdown(doc))
