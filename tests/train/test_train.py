@@ -174,7 +174,7 @@ def test_unreachable_mlflow_is_a_clear_error_before_training(tmp_path, monkeypat
     from fp4moe.train.loop import train
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
-    monkeypatch.setattr(data, "build_token_datasets", lambda cfg: pytest.fail("data built before the store check"))
+    monkeypatch.setattr(data, "build_token_datasets", lambda settings: pytest.fail("data built before the store check"))
     with pytest.raises(TrackingUnavailable, match=r"MLflow tracking server http://127.0.0.1:\d+ is not reachable"):
         train(_compose(tmp_path))
     assert not dist.is_initialized() and not (tmp_path / "ckpt").exists()
