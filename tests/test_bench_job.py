@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 
 from fp4moe.launch import bench_job, dry_run
 from fp4moe.config import ConfigError
+from fp4moe.settings import Settings
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +62,7 @@ def test_f4_job_runs_the_layer_benchmark_on_cpu(tmp_path):
             "--out", str(tmp_path), "--commit", "test"]
     cfg = _compose("experiment=paper_f4", "parallel=single_gpu", f"bench.args=[{','.join(args)}]")
     assert bench_job.is_bench(cfg) and not bench_job.is_bench(_compose())
-    ret = bench_job.run(cfg)
+    ret = bench_job.run(cfg.bench, Settings.from_config(cfg).parallel)
     assert ret["outcome"] == "done" and ret["bench"] == "fp4moe.moe.bench" and ret["rank"] == 0
     (result,) = tmp_path.glob("moe_layer_cpu_ep1_*_test.json")
     assert [r["recipe"] for r in json.loads(result.read_text())["recipes"]] == ["bf16", "fp8", "mxfp4"]
@@ -69,4 +70,5 @@ def test_f4_job_runs_the_layer_benchmark_on_cpu(tmp_path):
 
 def test_ep2_without_its_processes_is_refused():
     with pytest.raises(ConfigError, match="start 2 processes, e.g. torchrun --nproc-per-node 2"):
-        bench_job.run(_compose("experiment=paper_f4", "parallel=two_gpu_ep2"))
+        cfg = _compose("experiment=paper_f4", "parallel=two_gpu_ep2")
+        bench_job.run(cfg.bench, Settings.from_config(cfg).parallel)

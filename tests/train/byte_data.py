@@ -31,10 +31,11 @@ class ByteDataset:
         return self.tokens[i * self.seq:(i + 1) * self.seq + 1].clone()
 
 
-def build_token_datasets(cfg):
+def build_token_datasets(settings):
+    """The trainer's call, with the run's fp4moe.settings.Settings."""
     raw = TEXT.read_bytes()
     cut = raw.index(VALID_FROM.encode())
-    seq = int(cfg.parallel.seq_length)
+    seq = settings.parallel.seq_length
     as_tokens = lambda b: torch.tensor(list(b), dtype=torch.long)  # noqa: E731
     train, valid = as_tokens(raw[:cut]), as_tokens(raw[cut:])
     info = {"vocab_size": 256, "eod_id": 0, "train_tokens": len(train), "valid_tokens": len(valid),

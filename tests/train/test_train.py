@@ -174,7 +174,7 @@ def test_unreachable_mlflow_is_a_clear_error_before_training(tmp_path, monkeypat
     from fp4moe.train.loop import train
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
-    monkeypatch.setattr(data, "build_token_datasets", lambda cfg: pytest.fail("data built before the store check"))
+    monkeypatch.setattr(data, "build_token_datasets", lambda settings: pytest.fail("data built before the store check"))
     with pytest.raises(TrackingUnavailable, match=r"MLflow tracking server http://127.0.0.1:\d+ is not reachable"):
         train(_compose(tmp_path))
     assert not dist.is_initialized() and not (tmp_path / "ckpt").exists()
@@ -242,11 +242,13 @@ def test_sampler():
     assert sorted(i for g in got for i in g) == list(range(100, 112))
 
 
-def test_slurm_task_environment(monkeypatch):
+def test_slurm_task_environment(tmp_path, monkeypatch):
     """A Slurm task (srun, one task): the rendezvous comes from submitit's TorchDistributedEnvironment."""
-    from omegaconf import OmegaConf
-
+    from fp4moe.settings import Settings
     from fp4moe.train.dist import init_distributed, teardown
+
+    parallel = Settings.from_config(_compose(tmp_path)).parallel
+    assert parallel.world_size == 1
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "SUBMITIT_EXECUTOR"):
         # setenv first, so that monkeypatch records the variable and removes what the export below sets in it
@@ -258,7 +260,7 @@ def test_slurm_task_environment(monkeypatch):
              "MASTER_PORT": str(_closed_port())}
     for k, v in slurm.items():
         monkeypatch.setenv(k, v)
-    info = init_distributed(OmegaConf.create({"parallel": {"world_size": 1}}))
+    info = init_distributed(parallel)
     try:
         assert (info.launcher, info.rank, info.world_size, info.backend) == ("slurm", 0, 1, "gloo")
         assert os.environ["MASTER_ADDR"] == "localhost" and os.environ["WORLD_SIZE"] == "1"

@@ -357,7 +357,7 @@ def layer_rows(files: Sequence[LayerFile] | None = None) -> list[LayerRow]:
     per-expert rows (``expert_counts``: the routing and the FP8 padding), less ``memory.NOT_IN_STANDALONE_LAYER``; for
     files with ``peak`` also ``standalone_moe_layer_peak`` against the measured peak over the base. Default: the
     manifest's ``moe_layer`` files."""
-    from ..scale.memory import layer_saved_tensors, standalone_moe_layer_peak
+    from ..scale.memory import layer_saved_tensors, recipe_of, standalone_moe_layer_peak
 
     out = []
     for f in layer_files() if files is None else files:
@@ -378,13 +378,14 @@ def layer_rows(files: Sequence[LayerFile] | None = None) -> list[LayerRow]:
             counts = tuple(int(c) for c in r["expert_counts"])
             a = replace(FIRST_PRINCIPLES, expert_counts=counts,
                         expert_rows_factor=sum(counts) / (int(shape["tokens"]) * int(shape["top_k"])))
-            pred = sum(t.bytes for t in layer_saved_tensors(cfg, "moe", "none", a)
+            recipe = recipe_of(cfg)  # parsed once for both predictions
+            pred = sum(t.bytes for t in layer_saved_tensors(cfg, "moe", "none", a, recipe)
                        if t.name.startswith("moe.") and t.name not in NOT_IN_STANDALONE_LAYER)
             peak = {}
             if f.peak:
                 if r.get("peak_over_base_gib") is None:
                     raise ValueError(f"{path.name}: {r['recipe']} has no measured peak (a CPU run?)")
-                p_bytes, phase = standalone_moe_layer_peak(cfg, a)
+                p_bytes, phase = standalone_moe_layer_peak(cfg, a, recipe)
                 peak = dict(peak_measured=round(r["peak_over_base_gib"] * 2**30), peak_predicted=p_bytes, phase=phase,
                             traced_phase=traced_phase(r.get("memory_peak")))
             out.append(LayerRow(path.name, ws, r["recipe"], int(r["saved_bytes"]), pred, int(shape["tokens"]),

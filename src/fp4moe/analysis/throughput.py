@@ -350,7 +350,7 @@ def proxy_t1_fixed(micro_batch: int = PROXY_T1_MICRO_BATCH, usable_gib: float | 
     assumptions of today's code, ``calibration.FIRST_PRINCIPLES``), its outcome against ``usable_gib`` (default: the
     H200's measured usable capacity, ``calibration.h200_memory``) within the model's error range, and for fp8 /
     mxfp4 the predicted tokens/s over fp8's fastest scope that fits (``rates``: default today's)."""
-    from ..scale.memory import GB, per_gpu_memory
+    from ..scale.memory import GB, per_gpu_memory, recipe_of
     from .calibration import FIRST_PRINCIPLES, fit_outcome, h200_memory
 
     rates = measured_rates(NOW) if rates is None else rates
@@ -359,8 +359,9 @@ def proxy_t1_fixed(micro_batch: int = PROXY_T1_MICRO_BATCH, usable_gib: float | 
     for rec in RECIPES:
         for sc in SCOPES:
             cfg = proxy_cfg(rec, sc, micro_batch)
-            peak[rec, sc] = per_gpu_memory(cfg, FIRST_PRINCIPLES).allocated_bytes / GB
-            time[rec, sc] = time_per_token(cfg, rates).total
+            recipe = recipe_of(cfg)  # parsed once for both models
+            peak[rec, sc] = per_gpu_memory(cfg, FIRST_PRINCIPLES, recipe=recipe).allocated_bytes / GB
+            time[rec, sc] = time_per_token(cfg, rates, recipe=recipe).total
             out[rec, sc] = fit_outcome(peak[rec, sc], usable)
     fp8_fit = [time["fp8", sc] for sc in SCOPES if out["fp8", sc] == "fits"]
     best = min(fp8_fit) if fp8_fit else None

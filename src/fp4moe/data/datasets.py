@@ -1,35 +1,18 @@
-"""The trainer's entry point: ``train_ds, valid_ds, info = build_token_datasets(cfg)``."""
+"""The trainer's entry point: ``train_ds, valid_ds, info = build_token_datasets(settings)``."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from fp4moe.data.build import _as_cfg, _get, prepare
-from fp4moe.data.errors import DataError
+from fp4moe.data.build import prepare
 from fp4moe.data.samples import TokenWindows
+from fp4moe.settings import Settings
 
 
-def seq_length(cfg: Any) -> int:
-    """Tokens per sample fed to the model: ``model.seq_length`` if the model config has one, else
-    ``parallel.seq_length`` (where conf/parallel/ keeps it)."""
-    v = _get(cfg, "model.seq_length", _get(cfg, "parallel.seq_length"))
-    if v is None:
-        raise DataError("no sequence length: set parallel.seq_length (conf/parallel/) or model.seq_length")
-    return int(v)
-
-
-def data_seed(cfg: Any) -> int:
-    """Seed of the training-sample order: ``data.seed`` ("data order", conf/data/), else ``train.seed``."""
-    v = _get(cfg, "data.seed", _get(cfg, "train.seed"))
-    if v is None:
-        raise DataError("no data-order seed: set data.seed or train.seed")
-    return int(v)
-
-
-def build_token_datasets(cfg: Any, log=print) -> tuple[TokenWindows, TokenWindows, dict]:
-    """Build (or reuse) the corpus, tokenizer and indexed files of ``cfg`` (composed conf/train.yaml: uses
-    ``cfg.data``, ``cfg.model.vocab_size``, the sequence length (``seq_length``) and the seed (``data_seed``)),
-    and return the training and validation datasets and an info dict.
+def build_token_datasets(s: Settings, log=print) -> tuple[TokenWindows, TokenWindows, dict]:
+    """Build (or reuse) the corpus, tokenizer and indexed files of ``s`` (the run's fp4moe.settings.Settings, built
+    once from the composed conf/train.yaml: uses ``s.data``, ``s.model.vocab_size``, the sequence length
+    ``s.parallel.seq_length`` and the sample-order seed ``s.data.seed``), and return the training and validation
+    datasets and an info dict.
 
     Each dataset is map-style: ``len(ds)`` samples, ``ds[i]`` a torch.int64 tensor [seq_length + 1] (inputs
     ``[:-1]``, labels ``[1:]``), consecutive windows of the split's documents as stored, EOD after each document
@@ -41,9 +24,8 @@ def build_token_datasets(cfg: Any, log=print) -> tuple[TokenWindows, TokenWindow
     valid_tokens, train_samples, valid_samples, seq_length, seed, dataset_prefix (the training split's
     megatron prefix), valid_prefix, dataset_dir (build directory), manifest_path, key, reused.
     """
-    cfg = _as_cfg(cfg)
-    m = prepare(cfg, log=log)
-    seq, seed = seq_length(cfg), data_seed(cfg)
+    m = prepare(s, log=log)
+    seq, seed = s.parallel.seq_length, s.data.seed
     build = Path(m["dir"])
 
     def prefix(split: str) -> str:
@@ -78,4 +60,4 @@ def build_token_datasets(cfg: Any, log=print) -> tuple[TokenWindows, TokenWindow
     return train, valid, info
 
 
-__all__ = ["build_token_datasets", "data_seed", "seq_length"]
+__all__ = ["build_token_datasets"]

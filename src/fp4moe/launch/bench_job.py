@@ -11,7 +11,8 @@ prints its sbatch script, slurm/train.sbatch runs it with plain sbatch), and loc
 A run of ``parallel.world_size`` > 1 needs its processes: torchrun's (``RANK``, ``WORLD_SIZE``, ...) or Slurm tasks,
 whose rendezvous is exported with submitit's ``TorchDistributedEnvironment`` as in fp4moe.train.dist. The
 benchmarks then read those variables themselves (fp4moe.moe.bench initialises the process group). The config's
-model, data and train groups are not used by a benchmark.
+model, data and train groups are not used by a benchmark: :func:`command` and :func:`run` take the ``bench`` node
+and the run's typed ``parallel`` settings (``Settings.from_config(cfg).parallel``, built once by the caller).
 """
 from __future__ import annotations
 
@@ -23,15 +24,18 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from fp4moe.config import ConfigError
+from fp4moe.settings import Parallel
 
 
 def is_bench(cfg: Any) -> bool:
+    """Whether the composed ``cfg`` is a benchmark job (it has ``bench.module``)."""
     return OmegaConf.select(cfg, "bench.module") is not None
 
 
-def command(cfg: Any) -> str:
-    """The benchmark as one would type it outside Hydra (torchrun for more than one process)."""
-    b, world = cfg.bench, int(cfg.parallel.world_size)
+def command(bench: Any, parallel: Parallel) -> str:
+    """The benchmark ``bench`` (the config's ``bench`` node: ``module``, ``args``) as one would type it outside
+    Hydra, for ``parallel.world_size`` processes (torchrun for more than one)."""
+    b, world = bench, parallel.world_size
     launcher = ["python"] if world == 1 else ["torchrun", "--nproc-per-node", str(world)]
     return " ".join([*launcher, "-m", str(b.module), *(shlex.quote(str(a)) for a in b.args)])
 
@@ -51,17 +55,18 @@ def _export_slurm_rendezvous(world: int) -> None:
                           f"{world} -m fp4moe.train hydra.mode=RUN <overrides>, or a Slurm launcher profile")
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    """Run the benchmark of ``cfg.bench`` in this process; returns what the launcher gets back."""
-    world = int(cfg.parallel.world_size)
+def run(bench: Any, parallel: Parallel) -> dict[str, Any]:
+    """Run the benchmark ``bench`` (the config's ``bench`` node) in this process, one of ``parallel.world_size``;
+    returns what the launcher gets back."""
+    world = parallel.world_size
     _export_slurm_rendezvous(world)
     if int(os.environ.get("WORLD_SIZE", "1")) != world:
         raise ConfigError(f"{os.environ.get('WORLD_SIZE')} processes started but parallel.world_size={world}")
-    args = [str(a) for a in cfg.bench.args]
-    out = importlib.import_module(str(cfg.bench.module)).main(args)
+    args = [str(a) for a in bench.args]
+    out = importlib.import_module(str(bench.module)).main(args)
     if isinstance(out, int) and out != 0:
-        raise RuntimeError(f"{cfg.bench.module} exited with status {out}")
-    return {"outcome": "done", "bench": str(cfg.bench.module), "args": args, "rank": int(os.environ.get("RANK", 0)),
+        raise RuntimeError(f"{bench.module} exited with status {out}")
+    return {"outcome": "done", "bench": str(bench.module), "args": args, "rank": int(os.environ.get("RANK", 0)),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
 
 

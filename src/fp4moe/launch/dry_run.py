@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from fp4moe.config import ConfigError, check
 from fp4moe.paths import conf_dir
 from fp4moe.launch.shell import UnsafeValue
+from fp4moe.settings import Settings
 
 CONF_DIR = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
 TRAIN_MODULE = "fp4moe.train"
@@ -89,12 +90,14 @@ class Setting:
 @dataclass
 class Cell:
     """One job of the sweep: its overrides (as the launcher gets them), composed config (without the ``hydra``
-    node), ``check``'s derived values, the resolved ``hydra.launcher``, the sbatch script (None if not Slurm), the
-    memory model's prediction (a ``Memory``, or the reason it has none), the Slurm job's settings and the exported
-    environment (``cluster.env``), each a list of ``Setting`` (empty if not Slurm), and what the job needs that the
-    dry run did not have (e.g. the corpus)."""
+    node), its typed ``settings`` (``Settings.from_config`` of the config as checked: ``data.path`` is
+    ``CORPUS_PLACEHOLDER`` when ``needs`` names the corpus), ``check``'s derived values, the resolved
+    ``hydra.launcher``, the sbatch script (None if not Slurm), the memory model's prediction (a ``Memory``, or the
+    reason it has none), the Slurm job's settings and the exported environment (``cluster.env``), each a list of
+    ``Setting`` (empty if not Slurm), and what the job needs that the dry run did not have (e.g. the corpus)."""
     overrides: list[str]
     cfg: DictConfig
+    settings: Settings
     derived: dict[str, Any]
     launcher: dict[str, Any]
     sbatch: str | None
@@ -187,22 +190,23 @@ def _is_slurm(launcher: dict[str, Any]) -> bool:
 
 # ---------------------------------------------------------------------------------------------- memory
 
-def predicted_memory(cfg: DictConfig) -> Memory | str:
-    """fp4moe.scale.memory's peak for the job ``cfg`` runs (its own dispatcher, the measured outside-PyTorch terms of
-    fp4moe.analysis.outside_torch), or why there is none (a benchmark job, a layout the model does not cover)."""
+def predicted_memory(cfg: DictConfig, settings: Settings) -> Memory | str:
+    """fp4moe.scale.memory's peak for the job ``cfg`` runs (``settings``: its typed config; its own dispatcher and
+    recipe, the measured outside-PyTorch terms of fp4moe.analysis.outside_torch), or why there is none (a benchmark
+    job, a layout the model does not cover)."""
     from fp4moe.launch import bench_job
     from fp4moe.analysis.outside_torch import measured_assumptions
     from fp4moe.scale.memory import GB, mean_total_bytes, per_stage_memory
 
     if bench_job.is_bench(cfg):
         return "not predicted: a benchmark job, not a training run"
-    a = measured_assumptions(deepep_buffers=str(cfg.parallel.get("dispatcher")) == "flex")
+    a = measured_assumptions(deepep_buffers=settings.parallel.dispatcher == "flex")
     try:
-        stages = per_stage_memory(cfg, a)
+        stages = per_stage_memory(cfg, a, recipe=settings.precision)
     except (ValueError, KeyError) as e:
         return f"not predicted: {e}"
     b = max(stages, key=lambda x: x.total_bytes)
-    gpu = cfg.cluster.get("gpu_memory_gb")
+    gpu = settings.cluster.gpu_memory_gb
     return Memory(b.total_gb, b.allocated_gb, mean_total_bytes(stages) / GB, b.pipeline_rank, b.in_flight,
                   None if gpu is None else float(gpu), a.outside_torch_source)
 
@@ -330,12 +334,13 @@ def dry_run(overrides: Sequence[str]) -> tuple[list[Cell], list[tuple[list[str],
             with open_dict(checked):
                 checked.data.path = CORPUS_PLACEHOLDER
         try:
-            d = check(checked)
+            settings = Settings.from_config(checked)  # the typed config, once
+            d = check(checked, settings)
         except ConfigError as e:
             failures.append((cell, str(e)))
             continue
         script = sbatch_text(launcher, train_command(cell)) if slurm else None
-        cells.append(Cell(cell, cfg, d, launcher, script, predicted_memory(cfg), job, env, needs))
+        cells.append(Cell(cell, cfg, settings, d, launcher, script, predicted_memory(cfg, settings), job, env, needs))
     return cells, failures
 
 
@@ -349,25 +354,25 @@ def sbatch_scripts(experiment: str, overrides: Sequence[str] = ()) -> list[tuple
 
 
 def summary(cell: Cell) -> str:
-    """A few lines of the cell's config: model, precision, recompute, layout, training length, data."""
-    cfg, d = cell.cfg, cell.derived
-    sel = lambda k: OmegaConf.select(cfg, k)  # noqa: E731
-    p = cfg.parallel
-    data = f"data: {sel('data.name')}"
-    if sel("data.path"):
-        data += f"  path: {sel('data.path')}"
+    """A few lines of the cell's config (its ``settings``): model, precision, recompute, layout, training length,
+    data."""
+    cfg, s, d = cell.cfg, cell.settings, cell.derived
+    p, c = s.parallel, s.cluster
+    data = f"data: {s.data.name}"
+    if s.data.path and not cell.needs:  # with needs, s.data.path is the placeholder the cell was checked with
+        data += f"  path: {s.data.path}"
     elif cell.needs:
         data += f"  path: not set (the job needs ${CORPUS_VAR})"
-    if sel("data.name") == "user_corpus":
-        data += f"  tokenizer: {sel('data.tokenizer.path') or 'not set (a byte-level BPE is trained)'}"
-    label = sel("precision.label")  # a variant of a preset: its own name (fp4moe.recipe.Recipe.tag), then the preset
-    precision = f"{label} ({sel('precision.name')})" if label else sel("precision.name")
+    if s.data.name == "user_corpus":
+        data += f"  tokenizer: {s.data.tokenizer.path or 'not set (a byte-level BPE is trained)'}"
+    label = s.precision.label  # a variant of a preset: its own name (fp4moe.recipe.Recipe.tag), then the preset
+    precision = f"{label} ({s.precision.name})" if label else s.precision.name
     lines = [
-        f"task_name: {sel('task_name')}",
-        f"model: {sel('model.name')}  params total/active: {d['params_total'] / 1e9:.1f}B / {d['params_active'] / 1e9:.1f}B",
-        f"precision: {precision}  recompute: {sel('recompute.name')} ({sel('recompute.paper_label')})",
-        f"cluster: {sel('cluster.name')}  {sel('cluster.nodes')} nodes x {sel('cluster.gpus_per_node')} = "
-        f"world {d['world_size']}  time limit {sel('cluster.time_limit_min')} min",
+        f"task_name: {OmegaConf.select(cfg, 'task_name')}",
+        f"model: {s.model.name}  params total/active: {d['params_total'] / 1e9:.1f}B / {d['params_active'] / 1e9:.1f}B",
+        f"precision: {precision}  recompute: {s.recompute.name} ({s.recompute.paper_label})",
+        f"cluster: {c.name}  {c.nodes} nodes x {c.gpus_per_node} = "
+        f"world {d['world_size']}  time limit {c.time_limit_min} min",
         f"parallel: TP{p.tensor} PP{p.pipeline} CP{p.context} EP{p.expert} DP{p.data}  micro {p.micro_batch} "
         f"global {p.global_batch} seq {p.seq_length}  grad accum {d['grad_accum_steps']}",
         f"train: {d['steps']} steps, {d['tokens_per_step']} tokens/step, {d['tokens']} tokens",
@@ -379,7 +384,7 @@ def summary(cell: Cell) -> str:
         lines = [lines[0], lines[3], f"parallel: EP{p.expert} world {d['world_size']}",
                  f"bench: {cfg.bench.module}.main({' '.join(map(str, cfg.bench.args))}) in each of the "
                  f"{d['world_size']} GPU process(es) (fp4moe.launch.bench_job); "
-                 f"without Hydra: {bench_job.command(cfg)}"]
+                 f"without Hydra: {bench_job.command(cfg.bench, p)}"]
     return "\n".join(lines)
 
 

@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..recipe import Recipe
 from fp4moe_kernels.sizes import CODECS, payload_row_bytes  # torch-free; the ops' all-to-all counts with it too
 
-from .memory import _scope
+from .memory import _scope, recipe_of
 
 
 def expected_distinct_ranks(num_experts: int, topk: int, ep: int, num_groups: int | None = None,
@@ -101,11 +101,12 @@ class LayerA2A:
                 ("dispatch bwd", self.backward_codec, self.dispatch_bwd_bytes)]
 
 
-def a2a_per_layer(cfg: Any) -> LayerA2A:
-    """All-to-all bytes per GPU of one MoE layer and micro-batch under the config's recipe and dispatcher."""
+def a2a_per_layer(cfg: Any, recipe: Recipe | None = None) -> LayerA2A:
+    """All-to-all bytes per GPU of one MoE layer and micro-batch under the config's recipe (``recipe``: already
+    parsed, else ``cfg.precision``'s, fp4moe.scale.memory.recipe_of) and dispatcher."""
     cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
     m, p = cfg.model, cfg.parallel
-    recipe = Recipe.from_config(cfg.precision)
+    recipe = recipe_of(cfg, recipe)
     h, k, e, ep = int(m.hidden_size), int(m.moe.router_topk), int(m.moe.num_experts), int(p.expert)
     t = int(p.micro_batch) * int(p.seq_length) // int(p.context)
     dispatcher = str(p.get("dispatcher") or "alltoall")

@@ -760,14 +760,21 @@ def _apply_scope(led: _Ledger, kind: str, scope: str, d: _Dims, recipe: Recipe, 
     raise ValueError(f"unknown recompute scope {scope!r}: one of {SCOPES}")
 
 
+def recipe_of(cfg: Any, recipe: Recipe | None = None) -> Recipe:
+    """``recipe`` when the caller parsed it already (``Settings.precision``, or an enclosing function's), else
+    ``cfg.precision`` parsed: each entry point of the scale model parses it once and passes it down."""
+    return recipe if recipe is not None else Recipe.from_config(_as_cfg(cfg).precision)
+
+
 def layer_saved_tensors(cfg: Any, kind: str, scope: str | None = None,
-                        assumptions: MemoryAssumptions | None = None) -> list[SavedTensor]:
+                        assumptions: MemoryAssumptions | None = None, recipe: Recipe | None = None) -> list[SavedTensor]:
     """Tensors one transformer layer of ``kind`` ('dense' | 'moe') saves for backward for ONE micro-batch under
-    the config's recipe and ``scope`` (default: the config's recompute scope)."""
+    the config's recipe (``recipe``: already parsed, else ``cfg.precision``'s, :func:`recipe_of`) and ``scope``
+    (default: the config's recompute scope)."""
     cfg = _as_cfg(cfg)
     a = _with_cfg_attention(cfg, assumptions or MemoryAssumptions())
     d = _dims(cfg, a.expert_rows_factor)
-    recipe = Recipe.from_config(cfg.precision)
+    recipe = recipe_of(cfg, recipe)
     scope = scope or _scope(cfg)
     led = _Ledger()
     _attention(led, d, recipe, a)
@@ -786,7 +793,8 @@ def layer_saved_tensors(cfg: Any, kind: str, scope: str | None = None,
 NOT_IN_STANDALONE_LAYER = ("moe.ln_in", "moe.ln_rstd")
 
 
-def standalone_moe_layer_peak(cfg: Any, assumptions: MemoryAssumptions | None = None) -> tuple[int, str]:
+def standalone_moe_layer_peak(cfg: Any, assumptions: MemoryAssumptions | None = None,
+                              recipe: Recipe | None = None) -> tuple[int, str]:
     """(bytes, phase): the memory peak of P2's MoE layer (``fp4moe.moe.MoELayer``, recompute none) over one forward
     + backward as ``fp4moe.moe.bench`` measures it, above its base (weights, the input x and the output gradient dy
     allocated before; every ``.grad`` None), for the config's MoE shape at ``micro_batch x seq_length`` tokens;
@@ -800,16 +808,19 @@ def standalone_moe_layer_peak(cfg: Any, assumptions: MemoryAssumptions | None = 
                   most MoELayer.forward holds at once besides what autograd saves (the experts' output and its
                   un-permuted copy, that copy and the combine's received one); an upper estimate, never the peak
                   at the shapes measured (results/scale/calibration.md).
+
+    ``recipe``: the config's, already parsed (else parsed here once, :func:`recipe_of`).
     """
     cfg = _as_cfg(cfg)
+    recipe = recipe_of(cfg, recipe)
     a = replace(assumptions or MemoryAssumptions(), main_grad_resident="after_first_micro_batch",
                 bf16_experts="grouped")
-    tensors = [t for t in layer_saved_tensors(cfg, "moe", "none", a)
+    tensors = [t for t in layer_saved_tensors(cfg, "moe", "none", a, recipe)
                if t.name.startswith("moe.") and t.name not in NOT_IN_STANDALONE_LAYER + ("moe.ln_out",)]  # x: base
     d = _dims(cfg, a.expert_rows_factor)
     saved = sum(t.bytes for t in tensors)
     shared = sum(t.bytes for t in tensors if t.name.startswith("moe.shared_"))
-    backward = saved - shared + _expert_backward(d, Recipe.from_config(cfg.precision), a) + a.param_bytes * 3 * d.h * d.fs
+    backward = saved - shared + _expert_backward(d, recipe, a) + a.param_bytes * 3 * d.h * d.fs
     forward = saved - shared + 2 * BF16 * d.rows * d.h
     return (backward, "backward") if backward >= forward else (forward, "forward")
 
@@ -1221,13 +1232,15 @@ def _outside_torch(cfg: DictConfig, d: _Dims, a: MemoryAssumptions, has_moe: boo
     return {k: round(v * a.outside_torch_scale) for k, v in terms.items()}
 
 
-def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> list[Breakdown]:
-    """One ``Breakdown`` per pipeline rank (see the module docstring for every term)."""
+def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None,
+                     recipe: Recipe | None = None) -> list[Breakdown]:
+    """One ``Breakdown`` per pipeline rank (see the module docstring for every term). ``recipe``: the config's,
+    already parsed (``Settings.precision``; else parsed here once, :func:`recipe_of`)."""
     cfg = _as_cfg(cfg)
     a = _with_cfg_attention(cfg, assumptions or MemoryAssumptions())
     p = cfg.parallel
     d = _dims(cfg, a.expert_rows_factor)
-    recipe = Recipe.from_config(cfg.precision)
+    recipe = recipe_of(cfg, recipe)
     scope = _scope(cfg)
     pp, vpp = int(p.pipeline), int(p.get("virtual_pipeline") or 1)
     micro = int(p.micro_batch) * int(p.data)
@@ -1241,8 +1254,8 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
     for s in stages:
         firsts.append(idx)
         idx += s.count("t")
-    per_layer = {kind: layer_saved_tensors(cfg, kind, scope, a) for kind in ("dense", "moe")}
-    none_layer = {kind: layer_saved_tensors(cfg, kind, "none", a) for kind in ("dense", "moe")}
+    per_layer = {kind: layer_saved_tensors(cfg, kind, scope, a, recipe) for kind in ("dense", "moe")}
+    none_layer = {kind: layer_saved_tensors(cfg, kind, "none", a, recipe) for kind in ("dense", "moe")}
     size = {k: sum(t.bytes for t in v) for k, v in per_layer.items()}
     # dense layer: what its scope recomputes; MoE layer: what is live at its experts' backward (part (e))
     dense_transient = sum(t.bytes for t in none_layer["dense"]) - size["dense"] + 2 * BF16 * d.t_hid * d.h
@@ -1317,9 +1330,10 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None) -> 
 
 
 def per_gpu_memory(cfg: Any, assumptions: MemoryAssumptions | None = None,
-                   pipeline_rank: int | None = None) -> Breakdown:
-    """Predicted peak memory of one GPU: the pipeline rank with the largest total (or ``pipeline_rank``)."""
-    stages = per_stage_memory(cfg, assumptions)
+                   pipeline_rank: int | None = None, recipe: Recipe | None = None) -> Breakdown:
+    """Predicted peak memory of one GPU: the pipeline rank with the largest total (or ``pipeline_rank``);
+    ``recipe`` as :func:`per_stage_memory`'s."""
+    stages = per_stage_memory(cfg, assumptions, recipe)
     if pipeline_rank is not None:
         return stages[pipeline_rank]
     return max(stages, key=lambda b: b.total_bytes)
@@ -1333,4 +1347,4 @@ def mean_total_bytes(stages: list[Breakdown]) -> int:
 
 __all__ = ["GB", "LAB_STACK", "SCOPES", "Breakdown", "MemoryAssumptions", "SavedTensor", "compose_cfg", "experiment_cfg",
            "fp8_col_bytes", "fp8_row_col_bytes", "layer_saved_tensors", "mean_total_bytes", "mxfp4_bytes", "NOT_IN_STANDALONE_LAYER",
-           "per_gpu_memory", "per_stage_memory", "standalone_moe_layer_peak"]
+           "per_gpu_memory", "per_stage_memory", "recipe_of", "standalone_moe_layer_peak"]

@@ -50,7 +50,7 @@ from fp4moe_kernels.sizes import FP8_SCALE_BYTES
 
 from ..recipe import Recipe
 from .comm import a2a_per_layer
-from .memory import _as_cfg, _dims, _scope, _stages, compose_cfg, recomputes_attention_block
+from .memory import _as_cfg, _dims, _scope, _stages, compose_cfg, recipe_of, recomputes_attention_block
 
 SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full")
 
@@ -369,13 +369,15 @@ def _params_fp8(cfg: DictConfig, letters: str, first: int, recipe: Recipe,
 
 
 def stage_time(cfg: Any, rates: Rates, *, link_bandwidth_gb_s: float | None = None,
-               glue_scale: float = 1.0, weight_quant_per: str = "micro_batch") -> list[TimeBreakdown]:
+               glue_scale: float = 1.0, weight_quant_per: str = "micro_batch",
+               recipe: Recipe | None = None) -> list[TimeBreakdown]:
     """Seconds per token of every pipeline stage (module docstring); the a2a term needs ``link_bandwidth_gb_s``
     when EP > 1 (no default: the caller states it). ``glue_scale`` multiplies the measured per-layer glue (1 on
     the proxy). ``weight_quant_per``: 'micro_batch' (ours: every micro-batch re-quantizes its FP8 weights) or
-    'step' (Transformer Engine caches the FP8 weights between the micro-batches of a step)."""
+    'step' (Transformer Engine caches the FP8 weights between the micro-batches of a step). ``recipe``: the config's,
+    already parsed (else ``cfg.precision``'s, parsed here once: fp4moe.scale.memory.recipe_of)."""
     cfg = _as_cfg(cfg)
-    recipe = Recipe.from_config(cfg.precision)
+    recipe = recipe_of(cfg, recipe)
     scope = recompute_scope(cfg)
     d = _dims(cfg)
     att = rates.attention or attention_rate_from_profile(rates)
@@ -388,7 +390,7 @@ def stage_time(cfg: Any, rates: Rates, *, link_bandwidth_gb_s: float | None = No
     if d.ep > 1:
         if not link_bandwidth_gb_s:
             raise ValueError("EP > 1: state link_bandwidth_gb_s (GB/s per GPU, one direction, achieved)")
-        lay = a2a_per_layer(cfg)
+        lay = a2a_per_layer(cfg, recipe)
         a2a = lay.total_remote_bytes / tokens_mb / (link_bandwidth_gb_s * 1e9)
     stages, out, layer = _stages(cfg), [], 0
     gemms = _gemms_of(cfg)

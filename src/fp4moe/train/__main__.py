@@ -45,6 +45,7 @@ from fp4moe.config import ConfigError
 from fp4moe.data.errors import DataError
 from fp4moe.paths import conf_dir
 from fp4moe.recipe import RecipeError
+from fp4moe.settings import Settings
 from fp4moe.tracking.mlflow_store import TrackingUnavailable
 from fp4moe.train.data import DataUnavailable
 
@@ -163,7 +164,7 @@ def task(cfg: DictConfig) -> dict | None:
         sys.exit(EXIT_CONFIG)
     if bench_job.is_bench(cfg):  # F3/F4: a benchmark, not training (fp4moe/launch/bench_job.py)
         try:
-            return bench_job.run(cfg)
+            return bench_job.run(cfg.bench, Settings.from_config(cfg).parallel)  # the typed config, once
         except ConfigError as e:
             print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(EXIT_CONFIG)

@@ -49,20 +49,16 @@ def seed_everything(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def build_data(cfg: Any, info: Any, settings: Any = None):
-    """The train and valid token datasets and their info. Rank 0 builds first (tokenizer, indexed dataset,
-    caches), the others then read what it wrote. ConfigError for a tokenizer larger than the model's vocabulary,
-    an empty split, or samples of the wrong length."""
+def build_data(settings: Any, info: Any):
+    """The train and valid token datasets of ``settings`` (the run's fp4moe.settings.Settings) and their info. Rank
+    0 builds first (tokenizer, indexed dataset, caches), the others then read what it wrote. ConfigError for a
+    tokenizer larger than the model's vocabulary, an empty split, or samples of the wrong length."""
     if info.rank == 0:
-        out = data_mod.build_token_datasets(cfg)
+        out = data_mod.build_token_datasets(settings)
     barrier()
     if info.rank != 0:
-        out = data_mod.build_token_datasets(cfg)
+        out = data_mod.build_token_datasets(settings)
     train_ds, valid_ds, dinfo = out
-    if settings is None:
-        from fp4moe.settings import Settings
-
-        settings = Settings.from_config(cfg)
     seq, vocab = settings.parallel.seq_length, settings.model.vocab_size
     if int(dinfo["vocab_size"]) > vocab:
         raise ConfigError(f"the tokenizer has {dinfo['vocab_size']} tokens but model.vocab_size={vocab}: raise "
@@ -98,7 +94,7 @@ def build(cfg: Any, derived: dict[str, Any], info: Any, output_dir: Any, setting
         gc.collect()
         torch.cuda.empty_cache()
     seed_everything(t.seed)
-    train_ds, valid_ds, dinfo = build_data(cfg, info, settings)
+    train_ds, valid_ds, dinfo = build_data(settings, info)
 
     profiler = StepProfiler(cfg, output_dir, device, info.rank)
     profiler.start_memory_history()  # train.profile.memory: every allocation from here on gets its site

@@ -1,7 +1,7 @@
 """The trainer's one door to the data pipeline, and its sampler.
 
 :func:`build_token_datasets` is ``fp4moe.data.build_token_datasets`` (the data pipeline of issue 4), imported
-on first use: ``train_ds, valid_ds, info = build_token_datasets(cfg)``. Each dataset is map-style and
+on first use: ``train_ds, valid_ds, info = build_token_datasets(settings)`` (the run's fp4moe.settings.Settings). Each dataset is map-style and
 deterministic, ``ds[i]`` a LongTensor ``[seq_length + 1]`` (input ``[:-1]``, labels ``[1:]``); ``info`` holds
 ``vocab_size, eod_id, train_tokens, valid_tokens, tokenizer_path, dataset_prefix``. The trainer calls this module
 attribute (never a copy of it), so tests can replace it in this one place.
@@ -20,7 +20,7 @@ class DataUnavailable(RuntimeError):
     """The data pipeline cannot give the datasets; the message says why and what to do."""
 
 
-def build_token_datasets(cfg: Any):
+def build_token_datasets(settings: Any):
     try:
         from fp4moe.data import build_token_datasets as build
     except ModuleNotFoundError as e:
@@ -28,7 +28,7 @@ def build_token_datasets(cfg: Any):
             raise DataUnavailable("fp4moe.data (the tokenizer + indexed-dataset pipeline, issue 4) is not in this "
                                   "checkout yet, so fp4moe.train has no data to train on") from e
         raise
-    return build(cfg)
+    return build(settings)
 
 
 def micro_batch_indices(consumed: int, micro_index: int, micro: int, dp_rank: int, dp_size: int) -> list[int]:

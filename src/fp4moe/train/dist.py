@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fp4moe.config import ConfigError
+from fp4moe.settings import Parallel
 from fp4moe.tracking.mlflow_store import MAX_TAG_CHARS
 
 
@@ -51,28 +52,29 @@ class DistInfo:
         return self.rank == 0
 
 
-def check_supported(cfg: Any) -> None:
-    """Refuse parallel layouts the trainer does not run yet, with the reason (ConfigError)."""
-    p = cfg.parallel
-    unsupported = [(k, int(p.get(k) or 1)) for k in ("tensor", "context") if int(p.get(k) or 1) > 1]
-    if int(p.get("expert_tensor") or 1) > 1:
-        unsupported.append(("expert_tensor", int(p.expert_tensor)))
+def check_supported(p: Parallel) -> None:
+    """Refuse parallel layouts (``p``, the run's ``Settings.parallel``) the trainer does not run yet, with the reason
+    (ConfigError)."""
+    unsupported = [(k, getattr(p, k)) for k in ("tensor", "context") if getattr(p, k) > 1]
+    if (p.expert_tensor or 1) > 1:
+        unsupported.append(("expert_tensor", p.expert_tensor))
     if unsupported:
         what = ", ".join(f"parallel.{k}={v}" for k, v in unsupported)
         raise ConfigError(
             f"{what}: not supported by fp4moe.train yet (it runs data, expert and pipeline parallelism: tensor, "
             "context and expert_tensor must be 1). Such layouts can be checked with "
             "`python -m fp4moe.launch dry-run` but not trained yet")
-    if int(p.get("virtual_pipeline") or 1) > 1:
+    if (p.virtual_pipeline or 1) > 1:
         raise ConfigError(
             f"parallel.virtual_pipeline={p.virtual_pipeline}: the interleaved (virtual) pipeline schedule is not "
             "supported by fp4moe.train yet (it runs megatron-core's 1F1B): set parallel.virtual_pipeline=null, "
             "with one parallel.pipeline_layout stage per pipeline rank")
 
 
-def init_distributed(cfg: Any) -> DistInfo:
+def init_distributed(p: Parallel) -> DistInfo:
     """Initialise the default process group (see the module docstring) and check its size against
-    ``parallel.world_size``. Reuses a group that already exists (and then leaves it alone at teardown)."""
+    ``p.world_size`` (``p``: the run's ``Settings.parallel``). Reuses a group that already exists (and then leaves it
+    alone at teardown)."""
     env = os.environ
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
@@ -100,7 +102,7 @@ def init_distributed(cfg: Any) -> DistInfo:
     info = DistInfo(rank=rank, world_size=world, local_rank=local_rank,
                     device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
                     backend=dist.get_backend(), launcher=launcher, owns_group=owns, hosts=rank_hosts(world))
-    want = int(cfg.parallel.world_size)
+    want = p.world_size
     if world != want:
         if owns:
             dist.destroy_process_group()
@@ -134,20 +136,20 @@ def host_tags(hosts: list[str]) -> dict[str, str]:
     return {"hosts": ",".join(distinct)[:MAX_TAG_CHARS], "num_hosts": str(len(distinct))}
 
 
-def init_model_parallel(cfg: Any, info: DistInfo) -> None:
-    """megatron-core ``parallel_state.initialize_model_parallel`` for the config's TP/PP/CP/EP/ETP (DP is what
-    is left of the world). Megatron also builds gloo copies of the data-parallel groups."""
+def init_model_parallel(p: Parallel, info: DistInfo) -> None:
+    """megatron-core ``parallel_state.initialize_model_parallel`` for the TP/PP/CP/EP/ETP of ``p`` (the run's
+    ``Settings.parallel``; DP is what is left of the world). Megatron also builds gloo copies of the data-parallel
+    groups."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         return
-    p = cfg.parallel
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=int(p.tensor),
-        pipeline_model_parallel_size=int(p.pipeline),
-        context_parallel_size=int(p.context),
-        expert_model_parallel_size=int(p.expert),
-        expert_tensor_parallel_size=int(p.get("expert_tensor") or p.tensor),
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        context_parallel_size=p.context,
+        expert_model_parallel_size=p.expert,
+        expert_tensor_parallel_size=p.etp,
     )
     info.owns_model_parallel = True
 

@@ -94,7 +94,7 @@ def preflight(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
     TrackingUnavailable."""
     s = settings or Settings.from_config(cfg)
     derived = check(cfg, s)
-    check_supported(cfg)
+    check_supported(s.parallel)
     cluster_env(cfg)  # a thread count that is not a positive integer
     dtype = s.train.params_dtype  # one of PARAMS_DTYPES (fp4moe.settings.Train)
     seq, max_pos = s.parallel.seq_length, s.model.max_position_embeddings
@@ -172,8 +172,8 @@ def train(cfg: Any, *, multirun_cell: str | None = None, output_dir: str | Path 
         from fp4moe.ops import kernel_switches, use_kernel_switches
 
         try:
-            info = init_distributed(cfg)
-            init_model_parallel(cfg, info)
+            info = init_distributed(settings.parallel)
+            init_model_parallel(settings.parallel, info)
             warm_up_communicators(info)  # before the model fills the GPU: NCCL allocates outside torch's allocator
             # the config's kernel switches (kernels.*) for every op of this run, whatever the environment says later
             with use_kernel_switches(kernel_switches(settings.kernels)):
