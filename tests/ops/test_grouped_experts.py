@@ -244,6 +244,89 @@ def test_no_tokens_at_all():
         assert not got["dw1"].any() and not got["dw2"].any()
 
 
+
+# ------------------------------------------------------------------------- weights as [E, N, K] or as E [N, K]
+
+
+def run_routed(x, counts, w1, w2, p, dy, recipe, *, stacked=True, recompute=False, dispatched=False, **kw):
+    """``routed_experts`` forward and backward with the weights as one ``[E, N, K]`` leaf each (``stacked``) or as E
+    ``[N, K]`` leaves each (a megatron SequentialMLP's parameters; their gradients stacked here for comparison)."""
+    from fp4moe.moe.experts import routed_experts
+
+    xx, pp = x.clone().requires_grad_(), p.clone().requires_grad_()
+    if stacked:
+        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    else:
+        a, b = [w.clone().requires_grad_() for w in w1], [w.clone().requires_grad_() for w in w2]
+    xin = quantized_all_to_all(xx, [x.shape[0]], [x.shape[0]], keep_fp4=True) if dispatched else xx
+    y = routed_experts(xin, counts, a, b, pp, recipe, recompute=recompute, **kw)
+    y.backward(dy)
+    dw1, dw2 = (a.grad, b.grad) if stacked else (torch.stack([w.grad for w in a]), torch.stack([w.grad for w in b]))
+    return dict(y=y.detach(), dx=xx.grad, dw1=dw1, dw2=dw2, dp=pp.grad)
+
+
+@pytest.mark.parametrize("row_align", [1, 128])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("name", ["bf16", "fp8", "mxfp4", "mxfp4_dispatched", "mxfp4_no_save_fp4", "mxfp4_act_only"])
+def test_stacked_weights_equal_per_expert_weights(name, recompute, row_align):
+    """Weights as one [E, N, K] tensor each (the standalone MoELayer) or as E [N, K] tensors each (the megatron
+    adapter): output, input, probability and weight gradients bit for bit the same, with and without the experts'
+    recompute, a dispatched MXFP4 input, and rows padded to 128 per expert."""
+    recipe = SAVE_RECIPES.get(name, Recipe.mxfp4())
+    x, w1, w2, p, dy = case(COUNTS, seed=7)
+    kw = dict(recompute=recompute, dispatched=name.endswith("dispatched"), row_align=row_align)
+    got = run_routed(x, COUNTS, w1, w2, p, dy, recipe, stacked=True, **kw)
+    want = run_routed(x, COUNTS, w1, w2, p, dy, recipe, stacked=False, **kw)
+    assert got["dw1"].shape == w1.shape and got["dw2"].shape == w2.shape
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def _weight_sized_stacks(trace_file, shapes, e_num) -> list:
+    """The aten::stack / aten::cat ops of a chrome trace whose output has one of ``shapes`` ([E, N, K]) or whose
+    inputs are E tensors of one expert's ``[N, K]`` (the output shape from the traced TensorList dims)."""
+    import json
+
+    found = []
+    for ev in json.load(open(trace_file))["traceEvents"]:
+        if ev.get("name") not in ("aten::stack", "aten::cat"):
+            continue
+        dims, conc = ev["args"]["Input Dims"], ev["args"]["Concrete Inputs"]
+        parts = dims[0]
+        if not parts:
+            continue
+        d = int(conc[1]) if len(conc) > 1 and conc[1] not in ("", None) else 0
+        first = list(parts[0])
+        if ev["name"] == "aten::stack":
+            d %= len(first) + 1
+            out = first[:d] + [len(parts)] + first[d:]
+        else:
+            d %= max(len(first), 1)
+            out = first[:d] + [sum(q[d] for q in parts if q)] + first[d + 1:]
+        per_expert = len(parts) == e_num and any(all(list(q) == list(s[1:]) for q in parts) for s in shapes)
+        if tuple(out) in shapes or per_expert:
+            found.append((ev["name"], parts))
+    return found
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("name", ["bf16", "fp8", "mxfp4"])
+def test_stacked_weight_gradients_are_not_stacked_again(name, recompute, tmp_path):
+    """[E, N, K] weights enter the autograd Functions whole and get their [E, N, K] gradients as the wgrad makes
+    them: the backward runs no aten::stack / aten::cat of the weight gradients (what autograd's UnbindBackward of
+    per-expert views did, a full copy of both weight gradients every backward)."""
+    from fp4moe.moe.experts import routed_experts
+
+    recipe = Recipe.preset(name)
+    x, w1, w2, p, dy = case(COUNTS, seed=8)
+    xx, a, b, pp = (t.clone().requires_grad_() for t in (x, w1, w2, p))
+    y = routed_experts(xx, COUNTS, a, b, pp, recipe, recompute=recompute)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        y.backward(dy)
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    assert _weight_sized_stacks(tmp_path / "trace.json", {tuple(w1.shape), tuple(w2.shape)}, len(COUNTS)) == []
+    assert a.grad.shape == w1.shape and b.grad.shape == w2.shape
+
 # ------------------------------------------------------------------------------------------- saved bytes
 
 

@@ -103,30 +103,40 @@ def _experts(seed=1, dev="cpu"):
     return w1, w2, xs, p
 
 
-def _train_experts(recipe, cache: bool, recompute: bool, dev="cpu"):
+def _train_experts(recipe, cache: bool, recompute: bool, dev="cpu", stacked=False):
+    """``stacked``: the experts as one [E, N, K] parameter per weight set (the standalone MoELayer), the same values;
+    the gradients are compared per expert either way."""
     w1, w2, xs, p = _experts(dev=dev)
+    if stacked:
+        w1, w2 = ([torch.nn.Parameter(torch.stack([w.detach() for w in ws]))] for ws in (w1, w2))
+    ws1, ws2 = (w[0] if stacked else w for w in (w1, w2))
     opt = torch.optim.SGD(w1 + w2, lr=0.5)
     out = []
     with enabled_for(w1 + w2 if cache else None):
         for _ in range(2):
             for x in xs:
                 x = x.clone().requires_grad_()
-                y = routed_experts(x, COUNTS, w1, w2, p, recipe, recompute=recompute)
+                y = routed_experts(x, COUNTS, ws1, ws2, p, recipe, recompute=recompute)
                 y.float().square().sum().backward()
                 out += [y.detach(), x.grad]
-            out += [w.grad.clone() for w in w1 + w2 if w.grad is not None]
+            grads = [w.grad for w in w1 + w2 if w.grad is not None]
+            out += [g.clone() for g in (grads if not stacked else [e for g in grads for e in g.unbind(0)])]
             opt.step()
             opt.zero_grad()
         stats = (CACHE.stats.misses, CACHE.stats.hits)
     return out, stats
 
 
+@pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("name", ["fp8", "mxfp4"])
-def test_grouped_experts_are_bit_exact_and_quantized_once_per_step(name, recompute):
+def test_grouped_experts_are_bit_exact_and_quantized_once_per_step(name, recompute, stacked):
+    """Per-expert parameters (megatron's SequentialMLP) or one [E, N, K] parameter per weight set (the standalone
+    layer; the cache keys it by the 3-D tensor, which enters the experts' autograd Functions whole): the same
+    outputs and gradients, the same quantizer passes and reuses."""
     recipe = Recipe.preset(name)
     ref, _ = _train_experts(recipe, cache=False, recompute=recompute)
-    got, (misses, hits) = _train_experts(recipe, cache=True, recompute=recompute)
+    got, (misses, hits) = _train_experts(recipe, cache=True, recompute=recompute, stacked=stacked)
     assert len(got) == len(ref)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
@@ -137,7 +147,7 @@ def test_grouped_experts_are_bit_exact_and_quantized_once_per_step(name, recompu
 
 
 def test_grouped_experts_stacked_weights_are_views_of_one_parameter():
-    """Experts stored as one [E, N, K] parameter: unbound per call, still one entry per weight set."""
+    """Experts stored as one [E, N, K] parameter: one entry per weight set, keyed by the 3-D tensor."""
     recipe = Recipe.fp8()
     w1l, w2l, xs, p = _experts()
     w1 = torch.nn.Parameter(torch.stack([w.detach() for w in w1l]))

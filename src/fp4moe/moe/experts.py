@@ -20,7 +20,7 @@ from fp4moe_kernels.formats import MXFP4Tensor
 
 from ..ops.all_to_all import DispatchedMXFP4
 from ..ops.fp8_linear import fp8_linear
-from ..ops.grouped_experts import grouped_expert_mlp
+from ..ops.grouped_experts import function_weights, grouped_expert_mlp, weight_halves
 from ..ops.swiglu import swiglu
 from ..recipe import Recipe
 
@@ -38,7 +38,9 @@ class _ExpertRecompute(torch.autograd.Function):
     ``'bf16_fp4'``  rows are BF16 (mxfp4 recipe without dispatch_fp4/expert_input_fp4): the forward uses x, the
                     cache is MXFP4 of x (data + scales) and the backward recomputes from its dequantized rows.
 
-    Inputs: (x, data, scales, probs, counts, recipe, mode, row_align, *weights): the E fc1 then the E fc2 weights.
+    Inputs: (x, data, scales, probs, counts, recipe, mode, row_align, *weights): w1 ``[E, 2F, H]`` and w2
+    ``[E, H, F]`` (their ``[E, N, K]`` gradients come back whole), or the E fc1 then the E fc2 weights
+    (``grouped_experts.function_weights``).
     Rows the dispatch padded for the GEMMs (``fp4moe.moe.dispatch.row_padding``) are cached padded."""
 
     @staticmethod
@@ -47,7 +49,7 @@ class _ExpertRecompute(torch.autograd.Function):
         n = len(counts)
         xin = DispatchedMXFP4(data, scales, tuple(x.shape), x) if mode == "fp4" else x
         with torch.no_grad():
-            y = grouped_expert_mlp(xin, counts, weights[:n], weights[n:], probs, recipe, row_align=row_align)
+            y = grouped_expert_mlp(xin, counts, *weight_halves(weights, n), probs, recipe, row_align=row_align)
         cache = (x,) if mode == "bf16" else (data, scales)
         ctx.save_for_backward(*cache, probs, *weights)  # the weights by reference
         return y
@@ -70,7 +72,7 @@ class _ExpertRecompute(torch.autograd.Function):
         ins = [t.detach().requires_grad_(need) for t, need in zip((x, probs, *weights), needs)]
         with torch.enable_grad():
             xin = DispatchedMXFP4(data, scales, x_shape, ins[0]) if mode == "fp4" else ins[0]
-            y = grouped_expert_mlp(xin, counts, ins[2:2 + n], ins[2 + n:], ins[1], recipe, row_align=row_align)
+            y = grouped_expert_mlp(xin, counts, *weight_halves(ins[2:], n), ins[1], recipe, row_align=row_align)
         need = [t for t in ins if t.requires_grad]
         grads = iter(torch.autograd.grad(y, need, dy, allow_unused=True) if need else ())
         gx, gp, *gws = (next(grads) if t.requires_grad else None for t in ins)
@@ -90,18 +92,17 @@ def routed_experts(x, counts: list[int], w1, w2, probs: torch.Tensor, recipe: Re
     if not recompute or not torch.is_grad_enabled():
         # under no_grad a DispatchedMXFP4 also has no gradient anchor for _ExpertRecompute to take
         return grouped_expert_mlp(x, counts, w1, w2, probs, recipe, row_align=row_align)
-    ws = [tuple(w.unbind(0)) if torch.is_tensor(w) and w.dim() == 3 else tuple(w) for w in (w1, w2)]
+    ws = function_weights(w1, w2)  # two [E, N, K] tensors stay whole
     if isinstance(x, DispatchedMXFP4):
         anchor = x.grad_anchor
         if anchor is None:  # the sender's rows need no gradient: a stride-0 stand-in carries dtype and shape
             anchor = torch.zeros((), dtype=_BF16, device=x.data.device).expand(x.shape)
-        return _ExpertRecompute.apply(anchor, x.data, x.scales, probs, counts, recipe, "fp4", row_align, *ws[0],
-                                    *ws[1])
+        return _ExpertRecompute.apply(anchor, x.data, x.scales, probs, counts, recipe, "fp4", row_align, *ws)
     if recipe.name == "mxfp4":  # cache as MXFP4 (_ExpertRecompute 'bf16_fp4')
         q = kops.bf16_to_fp4_row(x.detach().to(_BF16), recipe.scale_rule)
         return _ExpertRecompute.apply(x, q.data, q.scales, probs, counts, recipe, "bf16_fp4", row_align,
-                                    *ws[0], *ws[1])
-    return _ExpertRecompute.apply(x, None, None, probs, counts, recipe, "bf16", row_align, *ws[0], *ws[1])
+                                    *ws)
+    return _ExpertRecompute.apply(x, None, None, probs, counts, recipe, "bf16", row_align, *ws)
 
 
 def shared_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, recipe: Recipe) -> torch.Tensor:

@@ -28,7 +28,9 @@ MXFP4 h (``fp4_to_bf16``), so dprobs and dh carry the E2M1 error of h.
 
 Weights: ``[E, 2F, H]`` / ``[E, H, F]`` tensors, or sequences of E ``[2F, H]`` / ``[H, F]`` tensors that may
 lie anywhere in memory (a model's expert parameters, e.g. in megatron's DDP buffer): on CUDA the FP8 weight
-quantizer reads each expert where it is (no stacked copy); their gradients come back per expert.
+quantizer reads each expert where it is (no stacked copy); their gradients come back per expert. Two ``[E, N, K]``
+tensors enter the autograd Function whole and get the wgrad's ``[E, N, K]`` gradients as they are (per-expert views
+would have autograd stack their gradients back: a copy of both weight gradients per backward).
 
 Input x: a ``[T, H]`` bf16 tensor, or an ``MXFP4Tensor`` / ``DispatchedMXFP4`` (the dispatch's ``keep_fp4``
 output). With ``recipe.expert_input_fp4`` fc1's FP8 rows come from ``fp4_row_to_fp8_row`` of the MXFP4 (a bf16 x
@@ -85,9 +87,11 @@ def expert_saved_bytes(counts, hidden: int, ffn: int, recipe: Recipe) -> int:
 
 class Experts:
     """E expert weights ``[N, K]`` read as one ``[E, N, K]`` operand, each where it lies (``shape``, ``dtype``,
-    ``device``, ``experts[e]`` as a tensor's)."""
+    ``device``, ``experts[e]`` as a tensor's). ``stacked``: the ``[E, N, K]`` tensor when the weights were given as
+    one (``ws`` are then its views), else None; the FP8 weight cache keys such weights by it."""
 
     def __init__(self, ws) -> None:
+        self.stacked = ws if torch.is_tensor(ws) else None
         self.ws = tuple(ws.unbind(0)) if torch.is_tensor(ws) else tuple(ws)
         w0 = self.ws[0]
         if w0.dim() != 2 or not all(w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device
@@ -120,7 +124,8 @@ def quantize_experts_128x128(w, transpose: bool = False, both: bool = False):
         fwd = (out[0].view(e, n, k), out[1].view(e, n // FP8_GROUP, k // FP8_GROUP))
         tr = (out[2], out[3]) if transpose or both else None
     else:
-        data, scale = quantize_weight_128x128(torch.stack([x.detach() for x in ex.ws]).reshape(e * n, k))
+        stacked = ex.stacked.detach() if ex.stacked is not None else torch.stack([x.detach() for x in ex.ws])
+        data, scale = quantize_weight_128x128(stacked.reshape(e * n, k))
         fwd = (data.view(e, n, k), scale.view(e, n // FP8_GROUP, k // FP8_GROUP))
         tr = (fwd[0].transpose(1, 2).contiguous(), fwd[1].transpose(1, 2).contiguous()) if transpose or both else None
     if both:
@@ -130,12 +135,15 @@ def quantize_experts_128x128(w, transpose: bool = False, both: bool = False):
 
 def fp8_experts(w: "Experts", transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_experts_128x128(w, transposed)``, from ``weight_cache.CACHE`` when enabled (then the forward and
-    the dgrad copies come from one quantizer pass: on CUDA one launch writes both)."""
+    the dgrad copies come from one quantizer pass: on CUDA one launch writes both). The cache's key: the ``[E, N, K]``
+    tensor itself when the weights came as one (found again through its detach in a recompute, and its own
+    ``requires_grad`` says whether a backward will ask for the dgrad copy: its views, unbound under the Function's
+    no_grad, would say no), else the E per-expert tensors."""
     ex = w if isinstance(w, Experts) else Experts(w)
 
     def make(both: bool):
         return quantize_experts_128x128(ex, both=True) if both else (quantize_experts_128x128(ex), None)
-    return CACHE.get(ex.ws, make, transposed)
+    return CACHE.get((ex.stacked,) if ex.stacked is not None else ex.ws, make, transposed)
 
 
 def gemm_backend(device: torch.device) -> str:
@@ -255,20 +263,34 @@ def _weight_grad(s: dict, name: str, d_out: torch.Tensor, seg, w: torch.Tensor, 
     return _wgrad(kops.bf16_to_fp8_col(d_out, seg), col, seg, w)
 
 
+def stacked_weights(weights) -> bool:
+    """Whether the weight inputs of ``GroupedExpertMLP`` / ``_ExpertRecompute`` are the two ``[E, N, K]`` tensors
+    (w1, w2) rather than the E fc1 then the E fc2 ``[N, K]`` tensors."""
+    return len(weights) == 2 and weights[0].dim() == 3
+
+
+def weight_halves(weights, e_num: int):
+    """(w1, w2) of the Functions' weight inputs: the two ``[E, N, K]`` tensors, or the two runs of E ``[N, K]``."""
+    return tuple(weights) if stacked_weights(weights) else (tuple(weights[:e_num]), tuple(weights[e_num:]))
+
+
 class GroupedExpertMLP(torch.autograd.Function):
     """Use through ``grouped_expert_mlp``. forward(x_hp, probs, x_fp4, recipe, seg, *weights) -> y [T, H] bf16,
-    ``weights`` = the E fc1 weights ``[2F, H]`` then the E fc2 weights ``[H, F]`` (E = seg.num).
+    ``weights`` = w1 ``[E, 2F, H]`` and w2 ``[E, H, F]`` (two inputs: their gradients are the wgrad's ``[E, N, K]``
+    tensors as they are, no per-expert views that autograd would stack back, a copy of both gradients per backward),
+    or the E fc1 weights ``[2F, H]`` then the E fc2 weights ``[H, F]`` (E = seg.num; a gradient per expert).
 
     ``x_hp``: the bf16 input, or the ``grad_anchor`` of a dispatched MXFP4 (values unused then), or None;
     ``x_fp4``: the MXFP4 input (expert_input_fp4) or None. ``ctx.saved_activation_bytes`` = what was saved."""
 
     @staticmethod
     def forward(ctx, x_hp, probs, x_fp4, recipe: Recipe, seg: Segments, *weights):
-        w1, w2 = Experts(weights[:seg.num]), Experts(weights[seg.num:])
+        w1, w2 = (Experts(w) for w in weight_halves(weights, seg.num))
         e_num, f2, h = w1.shape
         f = f2 // 2
         fp8 = recipe.fp8_compute
-        need_w1, need_w2 = any(ctx.needs_input_grad[5:5 + e_num]), any(ctx.needs_input_grad[5 + e_num:])
+        n1 = 1 if w1.stacked is not None else e_num  # fc1's weight inputs
+        need_w1, need_w2 = any(ctx.needs_input_grad[5:5 + n1]), any(ctx.needs_input_grad[5 + n1:])
         need_w = need_w1 or need_w2
         saved: dict[str, torch.Tensor] = {}
         # ---- fc1
@@ -311,7 +333,7 @@ class GroupedExpertMLP(torch.autograd.Function):
             y = _per_expert_gemm(z_row, w2, seg, h, "fprop")
         saved["probs"] = probs
         ctx.names = list(saved)
-        ctx.meta = (recipe, seg, h, f, need_w1, need_w2)
+        ctx.meta = (recipe, seg, h, f, need_w1, need_w2, len(weights))
         ctx.saved_activation_bytes = sum(
             {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved.values()}.values()
         )
@@ -320,10 +342,10 @@ class GroupedExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        recipe, seg, h, f, need_w1, need_w2 = ctx.meta
+        recipe, seg, h, f, need_w1, need_w2, n_w = ctx.meta
         tensors = ctx.saved_tensors
-        w1, w2 = Experts(tensors[:seg.num]), Experts(tensors[seg.num:2 * seg.num])
-        s = dict(zip(ctx.names, tensors[2 * seg.num:]))
+        w1, w2 = (Experts(w) for w in weight_halves(tensors[:n_w], seg.num))
+        s = dict(zip(ctx.names, tensors[n_w:]))
         fp8 = recipe.fp8_compute
         dy = dy.to(_BF16).contiguous()
         probs = s["probs"]
@@ -348,6 +370,8 @@ class GroupedExpertMLP(torch.autograd.Function):
         if need_w1:
             dw1 = _weight_grad(s, "x", dh, seg, w1, h, fp8)
         dp = dprobs.to(probs.dtype) if ctx.needs_input_grad[1] else None
+        if w1.stacked is not None:  # the [E, N, K] gradients as the wgrad made them
+            return (dx, dp, None, None, None, dw1, dw2)
         per_expert = [None] * seg.num
         dws = (per_expert if dw1 is None else list(dw1.unbind(0))) + (per_expert if dw2 is None else list(dw2.unbind(0)))
         return (dx, dp, None, None, None, *dws)
@@ -435,6 +459,18 @@ def _pad_mxfp4(x: MXFP4Tensor, rp: RowPadding) -> MXFP4Tensor:
     return MXFP4Tensor(rp.rows(x.data), rp.rows(x.scales), (rp.padded.total, x.shape[1]))
 
 
+def function_weights(w1, w2) -> tuple:
+    """The weight inputs of ``GroupedExpertMLP`` / ``_ExpertRecompute`` for ``grouped_expert_mlp``'s w1, w2: (w1, w2)
+    when both are ``[E, N, K]`` tensors (their gradients come back whole), else the E fc1 then the E fc2 ``[N, K]``
+    tensors (a 3-D tensor given with a per-expert sequence is unbound: its gradient is stacked back by autograd)."""
+    if all(torch.is_tensor(w) and w.dim() == 3 for w in (w1, w2)):
+        return (w1, w2)
+    ws = [tuple(w.unbind(0)) if torch.is_tensor(w) and w.dim() == 3 else tuple(w) for w in (w1, w2)]
+    if len(ws[0]) != len(ws[1]):
+        raise FormatError(f"w1 has {len(ws[0])} experts and w2 {len(ws[1])}: need [E, 2F, H] and [E, H, F]")
+    return (*ws[0], *ws[1])
+
+
 def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe, *,
                        row_align: int | None = None) -> torch.Tensor:
     """Routed experts (module docstring). x ``[T, H]`` bf16 or an ``MXFP4Tensor`` / ``DispatchedMXFP4``;
@@ -454,14 +490,21 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe, *
     not pad (``pad_in_dispatch = False``, direct calls)."""
     from .all_to_all import DispatchedMXFP4  # local import: all_to_all does not need this module
 
-    ws1 = tuple(w1.unbind(0)) if torch.is_tensor(w1) and w1.dim() == 3 else tuple(w1)
-    ws2 = tuple(w2.unbind(0)) if torch.is_tensor(w2) and w2.dim() == 3 else tuple(w2)
-    if not ws1 or len(ws1) != len(ws2) or ws1[0].dim() != 2 or ws2[0].dim() != 2:
-        raise FormatError(f"w1 must be [E, 2F, H] and w2 [E, H, F] (or E matrices each), got "
-                          f"{[tuple(w.shape) for w in ws1[:2]]}... and {[tuple(w.shape) for w in ws2[:2]]}...")
-    e_num, (f2, h) = len(ws1), ws1[0].shape
-    if f2 % 2 or tuple(ws2[0].shape) != (h, f2 // 2):
-        raise FormatError(f"w1 [{e_num}, {f2}, {h}] and w2 [{e_num}, {tuple(ws2[0].shape)}] do not match: need "
+    weights = function_weights(w1, w2)
+    if stacked_weights(weights):  # the expert shapes without unbinding
+        (e_num, *m1), (e2, *m2) = weights[0].shape, weights[1].shape
+        ok = e_num > 0
+    else:
+        ws1, ws2 = weight_halves(weights, len(weights) // 2)
+        e_num, e2 = len(ws1), len(ws2)
+        ok = e_num > 0 and all(w.dim() == 2 for w in (ws1[0], ws2[0]))
+        m1, m2 = (list(ws[0].shape) if ws else [] for ws in (ws1, ws2))
+    if not ok or e2 != e_num or len(m1) != 2 or len(m2) != 2:
+        raise FormatError(f"w1 must be [E, 2F, H] and w2 [E, H, F] (or E matrices each), got {e_num} x {m1} and "
+                          f"{e2} x {m2}")
+    f2, h = m1
+    if f2 % 2 or tuple(m2) != (h, f2 // 2):
+        raise FormatError(f"w1 [{e_num}, {f2}, {h}] and w2 [{e_num}, {tuple(m2)}] do not match: need "
                           "[E, 2F, H] and [E, H, F]")
     is_fp4 = isinstance(x, MXFP4Tensor)
     x_hp, x_fp4 = None, None
@@ -492,15 +535,16 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe, *
     align = gemm_row_align(device, recipe, row_align)
     probs = probs.float()
     if align <= 1 or all(c % align == 0 for c in seg.counts):
-        return GroupedExpertMLP.apply(x_hp, probs, x_fp4, recipe, seg, *ws1, *ws2)
+        return GroupedExpertMLP.apply(x_hp, probs, x_fp4, recipe, seg, *weights)
     rp = padded_rows(seg, align, device)
     if x_fp4 is not None:
         x_fp4 = _pad_mxfp4(x_fp4, rp)
     if x_hp is not None:
         x_hp = _PadAnchor.apply(x_hp, rp) if x_is_anchor else _RowMap.apply(x_hp, rp.rows, rp.unpad)
-    y = GroupedExpertMLP.apply(x_hp, _RowMap.apply(probs, rp.rows, rp.unpad), x_fp4, recipe, rp.padded, *ws1, *ws2)
+    y = GroupedExpertMLP.apply(x_hp, _RowMap.apply(probs, rp.rows, rp.unpad), x_fp4, recipe, rp.padded, *weights)
     return _RowMap.apply(y, rp.unpad, rp.rows)
 
 
-__all__ = ["Experts", "GroupedExpertMLP", "expert_saved_bytes", "fp8_experts", "gemm_backend", "grouped_expert_mlp",
-           "RowPadding", "gemm_row_align", "map_rows", "padded_rows", "quantize_experts_128x128"]
+__all__ = ["Experts", "GroupedExpertMLP", "expert_saved_bytes", "fp8_experts", "function_weights", "gemm_backend",
+           "grouped_expert_mlp", "RowPadding", "gemm_row_align", "map_rows", "padded_rows", "quantize_experts_128x128",
+           "stacked_weights", "weight_halves"]
