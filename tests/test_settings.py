@@ -62,6 +62,16 @@ def test_settings_are_frozen_and_typed():
     assert type(Settings.from_config(_compose("data=code_docs")).data) is UserCorpus
 
 
+def test_the_sdist_cache_folder_is_the_configs():
+    """data.cache_dir comes from the config alone (conf/data/shakespeare.yaml: ${paths.data_dir}/cache): the folder
+    fp4moe.data.build once derived from data.dir when it was empty, so the shipped configs' builds are unchanged."""
+    from pathlib import Path
+
+    for overrides in ((), ("paths.data_dir=/srv/corpora",)):
+        s = Settings.from_config(_compose("data=shakespeare", *overrides))
+        assert s.data.cache_dir == f"{s.paths.data_dir}/cache" == str(Path(s.data.dir).parent / "cache")
+
+
 def test_a_config_composed_without_the_schemas_gets_the_same_checks():
     """An archived run's params or a hand-written dict: merged into the schemas first, the same one-line errors."""
     plain = OmegaConf.create(OmegaConf.to_container(_compose(), resolve=True))
@@ -162,6 +172,8 @@ def test_a_typo_in_a_precision_recompute_kernels_or_paths_file_is_one_line(tmp_p
                                               "recompute.granularity=None"),
     ("kernels.grouped_gemm=cutlass", "kernels.grouped_gemm='cutlass' (the config's, or $FP4MOE_GROUPED_GEMM's): use "
                                      "'triton'"),
+    ("data.cache_dir=''", "data.cache_dir is empty: set it to the folder that keeps the downloaded sdist, e.g. "
+                          "data.cache_dir='${paths.data_dir}/cache'"),
 ])
 def test_a_value_its_group_refuses_is_one_line_when_the_settings_are_built(override, message):
     with pytest.raises(ConfigError) as err:

@@ -137,3 +137,36 @@ def test_callback_fails_the_slurm_job_only_inside_slurm(monkeypatch):
     with pytest.raises(slurm.JobFailed, match="Slurm job 7: RuntimeError: boom"):
         slurm.SlurmCallback().on_job_end(config=None, job_return=ret)
     slurm.SlurmCallback().on_job_end(config=None, job_return=JobReturn(status=JobStatus.COMPLETED))
+
+
+@pytest.mark.parametrize("case", ["default", "relative_sqlite", "http", "env"])
+def test_launcher_and_trainer_name_the_same_store(case, monkeypatch, tmp_path):
+    """SlurmCallback.on_multirun_start prepares the store the trainer's jobs log into: both take
+    fp4moe.tracking.mlflow_store.config_uri (tracking.uri, which conf/train.yaml defaults to $MLFLOW_TRACKING_URI,
+    else the default store <repo>/mlruns/mlflow.db), unchanged (a relative sqlite path stays relative)."""
+    from hydra import compose, initialize_config_dir
+
+    from fp4moe.paths import conf_dir
+    from fp4moe.tracking import mlflow_store
+
+    monkeypatch.setenv("FP4MOE_HOME", str(tmp_path))   # the default store: under tmp_path, not the checkout
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    overrides, expected = {
+        "default": ([], f"sqlite:///{tmp_path.resolve() / 'mlruns' / 'mlflow.db'}"),
+        "relative_sqlite": (["tracking.uri=sqlite:///runs/mlflow.db"], "sqlite:///runs/mlflow.db"),
+        "http": (["tracking.uri=http://127.0.0.1:5999"], "http://127.0.0.1:5999"),
+        "env": ([], "sqlite:///from/env.db"),
+    }[case]
+    if case == "env":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///from/env.db")
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    prepared = []
+    monkeypatch.setattr(slurm, "prepare_tracking", prepared.append)
+    slurm.SlurmCallback().on_multirun_start(config=cfg)
+    assert prepared == [expected] == [mlflow_store.config_uri(cfg)]
+    if case == "env":   # an override of tracking.uri wins over the variable
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = compose("train", overrides=["tracking.uri=http://127.0.0.1:5999"])
+        slurm.SlurmCallback().on_multirun_start(config=cfg)
+        assert prepared[-1] == mlflow_store.config_uri(cfg) == "http://127.0.0.1:5999"

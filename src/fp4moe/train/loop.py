@@ -123,9 +123,7 @@ def preflight(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
         tracking_thread()  # nor one in FP4MOE_TRACKING_THREAD
     except ValueError as e:  # SwitchError included
         raise ConfigError(str(e)) from None
-    from fp4moe.train.metrics import resolve_uri
-
-    mlflow_store.check_reachable(resolve_uri(cfg))
+    mlflow_store.check_reachable(mlflow_store.config_uri(cfg))
     import torch
 
     from fp4moe.model.megatron_import import import_megatron_core
@@ -212,7 +210,7 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
     from fp4moe.ops.weight_cache import CACHE as wcache
     from fp4moe.train import checkpoint as ckpt
     from fp4moe.train import components, hooks
-    from fp4moe.train.metrics import PENDING_FILE, Tracker, replay_if_pending, resolve_uri
+    from fp4moe.train.metrics import PENDING_FILE, Tracker, replay_if_pending
     from fp4moe.train.run_record import describe
     from fp4moe.train.step import Stepper
     from fp4moe.train.summary import summarize, write_summary_json
@@ -231,7 +229,7 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
                 log.info("already finished at step %d/%d (checkpoint %s); nothing to train", int(meta["step"]),
                          total_steps, folder)
                 # what the store could not take at the end of the run: log it now
-                replay_if_pending(root / PENDING_FILE, resolve_uri(cfg))
+                replay_if_pending(root / PENDING_FILE, mlflow_store.config_uri(cfg))
             return TrainResult(run_id=meta.get("mlflow_run_id"), start_step=int(meta["step"]),
                                step=int(meta["step"]), total_steps=total_steps, checkpoint=folder,
                                already_finished=True)
@@ -241,7 +239,7 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
 
     # ---- MLflow (rank 0): a store that fails mid-run does not stop the training, what it could not take waits in
     # the checkpoint folder
-    tracker = Tracker(resolve_uri(cfg), str(OmegaConf.select(cfg, "tracking.experiment") or "train"),
+    tracker = Tracker(mlflow_store.config_uri(cfg), str(OmegaConf.select(cfg, "tracking.experiment") or "train"),
                       enabled=info.is_main, pending=root / PENDING_FILE)
     record = describe(cfg, derived, info, settings, parts.dinfo, root)
     tracker.start(record.name, record.params, record.tags, resume_run_id=start.run_id,

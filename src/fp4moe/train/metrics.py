@@ -1,7 +1,8 @@
 """MLflow for a training run (rank 0 only), throughput and memory measurement.
 
-One MLflow run per training run, in experiment ``tracking.experiment`` of store ``tracking.uri`` (else
-``fp4moe.tracking.mlflow_store.tracking_uri()``: ``$MLFLOW_TRACKING_URI`` or ``<repo>/mlruns/mlflow.db``). The store is
+One MLflow run per training run, in experiment ``tracking.experiment`` of store
+``fp4moe.tracking.mlflow_store.config_uri(cfg)`` (``tracking.uri``, else ``$MLFLOW_TRACKING_URI`` or
+``<repo>/mlruns/mlflow.db``). The store is
 checked with ``fp4moe.tracking.mlflow_store.check_reachable`` before anything is built. A resumed run continues the
 MLflow run whose id its checkpoint holds.
 
@@ -51,17 +52,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping
 
-from omegaconf import OmegaConf
-
 from fp4moe.tracking import mlflow_store
 
 log = logging.getLogger("fp4moe.train")
 GB = 1024 ** 3
-
-
-def resolve_uri(cfg: Any) -> str:
-    uri = OmegaConf.select(cfg, "tracking.uri")
-    return str(uri) if uri else mlflow_store.tracking_uri()
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, str]:
@@ -574,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["resolve_uri", "flatten", "hardware_tags", "Tracker", "TrackingError", "Meter", "replay_pending", "replay_if_pending",
+__all__ = ["flatten", "hardware_tags", "Tracker", "TrackingError", "Meter", "replay_pending", "replay_if_pending",
            "PENDING_FILE"]
 
 

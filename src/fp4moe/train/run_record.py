@@ -34,9 +34,9 @@ def describe(cfg: Any, derived: dict[str, Any], info: Any, settings: Any, dinfo:
              root: Path) -> RunRecord:
     """The run's record for ``cfg`` (``settings``: its fp4moe.settings.Settings, whose recipe, recompute scope,
     model and optimizer it names) trained on ``info``'s ranks, on data ``dinfo``, checkpointing into ``root``."""
-    from fp4moe.train.metrics import flatten, hardware_tags, resolve_uri
+    from fp4moe.train.metrics import flatten, hardware_tags
 
-    store = mlflow_store.without_credentials(resolve_uri(cfg))
+    store = mlflow_store.without_credentials(mlflow_store.config_uri(cfg))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     params = flatten({k: v for k, v in resolved.items() if k != "hydra"})
     params["tracking.uri"] = store
