@@ -121,7 +121,7 @@ def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
     ``swiglu_bwd`` of ``fp4_to_bf16`` of it (the same float32 operations on the same decoded values): dh bit for bit
     for every variant, dprobs bit for bit for the previous default (the same tiles) and within float32 rounding of
     the float64 sum for the whole-block kernel (the same terms, summed in another order)."""
-    from fp4moe_kernels import ops as kops
+    from fp4moe_kernels import convert as kops
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import MXFP4Tensor
     from fp4moe_kernels.triton_kernels import launchers

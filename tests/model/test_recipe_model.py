@@ -185,7 +185,7 @@ def test_mxfp4_dispatch_quantizes_each_token_once(mp, recompute, monkeypatch):
     same loss, every parameter gradient and the same all-to-all bytes, bit for bit, through the whole model and
     under the recompute scopes that rerun the experts or the whole layer; each dispatch quantizes [T, H], not
     [T*k, H]."""
-    from fp4moe_kernels import ops as kops
+    from fp4moe_kernels import convert as kops
 
     real = kops.bf16_to_fp4_row
     runs = {}

@@ -4,7 +4,7 @@
 What it measures. DeepSeek-V3's routed experts on one GPU: 32 experts, 32768 routed rows ragged over them (one
 empty expert, one of 5 rows; ``counts_v3`` as tools/device/bench_deepgemm.py has it), tokens padded to 128 per
 expert. fc1 wgrad (C_e [N=4096, K=7168] = dY_e^T X_e) and fc2 wgrad (C_e [N=7168, K=2048]). Both operands are
-``FP8ColTensor`` columns built by the project's own quantizer (``fp4moe_kernels.ops.bf16_to_fp8_col``) with 1x128
+``FP8ColTensor`` columns built by the project's own quantizer (``fp4moe_kernels.convert.bf16_to_fp8_col``) with 1x128
 FP32 power-of-two scales along tokens; the BF16 sources are randn times a power of two per token (2^-4 .. 2^4), so
 that the scales differ from block to block and the bit-equality check below means something. Output bf16
 ``[E, N, K]`` as ``launchers.grouped_fp8_wgrad`` returns it.
@@ -381,8 +381,8 @@ def counts_v3(e=32, rows=32768, seed=0) -> list[int]:
 
 def operands(counts, n, k, dev, seed=0):
     """(a, b) FP8ColTensor over ``counts``: dY [M, n] and X [M, k] BF16 randn times 2^u per token (u in -4..4)
-    quantized by fp4moe_kernels.ops.bf16_to_fp8_col (the Triton kernel on CUDA, the reference on CPU)."""
-    from fp4moe_kernels import ops as kops
+    quantized by fp4moe_kernels.convert.bf16_to_fp8_col (the Triton kernel on CUDA, the reference on CPU)."""
+    from fp4moe_kernels import convert as kops
     from fp4moe_kernels.formats import Segments
 
     m = sum(counts)
@@ -447,7 +447,7 @@ def gpu_run(args) -> dict:
     from triton.testing import do_bench
 
     from fp4moe.ops.fp8_gemm import fp8_mm
-    from fp4moe_kernels import ops as kops
+    from fp4moe_kernels import convert as kops
 
     dev = torch.device("cuda")
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))

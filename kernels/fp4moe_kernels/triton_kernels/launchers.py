@@ -1,6 +1,6 @@
 """Launchers: allocate outputs in the ``formats`` layouts, build segment tables, pick tile sizes, launch.
 
-Inputs are assumed validated (``fp4moe_kernels.ops`` does that). The small per-segment tables are cached
+Inputs are assumed validated (``fp4moe_kernels.convert`` does that). The small per-segment tables are cached
 per (segments, device), so repeated calls with the same expert counts do no host-to-device copy (and can
 be captured in a CUDA graph). Tensors must be on a CUDA device, or on
 the CPU under ``TRITON_INTERPRET=1`` (then FP8 conversions are emulated exactly, see ``common``).

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from fp4moe_kernels import ops as kops
+from fp4moe_kernels import convert as kops
 from fp4moe_kernels import switches
 from fp4moe_kernels.formats import FormatError, MXFP4Tensor
 
