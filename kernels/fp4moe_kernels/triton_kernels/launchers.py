@@ -285,7 +285,7 @@ def quantize_weight_128x128(w, rows_per_expert: int | None = None, transpose: bo
 # ------------------------------------------------------------------------------------- grouped FP8 GEMMs
 
 # rows: (BM, BN, GROUP_M, num_warps, num_stages); wgrad: (BN, BK, num_warps, num_stages). Chosen by
-# ``python -m fp4moe.moe.bench --sweep-gemm`` on an H200 (results/moe_layer/); FP4MOE_GEMM_TILES (JSON, e.g.
+# ``python -m fp4moe.moe.layer_bench --sweep-gemm`` on an H200 (results/moe_layer/); FP4MOE_GEMM_TILES (JSON, e.g.
 # '{"rows": [128, 256, 8, 8, 3]}') overrides them for a run.
 GEMM_TILES = {"rows": (64, 128, 8, 4, 4), "wgrad": (64, 128, 4, 3)}  # H200 sweep at 96ab870
 
