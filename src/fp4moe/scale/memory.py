@@ -206,7 +206,7 @@ micro-batch (R rows on the GPU, H hidden, F expert FFN, all bf16 unless said):
 
 Each a named ``MemoryAssumptions`` field in bytes with its scaling rule (``fp4moe.scale.outside_torch``'s
 docstring): 0 and ``outside_torch_source='not measured'`` unless the caller gives them (the H200 measurement:
-``fp4moe.analysis.outside_torch.measured_assumptions``).
+``fp4moe.analysis.outside_torch_measured.measured_assumptions``).
 ``total_bytes`` is the headline (the paper's "% of 80 GB" read as what nvidia-smi shows);
 ``allocated_bytes`` is ``torch.cuda.max_memory_allocated``'s peak, which fp4moe.analysis.calibration checks.
 
@@ -253,7 +253,7 @@ class MemoryAssumptions:
     param_bytes: int = 2             # B/param of autograd's .grad of a weight (BF16 model weights)
     attn_recompute: str = "core_attn"   # what the scopes' "attention" recomputes (module docstring)
     # (f) outside PyTorch's allocated bytes, per GPU (fp4moe.scale.outside_torch: what each is and how it scales);
-    # 0 unless measured (fp4moe.analysis.outside_torch gives the H200's; outside_torch_source says where from)
+    # 0 unless measured (fp4moe.analysis.outside_torch_measured gives the H200's; outside_torch_source says where from)
     cuda_context_bytes: int = 0            # per process
     nccl_communicator_bytes: int = 0       # per communicator a step uses
     nccl_peer_bytes: int = 0               # per peer of a communicator
