@@ -290,7 +290,7 @@ class MemoryAssumptions:
     # recomputation inside the backward, whose graph holds the layer's detached input and its gradient: every MoE
     # layer after the one whose experts are being differentiated keeps its input [T, H] and (all but the next one,
     # whose input gradient is this layer's output gradient) that gradient (``backward_depth_bytes``). Since then the
-    # trainer drops them when the MoE layer's forward returns (fp4moe.model.build.release_dispatcher_after_forward).
+    # trainer drops them when the MoE layer's forward returns (fp4moe.model.gpt_model.release_dispatcher_after_forward).
     dispatcher_keeps_recompute_graph: bool = False
     # routed rows this GPU's experts receive, / T x k (the rows its own tokens send): 1 = balanced routing (on one
     # GPU exactly 1). A MEASURED routing statistic where a run logged it (fp4moe.analysis.calibration reads it from the
