@@ -62,9 +62,9 @@ bench-kernels: ## run the kernel benchmark on the GPU, then log it to MLflow (ar
 # The MoE layer benchmark (P2): bf16 / fp8 / mxfp4 side by side; LAYER_GPUS=2 runs EP=2 with torchrun.
 bench-layer: ## run the MoE layer benchmark on 1 GPU (LAYER_GPUS=2: EP=2), results in $(LAYER_OUT)
 ifeq ($(LAYER_GPUS),1)
-	PYTHONPATH=src:kernels $(GPU_PYTHON) -m fp4moe.moe.bench --out $(LAYER_OUT) $(LAYER_ARGS)
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m fp4moe.moe.layer_bench --out $(LAYER_OUT) $(LAYER_ARGS)
 else
-	PYTHONPATH=src:kernels $(GPU_PYTHON) -m torch.distributed.run --nproc-per-node $(LAYER_GPUS) -m fp4moe.moe.bench --out $(LAYER_OUT) --no-gemm $(LAYER_ARGS)
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m torch.distributed.run --nproc-per-node $(LAYER_GPUS) -m fp4moe.moe.layer_bench --out $(LAYER_OUT) --no-gemm $(LAYER_ARGS)
 endif
 
 log-bench: venv ## log every results/kernels/kernels_*.json (BENCH_OUT) to MLflow with the venv (idempotent)

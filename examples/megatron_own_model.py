@@ -54,7 +54,7 @@ def _build_and_train(args, world: int, rank: int, cuda: bool) -> None:
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from fp4moe.model import api
-    from fp4moe.model.build import a2a_stats, to_bf16_params
+    from fp4moe.model.gpt_model import a2a_stats, to_bf16_params
     from fp4moe.recipe import Recipe
 
     torch.manual_seed(1234)

@@ -386,10 +386,10 @@ def test_a_benchmark_result_is_reusable_only_for_its_gpu_commit_and_default_comm
 def test_a_layer_result_is_reusable_only_at_the_default_shape(tmp_path):
     from fp4moe.tracking.layer_bench_log import DEFAULT_SHAPE
 
-    cmd = "python -m fp4moe.moe.bench --out /w/results/moe_layer"
+    cmd = "python -m fp4moe.moe.layer_bench --out /w/results/moe_layer"
     odd = _result(tmp_path, "moe_layer_h200_ep1_t8192.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)
     odd.write_text(json.dumps({**json.loads(odd.read_text()), "shape": {**DEFAULT_SHAPE, "tokens": 8192}}))
-    find = lambda: pipeline.reusable_result(tmp_path, "moe_layer_*.json", "fp4moe.moe.bench", HEAD,
+    find = lambda: pipeline.reusable_result(tmp_path, "moe_layer_*.json", "fp4moe.moe.layer_bench", HEAD,
                                             shape=DEFAULT_SHAPE, gpu="h200", world_size=1)
     assert find() is None
     ok = _result(tmp_path, "moe_layer_h200_ep1.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)

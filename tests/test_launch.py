@@ -202,7 +202,7 @@ def test_local_slurm_profile_has_no_gpus_or_nccl():
 # ---------------------------------------------------------------------------------------------- predicted memory
 
 def _model_peak(cfg):
-    from fp4moe.analysis.outside_torch import measured_assumptions
+    from fp4moe.analysis.outside_torch_measured import measured_assumptions
     from fp4moe.scale.memory import mean_total_bytes, per_stage_memory
 
     stages = per_stage_memory(cfg, measured_assumptions())

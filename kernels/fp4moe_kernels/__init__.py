@@ -2,11 +2,11 @@
 
 MXFP4 (E2M1 elements, 32-element UE8M0 blocks) and FP8 E4M3 (1x128 / 128x128 power-of-two scales)
 formats, their conversions, a pure-PyTorch reference (the specification, runs on CPU) and Triton
-kernels that match it bit for bit on CUDA. Use the functions of ``fp4moe_kernels.ops``; they are
+kernels that match it bit for bit on CUDA. Use the functions of ``fp4moe_kernels.convert``; they are
 re-exported here.
 
 Modules: ``constants`` (format numbers) and ``sizes`` (the formats' bytes from shapes), both torch-free;
-``formats`` (typed containers, ragged ``Segments``), ``reference`` (the spec), ``ops`` (public API, validation,
+``formats`` (typed containers, ragged ``Segments``), ``reference`` (the spec), ``convert`` (public API, validation,
 device dispatch), ``triton_kernels`` (GPU kernels), ``cuda_kernels`` (CUDA C++), ``deepgemm`` (DeepGEMM's grouped
 FP8 GEMM, an optional backend), ``selfcheck`` (kernels vs
 reference on the present hardware), ``bench`` / ``bench_cuda`` / ``bench_peers`` (GPU benchmark CLIs).
@@ -25,16 +25,16 @@ _EXPORTS = {
     "FP8RowTensor": "formats",
     "MXFP4Tensor": "formats",
     "Segments": "formats",
-    "bf16_to_fp4_and_fp8_row": "ops",
-    "bf16_to_fp4_row": "ops",
-    "bf16_to_fp8_col": "ops",
-    "bf16_to_fp8_row": "ops",
-    "fp4_row_to_fp8_col": "ops",
-    "fp4_row_to_fp8_row": "ops",
-    "fp4_to_bf16": "ops",
-    "fp8_row_to_fp4": "ops",
+    "bf16_to_fp4_and_fp8_row": "convert",
+    "bf16_to_fp4_row": "convert",
+    "bf16_to_fp8_col": "convert",
+    "bf16_to_fp8_row": "convert",
+    "fp4_row_to_fp8_col": "convert",
+    "fp4_row_to_fp8_row": "convert",
+    "fp4_to_bf16": "convert",
+    "fp8_row_to_fp4": "convert",
 }
-_SUBMODULES = ("bench", "bench_cuda", "bench_peers", "constants", "cuda_kernels", "deepgemm", "formats", "ops",
+_SUBMODULES = ("bench", "bench_cuda", "bench_peers", "constants", "convert", "cuda_kernels", "deepgemm", "formats",
                "reference", "selfcheck", "sizes", "triton_kernels")
 
 

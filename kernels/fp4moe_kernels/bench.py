@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import ops
+from . import convert as ops
 from .formats import MXFP4Tensor, Segments
 from .selfcheck import make_counts
 
@@ -169,7 +169,7 @@ def default_shapes(tokens: int = 32768, experts: int = 32, seed: int = 0) -> lis
 
 def load_baseline(path: str):
     """An older copy of this package (e.g. ``git archive <commit> kernels/fp4moe_kernels``, unpacked) imported
-    under another name, so that its kernels run side by side with these in one process: (ops, formats)."""
+    under another name, so that its kernels run side by side with these in one process: (convert, formats)."""
     import importlib
     import importlib.util
 
@@ -182,11 +182,13 @@ def load_baseline(path: str):
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
-    return importlib.import_module(f"{name}.ops"), importlib.import_module(f"{name}.formats")
+    # the public API's module: convert.py, ops.py before the rename (issue P9)
+    api = "convert" if os.path.isfile(os.path.join(path, "convert.py")) else "ops"
+    return importlib.import_module(f"{name}.{api}"), importlib.import_module(f"{name}.formats")
 
 
 def _ours(shape: Shape, x, a: MXFP4Tensor, f, lib=None, fmt=None):
-    """kernel -> callable of this package's ``ops`` (or of a baseline's ``lib``/``fmt``, on the same inputs)."""
+    """kernel -> callable of this package's ``convert`` (or of a baseline's ``lib``/``fmt``, on the same inputs)."""
     counts = shape.counts
     if lib is not None:
         a = fmt.MXFP4Tensor(a.data, a.scales, a.shape)
@@ -257,7 +259,7 @@ def _peers(x):
 
 def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, log=print,
         baseline=None) -> tuple[float, list[Row], list[str]]:
-    """Every kernel on every shape (and, with ``baseline`` = (label, ops, formats), the baseline's kernels)."""
+    """Every kernel on every shape (and, with ``baseline`` = (label, convert, formats), the baseline's kernels)."""
     copy = copy_bandwidth_gbps(warmup_ms, rep_ms)
     log(f"copy bandwidth (1 GiB bf16 D2D, read+write): {copy:.0f} GB/s")
     rows: list[Row] = []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import ops
+from . import convert as ops
 from .bench import copy_bandwidth_gbps, default_shapes, do_bench, environment, min_bytes
 from .cuda_kernels import VARIANTS, available, fp4_row_to_fp8_col
 

@@ -134,18 +134,18 @@ class Case:
 
 
 def _impl(kind: str):
-    """'ops': the public API (CUDA -> kernels, CPU -> reference); 'triton': the kernel launchers on any
+    """'convert': the public API (CUDA -> kernels, CPU -> reference); 'triton': the kernel launchers on any
     device (CPU needs TRITON_INTERPRET=1)."""
-    if kind == "ops":
-        from . import ops
+    if kind == "convert":
+        from . import convert
 
-        return ops
+        return convert
     from .triton_kernels import launchers
 
     return launchers
 
 
-def run_case(case: Case, device, impl: str = "ops", inputs: dict | None = None) -> list[str]:
+def run_case(case: Case, device, impl: str = "convert", inputs: dict | None = None) -> list[str]:
     """Run one conversion with the kernels and the reference on the same input; return the differences. ``inputs``
     keeps each input for the cases that share it (every conversion of a shape: generating one on the host takes
     seconds at DeepSeek-V3 shapes); nothing writes into an input."""
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     inputs: dict = {}
     for case in cases:
-        diffs = run_case(case, device, impl="ops" if cuda else "triton", inputs=inputs)
+        diffs = run_case(case, device, impl="convert" if cuda else "triton", inputs=inputs)
         failed += bool(diffs)
         print(f"  {'ok  ' if not diffs else 'FAIL'} {case.label}" + ("" if not diffs else "\n       " + "\n       ".join(diffs)))
     print(f"{len(cases) - failed} passed, {failed} failed ({time.time() - t0:.1f} s)")

@@ -43,8 +43,8 @@ KNOWN: tuple[Known, ...] = (
           "TransformerConfig's default cuda_graph_scope='full' (every config, megatron-core 0.16.1's own default): "
           "no CUDA graphs are captured (cuda_graph_impl is none)"),
     Known("log", "megatron.core.transformer.transformer_layer", re.escape("Unknown MLP type"),
-          "TransformerLayer building fp4moe's MoE layer (fp4moe.model.build: RecipeMoELayer, a subclass of megatron's "
-          "MoELayer, which that check compares by identity): it passes the default kwargs, so the layer takes its "
+          "TransformerLayer building fp4moe's MoE layer (fp4moe.model.gpt_model: RecipeMoELayer, a subclass of "
+          "megatron's MoELayer, which that check compares by identity): it passes the default kwargs, so the layer takes its "
           "process groups from megatron's parallel state, which the trainer initialises"),
     Known("log", "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",
           re.escape("Using Megatron-FSDP without Transformer Engine"),

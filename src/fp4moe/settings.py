@@ -715,7 +715,7 @@ def _build(cls: type, cfg: DictConfig, group: str) -> Any:
 def build_group(group: str, node: Any) -> Any:
     """The frozen settings of one group's node (``cfg.recompute``, a dict, or already its settings object, which is
     returned as it is); ``precision`` gives the parsed :class:`fp4moe.recipe.Recipe`. For code handed one group
-    rather than a whole config (fp4moe.model.build); a whole config goes through :meth:`Settings.from_config`.
+    rather than a whole config (fp4moe.model.gpt_model); a whole config goes through :meth:`Settings.from_config`.
     ConfigError (one line) as there."""
     if isinstance(node, (Recipe, *(c for c in SCHEMAS[group].values()))):
         return node

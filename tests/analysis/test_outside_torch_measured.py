@@ -1,4 +1,4 @@
-"""fp4moe.analysis.outside_torch and its measuring tool (tools/device/measure_outside_torch.py) on the CPU: the terms
+"""fp4moe.analysis.outside_torch_measured and its measuring tool (tools/device/measure_outside_torch.py) on the CPU: the terms
 the model takes from a results document, the manifest's measurement as the memory model's assumptions, and the tool's
 parent side (plan, dry run, a training run against a stand-in trainer, the summary) end to end."""
 import json
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from fp4moe.analysis import manifest
-from fp4moe.analysis import outside_torch as ot
+from fp4moe.analysis import outside_torch_measured as ot
 from fp4moe.scale.memory import NOT_MEASURED, compose_cfg, per_stage_memory
 from tool_module import load_tool
 

@@ -7,7 +7,7 @@ import pytest
 
 from fp4moe.analysis import manifest
 from fp4moe.analysis import paper_t1 as pt
-from fp4moe.analysis.outside_torch import measured
+from fp4moe.analysis.outside_torch_measured import measured
 from fp4moe.scale.memory import (GB, LAB_STACK, MemoryAssumptions, experiment_cfg, mean_total_bytes,
                                 per_stage_memory)
 

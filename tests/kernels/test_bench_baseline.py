@@ -1,7 +1,7 @@
 """``fp4moe_kernels.bench --baseline``: an older copy of the package runs side by side with this one.
 
 The baseline here is this package's own folder, copied: every baseline callable must return what this package's
-``ops`` returns on the same inputs (CPU: both dispatch to their reference), in the baseline's own format classes."""
+``convert`` returns on the same inputs (CPU: both dispatch to their reference), in the baseline's own format classes."""
 import json
 import shutil
 import sys
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fp4moe_kernels
-from fp4moe_kernels import bench, ops, selfcheck
+from fp4moe_kernels import bench, selfcheck
+from fp4moe_kernels import convert as ops
 
 
 def test_baseline_copy_runs_side_by_side_and_agrees(tmp_path):
@@ -37,6 +38,21 @@ def test_baseline_copy_runs_side_by_side_and_agrees(tmp_path):
                     assert type(g).__module__ == "fp4moe_kernels_baseline.formats", kernel
                     assert torch.equal(g.data.view(torch.uint8), w.data.view(torch.uint8)), kernel
                     assert torch.equal(g.scales, w.scales), kernel
+    finally:
+        for name in [m for m in sys.modules if m.startswith("fp4moe_kernels_baseline")]:
+            del sys.modules[name]
+
+
+def test_a_baseline_from_before_the_rename_loads_its_ops_module(tmp_path):
+    """Commits before issue P9 named the public API's module ops.py (now convert.py): a baseline of such a commit
+    still loads."""
+    src = Path(fp4moe_kernels.__file__).parent
+    base = tmp_path / "fp4moe_kernels"
+    shutil.copytree(src, base, ignore=shutil.ignore_patterns("__pycache__"))
+    (base / "convert.py").rename(base / "ops.py")
+    try:
+        bops, _ = bench.load_baseline(str(base))
+        assert bops.__file__ == str(base / "ops.py") and callable(bops.bf16_to_fp4_row)
     finally:
         for name in [m for m in sys.modules if m.startswith("fp4moe_kernels_baseline")]:
             del sys.modules[name]

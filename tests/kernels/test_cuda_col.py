@@ -49,7 +49,7 @@ def test_random_inputs(variant, m, k, experts, spread):
 def test_ops_switch_picks_the_kernel_with_the_same_bits_as_triton(monkeypatch, mode, runs_cuda):
     """ops.fp4_row_to_fp8_col (the trainer's call) runs the CUDA kernel by default and with FP4MOE_CUDA_COL=1, the
     Triton kernel with 0 (a spy counts the CUDA calls); either way the output is the Triton kernel's, bit for bit."""
-    from fp4moe_kernels import ops
+    from fp4moe_kernels import convert as ops
     from fp4moe_kernels.triton_kernels import launchers
 
     x = selfcheck.make_input(4096, 2048, 7, "cuda", spread=4, special=False)

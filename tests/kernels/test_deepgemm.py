@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fp4moe_kernels import deepgemm, switches
-from fp4moe_kernels import ops as kops
+from fp4moe_kernels import convert as kops
 from fp4moe_kernels.formats import FormatError, Segments
 
 

@@ -13,7 +13,7 @@ import torch
 
 from fp4moe.ops.fp8_gemm import fp8_mm
 from fp4moe.ops.grouped_experts import quantize_experts_128x128
-from fp4moe_kernels import ops as kops
+from fp4moe_kernels import convert as kops
 from fp4moe_kernels.triton_kernels import launchers
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

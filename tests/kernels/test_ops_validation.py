@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from fp4moe_kernels import FormatError, FP8RowTensor, MXFP4Tensor, Segments, ops
+from fp4moe_kernels import FormatError, FP8RowTensor, MXFP4Tensor, Segments
+from fp4moe_kernels import convert as ops
 from fp4moe_kernels.switches import SwitchError
 
 

@@ -1,4 +1,4 @@
-"""The fused SwiGLU kernels (fp4moe_kernels.triton_kernels.swiglu) against the unfused float32 torch formula they
+"""The fused SwiGLU kernels (fp4moe_kernels.triton_kernels.fused_swiglu) against the unfused float32 torch formula they
 replace (fp4moe.ops.swiglu) and against a float64 evaluation: BF16 outputs equal the formula's or differ by one
 BF16 unit in the last place, and lie within one unit of the float64 value; dprobs (a float32 sum over F) within
 float32 rounding of the float64 sum. CPU: under the Triton interpreter, small shapes with column tails, one row,
@@ -56,7 +56,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _check(t, f, weighted, device, gen):
-    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_fwd
+    from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd, swiglu_fwd
 
     h = (torch.randn(t, 2 * f, generator=gen) * 3).to(torch.bfloat16).to(device)
     dz = torch.randn(t, f, generator=gen).to(torch.bfloat16).to(device)
@@ -99,7 +99,7 @@ def test_fused_swiglu_gpu(t, f, weighted):
 def test_switch_routes_ops_swiglu_through_the_kernels(monkeypatch):
     """fp4moe.ops.swiglu's formulas run the kernels on CUDA by default (same values as calling them directly);
     FP4MOE_FUSED_SWIGLU=0 turns them off."""
-    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_fwd
+    from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd, swiglu_fwd
 
     g = torch.Generator().manual_seed(3)
     h = torch.randn(5000, 2048, generator=g).to(torch.bfloat16).cuda()
@@ -121,11 +121,11 @@ def _check_fp4(t, f, weighted, device, gen, rule="ceil"):
     ``swiglu_bwd`` of ``fp4_to_bf16`` of it (the same float32 operations on the same decoded values): dh bit for bit
     for every variant, dprobs bit for bit for the previous default (the same tiles) and within float32 rounding of
     the float64 sum for the whole-block kernel (the same terms, summed in another order)."""
-    from fp4moe_kernels import ops as kops
+    from fp4moe_kernels import convert as kops
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import MXFP4Tensor
     from fp4moe_kernels.triton_kernels import launchers
-    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_bwd_fp4, swiglu_fwd, swiglu_fwd_fp4
+    from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd, swiglu_bwd_fp4, swiglu_fwd, swiglu_fwd_fp4
 
     h = (torch.randn(t, 2 * f, generator=gen) * 3).to(torch.bfloat16)
     if t > 2:  # a NaN block, an all-zero block and a tiny block: code 255, code 0, a small code
@@ -177,7 +177,7 @@ def test_fused_swiglu_fp4_store_gpu(t, f, weighted):
 
 
 def test_fp4_store_kernels_reject_widths_that_split_blocks():
-    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd_fp4, swiglu_fwd_fp4
+    from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd_fp4, swiglu_fwd_fp4
 
     with pytest.raises(ValueError, match="multiple of 32"):
         swiglu_fwd_fp4(torch.zeros(2, 2 * 48, dtype=torch.bfloat16))
@@ -237,9 +237,9 @@ def test_bench_tiles_reach_the_kernels():
     swiglu_bwd_fp4 run, each giving the default kernel's outputs bit for bit (a typo'd spelling fails to parse
     instead of timing something else)."""
     from fp4moe.ops.bench_swiglu import _bwd_tiles, _tiles
-    from fp4moe_kernels.triton_kernels.swiglu import swiglu_fwd_fp4
+    from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_fwd_fp4
     from fp4moe_kernels import reference as ref
-    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd_fp4
+    from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd_fp4
 
     tiles = _bwd_tiles("tiles, b2x3x2")
     assert tiles == ["tiles", ("blocks", 2, 3, 2)]

@@ -85,7 +85,7 @@ def test_the_spec_alone_carries_the_recipe(mp):
 
     from fp4moe.config import ConfigError
     from fp4moe.model import api
-    from fp4moe.model.build import a2a_stats, build_gpt_model, to_bf16_params, transformer_config
+    from fp4moe.model.gpt_model import a2a_stats, build_gpt_model, to_bf16_params, transformer_config
     from fp4moe.recipe import Recipe
 
     conf = ROOT / "conf"

@@ -102,7 +102,7 @@ def test_a_model_trains_inside_the_scope_and_nothing_is_left_after_it():
     from megatron.core.tensor_parallel import random as mrandom
 
     from fp4moe.model import cpu_shims
-    from fp4moe.model.build import build_gpt_model, prepare, to_bf16_params
+    from fp4moe.model.gpt_model import build_gpt_model, prepare, to_bf16_params
 
     m = OmegaConf.load(CONF / "model" / "tiny_cpu.yaml")
     cfg = OmegaConf.create({"model": m, "parallel": OmegaConf.load(CONF / "parallel" / "cpu.yaml"),

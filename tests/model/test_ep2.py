@@ -28,7 +28,7 @@ def _train(rank: int, port: int, out_dir: str) -> None:
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from fp4moe.model.build import build_gpt_model
+    from fp4moe.model.gpt_model import build_gpt_model
     from fp4moe.moe.layer import MoELayer as Standalone
     from fp4moe.recipe import Recipe
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.test_build import _cfg
+from tests.model.test_gpt_model import _cfg
 
 pytest.importorskip("megatron.core")
 
 
 def _built(seed: int = 0):
-    from fp4moe.model.build import build_gpt_model
+    from fp4moe.model.gpt_model import build_gpt_model
 
     torch.manual_seed(seed)  # megatron's own draws: differ with this seed
     return build_gpt_model(_cfg())

@@ -49,7 +49,7 @@ def _cfg(precision: str, recompute: str = "none", ep: int = 1, **model):
 
 def _pair(precision: str, variant: str, ep: int = 1):
     """(megatron's MoE layer of the tiny model, the standalone layer with its weights, top-k)."""
-    from fp4moe.model.build import build_gpt_model, to_bf16_params
+    from fp4moe.model.gpt_model import build_gpt_model, to_bf16_params
     from fp4moe.model.recipe_moe import RecipeMoELayer
     from fp4moe.moe import MoELayer
     from fp4moe.recipe import Recipe

@@ -35,7 +35,7 @@ def _cfg(precision: str, optimizer: str = "gpu_fp32", **model):
 
 
 def _build(cfg):
-    from fp4moe.model.build import build_gpt_model, to_bf16_params
+    from fp4moe.model.gpt_model import build_gpt_model, to_bf16_params
 
     torch.manual_seed(0)
     return to_bf16_params(build_gpt_model(cfg, params_dtype=torch.bfloat16))

@@ -1,4 +1,4 @@
-"""The precision recipe inside megatron-core's GPTModel (fp4moe.model.recipe_moe, build.py) on CPU/gloo, world
+"""The precision recipe inside megatron-core's GPTModel (fp4moe.model.recipe_moe, gpt_model.py) on CPU/gloo, world
 size 1: the MoE layer equals fp4moe's standalone MoELayer on the same weights and routing, bf16 is megatron's
 own path, mxfp4 sends MXFP4 bytes and saves less than fp8, parameter names do not depend on the recipe, and
 fp4moe's own recompute (layernorm, moe_expert) gives the same loss and gradients while saving less."""
@@ -44,7 +44,7 @@ def _forward_saved_bytes(m) -> int:
 
 
 def _build(cfg):
-    from fp4moe.model.build import build_gpt_model, to_bf16_params
+    from fp4moe.model.gpt_model import build_gpt_model, to_bf16_params
 
     torch.manual_seed(0)
     return to_bf16_params(build_gpt_model(cfg, params_dtype=torch.bfloat16))
@@ -185,7 +185,7 @@ def test_mxfp4_dispatch_quantizes_each_token_once(mp, recompute, monkeypatch):
     same loss, every parameter gradient and the same all-to-all bytes, bit for bit, through the whole model and
     under the recompute scopes that rerun the experts or the whole layer; each dispatch quantizes [T, H], not
     [T*k, H]."""
-    from fp4moe_kernels import ops as kops
+    from fp4moe_kernels import convert as kops
 
     real = kops.bf16_to_fp4_row
     runs = {}
@@ -324,7 +324,7 @@ def test_whole_attention_block_saves_only_its_input(mp, precision):
 
 def test_whole_attention_block_and_core_attention_are_one_or_the_other():
     from fp4moe.config import ConfigError
-    from fp4moe.model.build import _recompute_kwargs
+    from fp4moe.model.gpt_model import _recompute_kwargs
 
     r = OmegaConf.load(CONF / "recompute" / "attn_block_ln_experts.yaml")
     r.megatron_modules = ["core_attn"]
@@ -530,7 +530,7 @@ def test_full_recompute_frees_the_recomputed_graph_with_the_backward(mp, precisi
 
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from fp4moe.model.build import release_dispatcher_tensors
+    from fp4moe.model.gpt_model import release_dispatcher_tensors
     from fp4moe.model.recipe_moe import RELEASES_DISPATCHER
 
     def layer_sized():  # [seq, micro, hidden] tensors made since ``before`` (earlier tests may keep their own)
@@ -686,7 +686,7 @@ def test_mxfp4_norm_cache_replaces_the_bf16_input(mp):
 def test_routed_rows_are_counted_for_every_recipe(mp, precision):
     """a2a_stats counts, on every MoE layer's dispatcher (megatron's for bf16), the rows its tokens sent and its
     experts received: on one rank both are T x k per MoE layer and forward (the tiny model: 1 MoE layer, top-2)."""
-    from fp4moe.model.build import a2a_stats
+    from fp4moe.model.gpt_model import a2a_stats
 
     m = _model(precision)
     assert a2a_stats(m)["dispatch_forward_sent_rows"] == 0

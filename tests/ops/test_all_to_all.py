@@ -33,7 +33,7 @@ from fp4moe.ops.all_to_all import (
     quantize_gather_rows,
     quantized_all_to_all,
 )
-from fp4moe_kernels import ops as kops
+from fp4moe_kernels import convert as kops
 from fp4moe_kernels import reference as R
 
 WORLD = 2

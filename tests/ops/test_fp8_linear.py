@@ -43,7 +43,7 @@ from fp4moe.ops import (
 from fp4moe.ops.fp8_gemm import GPU_ROW_MULTIPLE, scaled_mm_args
 from fp4moe.ops.accounting import saved_bytes_during
 from fp4moe.recipe import Recipe
-from fp4moe_kernels import ops as kops
+from fp4moe_kernels import convert as kops
 from fp4moe_kernels import reference as R
 from fp4moe_kernels.formats import FormatError, Segments
 

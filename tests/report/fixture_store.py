@@ -42,7 +42,7 @@ KERNEL_JSON = {
     ],
 }
 LAYER_JSON = {
-    "env": {"date": "2026-11-30", "commit": "abc1234", "gpu": "h200", "world_size": 1, "command": "python -m fp4moe.moe.bench"},
+    "env": {"date": "2026-11-30", "commit": "abc1234", "gpu": "h200", "world_size": 1, "command": "python -m fp4moe.moe.layer_bench"},
     "shape": {"hidden": 7168, "ffn": 2048, "local_experts": 32, "experts": 32, "top_k": 8, "tokens": 4096},
     "recipes": [
         {"recipe": "bf16", "tokens_per_s": 100000.0, "saved_bytes": 4000, "saved_bytes_per_token": 240000.0,

@@ -264,9 +264,9 @@ def test_what_if_picks_the_optimizer_and_the_attention_reading():
 
 
 def test_t1_throughput_ratios_are_the_models_beside_the_papers(report_store):
-    """With the model, T1 also shows fp4moe.analysis.throughput's predicted tokens/s ratios for the paper's config,
+    """With the model, T1 also shows fp4moe.analysis.throughput_calibration's predicted tokens/s ratios for the paper's config,
     each column one stated link bandwidth, beside the ratios of the paper's own numbers; labelled a prediction."""
-    from fp4moe.analysis import throughput
+    from fp4moe.analysis import throughput_calibration as throughput
 
     md = markdown(build_report(report_store))
     part = md.split("### T1 throughput ratios", 1)[1].split("\n## ", 1)[0]

@@ -1,6 +1,6 @@
 """The throughput model (fp4moe.scale.throughput) with its own inputs: FLOP arithmetic on a small hand-checkable
 config, recompute adding exactly the re-run forward FLOPs, and each time term from rates this file states (round
-numbers, not measurements). The measured rates and the checks against the H200 runs: tests/analysis/test_throughput.py.
+numbers, not measurements). The measured rates and the checks against the H200 runs: tests/analysis/test_throughput_calibration.py.
 Fast: configs and arithmetic (no torch)."""
 from __future__ import annotations
 

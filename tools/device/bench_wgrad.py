@@ -4,7 +4,7 @@
 What it measures. DeepSeek-V3's routed experts on one GPU: 32 experts, 32768 routed rows ragged over them (one
 empty expert, one of 5 rows; ``counts_v3`` as tools/device/bench_deepgemm.py has it), tokens padded to 128 per
 expert. fc1 wgrad (C_e [N=4096, K=7168] = dY_e^T X_e) and fc2 wgrad (C_e [N=7168, K=2048]). Both operands are
-``FP8ColTensor`` columns built by the project's own quantizer (``fp4moe_kernels.ops.bf16_to_fp8_col``) with 1x128
+``FP8ColTensor`` columns built by the project's own quantizer (``fp4moe_kernels.convert.bf16_to_fp8_col``) with 1x128
 FP32 power-of-two scales along tokens; the BF16 sources are randn times a power of two per token (2^-4 .. 2^4), so
 that the scales differ from block to block and the bit-equality check below means something. Output bf16
 ``[E, N, K]`` as ``launchers.grouped_fp8_wgrad`` returns it.
@@ -12,7 +12,7 @@ that the scales differ from block to block and the bit-equality check below mean
 Rows of the table (``$OUT/wgrad/wgrad_<gpu>.md`` and ``.json``): ms (``triton.testing.do_bench``, warmup 25 ms,
 rep 100 ms), TFLOP/s counting the real rows only (2 M N K, M = 32768), ratio to the dense reference (one
 ``fp8_mm(..., "wgrad")`` = ``F.scaled_mm`` BlockWise1x128 x BlockWise1x128 of M x N x K, timed as
-src/fp4moe/moe/bench.py's ``_gemm_compare`` times it), ratio to the current kernel, and against the current
+src/fp4moe/moe/layer_bench.py's ``_gemm_compare`` times it), ratio to the current kernel, and against the current
 kernel's output: max |diff| and whether bit-equal (bf16). Candidates that keep the per-element summation order (the
 same 128-token block order, the promotion ``acc + (part * sa[:, None]) * sb[None, :]``) should be bit-equal; a
 candidate that fails to compile or run is recorded with the last lines of its traceback, the others still run.
@@ -381,8 +381,8 @@ def counts_v3(e=32, rows=32768, seed=0) -> list[int]:
 
 def operands(counts, n, k, dev, seed=0):
     """(a, b) FP8ColTensor over ``counts``: dY [M, n] and X [M, k] BF16 randn times 2^u per token (u in -4..4)
-    quantized by fp4moe_kernels.ops.bf16_to_fp8_col (the Triton kernel on CUDA, the reference on CPU)."""
-    from fp4moe_kernels import ops as kops
+    quantized by fp4moe_kernels.convert.bf16_to_fp8_col (the Triton kernel on CUDA, the reference on CPU)."""
+    from fp4moe_kernels import convert as kops
     from fp4moe_kernels.formats import Segments
 
     m = sum(counts)
@@ -447,7 +447,7 @@ def gpu_run(args) -> dict:
     from triton.testing import do_bench
 
     from fp4moe.ops.fp8_gemm import fp8_mm
-    from fp4moe_kernels import ops as kops
+    from fp4moe_kernels import convert as kops
 
     dev = torch.device("cuda")
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
@@ -459,7 +459,7 @@ def gpu_run(args) -> dict:
     for gemm, n, k in (("fc1 wgrad", 4096, 7168), ("fc2 wgrad", 7168, 2048)):
         a, b, dy, x = operands(counts, n, k, dev)
         flops = 2 * m * n * k
-        # dense reference of equal work, as src/fp4moe/moe/bench.py's _gemm_compare: one segment of all M rows
+        # dense reference of equal work, as src/fp4moe/moe/layer_bench.py's _gemm_compare: one segment of all M rows
         dense_a, dense_b = kops.bf16_to_fp8_col(dy), kops.bf16_to_fp8_col(x)
         del dy, x
         dense_ms = float(do_bench(lambda: fp8_mm(*dense_a.segment(0), *dense_b.segment(0), "wgrad", check=False),
@@ -553,7 +553,7 @@ def main(argv=None) -> int:
     doc = gpu_run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from fp4moe.moe.bench import gpu_slug
+    from fp4moe.moe.layer_bench import gpu_slug
 
     slug = gpu_slug(doc["gpu"])
     (out / f"wgrad_{slug}.json").write_text(json.dumps(doc, indent=1))

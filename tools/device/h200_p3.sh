@@ -27,7 +27,7 @@
 #                                                      # micro-batches), per cell
 #   bash tools/device/h200_p3.sh ep8 MB "mxfp4:attn_ln_mlp ..."  # issue 7 (nvidia-h200-x8): the proxy on 8 GPUs, EP8 x DP8
 #   COMMIT=sha bash tools/device/h200_p3.sh layer1 [ARGS]  # P2's V3 MoE layer on one GPU (32 experts), every recipe
-#                                                      # -> $OUT/moe_layer (ARGS: fp4moe.moe.bench's)
+#                                                      # -> $OUT/moe_layer (ARGS: fp4moe.moe.layer_bench's)
 #   bash tools/device/h200_p3.sh deepgemm              # build DeepGEMM's carried sdist for kernels.grouped_gemm=deepgemm
 #   COMMIT=sha bash tools/device/h200_p3.sh layer8     # issue 7: the V3 MoE layer with EP8, every recipe -> $OUT/moe_layer
 #   COMMIT=sha bash tools/device/h200_p3.sh kbench [DIR:LABEL [ARGS]]  # kernel benchmark -> $OUT/kernels, side by side
@@ -262,7 +262,7 @@ ep8)  # MB "recipe:scope ...": issue 7, the proxy on all 8 GPUs, EP8 x DP8 (torc
 layer1)  # [bench args]: P2's MoE layer benchmark on one GPU (DeepSeek-V3 shape: 32 experts, top-8, 4096 tokens), every
   # recipe (e.g. --recipes bf16,fp8,mxfp4,fp8@deepgemm,mxfp4@deepgemm after the deepgemm phase)
   mkdir -p "$OUT/moe_layer"
-  timeout -k 20 300 python3 -m fp4moe.moe.bench --commit "${COMMIT:-unknown}" --out "$OUT/moe_layer" "$@" 2>&1 | tail -40
+  timeout -k 20 300 python3 -m fp4moe.moe.layer_bench --commit "${COMMIT:-unknown}" --out "$OUT/moe_layer" "$@" 2>&1 | tail -40
   ;;
 deepgemm)  # build DeepGEMM (carried: build/deepgemm/deepinfer_gemm-*.tar.gz and include/, elfutils' headers) into
   # DG_DIR for kernels.grouped_gemm=deepgemm; later phases of this warm machine find it
@@ -274,7 +274,7 @@ deepgemm)  # build DeepGEMM (carried: build/deepgemm/deepinfer_gemm-*.tar.gz and
   ;;
 layer8)  # issue 7: DeepSeek-V3's MoE layer with EP8 (256 experts, 32 per GPU, top-8, 4096 tokens per GPU), every recipe
   mkdir -p "$OUT/moe_layer"
-  timeout -k 20 540 python3 -m torch.distributed.run --standalone --nproc-per-node 8 -m fp4moe.moe.bench \
+  timeout -k 20 540 python3 -m torch.distributed.run --standalone --nproc-per-node 8 -m fp4moe.moe.layer_bench \
     --commit "${COMMIT:-unknown}" --out "$OUT/moe_layer" 2>&1 | tail -40
   ;;
 kbench)  # [BASELINE_DIR:LABEL [bench args...]]: the kernel benchmark, and a baseline copy of the kernels beside it

@@ -1,5 +1,5 @@
 """Measure the GPU memory a training process holds beyond PyTorch's allocated bytes (issue 27, part C), in one call
-on one GPU (two: also NCCL with a peer), and write ``OUT/outside_torch_h200.json`` for ``fp4moe.analysis.outside_torch``
+on one GPU (two: also NCCL with a peer), and write ``OUT/outside_torch_h200.json`` for ``fp4moe.analysis.outside_torch_measured``
 (copy it to results/scale/outside_torch_h200.json and update its entry in results/manifest.yaml: the studies then give
 its terms to the memory model).
 
@@ -26,7 +26,7 @@ child's own PID when nvidia-smi lists it (``--query-compute-apps``); "outside" =
 
 The document carries the date, the commit (``FP4MOE_COMMIT`` or git), the GPU, the driver, torch and NCCL versions
 and the command line. ``--dry-run`` writes the same document with every measurement null and ``dry_run: true``
-(``fp4moe.analysis.outside_torch.derive`` refuses it).
+(``fp4moe.analysis.outside_torch_measured.derive`` refuses it).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ import threading
 import time
 from pathlib import Path
 
-FORMAT = "fp4moe-outside-torch/1"   # = fp4moe.analysis.outside_torch.FORMAT (this script runs without the package)
+FORMAT = "fp4moe-outside-torch/1"   # = fp4moe.analysis.outside_torch_measured.FORMAT (this script runs without the package)
 OUT_NAME = "outside_torch_h200.json"
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,8 +3,8 @@ torch's extension loader (``torch.utils.cpp_extension.load``: needs ``nvcc`` and
 ``$FP4MOE_CUDA_BUILD`` (default ``~/.cache/fp4moe/cuda``), one folder per torch / CUDA version. The library has no
 Python binding: it exports C functions that take device pointers and a CUDA stream, called through ctypes.
 
-Status: ``fp4moe_kernels.ops.fp4_row_to_fp8_col`` (and so the trainer) runs it by default where it builds (a
-Hopper GPU and nvcc; ``FP4MOE_CUDA_COL``: ``auto``, ``1``, ``0``, see ``ops.cuda_col_mode``), since it measured
+Status: ``fp4moe_kernels.convert.fp4_row_to_fp8_col`` (and so the trainer) runs it by default where it builds (a
+Hopper GPU and nvcc; ``FP4MOE_CUDA_COL``: ``auto``, ``1``, ``0``, see ``convert.cuda_col_mode``), since it measured
 +1 % mxfp4 training throughput on the H200 proxy (results/kernels/README.md, 2026-12-01 third section).
 ``fp4_row_to_fp8_col`` is measured against the Triton kernel by ``python -m fp4moe_kernels.bench_cuda``
 (results/kernels/cuda_col_h200_*.json: 1.8-1.9x) and tested bit for bit against the reference by
@@ -75,7 +75,7 @@ def col_input_problem(a: MXFP4Tensor) -> str | None:
 
 
 def fp4_row_to_fp8_col(a: MXFP4Tensor, seg: Segments, variant: str = "swar") -> FP8ColTensor:
-    """FP4RowToFP8Col by the CUDA C++ kernel: the same output as ``fp4moe_kernels.ops.fp4_row_to_fp8_col``.
+    """FP4RowToFP8Col by the CUDA C++ kernel: the same output as ``fp4moe_kernels.convert.fp4_row_to_fp8_col``.
     ``a`` on a CUDA device, as ``col_input_problem`` accepts it."""
     from ..triton_kernels.launchers import _col_tiles
 

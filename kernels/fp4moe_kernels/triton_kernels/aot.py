@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import col, gemm, launchers, row, swiglu, weight
+from . import col, fused_swiglu, gemm, launchers, row, weight
 
 _FP8 = {"M": "i32", "K": "constexpr", "R": "constexpr"}
 
@@ -58,20 +58,20 @@ KERNELS = {
                                 {"w_ptr": "*i16", "off_ptr": "*i64", "q_ptr": "*i16", "s_ptr": "*fp32", "qt_ptr": "*u8",
                                  "st_ptr": "*fp32", "K": "constexpr", "N": "constexpr", "TRANSPOSE": "constexpr",
                                  "EMULATE": "constexpr"}),
-    "swiglu_fwd": (swiglu._swiglu_fwd_kernel,
+    "swiglu_fwd": (fused_swiglu._swiglu_fwd_kernel,
                    {"h_ptr": "*bf16", "p_ptr": "*fp32", "z_ptr": "*i16", "T": "i32", "F": "constexpr",
                     "HAS_P": "constexpr", "BT": "constexpr", "BF": "constexpr"}),
-    "swiglu_bwd": (swiglu._swiglu_bwd_kernel,
+    "swiglu_bwd": (fused_swiglu._swiglu_bwd_kernel,
                    {"h_ptr": "*bf16", "dz_ptr": "*bf16", "p_ptr": "*fp32", "dh_ptr": "*i16", "dp_ptr": "*fp32",
                     "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr", "BF": "constexpr"}),
-    "swiglu_fwd_fp4": (swiglu._swiglu_fwd_fp4_kernel,
+    "swiglu_fwd_fp4": (fused_swiglu._swiglu_fwd_fp4_kernel,
                        {"h_ptr": "*i32", "p_ptr": "*fp32", "z_ptr": "*i32", "q_ptr": "*u8", "s_ptr": "*u8", "NB": "i32",
                         "F": "constexpr", "HAS_P": "constexpr", "RULE_CEIL": "constexpr", "R": "constexpr"}),
-    "swiglu_bwd_fp4": (swiglu._swiglu_bwd_fp4_kernel,
+    "swiglu_bwd_fp4": (fused_swiglu._swiglu_bwd_fp4_kernel,
                        {"q_ptr": "*u8", "s_ptr": "*u8", "dz_ptr": "*bf16", "p_ptr": "*fp32", "dh_ptr": "*i16",
                         "dp_ptr": "*fp32", "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr",
                         "BF": "constexpr"}),
-    "swiglu_bwd_fp4_blocks": (swiglu._swiglu_bwd_fp4_blocks_kernel,
+    "swiglu_bwd_fp4_blocks": (fused_swiglu._swiglu_bwd_fp4_blocks_kernel,
                               {"q_ptr": "*u8", "s_ptr": "*u8", "dz_ptr": "*i32", "p_ptr": "*fp32", "dh_ptr": "*i32",
                                "dp_ptr": "*fp32", "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "CB": "constexpr",
                                "RPP": "constexpr"}),
@@ -130,13 +130,13 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
     if name.startswith("grouped_fp8_"):
         consts, warps, stages = _gemm_consts(name, k)
     elif name.startswith("swiglu_"):  # k = the FFN width F, the launcher's tiles, weighted by routing probabilities
-        bt, bf, warps = swiglu.FWD_TILE if name.startswith("swiglu_fwd") else swiglu.BWD_TILE
+        bt, bf, warps = fused_swiglu.FWD_TILE if name.startswith("swiglu_fwd") else fused_swiglu.BWD_TILE
         consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "BT": bt, "BF": bf}
         if name == "swiglu_fwd_fp4":
-            r, warps = swiglu.FWD_FP4_TILE
+            r, warps = fused_swiglu.FWD_FP4_TILE
             consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "RULE_CEIL": flags.get("RULE_CEIL", True), "R": r}
         if name == "swiglu_bwd_fp4_blocks":
-            cb, rpp, warps = tile or swiglu.BWD_FP4_BLOCKS_TILE
+            cb, rpp, warps = tile or fused_swiglu.BWD_FP4_BLOCKS_TILE
             consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "CB": cb, "RPP": rpp}
     else:
         size, _, warps = tile or launchers.TILES[name]

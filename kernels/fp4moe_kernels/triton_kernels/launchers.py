@@ -1,6 +1,6 @@
 """Launchers: allocate outputs in the ``formats`` layouts, build segment tables, pick tile sizes, launch.
 
-Inputs are assumed validated (``fp4moe_kernels.ops`` does that). The small per-segment tables are cached
+Inputs are assumed validated (``fp4moe_kernels.convert`` does that). The small per-segment tables are cached
 per (segments, device), so repeated calls with the same expert counts do no host-to-device copy (and can
 be captured in a CUDA graph). Tensors must be on a CUDA device, or on
 the CPU under ``TRITON_INTERPRET=1`` (then FP8 conversions are emulated exactly, see ``common``).
@@ -285,7 +285,7 @@ def quantize_weight_128x128(w, rows_per_expert: int | None = None, transpose: bo
 # ------------------------------------------------------------------------------------- grouped FP8 GEMMs
 
 # rows: (BM, BN, GROUP_M, num_warps, num_stages); wgrad: (BN, BK, num_warps, num_stages). Chosen by
-# ``python -m fp4moe.moe.bench --sweep-gemm`` on an H200 (results/moe_layer/); FP4MOE_GEMM_TILES (JSON, e.g.
+# ``python -m fp4moe.moe.layer_bench --sweep-gemm`` on an H200 (results/moe_layer/); FP4MOE_GEMM_TILES (JSON, e.g.
 # '{"rows": [128, 256, 8, 8, 3]}') overrides them for a run.
 GEMM_TILES = {"rows": (64, 128, 8, 4, 4), "wgrad": (64, 128, 4, 3)}  # H200 sweep at 96ab870
 

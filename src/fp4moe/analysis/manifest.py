@@ -32,7 +32,7 @@ ROLES = {
     # ^ the files the constants were read off (the text names their commits)
     "paper_t1": (),
     "paper_t2": (),
-    "memory": ("outside_torch",),   # the measured memory outside PyTorch (fp4moe.analysis.outside_torch)
+    "memory": ("outside_torch",),   # the measured memory outside PyTorch (fp4moe.analysis.outside_torch_measured)
 }
 ANALYSES = tuple(ROLES)
 KINDS = ("runs_archive", "layer_bench", "kernel_bench", "profile", "outside_torch", "constants", "notes")

@@ -6,7 +6,7 @@ numbers, and how each assumption moves each cell (issue 27, part C).
 Each cell is what ``python -m fp4moe.train experiment=paper_t1`` runs (``memory.experiment_cfg``: the configs
 state the setup and its sources, the sister artifact's DeepSeek-V3 runs), under ``paper_setup()``, the model's
 assumptions outside the config: DeepEP's buffers (the lab's dispatcher) and the measured memory outside PyTorch
-(``fp4moe.analysis.outside_torch``). The headline is the most loaded GPU's peak as nvidia-smi would show it
+(``fp4moe.analysis.outside_torch_measured``). The headline is the most loaded GPU's peak as nvidia-smi would show it
 (``Breakdown.total_bytes``), in GiB and in % of the 80 GB GPU's memory (``GPU_MIB``); PyTorch's allocated peak and
 the mean over the 256 GPUs beside it. The paper's cells come from conf/paper/numbers.yaml. Arithmetic only, no torch;
 nothing is fitted to the paper.
@@ -30,7 +30,7 @@ from ..scale.memory import (CONF, GB, LAB_STACK, NOT_MEASURED, MemoryAssumptions
                             per_stage_memory)
 from .calibration import h200_memory
 from .output import markdown_cli
-from .outside_torch import measured_assumptions
+from .outside_torch_measured import measured_assumptions
 
 EXPERIMENT = "paper_t1"
 # The paper's GPU, an "80 GB" Hopper (H100 / H800 SXM): 81559 MiB of device memory, the total nvidia-smi and

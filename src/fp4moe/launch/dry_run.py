@@ -192,10 +192,10 @@ def _is_slurm(launcher: dict[str, Any]) -> bool:
 
 def predicted_memory(cfg: DictConfig, settings: Settings) -> Memory | str:
     """fp4moe.scale.memory's peak for the job ``cfg`` runs (``settings``: its typed config; its own dispatcher and
-    recipe, the measured outside-PyTorch terms of fp4moe.analysis.outside_torch), or why there is none (a benchmark
+    recipe, the measured outside-PyTorch terms of fp4moe.analysis.outside_torch_measured), or why there is none (a benchmark
     job, a layout the model does not cover)."""
     from fp4moe.launch import bench_job
-    from fp4moe.analysis.outside_torch import measured_assumptions
+    from fp4moe.analysis.outside_torch_measured import measured_assumptions
     from fp4moe.scale.memory import GB, mean_total_bytes, per_stage_memory
 
     if bench_job.is_bench(cfg):

@@ -2,7 +2,7 @@
 
 - :mod:`fp4moe.model.api`: the recipe in a ``GPTModel`` you configure yourself (prepare, decoder_block_spec, finish;
   examples/megatron_own_model.py)
-- :mod:`fp4moe.model.build`: fp4moe config -> ``MLATransformerConfig`` / ``GPTModel`` (MLA + MoE, no TE)
+- :mod:`fp4moe.model.gpt_model`: fp4moe config -> ``MLATransformerConfig`` / ``GPTModel`` (MLA + MoE, no TE)
 - :mod:`fp4moe.model.attention`: SDPA core attention for MLA (q/k head dim != v head dim)
 - :mod:`fp4moe.model.recipe_moe`: the precision recipe in megatron's MoE layer, a thin adapter over fp4moe.moe's data
   path (quantized all-to-all dispatcher, grouped FP8 experts, FP8 shared expert), parameter names unchanged

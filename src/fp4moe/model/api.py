@@ -11,7 +11,7 @@
         ...                                         # train
 
 ``config`` is your megatron-core 0.16.1 ``TransformerConfig`` / ``MLATransformerConfig`` (no Transformer Engine:
-``fp4moe.model.build.transformer_config`` shows the settings fp4moe uses). The whole recipe is in the spec:
+``fp4moe.model.gpt_model.transformer_config`` shows the settings fp4moe uses). The whole recipe is in the spec:
 megatron's local decoder-block spec with fp4moe's SDPA core attention and, for fp8 / mxfp4, the recipe's MoE layer
 (quantized all-to-all dispatcher, grouped FP8 experts with FP4-saved activations, FP8 shared expert, counters of the
 routed rows), FP8 attention and dense-MLP linears under ``scope: all_linears``, layers with MXFP4 recompute caches
@@ -22,7 +22,7 @@ recipes. With MTP, ``api.mtp_block_spec(config, spec, recipe)`` is megatron's MT
 checkpoint functions of the recompute modules, the CPU / gloo shims without CUDA) from the call: ``with`` undoes them
 all at the block's end; a bare ``api.prepare()`` keeps them for the rest of the process. ``finish`` checks that the
 model was built from the recipe's spec and instruments megatron's own MoE layers (the bf16 recipe's: routed-row
-counters, ``fp4moe.model.build.a2a_stats``; dropping what their dispatchers keep once each layer's forward returns).
+counters, ``fp4moe.model.gpt_model.a2a_stats``; dropping what their dispatchers keep once each layer's forward returns).
 examples/megatron_own_model.py runs all of it (CPU or GPU); tests/model/test_api.py runs that example.
 
 Recompute: set megatron's own modules in ``config.recompute_modules`` as usual (``core_attn``, ``mla_up_proj``,
@@ -31,8 +31,8 @@ Recompute: set megatron's own modules in ``config.recompute_modules`` as usual (
 """
 from __future__ import annotations
 
-# The implementations live in fp4moe.model.build (its build_gpt_model makes the same calls); this module is the
+# The implementations live in fp4moe.model.gpt_model (its build_gpt_model makes the same calls); this module is the
 # public door. Importing it imports megatron-core (build's layer spec).
-from fp4moe.model.build import decoder_block_spec, finish, mtp_block_spec, prepare
+from fp4moe.model.gpt_model import decoder_block_spec, finish, mtp_block_spec, prepare
 
 __all__ = ["decoder_block_spec", "finish", "mtp_block_spec", "prepare"]

@@ -5,9 +5,9 @@ run without Transformer Engine, and without a GPU.
 attribute where there was none). Reference-counted: nested and repeated entries (one ``active()`` object or several,
 from one thread or several) patch on the first entry and restore on the last exit; the patches are process-wide
 while any entry holds them, since megatron looks them up at call time. Who holds them: ``fp4moe.train`` for the run
-(``fp4moe.train.loop``), ``fp4moe.model.build.prepare()`` / ``fp4moe.model.api.prepare()`` for a model you build and
+(``fp4moe.train.loop``), ``fp4moe.model.gpt_model.prepare()`` / ``fp4moe.model.api.prepare()`` for a model you build and
 train yourself (``with api.prepare(): ...``), the model tests for each test (tests/model/conftest.py).
-``fp4moe.model.build.build_gpt_model`` refuses to build without them. Nothing is patched process-wide for good.
+``fp4moe.model.gpt_model.build_gpt_model`` refuses to build without them. Nothing is patched process-wide for good.
 
 Without Transformer Engine (on any machine, CPU or GPU):
 
@@ -62,7 +62,7 @@ Only when CUDA is absent (CPU machine, gloo):
    PP > 1) counts tokens in ``torch.zeros([], dtype=torch.int, device="cuda")``: the module's ``torch`` becomes a
    view of torch whose ``zeros`` puts a ``device="cuda"`` tensor on the CPU (nothing else changes).
    p2p_communication.py's ``torch.cuda.synchronize()`` after a batched send/receive is switched off by the config
-   (``batch_p2p_sync=False`` on CPU, fp4moe.model.build).
+   (``batch_p2p_sync=False`` on CPU, fp4moe.model.gpt_model).
 6. ``LanguageModule.setup_embeddings_and_output_layer`` (megatron/core/models/common/language_module/
    language_module.py:244) moves the embedding copy of the last pipeline stage (tied embeddings or MTP, PP > 1)
    with ``weight.data.cuda()`` before all-reducing it from the first stage: on CPU it stays on the CPU.

@@ -1,6 +1,6 @@
 """The precision recipe in megatron-core 0.16.1's attention and dense MLPs (``scope: all_linears``), no TE: spec modules.
 
-Under ``scope: all_linears`` (``Recipe.applies_to('dense')``) the layer spec (``fp4moe.model.build.layer_spec``) puts
+Under ``scope: all_linears`` (``Recipe.applies_to('dense')``) the layer spec (``fp4moe.model.gpt_model.layer_spec``) puts
 these in place of megatron's local linears outside the MoE layers: MLA's projections, its output projection, the
 dense MLPs' fc1 / fc2, MTP's ``eh_proj``. Not the embedding or the output layer.
 
@@ -15,7 +15,7 @@ megatron (local spec)              ours                             what changes
 Each is a subclass that only changes the forward's GEMM (``_forward_impl``, which megatron's linears call with
 their input and weight): parameters, their names and initialisation are megatron's, so checkpoints load across
 recipes. A linear whose in / out features are not both multiples of 128 (the FP8 weight blocks) stays BF16
-(``computes_fp8`` False). TP = 1 only (``fp4moe.model.build`` refuses TP > 1 under fp8 / mxfp4).
+(``computes_fp8`` False). TP = 1 only (``fp4moe.model.gpt_model`` refuses TP > 1 under fp8 / mxfp4).
 
 The one place a megatron type check forbids a subclass: ``MLASelfAttention.__init__``
 (multi_latent_attention.py, ``submodules.linear_q_down_proj in [Linear, TEColumnParallelLinear,

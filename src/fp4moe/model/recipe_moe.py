@@ -25,7 +25,7 @@ the permuted BF16 rows instead), and stay MXFP4 on the receiver (a ``DispatchedM
 travel beside them in their own dtype (``dispatch_probs``). Combine (``token_combine``): BF16 forward,
 ``recipe.backward_a2a`` backward. Bytes: ``dispatch_stats`` / ``combine_stats`` (``A2AStats``) of the
 dispatcher, summed over calls (``RecipeMoELayer.a2a_stats()``); the routed rows sent and received,
-``fp4moe_rows`` (megatron's own dispatcher under bf16 gets the same counter from ``fp4moe.model.build.finish``).
+``fp4moe_rows`` (megatron's own dispatcher under bf16 gets the same counter from ``fp4moe.model.gpt_model.finish``).
 
 Routing probabilities are applied as megatron does for its experts (megatron/core/transformer/mlp.py
 ``per_token_scale``): after the SwiGLU, before fc2 (``grouped_expert_mlp``'s weighted SwiGLU).
@@ -41,7 +41,7 @@ quantizer takes one address per expert), so the parameters may sit anywhere, in 
 buffer, where the distributed optimizer moves them: no stacked copy of a layer's experts is made.
 
 Limits: tensor parallelism and expert tensor parallelism 1 (no TP all-gather of MXFP4 rows), no token
-dropping/padding, no shared-expert overlap; ``build.py`` refuses these with a ConfigError (the dispatcher still
+dropping/padding, no shared-expert overlap; ``gpt_model.py`` refuses these with a ConfigError (the dispatcher still
 falls back to megatron's own row code for them).
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         order = torch.as_tensor(self.sort_input_by_local_experts).reshape(-1)
         self.skip_permutation_2 = (self.num_local_experts > 1 and not self.drop_and_pad
                                    and bool((order.cpu() == torch.arange(order.numel())).all()))
-        # routed rows this rank's tokens sent and its local experts received (fp4moe.model.build.a2a_stats): their
+        # routed rows this rank's tokens sent and its local experts received (fp4moe.model.gpt_model.a2a_stats): their
         # ratio is the routing's imbalance on this GPU. From shapes, no device sync; a recomputed forward counts again
         self.fp4moe_rows = {"sent": 0, "received": 0}
         # the expert GEMMs' row alignment (None: the backend's) and whether the dispatch's gathers pad to it
@@ -247,7 +247,7 @@ WHOLE_FORWARD = ("route", "expert_compute", "postprocess")
 # megatron's token dispatchers keep these from one forward for its combine; each holds the autograd graph it came from
 DISPATCHER_STEP_TENSORS = ("probs", "routing_map")
 # a MoE layer attribute: when True (the default of RecipeMoELayer, and of megatron's MoELayer once
-# fp4moe.model.build.finish hooked it), the layer drops its dispatcher's DISPATCHER_STEP_TENSORS as its forward returns
+# fp4moe.model.gpt_model.finish hooked it), the layer drops its dispatcher's DISPATCHER_STEP_TENSORS as its forward returns
 RELEASES_DISPATCHER = "fp4moe_releases_dispatcher"
 
 

@@ -21,7 +21,7 @@ tensor arguments: q ``[s, b, n, dqk]`` / k / v ``[s, b, n, dv]``; the pre-MLP no
 
 Which checkpoints store MXFP4: every one that runs while a module marked by :func:`cache_mxfp4_inside` is in its
 forward, or whose checkpointed module carries the attribute itself. The layer spec marks every layer when
-``Recipe.recompute_cache_fp4``: its layers are :class:`MXFP4CacheTransformerLayer` (``fp4moe.model.build.layer_spec``). Only activations are packed (``_cacheable``). Full-layer
+``Recipe.recompute_cache_fp4``: its layers are :class:`MXFP4CacheTransformerLayer` (``fp4moe.model.gpt_model.layer_spec``). Only activations are packed (``_cacheable``). Full-layer
 recompute (``full``: the block checkpoints each layer's input, outside the layer's forward) keeps its cache BF16 on
 purpose: its backward re-runs the router, and an E2M1-rounded layer input would pick other experts for some
 tokens than the forward did (gradients then flow to experts that never saw those tokens; measured on the tiny
@@ -186,12 +186,12 @@ def checkpoint(function, distribute_saved_activations, *args):
 
 class MXFP4CacheTransformerLayer(TransformerLayer):
     """megatron's ``TransformerLayer`` whose recompute caches are MXFP4 (:func:`cache_mxfp4_inside` on itself): the
-    layer class of the spec when ``Recipe.recompute_cache_fp4`` (``fp4moe.model.build.layer_spec``). Needs
+    layer class of the spec when ``Recipe.recompute_cache_fp4`` (``fp4moe.model.gpt_model.layer_spec``). Needs
     ``fp4moe.model.cpu_shims.active()`` (its checkpoint functions) to store anything MXFP4.
 
     megatron's ``get_gpt_mtp_block_spec`` accepts a layer spec only when its module is exactly ``TransformerLayer``
     (gpt_layer_specs.py, ``spec.module == TransformerLayer``): give it the decoder block spec instead, whose last
-    layer it takes (``fp4moe.model.build.mtp_block_spec`` does)."""
+    layer it takes (``fp4moe.model.gpt_model.mtp_block_spec`` does)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -217,7 +217,7 @@ class RecomputedMLASelfAttention(RecipeMLASelfAttention):
     """megatron's ``MLASelfAttention`` run under megatron's reentrant ``tensor_parallel.checkpoint`` when training
     (the ``self_attention`` recompute module): saves its input ``hidden_states`` ``[s, b, H]`` (and the mask, None
     for causal SDPA), re-runs the whole block in backward; bit-identical results. Inference runs as megatron's.
-    Needs ``add_bias_linear=False`` (DeepSeek's; fp4moe.model.build refuses the module otherwise). Spec param
+    Needs ``add_bias_linear=False`` (DeepSeek's; fp4moe.model.gpt_model refuses the module otherwise). Spec param
     ``recipe``: :class:`fp4moe.model.recipe_dense.RecipeMLASelfAttention`'s (FP8 linears under all_linears)."""
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,

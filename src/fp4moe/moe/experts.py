@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from fp4moe_kernels import ops as kops
+from fp4moe_kernels import convert as kops
 from fp4moe_kernels.formats import MXFP4Tensor
 
 from ..ops.all_to_all import DispatchedMXFP4

@@ -52,7 +52,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from fp4moe_kernels import ops as kops
+from fp4moe_kernels import convert as kops
 from fp4moe_kernels import switches
 from fp4moe_kernels.constants import FP8_GROUP, MX_BLOCK
 from fp4moe_kernels.formats import MXFP4Tensor
@@ -317,7 +317,7 @@ class _QuantizedAllToAll(torch.autograd.Function):
 @dataclass(frozen=True)
 class DispatchedMXFP4(MXFP4Tensor):
     """Received MXFP4 rows (``data [T_out, H/2]``, ``scales [T_out, H/32]`` uint8, an ``MXFP4Tensor``, so every
-    ``fp4moe_kernels.ops`` conversion takes it) plus ``grad_anchor``: a differentiable ``[T_out, H]`` zero
+    ``fp4moe_kernels.convert`` conversion takes it) plus ``grad_anchor``: a differentiable ``[T_out, H]`` zero
     tensor (stride 0, 2 bytes) that connects these values to the sender's ``x`` in autograd.
 
     Straight-through estimator. Let ``x_hat = dequantize(data, scales)`` be the values the receiver computes
@@ -532,7 +532,7 @@ def quantized_all_to_all(
     keep_fp4       mxfp4 only: return the received rows as :class:`DispatchedMXFP4` instead of decoding them
                    (its docstring says exactly what the backward computes).
     stats          an :class:`A2AStats` the forward and the backward add their payload bytes to.
-    rule           MXFP4 scale rule (``'ceil'`` default, ``'floor'``), see ``fp4moe_kernels.ops``.
+    rule           MXFP4 scale rule (``'ceil'`` default, ``'floor'``), see ``fp4moe_kernels.convert``.
     check_splits   debug: verify with one extra small all-to-all that ``output_splits`` match the peers'
                    ``input_splits`` (all ranks raise together on a mismatch).
 

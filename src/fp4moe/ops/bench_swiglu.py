@@ -60,9 +60,9 @@ def _bwd_label(tile) -> str:
 
 
 def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_tiles=()) -> tuple[float, list[dict]]:
-    from fp4moe_kernels import ops as kops
+    from fp4moe_kernels import convert as kops
     from fp4moe_kernels.formats import MXFP4Tensor
-    from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd, swiglu_bwd_fp4, swiglu_fwd, swiglu_fwd_fp4
+    from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd, swiglu_bwd_fp4, swiglu_fwd, swiglu_fwd_fp4
 
     ops = importlib.import_module("fp4moe.ops.swiglu")  # the unfused torch formulas (FP4MOE_FUSED_SWIGLU=0)
     os.environ[ops.FUSED_ENV] = "0"

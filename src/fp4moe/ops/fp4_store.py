@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fp4moe_kernels import ops as kops
+from fp4moe_kernels import convert as kops
 from fp4moe_kernels.constants import MX_BLOCK
 from fp4moe_kernels.formats import MXFP4Tensor
 

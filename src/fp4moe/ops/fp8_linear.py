@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fp4moe_kernels import ops as kops
+from fp4moe_kernels import convert as kops
 from fp4moe_kernels.constants import FP8_GROUP
 from fp4moe_kernels.formats import FormatError, FP8ColTensor, MXFP4Tensor, Segments
 from fp4moe_kernels.sizes import fp8_row_col_bytes, mxfp4_bytes

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4moe_kernels import ops as kops
+from fp4moe_kernels import convert as kops
 from fp4moe_kernels import switches
 from fp4moe_kernels.constants import FP8_GROUP
 from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments

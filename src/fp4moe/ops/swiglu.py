@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from fp4moe_kernels import ops as kops
+from fp4moe_kernels import convert as kops
 from fp4moe_kernels import switches
 from fp4moe_kernels.formats import FormatError, MXFP4Tensor
 
@@ -27,7 +27,8 @@ FUSED_ENV = switches.ENV["fused_swiglu"]
 
 def fused_enabled(h: torch.Tensor) -> bool:
     """Whether ``swiglu_math`` / ``swiglu_math_backward`` run the fused Triton kernels
-    (``fp4moe_kernels.triton_kernels.swiglu``) for ``h``: a CUDA bfloat16 tensor, unless ``FP4MOE_FUSED_SWIGLU=0``.
+    (``fp4moe_kernels.triton_kernels.fused_swiglu``) for ``h``: a CUDA bfloat16 tensor, unless
+    ``FP4MOE_FUSED_SWIGLU=0``.
     The CUDA default since the kernels passed their GPU tests on an H200 (results/train_proxy/README.md: 92-98 % of
     the copy bandwidth, 8-20x the unfused ops); the unfused torch ops below are the definition they are tested
     against, and what CPU tensors (and ``FP4MOE_FUSED_SWIGLU=0``) run."""
@@ -58,7 +59,7 @@ def swiglu_math_fp4(h: torch.Tensor, probs: Optional[torch.Tensor], rule: str):
     """(z as ``swiglu_math``, h's MXFP4 ``(data, scales)`` as ``bf16_to_fp4_row(h, rule)``): one fused pass over h
     where ``fused_fp4_enabled(h)``, else the two calls."""
     if fused_fp4_enabled(h):
-        from fp4moe_kernels.triton_kernels.swiglu import swiglu_fwd_fp4
+        from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_fwd_fp4
 
         return swiglu_fwd_fp4(h.contiguous(), None if probs is None else probs.float().contiguous(), rule)
     q = kops.bf16_to_fp4_row(h.detach(), rule)
@@ -71,7 +72,7 @@ def swiglu_math_backward_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch
     decoded inside the fused backward kernel where ``fused_fp4_enabled``, else ``fp4_to_bf16`` then the backward."""
     t, f = data.shape
     if _fp4_switch_on(data.is_cuda, f):
-        from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd_fp4
+        from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd_fp4
 
         return swiglu_bwd_fp4(data, scales, dz.to(_BF16).contiguous(), None if probs is None else probs.float().contiguous())
     h = kops.fp4_to_bf16(MXFP4Tensor(data, scales, (t, 2 * f)))
@@ -81,7 +82,7 @@ def swiglu_math_backward_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch
 def swiglu_math(h: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """z = silu(g) * u (* probs per row) ``[T, F]`` bf16 from h ``[T, 2F]``, in float32 (no autograd)."""
     if fused_enabled(h):
-        from fp4moe_kernels.triton_kernels.swiglu import swiglu_fwd
+        from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_fwd
 
         return swiglu_fwd(h.contiguous(), None if probs is None else probs.float().contiguous())
     f = h.shape[1] // 2
@@ -92,7 +93,7 @@ def swiglu_math(h: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.
 def swiglu_math_backward(h: torch.Tensor, dz: torch.Tensor, probs: Optional[torch.Tensor] = None):
     """(dh ``[T, 2F]`` bf16, dprobs ``[T]`` float32 or None without probs) of ``swiglu_math``, in float32."""
     if fused_enabled(h):
-        from fp4moe_kernels.triton_kernels.swiglu import swiglu_bwd
+        from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd
 
         return swiglu_bwd(h.contiguous(), dz.to(_BF16).contiguous(),
                           None if probs is None else probs.float().contiguous())

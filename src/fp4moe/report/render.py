@@ -45,7 +45,7 @@ class Report:
     f5: list[dict]
     loss_curves: dict[str, dict[str, list[tuple[int, float]]]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
-    # fp4moe.analysis.throughput.paper_prediction(): (ratio label, paper ratio, [prediction per case]); its case labels
+    # fp4moe.analysis.throughput_calibration.paper_prediction(): (ratio label, paper ratio, [prediction per case]); its case labels
     throughput: list[tuple[str, float | None, list[float]]] | None = None
     throughput_cases: list[str] = field(default_factory=list)
     throughput_error: str | None = None
@@ -96,7 +96,7 @@ def build_report(where: str | os.PathLike | None = None, *, with_model: bool = T
                  {"trainer": len(trainer), "kernels": len(kernels), "moe_layer": len(layer), "all": len(st.runs)},
                  model_assumptions=model_assumptions)
     if with_model:
-        from fp4moe.analysis import throughput
+        from fp4moe.analysis import throughput_calibration as throughput
 
         try:
             rep.throughput = throughput.paper_prediction(cells=numbers["t1"]["cells"])

@@ -9,7 +9,7 @@ Steps, in order:
      MLflow by ``fp4moe.tracking.bench_log`` (the same code as ``make log-bench``), or, where mlflow is not
      installed (the GPU image), the command that logs it elsewhere is printed; on CPU, the
      benchmark files already in results/kernels/ are listed (or their absence said); then the MoE layer
-     benchmark (``fp4moe.moe.bench``, EP=1) into results/moe_layer/ the same way. A benchmark of its default
+     benchmark (``fp4moe.moe.layer_bench``, EP=1) into results/moe_layer/ the same way. A benchmark of its default
      command that this GPU already ran at this commit is reused, not measured again (``--rerun`` measures again);
   4. the trainer runs measured on GPUs and archived in ``results/train_proxy/*.json`` (``fp4moe.runs.archive``)
      loaded into MLflow (idempotent); then the scaled-down experiments this machine can run
@@ -274,13 +274,13 @@ def report_results_on_disk(track: bool) -> bool:
     return _log_to_mlflow(found, "logging the measured results to MLflow FAILED")
 
 
-def run_layer_bench(gpu: str | None, track: bool, rerun: bool = False, module: str = "fp4moe.moe.bench") -> bool:
-    """The MoE layer benchmark (P2): with a GPU (``gpu``, torch's device name), ``python -m fp4moe.moe.bench``
+def run_layer_bench(gpu: str | None, track: bool, rerun: bool = False, module: str = "fp4moe.moe.layer_bench") -> bool:
+    """The MoE layer benchmark (P2): with a GPU (``gpu``, torch's device name), ``python -m fp4moe.moe.layer_bench``
     (``module``; EP=1, DeepSeek-V3 shape) into results/moe_layer/, unless (without ``rerun``) this GPU's result of that
     command at this commit is there; then log every results/moe_layer/*.json to MLflow (idempotent). Without a GPU
     only the second part (files measured on an H200 are in the repo)."""
     from fp4moe.tracking import layer_bench_log
-    from fp4moe.moe.bench import gpu_slug
+    from fp4moe.moe.layer_bench import gpu_slug
     from fp4moe.paths import repo_root
     from fp4moe.tracking.mlflow_store import code_commit
 

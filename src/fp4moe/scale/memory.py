@@ -206,7 +206,7 @@ micro-batch (R rows on the GPU, H hidden, F expert FFN, all bf16 unless said):
 
 Each a named ``MemoryAssumptions`` field in bytes with its scaling rule (``fp4moe.scale.outside_torch``'s
 docstring): 0 and ``outside_torch_source='not measured'`` unless the caller gives them (the H200 measurement:
-``fp4moe.analysis.outside_torch.measured_assumptions``).
+``fp4moe.analysis.outside_torch_measured.measured_assumptions``).
 ``total_bytes`` is the headline (the paper's "% of 80 GB" read as what nvidia-smi shows);
 ``allocated_bytes`` is ``torch.cuda.max_memory_allocated``'s peak, which fp4moe.analysis.calibration checks.
 
@@ -253,7 +253,7 @@ class MemoryAssumptions:
     param_bytes: int = 2             # B/param of autograd's .grad of a weight (BF16 model weights)
     attn_recompute: str = "core_attn"   # what the scopes' "attention" recomputes (module docstring)
     # (f) outside PyTorch's allocated bytes, per GPU (fp4moe.scale.outside_torch: what each is and how it scales);
-    # 0 unless measured (fp4moe.analysis.outside_torch gives the H200's; outside_torch_source says where from)
+    # 0 unless measured (fp4moe.analysis.outside_torch_measured gives the H200's; outside_torch_source says where from)
     cuda_context_bytes: int = 0            # per process
     nccl_communicator_bytes: int = 0       # per communicator a step uses
     nccl_peer_bytes: int = 0               # per peer of a communicator
@@ -290,14 +290,14 @@ class MemoryAssumptions:
     # recomputation inside the backward, whose graph holds the layer's detached input and its gradient: every MoE
     # layer after the one whose experts are being differentiated keeps its input [T, H] and (all but the next one,
     # whose input gradient is this layer's output gradient) that gradient (``backward_depth_bytes``). Since then the
-    # trainer drops them when the MoE layer's forward returns (fp4moe.model.build.release_dispatcher_after_forward).
+    # trainer drops them when the MoE layer's forward returns (fp4moe.model.gpt_model.release_dispatcher_after_forward).
     dispatcher_keeps_recompute_graph: bool = False
     # routed rows this GPU's experts receive, / T x k (the rows its own tokens send): 1 = balanced routing (on one
     # GPU exactly 1). A MEASURED routing statistic where a run logged it (fp4moe.analysis.calibration reads it from the
     # trainer's a2a/dispatch_forward_received_rows / _sent_rows, or in older runs the recipe dispatcher's bytes);
     # scales every tensor of the experts'.
     expert_rows_factor: float = 1.0
-    # the measured rows of each local expert (a benchmark that logged them, fp4moe.moe.bench): when given, the FP8
+    # the measured rows of each local expert (a benchmark that logged them, fp4moe.moe.layer_bench): when given, the FP8
     # column copies are padded as those counts pad (sum of each count rounded up to 128), whatever expert_padding
     # says; their sum must be the rows that expert_rows_factor gives
     expert_counts: tuple = ()
@@ -796,7 +796,7 @@ NOT_IN_STANDALONE_LAYER = ("moe.ln_in", "moe.ln_rstd")
 def standalone_moe_layer_peak(cfg: Any, assumptions: MemoryAssumptions | None = None,
                               recipe: Recipe | None = None) -> tuple[int, str]:
     """(bytes, phase): the memory peak of P2's MoE layer (``fp4moe.moe.MoELayer``, recompute none) over one forward
-    + backward as ``fp4moe.moe.bench`` measures it, above its base (weights, the input x and the output gradient dy
+    + backward as ``fp4moe.moe.layer_bench`` measures it, above its base (weights, the input x and the output gradient dy
     allocated before; every ``.grad`` None), for the config's MoE shape at ``micro_batch x seq_length`` tokens;
     phase 'backward' or 'forward', the larger:
 

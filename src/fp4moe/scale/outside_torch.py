@@ -30,7 +30,7 @@ DeepEP (``deepep_buffers``)    The lab's flex dispatcher pre-allocates DeepEP's 
                                differ.
 =============================  ======================================================================================
 
-The measured values are ``MemoryAssumptions`` fields the caller gives (``fp4moe.analysis.outside_torch`` derives
+The measured values are ``MemoryAssumptions`` fields the caller gives (``fp4moe.analysis.outside_torch_measured`` derives
 them from the measuring tool's results, ``tools/device/measure_outside_torch.py``); the model's defaults are 0 and
 "not measured", never a number fitted to the paper.
 """

@@ -4,7 +4,7 @@ scopes, from FLOPs per token and named measured rates. No torch import: configs 
 THIS MODEL PREDICTS RATIOS, NOT ABSOLUTE TOKENS/S. Its rates are H200 measurements of our kernels (and of
 cuBLAS / cuDNN), its glue term is our unfused torch code's; the paper ran Transformer Engine and DeepGEMM-class
 kernels on H100s. What is meant to carry over is the *relative* cost of a recipe or a recompute scope: how many
-FLOPs a scope re-runs, how many bytes a recipe converts and sends. ``fp4moe.analysis.throughput`` holds the measured
+FLOPs a scope re-runs, how many bytes a recipe converts and sends. ``fp4moe.analysis.throughput_calibration`` holds the measured
 rates, checks predicted against measured ratios on our H200 proxy and predicts T1.
 
 Time per token of one GPU (seconds; the slowest pipeline stage bounds a pipeline, so at paper scale the stage
@@ -35,7 +35,7 @@ attn_block_ln_experts / attn_block_ln_mlp as attn_ln_* with the whole MLA block 
 core: the reading of the paper's "attention" that fp4moe.analysis.paper_t1 supports). The layernorm and SwiGLU
 re-runs are not GEMMs: they cost glue time only (``Rates``' glue terms).
 
-Every rate is a field of ``Rates``, which the caller gives (the measured sets: ``fp4moe.analysis.throughput``).
+Every rate is a field of ``Rates``, which the caller gives (the measured sets: ``fp4moe.analysis.throughput_calibration``).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ SCOPES = ("none", "attn_ln_experts", "attn_ln_mlp", "mla_up_proj", "full")
 @dataclass(frozen=True)
 class Rates:
     """The model's measured inputs: rates (TFLOP/s = 1e12 FLOP/s, GB/s = 1e9 B/s), the torch glue and the profile
-    they were measured in. No defaults for what must be measured (``fp4moe.analysis.throughput`` builds the measured
+    they were measured in. No defaults for what must be measured (``fp4moe.analysis.throughput_calibration`` builds the measured
     sets); the optional terms default to "not in this code". ``glue=False`` drops the glue term (what a fully fused
     stack would pay: ~0)."""
 

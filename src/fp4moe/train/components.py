@@ -80,7 +80,7 @@ def build(cfg: Any, derived: dict[str, Any], info: Any, output_dir: Any, setting
     import torch
 
     from fp4moe.settings import Settings
-    from fp4moe.model.build import build_gpt_model, to_bf16_params
+    from fp4moe.model.gpt_model import build_gpt_model, to_bf16_params
     from fp4moe.train import optim
     from fp4moe.train.metrics import Meter
     from fp4moe.train.profile import StepProfiler

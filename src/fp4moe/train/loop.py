@@ -129,7 +129,7 @@ def preflight(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
     from fp4moe.model.megatron_import import import_megatron_core
 
     import_megatron_core(eager_fusions=not torch.cuda.is_available())  # dynamo is off on CPU anyway (_run)
-    from fp4moe.model.build import transformer_config
+    from fp4moe.model.gpt_model import transformer_config
 
     # megatron-core's own config checks and what fp4moe.model cannot build (recompute scopes, dispatcher), now
     transformer_config(cfg.model, cfg.parallel, s.recompute,

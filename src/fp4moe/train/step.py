@@ -74,7 +74,7 @@ class Stepper:
         import torch.distributed as dist
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-        from fp4moe.model.build import a2a_stats, release_dispatcher_tensors
+        from fp4moe.model.gpt_model import a2a_stats, release_dispatcher_tensors
         from fp4moe.ops.weight_cache import CACHE as wcache
         from fp4moe.train import optim
 

@@ -1,7 +1,7 @@
 """MoE layer benchmark (issue 3, the paper's F4): every recipe side by side, one command, one results file.
 
-    python -m fp4moe.moe.bench [--out results/moe_layer] [--commit SHA]                        # 1 GPU (EP=1)
-    python -m torch.distributed.run --nproc-per-node 2 -m fp4moe.moe.bench --commit SHA      # EP=2 (NCCL)
+    python -m fp4moe.moe.layer_bench [--out results/moe_layer] [--commit SHA]                  # 1 GPU (EP=1)
+    python -m torch.distributed.run --nproc-per-node 2 -m fp4moe.moe.layer_bench --commit SHA  # EP=2 (NCCL)
 
 Default shape: DeepSeek-V3's MoE layer as one EP rank holds it: hidden 7168, expert ffn 2048, top-8 of
 32 local experts per GPU (32 x W global, sigmoid scores), 4096 tokens per GPU per micro-batch, one shared
@@ -66,7 +66,7 @@ RECIPES = ("bf16", "fp8", "mxfp4")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fp4moe.moe.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m fp4moe.moe.layer_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     d = DEFAULT_SHAPE
     p.add_argument("--hidden", type=int, default=d["hidden"])
@@ -601,9 +601,9 @@ def main(argv=None) -> dict:
         with torch.no_grad():
             layer(x)
         gemm = _gemm_compare(layer, _local_counts(layer, layer.last_routing[0]), args, dev)
-    cmd = " ".join(["python -m fp4moe.moe.bench"] + list(sys.argv[1:] if argv is None else argv))
+    cmd = " ".join(["python -m fp4moe.moe.layer_bench"] + list(sys.argv[1:] if argv is None else argv))
     if world > 1:
-        cmd = f"python -m torch.distributed.run --nproc-per-node {world} -m fp4moe.moe.bench " + cmd.split(" ", 3)[-1]
+        cmd = f"python -m torch.distributed.run --nproc-per-node {world} -m fp4moe.moe.layer_bench " + cmd.split(" ", 3)[-1]
     cmd = portable(cmd)  # <repo>/..., $OUT/...: no machine's folders in results/
     doc = {
         "env": {"date": datetime.date.today().isoformat(), "commit": _commit(args.commit), "gpu": _gpu_name(dev),

@@ -1,4 +1,4 @@
-"""fp4moe.analysis.throughput: the measured rate sets as results/scale/h200_constants.yaml gives them, the checks
+"""fp4moe.analysis.throughput_calibration: the measured rate sets as results/scale/h200_constants.yaml gives them, the checks
 against the H200 runs the manifest names (what each check reads of its archive), and results/scale/throughput.md
 recomputed from them. The model's own arithmetic: tests/scale/test_throughput_model.py. About 30 s (the document)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from fp4moe.analysis import manifest
-from fp4moe.analysis import throughput as T
+from fp4moe.analysis import throughput_calibration as T
 from fp4moe.runs.archive import load
 from fp4moe.scale.throughput import BLOCK_OF, SCOPES, time_per_token
 
@@ -197,7 +197,7 @@ def test_bf16_side_from_its_profile(constants):
 
 def test_committed_table_is_what_the_module_writes():
     """results/scale/throughput.md is what the manifest's inputs give today (regenerate it with
-    python -m fp4moe.analysis.throughput)."""
+    python -m fp4moe.analysis.throughput_calibration)."""
     assert manifest.load().output("throughput").read_text() == T.markdown()
 
 

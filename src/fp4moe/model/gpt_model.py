@@ -485,7 +485,7 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
 
     if cpu_shims.depth() == 0:
         raise RuntimeError("build_gpt_model: fp4moe's patches of megatron-core and torch are not held; build and "
-                           "train the model inside `with fp4moe.model.build.prepare():` (or "
+                           "train the model inside `with fp4moe.model.gpt_model.prepare():` (or "
                            "fp4moe.model.cpu_shims.active())")
     _clear_moe_log()
     model_cfg = cfg["model"]

@@ -1,7 +1,7 @@
 """The throughput model (fp4moe.scale.throughput) against the H200 proxy runs, and its prediction of the paper's T1
 tokens/s ratios (issue 6, P5). No torch import.
 
-    python -m fp4moe.analysis.throughput [--out FILE]     # results/scale/throughput.md (results/manifest.yaml)
+    python -m fp4moe.analysis.throughput_calibration [--out FILE]   # results/scale/throughput.md (results/manifest.yaml)
 
 Inputs: results/manifest.yaml's ``throughput`` roles. ``constants`` (results/scale/h200_constants.yaml): one set of
 measured rates per code version (``rate_set``: today's, ``NOW``, and those of 2026-11-30, ``OLD``) and the profiles'
@@ -541,8 +541,8 @@ def markdown() -> str:
     probe = m.one("throughput", "probe")[0]
     idle = profile_idle_ms()
     L = ["# Throughput model: predicted vs measured tokens/GPU/s ratios (issue 6, P5)", "",
-         "Written by `python -m fp4moe.analysis.throughput` (src/fp4moe/scale/throughput.py; its docstring has every "
-         "formula). **The model predicts ratios of tokens/GPU/s, not absolute tokens/s.** Time per token = GEMM "
+         "Written by `python -m fp4moe.analysis.throughput_calibration` (src/fp4moe/scale/throughput.py; its "
+         "docstring has every formula). **The model predicts ratios of tokens/GPU/s, not absolute tokens/s.** Time per token = GEMM "
          "FLOPs / measured rates + conversion bytes / measured kernel bandwidth + FP8 weight quantization + "
          "all-to-all bytes / a stated link bandwidth + measured torch glue (+ the fused SwiGLU kernels, measured). "
          "Nothing is fitted to the ratios below. Each check uses the constants of the code it measured: today's "

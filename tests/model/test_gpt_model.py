@@ -49,7 +49,7 @@ def test_tiny_forward_backward(mp, recompute):
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     from fp4moe.model.attention import SDPACoreAttention
-    from fp4moe.model.build import build_gpt_model
+    from fp4moe.model.gpt_model import build_gpt_model
 
     torch.manual_seed(0)
     model = build_gpt_model(_cfg(recompute=recompute))
@@ -70,7 +70,7 @@ def test_tiny_forward_backward(mp, recompute):
 
 
 def test_tiny_mtp_forward_backward(mp):
-    from fp4moe.model.build import build_gpt_model
+    from fp4moe.model.gpt_model import build_gpt_model
 
     torch.manual_seed(0)
     model = build_gpt_model(_cfg(mtp_num_layers=1))
@@ -79,7 +79,7 @@ def test_tiny_mtp_forward_backward(mp):
 
 
 def test_recompute_scope_needing_te_is_a_clear_error():
-    from fp4moe.model.build import transformer_config
+    from fp4moe.model.gpt_model import transformer_config
 
     cfg = _cfg()
     rec = OmegaConf.create({"name": "ln_te", "granularity": "selective", "megatron_modules": ["core_attn", "layernorm"],
@@ -90,7 +90,7 @@ def test_recompute_scope_needing_te_is_a_clear_error():
 
 def test_recompute_scope_with_fp4moe_modules_maps_to_megatron():
     """fp4moe's layernorm recompute runs megatron's own (fixed) norm checkpoint; moe_expert is ours alone."""
-    from fp4moe.model.build import fp4moe_recompute_modules, transformer_config
+    from fp4moe.model.gpt_model import fp4moe_recompute_modules, transformer_config
 
     cfg = _cfg(recompute="attn_ln_experts")
     c = transformer_config(cfg.model, cfg.parallel, cfg.recompute)
@@ -105,7 +105,7 @@ def test_recompute_scope_with_fp4moe_modules_maps_to_megatron():
 
 def test_transformer_config_dsv3_671b():
     """The full-size config maps onto megatron's MLATransformerConfig (no model is built)."""
-    from fp4moe.model.build import transformer_config
+    from fp4moe.model.gpt_model import transformer_config
 
     cfg = _cfg(model="dsv3_671b", recompute="mla_up_proj")
     c = transformer_config(cfg.model, cfg.parallel, cfg.recompute)
@@ -126,7 +126,7 @@ def test_transformer_config_dsv3_671b():
 
 
 def test_flex_dispatcher_is_a_clear_error():
-    from fp4moe.model.build import transformer_config
+    from fp4moe.model.gpt_model import transformer_config
 
     cfg = _cfg()
     cfg.parallel.dispatcher = "flex"
@@ -137,7 +137,7 @@ def test_flex_dispatcher_is_a_clear_error():
 def test_pre_softmax_routing_reaches_megatron():
     """The 16B and 236B models route DeepSeek-V2's way (softmax over all experts before the top-k: megatron's
     moe_router_pre_softmax), the 671B DeepSeek-V3's (sigmoid, no pre-softmax)."""
-    from fp4moe.model.build import transformer_config
+    from fp4moe.model.gpt_model import transformer_config
 
     for model, pre in (("moe_16b", True), ("dsv2_236b", True), ("dsv3_671b", False)):
         cfg = _cfg(model=model)
