@@ -434,7 +434,7 @@ def test_gpu_deepgemm_gemm_equals_an_fp32_product_of_the_dequantized_operands():
     why = _deepgemm_missing()
     if why:
         pytest.skip(why)
-    from fp4moe_kernels import deepgemm, ops as kops
+    from fp4moe_kernels import convert as kops, deepgemm
     from fp4moe_kernels.formats import Segments
     from fp4moe_kernels.triton_kernels import launchers
     from fp4moe.ops.grouped_experts import quantize_experts_128x128

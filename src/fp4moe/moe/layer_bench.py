@@ -347,7 +347,7 @@ def _gemm_compare(layer: MoELayer, counts: list[int], args, dev, only: str | Non
     ``fp4moe_kernels.triton_kernels.gemm``), ``loop`` (one ``fp8_mm`` = ``F.scaled_mm`` per expert) and
     ``dense`` (one ``fp8_mm`` of the same total size, M = all routed rows). Weights and activations are quantized
     beforehand (not timed)."""
-    from fp4moe_kernels import deepgemm, ops as kops
+    from fp4moe_kernels import convert as kops, deepgemm
     from fp4moe_kernels.formats import Segments
     from fp4moe_kernels.triton_kernels import launchers
     from fp4moe_kernels.triton_kernels.common import INTERPRET
