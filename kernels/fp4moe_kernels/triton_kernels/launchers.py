@@ -368,9 +368,11 @@ def grouped_fp8_rows(a: FP8RowTensor, b: torch.Tensor, b_scale: torch.Tensor, ou
     return c
 
 
+@functools.lru_cache(maxsize=16)
 def _tma_available(device: torch.device) -> bool:
     """Whether the wgrad can load its tiles by TMA here: a Hopper-or-newer GPU and a Triton with device-side tensor
-    descriptors and the launch-time scratch allocator (``triton.runtime._allocation``, Triton >= 3.3)."""
+    descriptors and the launch-time scratch allocator (``triton.runtime._allocation``, Triton >= 3.3). Asked once per
+    device (every wgrad launch asks)."""
     if INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
         return False
     try:
