@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fp4moe.report import model as model_mod
+from fp4moe.report import predictions
 from fp4moe import paper
 from fp4moe.analysis import paper_t1
 from fp4moe.report.render import OUTPUTS, build_report, markdown, write_report
@@ -87,7 +87,7 @@ def test_t1_table_exact(report):
             "micro 2 x seq 128, global batch 4 (MLflow experiment `tiny_cpu`)") in setups
     # every source is named, in the appendix
     for label in ("**paper**: `conf/paper/numbers.yaml`", "**measured**: runs in the MLflow store",
-                  f"**{model_mod.MODEL_LABEL}**: `fp4moe.scale`"):
+                  f"**{predictions.MODEL_LABEL}**: `fp4moe.scale`"):
         assert label in _section(md, "Appendix A")
 
 
@@ -154,10 +154,10 @@ def test_model_columns_are_labelled_and_show_oom(report_store):
     """The model column names its assumption set and says what was checked (the allocated peak on 1-2 H200s) and
     what was not (this scale); each cell is the model's prediction for that cell of experiment=paper_t1."""
     rep = build_report(report_store)
-    pred = {(r["scope"], r["recipe"]): r for r in model_mod.t1_prediction()}
+    pred = {(r["scope"], r["recipe"]): r for r in predictions.t1_prediction()}
     md = markdown(rep)
     lines = _table(_section(md, "T1"))
-    assert lines[0].endswith(f"| {model_mod.MODEL_LABEL}: peak GB | {model_mod.MODEL_LABEL}: % of 80 GB |")
+    assert lines[0].endswith(f"| {predictions.MODEL_LABEL}: peak GB | {predictions.MODEL_LABEL}: % of 80 GB |")
     labels = {v["label"]: k for k, v in paper.load()["t1"]["scopes"].items()}
     for line in lines[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -165,7 +165,7 @@ def test_model_columns_are_labelled_and_show_oom(report_store):
         pct = f"{100 * p['total_gb'] / paper_t1.GPU_GIB:.1f} %"   # the 80 GB GPU's 81559 MiB
         assert cells[-2] == f"{p['total_gb']:.1f}"
         assert cells[-1] == (pct if p["fits"] else f"OOM ({pct})")
-    assert f"**Assumption set**: {model_mod.assumption_set()}." in md
+    assert f"**Assumption set**: {predictions.assumption_set()}." in md
     assert "What is checked: the allocated peak against H200 proxy runs" in md
     assert "NOT checked: anything at this scale (32 pipeline stages, EP8, the offloaded optimizer)" in md
 
@@ -237,22 +237,22 @@ def test_store_paths_and_folders(report_store):
 
 
 def test_what_if_changes_layout():
-    rows = model_mod.what_if(expert=16, pipeline=16, micro_batch=2, scopes=("mla_up_proj",), recipes=("mxfp4",))
+    rows = predictions.what_if(expert=16, pipeline=16, micro_batch=2, scopes=("mla_up_proj",), recipes=("mxfp4",))
     [r] = rows
     assert (r["tp"], r["pp"], r["ep"], r["dp"], r["micro_batch"]) == (1, 16, 16, 16, 2)
     assert r["recompute"] == "mla_up_proj" and r["total_gb"] >= r["allocated_gb"] > 0
-    assert model_mod.even_layout(5, 2, 1) == "Ettt|ttmL"
+    assert predictions.even_layout(5, 2, 1) == "Ettt|ttmL"
     with pytest.raises(ValueError, match="world size 256 is not a multiple of TP x PP x CP = 3"):
-        model_mod.what_if(pipeline=3)
+        predictions.what_if(pipeline=3)
 
 
 def test_what_if_picks_the_optimizer_and_the_attention_reading():
     """The what-ifs' optimizer (a conf/optimizer group) and attention: the optimizer state on the GPU raises every
     cell; core attention raises the attention-recomputing scopes only."""
-    base = {(r["scope"], r["recipe"]): r for r in model_mod.t1_prediction(80.0, recipes=("mxfp4",))}
-    gpu = {(r["scope"], r["recipe"]): r for r in model_mod.t1_prediction(80.0, optimizer="distributed_bf16_grads",
+    base = {(r["scope"], r["recipe"]): r for r in predictions.t1_prediction(80.0, recipes=("mxfp4",))}
+    gpu = {(r["scope"], r["recipe"]): r for r in predictions.t1_prediction(80.0, optimizer="distributed_bf16_grads",
                                                                         recipes=("mxfp4",))}
-    core = {(r["scope"], r["recipe"]): r for r in model_mod.t1_prediction(80.0, attention="core_attn",
+    core = {(r["scope"], r["recipe"]): r for r in predictions.t1_prediction(80.0, attention="core_attn",
                                                                          recipes=("mxfp4",))}
     assert all(gpu[k]["optimizer_gb"] > 0 == base[k]["optimizer_gb"] for k in base)
     assert all(core[k]["total_gb"] > base[k]["total_gb"] for k in base if k[0] != "mla_up_proj")
@@ -260,7 +260,7 @@ def test_what_if_picks_the_optimizer_and_the_attention_reading():
     assert base["attn_ln_experts", "mxfp4"]["recompute"] == "attn_block_ln_experts"
     assert core["attn_ln_experts", "mxfp4"]["recompute"] == "attn_ln_experts"
     with pytest.raises(ValueError, match="attention='block': one of"):
-        model_mod.t1_prediction(80.0, attention="block")
+        predictions.t1_prediction(80.0, attention="block")
 
 
 def test_t1_throughput_ratios_are_the_models_beside_the_papers(report_store):

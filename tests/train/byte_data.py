@@ -1,10 +1,12 @@
-"""Stand-in for ``fp4moe.data.build_token_datasets`` until the data pipeline lands (tests only).
+"""The trainer tests' datasets: seven sonnets as bytes, in place of ``fp4moe.data.build_token_datasets`` (tests only).
 
 Real text, tokenized as bytes: tests/fixtures/sonnets.txt (seven of Shakespeare's sonnets, public domain), token
 id = byte value (vocab 256, below the tiny model's 512), the last sonnet held out for validation. Sample ``i`` is
 the ``seq_length + 1`` tokens starting at ``i * seq_length``, exactly the interface the trainer codes against.
-:func:`install` is the ONE place the swap happens (the fixture in conftest.py and the CLI runner call it);
-when fp4moe.data exists, delete this file and the two calls.
+:func:`install` is the ONE place the swap happens (the fixture in conftest.py and the CLI runner call it). Why
+not the real pipeline: it trains a BPE tokenizer and writes an indexed dataset per build folder, seconds the
+trainer tests need not pay each; the pipeline has its own tests (tests/data), and the CLI tests of data errors run
+the trainer on it (tests/train/test_cli.py).
 """
 from __future__ import annotations
 
@@ -45,9 +47,9 @@ def build_token_datasets(settings):
 
 def install(monkeypatch=None) -> None:
     """Make fp4moe.train use this builder (pytest's monkeypatch when given, else a plain assignment)."""
-    import fp4moe.train.data as data
+    import fp4moe.train.batches as batches
 
     if monkeypatch is not None:
-        monkeypatch.setattr(data, "build_token_datasets", build_token_datasets)
+        monkeypatch.setattr(batches, "build_token_datasets", build_token_datasets)
     else:
-        data.build_token_datasets = build_token_datasets
+        batches.build_token_datasets = build_token_datasets

@@ -9,7 +9,7 @@ import byte_data
 
 @pytest.fixture(autouse=True)
 def byte_text(monkeypatch):
-    """fp4moe.train reads tests/fixtures/sonnets.txt as bytes until fp4moe.data lands (see byte_data.py)."""
+    """fp4moe.train reads tests/fixtures/sonnets.txt as bytes (see byte_data.py for why)."""
     byte_data.install(monkeypatch)
 
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-import fp4moe.train.data
+import fp4moe.train.batches
 
 pytest.importorskip("megatron.core")
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # the real data pipeline's entry, taken before tests/train/conftest.py swaps in the byte-level stand-in
-BUILD_TOKEN_DATASETS = fp4moe.train.data.build_token_datasets
+BUILD_TOKEN_DATASETS = fp4moe.train.batches.build_token_datasets
 
 
 def _run(args, tmp_path, env=None, timeout=120):
@@ -87,7 +87,7 @@ def app(monkeypatch, capsys):
 def test_missing_corpus_is_one_message(tmp_path, monkeypatch, app):
     """A corpus path that does not exist: exit 2 with the data pipeline's message naming the path and the fix (the
     command in this process with the real data pipeline, not the tests' byte-level stand-in)."""
-    monkeypatch.setattr(fp4moe.train.data, "build_token_datasets", BUILD_TOKEN_DATASETS)
+    monkeypatch.setattr(fp4moe.train.batches, "build_token_datasets", BUILD_TOKEN_DATASETS)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     code, out, err = app("data=user_corpus", f"data.path={tmp_path / 'nowhere.jsonl'}",
                          f"hydra.run.dir={tmp_path / 'out'}")

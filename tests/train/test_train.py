@@ -170,11 +170,11 @@ def _closed_port() -> int:
 def test_unreachable_mlflow_is_a_clear_error_before_training(tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    import fp4moe.train.data as data
+    import fp4moe.train.batches as batches
     from fp4moe.train.loop import train
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
-    monkeypatch.setattr(data, "build_token_datasets", lambda settings: pytest.fail("data built before the store check"))
+    monkeypatch.setattr(batches, "build_token_datasets", lambda settings: pytest.fail("data built before the store check"))
     with pytest.raises(TrackingUnavailable, match=r"MLflow tracking server http://127.0.0.1:\d+ is not reachable"):
         train(_compose(tmp_path))
     assert not dist.is_initialized() and not (tmp_path / "ckpt").exists()
@@ -235,7 +235,7 @@ def test_world_size_must_match_the_processes(tmp_path, store):
 
 
 def test_sampler():
-    from fp4moe.train.data import micro_batch_indices
+    from fp4moe.train.batches import micro_batch_indices
 
     # 2 DP ranks x 2 micro-batches of 3: the global batch of 12 starting at 100 is split without overlap
     got = [micro_batch_indices(100, k, 3, r, 2) for k in range(2) for r in range(2)]

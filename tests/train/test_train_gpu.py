@@ -83,9 +83,9 @@ def test_every_optimizer_setting_on_gpu(tmp_path, store):
 
 
 def test_micro_batch_on_cuda_is_the_host_batch():
-    """fp4moe.train.data.micro_batch on CUDA (the samples sent once from pinned memory, split on the GPU) gives the
+    """fp4moe.train.batches.micro_batch on CUDA (the samples sent once from pinned memory, split on the GPU) gives the
     host batch's tokens and labels, contiguous, for every micro-batch and data-parallel rank of a step."""
-    from fp4moe.train import data
+    from fp4moe.train import batches
 
     class Samples:
         def __len__(self):
@@ -96,8 +96,8 @@ def test_micro_batch_on_cuda_is_the_host_batch():
 
     ds = Samples()
     for consumed, k, rank in ((0, 0, 0), (30, 1, 1), (64, 2, 0)):
-        want = data.batch(ds, data.micro_batch_indices(consumed, k, 4, rank, 2))
-        got = data.micro_batch(ds, consumed, k, 4, rank, 2, torch.device("cuda"), non_blocking=True)
+        want = batches.batch(ds, batches.micro_batch_indices(consumed, k, 4, rank, 2))
+        got = batches.micro_batch(ds, consumed, k, 4, rank, 2, torch.device("cuda"), non_blocking=True)
         for w, g in zip(want, got, strict=True):
             assert g.is_cuda and g.is_contiguous() and g.dtype == torch.long and torch.equal(g.cpu(), w)
 

@@ -22,7 +22,7 @@ from .. import paper as paper_mod
 from ..atomic_write import write_bytes_atomic
 from . import store as store_mod
 from . import tables
-from .model import MODEL_LABEL
+from .predictions import MODEL_LABEL
 
 OUTPUTS = ("report.md", "t1.csv", "t1_model_components.csv", "f3_kernels.csv", "f4_layer.csv", "f5_loss.csv",
            "t1_paper_vs_model.png", "t1_measured.png", "f3_kernels.png", "f4_layer.png", "f5_loss.png")
@@ -49,7 +49,7 @@ class Report:
     throughput: list[tuple[str, float | None, list[float]]] | None = None
     throughput_cases: list[str] = field(default_factory=list)
     throughput_error: str | None = None
-    model_assumptions: str = ""    # the model column's assumption set in words (fp4moe.report.model.assumption_set)
+    model_assumptions: str = ""    # the model column's assumption set in words (fp4moe.report.predictions.assumption_set)
 
 
 def _store_label(uri: str) -> str:
@@ -78,7 +78,7 @@ def build_report(where: str | os.PathLike | None = None, *, with_model: bool = T
     gpu_gb = float(numbers["t1"]["setup"]["gpu_memory_gb"])
     model_rows, model_error, model_assumptions = None, None, ""
     if with_model:
-        from .model import assumption_set, t1_prediction
+        from .predictions import assumption_set, t1_prediction
 
         try:
             model_rows, model_assumptions = t1_prediction(), assumption_set()   # % of the 80 GB GPU's 81559 MiB

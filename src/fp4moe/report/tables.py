@@ -1,7 +1,7 @@
 """The report's tables as plain rows (dicts), from paper numbers, run records and model rows. No I/O here.
 
 Every row says where its numbers come from: ``source`` is ``paper (<numbers.yaml source>)``, ``measured`` (with
-the setup: hardware, model config, layout, MLflow run id) or ``fp4moe.report.model.MODEL_LABEL`` (the model for
+the setup: hardware, model config, layout, MLflow run id) or ``fp4moe.report.predictions.MODEL_LABEL`` (the model for
 experiment=paper_t1). A value that does not exist is ``None`` with a ``status`` saying why (``OOM``, ``not
 measured``); nothing is filled in.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .model import MODEL_LABEL
+from .predictions import MODEL_LABEL
 from .store import KERNELS, MOE_LAYER, RunRecord
 
 NOT_MEASURED = "not measured"

@@ -9,7 +9,7 @@
 - :mod:`fp4moe.train.hooks`: after each step: evaluation, MLflow, progress, profiler, checkpoints, stop signals
 - :mod:`fp4moe.train.summary`: the ``summary/*`` metrics at the end
 - :mod:`fp4moe.train.dist`: torch.distributed (single process, torchrun, Slurm) and megatron parallel state
-- :mod:`fp4moe.train.data`: the one door to ``fp4moe.data.build_token_datasets`` and the resumable sampler
+- :mod:`fp4moe.train.batches`: the one door to ``fp4moe.data.build_token_datasets`` and the resumable sampler
 - :mod:`fp4moe.train.optim`: megatron-core's DDP, optimizer and LR scheduler from the ``optimizer`` group,
   ``train.adamw`` and ``train.schedule``
 - :mod:`fp4moe.train.checkpoint`: atomic per-rank checkpoints, resume checks

@@ -47,7 +47,6 @@ from fp4moe.paths import conf_dir
 from fp4moe.recipe import RecipeError
 from fp4moe.settings import Settings
 from fp4moe.tracking.mlflow_store import TrackingUnavailable
-from fp4moe.train.data import DataUnavailable
 
 CONF_DIR = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
 EXIT_CONFIG, EXIT_OOM = 2, 3
@@ -172,7 +171,7 @@ def task(cfg: DictConfig) -> dict | None:
 
     try:
         result = train(cfg, multirun_cell=cell, output_dir=out, resume_hint=_resume_hint(cfg, out, refind))
-    except (ConfigError, RecipeError, TrackingUnavailable, DataUnavailable, DataError) as e:
+    except (ConfigError, RecipeError, TrackingUnavailable, DataError) as e:
         print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     except Exception as e:  # noqa: BLE001 - only out-of-memory is a result (an OOM cell of a table); the rest raises

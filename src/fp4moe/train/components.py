@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp4moe.config import ConfigError
-from fp4moe.train import data as data_mod
+from fp4moe.train import batches
 from fp4moe.train.dist import barrier
 
 
@@ -54,10 +54,10 @@ def build_data(settings: Any, info: Any):
     0 builds first (tokenizer, indexed dataset, caches), the others then read what it wrote. ConfigError for a
     tokenizer larger than the model's vocabulary, an empty split, or samples of the wrong length."""
     if info.rank == 0:
-        out = data_mod.build_token_datasets(settings)
+        out = batches.build_token_datasets(settings)
     barrier()
     if info.rank != 0:
-        out = data_mod.build_token_datasets(settings)
+        out = batches.build_token_datasets(settings)
     train_ds, valid_ds, dinfo = out
     seq, vocab = settings.parallel.seq_length, settings.model.vocab_size
     if int(dinfo["vocab_size"]) > vocab:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp4moe.train import data as data_mod
+from fp4moe.train import batches
 
 
 @dataclass
@@ -85,9 +85,9 @@ class Stepper:
         t0 = time.perf_counter()
         parts.ddp.zero_grad_buffer()
         parts.opt.zero_grad()
-        batches = [data_mod.micro_batch(parts.train_ds, consumed, k, self.micro, self.dp_rank, self.dp_size, device,
+        micro_batches = [batches.micro_batch(parts.train_ds, consumed, k, self.micro, self.dp_rank, self.dp_size, device,
                                         non_blocking=True) for k in range(self.accum)]
-        losses, measured = forward_backward(parts.ddp, batches, self.pos, seq=self.seq, micro=self.micro,
+        losses, measured = forward_backward(parts.ddp, micro_batches, self.pos, seq=self.seq, micro=self.micro,
                                             forward_only=False,
                                             measure_exclude=self.params if self.saved_bytes is None else None)
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -236,16 +236,16 @@ def evaluate(model: Any, valid_ds: Any, settings: Any, derived: dict[str, Any], 
     model.eval()
     with torch.no_grad():
         for s in range(n_steps):
-            batches = []
+            micro_batches = []
             for k in range(accum):
-                tokens, labels = data_mod.micro_batch(valid_ds, s * p.global_batch, k, micro,
+                tokens, labels = batches.micro_batch(valid_ds, s * p.global_batch, k, micro,
                                                       dp_rank, dp_size, device)
                 if pp_size == 1:
                     total += model(tokens, pos, None, labels=labels).float().mean().double()
                 else:
-                    batches.append((tokens, labels))
-            if batches:
-                losses, _ = forward_backward(model, batches, pos, seq=p.seq_length,
+                    micro_batches.append((tokens, labels))
+            if micro_batches:
+                losses, _ = forward_backward(model, micro_batches, pos, seq=p.seq_length,
                                              micro=micro, forward_only=True)
                 for loss in losses:
                     total += loss.double()

@@ -1,8 +1,8 @@
-"""The trainer's one door to the data pipeline, and its sampler.
+"""The trainer's batches: its one door to the data pipeline, and which samples make each micro-batch.
 
-:func:`build_token_datasets` is ``fp4moe.data.build_token_datasets`` (the data pipeline of issue 4), imported
-on first use: ``train_ds, valid_ds, info = build_token_datasets(settings)`` (the run's fp4moe.settings.Settings). Each dataset is map-style and
-deterministic, ``ds[i]`` a LongTensor ``[seq_length + 1]`` (input ``[:-1]``, labels ``[1:]``); ``info`` holds
+:func:`build_token_datasets` calls ``fp4moe.data.build_token_datasets``:
+``train_ds, valid_ds, info = build_token_datasets(settings)`` (the run's fp4moe.settings.Settings). Each dataset is
+map-style and deterministic, ``ds[i]`` a LongTensor ``[seq_length + 1]`` (input ``[:-1]``, labels ``[1:]``); ``info`` holds
 ``vocab_size, eod_id, train_tokens, valid_tokens, tokenizer_path, dataset_prefix``. The trainer calls this module
 attribute (never a copy of it), so tests can replace it in this one place.
 
@@ -16,18 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 
-class DataUnavailable(RuntimeError):
-    """The data pipeline cannot give the datasets; the message says why and what to do."""
-
-
 def build_token_datasets(settings: Any):
-    try:
-        from fp4moe.data import build_token_datasets as build
-    except ModuleNotFoundError as e:
-        if e.name in ("fp4moe.data",):
-            raise DataUnavailable("fp4moe.data (the tokenizer + indexed-dataset pipeline, issue 4) is not in this "
-                                  "checkout yet, so fp4moe.train has no data to train on") from e
-        raise
+    """``fp4moe.data.build_token_datasets(settings)``, looked up here on every call (see the module docstring)."""
+    from fp4moe.data import build_token_datasets as build
+
     return build(settings)
 
 
@@ -67,4 +59,4 @@ def micro_batch(ds: Any, consumed: int, micro_index: int, micro: int, dp_rank: i
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-__all__ = ["DataUnavailable", "build_token_datasets", "micro_batch_indices", "batch", "micro_batch"]
+__all__ = ["build_token_datasets", "micro_batch_indices", "batch", "micro_batch"]
