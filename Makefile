@@ -46,7 +46,7 @@ test-gpu: ## run the GPU tests with the system python3 (GPU machine)
 # else $(GPU_PYTHON)); the GPU image has none, so the command to run elsewhere is printed instead.
 # Logging is idempotent: earlier files in $(BENCH_OUT) that are already logged add nothing.
 bench-kernels: ## run the kernel benchmark on the GPU, then log it to MLflow (args: BENCH_ARGS="...")
-	PYTHONPATH=src:kernels $(GPU_PYTHON) -m fp4moe_kernels.bench --out $(BENCH_OUT) $(BENCH_ARGS)
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m fp4moe_kernels.bench.conversions --out $(BENCH_OUT) $(BENCH_ARGS)
 	@files="$$(ls $(BENCH_OUT)/kernels_*.json 2>/dev/null)"; \
 	if [ -z "$$files" ]; then echo "no $(BENCH_OUT)/kernels_*.json to log"; exit 1; fi; \
 	for py in $(VENV)/bin/python $(GPU_PYTHON); do \
@@ -62,9 +62,9 @@ bench-kernels: ## run the kernel benchmark on the GPU, then log it to MLflow (ar
 # The MoE layer benchmark (P2): bf16 / fp8 / mxfp4 side by side; LAYER_GPUS=2 runs EP=2 with torchrun.
 bench-layer: ## run the MoE layer benchmark on 1 GPU (LAYER_GPUS=2: EP=2), results in $(LAYER_OUT)
 ifeq ($(LAYER_GPUS),1)
-	PYTHONPATH=src:kernels $(GPU_PYTHON) -m fp4moe.moe.layer_bench --out $(LAYER_OUT) $(LAYER_ARGS)
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m fp4moe.bench.moe_layer --out $(LAYER_OUT) $(LAYER_ARGS)
 else
-	PYTHONPATH=src:kernels $(GPU_PYTHON) -m torch.distributed.run --nproc-per-node $(LAYER_GPUS) -m fp4moe.moe.layer_bench --out $(LAYER_OUT) --no-gemm $(LAYER_ARGS)
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m torch.distributed.run --nproc-per-node $(LAYER_GPUS) -m fp4moe.bench.moe_layer --out $(LAYER_OUT) --no-gemm $(LAYER_ARGS)
 endif
 
 log-bench: venv ## log every results/kernels/kernels_*.json (BENCH_OUT) to MLflow with the venv (idempotent)

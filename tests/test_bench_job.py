@@ -33,8 +33,8 @@ def test_f3_dry_run_is_one_job_on_one_gpu(capsys):
                        "hydra/launcher=slurm_h100"]
     assert dry_run.main(["dry-run", "experiment=paper_f3", "--summary"]) == 0
     out = capsys.readouterr().out
-    assert "bench: fp4moe_kernels.bench.main(--out results/kernels)" in out
-    assert "without Hydra: python -m fp4moe_kernels.bench --out results/kernels" in out
+    assert "bench: fp4moe_kernels.bench.conversions.main(--out results/kernels)" in out
+    assert "without Hydra: python -m fp4moe_kernels.bench.conversions --out results/kernels" in out
 
 
 def test_f4_dry_run_is_ep1_and_ep2_one_task_per_gpu(capsys):
@@ -48,7 +48,7 @@ def test_f4_dry_run_is_ep1_and_ep2_one_task_per_gpu(capsys):
     assert dry_run.main(["dry-run", "experiment=paper_f4", "--summary"]) == 0
     out = capsys.readouterr().out
     assert out.count("# ===== cell") == 2 and "parallel: EP2 world 2" in out
-    assert "without Hydra: torchrun --nproc-per-node 2 -m fp4moe.moe.layer_bench --out results/moe_layer" in out
+    assert "without Hydra: torchrun --nproc-per-node 2 -m fp4moe.bench.moe_layer --out results/moe_layer" in out
 
 
 def _compose(*overrides):
@@ -63,7 +63,7 @@ def test_f4_job_runs_the_layer_benchmark_on_cpu(tmp_path):
     cfg = _compose("experiment=paper_f4", "parallel=single_gpu", f"bench.args=[{','.join(args)}]")
     assert bench_job.is_bench(cfg) and not bench_job.is_bench(_compose())
     ret = bench_job.run(cfg.bench, Settings.from_config(cfg).parallel)
-    assert ret["outcome"] == "done" and ret["bench"] == "fp4moe.moe.layer_bench" and ret["rank"] == 0
+    assert ret["outcome"] == "done" and ret["bench"] == "fp4moe.bench.moe_layer" and ret["rank"] == 0
     (result,) = tmp_path.glob("moe_layer_cpu_ep1_*_test.json")
     assert [r["recipe"] for r in json.loads(result.read_text())["recipes"]] == ["bf16", "fp8", "mxfp4"]
 

@@ -11,7 +11,7 @@ from fp4moe.tracking import bench_log
 ENV = {
     "date": "2026-11-30T12:00:00Z", "commit": "0123456789abcdef0123456789abcdef01234567",
     "gpu": "NVIDIA H200", "gpu_count": 1, "torch": "2.11.0+cu130", "triton": "3.6.0",
-    "cuda": "13.0", "python": "3.12.3", "command": "python -m fp4moe_kernels.bench --no-peers",
+    "cuda": "13.0", "python": "3.12.3", "command": "python -m fp4moe_kernels.bench.conversions --no-peers",
     "timing": "cuda-graph",
 }
 ROWS = [  # hand-written, not measured: the numbers only need to round-trip

@@ -248,9 +248,9 @@ def test_portable_names_the_checkout_out_and_home_folders_not_the_machine(tmp_pa
     monkeypatch.setenv("FP4MOE_HOME", str(repo))
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("OUT", str(out))
-    text = (f"python -m fp4moe_kernels.bench --out {repo}/results/kernels sqlite:///{out}/mlflow.db "
+    text = (f"python -m fp4moe_kernels.bench.conversions --out {repo}/results/kernels sqlite:///{out}/mlflow.db "
             f"{tmp_path}/notes {repo}2/x /elsewhere{repo}/y {repo} /tmp/site")
-    assert mlflow_store.portable(text) == ("python -m fp4moe_kernels.bench --out <repo>/results/kernels "
+    assert mlflow_store.portable(text) == ("python -m fp4moe_kernels.bench.conversions --out <repo>/results/kernels "
                                            "sqlite:///$OUT/mlflow.db ~/notes ~/checkout2/x "
                                            f"/elsewhere{repo}/y <repo> /tmp/site")
     monkeypatch.setenv("OUT", "relative/out")   # not a folder of this machine: left alone
@@ -274,10 +274,10 @@ def test_reproduce_help_exits_zero():
     assert "usage: python -m fp4moe.reproduce" in proc.stdout
 
 
-BENCH_JSON = {  # the shape of fp4moe_kernels.bench's JSON output, trimmed
+BENCH_JSON = {  # the shape of fp4moe_kernels.bench.conversions's JSON output, trimmed
     "env": {"date": "2026-11-30T00:00:00Z", "commit": "abc123", "gpu": "NVIDIA H200",
             "torch": "2.11.0", "triton": "3.6.0", "cuda": "13.0",
-            "command": "python -m fp4moe_kernels.bench"},
+            "command": "python -m fp4moe_kernels.bench.conversions"},
     "copy_gbps": 4000.0,
     "rows": [{"shape": "dense", "kernel": "bf16_to_fp4_row", "impl": "fp4moe", "ms": 0.125,
               "bytes": 1000, "gbps": 8.0, "pct_copy": 0.2, "note": "", "extra": {}}],
@@ -285,7 +285,7 @@ BENCH_JSON = {  # the shape of fp4moe_kernels.bench's JSON output, trimmed
 
 
 def _fake_bench(monkeypatch, tmp_path, body: str, name: str = "fake_bench") -> str:
-    """A module ``name`` standing in for fp4moe_kernels.bench (the real one needs a GPU), run as reproduce runs the
+    """A module ``name`` standing in for fp4moe_kernels.bench.conversions (the real one needs a GPU), run as reproduce runs the
     benchmark: ``python -m name ARGV`` in a child process, ``body`` its code with ``argv``, ``out`` (the --out
     folder) and ``BENCH`` (BENCH_JSON) defined; it counts its calls in ``calls.txt`` beside it."""
     folder = tmp_path / "fake_modules"
@@ -365,18 +365,18 @@ def _result(folder: Path, name: str, **env) -> Path:
 
 
 def test_a_benchmark_result_is_reusable_only_for_its_gpu_commit_and_default_command(tmp_path):
-    find = lambda head=HEAD, **m: pipeline.reusable_result(tmp_path, "kernels_*.json", "fp4moe_kernels.bench",
+    find = lambda head=HEAD, **m: pipeline.reusable_result(tmp_path, "kernels_*.json", "fp4moe_kernels.bench.conversions",
                                                            head, **{"gpu": "NVIDIA H200", **m})
     assert find() is None  # nothing there
     _result(tmp_path, "kernels_other_options.json", commit=HEAD,
-            command="python -m fp4moe_kernels.bench --out /x --tokens 1024")
-    _result(tmp_path, "kernels_other_commit.json", commit="fedcba9876543210", command="python -m fp4moe_kernels.bench")
+            command="python -m fp4moe_kernels.bench.conversions --out /x --tokens 1024")
+    _result(tmp_path, "kernels_other_commit.json", commit="fedcba9876543210", command="python -m fp4moe_kernels.bench.conversions")
     h100 = _result(tmp_path, "kernels_other_gpu.json", commit=HEAD, gpu="NVIDIA H100 80GB HBM3",
-                   command="python -m fp4moe_kernels.bench")
+                   command="python -m fp4moe_kernels.bench.conversions")
     (tmp_path / "kernels_broken.json").write_text("{not json")
     assert find() is None
     short = _result(tmp_path, "kernels_short_sha.json", commit=HEAD[:7],
-                    command="python -m fp4moe_kernels.bench --out /root/results/kernels --commit 0123456")
+                    command="python -m fp4moe_kernels.bench.conversions --out /root/results/kernels --commit 0123456")
     assert find() == short
     assert find(gpu="NVIDIA H100 80GB HBM3") == h100
     assert find(head=None) is None  # outside git nothing identifies the code
@@ -386,10 +386,10 @@ def test_a_benchmark_result_is_reusable_only_for_its_gpu_commit_and_default_comm
 def test_a_layer_result_is_reusable_only_at_the_default_shape(tmp_path):
     from fp4moe.tracking.layer_bench_log import DEFAULT_SHAPE
 
-    cmd = "python -m fp4moe.moe.layer_bench --out /w/results/moe_layer"
+    cmd = "python -m fp4moe.bench.moe_layer --out /w/results/moe_layer"
     odd = _result(tmp_path, "moe_layer_h200_ep1_t8192.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)
     odd.write_text(json.dumps({**json.loads(odd.read_text()), "shape": {**DEFAULT_SHAPE, "tokens": 8192}}))
-    find = lambda: pipeline.reusable_result(tmp_path, "moe_layer_*.json", "fp4moe.moe.layer_bench", HEAD,
+    find = lambda: pipeline.reusable_result(tmp_path, "moe_layer_*.json", "fp4moe.bench.moe_layer", HEAD,
                                             shape=DEFAULT_SHAPE, gpu="h200", world_size=1)
     assert find() is None
     ok = _result(tmp_path, "moe_layer_h200_ep1.json", commit=HEAD[:7], gpu="h200", world_size=1, command=cmd)

@@ -88,7 +88,7 @@ def test_repo_results_load():
     assert files, "no results/moe_layer/moe_layer_*.json in the repo"
     for f in files:
         doc = L.load(f)
-        # a preset, or a preset @ a grouped_gemm value (fp4moe.moe.layer_bench --recipes fp8@deepgemm); fp8 and mxfp4 in each
+        # a preset, or a preset @ a grouped_gemm value (fp4moe.bench.moe_layer --recipes fp8@deepgemm); fp8 and mxfp4 in each
         names = {r["recipe"].partition("@")[0] for r in doc["recipes"]}
         backends = {r["recipe"].partition("@")[2] for r in doc["recipes"]} - {""}
         assert {"fp8", "mxfp4"} <= names <= {"bf16", "fp8", "mxfp4"}, f

@@ -9,7 +9,7 @@ Modules: ``constants`` (format numbers) and ``sizes`` (the formats' bytes from s
 ``formats`` (typed containers, ragged ``Segments``), ``reference`` (the spec), ``convert`` (public API, validation,
 device dispatch), ``triton_kernels`` (GPU kernels), ``cuda_kernels`` (CUDA C++), ``deepgemm`` (DeepGEMM's grouped
 FP8 GEMM, an optional backend), ``selfcheck`` (kernels vs
-reference on the present hardware), ``bench`` / ``bench_cuda`` / ``bench_peers`` (GPU benchmark CLIs).
+reference on the present hardware), ``bench`` (the GPU benchmarks: ``bench.conversions``, ``bench.cuda_col``).
 
 The re-exports and the submodules load on first use (PEP 562), so ``import fp4moe_kernels.constants`` or
 ``fp4moe_kernels.sizes`` does not import torch: the torch-free side of fp4moe (fp4moe.scale) counts bytes with them.
@@ -34,7 +34,7 @@ _EXPORTS = {
     "fp4_to_bf16": "convert",
     "fp8_row_to_fp4": "convert",
 }
-_SUBMODULES = ("bench", "bench_cuda", "bench_peers", "constants", "convert", "cuda_kernels", "deepgemm", "formats",
+_SUBMODULES = ("bench", "constants", "convert", "cuda_kernels", "deepgemm", "formats",
                "reference", "selfcheck", "sizes", "triton_kernels")
 
 

@@ -1,4 +1,4 @@
-"""``fp4moe_kernels.bench --baseline``: an older copy of the package runs side by side with this one.
+"""``fp4moe_kernels.bench.conversions --baseline``: an older copy of the package runs side by side with this one.
 
 The baseline here is this package's own folder, copied: every baseline callable must return what this package's
 ``convert`` returns on the same inputs (CPU: both dispatch to their reference), in the baseline's own format classes."""
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import fp4moe_kernels
-from fp4moe_kernels import bench, selfcheck
+from fp4moe_kernels import selfcheck
+from fp4moe_kernels.bench import conversions as bench
+from fp4moe_kernels.bench.timing import environment
 from fp4moe_kernels import convert as ops
 
 
@@ -68,7 +70,7 @@ def test_a_second_run_of_the_day_at_one_commit_keeps_the_first(tmp_path):
     --rerun) gets its time appended instead of replacing the first run's files."""
     rows = [bench.Row("dense", "bf16_to_fp4_row", "fp4moe", 0.125, 1000, 8.0, 0.2)]
     env = {"date": "2026-12-02T08:21:47Z", "commit": "4aa6bd7", "gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6",
-           "cuda": "13.0", "command": "python -m fp4moe_kernels.bench"}
+           "cuda": "13.0", "command": "python -m fp4moe_kernels.bench.conversions"}
     first = bench.write(str(tmp_path), env, 4240.0, rows, [])
     second = bench.write(str(tmp_path), {**env, "date": "2026-12-02T08:30:53Z"}, 4242.0, rows, [])
     assert Path(first).name == "kernels_h200_2026-12-02_4aa6bd7"
@@ -86,6 +88,6 @@ def test_the_recorded_command_names_no_machine_folder(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    env = bench.environment(f"python -m fp4moe_kernels.bench --out {results_dir() / 'kernels'}", "4aa6bd7")
-    assert env["command"] == "python -m fp4moe_kernels.bench --out <repo>/results/kernels"
+    env = environment(f"python -m fp4moe_kernels.bench.conversions --out {results_dir() / 'kernels'}", "4aa6bd7")
+    assert env["command"] == "python -m fp4moe_kernels.bench.conversions --out <repo>/results/kernels"
     assert env["commit"] == "4aa6bd7" and env["gpu"] == "NVIDIA H200"

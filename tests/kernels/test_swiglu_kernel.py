@@ -233,10 +233,10 @@ def test_fp4_store_switch_changes_no_bit(monkeypatch, where):
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
 def test_bench_tiles_reach_the_kernels():
-    """bench_swiglu's --fp4-tiles / --bwd-fp4-tiles spellings parse to tile arguments that swiglu_fwd_fp4 /
+    """fp4moe.bench.swiglu_fusion's --fp4-tiles / --bwd-fp4-tiles spellings parse to tile arguments that swiglu_fwd_fp4 /
     swiglu_bwd_fp4 run, each giving the default kernel's outputs bit for bit (a typo'd spelling fails to parse
     instead of timing something else)."""
-    from fp4moe.ops.bench_swiglu import _bwd_tiles, _tiles
+    from fp4moe.bench.swiglu_fusion import _bwd_tiles, _tiles
     from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_fwd_fp4
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd_fp4

@@ -26,7 +26,7 @@ TINY_STEPS = 20
 
 KERNEL_JSON = {
     "env": {"date": "2026-11-30T01:00:00Z", "commit": "abc1234", "gpu": "NVIDIA H200", "torch": "2.11.0",
-            "command": "python -m fp4moe_kernels.bench"},
+            "command": "python -m fp4moe_kernels.bench.conversions"},
     "copy_gbps": 4000.0,
     "rows": [
         {"shape": "32768x7168", "kernel": "bf16_to_fp4_row", "impl": "fp4moe", "ms": 0.25, "bytes": 1, "gbps": 2000.0,
@@ -42,7 +42,7 @@ KERNEL_JSON = {
     ],
 }
 LAYER_JSON = {
-    "env": {"date": "2026-11-30", "commit": "abc1234", "gpu": "h200", "world_size": 1, "command": "python -m fp4moe.moe.layer_bench"},
+    "env": {"date": "2026-11-30", "commit": "abc1234", "gpu": "h200", "world_size": 1, "command": "python -m fp4moe.bench.moe_layer"},
     "shape": {"hidden": 7168, "ffn": 2048, "local_experts": 32, "experts": 32, "top_k": 8, "tokens": 4096},
     "recipes": [
         {"recipe": "bf16", "tokens_per_s": 100000.0, "saved_bytes": 4000, "saved_bytes_per_token": 240000.0,

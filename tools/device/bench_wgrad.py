@@ -12,7 +12,7 @@ that the scales differ from block to block and the bit-equality check below mean
 Rows of the table (``$OUT/wgrad/wgrad_<gpu>.md`` and ``.json``): ms (``triton.testing.do_bench``, warmup 25 ms,
 rep 100 ms), TFLOP/s counting the real rows only (2 M N K, M = 32768), ratio to the dense reference (one
 ``fp8_mm(..., "wgrad")`` = ``F.scaled_mm`` BlockWise1x128 x BlockWise1x128 of M x N x K, timed as
-src/fp4moe/moe/layer_bench.py's ``_gemm_compare`` times it), ratio to the current kernel, and against the current
+src/fp4moe/bench/moe_layer.py's ``_gemm_compare`` times it), ratio to the current kernel, and against the current
 kernel's output: max |diff| and whether bit-equal (bf16). Candidates that keep the per-element summation order (the
 same 128-token block order, the promotion ``acc + (part * sa[:, None]) * sb[None, :]``) should be bit-equal; a
 candidate that fails to compile or run is recorded with the last lines of its traceback, the others still run.
@@ -459,7 +459,7 @@ def gpu_run(args) -> dict:
     for gemm, n, k in (("fc1 wgrad", 4096, 7168), ("fc2 wgrad", 7168, 2048)):
         a, b, dy, x = operands(counts, n, k, dev)
         flops = 2 * m * n * k
-        # dense reference of equal work, as src/fp4moe/moe/layer_bench.py's _gemm_compare: one segment of all M rows
+        # dense reference of equal work, as src/fp4moe/bench/moe_layer.py's _gemm_compare: one segment of all M rows
         dense_a, dense_b = kops.bf16_to_fp8_col(dy), kops.bf16_to_fp8_col(x)
         del dy, x
         dense_ms = float(do_bench(lambda: fp8_mm(*dense_a.segment(0), *dense_b.segment(0), "wgrad", check=False),
@@ -553,7 +553,7 @@ def main(argv=None) -> int:
     doc = gpu_run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from fp4moe.moe.layer_bench import gpu_slug
+    from fp4moe.bench.moe_layer import gpu_slug
 
     slug = gpu_slug(doc["gpu"])
     (out / f"wgrad_{slug}.json").write_text(json.dumps(doc, indent=1))

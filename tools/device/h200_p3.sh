@@ -27,12 +27,12 @@
 #                                                      # micro-batches), per cell
 #   bash tools/device/h200_p3.sh ep8 MB "mxfp4:attn_ln_mlp ..."  # issue 7 (nvidia-h200-x8): the proxy on 8 GPUs, EP8 x DP8
 #   COMMIT=sha bash tools/device/h200_p3.sh layer1 [ARGS]  # P2's V3 MoE layer on one GPU (32 experts), every recipe
-#                                                      # -> $OUT/moe_layer (ARGS: fp4moe.moe.layer_bench's)
+#                                                      # -> $OUT/moe_layer (ARGS: fp4moe.bench.moe_layer's)
 #   bash tools/device/h200_p3.sh deepgemm              # build DeepGEMM's carried sdist for kernels.grouped_gemm=deepgemm
 #   COMMIT=sha bash tools/device/h200_p3.sh layer8     # issue 7: the V3 MoE layer with EP8, every recipe -> $OUT/moe_layer
 #   COMMIT=sha bash tools/device/h200_p3.sh kbench [DIR:LABEL [ARGS]]  # kernel benchmark -> $OUT/kernels, side by side
 #                                                      # with the baseline copy DIR (carried: git archive, see README)
-#   bash tools/device/h200_p3.sh swiglu [ARGS]         # fused SwiGLU: GPU tests + benchmark (ARGS: bench_swiglu's)
+#   bash tools/device/h200_p3.sh swiglu [ARGS]         # fused SwiGLU: GPU tests + benchmark (ARGS: fp4moe.bench.swiglu_fusion's)
 #   COMMIT=sha bash tools/device/h200_p3.sh cudacol    # CUDA C++ FP4RowToFP8Col: build, GPU tests, benchmark vs Triton
 #   bash tools/device/h200_p3.sh example               # examples/megatron_own_model.py (fp4moe.model.api), every recipe
 #   COMMIT=sha bash tools/device/h200_p3.sh reproduce [SECS]  # issue 6: python -m fp4moe.reproduce (make reproduce-table's
@@ -262,7 +262,7 @@ ep8)  # MB "recipe:scope ...": issue 7, the proxy on all 8 GPUs, EP8 x DP8 (torc
 layer1)  # [bench args]: P2's MoE layer benchmark on one GPU (DeepSeek-V3 shape: 32 experts, top-8, 4096 tokens), every
   # recipe (e.g. --recipes bf16,fp8,mxfp4,fp8@deepgemm,mxfp4@deepgemm after the deepgemm phase)
   mkdir -p "$OUT/moe_layer"
-  timeout -k 20 300 python3 -m fp4moe.moe.layer_bench --commit "${COMMIT:-unknown}" --out "$OUT/moe_layer" "$@" 2>&1 | tail -40
+  timeout -k 20 300 python3 -m fp4moe.bench.moe_layer --commit "${COMMIT:-unknown}" --out "$OUT/moe_layer" "$@" 2>&1 | tail -40
   ;;
 deepgemm)  # build DeepGEMM (carried: build/deepgemm/deepinfer_gemm-*.tar.gz and include/, elfutils' headers) into
   # DG_DIR for kernels.grouped_gemm=deepgemm; later phases of this warm machine find it
@@ -274,18 +274,18 @@ deepgemm)  # build DeepGEMM (carried: build/deepgemm/deepinfer_gemm-*.tar.gz and
   ;;
 layer8)  # issue 7: DeepSeek-V3's MoE layer with EP8 (256 experts, 32 per GPU, top-8, 4096 tokens per GPU), every recipe
   mkdir -p "$OUT/moe_layer"
-  timeout -k 20 540 python3 -m torch.distributed.run --standalone --nproc-per-node 8 -m fp4moe.moe.layer_bench \
+  timeout -k 20 540 python3 -m torch.distributed.run --standalone --nproc-per-node 8 -m fp4moe.bench.moe_layer \
     --commit "${COMMIT:-unknown}" --out "$OUT/moe_layer" 2>&1 | tail -40
   ;;
 kbench)  # [BASELINE_DIR:LABEL [bench args...]]: the kernel benchmark, and a baseline copy of the kernels beside it
   mkdir -p "$OUT/kernels"
   base=${1:-}; shift || true
-  timeout -k 20 400 python3 -m fp4moe_kernels.bench --out "$OUT/kernels" --commit "${COMMIT:-unknown}" --no-peers \
+  timeout -k 20 400 python3 -m fp4moe_kernels.bench.conversions --out "$OUT/kernels" --commit "${COMMIT:-unknown}" --no-peers \
     --rep-ms 50 ${base:+--baseline "$base"} "$@" 2>&1 | tail -70
   ;;
 swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
   python3 -m pytest -q -m gpu tests/kernels/test_swiglu_kernel.py 2>&1 | tee "$OUT/swiglu_gpu_tests.log" | tail -3
-  python3 -m fp4moe.ops.bench_swiglu --out "$OUT" "$@" 2>&1 | tail -40
+  python3 -m fp4moe.bench.swiglu_fusion --out "$OUT" "$@" 2>&1 | tail -40
   ;;
 example)  # examples/megatron_own_model.py (fp4moe.model.api) on the GPU: every recipe, then the whole-block recompute
   for recipe in bf16 fp8 mxfp4; do
@@ -296,7 +296,7 @@ example)  # examples/megatron_own_model.py (fp4moe.model.api) on the GPU: every 
   ;;
 cudacol)  # the CUDA C++ FP4RowToFP8Col (the default where it builds): built on first use, GPU tests, benchmark
   python3 -m pytest -q -m gpu tests/kernels/test_cuda_col.py 2>&1 | tee "$OUT/cuda_col_gpu_tests.log" | tail -3
-  python3 -m fp4moe_kernels.bench_cuda --out "$OUT" --commit "${COMMIT:-unknown}" 2>&1 | tail -12
+  python3 -m fp4moe_kernels.bench.cuda_col --out "$OUT" --commit "${COMMIT:-unknown}" 2>&1 | tail -12
   ;;
 reproduce)  # [SECS]: what `make reproduce-table` runs (not make itself: its venv step needs PyPI), into one MLflow
   # store kept between calls; a call cut short by SECS leaves its cell unfinished, the next call runs it again

@@ -6,7 +6,7 @@ Python binding: it exports C functions that take device pointers and a CUDA stre
 Status: ``fp4moe_kernels.convert.fp4_row_to_fp8_col`` (and so the trainer) runs it by default where it builds (a
 Hopper GPU and nvcc; ``FP4MOE_CUDA_COL``: ``auto``, ``1``, ``0``, see ``convert.cuda_col_mode``), since it measured
 +1 % mxfp4 training throughput on the H200 proxy (results/kernels/README.md, 2026-12-01 third section).
-``fp4_row_to_fp8_col`` is measured against the Triton kernel by ``python -m fp4moe_kernels.bench_cuda``
+``fp4_row_to_fp8_col`` is measured against the Triton kernel by ``python -m fp4moe_kernels.bench.cuda_col``
 (results/kernels/cuda_col_h200_*.json: 1.8-1.9x) and tested bit for bit against the reference by
 tests/kernels/test_cuda_col.py (GPU); tests/kernels/test_cuda_build.py compiles it for sm_90 wherever nvcc is
 (CPU machines too).

@@ -20,7 +20,7 @@ from .common import INTERPRET
 
 # Per kernel: (R = 32-element blocks (MXFP4-only kernels) or 128-element groups per program for row
 # kernels / BN = channels per program for column kernels, unused, num_warps). Chosen by
-# ``python -m fp4moe_kernels.bench --sweep`` on an H200: the tiles it adopted on 2026-12-01 at 32768 x 7168 over 32
+# ``python -m fp4moe_kernels.bench.conversions --sweep`` on an H200: the tiles it adopted on 2026-12-01 at 32768 x 7168 over 32
 # experts (results/kernels/kernels_h200_2026-12-01_7a8040d.json; FP4MOE_TILES overrides them, see tiles_from_env).
 TILES = {
     "bf16_to_fp4_row": (256, 0, 2),
@@ -39,7 +39,7 @@ def tiles_from_env(env: str | None = None) -> dict:
     """Tile overrides from ``env`` (default: the ``tiles`` switch, ``fp4moe_kernels.switches``, ``FP4MOE_TILES``): a
     JSON object (or the path of a JSON file, e.g. a benchmark's output, whose ``env.tiles_adopted`` is taken) mapping
     kernel names to [size, 0, num_warps]. Another GPU's best tiles without editing this file:
-    ``python -m fp4moe_kernels.bench --sweep`` writes them."""
+    ``python -m fp4moe_kernels.bench.conversions --sweep`` writes them."""
     import json
 
     text = switches.current().tiles if env is None else env
@@ -285,7 +285,7 @@ def quantize_weight_128x128(w, rows_per_expert: int | None = None, transpose: bo
 # ------------------------------------------------------------------------------------- grouped FP8 GEMMs
 
 # rows: (BM, BN, GROUP_M, num_warps, num_stages); wgrad: (BN, BK, num_warps, num_stages). Chosen by
-# ``python -m fp4moe.moe.layer_bench --sweep-gemm`` on an H200 (results/moe_layer/); FP4MOE_GEMM_TILES (JSON, e.g.
+# ``python -m fp4moe.bench.moe_layer --sweep-gemm`` on an H200 (results/moe_layer/); FP4MOE_GEMM_TILES (JSON, e.g.
 # '{"rows": [128, 256, 8, 8, 3]}') overrides them for a run.
 GEMM_TILES = {"rows": (64, 128, 8, 4, 4), "wgrad": (64, 128, 4, 3)}  # H200 sweep at 96ab870
 

@@ -288,7 +288,7 @@ def table(cells: Sequence[Cell] | None = None, measured: MemoryAssumptions | Non
     return rows
 
 
-# P2's MoE layer benchmark (fp4moe.moe.layer_bench; results/moe_layer/README.md "Final run"): the DeepSeek-V3 MoE layer
+# P2's MoE layer benchmark (fp4moe.bench.moe_layer; results/moe_layer/README.md "Final run"): the DeepSeek-V3 MoE layer
 # (hidden 7168, 32 local experts of ffn 2048, top-8, one shared expert, 4096 tokens) on one H200 and on two over
 # NCCL, every recipe; the saved bytes of one forward counted by the trainer's own hooks (fp4moe.ops.accounting).
 # The manifest's ``moe_layer`` files; those with ``peak: true`` (the layer's code that frees its [T*k, H]
@@ -395,7 +395,7 @@ def layer_rows(files: Sequence[LayerFile] | None = None) -> list[LayerRow]:
 
 def render_layer(rows: Sequence[LayerRow]) -> list[str]:
     since = ", ".join(dict.fromkeys(r.commit for r in rows if r.peak_predicted is not None)) or "-"
-    lines = ["", "## P2's MoE layer (fp4moe.moe.layer_bench)", "",
+    lines = ["", "## P2's MoE layer (fp4moe.bench.moe_layer)", "",
              "The DeepSeek-V3 MoE layer alone (hidden 7168, local experts of ffn 2048, top-8, one shared expert; "
              "4096 tokens per GPU and 32 local experts unless the row says otherwise), one forward's saved bytes as "
              "the trainer counts them, against the model's MoE-layer tensors at that shape with the run's measured "

@@ -10,7 +10,7 @@ prints its sbatch script, slurm/train.sbatch runs it with plain sbatch), and loc
 
 A run of ``parallel.world_size`` > 1 needs its processes: torchrun's (``RANK``, ``WORLD_SIZE``, ...) or Slurm tasks,
 whose rendezvous is exported with submitit's ``TorchDistributedEnvironment`` as in fp4moe.train.dist. The
-benchmarks then read those variables themselves (fp4moe.moe.layer_bench initialises the process group). The config's
+benchmarks then read those variables themselves (fp4moe.bench.moe_layer initialises the process group). The config's
 model, data and train groups are not used by a benchmark: :func:`command` and :func:`run` take the ``bench`` node
 and the run's typed ``parallel`` settings (``Settings.from_config(cfg).parallel``, built once by the caller).
 """

@@ -4,7 +4,7 @@
   permutation 2 and back -> combine all-to-all -> un-permutation (quantized wire formats, split sizes)
 - :mod:`fp4moe.moe.experts`: the routed experts (grouped, optional recompute) and the shared expert
 - :mod:`fp4moe.moe.layer`: ``MoELayer``, a standalone layer (fp32 top-k router + the path above) for the benchmark
-  (:mod:`fp4moe.moe.layer_bench`) and the tests; megatron's MoE layer runs the same path in training
+  (:mod:`fp4moe.bench.moe_layer`) and the tests; megatron's MoE layer runs the same path in training
   (``fp4moe.model.recipe_moe``, a thin adapter)
 """
 from .layer import MoELayer

@@ -4,12 +4,12 @@ Steps, in order:
   1. print the hardware found (CUDA GPU name and capability, or CPU);
   2. kernel self-check: ``python -m fp4moe_kernels.selfcheck`` (kernels against the reference on the
      hardware present), when that module exists;
-  3. on a CUDA GPU, the kernel benchmark ``python -m fp4moe_kernels.bench argv``, which writes
+  3. on a CUDA GPU, the kernel benchmark ``python -m fp4moe_kernels.bench.conversions argv``, which writes
      ``results/kernels/kernels_<gpu>_<date>_<commit>.{json,csv,md}``; the JSON it wrote is then logged to
      MLflow by ``fp4moe.tracking.bench_log`` (the same code as ``make log-bench``), or, where mlflow is not
      installed (the GPU image), the command that logs it elsewhere is printed; on CPU, the
      benchmark files already in results/kernels/ are listed (or their absence said); then the MoE layer
-     benchmark (``fp4moe.moe.layer_bench``, EP=1) into results/moe_layer/ the same way. A benchmark of its default
+     benchmark (``fp4moe.bench.moe_layer``, EP=1) into results/moe_layer/ the same way. A benchmark of its default
      command that this GPU already ran at this commit is reused, not measured again (``--rerun`` measures again);
   4. the trainer runs measured on GPUs and archived in ``results/train_proxy/*.json`` (``fp4moe.runs.archive``)
      loaded into MLflow (idempotent); then the scaled-down experiments this machine can run
@@ -198,8 +198,8 @@ def reusable_result(out_dir: Path, pattern: str, module: str, head: str | None, 
 
 
 def run_bench(bench_argv: Sequence[str], track: bool, rerun: bool = False, gpu: str | None = None,
-              module: str = "fp4moe_kernels.bench") -> bool:
-    """Run ``python -m fp4moe_kernels.bench argv`` (``module``) on the GPU, then log the JSON files it wrote under
+              module: str = "fp4moe_kernels.bench.conversions") -> bool:
+    """Run ``python -m fp4moe_kernels.bench.conversions argv`` (``module``) on the GPU, then log the JSON files it wrote under
     ``--out`` (default ``<repo>/results/kernels``) to MLflow; return False only on a failure. With no argument but
     ``--out`` and without ``rerun``, a result of this GPU (``gpu``, torch's device name) at this commit already there
     is logged instead of measuring again."""
@@ -274,13 +274,13 @@ def report_results_on_disk(track: bool) -> bool:
     return _log_to_mlflow(found, "logging the measured results to MLflow FAILED")
 
 
-def run_layer_bench(gpu: str | None, track: bool, rerun: bool = False, module: str = "fp4moe.moe.layer_bench") -> bool:
-    """The MoE layer benchmark (P2): with a GPU (``gpu``, torch's device name), ``python -m fp4moe.moe.layer_bench``
+def run_layer_bench(gpu: str | None, track: bool, rerun: bool = False, module: str = "fp4moe.bench.moe_layer") -> bool:
+    """The MoE layer benchmark (P2): with a GPU (``gpu``, torch's device name), ``python -m fp4moe.bench.moe_layer``
     (``module``; EP=1, DeepSeek-V3 shape) into results/moe_layer/, unless (without ``rerun``) this GPU's result of that
     command at this commit is there; then log every results/moe_layer/*.json to MLflow (idempotent). Without a GPU
     only the second part (files measured on an H200 are in the repo)."""
     from fp4moe.tracking import layer_bench_log
-    from fp4moe.moe.layer_bench import gpu_slug
+    from fp4moe.bench.moe_layer import gpu_slug
     from fp4moe.paths import repo_root
     from fp4moe.tracking.mlflow_store import code_commit
 
@@ -399,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "when every existing part passes.",
     )
     parser.add_argument("--bench-args", default="", metavar="ARGS",
-                        help="arguments for python -m fp4moe_kernels.bench, one shell-quoted string "
+                        help="arguments for python -m fp4moe_kernels.bench.conversions, one shell-quoted string "
                              "(default: its own defaults, with --out results/kernels)")
     parser.add_argument("--skip-bench", action="store_true",
                         help="do not run (or log) the kernel and layer benchmarks even on a GPU")

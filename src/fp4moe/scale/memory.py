@@ -297,7 +297,7 @@ class MemoryAssumptions:
     # trainer's a2a/dispatch_forward_received_rows / _sent_rows, or in older runs the recipe dispatcher's bytes);
     # scales every tensor of the experts'.
     expert_rows_factor: float = 1.0
-    # the measured rows of each local expert (a benchmark that logged them, fp4moe.moe.layer_bench): when given, the FP8
+    # the measured rows of each local expert (a benchmark that logged them, fp4moe.bench.moe_layer): when given, the FP8
     # column copies are padded as those counts pad (sum of each count rounded up to 128), whatever expert_padding
     # says; their sum must be the rows that expert_rows_factor gives
     expert_counts: tuple = ()
@@ -796,7 +796,7 @@ NOT_IN_STANDALONE_LAYER = ("moe.ln_in", "moe.ln_rstd")
 def standalone_moe_layer_peak(cfg: Any, assumptions: MemoryAssumptions | None = None,
                               recipe: Recipe | None = None) -> tuple[int, str]:
     """(bytes, phase): the memory peak of P2's MoE layer (``fp4moe.moe.MoELayer``, recompute none) over one forward
-    + backward as ``fp4moe.moe.layer_bench`` measures it, above its base (weights, the input x and the output gradient dy
+    + backward as ``fp4moe.bench.moe_layer`` measures it, above its base (weights, the input x and the output gradient dy
     allocated before; every ``.grad`` None), for the config's MoE shape at ``micro_batch x seq_length`` tokens;
     phase 'backward' or 'forward', the larger:
 

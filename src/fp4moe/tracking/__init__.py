@@ -7,5 +7,5 @@
 - :mod:`fp4moe.tracking.layer_bench_log`: ``python -m fp4moe.tracking.layer_bench_log``, MoE layer benchmark JSON
   -> MLflow
 - :mod:`fp4moe.tracking.memtrace`: what is live on the GPU at a run's memory peak, replayed from the CUDA
-  allocator's history (plain Python; the trainer's ``train.profile.memory`` and ``fp4moe.moe.layer_bench --memtrace``)
+  allocator's history (plain Python; the trainer's ``train.profile.memory`` and ``fp4moe.bench.moe_layer --memtrace``)
 """

@@ -1,6 +1,6 @@
 """``python -m fp4moe.tracking.bench_log <kernels_*.json | folder> ...``: log kernel benchmarks to MLflow.
 
-Reads the JSON that ``fp4moe_kernels.bench`` writes (``kernels_<gpu>_<date>_<commit>.json``)::
+Reads the JSON that ``fp4moe_kernels.bench.conversions`` writes (``kernels_<gpu>_<date>_<commit>.json``)::
 
     {"env": {"date", "commit", "gpu", "gpu_count", "torch", "triton", "cuda", "python", "command",
              "timing"},
@@ -77,7 +77,7 @@ def load(path: str | Path) -> tuple[dict, str]:
     except json.JSONDecodeError as err:
         raise BenchFileError(f"{path}: not JSON ({err})") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("env"), dict):
-        raise BenchFileError(f"{path}: no 'env' object; is it a fp4moe_kernels.bench result?")
+        raise BenchFileError(f"{path}: no 'env' object; is it a fp4moe_kernels.bench.conversions result?")
     missing = [k for k in ENV_REQUIRED if k not in payload["env"]]
     if missing:
         raise BenchFileError(f"{path}: env lacks {missing}")
@@ -235,7 +235,7 @@ def command_for(paths: Iterable[str | Path]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fp4moe.tracking.bench_log",
-        description="Log fp4moe_kernels.bench JSON results to MLflow (experiment 'kernels'): one "
+        description="Log fp4moe_kernels.bench.conversions JSON results to MLflow (experiment 'kernels'): one "
                     "run per (shape, kernel, impl) row plus a summary run with the files as "
                     "artifacts. Logging the same benchmark again adds nothing.",
         epilog="Store: $MLFLOW_TRACKING_URI, else sqlite under <repo>/mlruns/ (fp4moe.tracking.mlflow_store).",

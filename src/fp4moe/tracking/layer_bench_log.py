@@ -1,6 +1,6 @@
 """``python -m fp4moe.tracking.layer_bench_log <moe_layer_*.json | folder> ...``: log MoE layer benchmarks to MLflow.
 
-Reads what ``fp4moe.moe.layer_bench`` writes (``moe_layer_<gpu>_ep<W>_<date>_<commit>.json``: ``env``, ``shape``,
+Reads what ``fp4moe.bench.moe_layer`` writes (``moe_layer_<gpu>_ep<W>_<date>_<commit>.json``: ``env``, ``shape``,
 ``recipes`` rows, ``ratios``, ``gemm``) and logs, into the MLflow experiment ``moe_layer``, one run per recipe
 row, named ``<gpu> EP=<W> <recipe>``: params gpu, world_size, commit, date, recipe, command, the shape; metrics
 ms_per_iter, tokens_per_s, peak_gib, peak_over_base_gib, saved_bytes(_per_token), expert_saved_bytes,
@@ -37,14 +37,14 @@ def load(path: str | Path) -> dict:
         raise LayerBenchFileError(f"{p}: cannot read a JSON document ({exc})") from None
     for key in ("env", "shape", "recipes"):
         if key not in doc:
-            raise LayerBenchFileError(f"{p}: no '{key}' key: not written by python -m fp4moe.moe.layer_bench")
+            raise LayerBenchFileError(f"{p}: no '{key}' key: not written by python -m fp4moe.bench.moe_layer")
     for key in ("date", "commit", "gpu", "world_size"):
         if key not in doc["env"]:
             raise LayerBenchFileError(f"{p}: env has no '{key}'")
     return doc
 
 
-# fp4moe.moe.layer_bench's default shape (DeepSeek-V3's MoE layer as one EP rank holds it; its argument defaults)
+# fp4moe.bench.moe_layer's default shape (DeepSeek-V3's MoE layer as one EP rank holds it; its argument defaults)
 DEFAULT_SHAPE = {"hidden": 7168, "ffn": 2048, "local_experts": 32, "top_k": 8, "tokens": 4096, "shared_ffn": 2048}
 
 

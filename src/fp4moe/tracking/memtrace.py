@@ -1,5 +1,5 @@
 """What is live on the GPU at a run's memory peak: the trainer's ``train.profile.memory=true`` (see
-:mod:`fp4moe.train.profile`) and the MoE layer benchmark's ``--memtrace`` (:mod:`fp4moe.moe.layer_bench`). Plain Python.
+:mod:`fp4moe.train.profile`) and the MoE layer benchmark's ``--memtrace`` (:mod:`fp4moe.bench.moe_layer`). Plain Python.
 
 The window records the CUDA caching allocator's history (``torch.cuda.memory._record_memory_history``, Python
 stacks). :func:`peak_breakdown` replays that history as the allocator's ``allocated_bytes`` statistic counts: an

@@ -1,4 +1,4 @@
-"""``python -m fp4moe_kernels.bench_cuda``: FP4RowToFP8Col by the CUDA C++ kernel (each variant) against the
+"""``python -m fp4moe_kernels.bench.cuda_col``: FP4RowToFP8Col by the CUDA C++ kernel (each variant) against the
 Triton kernel, side by side in one run, with the copy bandwidth measured in the same run (one Hopper GPU).
 
 Prints microseconds per call (CUDA-graph replays), GB/s over the conversion's minimum bytes, % of the copy
@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 
-from . import convert as ops
-from .bench import copy_bandwidth_gbps, default_shapes, do_bench, environment, min_bytes
-from .cuda_kernels import VARIANTS, available, fp4_row_to_fp8_col
+from .. import convert as ops
+from ..cuda_kernels import VARIANTS, available, fp4_row_to_fp8_col
+from .conversions import default_shapes, min_bytes
+from .timing import copy_bandwidth_gbps, do_bench, environment
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fp4moe_kernels.bench_cuda", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m fp4moe_kernels.bench.cuda_col", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/kernels")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--warmup-ms", type=int, default=25)
@@ -27,9 +28,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     why = available()
     if why:
-        print(f"fp4moe_kernels.bench_cuda: {why}", file=sys.stderr)
+        print(f"fp4moe_kernels.bench.cuda_col: {why}", file=sys.stderr)
         return 2
-    env = environment("python -m fp4moe_kernels.bench_cuda " + " ".join(argv or sys.argv[1:]), a.commit)
+    env = environment("python -m fp4moe_kernels.bench.cuda_col " + " ".join(argv or sys.argv[1:]), a.commit)
     copy = copy_bandwidth_gbps(a.warmup_ms, a.rep_ms)
     print(f"copy bandwidth {copy:.0f} GB/s")
     rows = []

@@ -1,7 +1,7 @@
 """MoE layer benchmark (issue 3, the paper's F4): every recipe side by side, one command, one results file.
 
-    python -m fp4moe.moe.layer_bench [--out results/moe_layer] [--commit SHA]                  # 1 GPU (EP=1)
-    python -m torch.distributed.run --nproc-per-node 2 -m fp4moe.moe.layer_bench --commit SHA  # EP=2 (NCCL)
+    python -m fp4moe.bench.moe_layer [--out results/moe_layer] [--commit SHA]                  # 1 GPU (EP=1)
+    python -m torch.distributed.run --nproc-per-node 2 -m fp4moe.bench.moe_layer --commit SHA  # EP=2 (NCCL)
 
 Default shape: DeepSeek-V3's MoE layer as one EP rank holds it: hidden 7168, expert ffn 2048, top-8 of
 32 local experts per GPU (32 x W global, sigmoid scores), 4096 tokens per GPU per micro-batch, one shared
@@ -60,13 +60,13 @@ from ..ops.weight_cache import CACHE as WEIGHT_CACHE
 from ..ops.weight_cache import enabled_for
 from ..recipe import Recipe
 from ..tracking.mlflow_store import portable
-from .layer import MoELayer
+from ..moe.layer import MoELayer
 
 RECIPES = ("bf16", "fp8", "mxfp4")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fp4moe.moe.layer_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m fp4moe.bench.moe_layer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     d = DEFAULT_SHAPE
     p.add_argument("--hidden", type=int, default=d["hidden"])
@@ -601,9 +601,9 @@ def main(argv=None) -> dict:
         with torch.no_grad():
             layer(x)
         gemm = _gemm_compare(layer, _local_counts(layer, layer.last_routing[0]), args, dev)
-    cmd = " ".join(["python -m fp4moe.moe.layer_bench"] + list(sys.argv[1:] if argv is None else argv))
+    cmd = " ".join(["python -m fp4moe.bench.moe_layer"] + list(sys.argv[1:] if argv is None else argv))
     if world > 1:
-        cmd = f"python -m torch.distributed.run --nproc-per-node {world} -m fp4moe.moe.layer_bench " + cmd.split(" ", 3)[-1]
+        cmd = f"python -m torch.distributed.run --nproc-per-node {world} -m fp4moe.bench.moe_layer " + cmd.split(" ", 3)[-1]
     cmd = portable(cmd)  # <repo>/..., $OUT/...: no machine's folders in results/
     doc = {
         "env": {"date": datetime.date.today().isoformat(), "commit": _commit(args.commit), "gpu": _gpu_name(dev),

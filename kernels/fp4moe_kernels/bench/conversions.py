@@ -1,4 +1,4 @@
-"""Kernel benchmark (docs/training.md, issue P1 part E): ``python -m fp4moe_kernels.bench --help``.
+"""Kernel benchmark (docs/training.md, issue P1 part E): ``python -m fp4moe_kernels.bench.conversions --help``.
 
 For every conversion at 32768x7168 (one segment, and ragged over 32 experts) and 32768x2048 (ragged over
 32 experts; --tokens / --experts change these) it measures the median time per call over CUDA-graph
@@ -20,19 +20,18 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime as _dt
 import json
 import os
-import platform
-import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import convert as ops
-from .formats import MXFP4Tensor, Segments
-from .selfcheck import make_counts
+from .. import convert as ops
+from ..formats import MXFP4Tensor, Segments
+from ..selfcheck import make_counts
+from . import timing
+from .timing import copy_bandwidth_gbps, do_bench, environment
 
 # ----------------------------------------------------------------------------------------- bytes
 
@@ -93,43 +92,6 @@ def pad_index(seg: Segments, device) -> torch.Tensor:
 
 def torch_pad(x: torch.Tensor, dest: torch.Tensor, mp: int) -> torch.Tensor:
     return torch.zeros(mp, x.shape[1], dtype=x.dtype, device=x.device).index_copy_(0, dest, x)
-
-
-# --------------------------------------------------------------------------------------- timing
-
-
-TIMING = {"method": "cuda-graph"}
-
-
-def do_bench(fn, warmup_ms: int, rep_ms: int) -> float:
-    """Median milliseconds per call. Replays of a CUDA graph of the call (``do_bench_cudagraph``: no host
-    launch overhead, which otherwise dominates Python-heavy peers); falls back to plain CUDA-event timing
-    (``do_bench``, L2 flushed between runs) when the call cannot be captured. Every input here is several
-    times the 60 MB L2, so graph replays without a flush do not time the cache."""
-    from triton.testing import do_bench as _db
-    from triton.testing import do_bench_cudagraph as _dbg
-
-    fn()  # warm-up outside any capture: compilation, autotuning, cached tables
-    torch.cuda.synchronize()
-    if TIMING["method"] == "cuda-graph":
-        try:
-            return float(_dbg(fn, rep=rep_ms, return_mode="median"))
-        except Exception:  # noqa: BLE001 - not capturable: time with events instead
-            torch.cuda.synchronize()
-    return float(_db(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-
-def copy_bandwidth_gbps(warmup_ms: int, rep_ms: int, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy of a 1 GiB BF16 tensor, counting bytes read + written (GB/s, 1e9): the best of
-    graph-replay and plain-event timings, after 0.5 s of copies to bring the clocks up."""
-    from triton.testing import do_bench as _db
-
-    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    _db(lambda: dst.copy_(src), warmup=500, rep=50)
-    ms = min(do_bench(lambda: dst.copy_(src), warmup_ms, rep_ms),
-             float(_db(lambda: dst.copy_(src), warmup=warmup_ms, rep=rep_ms, return_mode="median")))
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 @dataclass
@@ -244,7 +206,7 @@ def _round_trips(shape: Shape, a: MXFP4Tensor):
 def _peers(x):
     """torchao peers (name -> (kernel it competes with, callable)), or a reason they are missing."""
     try:
-        from .bench_peers import torchao_peers
+        from .peers import torchao_peers
     except ImportError as e:  # pragma: no cover - depends on the machine
         return {}, f"torchao peers unavailable: {e}"
     try:
@@ -304,7 +266,7 @@ def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, lo
 def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) -> list[dict]:
     """Time each kernel (all, or ``kernels``) under several (tile, warps) configs; one record per config.
     Leaves the launcher's TILES unchanged (see ``adopt_best``)."""
-    from .triton_kernels import launchers
+    from ..triton_kernels import launchers
 
     x = torch.randn(shape.m, shape.k, device="cuda", dtype=torch.bfloat16)
     a = ops.bf16_to_fp4_row(x)
@@ -340,7 +302,7 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) ->
 
 def adopt_best(sweep_rows: list[dict]) -> dict:
     """Set the launcher's TILES to the fastest swept config of each kernel; return what was set."""
-    from .triton_kernels import launchers
+    from ..triton_kernels import launchers
 
     best = {}
     for r in sweep_rows:
@@ -352,37 +314,6 @@ def adopt_best(sweep_rows: list[dict]) -> dict:
 
 
 # --------------------------------------------------------------------------------------- output
-
-
-def environment(command: str, commit: str | None) -> dict:
-    """What a benchmark result records about its run: date, commit, GPU, versions and ``command`` (in this
-    repository its machine's folders written portably: fp4moe.tracking.mlflow_store.portable, e.g. ``--out
-    <repo>/results/kernels``; the kernels package used on its own, without fp4moe, records it as given)."""
-    try:
-        from fp4moe.tracking.mlflow_store import portable
-    except ImportError:  # fp4moe_kernels stands alone: fp4moe sits above it
-        def portable(text: str) -> str:
-            return text
-
-    def _git():
-        try:
-            return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    import triton
-
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": commit or os.environ.get("FP4MOE_COMMIT") or _git() or "unknown",
-        "gpu": torch.cuda.get_device_name(),
-        "gpu_count": torch.cuda.device_count(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "command": portable(command),
-    }
 
 
 def summary(rows: list[Row]) -> list[dict]:
@@ -455,7 +386,7 @@ def write(out_dir: str, env: dict, copy: float, rows: list[Row], notes: list[str
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp4moe_kernels.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m fp4moe_kernels.bench.conversions", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Needs a CUDA GPU with FP8 (sm_89+); run the self-check first.")
     p.add_argument("--out", default="results/kernels", help="directory for json/csv/md (default results/kernels)")
@@ -478,8 +409,8 @@ def main(argv=None) -> int:
         print("the kernel benchmark needs a CUDA GPU (H100/H200); results measured on an H200 are in results/kernels/",
               file=sys.stderr)
         return 2
-    command = "python -m fp4moe_kernels.bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    TIMING["method"] = args.timing
+    command = "python -m fp4moe_kernels.bench.conversions " + " ".join(argv if argv is not None else sys.argv[1:])
+    timing.TIMING["method"] = args.timing
     env = environment(command.strip(), args.commit)
     env["timing"] = args.timing
     print(f"kernel benchmark on {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
@@ -489,7 +420,7 @@ def main(argv=None) -> int:
         sweep_rows = sweep(shapes[1], args.warmup_ms, args.rep_ms,
                            kernels=[k for k in args.sweep_kernels.split(",") if k] or None)
         env["tiles_adopted"] = adopt_best(sweep_rows)
-    from .triton_kernels import launchers
+    from ..triton_kernels import launchers
 
     env["tiles"] = {k: list(v) for k, v in launchers.TILES.items()}
     baseline = None

@@ -1,10 +1,10 @@
-"""``python -m fp4moe.ops.bench_swiglu``: the fused SwiGLU kernels against the unfused float32 torch ops they
+"""``python -m fp4moe.bench.swiglu_fusion``: the fused SwiGLU kernels against the unfused float32 torch ops they
 replace, and against the copy bandwidth measured in the same run (one CUDA GPU).
 
 For each shape ``T x F`` (routed-expert rows x expert FFN width; default the H200 proxy's experts at micro-batch
 16: 524288 x 1024, and DeepSeek-V3's per-GPU expert shape 32768 x 2048), forward and backward, weighted by
 routing probabilities (as the routed experts) and not (as the shared expert): median ms per call
-(``fp4moe_kernels.bench.do_bench``: CUDA-graph replays), the minimum bytes moved (forward: h read, z written,
+(``fp4moe_kernels.bench.timing.do_bench``: CUDA-graph replays), the minimum bytes moved (forward: h read, z written,
 probs read; backward: h and dz read, dh written, probs read and dprobs written), GB/s, % of the copy bandwidth, and
 speedup = unfused ms / fused ms. With h stored as MXFP4 (the recipe's ``activation_fp4_store``) the fused
 ``swiglu_fwd_fp4`` / ``swiglu_bwd_fp4`` run against the two kernels they fuse (``swiglu_fwd`` + ``bf16_to_fp4_row``;
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fp4moe_kernels.bench import copy_bandwidth_gbps, do_bench, environment
+from fp4moe_kernels.bench.timing import copy_bandwidth_gbps, do_bench, environment
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -103,7 +103,7 @@ def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_ti
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fp4moe.ops.bench_swiglu", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m fp4moe.bench.swiglu_fusion", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="524288x1024,32768x2048", help="comma-separated TxF (default: %(default)s)")
     ap.add_argument("--fp4-tiles", default="",
@@ -117,9 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default=None, help="commit to record (default: git, or FP4MOE_COMMIT)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("fp4moe.ops.bench_swiglu needs a CUDA GPU (the fused kernels and the timings are GPU-only)", file=sys.stderr)
+        print("fp4moe.bench.swiglu_fusion needs a CUDA GPU (the fused kernels and the timings are GPU-only)", file=sys.stderr)
         return 2
-    command = "python -m fp4moe.ops.bench_swiglu " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m fp4moe.bench.swiglu_fusion " + " ".join(argv if argv is not None else sys.argv[1:])
     env = environment(command.strip(), a.commit)
     copy, rows = run(_shapes(a.shapes), a.warmup_ms, a.rep_ms, fp4_tiles=_tiles(a.fp4_tiles),
                      bwd_fp4_tiles=_bwd_tiles(a.bwd_fp4_tiles))

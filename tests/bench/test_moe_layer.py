@@ -1,4 +1,4 @@
-"""The MoE layer benchmark (fp4moe.moe.layer_bench) as a CPU smoke test: it runs every recipe on a small layer and
+"""The MoE layer benchmark (fp4moe.bench.moe_layer) as a CPU smoke test: it runs every recipe on a small layer and
 writes a results file whose byte columns are the formats' bytes (times are not checked: CPU)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4moe.moe.layer_bench import main
+from fp4moe.bench.moe_layer import main
 from fp4moe.ops.all_to_all import a2a_payload_bytes
 from fp4moe.ops.grouped_experts import expert_saved_bytes
 from fp4moe.recipe import Recipe
@@ -95,7 +95,7 @@ def test_bench_eight_ranks_on_gloo(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-                        "-m", "fp4moe.moe.layer_bench", "--device", "cpu", "--hidden", str(H), "--ffn", str(F),
+                        "-m", "fp4moe.bench.moe_layer", "--device", "cpu", "--hidden", str(H), "--ffn", str(F),
                         "--local-experts", str(EL), "--top-k", str(K), "--tokens", str(T), "--shared-ffn", "128",
                         "--warmup", "1", "--iters", "1", "--no-profile", "--no-gemm", "--out", str(tmp_path),
                         "--commit", "test"], env=env, capture_output=True, text=True, timeout=600)
@@ -103,7 +103,7 @@ def test_bench_eight_ranks_on_gloo(tmp_path):
     (js,) = tmp_path.glob("moe_layer_cpu_ep8_*_test.json")
     doc = json.loads(js.read_text())
     assert doc["env"]["world_size"] == 8 and doc["shape"]["experts"] == 8 * EL
-    assert doc["env"]["command"].startswith("python -m torch.distributed.run --nproc-per-node 8 -m fp4moe.moe.layer_bench")
+    assert doc["env"]["command"].startswith("python -m torch.distributed.run --nproc-per-node 8 -m fp4moe.bench.moe_layer")
     for row in doc["recipes"]:  # rank 0's own traffic: T*K rows sent, most of them to the 7 other ranks
         codec = "mxfp4" if row["recipe"] == "mxfp4" else "bf16"
         assert row["dispatch_fwd_bytes"] == a2a_payload_bytes(T * K, H, codec)
@@ -112,7 +112,7 @@ def test_bench_eight_ranks_on_gloo(tmp_path):
 
 
 def test_shape_tag_names_what_differs_from_the_default_shape():
-    from fp4moe.moe.layer_bench import _parser, _shape_tag
+    from fp4moe.bench.moe_layer import _parser, _shape_tag
 
     assert _shape_tag(_parser().parse_args([])) == ""
     assert _shape_tag(_parser().parse_args(["--tokens", "8192"])) == "_t8192"
