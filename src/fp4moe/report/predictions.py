@@ -15,6 +15,7 @@ MODEL_LABEL = "model (paper_t1 setup)"
 SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")
 RECIPES = ("bf16", "fp8", "mxfp4")
 ATTENTION = ("self_attention", "core_attn")   # the whole attention block (the config's reading) or core attention
+PAPER_T1_ATTENTION = ATTENTION[0]              # the reading experiment=paper_t1 runs: the model column's, everywhere
 
 
 def assumption_set() -> str:
@@ -101,5 +102,5 @@ def what_if(*, expert: int | None = None, pipeline: int | None = None, micro_bat
     return [{**r, **par} for r in rows]
 
 
-__all__ = ["ATTENTION", "MODEL_LABEL", "RECIPES", "SCOPES", "assumption_set", "even_layout", "t1_prediction",
+__all__ = ["ATTENTION", "MODEL_LABEL", "PAPER_T1_ATTENTION", "RECIPES", "SCOPES", "assumption_set", "even_layout", "t1_prediction",
            "what_if"]

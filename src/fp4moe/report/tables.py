@@ -332,7 +332,8 @@ def f5_seed_spread(rows: list[dict]) -> list[dict]:
     eval loss (and of the smoothed training loss) over the seeds, as (max - min) / min in %, the recipe's eval
     deviation from bf16 in each seed, their mean and their range (max - min, in percentage points). bf16's own spread
     says how large a deviation noise makes at that length; a recipe's deviation is its own when it keeps its sign and
-    size from seed to seed, i.e. when the range of its deviations is smaller than their mean."""
+    size from seed to seed, i.e. when the range of its deviations is smaller than their mean. The same for the
+    smoothed training loss (``train_dev_*``: what the paper reports); ``start_time``: the family's newest run (ms)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["family"], r["recipe"])].append(r)
@@ -345,13 +346,17 @@ def f5_seed_spread(rows: list[dict]) -> list[dict]:
         tr = [r["train_loss_smoothed"] for r in rs]
         devs = None if recipe == "bf16" else [r["eval_loss_dev_pct"] for r in rs]
         known = [d for d in devs or [] if d is not None]
+        train_devs = None if recipe == "bf16" else [r["train_loss_dev_pct"] for r in rs]
         out.append({"family": family, "recipe": recipe, "seeds": ", ".join(str(r["seed"]) for r in rs),
                     "archives": ", ".join(dict.fromkeys(r.get("archive") or "-" for r in rs)),
                     "eval_spread_pct": 100.0 * (max(ev) - min(ev)) / min(ev) if len(ev) > 1 else None,
                     "train_spread_pct": 100.0 * (max(tr) - min(tr)) / min(tr),
                     "eval_dev_pct_per_seed": devs,
                     "eval_dev_mean_pct": statistics.fmean(known) if devs is not None and len(known) == len(devs) else None,
-                    "eval_dev_range_pts": max(known) - min(known) if devs is not None and len(known) > 1 else None})
+                    "eval_dev_range_pts": max(known) - min(known) if devs is not None and len(known) > 1 else None,
+                    "train_dev_pct_per_seed": train_devs,
+                    "train_dev_mean_pct": statistics.fmean(train_devs) if train_devs is not None else None,
+                    "start_time": max(r["start_time"] for r in rs)})
     return out
 
 
