@@ -20,8 +20,9 @@ from .common import INTERPRET
 
 # Per kernel: (R = 32-element blocks (MXFP4-only kernels) or 128-element groups per program for row
 # kernels / BN = channels per program for column kernels, unused, num_warps). Chosen by
-# ``python -m fp4moe_kernels.bench.conversions --sweep`` on an H200: the tiles it adopted on 2026-12-01 at 32768 x 7168 over 32
-# experts (results/kernels/kernels_h200_2026-12-01_7a8040d.json; FP4MOE_TILES overrides them, see tiles_from_env).
+# ``python -m fp4moe_kernels.bench.conversions --sweep`` on an H200: the tiles it adopted on 2026-12-01 at
+# 32768 x 7168 over 32 experts (results/kernels/kernels_h200_2026-12-01_7a8040d.json; FP4MOE_TILES overrides them,
+# see tiles_from_env).
 TILES = {
     "bf16_to_fp4_row": (256, 0, 2),
     "fp4_to_bf16": (64, 0, 2),
@@ -287,7 +288,8 @@ def quantize_weight_128x128(w, rows_per_expert: int | None = None, transpose: bo
 # rows: (BM, BN, GROUP_M, num_warps, num_stages); wgrad: (BN, BK, num_warps, num_stages). Chosen by
 # ``python -m fp4moe.bench.moe_layer --sweep-gemm`` on an H200 (results/moe_layer/); FP4MOE_GEMM_TILES (JSON, e.g.
 # '{"rows": [128, 256, 8, 8, 3]}') overrides them for a run.
-GEMM_TILES = {"rows": (64, 128, 8, 4, 4), "wgrad": (64, 128, 4, 3)}  # H200 sweep at 96ab870
+# The H200 sweep's choice: results/moe_layer/README.md, "Tiles".
+GEMM_TILES = {"rows": (64, 128, 8, 4, 4), "wgrad": (64, 128, 4, 3)}
 
 
 DEFAULT_GEMM_TILES = dict(GEMM_TILES)

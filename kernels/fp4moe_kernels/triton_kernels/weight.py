@@ -8,7 +8,7 @@ scale ``[R/128, K/128]``, and when ``TRANSPOSE`` the blocks of every expert's W_
 (0 for an all-zero block), elements w * 2**-k rounded to E4M3 nearest-even, non-finite -> NaN: bit-equal to
 ``fp4moe.ops.fp8_gemm.quantize_weight_128x128_torch`` (tested in tests/kernels). BF16 only: a float32
 variant (int32 tiles through the same reshape/split) passed under the interpreter but gave wrong bits compiled
-on an H200 (Triton 3.6, 802b563); float32 weights take the torch path.
+on an H200 (Triton 3.6; results/moe_layer/README.md); float32 weights take the torch path.
 
 Layout inside a program: the block as ``[128, 64]`` pairs (columns 2j, 2j+1) so that one
 ``cvt.rn.satfinite.e4m3x2.f32`` makes two bytes; the transposed copy stores the two bytes separately.
