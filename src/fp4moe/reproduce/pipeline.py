@@ -51,13 +51,18 @@ RESULTS_LAYER = "results/moe_layer"
 RESULTS_TRAIN = "results/train_proxy"
 RESULTS_REPORT = "results/report"
 
-# What is missing, by issue: (label, issue number, what). Keep in step with README.md "Open issues".
-# P1 (issue 2: foundation, formats, reference, kernels, benchmark), P2 (issue 3: the recipe, the MoE layer), P3
-# (issue 4: model, trainer, H200 runs), P4 (issue 5: configs, Slurm launch) and P5 (issue 6: this command, the
-# report, the paper-scale model, the notebooks) exist; P1's measured table is reported by the benchmark step, not here.
+# What is open, by issue: (label, issue number, what). Keep in step with README.md "Issues" (one line per open issue)
+# and docs/results.md "By issue". P1 (issue 2: foundation, formats, reference, kernels, benchmark), P2 (issue 3: the
+# recipe, the MoE layer), P3 (issue 4: model, trainer, H200 runs), P4 (issue 5: configs, Slurm launch), P5 (issue 6:
+# this command, the report, the paper-scale model, the notebooks), P10 (issue 30) and P11 (issue 31) are done; P1's
+# measured table is reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
-    ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, model check); needs "
-              "nvidia-h200-x8"),
+    ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, the memory model checked against them); "
+              "no 8-GPU machine lent"),
+    ("P7", 27, "NCCL's per-peer buffers, measured on two GPUs; the paper-scale memory model's accuracy (part C: "
+               "7 of 9 T1 fit / OOM outcomes, 1 of 5 cells within 3 points)"),
+    ("P8", 28, "the grouped FP8 weight-gradient GEMM at the dense rate; the MoE layer's fp8 at >= 1.3x bf16; the "
+               "conversion kernels' bandwidth targets"),
 )
 # Where the paper-scale model and the paper disagree: results, not missing work (P5, issue 6).
 KNOWN_DISAGREEMENTS = (
