@@ -4,6 +4,7 @@
   build, resume, the MLflow run, the steps and their hooks, the end)
 - :mod:`fp4moe.train.components`: seeds, data, model, DDP, optimizer, scheduler, meter, profiler (the build)
 - :mod:`fp4moe.train.resume`: the claim on the checkpoint folder, the checkpoint to start from, loading it
+- :mod:`fp4moe.train.attempt`: who trains a checkpoint folder now, and what became of the attempt before
 - :mod:`fp4moe.train.run_record`: the MLflow run's name, params and tags
 - :mod:`fp4moe.train.step`: one optimizer step through megatron's schedule, and the evaluation
 - :mod:`fp4moe.train.hooks`: after each step: evaluation, MLflow, progress, profiler, checkpoints, stop signals
@@ -16,6 +17,8 @@
 - :mod:`fp4moe.launch.slurm` (outside this package): checkpoint-and-stop on SIGTERM / SIGUSR1, checkpoint-and-requeue on
   Slurm's SIGUSR2, the failed-job callback
 - :mod:`fp4moe.train.metrics`: MLflow run (params, tags, per-step metrics, summary), tokens/GPU/s, peak memory
+- :mod:`fp4moe.train.profile`: the optional ``torch.profiler`` window over some steps (``train.profile``)
+- :mod:`fp4moe.train.host_env`: the process's environment from ``cluster.env``, applied before torch starts
 
 Importing this package imports neither torch nor megatron-core.
 """
