@@ -54,8 +54,8 @@ RESULTS_REPORT = "results/report"
 # What is open, by issue: (label, issue number, what). Keep in step with README.md "Issues" (one line per open issue)
 # and docs/results.md "By issue". P1 (issue 2: foundation, formats, reference, kernels, benchmark), P2 (issue 3: the
 # recipe, the MoE layer), P3 (issue 4: model, trainer, H200 runs), P4 (issue 5: configs, Slurm launch), P5 (issue 6:
-# this command, the report, the paper-scale model, the notebooks), P10 (issue 30) and P11 (issue 31) are done; P1's
-# measured table is reported by the benchmark step, not here.
+# this command, the report, the paper-scale model, the notebooks), P9 (issue 29), P10 (issue 30) and P11 (issue 31) are
+# done; P1's measured table is reported by the benchmark step, not here.
 NOT_YET_IMPLEMENTED = (
     ("P6", 7, "eight-GPU runs on one host (EP8 MoE layer, EP8 proxy model, the memory model checked against them); "
               "no 8-GPU machine lent"),
