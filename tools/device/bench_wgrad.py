@@ -53,6 +53,15 @@ against ~330 PTX lines with pointer loads. WS: the ``tt.warp_specialize`` attrib
 plain tma config (not applied on sm_90). 128x256 spills (192 B). persistent TMA 204 regs (x2/SM) or 167 under
 maxnreg 168 (x3/SM).
 
+* ``gluon``: tools/device/wgrad_gluon.py, the ping-pong the README's section "The grouped wgrad" asks for, in Gluon
+  (``triton.experimental.gluon``, Triton 3.6): per-expert device-side TMA descriptors, a ring of STAGES shared-memory
+  stages with mbarriers, wgmma issued asynchronously into a fresh accumulator per 128-token block, and
+  ``warpgroup_mma_wait(num_outstanding=1)`` so that block j's wgmma runs while block j-1's partial is promoted
+  (``wgmma.wait_group 1`` / ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the loop; the module's docstring has the structure).
+  Same summation order and promotion expression as the package's kernel: expected bit-equal. Tiles
+  ``wgrad_gluon.CONFIGS`` (64x128 / 4 warps at 2-4 stages, 128x128 / 8, 64x256 / 8). Gluon has no interpreter:
+  ``--cpu-check`` skips it (``python tools/device/wgrad_gluon.py --aot`` compiles it for sm_90 on a CPU instead).
+
 Idea (e) (merging two blocks' partials when their scales are equal) is not tried: it changes the summation order and
 is data dependent.
 """
@@ -78,6 +87,13 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels")]
 
 from fp4moe_kernels.triton_kernels.common import INTERPRET  # noqa: E402
 from fp4moe_kernels.triton_kernels.gemm import _dec, _dot_t, _load_fp8, _wgrad_step  # noqa: E402
+
+try:  # the Gluon candidate (a Triton without triton.experimental.gluon: recorded as an error, the others run)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import wgrad_gluon  # noqa: E402
+    _GLUON_ERROR = None
+except Exception as _exc:  # noqa: BLE001
+    wgrad_gluon, _GLUON_ERROR = None, repr(_exc)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -314,6 +330,12 @@ def launch(name: str, cfg: dict, a, b, out_dtype=torch.bfloat16) -> torch.Tensor
         grid = (triton.cdiv(n, bn), triton.cdiv(k, bk), seg.num)
         wgrad_tma_kernel[grid](*args, n, k, maxj, BN=bn, BK=bk, LAG=cfg["LAG"], WS=cfg.get("WS", False),
                                EMULATE=INTERPRET, **meta)
+    elif name == "gluon":
+        if INTERPRET:
+            raise RuntimeError("gluon: no interpreter for Gluon kernels (GPU only)")
+        if wgrad_gluon is None:
+            raise RuntimeError(f"gluon: import failed: {_GLUON_ERROR}")
+        wgrad_gluon.launch(a, b, c, _poff(seg, dev), bn=bn, bk=bk, warps=cfg["warps"], stages=cfg["stages"])
     elif name == "persistent":
         tiles = _persistent_tiles(seg, n, k, bn, bk, dev)
         nprog = min(_nprog(dev) * cfg.get("per_sm", 1), tiles.shape[0])
@@ -350,7 +372,8 @@ CONFIGS = [
     ("persistent", _c(64, 128, 4, 4, TMA=True, per_sm=2)),
     ("persistent", _c(128, 128, 8, 4, TMA=True, per_sm=1)),
     ("persistent", _c(64, 128, 4, 3, TMA=False, per_sm=2)),
-]
+] + [("gluon", _c(bn, bk, warps, stages)) for bn, bk, warps, stages in
+     (wgrad_gluon.CONFIGS if wgrad_gluon is not None else [(64, 128, 4, 3)])]
 
 CPU_CONFIGS = [("lag1", _c(64, 128, 4, 3)), ("lag1", _c(128, 256, 8, 3)), ("lag1", _c(128, 128, 8, 3)),
                ("tma", _c(64, 128, 4, 4, LAG=False)), ("tma", _c(128, 256, 8, 3, LAG=True)),
@@ -439,6 +462,8 @@ def cpu_check() -> int:
         r = compare(refs[(128, 256)], refs[(64, 128)])
         print(f"  (current 128x256 vs current 64x128: max|diff| {r['max_abs_diff']:.3e} rel {r['rel_diff']:.2e}, "
               f"bit-equal {r['bit_equal']}: numpy's block-shape rounding, not a kernel difference)")
+    print("  gluon: skipped (Gluon kernels have no interpreter; "
+          "`TRITON_INTERPRET=0 python tools/device/wgrad_gluon.py --aot` compiles it for sm_90 on a CPU)")
     print("cpu-check:", "PASS" if not bad else f"{bad} FAILED")
     return 1 if bad else 0
 
