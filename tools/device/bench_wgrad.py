@@ -57,9 +57,11 @@ maxnreg 168 (x3/SM).
   (``triton.experimental.gluon``, Triton 3.6): per-expert device-side TMA descriptors, a ring of STAGES shared-memory
   stages with mbarriers, wgmma issued asynchronously into a fresh accumulator per 128-token block, and
   ``warpgroup_mma_wait(num_outstanding=1)`` so that block j's wgmma runs while block j-1's partial is promoted
-  (``wgmma.wait_group 1`` / ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the loop; the module's docstring has the structure).
+  (``wgmma.wait_group 1`` / ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the loop, two blocks per iteration, a wait(0) at the
+  iteration's end so that no wgmma is in flight across the back edge; the module's docstring says why).
   Same summation order and promotion expression as the package's kernel: expected bit-equal. Tiles
-  ``wgrad_gluon.CONFIGS`` (64x128 / 4 warps at 2-4 stages, 128x128 / 8, 64x256 / 8). Gluon has no interpreter:
+  ``wgrad_gluon.CONFIGS`` (128x64 / 4 warps at 2-4 stages: 255 registers, no spill; 64x64 / 4; 64x128 / 4 and
+  128x128 / 8, which spill at sm_90, for comparison). Gluon has no interpreter:
   ``--cpu-check`` skips it (``python tools/device/wgrad_gluon.py --aot`` compiles it for sm_90 on a CPU instead).
 
 Idea (e) (merging two blocks' partials when their scales are equal) is not tried: it changes the summation order and

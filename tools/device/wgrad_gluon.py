@@ -22,14 +22,22 @@ Structure (one program per (n tile, k tile, expert); grid and operands as the pa
 * a ring of STAGES shared-memory stages (A [BN, 128] + B [BK, 128] FP8 each) with one mbarrier per stage
   (``expect`` + two TMA loads; block j lives in stage j % STAGES, phase (j // STAGES) & 1); the prologue loads
   blocks 0 .. STAGES-1;
-* main loop, iteration j (1 <= j < nj): wait for block j's tiles; issue block j's wgmma asynchronously into a fresh
-  accumulator (``use_acc=False``); load block j-1's scales; ``warpgroup_mma_wait(num_outstanding=1)``: block j-1's
-  partial is complete while block j's wgmma stays in flight; refill block j-1's stage (its wgmma is done) with block
-  j-1+STAGES; promote block j-1 into the FP32 accumulator. After the loop: wait(0), promote block nj-1;
+* block 0: wgmma, wait(0). Main loop, two blocks per iteration (j = 1, 3, 5, ...; the complete, not yet promoted
+  partial of block j-1 carried in): wait for block j's tiles, issue its wgmma asynchronously into a fresh accumulator
+  (``use_acc=False``); refill block j-1's stage with block j-1+STAGES; promote block j-1 (overlaps block j's wgmma);
+  issue block j+1's wgmma (queued behind block j's: no tensor-core gap); ``warpgroup_mma_wait(num_outstanding=1)``:
+  block j complete, block j+1 in flight; refill block j's stage; promote block j (overlaps block j+1's wgmma);
+  ``wait(0)``: block j+1's partial, carried to the next iteration. Tail: an even block count runs block nj-1 during
+  block nj-2's promotion; the last partial is promoted after the loop. No wgmma is in flight across the loop's back
+  edge: with an in-flight accumulator carried (the plain lag-one loop with wait(1) at the same place every
+  iteration, tried first) LLVM copies the in-flight registers at the phi and ptxas serializes every wgmma (C7514,
+  "non wgmma instructions reading accumulator registers"); the cost is one wait(0) per two blocks;
 * store bf16 / fp32 [E, N, K] straight from the wgmma register layout, masked at the N and K edges.
 
 Registers: the running accumulator, the partial being promoted and the partial in flight (3 x BN*BK/128 FP32 per
-thread at one warpgroup: 192 at 64x128).
+thread at one warpgroup: 192 at 64x128 / 128x64) plus the scales. 128x64 at 4 warps compiles to 255 registers
+without spills; 64x128 spills (its 128 K scales per block are 32 values and 32 addresses per thread against 16 at
+128x64), so 128x64 is the first config.
 
 ``python tools/device/wgrad_gluon.py --aot`` (TRITON_INTERPRET=0, no GPU needed) compiles the kernel for sm_90a and
 prints registers, spills, shared memory, the ptxas wgmma-serialization warning if any, and the census of
@@ -53,8 +61,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as ttgl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-# (BN, BK, num_warps, STAGES): the first is the brief's starting tile; bench_wgrad.py runs them all
-CONFIGS = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 2), (128, 128, 8, 3), (64, 256, 8, 3)]
+# (BN, BK, num_warps, STAGES), bench_wgrad.py runs them all; --aot compiles the first (--all: every one). At sm_90:
+# 128x64 w4 255 regs / 0 spill; 64x64 w4 180 / 0; 64x128 w4 (the package's tile) and 128x128 w8 spill (536 / 248 B)
+CONFIGS = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3)]
 
 
 @gluon.constexpr_function
