@@ -60,8 +60,9 @@ maxnreg 168 (x3/SM).
   (``wgmma.wait_group 1`` / ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` in the loop, two blocks per iteration, a wait(0) at the
   iteration's end so that no wgmma is in flight across the back edge; the module's docstring says why).
   Same summation order and promotion expression as the package's kernel: expected bit-equal. Tiles
-  ``wgrad_gluon.CONFIGS`` (128x64 / 4 warps at 2-4 stages: 255 registers, no spill; 64x64 / 4; 64x128 / 4 and
-  128x128 / 8, which spill at sm_90, for comparison). Gluon has no interpreter:
+  ``wgrad_gluon.CONFIGS`` (128x64 / 4 warps at 2-4 stages: 255 registers, no spill; two warpgroups of 64 rows each,
+  128x64 and 256x64 / 8 warps: 222 / 255 registers, no spill; 64x64 / 4; 64x128 / 4 and 128x128 / 8, which spill at
+  sm_90, for comparison). Gluon has no interpreter:
   ``--cpu-check`` skips it (``python tools/device/wgrad_gluon.py --aot`` compiles it for sm_90 on a CPU instead).
 
 Idea (e) (merging two blocks' partials when their scales are equal) is not tried: it changes the summation order and

@@ -62,8 +62,10 @@ from triton.experimental.gluon import language as ttgl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 # (BN, BK, num_warps, STAGES), bench_wgrad.py runs them all; --aot compiles the first (--all: every one). At sm_90:
-# 128x64 w4 255 regs / 0 spill; 64x64 w4 180 / 0; 64x128 w4 (the package's tile) and 128x128 w8 spill (536 / 248 B)
-CONFIGS = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3)]
+# 128x64 w4 255 regs / 0 spill; 64x64 w4 180 / 0; 64x128 w4 (the package's tile) and 128x128 w8 spill (536 / 248 B);
+# two warpgroups (8 warps, each its own 64 rows): 128x64 222 / 0, 256x64 255 / 0
+CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3), (128, 64, 4, 4), (128, 64, 4, 2), (64, 64, 4, 4),
+           (64, 128, 4, 3), (128, 128, 8, 3)]
 
 
 @gluon.constexpr_function
