@@ -12,16 +12,13 @@ recompute too (its 'fp4' cache: the padded MXFP4 rows).
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-import torch.multiprocessing as tmp  # noqa: E402
-
-from tests.model.test_one_moe_path import _free_port, _pair, _run_megatron, _run_standalone  # noqa: E402
+from tests.model.ep2_gloo import run_on_two_ranks  # noqa: E402
+from tests.model.test_one_moe_path import _pair, _run_megatron, _run_standalone  # noqa: E402
 from tests.moe.test_layer_row_padding import _ExpertInputs, _same_expert_inputs  # noqa: E402
 
 ALIGN = 128
@@ -157,29 +154,11 @@ def _ep2_case(precision: str, variant: str, rank: int) -> list[str]:
     return bad
 
 
-def _ep2_worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
-    torch._dynamo.config.disable = True
-    res = {}
-    from fp4moe.model import cpu_shims
-
-    try:
-        with cpu_shims.active():
-            for precision, variant in EP2_CASES:
-                res[f"{precision}/{variant}"] = _ep2_case(precision, variant, rank)
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+def _ep2_cases(rank: int) -> dict[str, list[str]]:
+    return {f"{precision}/{variant}": _ep2_case(precision, variant, rank) for precision, variant in EP2_CASES}
 
 
 def test_adapter_permutation_2_pads_at_ep2(tmp_path):
     """EP = 2 on gloo: permutation 2 writes the padded rows (the a2a bytes are the real rows': both layers agree)."""
-    tmp.spawn(_ep2_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    for rank, res in enumerate(run_on_two_ranks(_ep2_cases, tmp_path)):
         assert res == {f"{p}/{v}": [] for p, v in EP2_CASES}, (rank, res)

@@ -17,15 +17,14 @@ built from the fp8 config and its modules run the bf16 recipe, the path the adap
 """
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as tmp
 
 pytest.importorskip("megatron.core")
+
+from tests.model.ep2_gloo import run_on_two_ranks  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 RECIPES = ("bf16", "fp8", "mxfp4")
@@ -134,36 +133,12 @@ def test_standalone_and_megatron_layers_are_one_path(mp, monkeypatch, precision,
     assert _compare(precision, variant) == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ep2_worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
-    torch._dynamo.config.disable = True
-    res = {}
-    from fp4moe.model import cpu_shims
-
-    try:
-        with cpu_shims.active():  # a spawned process: the model tests' fixture holds them in the parent only
-            for precision in RECIPES:
-                for variant in ("top2", "top3"):
-                    res[f"{precision}/{variant}"] = _compare(precision, variant, ep=2, seed=3 + rank)
-    finally:
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+def _ep2_cases(rank: int) -> dict[str, list[str]]:
+    return {f"{precision}/{variant}": _compare(precision, variant, ep=2, seed=3 + rank)
+            for precision in RECIPES for variant in ("top2", "top3")}
 
 
 def test_one_path_at_ep2(tmp_path):
     """EP = 2 on gloo: each rank's tokens and routing (uneven rows per rank and expert) through both layers."""
-    tmp.spawn(_ep2_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    for rank, res in enumerate(run_on_two_ranks(_ep2_cases, tmp_path)):
         assert len(res) == 2 * len(RECIPES) and all(v == [] for v in res.values()), (rank, res)
