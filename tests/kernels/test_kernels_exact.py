@@ -139,6 +139,42 @@ def test_fp4_decoders_on_every_byte_and_scale_code(device):
 
 
 @pytest.mark.parametrize("device", _codec_devices())
+def test_fp4_row_to_fp8_row_on_mixed_block_codes(device):
+    """FP4RowToFP8Row on random bytes in groups whose four blocks carry different UE8M0 codes: 0..40 below the
+    group's largest (blocks more than 14 below land in E4M3 subnormals or round to +-0), NaN blocks (255) in any of
+    the four places, code-0 blocks, and groups of fully random codes; ragged segments with an empty expert. The
+    kernel reads a group's four codes as one little-endian 32-bit word, block 4g+k in byte k: a wrong byte order
+    or shift gives the wrong block its code here."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import MXFP4Tensor, Segments
+    from fp4moe_kernels.triton_kernels import launchers
+
+    gen = torch.Generator().manual_seed(7)
+    m, k = 300, 512
+    data = torch.randint(0, 256, (m, k // 2), generator=gen, dtype=torch.int64).to(torch.uint8)
+    top = torch.randint(0, 255, (m, k // 128, 1), generator=gen)
+    codes = (top - torch.randint(0, 41, (m, k // 128, 4), generator=gen)).clamp(min=0)
+    wild = torch.rand(m, k // 128, 1, generator=gen) < 0.1
+    codes = torch.where(wild, torch.randint(0, 256, codes.shape, generator=gen), codes)
+    codes = torch.where(torch.rand(codes.shape, generator=gen) < 0.05, 255, codes)
+    codes[:4, 0] = torch.tensor([[255, 3, 200, 0], [0, 0, 0, 255], [254, 0, 1, 240], [1, 2, 250, 255]])
+    a = MXFP4Tensor(data, codes.reshape(m, k // 32).to(torch.uint8), (m, k))
+    seg = Segments.of([120, 0, 180], m)
+    want = ref.fp4_row_to_fp8_row(a, seg)
+    assert not selfcheck.compare(launchers.fp4_row_to_fp8_row(MXFP4Tensor(a.data.to(device), a.scales.to(device),
+                                                                          a.shape), seg), want)
+
+    def odd(t):  # a contiguous view one byte past a word boundary (the launcher copies it before the word loads)
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=device)
+        v = buf[1:].view(t.shape)
+        v.copy_(t)
+        return v
+
+    assert not selfcheck.compare(launchers.fp4_row_to_fp8_row(MXFP4Tensor(odd(a.data), odd(a.scales), a.shape), seg),
+                                 want)
+
+
+@pytest.mark.parametrize("device", _codec_devices())
 def test_fp4_row_to_fp8_col_on_every_byte_and_scale_code(device):
     """FP4RowToFP8Col on all 256 packed bytes x 256 UE8M0 codes (0: the FP32-denormal scale, 255: NaN blocks),
     in two token orders (a channel's 128 tokens span 32 consecutive codes, or codes spread over the whole range):

@@ -167,3 +167,23 @@ def e4m3_value(b, EMULATE: tl.constexpr):
         return with_sign(mag, (bi & 0x80) != 0)
     else:
         return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def prmt(a, b, sel, EMULATE: tl.constexpr):
+    """PTX ``prmt.b32`` (default mode) on int32 tensors: output byte i is byte ``s & 7`` of the eight bytes
+    {b, a} (a's bytes 0..3, b's 4..7) for the selector nibble ``s = (sel >> 4i) & 15`` (only sel's low 16 bits
+    count); ``s & 8`` replicates that byte's sign bit instead. One ``PRMT`` on the GPU; the interpreter runs
+    the same definition with shifts and selects."""
+    if EMULATE:
+        out = tl.zeros_like(a)
+        for i in tl.static_range(4):
+            s = (sel >> (4 * i)) & 15
+            idx = s & 7
+            byte = (tl.where(idx < 4, a, b) >> (8 * (idx & 3))) & 255
+            byte = tl.where(s >= 8, tl.where(byte >= 128, 255, 0), byte)
+            out = out | (byte << (8 * i))
+        return out
+    else:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
+                                         dtype=tl.int32, is_pure=True, pack=1)

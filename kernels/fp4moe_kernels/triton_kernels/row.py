@@ -21,6 +21,7 @@ from .common import (
     exp2_i,
     fp8_exp_from_amax_bits,
     mx_code_from_amax_bits,
+    prmt,
 )
 
 _MAG = tl.constexpr(0x7FFFFFFF)
@@ -154,24 +155,62 @@ def bf16_to_fp4_and_fp8_row_kernel(x_ptr, q4_ptr, s4_ptr, q8_ptr, s8_ptr, row_se
 
 
 @triton.jit
+def _fp4_group_code(sw):
+    """FP8 group code G = max(max finite e_k - 6, 1) from the group's four UE8M0 codes as one int32 word
+    ``sw`` (block 4g+k's code in byte k, little-endian); NaN codes (255) do not count. Every byte is first
+    taken to (e_k + 1) mod 256 at once (a carry-free SIMD add: NaN becomes 0, below every finite code + 1)."""
+    p = ((sw & 0x7F7F7F7F) + 0x01010101) ^ (sw & -2139062144)  # 0x80808080
+    m = tl.maximum(tl.maximum(p & 0xFF, (p >> 8) & 0xFF), tl.maximum((p >> 16) & 0xFF, (p >> 24) & 0xFF))
+    return tl.maximum(m - 7, 1)
+
+
+@triton.jit
 def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_ptr, M, K: tl.constexpr,
                               R: tl.constexpr, SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr):
-    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    """R groups = 4R blocks per program, each block as four int32 words of eight E2M1 nibbles.
+
+    Per block, the eight E4M3 magnitudes ``e4m3(v_c * 2**(e_k - G))`` of the E2M1 magnitude codes c = 0..7 are a
+    byte table in two registers (four exact ``cvt.rn.satfinite.e4m3x2`` per 32 elements: subnormals, underflow
+    to zero and nearest-even included, for any code spread); a NaN block's table is all 0x7F. Each input word then
+    becomes two output words by byte permutes (SIMD within a register): ``prmt`` with the nibbles' magnitude
+    bits as selectors looks up four elements at once, two more ``prmt`` move the sign bits (nibble bit 3) to
+    byte bit 7. The group's four codes come as one 32-bit word (all four threads of a group load the same word)."""
+    h = tl.program_id(0).to(tl.int64) * (8 * R) + tl.arange(0, 8 * R)  # flat half-blocks of 16 elements
+    g = h // 8
     mask = g < M * (K // 128)
-    j = tl.arange(0, 64)[None, :]
-    packed = tl.load(q_ptr + g[:, None] * 64 + j, mask=mask[:, None], other=0).to(tl.int32)
-    # each pair's UE8M0 code (the same byte for 16 pairs; served by L1)
-    code = tl.load(s_ptr + g[:, None] * 4 + j // 16, mask=mask[:, None], other=0).to(tl.int32)
-    gcode = tl.maximum(tl.max(tl.where(code == 255, -1, code), axis=1) - 6, 1)  # [R] group code G
-    # element = fp4 * 2**(e_k - G): exact in float32; below 2**-126 everything rounds to 0 in E4M3
-    f = exp2_i(tl.maximum(tl.where(code == 255, 0, code - gcode[:, None]), -126))
+    w = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + h[:, None] * 2 + tl.arange(0, 2)[None, :],
+                mask=mask[:, None], other=0)  # [8R, 2]: element 8i + n in nibble n of word i
+    sw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + g, mask=mask, other=0)
+    gcode = _fp4_group_code(sw)
+    code = (sw >> (8 * ((h // 2) % 4).to(tl.int32))) & 0xFF
     nan_blk = code == 255
-    vlo = tl.where(nan_blk, float("nan"), e2m1_value(packed & 0xF) * f)
-    vhi = tl.where(nan_blk, float("nan"), e2m1_value(packed >> 4) * f)
-    pairs = e4m3x2(vlo.to(tl.int32, bitcast=True), vhi.to(tl.int32, bitcast=True), EMULATE)
-    tl.store(o_ptr + g[:, None] * 64 + j, pairs, mask=mask[:, None])
-    so = _row_scale_offset(g, M, K, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT)
-    tl.store(os_ptr + so, exp2_i(gcode - 127), mask=mask)
+    # element = v_c * 2**(e_k - G): exact in float32; below 2**-126 everything rounds to 0 in E4M3
+    # (a NaN block's f is NaN: its whole table, the entry of code 0 included (NaN * 0), is 0x7F)
+    f = tl.where(nan_blk, float("nan"), exp2_i(tl.maximum(code - gcode, -126)))
+    fb = f.to(tl.int32, bitcast=True)
+    t0 = (e4m3x2((f * 0.0).to(tl.int32, bitcast=True), (f * 0.5).to(tl.int32, bitcast=True), EMULATE).to(tl.int32)
+          & 0xFFFF) | (
+        e4m3x2(fb, (f * 1.5).to(tl.int32, bitcast=True), EMULATE).to(tl.int32) << 16)
+    t1 = (e4m3x2((f * 2.0).to(tl.int32, bitcast=True), (f * 3.0).to(tl.int32, bitcast=True), EMULATE).to(tl.int32)
+          & 0xFFFF) | (e4m3x2((f * 4.0).to(tl.int32, bitcast=True), (f * 6.0).to(tl.int32, bitcast=True),
+                              EMULATE).to(tl.int32) << 16)
+    t0 = tl.broadcast_to(t0[:, None], (8 * R, 2))
+    t1 = tl.broadcast_to(t1[:, None], (8 * R, 2))
+    sgn = tl.where(nan_blk, 0, -2139062144)[:, None]  # 0x80808080; a NaN block's bytes are all 0x7F
+    mag = w & 0x77777777
+    lo = prmt(t0, t1, mag, EMULATE)  # elements 0..3 of the word
+    hi = prmt(t0, t1, mag >> 16, EMULATE)  # elements 4..7
+    ws = w << 4  # even elements' sign bits (nibble bit 3) at byte bit 7; odd ones are there in w
+    lo = lo | (prmt(ws, w, tl.full(w.shape, 0x5140, tl.int32), EMULATE) & sgn)
+    hi = hi | (prmt(ws, w, tl.full(w.shape, 0x7362, tl.int32), EMULATE) & sgn)
+    out = tl.reshape(tl.join(lo, hi), (8 * R, 4))
+    tl.store(o_ptr.to(tl.pointer_type(tl.int32)) + h[:, None] * 4 + tl.arange(0, 4)[None, :], out,
+             mask=mask[:, None])
+    gg = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    gmask = gg < M * (K // 128)
+    gsw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + gg, mask=gmask, other=0)
+    so = _row_scale_offset(gg, M, K, row_seg_ptr, seg_off_ptr, gmask, SINGLE_SEGMENT)
+    tl.store(os_ptr + so, exp2_i(_fp4_group_code(gsw) - 127), mask=gmask)
 
 
 @triton.jit
