@@ -226,3 +226,22 @@ def test_the_self_check_can_share_inputs_between_conversions():
     for (m, k, seed, device, special, spread), x in SHARED_INPUTS.items():
         fresh = selfcheck.make_input(m, k, seed, device, special=special, spread=spread)
         assert torch.equal(x.view(torch.int16), fresh.view(torch.int16))
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+def test_fp4_to_bf16_on_unaligned_odd_inputs(device):
+    """FP4 -> BF16 reads the packed data as int32 words: inputs at an odd byte offset (the launcher copies them to an
+    aligned buffer) and a block count that is not a multiple of the tile, with every UE8M0 code and NaN blocks."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import MXFP4Tensor
+    from fp4moe_kernels.triton_kernels import launchers
+
+    g = torch.Generator().manual_seed(7)
+    m, k = 37, 96  # 111 blocks
+    raw = torch.randint(0, 256, (m * k // 2 + 1,), generator=g, dtype=torch.int32).to(torch.uint8)
+    codes = torch.arange(m * k // 32, dtype=torch.int32) * 7 % 256  # 0, 7, .., 252, 3, ..: 255 (NaN) included
+    codes[5] = 255
+    a = MXFP4Tensor(raw[1:].reshape(m, k // 2), codes.to(torch.uint8).reshape(m, k // 32), (m, k))
+    dev = MXFP4Tensor(raw.to(device)[1:].reshape(m, k // 2), a.scales.to(device), (m, k))
+    assert dev.data.data_ptr() % 4 != 0
+    assert not selfcheck.compare(launchers.fp4_to_bf16(dev), ref.fp4_to_bf16(a))

@@ -187,3 +187,26 @@ def prmt(a, b, sel, EMULATE: tl.constexpr):
     else:
         return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
                                          dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16_rne_bits(x):
+    """float32 bits (int32) -> BF16 bits (int32, 0..0xFFFF), nearest-even; NaN -> 0x7FFF (a quiet NaN)."""
+    r = ((x + 0x7FFF + ((x >> 16) & 1)) >> 16) & 0xFFFF
+    return tl.where((x & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, r)
+
+
+@triton.jit
+def bf16x2_mul(a, b, EMULATE: tl.constexpr):
+    """PTX ``mul.rn.bf16x2`` (sm_90) on int32 tensors holding two BF16 each (low and high half): the two products,
+    each rounded to nearest-even BF16, subnormals kept (no flush), NaN for a NaN operand or 0 * Inf. One ``HMUL2.BF16``
+    on the GPU. The interpreter multiplies the two BF16 widened to float32 (a product of two 8-bit significands is
+    exact there down to 2**-134) and rounds to BF16 nearest-even: the PTX result for every product >= 2**-134 in
+    magnitude, zero, Inf and NaN (below that the float32 product is rounded once before; callers here never get so low)."""
+    if EMULATE:
+        lo = ((a << 16).to(tl.float32, bitcast=True) * (b << 16).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+        hi = ((a & -65536).to(tl.float32, bitcast=True) * (b & -65536).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+        return _bf16_rne_bits(lo) | (_bf16_rne_bits(hi) << 16)
+    else:
+        return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.int32, is_pure=True, pack=1)

@@ -186,8 +186,10 @@ def fp4_to_bf16(a: MXFP4Tensor) -> torch.Tensor:
     m, k = a.shape
     o = torch.empty(m, k, dtype=torch.bfloat16, device=a.device)
     if m:
+        # the kernel reads the packed data as int32 words (four per block): 4-byte aligned
+        data = a.data if a.data.data_ptr() % 4 == 0 else a.data.clone()
         grid, meta = _row_launch("fp4_to_bf16", m, k, 32)
-        row.fp4_to_bf16_kernel[grid](a.data, a.scales, o.view(torch.int32), m * k // 32, **meta)
+        row.fp4_to_bf16_kernel[grid](data, a.scales, o.view(torch.int32), m * k // 32, EMULATE=INTERPRET, **meta)
     return o
 
 

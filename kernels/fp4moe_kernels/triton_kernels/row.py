@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from .common import (
+    bf16x2_mul,
     e2m1_codes_from_bits,
-    e2m1_value,
     e4m3_value,
     e4m3x2,
     exp2_i,
@@ -107,20 +107,55 @@ def bf16_to_fp4_row_kernel(x_ptr, q_ptr, s_ptr, NB, R: tl.constexpr, RULE_CEIL: 
     tl.store(s_ptr + b, code, mask=mask)
 
 
+# BF16 bits of the E2M1 magnitudes v_c (c = 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6) as prmt byte tables (entry c in byte c of
+# the pair {lo, hi}): low bytes 00 00 80 C0 | 00 40 80 C0, high bytes 00 3F 3F 3F | 40 40 40 40
+_E2M1_BF16_LO0 = tl.constexpr(-1065353216)  # 0xC0800000
+_E2M1_BF16_LO1 = tl.constexpr(-1065336832)  # 0xC0804000
+_E2M1_BF16_HI0 = tl.constexpr(0x3F3F3F00)
+_E2M1_BF16_HI1 = tl.constexpr(0x40404040)
+
+
 @triton.jit
-def fp4_to_bf16_kernel(q_ptr, s_ptr, o_ptr, NB, R: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    mask = b < NB
-    packed = tl.load(q_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], mask=mask[:, None], other=0).to(tl.int32)
-    code = tl.load(s_ptr + b, mask=mask, other=0).to(tl.int32)
-    # fp4 * 2**(c-127) has 2 significant bits and lies inside BF16's range (denormals included), so the
-    # top half of its float32 bits is the exact BF16 (overflow gives Inf, as a rounding cast would)
-    f = ((code << 23) | tl.where(code == 0, 0x400000, 0)).to(tl.float32, bitcast=True)[:, None]
-    vlo = (e2m1_value(packed & 0xF) * f).to(tl.int32, bitcast=True)
-    vhi = (e2m1_value(packed >> 4) * f).to(tl.int32, bitcast=True)
-    word = ((vlo >> 16) & 0xFFFF) | (vhi & -65536)
-    word = tl.where((code == 255)[:, None], 0x7FC07FC0, word)  # NaN block -> two BF16 NaNs
-    tl.store(o_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], word, mask=mask[:, None])
+def fp4_to_bf16_kernel(q_ptr, s_ptr, o_ptr, NB, R: tl.constexpr, EMULATE: tl.constexpr):
+    """R blocks per program as 4R int32 words of eight E2M1 nibbles (element 8i + k of a block in nibble k of its word
+    i); each thread decodes whole words (one word in, four BF16 pairs = one 128-bit store out, no layout conversion).
+
+    Decode by byte permutes (SIMD within a register), as in ``fp4_row_to_fp8_row_kernel``: ``prmt`` with the
+    nibbles' magnitude bits as selectors looks up the low bytes of four elements' BF16 ``v_c`` in a constant table,
+    a second one their high bytes; two ``prmt`` per word move the sign bits (nibble bit 3) to byte bit 7, ORed into
+    the high bytes; two ``prmt`` per output word interleave low and high bytes into two BF16 (element 2j in the low
+    half). Then one ``mul.rn.bf16x2`` per output word by the block's scale 2**(code-127) in BF16 (code 0: the BF16
+    denormal 2**-127; code 255: NaN): the product has at most 2 significant bits and is >= 2**-128, so it is exact
+    inside BF16's range (denormals included) and Inf beyond it, as the reference's rounding cast gives; the sign
+    rides through the multiply (-0 for code 8, -Inf), and a NaN scale makes the whole block NaN (0 * NaN too)."""
+    pid = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, 4 * R)  # the program's words (int32 offsets from its base pointers): block j // 4
+    mask = j < tl.minimum(4 * NB.to(tl.int64) - pid * (4 * R), 4 * R).to(tl.int32)
+    # one 32-bit word per thread (contiguity 1 on purpose: a 128-bit load of a whole block would put its 16 output
+    # words in one thread, which the 128-bit store layout then redistributes through shared memory)
+    w = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + pid * (4 * R) + tl.max_contiguous(j, [1]), mask=mask, other=0)
+    code = tl.load(s_ptr + pid * R + j // 4, mask=mask, other=0).to(tl.int32)  # the word's block code
+    scale = code * 0x00800080 | tl.where((code == 0) | (code == 255), 0x00400040, 0)  # BF16 2**(code-127), twice
+    l0 = tl.full(w.shape, _E2M1_BF16_LO0, tl.int32)
+    l1 = tl.full(w.shape, _E2M1_BF16_LO1, tl.int32)
+    h0 = tl.full(w.shape, _E2M1_BF16_HI0, tl.int32)
+    h1 = tl.full(w.shape, _E2M1_BF16_HI1, tl.int32)
+    s_even = tl.full(w.shape, 0x5140, tl.int32)
+    s_odd = tl.full(w.shape, 0x7362, tl.int32)
+    mag = w & 0x77777777
+    mag_b = mag >> 16
+    ws = w << 4  # even elements' sign bits (nibble bit 3) at byte bit 7; odd ones are there in w
+    sgn = -2139062144  # 0x80808080
+    lo_a = prmt(l0, l1, mag, EMULATE)  # low bytes of elements 0..3 of the word
+    hi_a = prmt(h0, h1, mag, EMULATE) | (prmt(ws, w, s_even, EMULATE) & sgn)
+    lo_b = prmt(l0, l1, mag_b, EMULATE)  # elements 4..7
+    hi_b = prmt(h0, h1, mag_b, EMULATE) | (prmt(ws, w, s_odd, EMULATE) & sgn)
+    o0 = bf16x2_mul(prmt(lo_a, hi_a, s_even, EMULATE), scale, EMULATE)  # elements 0, 1
+    o1 = bf16x2_mul(prmt(lo_a, hi_a, s_odd, EMULATE), scale, EMULATE)
+    o2 = bf16x2_mul(prmt(lo_b, hi_b, s_even, EMULATE), scale, EMULATE)
+    o3 = bf16x2_mul(prmt(lo_b, hi_b, s_odd, EMULATE), scale, EMULATE)
+    out = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (4 * R, 4))  # [4R, 2, 2]: [.., a, b] = o_(2a+b)
+    tl.store(o_ptr + pid * (16 * R) + (j[:, None] * 4 + tl.arange(0, 4)[None, :]), out, mask=mask[:, None])
 
 
 @triton.jit
