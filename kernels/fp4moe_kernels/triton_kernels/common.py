@@ -270,3 +270,14 @@ def umin16x2(a, b, EMULATE: tl.constexpr):
     else:
         return tl.inline_asm_elementwise("min.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
                                          pack=1)
+
+
+@triton.jit
+def f16x2_from_f32(hi, lo, EMULATE: tl.constexpr):
+    """``cvt.rn.f16x2.f32 d, hi, lo``: two float32 tensors -> f16x2 in an int32 (``lo`` in bits 0..15), each rounded
+    to nearest even, f16 subnormals kept."""
+    if EMULATE:
+        return _f16_bits(lo.to(tl.float64)) | (_f16_bits(hi.to(tl.float64)) << 16)
+    else:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,r,r", [hi, lo], dtype=tl.int32,
+                                         is_pure=True, pack=1)

@@ -22,6 +22,7 @@ from .common import (
     fp8_exp_from_amax_bits,
     mx_code_from_amax_bits,
     e4m3x4_to_f16x2,
+    f16x2_from_f32,
     hfma2,
     hmul2,
     prmt,
@@ -262,14 +263,17 @@ def _fp4_word(ca, cb, cc, cd, we, wo, sel, sgn_e, sgn_o, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _fp4_block(v0, v1, k, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
+def _fp4_block(v0, v1, k, lo_d, hi_d, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
     """One 32-block per row: its 32 E4M3 bytes as int64 pairs of words ``v0`` (words 0..3) and ``v1`` (4..7), [N, 2],
     under FP8 scale 2**k ([N]) -> (output words 0, 1 [N, 2], output words 2, 3 [N, 2], UE8M0 code [N] int32).
 
     Never forms E4M3 * 2**k: the group's scale only moves the block code. With d = code - 127 - k, the block's
-    elements are |e| * 2**-d (d in [-11, 7] for every finite nonzero block, whatever k in [-126, 127]), so the
-    E2M1 rounding runs on f16x2 pairs straight from ``cvt.rn.f16x2.e4m3x2`` (``_e2m1_lanes``), two elements per
-    instruction; the block's max magnitude is a lane-wise ``max.u16x2`` of the same f16 bits (NaN above all)."""
+    elements are |e| * 2**-d, so the E2M1 rounding runs on f16x2 pairs straight from ``cvt.rn.f16x2.e4m3x2``
+    (``_e2m1_lanes``), two elements per instruction; the block's max magnitude is a lane-wise ``max.u16x2`` of the
+    same f16 bits (NaN above all). From its f16 exponent e (plus 1 when the rule is ceil and the significand passes
+    1.5), d = clamp(e - 17, lo_d, hi_d): e - 17 is in [-11, 7] for every finite nonzero block (E4M3 2**-9 .. 448),
+    and the bounds lo_d = max(-127 - k, -11), hi_d = min(127 - k, 7) are the codes 0 and 254 (tighter than
+    [-11, 7] only when they bind; zero and NaN blocks land inside [-11, 7] too, their elements are masked)."""
     we0 = v0.to(tl.int32)
     wo0 = (v0 >> 32).to(tl.int32)
     we1 = v1.to(tl.int32)
@@ -280,16 +284,17 @@ def _fp4_block(v0, v1, k, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
     a6, a7 = e4m3x4_to_f16x2(wo1 & 0x7F7F7F7F, EMULATE)
     m = umax16x2(umax16x2(umax16x2(a0, a1, EMULATE), umax16x2(a2, a3, EMULATE), EMULATE),
                  umax16x2(umax16x2(a4, a5, EMULATE), umax16x2(a6, a7, EMULATE), EMULATE), EMULATE)
-    amax = tl.max(tl.maximum(m & 0xFFFF, (m >> 16) & 0xFFFF), axis=1)  # f16 bits of the block's max |E4M3|
-    # code = 127 + k + ceil(log2(amax / 6)) (or + floor(log2(amax)) - 2), amax = (1 + f/1024) * 2**(e16 - 15)
-    code = (amax >> 10) + k + 110
-    if RULE_CEIL:
-        code += ((amax & 0x3FF) > 0x200).to(tl.int32)
-    code = tl.minimum(tl.maximum(code, 0), 254)
+    m0, m1 = tl.split(m)
+    m = umax16x2(m0, m1, EMULATE)
+    amax = tl.maximum(m & 0xFFFF, (m.to(tl.uint32, bitcast=True) >> 16).to(tl.int32))  # f16 bits of max |E4M3|
+    if RULE_CEIL:  # 127 + k + ceil(log2(amax / 6)), amax = (1 + f/1024) * 2**(e - 15): e - 17 + (f > 512)
+        e = (amax + 0x1FF) >> 10
+    else:  # 127 + k + floor(log2(amax)) - 2
+        e = amax >> 10
+    d = tl.minimum(tl.maximum(e - 17, lo_d), hi_d)
+    s2 = f16x2_from_f32(((113 - d) << 23).to(tl.float32, bitcast=True),
+                        ((113 - d) << 23).to(tl.float32, bitcast=True), EMULATE)[:, None]  # 2**(-d-14), both lanes
     nan_blk = amax >= 0x7C00
-    d = tl.minimum(tl.maximum(code - 127 - k, -11), 7)  # the clamp only matters for all-zero and NaN blocks
-    sb = tl.where(d <= 0, (1 - d) << 10, 1 << (10 - d))  # f16 bits of 2**(-d-14) (subnormal for d >= 1)
-    s2 = (sb | (sb << 16))[:, None]
     sel = tl.where(nan_blk, 0x8888, 0x5410)[:, None]
     sgn_e = tl.where(nan_blk, 0, 0x08080808)[:, None]
     sgn_o = tl.where(nan_blk, 0, -2139062144)[:, None]  # 0x80808080
@@ -297,7 +302,7 @@ def _fp4_block(v0, v1, k, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
                      _e2m1_lanes(a3, s2, EMULATE), we0, wo0, sel, sgn_e, sgn_o, EMULATE)
     out1 = _fp4_word(_e2m1_lanes(a4, s2, EMULATE), _e2m1_lanes(a5, s2, EMULATE), _e2m1_lanes(a6, s2, EMULATE),
                      _e2m1_lanes(a7, s2, EMULATE), we1, wo1, sel, sgn_e, sgn_o, EMULATE)
-    code = tl.where(nan_blk, 255, tl.where(amax > 0, code, 0))
+    code = tl.where(nan_blk, 255, tl.where(amax > 0, d + 127 + k, 0))
     return out0, out1, code
 
 
@@ -313,12 +318,15 @@ def fp8_row_to_fp4_kernel(q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, o_ptr, os_ptr,
     so = _row_scale_offset(g, M, K, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT)
     sbits = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + so, mask=mask, other=0x3F800000)
     k = ((sbits >> 23) & 0xFF) - 127  # scales are powers of two 2**k, k in [-126, 127]
+    lo_d = tl.maximum(-127 - k, -11)  # block offsets d of codes 0 and 254 (_fp4_block)
+    hi_d = tl.minimum(127 - k, 7)
     j = tl.arange(0, 2)[None, :]
     qp = q_ptr.to(tl.pointer_type(tl.int64)) + h[:, None] * 8 + j
     m2 = mask[:, None]
-    e0, e1, ce = _fp4_block(tl.load(qp, mask=m2, other=0), tl.load(qp + 2, mask=m2, other=0), k, RULE_CEIL, EMULATE)
-    o0, o1, co = _fp4_block(tl.load(qp + 4, mask=m2, other=0), tl.load(qp + 6, mask=m2, other=0), k, RULE_CEIL,
-                            EMULATE)
+    e0, e1, ce = _fp4_block(tl.load(qp, mask=m2, other=0), tl.load(qp + 2, mask=m2, other=0), k, lo_d, hi_d,
+                            RULE_CEIL, EMULATE)
+    o0, o1, co = _fp4_block(tl.load(qp + 4, mask=m2, other=0), tl.load(qp + 6, mask=m2, other=0), k, lo_d, hi_d,
+                            RULE_CEIL, EMULATE)
     op = o_ptr.to(tl.pointer_type(tl.int32)) + h[:, None] * 8 + j
     tl.store(op, e0, mask=m2)  # block 2h: output words 0, 1
     tl.store(op + 2, e1, mask=m2)  # 2, 3
