@@ -282,8 +282,8 @@ def _fp4_block(v0, v1, k, lo_d, hi_d, RULE_CEIL: tl.constexpr, EMULATE: tl.const
     a2, a3 = e4m3x4_to_f16x2(wo0 & 0x7F7F7F7F, EMULATE)
     a4, a5 = e4m3x4_to_f16x2(we1 & 0x7F7F7F7F, EMULATE)
     a6, a7 = e4m3x4_to_f16x2(wo1 & 0x7F7F7F7F, EMULATE)
-    m = umax16x2(umax16x2(umax16x2(a0, a1, EMULATE), umax16x2(a2, a3, EMULATE), EMULATE),
-                 umax16x2(umax16x2(a4, a5, EMULATE), umax16x2(a6, a7, EMULATE), EMULATE), EMULATE)
+    m = umax16x2(umax16x2(umax16x2(umax16x2(umax16x2(umax16x2(umax16x2(a0, a1, EMULATE), a2, EMULATE), a3, EMULATE),
+                                            a4, EMULATE), a5, EMULATE), a6, EMULATE), a7, EMULATE)  # a chain: VIMNMX3
     m0, m1 = tl.split(m)
     m = umax16x2(m0, m1, EMULATE)
     amax = tl.maximum(m & 0xFFFF, (m.to(tl.uint32, bitcast=True) >> 16).to(tl.int32))  # f16 bits of max |E4M3|
