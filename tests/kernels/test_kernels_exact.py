@@ -121,6 +121,51 @@ def test_fp8_row_to_fp4_at_the_ends_of_the_exponent_range(device, e4m3, scale_ex
     assert not selfcheck.compare(got, want)
 
 
+def _every_e4m3_byte_below_every_block_max() -> torch.Tensor:
+    """[G, 128] uint8 E4M3 rows: for each of the 126 finite nonzero magnitudes m, blocks whose element 0 is m and whose
+    other elements run through every magnitude <= m (E4M3 subnormals and 0 included), so every byte meets every block
+    maximum (every block offset d); signs from a fixed pattern (-0 = 0x80 included, and a block of each sign byte);
+    then blocks with NaN (0x7F, 0xFF) at the first, a middle and the last element, and an all-zero block."""
+    blocks = []
+    for m in range(1, 127):
+        below = list(range(m + 1))
+        for c in range(0, len(below), 31):
+            blocks.append([m] + below[c:c + 31] + [0] * (31 - len(below[c:c + 31])))
+    data = torch.tensor(blocks, dtype=torch.int64)
+    i = torch.arange(data.numel()).reshape(data.shape)
+    data = data | (((i * 7 + i // 32) % 3 == 0).to(torch.int64) << 7)  # about one element in three negative
+    extra = torch.zeros(8, 32, dtype=torch.int64)
+    extra[0, 0], extra[1, 17], extra[2, 31], extra[3, 5] = 0x7F, 0xFF, 0x7F, 0xFF
+    extra[3, 6] = 0x7E
+    extra[4, :] = 0x80  # -0 everywhere: code 0, nibbles 8
+    extra[5, :] = torch.arange(32) | 0x80  # negative subnormals and small normals
+    extra[6, :] = torch.arange(95, 127)  # the top magnitudes
+    blocks = torch.cat([data, extra])  # extra[7]: an all-zero block
+    blocks = torch.cat([blocks, torch.zeros((-blocks.shape[0]) % 4, 32, dtype=torch.int64)])
+    return blocks.reshape(-1, 128).to(torch.uint8)
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+@pytest.mark.parametrize("rule", ["ceil", "floor"])
+def test_fp8_row_to_fp4_on_every_e4m3_byte_below_every_block_max(device, rule):
+    """FP8RowToFP4 (f16x2 E2M1 rounding on the E4M3 values, block codes from the E4M3 maximum, packed nibbles,
+    signs from the E4M3 bytes) against the reference on every E4M3 byte under every block maximum, NaN bytes, -0,
+    for both scale rules and group scales 2**k across the range (code clamped at 0 for k = -126 and at 254, with
+    saturating elements, for k >= 121)."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import FP8RowTensor, Segments
+    from fp4moe_kernels.triton_kernels import launchers
+
+    rows = _every_e4m3_byte_below_every_block_max()
+    ks = [0, -126, 127, 121, 64, 63, -9, 100]
+    data = torch.cat([rows] * len(ks))  # one row = one group here (K = 128)
+    scales = torch.tensor([2.0 ** k for k in ks], dtype=torch.float32).repeat_interleave(rows.shape[0])
+    f = FP8RowTensor(data.view(torch.float8_e4m3fn), scales, Segments.of(None, data.shape[0]))
+    want = ref.fp8_row_to_fp4(f, rule)
+    got = launchers.fp8_row_to_fp4(FP8RowTensor(f.data.to(device), f.scales.to(device), f.segments), rule)
+    assert not selfcheck.compare(got, want)
+
+
 @pytest.mark.parametrize("device", _codec_devices())
 def test_fp4_decoders_on_every_byte_and_scale_code(device):
     """FP4 -> BF16 and MXFP4 -> FP8 row (per-element decode from bits) on all 256 packed bytes x 256 UE8M0

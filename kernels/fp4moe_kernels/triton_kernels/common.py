@@ -210,3 +210,97 @@ def bf16x2_mul(a, b, EMULATE: tl.constexpr):
     else:
         return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b],
                                          dtype=tl.int32, is_pure=True, pack=1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Packed 16-bit lanes (SIMD within a register): int32 tensors holding two 16-bit lanes, lane 0 in bits 0..15. Each
+# helper is one standard sm_90 PTX instruction on the GPU; under EMULATE the interpreter runs the PTX ISA's
+# definition of that instruction lane by lane (f16 lanes through float64, where the products and sums these kernels
+# form are exact, so the only rounding is the final one to f16, nearest-even, subnormals kept, as in PTX without .ftz).
+
+
+@triton.jit
+def _f16_lane(x, LANE: tl.constexpr):
+    """float64 value of f16 lane ``LANE`` of int32 ``x``."""
+    return ((x >> (16 * LANE)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float64)
+
+
+@triton.jit
+def _f16_bits(v):
+    """float64 ``v`` rounded to f16 (nearest-even) -> its 16 bits in an int32 (0..0xFFFF)."""
+    return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def e4m3x4_to_f16x2(w, EMULATE: tl.constexpr):
+    """int32 word of four E4M3 bytes -> (f16x2 of bytes 0, 1; f16x2 of bytes 2, 3): two exact ``cvt.rn.f16x2.e4m3x2``
+    (the byte in bits 8..15 of the .b16 source goes to the upper f16 lane). NaN bytes (0x7F, 0xFF) give f16 NaNs."""
+    if EMULATE:
+        f0 = _f16_bits(e4m3_value((w & 0xFF).to(tl.uint8), True).to(tl.float64))
+        f1 = _f16_bits(e4m3_value(((w >> 8) & 0xFF).to(tl.uint8), True).to(tl.float64))
+        f2 = _f16_bits(e4m3_value(((w >> 16) & 0xFF).to(tl.uint8), True).to(tl.float64))
+        f3 = _f16_bits(e4m3_value(((w >> 24) & 0xFF).to(tl.uint8), True).to(tl.float64))
+        return f0 | (f1 << 16), f2 | (f3 << 16)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }",
+            "=r,=r,r", [w], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def hmul2(a, b, EMULATE: tl.constexpr):
+    """``mul.rn.f16x2``: lane-wise f16 product, rounded to nearest even (subnormals kept)."""
+    if EMULATE:
+        return _f16_bits(_f16_lane(a, 0) * _f16_lane(b, 0)) | (_f16_bits(_f16_lane(a, 1) * _f16_lane(b, 1)) << 16)
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def hfma2(a, b, c, EMULATE: tl.constexpr):
+    """``fma.rn.f16x2``: lane-wise a * b + c rounded once to f16, nearest even (subnormals kept). The twin forms
+    a * b + c in float64, exact whenever it fits 53 bits (always for the kernels here: a power-of-two factor and
+    addends within 2**30 of each other)."""
+    if EMULATE:
+        lo = _f16_bits(_f16_lane(a, 0) * _f16_lane(b, 0) + _f16_lane(c, 0))
+        hi = _f16_bits(_f16_lane(a, 1) * _f16_lane(b, 1) + _f16_lane(c, 1))
+        return lo | (hi << 16)
+    else:
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def umax16x2(a, b, EMULATE: tl.constexpr):
+    """``max.u16x2``: lane-wise unsigned 16-bit maximum."""
+    if EMULATE:
+        lo = tl.maximum(a & 0xFFFF, b & 0xFFFF)
+        hi = tl.maximum((a >> 16) & 0xFFFF, (b >> 16) & 0xFFFF)
+        return lo | (hi << 16)
+    else:
+        return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def umin16x2(a, b, EMULATE: tl.constexpr):
+    """``min.u16x2``: lane-wise unsigned 16-bit minimum."""
+    if EMULATE:
+        lo = tl.minimum(a & 0xFFFF, b & 0xFFFF)
+        hi = tl.minimum((a >> 16) & 0xFFFF, (b >> 16) & 0xFFFF)
+        return lo | (hi << 16)
+    else:
+        return tl.inline_asm_elementwise("min.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def f16x2_from_f32(hi, lo, EMULATE: tl.constexpr):
+    """``cvt.rn.f16x2.f32 d, hi, lo``: two float32 tensors -> f16x2 in an int32 (``lo`` in bits 0..15), each rounded
+    to nearest even, f16 subnormals kept."""
+    if EMULATE:
+        return _f16_bits(lo.to(tl.float64)) | (_f16_bits(hi.to(tl.float64)) << 16)
+    else:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,r,r", [hi, lo], dtype=tl.int32,
+                                         is_pure=True, pack=1)

@@ -198,6 +198,8 @@ def fp8_row_to_fp4(f: FP8RowTensor, rule: str = "ceil") -> MXFP4Tensor:
     q = torch.empty(m, k // 2, dtype=torch.uint8, device=f.data.device)
     s = torch.empty(m, k // 32, dtype=torch.uint8, device=f.data.device)
     single, row_seg, seg_off = _seg_args(f.segments, m, f.data.device)
+    if m * (k // 128) >= 2**31:  # the kernel numbers groups in int32 (that is 256 GiB of FP8 data)
+        raise ValueError(f"fp8_row_to_fp4: {m} x {k} has 2**31 or more 128-groups")
     if m:
         grid, meta = _row_launch("fp8_row_to_fp4", m, k, 128)
         row.fp8_row_to_fp4_kernel[grid](f.data.view(torch.int16), f.scales, row_seg, seg_off, q, s, m, k,

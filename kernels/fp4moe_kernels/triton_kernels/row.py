@@ -16,12 +16,17 @@ import triton.language as tl
 from .common import (
     bf16x2_mul,
     e2m1_codes_from_bits,
-    e4m3_value,
     e4m3x2,
+    e4m3x4_to_f16x2,
     exp2_i,
+    f16x2_from_f32,
     fp8_exp_from_amax_bits,
+    hfma2,
+    hmul2,
     mx_code_from_amax_bits,
     prmt,
+    umax16x2,
+    umin16x2,
 )
 
 _MAG = tl.constexpr(0x7FFFFFFF)
@@ -83,10 +88,13 @@ def _fp8_groups(lo, hi, EMULATE: tl.constexpr):
 
 @triton.jit
 def _row_scale_offset(g, M, K: tl.constexpr, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT: tl.constexpr):
-    """int64 offset of the FP8 row scale of flat group ``g`` [R] in the segment-major buffer."""
-    g = g.to(tl.int64)
+    """int64 offset of the FP8 row scale of flat group ``g`` [R] in the segment-major buffer. An int32 ``g`` (the
+    caller knows there are fewer than 2**31 groups) divides in int32, a few instructions instead of some 25."""
     row = g // (K // 128)
-    col = g % (K // 128)
+    col = g - row * (K // 128)
+    g = g.to(tl.int64)
+    row = row.to(tl.int64)
+    col = col.to(tl.int64)
     if SINGLE_SEGMENT:
         return col * M + row
     else:
@@ -249,24 +257,114 @@ def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_
 
 
 @triton.jit
+def _e2m1_lanes(x, s2, EMULATE: tl.constexpr):
+    """E2M1 magnitude codes of two f16 magnitudes ``x`` (f16x2 in an int32, exact E4M3 values) of a block with f16
+    scale ``s2`` = 2**(-d-14) in both lanes -> each lane holds its code << 9 (0..7 << 9). Five instructions per pair.
+
+    y = x * s2 is the element's magnitude relative to the block scale, times 2**-14 (exact, 4 significant bits,
+    wherever it matters: below 2**-16, i.e. 0.25 * 2**-14, it only rounds to values that round to code 0 anyway).
+    E2M1's step in y's binade [2**e, 2**(e+1)) is 2**(e-1) (for e >= -14; 2**-15 below, f16 subnormals), the ulp of
+    M = 512 * t with t = max(y, 2**-14): t is a power of two for subnormal y, else y itself, whose 4-bit significand
+    keeps y + M = 513 y inside M's binade and M's last significand bit even, so the rounding of y + M (one
+    ``fma.rn.f16x2``) is y's rounding to the step, nearest even, shifted by M, and (y + M) - M (another, exact) is
+    the rounded y. Scaled by 2**-14, every E2M1 value v lands where f16's encoding is E2M1's: v = 0.5 is the
+    subnormal 0x0200, 1.0 the smallest normal 0x0400, ..., 6.0 = 0x0E00, so the f16 bits are code << 9 (nothing
+    below bit 9). Values from 8 up (saturating blocks) are capped at 0x0E00 (6.0). Checked for every E4M3 magnitude
+    and every d in [-11, 7] against ``reference.e2m1_round`` (results/kernels/README.md, 2026-12-04)."""
+    y = hmul2(x, s2, EMULATE)
+    t = umax16x2(y, tl.full(y.shape, 0x04000400, tl.int32), EMULATE)
+    r = hfma2(t, tl.full(y.shape, 0x60006000, tl.int32), y, EMULATE)  # y + 512 t
+    z = hfma2(t, tl.full(y.shape, -536813568, tl.int32), r, EMULATE)  # 0xE000E000: r - 512 t
+    return umin16x2(z, tl.full(y.shape, 0x0E000E00, tl.int32), EMULATE)
+
+
+@triton.jit
+def _fp4_word(ca, cb, cc, cd, we, wo, sel, sgn_e, sgn_o, EMULATE: tl.constexpr):
+    """One output word (eight nibbles) from the code lanes of elements (0, 1), (2, 3), (4, 5), (6, 7) and the E4M3
+    words ``we`` (elements 0..3) and ``wo`` (4..7) that carry the signs. The high word of
+    ``ca * (2**23 + 2**11) + cb * (2**31 + 2**19)`` holds codes 0..3 in its nibbles 0..3 (the shifted copies that
+    land elsewhere overlap nothing, so no carry disturbs them; two ``IMAD.WIDE``); ``prmt`` with ``sel`` = 0x5410
+    joins the two halves, two sign-replicating ``prmt`` take the E4M3 sign bits to nibble bit 3 (masks ``sgn_e`` =
+    0x08080808, ``sgn_o`` = 0x80808080). A NaN block passes sel = 0x8888 (four copies of bit 7 of a byte whose
+    bit 7 is 0) and zero masks: its word is 0 without a select."""
+    lo = (ca.to(tl.uint32, bitcast=True).to(tl.uint64) * 0x00800800
+          + cb.to(tl.uint32, bitcast=True).to(tl.uint64) * 0x80080000) >> 32
+    hi = (cc.to(tl.uint32, bitcast=True).to(tl.uint64) * 0x00800800
+          + cd.to(tl.uint32, bitcast=True).to(tl.uint64) * 0x80080000) >> 32
+    out = prmt(lo.to(tl.int32), hi.to(tl.int32), sel, EMULATE)
+    out = out | (prmt(we, wo, tl.full(we.shape, 0xECA8, tl.int32), EMULATE) & sgn_e)  # elements 0, 2, 4, 6
+    return out | (prmt(we, wo, tl.full(we.shape, 0xFDB9, tl.int32), EMULATE) & sgn_o)  # elements 1, 3, 5, 7
+
+
+@triton.jit
+def _fp4_block(v0, v1, k, lo_d, hi_d, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
+    """One 32-block per row: its 32 E4M3 bytes as int64 pairs of words ``v0`` (words 0..3) and ``v1`` (4..7), [N, 2],
+    under FP8 scale 2**k ([N]) -> (output words 0, 1 [N, 2], output words 2, 3 [N, 2], UE8M0 code [N] int32).
+
+    Never forms E4M3 * 2**k: the group's scale only moves the block code. With d = code - 127 - k, the block's
+    elements are |e| * 2**-d, so the E2M1 rounding runs on f16x2 pairs straight from ``cvt.rn.f16x2.e4m3x2``
+    (``_e2m1_lanes``), two elements per instruction; the block's max magnitude is a lane-wise ``max.u16x2`` of the
+    same f16 bits (NaN above all). From its f16 exponent e (plus 1 when the rule is ceil and the significand passes
+    1.5), d = clamp(e - 17, lo_d, hi_d): e - 17 is in [-11, 7] for every finite nonzero block (E4M3 2**-9 .. 448),
+    and the bounds lo_d = max(-127 - k, -11), hi_d = min(127 - k, 7) are the codes 0 and 254 (tighter than
+    [-11, 7] only when they bind; zero and NaN blocks land inside [-11, 7] too, their elements are masked)."""
+    we0 = v0.to(tl.int32)
+    wo0 = (v0 >> 32).to(tl.int32)
+    we1 = v1.to(tl.int32)
+    wo1 = (v1 >> 32).to(tl.int32)
+    a0, a1 = e4m3x4_to_f16x2(we0 & 0x7F7F7F7F, EMULATE)  # magnitudes
+    a2, a3 = e4m3x4_to_f16x2(wo0 & 0x7F7F7F7F, EMULATE)
+    a4, a5 = e4m3x4_to_f16x2(we1 & 0x7F7F7F7F, EMULATE)
+    a6, a7 = e4m3x4_to_f16x2(wo1 & 0x7F7F7F7F, EMULATE)
+    m = umax16x2(umax16x2(umax16x2(umax16x2(umax16x2(umax16x2(umax16x2(a0, a1, EMULATE), a2, EMULATE), a3, EMULATE),
+                                            a4, EMULATE), a5, EMULATE), a6, EMULATE), a7, EMULATE)  # a chain: VIMNMX3
+    m0, m1 = tl.split(m)
+    m = umax16x2(m0, m1, EMULATE)
+    amax = tl.maximum(m & 0xFFFF, (m.to(tl.uint32, bitcast=True) >> 16).to(tl.int32))  # f16 bits of max |E4M3|
+    if RULE_CEIL:  # 127 + k + ceil(log2(amax / 6)), amax = (1 + f/1024) * 2**(e - 15): e - 17 + (f > 512)
+        e = (amax + 0x1FF) >> 10
+    else:  # 127 + k + floor(log2(amax)) - 2
+        e = amax >> 10
+    d = tl.minimum(tl.maximum(e - 17, lo_d), hi_d)
+    s2 = f16x2_from_f32(((113 - d) << 23).to(tl.float32, bitcast=True),
+                        ((113 - d) << 23).to(tl.float32, bitcast=True), EMULATE)[:, None]  # 2**(-d-14), both lanes
+    nan_blk = amax >= 0x7C00
+    sel = tl.where(nan_blk, 0x8888, 0x5410)[:, None]
+    sgn_e = tl.where(nan_blk, 0, 0x08080808)[:, None]
+    sgn_o = tl.where(nan_blk, 0, -2139062144)[:, None]  # 0x80808080
+    out0 = _fp4_word(_e2m1_lanes(a0, s2, EMULATE), _e2m1_lanes(a1, s2, EMULATE), _e2m1_lanes(a2, s2, EMULATE),
+                     _e2m1_lanes(a3, s2, EMULATE), we0, wo0, sel, sgn_e, sgn_o, EMULATE)
+    out1 = _fp4_word(_e2m1_lanes(a4, s2, EMULATE), _e2m1_lanes(a5, s2, EMULATE), _e2m1_lanes(a6, s2, EMULATE),
+                     _e2m1_lanes(a7, s2, EMULATE), we1, wo1, sel, sgn_e, sgn_o, EMULATE)
+    code = tl.where(nan_blk, 255, tl.where(amax > 0, d + 127 + k, 0))
+    return out0, out1, code
+
+
+@triton.jit
 def fp8_row_to_fp4_kernel(q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, o_ptr, os_ptr, M, K: tl.constexpr,
                           R: tl.constexpr, RULE_CEIL: tl.constexpr, SINGLE_SEGMENT: tl.constexpr,
                           EMULATE: tl.constexpr):
-    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    mask = g < M * (K // 128)
-    pair = tl.load(q_ptr + g[:, None] * 64 + tl.arange(0, 64)[None, :], mask=mask[:, None], other=0).to(tl.int32)
+    """R groups per program as 2R half-groups, each one row of the tile: the two 32-blocks 2h, 2h+1 of half-group
+    h (same group, one scale load), each as two 16-byte loads (``_fp4_block``)."""
+    h = tl.program_id(0).to(tl.int64) * (2 * R) + tl.arange(0, 2 * R)
+    mask = h < M * (K // 64)
+    g = tl.program_id(0) * R + tl.arange(0, 2 * R) // 2  # int32: the launcher checks M * K/128 < 2**31
     so = _row_scale_offset(g, M, K, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT)
-    scale = tl.load(s_ptr + so, mask=mask, other=1.0)
-    # value = E4M3 * 2**k, exact in float32 for k >= -126 (>= 2**-135) but >= 2**128 (Inf) for E4M3 up to 448 once
-    # k >= 120: groups with k >= 64 are converted as value * 2**-64 and their block codes raised by 64 after
-    big = scale >= 18446744073709551616.0  # 2**64
-    sh = tl.where(big, 64, 0)
-    s_eff = tl.where(big, scale * 5.421010862427522e-20, scale)[:, None]  # * 2**-64, exact
-    lo = (e4m3_value((pair & 0xFF).to(tl.uint8), EMULATE) * s_eff).to(tl.int32, bitcast=True)
-    hi = (e4m3_value(((pair >> 8) & 0xFF).to(tl.uint8), EMULATE) * s_eff).to(tl.int32, bitcast=True)
-    sh4 = tl.reshape(tl.broadcast_to(sh[:, None], (R, 4)), (4 * R,))
-    byte, code = _mxfp4_blocks_shifted(tl.reshape(lo, (4 * R, 16)), tl.reshape(hi, (4 * R, 16)), sh4, RULE_CEIL)
-    b = tl.program_id(0).to(tl.int64) * (4 * R) + tl.arange(0, 4 * R)
-    bmask = b < M * (K // 32)
-    tl.store(o_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], byte, mask=bmask[:, None])
-    tl.store(os_ptr + b, code, mask=bmask)
+    sbits = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + so, mask=mask, other=0x3F800000)
+    k = ((sbits >> 23) & 0xFF) - 127  # scales are powers of two 2**k, k in [-126, 127]
+    lo_d = tl.maximum(-127 - k, -11)  # block offsets d of codes 0 and 254 (_fp4_block)
+    hi_d = tl.minimum(127 - k, 7)
+    j = tl.arange(0, 2)[None, :]
+    qp = q_ptr.to(tl.pointer_type(tl.int64)) + h[:, None] * 8 + j
+    m2 = mask[:, None]
+    e0, e1, ce = _fp4_block(tl.load(qp, mask=m2, other=0), tl.load(qp + 2, mask=m2, other=0), k, lo_d, hi_d,
+                            RULE_CEIL, EMULATE)
+    o0, o1, co = _fp4_block(tl.load(qp + 4, mask=m2, other=0), tl.load(qp + 6, mask=m2, other=0), k, lo_d, hi_d,
+                            RULE_CEIL, EMULATE)
+    op = o_ptr.to(tl.pointer_type(tl.int32)) + h[:, None] * 8 + j
+    tl.store(op, e0, mask=m2)  # block 2h: output words 0, 1
+    tl.store(op + 2, e1, mask=m2)  # 2, 3
+    tl.store(op + 4, o0, mask=m2)  # block 2h + 1
+    tl.store(op + 6, o1, mask=m2)
+    code = tl.join(ce, co).to(tl.uint8)  # [2R, 2]: blocks 2h, 2h + 1
+    tl.store(os_ptr + h[:, None] * 2 + j, code, mask=m2)
