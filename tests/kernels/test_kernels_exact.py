@@ -257,6 +257,44 @@ def test_fp4_row_to_fp8_col_fast_and_rare_tiles(device):
     assert not selfcheck.compare(got, ref.fp4_row_to_fp8_col(a, seg))
 
 
+@pytest.mark.parametrize("device", _codec_devices())
+def test_bf16_to_fp8_col_on_every_bf16_pattern_and_edge_channels(device):
+    """BF16 -> FP8 column (two channels per 32-bit word, a packed s16 max for the amax, Inf/NaN lanes made positive
+    NaNs before the scaling): every one of the 65536 BF16 bit patterns once (NaN and Inf of both signs, -0,
+    denormals), then channels built to separate the two lanes of a word: an all-NaN/Inf channel beside a finite one
+    (amax 0, scale 1, bytes 0x7F), channels of BF16 denormals only (scale 2**-126), amax at 448 * 2**k and one step
+    above, a lone Inf or -NaN among tiny values; ragged segments with odd lengths and empty experts (padding
+    zeros), and a BF16 view at an odd element offset."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launchers
+
+    g = torch.Generator().manual_seed(7)
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)[torch.randperm(65536, generator=g)]
+    edge = torch.randint(-32768, 32768, (256, 256), generator=g, dtype=torch.int32).to(torch.int16)
+    c = torch.arange(256)
+    edge[:, c % 8 == 0] = torch.tensor([0x7F80, -128, 0x7FC0, -64, 0x7F81])[torch.randint(0, 5, (256, 32), generator=g)].to(torch.int16)
+    edge[:, c % 8 == 2] = torch.randint(-128, 128, (256, 32), generator=g).to(torch.int16) & -32641  # sign | 0..0x7F
+    edge[:, c % 8 == 3] = torch.randint(0, 0x7F80, (256, 32), generator=g).to(torch.int16)  # finite, any exponent
+    edge[:, c % 8 == 4] = 0x3F80  # 1.0 ...
+    edge[5, c % 8 == 4] = 0x43E0  # ... and 448: scale 1
+    edge[:, c % 8 == 5] = -16512  # -1.0 ...
+    edge[9, c % 8 == 5] = -15391  # ... and -(448 + 2): scale 2
+    edge[:, c % 8 == 6] = torch.randint(-128, 128, (256, 32), generator=g).to(torch.int16) & -32641
+    edge[3, c % 8 == 6] = 0x7F80  # one Inf among denormals: scale from the denormals
+    edge[:, c % 8 == 7] = 0x0001
+    edge[7, c % 8 == 7] = -64  # -NaN
+    for bits, counts in ((every.reshape(256, 256), [256]), (edge, [1, 0, 130, 0, 125])):
+        x = bits.view(torch.bfloat16)
+        seg = Segments.of(counts, 256)
+        got = launchers.bf16_to_fp8_col(x.to(device), seg)
+        assert not selfcheck.compare(got, ref.bf16_to_fp8_col(x, seg))
+    buf = torch.cat([torch.zeros(1, dtype=torch.int16), edge.reshape(-1)]).view(torch.bfloat16)
+    odd = buf.to(device)[1:].view(256, 256)
+    seg = Segments.of([100, 156], 256)
+    assert not selfcheck.compare(launchers.bf16_to_fp8_col(odd, seg), ref.bf16_to_fp8_col(edge.view(torch.bfloat16), seg))
+
+
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
 def test_the_self_check_can_share_inputs_between_conversions():
     """selfcheck.main generates each input once for every conversion of its shape: no kernel or reference may write

@@ -53,7 +53,7 @@ KERNELS = {
                            {"q_ptr": "*u8", "s_ptr": "*u8", "o_ptr": "*u8", "os_ptr": "*fp32", "tiles_ptr": "*i32",
                             "K": "constexpr", "BN": "constexpr", "EMULATE": "constexpr"}),
     "bf16_to_fp8_col": (col.bf16_to_fp8_col_kernel,
-                        {"x_ptr": "*i16", "o_ptr": "*u8", "os_ptr": "*fp32", "tiles_ptr": "*i32",
+                        {"x_ptr": "*i32", "o_ptr": "*i32", "os_ptr": "*fp32", "tiles_ptr": "*i32",
                          "K": "constexpr", "BN": "constexpr", "EMULATE": "constexpr", "X_BF16": "constexpr"}),
     "quantize_weight_128x128": (weight.quantize_weight_128x128_kernel,
                                 {"w_ptr": "*i16", "off_ptr": "*i64", "q_ptr": "*i16", "s_ptr": "*fp32", "qt_ptr": "*u8",

@@ -20,9 +20,12 @@ from .common import (
     ceil_log2_ratio,
     e2m1_value,
     e4m3_bits,
+    e4m3x2,
     e8m0_value,
     exp2_i,
+    fp8_exp_from_amax_bits,
     load_f32,
+    prmt,
 )
 
 TILE_T = 128  # tokens per tile = one 1x128 scale group along tokens
@@ -153,11 +156,97 @@ def _e4m3_mag(c, base):
 
 
 @triton.jit
+def _smax16x2(a, b):
+    """``max.s16x2`` (reduction combine): lane-wise signed 16-bit maximum."""
+    return tl.inline_asm_elementwise("max.s16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _smax16x2_emulated(a, b):
+    lo = tl.maximum((a << 16) >> 16, (b << 16) >> 16)
+    hi = tl.maximum(a >> 16, b >> 16)
+    return (lo & 0xFFFF) | (hi << 16)
+
+
+@triton.jit
+def _e4m3x4(a0, a1, b0, b1, EMULATE: tl.constexpr):
+    """Four tensors of float32 bits (|v| <= 448 or NaN) -> int32 of their E4M3 bytes a0, a1, b0, b1 (byte 0 .. 3):
+    two ``cvt.rn.satfinite.e4m3x2.f32`` and one move packing the halves."""
+    if EMULATE:
+        return (e4m3x2(a0, a1, True).to(tl.int32) & 0xFFFF) | (e4m3x2(b0, b1, True).to(tl.int32) << 16)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; cvt.rn.satfinite.e4m3x2.f32 l, $2, $1; cvt.rn.satfinite.e4m3x2.f32 h, $4, $3; "
+            "mov.b32 $0, {l, h}; }", "=r,r,r,r,r", [a0, a1, b0, b1], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16_pairs_to_fp8_col(w_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN: tl.constexpr, EMULATE: tl.constexpr):
+    """BF16 -> FP8 column on 32-bit words of two channels (2j in the low half, 2j+1 in the high half).
+
+    Per word: m = |x| bits of both lanes (one LOP3); u = m + 0x0080 per lane (no carry between lanes: m <= 0x7FFF)
+    maps the finite magnitudes 0..0x7F7F to 0x0080..0x7FFF and Inf/NaN (0x7F80..0x7FFF) to 0x8000..0x807F, negative
+    as s16, so the per-channel finite amax + 0x80 is a ``max.s16x2`` reduction of u over the 128 tokens (the padding
+    tokens load 0, a finite zero; a channel of only Inf/NaN gets a negative key, amax 0). u's lane sign bits also
+    mark the non-finite lanes: one LOP3 clears the sign of those lanes in x, and each lane becomes float32 with one
+    PRMT that fills the low 16 bits with copies of that mark (finite: the exact value; Inf/NaN: a positive NaN,
+    which FMUL and ``cvt.rn.satfinite.e4m3x2`` keep a NaN, 0x7F, as the reference). The scaled float32 values of
+    two consecutive tokens of one channel go through one ``cvt.rn.satfinite.e4m3x2.f32``, so that after the
+    transpose (16-bit pairs, through shared memory) one PRMT joins two such pairs into the output word of four
+    tokens."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    row0 = tl.load(tiles_ptr + t * 5 + 0).to(tl.int64)
+    valid = tl.load(tiles_ptr + t * 5 + 1)
+    p_e = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 2), 128)
+    mp_e = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 3), 128)
+    tok0 = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 4), 128)
+    # tokens 2i + p as [i, p, word]: each thread gets both tokens of a pair (Triton's load layout gives threads to
+    # dimension 1 last)
+    tp = tl.arange(0, 64)[:, None, None]
+    par = tl.arange(0, 2)[None, :, None]
+    words = pid_n * (BN // 2) + tl.arange(0, BN // 2)[None, None, :]
+    tok = 2 * tp + par
+    # one 64-bit base per program, 32-bit offsets inside the tile (128 * K/2 words)
+    w = tl.load(w_ptr + row0 * (K // 2) + (tok * (K // 2) + words), mask=tok < valid, other=0)  # [64, 2, BN/2]
+    m = w & 0x7FFF7FFF
+    u = m + 0x00800080
+    if EMULATE:
+        key = tl.reduce(tl.reduce(u, 1, _smax16x2_emulated), 0, _smax16x2_emulated)  # [BN/2]
+    else:
+        key = tl.reduce(tl.reduce(u, 1, _smax16x2), 0, _smax16x2)
+    a_lo = tl.maximum(((key << 16) >> 16) - 0x80, 0) << 16  # float32 bits of channel 2j's finite amax
+    a_hi = tl.maximum((key >> 16) - 0x80, 0) << 16
+    k_lo = fp8_exp_from_amax_bits(a_lo)
+    k_hi = fp8_exp_from_amax_bits(a_hi)
+    wf = w & ~(u & -2147450880)  # 0x80008000: the sign bit of the non-finite lanes cleared
+    lo = prmt(wf, u, 0x10DD, EMULATE).to(tl.float32, bitcast=True) * exp2_i(-k_lo)[None, None, :]
+    hi = prmt(wf, u, 0x32FF, EMULATE).to(tl.float32, bitcast=True) * exp2_i(-k_hi)[None, None, :]
+    lo0, lo1 = tl.split(tl.permute(lo.to(tl.int32, bitcast=True), (0, 2, 1)))  # [64, BN/2]: tokens 2i, 2i+1
+    hi0, hi1 = tl.split(tl.permute(hi.to(tl.int32, bitcast=True), (0, 2, 1)))
+    q = _e4m3x4(lo0, lo1, hi0, hi1, EMULATE)  # [64, BN/2]: bytes (2j, 2i), (2j, 2i+1), (2j+1, 2i), (2j+1, 2i+1)
+    qt = tl.trans(q)  # [BN/2, 64]
+    q0, q1 = tl.split(tl.reshape(qt, (BN // 2, 32, 2)))
+    out = tl.reshape(tl.permute(tl.join(prmt(q0, q1, 0x5410, EMULATE), prmt(q0, q1, 0x7632, EMULATE)), (0, 2, 1)),
+                     (BN, 32))  # tokens 4i..4i+3 of one channel
+    # the segment's [K, Mp_e] block, channel pid_n * BN, token tok0 (64-bit); BN rows of Mp_e bytes inside (32-bit)
+    base = (K * p_e.to(tl.int64) + pid_n * BN * mp_e.to(tl.int64) + tok0) // 4
+    tl.store(o_ptr + base + (tl.arange(0, BN)[:, None] * (mp_e // 4) + tl.arange(0, 32)[None, :]), out)
+    tl.store(os_ptr + ((p_e + tok0) // 128) * K + pid_n * BN + 2 * tl.arange(0, BN // 2), exp2_i(k_lo))
+    tl.store(os_ptr + ((p_e + tok0) // 128) * K + pid_n * BN + 2 * tl.arange(0, BN // 2) + 1, exp2_i(k_hi))
+
+
+@triton.jit
 def bf16_to_fp8_col_kernel(x_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN: tl.constexpr,
                            EMULATE: tl.constexpr, X_BF16: tl.constexpr):
-    pid_n = tl.program_id(0)
-    r, mask, p_e, mp_e, tok0 = _tile(tiles_ptr)
-    ch = pid_n * BN + tl.arange(0, BN)
-    x = load_f32(x_ptr + r * K + ch[None, :], mask, X_BF16)
-    q, k = _quant_cols(x, 0)
-    _store_cols(e4m3_bits(q, EMULATE), k, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)
+    """X_BF16: ``x_ptr`` holds int32 words of two BF16 channels and ``o_ptr`` int32 words of four FP8 bytes
+    (_bf16_pairs_to_fp8_col); else float inputs and uint8 output."""
+    if X_BF16:
+        _bf16_pairs_to_fp8_col(x_ptr, o_ptr, os_ptr, tiles_ptr, K, BN, EMULATE)
+    else:
+        pid_n = tl.program_id(0)
+        r, mask, p_e, mp_e, tok0 = _tile(tiles_ptr)
+        ch = pid_n * BN + tl.arange(0, BN)
+        x = load_f32(x_ptr + r * K + ch[None, :], mask, False)
+        q, k = _quant_cols(x, 0)
+        _store_cols(e4m3_bits(q, EMULATE), k, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)

@@ -231,7 +231,12 @@ def bf16_to_fp8_col(x: torch.Tensor, seg: Segments) -> FP8ColTensor:
     xa, xb = _x16(x)
     o, s, tiles, grid, meta = _col_launch("bf16_to_fp8_col", seg, k, x.device)
     if tiles.shape[0]:
-        col.bf16_to_fp8_col_kernel[grid](xa, o.view(torch.uint8), s, tiles, k, EMULATE=INTERPRET, X_BF16=xb, **meta)
+        if xb:  # BF16 as int32 words of two channels, FP8 out as int32 words of four tokens (k, Mp are even)
+            xa = (x if x.storage_offset() % 2 == 0 else x.clone()).view(torch.int32)  # a view at an odd offset: copied
+            ov = o.view(torch.int32)
+        else:
+            ov = o.view(torch.uint8)
+        col.bf16_to_fp8_col_kernel[grid](xa, ov, s, tiles, k, EMULATE=INTERPRET, X_BF16=xb, **meta)
     return FP8ColTensor(o, s, seg, k)
 
 
