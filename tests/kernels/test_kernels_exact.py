@@ -328,3 +328,72 @@ def test_fp4_to_bf16_on_unaligned_odd_inputs(device):
     dev = MXFP4Tensor(raw.to(device)[1:].reshape(m, k // 2), a.scales.to(device), (m, k))
     assert dev.data.data_ptr() % 4 != 0
     assert not selfcheck.compare(launchers.fp4_to_bf16(dev), ref.fp4_to_bf16(a))
+
+
+def _bf16_blocks_below_every_kind_of_block_max(seed: int = 0) -> torch.Tensor:
+    """BF16 [N, 32] blocks (N a multiple of 4, so they also make 128-element groups): for block maxima M with every
+    kind of exponent (BF16 denormals, the smallest normals, 1, the top codes 252/253) and significand (1.0, 1.5
+    exactly, just above 1.5, the largest), element 0 is M (or -M) and the other 31 run through every BF16 magnitude
+    in the nine binades below |M| (both signs, -0 and zeros included): the ceil rule's ties at 1.5, the floor rule's
+    elements in (6, 8) that saturate at 6, and values scaled into E2M1's subnormal step. Plus blocks with NaN, +Inf
+    or -Inf beside finite values, all -0 blocks and all zero blocks."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for e in (0, 1, 2, 3, 9, 100, 126, 127, 128, 200, 252, 253, 254):
+        for f in (0x00, 0x01, 0x3F, 0x40, 0x41, 0x7F):
+            top = (e << 7) | f
+            if e == 0 and f == 0:
+                continue
+            mags = torch.arange(max(top - 9 * 128, 0), top + 1, dtype=torch.int32)
+            vals = torch.cat([mags, mags | 0x8000])
+            vals = vals[torch.randperm(vals.numel(), generator=g)]
+            n = -(-vals.numel() // 31)
+            body = torch.cat([vals, torch.zeros(n * 31 - vals.numel(), dtype=torch.int32)]).reshape(n, 31)
+            first = torch.full((n, 1), top, dtype=torch.int32) | (torch.randint(0, 2, (n, 1), generator=g) << 15)
+            rows.append(torch.cat([first, body], dim=1))
+    special = torch.randint(0, 0x7F80, (12, 32), generator=g, dtype=torch.int32)
+    for i, v in enumerate((0x7FC0, 0x7F80, 0xFF80, 0xFFC1, 0x7F81, 0x7F80)):
+        special[2 * i, (7 * i) % 32] = v
+        special[2 * i + 1, 31 - i] = v
+    rows += [special, torch.full((2, 32), 0x8000, dtype=torch.int32), torch.zeros(2, 32, dtype=torch.int32)]
+    x = torch.cat(rows)
+    x = torch.cat([x, torch.zeros((-x.shape[0]) % 4, 32, dtype=torch.int32)])
+    return x.to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+@pytest.mark.parametrize("rule", ["ceil", "floor"])
+def test_bf16_encoders_below_every_kind_of_block_max(device, rule):
+    """BF16ToFP4Row (packed 16-bit max and BF16x2 E2M1 rounding, row._bf16_mxfp4_blocks) and the fused
+    BF16 -> (MXFP4, FP8 row) against the reference on every BF16 magnitude in the nine binades under block maxima
+    of every kind, NaN/Inf blocks, -0, BF16 denormals, both rules (the fused kernel: ceil), with a ragged last tile
+    (the rows are not a multiple of any tile)."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launchers
+
+    x = _bf16_blocks_below_every_kind_of_block_max().to(device)
+    assert not selfcheck.compare(launchers.bf16_to_fp4_row(x, rule), ref.bf16_to_fp4_row(x.cpu(), rule))
+    x2 = x.reshape(-1, 160)[:-1]  # another row length, 5 blocks per row
+    assert not selfcheck.compare(launchers.bf16_to_fp4_row(x2, rule), ref.bf16_to_fp4_row(x2.cpu(), rule))
+    if rule == "ceil":
+        x128 = x.reshape(-1, 128)
+        seg = Segments.of(None, x128.shape[0])
+        got = launchers.bf16_to_fp4_and_fp8_row(x128, seg)
+        assert not selfcheck.compare(got, ref.bf16_to_fp4_and_fp8_row(x128.cpu(), None))
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+def test_bf16_encoders_on_an_input_4_bytes_off_8_byte_alignment(device):
+    """The BF16 MXFP4 encoders read blocks as int64 pairs; an input view 4 bytes past an 8-byte boundary is copied
+    by the launchers first (else misaligned loads on a GPU); the result is the reference's."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launchers
+
+    buf = torch.randn(2 + 8 * 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(device)
+    x = buf[2:].view(8, 256)
+    assert x.data_ptr() % 8 == 4
+    assert not selfcheck.compare(launchers.bf16_to_fp4_row(x), ref.bf16_to_fp4_row(x.cpu()))
+    got = launchers.bf16_to_fp4_and_fp8_row(x, Segments.of(None, 8))
+    assert not selfcheck.compare(got, ref.bf16_to_fp4_and_fp8_row(x.cpu(), None))

@@ -30,7 +30,7 @@ _FP8 = {"M": "i32", "K": "constexpr", "R": "constexpr"}
 KERNELS = {
     "bf16_to_fp4_row": (row.bf16_to_fp4_row_kernel,
                         {"x_ptr": "*i32", "q_ptr": "*u8", "s_ptr": "*u8", "NB": "i32", "R": "constexpr",
-                         "RULE_CEIL": "constexpr", "X_BF16": "constexpr"}),
+                         "RULE_CEIL": "constexpr", "X_BF16": "constexpr", "EMULATE": "constexpr"}),
     "fp4_to_bf16": (row.fp4_to_bf16_kernel,
                     {"q_ptr": "*u8", "s_ptr": "*u8", "o_ptr": "*i32", "NB": "i32", "R": "constexpr",
                      "EMULATE": "constexpr"}),

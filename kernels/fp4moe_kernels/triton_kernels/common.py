@@ -304,3 +304,21 @@ def f16x2_from_f32(hi, lo, EMULATE: tl.constexpr):
     else:
         return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,r,r", [hi, lo], dtype=tl.int32,
                                          is_pure=True, pack=1)
+
+
+@triton.jit
+def bf16x2_fma(a, b, c, EMULATE: tl.constexpr):
+    """PTX ``fma.rn.bf16x2`` (sm_80+) on int32 tensors holding two BF16 each: a * b + c lane-wise, rounded once to
+    nearest-even BF16, subnormals kept. One ``HFMA2.BF16_V2`` on the GPU. The interpreter forms a * b + c in float32
+    and rounds that to BF16: the PTX result whenever a * b is exact in float32 and the sum either is too or lies far
+    from a BF16 rounding boundary (the E2M1 rounding in ``row._bf16_e2m1_lanes``: a power-of-two product plus an
+    addend whose bits below 2**-17 cannot move a result that is a multiple of 2**-1 away from its BF16 tie points)."""
+    if EMULATE:
+        lo = ((a << 16).to(tl.float32, bitcast=True) * (b << 16).to(tl.float32, bitcast=True)
+              + (c << 16).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+        hi = ((a & -65536).to(tl.float32, bitcast=True) * (b & -65536).to(tl.float32, bitcast=True)
+              + (c & -65536).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+        return _bf16_rne_bits(lo) | (_bf16_rne_bits(hi) << 16)
+    else:
+        return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)

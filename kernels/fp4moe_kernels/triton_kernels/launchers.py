@@ -130,11 +130,14 @@ def _row_launch(name: str, m: int, k: int, unit: int):
 def bf16_to_fp4_row(x: torch.Tensor, rule: str = "ceil") -> MXFP4Tensor:
     m, k = x.shape
     xa, xb = _x(x)
+    if xb and xa.data_ptr() % 8:  # the BF16 path reads blocks as int64 pairs of words: 8-byte aligned
+        xa = xa.clone()
     q = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
     s = torch.empty(m, k // 32, dtype=torch.uint8, device=x.device)
     if m:
         grid, meta = _row_launch("bf16_to_fp4_row", m, k, 32)
-        row.bf16_to_fp4_row_kernel[grid](xa, q, s, m * k // 32, RULE_CEIL=(rule == "ceil"), X_BF16=xb, **meta)
+        row.bf16_to_fp4_row_kernel[grid](xa, q, s, m * k // 32, RULE_CEIL=(rule == "ceil"), X_BF16=xb,
+                                         EMULATE=INTERPRET, **meta)
     return MXFP4Tensor(q, s, (m, k))
 
 
@@ -154,6 +157,8 @@ def bf16_to_fp8_row(x: torch.Tensor, seg: Segments) -> FP8RowTensor:
 def bf16_to_fp4_and_fp8_row(x: torch.Tensor, seg: Segments, rule: str = "ceil"):
     m, k = x.shape
     xa, xb = _x(x)
+    if xb and xa.data_ptr() % 8:  # the MXFP4 part reads blocks as int64 pairs of words: 8-byte aligned
+        xa = xa.clone()
     q4 = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
     s4 = torch.empty(m, k // 32, dtype=torch.uint8, device=x.device)
     q8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)

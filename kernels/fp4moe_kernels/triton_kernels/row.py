@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    bf16x2_fma,
     bf16x2_mul,
     e2m1_codes_from_bits,
     e4m3x2,
@@ -105,14 +106,118 @@ def _row_scale_offset(g, M, K: tl.constexpr, row_seg_ptr, seg_off_ptr, mask, SIN
 
 
 @triton.jit
+def _and_xor(a, m, k, EMULATE: tl.constexpr):
+    """(a & m) ^ k as one ``lop3.b32`` (ptxas splits an AND and an XOR with two immediates into two LOP3)."""
+    if EMULATE:
+        return (a & m) ^ k
+    else:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0x6A;", "=r,r,r,r",
+                                         [a, tl.full(a.shape, m, tl.int32), tl.full(a.shape, k, tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16_e2m1_lanes(m, a2, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
+    """E2M1 magnitude codes of two BF16 magnitudes ``m`` (a BF16x2 word, sign bits clear) of a block with BF16 scale
+    ``a2`` = 2**(127-code) in both lanes -> each lane holds its code << 6 (0..7 << 6). Five instructions per
+    pair (HMUL2, VIMNMX, LOP3, two HFMA2; six with the floor rule's cap).
+
+    y = m * a2 is the element relative to the block scale (BF16: exact for every y >= 2**-126, so for every
+    y >= 0.25 that can round above 0; a smaller y rounds to at most 0.25, which rounds to code 0 as it should);
+    y < 8 for both rules (<= 6 for ceil). E2M1's step in y's binade [2**k, 2**(k+1)), k = clamp(floor(log2 y), 0, 2),
+    is 2**(k-1), the BF16 ulp of 64 * 2**k: with t = max(y, 1.0) (``max.u16x2`` on the bits: t's exponent field is
+    127 + k), y + 64 * 2**k rounds (one ``fma.rn.bf16x2``, nearest even; 64 * 2**k is an even multiple of the step
+    and y + 64 * 2**k < 2**(k+7) stays in its binade) to 64 * 2**k + (y rounded to E2M1). The power of two is
+    u = -2**(k-120) from t's bits by one LOP3: the exponent field 127 + k (k = 0, 1, 2: 0b0111_1111, 0b1000_0000,
+    0b1000_0001) masked to its low four bits and XORed with 8 is 7 + k, plus the sign: u = (t & 0x0780) ^ 0x8400;
+    u * -2**126 = 64 * 2**k. The second fma, r * 2**-126 + u, is (y rounded) * 2**-126 exactly, and every E2M1
+    value v lands where BF16's encoding is E2M1's: v * 2**-126 has the bits code << 6 (0.5 is the subnormal 0x0040,
+    1.0 the smallest normal 0x0080, ..., 6.0 = 0x01C0). The floor rule's y in [6, 8) can round to 8 (0x0200): capped
+    at 6. NaN/Inf lanes give garbage lanes (each lane on its own), masked by the caller."""
+    y = bf16x2_mul(m, a2, EMULATE)
+    t = umax16x2(y, tl.full(y.shape, 0x3F803F80, tl.int32), EMULATE)
+    u = _and_xor(t, 0x07800780, -2080340992, EMULATE)  # (t & 0x07800780) ^ 0x84008400: -2**(k-120) in both lanes
+    r = bf16x2_fma(u, tl.full(y.shape, -25100672, tl.int32), y, EMULATE)  # 0xFE80FE80 = -2**126: y + 64 * 2**k
+    z = bf16x2_fma(r, tl.full(y.shape, 0x00800080, tl.int32), u, EMULATE)  # r * 2**-126 + u
+    if not RULE_CEIL:
+        z = umin16x2(z, tl.full(y.shape, 0x01C001C0, tl.int32), EMULATE)
+    return z
+
+
+@triton.jit
+def _mag(v):
+    """|x| bits of the two BF16 in the low 32 bits of ``v`` (int64) as an int32 word."""
+    return v.to(tl.int32) & 0x7FFF7FFF
+
+
+@triton.jit
+def _bf16_fp4_word(v, a2, keep, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
+    """One output word (eight nibbles, elements 8i .. 8i+7) from the BF16 words of those elements as int64 pairs
+    ``v`` [N, 2] (column 0: elements 0..3, column 1: 4..7). Per word of two elements, the code lanes (code << 6) get
+    the signs at lane bit 9 (bit 15 >> 6); the low 64 bits of ``ce * (2**18 + 2**6) + co * (2**26 + 2**14)`` (ce:
+    elements 0, 1; co: 2, 3; two ``IMAD.WIDE``) hold the four 4-bit fields at bits 24..39 (the shifted copies at
+    12, 20, 40, 48 overlap nothing, so no carry), taken by a 64-bit shift; one ``prmt`` joins the two halves and
+    ``keep`` (0 for a NaN block) clears NaN blocks."""
+    we = v.to(tl.int32)
+    wo = (v >> 32).to(tl.int32)
+    ce = _bf16_e2m1_lanes(_mag(v), a2, RULE_CEIL, EMULATE) | ((we >> 6) & 0x02000200)
+    co = _bf16_e2m1_lanes(_mag(v >> 32), a2, RULE_CEIL, EMULATE) | ((wo >> 6) & 0x02000200)
+    x = (ce.to(tl.uint32, bitcast=True).to(tl.uint64) * 0x00040040
+         + co.to(tl.uint32, bitcast=True).to(tl.uint64) * 0x04004000) >> 24
+    p0, p1 = tl.split(x.to(tl.int32))
+    return prmt(p0, p1, tl.full(p0.shape, 0x5410, tl.int32), EMULATE) & keep
+
+
+@triton.jit
+def _bf16_mxfp4_blocks(x_ptr, b, NB, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
+    """Blocks ``b`` [N] (of ``NB``) of BF16 input (int32 words) -> four output words [N] each (int32, eight nibbles) and the
+    UE8M0 codes [N] int32. Each thread holds whole blocks: four 16-byte loads of int64 pairs, so the block maximum
+    is a ``max.u16x2`` chain on the |x| bits within the thread (NaN/Inf sort above every finite value)."""
+    j = tl.arange(0, 2)[None, :]
+    # rows past the end read the last block again (unmasked loads: no zero-fill of the destination registers)
+    p = x_ptr.to(tl.pointer_type(tl.int64)) + tl.minimum(b, NB - 1)[:, None] * 8 + j
+    v0 = tl.load(p)
+    v1 = tl.load(p + 2)
+    v2 = tl.load(p + 4)
+    v3 = tl.load(p + 6)
+    mx = umax16x2(umax16x2(umax16x2(_mag(v0), _mag(v0 >> 32), EMULATE), umax16x2(_mag(v1), _mag(v1 >> 32), EMULATE),
+                           EMULATE),
+                  umax16x2(umax16x2(_mag(v2), _mag(v2 >> 32), EMULATE), umax16x2(_mag(v3), _mag(v3 >> 32), EMULATE),
+                           EMULATE), EMULATE)  # lane-wise max |x| bits (sign bits cleared first)
+    m0, m1 = tl.split(mx)
+    mx = umax16x2(m0, m1, EMULATE)
+    amax = tl.maximum(mx & 0xFFFF, (mx >> 16) & 0xFFFF)  # BF16 bits of the block's max |x|
+    if RULE_CEIL:  # 127 + ceil(log2(amax / 6)) = e - 2 + (significand > 1.5)
+        code = ((amax + 0x3F) >> 7) - 2
+    else:  # 127 + floor(log2(amax)) - 2
+        code = (amax >> 7) - 2
+    nan_blk = amax >= 0x7F80
+    code = tl.where(nan_blk, 255, tl.maximum(code, 0))
+    a2 = ((254 - code) * 0x00800080)[:, None]  # BF16 2**(127-code), both lanes
+    keep = tl.where(nan_blk, 0, -1)
+    o0 = _bf16_fp4_word(v0, a2, keep, RULE_CEIL, EMULATE)
+    o1 = _bf16_fp4_word(v1, a2, keep, RULE_CEIL, EMULATE)
+    o2 = _bf16_fp4_word(v2, a2, keep, RULE_CEIL, EMULATE)
+    o3 = _bf16_fp4_word(v3, a2, keep, RULE_CEIL, EMULATE)
+    return o0, o1, o2, o3, code
+
+
+@triton.jit
 def bf16_to_fp4_row_kernel(x_ptr, q_ptr, s_ptr, NB, R: tl.constexpr, RULE_CEIL: tl.constexpr,
-                           X_BF16: tl.constexpr):
+                           X_BF16: tl.constexpr, EMULATE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     mask = b < NB
-    lo, hi = _load_words(x_ptr, b, 16, mask[:, None], X_BF16)
-    byte, code = _mxfp4_blocks(lo, hi, RULE_CEIL)
-    tl.store(q_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], byte, mask=mask[:, None])
-    tl.store(s_ptr + b, code, mask=mask)
+    if X_BF16:
+        o0, o1, o2, o3, code = _bf16_mxfp4_blocks(x_ptr, b, NB, RULE_CEIL, EMULATE)
+        out = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, 4))  # [R, 2, 2]: [.., a, c] = o_(2a+c)
+        tl.store(q_ptr.to(tl.pointer_type(tl.int32)) + b[:, None] * 4 + tl.arange(0, 4)[None, :], out,
+                 mask=mask[:, None])
+        tl.store(s_ptr + b, code.to(tl.uint8), mask=mask)
+    else:
+        lo, hi = _load_words(x_ptr, b, 16, mask[:, None], X_BF16)
+        byte, code = _mxfp4_blocks(lo, hi, RULE_CEIL)
+        tl.store(q_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], byte, mask=mask[:, None])
+        tl.store(s_ptr + b, code, mask=mask)
 
 
 # BF16 bits of the E2M1 magnitudes v_c (c = 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6) as prmt byte tables (entry c in byte c of
@@ -184,17 +289,24 @@ def bf16_to_fp4_and_fp8_row_kernel(x_ptr, q4_ptr, s4_ptr, q8_ptr, s8_ptr, row_se
                                    SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr, X_BF16: tl.constexpr):
     g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     mask = g < M * (K // 128)
+    b = tl.program_id(0).to(tl.int64) * (4 * R) + tl.arange(0, 4 * R)
+    bmask = b < M * (K // 32)
+    if X_BF16:  # the 4R MXFP4 blocks in the layout of BF16ToFP4Row (one thread per block); the FP8 part below reads
+        # the same bytes again in its own layout (from L1)
+        o0, o1, o2, o3, code = _bf16_mxfp4_blocks(x_ptr, b, M * (K // 32), RULE_CEIL, EMULATE)
+        out = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (4 * R, 4))
+        tl.store(q4_ptr.to(tl.pointer_type(tl.int32)) + b[:, None] * 4 + tl.arange(0, 4)[None, :], out,
+                 mask=bmask[:, None])
+        tl.store(s4_ptr + b, code.to(tl.uint8), mask=bmask)
     lo, hi = _load_words(x_ptr, g, 64, mask[:, None], X_BF16)
     pairs, k = _fp8_groups(lo, hi, EMULATE)
     tl.store(q8_ptr + g[:, None] * 64 + tl.arange(0, 64)[None, :], pairs, mask=mask[:, None])
     so = _row_scale_offset(g, M, K, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT)
     tl.store(s8_ptr + so, exp2_i(k), mask=mask)
-    # the same words seen as the 4R MXFP4 blocks of these groups: [R, 64] -> [4R, 16] is a pure reshape
-    byte, code = _mxfp4_blocks(tl.reshape(lo, (4 * R, 16)), tl.reshape(hi, (4 * R, 16)), RULE_CEIL)
-    b = tl.program_id(0).to(tl.int64) * (4 * R) + tl.arange(0, 4 * R)
-    bmask = b < M * (K // 32)
-    tl.store(q4_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], byte, mask=bmask[:, None])
-    tl.store(s4_ptr + b, code, mask=bmask)
+    if not X_BF16:  # the same words seen as the 4R MXFP4 blocks of these groups: [R, 64] -> [4R, 16] is a pure reshape
+        byte, code = _mxfp4_blocks(tl.reshape(lo, (4 * R, 16)), tl.reshape(hi, (4 * R, 16)), RULE_CEIL)
+        tl.store(q4_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], byte, mask=bmask[:, None])
+        tl.store(s4_ptr + b, code, mask=bmask)
 
 
 @triton.jit
