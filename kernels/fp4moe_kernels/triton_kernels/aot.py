@@ -67,7 +67,8 @@ KERNELS = {
                     "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr", "BF": "constexpr"}),
     "swiglu_fwd_fp4": (fused_swiglu._swiglu_fwd_fp4_kernel,
                        {"h_ptr": "*i32", "p_ptr": "*fp32", "z_ptr": "*i32", "q_ptr": "*u8", "s_ptr": "*u8", "NB": "i32",
-                        "F": "constexpr", "HAS_P": "constexpr", "RULE_CEIL": "constexpr", "R": "constexpr"}),
+                        "F": "constexpr", "HAS_P": "constexpr", "RULE_CEIL": "constexpr", "R": "constexpr",
+                        "EMULATE": "constexpr"}),
     "swiglu_bwd_fp4": (fused_swiglu._swiglu_bwd_fp4_kernel,
                        {"q_ptr": "*u8", "s_ptr": "*u8", "dz_ptr": "*bf16", "p_ptr": "*fp32", "dh_ptr": "*i16",
                         "dp_ptr": "*fp32", "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "BT": "constexpr",
@@ -134,8 +135,9 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
         bt, bf, warps = fused_swiglu.FWD_TILE if name.startswith("swiglu_fwd") else fused_swiglu.BWD_TILE
         consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "BT": bt, "BF": bf}
         if name == "swiglu_fwd_fp4":
-            r, warps = fused_swiglu.FWD_FP4_TILE
-            consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "RULE_CEIL": flags.get("RULE_CEIL", True), "R": r}
+            r, warps = tile or fused_swiglu.FWD_FP4_TILE
+            consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "RULE_CEIL": flags.get("RULE_CEIL", True), "R": r,
+                      "EMULATE": False}
         if name == "swiglu_bwd_fp4_blocks":
             cb, rpp, warps = tile or fused_swiglu.BWD_FP4_BLOCKS_TILE
             consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "CB": cb, "RPP": rpp}

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import e2m1_value, e8m0_value
-from .row import _mxfp4_blocks
+from .common import INTERPRET, e2m1_value, e8m0_value
+from .row import _bf16_block_words, _bf16_mxfp4_encode
 
 # (rows per program, columns per program, num_warps); forward tiles are 2-D, backward programs own whole rows
 # (they sum dprobs over F) and loop over the columns.
@@ -137,39 +137,58 @@ def _z_bits(g, u, p, HAS_P: tl.constexpr):
 
 
 @triton.jit
+def _z_word(g, u, p, HAS_P: tl.constexpr):
+    """Two z BF16 (int32 word) from the int32 words ``g``, ``u`` of the two gate / up BF16."""
+    f32: tl.constexpr = tl.float32
+    zlo = _z_bits((g << 16).to(f32, bitcast=True), (u << 16).to(f32, bitcast=True), p, HAS_P)
+    zhi = _z_bits((g & -65536).to(f32, bitcast=True), (u & -65536).to(f32, bitcast=True), p, HAS_P)
+    return zlo | (zhi << 16)
+
+
+@triton.jit
+def _z_pairs(gv, uv, p, HAS_P: tl.constexpr):
+    """Four z BF16 (int64) from the int64 words ``gv``, ``uv`` of four gate / up BF16."""
+    ze = _z_word(gv.to(tl.int32), uv.to(tl.int32), p, HAS_P)
+    zo = _z_word((gv >> 32).to(tl.int32), (uv >> 32).to(tl.int32), p, HAS_P)
+    return ze.to(tl.uint32, bitcast=True).to(tl.int64) | (zo.to(tl.int64) << 32)
+
+
+@triton.jit
 def _swiglu_fwd_fp4_kernel(h_ptr, p_ptr, z_ptr, q_ptr, s_ptr, NB, F: tl.constexpr, HAS_P: tl.constexpr,
-                           RULE_CEIL: tl.constexpr, R: tl.constexpr):
+                           RULE_CEIL: tl.constexpr, R: tl.constexpr, EMULATE: tl.constexpr):
     """The forward, plus h's MXFP4 copy (what ``bf16_to_fp4_row(h)`` returns) from the same registers: h is read
     once for both. A program owns ``R`` blocks of 32 gate columns (flat index b over T x F/32: row b // (F/32)) and
-    the matching up blocks, as the row kernels do: h, z as int32 words of two BF16 ([R, 16] even / odd element
-    pairs), widened exactly by shifts; no reshape. (Declaring the 16 columns contiguous in fours, so that the byte
-    stores take the words' register layout, was 3-5 % slower on an H200: swiglu_h200_2026-12-01_831ae2f.md.)"""
+    the matching up blocks, one whole block pair per thread as the BF16 row encoder holds them
+    (``row._bf16_block_words``: four unmasked 16-byte loads per block, int64 words of four BF16; h, z and the
+    MXFP4 data 8-byte aligned): MXFP4 by ``row._bf16_mxfp4_encode`` (packed BF16x2 lanes, the BF16ToFP4Row
+    encoder), z per element by the float32 formula of ``_z_bits`` on the same words. Blocks past the end re-read
+    the last block (stores masked). In h's block numbering (F/16 blocks a row) the gate block is
+    b + row * F/32 and the up block F/32 after it; the MXFP4 data (16 bytes a block) and scales take the same
+    numbering, z (F/32 blocks a row) is numbered b."""
     b = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     mask = b < NB
-    m2 = mask[:, None]
-    row = b // (F // 32)
-    cb = b % (F // 32)
-    j = tl.arange(0, 16)[None, :]
-    hw = (row * F + cb * 16)[:, None] + j  # h [T, 2F] as words [T, F]: gate words 0..F/2-1, up words F/2..F-1
-    gw = tl.load(h_ptr + hw, mask=m2, other=0)
-    uw = tl.load(h_ptr + hw + F // 2, mask=m2, other=0)
-    glo, ghi = gw << 16, gw & -65536
-    ulo, uhi = uw << 16, uw & -65536
+    bc = tl.minimum(b, NB - 1)
+    row = bc // (F // 32)
+    bg = bc + row * (F // 32)  # gate block in h [T, 2F] as 32-element blocks; up block: bg + F/32
+    g0, g1, g2, g3 = _bf16_block_words(h_ptr, bg)
+    u0, u1, u2, u3 = _bf16_block_words(h_ptr, bg + F // 32)
     p = 0.0
     if HAS_P:
-        p = tl.load(p_ptr + row, mask=mask, other=0.0)[:, None]
-    f32: tl.constexpr = tl.float32
-    zlo = _z_bits(glo.to(f32, bitcast=True), ulo.to(f32, bitcast=True), p, HAS_P)
-    zhi = _z_bits(ghi.to(f32, bitcast=True), uhi.to(f32, bitcast=True), p, HAS_P)
-    tl.store(z_ptr + (row * (F // 2) + cb * 16)[:, None] + j, zlo | (zhi << 16), mask=m2)
-    qb = (row * F + cb * 16)[:, None] + j  # h's MXFP4 data [T, F] bytes: gate half, then up half
-    sb = row * (F // 16) + cb  # its scales [T, F/16]
-    byte, code = _mxfp4_blocks(glo, ghi, RULE_CEIL)
-    tl.store(q_ptr + qb, byte, mask=m2)
-    tl.store(s_ptr + sb, code, mask=mask)
-    byte, code = _mxfp4_blocks(ulo, uhi, RULE_CEIL)
-    tl.store(q_ptr + qb + F // 2, byte, mask=m2)
-    tl.store(s_ptr + sb + F // 32, code, mask=mask)
+        p = tl.load(p_ptr + row)[:, None]
+    j = tl.arange(0, 2)[None, :]
+    zp = z_ptr.to(tl.pointer_type(tl.int64)) + b[:, None] * 8 + j
+    m2 = mask[:, None]
+    tl.store(zp, _z_pairs(g0, u0, p, HAS_P), mask=m2)
+    tl.store(zp + 2, _z_pairs(g1, u1, p, HAS_P), mask=m2)
+    tl.store(zp + 4, _z_pairs(g2, u2, p, HAS_P), mask=m2)
+    tl.store(zp + 6, _z_pairs(g3, u3, p, HAS_P), mask=m2)
+    qp = q_ptr.to(tl.pointer_type(tl.int32)) + bg[:, None] * 4 + tl.arange(0, 4)[None, :]
+    o0, o1, o2, o3, code = _bf16_mxfp4_encode(g0, g1, g2, g3, RULE_CEIL, EMULATE)
+    tl.store(qp, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, 4)), mask=m2)
+    tl.store(s_ptr + bg, code.to(tl.uint8), mask=mask)
+    o0, o1, o2, o3, code = _bf16_mxfp4_encode(u0, u1, u2, u3, RULE_CEIL, EMULATE)
+    tl.store(qp + F // 8, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, 4)), mask=m2)
+    tl.store(s_ptr + bg + F // 32, code.to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -309,9 +328,12 @@ def swiglu_fwd_fp4(h: torch.Tensor, probs: Optional[torch.Tensor] = None, rule: 
     if t and f:
         r, warps = tile or FWD_FP4_TILE
         nb = t * (f // 32)
+        if h.data_ptr() % 8:  # the kernel reads blocks as int64 words: 8-byte aligned
+            h = h.clone()
         _swiglu_fwd_fp4_kernel[(triton.cdiv(nb, r),)](h.view(torch.int32), probs if probs is not None else h,
                                                        z.view(torch.int32), q, sc, nb, f, HAS_P=probs is not None,
-                                                       RULE_CEIL=rule == "ceil", R=r, num_warps=warps)
+                                                       RULE_CEIL=rule == "ceil", R=r, EMULATE=INTERPRET,
+                                                       num_warps=warps)
     return z, (q, sc)
 
 

@@ -169,17 +169,19 @@ def _bf16_fp4_word(v, a2, keep, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _bf16_mxfp4_blocks(x_ptr, b, NB, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
-    """Blocks ``b`` [N] (of ``NB``) of BF16 input (int32 words) -> four output words [N] each (int32, eight nibbles) and the
-    UE8M0 codes [N] int32. Each thread holds whole blocks: four 16-byte loads of int64 pairs, so the block maximum
-    is a ``max.u16x2`` chain on the |x| bits within the thread (NaN/Inf sort above every finite value)."""
+def _bf16_block_words(x_ptr, blk):
+    """The 32 BF16 of blocks ``blk`` [N] (in range: no mask) as four int64 pairs [N, 2] of four BF16 each: four
+    unmasked 16-byte loads (``x_ptr`` 8-byte aligned)."""
     j = tl.arange(0, 2)[None, :]
-    # rows past the end read the last block again (unmasked loads: no zero-fill of the destination registers)
-    p = x_ptr.to(tl.pointer_type(tl.int64)) + tl.minimum(b, NB - 1)[:, None] * 8 + j
-    v0 = tl.load(p)
-    v1 = tl.load(p + 2)
-    v2 = tl.load(p + 4)
-    v3 = tl.load(p + 6)
+    p = x_ptr.to(tl.pointer_type(tl.int64)) + blk[:, None] * 8 + j
+    return tl.load(p), tl.load(p + 2), tl.load(p + 4), tl.load(p + 6)
+
+
+@triton.jit
+def _bf16_mxfp4_encode(v0, v1, v2, v3, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
+    """MXFP4 of blocks held as ``_bf16_block_words`` gives them -> four output words [N] each (int32, eight
+    nibbles) and the UE8M0 codes [N] int32. The block maximum is a ``max.u16x2`` chain on the |x| bits within the
+    thread (NaN/Inf sort above every finite value)."""
     mx = umax16x2(umax16x2(umax16x2(_mag(v0), _mag(v0 >> 32), EMULATE), umax16x2(_mag(v1), _mag(v1 >> 32), EMULATE),
                            EMULATE),
                   umax16x2(umax16x2(_mag(v2), _mag(v2 >> 32), EMULATE), umax16x2(_mag(v3), _mag(v3 >> 32), EMULATE),
@@ -200,6 +202,21 @@ def _bf16_mxfp4_blocks(x_ptr, b, NB, RULE_CEIL: tl.constexpr, EMULATE: tl.conste
     o2 = _bf16_fp4_word(v2, a2, keep, RULE_CEIL, EMULATE)
     o3 = _bf16_fp4_word(v3, a2, keep, RULE_CEIL, EMULATE)
     return o0, o1, o2, o3, code
+
+
+@triton.jit
+def _bf16_mxfp4_blocks(x_ptr, b, NB, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
+    """Blocks ``b`` [N] (of ``NB``) of BF16 input (int32 words) -> four output words [N] each (int32, eight nibbles) and the
+    UE8M0 codes [N] int32. Each thread holds whole blocks: four 16-byte loads of int64 pairs, so the block maximum
+    is a ``max.u16x2`` chain on the |x| bits within the thread (NaN/Inf sort above every finite value)."""
+    # rows past the end read the last block again (unmasked loads: no zero-fill of the destination registers)
+    j = tl.arange(0, 2)[None, :]
+    p = x_ptr.to(tl.pointer_type(tl.int64)) + tl.minimum(b, NB - 1)[:, None] * 8 + j
+    v0 = tl.load(p)
+    v1 = tl.load(p + 2)
+    v2 = tl.load(p + 4)
+    v3 = tl.load(p + 6)
+    return _bf16_mxfp4_encode(v0, v1, v2, v3, RULE_CEIL, EMULATE)
 
 
 @triton.jit
