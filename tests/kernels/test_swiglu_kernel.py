@@ -10,6 +10,10 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+
+from fp4moe_kernels.triton_kernels.common import bf16_rne_bits
 
 ops_swiglu = importlib.import_module("fp4moe.ops.swiglu")  # the module (fp4moe.ops exports a function of that name)
 
@@ -259,3 +263,28 @@ def test_bench_tiles_reach_the_kernels():
     for tile in fwd:
         z1, (qd1, qs1) = swiglu_fwd_fp4(h, tile=tile)
         assert torch.equal(z1.view(torch.int16), z.view(torch.int16)) and torch.equal(qd1, qd) and torch.equal(qs1, qs)
+
+
+@triton.jit
+def _bf16_round_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    """common.bf16_rne_bits applied to int32 words."""
+    i = tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(o_ptr + i, bf16_rne_bits(tl.load(x_ptr + i, mask=m)), mask=m)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
+def test_bf16_rounding_of_the_kernels_keeps_nan_and_rounds_as_torch():
+    """common.bf16_rne_bits (the SwiGLU kernels' z / dh rounding and the bf16x2 twins'): nearest-even as torch's
+    ``.to(torch.bfloat16)`` on float32 bit patterns, and NaN stays NaN whatever its payload: a GPU's NaN is
+    0x7FFFFFFF, which the rounding add alone carries into 0x8000 (-0.0)."""
+    words = [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF800001, 0x7FC00000, 0x7F800000, 0xFF800000, 0x7F7FFFFF,
+             0x3F800000, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x80000000, 0x00000001, 0x00008000, 0x00018000]
+    bits = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+    out = torch.empty_like(bits)
+    _bf16_round_kernel[(1,)](bits, out, len(words), BLOCK=16)
+    got = (out & 0xFFFF).to(torch.int16).view(torch.bfloat16).float()
+    want = bits.view(torch.float32).to(torch.bfloat16).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), (got, want)
+    assert torch.equal(got[~nan], want[~nan]) and torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))

@@ -190,8 +190,9 @@ def prmt(a, b, sel, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _bf16_rne_bits(x):
-    """float32 bits (int32) -> BF16 bits (int32, 0..0xFFFF), nearest-even; NaN -> 0x7FFF (a quiet NaN)."""
+def bf16_rne_bits(x):
+    """float32 bits (int32) -> BF16 bits (int32, 0..0xFFFF), nearest-even; NaN -> 0x7FFF (a quiet NaN; the rounding add
+    alone would carry a GPU's NaN, 0x7FFFFFFF, into -0.0)."""
     r = ((x + 0x7FFF + ((x >> 16) & 1)) >> 16) & 0xFFFF
     return tl.where((x & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, r)
 
@@ -206,7 +207,7 @@ def bf16x2_mul(a, b, EMULATE: tl.constexpr):
     if EMULATE:
         lo = ((a << 16).to(tl.float32, bitcast=True) * (b << 16).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
         hi = ((a & -65536).to(tl.float32, bitcast=True) * (b & -65536).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
-        return _bf16_rne_bits(lo) | (_bf16_rne_bits(hi) << 16)
+        return bf16_rne_bits(lo) | (bf16_rne_bits(hi) << 16)
     else:
         return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b],
                                          dtype=tl.int32, is_pure=True, pack=1)
@@ -318,7 +319,7 @@ def bf16x2_fma(a, b, c, EMULATE: tl.constexpr):
               + (c << 16).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
         hi = ((a & -65536).to(tl.float32, bitcast=True) * (b & -65536).to(tl.float32, bitcast=True)
               + (c & -65536).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
-        return _bf16_rne_bits(lo) | (_bf16_rne_bits(hi) << 16)
+        return bf16_rne_bits(lo) | (bf16_rne_bits(hi) << 16)
     else:
         return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
                                          is_pure=True, pack=1)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, e2m1_value, e8m0_value
+from .common import INTERPRET, bf16_rne_bits, e2m1_value, e8m0_value
 from .row import _bf16_block_words, _bf16_mxfp4_encode
 
 # (rows per program, columns per program, num_warps); forward tiles are 2-D, backward programs own whole rows
@@ -43,10 +43,10 @@ BWD_FP4_BLOCKS_TILE = (32, 4, 4)
 
 @triton.jit
 def _bf16_bits(x):
-    """float32 -> the int16 bits of its BF16 rounding, nearest-even (as torch's ``.to(torch.bfloat16)``), by integer
-    arithmetic: the same on the GPU and under the interpreter (whose own BF16 cast does not round to nearest)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+    """float32 -> the int16 bits of its BF16 rounding, nearest-even (as torch's ``.to(torch.bfloat16)``; NaN stays NaN),
+    by integer arithmetic (``common.bf16_rne_bits``): the same on the GPU and under the interpreter (whose own BF16
+    cast does not round to nearest)."""
+    return bf16_rne_bits(x.to(tl.int32, bitcast=True)).to(tl.int16)
 
 
 @triton.jit
