@@ -397,10 +397,11 @@ def test_swiglu_fwd_fp4_below_every_kind_of_block_max(device, rule):
     x = _bf16_blocks_below_every_kind_of_block_max()
     n = x.shape[0]
     hs = [x.reshape(-1, 128), x.reshape(-1, 128)[:-1], x[: n // 6 * 6].reshape(-1, 192)]
-    buf = torch.cat([torch.zeros(2, dtype=torch.bfloat16), x[:48].reshape(-1)])
+    hs = [h.to(device) for h in hs]
+    # the offset view is taken on the device: .to(device) of a CPU view allocates afresh (8-byte aligned)
+    buf = torch.cat([torch.zeros(2, dtype=torch.bfloat16), x[:48].reshape(-1)]).to(device)
     hs.append(buf[2:].view(-1, 128))
     for i, h in enumerate(hs):
-        h = h.to(device)
         if i == 3:
             assert h.data_ptr() % 8 == 4
         for probs in (None, torch.rand(h.shape[0], generator=torch.Generator().manual_seed(i)).to(device)):
