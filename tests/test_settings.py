@@ -221,6 +221,9 @@ def test_the_new_schemas_leave_the_run_folders_where_they_were():
     assert digest(_compose("experiment=paper_t1")) == "36ea2ca05cab"
     assert digest(_compose("experiment=paper_t2", "precision=mxfp4_mlp_shared")) == "01a8f1333ebc"
     assert digest(_compose("experiment=tiny_t2_cpu")) == "eddd6c6fe651"
+    # a kernel switch added later (fp4moe.runs.folder.ABSENT_WHEN_DEFAULT) moves a folder only when it is set
+    assert digest(_compose("precision=bf16", "kernels.bf16_moe=megatron")) == "5b6b9309913c"
+    assert digest(_compose("precision=bf16", "kernels.bf16_moe=fp4moe")) != "5b6b9309913c"
 
 
 def test_a_group_option_that_does_not_exist_lists_the_files_not_the_schemas():

@@ -24,6 +24,10 @@ grouped_gemm       FP4MOE_GROUPED_GEMM        triton (one grouped launch per exp
 tiles              FP4MOE_TILES               '' (the swept defaults), or JSON / the path of a JSON file: conversion
                                               kernels' tiles (``triton_kernels.launchers.tiles_from_env``)
 gemm_tiles         FP4MOE_GEMM_TILES          '' (the swept defaults), or JSON: the grouped GEMMs' tiles
+bf16_moe           FP4MOE_BF16_MOE            megatron (the bf16 recipe's MoE layers are megatron-core's own:
+                                              SequentialMLP experts, its all-to-all dispatcher), fp4moe (fp4moe's
+                                              MoE layer with the BF16 grouped expert path, as the FP8 recipes'
+                                              layers are built; read when the model is built)
 =================  =========================  ======================================================================
 
 ``current()`` is what the operations read: the switches set by ``use`` (the trainer sets its config's), else the
@@ -38,7 +42,8 @@ from typing import Iterator, Mapping
 
 ENV = {"cuda_col": "FP4MOE_CUDA_COL", "dispatch_quantize": "FP4MOE_DISPATCH_QUANTIZE",
        "fused_swiglu": "FP4MOE_FUSED_SWIGLU", "fused_swiglu_fp4": "FP4MOE_FUSED_SWIGLU_FP4",
-       "grouped_gemm": "FP4MOE_GROUPED_GEMM", "tiles": "FP4MOE_TILES", "gemm_tiles": "FP4MOE_GEMM_TILES"}
+       "grouped_gemm": "FP4MOE_GROUPED_GEMM", "tiles": "FP4MOE_TILES", "gemm_tiles": "FP4MOE_GEMM_TILES",
+       "bf16_moe": "FP4MOE_BF16_MOE"}
 # the values each choice switch takes (the first is the default) and what each means, for the error message
 CHOICES = {
     "cuda_col": (("auto", "1", "0"), "auto (the default: CUDA C++ where it builds), 1 (CUDA C++, warn when it cannot "
@@ -49,6 +54,8 @@ CHOICES = {
     "fused_swiglu_fp4": (("1", "0"), "1 (the default: the SwiGLU writes its input's MXFP4 copy) or 0"),
     "grouped_gemm": (("triton", "deepgemm", "loop"), "'triton' (the default: one grouped launch per GEMM), 'deepgemm' "
                                                   "(fprop / dgrad through DeepGEMM) or 'loop'"),
+    "bf16_moe": (("megatron", "fp4moe"), "'megatron' (the default: the bf16 recipe keeps megatron-core's MoE layers) "
+                                         "or 'fp4moe' (fp4moe's MoE layer, BF16 grouped experts)"),
 }
 
 
@@ -72,6 +79,7 @@ class Switches:
     grouped_gemm: str = "triton"
     tiles: str = ""
     gemm_tiles: str = ""
+    bf16_moe: str = "megatron"
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -140,6 +140,47 @@ def test_bf16_recipe_is_megatron_path(mp):
     assert all(torch.equal(ga[n], gb[n]) for n in ga)
 
 
+def test_bf16_moe_switch_builds_fp4moe_layers(mp):
+    """kernels.bf16_moe=fp4moe: bf16 gets fp4moe's MoE layer (the BF16 grouped expert path), equal to the standalone
+    layer bit for bit and to megatron's bf16 path within bf16 rounding (TOL); moe_expert recompute on it gives the
+    same loss and gradients; the default switch keeps megatron's modules."""
+    from fp4moe_kernels.switches import Switches, use
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from fp4moe.model.gpt_model import check_built_from_spec
+    from fp4moe.model.recipe_moe import RecipeGroupedMLP, RecipeMoELayer
+    from fp4moe.recipe import Recipe
+
+    over = {"moe.aux_loss_coeff": 0.0}
+    megatron = _model("bf16", **over)
+    with use(Switches(bf16_moe="fp4moe")):
+        ours = _model("bf16", **over)
+        ours_rc = _model("bf16", "attn_ln_experts", **over)
+        check_built_from_spec(ours, Recipe.bf16())
+        with pytest.raises(Exception, match="not built from the spec"):
+            check_built_from_spec(megatron, Recipe.bf16())
+    moe = ours.decoder.layers[1].mlp
+    assert type(moe) is RecipeMoELayer and type(moe.experts) is RecipeGroupedMLP
+    assert type(megatron.decoder.layers[1].mlp.experts) is SequentialMLP
+    ref = _standalone_from(moe, Recipe.bf16())
+    x, gy = _layer_input_and_grad(3)
+    y, dx = _moe_run(moe, x, gy)
+    y_ref, _ = _moe_run(ref, x, gy)
+    assert torch.equal(y, y_ref)
+    assert _rel(torch.stack([e.linear_fc1.weight.grad for e in moe.experts.local_experts]), ref.w1.grad) == 0.0
+    # the whole model: same weights (same seed, same parameter names), megatron's path within bf16 rounding
+    sd_o, sd_m = ours.state_dict(), megatron.state_dict()
+    assert list(sd_o) == list(sd_m)
+    assert all(torch.equal(sd_o[k], sd_m[k]) for k in sd_o if isinstance(sd_o[k], torch.Tensor))
+    lo, go = _loss_and_grads(ours)
+    lm, gm = _loss_and_grads(megatron)
+    assert abs(lo.item() - lm.item()) <= 1e-3 * abs(lm.item())
+    far = {n: _rel(go[n], gm[n]) for n in go if _rel(go[n], gm[n]) > TOL["bf16"] * 2}
+    assert not far, far
+    lr, gr = _loss_and_grads(ours_rc)
+    assert torch.equal(lr, lo) and all(torch.equal(gr[n], go[n]) for n in go)
+
+
 def test_parameter_names_identical_across_recipes(mp):
     models = {p: _model(p) for p in RECIPES}
     shapes = {p: {k: getattr(v, "shape", None) for k, v in m.state_dict().items()} for p, m in models.items()}

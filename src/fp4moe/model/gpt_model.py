@@ -9,7 +9,8 @@ megatron's own modules unchanged; fp8 and mxfp4 swap the MoE layer, its dispatch
 expert for the recipe's (:mod:`fp4moe.model.recipe_moe`), with ``scope: all_linears`` the attention and dense-MLP
 linears (and MTP's ``eh_proj``) for FP8 ones (:mod:`fp4moe.model.recipe_dense`), and with ``recompute_cache_fp4``
 the layers for ones whose recompute caches are MXFP4 (``fp4moe.model.recompute.MXFP4CacheTransformerLayer``);
-parameter names stay megatron's. Nothing is patched into a built module; megatron's own MoE layers (bf16) get
+parameter names stay megatron's (the kernel switch ``bf16_moe=fp4moe`` gives bf16 the recipe's MoE layer too:
+:func:`recipe_moe_layers`). Nothing is patched into a built module; megatron's own MoE layers (bf16) get
 fp4moe's instrumentation from :func:`finish`. megatron and torch themselves are patched only while
 ``fp4moe.model.cpu_shims.active()`` is held (:func:`prepare`).
 
@@ -88,16 +89,20 @@ def recipe_of(cfg: Any) -> Recipe:
 
 
 def _check_recipe_parallel(recipe, config) -> None:
-    if not recipe.fp8_compute:
+    """ConfigError for what fp4moe's MoE layers (:func:`recipe_moe_layers`) cannot run: TP, another dispatcher,
+    token dropping."""
+    if not recipe_moe_layers(recipe):
         return
+    what = recipe.name if recipe.fp8_compute else f"{recipe.name} with kernels.bf16_moe=fp4moe"
     if config.expert_tensor_parallel_size != 1 or config.tensor_model_parallel_size != 1:
-        raise ConfigError(f"precision {recipe.name!r} needs parallel.tensor = parallel.expert_tensor = 1 (the "
-                          "quantized dispatcher does not all-gather MXFP4 rows over TP); use precision=bf16 for TP")
+        raise ConfigError(f"precision {what!r} needs parallel.tensor = parallel.expert_tensor = 1 (the "
+                          "quantized dispatcher does not all-gather MXFP4 rows over TP); use precision=bf16 "
+                          "(kernels.bf16_moe=megatron, the default) for TP")
     if config.moe_token_dispatcher_type != "alltoall":
-        raise ConfigError(f"precision {recipe.name!r} needs parallel.dispatcher=alltoall (the recipe's quantized "
+        raise ConfigError(f"precision {what!r} needs parallel.dispatcher=alltoall (the recipe's quantized "
                           f"all-to-all), got {config.moe_token_dispatcher_type!r}")
     if config.moe_expert_capacity_factor is not None or config.moe_pad_expert_input_to_capacity:
-        raise ConfigError(f"precision {recipe.name!r}: token dropping / capacity padding is not supported")
+        raise ConfigError(f"precision {what!r}: token dropping / capacity padding is not supported")
     if config.moe_shared_expert_overlap:
         raise ConfigError(f"precision {recipe.name!r}: moe_shared_expert_overlap is not supported")
 
@@ -224,9 +229,18 @@ def _pipeline_kwargs(p: dict[str, Any], params_dtype: torch.dtype, on_cpu: bool)
     return out
 
 
+def recipe_moe_layers(recipe) -> bool:
+    """Whether ``recipe``'s MoE layers are fp4moe's (:class:`RecipeMoELayer`): always under FP8 compute; under bf16
+    only with the kernel switch ``bf16_moe=fp4moe`` in force (fp4moe.ops.switches_in_force; the default keeps
+    megatron-core's own MoE layers, the recipe's BF16 baseline)."""
+    from fp4moe.ops import switches_in_force
+
+    return recipe.fp8_compute or switches_in_force().bf16_moe == "fp4moe"
+
+
 def _moe_spec(mlp_spec, recipe, moe_expert_recompute: bool):
-    """The MoE layer spec for ``recipe`` (a copy; megatron's when bf16, with only the experts swapped for
-    :class:`RecomputedSequentialMLP` under bf16 + moe_expert recompute)."""
+    """The MoE layer spec for ``recipe`` (a copy; megatron's when bf16 under ``bf16_moe=megatron``, with only the
+    experts swapped for :class:`RecomputedSequentialMLP` under moe_expert recompute)."""
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -235,7 +249,7 @@ def _moe_spec(mlp_spec, recipe, moe_expert_recompute: bool):
 
     sub = mlp_spec.submodules
     experts, shared = sub.experts, sub.shared_experts
-    if not recipe.fp8_compute:
+    if not recipe_moe_layers(recipe):
         if not moe_expert_recompute:
             return mlp_spec
         experts = ModuleSpec(module=RecomputedSequentialMLP, submodules=experts.submodules)
@@ -406,7 +420,7 @@ def check_built_from_spec(model: Any, recipe: Any) -> None:
     moe = [m for m in mods if isinstance(m, MoELayer)]
     layers = [m for m in mods if isinstance(m, TransformerLayer)]
     wrong = []
-    if any(isinstance(m, RecipeMoELayer) != recipe.fp8_compute for m in moe):
+    if any(isinstance(m, RecipeMoELayer) != recipe_moe_layers(recipe) for m in moe):
         wrong.append("its MoE layers")
     if bool(fp8_linears(model) or bf16_linears(model)) != recipe.applies_to("dense"):
         wrong.append("its attention and dense-MLP linears")
@@ -621,7 +635,7 @@ def release_dispatcher_tensors(model) -> int:
 
 
 __all__ = ["transformer_config", "build_gpt_model", "to_bf16_params", "layer_spec", "mtp_block_spec", "recipe_of",
-           "recompute_of",
+           "recipe_moe_layers", "recompute_of",
            "a2a_stats", "fp4moe_recompute_modules", "DISPATCHERS", "release_dispatcher_after_forward",
            "release_dispatcher_tensors", "count_routed_rows", "prepare", "Prepared", "decoder_block_spec", "finish",
            "check_built_from_spec"]

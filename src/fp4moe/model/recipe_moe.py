@@ -3,7 +3,8 @@ adapter. megatron keeps the routing, the config and the parameters (names, shape
 fp4moe.moe's data path (:mod:`fp4moe.moe.dispatch`, :mod:`fp4moe.moe.experts`), the one the standalone
 ``fp4moe.moe.MoELayer`` runs (tests/model/test_one_moe_path.py: the same outputs and gradients, bit for bit).
 
-What replaces what (fp8 / mxfp4 recipes; the bf16 recipe keeps megatron's modules untouched):
+What replaces what (fp8 / mxfp4 recipes; the bf16 recipe keeps megatron's modules untouched unless the kernel
+switch ``bf16_moe=fp4moe`` is in force when the model is built: then the BF16 grouped expert path):
 
 =========================  ==================================  =============================================
 megatron (local spec)      ours                                what changes

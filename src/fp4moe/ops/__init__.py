@@ -50,6 +50,11 @@ def kernel_switches(node=None) -> Switches:
     return s
 
 
+def switches_in_force() -> Switches:
+    """The kernel switches in force now: the innermost ``use_kernel_switches`` block's, else the environment's."""
+    return _switches.current()
+
+
 @contextlib.contextmanager
 def use_kernel_switches(s: Switches):
     """Run the block with ``s`` in force for every op and kernel (``fp4moe_kernels.switches.use``); on CUDA the tile
@@ -71,6 +76,7 @@ __all__ = [
     "SwitchError",
     "Switches",
     "kernel_switches",
+    "switches_in_force",
     "use_kernel_switches",
     "dequantize_weight_128x128",
     "expert_saved_bytes",
