@@ -111,6 +111,11 @@ setup)
   if [ ! -f /tmp/site/.done ]; then
     pip install -q --no-index --no-deps --target /tmp/site .whl/py312/*.whl && touch /tmp/site/.done
   fi
+  # torchao (carried as build/torchao/*.whl, `pip download torchao --no-deps --only-binary=:all:` on a CPU machine):
+  # the kernel benchmark's peers, nothing else imports it
+  if ls build/torchao/*.whl > /dev/null 2>&1 && [ ! -d /tmp/site/torchao ]; then
+    pip install -q --no-index --no-deps --target /tmp/site build/torchao/*.whl
+  fi
   if [ -f data/code_docs/code_docs.jsonl.xz ] && [ ! -f data/code_docs/code_docs.jsonl ]; then
     xz -dk -T0 data/code_docs/code_docs.jsonl.xz
   fi
@@ -280,7 +285,9 @@ layer8)  # issue 7: DeepSeek-V3's MoE layer with EP8 (256 experts, 32 per GPU, t
 kbench)  # [BASELINE_DIR:LABEL [bench args...]]: the kernel benchmark, and a baseline copy of the kernels beside it
   mkdir -p "$OUT/kernels"
   base=${1:-}; shift || true
-  timeout -k 20 400 python3 -m fp4moe_kernels.bench.conversions --out "$OUT/kernels" --commit "${COMMIT:-unknown}" --no-peers \
+  peers=--no-peers  # torchao's quantizers beside ours when setup installed it
+  if [ -d /tmp/site/torchao ]; then peers=; fi
+  timeout -k 20 400 python3 -m fp4moe_kernels.bench.conversions --out "$OUT/kernels" --commit "${COMMIT:-unknown}" $peers \
     --rep-ms 50 ${base:+--baseline "$base"} "$@" 2>&1 | tail -70
   ;;
 swiglu)  # the fused SwiGLU kernels: GPU tests, then fused vs unfused (and % of copy bandwidth) -> $OUT
