@@ -24,7 +24,9 @@ import torch
 from ..formats import FormatError, FP8ColTensor, MXFP4Tensor, Segments
 
 SOURCES = {"fp4_row_to_fp8_col": Path(__file__).with_name("fp4_row_to_fp8_col.cu")}
-VARIANTS = {"general": 0, "swar": 1}  # fp4_row_to_fp8_col: general path only; SWAR fast path + general fallback
+# fp4_row_to_fp8_col: general path only; SWAR fast path + general fallback; the prmt fast path + general fallback;
+# the same with four tiles per block (the next tile's loads in flight during the conversion)
+VARIANTS = {"general": 0, "swar": 1, "prmt": 2, "prmt4": 3}
 
 
 def available() -> str | None:

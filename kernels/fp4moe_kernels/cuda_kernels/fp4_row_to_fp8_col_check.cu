@@ -1,0 +1,128 @@
+// CPU check of fp4_row_to_fp8_col.cu's variant-2 fast path (no GPU needed): its per-thread code (stats_v2,
+// encode_v2; prmt and the 16-bit-lane min / max have host versions) runs on whole byte columns (128 tokens, two
+// channels, four threads of 32 tokens as on the device) and is compared with the scalar rule: the channel exponent
+// from key_of / exp_of, the fast-path test of variant 1 (largest block code <= kTopFast instead of < 255), and
+// every output byte equal to the exact scaled value (so E4M3 of it) wherever the fast path is taken.
+// Build and run: nvcc -std=c++17 -O2 -o check fp4_row_to_fp8_col_check.cu && ./check [columns]
+#include "fp4_row_to_fp8_col.cu"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+
+namespace {
+
+double e4m3_value(uint32_t b) {
+  const int ef = (b >> 3) & 15, mt = b & 7;
+  if (ef == 15 && mt == 7) return NAN;
+  const double v = ef ? std::ldexp(1.0 + mt / 8.0, ef - 7) : std::ldexp(mt / 8.0, -6);
+  return (b & 0x80) ? -v : v;
+}
+
+const double kE2M1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+long long g_fast = 0, g_general = 0, g_bad = 0;
+
+// bytes[t]: packed byte of token t (low nibble channel 0, high nibble channel 1); codes[t]: its block code
+void check_column(const uint8_t* bytes, const uint8_t* codes) {
+  uint32_t pw[4][8], cw[4][8];
+  for (int tq = 0; tq < 4; ++tq)
+    for (int i = 0; i < 8; ++i) {
+      pw[tq][i] = cw[tq][i] = 0;
+      for (int t = 0; t < 4; ++t) {
+        pw[tq][i] |= static_cast<uint32_t>(bytes[32 * tq + 4 * i + t]) << (8 * t);
+        cw[tq][i] |= static_cast<uint32_t>(codes[32 * tq + 4 * i + t]) << (8 * t);
+      }
+    }
+  int st[4][5];
+  for (int tq = 0; tq < 4; ++tq) stats_v2(pw[tq], cw[tq], st[tq]);
+  int kyl = 0, kyh = 0, mlo = 255, mhi = 255, top = 0;  // the col_max / col_min over the four threads
+  for (int tq = 0; tq < 4; ++tq) {
+    kyl = std::max(kyl, st[tq][0]);
+    kyh = std::max(kyh, st[tq][1]);
+    mlo = std::min(mlo, st[tq][2]);
+    mhi = std::min(mhi, st[tq][3]);
+    top = std::max(top, st[tq][4]);
+  }
+  // the scalar rule (variant 1 / the general path)
+  int rkl = 0, rkh = 0, rmlo = 0xFFFF, rmhi = 0xFFFF, rtop = 0;
+  for (int t = 0; t < 128; ++t) {
+    const int e = codes[t], cl = bytes[t] & 7, ch = (bytes[t] >> 4) & 7;
+    rkl = std::max(rkl, key_of(cl, e));
+    rkh = std::max(rkh, key_of(ch, e));
+    if (cl) rmlo = std::min(rmlo, e);
+    if (ch) rmhi = std::min(rmhi, e);
+    rtop = std::max(rtop, e);
+  }
+  const int kl = exp_of(kyl), kh = exp_of(kyh), rl = exp_of(rkl), rh = exp_of(rkh);
+  bool bad = top != rtop;
+  const bool fast = top <= kTopFast && mlo >= kl + 122 && mhi >= kh + 122;
+  const bool rfast = rtop < 255 && rmlo >= rl + 122 && rmhi >= rh + 122;
+  if (rtop <= kTopFast) bad |= kl != rl || kh != rh || fast != rfast;
+  if (fast) {
+    bad |= !rfast;
+    const uint32_t offs = fast_offsets_v2(kl, kh);
+    for (int tq = 0; tq < 4; ++tq)
+      for (int i = 0; i < 8; ++i) {
+        uint32_t lo, hi;
+        encode_v2(pw[tq][i], cw[tq][i], offs, lo, hi);
+        for (int t = 0; t < 4; ++t) {
+          const int tok = 32 * tq + 4 * i + t, e = codes[tok];
+          for (int nib = 0; nib < 2; ++nib) {
+            const uint32_t code = (bytes[tok] >> (4 * nib)) & 15, got = ((nib ? hi : lo) >> (8 * t)) & 0xFF;
+            const double want = (code & 8 ? -1 : 1) * std::ldexp(kE2M1[code & 7], e - 127 - (nib ? kh : kl));
+            const double v = e4m3_value(got);
+            if (!(v == want) || std::signbit(v) != std::signbit(want)) bad = true;
+          }
+        }
+      }
+    ++g_fast;
+  } else {
+    ++g_general;
+  }
+  if (bad && g_bad++ < 5) {
+    std::printf("mismatch: top %d/%d keys %d %d / %d %d mins %d %d / %d %d fast %d/%d\n", top, rtop, kyl, kyh, rkl,
+                rkh, mlo, mhi, rmlo, rmhi, fast, rfast);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const long long columns = argc > 1 ? std::atoll(argv[1]) : 200000;
+  std::mt19937_64 rng(12345);
+  uint8_t bytes[128], codes[128];
+  // every packed byte under every block code, one token of a column whose other tokens vary
+  for (int e0 = 0; e0 < 256; ++e0)
+    for (int b0 = 0; b0 < 256; ++b0) {
+      const int base = static_cast<int>(rng() % 255);
+      for (int t = 0; t < 128; ++t) {
+        bytes[t] = static_cast<uint8_t>(rng());
+        codes[t] = static_cast<uint8_t>(std::min(254, std::max(0, base + static_cast<int>(rng() % 9) - 4)));
+      }
+      const int t0 = static_cast<int>(rng() % 128);
+      bytes[t0] = static_cast<uint8_t>(b0);
+      codes[t0] = static_cast<uint8_t>(e0);
+      check_column(bytes, codes);
+    }
+  // random columns: a base code with a spread, zero nibbles, padding rows, rare special codes
+  for (long long n = 0; n < columns; ++n) {
+    const int base = static_cast<int>(rng() % 256), spread = static_cast<int>(rng() % 3 ? rng() % 6 : rng() % 24);
+    const int pzero = static_cast<int>(rng() % 5), valid = rng() % 3 ? 128 : static_cast<int>(rng() % 129);
+    const int special = static_cast<int>(rng() % 4);
+    for (int t = 0; t < 128; ++t) {
+      int e = base + static_cast<int>(rng() % (2 * spread + 1)) - spread;
+      e = std::min(255, std::max(0, e));
+      if (special == 0 && rng() % 64 == 0) e = static_cast<int>(rng() % 256);
+      if (special == 1 && rng() % 128 == 0) e = 255;
+      uint8_t b = static_cast<uint8_t>(rng());
+      for (int nib = 0; nib < 2; ++nib)
+        if (static_cast<int>(rng() % 4) < pzero) b &= nib ? 0x8F : 0xF8;  // zero magnitude, sign kept
+      bytes[t] = t < valid ? b : 0;
+      codes[t] = static_cast<uint8_t>(t < valid ? e : 0);
+    }
+    check_column(bytes, codes);
+  }
+  std::printf("columns: %lld fast, %lld general, %lld mismatches\n", g_fast, g_general, g_bad);
+  return g_bad ? 1 : 0;
+}
