@@ -194,6 +194,50 @@ __device__ __forceinline__ void load_row(const uint8_t* q, const uint8_t* s, con
   }
 }
 
+template <typename X>
+__host__ __device__ __forceinline__ X ldg(const X* p) {
+#ifdef __CUDA_ARCH__
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
+// Variants 2, 3: four token rows per thread (tokens 4g .. 4g + 3, g = tid / 4), bytes 8q .. 8q + 7 of each (byte
+// columns, q = tid % 4; 8-byte loads, a warp's load reads 8 whole 32-byte rows), and the two codes of token tid.
+__host__ __device__ __forceinline__ void load_rows4(const uint8_t* q, const uint8_t* s, const int* tile, int tid,
+                                                    int K, int64_t ch0, uint2* r, uint32_t& cd) {
+  const int g = tid >> 2, qq = tid & 3;
+  const uint8_t* src = q + static_cast<int64_t>(tile[0] + 4 * g) * (K / 2) + ch0 / 2 + 8 * qq;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    r[t] = make_uint2(0, 0);
+    if (4 * g + t < tile[1]) r[t] = ldg(reinterpret_cast<const uint2*>(src + t * (K / 2)));
+  }
+  cd = tid < tile[1] ? ldg(reinterpret_cast<const uint16_t*>(s + (tile[0] + tid) * (K / 32) + ch0 / 32)) : 0;
+}
+
+// ... into shared memory as load_row + the byte stores of variants 0, 1 put them: two 4 x 4 byte transposes (prmt)
+// give the words [byte column 8q + jj][tokens 4g .. 4g + 3]; with the pitch of 33 words a warp's stores hit 32
+// different banks.
+__host__ __device__ __forceinline__ void stage_rows4(const uint2* r, uint32_t cd, int tid, uint32_t (*sp)[kPitch],
+                                                     uint8_t* scb) {
+  const int g = tid >> 2, qq = tid & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t w0 = h ? r[0].y : r[0].x, w1 = h ? r[1].y : r[1].x, w2 = h ? r[2].y : r[2].x,
+                   w3 = h ? r[3].y : r[3].x;
+    const uint32_t a_lo = prmt(w0, w1, 0x5140), a_hi = prmt(w0, w1, 0x7362);  // [w0.0 w1.0 w0.1 w1.1], bytes 2, 3
+    const uint32_t b_lo = prmt(w2, w3, 0x5140), b_hi = prmt(w2, w3, 0x7362);
+    sp[8 * qq + 4 * h + 0][g] = prmt(a_lo, b_lo, 0x5410);
+    sp[8 * qq + 4 * h + 1][g] = prmt(a_lo, b_lo, 0x7632);
+    sp[8 * qq + 4 * h + 2][g] = prmt(a_hi, b_hi, 0x5410);
+    sp[8 * qq + 4 * h + 3][g] = prmt(a_hi, b_hi, 0x7632);
+  }
+  scb[tid] = cd & 0xFF;
+  scb[kPitch * 4 + tid] = cd >> 8;
+}
+
 // V 0: general path only, 1: SWAR fast path (16-bit lanes), 2: prmt fast path (pair layout). T tiles (rows
 // blockIdx.y * T ...) per block, one after the other; with T > 1 the next tile's loads are issued before this tile's
 // conversion, so that they are in flight while it computes and stores.
@@ -211,27 +255,33 @@ __global__ void __launch_bounds__(128) fp4_row_to_fp8_col(const uint8_t* __restr
   int tile[5], next[5];
 #pragma unroll
   for (int f = 0; f < 5; ++f) tile[f] = __ldg(tiles + 5 * y + f);
-  uint4 a, b;
+  uint4 a, b;  // variants 0, 1
+  uint2 r4[4];  // variants 2, 3
   uint32_t cd;
-  load_row(q, s, tile, tid, K, ch0, a, b, cd);
-  for (;;) {
-    const bool more = T > 1 && y + 1 < y_end;
+  if (V < 2) load_row(q, s, tile, tid, K, ch0, a, b, cd);
+  else load_rows4(q, s, tile, tid, K, ch0, r4, cd);
+  for (bool more = true; more;) {
+    more = T > 1 && y + 1 < y_end;
     if (more) {
 #pragma unroll
       for (int f = 0; f < 5; ++f) next[f] = __ldg(tiles + 5 * (y + 1) + f);
     }
     const int64_t p_e = tile[2], mp_e = tile[3], tok0 = tile[4];
 
-    // 1. the loaded row into shared memory, transposed
-    uint8_t* spb = reinterpret_cast<uint8_t*>(sp);
-    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-    for (int j = 0; j < kBytes; ++j) spb[j * kPitch * 4 + tid] = (w[j / 4] >> (8 * (j % 4))) & 0xFF;
+    // 1. the loaded rows into shared memory, transposed
     uint8_t* scb = reinterpret_cast<uint8_t*>(sc);
-    scb[tid] = cd & 0xFF;
-    scb[kPitch * 4 + tid] = cd >> 8;
+    if (V < 2) {
+      uint8_t* spb = reinterpret_cast<uint8_t*>(sp);
+      const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int j = 0; j < kBytes; ++j) spb[j * kPitch * 4 + tid] = (w[j / 4] >> (8 * (j % 4))) & 0xFF;
+      scb[tid] = cd & 0xFF;
+      scb[kPitch * 4 + tid] = cd >> 8;
+    } else {
+      stage_rows4(r4, cd, tid, sp, scb);
+    }
     __syncthreads();
-    if (more) load_row(q, s, next, tid, K, ch0, a, b, cd);  // the next tile's row: in flight during 2. and 3.
+    if (more) load_rows4(q, s, next, tid, K, ch0, r4, cd);  // the next tile's rows: in flight during 2. and 3.
 
     // 2. thread (byte column j, token quarter tq): channels 2j, 2j+1 of tokens 32 tq .. 32 tq + 31
     const int j = tid >> 2, tq = tid & 3;
@@ -325,10 +375,11 @@ __global__ void __launch_bounds__(128) fp4_row_to_fp8_col(const uint8_t* __restr
       const uint32_t* src = &so[r][part * 4];
       *reinterpret_cast<uint4*>(dst + (ch0 + r) * mp_e + part * 16) = make_uint4(src[0], src[1], src[2], src[3]);
     }
-    if (!more) break;
+    if (more) {
 #pragma unroll
-    for (int f = 0; f < 5; ++f) tile[f] = next[f];
-    ++y;
+      for (int f = 0; f < 5; ++f) tile[f] = next[f];
+      ++y;
+    }
   }
 }
 

@@ -2,13 +2,15 @@
 // encode_v2; prmt and the 16-bit-lane min / max have host versions) runs on whole byte columns (128 tokens, two
 // channels, four threads of 32 tokens as on the device) and is compared with the scalar rule: the channel exponent
 // from key_of / exp_of, the fast-path test of variant 1 (largest block code <= kTopFast instead of < 255), and
-// every output byte equal to the exact scaled value (so E4M3 of it) wherever the fast path is taken.
+// every output byte equal to the exact scaled value (so E4M3 of it) wherever the fast path is taken; and the
+// shared-memory staging of variants 2, 3 (load_rows4, stage_rows4) against that of variants 0, 1.
 // Build and run: nvcc -std=c++17 -O2 -o check fp4_row_to_fp8_col_check.cu && ./check [columns]
 #include "fp4_row_to_fp8_col.cu"
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 
 namespace {
@@ -86,6 +88,33 @@ void check_column(const uint8_t* bytes, const uint8_t* codes) {
   }
 }
 
+// load_rows4 + stage_rows4 (variants 2, 3) against the one-row-per-thread staging of variants 0, 1
+bool check_staging(std::mt19937_64& rng) {
+  const int K = 256, rows = 300;
+  static uint8_t q[rows * K / 2], sc[rows * K / 32];
+  for (auto& b : q) b = static_cast<uint8_t>(rng());
+  for (auto& b : sc) b = static_cast<uint8_t>(rng());
+  bool ok = true;
+  for (int n = 0; n < 2000; ++n) {
+    const int valid = n % 3 ? 128 : static_cast<int>(rng() % 129), row0 = static_cast<int>(rng() % (rows - 127));
+    const int tile[5] = {row0, valid, 0, 128, 0};
+    const int64_t ch0 = 64 * static_cast<int64_t>(rng() % (K / 64));
+    uint32_t sp_old[kBytes][kPitch] = {}, sp_new[kBytes][kPitch] = {}, sc_old[2][kPitch] = {}, sc_new[2][kPitch] = {};
+    for (int tid = 0; tid < 128; ++tid) {
+      for (int j = 0; j < kBytes; ++j)  // the byte stores of variants 0, 1
+        reinterpret_cast<uint8_t*>(sp_old)[j * kPitch * 4 + tid] = tid < valid ? q[(row0 + tid) * (K / 2) + ch0 / 2 + j] : 0;
+      for (int b = 0; b < 2; ++b)
+        reinterpret_cast<uint8_t*>(sc_old)[b * kPitch * 4 + tid] = tid < valid ? sc[(row0 + tid) * (K / 32) + ch0 / 32 + b] : 0;
+      uint2 r[4];
+      uint32_t cd;
+      load_rows4(q, sc, tile, tid, K, ch0, r, cd);
+      stage_rows4(r, cd, tid, sp_new, reinterpret_cast<uint8_t*>(sc_new));
+    }
+    ok &= !std::memcmp(sp_old, sp_new, sizeof sp_old) && !std::memcmp(sc_old, sc_new, sizeof sc_old);
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -122,6 +151,10 @@ int main(int argc, char** argv) {
       codes[t] = static_cast<uint8_t>(t < valid ? e : 0);
     }
     check_column(bytes, codes);
+  }
+  if (!check_staging(rng)) {
+    std::printf("staging: load_rows4 + stage_rows4 differ from the byte stores\n");
+    ++g_bad;
   }
   std::printf("columns: %lld fast, %lld general, %lld mismatches\n", g_fast, g_general, g_bad);
   return g_bad ? 1 : 0;
