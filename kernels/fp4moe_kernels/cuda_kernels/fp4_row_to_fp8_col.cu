@@ -90,10 +90,11 @@ constexpr uint32_t kG0 = 0x02020100u, kG1 = 0x04040303u;    // key - e = (c >> 1
 constexpr uint32_t kT0 = 0x14100800u, kT1 = 0x24201C18u;    // the E4M3 byte of E2M1(c) * 2**-5, 0 for c = 0
 constexpr int kTopFast = 251;                               // e + (c >> 1) + 1 fits a byte on the fast path
 
-// One thread's 32 tokens x 2 channels: st = {max key channel 2j, max key 2j+1, smallest block code holding a
-// nonzero element 2j, same 2j+1 (255 if none), largest block code}. The keys are exact where the largest code
-// is <= kTopFast (no carry between bytes); otherwise the fast path is not taken and they are not used.
-__host__ __device__ __forceinline__ void stats_v2(const uint32_t* pw, const uint32_t* cw, int* st) {
+// One thread's 32 tokens x 2 channels, as 16-bit lanes (channel 2j, channel 2j+1): st[0] the largest key, st[1] the
+// smallest block code holding a nonzero element (255 if none); st[2] the largest block code (both lanes e * 257).
+// The keys are exact where the largest code is <= kTopFast (no carry between bytes); otherwise the fast path is
+// not taken and they are not used. Combined over a column's four threads by max16x2 / min16x2.
+__host__ __device__ __forceinline__ void stats_v2(const uint32_t* pw, const uint32_t* cw, uint32_t* st) {
   uint32_t klo = 0, khi = 0, mlo = 0xFFFFFFFFu, mhi = 0xFFFFFFFFu, top = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -104,20 +105,17 @@ __host__ __device__ __forceinline__ void stats_v2(const uint32_t* pw, const uint
       const uint32_t e2 = prmt(cw[i], 0, h ? 0x3322 : 0x1100);  // the two tokens' block codes, pair layout
       const uint32_t nz = prmt(kNz0, kNz1, sel);
       const uint32_t key = e2 + prmt(kG0, kG1, sel);
-      klo = max16x2(klo, key & nz & 0x00FF00FFu);
-      khi = max16x2(khi, key & nz & 0xFF00FF00u);
+      klo = max16x2(klo, key & nz & 0x00FF00FFu);  // lanes: channel 2j's byte of token a, of token b
+      khi = max16x2(khi, key & nz & 0xFF00FF00u);  // the same for channel 2j+1, times 256
       mlo = min16x2(mlo, (e2 | ~nz) & 0x00FF00FFu);
       mhi = min16x2(mhi, (e2 | ~nz) & 0xFF00FF00u);
-      top = max16x2(top, e2);  // lanes e * 257
+      top = max16x2(top, e2);
     }
   }
-  const auto hmax = [](uint32_t v) { return static_cast<int>((v & 0xFFFF) > (v >> 16) ? v & 0xFFFF : v >> 16); };
-  const auto hmin = [](uint32_t v) { return static_cast<int>((v & 0xFFFF) < (v >> 16) ? v & 0xFFFF : v >> 16); };
-  st[0] = hmax(klo);
-  st[1] = hmax(khi) >> 8;
-  st[2] = hmin(mlo);
-  st[3] = hmin(mhi) >> 8;
-  st[4] = hmax(top) >> 8;
+  // lanes (token a, token b) -> lanes (channel 2j, channel 2j+1); byte 1 of klo and mlo is 0
+  st[0] = max16x2(prmt(klo, khi, 0x1510), prmt(klo, khi, 0x3732));
+  st[1] = min16x2(prmt(mlo, mhi, 0x1510), prmt(mlo, mhi, 0x3732));
+  st[2] = top;
 }
 
 // Per channel, 8 (-(k + 122) mod 16), in the pair layout's bytes.
@@ -295,11 +293,19 @@ __global__ void __launch_bounds__(128) fp4_row_to_fp8_col(const uint8_t* __restr
     if (V == 0) {
       general(pw, cw, so, j, tq, kl, kh);
     } else if (V == 2) {
-      int st[5];
+      uint32_t st[3];
       stats_v2(pw, cw, st);
-      kl = exp_of(col_max(st[0]));
-      kh = exp_of(col_max(st[1]));
-      const int mlo = col_min(st[2]), mhi = col_min(st[3]), top = col_max(st[4]);
+#pragma unroll
+      for (int f = 0; f < 3; ++f) {  // over the four threads of the column, both channels at once
+#pragma unroll
+        for (int lane = 1; lane <= 2; lane *= 2) {
+          const uint32_t other = __shfl_xor_sync(0xFFFFFFFFu, st[f], lane);
+          st[f] = f == 1 ? min16x2(st[f], other) : max16x2(st[f], other);
+        }
+      }
+      kl = exp_of(st[0] & 0xFFFF);
+      kh = exp_of(st[0] >> 16);
+      const int mlo = st[1] & 0xFFFF, mhi = st[1] >> 16, top = max(st[2] & 0xFFFF, st[2] >> 16) >> 8;
       if (__all_sync(0xFFFFFFFFu, top <= kTopFast && mlo >= kl + 122 && mhi >= kh + 122)) {  // warp-uniform
         const uint32_t offs = fast_offsets_v2(kl, kh);
 #pragma unroll

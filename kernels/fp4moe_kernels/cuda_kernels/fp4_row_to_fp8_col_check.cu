@@ -36,16 +36,21 @@ void check_column(const uint8_t* bytes, const uint8_t* codes) {
         cw[tq][i] |= static_cast<uint32_t>(codes[32 * tq + 4 * i + t]) << (8 * t);
       }
     }
-  int st[4][5];
+  uint32_t st[4][3];
   for (int tq = 0; tq < 4; ++tq) stats_v2(pw[tq], cw[tq], st[tq]);
-  int kyl = 0, kyh = 0, mlo = 255, mhi = 255, top = 0;  // the col_max / col_min over the four threads
-  for (int tq = 0; tq < 4; ++tq) {
-    kyl = std::max(kyl, st[tq][0]);
-    kyh = std::max(kyh, st[tq][1]);
-    mlo = std::min(mlo, st[tq][2]);
-    mhi = std::min(mhi, st[tq][3]);
-    top = std::max(top, st[tq][4]);
+  for (int lane = 1; lane <= 2; lane *= 2) {  // the kernel's butterfly over the four threads
+    uint32_t nx[4][3];
+    for (int tq = 0; tq < 4; ++tq)
+      for (int f = 0; f < 3; ++f) {
+        const uint32_t other = st[tq ^ lane][f];
+        nx[tq][f] = f == 1 ? min16x2(st[tq][f], other) : max16x2(st[tq][f], other);
+      }
+    std::memcpy(st, nx, sizeof st);
   }
+  for (int tq = 1; tq < 4; ++tq)
+    if (std::memcmp(st[tq], st[0], sizeof st[0])) ++g_bad;  // every thread of the column holds the same
+  const int kyl = st[0][0] & 0xFFFF, kyh = st[0][0] >> 16, mlo = st[0][1] & 0xFFFF, mhi = st[0][1] >> 16;
+  const int top = std::max(st[0][2] & 0xFFFF, st[0][2] >> 16) >> 8;
   // the scalar rule (variant 1 / the general path)
   int rkl = 0, rkh = 0, rmlo = 0xFFFF, rmhi = 0xFFFF, rtop = 0;
   for (int t = 0; t < 128; ++t) {
