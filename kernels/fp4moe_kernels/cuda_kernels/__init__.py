@@ -25,8 +25,9 @@ from ..formats import FormatError, FP8ColTensor, MXFP4Tensor, Segments
 
 SOURCES = {"fp4_row_to_fp8_col": Path(__file__).with_name("fp4_row_to_fp8_col.cu")}
 # fp4_row_to_fp8_col: general path only; SWAR fast path + general fallback; the prmt fast path + general fallback;
-# the same with four tiles per block (the next tile's loads in flight during the conversion)
-VARIANTS = {"general": 0, "swar": 1, "prmt": 2, "prmt4": 3}
+# the same with four tiles per block (the next tile's loads in flight during the conversion); those two held to 96
+# registers (5 blocks per SM instead of 4)
+VARIANTS = {"general": 0, "swar": 1, "prmt": 2, "prmt4": 3, "prmt_b5": 4, "prmt4_b5": 5}
 
 
 def available() -> str | None:

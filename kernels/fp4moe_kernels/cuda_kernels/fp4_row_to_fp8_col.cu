@@ -238,9 +238,10 @@ __host__ __device__ __forceinline__ void stage_rows4(const uint2* r, uint32_t cd
 
 // V 0: general path only, 1: SWAR fast path (16-bit lanes), 2: prmt fast path (pair layout). T tiles (rows
 // blockIdx.y * T ...) per block, one after the other; with T > 1 the next tile's loads are issued before this tile's
-// conversion, so that they are in flight while it computes and stores.
-template <int V, int T>
-__global__ void __launch_bounds__(128) fp4_row_to_fp8_col(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+// conversion, so that they are in flight while it computes and stores. B: blocks per SM that ptxas must allow
+// (registers <= 65536 / (128 B)); 0 leaves the registers to ptxas (77 to 128 here: 4 blocks per SM).
+template <int V, int T, int B>
+__global__ void __launch_bounds__(128, B) fp4_row_to_fp8_col(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                                           uint8_t* __restrict__ o, float* __restrict__ os,
                                                           const int* __restrict__ tiles, int n_tiles, int K) {
   __shared__ uint32_t sp[kBytes][kPitch];    // packed bytes, transposed: [byte column][tokens / 4]
@@ -395,7 +396,8 @@ __global__ void __launch_bounds__(128) fp4_row_to_fp8_col(const uint8_t* __restr
 // [sum Mp_e / 128, K], tiles int32 [n_tiles, 5] (device pointers); K a multiple of 128. ``variant`` 0: general path
 // only, 1: SWAR fast path with the general path for the columns that need it, 2: the same split with the prmt fast
 // path (fewer instructions), 3: variant 2 with kTilesPerBlock tiles per block (loads of the next tile in flight
-// during the conversion of this one). Returns the launch's cudaError_t.
+// during the conversion of this one), 4 and 5: variants 2 and 3 held to 96 registers (5 blocks per SM instead of
+// 4). Returns the launch's cudaError_t.
 extern "C" int fp4moe_fp4_row_to_fp8_col(const void* q, const void* s, void* o, void* os, const void* tiles,
                                          int n_tiles, int K, int variant, void* stream) {
   if (n_tiles == 0) return 0;
@@ -406,10 +408,12 @@ extern "C" int fp4moe_fp4_row_to_fp8_col(const void* q, const void* s, void* o, 
         static_cast<float*>(os), static_cast<const int*>(tiles), n_tiles, K);
   };
   switch (variant) {
-    case 0: launch(fp4_row_to_fp8_col<0, 1>, 1); break;
-    case 1: launch(fp4_row_to_fp8_col<1, 1>, 1); break;
-    case 2: launch(fp4_row_to_fp8_col<2, 1>, 1); break;
-    default: launch(fp4_row_to_fp8_col<2, kTilesPerBlock>, kTilesPerBlock); break;
+    case 0: launch(fp4_row_to_fp8_col<0, 1, 0>, 1); break;
+    case 1: launch(fp4_row_to_fp8_col<1, 1, 0>, 1); break;
+    case 2: launch(fp4_row_to_fp8_col<2, 1, 0>, 1); break;
+    case 3: launch(fp4_row_to_fp8_col<2, kTilesPerBlock, 0>, kTilesPerBlock); break;
+    case 4: launch(fp4_row_to_fp8_col<2, 1, 5>, 1); break;
+    default: launch(fp4_row_to_fp8_col<2, kTilesPerBlock, 5>, kTilesPerBlock); break;
   }
   return static_cast<int>(cudaGetLastError());
 }
