@@ -69,11 +69,13 @@ def _col_fn():
 
 def col_input_problem(a: MXFP4Tensor) -> str | None:
     """None if ``fp4_row_to_fp8_col`` takes ``a`` as it is, else what is wrong: K a multiple of 128, data and
-    scales contiguous, data 16-byte and scales 2-byte aligned (its vector loads)."""
+    scales contiguous, data 16-byte and scales 2-byte aligned (its vector loads), fewer than 2**31 scale bytes."""
     if a.shape[1] % 128 or not (a.data.is_contiguous() and a.scales.is_contiguous()):
         return f"K={a.shape[1]} must be a multiple of 128 and data/scales contiguous"
     if a.data.data_ptr() % 16 or a.scales.data_ptr() % 2:
         return "data must be 16-byte and scales 2-byte aligned (make a copy)"
+    if a.scales.numel() >= 2**31:
+        return "scales must have fewer than 2**31 bytes (the kernel's scale offsets are int32)"
     return None
 
 

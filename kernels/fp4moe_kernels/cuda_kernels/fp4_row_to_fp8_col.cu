@@ -212,7 +212,8 @@ __host__ __device__ __forceinline__ void load_rows4(const uint8_t* q, const uint
     r[t] = make_uint2(0, 0);
     if (4 * g + t < tile[1]) r[t] = ldg(reinterpret_cast<const uint2*>(src + t * (K / 2)));
   }
-  cd = tid < tile[1] ? ldg(reinterpret_cast<const uint16_t*>(s + (tile[0] + tid) * (K / 32) + ch0 / 32)) : 0;
+  cd = 0;  // int32 offset: col_input_problem keeps the scales under 2**31 bytes (64-bit math here spilled at B = 5)
+  if (tid < tile[1]) cd = ldg(reinterpret_cast<const uint16_t*>(s + (tile[0] + tid) * (K / 32) + ch0 / 32));
 }
 
 // ... into shared memory as load_row + the byte stores of variants 0, 1 put them: two 4 x 4 byte transposes (prmt)
