@@ -105,14 +105,17 @@ __host__ __device__ __forceinline__ void stats_v2(const uint32_t* pw, const uint
       const uint32_t e2 = prmt(cw[i], 0, h ? 0x3322 : 0x1100);  // the two tokens' block codes, pair layout
       const uint32_t nz = prmt(kNz0, kNz1, sel);
       const uint32_t key = e2 + prmt(kG0, kG1, sel);
-      klo = max16x2(klo, key & nz & 0x00FF00FFu);  // lanes: channel 2j's byte of token a, of token b
-      khi = max16x2(khi, key & nz & 0xFF00FF00u);  // the same for channel 2j+1, times 256
+      // lanes (token a, token b); channel 2j+1 is the high byte of each lane, whose max / min the lanes' max / min
+      // give whatever the low byte holds; channel 2j's bytes alone in their lanes
+      klo = max16x2(klo, key & nz & 0x00FF00FFu);
+      khi = max16x2(khi, key & nz);
       mlo = min16x2(mlo, (e2 | ~nz) & 0x00FF00FFu);
-      mhi = min16x2(mhi, (e2 | ~nz) & 0xFF00FF00u);
+      mhi = min16x2(mhi, e2 | ~nz);
       top = max16x2(top, e2);
     }
   }
-  // lanes (token a, token b) -> lanes (channel 2j, channel 2j+1); byte 1 of klo and mlo is 0
+  // lanes (token a, token b) -> lanes (channel 2j, channel 2j+1): bytes 0, 2 of klo / mlo (bytes 1, 3 are 0), bytes
+  // 1, 3 of khi / mhi
   st[0] = max16x2(prmt(klo, khi, 0x1510), prmt(klo, khi, 0x3732));
   st[1] = min16x2(prmt(mlo, mhi, 0x1510), prmt(mlo, mhi, 0x3732));
   st[2] = top;
