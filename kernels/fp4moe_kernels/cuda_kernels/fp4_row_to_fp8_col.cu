@@ -25,7 +25,7 @@ constexpr int kTok = 128;             // tokens per tile (one FP8 scale group)
 constexpr int kCh = 64;               // channels per tile
 constexpr int kBytes = kCh / 2;       // packed bytes per token row
 constexpr int kPitch = kTok / 4 + 1;  // shared-memory row pitch in 32-bit words (4 tokens each), +1 against conflicts
-constexpr int kTilesPerBlock = 4;     // variant 3: tiles per block, the next one's loads in flight
+constexpr int kTilesPerBlock = 4;     // variants 3, 5: tiles per block, the next one's loads in flight
 
 __device__ __forceinline__ float scaled(uint32_t nib, int e, int k) {
   const int c = nib & 7;
@@ -245,9 +245,9 @@ __host__ __device__ __forceinline__ void stage_rows4(const uint2* r, uint32_t cd
 // conversion, so that they are in flight while it computes and stores. B: blocks per SM that ptxas must allow
 // (registers <= 65536 / (128 B)); 0 leaves the registers to ptxas (77 to 128 here: 4 blocks per SM).
 template <int V, int T, int B>
-__global__ void __launch_bounds__(128, B) fp4_row_to_fp8_col(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
-                                                          uint8_t* __restrict__ o, float* __restrict__ os,
-                                                          const int* __restrict__ tiles, int n_tiles, int K) {
+__global__ void __launch_bounds__(128, B)
+    fp4_row_to_fp8_col(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s, uint8_t* __restrict__ o,
+                       float* __restrict__ os, const int* __restrict__ tiles, int n_tiles, int K) {
   __shared__ uint32_t sp[kBytes][kPitch];    // packed bytes, transposed: [byte column][tokens / 4]
   __shared__ uint32_t sc[kCh / 32][kPitch];  // UE8M0 codes, transposed: [block][tokens / 4]
   __shared__ uint32_t so[kCh][kPitch];       // E4M3 output: [channel][tokens / 4]
@@ -284,7 +284,10 @@ __global__ void __launch_bounds__(128, B) fp4_row_to_fp8_col(const uint8_t* __re
       stage_rows4(r4, cd, tid, sp, scb);
     }
     __syncthreads();
-    if (more) load_rows4(q, s, next, tid, K, ch0, r4, cd);  // the next tile's rows: in flight during 2. and 3.
+    if (more) {  // the next tile's rows: in flight during 2. and 3.
+      if (V < 2) load_row(q, s, next, tid, K, ch0, a, b, cd);
+      else load_rows4(q, s, next, tid, K, ch0, r4, cd);
+    }
 
     // 2. thread (byte column j, token quarter tq): channels 2j, 2j+1 of tokens 32 tq .. 32 tq + 31
     const int j = tid >> 2, tq = tid & 3;
@@ -345,7 +348,8 @@ __global__ void __launch_bounds__(128, B) fp4_row_to_fp8_col(const uint8_t* __re
       }
       kl = exp_of(col_max(max(kmax_lo & 0xFFFF, kmax_lo >> 16)));
       kh = exp_of(col_max(max(kmax_hi & 0xFFFF, kmax_hi >> 16)));
-      const int mlo = col_min(min(emin_lo & 0xFFFF, emin_lo >> 16)), mhi = col_min(min(emin_hi & 0xFFFF, emin_hi >> 16));
+      const int mlo = col_min(min(emin_lo & 0xFFFF, emin_lo >> 16));
+      const int mhi = col_min(min(emin_hi & 0xFFFF, emin_hi >> 16));
       const int top = col_max(max(emax & 0xFFFF, emax >> 16));
       // warp-uniform (general() shuffles across the whole warp): the fast path where all eight columns of the warp
       // qualify

@@ -105,11 +105,13 @@ bool check_staging(std::mt19937_64& rng) {
     const int tile[5] = {row0, valid, 0, 128, 0};
     const int64_t ch0 = 64 * static_cast<int64_t>(rng() % (K / 64));
     uint32_t sp_old[kBytes][kPitch] = {}, sp_new[kBytes][kPitch] = {}, sc_old[2][kPitch] = {}, sc_new[2][kPitch] = {};
+    uint8_t* spb = reinterpret_cast<uint8_t*>(sp_old);
+    uint8_t* scb = reinterpret_cast<uint8_t*>(sc_old);
     for (int tid = 0; tid < 128; ++tid) {
       for (int j = 0; j < kBytes; ++j)  // the byte stores of variants 0, 1
-        reinterpret_cast<uint8_t*>(sp_old)[j * kPitch * 4 + tid] = tid < valid ? q[(row0 + tid) * (K / 2) + ch0 / 2 + j] : 0;
+        spb[j * kPitch * 4 + tid] = tid < valid ? q[(row0 + tid) * (K / 2) + ch0 / 2 + j] : 0;
       for (int b = 0; b < 2; ++b)
-        reinterpret_cast<uint8_t*>(sc_old)[b * kPitch * 4 + tid] = tid < valid ? sc[(row0 + tid) * (K / 32) + ch0 / 32 + b] : 0;
+        scb[b * kPitch * 4 + tid] = tid < valid ? sc[(row0 + tid) * (K / 32) + ch0 / 32 + b] : 0;
       uint2 r[4];
       uint32_t cd;
       load_rows4(q, sc, tile, tid, K, ch0, r, cd);
