@@ -4,7 +4,8 @@
 // one token per thread, so every per-channel maximum over 128 tokens is a cross-thread reduction; here each thread
 // owns one packed byte column (two channels) of 32 tokens in registers, after a transpose through shared memory.
 //
-// Grid (K / 64, tiles); one block of 128 threads per tile of 128 tokens x 64 channels. The tile table (int32
+// Grid (K / 64, tiles / T); one block of 128 threads per T tiles of 128 tokens x 64 channels, one after the other
+// (T = 1, or kTilesPerBlock for variants 3 and 5). The tile table (int32
 // [tiles, 5]) is launchers.py's: first input row, valid rows (<= 128), the expert's padded offset P_e and padded
 // length Mp_e (multiples of 128), the tile's first token inside the expert. Rows past the valid ones are zeros.
 //
@@ -12,9 +13,9 @@
 // key e + (c>>1) + 1; a channel's FP8 exponent is k = max(key) - 137 clamped to [-126, 127] (0 without nonzero
 // finite elements). General path: the scaled value's float32 bits t << 22, t = c + 2e - 2 - 2k (- 1 for c = 1),
 // exact, +-0 below 2**-12 (E4M3 rounds those to zero), NaN for e = 255, rounded by cvt.rn.satfinite.e4m3x2.
-// Fast path (SWAR=true; every nonzero element of the channel lands on an E4M3 normal, d = e - 127 - k >= -5, and no
-// block is NaN): the E4M3 byte is 4c + 8(d + 6) for c >= 2, 8(d + 6) for c = 1, 0 for c = 0, plus the sign, four
-// tokens per 32-bit register.
+// Fast path (variants 1-5; every nonzero element of the channel lands on an E4M3 normal, d = e - 127 - k >= -5, and
+// no block is NaN; variants 2-5 also need every block code <= 251): the E4M3 byte is 4c + 8(d + 6) for c >= 2,
+// 8(d + 6) for c = 1, 0 for c = 0, plus the sign; variant 1 in 16-bit lanes, variants 2-5 by prmt lookups.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
