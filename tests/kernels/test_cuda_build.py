@@ -22,6 +22,19 @@ def test_compiles_for_sm90_without_spills(name, tmp_path):
     assert max(regs) <= 128 and not any(spills), out.stderr
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_col_fast_path_on_the_cpu(tmp_path):
+    """fp4_row_to_fp8_col_check.cu: the prmt fast path's per-thread code, compiled for the host, on every packed byte
+    under every block code and on random byte columns, against the scalar rule (exponents, fast-path test, bytes)."""
+    src = cuda_kernels.SOURCES["fp4_row_to_fp8_col"].with_name("fp4_row_to_fp8_col_check.cu")
+    exe = tmp_path / "check"
+    out = subprocess.run(["nvcc", "-std=c++17", "-O2", "-o", str(exe), str(src)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = subprocess.run([str(exe), "100000"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and " 0 mismatches" in run.stdout, run.stdout[-3000:]
+
+
 def test_unavailable_without_a_gpu_says_why():
     import torch
 

@@ -1,4 +1,4 @@
-"""The CUDA C++ FP4RowToFP8Col (fp4moe_kernels.cuda_kernels), both variants, bit for bit against the
+"""The CUDA C++ FP4RowToFP8Col (fp4moe_kernels.cuda_kernels), every variant, bit for bit against the
 reference: every packed byte under every UE8M0 code, typical activations with rare tiles, and random inputs with
 every special value at DeepSeek-V3 shapes over ragged experts. GPU only (it needs nvcc and a Hopper GPU)."""
 import pytest

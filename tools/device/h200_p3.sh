@@ -303,7 +303,7 @@ example)  # examples/megatron_own_model.py (fp4moe.model.api) on the GPU: every 
   ;;
 cudacol)  # the CUDA C++ FP4RowToFP8Col (the default where it builds): built on first use, GPU tests, benchmark
   python3 -m pytest -q -m gpu tests/kernels/test_cuda_col.py 2>&1 | tee "$OUT/cuda_col_gpu_tests.log" | tail -3
-  python3 -m fp4moe_kernels.bench.cuda_col --out "$OUT" --commit "${COMMIT:-unknown}" 2>&1 | tail -12
+  python3 -m fp4moe_kernels.bench.cuda_col --out "$OUT" --commit "${COMMIT:-unknown}" 2>&1 | tail -25
   ;;
 reproduce)  # [SECS]: what `make reproduce-table` runs (not make itself: its venv step needs PyPI), into one MLflow
   # store kept between calls; a call cut short by SECS leaves its cell unfinished, the next call runs it again

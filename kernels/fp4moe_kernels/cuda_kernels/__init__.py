@@ -24,7 +24,10 @@ import torch
 from ..formats import FormatError, FP8ColTensor, MXFP4Tensor, Segments
 
 SOURCES = {"fp4_row_to_fp8_col": Path(__file__).with_name("fp4_row_to_fp8_col.cu")}
-VARIANTS = {"general": 0, "swar": 1}  # fp4_row_to_fp8_col: general path only; SWAR fast path + general fallback
+# fp4_row_to_fp8_col: general path only; SWAR fast path + general fallback; the prmt fast path + general fallback;
+# the same with four tiles per block (the next tile's loads in flight during the conversion); those two held to 96
+# registers (5 blocks per SM instead of 4)
+VARIANTS = {"general": 0, "swar": 1, "prmt": 2, "prmt4": 3, "prmt_b5": 4, "prmt4_b5": 5}
 
 
 def available() -> str | None:
@@ -66,11 +69,13 @@ def _col_fn():
 
 def col_input_problem(a: MXFP4Tensor) -> str | None:
     """None if ``fp4_row_to_fp8_col`` takes ``a`` as it is, else what is wrong: K a multiple of 128, data and
-    scales contiguous, data 16-byte and scales 2-byte aligned (its vector loads)."""
+    scales contiguous, data 16-byte and scales 2-byte aligned (its vector loads), fewer than 2**31 scale bytes."""
     if a.shape[1] % 128 or not (a.data.is_contiguous() and a.scales.is_contiguous()):
         return f"K={a.shape[1]} must be a multiple of 128 and data/scales contiguous"
     if a.data.data_ptr() % 16 or a.scales.data_ptr() % 2:
         return "data must be 16-byte and scales 2-byte aligned (make a copy)"
+    if a.scales.numel() >= 2**31:
+        return "scales must have fewer than 2**31 bytes (the kernel's scale offsets are int32)"
     return None
 
 
