@@ -480,6 +480,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-peers", action="store_true", help="skip the torchao peers")
     p.add_argument("--no-weights", action="store_true",
                    help="skip the expert-weight quantizer (--experts x DeepSeek-V3 fc1 and fc2, with W_e^T)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="time only the expert-weight quantizer (and the copy bandwidth), not the token-shape kernels")
     p.add_argument("--sweep", action="store_true",
                    help="first sweep tile/warp configs per kernel and use the fastest for the table (slow)")
     p.add_argument("--sweep-kernels", default="", help="comma-separated kernels to sweep (default: all)")
@@ -490,6 +492,8 @@ def main(argv=None) -> int:
     p.add_argument("--timing", choices=("cuda-graph", "events"), default="cuda-graph",
                    help="cuda-graph replays (default) or plain CUDA events around each call")
     args = p.parse_args(argv)
+    if args.weights_only and (args.sweep or args.no_weights):
+        p.error("--weights-only times only the weight quantizer: no --sweep (token shapes), no --no-weights")
     if not torch.cuda.is_available():
         print("the kernel benchmark needs a CUDA GPU (H100/H200); results measured on an H200 are in results/kernels/",
               file=sys.stderr)
@@ -499,7 +503,7 @@ def main(argv=None) -> int:
     env = environment(command.strip(), args.commit)
     env["timing"] = args.timing
     print(f"kernel benchmark on {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
-    shapes = default_shapes(args.tokens, args.experts)
+    shapes = [] if args.weights_only else default_shapes(args.tokens, args.experts)
     sweep_rows = None
     if args.sweep:
         sweep_rows = sweep(shapes[1], args.warmup_ms, args.rep_ms,
