@@ -147,7 +147,7 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
         for c in ("RULE_CEIL", "X_BF16", "SINGLE_SEGMENT", "TRANSPOSE"):
             if c in sig:
                 consts[c] = flags.get(c, True)
-        if "UNIT" in sig:  # the weight quantizer: experts 16-byte aligned (the launcher's usual case), or flags'
+        if "UNIT" in sig:  # the weight quantizer's expert alignment in elements: 8 (16 B, the usual case) or flags'
             consts["UNIT"] = flags.get("UNIT", 8)
         consts = {c: v for c, v in consts.items() if c in sig}
     # the JIT specializes 16-byte-aligned pointers (torch allocations are); say so, or loads stay scalar
