@@ -45,6 +45,35 @@ def test_baseline_copy_runs_side_by_side_and_agrees(tmp_path):
             del sys.modules[name]
 
 
+def test_weight_quantizer_rows_run_beside_a_baseline(tmp_path, monkeypatch):
+    """The weight quantizer's rows (``run_weights``, on the CPU under the interpreter, one call each instead of a
+    timing): this package's launcher and the baseline's give the same four tensors, bytes counted as documented;
+    without a loaded baseline there is no baseline quantizer."""
+    src = Path(fp4moe_kernels.__file__).parent
+    base = tmp_path / "fp4moe_kernels"
+    shutil.copytree(src, base, ignore=shutil.ignore_patterns("__pycache__"))
+    calls = []
+    monkeypatch.setattr(bench, "do_bench", lambda fn, warmup_ms, rep_ms: calls.append(fn()) or 0.5)
+    try:
+        bench.load_baseline(str(base))
+        quantize = bench.baseline_weight_quantizer()
+        assert quantize.__module__ == "fp4moe_kernels_baseline.triton_kernels.launchers"
+        shape = bench.WeightShape("2x[256,384] +T", 2, 256, 384)
+        rows = bench.run_weights([shape], 4000.0, 1, 1, ("base", quantize), log=lambda *a: None, device="cpu")
+        el = 2 * 256 * 384
+        assert [(r.kernel, r.impl) for r in rows] == [("quantize_weight_128x128", "fp4moe"),
+                                                      ("quantize_weight_128x128", "fp4moe base")]
+        assert all(r.bytes == 2 * el + 2 * (el + 4 * el // 128 ** 2) and r.ms == 0.5 for r in rows)
+        ours, theirs = calls
+        assert len(ours) == 4 and ours[2].shape == (2, 384, 256)
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    finally:
+        for name in [m for m in sys.modules if m.startswith("fp4moe_kernels_baseline")]:
+            del sys.modules[name]
+    assert bench.baseline_weight_quantizer() is None
+
+
 def test_a_baseline_from_before_the_rename_loads_its_ops_module(tmp_path):
     """Commits before issue P9 named the public API's module ops.py (now convert.py): a baseline of such a commit
     still loads."""

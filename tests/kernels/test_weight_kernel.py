@@ -2,9 +2,9 @@
 
 CPU: under the Triton interpreter (FP8 casts emulated), small shapes with zero, NaN and Inf blocks, several
 experts and the transposed copy (bf16, the only input the kernel takes); experts read where they lie (in one buffer
-with gaps and in reverse order, as megatron's DDP buffer holds them, or in allocations of their own) give the bits
-of the contiguous copy.
-GPU (``-m gpu``): compiled, at the DeepSeek-V3 expert shape.
+with gaps and in reverse order, as megatron's DDP buffer holds them, or in allocations of their own, and at 16-, 4-
+and 2-byte alignment) give the bits of the contiguous copy.
+GPU (``-m gpu``): compiled, at the DeepSeek-V3 expert shape, and the CPU test's special blocks and alignments.
 """
 import os
 
@@ -70,6 +70,49 @@ def test_weight_kernel_interpreted():
     check_scattered(weights(3, 128, 256, dtype, seed=4), 128, 128 * 128 + 64, "cpu")
 
 
+def special_weights(e, n, k, seed):
+    """``weights`` with non-finite values, an all-NaN, an all-Inf and an all-zero block in experts past the
+    first and at block columns past the first, and a NaN with the sign bit set (bf16 0xFFC1)."""
+    w = weights(e, n, k, torch.bfloat16, seed=seed)
+    bits = w.view(torch.int16)
+    bits[n + 3, 40] = -63  # 0xFFC1: a NaN with the sign bit set
+    w[n + 129, 300] = float("inf")
+    w[2 * n + 5, 7] = float("-inf")
+    w[2 * n:2 * n + 128, 256:384] = float("nan")
+    w[n:n + 128, 128:256] = float("inf")
+    w[2 * n + 128:2 * n + 256, 128:256] = 0
+    w[n - 1, k - 1] = float("nan")
+    return w
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_weight_kernel_specials_in_later_experts_and_any_alignment():
+    """Both copies, every expert: non-finite and all-zero blocks off the first expert and first block column; the
+    experts read at 16-byte, 4-byte and 2-byte alignment (the kernel's vector, int32 and int16 loads)."""
+    w = special_weights(3, 256, 384, seed=6)
+    assert (w.view(torch.int16) == -63).sum() == 1
+    check(w, 256, "cpu")
+    for gap in (128 * 128 + 64, 2, 1):  # experts 16-byte aligned, 4-byte aligned, at odd elements
+        check_scattered(w, 256, gap, "cpu")
+    check_alignments(w, 256, "cpu")
+
+
+def check_alignments(w, n, dev):
+    """W's experts back to back in one buffer starting 0, 2 and 1 elements after a 16-byte boundary (the
+    kernel's UNIT 8, 2 and 1) give the bits of the contiguous W."""
+    e, k = w.shape[0] // n, w.shape[1]
+    want = launchers.quantize_weight_128x128(w.to(dev), n, transpose=True)
+    buf = torch.empty(e * n * k + 8, dtype=torch.bfloat16, device=dev)
+    assert buf.data_ptr() % 16 == 0
+    for lead, unit in ((0, 8), (2, 2), (1, 1)):
+        ws = [buf[lead + i * n * k:][:n * k].view(n, k) for i in range(e)]
+        assert launchers._weight_unit(ws) == unit
+        for i, x in enumerate(ws):
+            x.copy_(w[i * n:(i + 1) * n])
+        got = launchers.quantize_weight_128x128(ws, transpose=True)
+        assert all(bits_equal(a.cpu(), b.cpu()) for a, b in zip(got, want)), unit
+
+
 def test_experts_need_row_major_storage():
     w = torch.zeros(2, 256, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"experts must be row-major \[N, K\] tensors"):
@@ -83,6 +126,10 @@ def test_weight_kernel_gpu():
     check(weights(4, 4096, 7168, dtype, seed=2), 4096, "cuda")
     check(weights(2, 7168, 2048, dtype, seed=3), 7168, "cuda")
     check_scattered(weights(4, 4096, 7168, dtype, seed=5), 4096, 7168 * 2048, "cuda")  # fc1 with fc2 between
+    w = special_weights(3, 256, 384, seed=6)
+    check(w, 256, "cuda")
+    check_alignments(w, 256, "cuda")
+    check_alignments(special_weights(3, 1024, 7168, seed=7), 1024, "cuda")
 
 
 def test_weight_kernel_rejects_float32():

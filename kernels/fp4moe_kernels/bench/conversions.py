@@ -14,6 +14,10 @@ the fastest. Side by side in the same run:
 * torchao's peers when torchao is importable: ``to_mx`` to MXFP4 (compiled) against BF16ToFP4Row, and
   torchao's blockwise-FP8 Triton quantizers against our BF16 -> FP8 row / column.
 
+Then the expert-weight quantizer (``launchers.quantize_weight_128x128``, 128x128 FP8 blocks and the transposed
+copy W_e^T) at DeepSeek-V3's expert weights: ``--experts`` x fc1 ``[4096, 7168]`` and x fc2 ``[7168, 2048]``, each
+a refill with the transpose, bytes counted as read 2 B/elem + written 1 B/elem and 4 B per 128x128 scale per copy.
+
 Writes ``kernels_<gpu>_<date>_<commit>.{json,csv,md}`` into ``--out``. Needs a CUDA GPU (sm_89+).
 """
 from __future__ import annotations
@@ -53,6 +57,49 @@ def min_bytes(kernel: str, m: int, k: int, seg: Segments) -> int:
         "bf16_to_fp8_col": bf16 + fp8_col,
         "bf16_to_fp4_and_fp8_row": bf16 + fp4 + fp8_row,
     }[kernel]
+
+
+@dataclass
+class WeightShape:
+    """``experts`` expert weights ``[n, k]`` bf16, stacked as one ``[experts * n, k]`` tensor."""
+
+    name: str
+    experts: int
+    n: int
+    k: int
+
+
+def default_weight_shapes(experts: int = 32) -> list[WeightShape]:
+    """DeepSeek-V3's expert weights: fc1 ``[4096, 7168]`` (gate and up) and fc2 ``[7168, 2048]``, per expert."""
+    return [WeightShape(f"{experts}x[4096,7168] +T", experts, 4096, 7168),
+            WeightShape(f"{experts}x[7168,2048] +T", experts, 7168, 2048)]
+
+
+def weight_bytes(shape: WeightShape, transpose: bool = True) -> int:
+    """Fewest bytes of one refill: the bf16 weights read once (2 B/elem), each FP8 copy written once (1 B/elem and
+    a float32 scale per 128x128 block); two copies with ``transpose`` (W and every W_e^T)."""
+    el = shape.experts * shape.n * shape.k
+    return 2 * el + (2 if transpose else 1) * (el + 4 * el // (128 * 128))
+
+
+def baseline_weight_quantizer():
+    """The loaded baseline's ``launchers.quantize_weight_128x128`` (see ``load_baseline``), or None where that
+    package predates it."""
+    import importlib
+
+    try:
+        mod = importlib.import_module("fp4moe_kernels_baseline.triton_kernels.launchers")
+    except ImportError:
+        return None
+    return getattr(mod, "quantize_weight_128x128", None)
+
+
+def _weight_fns(shape: WeightShape, w: torch.Tensor, quantize=None) -> dict:
+    """kernel -> callable refilling the FP8 copies of ``w`` (``[experts * n, k]`` bf16) with this package's
+    launcher (or ``quantize``, a baseline's)."""
+    if quantize is None:
+        from ..triton_kernels.launchers import quantize_weight_128x128 as quantize
+    return {"quantize_weight_128x128": lambda: quantize(w, shape.n, transpose=True)}
 
 
 # ------------------------------------------------------------------- unfused torch-op round trips
@@ -220,8 +267,9 @@ def _peers(x):
 
 
 def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, log=print,
-        baseline=None) -> tuple[float, list[Row], list[str]]:
-    """Every kernel on every shape (and, with ``baseline`` = (label, convert, formats), the baseline's kernels)."""
+        baseline=None, weight_shapes=()) -> tuple[float, list[Row], list[str]]:
+    """Every kernel on every shape (and, with ``baseline`` = (label, convert, formats), the baseline's kernels),
+    then the weight quantizer on every ``weight_shapes`` (``WeightShape``; the baseline's too where it has one)."""
     copy = copy_bandwidth_gbps(warmup_ms, rep_ms)
     log(f"copy bandwidth (1 GiB bf16 D2D, read+write): {copy:.0f} GB/s")
     rows: list[Row] = []
@@ -260,7 +308,41 @@ def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, lo
                 add(kernel, impl, fn)
         del x, a, f
         torch.cuda.empty_cache()
+    if weight_shapes:
+        base = None
+        if baseline is not None:
+            base = (baseline[0], baseline_weight_quantizer())
+            if base[1] is None:
+                notes.append(f"baseline {baseline[0]} has no launchers.quantize_weight_128x128: weight rows without it")
+                log(notes[-1])
+                base = None
+        rows += run_weights(weight_shapes, copy, warmup_ms, rep_ms, base, log)
     return copy, rows, notes
+
+
+def run_weights(shapes: list[WeightShape], copy: float, warmup_ms: int, rep_ms: int, baseline=None, log=print,
+                device="cuda") -> list[Row]:
+    """The weight quantizer on every shape (random bf16 weights, seed 0) and, with ``baseline`` = (label,
+    quantize), a baseline's launcher beside it; % of ``copy`` GB/s."""
+    rows = []
+    for shape in shapes:
+        g = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(shape.experts * shape.n, shape.k, device=device, dtype=torch.bfloat16, generator=g)
+        nb = weight_bytes(shape)
+        impls = [("fp4moe", _weight_fns(shape, w))]
+        if baseline is not None:
+            impls.append((f"fp4moe {baseline[0]}", _weight_fns(shape, w, baseline[1])))
+        for impl, fns in impls:
+            for kernel, fn in fns.items():
+                ms = do_bench(fn, warmup_ms, rep_ms)
+                gbps = nb / (ms * 1e-3) / 1e9
+                rows.append(Row(shape.name, kernel, impl, ms, nb, gbps, 100 * gbps / copy))
+                log(f"  {shape.name:>24} {kernel:>24} {impl:<38} {ms * 1e3:9.1f} us {gbps:7.0f} GB/s "
+                    f"{100 * gbps / copy:5.1f}%")
+        del w
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) -> list[dict]:
@@ -391,10 +473,15 @@ def main(argv=None) -> int:
                                 epilog="Needs a CUDA GPU with FP8 (sm_89+); run the self-check first.")
     p.add_argument("--out", default="results/kernels", help="directory for json/csv/md (default results/kernels)")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per shape (default 32768)")
-    p.add_argument("--experts", type=int, default=32, help="experts of the ragged shapes (default 32)")
+    p.add_argument("--experts", type=int, default=32,
+                   help="experts of the ragged shapes and of the weight quantizer's (default 32)")
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--no-peers", action="store_true", help="skip the torchao peers")
+    p.add_argument("--no-weights", action="store_true",
+                   help="skip the expert-weight quantizer (--experts x DeepSeek-V3 fc1 and fc2, with W_e^T)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="time only the expert-weight quantizer (and the copy bandwidth), not the token-shape kernels")
     p.add_argument("--sweep", action="store_true",
                    help="first sweep tile/warp configs per kernel and use the fastest for the table (slow)")
     p.add_argument("--sweep-kernels", default="", help="comma-separated kernels to sweep (default: all)")
@@ -405,6 +492,8 @@ def main(argv=None) -> int:
     p.add_argument("--timing", choices=("cuda-graph", "events"), default="cuda-graph",
                    help="cuda-graph replays (default) or plain CUDA events around each call")
     args = p.parse_args(argv)
+    if args.weights_only and (args.sweep or args.no_weights):
+        p.error("--weights-only times only the weight quantizer: no --sweep (token shapes), no --no-weights")
     if not torch.cuda.is_available():
         print("the kernel benchmark needs a CUDA GPU (H100/H200); results measured on an H200 are in results/kernels/",
               file=sys.stderr)
@@ -414,7 +503,7 @@ def main(argv=None) -> int:
     env = environment(command.strip(), args.commit)
     env["timing"] = args.timing
     print(f"kernel benchmark on {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
-    shapes = default_shapes(args.tokens, args.experts)
+    shapes = [] if args.weights_only else default_shapes(args.tokens, args.experts)
     sweep_rows = None
     if args.sweep:
         sweep_rows = sweep(shapes[1], args.warmup_ms, args.rep_ms,
@@ -428,7 +517,8 @@ def main(argv=None) -> int:
         path, _, label = args.baseline.partition(":")
         baseline = (label or os.path.basename(os.path.normpath(path)), *load_baseline(path))
         env["baseline"] = baseline[0]
-    copy, rows, notes = run(shapes, args.warmup_ms, args.rep_ms, peers=not args.no_peers, baseline=baseline)
+    copy, rows, notes = run(shapes, args.warmup_ms, args.rep_ms, peers=not args.no_peers, baseline=baseline,
+                            weight_shapes=[] if args.no_weights else default_weight_shapes(args.experts))
     copy_end = copy_bandwidth_gbps(args.warmup_ms, args.rep_ms)
     if copy_end > copy:  # report against the best copy seen in the run, and say so
         notes.append(f"copy bandwidth re-measured after the kernels: {copy_end:.0f} GB/s (was {copy:.0f}); "

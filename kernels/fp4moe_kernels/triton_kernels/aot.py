@@ -58,7 +58,7 @@ KERNELS = {
     "quantize_weight_128x128": (weight.quantize_weight_128x128_kernel,
                                 {"w_ptr": "*i16", "off_ptr": "*i64", "q_ptr": "*i16", "s_ptr": "*fp32", "qt_ptr": "*u8",
                                  "st_ptr": "*fp32", "K": "constexpr", "N": "constexpr", "TRANSPOSE": "constexpr",
-                                 "EMULATE": "constexpr"}),
+                                 "EMULATE": "constexpr", "UNIT": "constexpr"}),
     "swiglu_fwd": (fused_swiglu._swiglu_fwd_kernel,
                    {"h_ptr": "*bf16", "p_ptr": "*fp32", "z_ptr": "*i16", "T": "i32", "F": "constexpr",
                     "HAS_P": "constexpr", "BT": "constexpr", "BF": "constexpr"}),
@@ -147,6 +147,8 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
         for c in ("RULE_CEIL", "X_BF16", "SINGLE_SEGMENT", "TRANSPOSE"):
             if c in sig:
                 consts[c] = flags.get(c, True)
+        if "UNIT" in sig:  # the weight quantizer's expert alignment in elements: 8 (16 B, the usual case) or flags'
+            consts["UNIT"] = flags.get("UNIT", 8)
         consts = {c: v for c, v in consts.items() if c in sig}
     # the JIT specializes 16-byte-aligned pointers (torch allocations are); say so, or loads stay scalar
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}

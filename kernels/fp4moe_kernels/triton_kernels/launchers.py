@@ -250,17 +250,27 @@ def bf16_to_fp8_col(x: torch.Tensor, seg: Segments) -> FP8ColTensor:
 _OFFSETS: dict[tuple, torch.Tensor] = {}
 
 
-def _expert_offsets(ws, device) -> torch.Tensor:
-    """int64 ``[E]``: where each expert of ``ws`` starts, in elements after ``ws[0]``."""
+def _expert_offsets(ws, device, unit: int = 1) -> torch.Tensor:
+    """int64 ``[E]``: where each expert of ``ws`` starts, in ``unit`` elements after ``ws[0]`` (every start a
+    multiple of ``unit`` elements)."""
     size = ws[0].element_size()
-    offs = tuple((w.data_ptr() - ws[0].data_ptr()) // size for w in ws)
-    key = (str(device), ws[0].data_ptr(), offs)
+    offs = tuple((w.data_ptr() - ws[0].data_ptr()) // (size * unit) for w in ws)
+    key = (str(device), ws[0].data_ptr(), offs, unit)
     t = _OFFSETS.get(key)
     if t is None:
         if len(_OFFSETS) > 4096:
             _OFFSETS.clear()
         t = _OFFSETS[key] = torch.tensor(offs, dtype=torch.int64).to(device)
     return t
+
+
+def _weight_unit(ws) -> int:
+    """What every expert's address is a multiple of, in bf16 elements: 8 (16 bytes: vector loads), 2 (4 bytes:
+    int32 loads) or 1."""
+    for unit in (8, 2):
+        if all(w.data_ptr() % (2 * unit) == 0 for w in ws):
+            return unit
+    return 1
 
 
 def quantize_weight_128x128(w, rows_per_expert: int | None = None, transpose: bool = False):
@@ -294,9 +304,11 @@ def quantize_weight_128x128(w, rows_per_expert: int | None = None, transpose: bo
     else:
         qt, st = q, s  # unused
     if r and k:
+        unit = _weight_unit(ws)
         weight.quantize_weight_128x128_kernel[(r // 128, k // 128)](
-            ws[0].view(torch.int16), _expert_offsets(ws, device), q.view(torch.int16), s, qt.view(torch.uint8), st,
-            K=k, N=n, TRANSPOSE=transpose, EMULATE=INTERPRET, num_warps=TILES["quantize_weight_128x128"][2])
+            ws[0].view(torch.int16), _expert_offsets(ws, device, unit), q.view(torch.int16), s, qt.view(torch.uint8),
+            st, K=k, N=n, TRANSPOSE=transpose, EMULATE=INTERPRET, UNIT=unit,
+            num_warps=TILES["quantize_weight_128x128"][2])
     return (q, s, qt, st) if transpose else (q, s)
 
 
