@@ -70,6 +70,35 @@ def test_a_variant_of_one_commit_is_its_own_benchmark(tmp_path):
     assert sorted(r["variant"] for r in rows) == ["", "fp8_weight_cache"]
 
 
+def test_targets_read_each_recipes_fastest_gemm_backend(tmp_path):
+    """A benchmark with fp8@deepgemm / mxfp4@deepgemm entries: the F4 targets read each recipe's fastest entry
+    (fp8@deepgemm over bf16; mxfp4's fastest over fp8's fastest), the plain recipes' ratios stay as they were, and the
+    report names the entries; without backend entries the fastest is the recipe itself."""
+    from fp4moe.report import render
+    from fp4moe.report.store import load
+    from fp4moe.report.tables import f4_rows
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    a = _doc(tmp_path)
+    doc = json.loads(a.read_text())
+    doc["env"]["commit"] = "def5678"
+    doc["recipes"] += [{"recipe": r, "ms_per_iter": ms, "tokens_per_s": 4096 / ms * 1e3, "saved_bytes": 10}
+                       for r, ms in (("fp8@deepgemm", 25.0), ("mxfp4@deepgemm", 26.0))]
+    b = tmp_path / "moe_layer_h200_ep2_2026-11-30_def5678.json"
+    b.write_text(json.dumps(doc))
+    assert L.log_file(a, uri) == (3, 0) and L.log_file(b, uri) == (5, 0)
+    rows = {r["commit"]: r for r in f4_rows([r for r in load(uri).runs if r.experiment == L.EXPERIMENT])}
+    plain, dg = rows["abc1234"], rows["def5678"]
+    assert (plain["fp8_best"], plain["mxfp4_best"]) == ("fp8", "mxfp4")
+    assert plain["tokens_per_s_fp8_best_over_bf16"] == pytest.approx(30 / 35)
+    assert (dg["fp8_best"], dg["mxfp4_best"]) == ("fp8@deepgemm", "mxfp4@deepgemm")
+    assert dg["tokens_per_s_fp8_best_over_bf16"] == pytest.approx(30 / 25)
+    assert dg["tokens_per_s_mxfp4_best_over_fp8_best"] == pytest.approx(25 / 26)
+    assert dg["tokens_per_s_fp8_over_bf16"] == pytest.approx(30 / 35)  # the plain recipe's ratio is kept
+    text = "\n".join(render._f4_targets([plain, dg]))
+    assert "1.200 (fp8@deepgemm, mxfp4@deepgemm) missed" in text and "0.857 missed" in text
+
+
 def test_bad_files(tmp_path):
     bad = tmp_path / "moe_layer_x.json"
     bad.write_text("{}")
