@@ -429,3 +429,26 @@ def test_bf16_encoders_on_an_input_4_bytes_off_8_byte_alignment(device):
     assert not selfcheck.compare(launchers.bf16_to_fp4_row(x), ref.bf16_to_fp4_row(x.cpu()))
     got = launchers.bf16_to_fp4_and_fp8_row(x, Segments.of(None, 8))
     assert not selfcheck.compare(got, ref.bf16_to_fp4_and_fp8_row(x.cpu(), None))
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+def test_fp8_row_to_fp4_on_an_input_4_bytes_off_8_byte_alignment_and_a_tail(device):
+    """FP8RowToFP4 reads each group as int64 pairs of words: an FP8 view 4 bytes past an 8-byte boundary is copied by
+    the launcher first (else misaligned loads on a GPU). 3 experts over 301 rows of K = 128: a last program that is
+    mostly past the end (its threads re-read the last group and store nothing)."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import FP8RowTensor, Segments
+
+    from fp4moe_kernels.triton_kernels import launchers
+
+    rows = torch.cat([_every_e4m3_byte_below_every_block_max()] * 4)[:301]
+    buf = torch.zeros(4 + rows.numel(), dtype=torch.uint8)
+    buf[4:] = rows.reshape(-1)
+    buf = buf.to(device)
+    data = buf[4:].view(301, 128).view(torch.float8_e4m3fn)
+    assert data.data_ptr() % 8 == 4
+    scales = torch.tensor([2.0 ** (i % 19 * 13 - 120) for i in range(301)], dtype=torch.float32)
+    seg = Segments.of([100, 0, 201], 301)
+    f = FP8RowTensor(data.cpu(), scales, seg)
+    want = ref.fp8_row_to_fp4(f)
+    assert not selfcheck.compare(launchers.fp8_row_to_fp4(FP8RowTensor(data, scales.to(device), seg)), want)

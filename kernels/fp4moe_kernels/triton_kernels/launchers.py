@@ -29,7 +29,7 @@ TILES = {
     "bf16_to_fp8_row": (64, 0, 8),
     "bf16_to_fp4_and_fp8_row": (16, 0, 2),
     "fp4_row_to_fp8_row": (32, 0, 2),
-    "fp8_row_to_fp4": (64, 0, 4),
+    "fp8_row_to_fp4": (128, 0, 4),
     "fp4_row_to_fp8_col": (32, 0, 1),
     "bf16_to_fp8_col": (32, 0, 1),
     "quantize_weight_128x128": (0, 0, 8),  # one 128x128 block per program; not swept
@@ -205,9 +205,10 @@ def fp8_row_to_fp4(f: FP8RowTensor, rule: str = "ceil") -> MXFP4Tensor:
     single, row_seg, seg_off = _seg_args(f.segments, m, f.data.device)
     if m * (k // 128) >= 2**31:  # the kernel numbers groups in int32 (that is 256 GiB of FP8 data)
         raise ValueError(f"fp8_row_to_fp4: {m} x {k} has 2**31 or more 128-groups")
+    data = f.data if f.data.data_ptr() % 8 == 0 else f.data.clone()  # the kernel reads int64 pairs of words
     if m:
         grid, meta = _row_launch("fp8_row_to_fp4", m, k, 128)
-        row.fp8_row_to_fp4_kernel[grid](f.data.view(torch.int16), f.scales, row_seg, seg_off, q, s, m, k,
+        row.fp8_row_to_fp4_kernel[grid](data.view(torch.int16), f.scales, row_seg, seg_off, q, s, m, k,
                                         RULE_CEIL=(rule == "ceil"), SINGLE_SEGMENT=single, EMULATE=INTERPRET, **meta)
     return MXFP4Tensor(q, s, (m, k))
 

@@ -90,7 +90,8 @@ def _fp8_groups(lo, hi, EMULATE: tl.constexpr):
 @triton.jit
 def _row_scale_offset(g, M, K: tl.constexpr, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT: tl.constexpr):
     """int64 offset of the FP8 row scale of flat group ``g`` [R] in the segment-major buffer. An int32 ``g`` (the
-    caller knows there are fewer than 2**31 groups) divides in int32, a few instructions instead of some 25."""
+    caller knows there are fewer than 2**31 groups) divides in int32, a few instructions instead of some 25.
+    ``mask`` None: every ``g`` is in range (the segment tables are read unmasked)."""
     row = g // (K // 128)
     col = g - row * (K // 128)
     g = g.to(tl.int64)
@@ -99,9 +100,14 @@ def _row_scale_offset(g, M, K: tl.constexpr, row_seg_ptr, seg_off_ptr, mask, SIN
     if SINGLE_SEGMENT:
         return col * M + row
     else:
-        seg = tl.load(row_seg_ptr + row, mask=mask, other=0)
-        r0 = tl.load(seg_off_ptr + seg, mask=mask, other=0).to(tl.int64)
-        r1 = tl.load(seg_off_ptr + seg + 1, mask=mask, other=0).to(tl.int64)
+        if mask is None:  # every g in range: unmasked loads
+            seg = tl.load(row_seg_ptr + row)
+            r0 = tl.load(seg_off_ptr + seg).to(tl.int64)
+            r1 = tl.load(seg_off_ptr + seg + 1).to(tl.int64)
+        else:
+            seg = tl.load(row_seg_ptr + row, mask=mask, other=0)
+            r0 = tl.load(seg_off_ptr + seg, mask=mask, other=0).to(tl.int64)
+            r1 = tl.load(seg_off_ptr + seg + 1, mask=mask, other=0).to(tl.int64)
         return (K // 128) * r0 + col * (r1 - r0) + (row - r0)
 
 
@@ -473,27 +479,28 @@ def _fp4_block(v0, v1, k, lo_d, hi_d, RULE_CEIL: tl.constexpr, EMULATE: tl.const
 def fp8_row_to_fp4_kernel(q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, o_ptr, os_ptr, M, K: tl.constexpr,
                           R: tl.constexpr, RULE_CEIL: tl.constexpr, SINGLE_SEGMENT: tl.constexpr,
                           EMULATE: tl.constexpr):
-    """R groups per program as 2R half-groups, each one row of the tile: the two 32-blocks 2h, 2h+1 of half-group
-    h (same group, one scale load), each as two 16-byte loads (``_fp4_block``)."""
-    h = tl.program_id(0).to(tl.int64) * (2 * R) + tl.arange(0, 2 * R)
-    mask = h < M * (K // 64)
-    g = tl.program_id(0) * R + tl.arange(0, 2 * R) // 2  # int32: the launcher checks M * K/128 < 2**31
-    so = _row_scale_offset(g, M, K, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT)
-    sbits = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + so, mask=mask, other=0x3F800000)
+    """R groups per program, one group per thread: its four 32-blocks as eight 16-byte loads (``_fp4_block`` per
+    block), one scale load, four 16-byte data stores and one 4-byte code store. A tail program's threads past the end
+    read the last group again (unmasked loads: no zero fill) and store nothing."""
+    g = tl.program_id(0) * R + tl.arange(0, R)  # int32: the launcher checks M * K/128 < 2**31
+    mask = g < M * (K // 128)
+    gc = tl.minimum(g, M * (K // 128) - 1)
+    so = _row_scale_offset(gc, M, K, row_seg_ptr, seg_off_ptr, None, SINGLE_SEGMENT)
+    sbits = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + so)
     k = ((sbits >> 23) & 0xFF) - 127  # scales are powers of two 2**k, k in [-126, 127]
     lo_d = tl.maximum(-127 - k, -11)  # block offsets d of codes 0 and 254 (_fp4_block)
     hi_d = tl.minimum(127 - k, 7)
     j = tl.arange(0, 2)[None, :]
-    qp = q_ptr.to(tl.pointer_type(tl.int64)) + h[:, None] * 8 + j
+    qp = q_ptr.to(tl.pointer_type(tl.int64)) + gc.to(tl.int64)[:, None] * 16 + j
+    a0, a1, c0 = _fp4_block(tl.load(qp), tl.load(qp + 2), k, lo_d, hi_d, RULE_CEIL, EMULATE)
+    b0, b1, c1 = _fp4_block(tl.load(qp + 4), tl.load(qp + 6), k, lo_d, hi_d, RULE_CEIL, EMULATE)
+    d0, d1, c2 = _fp4_block(tl.load(qp + 8), tl.load(qp + 10), k, lo_d, hi_d, RULE_CEIL, EMULATE)
+    e0, e1, c3 = _fp4_block(tl.load(qp + 12), tl.load(qp + 14), k, lo_d, hi_d, RULE_CEIL, EMULATE)
+    j4 = tl.arange(0, 4)[None, :]
+    op = o_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64)[:, None] * 16 + j4
     m2 = mask[:, None]
-    e0, e1, ce = _fp4_block(tl.load(qp, mask=m2, other=0), tl.load(qp + 2, mask=m2, other=0), k, lo_d, hi_d,
-                            RULE_CEIL, EMULATE)
-    o0, o1, co = _fp4_block(tl.load(qp + 4, mask=m2, other=0), tl.load(qp + 6, mask=m2, other=0), k, lo_d, hi_d,
-                            RULE_CEIL, EMULATE)
-    op = o_ptr.to(tl.pointer_type(tl.int32)) + h[:, None] * 8 + j
-    tl.store(op, e0, mask=m2)  # block 2h: output words 0, 1
-    tl.store(op + 2, e1, mask=m2)  # 2, 3
-    tl.store(op + 4, o0, mask=m2)  # block 2h + 1
-    tl.store(op + 6, o1, mask=m2)
-    code = tl.join(ce, co).to(tl.uint8)  # [2R, 2]: blocks 2h, 2h + 1
-    tl.store(os_ptr + h[:, None] * 2 + j, code, mask=m2)
+    tl.store(op, tl.reshape(tl.permute(tl.join(a0, a1), (0, 2, 1)), (R, 4)), mask=m2)  # block 4g: words 0..3
+    tl.store(op + 4, tl.reshape(tl.permute(tl.join(b0, b1), (0, 2, 1)), (R, 4)), mask=m2)
+    tl.store(op + 8, tl.reshape(tl.permute(tl.join(d0, d1), (0, 2, 1)), (R, 4)), mask=m2)
+    tl.store(op + 12, tl.reshape(tl.permute(tl.join(e0, e1), (0, 2, 1)), (R, 4)), mask=m2)
+    tl.store(os_ptr.to(tl.pointer_type(tl.int32)) + g, c0 | (c1 << 8) | (c2 << 16) | (c3 << 24), mask=mask)
