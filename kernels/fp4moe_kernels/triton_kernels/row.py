@@ -392,7 +392,7 @@ def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_
 
 
 @triton.jit
-def _e2m1_lanes(x, s2, EMULATE: tl.constexpr):
+def _e2m1_lanes(x, s2, CAP: tl.constexpr, EMULATE: tl.constexpr):
     """E2M1 magnitude codes of two f16 magnitudes ``x`` (f16x2 in an int32, exact E4M3 values) of a block with f16
     scale ``s2`` = 2**(-d-14) in both lanes -> each lane holds its code << 9 (0..7 << 9). Five instructions per pair.
 
@@ -404,35 +404,50 @@ def _e2m1_lanes(x, s2, EMULATE: tl.constexpr):
     ``fma.rn.f16x2``) is y's rounding to the step, nearest even, shifted by M, and (y + M) - M (another, exact) is
     the rounded y. Scaled by 2**-14, every E2M1 value v lands where f16's encoding is E2M1's: v = 0.5 is the
     subnormal 0x0200, 1.0 the smallest normal 0x0400, ..., 6.0 = 0x0E00, so the f16 bits are code << 9 (nothing
-    below bit 9). Values from 8 up (saturating blocks) are capped at 0x0E00 (6.0). Checked for every E4M3 magnitude
-    and every d in [-11, 7] against ``reference.e2m1_round`` (results/kernels/README.md, 2026-12-04)."""
+    below bit 9). With ``CAP``, values from 8 up (saturating blocks) are capped at 0x0E00 (6.0); without, the caller
+    knows y <= 6 * 2**-14 in every finite block (NaN lanes are garbage, dropped by ``_fp4_word``). Checked for every
+    E4M3 magnitude and every d in [-11, 7] against ``reference.e2m1_round`` (results/kernels/README.md, 2026-12-04)."""
     y = hmul2(x, s2, EMULATE)
     t = umax16x2(y, tl.full(y.shape, 0x04000400, tl.int32), EMULATE)
     r = hfma2(t, tl.full(y.shape, 0x60006000, tl.int32), y, EMULATE)  # y + 512 t
     z = hfma2(t, tl.full(y.shape, -536813568, tl.int32), r, EMULATE)  # 0xE000E000: r - 512 t
-    return umin16x2(z, tl.full(y.shape, 0x0E000E00, tl.int32), EMULATE)
+    if CAP:
+        z = umin16x2(z, tl.full(y.shape, 0x0E000E00, tl.int32), EMULATE)
+    return z
 
 
 @triton.jit
-def _fp4_word(ca, cb, cc, cd, we, wo, sel, sgn_e, sgn_o, EMULATE: tl.constexpr):
+def _mul_wide2_hi(a, b, m_a, m_b, EMULATE: tl.constexpr):
+    """High word of ``a * m_a + b * m_b`` (int32 tensors read as unsigned, 64-bit products and sum, mod 2**64): one
+    ``mul.wide.u32`` and one ``mad.wide.u32`` (two IMAD.WIDE) also when the multipliers are registers."""
+    if EMULATE:
+        u = (a.to(tl.uint32, bitcast=True).to(tl.uint64) * m_a.to(tl.uint32, bitcast=True).to(tl.uint64)
+             + b.to(tl.uint32, bitcast=True).to(tl.uint64) * m_b.to(tl.uint32, bitcast=True).to(tl.uint64))
+        return (u >> 32).to(tl.uint32).to(tl.int32, bitcast=True)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b64 p; .reg .b32 l; mul.wide.u32 p, $1, $3; mad.wide.u32 p, $2, $4, p; mov.b64 {l, $0}, p; }",
+            "=r,r,r,r,r", [a, b, m_a, m_b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp4_word(ca, cb, cc, cd, we, wo, m_a, m_b, sgn_e, sgn_o, EMULATE: tl.constexpr):
     """One output word (eight nibbles) from the code lanes of elements (0, 1), (2, 3), (4, 5), (6, 7) and the E4M3
     words ``we`` (elements 0..3) and ``wo`` (4..7) that carry the signs. The high word of
-    ``ca * (2**23 + 2**11) + cb * (2**31 + 2**19)`` holds codes 0..3 in its nibbles 0..3 (the shifted copies that
-    land elsewhere overlap nothing, so no carry disturbs them; two ``IMAD.WIDE``); ``prmt`` with ``sel`` = 0x5410
+    ``ca * m_a + cb * m_b`` with m_a = 2**23 + 2**11, m_b = 2**31 + 2**19 holds codes 0..3 in its nibbles 0..3 (the
+    shifted copies that land elsewhere overlap nothing, so no carry disturbs them; two ``IMAD.WIDE``); ``prmt``
     joins the two halves, two sign-replicating ``prmt`` take the E4M3 sign bits to nibble bit 3 (masks ``sgn_e`` =
-    0x08080808, ``sgn_o`` = 0x80808080). A NaN block passes sel = 0x8888 (four copies of bit 7 of a byte whose
-    bit 7 is 0) and zero masks: its word is 0 without a select."""
-    lo = (ca.to(tl.uint32, bitcast=True).to(tl.uint64) * 0x00800800
-          + cb.to(tl.uint32, bitcast=True).to(tl.uint64) * 0x80080000) >> 32
-    hi = (cc.to(tl.uint32, bitcast=True).to(tl.uint64) * 0x00800800
-          + cd.to(tl.uint32, bitcast=True).to(tl.uint64) * 0x80080000) >> 32
-    out = prmt(lo.to(tl.int32), hi.to(tl.int32), sel, EMULATE)
+    0x08080808, ``sgn_o`` = 0x80808080). A NaN block passes zero multipliers and masks: its word is 0 whatever its
+    code lanes hold, without a select."""
+    lo = _mul_wide2_hi(ca, cb, m_a, m_b, EMULATE)
+    hi = _mul_wide2_hi(cc, cd, m_a, m_b, EMULATE)
+    out = prmt(lo, hi, tl.full(lo.shape, 0x5410, tl.int32), EMULATE)
     out = out | (prmt(we, wo, tl.full(we.shape, 0xECA8, tl.int32), EMULATE) & sgn_e)  # elements 0, 2, 4, 6
     return out | (prmt(we, wo, tl.full(we.shape, 0xFDB9, tl.int32), EMULATE) & sgn_o)  # elements 1, 3, 5, 7
 
 
 @triton.jit
-def _fp4_block(v0, v1, k, lo_d, hi_d, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
+def _fp4_block(v0, v1, k, lo_d, hi_d, RULE_CEIL: tl.constexpr, CAP: tl.constexpr, EMULATE: tl.constexpr):
     """One 32-block per row: its 32 E4M3 bytes as int64 pairs of words ``v0`` (words 0..3) and ``v1`` (4..7), [N, 2],
     under FP8 scale 2**k ([N]) -> (output words 0, 1 [N, 2], output words 2, 3 [N, 2], UE8M0 code [N] int32).
 
@@ -464,15 +479,36 @@ def _fp4_block(v0, v1, k, lo_d, hi_d, RULE_CEIL: tl.constexpr, EMULATE: tl.const
     s2 = f16x2_from_f32(((113 - d) << 23).to(tl.float32, bitcast=True),
                         ((113 - d) << 23).to(tl.float32, bitcast=True), EMULATE)[:, None]  # 2**(-d-14), both lanes
     nan_blk = amax >= 0x7C00
-    sel = tl.where(nan_blk, 0x8888, 0x5410)[:, None]
+    m_a = tl.where(nan_blk, 0, 0x00800800)[:, None]
+    m_b = tl.where(nan_blk, 0, -2146959360)[:, None]  # 0x80080000
     sgn_e = tl.where(nan_blk, 0, 0x08080808)[:, None]
     sgn_o = tl.where(nan_blk, 0, -2139062144)[:, None]  # 0x80808080
-    out0 = _fp4_word(_e2m1_lanes(a0, s2, EMULATE), _e2m1_lanes(a1, s2, EMULATE), _e2m1_lanes(a2, s2, EMULATE),
-                     _e2m1_lanes(a3, s2, EMULATE), we0, wo0, sel, sgn_e, sgn_o, EMULATE)
-    out1 = _fp4_word(_e2m1_lanes(a4, s2, EMULATE), _e2m1_lanes(a5, s2, EMULATE), _e2m1_lanes(a6, s2, EMULATE),
-                     _e2m1_lanes(a7, s2, EMULATE), we1, wo1, sel, sgn_e, sgn_o, EMULATE)
+    out0 = _fp4_word(_e2m1_lanes(a0, s2, CAP, EMULATE), _e2m1_lanes(a1, s2, CAP, EMULATE),
+                     _e2m1_lanes(a2, s2, CAP, EMULATE), _e2m1_lanes(a3, s2, CAP, EMULATE), we0, wo0, m_a, m_b, sgn_e,
+                     sgn_o, EMULATE)
+    out1 = _fp4_word(_e2m1_lanes(a4, s2, CAP, EMULATE), _e2m1_lanes(a5, s2, CAP, EMULATE),
+                     _e2m1_lanes(a6, s2, CAP, EMULATE), _e2m1_lanes(a7, s2, CAP, EMULATE), we1, wo1, m_a, m_b, sgn_e,
+                     sgn_o, EMULATE)
     code = tl.where(nan_blk, 255, tl.where(amax > 0, d + 127 + k, 0))
     return out0, out1, code
+
+
+@triton.jit
+def _fp8_row_to_fp4_groups(qp, op, sp, mask, k, lo_d, hi_d, RULE_CEIL: tl.constexpr, CAP: tl.constexpr,
+                           EMULATE: tl.constexpr):
+    """The four 32-blocks of each thread's group: eight 16-byte loads at ``qp`` ([R, 2] int64 pointers), four 16-byte
+    stores at ``op`` ([R, 4] int32 pointers), the four codes as one word at ``sp`` ([R])."""
+    a0, a1, c0 = _fp4_block(tl.load(qp), tl.load(qp + 2), k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
+    b0, b1, c1 = _fp4_block(tl.load(qp + 4), tl.load(qp + 6), k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
+    d0, d1, c2 = _fp4_block(tl.load(qp + 8), tl.load(qp + 10), k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
+    e0, e1, c3 = _fp4_block(tl.load(qp + 12), tl.load(qp + 14), k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
+    R: tl.constexpr = qp.shape[0]
+    m2 = mask[:, None]
+    tl.store(op, tl.reshape(tl.permute(tl.join(a0, a1), (0, 2, 1)), (R, 4)), mask=m2)  # block 4g: words 0..3
+    tl.store(op + 4, tl.reshape(tl.permute(tl.join(b0, b1), (0, 2, 1)), (R, 4)), mask=m2)
+    tl.store(op + 8, tl.reshape(tl.permute(tl.join(d0, d1), (0, 2, 1)), (R, 4)), mask=m2)
+    tl.store(op + 12, tl.reshape(tl.permute(tl.join(e0, e1), (0, 2, 1)), (R, 4)), mask=m2)
+    tl.store(sp, c0 | (c1 << 8) | (c2 << 16) | (c3 << 24), mask=mask)
 
 
 @triton.jit
@@ -481,7 +517,11 @@ def fp8_row_to_fp4_kernel(q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, o_ptr, os_ptr,
                           EMULATE: tl.constexpr):
     """R groups per program, one group per thread: its four 32-blocks as eight 16-byte loads (``_fp4_block`` per
     block), one scale load, four 16-byte data stores and one 4-byte code store. A tail program's threads past the end
-    read the last group again (unmasked loads: no zero fill) and store nothing."""
+    read the last group again (unmasked loads: no zero fill) and store nothing.
+
+    Saturation: under the ceil rule an element exceeds 6 times its block scale only where the block code is held at
+    254, which needs a group scale above 2**120; a program without such a group (one reduction over its R scales,
+    a uniform branch) skips the per-pair cap at 6. The floor rule always caps (its y in [6, 8) may round to 8)."""
     g = tl.program_id(0) * R + tl.arange(0, R)  # int32: the launcher checks M * K/128 < 2**31
     mask = g < M * (K // 128)
     gc = tl.minimum(g, M * (K // 128) - 1)
@@ -490,17 +530,13 @@ def fp8_row_to_fp4_kernel(q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, o_ptr, os_ptr,
     k = ((sbits >> 23) & 0xFF) - 127  # scales are powers of two 2**k, k in [-126, 127]
     lo_d = tl.maximum(-127 - k, -11)  # block offsets d of codes 0 and 254 (_fp4_block)
     hi_d = tl.minimum(127 - k, 7)
-    j = tl.arange(0, 2)[None, :]
-    qp = q_ptr.to(tl.pointer_type(tl.int64)) + gc.to(tl.int64)[:, None] * 16 + j
-    a0, a1, c0 = _fp4_block(tl.load(qp), tl.load(qp + 2), k, lo_d, hi_d, RULE_CEIL, EMULATE)
-    b0, b1, c1 = _fp4_block(tl.load(qp + 4), tl.load(qp + 6), k, lo_d, hi_d, RULE_CEIL, EMULATE)
-    d0, d1, c2 = _fp4_block(tl.load(qp + 8), tl.load(qp + 10), k, lo_d, hi_d, RULE_CEIL, EMULATE)
-    e0, e1, c3 = _fp4_block(tl.load(qp + 12), tl.load(qp + 14), k, lo_d, hi_d, RULE_CEIL, EMULATE)
-    j4 = tl.arange(0, 4)[None, :]
-    op = o_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64)[:, None] * 16 + j4
-    m2 = mask[:, None]
-    tl.store(op, tl.reshape(tl.permute(tl.join(a0, a1), (0, 2, 1)), (R, 4)), mask=m2)  # block 4g: words 0..3
-    tl.store(op + 4, tl.reshape(tl.permute(tl.join(b0, b1), (0, 2, 1)), (R, 4)), mask=m2)
-    tl.store(op + 8, tl.reshape(tl.permute(tl.join(d0, d1), (0, 2, 1)), (R, 4)), mask=m2)
-    tl.store(op + 12, tl.reshape(tl.permute(tl.join(e0, e1), (0, 2, 1)), (R, 4)), mask=m2)
-    tl.store(os_ptr.to(tl.pointer_type(tl.int32)) + g, c0 | (c1 << 8) | (c2 << 16) | (c3 << 24), mask=mask)
+    qp = q_ptr.to(tl.pointer_type(tl.int64)) + gc.to(tl.int64)[:, None] * 16 + tl.arange(0, 2)[None, :]
+    op = o_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64)[:, None] * 16 + tl.arange(0, 4)[None, :]
+    sp = os_ptr.to(tl.pointer_type(tl.int32)) + g
+    if RULE_CEIL:
+        if tl.max(k, axis=0) > 120:
+            _fp8_row_to_fp4_groups(qp, op, sp, mask, k, lo_d, hi_d, RULE_CEIL, True, EMULATE)
+        else:
+            _fp8_row_to_fp4_groups(qp, op, sp, mask, k, lo_d, hi_d, RULE_CEIL, False, EMULATE)
+    else:
+        _fp8_row_to_fp4_groups(qp, op, sp, mask, k, lo_d, hi_d, RULE_CEIL, True, EMULATE)
