@@ -209,14 +209,18 @@ def test_fp4_row_to_fp8_row_on_mixed_block_codes(device):
     assert not selfcheck.compare(launchers.fp4_row_to_fp8_row(MXFP4Tensor(a.data.to(device), a.scales.to(device),
                                                                           a.shape), seg), want)
 
-    def odd(t):  # a contiguous view one byte past a word boundary (the launcher copies it before the word loads)
-        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=device)
-        v = buf[1:].view(t.shape)
+    def odd(t, off=1):  # a contiguous view ``off`` bytes past an 8-byte boundary (the launcher copies data that is
+        # not 8-byte aligned, scales that are not 4-byte aligned, before the word loads)
+        buf = torch.empty(t.numel() + 8, dtype=t.dtype, device=device)
+        v = buf[(-buf.data_ptr() + off) % 8:][: t.numel()].view(t.shape)
+        assert v.data_ptr() % 8 == off
         v.copy_(t)
         return v
 
     assert not selfcheck.compare(launchers.fp4_row_to_fp8_row(MXFP4Tensor(odd(a.data), odd(a.scales), a.shape), seg),
                                  want)
+    assert not selfcheck.compare(launchers.fp4_row_to_fp8_row(MXFP4Tensor(odd(a.data, 4), a.scales.to(device), a.shape),
+                                                              seg), want)
 
 
 @pytest.mark.parametrize("device", _codec_devices())

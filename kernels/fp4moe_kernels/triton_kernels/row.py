@@ -343,24 +343,28 @@ def _fp4_group_code(sw):
 
 
 @triton.jit
-def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_ptr, M, K: tl.constexpr,
-                              R: tl.constexpr, SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr):
-    """R groups = 4R blocks per program, each block as four int32 words of eight E2M1 nibbles.
+def _fp4_to_fp8_words(w, t0, t1, sgn, EMULATE: tl.constexpr):
+    """E4M3 words of the eight elements of each E2M1 word ``w`` (nibble n = element n) through the byte table
+    ``t0``, ``t1`` of its block -> (elements 0..3, elements 4..7). ``prmt`` with the magnitude bits as selectors
+    looks up four elements at once; two more move the sign bits (nibble bit 3) to byte bit 7, masked by ``sgn``."""
+    mag = w & 0x77777777
+    lo = prmt(t0, t1, mag, EMULATE)  # elements 0..3 of the word
+    hi = prmt(t0, t1, mag >> 16, EMULATE)  # elements 4..7
+    ws = w << 4  # even elements' sign bits (nibble bit 3) at byte bit 7; odd ones are there in w
+    lo = lo | (prmt(ws, w, tl.full(w.shape, 0x5140, tl.int32), EMULATE) & sgn)
+    hi = hi | (prmt(ws, w, tl.full(w.shape, 0x7362, tl.int32), EMULATE) & sgn)
+    return lo, hi
 
-    Per block, the eight E4M3 magnitudes ``e4m3(v_c * 2**(e_k - G))`` of the E2M1 magnitude codes c = 0..7 are a
-    byte table in two registers (four exact ``cvt.rn.satfinite.e4m3x2`` per 32 elements: subnormals, underflow
-    to zero and nearest-even included, for any code spread); a NaN block's table is all 0x7F. Each input word then
-    becomes two output words by byte permutes (SIMD within a register): ``prmt`` with the nibbles' magnitude
-    bits as selectors looks up four elements at once, two more ``prmt`` move the sign bits (nibble bit 3) to
-    byte bit 7. The group's four codes come as one 32-bit word (all four threads of a group load the same word)."""
-    h = tl.program_id(0).to(tl.int64) * (8 * R) + tl.arange(0, 8 * R)  # flat half-blocks of 16 elements
-    g = h // 8
-    mask = g < M * (K // 128)
-    w = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + h[:, None] * 2 + tl.arange(0, 2)[None, :],
-                mask=mask[:, None], other=0)  # [8R, 2]: element 8i + n in nibble n of word i
-    sw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + g, mask=mask, other=0)
-    gcode = _fp4_group_code(sw)
-    code = (sw >> (8 * ((h // 2) % 4).to(tl.int32))) & 0xFF
+
+@triton.jit
+def _fp4_to_fp8_block(v, code, gcode, EMULATE: tl.constexpr):
+    """One 32-block per row as E2M1 words ``v`` [N, 2] int64 (column 0: words 0, 1; column 1: words 2, 3), block code
+    ``code`` and group code ``gcode`` ([N] int32) -> its 32 E4M3 bytes as two [N, 4] int32 words (bytes 0..15, 16..31).
+
+    The eight E4M3 magnitudes ``e4m3(v_c * 2**(e_k - G))`` of the E2M1 magnitude codes c = 0..7 are a byte table in
+    two registers (four exact ``cvt.rn.satfinite.e4m3x2`` per 32 elements: subnormals, underflow to zero and
+    nearest-even included, for any code spread); a NaN block's table is all 0x7F, so its bytes are 0x7F or 0xFF
+    (NaN either way, as the reference's NaN; the sign is not masked)."""
     nan_blk = code == 255
     # element = v_c * 2**(e_k - G): exact in float32; below 2**-126 everything rounds to 0 in E4M3
     # (a NaN block's f is NaN: its whole table, the entry of code 0 included (NaN * 0), is 0x7F)
@@ -372,23 +376,44 @@ def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_
     t1 = (e4m3x2((f * 2.0).to(tl.int32, bitcast=True), (f * 3.0).to(tl.int32, bitcast=True), EMULATE).to(tl.int32)
           & 0xFFFF) | (e4m3x2((f * 4.0).to(tl.int32, bitcast=True), (f * 6.0).to(tl.int32, bitcast=True),
                               EMULATE).to(tl.int32) << 16)
-    t0 = tl.broadcast_to(t0[:, None], (8 * R, 2))
-    t1 = tl.broadcast_to(t1[:, None], (8 * R, 2))
-    sgn = tl.where(nan_blk, 0, -2139062144)[:, None]  # 0x80808080; a NaN block's bytes are all 0x7F
-    mag = w & 0x77777777
-    lo = prmt(t0, t1, mag, EMULATE)  # elements 0..3 of the word
-    hi = prmt(t0, t1, mag >> 16, EMULATE)  # elements 4..7
-    ws = w << 4  # even elements' sign bits (nibble bit 3) at byte bit 7; odd ones are there in w
-    lo = lo | (prmt(ws, w, tl.full(w.shape, 0x5140, tl.int32), EMULATE) & sgn)
-    hi = hi | (prmt(ws, w, tl.full(w.shape, 0x7362, tl.int32), EMULATE) & sgn)
-    out = tl.reshape(tl.join(lo, hi), (8 * R, 4))
-    tl.store(o_ptr.to(tl.pointer_type(tl.int32)) + h[:, None] * 4 + tl.arange(0, 4)[None, :], out,
-             mask=mask[:, None])
-    gg = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    gmask = gg < M * (K // 128)
-    gsw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + gg, mask=gmask, other=0)
-    so = _row_scale_offset(gg, M, K, row_seg_ptr, seg_off_ptr, gmask, SINGLE_SEGMENT)
-    tl.store(os_ptr + so, exp2_i(_fp4_group_code(gsw) - 127), mask=gmask)
+    t0 = t0[:, None]
+    t1 = t1[:, None]
+    sgn = tl.full(t0.shape, -2139062144, tl.int32)  # 0x80808080
+    l0, h0 = _fp4_to_fp8_words(v.to(tl.int32), t0, t1, sgn, EMULATE)  # words 0 (column 0) and 2 (column 1)
+    l1, h1 = _fp4_to_fp8_words((v >> 32).to(tl.int32), t0, t1, sgn, EMULATE)  # words 1 and 3
+    l0a, l0b = tl.split(l0)
+    h0a, h0b = tl.split(h0)
+    l1a, l1b = tl.split(l1)
+    h1a, h1b = tl.split(h1)
+    # output words 0..3 (input words 0, 1) and 4..7 (input words 2, 3) as [N, 4] each: [.., i, n] = word 2i + n
+    n: tl.constexpr = v.shape[0]
+    return (tl.reshape(tl.join(tl.join(l0a, l1a), tl.join(h0a, h1a)), (n, 4)),
+            tl.reshape(tl.join(tl.join(l0b, l1b), tl.join(h0b, h1b)), (n, 4)))
+
+
+@triton.jit
+def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_ptr, M, K: tl.constexpr,
+                              R: tl.constexpr, SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr):
+    """R groups per program, one group per thread: its four 32-blocks as four 16-byte loads of E2M1 words (element
+    8i + n in nibble n of word i), its four UE8M0 codes as one 32-bit word (block 4g + k's code in byte k), eight
+    16-byte stores of E4M3 and the group's FP8 scale. Per block, the E2M1 -> E4M3 decode is a byte-table lookup by
+    ``prmt`` (``_fp4_to_fp8_block``). A tail program's threads past the end read the last group again (unmasked
+    loads) and store nothing."""
+    g = tl.program_id(0) * R + tl.arange(0, R)  # int32: the launcher checks M * K/128 < 2**31
+    mask = g < M * (K // 128)
+    gc = tl.minimum(g, M * (K // 128) - 1)
+    sw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + gc)
+    gcode = _fp4_group_code(sw)
+    qp = q_ptr.to(tl.pointer_type(tl.int64)) + gc.to(tl.int64)[:, None] * 8 + tl.arange(0, 2)[None, :]
+    op = o_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64)[:, None] * 32 + tl.arange(0, 4)[None, :]
+    m2 = mask[:, None]
+    for b in tl.static_range(4):
+        v = tl.load(qp + 2 * b)  # block 4g + b: words 0..3 as two int64
+        oa, ob = _fp4_to_fp8_block(v, (sw >> (8 * b)) & 0xFF, gcode, EMULATE)
+        tl.store(op + 8 * b, oa, mask=m2)
+        tl.store(op + 8 * b + 4, ob, mask=m2)
+    so = _row_scale_offset(gc, M, K, row_seg_ptr, seg_off_ptr, None, SINGLE_SEGMENT)
+    tl.store(os_ptr + so, exp2_i(gcode - 127), mask=mask)
 
 
 @triton.jit
