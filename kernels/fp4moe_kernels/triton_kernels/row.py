@@ -519,15 +519,15 @@ def _fp4_block(v0, v1, k, lo_d, hi_d, RULE_CEIL: tl.constexpr, CAP: tl.constexpr
 
 
 @triton.jit
-def _fp8_row_to_fp4_groups(qp, op, sp, mask, k, lo_d, hi_d, RULE_CEIL: tl.constexpr, CAP: tl.constexpr,
-                           EMULATE: tl.constexpr):
-    """The four 32-blocks of each thread's group: eight 16-byte loads at ``qp`` ([R, 2] int64 pointers), four 16-byte
+def _fp8_row_to_fp4_groups(v0, v1, v2, v3, v4, v5, v6, v7, op, sp, mask, k, lo_d, hi_d, RULE_CEIL: tl.constexpr,
+                           CAP: tl.constexpr, EMULATE: tl.constexpr):
+    """The four 32-blocks of each thread's group, loaded as eight [R, 2] int64 pairs ``v0`` .. ``v7``: four 16-byte
     stores at ``op`` ([R, 4] int32 pointers), the four codes as one word at ``sp`` ([R])."""
-    a0, a1, c0 = _fp4_block(tl.load(qp), tl.load(qp + 2), k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
-    b0, b1, c1 = _fp4_block(tl.load(qp + 4), tl.load(qp + 6), k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
-    d0, d1, c2 = _fp4_block(tl.load(qp + 8), tl.load(qp + 10), k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
-    e0, e1, c3 = _fp4_block(tl.load(qp + 12), tl.load(qp + 14), k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
-    R: tl.constexpr = qp.shape[0]
+    a0, a1, c0 = _fp4_block(v0, v1, k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
+    b0, b1, c1 = _fp4_block(v2, v3, k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
+    d0, d1, c2 = _fp4_block(v4, v5, k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
+    e0, e1, c3 = _fp4_block(v6, v7, k, lo_d, hi_d, RULE_CEIL, CAP, EMULATE)
+    R: tl.constexpr = v0.shape[0]
     m2 = mask[:, None]
     tl.store(op, tl.reshape(tl.permute(tl.join(a0, a1), (0, 2, 1)), (R, 4)), mask=m2)  # block 4g: words 0..3
     tl.store(op + 4, tl.reshape(tl.permute(tl.join(b0, b1), (0, 2, 1)), (R, 4)), mask=m2)
@@ -558,10 +558,15 @@ def fp8_row_to_fp4_kernel(q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, o_ptr, os_ptr,
     qp = q_ptr.to(tl.pointer_type(tl.int64)) + gc.to(tl.int64)[:, None] * 16 + tl.arange(0, 2)[None, :]
     op = o_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64)[:, None] * 16 + tl.arange(0, 4)[None, :]
     sp = os_ptr.to(tl.pointer_type(tl.int32)) + g
+    # all data loads before the branch: in flight while the program's scales are reduced
+    v0, v1, v2, v3 = tl.load(qp), tl.load(qp + 2), tl.load(qp + 4), tl.load(qp + 6)
+    v4, v5, v6, v7 = tl.load(qp + 8), tl.load(qp + 10), tl.load(qp + 12), tl.load(qp + 14)
     if RULE_CEIL:
         if tl.max(k, axis=0) > 120:
-            _fp8_row_to_fp4_groups(qp, op, sp, mask, k, lo_d, hi_d, RULE_CEIL, True, EMULATE)
+            _fp8_row_to_fp4_groups(v0, v1, v2, v3, v4, v5, v6, v7, op, sp, mask, k, lo_d, hi_d, RULE_CEIL, True,
+                                   EMULATE)
         else:
-            _fp8_row_to_fp4_groups(qp, op, sp, mask, k, lo_d, hi_d, RULE_CEIL, False, EMULATE)
+            _fp8_row_to_fp4_groups(v0, v1, v2, v3, v4, v5, v6, v7, op, sp, mask, k, lo_d, hi_d, RULE_CEIL, False,
+                                   EMULATE)
     else:
-        _fp8_row_to_fp4_groups(qp, op, sp, mask, k, lo_d, hi_d, RULE_CEIL, True, EMULATE)
+        _fp8_row_to_fp4_groups(v0, v1, v2, v3, v4, v5, v6, v7, op, sp, mask, k, lo_d, hi_d, RULE_CEIL, True, EMULATE)
