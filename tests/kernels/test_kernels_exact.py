@@ -456,3 +456,33 @@ def test_fp8_row_to_fp4_on_an_input_4_bytes_off_8_byte_alignment_and_a_tail(devi
     f = FP8RowTensor(data.cpu(), scales, seg)
     want = ref.fp8_row_to_fp4(f)
     assert not selfcheck.compare(launchers.fp8_row_to_fp4(FP8RowTensor(data, scales.to(device), seg)), want)
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+def test_fused_bf16_fp8_part_with_inf_and_nan_in_one_lane_parity(device):
+    """BF16 -> (MXFP4, FP8 row): groups whose even (or odd) elements are all Inf or NaN beside finite ones (the
+    kernel's finite maximum runs on packed 16-bit lanes, one lane per parity), groups of only Inf, only NaN, a lone
+    -Inf among BF16 denormals, and a program with Inf but no NaN (the kernel's Inf/NaN switch); FP8 bytes compared
+    bit for bit, NaN payloads included."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launchers
+
+    gen = torch.Generator().manual_seed(11)
+    fin = (torch.randn(12, 128, generator=gen) * 3.0).to(torch.bfloat16).view(torch.int16)
+    rows = fin.clone()
+    rows[0, 0::2] = 0x7F80  # +Inf at even elements
+    rows[1, 0::2] = 0x7FC0  # NaN at even elements
+    rows[2, 1::2] = -128  # 0xFF80: -Inf at odd elements
+    rows[3, 1::2] = -64  # 0xFFC0: NaN at odd elements
+    rows[4, :] = 0x7F80
+    rows[5, :] = 0x7FC0
+    rows[6, :] = torch.arange(128, dtype=torch.int16) % 127 + 1  # BF16 denormals
+    rows[6, 77] = -128
+    x = rows.view(torch.bfloat16)
+    for xs in (x, x[[0, 2, 4, 8]]):  # the second: Inf but no NaN
+        got = launchers.bf16_to_fp4_and_fp8_row(xs.to(device), Segments.of(None, xs.shape[0]))
+        want = ref.bf16_to_fp4_and_fp8_row(xs.cpu(), None)
+        assert not selfcheck.compare(got, want)
+        # NaN payloads too: Inf and NaN of either sign are E4M3 0x7F, as in the reference
+        assert torch.equal(got[1].data.cpu().view(torch.uint8), want[1].data.view(torch.uint8))

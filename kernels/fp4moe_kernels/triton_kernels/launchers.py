@@ -27,7 +27,7 @@ TILES = {
     "bf16_to_fp4_row": (256, 0, 2),
     "fp4_to_bf16": (64, 0, 2),
     "bf16_to_fp8_row": (64, 0, 8),
-    "bf16_to_fp4_and_fp8_row": (16, 0, 2),
+    "bf16_to_fp4_and_fp8_row": (64, 0, 2),
     "fp4_row_to_fp8_row": (64, 0, 2),
     "fp8_row_to_fp4": (128, 0, 4),
     "fp4_row_to_fp8_col": (32, 0, 1),
@@ -164,8 +164,12 @@ def bf16_to_fp4_and_fp8_row(x: torch.Tensor, seg: Segments, rule: str = "ceil"):
     q8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s8 = torch.empty(m * (k // 128), dtype=torch.float32, device=x.device)
     single, row_seg, seg_off = _seg_args(seg, m, x.device)
+    if m * (k // 128) >= 2**31:  # the BF16 path numbers groups in int32 (that is 512 GiB of BF16 input)
+        raise ValueError(f"bf16_to_fp4_and_fp8_row: {m} x {k} has 2**31 or more 128-groups")
     if m:
         grid, meta = _row_launch("bf16_to_fp4_and_fp8_row", m, k, 128)
+        if not xb:  # the float32 path keeps its tile: [16, 64] pairs per program over 2 warps
+            grid, meta = (triton.cdiv(m * k // 128, 16),), dict(R=16, num_warps=2)
         row.bf16_to_fp4_and_fp8_row_kernel[grid](
             xa, q4, s4, q8.view(torch.int16), s8, row_seg, seg_off, m, k, RULE_CEIL=(rule == "ceil"),
             SINGLE_SEGMENT=single, EMULATE=INTERPRET, X_BF16=xb, **meta)

@@ -18,6 +18,7 @@ from .common import (
     bf16x2_mul,
     e2m1_codes_from_bits,
     e4m3x2,
+    e4m3x4,
     e4m3x4_to_f16x2,
     exp2_i,
     f16x2_from_f32,
@@ -26,6 +27,7 @@ from .common import (
     hmul2,
     mx_code_from_amax_bits,
     prmt,
+    smax16x2,
     umax16x2,
     umin16x2,
 )
@@ -185,9 +187,17 @@ def _bf16_block_words(x_ptr, blk):
 
 @triton.jit
 def _bf16_mxfp4_encode(v0, v1, v2, v3, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
+    """``_bf16_mxfp4_encode_amax`` without the block maxima."""
+    o0, o1, o2, o3, code, amax = _bf16_mxfp4_encode_amax(v0, v1, v2, v3, RULE_CEIL, EMULATE)
+    return o0, o1, o2, o3, code
+
+
+@triton.jit
+def _bf16_mxfp4_encode_amax(v0, v1, v2, v3, RULE_CEIL: tl.constexpr, EMULATE: tl.constexpr):
     """MXFP4 of blocks held as ``_bf16_block_words`` gives them -> four output words [N] each (int32, eight
-    nibbles) and the UE8M0 codes [N] int32. The block maximum is a ``max.u16x2`` chain on the |x| bits within the
-    thread (NaN/Inf sort above every finite value)."""
+    nibbles), the UE8M0 codes [N] int32 and the BF16 bits of the block maxima [N] int32 (>= 0x7F80 for a block with
+    Inf/NaN). The block maximum is a ``max.u16x2`` chain on the |x| bits within the thread (NaN/Inf sort above every
+    finite value)."""
     mx = umax16x2(umax16x2(umax16x2(_mag(v0), _mag(v0 >> 32), EMULATE), umax16x2(_mag(v1), _mag(v1 >> 32), EMULATE),
                            EMULATE),
                   umax16x2(umax16x2(_mag(v2), _mag(v2 >> 32), EMULATE), umax16x2(_mag(v3), _mag(v3 >> 32), EMULATE),
@@ -207,7 +217,7 @@ def _bf16_mxfp4_encode(v0, v1, v2, v3, RULE_CEIL: tl.constexpr, EMULATE: tl.cons
     o1 = _bf16_fp4_word(v1, a2, keep, RULE_CEIL, EMULATE)
     o2 = _bf16_fp4_word(v2, a2, keep, RULE_CEIL, EMULATE)
     o3 = _bf16_fp4_word(v3, a2, keep, RULE_CEIL, EMULATE)
-    return o0, o1, o2, o3, code
+    return o0, o1, o2, o3, code, amax
 
 
 @triton.jit
@@ -307,26 +317,136 @@ def bf16_to_fp8_row_kernel(x_ptr, q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, M, K: 
 
 
 @triton.jit
+def _fp8_pad(v):
+    """BF16x2 words of ``v`` (int64 [N, 2], two words each) -> (|w| + 0x0080 per lane, low words; same, high words):
+    a lane is negative as s16 exactly when its BF16 is Inf or NaN (exponent field 255)."""
+    return (v.to(tl.int32) & 0x7FFF7FFF) + 0x00800080, ((v >> 32).to(tl.int32) & 0x7FFF7FFF) + 0x00800080
+
+
+@triton.jit
+def _fp8_finite_max(v, fmax, EMULATE: tl.constexpr):
+    """Lane-wise s16 max of ``fmax`` and the padded |x| (``_fp8_pad``) of ``v``'s four BF16."""
+    pa, pb = _fp8_pad(v)
+    return smax16x2(smax16x2(fmax, pa, EMULATE), pb, EMULATE)
+
+
+@triton.jit
+def _fp8_bf16_word(v, inv2, FIX: tl.constexpr, EMULATE: tl.constexpr):
+    """E4M3 of the four BF16 in each int64 of ``v`` [N, 2] -> one int32 word each (element 0 in byte 0). Per BF16x2
+    word: with ``FIX``, Inf and NaN lanes -> the positive NaN 0x7FC0 (one ``prmt`` spreads the padded lane's sign to a
+    lane mask, one ``lop3`` merges; satfinite would give 448 for Inf; E4M3 0x7F as before);
+    ``mul.rn.bf16x2`` by ``inv2`` = 2**-k in both lanes (exact: a power of two, the product either in BF16's normal
+    range or below 2**-126, where E4M3 gives 0 either way); widened to float32 by shifts; two
+    ``cvt.rn.satfinite.e4m3x2.f32``."""
+    wa = v.to(tl.int32)
+    wb = (v >> 32).to(tl.int32)
+    if FIX:
+        pa, pb = _fp8_pad(v)
+        ma = prmt(pa, pa, tl.full(pa.shape, 0xBB99, tl.int32), EMULATE)  # lane all ones where Inf/NaN
+        mb = prmt(pb, pb, tl.full(pb.shape, 0xBB99, tl.int32), EMULATE)
+        wa = (wa & ~ma) | (ma & 0x7FC07FC0)
+        wb = (wb & ~mb) | (mb & 0x7FC07FC0)
+    wa = bf16x2_mul(wa, inv2, EMULATE)
+    wb = bf16x2_mul(wb, inv2, EMULATE)
+    return e4m3x4(wa << 16, wa & -65536, wb << 16, wb & -65536, EMULATE)
+
+
+@triton.jit
+def _fp8_block_store(v0, v1, v2, v3, inv2, qp, m2, FIX: tl.constexpr, EMULATE: tl.constexpr):
+    """One 32-block's E4M3 bytes (``_fp8_bf16_word``) as two 16-byte stores at ``qp`` ([N, 4] int32 pointers)."""
+    w0 = _fp8_bf16_word(v0, inv2, FIX, EMULATE)  # output words 0, 1
+    w1 = _fp8_bf16_word(v1, inv2, FIX, EMULATE)  # 2, 3
+    w2 = _fp8_bf16_word(v2, inv2, FIX, EMULATE)
+    w3 = _fp8_bf16_word(v3, inv2, FIX, EMULATE)
+    n: tl.constexpr = v0.shape[0]
+    tl.store(qp, tl.reshape(tl.permute(tl.join(w0, w1), (0, 2, 1)), (n, 4)), mask=m2)
+    tl.store(qp + 4, tl.reshape(tl.permute(tl.join(w2, w3), (0, 2, 1)), (n, 4)), mask=m2)
+
+
+@triton.jit
+def _fp8_group_store(v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33, amax, qp, m2,
+                     FIX: tl.constexpr, EMULATE: tl.constexpr):
+    """The group's FP8 bytes at ``qp`` under scale 2**k from ``amax`` (BF16 bits of its finite max |x|); returns k."""
+    k = fp8_exp_from_amax_bits(amax << 16)  # in [-126, 120]: a BF16 below 2**128 needs no larger scale
+    inv2 = (((127 - k) << 7) * 0x00010001)[:, None]  # BF16 2**-k in both lanes
+    _fp8_block_store(v00, v01, v02, v03, inv2, qp, m2, FIX, EMULATE)
+    _fp8_block_store(v10, v11, v12, v13, inv2, qp + 8, m2, FIX, EMULATE)
+    _fp8_block_store(v20, v21, v22, v23, inv2, qp + 16, m2, FIX, EMULATE)
+    _fp8_block_store(v30, v31, v32, v33, inv2, qp + 24, m2, FIX, EMULATE)
+    return k
+
+
+@triton.jit
+def _bf16_fp4_and_fp8_groups(x_ptr, q4_ptr, s4_ptr, q8_ptr, s8_ptr, row_seg_ptr, seg_off_ptr, M, K: tl.constexpr,
+                             R: tl.constexpr, RULE_CEIL: tl.constexpr, SINGLE_SEGMENT: tl.constexpr,
+                             EMULATE: tl.constexpr):
+    """BF16 input, one 128-group per thread: its four 32-blocks as sixteen 16-byte loads, read once for both outputs;
+    MXFP4 by ``_bf16_mxfp4_encode_amax`` per block; FP8 on packed BF16x2 words (``_fp8_bf16_word``). The FP8 scale
+    needs the group's finite max: where the program holds no Inf/NaN (one max over its blocks' maxima, a uniform
+    branch) that is the largest block maximum; else a ``max.s16x2`` chain on |x| + 0x0080 (Inf/NaN lanes negative),
+    and Inf/NaN become the positive NaN before the conversion. A tail program's threads past the end read the last group again and
+    store nothing."""
+    g = tl.program_id(0) * R + tl.arange(0, R)  # int32: fewer than 2**31 groups (the launcher checks)
+    mask = g < M * (K // 128)
+    gc = tl.minimum(g, M * (K // 128) - 1)
+    p = x_ptr.to(tl.pointer_type(tl.int64)) + gc.to(tl.int64)[:, None] * 32 + tl.arange(0, 2)[None, :]
+    m2 = mask[:, None]
+    v00, v01, v02, v03 = tl.load(p), tl.load(p + 2), tl.load(p + 4), tl.load(p + 6)
+    v10, v11, v12, v13 = tl.load(p + 8), tl.load(p + 10), tl.load(p + 12), tl.load(p + 14)
+    v20, v21, v22, v23 = tl.load(p + 16), tl.load(p + 18), tl.load(p + 20), tl.load(p + 22)
+    v30, v31, v32, v33 = tl.load(p + 24), tl.load(p + 26), tl.load(p + 28), tl.load(p + 30)
+    q4p = q4_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64)[:, None] * 16 + tl.arange(0, 4)[None, :]
+    o0, o1, o2, o3, c0, a0 = _bf16_mxfp4_encode_amax(v00, v01, v02, v03, RULE_CEIL, EMULATE)
+    tl.store(q4p, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, 4)), mask=m2)
+    o0, o1, o2, o3, c1, a1 = _bf16_mxfp4_encode_amax(v10, v11, v12, v13, RULE_CEIL, EMULATE)
+    tl.store(q4p + 4, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, 4)), mask=m2)
+    o0, o1, o2, o3, c2, a2 = _bf16_mxfp4_encode_amax(v20, v21, v22, v23, RULE_CEIL, EMULATE)
+    tl.store(q4p + 8, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, 4)), mask=m2)
+    o0, o1, o2, o3, c3, a3 = _bf16_mxfp4_encode_amax(v30, v31, v32, v33, RULE_CEIL, EMULATE)
+    tl.store(q4p + 12, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, 4)), mask=m2)
+    tl.store(s4_ptr.to(tl.pointer_type(tl.int32)) + g, c0 | (c1 << 8) | (c2 << 16) | (c3 << 24), mask=mask)
+    amax = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))
+    q8p = q8_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64)[:, None] * 32 + tl.arange(0, 4)[None, :]
+    if tl.max(amax, axis=0) < 0x7F80:  # no Inf/NaN in the program: amax is every group's finite max
+        k = _fp8_group_store(v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33, amax,
+                             q8p, m2, False, EMULATE)
+    else:
+        f = tl.full((R, 2), -2147450880, tl.int32)  # 0x80008000: both lanes -32768
+        f = _fp8_finite_max(v00, _fp8_finite_max(v01, _fp8_finite_max(v02, _fp8_finite_max(v03, f, EMULATE),
+                                                                      EMULATE), EMULATE), EMULATE)
+        f = _fp8_finite_max(v10, _fp8_finite_max(v11, _fp8_finite_max(v12, _fp8_finite_max(v13, f, EMULATE),
+                                                                      EMULATE), EMULATE), EMULATE)
+        f = _fp8_finite_max(v20, _fp8_finite_max(v21, _fp8_finite_max(v22, _fp8_finite_max(v23, f, EMULATE),
+                                                                      EMULATE), EMULATE), EMULATE)
+        f = _fp8_finite_max(v30, _fp8_finite_max(v31, _fp8_finite_max(v32, _fp8_finite_max(v33, f, EMULATE),
+                                                                      EMULATE), EMULATE), EMULATE)
+        f0, f1 = tl.split(f)
+        f = smax16x2(f0, f1, EMULATE)
+        f = tl.maximum(((f & 0xFFFF) ^ 0x8000) - 0x8000, f >> 16) - 0x80  # BF16 bits of the finite max, or < 0
+        k = _fp8_group_store(v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33,
+                             tl.maximum(f, 0), q8p, m2, True, EMULATE)
+    so = _row_scale_offset(gc, M, K, row_seg_ptr, seg_off_ptr, None, SINGLE_SEGMENT)
+    tl.store(s8_ptr + so, exp2_i(k), mask=mask)
+
+
+@triton.jit
 def bf16_to_fp4_and_fp8_row_kernel(x_ptr, q4_ptr, s4_ptr, q8_ptr, s8_ptr, row_seg_ptr, seg_off_ptr, M,
                                    K: tl.constexpr, R: tl.constexpr, RULE_CEIL: tl.constexpr,
                                    SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr, X_BF16: tl.constexpr):
-    g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    mask = g < M * (K // 128)
-    b = tl.program_id(0).to(tl.int64) * (4 * R) + tl.arange(0, 4 * R)
-    bmask = b < M * (K // 32)
-    if X_BF16:  # the 4R MXFP4 blocks in the layout of BF16ToFP4Row (one thread per block); the FP8 part below reads
-        # the same bytes again in its own layout (from L1)
-        o0, o1, o2, o3, code = _bf16_mxfp4_blocks(x_ptr, b, M * (K // 32), RULE_CEIL, EMULATE)
-        out = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (4 * R, 4))
-        tl.store(q4_ptr.to(tl.pointer_type(tl.int32)) + b[:, None] * 4 + tl.arange(0, 4)[None, :], out,
-                 mask=bmask[:, None])
-        tl.store(s4_ptr + b, code.to(tl.uint8), mask=bmask)
-    lo, hi = _load_words(x_ptr, g, 64, mask[:, None], X_BF16)
-    pairs, k = _fp8_groups(lo, hi, EMULATE)
-    tl.store(q8_ptr + g[:, None] * 64 + tl.arange(0, 64)[None, :], pairs, mask=mask[:, None])
-    so = _row_scale_offset(g, M, K, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT)
-    tl.store(s8_ptr + so, exp2_i(k), mask=mask)
-    if not X_BF16:  # the same words seen as the 4R MXFP4 blocks of these groups: [R, 64] -> [4R, 16] is a pure reshape
+    if X_BF16:
+        _bf16_fp4_and_fp8_groups(x_ptr, q4_ptr, s4_ptr, q8_ptr, s8_ptr, row_seg_ptr, seg_off_ptr, M, K, R, RULE_CEIL,
+                                 SINGLE_SEGMENT, EMULATE)
+    else:  # float32 input: [R, 64] pairs per program, MXFP4 from the same words
+        g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+        mask = g < M * (K // 128)
+        b = tl.program_id(0).to(tl.int64) * (4 * R) + tl.arange(0, 4 * R)
+        bmask = b < M * (K // 32)
+        lo, hi = _load_words(x_ptr, g, 64, mask[:, None], X_BF16)
+        pairs, k = _fp8_groups(lo, hi, EMULATE)
+        tl.store(q8_ptr + g[:, None] * 64 + tl.arange(0, 64)[None, :], pairs, mask=mask[:, None])
+        so = _row_scale_offset(g, M, K, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT)
+        tl.store(s8_ptr + so, exp2_i(k), mask=mask)
+        # the same words seen as the 4R MXFP4 blocks of these groups: [R, 64] -> [4R, 16] is a pure reshape
         byte, code = _mxfp4_blocks(tl.reshape(lo, (4 * R, 16)), tl.reshape(hi, (4 * R, 16)), RULE_CEIL)
         tl.store(q4_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], byte, mask=bmask[:, None])
         tl.store(s4_ptr + b, code, mask=bmask)
