@@ -483,8 +483,8 @@ def _fp4_to_fp8_block(v, code, gcode, EMULATE: tl.constexpr):
 
     The eight E4M3 magnitudes ``e4m3(v_c * 2**(e_k - G))`` of the E2M1 magnitude codes c = 0..7 are a byte table in
     two registers (four exact ``cvt.rn.satfinite.e4m3x2`` per 32 elements: subnormals, underflow to zero and
-    nearest-even included, for any code spread); a NaN block's table is all 0x7F, so its bytes are 0x7F or 0xFF
-    (NaN either way, as the reference's NaN; the sign is not masked)."""
+    nearest-even included, for any code spread); a NaN block's table is all 0x7F and its sign mask 0 (bytes 0x7F,
+    as the reference's)."""
     nan_blk = code == 255
     # element = v_c * 2**(e_k - G): exact in float32; below 2**-126 everything rounds to 0 in E4M3
     # (a NaN block's f is NaN: its whole table, the entry of code 0 included (NaN * 0), is 0x7F)
@@ -498,7 +498,7 @@ def _fp4_to_fp8_block(v, code, gcode, EMULATE: tl.constexpr):
                               EMULATE).to(tl.int32) << 16)
     t0 = t0[:, None]
     t1 = t1[:, None]
-    sgn = tl.full(t0.shape, -2139062144, tl.int32)  # 0x80808080
+    sgn = tl.where(nan_blk, 0, -2139062144)[:, None]  # 0x80808080
     l0, h0 = _fp4_to_fp8_words(v.to(tl.int32), t0, t1, sgn, EMULATE)  # words 0 (column 0) and 2 (column 1)
     l1, h1 = _fp4_to_fp8_words((v >> 32).to(tl.int32), t0, t1, sgn, EMULATE)  # words 1 and 3
     l0a, l0b = tl.split(l0)
