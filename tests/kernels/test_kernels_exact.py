@@ -206,17 +206,22 @@ def test_fp4_row_to_fp8_row_on_mixed_block_codes(device):
     a = MXFP4Tensor(data, codes.reshape(m, k // 32).to(torch.uint8), (m, k))
     seg = Segments.of([120, 0, 180], m)
     want = ref.fp4_row_to_fp8_row(a, seg)
-    assert not selfcheck.compare(launchers.fp4_row_to_fp8_row(MXFP4Tensor(a.data.to(device), a.scales.to(device),
-                                                                          a.shape), seg), want)
+    got = launchers.fp4_row_to_fp8_row(MXFP4Tensor(a.data.to(device), a.scales.to(device), a.shape), seg)
+    assert not selfcheck.compare(got, want)
+    assert torch.equal(got.data.cpu().view(torch.uint8), want.data.view(torch.uint8))  # NaN blocks: 0x7F, no sign
 
-    def odd(t):  # a contiguous view one byte past a word boundary (the launcher copies it before the word loads)
-        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=device)
-        v = buf[1:].view(t.shape)
+    def odd(t, off=1):  # a contiguous view ``off`` bytes past an 8-byte boundary (the launcher copies data that is
+        # not 8-byte aligned, scales that are not 4-byte aligned, before the word loads)
+        buf = torch.empty(t.numel() + 8, dtype=t.dtype, device=device)
+        v = buf[(-buf.data_ptr() + off) % 8:][: t.numel()].view(t.shape)
+        assert v.data_ptr() % 8 == off
         v.copy_(t)
         return v
 
     assert not selfcheck.compare(launchers.fp4_row_to_fp8_row(MXFP4Tensor(odd(a.data), odd(a.scales), a.shape), seg),
                                  want)
+    assert not selfcheck.compare(launchers.fp4_row_to_fp8_row(MXFP4Tensor(odd(a.data, 4), a.scales.to(device), a.shape),
+                                                              seg), want)
 
 
 @pytest.mark.parametrize("device", _codec_devices())
@@ -429,3 +434,56 @@ def test_bf16_encoders_on_an_input_4_bytes_off_8_byte_alignment(device):
     assert not selfcheck.compare(launchers.bf16_to_fp4_row(x), ref.bf16_to_fp4_row(x.cpu()))
     got = launchers.bf16_to_fp4_and_fp8_row(x, Segments.of(None, 8))
     assert not selfcheck.compare(got, ref.bf16_to_fp4_and_fp8_row(x.cpu(), None))
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+def test_fp8_row_to_fp4_on_an_input_4_bytes_off_8_byte_alignment_and_a_tail(device):
+    """FP8RowToFP4 reads each group as int64 pairs of words: an FP8 view 4 bytes past an 8-byte boundary is copied by
+    the launcher first (else misaligned loads on a GPU). 3 experts over 301 rows of K = 128: a last program that is
+    mostly past the end (its threads re-read the last group and store nothing)."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import FP8RowTensor, Segments
+
+    from fp4moe_kernels.triton_kernels import launchers
+
+    rows = torch.cat([_every_e4m3_byte_below_every_block_max()] * 4)[:301]
+    buf = torch.zeros(4 + rows.numel(), dtype=torch.uint8)
+    buf[4:] = rows.reshape(-1)
+    buf = buf.to(device)
+    data = buf[4:].view(301, 128).view(torch.float8_e4m3fn)
+    assert data.data_ptr() % 8 == 4
+    scales = torch.tensor([2.0 ** (i % 19 * 13 - 120) for i in range(301)], dtype=torch.float32)
+    seg = Segments.of([100, 0, 201], 301)
+    f = FP8RowTensor(data.cpu(), scales, seg)
+    want = ref.fp8_row_to_fp4(f)
+    assert not selfcheck.compare(launchers.fp8_row_to_fp4(FP8RowTensor(data, scales.to(device), seg)), want)
+
+
+@pytest.mark.parametrize("device", _codec_devices())
+def test_fused_bf16_fp8_part_with_inf_and_nan_in_one_lane_parity(device):
+    """BF16 -> (MXFP4, FP8 row): groups whose even (or odd) elements are all Inf or NaN beside finite ones (the
+    kernel's finite maximum runs on packed 16-bit lanes, one lane per parity), groups of only Inf, only NaN, a lone
+    -Inf among BF16 denormals, and a program with Inf but no NaN (the kernel's Inf/NaN switch); FP8 bytes compared
+    bit for bit, NaN payloads included."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launchers
+
+    gen = torch.Generator().manual_seed(11)
+    fin = (torch.randn(12, 128, generator=gen) * 3.0).to(torch.bfloat16).view(torch.int16)
+    rows = fin.clone()
+    rows[0, 0::2] = 0x7F80  # +Inf at even elements
+    rows[1, 0::2] = 0x7FC0  # NaN at even elements
+    rows[2, 1::2] = -128  # 0xFF80: -Inf at odd elements
+    rows[3, 1::2] = -64  # 0xFFC0: NaN at odd elements
+    rows[4, :] = 0x7F80
+    rows[5, :] = 0x7FC0
+    rows[6, :] = torch.arange(128, dtype=torch.int16) % 127 + 1  # BF16 denormals
+    rows[6, 77] = -128
+    x = rows.view(torch.bfloat16)
+    for xs in (x, x[[0, 2, 4, 8]]):  # the second: Inf but no NaN
+        got = launchers.bf16_to_fp4_and_fp8_row(xs.to(device), Segments.of(None, xs.shape[0]))
+        want = ref.bf16_to_fp4_and_fp8_row(xs.cpu(), None)
+        assert not selfcheck.compare(got, want)
+        # NaN payloads too: Inf and NaN of either sign are E4M3 0x7F, as in the reference
+        assert torch.equal(got[1].data.cpu().view(torch.uint8), want[1].data.view(torch.uint8))

@@ -364,8 +364,10 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) ->
                 configs = [(32, 0, 1), (32, 0, 2), (32, 0, 4), (64, 0, 2), (64, 0, 4), (64, 0, 8), (128, 0, 4), (128, 0, 8)]
             elif kernel in ("bf16_to_fp4_row", "fp4_to_bf16"):  # R = 32-element blocks per program
                 configs = [(r, 0, w) for r in (32, 64, 128, 256) for w in (2, 4, 8)]
-            else:  # R = 128-element groups per program
-                configs = [(16, 0, 2), (16, 0, 4), (32, 0, 2), (32, 0, 4), (32, 0, 8), (64, 0, 4), (64, 0, 8)]
+            else:  # R = 128-element groups per program; FP8RowToFP4, FP4RowToFP8Row and the fused kernel (BF16
+                # input) hold one group per thread, so R = 32 * warps there (smaller R repeats work across threads)
+                configs = [(16, 0, 2), (16, 0, 4), (32, 0, 2), (32, 0, 4), (32, 0, 8), (64, 0, 4), (64, 0, 8),
+                           (32, 0, 1), (64, 0, 2), (128, 0, 4), (256, 0, 8)]
             for t in configs:
                 launchers.TILES[kernel] = t
                 try:

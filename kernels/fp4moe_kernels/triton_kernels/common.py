@@ -323,3 +323,27 @@ def bf16x2_fma(a, b, c, EMULATE: tl.constexpr):
     else:
         return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
                                          is_pure=True, pack=1)
+
+
+@triton.jit
+def smax16x2(a, b, EMULATE: tl.constexpr):
+    """``max.s16x2``: lane-wise signed 16-bit maximum."""
+    if EMULATE:
+        lo = tl.maximum(((a & 0xFFFF) ^ 0x8000) - 0x8000, ((b & 0xFFFF) ^ 0x8000) - 0x8000) & 0xFFFF
+        hi = tl.maximum(a >> 16, b >> 16)
+        return lo | (hi << 16)
+    else:
+        return tl.inline_asm_elementwise("max.s16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def e4m3x4(a, b, c, d, EMULATE: tl.constexpr):
+    """Four tensors of float32 bits (int32; values |v| <= 448 or NaN) -> int32 holding their E4M3 bytes (a in byte 0
+    .. d in byte 3), nearest-even. Two ``cvt.rn.satfinite.e4m3x2.f32`` into the halves of one register."""
+    if EMULATE:
+        return (e4m3x2(a, b, True).to(tl.int32) & 0xFFFF) | (e4m3x2(c, d, True).to(tl.int32) << 16)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; cvt.rn.satfinite.e4m3x2.f32 l, $2, $1; cvt.rn.satfinite.e4m3x2.f32 h, $4, $3; "
+            "mov.b32 $0, {l, h}; }", "=r,r,r,r,r", [a, b, c, d], dtype=tl.int32, is_pure=True, pack=1)
