@@ -20,12 +20,13 @@ from .common import (
     ceil_log2_ratio,
     e2m1_value,
     e4m3_bits,
-    e4m3x2,
+    e4m3x4,
     e8m0_value,
     exp2_i,
     fp8_exp_from_amax_bits,
     load_f32,
     prmt,
+    smax16x2,
 )
 
 TILE_T = 128  # tokens per tile = one 1x128 scale group along tokens
@@ -157,27 +158,14 @@ def _e4m3_mag(c, base):
 
 @triton.jit
 def _smax16x2(a, b):
-    """``max.s16x2`` (reduction combine): lane-wise signed 16-bit maximum."""
-    return tl.inline_asm_elementwise("max.s16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+    """``common.smax16x2`` as a reduction combine (two arguments): the PTX instruction."""
+    return smax16x2(a, b, False)
 
 
 @triton.jit
 def _smax16x2_emulated(a, b):
-    lo = tl.maximum((a << 16) >> 16, (b << 16) >> 16)
-    hi = tl.maximum(a >> 16, b >> 16)
-    return (lo & 0xFFFF) | (hi << 16)
-
-
-@triton.jit
-def _e4m3x4(a0, a1, b0, b1, EMULATE: tl.constexpr):
-    """Four tensors of float32 bits (|v| <= 448 or NaN) -> int32 of their E4M3 bytes a0, a1, b0, b1 (byte 0 .. 3):
-    two ``cvt.rn.satfinite.e4m3x2.f32`` and one move packing the halves."""
-    if EMULATE:
-        return (e4m3x2(a0, a1, True).to(tl.int32) & 0xFFFF) | (e4m3x2(b0, b1, True).to(tl.int32) << 16)
-    else:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 l, h; cvt.rn.satfinite.e4m3x2.f32 l, $2, $1; cvt.rn.satfinite.e4m3x2.f32 h, $4, $3; "
-            "mov.b32 $0, {l, h}; }", "=r,r,r,r,r", [a0, a1, b0, b1], dtype=tl.int32, is_pure=True, pack=1)
+    """``common.smax16x2`` as a reduction combine: its interpreter twin."""
+    return smax16x2(a, b, True)
 
 
 @triton.jit
@@ -224,7 +212,7 @@ def _bf16_pairs_to_fp8_col(w_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN:
     hi = prmt(wf, u, 0x32FF, EMULATE).to(tl.float32, bitcast=True) * exp2_i(-k_hi)[None, None, :]
     lo0, lo1 = tl.split(tl.permute(lo.to(tl.int32, bitcast=True), (0, 2, 1)))  # [64, BN/2]: tokens 2i, 2i+1
     hi0, hi1 = tl.split(tl.permute(hi.to(tl.int32, bitcast=True), (0, 2, 1)))
-    q = _e4m3x4(lo0, lo1, hi0, hi1, EMULATE)  # [64, BN/2]: bytes (2j, 2i), (2j, 2i+1), (2j+1, 2i), (2j+1, 2i+1)
+    q = e4m3x4(lo0, lo1, hi0, hi1, EMULATE)  # [64, BN/2]: bytes (2j, 2i), (2j, 2i+1), (2j+1, 2i), (2j+1, 2i+1)
     qt = tl.trans(q)  # [BN/2, 64]
     q0, q1 = tl.split(tl.reshape(qt, (BN // 2, 32, 2)))
     out = tl.reshape(tl.permute(tl.join(prmt(q0, q1, 0x5410, EMULATE), prmt(q0, q1, 0x7632, EMULATE)), (0, 2, 1)),

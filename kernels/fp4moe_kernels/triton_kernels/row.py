@@ -305,8 +305,10 @@ def fp4_to_bf16_kernel(q_ptr, s_ptr, o_ptr, NB, R: tl.constexpr, EMULATE: tl.con
 
 
 @triton.jit
-def bf16_to_fp8_row_kernel(x_ptr, q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, M, K: tl.constexpr, R: tl.constexpr,
-                           SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr, X_BF16: tl.constexpr):
+def _fp8_row_program(x_ptr, q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, M, K: tl.constexpr, R: tl.constexpr,
+                     SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr, X_BF16: tl.constexpr):
+    """This program's R 128-groups -> FP8 1x128 rows (data and scales stored); returns the words it read (lo, hi:
+    [R, 64] float32 bits of elements 2j, 2j+1), which the fused float32 path encodes to MXFP4 too."""
     g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     mask = g < M * (K // 128)
     lo, hi = _load_words(x_ptr, g, 64, mask[:, None], X_BF16)
@@ -314,6 +316,13 @@ def bf16_to_fp8_row_kernel(x_ptr, q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, M, K: 
     tl.store(q_ptr + g[:, None] * 64 + tl.arange(0, 64)[None, :], pairs, mask=mask[:, None])
     so = _row_scale_offset(g, M, K, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT)
     tl.store(s_ptr + so, exp2_i(k), mask=mask)
+    return lo, hi
+
+
+@triton.jit
+def bf16_to_fp8_row_kernel(x_ptr, q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, M, K: tl.constexpr, R: tl.constexpr,
+                           SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr, X_BF16: tl.constexpr):
+    _fp8_row_program(x_ptr, q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, M, K, R, SINGLE_SEGMENT, EMULATE, X_BF16)
 
 
 @triton.jit
@@ -437,15 +446,10 @@ def bf16_to_fp4_and_fp8_row_kernel(x_ptr, q4_ptr, s4_ptr, q8_ptr, s8_ptr, row_se
         _bf16_fp4_and_fp8_groups(x_ptr, q4_ptr, s4_ptr, q8_ptr, s8_ptr, row_seg_ptr, seg_off_ptr, M, K, R, RULE_CEIL,
                                  SINGLE_SEGMENT, EMULATE)
     else:  # float32 input: [R, 64] pairs per program, MXFP4 from the same words
-        g = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-        mask = g < M * (K // 128)
         b = tl.program_id(0).to(tl.int64) * (4 * R) + tl.arange(0, 4 * R)
         bmask = b < M * (K // 32)
-        lo, hi = _load_words(x_ptr, g, 64, mask[:, None], X_BF16)
-        pairs, k = _fp8_groups(lo, hi, EMULATE)
-        tl.store(q8_ptr + g[:, None] * 64 + tl.arange(0, 64)[None, :], pairs, mask=mask[:, None])
-        so = _row_scale_offset(g, M, K, row_seg_ptr, seg_off_ptr, mask, SINGLE_SEGMENT)
-        tl.store(s8_ptr + so, exp2_i(k), mask=mask)
+        lo, hi = _fp8_row_program(x_ptr, q8_ptr, s8_ptr, row_seg_ptr, seg_off_ptr, M, K, R, SINGLE_SEGMENT, EMULATE,
+                                  X_BF16)
         # the same words seen as the 4R MXFP4 blocks of these groups: [R, 64] -> [4R, 16] is a pure reshape
         byte, code = _mxfp4_blocks(tl.reshape(lo, (4 * R, 16)), tl.reshape(hi, (4 * R, 16)), RULE_CEIL)
         tl.store(q4_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], byte, mask=bmask[:, None])
