@@ -332,9 +332,10 @@ class PreemptedJob:
       the step, checkpoints, exits; Slurm requeues the job);
     - attempt 2: the host of its rank 0 (the first of its nodes, node1: where the batch script runs too) fails once
       a save after the attempt's first checkpoint has begun (``tools/local_slurm.sh node-stop``: off the network,
-      then every process on it killed), at a moment when no other test's job runs there (until then the job is
-      suspended; one-node jobs fill node2 first, so node1 mostly runs multi-node jobs only; on a cluster of two,
-      the other node of the job will do too). slurmctld finds the node not responding (SlurmdTimeout), ends the
+      then every process on it killed), at a moment when no other test's job runs there (the node is drained once
+      attempt 2 runs, so no new job starts there; until the jobs already there have ended the job is suspended;
+      one-node jobs fill node2 first, so node1 mostly runs multi-node jobs only; on a cluster of two, the other
+      node of the job will do too; the drain is cleared before the node comes back). slurmctld finds the node not responding (SlurmdTimeout), ends the
       attempt NODE_FAIL and requeues the job (``--requeue``). Once the ranks on the other node are gone too (the
       ``.attempt.lock`` free, the job no longer completing), the checkpoint folder is read (``scan``); then, on a
       cluster of three nodes or more, the node stays down until attempt 3 runs (on the other nodes, rank 0 on
@@ -355,6 +356,7 @@ class PreemptedJob:
         self.watched: int | None = None
         self.failed_node: str | None = None
         self.node_down: str | None = None
+        self.drained: list[str] = []
         self.moved = len(NODES) >= 3   # the requeue after the node failure runs on other nodes
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -396,11 +398,28 @@ class PreemptedJob:
         if verb == "node-start":
             self.node_down = None
 
-    def _free_node(self) -> str | None:
-        """The node of the running attempt to fail, if it runs no other job, else None: rank 0's host (the first of
-        the attempt's nodes); on a cluster of two also the other one (the requeue comes back to both anyway)."""
+    def _candidates(self) -> list[str]:
+        """The nodes of the running attempt that may be failed: rank 0's host (the first of the attempt's nodes); on
+        a cluster of two also the other one (the requeue comes back to both anyway)."""
         hosts = _hostnames(_scontrol_job(self.id)["NodeList"])
-        return next((n for n in (hosts[:1] if self.moved else hosts) if _squeue("-w", n) == [self.id]), None)
+        return hosts[:1] if self.moved else hosts
+
+    def _drain(self, nodes: list[str]) -> None:
+        """No new job on ``nodes`` from now on (running ones go on): without it a one-node job of another test could
+        start there between the check that the node runs only this job and its failure, or in the seconds before
+        slurmctld finds it down, and end NODE_FAIL (seen once in CI: the failed-job test's job)."""
+        for n in nodes:
+            self.drained.append(n)
+            self._scontrol("update", f"NodeName={n}", "State=DRAIN", "Reason=fp4moe-test-node-stop")
+
+    def _undrain(self) -> None:
+        """Clear the drain; a node that is down stays down until its slurmd registers again (ReturnToService=2)."""
+        while self.drained:
+            self._scontrol("update", f"NodeName={self.drained.pop()}", "State=UNDRAIN")
+
+    def _free_node(self) -> str | None:
+        """The node of the running attempt to fail (``_candidates``, drained) if it runs no other job, else None."""
+        return next((n for n in self._candidates() if _squeue("-w", n) == [self.id]), None)
 
     def _rank0_gone(self) -> bool:
         """The killed attempt's rank 0 has let go of the run folder's lock (fp4moe.train.attempt)."""
@@ -435,6 +454,7 @@ class PreemptedJob:
         self._scontrol("requeue", self.id)
         # attempt 2: a node fails during a save
         self._wait("attempt 2", lambda: self._running(2), 120)
+        self._drain(self._candidates())
         first = _newest_step(self.root())
         self.resumable.append(first)
         self._wait("attempt 2's first checkpoint", lambda: _newest_step(self.root()) > first, 180)
@@ -447,7 +467,8 @@ class PreemptedJob:
             if self.failed_node:
                 break
             # one-node jobs fill node2 first (Weight, tools/local_slurm.sh), but take node1 while node2 is full or
-            # still completes a job: the job waits, suspended (it must not run out of steps), until the node is its own
+            # still completes a job: the job waits, suspended (it must not run out of steps), until the jobs that were
+            # there before the drain have ended
             self._scontrol("suspend", self.id)
             try:
                 self._wait("a node of the job without other jobs", self._free_node, 300, poll=1)
@@ -462,6 +483,7 @@ class PreemptedJob:
         self.resumable.append(int(whole[0][1]["step"]) if whole else 0)
         if self.moved:   # the requeue runs on the nodes left (rank 0 on another host), then the node comes back
             self._wait("attempt 3 on the nodes left", lambda: self._running(3), 300, poll=0.5)
+        self._undrain()
         self._node("node-start", self.failed_node)
 
     def close(self) -> None:
@@ -470,6 +492,7 @@ class PreemptedJob:
         self._stop.set()
         self.thread.join(timeout=30)
         subprocess.run(["scancel", self.id], check=False)
+        self._undrain()
         if self.node_down is not None:
             p = subprocess.run([str(LOCAL_SLURM), "node-start", self.node_down], capture_output=True, text=True,
                                timeout=120)
