@@ -394,11 +394,14 @@ def test_swiglu_fwd_fp4_below_every_kind_of_block_max(device, rule):
     """swiglu_fwd_fp4 (h's MXFP4 by row._bf16_mxfp4_encode, z from the same int64 words) on the blocks of
     test_bf16_encoders_below_every_kind_of_block_max laid out as h [T, 2F]: MXFP4 = the reference's, z = swiglu_fwd's
     bit for bit (g, u not denormal), F = 64 and 96 (2 and 3 blocks per half), weighted and not, T not a multiple of the tile, and an h
-    view 4 bytes off 8-byte alignment (copied by the launcher)."""
+    view 4 bytes off 8-byte alignment (copied by the launcher). The GPU runs the launcher's tile; the interpreter 1024
+    blocks per program (three programs, the last ragged): the per-element code is the same, and at 32 blocks per
+    program the interpreter took ~110 s per rule (CI), at 1024 about 1/20 of that."""
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import MXFP4Tensor
     from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_fwd, swiglu_fwd_fp4
 
+    tile = None if device == "cuda" else (1024, 1)
     x = _bf16_blocks_below_every_kind_of_block_max()
     n = x.shape[0]
     hs = [x.reshape(-1, 128), x.reshape(-1, 128)[:-1], x[: n // 6 * 6].reshape(-1, 192)]
@@ -410,7 +413,7 @@ def test_swiglu_fwd_fp4_below_every_kind_of_block_max(device, rule):
         if i == 3:
             assert h.data_ptr() % 8 == 4
         for probs in (None, torch.rand(h.shape[0], generator=torch.Generator().manual_seed(i)).to(device)):
-            z, (q, s) = swiglu_fwd_fp4(h, probs, rule)
+            z, (q, s) = swiglu_fwd_fp4(h, probs, rule, tile=tile)
             want = ref.bf16_to_fp4_row(h.cpu(), rule)
             assert not selfcheck.compare(MXFP4Tensor(q.cpu(), s.cpu(), tuple(h.shape)), want)
             # z where g and u are not BF16 denormals: the plain kernel's bf16 -> float32 load under the interpreter
