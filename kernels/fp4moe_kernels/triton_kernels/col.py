@@ -27,6 +27,7 @@ from .common import (
     load_f32,
     prmt,
     smax16x2,
+    smax16x2_emulated,
 )
 
 TILE_T = 128  # tokens per tile = one 1x128 scale group along tokens
@@ -163,12 +164,6 @@ def _smax16x2(a, b):
 
 
 @triton.jit
-def _smax16x2_emulated(a, b):
-    """``common.smax16x2`` as a reduction combine: its interpreter twin."""
-    return smax16x2(a, b, True)
-
-
-@triton.jit
 def _bf16_pairs_to_fp8_col(w_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN: tl.constexpr, EMULATE: tl.constexpr):
     """BF16 -> FP8 column on 32-bit words of two channels (2j in the low half, 2j+1 in the high half).
 
@@ -200,7 +195,7 @@ def _bf16_pairs_to_fp8_col(w_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN:
     m = w & 0x7FFF7FFF
     u = m + 0x00800080
     if EMULATE:
-        key = tl.reduce(tl.reduce(u, 1, _smax16x2_emulated), 0, _smax16x2_emulated)  # [BN/2]
+        key = tl.reduce(tl.reduce(u, 1, smax16x2_emulated), 0, smax16x2_emulated)  # [BN/2]
     else:
         key = tl.reduce(tl.reduce(u, 1, _smax16x2), 0, _smax16x2)
     a_lo = tl.maximum(((key << 16) >> 16) - 0x80, 0) << 16  # float32 bits of channel 2j's finite amax
