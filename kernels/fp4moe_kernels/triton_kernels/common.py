@@ -326,20 +326,12 @@ def bf16x2_fma(a, b, c, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def smax16x2_emulated(a, b):
-    """``max.s16x2``'s interpreter twin, with two arguments so that it can be a reduction's combine itself (the
-    interpreter calls a combine once per element along the axis: a nested jit call there doubled the column
-    quantizer's interpreted time)."""
-    lo = tl.maximum((a << 16) >> 16, (b << 16) >> 16)
-    hi = tl.maximum(a >> 16, b >> 16)
-    return (lo & 0xFFFF) | (hi << 16)
-
-
-@triton.jit
 def smax16x2(a, b, EMULATE: tl.constexpr):
     """``max.s16x2``: lane-wise signed 16-bit maximum."""
     if EMULATE:
-        return smax16x2_emulated(a, b)
+        lo = tl.maximum((a << 16) >> 16, (b << 16) >> 16)
+        hi = tl.maximum(a >> 16, b >> 16)
+        return (lo & 0xFFFF) | (hi << 16)
     else:
         return tl.inline_asm_elementwise("max.s16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
                                          pack=1)
