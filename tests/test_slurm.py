@@ -335,8 +335,8 @@ class PreemptedJob:
       then every process on it killed), at a moment when no other test's job runs there (the node is drained once
       attempt 2 runs, so no new job starts there; until the jobs already there have ended the job is suspended;
       one-node jobs fill node2 first, so node1 mostly runs multi-node jobs only; on a cluster of two, the other
-      node of the job will do too; the drain is cleared before the node comes back). slurmctld finds the node not responding (SlurmdTimeout), ends the
-      attempt NODE_FAIL and requeues the job (``--requeue``). Once the ranks on the other node are gone too (the
+      node of the job will do too; the drain is cleared before the node comes back). slurmctld finds the node not
+      responding (SlurmdTimeout), ends the attempt NODE_FAIL and requeues the job (``--requeue``). Once the ranks on the other node are gone too (the
       ``.attempt.lock`` free, the job no longer completing), the checkpoint folder is read (``scan``); then, on a
       cluster of three nodes or more, the node stays down until attempt 3 runs (on the other nodes, rank 0 on
       another host: ``moved``), and comes back (``node-start``); on two nodes it comes back at once (attempt 3
@@ -398,17 +398,14 @@ class PreemptedJob:
         if verb == "node-start":
             self.node_down = None
 
-    def _candidates(self) -> list[str]:
-        """The nodes of the running attempt that may be failed: rank 0's host (the first of the attempt's nodes); on
-        a cluster of two also the other one (the requeue comes back to both anyway)."""
+    def _drain(self) -> None:
+        """No new job from now on on the nodes of the running attempt that may be failed (``drained``): rank 0's host
+        (the first of the attempt's nodes); on a cluster of two also the other one (the requeue comes back to both
+        anyway). Running jobs go on. Without it a one-node job of another test could start there between the check
+        that the node runs only this job and its failure, or in the seconds before slurmctld finds it down, and end
+        NODE_FAIL (seen once in CI: the failed-job test's job)."""
         hosts = _hostnames(_scontrol_job(self.id)["NodeList"])
-        return hosts[:1] if self.moved else hosts
-
-    def _drain(self, nodes: list[str]) -> None:
-        """No new job on ``nodes`` from now on (running ones go on): without it a one-node job of another test could
-        start there between the check that the node runs only this job and its failure, or in the seconds before
-        slurmctld finds it down, and end NODE_FAIL (seen once in CI: the failed-job test's job)."""
-        for n in nodes:
+        for n in hosts[:1] if self.moved else hosts:
             self.drained.append(n)
             self._scontrol("update", f"NodeName={n}", "State=DRAIN", "Reason=fp4moe-test-node-stop")
 
@@ -418,8 +415,8 @@ class PreemptedJob:
             self._scontrol("update", f"NodeName={self.drained.pop()}", "State=UNDRAIN")
 
     def _free_node(self) -> str | None:
-        """The node of the running attempt to fail (``_candidates``, drained) if it runs no other job, else None."""
-        return next((n for n in self._candidates() if _squeue("-w", n) == [self.id]), None)
+        """A drained node of the running attempt (the one to fail) if it runs no other job, else None."""
+        return next((n for n in self.drained if _squeue("-w", n) == [self.id]), None)
 
     def _rank0_gone(self) -> bool:
         """The killed attempt's rank 0 has let go of the run folder's lock (fp4moe.train.attempt)."""
@@ -454,7 +451,7 @@ class PreemptedJob:
         self._scontrol("requeue", self.id)
         # attempt 2: a node fails during a save
         self._wait("attempt 2", lambda: self._running(2), 120)
-        self._drain(self._candidates())
+        self._drain()
         first = _newest_step(self.root())
         self.resumable.append(first)
         self._wait("attempt 2's first checkpoint", lambda: _newest_step(self.root()) > first, 180)
