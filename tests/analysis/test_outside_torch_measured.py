@@ -16,10 +16,23 @@ tool = load_tool("tools/device/measure_outside_torch.py")
 GiB, MiB = 2**30, 2**20
 
 
+def _child(group, small, large, a2a, ranks=1):
+    """The NCCL child's stages as the tool writes them: outside bytes before the group, after it, a 1-element and a
+    64 MiB all-reduce, then the all-to-all (two ranks: both, the second 2 MiB lower from the 64 MiB all-reduce on)."""
+    def stages(low):
+        return [{"stage": s, "outside_bytes": v - (low if s in ("all_reduce", "all_to_all") else 0)}
+                for s, v in (("before_group", 0), ("group", group), ("all_reduce_small", small), ("all_reduce", large),
+                             ("all_to_all", a2a))]
+    if ranks == 1:
+        return {"stages": stages(0), "communicator_bytes": a2a}
+    return {"ranks": [{"stages": stages(0)}, {"stages": stages(2 * MiB)}], "communicator_bytes": a2a}
+
+
 def _doc(**over):
     doc = {"format": ot.FORMAT, "dry_run": False, "gpu": "NVIDIA H200", "date": "2026-12-03", "commit": "abc1234",
-           "nccl": {"world1": {"communicator_bytes": 40 * MiB}, "world2": {"communicator_bytes": 300 * MiB},
-                    "world2_lab": {"communicator_bytes": 700 * MiB}},
+           "nccl": {"world1": _child(40 * MiB, 40 * MiB, 40 * MiB, 40 * MiB),
+                    "world2": _child(50 * MiB, 250 * MiB, 350 * MiB, 700 * MiB, ranks=2),
+                    "world2_lab": _child(50 * MiB, 300 * MiB, 450 * MiB, 850 * MiB, ranks=2)},
            "training_process": {"outside_torch_bytes": 3 * GiB}, "allocator": {"gap_bytes": GiB, "ref_elements": 99}}
     doc.update(over)
     return doc
@@ -29,12 +42,22 @@ def test_derive_takes_each_term_from_its_measurement():
     m = ot.derive(_doc(), "results/scale/x.json")
     assert m.cuda_context_bytes == 3 * GiB - 40 * MiB          # the training process, less its 1-rank communicator
     assert m.nccl_communicator_bytes == 40 * MiB
-    assert m.nccl_peer_bytes == 700 * MiB - 40 * MiB           # the lab's NCCL_MIN_NCHANNELS=32 when measured
+    # the lab's NCCL_MIN_NCHANNELS=32 when measured: the all-reduces connect the ring, the all-to-all its p2p peer
+    assert (m.nccl_peer_bytes, m.nccl_p2p_peer_bytes) == (400 * MiB, 400 * MiB)
     assert (m.allocator_gap_bytes, m.allocator_gap_ref_elements) == (GiB, 99)
     assert m.source.startswith("results/scale/x.json (NVIDIA H200, 2026-12-03, abc1234: context, NCCL communicator, "
-                               "NCCL peer, allocator gap measured)")
-    one_gpu = ot.derive(_doc(nccl={"world1": {"communicator_bytes": 40 * MiB}}))
-    assert one_gpu.nccl_peer_bytes == 0 and "NCCL peer" not in one_gpu.source
+                               "NCCL peers, allocator gap measured)")
+    default = ot.derive(_doc(nccl={k: v for k, v in _doc()["nccl"].items() if k != "world2_lab"}))
+    assert (default.nccl_peer_bytes, default.nccl_p2p_peer_bytes) == (300 * MiB, 350 * MiB)
+    # what the 1-rank group gained over the same stages is not the peer's
+    grown = _doc()
+    grown["nccl"]["world1"] = _child(40 * MiB, 40 * MiB, 60 * MiB, 70 * MiB)
+    assert (ot.derive(grown).nccl_peer_bytes, ot.derive(grown).nccl_p2p_peer_bytes) == (380 * MiB, 390 * MiB)
+    one_gpu = ot.derive(_doc(nccl={"world1": _child(40 * MiB, 40 * MiB, 40 * MiB, 40 * MiB)}))
+    assert (one_gpu.nccl_peer_bytes, one_gpu.nccl_p2p_peer_bytes) == (0, 0) and "NCCL peers" not in one_gpu.source
+    failed = ot.derive(_doc(nccl={"world1": _child(40 * MiB, 40 * MiB, 40 * MiB, 40 * MiB),
+                                  "world2": {"error": "exit 1: ...", "command": "..."}}))
+    assert failed.nccl_peer_bytes == 0 and "NCCL peers" not in failed.source
 
 
 def test_derive_refuses_what_is_not_a_measurement():
@@ -46,7 +69,8 @@ def test_derive_refuses_what_is_not_a_measurement():
 
 def test_without_the_file_every_term_is_zero_and_says_so(tmp_path):
     m = ot.load(tmp_path / "absent.json")
-    assert (m.cuda_context_bytes, m.nccl_communicator_bytes, m.nccl_peer_bytes, m.allocator_gap_bytes) == (0, 0, 0, 0)
+    assert (m.cuda_context_bytes, m.nccl_communicator_bytes, m.nccl_peer_bytes, m.nccl_p2p_peer_bytes,
+            m.allocator_gap_bytes) == (0, 0, 0, 0, 0)
     assert m.source == NOT_MEASURED
     (tmp_path / "m.json").write_text(json.dumps(_doc()))
     assert ot.load(tmp_path / "m.json").nccl_communicator_bytes == 40 * MiB

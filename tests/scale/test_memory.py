@@ -390,20 +390,21 @@ def test_flex_dispatch_deduplicates_ranks():
 
 def test_outside_torch_terms_and_how_they_scale():
     """Part (f) on the lab's PP32 EP8 layout: the context once per GPU; NCCL, per communicator a step uses (world,
-    DP, EP, pipeline, model-parallel; expert-DP = 1 has none) plus its peers (NCCL's all-to-all: EP - 1; with DeepEP
-    one, and DeepEP's buffers instead); the allocator's gap in proportion to tokens x hidden; all of it scaled by
-    outside_torch_scale; total = allocated + outside."""
+    DP, EP, pipeline, model-parallel; expert-DP = 1 has none), its ring peer and its send / recv peers (NCCL's
+    all-to-all: EP - 1, none with DeepEP, whose buffers come instead; the pipeline's neighbour stages); the
+    allocator's gap in proportion to tokens x hidden; all of it scaled by outside_torch_scale; total = allocated +
+    outside."""
     cfg = compose_cfg("dsv3_671b", "paper_671b", "mla_up_proj", "mxfp4", "offload")
     a = MemoryAssumptions(cuda_context_bytes=1000, nccl_communicator_bytes=100, nccl_peer_bytes=10,
-                          allocator_gap_bytes=7000, allocator_gap_ref_elements=2048 * 4096)
+                          nccl_p2p_peer_bytes=1, allocator_gap_bytes=7000, allocator_gap_ref_elements=2048 * 4096)
     st = per_stage_memory(cfg, a)
     mid, last = st[5], st[-1]
     assert mid.cuda_context_bytes == 1000
-    assert mid.nccl_bytes == 5 * 100 + (1 + 1 + 7 + 2 + 1) * 10 and last.nccl_bytes == mid.nccl_bytes - 10
+    assert mid.nccl_bytes == 5 * 100 + 5 * 10 + (7 + 2) * 1 and last.nccl_bytes == mid.nccl_bytes - 1
     assert mid.allocator_gap_bytes == round(7000 * 4096 * 7168 / (2048 * 4096)) and mid.deepep_bytes == 0
     assert mid.total_bytes == mid.allocated_bytes + 1000 + mid.nccl_bytes + mid.allocator_gap_bytes
     deep = per_stage_memory(cfg, replace(a, deepep_buffers=True))[5]
-    assert deep.deepep_bytes == outside_torch.deepep_buffer_bytes(7168, 8) and deep.nccl_bytes == mid.nccl_bytes - 60
+    assert deep.deepep_bytes == outside_torch.deepep_buffer_bytes(7168, 8) and deep.nccl_bytes == mid.nccl_bytes - 7
     assert per_stage_memory(cfg, replace(a, deepep_buffers=True))[0].deepep_bytes == 0   # the embedding stage: no MoE
     big = per_stage_memory(cfg, replace(a, outside_torch_scale=1.5))[5]
     assert big.outside_torch_bytes == (round(1.5 * 1000) + round(1.5 * mid.nccl_bytes)

@@ -18,16 +18,31 @@ def test_the_model_measures_nothing_itself():
 
 
 def test_communicators_of_the_paper_layout():
-    """PP32 EP8 DP8 on 256 GPUs (expert-DP 1: none): world, DP, EP, pipeline, model-parallel; NCCL's all-to-all
-    connects EP - 1 peers, DeepEP's handshake one; the first and last stages have one pipeline neighbour."""
+    """PP32 EP8 DP8 on 256 GPUs (expert-DP 1: none): world, DP, EP, pipeline, model-parallel, each with one ring peer
+    for its collectives; send / recv peers: NCCL's all-to-all EP - 1 (DeepEP's handshake none), the pipeline its
+    neighbour stages (one on the first and the last stage)."""
     cfg = compose_cfg("dsv3_671b", "paper_671b", "none", "bf16")
-    mid = {c.group: (c.size, c.peers) for c in ot.communicators(cfg, pipeline_rank=5)}
-    assert mid == {"world": (256, 1), "data": (8, 1), "expert": (8, 7), "pipeline": (32, 2), "model": (32, 1)}
-    assert {c.group: c.peers for c in ot.communicators(cfg, False, 0)}["expert"] == 1
-    assert ot.nccl_bytes(cfg, 100, 10, pipeline_rank=31) == 5 * 100 + (1 + 1 + 7 + 1 + 1) * 10
+    mid = {c.group: (c.size, c.peers, c.p2p_peers) for c in ot.communicators(cfg, pipeline_rank=5)}
+    assert mid == {"world": (256, 1, 0), "data": (8, 1, 0), "expert": (8, 1, 7), "pipeline": (32, 1, 2),
+                   "model": (32, 1, 0)}
+    assert {c.group: c.p2p_peers for c in ot.communicators(cfg, False, 0)} == {
+        "world": 0, "data": 0, "expert": 0, "pipeline": 1, "model": 0}
+    assert ot.nccl_bytes(cfg, 100, 10, 1, pipeline_rank=31) == 5 * 100 + 5 * 10 + (7 + 1) * 1
     one = OmegaConf.create({"parallel": {"tensor": 1, "context": 1, "pipeline": 1, "expert": 1, "data": 1,
                                          "world_size": 1}})
-    assert ot.communicators(one) == [] and ot.nccl_bytes(one, 100, 10) == 0
+    assert ot.communicators(one) == [] and ot.nccl_bytes(one, 100, 10, 1) == 0
+
+
+def test_nccl_peer_bytes_from_its_source():
+    """NCCL 2.28.9's connection over NVLink: the receiver's LL (lines x threads x steps x 16 B), LL128 (elements x
+    threads x steps x 8 B) and SIMPLE (4 MiB) buffers and a 4 KiB header in one allocation, the sender's header
+    alone, each rounded up to 2 MiB; a ring rank holds one of each per channel, a send / recv peer too."""
+    steps, granule = 8, 2 * MiB
+    ll, ll128, simple = 8 * 512 * steps * 16, 120 * 640 * steps * 8, 4 * MiB
+    assert ot.NCCL_RECV_CONNECTION_BYTES == -(-(ll + ll128 + simple + 4096) // granule) * granule
+    assert ot.NCCL_SEND_CONNECTION_BYTES == -(-4096 // granule) * granule
+    assert ot.nccl_peer_bytes_from_source() == (24 * 12 * MiB, 32 * 12 * MiB)
+    assert ot.nccl_peer_bytes_from_source(32) == (384 * MiB, 384 * MiB)   # the lab's NCCL_MIN_NCHANNELS=32
 
 
 def test_deepep_buffer_from_its_size_hints():

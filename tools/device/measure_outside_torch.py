@@ -16,7 +16,8 @@ child's own PID when nvidia-smi lists it (``--query-compute-apps``); "outside" =
   ``torch._scaled_mm``), cuDNN (a convolution), flash attention (SDPA forward + backward) and a Triton kernel.
 - ``nccl``: a process group of one rank (``world1``), and with two GPUs of two ranks over ``torch.distributed.run``
   (``world2``; ``world2_lab`` with the lab's ``NCCL_MIN_NCHANNELS=32``): outside bytes before the group, after its
-  creation, an all-reduce and an all-to-all of 64 MiB; ``communicator_bytes`` = after - before (largest rank).
+  creation, a 1-element all-reduce, an all-reduce and an all-to-all of 64 MiB; ``communicator_bytes`` = after -
+  before (largest rank); the model's peer terms are the stages' gains (fp4moe.analysis.outside_torch_measured).
 - ``training``: the proxy trainer (``python -m fp4moe.train experiment=proxy_t1_1gpu``) for each cell and micro-batch,
   with ``PYTORCH_CUDA_ALLOC_CONF`` unset and ``expandable_segments:True`` (the lab's setting): its logged peak
   allocated / reserved (MLflow store, read with sqlite3) and nvidia-smi's peak, polled every 0.2 s.
@@ -168,7 +169,10 @@ def child_nccl() -> dict:
     snaps = [_snapshot(torch, uuid, baseline_mib, "before_group")]
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     snaps.append(_snapshot(torch, uuid, baseline_mib, "group"))
-    dist.all_reduce(buf)
+    small = torch.ones(1, device="cuda")
+    dist.all_reduce(small)   # a step's small all-reduces (loss, gradient norm): NCCL's low-latency protocols
+    snaps.append(_snapshot(torch, uuid, baseline_mib, "all_reduce_small"))
+    dist.all_reduce(buf)     # its large ones (gradients): where NCCL may pick another algorithm (NVLS on NVSwitch)
     snaps.append(_snapshot(torch, uuid, baseline_mib, "all_reduce"))
     out = torch.empty_like(buf)
     dist.all_to_all_single(out, buf)

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from .. import paper
 from ..scale.memory import (CONF, GB, LAB_STACK, NOT_MEASURED, MemoryAssumptions, experiment_cfg, mean_total_bytes,
                             per_stage_memory)
+from ..scale.outside_torch import nccl_peer_bytes_from_source
 from .calibration import h200_memory
 from .output import markdown_cli
 from .outside_torch_measured import measured_assumptions
@@ -43,6 +44,10 @@ SISTER_GB_READINGS = {"GiB": 1.0, "10^9 B": 1e9 / 2**30}
 SCOPES = ("attn_ln_experts", "attn_ln_mlp", "mla_up_proj")   # the paper's scopes (numbers.yaml t1.scopes)
 RECIPES = ("bf16", "fp8", "mxfp4")
 TARGET_PP = 3.0   # issue 27: each cell the paper fits within 3 points of the 80 GB GPU
+# NCCL's peers as NCCL 2.28.9's source implies them under the lab's NCCL_MIN_NCHANNELS=32 (run_dlc_e2e.sh): 32 ring
+# channels and 32 send / recv channels per peer, 12 MiB each (fp4moe.scale.outside_torch); not measured (no two GPUs)
+SOURCE_PEERS = nccl_peer_bytes_from_source(32)
+SOURCE_PEERS_NAME = "NCCL's peers from its source (not measured: 384 MiB per ring and per send / recv peer)"
 # Each lab's-stack switch: what it is, and the line of the lab's code that says so (megatron = the FP8-Flow-MoE fork
 # 021ai/Megatron-LM-FP8FlowMoe and the release's megatron-0.15.0rc7.diff; TE = 021ai/TransformerEngine-FP8FlowMoe
 # and the release's transformer_engine-2.8.diff; pretrain_ds.sh = the sister artifact's launch script)
@@ -207,6 +212,11 @@ VARIANTS = (
     Variant("outside-PyTorch memory x 0.5", assumptions=lambda a: replace(a, outside_torch_scale=0.5)),
     Variant("outside-PyTorch memory x 1.5", assumptions=lambda a: replace(a, outside_torch_scale=1.5)),
     Variant("NCCL's all-to-all instead of DeepEP", assumptions=lambda a: replace(a, deepep_buffers=False)),
+    Variant(SOURCE_PEERS_NAME, assumptions=lambda a: replace(a, nccl_peer_bytes=SOURCE_PEERS[0],
+                                                             nccl_p2p_peer_bytes=SOURCE_PEERS[1])),
+    Variant(f"{SOURCE_PEERS_NAME} and NCCL's all-to-all instead of DeepEP",
+            assumptions=lambda a: replace(a, nccl_peer_bytes=SOURCE_PEERS[0], nccl_p2p_peer_bytes=SOURCE_PEERS[1],
+                                          deepep_buffers=False)),
     # measured already, in another way: what a one-GPU proxy process held outside PyTorch's allocator when it went
     # OOM on an H200 (calibration.h200_memory, the largest of seven OOM messages; no NCCL peers there)
     Variant("CUDA context = the H200 proxy's OOM messages (calibration.md)",
@@ -578,6 +588,20 @@ def summary(rows: Sequence[Cell], variants: Sequence[tuple[Variant, list[Cell]]]
                        f"dequantized before it), mxfp4 at attn_ln_experts would be {c.pct:.1f} % (paper "
                        f"{c.paper_pct:.2f} %). The paper's release keeps them MXFP4 (its TE patch permutes "
                        "MXFP4Tensors and checkpoints them), so this is a what-if, not the base.")
+    peers = _variant(variants, SOURCE_PEERS_NAME)
+    if peers is not None and not (a.nccl_peer_bytes or a.nccl_p2p_peer_bytes):
+        flips = [f"{b.scope} {b.recipe} ({_pct(o)})" for b, o in zip(rows, peers) if b.fits != o.fits]
+        moves = sorted({round(100 * (o.total_gib - b.total_gib) / GPU_GIB, 1) for b, o in zip(rows, peers)})
+        errs = [abs(o.error_pp) for o in peers if o.error_pp is not None]
+        move = f"{moves[0]:.1f}" if len(moves) == 1 else f"{moves[0]:.1f} to {moves[-1]:.1f}"
+        out.append(f"- NCCL's per-peer buffers are not measured (that needs two GPUs; none lent since the measuring "
+                   f"tool was written): 0 in the base. As NCCL 2.28.9's source implies them under the lab's "
+                   f"`NCCL_MIN_NCHANNELS=32` (the sensitivity row; NVLink connections everywhere, a first-order "
+                   f"reading: fp4moe.scale.outside_torch says what it leaves out), they add {move} points to every "
+                   f"cell: {sum(o.matches_paper for o in peers)} of {len(peers)} outcomes as the paper"
+                   + (f", the outcome changing for {'; '.join(flips)}" if flips else "")
+                   + (f"; max |model - paper| {max(errs):.1f} points" if errs else "")
+                   + ". `tools/device/measure_outside_torch.py` on two GPUs measures them.")
     if a.outside_torch_source == NOT_MEASURED:
         out.append("- The CUDA context, NCCL buffers and the allocator's gap are not measured yet (0 here): each cell "
                    "would move up by their sum; the break-even table says how much each cell can take. The H200 "

@@ -256,7 +256,8 @@ class MemoryAssumptions:
     # 0 unless measured (fp4moe.analysis.outside_torch_measured gives the H200's; outside_torch_source says where from)
     cuda_context_bytes: int = 0            # per process
     nccl_communicator_bytes: int = 0       # per communicator a step uses
-    nccl_peer_bytes: int = 0               # per peer of a communicator
+    nccl_peer_bytes: int = 0               # per peer of a communicator's collectives (its ring neighbours)
+    nccl_p2p_peer_bytes: int = 0           # per send / recv peer (NCCL's all-to-all, the pipeline's p2p)
     allocator_gap_bytes: int = 0           # reserved - allocated at the peak, measured at
     allocator_gap_ref_elements: int = 0    # this tokens x hidden per micro-batch
     outside_torch_source: str = NOT_MEASURED
@@ -354,8 +355,8 @@ class MemoryAssumptions:
             raise ValueError(f"main_grad_resident={self.main_grad_resident!r}: 'always' or 'after_first_micro_batch'")
         if self.bf16_experts not in ("sequential", "grouped"):
             raise ValueError(f"bf16_experts={self.bf16_experts!r}: 'sequential' or 'grouped'")
-        for name in ("cuda_context_bytes", "nccl_communicator_bytes", "nccl_peer_bytes", "allocator_gap_bytes",
-                     "allocator_gap_ref_elements", "outside_torch_scale"):
+        for name in ("cuda_context_bytes", "nccl_communicator_bytes", "nccl_peer_bytes", "nccl_p2p_peer_bytes",
+                     "allocator_gap_bytes", "allocator_gap_ref_elements", "outside_torch_scale"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
 
@@ -1225,7 +1226,8 @@ def _outside_torch(cfg: DictConfig, d: _Dims, a: MemoryAssumptions, has_moe: boo
     deepep = a.deepep_buffers and has_moe and d.ep > 1
     terms = {"cuda_context_bytes": a.cuda_context_bytes,
              "nccl_bytes": outside_torch.nccl_bytes(cfg, a.nccl_communicator_bytes, a.nccl_peer_bytes,
-                                                    nccl_all_to_all=not a.deepep_buffers, pipeline_rank=rank),
+                                                    a.nccl_p2p_peer_bytes, nccl_all_to_all=not a.deepep_buffers,
+                                                    pipeline_rank=rank),
              "deepep_bytes": outside_torch.deepep_buffer_bytes(d.h, d.ep) if deepep else 0,
              "allocator_gap_bytes": outside_torch.allocator_gap(a.allocator_gap_bytes, a.allocator_gap_ref_elements,
                                                                 d.t_tok, d.h)}
