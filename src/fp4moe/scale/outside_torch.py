@@ -22,9 +22,9 @@ term (MemoryAssumptions field) what it is, and how the model carries it from the
                                channels (32 per peer on an 8-GPU Hopper node). The model counts EP - 1 of them for
                                an all-to-all NCCL runs itself and the neighbour stages for the pipeline's p2p.
                                Both peer terms scale with EP (the all-to-all's peers) and the layout, not with
-                               hidden size or tokens. Not measured yet (no two GPUs lent since the tool could):
-                               :func:`nccl_peer_bytes_from_source` gives what NCCL's source implies, for the
-                               sensitivity table only.
+                               hidden size or tokens. Neither is measured yet (no two GPUs have been lent since
+                               the tool was written): :func:`nccl_peer_bytes_from_source` gives what NCCL's source
+                               implies, for the sensitivity table only.
 ``allocator_gap_bytes``        The caching allocator's reserved - allocated at the peak of a proxy training run
                                (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, the lab's setting), measured
                                at ``allocator_gap_ref_elements`` = tokens x hidden per micro-batch; carried in
