@@ -177,6 +177,7 @@ class Train(_Group):
     progress_bar: bool = MISSING
     hooks: Dict[str, Any] = field(default_factory=dict)
     fp8_weight_cache: bool = MISSING
+    wgrad_accumulation_fusion: bool = MISSING
     measure: Measure = field(default_factory=Measure)
     profile: Profile = field(default_factory=Profile)
 

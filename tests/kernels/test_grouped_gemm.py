@@ -144,3 +144,64 @@ def test_grouped_wgrad_tma_gpu_bit_equal_and_allocator_left_alone():
     assert torch.equal(tma, launchers.grouped_fp8_wgrad(a, b, tma=False))
     assert not tma[3].any()
     assert rel(tma, loop_wgrad(a, b, counts, torch.bfloat16)) < 1e-3
+
+
+def scattered_main_grads(counts, n, k, dtype, dev, seed=6):
+    """E ``[n, k]`` views of one buffer, as megatron DDP's main_grad views lie in its gradient buffer: in reverse
+    expert order, with a gap between some, random values (a gradient accumulated over earlier micro-batches)."""
+    g = torch.Generator().manual_seed(seed)
+    e, size = len(counts), n * k
+    starts = [(e - 1 - i) * (size + 256) + (128 if i % 2 else 0) for i in range(e)]   # apart, 128-256 between
+    buf = torch.randn(max(starts) + size + 256, generator=g).to(dtype).to(dev)
+    return buf, [buf[s:s + size].view(n, k) for s in starts]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tma", [False, True])
+def test_grouped_wgrad_accumulates_into_scattered_main_grads_interpreted(dtype, tma):
+    """accumulate_into: every expert's view gets old + the kernel's FP32 product, rounded once to its dtype, bit for
+    bit (the product from the same kernel without accumulation); an expert without tokens and the buffer's bytes
+    outside the views are left as they were."""
+    counts = [0, 5, 300, 129]
+    a, b = scaled_cols_case(counts, 256, 384, "cpu")
+    buf, views = scattered_main_grads(counts, 256, 384, dtype, "cpu")
+    before, olds = buf.clone(), [v.clone() for v in views]
+    prod = launchers.grouped_fp8_wgrad(a, b, out_dtype=torch.float32, tma=tma)
+    assert launchers.grouped_fp8_wgrad(a, b, tma=tma, accumulate_into=views) is None
+    for e, (v, old) in enumerate(zip(views, olds)):
+        assert torch.equal(v, (old.float() + prod[e]).to(dtype)), e
+    assert torch.equal(views[0], olds[0])   # no tokens: untouched
+    outside = torch.ones_like(buf, dtype=torch.bool)
+    for v in views:
+        outside[(v.data_ptr() - buf.data_ptr()) // buf.element_size():][:v.numel()] = False
+    assert torch.equal(buf[outside], before[outside])
+
+
+def test_grouped_wgrad_accumulation_targets_are_checked():
+    a, b = cols_case([3, 4], 128, 256, "cpu")
+    buf, views = scattered_main_grads([3, 4], 128, 256, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="1 tensors for 2 experts"):
+        launchers.grouped_fp8_wgrad(a, b, accumulate_into=views[:1])
+    with pytest.raises(ValueError, match=r"each must be a contiguous \[128, 256\]"):
+        launchers.grouped_fp8_wgrad(a, b, accumulate_into=[views[0], views[1].t()])
+    with pytest.raises(ValueError, match="another storage"):
+        launchers.grouped_fp8_wgrad(a, b, accumulate_into=[views[0], views[1].clone()])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        launchers.grouped_fp8_wgrad(a, b, accumulate_into=[v.half() for v in views])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs an sm_90 CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_wgrad_accumulates_into_main_grads_gpu(dtype):
+    g = torch.Generator().manual_seed(8)
+    counts = torch.multinomial(torch.ones(32), 8192, replacement=True, generator=g).bincount(minlength=32).tolist()
+    counts[3], counts[9] = 0, 5
+    a, b = scaled_cols_case(counts, 4096, 2048, "cuda")
+    buf, views = scattered_main_grads(counts, 4096, 2048, dtype, "cuda")
+    olds = [v.clone() for v in views]
+    prod = launchers.grouped_fp8_wgrad(a, b, out_dtype=torch.float32)
+    launchers.grouped_fp8_wgrad(a, b, accumulate_into=views)
+    for e, (v, old) in enumerate(zip(views, olds)):
+        assert torch.equal(v, (old.float() + prod[e]).to(dtype)), e

@@ -486,3 +486,77 @@ def test_gpu_against_float64(name):
             assert rel(got[k], ref[k]) < 4e-3, (k, rel(got[k], ref[k]))
         return
     check_error_model(got, ref, model(x, COUNTS, w1, w2, p, dy, error_model(recipe)), f"GPU {name}", hi=1.4)
+
+
+# ---------------------------------------------------------------------------------- gradient-accumulation fusion
+
+
+def _fused_run(x, counts, w1, w2, p, dy, recipe, grads, *, stacked, recompute, zero_out=False, dtype=torch.float32):
+    """``routed_experts`` with the weights marked for fusion and given main_grad views into one buffer holding
+    ``grads`` (dW1, dW2 as ``[E, N, K]``), as megatron DDP sets them up: in reverse order, ``grad_added_to_main_grad``
+    False. Returns (main gradients after the backward as ``[E, N, K]`` float64, the weights)."""
+    from fp4moe.moe.experts import routed_experts
+    from fp4moe.ops.grouped_experts import fuse_wgrad_accumulation
+
+    sizes = [grads[0].numel(), grads[1].numel()]
+    buf = torch.zeros(sum(sizes) + 64, dtype=dtype)
+    mg1 = buf[sizes[1] + 64:].view(grads[0].shape)   # fc2 first: DDP's buffer holds the parameters backwards
+    mg2 = buf[:sizes[1]].view(grads[1].shape)
+    mg1.copy_(grads[0]), mg2.copy_(grads[1])
+    if stacked:
+        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        pairs = [(a, mg1), (b, mg2)]
+    else:
+        a, b = [w.clone().requires_grad_() for w in w1], [w.clone().requires_grad_() for w in w2]
+        pairs = [*zip(a, mg1.unbind(0)), *zip(b, mg2.unbind(0))]
+    for w, mg in pairs:
+        w.main_grad, w.grad_added_to_main_grad, w.zero_out_wgrad = mg, False, zero_out
+    fuse_wgrad_accumulation([w for w, _ in pairs])
+    xx, pp = x.clone().requires_grad_(), p.clone().requires_grad_()
+    routed_experts(xx, counts, a, b, pp, recipe, recompute=recompute).backward(dy)
+    return (mg1.double().clone(), mg2.double().clone()), [w for w, _ in pairs]
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("name", ["bf16", "fp8", "mxfp4"])
+def test_wgrad_accumulation_fusion_adds_into_main_grad(name, recompute, stacked):
+    """Weights marked for fusion with DDP's main_grad: the backward adds the FP32 weight gradient into main_grad (from
+    zero: the gradient; from earlier values: those plus it, bit for bit), whose BF16 rounding is the unfused
+    gradient (fp8 / mxfp4: bit for bit; bf16: the BF16 product itself); each weight's grad_added_to_main_grad is
+    set, and what autograd receives is DDP's to drop (zeros under zero_out_wgrad), with and without the experts'
+    recompute."""
+    recipe = SAVE_RECIPES.get(name, Recipe.mxfp4())
+    x, w1, w2, p, dy = case(COUNTS, seed=9)
+    want = run_routed(x, COUNTS, w1, w2, p, dy, recipe, stacked=True, recompute=recompute)
+    zeros = (torch.zeros(w1.shape), torch.zeros(w2.shape))
+    (g1, g2), ws = _fused_run(x, COUNTS, w1, w2, p, dy, recipe, zeros, stacked=stacked, recompute=recompute)
+    assert torch.equal(g1.to(torch.bfloat16), want["dw1"]) and torch.equal(g2.to(torch.bfloat16), want["dw2"])
+    assert all(w.grad_added_to_main_grad for w in ws)
+    g = torch.Generator().manual_seed(1)
+    earlier = (torch.randn(w1.shape, generator=g), torch.randn(w2.shape, generator=g))
+    (h1, h2), ws = _fused_run(x, COUNTS, w1, w2, p, dy, recipe, earlier, stacked=stacked, recompute=recompute,
+                              zero_out=True)
+    assert torch.equal(h1, (earlier[0] + g1.float()).double()) and torch.equal(h2, (earlier[1] + g2.float()).double())
+    assert all(not w.grad.any() for w in ws)   # zero_out_wgrad: the stand-in is zeros
+
+
+def test_wgrad_accumulation_fusion_into_bf16_main_grads_and_not_without_ddp():
+    """BF16 main gradients (the precision-aware optimizer's): the FP32 sum rounded once; weights without DDP's
+    attributes keep the unfused gradient even when marked."""
+    from fp4moe.ops.grouped_experts import fuse_wgrad_accumulation
+
+    recipe = Recipe.mxfp4()
+    x, w1, w2, p, dy = case(COUNTS, seed=9)
+    zeros = (torch.zeros(w1.shape), torch.zeros(w2.shape))
+    (g1, _), _ = _fused_run(x, COUNTS, w1, w2, p, dy, recipe, zeros, stacked=False, recompute=False)
+    g = torch.Generator().manual_seed(2)
+    earlier = tuple(torch.randn(w.shape, generator=g).bfloat16().float() for w in (w1, w2))
+    (h1, _), _ = _fused_run(x, COUNTS, w1, w2, p, dy, recipe, earlier, stacked=False, recompute=False,
+                            dtype=torch.bfloat16)
+    assert torch.equal(h1, (earlier[0] + g1.float()).bfloat16().double())
+    a, b = [w.clone().requires_grad_() for w in w1], [w.clone().requires_grad_() for w in w2]
+    fuse_wgrad_accumulation([*a, *b])
+    grouped_expert_mlp(x.clone().requires_grad_(), COUNTS, a, b, p.clone().requires_grad_(), recipe).backward(dy)
+    want = run_routed(x, COUNTS, w1, w2, p, dy, recipe, stacked=True)
+    assert torch.equal(torch.stack([w.grad for w in a]), want["dw1"])

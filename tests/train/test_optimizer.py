@@ -194,3 +194,23 @@ def test_fp8_weight_cache_trains_bit_for_bit_quantizing_each_weight_once_per_ste
     only_experts = per_stage_memory(_compose(*base[:-1], "train.fp8_weight_cache=true"))[0].fp8_weight_cache_bytes
     assert cached.summary["summary/fp8_weight_cache_bytes"] == predicted[0] > only_experts > 0
     assert plain.summary["summary/fp8_weight_cache_bytes"] == 0 == predicted[1]
+
+
+@pytest.mark.parametrize("setting", ["gpu_fp32", "distributed_bf16_grads"])
+def test_wgrad_accumulation_fusion_trains_as_ddps_hook_does(tmp_path, store, setting):
+    """train.wgrad_accumulation_fusion: the routed experts' wgrad is added into megatron DDP's main_grad (FP32, or
+    BF16 under the precision-aware optimizer) by the GEMM instead of DDP's hook adding each micro-batch's BF16
+    gradient. The same first loss; gradient norms and the next loss within the hook's BF16 rounding (4
+    micro-batches per step), so nowhere near twice the experts' gradient (no double accumulation), and the next
+    loss not equal (the fusion ran: one rounding where the hook rounds twice)."""
+    from fp4moe.train.loop import train
+
+    base = [*COMMON, "train.checkpoint_interval=null", "train.eval_interval=null", "train.steps=2", "precision=mxfp4",
+            f"optimizer={setting}"]
+    hook = train(_compose(*base, "task_name=hook", f"train.checkpoint_dir={tmp_path / 'a'}"))
+    fused = train(_compose(*base, "task_name=fused", "train.wgrad_accumulation_fusion=true",
+                           f"train.checkpoint_dir={tmp_path / 'b'}"))
+    assert fused.losses[1] == hook.losses[1]
+    for s in (1, 2):
+        assert abs(fused.grad_norms[s] / hook.grad_norms[s] - 1) < 2e-3, (s, fused.grad_norms, hook.grad_norms)
+    assert fused.losses[2] != hook.losses[2] and abs(fused.losses[2] / hook.losses[2] - 1) < 1e-3

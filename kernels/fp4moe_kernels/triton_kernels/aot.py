@@ -83,8 +83,8 @@ KERNELS = {
                           "BM": "constexpr", "BN": "constexpr", "GROUP_M": "constexpr", "EMULATE": "constexpr"}),
     "grouped_fp8_wgrad": (gemm.grouped_wgrad_kernel,
                           {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
-                           "poff_ptr": "*i32", "N": "i32", "K": "i32", "MAXJ": "constexpr", "BN": "constexpr",
-                           "BK": "constexpr", "EMULATE": "constexpr"}),
+                           "coff_ptr": "*i64", "poff_ptr": "*i32", "N": "i32", "K": "i32", "MAXJ": "constexpr",
+                           "BN": "constexpr", "BK": "constexpr", "EMULATE": "constexpr", "ACCUMULATE": "constexpr"}),
 }
 
 
@@ -103,7 +103,7 @@ def _gemm_consts(name: str, k: int) -> tuple[dict, int, int]:
         bm, bn, group_m, warps, stages = launchers.GEMM_TILES["rows"]
         return {"KC": k, "BM": bm, "BN": bn, "GROUP_M": group_m, "EMULATE": False}, warps, stages
     bn, bk, warps, stages = launchers.GEMM_TILES["wgrad"]
-    return {"MAXJ": 0, "BN": bn, "BK": bk, "EMULATE": False}, warps, stages
+    return {"MAXJ": 0, "BN": bn, "BK": bk, "EMULATE": False, "ACCUMULATE": False}, warps, stages
 
 
 @dataclass

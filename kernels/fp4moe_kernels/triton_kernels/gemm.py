@@ -12,7 +12,10 @@ experts and empty experts have none.
 
 ``grouped_wgrad_kernel``: for every expert e, ``C_e [N, K] = sum over its tokens t of A[n, t] B[k, t]`` with both
 operands ``FP8ColTensor`` columns (tokens padded to 128 per expert with zeros; 1x128 scales along tokens:
-``[Mp/128, N]`` and ``[Mp/128, K]``); C ``[E, N, K]`` in the weight dtype. Empty experts get zeros.
+``[Mp/128, N]`` and ``[Mp/128, K]``); C ``[E, N, K]`` in the weight dtype. Empty experts get zeros. With
+``ACCUMULATE``: ``C_e += ...`` instead, C_e the row-major ``[N, K]`` block at element offset ``coff[e]`` of C (e.g.
+megatron's main-gradient views into its DDP buffer, float32 or bf16), the sum formed in float32 and rounded once to
+C's dtype; empty experts' blocks are left as they are.
 
 ``grouped_wgrad_tma_kernel``: the same computation, bit for bit, with the FP8 tiles loaded by the Tensor Memory
 Accelerator through two device-side descriptors per program (expert e's ``[N, Mp_e]`` and ``[K, Mp_e]`` blocks;
@@ -28,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import e4m3_value
+from .common import bf16_rne_bits, e4m3_value
 
 
 @triton.jit
@@ -109,8 +112,29 @@ def _wgrad_step(acc, j, live, a_ptr, b_ptr, sa_ptr, sb_ptr, p0, mp, rn, rk, nmas
 
 
 @triton.jit
-def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, poff_ptr, N, K, MAXJ: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr):
+def _wgrad_store(acc, c_ptr, coff_ptr, e, live, rn, rk, nmask, kmask, N, K, ACCUMULATE: tl.constexpr,
+                 EMULATE: tl.constexpr):
+    """Write expert e's tile: C[e] = acc, or with ACCUMULATE C_e += acc (C_e at element offset coff[e], float32 sum,
+    one rounding to nearest-even; nothing read or written for an expert without tokens, ``live`` False). The
+    interpreter's own BF16 cast truncates: under EMULATE a BF16 sum is rounded by ``common.bf16_rne_bits``."""
+    mask = nmask[:, None] & kmask[None, :]
+    if ACCUMULATE:
+        mask = mask & live
+        c_ptrs = c_ptr + tl.load(coff_ptr + e) + rn[:, None].to(tl.int64) * K + rk[None, :]
+        total = tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32) + acc
+        if EMULATE and c_ptr.dtype.element_ty == tl.bfloat16:
+            out = bf16_rne_bits(total.to(tl.int32, bitcast=True)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            out = total.to(c_ptr.dtype.element_ty)
+        tl.store(c_ptrs, out, mask=mask)
+    else:
+        c_ptrs = c_ptr + (e.to(tl.int64) * N + rn[:, None]) * K + rk[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, coff_ptr, poff_ptr, N, K, MAXJ: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr, ACCUMULATE: tl.constexpr = False):
     e = tl.program_id(2)
     tn = tl.program_id(0)
     tk = tl.program_id(1)
@@ -128,8 +152,7 @@ def grouped_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, poff_ptr, N, K, MA
     else:
         for j in range(0, nj):
             acc = _wgrad_step(acc, j, True, a_ptr, b_ptr, sa_ptr, sb_ptr, p0, mp, rn, rk, nmask, kmask, N, K, EMULATE)
-    c_ptrs = c_ptr + (e.to(tl.int64) * N + rn[:, None]) * K + rk[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])
+    _wgrad_store(acc, c_ptr, coff_ptr, e, mp > 0, rn, rk, nmask, kmask, N, K, ACCUMULATE, EMULATE)
 
 
 @triton.jit
@@ -150,8 +173,9 @@ def _wgrad_tma_step(acc, adesc, bdesc, j, live, sa_ptr, sb_ptr, p0, n0, k0, rn, 
 
 
 @triton.jit
-def grouped_wgrad_tma_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, poff_ptr, N, K, MAXJ: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr):
+def grouped_wgrad_tma_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, coff_ptr, poff_ptr, N, K, MAXJ: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr,
+                             ACCUMULATE: tl.constexpr = False):
     e = tl.program_id(2)
     n0 = tl.program_id(0) * BN
     k0 = tl.program_id(1) * BK
@@ -177,5 +201,4 @@ def grouped_wgrad_tma_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, poff_ptr, N, K
             for j in range(0, nj):
                 acc = _wgrad_tma_step(acc, adesc, bdesc, j, True, sa_ptr, sb_ptr, p0, n0, k0, rn, rk, nmask, kmask,
                                       N, K, EMULATE)
-    c_ptrs = c_ptr + (e.to(tl.int64) * N + rn[:, None]) * K + rk[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])
+    _wgrad_store(acc, c_ptr, coff_ptr, e, mp > 0, rn, rk, nmask, kmask, N, K, ACCUMULATE, EMULATE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Sequence
 
 import torch
 import triton
@@ -435,26 +436,59 @@ def _descriptor_scratch(device: torch.device):
         _allocation._allocator.reset(token)
 
 
-def grouped_fp8_wgrad(a: FP8ColTensor, b: FP8ColTensor, out_dtype=torch.bfloat16, tma: bool | None = None) -> torch.Tensor:
+def grouped_fp8_wgrad(a: FP8ColTensor, b: FP8ColTensor, out_dtype=torch.bfloat16, tma: bool | None = None,
+                      accumulate_into: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
     """C ``[E, N, K]`` = per expert ``A_e B_e^T`` over its (padded) tokens; a: columns of N channels, b: columns of
     K channels, over the same segments. ``tma`` (None: where ``_tma_available``): ``gemm.grouped_wgrad_tma_kernel``
-    (tiles loaded by TMA; bit for bit the same result), else ``gemm.grouped_wgrad_kernel`` (pointer loads)."""
+    (tiles loaded by TMA; bit for bit the same result), else ``gemm.grouped_wgrad_kernel`` (pointer loads).
+
+    ``accumulate_into``: E contiguous ``[N, K]`` float32 or bf16 tensors of one storage (megatron's ``main_grad``
+    views into its DDP buffer): each gets ``+= A_e B_e^T`` (float32 sum, one rounding to its dtype) and None is
+    returned; no ``[E, N, K]`` output is made."""
     from . import gemm
 
     seg = a.segments
     n, k = a.channels, b.channels
     bn, bk, warps, stages = GEMM_TILES["wgrad"]
-    c = torch.empty(seg.num, n, k, dtype=out_dtype, device=a.data.device)
+    dev = a.data.device
+    if accumulate_into is None:
+        c = torch.empty(seg.num, n, k, dtype=out_dtype, device=dev)
+        coff = c   # unused without ACCUMULATE
+    else:
+        c, coff = _accumulation_targets(accumulate_into, seg.num, n, k, dev)
     if seg.num and n and k:
-        use_tma = _tma_available(a.data.device) if tma is None else tma
+        use_tma = _tma_available(dev) if tma is None else tma
         grid = (triton.cdiv(n, bn), triton.cdiv(k, bk), seg.num)
-        args = (_fp8_arg(a.data), a.scales, _fp8_arg(b.data), b.scales, c, _padded_offsets(seg, a.data.device), n, k,
+        args = (_fp8_arg(a.data), a.scales, _fp8_arg(b.data), b.scales, c, coff, _padded_offsets(seg, dev), n, k,
                 max(seg.padded_counts) // 128 if INTERPRET else 0)
+        kw = dict(BN=bn, BK=bk, EMULATE=INTERPRET, ACCUMULATE=accumulate_into is not None, num_warps=warps,
+                  num_stages=stages)
         if use_tma:
-            with _descriptor_scratch(a.data.device):
-                gemm.grouped_wgrad_tma_kernel[grid](*args, BN=bn, BK=bk, EMULATE=INTERPRET, num_warps=warps,
-                                                    num_stages=stages)
+            with _descriptor_scratch(dev):
+                gemm.grouped_wgrad_tma_kernel[grid](*args, **kw)
         else:
-            gemm.grouped_wgrad_kernel[grid](*args, BN=bn, BK=bk, EMULATE=INTERPRET, num_warps=warps,
-                                            num_stages=stages)
-    return c
+            gemm.grouped_wgrad_kernel[grid](*args, **kw)
+    return None if accumulate_into is not None else c
+
+
+def _accumulation_targets(targets: Sequence[torch.Tensor], e_num: int, n: int, k: int,
+                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(one flat tensor over the targets' storage, int64 ``[E]`` element offsets of each target in it), after
+    checking what ``grouped_fp8_wgrad(accumulate_into=)`` needs of them."""
+    if len(targets) != e_num:
+        raise ValueError(f"accumulate_into: {len(targets)} tensors for {e_num} experts")
+    t0 = targets[0]
+    if t0.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"accumulate_into: dtype {t0.dtype}; float32 or bfloat16 (a main-gradient buffer)")
+    storage = t0.untyped_storage()
+    for i, t in enumerate(targets):
+        if t.shape != (n, k) or not t.is_contiguous() or t.dtype != t0.dtype or t.device != device:
+            raise ValueError(f"accumulate_into[{i}]: {tuple(t.shape)} {t.dtype} on {t.device}, contiguous "
+                             f"{t.is_contiguous()}; each must be a contiguous [{n}, {k}] {t0.dtype} on {device}")
+        if t.untyped_storage().data_ptr() != storage.data_ptr():
+            raise ValueError(f"accumulate_into[{i}] lies in another storage than accumulate_into[0]: the targets "
+                             "must be views of one buffer (megatron's DDP gradient buffer)")
+    size = t0.element_size()
+    flat = torch.empty(0, dtype=t0.dtype, device=device).set_(storage, 0, (storage.nbytes() // size,), (1,))
+    offsets = [(t.data_ptr() - storage.data_ptr()) // size for t in targets]
+    return flat, torch.tensor(offsets, dtype=torch.int64, device=device)

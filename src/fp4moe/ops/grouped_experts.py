@@ -41,9 +41,18 @@ to the bf16 x or to the ``grad_anchor`` of a ``DispatchedMXFP4`` (straight-throu
 Gradients: x (bf16), w1, w2 (FP32 accumulation, returned in the weights' dtype; empty experts get zeros),
 probs (float32). dgrad GEMMs quantize the upstream gradient to FP8 1x128 rows, wgrad GEMMs use FP8 1x128
 columns per expert (tokens padded to 128). Shapes: H, F multiples of 128 on the FP8 paths.
+
+Gradient-accumulation fusion (megatron's ``gradient_accumulation_fusion``, Transformer Engine's
+``fuse_wgrad_accumulation``): for expert weights registered by :func:`fuse_wgrad_accumulation` that carry megatron
+DDP's ``main_grad`` (its FP32 or BF16 gradient buffer) the wgrad is added into ``main_grad`` where it is made
+(the grouped kernel's epilogue reads and writes it: 8 B per FP32 element where the unfused path writes the BF16
+gradient and DDP's hook then adds it, 12 B), the sum formed in FP32 and rounded once; the weight's
+``grad_added_to_main_grad`` is set and autograd gets an uninitialized stand-in gradient (zeros under
+``zero_out_wgrad``), which DDP's hook drops, as megatron's own linears do.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -199,25 +208,39 @@ def _per_expert_gemm(row: FP8RowTensor, w: Experts, seg: Segments, n: int, kind:
     return out
 
 
-def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
+def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch.Tensor,
+           into: list[torch.Tensor] | None = None) -> torch.Tensor | None:
     """dW [E, n, k] in ``like.dtype``: per expert dY_e^T X_e (FP8 columns, FP32 accumulation, one rounding to
     the weight dtype); zeros for empty experts. The grouped Triton kernel under 'triton' and 'deepgemm' (DeepGEMM's
     k-grouped kernel reached 0.58x of dense; cuBLAS per expert 0.69x alone, but its loop is host-bound inside a
     layer whose other GEMMs are fast: 0.89x of the Triton wgrad's layer throughput with the FP8 weight cache on,
-    results/moe_layer/README.md), else one ``fp8_mm`` per expert."""
+    results/moe_layer/README.md), else one ``fp8_mm`` per expert. ``into`` (E ``[n, k]`` main gradients): each
+    gets ``+= dY_e^T X_e`` instead (FP32 sum, one rounding to its dtype) and None is returned."""
     if gemm_backend(like.device) in ("triton", "deepgemm"):
         from fp4moe_kernels.triton_kernels import launchers
 
-        return launchers.grouped_fp8_wgrad(dy_col, x_col, out_dtype=like.dtype)
-    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return launchers.grouped_fp8_wgrad(dy_col, x_col, out_dtype=like.dtype, accumulate_into=into)
+    out = None if into is not None else torch.empty(like.shape, dtype=like.dtype, device=like.device)
     for e, c in enumerate(seg.counts):
         if c == 0:
-            out[e].zero_()
+            if out is not None:
+                out[e].zero_()
             continue
         a, sa = dy_col.segment(e)
         b, sb = x_col.segment(e)
-        out[e] = fp8_mm(a, sa, b, sb, "wgrad", out_dtype=like.dtype, check=False)
+        if into is None:
+            out[e] = fp8_mm(a, sa, b, sb, "wgrad", out_dtype=like.dtype, check=False)
+        else:
+            _accumulate(into[e], fp8_mm(a, sa, b, sb, "wgrad", out_dtype=torch.float32, check=False))
     return out
+
+
+def _accumulate(target: torch.Tensor, part: torch.Tensor) -> None:
+    """target += part (FP32), one rounding to target's dtype (the grouped kernel's ACCUMULATE epilogue)."""
+    if target.dtype == torch.float32:
+        target.add_(part)
+    else:
+        target.copy_(target.float() + part.float())
 
 
 def _bf16_mm_per_expert(x: torch.Tensor, w: Experts, seg: Segments, transpose_w: bool) -> torch.Tensor:
@@ -234,8 +257,15 @@ def _bf16_mm_per_expert(x: torch.Tensor, w: Experts, seg: Segments, transpose_w:
     return out
 
 
-def _bf16_wgrad(dy: torch.Tensor, x: torch.Tensor, seg: Segments, like: torch.Tensor) -> torch.Tensor:
-    """dW ``[E, n, k]`` in ``like.dtype``: per expert dY_e^T X_e written into its slice (zeros for empty experts)."""
+def _bf16_wgrad(dy: torch.Tensor, x: torch.Tensor, seg: Segments, like: torch.Tensor,
+                into: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+    """dW ``[E, n, k]`` in ``like.dtype``: per expert dY_e^T X_e written into its slice (zeros for empty experts);
+    with ``into`` (E main gradients) each product (BF16, one expert at a time) is added into its own instead."""
+    if into is not None:
+        for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
+            if r1 > r0:
+                _accumulate(into[e], dy[r0:r1].t() @ x[r0:r1])
+        return None
     out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
         if r1 > r0 and out.dtype == dy.dtype == x.dtype:
@@ -247,20 +277,77 @@ def _bf16_wgrad(dy: torch.Tensor, x: torch.Tensor, seg: Segments, like: torch.Te
     return out
 
 
-# ------------------------------------------------------------------------------------- autograd function
+# ------------------------------------------------------------------------- gradient-accumulation fusion
+
+_FUSED: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
-def _weight_grad(s: dict, name: str, d_out: torch.Tensor, seg, w: torch.Tensor, k: int, fp8: bool) -> torch.Tensor:
-    """dW of one grouped GEMM from its saved input ``name``: the MXFP4 copy (wgrad operand rebuilt with
-    FP4RowToFP8Col), the FP8 column copy, or (bf16 recipe) the BF16 input itself; ``k`` its channels."""
+def _place(t: torch.Tensor) -> tuple:
+    """Where a tensor's elements lie (storage, offset, shape, strides, dtype): the same for a parameter and every
+    ``detach()`` or alias of it (a recompute's detached weights, what a saved-tensors hook hands back)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def fuse_wgrad_accumulation(params, enabled: bool = True) -> int:
+    """Register (or, ``enabled=False``, unregister) expert weights whose wgrad is added into their ``main_grad``
+    (module docstring); returns how many. Call once the parameters lie where they stay (after megatron's DDP wrap,
+    which may move them into its buffer). Takes effect for weights that carry DDP's ``main_grad`` and
+    ``grad_added_to_main_grad``; others keep the unfused path. A weight is found again through any view of the same
+    elements (:func:`_place`); the registry holds the parameters weakly."""
+    n = 0
+    for p in params:
+        if enabled:
+            _FUSED[_place(p)] = p
+        else:
+            _FUSED.pop(_place(p), None)
+        n += 1
+    return n
+
+
+def _fused_params(w: "Experts") -> list[torch.Tensor] | None:
+    """The registered parameters behind this GEMM's weights (one per expert, or the ``[E, N, K]`` tensor) when every
+    one is registered and carries DDP's ``main_grad``, else None (the unfused path)."""
+    tensors = [w.stacked] if w.stacked is not None else list(w.ws)
+    params = [_FUSED.get(_place(t)) for t in tensors]
+    if any(p is None or getattr(p, "main_grad", None) is None or not hasattr(p, "grad_added_to_main_grad")
+           for p in params):
+        return None
+    return params
+
+
+def _targets(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The E ``[N, K]`` main gradients of ``_fused_params``'s parameters."""
+    if len(params) == 1 and params[0].dim() == 3:
+        return list(params[0].main_grad.unbind(0))
+    return [p.main_grad for p in params]
+
+
+def _stand_in_grad(w: "Experts", params: list[torch.Tensor]) -> torch.Tensor:
+    """What autograd gets for fused weights (``[E, N, K]``, unbound per expert by the caller): DDP's hook drops it
+    (``grad_added_to_main_grad`` is set here on the parameters); uninitialized, or zeros under ``zero_out_wgrad``
+    (megatron's linears' convention)."""
+    for p in params:
+        p.grad_added_to_main_grad = True
+    zero = any(getattr(p, "zero_out_wgrad", False) for p in params)
+    return (torch.zeros if zero else torch.empty)(w.shape, dtype=w.dtype, device=w.device)
+
+
+def _weight_grad(s: dict, name: str, d_out: torch.Tensor, seg, w: "Experts", k: int, fp8: bool) -> torch.Tensor:
+    """dW ``[E, N, K]`` of one grouped GEMM from its saved input ``name``: the MXFP4 copy (wgrad operand rebuilt
+    with FP4RowToFP8Col), the FP8 column copy, or (bf16 recipe) the BF16 input itself; ``k`` its channels. For
+    fused weights (``_fused_params``) the gradient goes into their ``main_grad`` and the stand-in comes back."""
+    params = _fused_params(w)
+    into = _targets(params) if params is not None else None
     if not fp8:
-        return _bf16_wgrad(d_out, s[name], seg, w)
-    if f"{name}_fp4_data" in s:
-        mx = MXFP4Tensor(s[f"{name}_fp4_data"], s[f"{name}_fp4_scales"], (seg.total, k))
-        col = kops.fp4_row_to_fp8_col(mx, seg)
+        dw = _bf16_wgrad(d_out, s[name], seg, w, into)
     else:
-        col = FP8ColTensor(s[f"{name}_col_data"], s[f"{name}_col_scales"], seg, k)
-    return _wgrad(kops.bf16_to_fp8_col(d_out, seg), col, seg, w)
+        if f"{name}_fp4_data" in s:
+            mx = MXFP4Tensor(s[f"{name}_fp4_data"], s[f"{name}_fp4_scales"], (seg.total, k))
+            col = kops.fp4_row_to_fp8_col(mx, seg)
+        else:
+            col = FP8ColTensor(s[f"{name}_col_data"], s[f"{name}_col_scales"], seg, k)
+        dw = _wgrad(kops.bf16_to_fp8_col(d_out, seg), col, seg, w, into)
+    return _stand_in_grad(w, params) if params is not None else dw
 
 
 def stacked_weights(weights) -> bool:
@@ -545,6 +632,7 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe, *
     return _RowMap.apply(y, rp.unpad, rp.rows)
 
 
-__all__ = ["Experts", "GroupedExpertMLP", "expert_saved_bytes", "fp8_experts", "function_weights", "gemm_backend",
+__all__ = ["Experts", "GroupedExpertMLP", "expert_saved_bytes", "fp8_experts", "function_weights",
+           "fuse_wgrad_accumulation", "gemm_backend",
            "grouped_expert_mlp", "RowPadding", "gemm_row_align", "map_rows", "padded_rows", "quantize_experts_128x128",
            "stacked_weights", "weight_halves"]

@@ -98,6 +98,21 @@ def optimizer_config(setting: OptimizerSetting, adamw: Any, params_dtype: torch.
         overlap_cpu_optimizer_d2h_h2d=setting.overlap_cpu_optimizer_d2h_h2d)
 
 
+def fuse_expert_wgrads(model: torch.nn.Module) -> int:
+    """Register the routed experts' weights of fp4moe's MoE layers (``RecipeGroupedMLP``) for gradient-accumulation
+    fusion (``fp4moe.ops.grouped_experts.fuse_wgrad_accumulation``: their wgrad is added into DDP's ``main_grad``
+    where it is made; ``train.wgrad_accumulation_fusion``). Call after the DDP wrap. Returns the weights registered."""
+    from fp4moe.model.recipe_moe import RecipeGroupedMLP
+    from fp4moe.ops.grouped_experts import fuse_wgrad_accumulation
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, RecipeGroupedMLP):
+            w1, w2 = m.grouped_weights()
+            n += fuse_wgrad_accumulation([*w1, *w2])
+    return n
+
+
 def wrap_model(model: torch.nn.Module, setting: OptimizerSetting):
     """``model`` (megatron ``GPTModel``, parameters already in their training dtype and on their device) in
     megatron-core's ``DistributedDataParallel`` (with the distributed optimizer it moves every parameter into its
