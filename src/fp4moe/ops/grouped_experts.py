@@ -332,6 +332,9 @@ def _stand_in_grad(w: "Experts", params: list[torch.Tensor]) -> torch.Tensor:
     return (torch.zeros if zero else torch.empty)(w.shape, dtype=w.dtype, device=w.device)
 
 
+# ------------------------------------------------------------------------------------- autograd function
+
+
 def _weight_grad(s: dict, name: str, d_out: torch.Tensor, seg, w: "Experts", k: int, fp8: bool) -> torch.Tensor:
     """dW ``[E, N, K]`` of one grouped GEMM from its saved input ``name``: the MXFP4 copy (wgrad operand rebuilt
     with FP4RowToFP8Col), the FP8 column copy, or (bf16 recipe) the BF16 input itself; ``k`` its channels. For
