@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp4moe.bench.moe_layer import main
 from fp4moe.ops.all_to_all import a2a_payload_bytes
@@ -138,3 +139,57 @@ def test_bench_memtrace_accounts_for_the_measured_peak(tmp_path):
         assert sum(x["bytes"] for x in mp["by_site"]) == mp["traced_at_peak_bytes"]
         assert any("fp4moe/" in x["where"] for x in mp["by_site"])
     assert "Live at mxfp4's peak" in (tmp_path / Path(doc["files"][1]).name).read_text()
+
+
+def test_bench_main_grads_as_ddp_adds_them_and_fused(tmp_path):
+    """--main-grads fp32: the gradients go into one main-gradient buffer as megatron DDP's hook adds them, zeroed
+    every --micro-batches iterations; a +fused entry has the experts' wgrad add itself there; its own file and rows
+    with ratios; +fused without --main-grads is refused."""
+    common = ["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k", str(K),
+              "--tokens", str(T), "--shared-ffn", "0", "--warmup", "1", "--iters", "2", "--micro-batches", "2",
+              "--no-gemm", "--no-profile", "--out", str(tmp_path), "--commit", "test"]
+    doc = main(common + ["--recipes", "bf16,fp8,fp8+fused,mxfp4+fused", "--main-grads", "fp32"])
+    assert doc["env"]["main_grads"] == "fp32" and "_mgfp32_" in Path(doc["files"][0]).name
+    assert [(r["recipe"], r["fused_wgrad"]) for r in doc["recipes"]] == [
+        ("bf16", False), ("fp8", False), ("fp8+fused", True), ("mxfp4+fused", True)]
+    assert {"tokens_per_s fp8+fused/fp8", "tokens_per_s fp8+fused/bf16", "tokens_per_s mxfp4+fused/bf16"} <= set(
+        doc["ratios"])
+    with pytest.raises(SystemExit, match=r"fp8\+fused: \+fused adds the wgrad into main gradients: give --main-grads"):
+        main(common + ["--recipes", "fp8+fused"])
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8", "mxfp4"])
+def test_main_grads_hold_the_micro_batches_sum_hooked_or_fused(recipe):
+    """MainGrads: after two micro-batches the buffer holds the sum of the two backward passes' gradients (DDP's hook:
+    exactly the sum of the .grad each pass would have; fused: the experts' weights added by the GEMM, within the BF16
+    rounding the hook adds), every parameter's .grad dropped; close() leaves the parameters as they were."""
+    from fp4moe.bench.moe_layer import MainGrads
+    from fp4moe.moe.layer import MoELayer
+
+    layer = MoELayer(H, F, EL, K, Recipe.preset(recipe), seed=3)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(T, H, generator=g).bfloat16() for _ in range(2)]
+    dys = [(torch.randn(T, H, generator=g) * 1e-3).bfloat16() for _ in range(2)]
+    params = list(layer.parameters())
+    want = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+    for x, dy in zip(xs, dys):   # the plain gradients of each pass
+        layer(x.requires_grad_()).backward(dy)
+        for w, p in zip(want, params):
+            w += p.grad.double()
+            p.grad = None
+    for fused in (False, True):
+        mg = MainGrads(params, torch.float32, fused=[layer.w1, layer.w2] if fused else ())
+        mg.zero()
+        for x, dy in zip(xs, dys):
+            layer(x.detach().requires_grad_()).backward(dy)
+        got = [p.main_grad.double().clone() for p in params]
+        assert all(p.grad is None for p in params)
+        assert [p.grad_added_to_main_grad for p in params] == [fused and (p is layer.w1 or p is layer.w2)
+                                                             for p in params]
+        mg.close()
+        for w, gg, p in zip(want, got, params):
+            if not fused or p is not layer.w1 and p is not layer.w2:
+                assert torch.equal(gg, w.float().double()), (fused, p.shape)
+            else:   # one rounding (FP32) where the hook adds two BF16-rounded passes
+                assert ((gg - w).norm() / w.norm()).item() < 5e-3, p.shape
+    assert not any(hasattr(p, "main_grad") for p in params)

@@ -25,6 +25,10 @@ expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights
   elementwise/other) and the top kernels, from ``torch.profiler`` (``--no-profile`` skips it).
 * ``memory_peak`` (``--memtrace``, CUDA): what is live at the peak above the base, by allocation site, from the
   allocator's history (``fp4moe.tracking.memtrace``); ``fp4moe.scale.memory.standalone_moe_layer_peak`` models it.
+* ``--main-grads fp32`` (or ``bf16``): the gradients go where the trainer's go, into one main-gradient buffer as
+  megatron DDP's backward hook adds them (zeroed at each optimizer step of ``--micro-batches`` iterations); a
+  ``--recipes`` entry ``fp8+fused`` (also ``fp8@deepgemm+fused``) adds the routed experts' wgrad into it inside the
+  GEMM instead (``train.wgrad_accumulation_fusion``).
 
 And once: ``gemm``: the fp8 expert GEMMs over the routed counts (weights pre-quantized), as the grouped Triton
 kernel, as the per-expert ``F.scaled_mm`` loop and (fprop / dgrad, where it loads) as DeepGEMM's m-grouped kernel on
@@ -78,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-ffn", type=int, default=d["shared_ffn"], help="shared expert ffn size (0: none)")
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help="comma-separated recipe presets, each optionally @ a grouped_gemm switch value, e.g. "
-                        "bf16,fp8,mxfp4,fp8@deepgemm,mxfp4@deepgemm (that recipe again with those expert GEMMs)")
+                        "bf16,fp8,mxfp4,fp8@deepgemm,mxfp4@deepgemm (that recipe again with those expert GEMMs), "
+                        "and +fused (with --main-grads: the experts' wgrad added into the main gradients by the GEMM)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -94,8 +99,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="FP8 weight copies made once per optimizer step (fp4moe.ops.weight_cache, as the trainer "
                         "with train.fp8_weight_cache=true); a step is --micro-batches iterations")
     p.add_argument("--micro-batches", type=int, default=1,
-                   help="iterations per optimizer step under --fp8-weight-cache (gradient accumulation: the FP8 "
-                        "weights are quantized in the first and reused by the others; default 1)")
+                   help="iterations per optimizer step under --fp8-weight-cache or --main-grads (gradient "
+                        "accumulation: the FP8 weights are quantized in the first and reused by the others, the main "
+                        "gradients zeroed before the first; default 1)")
+    p.add_argument("--main-grads", choices=("fp32", "bf16"), default=None,
+                   help="accumulate the gradients into one main-gradient buffer of this dtype as megatron DDP's hook "
+                        "does (the trainer's path; zeroed every --micro-batches iterations); default: plain .grad")
     p.add_argument("--out", default="results/moe_layer", help="output folder")
     p.add_argument("--commit", default=None,
                    help="commit to record (default: $FP4MOE_COMMIT, else git rev-parse --short HEAD)")
@@ -193,20 +202,67 @@ def _profile(step, dev, iters: int = 2) -> dict:
 # --------------------------------------------------------------------------------------------- the cases
 
 
-def _recipe_entries(text: str) -> list[tuple[str, Recipe, str | None]]:
-    """``--recipes`` -> [(label, Recipe, grouped_gemm value or None)]: ``fp8`` or ``fp8@deepgemm``."""
+def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str, Recipe, str | None, bool]]:
+    """``--recipes`` -> [(label, Recipe, grouped_gemm value or None, fused wgrad)]: ``fp8``, ``fp8@deepgemm``,
+    ``fp8+fused`` or ``fp8@deepgemm+fused`` (the last two only with ``--main-grads``)."""
     from fp4moe_kernels.switches import CHOICES
 
     out = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
-        name, _, backend = item.partition("@")
+        base, fused = (item[:-len("+fused")], True) if item.endswith("+fused") else (item, False)
+        if fused and main_grads is None:
+            raise SystemExit(f"--recipes {item}: +fused adds the wgrad into main gradients: give --main-grads fp32 "
+                             "(or bf16)")
+        name, _, backend = base.partition("@")
         if backend and backend not in CHOICES["grouped_gemm"][0]:
             raise SystemExit(f"--recipes {item}: the part after @ is a grouped_gemm value, "
                              f"{' / '.join(CHOICES['grouped_gemm'][0])}")
-        out.append((item, Recipe.preset(name), backend or None))
+        out.append((item, Recipe.preset(name), backend or None, fused))
     return out
+
+
+class MainGrads:
+    """megatron DDP's gradient path for a module's parameters, in one process: one ``dtype`` buffer holding every
+    parameter's ``main_grad`` (laid out backwards, as DDP does), ``grad_added_to_main_grad``, and DDP's backward
+    hook (megatron-core's ``DistributedDataParallel._make_backward_post_hook``: add ``.grad`` into ``main_grad``
+    unless the GEMM already did, then drop it); ``fused`` parameters are registered for gradient-accumulation fusion
+    (``fp4moe.ops.grouped_experts.fuse_wgrad_accumulation``). ``zero()`` starts an optimizer step (DDP's
+    ``zero_grad_buffer``); ``close()`` undoes everything."""
+
+    def __init__(self, params, dtype: torch.dtype, fused=()):
+        from ..ops.grouped_experts import fuse_wgrad_accumulation
+
+        self.params, self.fused = list(params), list(fused)
+        self.buf = torch.zeros(sum(p.numel() for p in self.params), dtype=dtype, device=self.params[0].device)
+        off = 0
+        for p in reversed(self.params):
+            p.main_grad = self.buf[off:off + p.numel()].view(p.shape)
+            p.grad_added_to_main_grad = False
+            off += p.numel()
+        self.handles = [p.register_post_accumulate_grad_hook(_ddp_hook) for p in self.params]
+        fuse_wgrad_accumulation(self.fused)
+
+    def zero(self) -> None:
+        self.buf.zero_()
+        for p in self.params:
+            p.grad_added_to_main_grad = False
+
+    def close(self) -> None:
+        from ..ops.grouped_experts import fuse_wgrad_accumulation
+
+        fuse_wgrad_accumulation(self.fused, enabled=False)
+        for h in self.handles:
+            h.remove()
+        for p in self.params:
+            del p.main_grad, p.grad_added_to_main_grad
+
+
+def _ddp_hook(p: torch.Tensor) -> None:
+    if p.grad is not None and not p.grad_added_to_main_grad:
+        p.main_grad.add_(p.grad)
+    p.grad = None
 
 
 def _grouped_gemm(backend: str | None):
@@ -221,17 +277,27 @@ def _grouped_gemm(backend: str | None):
     return switches.use(dataclasses.replace(switches.current(), grouped_gemm=backend))
 
 
-def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev) -> dict:
+def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev, fused: bool = False) -> dict:
     layer.recipe = recipe
     params = list(layer.parameters())
-    with enabled_for(params if args.fp8_weight_cache else None):
-        return _bench_recipe_in(layer, recipe, x, dy, args, dev, params)
+    mg = None
+    if args.main_grads:
+        dtype = torch.float32 if args.main_grads == "fp32" else torch.bfloat16
+        mg = MainGrads(params, dtype, fused=[layer.w1, layer.w2] if fused else ())
+    try:
+        with enabled_for(params if args.fp8_weight_cache else None):
+            return _bench_recipe_in(layer, recipe, x, dy, args, dev, params, mg)
+    finally:
+        if mg is not None:
+            mg.close()
 
 
-def _bench_recipe_in(layer: MoELayer, recipe: Recipe, x, dy, args, dev, params) -> dict:
+def _bench_recipe_in(layer: MoELayer, recipe: Recipe, x, dy, args, dev, params, mg: MainGrads | None) -> dict:
     def step(i: int):
         if i % args.micro_batches == 0:  # an optimizer step begins (a no-op without --fp8-weight-cache)
             WEIGHT_CACHE.new_step()
+            if mg is not None:
+                mg.zero()
         for p in params:
             p.grad = None
         xx = x.detach().requires_grad_()
@@ -486,7 +552,8 @@ def _markdown(doc: dict) -> str:
          f"{doc['shape']['tokens']} tokens, shared ffn {doc['shape']['shared_ffn']}. torch {env['torch']}, "
          f"timing: {'CUDA events' if env['gpu'] != 'cpu' else 'perf_counter'}, {env['iters']} iterations after {env['warmup']} warm-up. Expert GEMMs: "
          f"{env.get('grouped_gemm')}, tiles {env.get('gemm_tiles')}. FP8 weight cache: "
-         f"{'on, ' + str(env.get('micro_batches_per_step', 1)) + ' iteration(s) per optimizer step' if env.get('fp8_weight_cache') else 'off'}.", "",
+         f"{'on, ' + str(env.get('micro_batches_per_step', 1)) + ' iteration(s) per optimizer step' if env.get('fp8_weight_cache') else 'off'}. "
+         f"Gradients: {'into ' + env['main_grads'] + ' main gradients as megatron DDP adds them (+fused: the experts wgrad adds itself), zeroed every ' + str(env.get('micro_batches_per_step', 1)) + ' iteration(s)' if env.get('main_grads') else 'plain .grad, fresh every iteration'}.", "",
          "| recipe | ms/iter | tokens/s | vs fp8 | peak GiB | peak over base GiB | saved MiB | saved B/token "
          "| expert saved MiB | dispatch fwd MiB | dispatch ms | combine ms |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -554,11 +621,11 @@ def main(argv=None) -> dict:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
-    entries = _recipe_entries(args.recipes)
+    entries = _recipe_entries(args.recipes, args.main_grads)
     if args.micro_batches < 1 or args.iters % args.micro_batches:
         raise SystemExit(f"--micro-batches {args.micro_batches}: give a count >= 1 that divides --iters {args.iters} "
                          "(the timing covers whole optimizer steps)")
-    recipes = [r for _, r, _ in entries]
+    recipes = [r for _, r, _, _ in entries]
     experts = args.local_experts * world
     layer = MoELayer(args.hidden, args.ffn, experts, args.top_k, recipes[0], shared_ffn=args.shared_ffn,
                      score="sigmoid", seed=args.seed, init_device=dev)
@@ -571,18 +638,18 @@ def main(argv=None) -> dict:
             layer(x)
         sweep = _sweep_gemm(layer, _local_counts(layer, layer.last_routing[0]), args, dev)
     rows = []
-    for label, r, backend in entries:
+    for label, r, backend, fused in entries:
         with _grouped_gemm(backend):
-            rows.append(_bench_recipe(layer, r, x, dy, args, dev))
-            rows[-1].update(recipe=label, grouped_gemm=gemm_backend(dev))
+            rows.append(_bench_recipe(layer, r, x, dy, args, dev, fused))
+            rows[-1].update(recipe=label, grouped_gemm=gemm_backend(dev), fused_wgrad=fused)
         if rank == 0:
             print(f"{label}: {rows[-1]['tokens_per_s']:.0f} tokens/s, saved {rows[-1]['saved_bytes'] / 2**20:.1f} MiB",
                   flush=True)
     by = {r["recipe"]: r for r in rows}
     ratios = {}
-    for label, r, backend in entries:
-        for base in dict.fromkeys(("bf16", r.name)):
-            if backend and base in by:
+    for label, r, backend, fused in entries:
+        for base in dict.fromkeys(("bf16", r.name, f"{r.name}@{backend}" if backend else r.name)):
+            if (backend or fused) and base in by and base != label:
                 ratios[f"tokens_per_s {label}/{base}"] = by[label]["tokens_per_s"] / by[base]["tokens_per_s"]
     if "fp8" in by and "mxfp4" in by:
         ratios["tokens_per_s mxfp4/fp8"] = by["mxfp4"]["tokens_per_s"] / by["fp8"]["tokens_per_s"]
@@ -610,7 +677,7 @@ def main(argv=None) -> dict:
                 "world_size": world, "torch": torch.__version__, "python": platform.python_version(),
                 "command": cmd, "warmup": args.warmup, "iters": args.iters, "device": str(dev),
                 "grouped_gemm": gemm_backend(dev), "gemm_tiles": _tiles(), "fp8_weight_cache": args.fp8_weight_cache,
-                "micro_batches_per_step": args.micro_batches},
+                "micro_batches_per_step": args.micro_batches, "main_grads": args.main_grads},
         "shape": {"hidden": args.hidden, "ffn": args.ffn, "local_experts": args.local_experts, "experts": experts,
                   "top_k": args.top_k, "tokens": args.tokens, "shared_ffn": args.shared_ffn},
         "recipes": rows, "ratios": ratios, "gemm": gemm, "gemm_sweep": sweep,
@@ -619,6 +686,7 @@ def main(argv=None) -> dict:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         cache = ("_wcache" + (f"_mb{args.micro_batches}" if args.micro_batches > 1 else "")) if args.fp8_weight_cache else ""
+        cache += f"_mg{args.main_grads}" if args.main_grads else ""
         stem = (f"moe_layer_{doc['env']['gpu']}_ep{world}{_shape_tag(args)}{cache}_{doc['env']['date']}_"
                 f"{doc['env']['commit']}")
         if (out / (stem + ".json")).exists():  # measured again the same day at the same commit: keep both

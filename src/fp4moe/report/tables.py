@@ -224,9 +224,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _fastest(tokens_per_s: dict[str, float | None], recipe: str) -> tuple[str, float | None]:
-    """(entry, tokens/s) of ``recipe``'s fastest entry: the recipe itself or ``<recipe>@<GEMM backend>`` (the layer
-    benchmark's ``--recipes fp8@deepgemm``); ('', None) when none was measured."""
-    got = [(v, e) for e, v in tokens_per_s.items() if v is not None and (e == recipe or e.startswith(recipe + "@"))]
+    """(entry, tokens/s) of ``recipe``'s fastest entry: the recipe itself, ``<recipe>@<GEMM backend>`` or either
+    ``+fused`` (the layer benchmark's ``--recipes fp8@deepgemm``, ``fp8+fused``); ('', None) when none was
+    measured."""
+    got = [(v, e) for e, v in tokens_per_s.items()
+           if v is not None and (e == recipe or e.startswith((recipe + "@", recipe + "+")))]
     if not got:
         return "", None
     v, e = max(got)

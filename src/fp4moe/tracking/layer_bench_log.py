@@ -62,9 +62,14 @@ def layer_bench_id(env: dict, shape: dict | None = None) -> str:
 
 
 def variant(env: dict) -> str:
-    """The benchmark's options that change what it measures beyond code and shape: ``fp8_weight_cache`` (FP8 weight
-    copies made once per iteration, ``--fp8-weight-cache``) or '' for the default path."""
-    return "fp8_weight_cache" if env.get("fp8_weight_cache") else ""
+    """The benchmark's options that change what it measures beyond code and shape, joined by '+':
+    ``fp8_weight_cache`` (FP8 weight copies made once per optimizer step, ``--fp8-weight-cache``),
+    ``main_grads_fp32`` / ``main_grads_bf16`` (gradients added into main gradients as megatron DDP does,
+    ``--main-grads``); '' for the default path."""
+    parts = ["fp8_weight_cache"] if env.get("fp8_weight_cache") else []
+    if env.get("main_grads"):
+        parts.append(f"main_grads_{env['main_grads']}")
+    return "+".join(parts)
 
 
 def expand(paths: Iterable[str | Path]) -> list[Path]:
