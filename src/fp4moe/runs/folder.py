@@ -56,9 +56,9 @@ EXCLUDED: dict[str, str] = {
     "train.resume": "whether an existing run may continue: train.resume=false must find the run it refuses to "
                     "overwrite",
 }
-# Kernel switches added after the kernels group, each with its default: left out of the identity while at that default,
-# so the folders of runs composed before the switch existed stay where they were (a non-default value is part of it).
-ABSENT_WHEN_DEFAULT: dict[str, str] = {"kernels.bf16_moe": "megatron"}
+# Switches added after their group, each with its default: left out of the identity while at that default, so the
+# folders of runs composed before the switch existed stay where they were (a non-default value is part of it).
+ABSENT_WHEN_DEFAULT: dict[str, Any] = {"kernels.bf16_moe": "megatron", "train.wgrad_accumulation_fusion": False}
 HASH_DIGITS = 12
 
 
