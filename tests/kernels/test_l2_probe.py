@@ -1,0 +1,35 @@
+"""tools/device/l2_bandwidth.py on the CPU: the probe's kernel sums (interpreted) equal torch's, and the grouped
+wgrad's L2 -> SM operand bytes it reports follow the tile arithmetic."""
+import json
+
+import pytest
+import torch
+
+from tool_module import load_tool
+
+tool = load_tool("tools/device/l2_bandwidth.py")
+
+
+def test_window_sums_equal_torchs():
+    g = torch.Generator().manual_seed(0)
+    for programs, reps in ((3, 1), (2, 3)):
+        x = tool.values(programs * 2 * tool.BLOCK, "cpu", g)
+        assert torch.equal(tool.window_sums(x, programs, reps), tool.reference_sums(x, programs))
+    with pytest.raises(ValueError, match="multiple of 2048"):
+        tool.window_sums(tool.values(3 * 1000, "cpu"), 3, 1)
+
+
+def test_wgrad_operand_bytes_by_tile():
+    """Per 128-token block of an expert (tokens padded to 128) every BN x BK output tile loads (BN + BK) x 128 FP8
+    bytes from L2; at the 64x128 tile fc1's (N 4096, K 7168) add up to 64 x 56 tiles x 192 x 128 B per block."""
+    run = {"counts": [128, 0, 5], "rows": [
+        {"gemm": "fc1 wgrad", "N": 4096, "K": 7168, "candidate": "dense F.scaled_mm (M x N x K)", "ms": 1.0},
+        {"gemm": "fc1 wgrad", "N": 4096, "K": 7168, "candidate": "current 64x128 w4 s3", "ms": 2.0}]}
+    rows = {r["tile"]: r for r in tool.wgrad_traffic(run)}
+    blocks = 1 + 0 + 1
+    assert rows["64x128"]["l2_to_sm_gb"] * 1e9 == blocks * 64 * 56 * 192 * 128
+    assert rows["128x256"]["l2_to_sm_gb"] * 1e9 == blocks * 32 * 28 * 384 * 128
+    r = rows["64x128"]
+    assert r["gb_s_at_wgrad_ms"] == pytest.approx(r["l2_to_sm_gb"] / 2e-3) and r["gb_s_at_dense_ms"] == pytest.approx(
+        2 * r["gb_s_at_wgrad_ms"])
+    assert json.dumps(tool.wgrad_traffic(json.loads(tool.WGRAD_RUN.read_text())))   # the recorded run reads

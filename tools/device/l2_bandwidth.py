@@ -1,0 +1,173 @@
+"""Issue P8: how many bytes per second the SMs of one Hopper GPU read from its L2 cache, beside DRAM and beside the
+grouped FP8 wgrad's L2 -> SM operand traffic. The question it answers: is the wgrad (0.62x of dense at its 64x128
+tile) bound by L2 bandwidth rather than by the promotion (results/moe_layer/README.md, "The grouped wgrad: what
+its tile asks of the L2")?
+
+What it measures. A Triton kernel in which every program sums its own window of one buffer ``--reps`` times with
+loads that bypass L1 (``cache_modifier=".cg"``), windows side by side over the whole buffer, ``--programs-per-sm``
+programs per SM:
+
+* ``l2``: a buffer of ``--l2-mib`` (default 24 MiB, well inside the H100 / H200's 50 MB L2): after the first pass
+  every load is an L2 hit;
+* ``dram``: a buffer of ``--dram-mib`` (default 2048 MiB), read once per repetition: DRAM bandwidth for the same code.
+
+GB/s = bytes loaded / median time (``triton.testing.do_bench``); the sum each program writes is checked against
+torch's. The file also holds the wgrad's L2 -> SM operand bytes per GEMM at each tile (``(BN + BK) x 128`` bytes per
+128-token block and output tile, DeepSeek-V3's counts as tools/device/bench_wgrad.py has them) and the rate they need
+at the wgrad's and at the dense GEMM's measured times (results/moe_layer/wgrad_candidates_h200_2026-12-05_0b74f1a.json).
+
+    python tools/device/l2_bandwidth.py --out $OUT/l2       # GPU: a few seconds
+    python tools/device/l2_bandwidth.py --cpu-check         # CPU, TRITON_INTERPRET=1 (set by the script): the sums
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+if "--cpu-check" in sys.argv:  # before triton is imported: kernels are interpreted iff this is set at import
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+WGRAD_RUN = ROOT / "results/moe_layer/wgrad_candidates_h200_2026-12-05_0b74f1a.json"
+BLOCK = 2048   # int32 per load step of one program: 8 KiB, 16 B per thread and load at 4 warps
+
+
+@triton.jit
+def window_sum_kernel(x_ptr, out_ptr, WINDOW: tl.constexpr, REPS: tl.constexpr, BLOCK: tl.constexpr,
+                      CG: tl.constexpr):
+    """Program p sums ``x[p * WINDOW : (p + 1) * WINDOW]`` (int32; the callers' values keep it from overflowing)
+    REPS times; out[p] = the last sum."""
+    base = x_ptr + tl.program_id(0).to(tl.int64) * WINDOW
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros((BLOCK,), dtype=tl.int32)
+    for _ in range(REPS):
+        total = tl.zeros((BLOCK,), dtype=tl.int32)
+        for i in range(0, WINDOW, BLOCK):
+            if CG:
+                total += tl.load(base + i + offs, cache_modifier=".cg")
+            else:
+                total += tl.load(base + i + offs)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(total, axis=0))
+
+
+def window_sums(x: torch.Tensor, programs: int, reps: int) -> torch.Tensor:
+    """out[p] = sum of program p's window (``x.numel() // programs`` int32, a multiple of BLOCK), as the kernel forms it."""
+    window = x.numel() // programs
+    if window % BLOCK or window == 0:
+        raise ValueError(f"{x.numel()} int32 over {programs} programs: the window must be a multiple of {BLOCK}")
+    out = torch.empty(programs, dtype=torch.int32, device=x.device)
+    window_sum_kernel[(programs,)](x, out, WINDOW=window, REPS=reps, BLOCK=BLOCK, CG=x.device.type == "cuda",
+                                   num_warps=4)
+    return out
+
+
+def reference_sums(x: torch.Tensor, programs: int) -> torch.Tensor:
+    """The same sums by torch."""
+    return x.view(programs, -1).to(torch.int64).sum(1).to(torch.int32)
+
+
+def values(n: int, device, generator=None) -> torch.Tensor:
+    """n int32 in [-1000, 1000]: a window of up to 2**21 of them sums without overflow."""
+    return torch.randint(-1000, 1001, (n,), generator=generator, dtype=torch.int32).to(device)
+
+
+def wgrad_traffic(run: dict) -> list[dict]:
+    """L2 -> SM operand bytes of the grouped wgrad at each tile, and the rate they need at the measured times."""
+    pad = [-(-c // 128) * 128 for c in run["counts"]]
+    out = []
+    for gemm in dict.fromkeys(r["gemm"] for r in run["rows"]):
+        rows = [r for r in run["rows"] if r["gemm"] == gemm]
+        n, k = rows[0]["N"], rows[0]["K"]
+        dense = next(r["ms"] for r in rows if r["candidate"].startswith("dense"))
+        current = next(r["ms"] for r in rows if r["candidate"].startswith("current"))
+        for bn, bk in ((64, 128), (128, 128), (128, 256)):
+            tiles = (-(-n // bn)) * (-(-k // bk))
+            nbytes = sum(tiles * (p // 128) * (bn + bk) * 128 for p in pad)
+            out.append({"gemm": gemm, "tile": f"{bn}x{bk}", "l2_to_sm_gb": nbytes / 1e9,
+                        "gb_s_at_wgrad_ms": nbytes / current / 1e6, "gb_s_at_dense_ms": nbytes / dense / 1e6,
+                        "wgrad_ms": current, "dense_ms": dense})
+    return out
+
+
+def cpu_check() -> int:
+    g = torch.Generator().manual_seed(0)
+    for programs, reps in ((3, 1), (4, 2)):
+        x = values(programs * 2 * BLOCK, "cpu", g)
+        got, want = window_sums(x, programs, reps), reference_sums(x, programs)
+        assert torch.equal(got, want), (got, want)
+    print("cpu-check: window sums equal torch's (interpreted kernel)")
+    return 0
+
+
+def gpu_run(args) -> dict:
+    from triton.testing import do_bench
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    programs = sms * args.programs_per_sm
+    doc = {"date": datetime.date.today().isoformat(), "commit": os.environ.get("FP4MOE_COMMIT"),
+           "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
+           "sms": sms, "programs": programs, "rows": []}
+    for name, mib, reps in (("l2", args.l2_mib, args.reps), ("dram", args.dram_mib, 1)):
+        n = mib * 2**20 // 4 // (programs * BLOCK) * (programs * BLOCK)
+        x = values(n, dev)
+        ok = torch.equal(window_sums(x, programs, reps), reference_sums(x, programs))
+        ms = do_bench(lambda: window_sums(x, programs, reps), warmup=25, rep=200)
+        nbytes = 4 * n * reps
+        doc["rows"].append({"buffer": name, "mib": n * 4 / 2**20, "reps": reps, "ms": ms, "gb_s": nbytes / ms / 1e6,
+                            "sums_equal_torch": ok})
+        print(json.dumps(doc["rows"][-1]), flush=True)
+    if WGRAD_RUN.exists():
+        doc["wgrad_traffic"] = wgrad_traffic(json.loads(WGRAD_RUN.read_text()))
+    return doc
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# L2 and DRAM read bandwidth: {doc['gpu']}, {doc['date']}, commit {doc['commit']}", "",
+             f"{doc['programs']} programs ({doc['sms']} SMs), torch {doc['torch']}, Triton {doc['triton']}.", "",
+             "| buffer | MiB | passes | ms | GB/s | sums equal torch's |", "|---|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['buffer']} | {r['mib']:.0f} | {r['reps']} | {r['ms']:.3f} | {r['gb_s']:.0f} | "
+              f"{r['sums_equal_torch']} |" for r in doc["rows"]]
+    if doc.get("wgrad_traffic"):
+        lines += ["", "The grouped wgrad's L2 -> SM operand bytes (DeepSeek-V3's counts) and the rate they need:", "",
+                  "| GEMM | tile | GB | GB/s at the wgrad's ms | GB/s at the dense GEMM's ms |",
+                  "|---|---|---:|---:|---:|"]
+        lines += [f"| {r['gemm']} | {r['tile']} | {r['l2_to_sm_gb']:.1f} | {r['gb_s_at_wgrad_ms']:.0f} | "
+                  f"{r['gb_s_at_dense_ms']:.0f} |" for r in doc["wgrad_traffic"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/kernels/l2", help="folder for l2_<gpu>.md / .json")
+    p.add_argument("--cpu-check", action="store_true", help="the kernel's sums under the interpreter")
+    p.add_argument("--l2-mib", type=int, default=24, help="buffer read from L2 (MiB)")
+    p.add_argument("--dram-mib", type=int, default=2048, help="buffer read from DRAM (MiB)")
+    p.add_argument("--reps", type=int, default=20, help="passes over the L2 buffer per launch")
+    p.add_argument("--programs-per-sm", type=int, default=4)
+    args = p.parse_args(argv)
+    if args.cpu_check:
+        return cpu_check()
+    if not torch.cuda.is_available():
+        sys.exit("l2_bandwidth: needs a CUDA GPU; --cpu-check runs on the CPU")
+    doc = gpu_run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = doc["gpu"].lower().replace("nvidia ", "").replace(" ", "_")
+    (out / f"l2_{slug}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"l2_{slug}.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
