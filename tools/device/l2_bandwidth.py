@@ -110,6 +110,9 @@ def cpu_check() -> int:
 def gpu_run(args) -> dict:
     from triton.testing import do_bench
 
+    if not torch.cuda.is_available():
+        sys.exit("l2_bandwidth: needs a CUDA GPU; --cpu-check runs on the CPU")
+
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     programs = sms * args.programs_per_sm
@@ -145,26 +148,32 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+OPTIONS = {  # flag: (type, default, help); --cpu-check is separate
+    "--out": (str, "results/kernels/l2", "folder for l2_<gpu>.md / .json"),
+    "--l2-mib": (int, 24, "buffer read from L2 (MiB)"),
+    "--dram-mib": (int, 2048, "buffer read from DRAM (MiB)"),
+    "--reps": (int, 20, "passes over the L2 buffer per launch"),
+    "--programs-per-sm": (int, 4, "programs per SM"),
+}
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="results/kernels/l2", help="folder for l2_<gpu>.md / .json")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for flag, (kind, default, text) in OPTIONS.items():
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--cpu-check", action="store_true", help="the kernel's sums under the interpreter")
-    p.add_argument("--l2-mib", type=int, default=24, help="buffer read from L2 (MiB)")
-    p.add_argument("--dram-mib", type=int, default=2048, help="buffer read from DRAM (MiB)")
-    p.add_argument("--reps", type=int, default=20, help="passes over the L2 buffer per launch")
-    p.add_argument("--programs-per-sm", type=int, default=4)
     args = p.parse_args(argv)
-    if args.cpu_check:
-        return cpu_check()
-    if not torch.cuda.is_available():
-        sys.exit("l2_bandwidth: needs a CUDA GPU; --cpu-check runs on the CPU")
-    doc = gpu_run(args)
-    out = Path(args.out)
+    return cpu_check() if args.cpu_check else write(gpu_run(args), Path(args.out))
+
+
+def write(doc: dict, out: Path) -> int:
+    """``doc`` as ``out/l2_<gpu>.json`` and ``.md``; the table printed."""
+    from fp4moe.bench.moe_layer import gpu_slug
+
+    stem = out / f"l2_{gpu_slug(doc['gpu'])}"
     out.mkdir(parents=True, exist_ok=True)
-    slug = doc["gpu"].lower().replace("nvidia ", "").replace(" ", "_")
-    (out / f"l2_{slug}.json").write_text(json.dumps(doc, indent=1))
-    (out / f"l2_{slug}.md").write_text(markdown(doc))
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    stem.with_suffix(".md").write_text(markdown(doc))
     print(markdown(doc))
     return 0
 
