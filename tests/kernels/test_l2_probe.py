@@ -14,7 +14,7 @@ def test_window_sums_equal_torchs():
     g = torch.Generator().manual_seed(0)
     for programs, reps in ((3, 1), (2, 3)):
         x = tool.values(programs * 2 * tool.BLOCK, "cpu", g)
-        assert torch.equal(tool.window_sums(x, programs, reps), tool.reference_sums(x, programs))
+        assert torch.equal(tool.window_sums(x, programs, reps), tool.reference_sums(x, programs, reps))
     with pytest.raises(ValueError, match="multiple of 2048"):
         tool.window_sums(tool.values(3 * 1000, "cpu"), 3, 1)
 
