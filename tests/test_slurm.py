@@ -336,11 +336,11 @@ class PreemptedJob:
       attempt 2 runs, so no new job starts there; until the jobs already there have ended the job is suspended;
       one-node jobs fill node2 first, so node1 mostly runs multi-node jobs only; on a cluster of two, the other
       node of the job will do too; the drain is cleared before the node comes back). slurmctld finds the node not
-      responding (SlurmdTimeout), ends the attempt NODE_FAIL and requeues the job (``--requeue``). Once the ranks on the other node are gone too (the
-      ``.attempt.lock`` free, the job no longer completing), the checkpoint folder is read (``scan``); then, on a
-      cluster of three nodes or more, the node stays down until attempt 3 runs (on the other nodes, rank 0 on
-      another host: ``moved``), and comes back (``node-start``); on two nodes it comes back at once (attempt 3
-      needs it);
+      responding (SlurmdTimeout), ends the attempt NODE_FAIL and requeues the job (``--requeue``). Once the ranks on
+      the other node are gone too (the ``.attempt.lock`` free, the job no longer completing), the checkpoint folder
+      is read (``scan``); then, on a cluster of three nodes or more, the node stays down until attempt 3 runs (on
+      the other nodes, rank 0 on another host: ``moved``), and comes back (``node-start``); on two nodes it comes
+      back at once (attempt 3 needs it);
     - attempt 3 trains the rest at full speed.
 
     ``resumable``: the newest whole checkpoint's step when each of attempts 0-2 ended, which the next must resume from

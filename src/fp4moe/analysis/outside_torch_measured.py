@@ -90,9 +90,9 @@ def derive(doc: dict[str, Any], source: str = "") -> Measured:
     if gap.get("gap_bytes") is not None:
         parts.append("allocator gap")
     missing = [t for t in ("context", "NCCL communicator", "NCCL peers", "allocator gap") if t not in parts]
-    what = f"{source or 'results'} ({doc.get('gpu', '?')}, {doc.get('date', '?')}, {doc.get('commit', '?')}: " \
-           f"{', '.join(parts) or 'nothing'} measured" + (f"; not measured, 0: {', '.join(missing)}" if missing else "") \
-           + ")"
+    unmeasured = f"; not measured, 0: {', '.join(missing)}" if missing else ""
+    what = (f"{source or 'results'} ({doc.get('gpu', '?')}, {doc.get('date', '?')}, {doc.get('commit', '?')}: "
+            f"{', '.join(parts) or 'nothing'} measured{unmeasured})")
     return Measured(int(context or 0), int(one or 0), int(peer or 0), int(p2p or 0), int(gap.get("gap_bytes") or 0),
                     int(gap.get("ref_elements") or 0), what)
 

@@ -544,6 +544,10 @@ def _gpu_name(dev) -> str:
 
 def _markdown(doc: dict) -> str:
     env, rows = doc["env"], doc["recipes"]
+    steps = f"{env.get('micro_batches_per_step', 1)} iteration(s)"
+    cache = f"on, {steps} per optimizer step" if env.get("fp8_weight_cache") else "off"
+    grads = (f"into {env['main_grads']} main gradients as megatron DDP adds them (+fused: the experts' wgrad adds "
+             f"itself), zeroed every {steps}" if env.get("main_grads") else "plain .grad, fresh every iteration")
     L = [f"# MoE layer benchmark: {env['gpu']} x{env['world_size']} (EP={env['world_size']}), {env['date']}, "
          f"commit {env['commit']}", "",
          f"Command: `{env['command']}`", "",
@@ -551,9 +555,8 @@ def _markdown(doc: dict) -> str:
          f"{doc['shape']['top_k']} of {doc['shape']['experts']} experts ({doc['shape']['local_experts']} local), "
          f"{doc['shape']['tokens']} tokens, shared ffn {doc['shape']['shared_ffn']}. torch {env['torch']}, "
          f"timing: {'CUDA events' if env['gpu'] != 'cpu' else 'perf_counter'}, {env['iters']} iterations after {env['warmup']} warm-up. Expert GEMMs: "
-         f"{env.get('grouped_gemm')}, tiles {env.get('gemm_tiles')}. FP8 weight cache: "
-         f"{'on, ' + str(env.get('micro_batches_per_step', 1)) + ' iteration(s) per optimizer step' if env.get('fp8_weight_cache') else 'off'}. "
-         f"Gradients: {'into ' + env['main_grads'] + ' main gradients as megatron DDP adds them (+fused: the experts wgrad adds itself), zeroed every ' + str(env.get('micro_batches_per_step', 1)) + ' iteration(s)' if env.get('main_grads') else 'plain .grad, fresh every iteration'}.", "",
+         f"{env.get('grouped_gemm')}, tiles {env.get('gemm_tiles')}. FP8 weight cache: {cache}. Gradients: {grads}.",
+         "",
          "| recipe | ms/iter | tokens/s | vs fp8 | peak GiB | peak over base GiB | saved MiB | saved B/token "
          "| expert saved MiB | dispatch fwd MiB | dispatch ms | combine ms |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -648,7 +651,8 @@ def main(argv=None) -> dict:
     by = {r["recipe"]: r for r in rows}
     ratios = {}
     for label, r, backend, fused in entries:
-        for base in dict.fromkeys(("bf16", r.name, f"{r.name}@{backend}" if backend else r.name)):
+        # against bf16, the recipe itself and, for a +fused entry on a GEMM backend, that entry without +fused
+        for base in dict.fromkeys(("bf16", r.name, f"{r.name}@{backend}")):
             if (backend or fused) and base in by and base != label:
                 ratios[f"tokens_per_s {label}/{base}"] = by[label]["tokens_per_s"] / by[base]["tokens_per_s"]
     if "fp8" in by and "mxfp4" in by:

@@ -294,14 +294,13 @@ def fuse_wgrad_accumulation(params, enabled: bool = True) -> int:
     which may move them into its buffer). Takes effect for weights that carry DDP's ``main_grad`` and
     ``grad_added_to_main_grad``; others keep the unfused path. A weight is found again through any view of the same
     elements (:func:`_place`); the registry holds the parameters weakly."""
-    n = 0
+    params = list(params)
     for p in params:
         if enabled:
             _FUSED[_place(p)] = p
         else:
             _FUSED.pop(_place(p), None)
-        n += 1
-    return n
+    return len(params)
 
 
 def _fused_params(w: "Experts") -> list[torch.Tensor] | None:
@@ -316,10 +315,8 @@ def _fused_params(w: "Experts") -> list[torch.Tensor] | None:
 
 
 def _targets(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The E ``[N, K]`` main gradients of ``_fused_params``'s parameters."""
-    if len(params) == 1 and params[0].dim() == 3:
-        return list(params[0].main_grad.unbind(0))
-    return [p.main_grad for p in params]
+    """The E ``[N, K]`` main gradients of ``_fused_params``'s parameters (an ``[E, N, K]`` one's unbound)."""
+    return [g for p in params for g in (p.main_grad.unbind(0) if p.dim() == 3 else (p.main_grad,))]
 
 
 def _stand_in_grad(w: "Experts", params: list[torch.Tensor]) -> torch.Tensor:
