@@ -26,7 +26,9 @@ from ..formats import FormatError, FP8ColTensor, MXFP4Tensor, Segments
 SOURCES = {"fp4_row_to_fp8_col": Path(__file__).with_name("fp4_row_to_fp8_col.cu")}
 # fp4_row_to_fp8_col: general path only; SWAR fast path + general fallback; the prmt fast path + general fallback;
 # the same with four tiles per block (the next tile's loads in flight during the conversion); those two held to 96
-# registers (5 blocks per SM instead of 4)
+# registers (5 blocks per SM instead of 4). The default, prmt4_b5, was the fastest bit-exact one measured side by side
+# (1.20-1.25x the Triton kernel and swar on an H100, 2026-12-05: results/kernels/cuda_col_h100_2026-12-05_0156b2e.json)
+DEFAULT_VARIANT = "prmt4_b5"
 VARIANTS = {"general": 0, "swar": 1, "prmt": 2, "prmt4": 3, "prmt_b5": 4, "prmt4_b5": 5}
 
 
@@ -79,7 +81,7 @@ def col_input_problem(a: MXFP4Tensor) -> str | None:
     return None
 
 
-def fp4_row_to_fp8_col(a: MXFP4Tensor, seg: Segments, variant: str = "swar") -> FP8ColTensor:
+def fp4_row_to_fp8_col(a: MXFP4Tensor, seg: Segments, variant: str = DEFAULT_VARIANT) -> FP8ColTensor:
     """FP4RowToFP8Col by the CUDA C++ kernel: the same output as ``fp4moe_kernels.convert.fp4_row_to_fp8_col``.
     ``a`` on a CUDA device, as ``col_input_problem`` accepts it."""
     from ..triton_kernels.launchers import _col_tiles

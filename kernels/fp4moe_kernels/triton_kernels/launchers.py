@@ -28,8 +28,8 @@ TILES = {
     "bf16_to_fp4_row": (256, 0, 2),
     "fp4_to_bf16": (64, 0, 2),
     "bf16_to_fp8_row": (64, 0, 8),
-    "bf16_to_fp4_and_fp8_row": (64, 0, 2),
-    "fp4_row_to_fp8_row": (64, 0, 2),
+    "bf16_to_fp4_and_fp8_row": (16, 0, 2),
+    "fp4_row_to_fp8_row": (32, 0, 2),
     "fp8_row_to_fp4": (128, 0, 4),
     "fp4_row_to_fp8_col": (32, 0, 1),
     "bf16_to_fp8_col": (32, 0, 1),
@@ -165,12 +165,8 @@ def bf16_to_fp4_and_fp8_row(x: torch.Tensor, seg: Segments, rule: str = "ceil"):
     q8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s8 = torch.empty(m * (k // 128), dtype=torch.float32, device=x.device)
     single, row_seg, seg_off = _seg_args(seg, m, x.device)
-    if m * (k // 128) >= 2**31:  # the BF16 path numbers groups in int32 (that is 512 GiB of BF16 input)
-        raise ValueError(f"bf16_to_fp4_and_fp8_row: {m} x {k} has 2**31 or more 128-groups")
     if m:
         grid, meta = _row_launch("bf16_to_fp4_and_fp8_row", m, k, 128)
-        if not xb:  # the float32 path keeps its tile: [16, 64] pairs per program over 2 warps
-            grid, meta = (triton.cdiv(m * k // 128, 16),), dict(R=16, num_warps=2)
         row.bf16_to_fp4_and_fp8_row_kernel[grid](
             xa, q4, s4, q8.view(torch.int16), s8, row_seg, seg_off, m, k, RULE_CEIL=(rule == "ceil"),
             SINGLE_SEGMENT=single, EMULATE=INTERPRET, X_BF16=xb, **meta)
@@ -182,12 +178,9 @@ def fp4_row_to_fp8_row(a: MXFP4Tensor, seg: Segments) -> FP8RowTensor:
     o = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=a.device)
     s = torch.empty(m * (k // 128), dtype=torch.float32, device=a.device)
     single, row_seg, seg_off = _seg_args(seg, m, a.device)
-    if m * (k // 128) >= 2**31:  # the kernel numbers groups in int32 (that is 128 GiB of FP4 data)
-        raise ValueError(f"fp4_row_to_fp8_row: {m} x {k} has 2**31 or more 128-groups")
     if m:
-        # the kernel reads data as int64 words (8-byte aligned) and scales as int32 words (a group's four UE8M0 codes
-        # in one load: 4-byte aligned)
-        data = a.data if a.data.data_ptr() % 8 == 0 else a.data.clone()
+        # the kernel reads data and scales as int32 words (a group's four UE8M0 codes in one load): 4-byte aligned
+        data = a.data if a.data.data_ptr() % 4 == 0 else a.data.clone()
         scales = a.scales if a.scales.data_ptr() % 4 == 0 else a.scales.clone()
         grid, meta = _row_launch("fp4_row_to_fp8_row", m, k, 128)
         row.fp4_row_to_fp8_row_kernel[grid](data, scales, o.view(torch.int16), s, row_seg, seg_off, m, k,

@@ -18,7 +18,6 @@ from .common import (
     bf16x2_mul,
     e2m1_codes_from_bits,
     e4m3x2,
-    e4m3x4,
     e4m3x4_to_f16x2,
     exp2_i,
     f16x2_from_f32,
@@ -27,7 +26,6 @@ from .common import (
     hmul2,
     mx_code_from_amax_bits,
     prmt,
-    smax16x2,
     umax16x2,
     umin16x2,
 )
@@ -326,131 +324,21 @@ def bf16_to_fp8_row_kernel(x_ptr, q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, M, K: 
 
 
 @triton.jit
-def _fp8_pad(v):
-    """BF16x2 words of ``v`` (int64 [N, 2], two words each) -> (|w| + 0x0080 per lane, low words; same, high words):
-    a lane is negative as s16 exactly when its BF16 is Inf or NaN (exponent field 255)."""
-    return (v.to(tl.int32) & 0x7FFF7FFF) + 0x00800080, ((v >> 32).to(tl.int32) & 0x7FFF7FFF) + 0x00800080
-
-
-@triton.jit
-def _fp8_finite_max(v, fmax, EMULATE: tl.constexpr):
-    """Lane-wise s16 max of ``fmax`` and the padded |x| (``_fp8_pad``) of ``v``'s four BF16."""
-    pa, pb = _fp8_pad(v)
-    return smax16x2(smax16x2(fmax, pa, EMULATE), pb, EMULATE)
-
-
-@triton.jit
-def _fp8_bf16_word(v, inv2, FIX: tl.constexpr, EMULATE: tl.constexpr):
-    """E4M3 of the four BF16 in each int64 of ``v`` [N, 2] -> one int32 word each (element 0 in byte 0). Per BF16x2
-    word: with ``FIX``, Inf and NaN lanes -> the positive NaN 0x7FC0 (one ``prmt`` spreads the padded lane's sign to a
-    lane mask, one ``lop3`` merges; satfinite would give 448 for Inf; E4M3 0x7F as before);
-    ``mul.rn.bf16x2`` by ``inv2`` = 2**-k in both lanes (exact: a power of two, the product either in BF16's normal
-    range or below 2**-126, where E4M3 gives 0 either way); widened to float32 by shifts; two
-    ``cvt.rn.satfinite.e4m3x2.f32``."""
-    wa = v.to(tl.int32)
-    wb = (v >> 32).to(tl.int32)
-    if FIX:
-        pa, pb = _fp8_pad(v)
-        ma = prmt(pa, pa, tl.full(pa.shape, 0xBB99, tl.int32), EMULATE)  # lane all ones where Inf/NaN
-        mb = prmt(pb, pb, tl.full(pb.shape, 0xBB99, tl.int32), EMULATE)
-        wa = (wa & ~ma) | (ma & 0x7FC07FC0)
-        wb = (wb & ~mb) | (mb & 0x7FC07FC0)
-    wa = bf16x2_mul(wa, inv2, EMULATE)
-    wb = bf16x2_mul(wb, inv2, EMULATE)
-    return e4m3x4(wa << 16, wa & -65536, wb << 16, wb & -65536, EMULATE)
-
-
-@triton.jit
-def _fp8_block_store(v0, v1, v2, v3, inv2, qp, m2, FIX: tl.constexpr, EMULATE: tl.constexpr):
-    """One 32-block's E4M3 bytes (``_fp8_bf16_word``) as two 16-byte stores at ``qp`` ([N, 4] int32 pointers)."""
-    w0 = _fp8_bf16_word(v0, inv2, FIX, EMULATE)  # output words 0, 1
-    w1 = _fp8_bf16_word(v1, inv2, FIX, EMULATE)  # 2, 3
-    w2 = _fp8_bf16_word(v2, inv2, FIX, EMULATE)
-    w3 = _fp8_bf16_word(v3, inv2, FIX, EMULATE)
-    n: tl.constexpr = v0.shape[0]
-    tl.store(qp, tl.reshape(tl.permute(tl.join(w0, w1), (0, 2, 1)), (n, 4)), mask=m2)
-    tl.store(qp + 4, tl.reshape(tl.permute(tl.join(w2, w3), (0, 2, 1)), (n, 4)), mask=m2)
-
-
-@triton.jit
-def _fp8_group_store(v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33, amax, qp, m2,
-                     FIX: tl.constexpr, EMULATE: tl.constexpr):
-    """The group's FP8 bytes at ``qp`` under scale 2**k from ``amax`` (BF16 bits of its finite max |x|); returns k."""
-    k = fp8_exp_from_amax_bits(amax << 16)  # in [-126, 120]: a BF16 below 2**128 needs no larger scale
-    inv2 = (((127 - k) << 7) * 0x00010001)[:, None]  # BF16 2**-k in both lanes
-    _fp8_block_store(v00, v01, v02, v03, inv2, qp, m2, FIX, EMULATE)
-    _fp8_block_store(v10, v11, v12, v13, inv2, qp + 8, m2, FIX, EMULATE)
-    _fp8_block_store(v20, v21, v22, v23, inv2, qp + 16, m2, FIX, EMULATE)
-    _fp8_block_store(v30, v31, v32, v33, inv2, qp + 24, m2, FIX, EMULATE)
-    return k
-
-
-@triton.jit
-def _bf16_fp4_and_fp8_groups(x_ptr, q4_ptr, s4_ptr, q8_ptr, s8_ptr, row_seg_ptr, seg_off_ptr, M, K: tl.constexpr,
-                             R: tl.constexpr, RULE_CEIL: tl.constexpr, SINGLE_SEGMENT: tl.constexpr,
-                             EMULATE: tl.constexpr):
-    """BF16 input, one 128-group per thread: its four 32-blocks as sixteen 16-byte loads, read once for both outputs;
-    MXFP4 by ``_bf16_mxfp4_encode_amax`` per block; FP8 on packed BF16x2 words (``_fp8_bf16_word``). The FP8 scale
-    needs the group's finite max: where the program holds no Inf/NaN (one max over its blocks' maxima, a uniform
-    branch) that is the largest block maximum; else a ``max.s16x2`` chain on |x| + 0x0080 (Inf/NaN lanes negative),
-    and Inf/NaN become the positive NaN before the conversion. A tail program's threads past the end read the last group again and
-    store nothing."""
-    g = tl.program_id(0) * R + tl.arange(0, R)  # int32: fewer than 2**31 groups (the launcher checks)
-    mask = g < M * (K // 128)
-    gc = tl.minimum(g, M * (K // 128) - 1)
-    p = x_ptr.to(tl.pointer_type(tl.int64)) + gc.to(tl.int64)[:, None] * 32 + tl.arange(0, 2)[None, :]
-    m2 = mask[:, None]
-    v00, v01, v02, v03 = tl.load(p), tl.load(p + 2), tl.load(p + 4), tl.load(p + 6)
-    v10, v11, v12, v13 = tl.load(p + 8), tl.load(p + 10), tl.load(p + 12), tl.load(p + 14)
-    v20, v21, v22, v23 = tl.load(p + 16), tl.load(p + 18), tl.load(p + 20), tl.load(p + 22)
-    v30, v31, v32, v33 = tl.load(p + 24), tl.load(p + 26), tl.load(p + 28), tl.load(p + 30)
-    q4p = q4_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64)[:, None] * 16 + tl.arange(0, 4)[None, :]
-    o0, o1, o2, o3, c0, a0 = _bf16_mxfp4_encode_amax(v00, v01, v02, v03, RULE_CEIL, EMULATE)
-    tl.store(q4p, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, 4)), mask=m2)
-    o0, o1, o2, o3, c1, a1 = _bf16_mxfp4_encode_amax(v10, v11, v12, v13, RULE_CEIL, EMULATE)
-    tl.store(q4p + 4, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, 4)), mask=m2)
-    o0, o1, o2, o3, c2, a2 = _bf16_mxfp4_encode_amax(v20, v21, v22, v23, RULE_CEIL, EMULATE)
-    tl.store(q4p + 8, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, 4)), mask=m2)
-    o0, o1, o2, o3, c3, a3 = _bf16_mxfp4_encode_amax(v30, v31, v32, v33, RULE_CEIL, EMULATE)
-    tl.store(q4p + 12, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, 4)), mask=m2)
-    tl.store(s4_ptr.to(tl.pointer_type(tl.int32)) + g, c0 | (c1 << 8) | (c2 << 16) | (c3 << 24), mask=mask)
-    amax = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))
-    q8p = q8_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64)[:, None] * 32 + tl.arange(0, 4)[None, :]
-    if tl.max(amax, axis=0) < 0x7F80:  # no Inf/NaN in the program: amax is every group's finite max
-        k = _fp8_group_store(v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33, amax,
-                             q8p, m2, False, EMULATE)
-    else:
-        f = tl.full((R, 2), -2147450880, tl.int32)  # 0x80008000: both lanes -32768
-        f = _fp8_finite_max(v00, _fp8_finite_max(v01, _fp8_finite_max(v02, _fp8_finite_max(v03, f, EMULATE),
-                                                                      EMULATE), EMULATE), EMULATE)
-        f = _fp8_finite_max(v10, _fp8_finite_max(v11, _fp8_finite_max(v12, _fp8_finite_max(v13, f, EMULATE),
-                                                                      EMULATE), EMULATE), EMULATE)
-        f = _fp8_finite_max(v20, _fp8_finite_max(v21, _fp8_finite_max(v22, _fp8_finite_max(v23, f, EMULATE),
-                                                                      EMULATE), EMULATE), EMULATE)
-        f = _fp8_finite_max(v30, _fp8_finite_max(v31, _fp8_finite_max(v32, _fp8_finite_max(v33, f, EMULATE),
-                                                                      EMULATE), EMULATE), EMULATE)
-        f0, f1 = tl.split(f)
-        f = smax16x2(f0, f1, EMULATE)
-        f = tl.maximum(((f & 0xFFFF) ^ 0x8000) - 0x8000, f >> 16) - 0x80  # BF16 bits of the finite max, or < 0
-        k = _fp8_group_store(v00, v01, v02, v03, v10, v11, v12, v13, v20, v21, v22, v23, v30, v31, v32, v33,
-                             tl.maximum(f, 0), q8p, m2, True, EMULATE)
-    so = _row_scale_offset(gc, M, K, row_seg_ptr, seg_off_ptr, None, SINGLE_SEGMENT)
-    tl.store(s8_ptr + so, exp2_i(k), mask=mask)
-
-
-@triton.jit
 def bf16_to_fp4_and_fp8_row_kernel(x_ptr, q4_ptr, s4_ptr, q8_ptr, s8_ptr, row_seg_ptr, seg_off_ptr, M,
                                    K: tl.constexpr, R: tl.constexpr, RULE_CEIL: tl.constexpr,
                                    SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr, X_BF16: tl.constexpr):
-    if X_BF16:
-        _bf16_fp4_and_fp8_groups(x_ptr, q4_ptr, s4_ptr, q8_ptr, s8_ptr, row_seg_ptr, seg_off_ptr, M, K, R, RULE_CEIL,
-                                 SINGLE_SEGMENT, EMULATE)
-    else:  # float32 input: [R, 64] pairs per program, MXFP4 from the same words
-        b = tl.program_id(0).to(tl.int64) * (4 * R) + tl.arange(0, 4 * R)
-        bmask = b < M * (K // 32)
-        lo, hi = _fp8_row_program(x_ptr, q8_ptr, s8_ptr, row_seg_ptr, seg_off_ptr, M, K, R, SINGLE_SEGMENT, EMULATE,
-                                  X_BF16)
-        # the same words seen as the 4R MXFP4 blocks of these groups: [R, 64] -> [4R, 16] is a pure reshape
+    """R 128-groups per program: their 4R MXFP4 blocks and their FP8 1x128 rows from one read of the input."""
+    b = tl.program_id(0).to(tl.int64) * (4 * R) + tl.arange(0, 4 * R)
+    bmask = b < M * (K // 32)
+    if X_BF16:  # the 4R MXFP4 blocks in the layout of BF16ToFP4Row (one thread per block); the FP8 part below reads
+        # the same bytes again in its own layout (from L1)
+        o0, o1, o2, o3, code = _bf16_mxfp4_blocks(x_ptr, b, M * (K // 32), RULE_CEIL, EMULATE)
+        out = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (4 * R, 4))
+        tl.store(q4_ptr.to(tl.pointer_type(tl.int32)) + b[:, None] * 4 + tl.arange(0, 4)[None, :], out,
+                 mask=bmask[:, None])
+        tl.store(s4_ptr + b, code.to(tl.uint8), mask=bmask)
+    lo, hi = _fp8_row_program(x_ptr, q8_ptr, s8_ptr, row_seg_ptr, seg_off_ptr, M, K, R, SINGLE_SEGMENT, EMULATE, X_BF16)
+    if not X_BF16:  # the same words seen as the 4R MXFP4 blocks of these groups: [R, 64] -> [4R, 16] is a pure reshape
         byte, code = _mxfp4_blocks(tl.reshape(lo, (4 * R, 16)), tl.reshape(hi, (4 * R, 16)), RULE_CEIL)
         tl.store(q4_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], byte, mask=bmask[:, None])
         tl.store(s4_ptr + b, code, mask=bmask)
@@ -467,28 +355,24 @@ def _fp4_group_code(sw):
 
 
 @triton.jit
-def _fp4_to_fp8_words(w, t0, t1, sgn, EMULATE: tl.constexpr):
-    """E4M3 words of the eight elements of each E2M1 word ``w`` (nibble n = element n) through the byte table
-    ``t0``, ``t1`` of its block -> (elements 0..3, elements 4..7). ``prmt`` with the magnitude bits as selectors
-    looks up four elements at once; two more move the sign bits (nibble bit 3) to byte bit 7, masked by ``sgn``."""
-    mag = w & 0x77777777
-    lo = prmt(t0, t1, mag, EMULATE)  # elements 0..3 of the word
-    hi = prmt(t0, t1, mag >> 16, EMULATE)  # elements 4..7
-    ws = w << 4  # even elements' sign bits (nibble bit 3) at byte bit 7; odd ones are there in w
-    lo = lo | (prmt(ws, w, tl.full(w.shape, 0x5140, tl.int32), EMULATE) & sgn)
-    hi = hi | (prmt(ws, w, tl.full(w.shape, 0x7362, tl.int32), EMULATE) & sgn)
-    return lo, hi
+def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_ptr, M, K: tl.constexpr,
+                              R: tl.constexpr, SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr):
+    """R groups = 4R blocks per program, each block as four int32 words of eight E2M1 nibbles.
 
-
-@triton.jit
-def _fp4_to_fp8_block(v, code, gcode, EMULATE: tl.constexpr):
-    """One 32-block per row as E2M1 words ``v`` [N, 2] int64 (column 0: words 0, 1; column 1: words 2, 3), block code
-    ``code`` and group code ``gcode`` ([N] int32) -> its 32 E4M3 bytes as two [N, 4] int32 words (bytes 0..15, 16..31).
-
-    The eight E4M3 magnitudes ``e4m3(v_c * 2**(e_k - G))`` of the E2M1 magnitude codes c = 0..7 are a byte table in
-    two registers (four exact ``cvt.rn.satfinite.e4m3x2`` per 32 elements: subnormals, underflow to zero and
-    nearest-even included, for any code spread); a NaN block's table is all 0x7F and its sign mask 0 (bytes 0x7F,
-    as the reference's)."""
+    Per block, the eight E4M3 magnitudes ``e4m3(v_c * 2**(e_k - G))`` of the E2M1 magnitude codes c = 0..7 are a
+    byte table in two registers (four exact ``cvt.rn.satfinite.e4m3x2`` per 32 elements: subnormals, underflow
+    to zero and nearest-even included, for any code spread); a NaN block's table is all 0x7F. Each input word then
+    becomes two output words by byte permutes (SIMD within a register): ``prmt`` with the nibbles' magnitude
+    bits as selectors looks up four elements at once, two more ``prmt`` move the sign bits (nibble bit 3) to
+    byte bit 7. The group's four codes come as one 32-bit word (all four threads of a group load the same word)."""
+    h = tl.program_id(0).to(tl.int64) * (8 * R) + tl.arange(0, 8 * R)  # flat half-blocks of 16 elements
+    g = h // 8
+    mask = g < M * (K // 128)
+    w = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + h[:, None] * 2 + tl.arange(0, 2)[None, :],
+                mask=mask[:, None], other=0)  # [8R, 2]: element 8i + n in nibble n of word i
+    sw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + g, mask=mask, other=0)
+    gcode = _fp4_group_code(sw)
+    code = (sw >> (8 * ((h // 2) % 4).to(tl.int32))) & 0xFF
     nan_blk = code == 255
     # element = v_c * 2**(e_k - G): exact in float32; below 2**-126 everything rounds to 0 in E4M3
     # (a NaN block's f is NaN: its whole table, the entry of code 0 included (NaN * 0), is 0x7F)
@@ -500,44 +384,23 @@ def _fp4_to_fp8_block(v, code, gcode, EMULATE: tl.constexpr):
     t1 = (e4m3x2((f * 2.0).to(tl.int32, bitcast=True), (f * 3.0).to(tl.int32, bitcast=True), EMULATE).to(tl.int32)
           & 0xFFFF) | (e4m3x2((f * 4.0).to(tl.int32, bitcast=True), (f * 6.0).to(tl.int32, bitcast=True),
                               EMULATE).to(tl.int32) << 16)
-    t0 = t0[:, None]
-    t1 = t1[:, None]
-    sgn = tl.where(nan_blk, 0, -2139062144)[:, None]  # 0x80808080
-    l0, h0 = _fp4_to_fp8_words(v.to(tl.int32), t0, t1, sgn, EMULATE)  # words 0 (column 0) and 2 (column 1)
-    l1, h1 = _fp4_to_fp8_words((v >> 32).to(tl.int32), t0, t1, sgn, EMULATE)  # words 1 and 3
-    l0a, l0b = tl.split(l0)
-    h0a, h0b = tl.split(h0)
-    l1a, l1b = tl.split(l1)
-    h1a, h1b = tl.split(h1)
-    # output words 0..3 (input words 0, 1) and 4..7 (input words 2, 3) as [N, 4] each: [.., i, n] = word 2i + n
-    n: tl.constexpr = v.shape[0]
-    return (tl.reshape(tl.join(tl.join(l0a, l1a), tl.join(h0a, h1a)), (n, 4)),
-            tl.reshape(tl.join(tl.join(l0b, l1b), tl.join(h0b, h1b)), (n, 4)))
-
-
-@triton.jit
-def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_ptr, M, K: tl.constexpr,
-                              R: tl.constexpr, SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr):
-    """R groups per program, one group per thread: its four 32-blocks as four 16-byte loads of E2M1 words (element
-    8i + n in nibble n of word i), its four UE8M0 codes as one 32-bit word (block 4g + k's code in byte k), eight
-    16-byte stores of E4M3 and the group's FP8 scale. Per block, the E2M1 -> E4M3 decode is a byte-table lookup by
-    ``prmt`` (``_fp4_to_fp8_block``). A tail program's threads past the end read the last group again (unmasked
-    loads) and store nothing."""
-    g = tl.program_id(0) * R + tl.arange(0, R)  # int32: the launcher checks M * K/128 < 2**31
-    mask = g < M * (K // 128)
-    gc = tl.minimum(g, M * (K // 128) - 1)
-    sw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + gc)
-    gcode = _fp4_group_code(sw)
-    qp = q_ptr.to(tl.pointer_type(tl.int64)) + gc.to(tl.int64)[:, None] * 8 + tl.arange(0, 2)[None, :]
-    op = o_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64)[:, None] * 32 + tl.arange(0, 4)[None, :]
-    m2 = mask[:, None]
-    for b in tl.static_range(4):
-        v = tl.load(qp + 2 * b)  # block 4g + b: words 0..3 as two int64
-        oa, ob = _fp4_to_fp8_block(v, (sw >> (8 * b)) & 0xFF, gcode, EMULATE)
-        tl.store(op + 8 * b, oa, mask=m2)
-        tl.store(op + 8 * b + 4, ob, mask=m2)
-    so = _row_scale_offset(gc, M, K, row_seg_ptr, seg_off_ptr, None, SINGLE_SEGMENT)
-    tl.store(os_ptr + so, exp2_i(gcode - 127), mask=mask)
+    t0 = tl.broadcast_to(t0[:, None], (8 * R, 2))
+    t1 = tl.broadcast_to(t1[:, None], (8 * R, 2))
+    sgn = tl.where(nan_blk, 0, -2139062144)[:, None]  # 0x80808080; a NaN block's bytes are all 0x7F
+    mag = w & 0x77777777
+    lo = prmt(t0, t1, mag, EMULATE)  # elements 0..3 of the word
+    hi = prmt(t0, t1, mag >> 16, EMULATE)  # elements 4..7
+    ws = w << 4  # even elements' sign bits (nibble bit 3) at byte bit 7; odd ones are there in w
+    lo = lo | (prmt(ws, w, tl.full(w.shape, 0x5140, tl.int32), EMULATE) & sgn)
+    hi = hi | (prmt(ws, w, tl.full(w.shape, 0x7362, tl.int32), EMULATE) & sgn)
+    out = tl.reshape(tl.join(lo, hi), (8 * R, 4))
+    tl.store(o_ptr.to(tl.pointer_type(tl.int32)) + h[:, None] * 4 + tl.arange(0, 4)[None, :], out,
+             mask=mask[:, None])
+    gg = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    gmask = gg < M * (K // 128)
+    gsw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + gg, mask=gmask, other=0)
+    so = _row_scale_offset(gg, M, K, row_seg_ptr, seg_off_ptr, gmask, SINGLE_SEGMENT)
+    tl.store(os_ptr + so, exp2_i(_fp4_group_code(gsw) - 127), mask=gmask)
 
 
 @triton.jit
