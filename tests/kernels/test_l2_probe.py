@@ -1,6 +1,9 @@
 """tools/device/l2_bandwidth.py on the CPU: the probe's kernel sums (interpreted) equal torch's, and the grouped
 wgrad's L2 -> SM operand bytes it reports follow the tile arithmetic."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -33,3 +36,14 @@ def test_wgrad_operand_bytes_by_tile():
     assert r["gb_s_at_wgrad_ms"] == pytest.approx(r["l2_to_sm_gb"] / 2e-3) and r["gb_s_at_dense_ms"] == pytest.approx(
         2 * r["gb_s_at_wgrad_ms"])
     assert json.dumps(tool.wgrad_traffic(json.loads(tool.WGRAD_RUN.read_text())))   # the recorded run reads
+
+
+
+def test_every_pass_loads_from_memory_in_the_compiled_kernel():
+    """Compiled for sm_90 (Triton's ptxas; a subprocess with TRITON_INTERPRET=0, as this session interprets), the
+    probe's loads sit inside the passes loop, and the check does find the hoisted loads of the probe's first kernel
+    (same addresses every pass: the H100 run of 2026-12-05 reported 27 TB/s from it)."""
+    out = subprocess.run([sys.executable, str(tool.__file__), "--sass-check"], capture_output=True, text=True,
+                         env=dict(os.environ, TRITON_INTERPRET="0"), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "window_sum_kernel: True" in out.stdout and "same_addresses_every_pass: False" in out.stdout

@@ -18,6 +18,7 @@ at the wgrad's and at the dense GEMM's measured times (results/moe_layer/wgrad_c
 
     python tools/device/l2_bandwidth.py --out $OUT/l2       # GPU: a few seconds
     python tools/device/l2_bandwidth.py --cpu-check         # CPU, TRITON_INTERPRET=1 (set by the script): the sums
+    python tools/device/l2_bandwidth.py --sass-check        # CPU: compiled for sm_90, every pass's loads in the loop
 """
 from __future__ import annotations
 
@@ -44,17 +45,66 @@ BLOCK = 2048   # int32 per load step of one program: 8 KiB, 16 B per thread and 
 def window_sum_kernel(x_ptr, out_ptr, WINDOW: tl.constexpr, REPS: tl.constexpr, BLOCK: tl.constexpr,
                       CG: tl.constexpr):
     """out[p] = REPS x the sum of ``x[p * WINDOW : (p + 1) * WINDOW]`` (int32; the callers' values keep it from
-    overflowing), every pass loaded again: each pass's loads feed the result, so none can be left out."""
+    overflowing), every pass loaded again. Pass r reads the window's steps rotated by r (step (i + r) mod steps): the
+    same bytes, but at addresses that depend on the pass, so the compiler cannot hoist the loads out of the passes
+    loop (with the same addresses every pass, ptxas loaded the window once and only added in the loop:
+    ``loads_in_passes_loop``)."""
+    base = x_ptr + tl.program_id(0).to(tl.int64) * WINDOW
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros((BLOCK,), dtype=tl.int32)
+    steps: tl.constexpr = WINDOW // BLOCK
+    for r in range(REPS):
+        for i in range(0, steps):
+            at = base + ((i + r) % steps) * BLOCK + offs
+            if CG:
+                total += tl.load(at, cache_modifier=".cg")
+            else:
+                total += tl.load(at)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(total, axis=0))
+
+
+@triton.jit
+def same_addresses_every_pass(x_ptr, out_ptr, WINDOW: tl.constexpr, REPS: tl.constexpr, BLOCK: tl.constexpr,
+                              CG: tl.constexpr):
+    """The probe's first kernel, kept as the negative control of ``loads_in_passes_loop``: every pass loads the same
+    addresses, and ptxas hoisted the loads out of the passes loop (an H100 run of it reported 27 TB/s)."""
     base = x_ptr + tl.program_id(0).to(tl.int64) * WINDOW
     offs = tl.arange(0, BLOCK)
     total = tl.zeros((BLOCK,), dtype=tl.int32)
     for _ in range(REPS):
         for i in range(0, WINDOW, BLOCK):
-            if CG:
-                total += tl.load(base + i + offs, cache_modifier=".cg")
-            else:
-                total += tl.load(base + i + offs)
+            total += tl.load(base + i + offs, cache_modifier=".cg")
     tl.store(out_ptr + tl.program_id(0), tl.sum(total, axis=0))
+
+
+def loads_in_passes_loop(kernel=None, window: int = 10 * BLOCK, reps: int = 20) -> bool:
+    """Compile ``kernel`` (default ``window_sum_kernel``) for sm_90 with Triton's ptxas and say whether every global
+    load of the SASS lies inside a loop (between a backward branch and its target): False means the compiler loaded
+    the window once and repeated only the additions, so the GB/s would count bytes never read."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {"x_ptr": "*i32", "out_ptr": "*i32", "WINDOW": "constexpr", "REPS": "constexpr", "BLOCK": "constexpr",
+           "CG": "constexpr"}
+    src = ASTSource(fn=kernel or window_sum_kernel, signature=sig,
+                    constexprs={"WINDOW": window, "REPS": reps, "BLOCK": BLOCK, "CG": True},
+                    attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "k.ptx").write_text(ptx)
+        subprocess.run([str(tools / "ptxas"), "-arch=sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"], check=True)
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f"{d}/k.cubin"], capture_output=True, text=True,
+                              check=True).stdout
+    ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
+    loops = [(int(t, 16), a) for a, op in ins for t in re.findall(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", op)
+             if int(t, 16) < a]
+    loads = [a for a, op in ins if re.search(r"\bLDG\b", op)]
+    return bool(loads) and all(any(lo <= a <= hi for lo, hi in loops) for a in loads)
 
 
 def window_sums(x: torch.Tensor, programs: int, reps: int) -> torch.Tensor:
@@ -108,6 +158,14 @@ def cpu_check() -> int:
     return 0
 
 
+def sass_check() -> int:
+    """0 iff the probe's compiled loads are inside its passes loop and the negative control's are not."""
+    probe, control = loads_in_passes_loop(), loads_in_passes_loop(same_addresses_every_pass)
+    print(f"loads inside the passes loop (sm_90 SASS): window_sum_kernel: {probe}, same_addresses_every_pass: "
+          f"{control}")
+    return 0 if probe and not control else 1
+
+
 def gpu_run(args) -> dict:
     from triton.testing import do_bench
 
@@ -122,6 +180,8 @@ def gpu_run(args) -> dict:
            "sms": sms, "programs": programs, "rows": []}
     for name, mib, reps in (("l2", args.l2_mib, args.reps), ("dram", args.dram_mib, 1)):
         n = mib * 2**20 // 4 // (programs * BLOCK) * (programs * BLOCK)
+        if name == "l2":  # the compiled kernel at this window and pass count loads in every pass (else GB/s is void)
+            doc["loads_in_passes_loop"] = loads_in_passes_loop(window=n // programs, reps=reps)
         x = values(n, dev)
         ok = torch.equal(window_sums(x, programs, reps), reference_sums(x, programs, reps))
         ms = do_bench(lambda: window_sums(x, programs, reps), warmup=25, rep=200)
@@ -136,7 +196,8 @@ def gpu_run(args) -> dict:
 
 def markdown(doc: dict) -> str:
     lines = [f"# L2 and DRAM read bandwidth: {doc['gpu']}, {doc['date']}, commit {doc['commit']}", "",
-             f"{doc['programs']} programs ({doc['sms']} SMs), torch {doc['torch']}, Triton {doc['triton']}.", "",
+             f"{doc['programs']} programs ({doc['sms']} SMs), torch {doc['torch']}, Triton {doc['triton']}. "
+             f"Every pass's loads inside the compiled loop: {doc.get('loads_in_passes_loop')}.", "",
              "| buffer | MiB | passes | ms | GB/s | sums equal torch's |", "|---|---:|---:|---:|---:|---|"]
     lines += [f"| {r['buffer']} | {r['mib']:.0f} | {r['reps']} | {r['ms']:.3f} | {r['gb_s']:.0f} | "
               f"{r['sums_equal_torch']} |" for r in doc["rows"]]
@@ -163,7 +224,11 @@ def main(argv=None) -> int:
     for flag, (kind, default, text) in OPTIONS.items():
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--cpu-check", action="store_true", help="the kernel's sums under the interpreter")
+    p.add_argument("--sass-check", action="store_true",
+                   help="compile for sm_90 (no GPU needed) and check that every pass's loads stay in the loop")
     args = p.parse_args(argv)
+    if args.sass_check:
+        return sass_check()
     return cpu_check() if args.cpu_check else write(gpu_run(args), Path(args.out))
 
 
