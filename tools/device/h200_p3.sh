@@ -159,7 +159,9 @@ t1)  # GPU MB GB [precisions [scopes]]: the T1 twin (conf/train/proxy_throughput
   ;;
 t1cells)  # GPU MB "recipe:scope ..." [OVERRIDES...]: T1 cells, each in its own process (no allocator state carried
   # between cells); OVERRIDES go to every cell (e.g. train.steps=30 train.measure.steps=20 for a longer window);
-  # logs t1_RECIPE_SCOPE[_dq-MODE]_mbMB.log, MODE = $FP4MOE_DISPATCH_QUANTIZE when set, numbered when repeated
+  # logs t1_RECIPE_SCOPE[_dq-MODE]_mbMB.log, MODE = $FP4MOE_DISPATCH_QUANTIZE when set, numbered when repeated; each
+  # cell checkpoints (if stopped by a signal) into a folder of its own, so that a cell killed by a timeout does not
+  # leave the next cell a checkpoint of another precision (an OVERRIDE train.checkpoint_dir=... still wins)
   gpu=$1 mb=$2 cells=$3; shift 3
   for cell in $cells; do
     recipe=${cell%%:*} scope=${cell##*:}
@@ -167,7 +169,7 @@ t1cells)  # GPU MB "recipe:scope ..." [OVERRIDES...]: T1 cells, each in its own 
     n=1; while [ -e "${base}_$n.log" ]; do n=$((n + 1)); done; log="${base}_$n.log"
     CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "t1_gpu$gpu") python3 -m fp4moe.train experiment=proxy_t1_1gpu \
       "${COMMON[@]}" hydra.mode=RUN "$(fresh)" parallel.micro_batch=$mb parallel.global_batch=$mb precision=$recipe \
-      recompute=$scope "$@" > "$log" 2>&1 || true
+      recompute=$scope train.checkpoint_dir="${log%.log}_ckpt" "$@" > "$log" 2>&1 || true
     echo "$recipe $scope ${FP4MOE_DISPATCH_QUANTIZE:-}: $(grep -h 'done:\|out of GPU memory\|Error' "$log" | tail -1 | cut -c1-160)"
   done
   keep
