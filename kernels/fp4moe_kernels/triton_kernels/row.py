@@ -327,7 +327,8 @@ def bf16_to_fp8_row_kernel(x_ptr, q_ptr, s_ptr, row_seg_ptr, seg_off_ptr, M, K: 
 def bf16_to_fp4_and_fp8_row_kernel(x_ptr, q4_ptr, s4_ptr, q8_ptr, s8_ptr, row_seg_ptr, seg_off_ptr, M,
                                    K: tl.constexpr, R: tl.constexpr, RULE_CEIL: tl.constexpr,
                                    SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr, X_BF16: tl.constexpr):
-    """R 128-groups per program: their 4R MXFP4 blocks and their FP8 1x128 rows from one read of the input."""
+    """R 128-groups per program -> their 4R MXFP4 blocks and their FP8 1x128 rows (the BF16 path loads the input
+    twice, the second time from L1; the float32 path once)."""
     b = tl.program_id(0).to(tl.int64) * (4 * R) + tl.arange(0, 4 * R)
     bmask = b < M * (K // 32)
     if X_BF16:  # the 4R MXFP4 blocks in the layout of BF16ToFP4Row (one thread per block); the FP8 part below reads
