@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -82,7 +83,6 @@ def loads_in_passes_loop(kernel=None, window: int = 10 * BLOCK, reps: int = 20) 
     load of the SASS lies inside a loop (between a backward branch and its target): False means the compiler loaded
     the window once and repeated only the additions, so the GB/s would count bytes never read."""
     import re
-    import subprocess
     import tempfile
 
     from triton.backends.compiler import GPUTarget
@@ -181,7 +181,10 @@ def gpu_run(args) -> dict:
     for name, mib, reps in (("l2", args.l2_mib, args.reps), ("dram", args.dram_mib, 1)):
         n = mib * 2**20 // 4 // (programs * BLOCK) * (programs * BLOCK)
         if name == "l2":  # the compiled kernel at this window and pass count loads in every pass (else GB/s is void)
-            doc["loads_in_passes_loop"] = loads_in_passes_loop(window=n // programs, reps=reps)
+            try:
+                doc["loads_in_passes_loop"] = loads_in_passes_loop(window=n // programs, reps=reps)
+            except (OSError, subprocess.CalledProcessError) as exc:  # the measurement still counts; say why unchecked
+                doc["loads_in_passes_loop"] = f"not checked: {exc}"
         x = values(n, dev)
         ok = torch.equal(window_sums(x, programs, reps), reference_sums(x, programs, reps))
         ms = do_bench(lambda: window_sums(x, programs, reps), warmup=25, rep=200)
