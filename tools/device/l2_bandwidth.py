@@ -44,19 +44,23 @@ BLOCK = 2048   # int32 per load step of one program: 8 KiB, 16 B per thread and 
 
 @triton.jit
 def window_sum_kernel(x_ptr, out_ptr, WINDOW: tl.constexpr, REPS: tl.constexpr, BLOCK: tl.constexpr,
-                      CG: tl.constexpr):
+                      CG: tl.constexpr, ROTATE: tl.constexpr = True):
     """out[p] = REPS x the sum of ``x[p * WINDOW : (p + 1) * WINDOW]`` (int32; the callers' values keep it from
-    overflowing), every pass loaded again. Pass r reads the window's steps rotated by r (step (i + r) mod steps): the
-    same bytes, but at addresses that depend on the pass, so the compiler cannot hoist the loads out of the passes
-    loop (with the same addresses every pass, ptxas loaded the window once and only added in the loop:
-    ``loads_in_passes_loop``)."""
+    overflowing), every pass loaded again. With ``ROTATE`` pass r reads the window's steps rotated by r (step
+    (i + r) mod steps): the same bytes, but at addresses that depend on the pass, so the compiler cannot hoist the
+    loads out of the passes loop. ``ROTATE=False`` is the probe's first form, the negative control of
+    ``loads_in_passes_loop``: the same addresses every pass, and ptxas loaded the window once and only added in the
+    loop (an H100 run of it reported 27 TB/s)."""
     base = x_ptr + tl.program_id(0).to(tl.int64) * WINDOW
     offs = tl.arange(0, BLOCK)
     total = tl.zeros((BLOCK,), dtype=tl.int32)
     steps: tl.constexpr = WINDOW // BLOCK
     for r in range(REPS):
         for i in range(0, steps):
-            at = base + ((i + r) % steps) * BLOCK + offs
+            if ROTATE:
+                at = base + ((i + r) % steps) * BLOCK + offs
+            else:
+                at = base + i * BLOCK + offs
             if CG:
                 total += tl.load(at, cache_modifier=".cg")
             else:
@@ -64,42 +68,22 @@ def window_sum_kernel(x_ptr, out_ptr, WINDOW: tl.constexpr, REPS: tl.constexpr, 
     tl.store(out_ptr + tl.program_id(0), tl.sum(total, axis=0))
 
 
-@triton.jit
-def same_addresses_every_pass(x_ptr, out_ptr, WINDOW: tl.constexpr, REPS: tl.constexpr, BLOCK: tl.constexpr,
-                              CG: tl.constexpr):
-    """The probe's first kernel, kept as the negative control of ``loads_in_passes_loop``: every pass loads the same
-    addresses, and ptxas hoisted the loads out of the passes loop (an H100 run of it reported 27 TB/s)."""
-    base = x_ptr + tl.program_id(0).to(tl.int64) * WINDOW
-    offs = tl.arange(0, BLOCK)
-    total = tl.zeros((BLOCK,), dtype=tl.int32)
-    for _ in range(REPS):
-        for i in range(0, WINDOW, BLOCK):
-            total += tl.load(base + i + offs, cache_modifier=".cg")
-    tl.store(out_ptr + tl.program_id(0), tl.sum(total, axis=0))
-
-
-def loads_in_passes_loop(kernel=None, window: int = 10 * BLOCK, reps: int = 20) -> bool:
-    """Compile ``kernel`` (default ``window_sum_kernel``) for sm_90 with Triton's ptxas and say whether every global
+def loads_in_passes_loop(rotate: bool = True, window: int = 10 * BLOCK, reps: int = 20) -> bool:
+    """Compile ``window_sum_kernel`` (``ROTATE=rotate``) for sm_90 with Triton's ptxas and say whether every global
     load of the SASS lies inside a loop (between a backward branch and its target): False means the compiler loaded
     the window once and repeated only the additions, so the GB/s would count bytes never read."""
     import re
-    import tempfile
 
+    from fp4moe_kernels.triton_kernels.aot import sm90_sass
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {"x_ptr": "*i32", "out_ptr": "*i32", "WINDOW": "constexpr", "REPS": "constexpr", "BLOCK": "constexpr",
-           "CG": "constexpr"}
-    src = ASTSource(fn=kernel or window_sum_kernel, signature=sig,
-                    constexprs={"WINDOW": window, "REPS": reps, "BLOCK": BLOCK, "CG": True},
+           "CG": "constexpr", "ROTATE": "constexpr"}
+    src = ASTSource(fn=window_sum_kernel, signature=sig,
+                    constexprs={"WINDOW": window, "REPS": reps, "BLOCK": BLOCK, "CG": True, "ROTATE": rotate},
                     attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as d:
-        Path(d, "k.ptx").write_text(ptx)
-        subprocess.run([str(tools / "ptxas"), "-arch=sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"], check=True)
-        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f"{d}/k.cubin"], capture_output=True, text=True,
-                              check=True).stdout
+    _, sass = sm90_sass(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
     ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
     loops = [(int(t, 16), a) for a, op in ins for t in re.findall(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", op)
              if int(t, 16) < a]
@@ -160,8 +144,8 @@ def cpu_check() -> int:
 
 def sass_check() -> int:
     """0 iff the probe's compiled loads are inside its passes loop and the negative control's are not."""
-    probe, control = loads_in_passes_loop(), loads_in_passes_loop(same_addresses_every_pass)
-    print(f"loads inside the passes loop (sm_90 SASS): window_sum_kernel: {probe}, same_addresses_every_pass: "
+    probe, control = loads_in_passes_loop(), loads_in_passes_loop(rotate=False)
+    print(f"loads inside the passes loop (sm_90 SASS): window_sum_kernel: {probe}, ROTATE=False (the first form): "
           f"{control}")
     return 0 if probe and not control else 1
 

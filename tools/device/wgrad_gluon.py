@@ -52,9 +52,7 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.experimental import gluon
@@ -202,12 +200,9 @@ SIG = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*
        "num_warps": "constexpr"}
 
 
-def _bin(name: str) -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
 def aot(bn=64, bk=128, warps=4, stages=3) -> dict:
     """Compile for sm_90a on the CPU: registers, spills, shared memory, wgmma wait census (PTX and SASS)."""
+    from fp4moe_kernels.triton_kernels.aot import sm90_sass
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -216,14 +211,7 @@ def aot(bn=64, bk=128, warps=4, stages=3) -> dict:
                          constexprs={"BN": bn, "BK": bk, "STAGES": stages, "num_warps": warps}, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx_text = compiled.asm["ptx"]
-    with tempfile.TemporaryDirectory() as d:
-        ptx = os.path.join(d, "k.ptx")
-        with open(ptx, "w") as fh:
-            fh.write(ptx_text)
-        out = subprocess.run([_bin("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([_bin("cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
-                              capture_output=True, text=True, check=True).stdout
+    out, sass = sm90_sass(ptx_text)
     waits = collections.Counter(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx_text))
     depbar = collections.Counter(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", sass))
     serialized = [ln.strip() for ln in out.splitlines() if "serialized" in ln]

@@ -125,6 +125,18 @@ def _bin(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def sm90_sass(ptx: str) -> tuple[str, str]:
+    """(``ptxas -v`` log, ``cuobjdump -sass`` listing) of ``ptx`` assembled for sm_90a by Triton's bundled ptxas."""
+    with tempfile.TemporaryDirectory() as d:
+        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(src, "w") as fh:
+            fh.write(ptx)
+        log = subprocess.run([_bin("ptxas"), "-arch=sm_90a", "-v", src, "-o", cubin], capture_output=True, text=True,
+                             check=True).stderr
+        sass = subprocess.run([_bin("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return log, sass
+
+
 def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
     """Compile kernel ``name`` for sm_90 with channel count ``k`` and the launcher's tile (or ``tile``)."""
     fn, sig = KERNELS[name]
@@ -154,14 +166,7 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    with tempfile.TemporaryDirectory() as d:
-        ptx = os.path.join(d, "k.ptx")
-        with open(ptx, "w") as fh:
-            fh.write(compiled.asm["ptx"])
-        out = subprocess.run([_bin("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([_bin("cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
-                              capture_output=True, text=True, check=True).stdout
+    out, sass = sm90_sass(compiled.asm["ptx"])
     regs = int(re.search(r"Used (\d+) registers", out).group(1))
     spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\d+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
