@@ -269,6 +269,31 @@ def test_slurm_task_environment(tmp_path, monkeypatch):
         teardown(info)
 
 
+def test_one_task_slurm_step_needs_no_port(tmp_path, monkeypatch):
+    """A one-task Slurm step starts even when the port submitit picks for it is held by another process: one
+    process keeps its group on an in-process store and binds nothing (a CI run's array task failed with EADDRINUSE)."""
+    from fp4moe.settings import Settings
+    from fp4moe.train.dist import init_distributed, teardown
+
+    parallel = Settings.from_config(_compose(tmp_path)).parallel
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "SUBMITIT_EXECUTOR"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        slurm = {"SLURM_JOB_ID": "4243", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                 "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost",
+                 "SLURM_STEP_ID": "0", "MASTER_PORT": str(held.getsockname()[1])}
+        for k, v in slurm.items():
+            monkeypatch.setenv(k, v)
+        info = init_distributed(parallel)
+        try:
+            assert (info.launcher, info.rank, info.world_size) == ("slurm", 0, 1)
+        finally:
+            teardown(info)
+
+
 def test_host_tags_name_each_host_once_in_rank_order():
     """The run's ``hosts`` / ``num_hosts`` tags from every rank's host name (two nodes x 2 tasks, then 300 hosts,
     cut to MLflow's tag limit)."""
