@@ -179,9 +179,8 @@ def fp4_row_to_fp8_row(a: MXFP4Tensor, seg: Segments) -> FP8RowTensor:
     s = torch.empty(m * (k // 128), dtype=torch.float32, device=a.device)
     single, row_seg, seg_off = _seg_args(seg, m, a.device)
     if m:
-        # the kernel reads a block's data as two int64 words and a group's four UE8M0 codes as one int32 word:
-        # data 8-byte aligned, scales 4-byte aligned (a misaligned view is copied first)
-        data = a.data if a.data.data_ptr() % 8 == 0 else a.data.clone()
+        # the kernel reads data and scales as int32 words (a group's four UE8M0 codes in one load): 4-byte aligned
+        data = a.data if a.data.data_ptr() % 4 == 0 else a.data.clone()
         scales = a.scales if a.scales.data_ptr() % 4 == 0 else a.scales.clone()
         grid, meta = _row_launch("fp4_row_to_fp8_row", m, k, 128)
         row.fp4_row_to_fp8_row_kernel[grid](data, scales, o.view(torch.int16), s, row_seg, seg_off, m, k,

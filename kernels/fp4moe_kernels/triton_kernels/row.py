@@ -356,24 +356,9 @@ def _fp4_group_code(sw):
 
 
 @triton.jit
-def _fp4_to_fp8_words(w, t0, t1, sgn, EMULATE: tl.constexpr):
-    """E4M3 words of the eight elements of each E2M1 word ``w`` (nibble n = element n) through the byte table
-    ``t0``, ``t1`` of its block -> (elements 0..3, elements 4..7). ``prmt`` with the magnitude bits as selectors
-    looks up four elements at once; two more move the sign bits (nibble bit 3) to byte bit 7, masked by ``sgn``."""
-    mag = w & 0x77777777
-    lo = prmt(t0, t1, mag, EMULATE)  # elements 0..3 of the word
-    hi = prmt(t0, t1, mag >> 16, EMULATE)  # elements 4..7
-    ws = w << 4  # even elements' sign bits (nibble bit 3) at byte bit 7; odd ones are there in w
-    lo = lo | (prmt(ws, w, tl.full(w.shape, 0x5140, tl.int32), EMULATE) & sgn)
-    hi = hi | (prmt(ws, w, tl.full(w.shape, 0x7362, tl.int32), EMULATE) & sgn)
-    return lo, hi
-
-
-@triton.jit
 def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_ptr, M, K: tl.constexpr,
                               R: tl.constexpr, SINGLE_SEGMENT: tl.constexpr, EMULATE: tl.constexpr):
-    """R groups = 4R blocks per program, one block per thread: its four int32 words of eight E2M1 nibbles as one
-    16-byte load, its 32 E4M3 bytes as two 16-byte stores (so the block's byte table below is built once per block).
+    """R groups = 4R blocks per program, each block as four int32 words of eight E2M1 nibbles.
 
     Per block, the eight E4M3 magnitudes ``e4m3(v_c * 2**(e_k - G))`` of the E2M1 magnitude codes c = 0..7 are a
     byte table in two registers (four exact ``cvt.rn.satfinite.e4m3x2`` per 32 elements: subnormals, underflow
@@ -381,14 +366,14 @@ def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_
     becomes two output words by byte permutes (SIMD within a register): ``prmt`` with the nibbles' magnitude
     bits as selectors looks up four elements at once, two more ``prmt`` move the sign bits (nibble bit 3) to
     byte bit 7. The group's four codes come as one 32-bit word (all four threads of a group load the same word)."""
-    b = tl.program_id(0).to(tl.int64) * (4 * R) + tl.arange(0, 4 * R)  # flat blocks of 32 elements
-    g = b // 4
+    h = tl.program_id(0).to(tl.int64) * (8 * R) + tl.arange(0, 8 * R)  # flat half-blocks of 16 elements
+    g = h // 8
     mask = g < M * (K // 128)
-    v = tl.load(q_ptr.to(tl.pointer_type(tl.int64)) + b[:, None] * 2 + tl.arange(0, 2)[None, :],
-                mask=mask[:, None], other=0)  # [4R, 2]: words 0, 1 | 2, 3; element 8i + n in nibble n of word i
+    w = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + h[:, None] * 2 + tl.arange(0, 2)[None, :],
+                mask=mask[:, None], other=0)  # [8R, 2]: element 8i + n in nibble n of word i
     sw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + g, mask=mask, other=0)
     gcode = _fp4_group_code(sw)
-    code = (sw >> (8 * (b % 4)).to(tl.int32)) & 0xFF
+    code = (sw >> (8 * ((h // 2) % 4).to(tl.int32))) & 0xFF
     nan_blk = code == 255
     # element = v_c * 2**(e_k - G): exact in float32; below 2**-126 everything rounds to 0 in E4M3
     # (a NaN block's f is NaN: its whole table, the entry of code 0 included (NaN * 0), is 0x7F)
@@ -400,19 +385,18 @@ def fp4_row_to_fp8_row_kernel(q_ptr, s_ptr, o_ptr, os_ptr, row_seg_ptr, seg_off_
     t1 = (e4m3x2((f * 2.0).to(tl.int32, bitcast=True), (f * 3.0).to(tl.int32, bitcast=True), EMULATE).to(tl.int32)
           & 0xFFFF) | (e4m3x2((f * 4.0).to(tl.int32, bitcast=True), (f * 6.0).to(tl.int32, bitcast=True),
                               EMULATE).to(tl.int32) << 16)
-    t0 = t0[:, None]
-    t1 = t1[:, None]
+    t0 = tl.broadcast_to(t0[:, None], (8 * R, 2))
+    t1 = tl.broadcast_to(t1[:, None], (8 * R, 2))
     sgn = tl.where(nan_blk, 0, -2139062144)[:, None]  # 0x80808080; a NaN block's bytes are all 0x7F
-    l0, h0 = _fp4_to_fp8_words(v.to(tl.int32), t0, t1, sgn, EMULATE)  # input words 0 (column 0) and 2 (column 1)
-    l1, h1 = _fp4_to_fp8_words((v >> 32).to(tl.int32), t0, t1, sgn, EMULATE)  # words 1 and 3
-    l0a, l0b = tl.split(l0)
-    h0a, h0b = tl.split(h0)
-    l1a, l1b = tl.split(l1)
-    h1a, h1b = tl.split(h1)
-    # output words 0..3 (from input words 0, 1) and 4..7 (from 2, 3) as [4R, 4] each: [.., i, n] = word 2i + n
-    op = o_ptr.to(tl.pointer_type(tl.int32)) + b[:, None] * 8 + tl.arange(0, 4)[None, :]
-    tl.store(op, tl.reshape(tl.join(tl.join(l0a, l1a), tl.join(h0a, h1a)), (4 * R, 4)), mask=mask[:, None])
-    tl.store(op + 4, tl.reshape(tl.join(tl.join(l0b, l1b), tl.join(h0b, h1b)), (4 * R, 4)), mask=mask[:, None])
+    mag = w & 0x77777777
+    lo = prmt(t0, t1, mag, EMULATE)  # elements 0..3 of the word
+    hi = prmt(t0, t1, mag >> 16, EMULATE)  # elements 4..7
+    ws = w << 4  # even elements' sign bits (nibble bit 3) at byte bit 7; odd ones are there in w
+    lo = lo | (prmt(ws, w, tl.full(w.shape, 0x5140, tl.int32), EMULATE) & sgn)
+    hi = hi | (prmt(ws, w, tl.full(w.shape, 0x7362, tl.int32), EMULATE) & sgn)
+    out = tl.reshape(tl.join(lo, hi), (8 * R, 4))
+    tl.store(o_ptr.to(tl.pointer_type(tl.int32)) + h[:, None] * 4 + tl.arange(0, 4)[None, :], out,
+             mask=mask[:, None])
     gg = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     gmask = gg < M * (K // 128)
     gsw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + gg, mask=gmask, other=0)
