@@ -1,8 +1,10 @@
 """``python -m fp4moe_kernels.bench.cuda_col``: FP4RowToFP8Col by the CUDA C++ kernel (each variant) against the
-Triton kernel, side by side in one run, with the copy bandwidth measured in the same run (one Hopper GPU).
+Triton kernel (``triton_kernels.launchers``, called directly: ``convert.fp4_row_to_fp8_col`` itself runs the CUDA
+default where it builds), side by side in one run, with the copy bandwidth measured in the same run (one Hopper GPU).
 
 Prints microseconds per call (CUDA-graph replays), GB/s over the conversion's minimum bytes, % of the copy
-bandwidth and the speed-up over Triton; writes ``<out>/cuda_col_<gpu>_<date>_<commit>.json``.
+bandwidth and the speed-up over Triton; writes ``<out>/cuda_col_<gpu>_<date>_<commit>.json`` (``<gpu>`` as the
+conversion benchmark names it, e.g. ``h100-80gb-hbm3``).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import convert as ops
+from ..triton_kernels import launchers
 from ..cuda_kernels import VARIANTS, available, fp4_row_to_fp8_col
 from .conversions import default_shapes, min_bytes
 from .timing import copy_bandwidth_gbps, do_bench, environment
@@ -38,7 +41,7 @@ def main(argv=None) -> int:
         x = torch.randn(shape.m, shape.k, device="cuda", dtype=torch.bfloat16)
         q = ops.bf16_to_fp4_row(x)
         seg = shape.seg
-        impls = {"triton": lambda: ops.fp4_row_to_fp8_col(q, shape.counts)}
+        impls = {"triton": lambda: launchers.fp4_row_to_fp8_col(q, seg)}
         impls.update({f"cuda {v}": (lambda v=v: fp4_row_to_fp8_col(q, seg, v)) for v in VARIANTS})
         base = None
         for name, fn in impls.items():
@@ -50,7 +53,8 @@ def main(argv=None) -> int:
                   f"{base / us:5.2f}x Triton")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cuda_col_{env['gpu'].split()[-1].lower()}_{env['date'][:10]}_{env['commit'][:7]}.json"
+    gpu = env["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()  # as bench.conversions names its files
+    path = out / f"cuda_col_{gpu}_{env['date'][:10]}_{env['commit'][:7]}.json"
     path.write_text(json.dumps({"env": env, "copy_gbps": copy, "rows": rows}, indent=1))
     print(f"wrote {path}")
     return 0
