@@ -27,7 +27,8 @@ SOURCES = {"fp4_row_to_fp8_col": Path(__file__).with_name("fp4_row_to_fp8_col.cu
 # fp4_row_to_fp8_col: general path only; SWAR fast path + general fallback; the prmt fast path + general fallback;
 # the same with four tiles per block (the next tile's loads in flight during the conversion); those two held to 96
 # registers (5 blocks per SM instead of 4). The default, prmt4_b5, was the fastest bit-exact one measured side by side
-# (1.20-1.25x the Triton kernel and swar on an H100, 2026-12-05: results/kernels/cuda_col_h100_2026-12-05_0156b2e.json)
+# (1.20-1.25x swar on an H100, 2026-12-05: results/kernels/cuda_col_h100_2026-12-05_0156b2e.json, whose "triton" rows
+# were swar too: results/kernels/README.md)
 DEFAULT_VARIANT = "prmt4_b5"
 VARIANTS = {"general": 0, "swar": 1, "prmt": 2, "prmt4": 3, "prmt_b5": 4, "prmt4_b5": 5}
 
