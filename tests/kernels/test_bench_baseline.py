@@ -45,29 +45,37 @@ def test_baseline_copy_runs_side_by_side_and_agrees(tmp_path):
             del sys.modules[name]
 
 
-def test_weight_quantizer_rows_run_beside_a_baseline(tmp_path, monkeypatch):
+def test_weight_quantizer_rows_run_beside_two_baselines(tmp_path, monkeypatch):
     """The weight quantizer's rows (``run_weights``, on the CPU under the interpreter, one call each instead of a
-    timing): this package's launcher and the baseline's give the same four tensors, bytes counted as documented;
-    without a loaded baseline there is no baseline quantizer."""
+    timing): this package's launcher and two baseline copies loaded side by side (each under its own package name,
+    as ``--baseline`` given twice loads them) give the same four tensors, bytes counted as documented; without a
+    loaded baseline there is no baseline quantizer."""
     src = Path(fp4moe_kernels.__file__).parent
-    base = tmp_path / "fp4moe_kernels"
-    shutil.copytree(src, base, ignore=shutil.ignore_patterns("__pycache__"))
+    folders = [tmp_path / "a" / "fp4moe_kernels", tmp_path / "b" / "fp4moe_kernels"]
+    for folder in folders:
+        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("__pycache__"))
     calls = []
     monkeypatch.setattr(bench, "do_bench", lambda fn, warmup_ms, rep_ms: calls.append(fn()) or 0.5)
     try:
-        bench.load_baseline(str(base))
-        quantize = bench.baseline_weight_quantizer()
-        assert quantize.__module__ == "fp4moe_kernels_baseline.triton_kernels.launchers"
+        names = [bench.BASELINE_MODULE, bench.BASELINE_MODULE + "_1"]
+        for folder, name in zip(folders, names):
+            bench.load_baseline(str(folder), name)
+        quantizers = [bench.baseline_weight_quantizer(name) for name in names]
+        assert [q.__module__ for q in quantizers] == [f"{n}.triton_kernels.launchers" for n in names]
+        assert [sys.modules[n].__file__ for n in names] == [str(f / "__init__.py") for f in folders]
         shape = bench.WeightShape("2x[256,384] +T", 2, 256, 384)
-        rows = bench.run_weights([shape], 4000.0, 1, 1, ("base", quantize), log=lambda *a: None, device="cpu")
+        rows = bench.run_weights([shape], 4000.0, 1, 1, list(zip(("a", "b"), quantizers)), log=lambda *a: None,
+                                 device="cpu")
         el = 2 * 256 * 384
         assert [(r.kernel, r.impl) for r in rows] == [("quantize_weight_128x128", "fp4moe"),
-                                                      ("quantize_weight_128x128", "fp4moe base")]
+                                                      ("quantize_weight_128x128", "fp4moe a"),
+                                                      ("quantize_weight_128x128", "fp4moe b")]
         assert all(r.bytes == 2 * el + 2 * (el + 4 * el // 128 ** 2) and r.ms == 0.5 for r in rows)
-        ours, theirs = calls
+        ours, first, second = calls
         assert len(ours) == 4 and ours[2].shape == (2, 384, 256)
-        for a, b in zip(ours, theirs):
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for theirs in (first, second):
+            for a, b in zip(ours, theirs):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     finally:
         for name in [m for m in sys.modules if m.startswith("fp4moe_kernels_baseline")]:
             del sys.modules[name]
@@ -92,6 +100,15 @@ def test_a_baseline_from_before_the_rename_loads_its_ops_module(tmp_path):
 def test_baseline_folder_without_package_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="git archive"):
         bench.load_baseline(str(tmp_path))
+
+
+def test_two_baselines_with_one_label_are_refused_before_anything_runs(capsys):
+    """Two --baseline copies under one label would share a column: refused at argument parsing, naming the label
+    and the fix, on any machine (no GPU needed to be told)."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--baseline", "build/x/fp4moe_kernels:old", "--baseline", "build/y/fp4moe_kernels:old"])
+    assert e.value.code == 2
+    assert "the label 'old' is taken by another --baseline" in capsys.readouterr().err
 
 
 def test_a_second_run_of_the_day_at_one_commit_keeps_the_first(tmp_path):

@@ -31,7 +31,8 @@
 #   bash tools/device/h200_p3.sh deepgemm              # build DeepGEMM's carried sdist for kernels.grouped_gemm=deepgemm
 #   COMMIT=sha bash tools/device/h200_p3.sh layer8     # issue 7: the V3 MoE layer with EP8, every recipe -> $OUT/moe_layer
 #   COMMIT=sha bash tools/device/h200_p3.sh kbench [DIR:LABEL [ARGS]]  # kernel benchmark -> $OUT/kernels, side by side
-#                                                      # with the baseline copy DIR (carried: git archive, see README)
+#                                                      # with the baseline copy DIR (carried: git archive, see README);
+#                                                      # more copies (candidates): --baseline DIR2:LABEL2 in ARGS
 #   bash tools/device/h200_p3.sh swiglu [ARGS]         # fused SwiGLU: GPU tests + benchmark (ARGS: fp4moe.bench.swiglu_fusion's)
 #   COMMIT=sha bash tools/device/h200_p3.sh cudacol    # CUDA C++ FP4RowToFP8Col: build, GPU tests, benchmark vs Triton
 #   bash tools/device/h200_p3.sh example               # examples/megatron_own_model.py (fp4moe.model.api), every recipe

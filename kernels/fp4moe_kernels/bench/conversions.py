@@ -82,13 +82,16 @@ def weight_bytes(shape: WeightShape, transpose: bool = True) -> int:
     return 2 * el + (2 if transpose else 1) * (el + 4 * el // (128 * 128))
 
 
-def baseline_weight_quantizer():
-    """The loaded baseline's ``launchers.quantize_weight_128x128`` (see ``load_baseline``), or None where that
-    package predates it."""
+BASELINE_MODULE = "fp4moe_kernels_baseline"  # the first baseline's package name; the n-th (n >= 1) adds _<n>
+
+
+def baseline_weight_quantizer(name: str = BASELINE_MODULE):
+    """The loaded baseline ``name``'s ``launchers.quantize_weight_128x128`` (see ``load_baseline``), or None where
+    that package predates it (or is not loaded)."""
     import importlib
 
     try:
-        mod = importlib.import_module("fp4moe_kernels_baseline.triton_kernels.launchers")
+        mod = importlib.import_module(f"{name}.triton_kernels.launchers")
     except ImportError:
         return None
     return getattr(mod, "quantize_weight_128x128", None)
@@ -176,9 +179,10 @@ def default_shapes(tokens: int = 32768, experts: int = 32, seed: int = 0) -> lis
     ]
 
 
-def load_baseline(path: str):
+def load_baseline(path: str, name: str = BASELINE_MODULE):
     """An older copy of this package (e.g. ``git archive <commit> kernels/fp4moe_kernels``, unpacked) imported
-    under another name, so that its kernels run side by side with these in one process: (convert, formats)."""
+    under another name (``name``: one per copy, so that several load side by side), so that its kernels run side
+    by side with these in one process: (convert, formats)."""
     import importlib
     import importlib.util
 
@@ -186,7 +190,6 @@ def load_baseline(path: str):
     if not os.path.isfile(init):
         raise FileNotFoundError(f"--baseline {path}: no __init__.py there; give the unpacked fp4moe_kernels folder "
                                 "of the other commit (git archive <commit> kernels/fp4moe_kernels | tar x)")
-    name = "fp4moe_kernels_baseline"
     spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[path])
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
@@ -267,9 +270,10 @@ def _peers(x):
 
 
 def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, log=print,
-        baseline=None, weight_shapes=()) -> tuple[float, list[Row], list[str]]:
-    """Every kernel on every shape (and, with ``baseline`` = (label, convert, formats), the baseline's kernels),
-    then the weight quantizer on every ``weight_shapes`` (``WeightShape``; the baseline's too where it has one)."""
+        baselines=(), weight_shapes=()) -> tuple[float, list[Row], list[str]]:
+    """Every kernel on every shape (and, for each of ``baselines`` = (label, convert, formats, package name), that
+    copy's kernels), then the weight quantizer on every ``weight_shapes`` (``WeightShape``; each baseline's too where
+    it has one)."""
     copy = copy_bandwidth_gbps(warmup_ms, rep_ms)
     log(f"copy bandwidth (1 GiB bf16 D2D, read+write): {copy:.0f} GB/s")
     rows: list[Row] = []
@@ -290,8 +294,7 @@ def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, lo
 
         for kernel, fn in _ours(shape, x, a, f).items():
             add(kernel, "fp4moe", fn)
-        if baseline is not None:
-            label, bops, bfmt = baseline
+        for label, bops, bfmt, _ in baselines:
             for kernel, fn in _ours(shape, x, a, f, bops, bfmt).items():
                 add(kernel, f"fp4moe {label}", fn)
         for impl, items in _round_trips(shape, a).items():
@@ -309,29 +312,29 @@ def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, lo
         del x, a, f
         torch.cuda.empty_cache()
     if weight_shapes:
-        base = None
-        if baseline is not None:
-            base = (baseline[0], baseline_weight_quantizer())
-            if base[1] is None:
-                notes.append(f"baseline {baseline[0]} has no launchers.quantize_weight_128x128: weight rows without it")
+        bases = []
+        for label, _, _, name in baselines:
+            quantize = baseline_weight_quantizer(name)
+            if quantize is None:
+                notes.append(f"baseline {label} has no launchers.quantize_weight_128x128: weight rows without it")
                 log(notes[-1])
-                base = None
-        rows += run_weights(weight_shapes, copy, warmup_ms, rep_ms, base, log)
+            else:
+                bases.append((label, quantize))
+        rows += run_weights(weight_shapes, copy, warmup_ms, rep_ms, bases, log)
     return copy, rows, notes
 
 
-def run_weights(shapes: list[WeightShape], copy: float, warmup_ms: int, rep_ms: int, baseline=None, log=print,
+def run_weights(shapes: list[WeightShape], copy: float, warmup_ms: int, rep_ms: int, baselines=(), log=print,
                 device="cuda") -> list[Row]:
-    """The weight quantizer on every shape (random bf16 weights, seed 0) and, with ``baseline`` = (label,
-    quantize), a baseline's launcher beside it; % of ``copy`` GB/s."""
+    """The weight quantizer on every shape (random bf16 weights, seed 0) and, for each of ``baselines`` = (label,
+    quantize), that baseline's launcher beside it; % of ``copy`` GB/s."""
     rows = []
     for shape in shapes:
         g = torch.Generator(device=device).manual_seed(0)
         w = torch.randn(shape.experts * shape.n, shape.k, device=device, dtype=torch.bfloat16, generator=g)
         nb = weight_bytes(shape)
         impls = [("fp4moe", _weight_fns(shape, w))]
-        if baseline is not None:
-            impls.append((f"fp4moe {baseline[0]}", _weight_fns(shape, w, baseline[1])))
+        impls += [(f"fp4moe {label}", _weight_fns(shape, w, quantize)) for label, quantize in baselines]
         for impl, fns in impls:
             for kernel, fn in fns.items():
                 ms = do_bench(fn, warmup_ms, rep_ms)
@@ -487,15 +490,23 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="first sweep tile/warp configs per kernel and use the fastest for the table (slow)")
     p.add_argument("--sweep-kernels", default="", help="comma-separated kernels to sweep (default: all)")
-    p.add_argument("--baseline", default=None, metavar="DIR[:LABEL]",
+    p.add_argument("--baseline", action="append", default=[], metavar="DIR[:LABEL]",
                    help="also time an older copy of fp4moe_kernels (its folder; LABEL, e.g. its commit, names the "
-                        "column) on the same inputs, side by side")
+                        "column) on the same inputs, side by side; repeat it for several copies (candidates)")
     p.add_argument("--commit", default=None, help="git commit to record (default: FP4MOE_COMMIT or git)")
     p.add_argument("--timing", choices=("cuda-graph", "events"), default="cuda-graph",
                    help="cuda-graph replays (default) or plain CUDA events around each call")
     args = p.parse_args(argv)
     if args.weights_only and (args.sweep or args.no_weights):
         p.error("--weights-only times only the weight quantizer: no --sweep (token shapes), no --no-weights")
+    specs = {}  # label -> folder, in the order given
+    for spec in args.baseline:
+        path, _, label = spec.partition(":")
+        label = label or os.path.basename(os.path.normpath(path))
+        if label in specs:
+            p.error(f"--baseline {spec}: the label {label!r} is taken by another --baseline; give each its own "
+                    "(DIR:LABEL)")
+        specs[label] = path
     if not torch.cuda.is_available():
         print("the kernel benchmark needs a CUDA GPU (H100/H200); results measured on an H200 are in results/kernels/",
               file=sys.stderr)
@@ -514,12 +525,14 @@ def main(argv=None) -> int:
     from ..triton_kernels import launchers
 
     env["tiles"] = {k: list(v) for k, v in launchers.TILES.items()}
-    baseline = None
-    if args.baseline:
-        path, _, label = args.baseline.partition(":")
-        baseline = (label or os.path.basename(os.path.normpath(path)), *load_baseline(path))
-        env["baseline"] = baseline[0]
-    copy, rows, notes = run(shapes, args.warmup_ms, args.rep_ms, peers=not args.no_peers, baseline=baseline,
+    baselines = []
+    for i, (label, path) in enumerate(specs.items()):
+        name = BASELINE_MODULE + (f"_{i}" if i else "")
+        baselines.append((label, *load_baseline(path, name), name))
+    if baselines:
+        env["baseline"] = baselines[0][0]
+        env["baselines"] = [b[0] for b in baselines]
+    copy, rows, notes = run(shapes, args.warmup_ms, args.rep_ms, peers=not args.no_peers, baselines=baselines,
                             weight_shapes=[] if args.no_weights else default_weight_shapes(args.experts))
     copy_end = copy_bandwidth_gbps(args.warmup_ms, args.rep_ms)
     if copy_end > copy:  # report against the best copy seen in the run, and say so
