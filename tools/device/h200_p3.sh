@@ -35,6 +35,9 @@
 #                                                      # more copies (candidates): --baseline DIR2:LABEL2 in ARGS
 #   bash tools/device/h200_p3.sh swiglu [ARGS]         # fused SwiGLU: GPU tests + benchmark (ARGS: fp4moe.bench.swiglu_fusion's)
 #   COMMIT=sha bash tools/device/h200_p3.sh cudacol    # CUDA C++ FP4RowToFP8Col: build, GPU tests, benchmark vs Triton
+#   COMMIT=sha bash tools/device/h200_p3.sh kernelset [DIR:LABEL [ARGS]]  # issue 28's kernel measurements in one call:
+#                                                      # the L2 probe, kbench (ARGS as kbench's), cudacol -> one file,
+#                                                      # $OUT/kernelset.tgz ($OUT returns at most 8 files)
 #   bash tools/device/h200_p3.sh example               # examples/megatron_own_model.py (fp4moe.model.api), every recipe
 #   COMMIT=sha bash tools/device/h200_p3.sh reproduce [SECS]  # issue 6: python -m fp4moe.reproduce (make reproduce-table's
 #                                                      # command) for at most SECS (520); the same call again goes on
@@ -307,6 +310,17 @@ example)  # examples/megatron_own_model.py (fp4moe.model.api) on the GPU: every 
 cudacol)  # the CUDA C++ FP4RowToFP8Col (the default where it builds): built on first use, GPU tests, benchmark
   python3 -m pytest -q -m gpu tests/kernels/test_cuda_col.py 2>&1 | tee "$OUT/cuda_col_gpu_tests.log" | tail -3
   python3 -m fp4moe_kernels.bench.cuda_col --out "$OUT" --commit "${COMMIT:-unknown}" 2>&1 | tail -25
+  ;;
+kernelset)  # [BASELINE_DIR:LABEL [kbench args...]]: the L2 probe, the kernel benchmark and the CUDA FP4RowToFP8Col
+  # variants (with their GPU tests) into one archive; about 5 minutes after setup on an H100
+  : "${COMMIT:?COMMIT=sha names the code: the files are labelled by it}"
+  ks=$STATE/kernelset_$(date +%H%M%S)
+  mkdir -p "$ks"
+  timeout -k 10 120 python3 tools/device/l2_bandwidth.py --out "$ks/l2" 2>&1 | tail -12 || true
+  OUT=$ks bash "$0" kbench "$@" 2>&1 | grep -v "^ " | tail -45 || true
+  OUT=$ks bash "$0" cudacol 2>&1 | tail -12 || true
+  (cd "$ks" && tar czf "$OUT/kernelset.tgz" .)
+  echo "kernelset: $(cd "$ks" && find . -type f | wc -l) files in \$OUT/kernelset.tgz"
   ;;
 reproduce)  # [SECS]: what `make reproduce-table` runs (not make itself: its venv step needs PyPI), into one MLflow
   # store kept between calls; a call cut short by SECS leaves its cell unfinished, the next call runs it again
