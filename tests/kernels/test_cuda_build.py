@@ -55,3 +55,36 @@ def test_col_input_problem_names_what_the_kernel_cannot_take():
     assert "multiple of 128" in cuda_kernels.col_input_problem(ref.bf16_to_fp4_row(torch.randn(8, 96).to(torch.bfloat16)))
     shifted = torch.empty(a.data.numel() + 1, dtype=torch.uint8)[1:].view(8, 128)  # 1 byte off alignment
     assert "aligned" in cuda_kernels.col_input_problem(MXFP4Tensor(shifted, a.scales, a.shape))
+
+
+def test_each_source_text_builds_under_its_own_name(tmp_path):
+    """A copy of the package whose .cu differs (an older commit's, loaded beside this one by the kernel benchmark's
+    --baseline) gets another library name and build folder, so the process opens its library and not this one's;
+    an identical copy shares this one's build."""
+    import shutil as sh
+    from pathlib import Path
+
+    import fp4moe_kernels
+    from fp4moe_kernels.bench import conversions as bench
+
+    src = Path(fp4moe_kernels.__file__).parent
+    same, other = tmp_path / "same" / "fp4moe_kernels", tmp_path / "other" / "fp4moe_kernels"
+    for folder in (same, other):
+        sh.copytree(src, folder, ignore=sh.ignore_patterns("__pycache__"))
+    cu = other / "cuda_kernels" / "fp4_row_to_fp8_col.cu"
+    cu.write_text(cu.read_text() + "\n// another commit's text\n")
+    names = [bench.BASELINE_MODULE + "_same", bench.BASELINE_MODULE + "_other"]
+    try:
+        bench.load_baseline(str(same), names[0])
+        bench.load_baseline(str(other), names[1])
+        import importlib
+
+        ours = cuda_kernels.build_name("fp4_row_to_fp8_col")
+        theirs = [importlib.import_module(f"{n}.cuda_kernels").build_name("fp4_row_to_fp8_col") for n in names]
+        assert re.fullmatch(r"fp4moe_fp4_row_to_fp8_col_[0-9a-f]{12}", ours)
+        assert theirs[0] == ours and theirs[1] != ours
+    finally:
+        import sys
+
+        for name in [m for m in sys.modules if m.startswith(bench.BASELINE_MODULE)]:
+            del sys.modules[name]

@@ -1,7 +1,9 @@
 """CUDA C++ kernels where Triton cannot place the data (see each ``.cu`` file's header), built on first use with
 torch's extension loader (``torch.utils.cpp_extension.load``: needs ``nvcc`` and ``ninja``) into
-``$FP4MOE_CUDA_BUILD`` (default ``~/.cache/fp4moe/cuda``), one folder per torch / CUDA version. The library has no
-Python binding: it exports C functions that take device pointers and a CUDA stream, called through ctypes.
+``$FP4MOE_CUDA_BUILD`` (default ``~/.cache/fp4moe/cuda``), one folder per torch / CUDA version and per source text
+(``build_name``), so that two copies of this package in one process (the kernel benchmark's ``--baseline``) each run
+their own kernel. The library has no Python binding: it exports C functions that take device pointers and a CUDA
+stream, called through ctypes.
 
 Status: ``fp4moe_kernels.convert.fp4_row_to_fp8_col`` (and so the trainer) runs it by default where it builds (a
 Hopper GPU and nvcc; ``FP4MOE_CUDA_COL``: ``auto``, ``1``, ``0``, see ``convert.cuda_col_mode``), since it measured
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -44,6 +47,14 @@ def available() -> str | None:
     return None
 
 
+def build_name(name: str) -> str:
+    """The library's module and folder name: ``fp4moe_<name>_<first 12 hex of the source's SHA-256>``. One name per
+    source text: torch's loader names a rebuild from changed sources ``<name>_v1`` and a process keeps the first
+    library it opened under a path, so a second copy of this package with another source (an older commit's, timed
+    beside this one) would otherwise run this copy's kernel."""
+    return f"fp4moe_{name}_{hashlib.sha256(SOURCES[name].read_bytes()).hexdigest()[:12]}"
+
+
 @functools.cache
 def _lib(name: str) -> ctypes.CDLL:
     why = available()
@@ -52,9 +63,9 @@ def _lib(name: str) -> ctypes.CDLL:
     from torch.utils import cpp_extension
 
     root = Path(os.environ.get("FP4MOE_CUDA_BUILD", Path.home() / ".cache" / "fp4moe" / "cuda"))
-    build = root / f"torch{torch.__version__}_cuda{torch.version.cuda}" / name
+    mod = build_name(name)
+    build = root / f"torch{torch.__version__}_cuda{torch.version.cuda}" / mod
     build.mkdir(parents=True, exist_ok=True)
-    mod = f"fp4moe_{name}"
     cpp_extension.load(name=mod, sources=[str(SOURCES[name])], build_directory=str(build),
                        extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90"],
                        is_python_module=False, verbose=False)
