@@ -35,7 +35,7 @@ from .. import convert as ops
 from ..formats import MXFP4Tensor, Segments
 from ..selfcheck import make_counts
 from . import timing
-from .timing import copy_bandwidth_gbps, do_bench, environment
+from .timing import copy_bandwidth_gbps, do_bench, environment, gpu_file_name
 
 # ----------------------------------------------------------------------------------------- bytes
 
@@ -452,8 +452,7 @@ def write(out_dir: str, env: dict, copy: float, rows: list[Row], notes: list[str
     """Write json/csv/md; return the path stem (``kernels_<gpu>_<date>_<commit>``, plus ``_<HHMMSS>`` where a file of
     that name exists: a second run of the day at that commit). Files are written to a temporary name and renamed."""
     os.makedirs(out_dir, exist_ok=True)
-    gpu = env["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
-    stem = os.path.join(out_dir, f"kernels_{gpu}_{env['date'][:10]}_{env['commit'][:7]}")
+    stem = os.path.join(out_dir, f"kernels_{gpu_file_name(env['gpu'])}_{env['date'][:10]}_{env['commit'][:7]}")
     if os.path.exists(f"{stem}.json"):  # measured again the same day at the same commit: keep both
         stem += "_" + env["date"][11:19].replace(":", "")
     payload = {"env": env, "copy_gbps": copy, "rows": [asdict(r) for r in rows], "summary": summary(rows),

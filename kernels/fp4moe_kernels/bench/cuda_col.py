@@ -19,7 +19,7 @@ from .. import convert as ops
 from ..triton_kernels import launchers
 from ..cuda_kernels import VARIANTS, available, fp4_row_to_fp8_col
 from .conversions import default_shapes, min_bytes
-from .timing import copy_bandwidth_gbps, do_bench, environment
+from .timing import copy_bandwidth_gbps, do_bench, environment, gpu_file_name
 
 
 def main(argv=None) -> int:
@@ -53,8 +53,7 @@ def main(argv=None) -> int:
                   f"{base / us:5.2f}x Triton")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    gpu = env["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()  # as bench.conversions names its files
-    path = out / f"cuda_col_{gpu}_{env['date'][:10]}_{env['commit'][:7]}.json"
+    path = out / f"cuda_col_{gpu_file_name(env['gpu'])}_{env['date'][:10]}_{env['commit'][:7]}.json"
     path.write_text(json.dumps({"env": env, "copy_gbps": copy, "rows": rows}, indent=1))
     print(f"wrote {path}")
     return 0

@@ -49,6 +49,12 @@ def copy_bandwidth_gbps(warmup_ms: int, rep_ms: int, nbytes: int = 1 << 30) -> f
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def gpu_file_name(gpu: str) -> str:
+    """The GPU part of a benchmark's file names, from torch's device name: ``NVIDIA H100 80GB HBM3`` ->
+    ``h100-80gb-hbm3``, ``NVIDIA H200`` -> ``h200``."""
+    return gpu.replace("NVIDIA ", "").replace(" ", "-").lower()
+
+
 def environment(command: str, commit: str | None) -> dict:
     """What a benchmark result records about its run: date, commit, GPU, versions and ``command`` (in this
     repository its machine's folders written portably: fp4moe.tracking.mlflow_store.portable, e.g. ``--out

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fp4moe_kernels.bench.timing import copy_bandwidth_gbps, do_bench, environment
+from fp4moe_kernels.bench.timing import copy_bandwidth_gbps, do_bench, environment, gpu_file_name
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -125,8 +125,7 @@ def main(argv=None) -> int:
                      bwd_fp4_tiles=_bwd_tiles(a.bwd_fp4_tiles))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    gpu = env["gpu"].split()[-1].lower()
-    stem = out / f"swiglu_{gpu}_{env['date'][:10]}_{env['commit'][:7]}"
+    stem = out / f"swiglu_{gpu_file_name(env['gpu'])}_{env['date'][:10]}_{env['commit'][:7]}"
     stem.with_suffix(".json").write_text(json.dumps({"env": env, "copy_gbps": copy, "rows": rows}, indent=1))
     lines = [f"# Fused SwiGLU vs unfused torch, {env['gpu']}, commit {env['commit'][:7]}, {env['date']}", "",
              f"Command: `{env['command']}`. Copy bandwidth in the same run: {copy:.0f} GB/s.", "",
