@@ -269,9 +269,11 @@ def test_slurm_task_environment(tmp_path, monkeypatch):
         teardown(info)
 
 
-def test_one_task_slurm_step_needs_no_port(tmp_path, monkeypatch):
-    """A one-task Slurm step starts even when the port submitit picks for it is held by another process: one
-    process keeps its group on an in-process store and binds nothing (a CI run's array task failed with EADDRINUSE)."""
+@pytest.mark.parametrize("launcher", ["slurm", "torchrun"])
+def test_one_process_world_needs_no_port(launcher, tmp_path, monkeypatch):
+    """A one-task Slurm step (or torchrun with one process) starts even when the port it is given is held by another
+    process: a process alone in its world keeps its group on an in-process store and binds nothing (a CI run's
+    one-task array job failed with EADDRINUSE)."""
     from fp4moe.settings import Settings
     from fp4moe.train.dist import init_distributed, teardown
 
@@ -282,14 +284,17 @@ def test_one_task_slurm_step_needs_no_port(tmp_path, monkeypatch):
     with socket.socket() as held:
         held.bind(("", 0))
         held.listen()
-        slurm = {"SLURM_JOB_ID": "4243", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-                 "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost",
-                 "SLURM_STEP_ID": "0", "MASTER_PORT": str(held.getsockname()[1])}
-        for k, v in slurm.items():
+        if launcher == "slurm":
+            env = {"SLURM_JOB_ID": "4243", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                   "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost",
+                   "SLURM_STEP_ID": "0"}
+        else:
+            env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+        for k, v in {**env, "MASTER_PORT": str(held.getsockname()[1])}.items():
             monkeypatch.setenv(k, v)
         info = init_distributed(parallel)
         try:
-            assert (info.launcher, info.rank, info.world_size) == ("slurm", 0, 1)
+            assert (info.launcher, info.rank, info.world_size) == (launcher, 0, 1)
         finally:
             teardown(info)
 

@@ -9,9 +9,10 @@ Three ways a process learns its rank, tried in this order:
    process (no step id) counts as a single process.
 3. Neither: a single process (world size 1).
 
-A single process, and a Slurm step of one task, keeps its group on an in-process store (``HashStore``): no port to
-pick, so none can be taken by another process between picking and binding (an H200 GPU test failed with EADDRINUSE
-that way, 2026-11-30, and a one-task Slurm array job in CI, 2026-12-05).
+A process alone in its world (a single process, a Slurm step of one task, torchrun with one process) keeps its group
+on an in-process store (``HashStore``): no port to pick, so none can be taken by another process between picking
+and binding (an H200 GPU test failed with EADDRINUSE that way, 2026-11-30, and a one-task Slurm array job in CI,
+2026-12-05).
 
 Backend: nccl when CUDA is present (device ``cuda:LOCAL_RANK``), gloo otherwise (device ``cpu``).
 The process count must equal ``parallel.world_size``. The trainer supports data, expert and pipeline parallelism
@@ -97,8 +98,9 @@ def init_distributed(p: Parallel) -> DistInfo:
         torch.cuda.set_device(local_rank)
     if owns:
         # one process has nobody to meet: no TCP store, so no port that another process may hold (a one-task Slurm
-        # step's port, derived from its job id by submitit, was found taken in a CI run, EADDRINUSE)
-        if launcher == "single" or (launcher == "slurm" and int(env["SLURM_NTASKS"]) == 1):
+        # step's port, derived from its job id by submitit, was found taken in a CI run, EADDRINUSE); WORLD_SIZE is
+        # torchrun's or submitit's export above
+        if launcher == "single" or int(env["WORLD_SIZE"]) == 1:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             dist.init_process_group(backend, init_method="env://")
