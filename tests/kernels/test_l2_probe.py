@@ -38,6 +38,22 @@ def test_wgrad_operand_bytes_by_tile():
     assert json.dumps(tool.wgrad_traffic(json.loads(tool.WGRAD_RUN.read_text())))   # the recorded run reads
 
 
+def test_traffic_table_takes_the_named_runs_times(capsys):
+    """``--traffic --wgrad-run RUN`` (no GPU) prints the table at that run's times, not the default run's: the H100's
+    wgrad beside the H100's probe."""
+    h100 = tool.ROOT / "results/moe_layer/wgrad_current_h100_2026-12-05_49fc0f7.json"
+    run = json.loads(h100.read_text())
+    current = next(r["ms"] for r in run["rows"] if r["gemm"] == "fc1 wgrad" and r["candidate"].startswith("current"))
+    assert tool.main(["--traffic", "--wgrad-run", str(h100)]) == 0
+    out = capsys.readouterr().out
+    row = next(r for r in tool.wgrad_traffic(run) if r["gemm"] == "fc1 wgrad" and r["tile"] == "64x128")
+    assert row["wgrad_ms"] == current and str(h100) in out
+    assert f"| fc1 wgrad | 64x128 | 23.7 | {row['gb_s_at_wgrad_ms']:.0f} |" in out
+    default = next(r for r in tool.wgrad_traffic(json.loads(tool.WGRAD_RUN.read_text()))
+                   if r["gemm"] == "fc1 wgrad" and r["tile"] == "64x128")
+    assert default["wgrad_ms"] != current
+
+
 
 def test_every_pass_loads_from_memory_in_the_compiled_kernel():
     """Compiled for sm_90 (Triton's ptxas; a subprocess with TRITON_INTERPRET=0, as this session interprets), the

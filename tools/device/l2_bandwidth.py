@@ -14,11 +14,13 @@ programs per SM:
 GB/s = bytes loaded / median time (``triton.testing.do_bench``); the sum each program writes is checked against
 torch's. The file also holds the wgrad's L2 -> SM operand bytes per GEMM at each tile (``(BN + BK) x 128`` bytes per
 128-token block and output tile, DeepSeek-V3's counts as tools/device/bench_wgrad.py has them) and the rate they need
-at the wgrad's and at the dense GEMM's measured times (results/moe_layer/wgrad_candidates_h200_2026-12-05_0b74f1a.json).
+at the wgrad's and at the dense GEMM's measured times (``--wgrad-run``, a tools/device/bench_wgrad.py JSON; default
+results/moe_layer/wgrad_candidates_h200_2026-12-05_0b74f1a.json).
 
     python tools/device/l2_bandwidth.py --out $OUT/l2       # GPU: a few seconds
     python tools/device/l2_bandwidth.py --cpu-check         # CPU, TRITON_INTERPRET=1 (set by the script): the sums
     python tools/device/l2_bandwidth.py --sass-check        # CPU: compiled for sm_90, every pass's loads in the loop
+    python tools/device/l2_bandwidth.py --traffic --wgrad-run RUN.json   # CPU: the traffic table of another run
 """
 from __future__ import annotations
 
@@ -125,9 +127,9 @@ def reference_sums(x: torch.Tensor, programs: int, reps: int) -> torch.Tensor:
 
 
 def values(n: int, device, generator=None) -> torch.Tensor:
-    """n int32 in [-1000, 1000]: window x passes x 1000 stays below 2**31 for the probe's buffers (about 10**4 int32
-    per window over 20 L2 passes, 10**6 in one DRAM pass)."""
-    return torch.randint(-1000, 1001, (n,), generator=generator, dtype=torch.int32).to(device)
+    """n int32 in [-100, 100]: window x passes x 100 stays below 2**31 for the probe's buffers (about 10**4 int32
+    per window over 200 L2 passes, 10**6 in one DRAM pass)."""
+    return torch.randint(-100, 101, (n,), generator=generator, dtype=torch.int32).to(device)
 
 
 def wgrad_traffic(run: dict) -> list[dict]:
@@ -195,8 +197,10 @@ def gpu_run(args) -> dict:
         doc["rows"].append({"buffer": name, "mib": n * 4 / 2**20, "reps": reps, "ms": ms, "gb_s": nbytes / ms / 1e6,
                             "sums_equal_torch": ok})
         print(json.dumps(doc["rows"][-1]), flush=True)
-    if WGRAD_RUN.exists():
-        doc["wgrad_traffic"] = wgrad_traffic(json.loads(WGRAD_RUN.read_text()))
+    run = Path(args.wgrad_run)
+    if run.exists():
+        doc["wgrad_run"] = str(run.resolve().relative_to(ROOT)) if run.resolve().is_relative_to(ROOT) else str(run)
+        doc["wgrad_traffic"] = wgrad_traffic(json.loads(run.read_text()))
     return doc
 
 
@@ -208,19 +212,29 @@ def markdown(doc: dict) -> str:
     lines += [f"| {r['buffer']} | {r['mib']:.0f} | {r['reps']} | {r['ms']:.3f} | {r['gb_s']:.0f} | "
               f"{r['sums_equal_torch']} |" for r in doc["rows"]]
     if doc.get("wgrad_traffic"):
-        lines += ["", "The grouped wgrad's L2 -> SM operand bytes (DeepSeek-V3's counts) and the rate they need:", "",
-                  "| GEMM | tile | GB | GB/s at the wgrad's ms | GB/s at the dense GEMM's ms |",
-                  "|---|---|---:|---:|---:|"]
-        lines += [f"| {r['gemm']} | {r['tile']} | {r['l2_to_sm_gb']:.1f} | {r['gb_s_at_wgrad_ms']:.0f} | "
-                  f"{r['gb_s_at_dense_ms']:.0f} |" for r in doc["wgrad_traffic"]]
+        lines += ["", traffic_markdown(doc["wgrad_traffic"], doc.get("wgrad_run"))]
     return "\n".join(lines) + "\n"
+
+
+def traffic_markdown(rows: list[dict], source: str | None) -> str:
+    """The wgrad_traffic table, under a line naming the bench_wgrad.py run its times come from."""
+    lines = [f"The grouped wgrad's L2 -> SM operand bytes (DeepSeek-V3's counts) and the rate they need (times: "
+             f"{source or 'not named'}):", "",
+             "| GEMM | tile | GB | GB/s at the wgrad's ms | GB/s at the dense GEMM's ms |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['gemm']} | {r['tile']} | {r['l2_to_sm_gb']:.1f} | {r['gb_s_at_wgrad_ms']:.0f} | "
+              f"{r['gb_s_at_dense_ms']:.0f} |" for r in rows]
+    return "\n".join(lines)
 
 
 OPTIONS = {  # flag: (type, default, help); --cpu-check is separate
     "--out": (str, "results/kernels/l2", "folder for l2_<gpu>.md / .json"),
     "--l2-mib": (int, 24, "buffer read from L2 (MiB)"),
     "--dram-mib": (int, 2048, "buffer read from DRAM (MiB)"),
-    "--reps": (int, 20, "passes over the L2 buffer per launch"),
+    # 20 passes (0.07 ms a launch on an H100) read 6.4 TB/s, 100-200 passes 7.1-7.5 (results/kernels/README.md,
+    # the twenty-seventh session): the launch must be long enough that its ramp does not count
+    "--reps": (int, 200, "passes over the L2 buffer per launch"),
+    "--wgrad-run": (str, str(WGRAD_RUN), "a tools/device/bench_wgrad.py JSON: the wgrad and dense times of the traffic "
+                    "table (measure both on the GPU the probe runs on)"),
     "--programs-per-sm": (int, 4, "programs per SM"),
 }
 
@@ -230,11 +244,16 @@ def main(argv=None) -> int:
     for flag, (kind, default, text) in OPTIONS.items():
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--cpu-check", action="store_true", help="the kernel's sums under the interpreter")
+    p.add_argument("--traffic", action="store_true",
+                   help="no GPU: print the wgrad traffic table of --wgrad-run (to set beside a probe run's GB/s)")
     p.add_argument("--sass-check", action="store_true",
                    help="compile for sm_90 (no GPU needed) and check that every pass's loads stay in the loop")
     args = p.parse_args(argv)
     if args.sass_check:
         return sass_check()
+    if args.traffic:
+        print(traffic_markdown(wgrad_traffic(json.loads(Path(args.wgrad_run).read_text())), args.wgrad_run))
+        return 0
     return cpu_check() if args.cpu_check else write(gpu_run(args), Path(args.out))
 
 
