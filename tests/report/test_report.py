@@ -535,3 +535,28 @@ def test_f4_newest_benchmark_per_variant():
     rows = [bench("a", "", 1), bench("b", "", 2), bench("c", "fp8_weight_cache", 3)]
     latest, older = _f4_latest(rows)
     assert [r["commit"] for r in latest] == ["b", "c"] and [r["commit"] for r in older] == ["a"]
+
+
+def test_t1_cells_name_non_default_kernels():
+    """A measured T1 cell names the code choices that differ from the defaults for its recipe (fp4moe's BF16 experts,
+    DeepGEMM), in its row and beside its tokens/s in the rendered table; default runs and settings that do not act
+    on the recipe name nothing. Read from the H100 archive whose bf16 ran on both BF16 expert paths."""
+    from fp4moe.report.render import _measured_cells
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import code_note, measured_cell, setup_of, t1_rows
+    from fp4moe.runs.archive import load
+
+    doc = load(ROOT / "results/train_proxy/proxy_t1_mb32_h100_2026-12-05_49fc0f7.json.xz")
+    runs = [RunRecord(r["run_id"], r["experiment"], r["name"], r["status"], r["start_time"], r["params"],
+                      {k: v[-1][1] for k, v in r["metrics"].items()}, r["tags"]) for r in doc["runs"]]
+    notes = {(r.tags["recipe"], r.params["kernels.bf16_moe"]): code_note(r) for r in runs}
+    assert notes == {("bf16", "megatron"): "", ("bf16", "fp4moe"): "BF16 experts: fp4moe",
+                     ("fp8", "megatron"): "expert GEMMs: deepgemm", ("mxfp4", "megatron"): "expert GEMMs: deepgemm"}
+    cell = measured_cell(runs, setup_of(runs[0]), "full", "bf16")  # the latest bf16 run: fp4moe's experts
+    assert cell["code"] == "BF16 experts: fp4moe" and round(cell["tgs"]) == 144005
+    assert _measured_cells(cell)[0].endswith("[BF16 experts: fp4moe]")
+    rows, _ = t1_rows([], runs, None, "x", 80.0)
+    assert {r["recipe"]: r["code"] for r in rows if r["source"] == "measured"} == {
+        "bf16": "BF16 experts: fp4moe", "fp8": "expert GEMMs: deepgemm", "mxfp4": "expert GEMMs: deepgemm"}
+    plain = RunRecord("p", "e", "p", "FINISHED", 1, {}, {}, {"recipe": "fp8"})  # logged before the settings existed
+    assert code_note(plain) == ""

@@ -55,6 +55,23 @@ def setup_of(run: RunRecord) -> Setup:
                  run.tags.get("fp4moe.archive", ""))
 
 
+# Settings that choose which code a trainer run timed, each with its default (conf/kernels/default.yaml,
+# conf/train/default.yaml), a label and the recipes it acts on: a measured cell run with another value names it, so
+# that runs of one setup with different kernels are not read as the same code (e.g. bf16 on megatron-core's
+# SequentialMLP experts against bf16 on fp4moe's grouped BF16 layer, results/train_proxy/README.md section 35).
+CODE_SETTINGS = (("kernels.bf16_moe", "megatron", "BF16 experts", ("bf16",)),
+                 ("kernels.grouped_gemm", "triton", "expert GEMMs", ("fp8", "mxfp4")),
+                 ("train.wgrad_accumulation_fusion", "False", "wgrad accumulation fusion", ("bf16", "fp8", "mxfp4")))
+
+
+def code_note(run: RunRecord) -> str:
+    """The run's non-default code choices among CODE_SETTINGS for its recipe, e.g. "BF16 experts: fp4moe"; "" if
+    none (runs logged before a setting existed read as its default)."""
+    recipe = run.tags.get("recipe", "")
+    return ", ".join(f"{label}: {run.params[key]}" for key, default, label, recipes in CODE_SETTINGS
+                     if recipe in recipes and run.params.get(key, default) != default)
+
+
 def _usable(run: RunRecord) -> bool:
     """A finished run with throughput, or one that ran out of memory (tag ``outcome=OOM``)."""
     return run.tags.get("outcome") == OOM or (run.status == "FINISHED" and "summary/tgs_median" in run.metrics)
@@ -76,10 +93,11 @@ def measured_cell(runs: Iterable[RunRecord], setup: Setup, scope: str, recipe: s
     run = _latest(r for r in runs if _usable(r) and r.tags["recompute"] == scope and r.tags["recipe"] == recipe
                   and setup_of(r) == setup)
     cell: dict[str, Any] = {"status": NOT_MEASURED, "tgs": None, "tgs_min": None, "tgs_max": None,
-                            "peak_memory_gb": None, "peak_memory_pct": None, "run_id": None, "memory_note": ""}
+                            "peak_memory_gb": None, "peak_memory_pct": None, "run_id": None, "memory_note": "",
+                            "code": ""}
     if run is None:
         return cell
-    cell["run_id"] = run.run_id
+    cell.update(run_id=run.run_id, code=code_note(run))
     if run.tags.get("outcome") == OOM:
         cell["status"] = OOM
         return cell
@@ -125,7 +143,7 @@ def t1_rows(paper_cells: list[dict], trainer_runs: list[RunRecord], model_rows: 
                              "tgs": cell["tgs"], "tgs_min": cell["tgs_min"], "tgs_max": cell["tgs_max"],
                              "peak_memory_gb": cell["peak_memory_gb"], "peak_memory_pct": cell["peak_memory_pct"],
                              "pct_basis": "the GPU's memory" if cell["peak_memory_pct"] is not None else "",
-                             "note": cell["memory_note"], "run_id": cell["run_id"] or ""})
+                             "note": cell["memory_note"], "code": cell["code"], "run_id": cell["run_id"] or ""})
             m = model.get((scope, recipe))
             if model_rows is not None:
                 if m is None:
@@ -138,7 +156,7 @@ def t1_rows(paper_cells: list[dict], trainer_runs: list[RunRecord], model_rows: 
 
 
 T1_COLUMNS = ("scope", "recipe", "source", "setup", "status", "tgs", "tgs_min", "tgs_max", "peak_memory_gb",
-              "peak_memory_pct", "pct_basis", "note", "run_id")
+              "peak_memory_pct", "pct_basis", "note", "code", "run_id")
 
 
 # ---------------------------------------------------------------------------------------------- F3 kernels
@@ -391,6 +409,6 @@ def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]
             [r for r in runs if r.experiment == MOE_LAYER])
 
 
-__all__ = ["F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
+__all__ = ["CODE_SETTINGS", "code_note", "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
            "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "setup_of", "setups", "split_store",
            "t1_rows"]
