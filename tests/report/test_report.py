@@ -560,3 +560,19 @@ def test_t1_cells_name_non_default_kernels():
         "bf16": "BF16 experts: fp4moe", "fp8": "expert GEMMs: deepgemm", "mxfp4": "expert GEMMs: deepgemm"}
     plain = RunRecord("p", "e", "p", "FINISHED", 1, {}, {}, {"recipe": "fp8"})  # logged before the settings existed
     assert code_note(plain) == ""
+
+
+def test_f3_newest_benchmark_is_the_last_measured_not_the_last_logged():
+    """A fresh store logs result files by name, so an older benchmark can be logged after a newer one: the newest of
+    a GPU is the one measured last (its date), the logging time only breaks ties; a row without a date ("?") is the
+    oldest."""
+    from fp4moe.report.render import _f3_bench, _latest
+
+    def bench(commit, date, t):
+        return {"gpu": "H100", "commit": commit, "date": date, "start_time": t}
+    rows = [bench("49fc0f7", "2026-12-05T15:35:22Z", 1), bench("f67c4e6", "2026-12-05T13:41:39Z", 2),
+            bench("old", "?", 3)]
+    latest, older = _latest(rows, lambda r: (r["gpu"],), _f3_bench)
+    assert [r["commit"] for r in latest] == ["49fc0f7"] and {r["commit"] for r in older} == {"f67c4e6", "old"}
+    same_day = [bench("a", "2026-12-04", 2), bench("b", "2026-12-04", 1)]
+    assert [r["commit"] for r in _latest(same_day, lambda r: (r["gpu"],), _f3_bench)[0]] == ["a"]

@@ -182,9 +182,14 @@ def _model_cells(c: dict | None) -> tuple[str, str]:
 
 def _latest(rows: list[dict], group: Callable[[dict], tuple], bench: Callable[[dict], tuple]) -> tuple[list, list]:
     """(rows of the newest benchmark of each ``group``, the other rows): a benchmark is the rows sharing ``bench``;
-    the newest is the one logged last (``start_time``)."""
+    the newest is the one measured last (its ``date``, an ISO date or time), then logged last (``start_time``).
+    Logging order alone is not measuring order: ``make reproduce-table`` on a fresh store logs result files by name."""
+    def measured(r: dict) -> tuple:
+        date = str(r.get("date") or "")
+        return ("" if date == "?" else date), r.get("start_time") or 0  # "?": no date recorded, the oldest
+
     newest: dict[tuple, tuple] = {}
-    for r in sorted(rows, key=lambda r: r.get("start_time") or 0):
+    for r in sorted(rows, key=measured):
         newest[group(r)] = bench(r)
     keep = set(newest.values())
     return [r for r in rows if bench(r) in keep], [r for r in rows if bench(r) not in keep]
