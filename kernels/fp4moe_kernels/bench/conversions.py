@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import convert as ops
+from .. import switches
 from ..formats import MXFP4Tensor, Segments
 from ..selfcheck import make_counts
 from . import timing
@@ -516,13 +517,15 @@ def main(argv=None) -> int:
     env["timing"] = args.timing
     print(f"kernel benchmark on {env['gpu']} (torch {env['torch']}, triton {env['triton']})")
     shapes = [] if args.weights_only else default_shapes(args.tokens, args.experts)
+    from ..triton_kernels import launchers
+
+    torch.cuda.init()  # this GPU's tiles (launchers.GPU_TILES, under FP4MOE_TILES) before any sweep sets one
+    launchers.apply_tiles(switches.current())
     sweep_rows = None
     if args.sweep:
         sweep_rows = sweep(shapes[1], args.warmup_ms, args.rep_ms,
                            kernels=[k for k in args.sweep_kernels.split(",") if k] or None)
         env["tiles_adopted"] = adopt_best(sweep_rows)
-    from ..triton_kernels import launchers
-
     env["tiles"] = {k: list(v) for k, v in launchers.TILES.items()}
     baselines = []
     for i, (label, path) in enumerate(specs.items()):

@@ -66,8 +66,44 @@ def tiles_from_env(env: str | None = None) -> dict:
     return out
 
 
+# Where another GPU's sweep (the same benchmark and shape) chose otherwise, by a substring of the device name
+# (torch.cuda.get_device_name): these go between TILES' defaults and any FP4MOE_TILES / kernels.tiles, on the first
+# launch on such a GPU (or by apply_tiles). H100: kernels_h100-80gb-hbm3_2026-12-05_49fc0f7.json in results/kernels,
+# FP8RowToFP4 1.07x and the column quantizer 1.05x the H200's tiles there, on every benchmark shape.
+GPU_TILES = {
+    "H100": {"fp8_row_to_fp4": (32, 0, 2), "bf16_to_fp8_col": (128, 0, 4)},
+}
+
+
+def gpu_tiles(gpu: str) -> dict:
+    """GPU_TILES' entry whose key the device name ``gpu`` contains ({} for none, e.g. an H200: TILES are its own)."""
+    return next((dict(t) for key, t in GPU_TILES.items() if key in gpu), {})
+
+
 DEFAULT_TILES = dict(TILES)
 TILES.update(tiles_from_env())
+_gpu_tiles_set = False  # GPU_TILES applied (or found not to apply) for this process's GPU
+
+
+def _current_gpu() -> str:
+    """The current CUDA device's name once CUDA is in use in this process, else "" (never initializes CUDA)."""
+    return "" if INTERPRET or not torch.cuda.is_initialized() else torch.cuda.get_device_name()
+
+
+def _ensure_gpu_tiles() -> None:
+    """Once per process, at the first conversion launch on a GPU: its GPU_TILES for the kernels that the
+    environment's FP4MOE_TILES does not name and nobody has set since import (apply_tiles does this itself)."""
+    global _gpu_tiles_set
+    if _gpu_tiles_set:
+        return
+    gpu = _current_gpu()
+    if not gpu:
+        return
+    _gpu_tiles_set = True
+    named = tiles_from_env()
+    for name, t in gpu_tiles(gpu).items():
+        if name not in named and TILES[name] == DEFAULT_TILES[name]:
+            TILES[name] = t
 
 
 # row_seg is M int32s (8 MiB for the 2M routed rows of the H200 proxy at micro-batch 64) and every micro-batch
@@ -124,6 +160,7 @@ def _x16(x: torch.Tensor):
 
 def _row_launch(name: str, m: int, k: int, unit: int):
     """(grid, meta-kwargs) for a flat row kernel over M*K/unit blocks (unit 32) or groups (unit 128)."""
+    _ensure_gpu_tiles()
     r, _, warps = TILES[name]
     return (triton.cdiv(m * k // unit, r),), dict(R=r, num_warps=warps)
 
@@ -216,6 +253,7 @@ def fp8_row_to_fp4(f: FP8RowTensor, rule: str = "ceil") -> MXFP4Tensor:
 
 def _col_launch(name: str, seg: Segments, k: int, device):
     """(output data, output scales, tile table, grid, meta-kwargs) for a column kernel."""
+    _ensure_gpu_tiles()
     bn, _, warps = TILES[name]
     mp = seg.padded_total
     o = torch.empty(k * mp, dtype=torch.float8_e4m3fn, device=device)
@@ -349,15 +387,20 @@ def gemm_tiles_from_env(raw: str | None = None) -> dict:
 GEMM_TILES.update(gemm_tiles_from_env())
 
 
-def apply_tiles(s: "switches.Switches") -> None:
-    """Set TILES and GEMM_TILES to the defaults with ``s.tiles`` / ``s.gemm_tiles`` over them (what the trainer calls
-    with its config's switches; at import the environment's are applied). ValueError for a bad spec, nothing set."""
-    tiles = {**DEFAULT_TILES, **tiles_from_env(s.tiles)}
+def apply_tiles(s: "switches.Switches", gpu: str | None = None) -> None:
+    """Set TILES and GEMM_TILES to the defaults, the GPU's GPU_TILES over them, and ``s.tiles`` / ``s.gemm_tiles``
+    over those (what the trainer calls with its config's switches; at import the environment's are applied, the
+    GPU's at the first launch). ``gpu``: a device name; None: the current CUDA device's if CUDA is in use, else no
+    GPU's. ValueError for a bad spec, nothing set."""
+    global _gpu_tiles_set
+    gpu = _current_gpu() if gpu is None else gpu
+    tiles = {**DEFAULT_TILES, **gpu_tiles(gpu), **tiles_from_env(s.tiles)}
     gemm = {**DEFAULT_GEMM_TILES, **gemm_tiles_from_env(s.gemm_tiles)}
     TILES.clear()
     TILES.update(tiles)
     GEMM_TILES.clear()
     GEMM_TILES.update(gemm)
+    _gpu_tiles_set = _gpu_tiles_set or bool(gpu)
 
 
 @functools.lru_cache(maxsize=64)

@@ -58,14 +58,14 @@ def switches_in_force() -> Switches:
 @contextlib.contextmanager
 def use_kernel_switches(s: Switches):
     """Run the block with ``s`` in force for every op and kernel (``fp4moe_kernels.switches.use``); on CUDA the tile
-    tables are set from ``s.tiles`` / ``s.gemm_tiles`` too (they stay set after the block: they are tuning, and the
-    next ``use`` sets them again)."""
+    tables are set from this GPU's (``launchers.GPU_TILES``) and ``s.tiles`` / ``s.gemm_tiles`` too (they stay set
+    after the block: they are tuning, and the next ``use`` sets them again)."""
     import torch
 
     if torch.cuda.is_available():  # the tables the run's kernels launch with: s's, whatever was set before
         from fp4moe_kernels.triton_kernels import launchers
 
-        launchers.apply_tiles(s)
+        launchers.apply_tiles(s, gpu=torch.cuda.get_device_name())
     with _switches.use(s):
         yield s
 
