@@ -224,15 +224,17 @@ t1load)  # MB "recipe:scope ...": each T1 cell on both GPUs at once (equal host 
   python3 tools/device/load_pairs.py "$STATE"/mlflow_t1load_gpu*.db | tee "$OUT/t1load.md"
   keep
   ;;
-profile)  # GPU MB "recipe:scope ...": torch.profiler over steps 4-5 of each T1 cell (op tables + trace under $OUT)
-  gpu=$1 mb=$2
-  for cell in $3; do
+profile)  # GPU MB "recipe:scope ..." [OVERRIDES...]: torch.profiler over steps 4-5 of each T1 cell (op tables +
+  # trace under $OUT); OVERRIDES go to every cell and into its folder's name (e.g. kernels.bf16_moe=fp4moe)
+  gpu=$1 mb=$2 cells=$3; shift 3
+  sfx=$(printf '%s' "$*" | tr -c 'a-zA-Z0-9.' '_')
+  for cell in $cells; do
     recipe=${cell%%:*} scope=${cell##*:}
-    name="profile_${recipe}_${scope}${FP4MOE_DISPATCH_QUANTIZE:+_dq-$FP4MOE_DISPATCH_QUANTIZE}_mb$mb"
+    name="profile_${recipe}_${scope}${FP4MOE_DISPATCH_QUANTIZE:+_dq-$FP4MOE_DISPATCH_QUANTIZE}_mb$mb${sfx:+_$sfx}"
     CUDA_VISIBLE_DEVICES=$gpu MLFLOW_TRACKING_URI=$(store "profile_gpu$gpu") python3 -m fp4moe.train \
       experiment=proxy_t1_1gpu "${COMMON[@]}" hydra.mode=RUN "$(fresh)" parallel.micro_batch=$mb parallel.global_batch=$mb \
       precision=$recipe recompute=$scope train.steps=5 train.measure.warmup_steps=3 train.measure.steps=2 'train.profile.steps=[4,5]' \
-      train.profile.dir="$STATE/$name" > "$STATE/$name.log" 2>&1 || true
+      train.profile.dir="$STATE/$name" "$@" > "$STATE/$name.log" 2>&1 || true
     head -40 "$STATE/$name/profile_rank0/ops_by_device_time.txt" 2>/dev/null | cut -c1-220
   done
   (cd "$STATE" && tar czf "$OUT/profiles_gpu$gpu.tgz" profile_*)
