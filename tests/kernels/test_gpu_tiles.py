@@ -106,7 +106,8 @@ def test_every_gpus_tiles_compile_for_sm90_without_spills():
             "for gpu, tiles in launchers.GPU_TILES.items():\n"
             "    for name, t in tiles.items():\n"
             "        r = aot.compile_kernel(name, 7168, tile=t)\n"
-            "        print(json.dumps({'gpu': gpu, 'kernel': name, 'spill': r.spill_bytes, 'local': r.sass['LDL/STL']}))\n")
+            "        print(json.dumps({'gpu': gpu, 'kernel': name, 'spill': r.spill_bytes,\n"
+            "                          'local': r.sass['LDL/STL']}))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, TRITON_INTERPRET="0"))
     assert proc.returncode == 0, proc.stderr[-4000:]

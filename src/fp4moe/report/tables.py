@@ -409,6 +409,7 @@ def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]
             [r for r in runs if r.experiment == MOE_LAYER])
 
 
-__all__ = ["CODE_SETTINGS", "code_note", "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
+__all__ = ["CODE_SETTINGS", "code_note",
+           "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
            "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "setup_of", "setups", "split_store",
            "t1_rows"]
