@@ -199,7 +199,9 @@ def gpu_run(args) -> dict:
         print(json.dumps(doc["rows"][-1]), flush=True)
     run = Path(args.wgrad_run)
     if run.exists():
-        doc["wgrad_run"] = str(run.resolve().relative_to(ROOT)) if run.resolve().is_relative_to(ROOT) else str(run)
+        from fp4moe.tracking.mlflow_store import portable  # results/ names no machine's folder (tests/test_docs.py)
+
+        doc["wgrad_run"] = portable(str(run.resolve()))
         doc["wgrad_traffic"] = wgrad_traffic(json.loads(run.read_text()))
     return doc
 

@@ -137,12 +137,17 @@ def _paper_cells(c: dict) -> tuple[str, str]:
     return _num(c["tgs"]), f"{_num(c['peak_memory_pct'], 2)} %"
 
 
+def _code(c: dict) -> str:
+    """" [<the cell's non-default kernels>]" (tables.code_note) to follow its tokens/s, or ""."""
+    return f" [{c['code']}]" if c.get("code") else ""
+
+
 def _measured_cells(c: dict | None) -> tuple[str, str]:
     if c is None or c["status"] == tables.NOT_MEASURED:
         return tables.NOT_MEASURED, tables.NOT_MEASURED
     if c["status"] == tables.OOM:
         return "OOM", "OOM"
-    tgs = f"{_num(c['tgs'])} ({_num(c['tgs_min'])}-{_num(c['tgs_max'])})" + (f" [{c['code']}]" if c.get("code") else "")
+    tgs = f"{_num(c['tgs'])} ({_num(c['tgs_min'])}-{_num(c['tgs_max'])})" + _code(c)
     if c.get("peak_memory_gb") is None:
         mem = c.get("note") or tables.NOT_MEASURED
     else:
@@ -250,9 +255,8 @@ def headline_rows(rep: Report, head: str | None) -> list[list[str]]:
             continue
         measured = ours is not None and ours_status not in (tables.NOT_MEASURED, tables.OOM)
         # no ratio: a proxy's absolute rate and the paper's 671B model on 256 GPUs are not the same quantity
-        code = f" [{ours['code']}]" if measured and ours.get("code") else ""
-        rows.append([f"{name}: tokens/GPU/s", _num(paper["tgs"]), _num(ours["tgs"]) + code if measured else ours_status,
-                     "-", "-"])
+        rows.append([f"{name}: tokens/GPU/s", _num(paper["tgs"]),
+                     _num(ours["tgs"]) + _code(ours) if measured else ours_status, "-", "-"])
         pct = ours.get("peak_memory_pct") if measured else None
         rows.append([f"{name}: peak memory", f"{_num(paper['peak_memory_pct'], 2)} % of {rep.gpu_memory_gb:g} GB",
                      f"{_num(pct, 1)} % of its GPU" if pct is not None else
