@@ -445,6 +445,29 @@ def test_nothing_saved_without_weight_grad():
     assert xx.grad is not None
 
 
+@pytest.mark.parametrize("name", ["fp8", "mxfp4"])
+def test_forward_under_no_grad_makes_no_backward_operands(name, monkeypatch):
+    """Under ``torch.no_grad`` (a recomputed block's first forward) the weight still requires grad, but no backward
+    follows: no FP8 column copy and no MXFP4 copy of x is made (only the FP8 rows the GEMM reads), and y is the
+    same bits as with grad mode on, where the backward's operands are made."""
+    from fp4moe_kernels import convert
+
+    made = []
+    for fn in ("bf16_to_fp8_col", "bf16_to_fp4_and_fp8_row", "bf16_to_fp8_row"):
+        real = getattr(convert, fn)
+        monkeypatch.setattr(convert, fn, lambda *a, _real=real, _fn=fn, **k: made.append(_fn) or _real(*a, **k))
+    recipe = Recipe.fp8() if name == "fp8" else Recipe.mxfp4()
+    x, w, _ = linear_case(256, 256, 128, seed=9)
+    ww = w.clone().requires_grad_()
+    y_grad = fp8_linear(x, ww, recipe)
+    with_grad, made[:] = list(made), []
+    with torch.no_grad():
+        y_none = fp8_linear(x, ww, recipe)
+    assert torch.equal(y_grad.detach().view(torch.int16), y_none.view(torch.int16))
+    assert with_grad == (["bf16_to_fp8_row", "bf16_to_fp8_col"] if name == "fp8" else ["bf16_to_fp4_and_fp8_row"])
+    assert made == ["bf16_to_fp8_row"]
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 
 

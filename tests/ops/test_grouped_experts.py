@@ -560,3 +560,94 @@ def test_wgrad_accumulation_fusion_into_bf16_main_grads_and_not_without_ddp():
     grouped_expert_mlp(x.clone().requires_grad_(), COUNTS, a, b, p.clone().requires_grad_(), recipe).backward(dy)
     want = run_routed(x, COUNTS, w1, w2, p, dy, recipe, stacked=True)
     assert torch.equal(torch.stack([w.grad for w in a]), want["dw1"])
+
+
+class _ConversionCalls:
+    """Counts the calls of the conversions that only a backward reads (FP8 column copies, the fused MXFP4 + FP8 row
+    quantizer whose MXFP4 output is saved, the SwiGLU that writes h's MXFP4 copy) while the real ones run."""
+
+    NAMES = ("bf16_to_fp8_col", "bf16_to_fp4_and_fp8_row")
+
+    def __init__(self, monkeypatch):
+        import fp4moe.ops.grouped_experts as ge
+        from fp4moe_kernels import convert
+
+        self.n = {name: 0 for name in (*self.NAMES, "swiglu_math_fp4")}
+        for mod, name in [(convert, n) for n in self.NAMES] + [(ge, "swiglu_math_fp4")]:
+            real = getattr(mod, name)
+            monkeypatch.setattr(mod, name, self._counted(name, real))
+
+    def _counted(self, name, real):
+        def call(*a, **k):
+            self.n[name] += 1
+            return real(*a, **k)
+        return call
+
+    def take(self) -> dict:
+        out, self.n = self.n, {k: 0 for k in self.n}
+        return out
+
+
+@pytest.mark.parametrize("name", ["fp8", "mxfp4", "mxfp4_no_save_fp4", "mxfp4_act_only"])
+def test_forward_without_backward_makes_no_backward_operands(name, monkeypatch):
+    """Under ``torch.no_grad`` (the first forward of a recomputed block, ``_ExpertRecompute``'s forward) the weights
+    still say requires_grad, but no backward follows: no FP8 column copy, no MXFP4 copy to save is made, and the
+    output is the same bits as with grad mode on, where they are made."""
+    recipe = SAVE_RECIPES.get(name, Recipe.mxfp4())
+    x, w1, w2, p, _ = case(COUNTS, seed=8)
+    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    calls = _ConversionCalls(monkeypatch)
+    y_grad = grouped_expert_mlp(x, COUNTS, a, b, p, recipe)
+    with_grad = calls.take()
+    with torch.no_grad():
+        y_none = grouped_expert_mlp(x, COUNTS, a, b, p, recipe)
+    without = calls.take()
+    assert torch.equal(y_grad.detach().view(torch.int16), y_none.view(torch.int16))
+    assert sum(with_grad.values()) > 0, with_grad  # the spies see the grad-mode forward make them
+    assert without == {k: 0 for k in without}, without
+    if recipe.name == "fp8":
+        assert with_grad["bf16_to_fp8_col"] == 2  # x's and z's column copies, for fc1's and fc2's wgrad
+    if recipe.activation_fp4_store:
+        assert with_grad["swiglu_math_fp4"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with blockwise FP8 GEMMs (sm_90)")
+@pytest.mark.parametrize("name", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_wgrad_loop_equals_the_grouped_wgrad(name, fused):
+    """``wgrad_gemm=loop`` (one cuBLAS GEMM per expert) under the grouped Triton fprop / dgrad: y, dx and dprobs the
+    same bits as the grouped wgrad's run (the wgrad feeds nothing else), the weight gradients within the FP32
+    accumulation order's difference of them (both sum the same FP8 products), zero for empty experts; also added
+    into main gradients (``fuse_wgrad_accumulation``)."""
+    from fp4moe_kernels import switches
+    from fp4moe.ops.grouped_experts import fuse_wgrad_accumulation
+
+    recipe = Recipe.preset(name)
+    x, w1, w2, p, dy = (t.cuda() for t in case(COUNTS, seed=3))
+    out = {}
+    for wg in ("triton", "loop"):
+        with switches.use(switches.Switches(grouped_gemm="triton", wgrad_gemm=wg)):
+            if not fused:
+                out[wg] = run(x, COUNTS, w1, w2, p, dy, recipe)
+                continue
+            a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+            for t in (a, b):
+                t.main_grad = torch.ones(t.shape, dtype=torch.float32, device="cuda")
+                t.grad_added_to_main_grad = False
+            fuse_wgrad_accumulation([a, b])
+            try:
+                grouped_expert_mlp(x, COUNTS, a, b, p, recipe).backward(dy)
+            finally:
+                fuse_wgrad_accumulation([a, b], enabled=False)
+            assert a.grad_added_to_main_grad and b.grad_added_to_main_grad
+            out[wg] = dict(dw1=a.main_grad - 1, dw2=b.main_grad - 1)
+    for k, want in out["triton"].items():
+        got = out["loop"][k]
+        if k in ("dw1", "dw2"):
+            assert rel(got.float().cpu(), want.to(F64).cpu()) < 2e-3, k  # BF16 rounding of either side, or FP32 order
+            for e, c in enumerate(COUNTS):
+                if c == 0:
+                    assert not got[e].any(), (k, e)
+        else:
+            assert torch.equal(got, want), k

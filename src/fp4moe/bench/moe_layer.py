@@ -20,7 +20,9 @@ expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights
 * the expert GEMMs run on ``gemm_backend`` (the grouped Triton kernel on CUDA; ``FP4MOE_GROUPED_GEMM=loop``
   selects the per-expert ``F.scaled_mm`` loop, ``deepgemm`` DeepGEMM's fprop / dgrad); a ``--recipes`` entry
   ``fp8@deepgemm`` runs that recipe under that switch value, beside the others in the same run (its row is labelled
-  so, with ``tokens_per_s <entry>/<recipe>`` and ``/bf16`` ratios);
+  so, with ``tokens_per_s <entry>/<recipe>`` and ``/bf16`` ratios); ``+wloop`` (e.g. ``fp8@deepgemm+wloop``) runs
+  the experts' wgrad as one cuBLAS ``F.scaled_mm`` per expert (the ``wgrad_gemm`` switch, ``FP4MOE_WGRAD_GEMM=loop``),
+  with its ratio to the same entry without it;
 * ``profile``: CUDA kernel time per iteration by category (FP8/BF16 GEMMs, our Triton kernels, NCCL,
   elementwise/other) and the top kernels, from ``torch.profiler`` (``--no-profile`` skips it).
 * ``memory_peak`` (``--memtrace``, CUDA): what is live at the peak above the base, by allocation site, from the
@@ -83,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help="comma-separated recipe presets, each optionally @ a grouped_gemm switch value, e.g. "
                         "bf16,fp8,mxfp4,fp8@deepgemm,mxfp4@deepgemm (that recipe again with those expert GEMMs), "
-                        "and +fused (with --main-grads: the experts' wgrad added into the main gradients by the GEMM)")
+                        "and +fused (with --main-grads: the experts' wgrad added into the main gradients by the GEMM) "
+                        "or +wloop (the experts' wgrad as one cuBLAS GEMM per expert), e.g. fp8@deepgemm+wloop")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -202,16 +205,24 @@ def _profile(step, dev, iters: int = 2) -> dict:
 # --------------------------------------------------------------------------------------------- the cases
 
 
-def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str, Recipe, str | None, bool]]:
-    """``--recipes`` -> [(label, Recipe, grouped_gemm value or None, fused wgrad)]: ``fp8``, ``fp8@deepgemm``,
-    ``fp8+fused`` or ``fp8@deepgemm+fused`` (the last two only with ``--main-grads``)."""
+def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str, Recipe, dict, bool]]:
+    """``--recipes`` -> [(label, Recipe, kernel switches to set (e.g. {"grouped_gemm": "deepgemm"}), fused wgrad)]:
+    ``RECIPE[@GROUPED_GEMM][+MODIFIER...]``, e.g. ``fp8``, ``fp8@deepgemm``, ``fp8@deepgemm+fused`` (``+fused``
+    only with ``--main-grads``), ``fp8@deepgemm+wloop`` (the wgrad as one cuBLAS GEMM per expert: ``wgrad_gemm``
+    loop)."""
     from fp4moe_kernels.switches import CHOICES
 
+    modifiers = {"fused", "wloop"}
     out = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
-        base, fused = (item[:-len("+fused")], True) if item.endswith("+fused") else (item, False)
+        base, *mods = item.split("+")
+        bad = sorted(set(mods) - modifiers)
+        if bad:
+            raise SystemExit(f"--recipes {item}: unknown modifier(s) {bad}; after + come "
+                             f"{' / '.join(sorted(modifiers))}")
+        fused = "fused" in mods
         if fused and main_grads is None:
             raise SystemExit(f"--recipes {item}: +fused adds the wgrad into main gradients: give --main-grads fp32 "
                              "(or bf16)")
@@ -219,7 +230,8 @@ def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str,
         if backend and backend not in CHOICES["grouped_gemm"][0]:
             raise SystemExit(f"--recipes {item}: the part after @ is a grouped_gemm value, "
                              f"{' / '.join(CHOICES['grouped_gemm'][0])}")
-        out.append((item, Recipe.preset(name), backend or None, fused))
+        switch = ({"grouped_gemm": backend} if backend else {}) | ({"wgrad_gemm": "loop"} if "wloop" in mods else {})
+        out.append((item, Recipe.preset(name), switch, fused))
     return out
 
 
@@ -265,16 +277,16 @@ def _ddp_hook(p: torch.Tensor) -> None:
     p.grad = None
 
 
-def _grouped_gemm(backend: str | None):
-    """A context with the ``grouped_gemm`` switch set to ``backend`` (None: as it is)."""
+def _switched(values: dict):
+    """A context with the kernel switches ``values`` (e.g. {"grouped_gemm": "deepgemm"}) set over the current ones."""
     import contextlib
     import dataclasses
 
     from fp4moe_kernels import switches
 
-    if backend is None:
+    if not values:
         return contextlib.nullcontext()
-    return switches.use(dataclasses.replace(switches.current(), grouped_gemm=backend))
+    return switches.use(dataclasses.replace(switches.current(), **values))
 
 
 def _bench_recipe(layer: MoELayer, recipe: Recipe, x, dy, args, dev, fused: bool = False) -> dict:
@@ -640,20 +652,24 @@ def main(argv=None) -> dict:
         with torch.no_grad():
             layer(x)
         sweep = _sweep_gemm(layer, _local_counts(layer, layer.last_routing[0]), args, dev)
+    from fp4moe_kernels import switches
+
     rows = []
-    for label, r, backend, fused in entries:
-        with _grouped_gemm(backend):
+    for label, r, switched, fused in entries:
+        with _switched(switched):
             rows.append(_bench_recipe(layer, r, x, dy, args, dev, fused))
-            rows[-1].update(recipe=label, grouped_gemm=gemm_backend(dev), fused_wgrad=fused)
+            rows[-1].update(recipe=label, grouped_gemm=gemm_backend(dev), fused_wgrad=fused,
+                            wgrad_gemm=switches.current().wgrad_gemm)
         if rank == 0:
             print(f"{label}: {rows[-1]['tokens_per_s']:.0f} tokens/s, saved {rows[-1]['saved_bytes'] / 2**20:.1f} MiB",
                   flush=True)
     by = {r["recipe"]: r for r in rows}
     ratios = {}
-    for label, r, backend, fused in entries:
-        # against bf16, the recipe itself and, for a +fused entry on a GEMM backend, that entry without +fused
-        for base in dict.fromkeys(("bf16", r.name, f"{r.name}@{backend}")):
-            if (backend or fused) and base in by and base != label:
+    for label, r, switched, fused in entries:
+        # an entry with switches or +fused against bf16, the recipe itself, the entry without its + modifiers, and
+        # without +wloop alone
+        for base in dict.fromkeys(("bf16", r.name, label.split("+")[0], label.replace("+wloop", ""))):
+            if (switched or fused) and base in by and base != label:
                 ratios[f"tokens_per_s {label}/{base}"] = by[label]["tokens_per_s"] / by[base]["tokens_per_s"]
     if "fp8" in by and "mxfp4" in by:
         ratios["tokens_per_s mxfp4/fp8"] = by["mxfp4"]["tokens_per_s"] / by["fp8"]["tokens_per_s"]

@@ -83,14 +83,17 @@ def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor) -> torch.Tensor:
 class FP8Linear(torch.autograd.Function):
     """``y = x W^T`` with FP8 GEMMs (module docstring). Use through ``fp8_linear``.
 
-    forward(x [M, K] bf16/fp32, weight [N, K], recipe (fp8 or mxfp4), segments: Segments) -> y [M, N] bf16.
+    forward(x [M, K] bf16/fp32, weight [N, K], recipe (fp8 or mxfp4), segments: Segments, backward: bool) -> y
+    [M, N] bf16. ``backward``: whether a backward can follow (grad mode was on at the call; ``ctx.needs_input_grad``
+    does not say: it follows requires_grad even under ``torch.no_grad``); without it nothing is made for backward,
+    e.g. in the first forward of a recomputed (checkpointed) block, which runs under no_grad.
     ``y.grad_fn.saved_activation_bytes`` holds the bytes saved from x (``saved_bytes(y)``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe: Recipe, seg: Segments):
+    def forward(ctx, x, weight, recipe: Recipe, seg: Segments, backward: bool = True):
         m, k = x.shape
-        need_w = ctx.needs_input_grad[1]
-        if recipe.save_fp4:
+        need_w = ctx.needs_input_grad[1] and backward
+        if recipe.save_fp4 and need_w:
             x_fp4, x_row = kops.bf16_to_fp4_and_fp8_row(x, seg, rule=recipe.scale_rule)
         else:
             x_fp4, x_row = None, kops.bf16_to_fp8_row(x, seg)
@@ -134,7 +137,7 @@ class FP8Linear(torch.autograd.Function):
                 x_col = FP8ColTensor(saved[2], saved[3], seg, k)
             dy_col = kops.bf16_to_fp8_col(dy, seg)
             dw = _wgrad(dy_col, x_col).to(ctx.w_dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def _in_scope(recipe: Recipe, layer_kind: str | None) -> bool:
@@ -163,7 +166,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, counts=Non
         x2 = x2.to(torch.bfloat16)
     x2 = x2.contiguous()
     seg = Segments.of(counts, x2.shape[0])
-    y = FP8Linear.apply(x2, weight, recipe, seg)
+    y = FP8Linear.apply(x2, weight, recipe, seg, torch.is_grad_enabled())
     return y if x.dim() == 2 else y.reshape(*lead, n)
 
 

@@ -214,9 +214,10 @@ def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch
     the weight dtype); zeros for empty experts. The grouped Triton kernel under 'triton' and 'deepgemm' (DeepGEMM's
     k-grouped kernel reached 0.58x of dense; cuBLAS per expert 0.69x alone, but its loop is host-bound inside a
     layer whose other GEMMs are fast: 0.89x of the Triton wgrad's layer throughput with the FP8 weight cache on,
-    results/moe_layer/README.md), else one ``fp8_mm`` per expert. ``into`` (E ``[n, k]`` main gradients): each
-    gets ``+= dY_e^T X_e`` instead (FP32 sum, one rounding to its dtype) and None is returned."""
-    if gemm_backend(like.device) in ("triton", "deepgemm"):
+    results/moe_layer/README.md), unless the ``wgrad_gemm`` switch says 'loop'; else one ``fp8_mm`` per expert.
+    ``into`` (E ``[n, k]`` main gradients): each gets ``+= dY_e^T X_e`` instead (FP32 sum, one rounding to its
+    dtype) and None is returned."""
+    if gemm_backend(like.device) in ("triton", "deepgemm") and switches.current().wgrad_gemm == "triton":
         from fp4moe_kernels.triton_kernels import launchers
 
         return launchers.grouped_fp8_wgrad(dy_col, x_col, out_dtype=like.dtype, accumulate_into=into)
@@ -368,17 +369,21 @@ class GroupedExpertMLP(torch.autograd.Function):
     or the E fc1 weights ``[2F, H]`` then the E fc2 weights ``[H, F]`` (E = seg.num; a gradient per expert).
 
     ``x_hp``: the bf16 input, or the ``grad_anchor`` of a dispatched MXFP4 (values unused then), or None;
-    ``x_fp4``: the MXFP4 input (expert_input_fp4) or None. ``ctx.saved_activation_bytes`` = what was saved."""
+    ``x_fp4``: the MXFP4 input (expert_input_fp4) or None; ``backward``: whether a backward can follow (grad mode
+    was on at the call: ``ctx.needs_input_grad`` follows requires_grad even under ``torch.no_grad``). Without it
+    only what the output needs is made (no FP8 column copies, no MXFP4 copies to save), e.g. in the first forward of
+    a recomputed block or of ``_ExpertRecompute``, both under no_grad: the same output bits.
+    ``ctx.saved_activation_bytes`` = what was saved."""
 
     @staticmethod
-    def forward(ctx, x_hp, probs, x_fp4, recipe: Recipe, seg: Segments, *weights):
+    def forward(ctx, x_hp, probs, x_fp4, recipe: Recipe, seg: Segments, backward: bool, *weights):
         w1, w2 = (Experts(w) for w in weight_halves(weights, seg.num))
         e_num, f2, h = w1.shape
         f = f2 // 2
         fp8 = recipe.fp8_compute
         n1 = 1 if w1.stacked is not None else e_num  # fc1's weight inputs
-        need_w1, need_w2 = any(ctx.needs_input_grad[5:5 + n1]), any(ctx.needs_input_grad[5 + n1:])
-        need_w = need_w1 or need_w2
+        need_w1 = backward and any(ctx.needs_input_grad[6:6 + n1])
+        need_w2 = backward and any(ctx.needs_input_grad[6 + n1:])
         saved: dict[str, torch.Tensor] = {}
         # ---- fc1
         if not fp8:
@@ -387,19 +392,19 @@ class GroupedExpertMLP(torch.autograd.Function):
         else:
             if x_fp4 is not None:
                 x_row = kops.fp4_row_to_fp8_row(x_fp4, seg)
-            elif recipe.save_fp4:
+            elif recipe.save_fp4 and need_w1:
                 x_fp4, x_row = kops.bf16_to_fp4_and_fp8_row(x_hp, seg, rule=recipe.scale_rule)
             else:
                 x_row = kops.bf16_to_fp8_row(x_hp, seg)
             hmat = _per_expert_gemm(x_row, w1, seg, f2, "fprop")
             if x_fp4 is not None:
                 saved["x_fp4_data"], saved["x_fp4_scales"] = x_fp4.data, x_fp4.scales
-            elif need_w:
+            elif need_w1:
                 x_col = kops.bf16_to_fp8_col(x_hp, seg)
                 saved.update(x_row_data=x_row.data, x_row_scales=x_row.scales, x_col_data=x_col.data,
                              x_col_scales=x_col.scales)
         # ---- SwiGLU (float32), weighted by the routing probabilities
-        if recipe.activation_fp4_store:  # h's MXFP4 copy, in the SwiGLU's own pass over h where fused
+        if recipe.activation_fp4_store and backward:  # h's MXFP4 copy, in the SwiGLU's own pass over h where fused
             z, (saved["h_fp4_data"], saved["h_fp4_scales"]) = swiglu_math_fp4(hmat, probs, recipe.scale_rule)
         else:
             z = swiglu_math(hmat, probs)
@@ -409,14 +414,15 @@ class GroupedExpertMLP(torch.autograd.Function):
             y = _bf16_mm_per_expert(z, w2, seg, True)
             saved["z"] = z
         else:
-            if recipe.save_fp4:
+            if recipe.save_fp4 and need_w2:
                 z4, z_row = kops.bf16_to_fp4_and_fp8_row(z, seg, rule=recipe.scale_rule)
                 saved["z_fp4_data"], saved["z_fp4_scales"] = z4.data, z4.scales
             else:
                 z_row = kops.bf16_to_fp8_row(z, seg)
-                z_col = kops.bf16_to_fp8_col(z, seg)
-                saved.update(z_row_data=z_row.data, z_row_scales=z_row.scales, z_col_data=z_col.data,
-                             z_col_scales=z_col.scales)
+                if need_w2:
+                    z_col = kops.bf16_to_fp8_col(z, seg)
+                    saved.update(z_row_data=z_row.data, z_row_scales=z_row.scales, z_col_data=z_col.data,
+                                 z_col_scales=z_col.scales)
             y = _per_expert_gemm(z_row, w2, seg, h, "fprop")
         saved["probs"] = probs
         ctx.names = list(saved)
@@ -458,10 +464,10 @@ class GroupedExpertMLP(torch.autograd.Function):
             dw1 = _weight_grad(s, "x", dh, seg, w1, h, fp8)
         dp = dprobs.to(probs.dtype) if ctx.needs_input_grad[1] else None
         if w1.stacked is not None:  # the [E, N, K] gradients as the wgrad made them
-            return (dx, dp, None, None, None, dw1, dw2)
+            return (dx, dp, None, None, None, None, dw1, dw2)
         per_expert = [None] * seg.num
         dws = (per_expert if dw1 is None else list(dw1.unbind(0))) + (per_expert if dw2 is None else list(dw2.unbind(0)))
-        return (dx, dp, None, None, None, *dws)
+        return (dx, dp, None, None, None, None, *dws)
 
 
 # ------------------------------------------------------------------------- rows padded to the backend's blocks
@@ -621,14 +627,16 @@ def grouped_expert_mlp(x, counts, w1, w2, probs: torch.Tensor, recipe: Recipe, *
     device = (x.data if is_fp4 else x).device
     align = gemm_row_align(device, recipe, row_align)
     probs = probs.float()
+    backward = torch.is_grad_enabled()  # a backward can follow (GroupedExpertMLP makes its operands only then)
     if align <= 1 or all(c % align == 0 for c in seg.counts):
-        return GroupedExpertMLP.apply(x_hp, probs, x_fp4, recipe, seg, *weights)
+        return GroupedExpertMLP.apply(x_hp, probs, x_fp4, recipe, seg, backward, *weights)
     rp = padded_rows(seg, align, device)
     if x_fp4 is not None:
         x_fp4 = _pad_mxfp4(x_fp4, rp)
     if x_hp is not None:
         x_hp = _PadAnchor.apply(x_hp, rp) if x_is_anchor else _RowMap.apply(x_hp, rp.rows, rp.unpad)
-    y = GroupedExpertMLP.apply(x_hp, _RowMap.apply(probs, rp.rows, rp.unpad), x_fp4, recipe, rp.padded, *weights)
+    y = GroupedExpertMLP.apply(x_hp, _RowMap.apply(probs, rp.rows, rp.unpad), x_fp4, recipe, rp.padded, backward,
+                               *weights)
     return _RowMap.apply(y, rp.unpad, rp.rows)
 
 

@@ -61,6 +61,7 @@ def setup_of(run: RunRecord) -> Setup:
 # SequentialMLP experts against bf16 on fp4moe's grouped BF16 layer, results/train_proxy/README.md section 35).
 CODE_SETTINGS = (("kernels.bf16_moe", "megatron", "BF16 experts", ("bf16",)),
                  ("kernels.grouped_gemm", "triton", "expert GEMMs", ("fp8", "mxfp4")),
+                 ("kernels.wgrad_gemm", "triton", "expert wgrad", ("fp8", "mxfp4")),
                  ("train.wgrad_accumulation_fusion", "False", "wgrad accumulation fusion", ("bf16", "fp8", "mxfp4")))
 
 
