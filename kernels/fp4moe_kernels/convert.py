@@ -151,6 +151,16 @@ def bf16_to_fp8_col(x: torch.Tensor, counts=None) -> FP8ColTensor:
     return _kernels().bf16_to_fp8_col(x, seg) if _use_gpu(x) else _ref.bf16_to_fp8_col(x, seg)
 
 
+def bf16_to_fp8_row_col(x: torch.Tensor, counts=None) -> tuple[FP8RowTensor, FP8ColTensor]:
+    """One read of BF16 ``[M, K]`` (K % 128 == 0) -> (FP8 1x128 rows, FP8 transposed columns): the FP8 recipe's two
+    copies of one operand, the same bits as ``bf16_to_fp8_row`` and ``bf16_to_fp8_col``."""
+    check_2d(x, "x", _HIGH, FP8_GROUP)
+    seg = Segments.of(counts, x.shape[0])
+    if _use_gpu(x):
+        return _kernels().bf16_to_fp8_row_col(x, seg)
+    return _ref.bf16_to_fp8_row_col(x, seg)
+
+
 def bf16_to_fp4_and_fp8_row(x: torch.Tensor, counts=None, rule: str = "ceil") -> tuple[MXFP4Tensor, FP8RowTensor]:
     """One read of BF16 ``[M, K]`` (K % 128 == 0) -> (MXFP4 rows to save, FP8 rows to compute with)."""
     check_2d(x, "x", _HIGH, FP8_GROUP)
@@ -171,6 +181,7 @@ __all__ = [
     "bf16_to_fp4_row",
     "bf16_to_fp8_col",
     "bf16_to_fp8_row",
+    "bf16_to_fp8_row_col",
     "fp4_row_to_fp8_col",
     "fp4_row_to_fp8_row",
     "fp4_to_bf16",

@@ -296,6 +296,12 @@ def bf16_to_fp8_col(x: torch.Tensor, counts=None) -> FP8ColTensor:
     return quantize_fp8_col(x, counts)
 
 
+def bf16_to_fp8_row_col(x: torch.Tensor, counts=None) -> tuple[FP8RowTensor, FP8ColTensor]:
+    """Fused BF16 -> (FP8 1x128 rows, FP8 transposed columns): one read of x, both outputs as the separate ops."""
+    x = _check_high(x, FP8_GROUP)
+    return quantize_fp8_row(x, counts), quantize_fp8_col(x, counts)
+
+
 def bf16_to_fp4_and_fp8_row(x: torch.Tensor, counts=None, rule: str = "ceil") -> tuple[MXFP4Tensor, FP8RowTensor]:
     """Fused BF16 -> (MXFP4 rows, FP8 1x128 rows): one read of x, both outputs as the separate ops."""
     x = _check_high(x, FP8_GROUP)  # K % 128 (the FP8 output's group), before either output is built

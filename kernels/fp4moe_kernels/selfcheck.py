@@ -28,6 +28,7 @@ CONVERSIONS = (
     "bf16_to_fp8_row",
     "bf16_to_fp8_col",
     "bf16_to_fp4_and_fp8_row",
+    "bf16_to_fp8_row_col",
 )
 
 
@@ -165,6 +166,8 @@ def run_case(case: Case, device, impl: str = "convert", inputs: dict | None = No
         return compare(lib.bf16_to_fp8_row(x, seg), ref.bf16_to_fp8_row(x, seg))
     if name == "bf16_to_fp8_col":
         return compare(lib.bf16_to_fp8_col(x, seg), ref.bf16_to_fp8_col(x, seg))
+    if name == "bf16_to_fp8_row_col":
+        return compare(lib.bf16_to_fp8_row_col(x, seg), ref.bf16_to_fp8_row_col(x, seg))
     if name == "bf16_to_fp4_and_fp8_row":
         return compare(lib.bf16_to_fp4_and_fp8_row(x, seg), ref.bf16_to_fp4_and_fp8_row(x, seg))
     a = ref.bf16_to_fp4_row(x)

@@ -21,6 +21,8 @@ fused_swiglu_fp4   FP4MOE_FUSED_SWIGLU_FP4    1 (the SwiGLU writes its input's M
 grouped_gemm       FP4MOE_GROUPED_GEMM        triton (one grouped launch per expert GEMM on CUDA), deepgemm
                                               (fprop / dgrad through DeepGEMM on rows padded to 128 per expert,
                                               wgrad Triton; fp4moe_kernels.deepgemm), loop (one GEMM per expert)
+fp8_row_col        FP4MOE_FP8_ROW_COL         0 (an operand's FP8 row and column copies by two kernels), 1 (one kernel
+                                              reading it once: ``convert.bf16_to_fp8_row_col``; the same bits)
 wgrad_gemm         FP4MOE_WGRAD_GEMM          triton (the grouped Triton wgrad, one launch, where grouped_gemm is
                                               triton or deepgemm), loop (one cuBLAS ``F.scaled_mm`` per expert:
                                               host-bound for small experts, near the dense rate for large ones)
@@ -46,7 +48,7 @@ from typing import Iterator, Mapping
 ENV = {"cuda_col": "FP4MOE_CUDA_COL", "dispatch_quantize": "FP4MOE_DISPATCH_QUANTIZE",
        "fused_swiglu": "FP4MOE_FUSED_SWIGLU", "fused_swiglu_fp4": "FP4MOE_FUSED_SWIGLU_FP4",
        "grouped_gemm": "FP4MOE_GROUPED_GEMM", "tiles": "FP4MOE_TILES", "gemm_tiles": "FP4MOE_GEMM_TILES",
-       "bf16_moe": "FP4MOE_BF16_MOE", "wgrad_gemm": "FP4MOE_WGRAD_GEMM"}
+       "bf16_moe": "FP4MOE_BF16_MOE", "wgrad_gemm": "FP4MOE_WGRAD_GEMM", "fp8_row_col": "FP4MOE_FP8_ROW_COL"}
 # the values each choice switch takes (the first is the default) and what each means, for the error message
 CHOICES = {
     "cuda_col": (("auto", "1", "0"), "auto (the default: CUDA C++ where it builds), 1 (CUDA C++, warn when it cannot "
@@ -57,6 +59,8 @@ CHOICES = {
     "fused_swiglu_fp4": (("1", "0"), "1 (the default: the SwiGLU writes its input's MXFP4 copy) or 0"),
     "grouped_gemm": (("triton", "deepgemm", "loop"), "'triton' (the default: one grouped launch per GEMM), 'deepgemm' "
                                                   "(fprop / dgrad through DeepGEMM) or 'loop'"),
+    "fp8_row_col": (("0", "1"), "0 (the default: an operand's FP8 row and column copies by two kernels) or 1 (one "
+                                "kernel for both)"),
     "wgrad_gemm": (("triton", "loop"), "'triton' (the default: the grouped Triton wgrad) or 'loop' (one cuBLAS GEMM "
                                        "per expert)"),
     "bf16_moe": (("megatron", "fp4moe"), "'megatron' (the default: the bf16 recipe keeps megatron-core's MoE layers) "
@@ -86,6 +90,7 @@ class Switches:
     gemm_tiles: str = ""
     bf16_moe: str = "megatron"
     wgrad_gemm: str = "triton"
+    fp8_row_col: str = "0"
 
     def __post_init__(self) -> None:
         for f in fields(self):

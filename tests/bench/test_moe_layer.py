@@ -159,17 +159,19 @@ def test_bench_main_grads_as_ddp_adds_them_and_fused(tmp_path):
 
 
 def test_bench_wgrad_loop_entries(tmp_path):
-    """+wloop: the entry runs with the wgrad_gemm switch at loop (recorded per row), beside the same entry without it,
+    """+wloop / +rowcol: the entry runs with the wgrad_gemm switch at loop / fp8_row_col at 1 (recorded per row),
+    beside the same entry without it,
     with its ratio to that one; modifiers combine with @ and +fused in any order; a typo is refused by name."""
     common = ["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k", str(K),
               "--tokens", str(T), "--shared-ffn", "0", "--warmup", "1", "--iters", "2", "--micro-batches", "2",
               "--no-gemm", "--no-profile", "--out", str(tmp_path), "--commit", "test", "--main-grads", "fp32"]
-    doc = main(common + ["--recipes", "fp8@loop,fp8@loop+wloop,mxfp4+wloop+fused"])
+    doc = main(common + ["--recipes", "fp8@loop,fp8@loop+wloop,mxfp4+wloop+fused,fp8@loop+rowcol"])
     assert [(r["recipe"], r["grouped_gemm"], r["wgrad_gemm"], r["fused_wgrad"]) for r in doc["recipes"]] == [
         ("fp8@loop", "loop", "triton", False), ("fp8@loop+wloop", "loop", "loop", False),
-        ("mxfp4+wloop+fused", "loop", "loop", True)]
-    assert "tokens_per_s fp8@loop+wloop/fp8@loop" in doc["ratios"]
-    with pytest.raises(SystemExit, match=r"fp8\+wlop: unknown modifier\(s\) \['wlop'\]; after \+ come fused / wloop"):
+        ("mxfp4+wloop+fused", "loop", "loop", True), ("fp8@loop+rowcol", "loop", "triton", False)]
+    assert [r["fp8_row_col"] for r in doc["recipes"]] == ["0", "0", "0", "1"]
+    assert {"tokens_per_s fp8@loop+wloop/fp8@loop", "tokens_per_s fp8@loop+rowcol/fp8@loop"} <= set(doc["ratios"])
+    with pytest.raises(SystemExit, match=r"fp8\+wlop: unknown modifier\(s\) \['wlop'\]; after \+ come fused / rowcol / wloop"):
         main(common + ["--recipes", "fp8+wlop"])
 
 

@@ -269,7 +269,8 @@ def test_bf16_to_fp8_col_on_every_bf16_pattern_and_edge_channels(device):
     denormals), then channels built to separate the two lanes of a word: an all-NaN/Inf channel beside a finite one
     (amax 0, scale 1, bytes 0x7F), channels of BF16 denormals only (scale 2**-126), amax at 448 * 2**k and one step
     above, a lone Inf or -NaN among tiny values; ragged segments with odd lengths and empty experts (padding
-    zeros), and a BF16 view at an odd element offset."""
+    zeros), and a BF16 view at an odd element offset. The same for the fused row + column quantizer (rows: the
+    channels above are the 1x128 groups' elements too)."""
     from fp4moe_kernels import reference as ref
     from fp4moe_kernels.formats import Segments
     from fp4moe_kernels.triton_kernels import launchers
@@ -294,10 +295,15 @@ def test_bf16_to_fp8_col_on_every_bf16_pattern_and_edge_channels(device):
         seg = Segments.of(counts, 256)
         got = launchers.bf16_to_fp8_col(x.to(device), seg)
         assert not selfcheck.compare(got, ref.bf16_to_fp8_col(x, seg))
+        # the fused row + column quantizer on the same patterns: both copies the reference's
+        both = launchers.bf16_to_fp8_row_col(x.to(device), seg)
+        assert not selfcheck.compare(both, ref.bf16_to_fp8_row_col(x, seg))
     buf = torch.cat([torch.zeros(1, dtype=torch.int16), edge.reshape(-1)]).view(torch.bfloat16)
     odd = buf.to(device)[1:].view(256, 256)
     seg = Segments.of([100, 156], 256)
     assert not selfcheck.compare(launchers.bf16_to_fp8_col(odd, seg), ref.bf16_to_fp8_col(edge.view(torch.bfloat16), seg))
+    assert not selfcheck.compare(launchers.bf16_to_fp8_row_col(odd, seg),
+                                 ref.bf16_to_fp8_row_col(edge.view(torch.bfloat16), seg))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")

@@ -468,6 +468,31 @@ def test_forward_under_no_grad_makes_no_backward_operands(name, monkeypatch):
     assert made == ["bf16_to_fp8_row"]
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA GPU with blockwise FP8 GEMMs (sm_90)")])])
+@pytest.mark.parametrize("counts", [None, [100, 0, 156]])
+def test_fp8_row_col_switch_changes_no_bit(device, counts, monkeypatch):
+    """``fp8_row_col=1``: x's rows and columns (forward) and dY's (backward) each from one ``bf16_to_fp8_row_col``
+    call; y, dX and dW the same bits as with the two kernels."""
+    from fp4moe_kernels import convert, switches
+
+    fused = []
+    real = convert.bf16_to_fp8_row_col
+    monkeypatch.setattr(convert, "bf16_to_fp8_row_col", lambda *a, **k: fused.append(1) or real(*a, **k))
+    x, w, _ = linear_case(256, 256, 128, seed=12)
+    dy = torch.randn(256, 128, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16).to(device)
+    got = {}
+    for value in ("0", "1"):
+        xx, ww = x.to(device).clone().requires_grad_(), w.to(device).clone().requires_grad_()
+        with switches.use(switches.Switches(fp8_row_col=value)):
+            y = fp8_linear(xx, ww, Recipe.fp8(), counts)
+            y.backward(dy)
+        got[value] = [t.detach().float() for t in (y, xx.grad, ww.grad)]
+    assert len(fused) == 2
+    for a, b in zip(got["0"], got["1"]):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 
 

@@ -651,3 +651,36 @@ def test_gpu_wgrad_loop_equals_the_grouped_wgrad(name, fused):
                     assert not got[e].any(), (k, e)
         else:
             assert torch.equal(got, want), k
+
+
+def _row_col_devices():
+    return [pytest.param("cpu", id="cpu"),
+            pytest.param("cuda", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+                not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+                reason="needs a CUDA GPU with blockwise FP8 GEMMs (sm_90)")])]
+
+
+@pytest.mark.parametrize("device", _row_col_devices())
+@pytest.mark.parametrize("name", ["fp8", "mxfp4", "mxfp4_no_save_fp4"])
+def test_fp8_row_col_switch_changes_no_bit(name, device, monkeypatch):
+    """``fp8_row_col=1``: every operand whose FP8 rows and columns both go to GEMMs (fp8: x and z forward, dY and dH
+    backward; mxfp4: dY and dH) takes both from one ``bf16_to_fp8_row_col`` call; outputs and gradients are the
+    same bits as with the two kernels (on a GPU: the Triton kernels; on the CPU: the reference)."""
+    from fp4moe_kernels import convert, switches
+
+    recipe = SAVE_RECIPES.get(name, Recipe.mxfp4())
+    x, w1, w2, p, dy = (t.to(device) for t in case(COUNTS, seed=11))
+    fused = []
+    real = convert.bf16_to_fp8_row_col
+    monkeypatch.setattr(convert, "bf16_to_fp8_row_col", lambda *a, **k: fused.append(1) or real(*a, **k))
+    got = {}
+    for value in ("0", "1"):
+        with switches.use(switches.Switches(fp8_row_col=value)):
+            got[value] = run(x, COUNTS, w1, w2, p, dy, recipe)
+        if value == "0":
+            assert not fused
+    # fp8: x, z, dY, dH; mxfp4 (MXFP4 x and z saved): dY, dH; without save_fp4: z too (x arrives MXFP4)
+    assert len(fused) == {"fp8": 4, "mxfp4": 2, "mxfp4_no_save_fp4": 3}[name], len(fused)
+    for k, want in got["0"].items():
+        assert torch.equal(got["1"][k].view(torch.int16) if got["1"][k].dtype == torch.bfloat16 else got["1"][k],
+                           want.view(torch.int16) if want.dtype == torch.bfloat16 else want), k

@@ -57,6 +57,7 @@ def min_bytes(kernel: str, m: int, k: int, seg: Segments) -> int:
         "bf16_to_fp8_row": bf16 + fp8_row,
         "bf16_to_fp8_col": bf16 + fp8_col,
         "bf16_to_fp4_and_fp8_row": bf16 + fp4 + fp8_row,
+        "bf16_to_fp8_row_col": bf16 + fp8_row + fp8_col,
     }[kernel]
 
 
@@ -208,7 +209,7 @@ def _ours(shape: Shape, x, a: MXFP4Tensor, f, lib=None, fmt=None):
         f = fmt.FP8RowTensor(f.data, f.scales, fmt.Segments.of(counts, shape.m))
     else:
         lib = ops
-    return {
+    fns = {
         "bf16_to_fp4_row": lambda: lib.bf16_to_fp4_row(x),
         "fp4_to_bf16": lambda: lib.fp4_to_bf16(a),
         "fp4_row_to_fp8_row": lambda: lib.fp4_row_to_fp8_row(a, counts),
@@ -218,6 +219,9 @@ def _ours(shape: Shape, x, a: MXFP4Tensor, f, lib=None, fmt=None):
         "bf16_to_fp8_col": lambda: lib.bf16_to_fp8_col(x, counts),
         "bf16_to_fp4_and_fp8_row": lambda: lib.bf16_to_fp4_and_fp8_row(x, counts),
     }
+    if hasattr(lib, "bf16_to_fp8_row_col"):  # copies of commits before it have none
+        fns["bf16_to_fp8_row_col"] = lambda: lib.bf16_to_fp8_row_col(x, counts)
+    return fns
 
 
 def _round_trips(shape: Shape, a: MXFP4Tensor):
@@ -295,6 +299,9 @@ def run(shapes: list[Shape], warmup_ms: int, rep_ms: int, peers: bool = True, lo
 
         for kernel, fn in _ours(shape, x, a, f).items():
             add(kernel, "fp4moe", fn)
+        # what the fused row + column quantizer replaces: the two kernels, each reading x
+        add("bf16_to_fp8_row_col", "fp4moe row, then col (two kernels)",
+            lambda: (ops.bf16_to_fp8_row(x, shape.counts), ops.bf16_to_fp8_col(x, shape.counts)))
         for label, bops, bfmt, _ in baselines:
             for kernel, fn in _ours(shape, x, a, f, bops, bfmt).items():
                 add(kernel, f"fp4moe {label}", fn)
@@ -364,7 +371,9 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) ->
         for kernel, fn in fns.items():
             if kernels and kernel not in kernels:
                 continue
-            if kernel.endswith("_col"):
+            if kernel == "bf16_to_fp8_row_col":  # 128 tokens x 128 channels per program: only the warps vary
+                configs = [(128, 0, w) for w in (2, 4, 8, 16)]
+            elif kernel.endswith("_col"):
                 configs = [(32, 0, 1), (32, 0, 2), (32, 0, 4), (64, 0, 2), (64, 0, 4), (64, 0, 8), (128, 0, 4), (128, 0, 8)]
             elif kernel in ("bf16_to_fp4_row", "fp4_to_bf16"):  # R = 32-element blocks per program
                 configs = [(r, 0, w) for r in (32, 64, 128, 256) for w in (2, 4, 8)]

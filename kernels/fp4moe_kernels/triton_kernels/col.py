@@ -234,3 +234,41 @@ def bf16_to_fp8_col_kernel(x_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN:
         x = load_f32(x_ptr + r * K + ch[None, :], mask, False)
         q, k = _quant_cols(x, 0)
         _store_cols(e4m3_bits(q, EMULATE), k, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)
+
+
+ROW_COL_TILE_FIELDS = 6  # the column tile table's five fields, then the segment's token count
+
+
+@triton.jit
+def bf16_to_fp8_row_col_kernel(x_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr,
+                               EMULATE: tl.constexpr, X_BF16: tl.constexpr):
+    """BF16 (or float32) -> FP8 1x128 rows and FP8 columns in one read: the FP8 recipe's two copies of an operand
+    (fprop / dgrad rows, wgrad columns). One program owns 128 tokens of one segment (a column tile) x 128 channels
+    (one 1x128 row group): each element is loaded once, quantized per token over the channels (the row copy,
+    ``[M, K]`` row-major, scales segment-major as ``row._row_scale_offset``) and per channel over the tokens (the
+    column copy, stored as ``bf16_to_fp8_col_kernel``'s: transposed through shared memory). Tile table: the
+    column kernels' five fields, then the segment's token count (``ROW_COL_TILE_FIELDS``)."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    row0 = tl.load(tiles_ptr + t * 6 + 0).to(tl.int64)
+    valid = tl.load(tiles_ptr + t * 6 + 1)
+    p_e = tl.multiple_of(tl.load(tiles_ptr + t * 6 + 2), 128).to(tl.int64)
+    mp_e = tl.multiple_of(tl.load(tiles_ptr + t * 6 + 3), 128).to(tl.int64)
+    tok0 = tl.multiple_of(tl.load(tiles_ptr + t * 6 + 4), 128).to(tl.int64)
+    count = tl.load(tiles_ptr + t * 6 + 5).to(tl.int64)
+    toks = tl.arange(0, 128)
+    tmask = toks < valid
+    ch = pid_n * 128 + tl.arange(0, 128)
+    rows = row0 + toks.to(tl.int64)
+    x = load_f32(x_ptr + rows[:, None] * K + ch[None, :], tmask[:, None], X_BF16)  # [128 tokens, 128 channels]
+    # ---- rows: one 1x128 group per token
+    mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    fin = mag < 0x7F800000
+    k_row = fp8_exp_from_amax_bits(tl.max(tl.where(fin, mag, 0), axis=1))  # [128]
+    q_row = tl.where(fin, x * exp2_i(-k_row)[:, None], float("nan"))
+    tl.store(q_ptr + rows[:, None] * K + ch[None, :], e4m3_bits(q_row, EMULATE), mask=tmask[:, None])
+    # the segment's scales are [K/128, count] channel-group-major; the segment starts at row0 - tok0
+    tl.store(qs_ptr + (K // 128) * (row0 - tok0) + pid_n * count + tok0 + toks, exp2_i(k_row), mask=tmask)
+    # ---- columns: 128 tokens per channel (padding tokens loaded as zeros)
+    q_col, k_col = _quant_cols(x, 0)
+    _store_cols(e4m3_bits(q_col, EMULATE), k_col, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)

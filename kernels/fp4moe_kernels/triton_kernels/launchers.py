@@ -33,6 +33,8 @@ TILES = {
     "fp8_row_to_fp4": (128, 0, 4),
     "fp4_row_to_fp8_col": (32, 0, 1),
     "bf16_to_fp8_col": (32, 0, 1),
+    "bf16_to_fp8_row_col": (128, 0, 16),  # 128 tokens x 128 channels per program (fixed); 16 warps: 81 registers,
+    # no spill for sm_90 (8: 164, 4: 255 and spills); not yet swept on a GPU
     "quantize_weight_128x128": (0, 0, 8),  # one 128x128 block per program; not swept
 }
 
@@ -283,6 +285,36 @@ def bf16_to_fp8_col(x: torch.Tensor, seg: Segments) -> FP8ColTensor:
             ov = o.view(torch.uint8)
         col.bf16_to_fp8_col_kernel[grid](xa, ov, s, tiles, k, EMULATE=INTERPRET, X_BF16=xb, **meta)
     return FP8ColTensor(o, s, seg, k)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_col_tiles(seg: Segments, device) -> torch.Tensor:
+    """int32 [T, 6]: ``_col_tiles``' five fields, then the tile's segment's token count (where its row scales go)."""
+    counts = torch.tensor(seg.counts, dtype=torch.int64)
+    e, _ = _segment_tiles(torch.tensor(seg.padded_counts, dtype=torch.int64), col.TILE_T)
+    tiles = _col_tiles(seg, "cpu").to(torch.int64).reshape(-1, col.TILE_FIELDS)
+    t = torch.cat([tiles, counts[e][:, None]], 1).to(torch.int32)
+    return host_to_device(t.reshape(-1, col.ROW_COL_TILE_FIELDS), device)
+
+
+def bf16_to_fp8_row_col(x: torch.Tensor, seg: Segments) -> tuple[FP8RowTensor, FP8ColTensor]:
+    """``(bf16_to_fp8_row(x, seg), bf16_to_fp8_col(x, seg))`` in one launch reading x once
+    (``col.bf16_to_fp8_row_col_kernel``)."""
+    m, k = x.shape
+    xa, xb = _x16(x)
+    _ensure_gpu_tiles()
+    warps = TILES["bf16_to_fp8_row_col"][2]
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    qs = torch.empty(m * (k // 128), dtype=torch.float32, device=x.device)
+    mp = seg.padded_total
+    o = torch.empty(k * mp, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(mp // 128, k, dtype=torch.float32, device=x.device)
+    tiles = _row_col_tiles(seg, x.device)
+    if tiles.shape[0]:
+        col.bf16_to_fp8_row_col_kernel[(k // 128, tiles.shape[0])](
+            xa, q.view(torch.uint8), qs, o.view(torch.uint8), s, tiles, k, EMULATE=INTERPRET, X_BF16=xb,
+            num_warps=warps)
+    return FP8RowTensor(q, qs, seg), FP8ColTensor(o, s, seg, k)
 
 
 # expert offsets on the device, by (device, first weight's address, every expert's offset): a layer's weights do not

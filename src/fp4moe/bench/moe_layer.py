@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated recipe presets, each optionally @ a grouped_gemm switch value, e.g. "
                         "bf16,fp8,mxfp4,fp8@deepgemm,mxfp4@deepgemm (that recipe again with those expert GEMMs), "
                         "and +fused (with --main-grads: the experts' wgrad added into the main gradients by the GEMM) "
-                        "or +wloop (the experts' wgrad as one cuBLAS GEMM per expert), e.g. fp8@deepgemm+wloop")
+                        "or +wloop (the experts' wgrad as one cuBLAS GEMM per expert), e.g. fp8@deepgemm+wloop, or "
+                        "+rowcol (FP8 rows and columns of an operand from one kernel)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -209,10 +210,10 @@ def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str,
     """``--recipes`` -> [(label, Recipe, kernel switches to set (e.g. {"grouped_gemm": "deepgemm"}), fused wgrad)]:
     ``RECIPE[@GROUPED_GEMM][+MODIFIER...]``, e.g. ``fp8``, ``fp8@deepgemm``, ``fp8@deepgemm+fused`` (``+fused``
     only with ``--main-grads``), ``fp8@deepgemm+wloop`` (the wgrad as one cuBLAS GEMM per expert: ``wgrad_gemm``
-    loop)."""
+    loop), ``+rowcol`` (an operand's FP8 rows and columns from one kernel: ``fp8_row_col`` 1)."""
     from fp4moe_kernels.switches import CHOICES
 
-    modifiers = {"fused", "wloop"}
+    modifiers = {"fused", "wloop", "rowcol"}
     out = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
@@ -230,7 +231,8 @@ def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str,
         if backend and backend not in CHOICES["grouped_gemm"][0]:
             raise SystemExit(f"--recipes {item}: the part after @ is a grouped_gemm value, "
                              f"{' / '.join(CHOICES['grouped_gemm'][0])}")
-        switch = ({"grouped_gemm": backend} if backend else {}) | ({"wgrad_gemm": "loop"} if "wloop" in mods else {})
+        switch = (({"grouped_gemm": backend} if backend else {}) | ({"wgrad_gemm": "loop"} if "wloop" in mods else {})
+                  | ({"fp8_row_col": "1"} if "rowcol" in mods else {}))
         out.append((item, Recipe.preset(name), switch, fused))
     return out
 
@@ -659,7 +661,7 @@ def main(argv=None) -> dict:
         with _switched(switched):
             rows.append(_bench_recipe(layer, r, x, dy, args, dev, fused))
             rows[-1].update(recipe=label, grouped_gemm=gemm_backend(dev), fused_wgrad=fused,
-                            wgrad_gemm=switches.current().wgrad_gemm)
+                            wgrad_gemm=switches.current().wgrad_gemm, fp8_row_col=switches.current().fp8_row_col)
         if rank == 0:
             print(f"{label}: {rows[-1]['tokens_per_s']:.0f} tokens/s, saved {rows[-1]['saved_bytes'] / 2**20:.1f} MiB",
                   flush=True)
@@ -667,8 +669,9 @@ def main(argv=None) -> dict:
     ratios = {}
     for label, r, switched, fused in entries:
         # an entry with switches or +fused against bf16, the recipe itself, the entry without its + modifiers, and
-        # without +wloop alone
-        for base in dict.fromkeys(("bf16", r.name, label.split("+")[0], label.replace("+wloop", ""))):
+        # without +wloop or +rowcol alone
+        for base in dict.fromkeys(("bf16", r.name, label.split("+")[0], label.replace("+wloop", ""),
+                                   label.replace("+rowcol", ""))):
             if (switched or fused) and base in by and base != label:
                 ratios[f"tokens_per_s {label}/{base}"] = by[label]["tokens_per_s"] / by[base]["tokens_per_s"]
     if "fp8" in by and "mxfp4" in by:

@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from fp4moe_kernels import convert as kops
+from fp4moe_kernels import switches
 from fp4moe_kernels.constants import FP8_GROUP
-from fp4moe_kernels.formats import FormatError, FP8ColTensor, MXFP4Tensor, Segments
+from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
 from fp4moe_kernels.sizes import fp8_row_col_bytes, mxfp4_bytes
 
 from ..recipe import Recipe
@@ -53,6 +54,15 @@ def _row_operand(f):
     if f.segments.num == 1:
         return f.segment(0)
     return f.data, f.scale_matrix()
+
+
+def fp8_rows(x: torch.Tensor, seg: Segments, with_cols: bool) -> tuple[FP8RowTensor, FP8ColTensor | None]:
+    """x's FP8 1x128 rows ``[M, K]``, and its FP8 columns too when ``with_cols`` and the ``fp8_row_col`` switch says
+    1 (``convert.bf16_to_fp8_row_col``: one read of x, the same bits as the two kernels); else the columns are None
+    and the caller makes them (``bf16_to_fp8_col``) where it needs them, as before the fused kernel."""
+    if with_cols and switches.current().fp8_row_col == "1":
+        return kops.bf16_to_fp8_row_col(x, seg)
+    return kops.bf16_to_fp8_row(x, seg), None
 
 
 def fp8_weight(weight: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,10 +103,12 @@ class FP8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, recipe: Recipe, seg: Segments, backward: bool = True):
         m, k = x.shape
         need_w = ctx.needs_input_grad[1] and backward
+        x_col = None
         if recipe.save_fp4 and need_w:
             x_fp4, x_row = kops.bf16_to_fp4_and_fp8_row(x, seg, rule=recipe.scale_rule)
         else:
-            x_fp4, x_row = None, kops.bf16_to_fp8_row(x, seg)
+            x_fp4 = None
+            x_row, x_col = fp8_rows(x, seg, need_w)
         wq, ws = fp8_weight(weight)
         xa, xs = _row_operand(x_row)
         y = fp8_mm(xa, xs, wq, ws, "fprop")
@@ -110,7 +122,7 @@ class FP8Linear(torch.autograd.Function):
             saved = [x_fp4.data, x_fp4.scales]
         else:
             ctx.layout = "fp8_row_col"
-            x_col = kops.bf16_to_fp8_col(x, seg)
+            x_col = x_col if x_col is not None else kops.bf16_to_fp8_col(x, seg)
             saved = [x_row.data, x_row.scales, x_col.data, x_col.scales]
         ctx.saved_activation_bytes = sum(t.numel() * t.element_size() for t in saved)
         ctx.save_for_backward(weight, *saved)
@@ -124,8 +136,9 @@ class FP8Linear(torch.autograd.Function):
             dy = dy.to(torch.bfloat16)
         dy = dy.contiguous()
         dx = dw = None
+        dy_col = None
         if ctx.needs_input_grad[0]:
-            dy_row = kops.bf16_to_fp8_row(dy, seg)
+            dy_row, dy_col = fp8_rows(dy, seg, ctx.needs_input_grad[1])
             wtq, wts = fp8_weight(weight, transposed=True)
             a, sa = _row_operand(dy_row)
             dx = fp8_mm(a, sa, wtq, wts, "dgrad").to(ctx.x_dtype)
@@ -135,7 +148,7 @@ class FP8Linear(torch.autograd.Function):
                 x_col = kops.fp4_row_to_fp8_col(x_fp4, seg)
             else:
                 x_col = FP8ColTensor(saved[2], saved[3], seg, k)
-            dy_col = kops.bf16_to_fp8_col(dy, seg)
+            dy_col = dy_col if dy_col is not None else kops.bf16_to_fp8_col(dy, seg)
             dw = _wgrad(dy_col, x_col).to(ctx.w_dtype)
         return dx, dw, None, None, None
 

@@ -65,6 +65,7 @@ from fp4moe_kernels.sizes import fp8_row_col_bytes, mxfp4_bytes
 
 from ..recipe import Recipe
 from .fp8_gemm import fp8_mm, quantize_weight_128x128
+from .fp8_linear import fp8_rows
 from .swiglu import swiglu_math, swiglu_math_backward, swiglu_math_backward_fp4, swiglu_math_fp4
 from .weight_cache import CACHE
 
@@ -333,10 +334,12 @@ def _stand_in_grad(w: "Experts", params: list[torch.Tensor]) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- autograd function
 
 
-def _weight_grad(s: dict, name: str, d_out: torch.Tensor, seg, w: "Experts", k: int, fp8: bool) -> torch.Tensor:
+def _weight_grad(s: dict, name: str, d_out: torch.Tensor, seg, w: "Experts", k: int, fp8: bool,
+                 d_col: FP8ColTensor | None = None) -> torch.Tensor:
     """dW ``[E, N, K]`` of one grouped GEMM from its saved input ``name``: the MXFP4 copy (wgrad operand rebuilt
-    with FP4RowToFP8Col), the FP8 column copy, or (bf16 recipe) the BF16 input itself; ``k`` its channels. For
-    fused weights (``_fused_params``) the gradient goes into their ``main_grad`` and the stand-in comes back."""
+    with FP4RowToFP8Col), the FP8 column copy, or (bf16 recipe) the BF16 input itself; ``k`` its channels; ``d_col``:
+    d_out's FP8 columns where already made (``fp8_rows``), else made here. For fused weights (``_fused_params``) the
+    gradient goes into their ``main_grad`` and the stand-in comes back."""
     params = _fused_params(w)
     into = _targets(params) if params is not None else None
     if not fp8:
@@ -347,7 +350,7 @@ def _weight_grad(s: dict, name: str, d_out: torch.Tensor, seg, w: "Experts", k: 
             col = kops.fp4_row_to_fp8_col(mx, seg)
         else:
             col = FP8ColTensor(s[f"{name}_col_data"], s[f"{name}_col_scales"], seg, k)
-        dw = _wgrad(kops.bf16_to_fp8_col(d_out, seg), col, seg, w, into)
+        dw = _wgrad(d_col if d_col is not None else kops.bf16_to_fp8_col(d_out, seg), col, seg, w, into)
     return _stand_in_grad(w, params) if params is not None else dw
 
 
@@ -395,12 +398,12 @@ class GroupedExpertMLP(torch.autograd.Function):
             elif recipe.save_fp4 and need_w1:
                 x_fp4, x_row = kops.bf16_to_fp4_and_fp8_row(x_hp, seg, rule=recipe.scale_rule)
             else:
-                x_row = kops.bf16_to_fp8_row(x_hp, seg)
+                x_row, x_col = fp8_rows(x_hp, seg, need_w1)
             hmat = _per_expert_gemm(x_row, w1, seg, f2, "fprop")
             if x_fp4 is not None:
                 saved["x_fp4_data"], saved["x_fp4_scales"] = x_fp4.data, x_fp4.scales
             elif need_w1:
-                x_col = kops.bf16_to_fp8_col(x_hp, seg)
+                x_col = x_col if x_col is not None else kops.bf16_to_fp8_col(x_hp, seg)
                 saved.update(x_row_data=x_row.data, x_row_scales=x_row.scales, x_col_data=x_col.data,
                              x_col_scales=x_col.scales)
         # ---- SwiGLU (float32), weighted by the routing probabilities
@@ -418,9 +421,9 @@ class GroupedExpertMLP(torch.autograd.Function):
                 z4, z_row = kops.bf16_to_fp4_and_fp8_row(z, seg, rule=recipe.scale_rule)
                 saved["z_fp4_data"], saved["z_fp4_scales"] = z4.data, z4.scales
             else:
-                z_row = kops.bf16_to_fp8_row(z, seg)
+                z_row, z_col = fp8_rows(z, seg, need_w2)
                 if need_w2:
-                    z_col = kops.bf16_to_fp8_col(z, seg)
+                    z_col = z_col if z_col is not None else kops.bf16_to_fp8_col(z, seg)
                     saved.update(z_row_data=z_row.data, z_row_scales=z_row.scales, z_col_data=z_col.data,
                                  z_col_scales=z_col.scales)
             y = _per_expert_gemm(z_row, w2, seg, h, "fprop")
@@ -443,11 +446,15 @@ class GroupedExpertMLP(torch.autograd.Function):
         dy = dy.to(_BF16).contiguous()
         probs = s["probs"]
         # ---- fc2 backward
+        dy_col = dh_col = None  # FP8 columns of dY / dH made with their rows (fp8_rows), else by _weight_grad
         if fp8:
-            dz = _per_expert_gemm(kops.bf16_to_fp8_row(dy, seg), w2, seg, f, "dgrad")
+            dy_row, dy_col = fp8_rows(dy, seg, need_w2)
+            dz = _per_expert_gemm(dy_row, w2, seg, f, "dgrad")
+            del dy_row
         else:
             dz = _bf16_mm_per_expert(dy, w2, seg, False)
-        dw2 = _weight_grad(s, "z", dy, seg, w2, f, fp8) if need_w2 else None
+        dw2 = _weight_grad(s, "z", dy, seg, w2, f, fp8, dy_col) if need_w2 else None
+        del dy_col
         # ---- SwiGLU backward (from the saved, possibly MXFP4-decoded, h)
         if "h" in s:
             dh, dprobs = swiglu_math_backward(s["h"], dz, probs)
@@ -458,10 +465,14 @@ class GroupedExpertMLP(torch.autograd.Function):
         del dz
         # ---- fc1 backward
         dx = dw1 = None
-        if ctx.needs_input_grad[0]:
-            dx = _per_expert_gemm(kops.bf16_to_fp8_row(dh, seg), w1, seg, h, "dgrad") if fp8 else _bf16_mm_per_expert(dh, w1, seg, False)
+        if ctx.needs_input_grad[0] and fp8:
+            dh_row, dh_col = fp8_rows(dh, seg, need_w1)
+            dx = _per_expert_gemm(dh_row, w1, seg, h, "dgrad")
+            del dh_row
+        elif ctx.needs_input_grad[0]:
+            dx = _bf16_mm_per_expert(dh, w1, seg, False)
         if need_w1:
-            dw1 = _weight_grad(s, "x", dh, seg, w1, h, fp8)
+            dw1 = _weight_grad(s, "x", dh, seg, w1, h, fp8, dh_col)
         dp = dprobs.to(probs.dtype) if ctx.needs_input_grad[1] else None
         if w1.stacked is not None:  # the [E, N, K] gradients as the wgrad made them
             return (dx, dp, None, None, None, None, dw1, dw2)
