@@ -74,14 +74,16 @@ def _store_cols(bits, k, o_ptr, os_ptr, chs, p_e, mp_e, tok0, K: tl.constexpr):
 
 
 @triton.jit
-def _tile(tiles_ptr):
+def _tile(tiles_ptr, FIELDS: tl.constexpr = 5):
+    """This program's tile (``tl.program_id(1)``) of a table of FIELDS int32 per tile, the first five as the module
+    docstring says: (rows [128, 1] int64, their mask, P_e, Mp_e, t0)."""
     t = tl.program_id(1)
-    row0 = tl.load(tiles_ptr + t * 5 + 0).to(tl.int64)
-    valid = tl.load(tiles_ptr + t * 5 + 1)
+    row0 = tl.load(tiles_ptr + t * FIELDS + 0).to(tl.int64)
+    valid = tl.load(tiles_ptr + t * FIELDS + 1)
     # padded offsets and lengths are multiples of 128: tell the compiler, so that stores vectorize
-    p_e = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 2), 128).to(tl.int64)
-    mp_e = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 3), 128).to(tl.int64)
-    tok0 = tl.multiple_of(tl.load(tiles_ptr + t * 5 + 4), 128).to(tl.int64)
+    p_e = tl.multiple_of(tl.load(tiles_ptr + t * FIELDS + 2), 128).to(tl.int64)
+    mp_e = tl.multiple_of(tl.load(tiles_ptr + t * FIELDS + 3), 128).to(tl.int64)
+    tok0 = tl.multiple_of(tl.load(tiles_ptr + t * FIELDS + 4), 128).to(tl.int64)
     toks = tl.arange(0, 128)
     return row0 + toks.to(tl.int64)[:, None], (toks < valid)[:, None], p_e, mp_e, tok0
 
@@ -236,7 +238,7 @@ def bf16_to_fp8_col_kernel(x_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN:
         _store_cols(e4m3_bits(q, EMULATE), k, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)
 
 
-ROW_COL_TILE_FIELDS = 6  # the column tile table's five fields, then the segment's token count
+ROW_COL_TILE_FIELDS: tl.constexpr = tl.constexpr(6)  # the column tile table's five fields, then the segment's tokens
 
 
 @triton.jit
@@ -249,26 +251,19 @@ def bf16_to_fp8_row_col_kernel(x_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, K
     column copy, stored as ``bf16_to_fp8_col_kernel``'s: transposed through shared memory). Tile table: the
     column kernels' five fields, then the segment's token count (``ROW_COL_TILE_FIELDS``)."""
     pid_n = tl.program_id(0)
-    t = tl.program_id(1)
-    row0 = tl.load(tiles_ptr + t * 6 + 0).to(tl.int64)
-    valid = tl.load(tiles_ptr + t * 6 + 1)
-    p_e = tl.multiple_of(tl.load(tiles_ptr + t * 6 + 2), 128).to(tl.int64)
-    mp_e = tl.multiple_of(tl.load(tiles_ptr + t * 6 + 3), 128).to(tl.int64)
-    tok0 = tl.multiple_of(tl.load(tiles_ptr + t * 6 + 4), 128).to(tl.int64)
-    count = tl.load(tiles_ptr + t * 6 + 5).to(tl.int64)
-    toks = tl.arange(0, 128)
-    tmask = toks < valid
+    r, mask, p_e, mp_e, tok0 = _tile(tiles_ptr, ROW_COL_TILE_FIELDS)
+    s0 = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS).to(tl.int64) - tok0  # the segment's first row
+    count = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS + 5).to(tl.int64)  # and its tokens
     ch = pid_n * 128 + tl.arange(0, 128)
-    rows = row0 + toks.to(tl.int64)
-    x = load_f32(x_ptr + rows[:, None] * K + ch[None, :], tmask[:, None], X_BF16)  # [128 tokens, 128 channels]
+    x = load_f32(x_ptr + r * K + ch[None, :], mask, X_BF16)  # [128 tokens, 128 channels]
     # ---- rows: one 1x128 group per token
     mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     fin = mag < 0x7F800000
     k_row = fp8_exp_from_amax_bits(tl.max(tl.where(fin, mag, 0), axis=1))  # [128]
     q_row = tl.where(fin, x * exp2_i(-k_row)[:, None], float("nan"))
-    tl.store(q_ptr + rows[:, None] * K + ch[None, :], e4m3_bits(q_row, EMULATE), mask=tmask[:, None])
-    # the segment's scales are [K/128, count] channel-group-major; the segment starts at row0 - tok0
-    tl.store(qs_ptr + (K // 128) * (row0 - tok0) + pid_n * count + tok0 + toks, exp2_i(k_row), mask=tmask)
+    tl.store(q_ptr + r * K + ch[None, :], e4m3_bits(q_row, EMULATE), mask=mask)
+    # the segment's scales are [K/128, count] channel-group-major (row._row_scale_offset)
+    tl.store(qs_ptr + (K // 128) * s0 + pid_n * count + (r - s0), exp2_i(k_row)[:, None], mask=mask)
     # ---- columns: 128 tokens per channel (padding tokens loaded as zeros)
     q_col, k_col = _quant_cols(x, 0)
     _store_cols(e4m3_bits(q_col, EMULATE), k_col, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)

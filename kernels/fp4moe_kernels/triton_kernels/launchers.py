@@ -294,7 +294,7 @@ def _row_col_tiles(seg: Segments, device) -> torch.Tensor:
     e, _ = _segment_tiles(torch.tensor(seg.padded_counts, dtype=torch.int64), col.TILE_T)
     tiles = _col_tiles(seg, "cpu").to(torch.int64).reshape(-1, col.TILE_FIELDS)
     t = torch.cat([tiles, counts[e][:, None]], 1).to(torch.int32)
-    return host_to_device(t.reshape(-1, col.ROW_COL_TILE_FIELDS), device)
+    return host_to_device(t.reshape(-1, col.ROW_COL_TILE_FIELDS.value), device)
 
 
 def bf16_to_fp8_row_col(x: torch.Tensor, seg: Segments) -> tuple[FP8RowTensor, FP8ColTensor]:
