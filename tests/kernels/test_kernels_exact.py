@@ -306,6 +306,23 @@ def test_bf16_to_fp8_col_on_every_bf16_pattern_and_edge_channels(device):
                                  ref.bf16_to_fp8_row_col(edge.view(torch.bfloat16), seg))
 
 
+@pytest.mark.parametrize("device", _codec_devices())
+@pytest.mark.parametrize("bn", [32, 64, 128])
+def test_bf16_to_fp8_row_col_in_every_chunk_width(device, bn, monkeypatch):
+    """The fused row + column quantizer takes its 128-channel group in chunks of BN channels (two passes: the rows'
+    amax, then both copies per chunk) or, at 128, at once: every width the benchmark sweeps gives the reference's bits,
+    on ragged segments longer than one 128-token tile, with NaN / Inf and a spread of exponents."""
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launchers
+
+    monkeypatch.setitem(launchers.TILES, "bf16_to_fp8_row_col", (bn, 0, 2))
+    x = selfcheck.make_input(300, 384, SEED + bn, special=True)
+    seg = Segments.of([0, 170, 1, 129, 0], 300)
+    got = launchers.bf16_to_fp8_row_col(x.to(device), seg)
+    assert not selfcheck.compare(got, ref.bf16_to_fp8_row_col(x, seg))
+
+
 @pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
 def test_the_self_check_can_share_inputs_between_conversions():
     """selfcheck.main generates each input once for every conversion of its shape: no kernel or reference may write

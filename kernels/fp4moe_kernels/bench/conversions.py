@@ -371,8 +371,8 @@ def sweep(shape: Shape, warmup_ms: int, rep_ms: int, kernels=None, log=print) ->
         for kernel, fn in fns.items():
             if kernels and kernel not in kernels:
                 continue
-            if kernel == "bf16_to_fp8_row_col":  # 128 tokens x 128 channels per program: only the warps vary
-                configs = [(128, 0, w) for w in (2, 4, 8, 16)]
+            if kernel == "bf16_to_fp8_row_col":  # 128 tokens x 128 channels per program, in chunks of BN channels
+                configs = [(bn, 0, w) for bn in (32, 64, 128) for w in (1, 2, 4, 8)]
             elif kernel.endswith("_col"):
                 configs = [(32, 0, 1), (32, 0, 2), (32, 0, 4), (64, 0, 2), (64, 0, 4), (64, 0, 8), (128, 0, 4), (128, 0, 8)]
             elif kernel in ("bf16_to_fp4_row", "fp4_to_bf16"):  # R = 32-element blocks per program

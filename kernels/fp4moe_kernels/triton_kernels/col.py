@@ -242,28 +242,35 @@ ROW_COL_TILE_FIELDS: tl.constexpr = tl.constexpr(6)  # the column tile table's f
 
 
 @triton.jit
-def bf16_to_fp8_row_col_kernel(x_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr,
+def bf16_to_fp8_row_col_kernel(x_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN: tl.constexpr,
                                EMULATE: tl.constexpr, X_BF16: tl.constexpr):
-    """BF16 (or float32) -> FP8 1x128 rows and FP8 columns in one read: the FP8 recipe's two copies of an operand
-    (fprop / dgrad rows, wgrad columns). One program owns 128 tokens of one segment (a column tile) x 128 channels
-    (one 1x128 row group): each element is loaded once, quantized per token over the channels (the row copy,
-    ``[M, K]`` row-major, scales segment-major as ``row._row_scale_offset``) and per channel over the tokens (the
-    column copy, stored as ``bf16_to_fp8_col_kernel``'s: transposed through shared memory). Tile table: the
-    column kernels' five fields, then the segment's token count (``ROW_COL_TILE_FIELDS``)."""
+    """BF16 (or float32) -> FP8 1x128 rows and FP8 columns from one read of HBM: the FP8 recipe's two copies of an
+    operand (fprop / dgrad rows, wgrad columns). One program owns 128 tokens of one segment (a column tile) x 128
+    channels (one 1x128 row group), in chunks of BN channels: a first pass over the chunks takes each token's amax
+    (the row scales), a second loads each chunk again (from L1 / L2: the tile is 32 KB of BF16) and stores its row
+    copy (``[M, K]`` row-major, scales segment-major as ``row._row_scale_offset``) and its column copy
+    (``bf16_to_fp8_col_kernel``'s float path: per channel over the 128 tokens, stored transposed through shared
+    memory), so at most one [128, BN] float32 chunk is live (BN = 128: one pass, the whole tile in registers).
+    Tile table: the column kernels' five fields, then the segment's token count (``ROW_COL_TILE_FIELDS``)."""
     pid_n = tl.program_id(0)
     r, mask, p_e, mp_e, tok0 = _tile(tiles_ptr, ROW_COL_TILE_FIELDS)
     s0 = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS).to(tl.int64) - tok0  # the segment's first row
     count = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS + 5).to(tl.int64)  # and its tokens
-    ch = pid_n * 128 + tl.arange(0, 128)
-    x = load_f32(x_ptr + r * K + ch[None, :], mask, X_BF16)  # [128 tokens, 128 channels]
-    # ---- rows: one 1x128 group per token
-    mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    fin = mag < 0x7F800000
-    k_row = fp8_exp_from_amax_bits(tl.max(tl.where(fin, mag, 0), axis=1))  # [128]
-    q_row = tl.where(fin, x * exp2_i(-k_row)[:, None], float("nan"))
-    tl.store(q_ptr + r * K + ch[None, :], e4m3_bits(q_row, EMULATE), mask=mask)
+    # ---- the row scales: each token's finite amax over its 128-channel group
+    amax = tl.zeros([128], dtype=tl.int32)
+    for c in range(128 // BN):
+        ch = pid_n * 128 + c * BN + tl.arange(0, BN)
+        mag = load_f32(x_ptr + r * K + ch[None, :], mask, X_BF16).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        amax = tl.maximum(amax, tl.max(tl.where(mag < 0x7F800000, mag, 0), axis=1))
+    k_row = fp8_exp_from_amax_bits(amax)  # [128]
     # the segment's scales are [K/128, count] channel-group-major (row._row_scale_offset)
     tl.store(qs_ptr + (K // 128) * s0 + pid_n * count + (r - s0), exp2_i(k_row)[:, None], mask=mask)
-    # ---- columns: 128 tokens per channel (padding tokens loaded as zeros)
-    q_col, k_col = _quant_cols(x, 0)
-    _store_cols(e4m3_bits(q_col, EMULATE), k_col, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)
+    # ---- per chunk: the row copy with those scales, the column copy (padding tokens loaded as zeros)
+    for c in range(128 // BN):
+        ch = pid_n * 128 + c * BN + tl.arange(0, BN)
+        x = load_f32(x_ptr + r * K + ch[None, :], mask, X_BF16)  # [128 tokens, BN channels]
+        fin = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
+        q_row = tl.where(fin, x * exp2_i(-k_row)[:, None], float("nan"))
+        tl.store(q_ptr + r * K + ch[None, :], e4m3_bits(q_row, EMULATE), mask=mask)
+        q_col, k_col = _quant_cols(x, 0)
+        _store_cols(e4m3_bits(q_col, EMULATE), k_col, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)

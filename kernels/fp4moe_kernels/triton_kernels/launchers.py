@@ -33,8 +33,9 @@ TILES = {
     "fp8_row_to_fp4": (128, 0, 4),
     "fp4_row_to_fp8_col": (32, 0, 1),
     "bf16_to_fp8_col": (32, 0, 1),
-    "bf16_to_fp8_row_col": (128, 0, 16),  # 128 tokens x 128 channels per program (fixed); 16 warps: 81 registers,
-    # no spill for sm_90 (8: 164, 4: 255 and spills); not yet swept on a GPU
+    "bf16_to_fp8_row_col": (32, 0, 4),  # 128 tokens x 128 channels per program in chunks of BN channels (sm_90: 168
+    # registers, three programs per SM); the whole tile at once ran 0.69-0.71x the two kernels on an H100
+    # (results/kernels/README.md); the chunks are not measured on a GPU yet
     "quantize_weight_128x128": (0, 0, 8),  # one 128x128 block per program; not swept
 }
 
@@ -303,7 +304,7 @@ def bf16_to_fp8_row_col(x: torch.Tensor, seg: Segments) -> tuple[FP8RowTensor, F
     m, k = x.shape
     xa, xb = _x16(x)
     _ensure_gpu_tiles()
-    warps = TILES["bf16_to_fp8_row_col"][2]
+    bn, _, warps = TILES["bf16_to_fp8_row_col"]
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     qs = torch.empty(m * (k // 128), dtype=torch.float32, device=x.device)
     mp = seg.padded_total
@@ -312,7 +313,7 @@ def bf16_to_fp8_row_col(x: torch.Tensor, seg: Segments) -> tuple[FP8RowTensor, F
     tiles = _row_col_tiles(seg, x.device)
     if tiles.shape[0]:
         col.bf16_to_fp8_row_col_kernel[(k // 128, tiles.shape[0])](
-            xa, q.view(torch.uint8), qs, o.view(torch.uint8), s, tiles, k, EMULATE=INTERPRET, X_BF16=xb,
+            xa, q.view(torch.uint8), qs, o.view(torch.uint8), s, tiles, k, BN=bn, EMULATE=INTERPRET, X_BF16=xb,
             num_warps=warps)
     return FP8RowTensor(q, qs, seg), FP8ColTensor(o, s, seg, k)
 
