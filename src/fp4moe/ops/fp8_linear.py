@@ -100,7 +100,7 @@ class FP8Linear(torch.autograd.Function):
     ``y.grad_fn.saved_activation_bytes`` holds the bytes saved from x (``saved_bytes(y)``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe: Recipe, seg: Segments, backward: bool = True):
+    def forward(ctx, x, weight, recipe: Recipe, seg: Segments, backward: bool):
         m, k = x.shape
         need_w = ctx.needs_input_grad[1] and backward
         x_col = None
