@@ -3,8 +3,9 @@
 # on the device; every phase writes what it measured under $OUT (logs, MLflow stores, summaries):
 #
 #   bash tools/device/h200_p3.sh setup                 # wheels -> /tmp/site; code+docs corpus -> data/code_docs
-#   bash tools/device/h200_p3.sh tests [PATHS]         # every GPU test (kernels, ops, MoE layer incl. EP=2, trainer), or
-#                                                      # those under PATHS (e.g. what changed since the last GPU run)
+#   bash tools/device/h200_p3.sh tests [PATHS] [ARGS]  # every GPU test (kernels, ops, MoE layer incl. EP=2, trainer), or
+#                                                      # those under PATHS (e.g. what changed since the last GPU run),
+#                                                      # pytest ARGS too (-k "a or b": quoted, one argument)
 #   bash tools/device/h200_p3.sh probe GPU MB [PRECS]  # proxy, recipes x 5 recompute scopes at micro-batch MB, 4 steps
 #   bash tools/device/h200_p3.sh choose                # T1 micro-batch from the probes at >= 2 micro-batches (every
 #                                                      # logs/device/mlflow_probe*.db: tools/device/choose_t1_mb.py)
@@ -130,11 +131,11 @@ setup)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.csv"
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" > "$OUT/versions.txt"
   ;;
-tests)
-  paths=${*:-tests/kernels tests/ops tests/moe tests/train/test_train_gpu.py tests/train/test_memtrace.py}
-  # shellcheck disable=SC2086
-  python3 -m pytest -q -m gpu --durations=12 $paths 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -5
+tests)  # [PATHS and pytest args, e.g. tests/ops -k "row_col or wgrad_loop"]: the GPU tests (default: every GPU test)
+  if [ $# -eq 0 ]; then
+    set -- tests/kernels tests/ops tests/moe tests/train/test_train_gpu.py tests/train/test_memtrace.py
+  fi
+  python3 -m pytest -q -m gpu --durations=12 "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
   ;;
 probe)  # GPU MB [precisions]: peak memory, saved bytes and step time of every recipe x scope at one micro-batch
   gpu=$1 mb=$2 precs=${3:-bf16,fp8,mxfp4}
