@@ -137,17 +137,19 @@ def _segment_tiles(sizes: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.
 
 
 @functools.lru_cache(maxsize=64)
-def _col_tiles(seg: Segments, device) -> torch.Tensor:
+def _col_tiles(seg: Segments, device, with_count: bool = False) -> torch.Tensor:
     """int32 [T, 5] tile table (see ``col`` module docstring): per tile (first row, rows, padded offset, padded
-    count, t0), TILE_T tokens per tile over each expert's padded count."""
+    count, t0), TILE_T tokens per tile over each expert's padded count; ``with_count``: [T, 6], the tile's segment's
+    token count as a sixth field (``col.ROW_COL_TILE_FIELDS``: where the fused kernel's row scales go)."""
     counts = torch.tensor(seg.counts, dtype=torch.int64)
     padded = torch.tensor(seg.padded_counts, dtype=torch.int64)
     e, t0 = _segment_tiles(padded, col.TILE_T)
     offsets = torch.tensor(seg.offsets[:-1], dtype=torch.int64)[e]
     padded_offsets = torch.tensor(seg.padded_offsets[:-1], dtype=torch.int64)[e]
     rows = torch.clamp(counts[e] - t0, max=col.TILE_T)
-    t = torch.stack([offsets + t0, rows, padded_offsets, padded[e], t0], 1).to(torch.int32)
-    return host_to_device(t.reshape(-1, col.TILE_FIELDS), device)
+    fields = [offsets + t0, rows, padded_offsets, padded[e], t0] + ([counts[e]] if with_count else [])
+    t = torch.stack(fields, 1).to(torch.int32)
+    return host_to_device(t.reshape(-1, len(fields)), device)
 
 
 def _x(x: torch.Tensor):
@@ -288,16 +290,6 @@ def bf16_to_fp8_col(x: torch.Tensor, seg: Segments) -> FP8ColTensor:
     return FP8ColTensor(o, s, seg, k)
 
 
-@functools.lru_cache(maxsize=64)
-def _row_col_tiles(seg: Segments, device) -> torch.Tensor:
-    """int32 [T, 6]: ``_col_tiles``' five fields, then the tile's segment's token count (where its row scales go)."""
-    counts = torch.tensor(seg.counts, dtype=torch.int64)
-    e, _ = _segment_tiles(torch.tensor(seg.padded_counts, dtype=torch.int64), col.TILE_T)
-    tiles = _col_tiles(seg, "cpu").to(torch.int64).reshape(-1, col.TILE_FIELDS)
-    t = torch.cat([tiles, counts[e][:, None]], 1).to(torch.int32)
-    return host_to_device(t.reshape(-1, col.ROW_COL_TILE_FIELDS.value), device)
-
-
 def bf16_to_fp8_row_col(x: torch.Tensor, seg: Segments) -> tuple[FP8RowTensor, FP8ColTensor]:
     """``(bf16_to_fp8_row(x, seg), bf16_to_fp8_col(x, seg))`` in one launch reading x once
     (``col.bf16_to_fp8_row_col_kernel``)."""
@@ -310,7 +302,7 @@ def bf16_to_fp8_row_col(x: torch.Tensor, seg: Segments) -> tuple[FP8RowTensor, F
     mp = seg.padded_total
     o = torch.empty(k * mp, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(mp // 128, k, dtype=torch.float32, device=x.device)
-    tiles = _row_col_tiles(seg, x.device)
+    tiles = _col_tiles(seg, x.device, with_count=True)
     if tiles.shape[0]:
         col.bf16_to_fp8_row_col_kernel[(k // 128, tiles.shape[0])](
             xa, q.view(torch.uint8), qs, o.view(torch.uint8), s, tiles, k, BN=bn, EMULATE=INTERPRET, X_BF16=xb,

@@ -669,9 +669,9 @@ def main(argv=None) -> dict:
     ratios = {}
     for label, r, switched, fused in entries:
         # an entry with switches or +fused against bf16, the recipe itself, the entry without its + modifiers, and
-        # without +wloop or +rowcol alone
-        for base in dict.fromkeys(("bf16", r.name, label.split("+")[0], label.replace("+wloop", ""),
-                                   label.replace("+rowcol", ""))):
+        # without each one of them
+        head, *mods = label.split("+")
+        for base in dict.fromkeys(("bf16", r.name, head, *(label.replace(f"+{m}", "") for m in mods))):
             if (switched or fused) and base in by and base != label:
                 ratios[f"tokens_per_s {label}/{base}"] = by[label]["tokens_per_s"] / by[base]["tokens_per_s"]
     if "fp8" in by and "mxfp4" in by:
