@@ -18,6 +18,9 @@ dispatch_quantize  FP4MOE_DISPATCH_QUANTIZE   tokens (quantize each token once, 
                                               (permute BF16 tokens, quantize the T*k rows)
 fused_swiglu       FP4MOE_FUSED_SWIGLU        1 (fused Triton SwiGLU on CUDA), 0 (the torch formulas)
 fused_swiglu_fp4   FP4MOE_FUSED_SWIGLU_FP4    1 (the SwiGLU writes its input's MXFP4 copy in the same pass), 0
+fused_swiglu_fp8   FP4MOE_FUSED_SWIGLU_FP8    0 (the routed experts' SwiGLU writes z, and its backward dh, in BF16 for
+                                              the FP8 quantizers), 1 (it writes their FP8 rows and columns itself,
+                                              where fused_swiglu is 1: the same bits, z and dh never in memory)
 grouped_gemm       FP4MOE_GROUPED_GEMM        triton (one grouped launch per expert GEMM on CUDA), deepgemm
                                               (fprop / dgrad through DeepGEMM on rows padded to 128 per expert,
                                               wgrad Triton; fp4moe_kernels.deepgemm), loop (one GEMM per expert)
@@ -48,7 +51,8 @@ from typing import Iterator, Mapping
 ENV = {"cuda_col": "FP4MOE_CUDA_COL", "dispatch_quantize": "FP4MOE_DISPATCH_QUANTIZE",
        "fused_swiglu": "FP4MOE_FUSED_SWIGLU", "fused_swiglu_fp4": "FP4MOE_FUSED_SWIGLU_FP4",
        "grouped_gemm": "FP4MOE_GROUPED_GEMM", "tiles": "FP4MOE_TILES", "gemm_tiles": "FP4MOE_GEMM_TILES",
-       "bf16_moe": "FP4MOE_BF16_MOE", "wgrad_gemm": "FP4MOE_WGRAD_GEMM", "fp8_row_col": "FP4MOE_FP8_ROW_COL"}
+       "bf16_moe": "FP4MOE_BF16_MOE", "wgrad_gemm": "FP4MOE_WGRAD_GEMM", "fp8_row_col": "FP4MOE_FP8_ROW_COL",
+       "fused_swiglu_fp8": "FP4MOE_FUSED_SWIGLU_FP8"}
 # the values each choice switch takes (the first is the default) and what each means, for the error message
 CHOICES = {
     "cuda_col": (("auto", "1", "0"), "auto (the default: CUDA C++ where it builds), 1 (CUDA C++, warn when it cannot "
@@ -61,6 +65,8 @@ CHOICES = {
                                                   "(fprop / dgrad through DeepGEMM) or 'loop'"),
     "fp8_row_col": (("0", "1"), "0 (the default: an operand's FP8 row and column copies by two kernels) or 1 (one "
                                 "kernel for both)"),
+    "fused_swiglu_fp8": (("0", "1"), "0 (the default: the experts' SwiGLU writes BF16 for the FP8 quantizers) or 1 "
+                                     "(it writes the FP8 rows and columns itself)"),
     "wgrad_gemm": (("triton", "loop"), "'triton' (the default: the grouped Triton wgrad) or 'loop' (one cuBLAS GEMM "
                                        "per expert)"),
     "bf16_moe": (("megatron", "fp4moe"), "'megatron' (the default: the bf16 recipe keeps megatron-core's MoE layers) "
@@ -91,6 +97,7 @@ class Switches:
     bf16_moe: str = "megatron"
     wgrad_gemm: str = "triton"
     fp8_row_col: str = "0"
+    fused_swiglu_fp8: str = "0"
 
     def __post_init__(self) -> None:
         for f in fields(self):

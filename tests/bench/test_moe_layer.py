@@ -159,19 +159,23 @@ def test_bench_main_grads_as_ddp_adds_them_and_fused(tmp_path):
 
 
 def test_bench_wgrad_loop_entries(tmp_path):
-    """+wloop / +rowcol: the entry runs with the wgrad_gemm switch at loop / fp8_row_col at 1 (recorded per row),
+    """+wloop / +rowcol / +swq: the entry runs with the wgrad_gemm switch at loop / fp8_row_col at 1 /
+    fused_swiglu_fp8 at 1 (recorded per row),
     beside the same entry without it,
     with its ratio to that one; modifiers combine with @ and +fused in any order; a typo is refused by name."""
     common = ["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k", str(K),
               "--tokens", str(T), "--shared-ffn", "0", "--warmup", "1", "--iters", "2", "--micro-batches", "2",
               "--no-gemm", "--no-profile", "--out", str(tmp_path), "--commit", "test", "--main-grads", "fp32"]
-    doc = main(common + ["--recipes", "fp8@loop,fp8@loop+wloop,mxfp4+wloop+fused,fp8@loop+rowcol"])
+    doc = main(common + ["--recipes", "fp8@loop,fp8@loop+wloop,mxfp4+wloop+fused,fp8@loop+rowcol,fp8@loop+swq"])
     assert [(r["recipe"], r["grouped_gemm"], r["wgrad_gemm"], r["fused_wgrad"]) for r in doc["recipes"]] == [
         ("fp8@loop", "loop", "triton", False), ("fp8@loop+wloop", "loop", "loop", False),
-        ("mxfp4+wloop+fused", "loop", "loop", True), ("fp8@loop+rowcol", "loop", "triton", False)]
-    assert [r["fp8_row_col"] for r in doc["recipes"]] == ["0", "0", "0", "1"]
-    assert {"tokens_per_s fp8@loop+wloop/fp8@loop", "tokens_per_s fp8@loop+rowcol/fp8@loop"} <= set(doc["ratios"])
-    with pytest.raises(SystemExit, match=r"fp8\+wlop: unknown modifier\(s\) \['wlop'\]; after \+ come fused / rowcol / wloop"):
+        ("mxfp4+wloop+fused", "loop", "loop", True), ("fp8@loop+rowcol", "loop", "triton", False),
+        ("fp8@loop+swq", "loop", "triton", False)]
+    assert [r["fp8_row_col"] for r in doc["recipes"]] == ["0", "0", "0", "1", "0"]
+    assert [r["fused_swiglu_fp8"] for r in doc["recipes"]] == ["0", "0", "0", "0", "1"]
+    assert {"tokens_per_s fp8@loop+wloop/fp8@loop", "tokens_per_s fp8@loop+rowcol/fp8@loop",
+            "tokens_per_s fp8@loop+swq/fp8@loop"} <= set(doc["ratios"])
+    with pytest.raises(SystemExit, match=r"fp8\+wlop: unknown modifier\(s\) \['wlop'\]; after \+ come fused / rowcol / swq / wloop"):
         main(common + ["--recipes", "fp8+wlop"])
 
 

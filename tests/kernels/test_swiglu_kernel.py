@@ -288,3 +288,124 @@ def test_bf16_rounding_of_the_kernels_keeps_nan_and_rounds_as_torch():
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan), (got, want)
     assert torch.equal(got[~nan], want[~nan]) and torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))
+
+
+def _fp8_inputs(counts, f, weighted, device, gen):
+    """h [T, 2F], dz [T, F] (bf16) and probs over the experts' rows, with values at both ends of the float32 range
+    after scaling: NaN, Inf, values whose z or dh overflows to Inf, and ones whose z is a BF16 denormal or zero."""
+    t = sum(counts)
+    h = (torch.randn(t, 2 * f, generator=gen) * 3).to(torch.bfloat16)
+    dz = torch.randn(t, f, generator=gen).to(torch.bfloat16)
+    if t > 6:
+        h[0, 5], h[1, f + 7], h[2, 9] = float("nan"), float("inf"), -float("inf")
+        h[3, :f // 2], h[3, f:f + f // 2] = 2.0 ** 70, 2.0 ** 70      # z = 2**140: Inf in float32
+        h[4, 128:], h[4, f + 128:] = 2.0 ** -70, 2.0 ** -60           # z ~ 2**-131: a BF16 denormal
+        h[5] = h[5] * 2.0 ** -126                                     # a token of tiny values
+        dz[6, 3], dz[2, :] = float("nan"), dz[2, :] * 2.0 ** 100
+    probs = (torch.rand(t, generator=gen) + 0.01).to(device) if weighted else None
+    return h.to(device), dz.to(device), probs
+
+
+def _check_fp8(counts, f, weighted, device, gen, tile=None):
+    """``swiglu_fwd_fp8`` / ``swiglu_bwd_fp8`` against the kernels they fuse, bit for bit: z's (dh's) FP8 rows and
+    columns equal ``bf16_to_fp8_row`` / ``bf16_to_fp8_col`` of the fused SwiGLU kernels' z (dh, also from h's MXFP4
+    copy), without columns the same rows; dprobs within float32 rounding of ``swiglu_bwd``'s (the same terms summed
+    in another order)."""
+    from fp4moe_kernels import convert as kops
+    from fp4moe_kernels import selfcheck
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels import launchers
+    from fp4moe_kernels.triton_kernels.fused_swiglu import (swiglu_bwd, swiglu_bwd_fp4, swiglu_bwd_fp8, swiglu_fwd,
+                                                            swiglu_fwd_fp8)
+
+    lib = launchers if device == "cpu" else kops
+    seg = Segments.of(counts, sum(counts))
+    h, dz, probs = _fp8_inputs(counts, f, weighted, device, gen)
+
+    def quantized(x):
+        return lib.bf16_to_fp8_row(x, seg), lib.bf16_to_fp8_col(x, seg)
+
+    z_rows, z_cols = quantized(swiglu_fwd(h, probs))
+    rows, cols = swiglu_fwd_fp8(h, probs, seg, True, tile=tile)
+    assert not selfcheck.compare(rows, z_rows) and not selfcheck.compare(cols, z_cols)
+    rows, cols = swiglu_fwd_fp8(h, probs, seg, False, tile=tile)
+    assert cols is None and not selfcheck.compare(rows, z_rows)
+    q4 = lib.bf16_to_fp4_row(h)
+    fp4_dh = swiglu_bwd_fp4(q4.data, q4.scales, dz, probs, tile="tiles")  # bit for bit the default's dh
+    for h_in, (dh, dp0) in ((h, swiglu_bwd(h, dz, probs)), ((q4.data, q4.scales), fp4_dh)):
+        dh_rows, dh_cols = quantized(dh)
+        for with_cols in (True, False) if h_in is h else (True,):
+            rows, cols, dp = swiglu_bwd_fp8(h_in, dz, probs, seg, with_cols, tile=tile)
+            assert not selfcheck.compare(rows, dh_rows)
+            assert (cols is None) if not with_cols else not selfcheck.compare(cols, dh_cols)
+            if not weighted:
+                assert dp is None
+                continue
+            nan = torch.isnan(dp0)
+            assert torch.equal(torch.isnan(dp), nan)
+            fin = ~nan & torch.isfinite(dp0)
+            torch.testing.assert_close(dp[fin], dp0[fin], rtol=2e-5, atol=2e-5 * max(1.0, _max(dp0[fin].abs())))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
+@pytest.mark.parametrize("counts,f,bn,weighted", [([0, 130, 5, 0, 1], 256, 32, True), ([9, 128], 128, 128, False),
+                                                  ([200], 128, 64, True), ([0, 0], 128, 32, True)])
+def test_swiglu_writing_fp8_interpreted(counts, f, bn, weighted):
+    _check_fp8(counts, f, weighted, "cpu", torch.Generator().manual_seed(sum(counts) + f + bn), tile=(bn, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("counts,f", [([1024] * 8, 2048), ([700, 0, 1300, 96, 1] * 4, 1024), ([0], 2048)])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("tile", [None, (16, 4), (32, 8), (128, 8)])
+def test_swiglu_writing_fp8_gpu(counts, f, weighted, tile):
+    if tile == (16, 4):  # BN 16 decodes no whole MXFP4 block: the backward from MXFP4 refuses it (tested below)
+        pytest.skip("BN 16 is for the forward and the BF16 backward only")
+    _check_fp8(counts, f, weighted, "cuda", torch.Generator().manual_seed(sum(counts) + f), tile=tile)
+
+
+def test_swiglu_writing_fp8_rejects_what_it_cannot_quantize():
+    """F not a multiple of 128, segments that do not cover h's rows, a wrong dz, MXFP4 h decoded in part-blocks:
+    refused with the reason, before any launch."""
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd_fp8, swiglu_fwd_fp8
+
+    seg = Segments.of([2], 2)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        swiglu_fwd_fp8(torch.zeros(2, 2 * 96, dtype=torch.bfloat16), None, seg)
+    with pytest.raises(ValueError, match="segments count 3 rows, h has 2"):
+        swiglu_fwd_fp8(torch.zeros(2, 256, dtype=torch.bfloat16), None, Segments.of([1, 2], 3))
+    for dz in (torch.zeros(2, 128), torch.zeros(2, 64, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match=r"dz must be contiguous bfloat16 \[T, F\]"):
+            swiglu_bwd_fp8(torch.zeros(2, 256, dtype=torch.bfloat16), dz, None, seg)
+    q, sc = torch.zeros(2, 128, dtype=torch.uint8), torch.zeros(2, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="scales"):
+        swiglu_bwd_fp8((q, sc[:, :4]), torch.zeros(2, 128, dtype=torch.bfloat16), None, seg)
+    with pytest.raises(ValueError, match="BN 16 must be >= 32"):
+        swiglu_bwd_fp8((q, sc), torch.zeros(2, 128, dtype=torch.bfloat16), None, seg, tile=(16, 4))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
+def test_bench_fp8_cases_time_equal_computations():
+    """Each FP8-writing SwiGLU case of fp4moe.bench.swiglu_fusion (default tile and a --fp8-tiles one) and the
+    unfused kernels it is timed against return the same FP8 copies; BN 16 has no backward-from-MXFP4 case (refused
+    by the kernel)."""
+    from fp4moe.bench.swiglu_fusion import _fp8_cases, _tiles
+    from fp4moe_kernels import reference as ref
+    from fp4moe_kernels import selfcheck
+
+    t, f = 140, 128
+    g = torch.Generator().manual_seed(2)
+    h = (torch.randn(t, 2 * f, generator=g) * 3).to(torch.bfloat16)
+    dz = torch.randn(t, f, generator=g).to(torch.bfloat16)
+    p = torch.rand(t, generator=g)
+    cases = _fp8_cases(t, f, h, dz, p, ref.bf16_to_fp4_row(h), 3, _tiles("16x2"), 4 * t)
+    names = [c[0] for c in cases]
+    assert len(cases) == 7 and not any("MXFP4" in n and "tile 16x2" in n for n in names), names
+    for name, fused, unfused, nbytes in cases:
+        got, want = fused(), unfused()
+        got = got[:2] if len(got) == 3 else got  # the backward's dprobs is no FP8 copy
+        if got[1] is None:  # rows only: the unfused side is the row quantizer alone
+            got = got[0]
+        assert not selfcheck.compare(got, want), name

@@ -683,3 +683,69 @@ def test_fp8_row_col_switch_changes_no_bit(name, device, monkeypatch):
     for k, want in got["0"].items():
         assert torch.equal(got["1"][k].view(torch.int16) if got["1"][k].dtype == torch.bfloat16 else got["1"][k],
                            want.view(torch.int16) if want.dtype == torch.bfloat16 else want), k
+
+
+def _kernels_on_cpu(monkeypatch):
+    """Let the SwiGLU's Triton kernels (and the one that writes FP8 copies) run on CPU tensors, as they do on CUDA
+    ones (here under the Triton interpreter): every ``is_cuda`` gate of fp4moe.ops.swiglu read as true."""
+    import importlib
+
+    import fp4moe.ops.grouped_experts as ge
+    from fp4moe_kernels import switches
+
+    sw = importlib.import_module("fp4moe.ops.swiglu")  # the module (fp4moe.ops exports a function of that name)
+
+    def fused(h):
+        return h.dtype == torch.bfloat16 and switches.current().fused_swiglu == "1"
+
+    def fp4_on(is_cuda, f, real=sw._fp4_switch_on):
+        return real(True, f)
+
+    def fp8_on(is_cuda, f, real=sw.fused_fp8_enabled):
+        return real(True, f)
+
+    monkeypatch.setattr(sw, "fused_enabled", fused)
+    monkeypatch.setattr(sw, "_fp4_switch_on", fp4_on)
+    monkeypatch.setattr(ge, "fused_fp8_enabled", fp8_on)
+
+
+@pytest.mark.parametrize("device", _row_col_devices())
+@pytest.mark.parametrize("name", ["fp8", "mxfp4"])
+def test_fused_swiglu_fp8_switch_changes_no_bit(name, device, monkeypatch):
+    """``fused_swiglu_fp8=1``: the experts' SwiGLU writes fc2's FP8 rows and columns of z (fp8) and fc1's of dH
+    (every FP8 recipe; for mxfp4 from h's MXFP4 copy) itself, z / dH never in memory: y, dx and the weight gradients
+    the same bits as the fused SwiGLU kernels followed by the quantizers, dprobs within float32 rounding (its sum
+    runs in another order), and the fused kernels really ran. On the CPU the Triton kernels run interpreted (the
+    test routes fp4moe.ops.swiglu to them as on CUDA)."""
+    from fp4moe_kernels import switches
+    from fp4moe_kernels.triton_kernels import fused_swiglu
+
+    if device == "cpu":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            pytest.skip("the CPU variant runs the Triton kernels under TRITON_INTERPRET=1")
+        _kernels_on_cpu(monkeypatch)
+    recipe = SAVE_RECIPES.get(name, Recipe.mxfp4())
+    counts = [70, 0, 150]
+    x, w1, w2, p, dy = (t.to(device) for t in case(counts, seed=12, h=128, f=128))
+    calls = {"fwd": 0, "bwd": 0}
+    for key, fn in (("fwd", "swiglu_fwd_fp8"), ("bwd", "swiglu_bwd_fp8")):
+        real = getattr(fused_swiglu, fn)
+        monkeypatch.setattr(fused_swiglu, fn, lambda *a, _r=real, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1)
+                            or _r(*a, **k))
+    got = {}
+    for value in ("0", "1"):
+        # h's MXFP4 copy by the separate quantizer (the interpreter runs the fused one slowly; the bits are the same)
+        with switches.use(switches.Switches(fused_swiglu_fp8=value, fused_swiglu_fp4="0")):
+            got[value] = run(x, counts, w1, w2, p, dy, recipe)
+        if value == "0":
+            assert calls == {"fwd": 0, "bwd": 0}
+    # fp8 writes z's copies in the forward; mxfp4 saves z as MXFP4 (its own fused quantizer), its backward decodes h
+    assert calls == {"fwd": 1 if name == "fp8" else 0, "bwd": 1}, calls
+    for k, want in got["0"].items():
+        have = got["1"][k]
+        if k == "dp":
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+        else:
+            assert torch.equal(have.view(torch.int16), want.view(torch.int16)), k

@@ -81,6 +81,15 @@ KERNELS = {
                               {"q_ptr": "*u8", "s_ptr": "*u8", "dz_ptr": "*i32", "p_ptr": "*fp32", "dh_ptr": "*i32",
                                "dp_ptr": "*fp32", "T": "i32", "F": "constexpr", "HAS_P": "constexpr", "CB": "constexpr",
                                "RPP": "constexpr"}),
+    "swiglu_fwd_fp8": (fused_swiglu._swiglu_fp8_kernel,
+                       {"h_ptr": "*bf16", "p_ptr": "*fp32", "q_ptr": "*u8", "qs_ptr": "*fp32", "o_ptr": "*u8",
+                        "os_ptr": "*fp32", "tiles_ptr": "*i32", "F": "constexpr", "BN": "constexpr", "HAS_P": "constexpr",
+                        "COLS": "constexpr", "EMULATE": "constexpr"}),
+    "swiglu_bwd_fp8": (fused_swiglu._swiglu_bwd_fp8_kernel,
+                       {"h_ptr": "*bf16", "hs_ptr": "*u8", "dz_ptr": "*bf16", "p_ptr": "*fp32", "q_ptr": "*u8",
+                        "qs_ptr": "*fp32", "o_ptr": "*u8", "os_ptr": "*fp32", "dp_ptr": "*fp32", "tiles_ptr": "*i32",
+                        "T": "i32", "F": "constexpr", "BN": "constexpr", "HAS_P": "constexpr", "H_FP4": "constexpr",
+                        "COLS": "constexpr", "EMULATE": "constexpr"}),
     "grouped_fp8_rows": (gemm.grouped_rows_kernel,
                          {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
                           "tiles_ptr": "*i32", "seg_off_ptr": "*i32", "N": "i32", "n_tiles": "i32", "KC": "constexpr",
@@ -154,6 +163,14 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
             r, warps = tile or fused_swiglu.FWD_FP4_TILE
             consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "RULE_CEIL": flags.get("RULE_CEIL", True), "R": r,
                       "EMULATE": False}
+        if name in ("swiglu_fwd_fp8", "swiglu_bwd_fp8"):  # k = F; with columns, weighted; the backward from BF16 h
+            bn, warps = tile or (fused_swiglu.FWD_FP8_TILE if name == "swiglu_fwd_fp8" else fused_swiglu.BWD_FP8_TILE)
+            consts = {"F": k, "BN": bn, "HAS_P": flags.get("HAS_P", True), "COLS": flags.get("COLS", True),
+                      "EMULATE": False}
+            if name == "swiglu_bwd_fp8":
+                consts["H_FP4"] = flags.get("H_FP4", False)
+                if consts["H_FP4"]:  # h's MXFP4 data as bytes
+                    sig = {**sig, "h_ptr": "*u8"}
         if name == "swiglu_bwd_fp4_blocks":
             cb, rpp, warps = tile or fused_swiglu.BWD_FP4_BLOCKS_TILE
             consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "CB": cb, "RPP": rpp}

@@ -242,16 +242,51 @@ ROW_COL_TILE_FIELDS: tl.constexpr = tl.constexpr(6)  # the column tile table's f
 
 
 @triton.jit
-def bf16_to_fp8_row_col_kernel(x_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN: tl.constexpr,
-                               EMULATE: tl.constexpr, X_BF16: tl.constexpr):
-    """BF16 (or float32) -> FP8 1x128 rows and FP8 columns from one read of HBM: the FP8 recipe's two copies of an
-    operand (fprop / dgrad rows, wgrad columns). One program owns 128 tokens of one segment (a column tile) x 128
-    channels (one 1x128 row group), in chunks of BN channels: a first pass over the chunks takes each token's amax
-    (the row scales), a second loads each chunk again (from L1 / L2: the tile is 32 KB of BF16) and stores its row
-    copy (``[M, K]`` row-major, scales segment-major as ``row._row_scale_offset``) and its column copy
-    (``bf16_to_fp8_col_kernel``'s float path: per channel over the 128 tokens, stored transposed through shared
-    memory), so at most one [128, BN] float32 chunk is live (BN = 128: one pass, the whole tile in registers).
-    Tile table: the column kernels' five fields, then the segment's token count (``ROW_COL_TILE_FIELDS``)."""
+def _load_x(x_ptr, p_ptr, r, ch, mask, K: tl.constexpr, X_BF16: tl.constexpr):
+    """``row_col_tile``'s loader for an operand in memory: float32 ``[128, BN]`` of x ``[M, K]`` (BF16 as int16 bits
+    when X_BF16, else float32) at rows ``r`` ``[128, 1]``, channels ``ch`` ``[BN]`` (``p_ptr`` unused)."""
+    return load_f32(x_ptr + r * K + ch[None, :], mask, X_BF16)
+
+
+@triton.jit
+def finite_amax_bits(x):
+    """Each row's largest finite magnitude of float32 ``x`` ``[128, N]``, as its float32 bits ``[128]`` (0 for none)."""
+    mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.max(tl.where(mag < 0x7F800000, mag, 0), axis=1)
+
+
+@triton.jit
+def store_row_scales(qs_ptr, k_row, r, mask, s0, count, grp, K: tl.constexpr):
+    """The FP8 row scales 2**k_row ``[128]`` of 128-channel group ``grp`` for rows ``r`` ``[128, 1]`` of the segment
+    whose first row is ``s0`` and token count ``count``: its scales are ``[K/128, count]`` channel-group-major
+    (``row._row_scale_offset``)."""
+    tl.store(qs_ptr + (K // 128) * s0 + grp * count + (r - s0), exp2_i(k_row)[:, None], mask=mask)
+
+
+@triton.jit
+def store_row_col_chunk(x, k_row, q_ptr, o_ptr, os_ptr, r, ch, mask, p_e, mp_e, tok0, K: tl.constexpr,
+                        COLS: tl.constexpr, EMULATE: tl.constexpr):
+    """Store float32 ``x`` ``[128 tokens, BN channels]`` (channels ``ch`` of rows ``r``) as FP8 1x128 rows with the
+    scale exponents ``k_row`` ``[128]`` (``[M, K]`` row-major), and, when COLS, as FP8 columns (per channel over the
+    128 tokens, stored transposed with their scales: ``_store_cols``)."""
+    fin = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
+    q_row = tl.where(fin, x * exp2_i(-k_row)[:, None], float("nan"))
+    tl.store(q_ptr + r * K + ch[None, :], e4m3_bits(q_row, EMULATE), mask=mask)
+    if COLS:
+        q_col, k_col = _quant_cols(x, 0)
+        _store_cols(e4m3_bits(q_col, EMULATE), k_col, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)
+
+
+@triton.jit
+def row_col_tile(src_ptr, p_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN: tl.constexpr,
+                 COLS: tl.constexpr, EMULATE: tl.constexpr, LOAD: tl.constexpr, FLAG: tl.constexpr):
+    """One program of the FP8 row (+ column) quantizers: 128 tokens of one segment (a column tile,
+    ``ROW_COL_TILE_FIELDS``) x the 128-channel group ``tl.program_id(0)`` of an operand ``[M, K]`` whose float32
+    values ``LOAD(src_ptr, p_ptr, rows [128, 1], channels [BN], mask, K, FLAG)`` gives (``_load_x``: read from memory;
+    ``fused_swiglu``: computed from the SwiGLU's input), in chunks of BN channels. A first pass over the chunks takes
+    each token's amax (the row scales), a second loads each chunk again (from L1 / L2) and stores its row copy (and,
+    when COLS, its column copy), so at most one ``[128, BN]`` float32 chunk is live (BN = 128: one pass over the
+    whole tile in registers)."""
     pid_n = tl.program_id(0)
     r, mask, p_e, mp_e, tok0 = _tile(tiles_ptr, ROW_COL_TILE_FIELDS)
     s0 = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS).to(tl.int64) - tok0  # the segment's first row
@@ -260,17 +295,22 @@ def bf16_to_fp8_row_col_kernel(x_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, K
     amax = tl.zeros([128], dtype=tl.int32)
     for c in range(128 // BN):
         ch = pid_n * 128 + c * BN + tl.arange(0, BN)
-        mag = load_f32(x_ptr + r * K + ch[None, :], mask, X_BF16).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        amax = tl.maximum(amax, tl.max(tl.where(mag < 0x7F800000, mag, 0), axis=1))
+        amax = tl.maximum(amax, finite_amax_bits(LOAD(src_ptr, p_ptr, r, ch, mask, K, FLAG)))
     k_row = fp8_exp_from_amax_bits(amax)  # [128]
-    # the segment's scales are [K/128, count] channel-group-major (row._row_scale_offset)
-    tl.store(qs_ptr + (K // 128) * s0 + pid_n * count + (r - s0), exp2_i(k_row)[:, None], mask=mask)
-    # ---- per chunk: the row copy with those scales, the column copy (padding tokens loaded as zeros)
+    store_row_scales(qs_ptr, k_row, r, mask, s0, count, pid_n, K)
+    # ---- per chunk: the row copy with those scales, the column copy (padding tokens load as zeros)
     for c in range(128 // BN):
         ch = pid_n * 128 + c * BN + tl.arange(0, BN)
-        x = load_f32(x_ptr + r * K + ch[None, :], mask, X_BF16)  # [128 tokens, BN channels]
-        fin = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
-        q_row = tl.where(fin, x * exp2_i(-k_row)[:, None], float("nan"))
-        tl.store(q_ptr + r * K + ch[None, :], e4m3_bits(q_row, EMULATE), mask=mask)
-        q_col, k_col = _quant_cols(x, 0)
-        _store_cols(e4m3_bits(q_col, EMULATE), k_col, o_ptr, os_ptr, ch, p_e, mp_e, tok0, K)
+        x = LOAD(src_ptr, p_ptr, r, ch, mask, K, FLAG)  # [128 tokens, BN channels]
+        store_row_col_chunk(x, k_row, q_ptr, o_ptr, os_ptr, r, ch, mask, p_e, mp_e, tok0, K, COLS, EMULATE)
+
+
+@triton.jit
+def bf16_to_fp8_row_col_kernel(x_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN: tl.constexpr,
+                               EMULATE: tl.constexpr, X_BF16: tl.constexpr):
+    """BF16 (or float32) -> FP8 1x128 rows and FP8 columns from one read of HBM: the FP8 recipe's two copies of an
+    operand (fprop / dgrad rows, wgrad columns), by ``row_col_tile`` (one program: 128 tokens of one segment x one
+    128-channel group, in chunks of BN channels); rows ``[M, K]`` row-major, scales segment-major as
+    ``row._row_scale_offset``; columns as ``bf16_to_fp8_col_kernel``'s float path.
+    Tile table: the column kernels' five fields, then the segment's token count (``ROW_COL_TILE_FIELDS``)."""
+    row_col_tile(x_ptr, x_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, K, BN, True, EMULATE, _load_x, X_BF16)

@@ -26,7 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, bf16_rne_bits, e2m1_value, e8m0_value
+from ..formats import FP8ColTensor, FP8RowTensor, Segments
+from . import launchers
+from .col import ROW_COL_TILE_FIELDS, _tile, finite_amax_bits, row_col_tile, store_row_col_chunk, store_row_scales
+from .common import INTERPRET, bf16_rne_bits, e2m1_value, e8m0_value, fp8_exp_from_amax_bits
 from .row import _bf16_block_words, _bf16_mxfp4_encode
 
 # (rows per program, columns per program, num_warps); forward tiles are 2-D, backward programs own whole rows
@@ -39,6 +42,11 @@ FWD_FP4_TILE = (32, 1)
 # the backward from MXFP4 (whole-block tiles): (blocks per tile, rows per program, num_warps); 70-75 % of the copy
 # bandwidth on an H200 against 44-50 % for the 2-D tiles it replaced (results/kernels/swiglu_h200_2026-12-01_831ae2f.md)
 BWD_FP4_BLOCKS_TILE = (32, 4, 4)
+# the SwiGLU with its output's (forward) or its input gradient's (backward) FP8 copies: (BN channels per chunk,
+# num_warps) of a program that owns 128 tokens x one 128-channel group of z (``col.row_col_tile``); the forward's
+# chunks as the fused row + column quantizer's. Not measured on a GPU yet (``fp4moe.bench.swiglu_fusion --fp8-tiles``)
+FWD_FP8_TILE = (32, 4)
+BWD_FP8_TILE = (32, 4)
 
 
 @triton.jit
@@ -285,6 +293,96 @@ def _decode_tile(q_ptrs, s_ptrs, pmask, smask, BT: tl.constexpr, BF: tl.constexp
     return tl.reshape(v, (BT, BF))
 
 
+@triton.jit
+def _load_z(h_ptr, p_ptr, r, ch, mask, F: tl.constexpr, HAS_P: tl.constexpr):
+    """``col.row_col_tile``'s loader for the SwiGLU's output: float32 ``[128, BN]`` of z = silu(g) * u (* p) at rows
+    ``r`` ``[128, 1]``, channels ``ch`` ``[BN]``, rounded to BF16 as ``_swiglu_fwd_kernel`` stores it (the same loads
+    and float32 operations), from h ``[T, 2F]`` bf16 and probs ``[T]`` float32; masked rows give 0."""
+    hb = r * (2 * F) + ch[None, :]
+    g = tl.load(h_ptr + hb, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + hb + F, mask=mask, other=0.0).to(tl.float32)
+    p = 0.0
+    if HAS_P:
+        p = tl.load(p_ptr + r, mask=mask, other=0.0)
+    return (_z_bits(g, u, p, HAS_P) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _swiglu_fp8_kernel(h_ptr, p_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, F: tl.constexpr, BN: tl.constexpr,
+                       HAS_P: tl.constexpr, COLS: tl.constexpr, EMULATE: tl.constexpr):
+    """z's FP8 1x128 rows (and, when COLS, its FP8 columns) straight from h: ``swiglu_fwd`` then
+    ``bf16_to_fp8_row`` / ``bf16_to_fp8_col`` bit for bit, z never in memory. Grid (F/128, column tiles)."""
+    row_col_tile(h_ptr, p_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, F, BN, COLS, EMULATE, _load_z, HAS_P)
+
+
+@triton.jit
+def _dh_chunk(h_ptr, hs_ptr, dz_ptr, p, r, z0, mask, F: tl.constexpr, BN: tl.constexpr, HAS_P: tl.constexpr,
+              H_FP4: tl.constexpr):
+    """(dg, du: float32 ``[128, BN]`` of their BF16 roundings, as ``_bwd_tile`` stores them; the dprobs terms
+    dz * silu(g) * u) for z channels ``z0 .. z0 + BN`` of rows ``r`` ``[128, 1]``; ``p`` ``[128, 1]`` their routing
+    probabilities. h: ``[T, 2F]`` bf16 at ``h_ptr``, or (H_FP4) its MXFP4 copy, data ``[T, F]`` bytes at ``h_ptr`` and
+    scales ``[T, F/16]`` at ``hs_ptr``, decoded as ``_decode_tile`` (``fp4_to_bf16``'s values)."""
+    zc = z0 + tl.arange(0, BN)
+    if H_FP4:
+        bcol = z0 // 2 + tl.arange(0, BN // 2)
+        scol = z0 // 32 + tl.arange(0, BN // 32)
+        g = _decode_tile(h_ptr + r * F + bcol[None, :], hs_ptr + r * (F // 16) + scol[None, :], mask, mask, 128, BN)
+        u = _decode_tile(h_ptr + r * F + F // 2 + bcol[None, :], hs_ptr + r * (F // 16) + F // 32 + scol[None, :],
+                         mask, mask, 128, BN)
+    else:
+        hb = r * (2 * F) + zc[None, :]
+        g = tl.load(h_ptr + hb, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + hb + F, mask=mask, other=0.0).to(tl.float32)
+    dz = tl.load(dz_ptr + r * F + zc[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_P:
+        dg, du, silu = _swiglu_grads(g, u, dz * p)
+    else:
+        dg, du, silu = _swiglu_grads(g, u, dz)
+    f32: tl.constexpr = tl.float32
+    return ((_bf16_bits(dg).to(tl.int32) << 16).to(f32, bitcast=True),
+            (_bf16_bits(du).to(tl.int32) << 16).to(f32, bitcast=True), dz * silu * u)
+
+
+@triton.jit
+def _swiglu_bwd_fp8_kernel(h_ptr, hs_ptr, dz_ptr, p_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, dp_ptr, tiles_ptr, T,
+                           F: tl.constexpr, BN: tl.constexpr, HAS_P: tl.constexpr, H_FP4: tl.constexpr,
+                           COLS: tl.constexpr, EMULATE: tl.constexpr):
+    """dh's FP8 1x128 rows (and, when COLS, its FP8 columns) straight from h (or its MXFP4 copy) and dz:
+    ``swiglu_bwd`` (``swiglu_bwd_fp4``) then ``bf16_to_fp8_row`` / ``bf16_to_fp8_col`` bit for bit, dh never in
+    memory. A program owns 128 tokens of one segment (a column tile) x the z channels ``128 * pid .. + 128``, i.e.
+    dh's 128-channel groups ``pid`` (gate) and ``F/128 + pid`` (up), in chunks of BN channels, two passes as
+    ``col.row_col_tile``; the first also sums the dprobs terms of its channels into ``dp_ptr`` ``[F/128, T]``
+    float32 (the launcher adds the F/128 partial sums). Grid (F/128, column tiles)."""
+    pid = tl.program_id(0)
+    r, mask, p_e, mp_e, tok0 = _tile(tiles_ptr, ROW_COL_TILE_FIELDS)
+    s0 = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS).to(tl.int64) - tok0  # the segment's first row
+    count = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS + 5).to(tl.int64)  # and its tokens
+    p = 0.0
+    if HAS_P:
+        p = tl.load(p_ptr + r, mask=mask, other=0.0)
+    amax_g = tl.zeros([128], dtype=tl.int32)
+    amax_u = tl.zeros([128], dtype=tl.int32)
+    acc = tl.zeros([128], dtype=tl.float32)
+    for c in range(128 // BN):
+        dg, du, terms = _dh_chunk(h_ptr, hs_ptr, dz_ptr, p, r, pid * 128 + c * BN, mask, F, BN, HAS_P, H_FP4)
+        amax_g = tl.maximum(amax_g, finite_amax_bits(dg))
+        amax_u = tl.maximum(amax_u, finite_amax_bits(du))
+        if HAS_P:
+            acc += tl.sum(terms, axis=1)
+    k_g = fp8_exp_from_amax_bits(amax_g)
+    k_u = fp8_exp_from_amax_bits(amax_u)
+    store_row_scales(qs_ptr, k_g, r, mask, s0, count, pid, 2 * F)
+    store_row_scales(qs_ptr, k_u, r, mask, s0, count, F // 128 + pid, 2 * F)
+    for c in range(128 // BN):
+        z0 = pid * 128 + c * BN
+        dg, du, terms = _dh_chunk(h_ptr, hs_ptr, dz_ptr, p, r, z0, mask, F, BN, HAS_P, H_FP4)
+        ch = z0 + tl.arange(0, BN)
+        store_row_col_chunk(dg, k_g, q_ptr, o_ptr, os_ptr, r, ch, mask, p_e, mp_e, tok0, 2 * F, COLS, EMULATE)
+        store_row_col_chunk(du, k_u, q_ptr, o_ptr, os_ptr, r, F + ch, mask, p_e, mp_e, tok0, 2 * F, COLS, EMULATE)
+    if HAS_P:
+        tl.store(dp_ptr + pid * T + r, acc[:, None], mask=mask)
+
+
 def swiglu_fwd(h: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """z ``[T, F]`` bf16 from h ``[T, 2F]`` bf16 contiguous (probs ``[T]`` float32 contiguous or None)."""
     t, f2 = h.shape
@@ -371,5 +469,76 @@ def swiglu_bwd_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor, p
     return dh, dp
 
 
-__all__ = ["swiglu_fwd", "swiglu_bwd", "swiglu_fwd_fp4", "swiglu_bwd_fp4", "FWD_TILE", "BWD_TILE", "FWD_FP4_TILE",
-           "BWD_FP4_BLOCKS_TILE"]
+def _fp8_outputs(t: int, k: int, seg: Segments, cols: bool, device):
+    """Empty FP8 row data ``[t, k]`` and segment-major scales, and (cols) column data ``[k * Mp]`` and scales
+    ``[Mp/128, k]``, as ``launchers.bf16_to_fp8_row_col`` allocates them (else one-element stand-ins)."""
+    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=device)
+    qs = torch.empty(t * (k // 128), dtype=torch.float32, device=device)
+    mp = seg.padded_total
+    o = torch.empty(k * mp if cols else 1, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty((mp // 128, k) if cols else (1, 1), dtype=torch.float32, device=device)
+    return q, qs, o, s
+
+
+def _check_fp8(name: str, t: int, f: int, seg: Segments) -> None:
+    if f % 128:
+        raise ValueError(f"{name} needs F (= {f}) a multiple of 128 (whole FP8 1x128 groups per half)")
+    if seg.total != t:
+        raise ValueError(f"{name}: the segments count {seg.total} rows, h has {t}")
+
+
+def swiglu_fwd_fp8(h: torch.Tensor, probs: Optional[torch.Tensor], seg: Segments, cols: bool = True, tile=None):
+    """(z's FP8 1x128 rows ``FP8RowTensor`` ``[T, F]``, z's FP8 columns ``FP8ColTensor`` or None without ``cols``)
+    for z = ``swiglu_fwd(h, probs)``, from h ``[T, 2F]`` bf16 contiguous (F a multiple of 128; probs ``[T]``
+    float32 contiguous or None) over the experts' rows ``seg``: bit for bit ``bf16_to_fp8_row(z, seg)`` /
+    ``bf16_to_fp8_col(z, seg)``, with z never written (one read of h instead of z's write and two reads).
+    ``tile`` (BN, num_warps) overrides ``FWD_FP8_TILE`` (benchmark sweeps)."""
+    t, f2 = h.shape
+    f = f2 // 2
+    _check_fp8("swiglu_fwd_fp8", t, f, seg)
+    q, qs, o, s = _fp8_outputs(t, f, seg, cols, h.device)
+    tiles = launchers._col_tiles(seg, h.device, with_count=True)
+    if tiles.shape[0] and f:
+        bn, warps = tile or FWD_FP8_TILE
+        _swiglu_fp8_kernel[(f // 128, tiles.shape[0])](
+            h, probs if probs is not None else h, q.view(torch.uint8), qs, o.view(torch.uint8), s, tiles, f, BN=bn,
+            HAS_P=probs is not None, COLS=cols, EMULATE=INTERPRET, num_warps=warps)
+    return FP8RowTensor(q, qs, seg), (FP8ColTensor(o, s, seg, f) if cols else None)
+
+
+def swiglu_bwd_fp8(h, dz: torch.Tensor, probs: Optional[torch.Tensor], seg: Segments, cols: bool = True, tile=None):
+    """(dh's FP8 1x128 rows ``FP8RowTensor`` ``[T, 2F]``, dh's FP8 columns ``FP8ColTensor`` or None without
+    ``cols``, dprobs ``[T]`` float32 or None without probs) for dh, dprobs = ``swiglu_bwd(h, dz, probs)``; h is
+    ``[T, 2F]`` bf16 contiguous, or its MXFP4 copy as ``(data [T, F] uint8, scales [T, F/16] uint8)`` (then
+    ``swiglu_bwd_fp4``'s); dz ``[T, F]`` bf16 contiguous, F a multiple of 128, over the experts' rows ``seg``.
+    dh's copies bit for bit ``bf16_to_fp8_row(dh, seg)`` / ``bf16_to_fp8_col(dh, seg)``, dh never written (h and dz
+    read once instead of dh's write and two reads); dprobs: the same terms summed in another order (within float32
+    rounding). ``tile`` (BN, num_warps) overrides ``BWD_FP8_TILE``."""
+    fp4 = isinstance(h, tuple)
+    data, scales = h if fp4 else (h, h)
+    t = data.shape[0]
+    f = data.shape[1] if fp4 else data.shape[1] // 2
+    _check_fp8("swiglu_bwd_fp8", t, f, seg)
+    if fp4 and tuple(scales.shape) != (t, f // 16):
+        raise ValueError(f"swiglu_bwd_fp8: MXFP4 h needs data [T, F] and scales [T, F/16], got {tuple(data.shape)} "
+                         f"and {tuple(scales.shape)}")
+    if dz.dtype != torch.bfloat16 or tuple(dz.shape) != (t, f) or not dz.is_contiguous():
+        raise ValueError(f"swiglu_bwd_fp8: dz must be contiguous bfloat16 [T, F] = {(t, f)}, got {dz.dtype} "
+                         f"{tuple(dz.shape)}{'' if dz.is_contiguous() else ' (not contiguous)'}")
+    q, qs, o, s = _fp8_outputs(t, 2 * f, seg, cols, data.device)
+    part = torch.zeros(f // 128, t, dtype=torch.float32, device=data.device) if probs is not None else None
+    tiles = launchers._col_tiles(seg, data.device, with_count=True)
+    bn, warps = tile or BWD_FP8_TILE
+    if fp4 and bn < 32:
+        raise ValueError(f"swiglu_bwd_fp8: MXFP4 h is decoded in whole 32-element blocks: BN {bn} must be >= 32")
+    if tiles.shape[0] and f:
+        _swiglu_bwd_fp8_kernel[(f // 128, tiles.shape[0])](
+            data, scales, dz, probs if probs is not None else dz, q.view(torch.uint8), qs, o.view(torch.uint8), s,
+            part if part is not None else dz, tiles, t, f, BN=bn, HAS_P=probs is not None, H_FP4=fp4, COLS=cols,
+            EMULATE=INTERPRET, num_warps=warps)
+    dp = part.sum(0) if part is not None else None
+    return FP8RowTensor(q, qs, seg), (FP8ColTensor(o, s, seg, 2 * f) if cols else None), dp
+
+
+__all__ = ["swiglu_fwd", "swiglu_bwd", "swiglu_fwd_fp4", "swiglu_bwd_fp4", "swiglu_fwd_fp8", "swiglu_bwd_fp8", "FWD_TILE",
+           "BWD_TILE", "FWD_FP4_TILE", "BWD_FP4_BLOCKS_TILE", "FWD_FP8_TILE", "BWD_FP8_TILE"]

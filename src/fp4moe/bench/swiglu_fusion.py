@@ -11,8 +11,12 @@ speedup = unfused ms / fused ms. With h stored as MXFP4 (the recipe's ``activati
 ``fp4_to_bf16`` + ``swiglu_bwd``), in the "unfused" column of those rows; ``--fp4-tiles`` times the FP4-storing
 forward again at each listed tile (blocks per program x warps) against the same unfused pair, and
 ``--bwd-fp4-tiles`` the backward from MXFP4 at each listed tile (``b`` blocks x rows x warps; ``tiles``: the previous
-default, 2-D tiles) beside the default's row. Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default
-results/kernels/).
+default, 2-D tiles) beside the default's row. The SwiGLU that writes the FP8 copies itself (``swiglu_fwd_fp8`` /
+``swiglu_bwd_fp8``, the ``fused_swiglu_fp8`` switch; the T rows ragged over ``--experts`` experts, some empty) runs
+against the kernels it fuses: forward ``swiglu_fwd`` + ``bf16_to_fp8_row`` + ``bf16_to_fp8_col`` of z (and without
+columns, + the row quantizer only), backward ``swiglu_bwd`` (or ``swiglu_bwd_fp4`` from h's MXFP4) + the row and
+column quantizers of dh; ``--fp8-tiles`` times those at each listed tile (BN channels per chunk x warps).
+Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default results/kernels/).
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _tiles(text: str) -> list[tuple[int, int]]:
-    """'64x2,128x4' -> [(64, 2), (128, 4)]: (32-column blocks per program, num_warps) of ``swiglu_fwd_fp4``."""
+    """'64x2,128x4' -> [(64, 2), (128, 4)]: (32-column blocks per program, num_warps) of ``swiglu_fwd_fp4``, or
+    (BN channels per chunk, num_warps) of ``swiglu_fwd_fp8`` / ``swiglu_bwd_fp8``."""
     return [tuple(int(v) for v in part.strip().lower().split("x")) for part in text.split(",") if part.strip()]
 
 
@@ -59,7 +64,52 @@ def _bwd_label(tile) -> str:
     return "2-D tiles (the previous default)" if tile == "tiles" else "tile " + "x".join(map(str, tile[1:]))
 
 
-def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_tiles=()) -> tuple[float, list[dict]]:
+def fp8_bytes(t: int, k: int, mp: int, cols: bool) -> int:
+    """Bytes of the FP8 copies of a ``[t, k]`` operand: 1x128 rows with float32 scales, and with ``cols`` the
+    columns over the experts' rows padded to 128 (``mp``) with theirs."""
+    return t * k + 4 * t * k // 128 + ((k * mp + 4 * k * mp // 128) if cols else 0)
+
+
+def _fp8_cases(t: int, f: int, h, dz, p, q4, experts: int, fp8_tiles, pb: int):
+    """(name, fused, unfused, bytes) of the SwiGLU writing FP8 copies, over T rows ragged across ``experts``."""
+    from fp4moe_kernels import convert as kops
+    from fp4moe_kernels.formats import Segments
+    from fp4moe_kernels.selfcheck import make_counts
+    from fp4moe_kernels.triton_kernels.fused_swiglu import (swiglu_bwd, swiglu_bwd_fp4, swiglu_bwd_fp8, swiglu_fwd,
+                                                            swiglu_fwd_fp8)
+
+    counts = make_counts(t, experts, seed=1)
+    seg = Segments.of(counts, t)
+    mp = seg.padded_total
+    fp4b = t * f + t * f // 16
+
+    def row_col(x):  # the two quantizers the fused kernels replace
+        return kops.bf16_to_fp8_row(x, counts), kops.bf16_to_fp8_col(x, counts)
+
+    cases = []
+    for tile in (None, *fp8_tiles):
+        at = "" if tile is None else f", tile {tile[0]}x{tile[1]}"
+        cases += [
+            (f"forward + z's FP8 rows and columns{at}", lambda tile=tile: swiglu_fwd_fp8(h, p, seg, True, tile=tile),
+             lambda: row_col(swiglu_fwd(h, p)),
+             4 * t * f + pb + fp8_bytes(t, f, mp, True)),
+            (f"forward + z's FP8 rows{at}", lambda tile=tile: swiglu_fwd_fp8(h, p, seg, False, tile=tile),
+             lambda: kops.bf16_to_fp8_row(swiglu_fwd(h, p), counts), 4 * t * f + pb + fp8_bytes(t, f, mp, False)),
+            (f"backward + dh's FP8 rows and columns{at}",
+             lambda tile=tile: swiglu_bwd_fp8(h, dz, p, seg, True, tile=tile),
+             lambda: row_col(swiglu_bwd(h, dz, p)[0]),
+             4 * t * f + 2 * t * f + 2 * pb + fp8_bytes(t, 2 * f, mp, True)),
+        ]
+        if tile is None or tile[0] >= 32:  # MXFP4 h is decoded in whole 32-element blocks
+            cases.append((f"backward from MXFP4 + dh's FP8 rows and columns{at}",
+                          lambda tile=tile: swiglu_bwd_fp8((q4.data, q4.scales), dz, p, seg, True, tile=tile),
+                          lambda: row_col(swiglu_bwd_fp4(q4.data, q4.scales, dz, p)[0]),
+                          fp4b + 2 * t * f + 2 * pb + fp8_bytes(t, 2 * f, mp, True)))
+    return cases
+
+
+def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_tiles=(), experts: int = 32,
+        fp8_tiles=()) -> tuple[float, list[dict]]:
     from fp4moe_kernels import convert as kops
     from fp4moe_kernels.formats import MXFP4Tensor
     from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd, swiglu_bwd_fp4, swiglu_fwd, swiglu_fwd_fp4
@@ -91,10 +141,12 @@ def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_ti
             cases += tuple((f"backward, h from MXFP4, {_bwd_label(bt)}",
                             lambda bt=bt: swiglu_bwd_fp4(q4.data, q4.scales, dz, p, tile=bt), cases[3][2], cases[3][3])
                            for bt in bwd_fp4_tiles)
+            if f % 128 == 0:
+                cases += tuple(_fp8_cases(t, f, h, dz, p, q4, experts, fp8_tiles, pb))
             for name, fused, unfused, nbytes in cases:
                 ms_f, ms_u = do_bench(fused, warmup_ms, rep_ms), do_bench(unfused, warmup_ms, rep_ms)
                 gbps = nbytes / (ms_f * 1e-3) / 1e9
-                row = {"shape": f"{t}x{f}", "pass": name, "probs": weighted, "fused_ms": ms_f, "unfused_ms": ms_u,
+                row = {"shape": f"{t}x{f}" + (f" ragged {experts}e" if "FP8" in name else ""), "pass": name, "probs": weighted, "fused_ms": ms_f, "unfused_ms": ms_u,
                        "bytes": nbytes, "gbps": gbps, "pct_copy": 100 * gbps / copy, "speedup": ms_u / ms_f}
                 rows.append(row)
                 log(f"{row['shape']:>12s} {name:40s} probs={weighted!s:5s} fused {ms_f:.3f} ms ({gbps:.0f} GB/s, "
@@ -111,6 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd-fp4-tiles", default="",
                     help="also time swiglu_bwd_fp4 at these tiles: bCxRxN (blocks x rows x warps) or 'tiles' (the "
                          "previous default), e.g. tiles,b32x8x4")
+    ap.add_argument("--experts", type=int, default=32,
+                    help="experts the rows are ragged over for the FP8-writing SwiGLU (default %(default)s)")
+    ap.add_argument("--fp8-tiles", default="",
+                    help="also time swiglu_fwd_fp8 / swiglu_bwd_fp8 at these tiles: BNxWARPS, e.g. 16x4,32x8,128x8")
     ap.add_argument("--warmup-ms", type=int, default=25)
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--out", default=os.environ.get("BENCH_OUT", "results/kernels"))
@@ -122,7 +178,7 @@ def main(argv=None) -> int:
     command = "python -m fp4moe.bench.swiglu_fusion " + " ".join(argv if argv is not None else sys.argv[1:])
     env = environment(command.strip(), a.commit)
     copy, rows = run(_shapes(a.shapes), a.warmup_ms, a.rep_ms, fp4_tiles=_tiles(a.fp4_tiles),
-                     bwd_fp4_tiles=_bwd_tiles(a.bwd_fp4_tiles))
+                     bwd_fp4_tiles=_bwd_tiles(a.bwd_fp4_tiles), experts=a.experts, fp8_tiles=_tiles(a.fp8_tiles))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"swiglu_{gpu_file_name(env['gpu'])}_{env['date'][:10]}_{env['commit'][:7]}"

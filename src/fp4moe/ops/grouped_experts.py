@@ -66,7 +66,8 @@ from fp4moe_kernels.sizes import fp8_row_col_bytes, mxfp4_bytes
 from ..recipe import Recipe
 from .fp8_gemm import fp8_mm, quantize_weight_128x128
 from .fp8_linear import fp8_rows
-from .swiglu import swiglu_math, swiglu_math_backward, swiglu_math_backward_fp4, swiglu_math_fp4
+from .swiglu import (fused_fp8_enabled, swiglu_backward_fp8, swiglu_fp8, swiglu_math, swiglu_math_backward,
+                     swiglu_math_backward_fp4, swiglu_math_fp4)
 from .weight_cache import CACHE
 
 _BF16 = torch.bfloat16
@@ -407,11 +408,16 @@ class GroupedExpertMLP(torch.autograd.Function):
                 saved.update(x_row_data=x_row.data, x_row_scales=x_row.scales, x_col_data=x_col.data,
                              x_col_scales=x_col.scales)
         # ---- SwiGLU (float32), weighted by the routing probabilities
+        z_row = z_col = None  # fc2's FP8 operands where the SwiGLU writes them itself (z then never in memory)
         if recipe.activation_fp4_store and backward:  # h's MXFP4 copy, in the SwiGLU's own pass over h where fused
             z, (saved["h_fp4_data"], saved["h_fp4_scales"]) = swiglu_math_fp4(hmat, probs, recipe.scale_rule)
         else:
-            z = swiglu_math(hmat, probs)
             saved["h"] = hmat
+            if fp8 and not (recipe.save_fp4 and need_w2) and fused_fp8_enabled(hmat.is_cuda, f):
+                z = None
+                z_row, z_col = swiglu_fp8(hmat, probs, seg, need_w2)
+            else:
+                z = swiglu_math(hmat, probs)
         # ---- fc2
         if not fp8:
             y = _bf16_mm_per_expert(z, w2, seg, True)
@@ -421,7 +427,8 @@ class GroupedExpertMLP(torch.autograd.Function):
                 z4, z_row = kops.bf16_to_fp4_and_fp8_row(z, seg, rule=recipe.scale_rule)
                 saved["z_fp4_data"], saved["z_fp4_scales"] = z4.data, z4.scales
             else:
-                z_row, z_col = fp8_rows(z, seg, need_w2)
+                if z_row is None:
+                    z_row, z_col = fp8_rows(z, seg, need_w2)
                 if need_w2:
                     z_col = z_col if z_col is not None else kops.bf16_to_fp8_col(z, seg)
                     saved.update(z_row_data=z_row.data, z_row_scales=z_row.scales, z_col_data=z_col.data,
@@ -456,7 +463,11 @@ class GroupedExpertMLP(torch.autograd.Function):
         dw2 = _weight_grad(s, "z", dy, seg, w2, f, fp8, dy_col) if need_w2 else None
         del dy_col
         # ---- SwiGLU backward (from the saved, possibly MXFP4-decoded, h)
-        if "h" in s:
+        dh = dh_row = None  # dh in BF16, or fc1's FP8 operands where the SwiGLU writes them itself (dh never in memory)
+        if fp8 and fused_fp8_enabled(dz.is_cuda, f):
+            h_saved = s["h"] if "h" in s else (s["h_fp4_data"], s["h_fp4_scales"])
+            dh_row, dh_col, dprobs = swiglu_backward_fp8(h_saved, dz, probs, seg, need_w1)
+        elif "h" in s:
             dh, dprobs = swiglu_math_backward(s["h"], dz, probs)
         else:  # decoded in the fused kernel, or through a BF16 h that dies here
             dh, dprobs = swiglu_math_backward_fp4(s["h_fp4_data"], s["h_fp4_scales"], dz, probs)
@@ -466,7 +477,8 @@ class GroupedExpertMLP(torch.autograd.Function):
         # ---- fc1 backward
         dx = dw1 = None
         if ctx.needs_input_grad[0] and fp8:
-            dh_row, dh_col = fp8_rows(dh, seg, need_w1)
+            if dh_row is None:
+                dh_row, dh_col = fp8_rows(dh, seg, need_w1)
             dx = _per_expert_gemm(dh_row, w1, seg, h, "dgrad")
             del dh_row
         elif ctx.needs_input_grad[0]:

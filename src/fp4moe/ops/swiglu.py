@@ -55,6 +55,40 @@ def fused_fp4_enabled(h: torch.Tensor) -> bool:
     return h.dtype == _BF16 and h.shape[1] % 2 == 0 and _fp4_switch_on(h.is_cuda, h.shape[1] // 2)
 
 
+FUSED_FP8_ENV = switches.ENV["fused_swiglu_fp8"]
+
+
+def fused_fp8_enabled(is_cuda: bool, f: int) -> bool:
+    """Whether the routed experts' SwiGLU writes the FP8 copies of its output (forward) and of its input's gradient
+    (backward) itself (``swiglu_fp8`` / ``swiglu_backward_fp8`` through the fused Triton kernels) for CUDA tensors
+    (``is_cuda``) of FFN width ``f``: the fused kernels on (``FP4MOE_FUSED_SWIGLU`` not 0), ``FP4MOE_FUSED_SWIGLU_FP8``
+    1, and whole 1x128 groups per half (f % 128 == 0). Off by default until measured on a GPU."""
+    s = switches.current()
+    return is_cuda and f % 128 == 0 and s.fused_swiglu == "1" and s.fused_swiglu_fp8 == "1"
+
+
+def swiglu_fp8(h: torch.Tensor, probs: Optional[torch.Tensor], seg, cols: bool):
+    """(z's FP8 1x128 rows, z's FP8 columns or None without ``cols``) over the experts' rows ``seg`` for
+    z = ``swiglu_math(h, probs)`` (h ``[T, 2F]`` bf16, probs ``[T]`` or None), from h in one pass
+    (``fused_swiglu.swiglu_fwd_fp8``; z is never in memory): the bits of quantizing the fused ``swiglu_fwd``'s z
+    with ``bf16_to_fp8_row`` / ``bf16_to_fp8_col``. Call where ``fused_fp8_enabled``."""
+    from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_fwd_fp8
+
+    return swiglu_fwd_fp8(h.contiguous(), None if probs is None else probs.float().contiguous(), seg, cols)
+
+
+def swiglu_backward_fp8(h, dz: torch.Tensor, probs: Optional[torch.Tensor], seg, cols: bool):
+    """(dh's FP8 1x128 rows, dh's FP8 columns or None without ``cols``, dprobs ``[T]`` float32 or None) over the
+    experts' rows ``seg`` for ``swiglu_math_backward`` (h ``[T, 2F]`` bf16) or ``swiglu_math_backward_fp4`` (h as
+    its MXFP4 ``(data, scales)``), in one pass over h and dz (``fused_swiglu.swiglu_bwd_fp8``; dh is never in
+    memory): dh's copies bit for bit those of the fused kernels' dh, dprobs within float32 rounding of theirs.
+    Call where ``fused_fp8_enabled``."""
+    from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd_fp8
+
+    return swiglu_bwd_fp8(h if isinstance(h, tuple) else h.contiguous(), dz.to(_BF16).contiguous(),
+                          None if probs is None else probs.float().contiguous(), seg, cols)
+
+
 def swiglu_math_fp4(h: torch.Tensor, probs: Optional[torch.Tensor], rule: str):
     """(z as ``swiglu_math``, h's MXFP4 ``(data, scales)`` as ``bf16_to_fp4_row(h, rule)``): one fused pass over h
     where ``fused_fp4_enabled(h)``, else the two calls."""

@@ -62,6 +62,8 @@ def setup_of(run: RunRecord) -> Setup:
 CODE_SETTINGS = (("kernels.bf16_moe", "megatron", "BF16 experts", ("bf16",)),
                  ("kernels.grouped_gemm", "triton", "expert GEMMs", ("fp8", "mxfp4")),
                  ("kernels.wgrad_gemm", "triton", "expert wgrad", ("fp8", "mxfp4")),
+                 ("kernels.fp8_row_col", "0", "FP8 rows + columns in one kernel", ("fp8", "mxfp4")),
+                 ("kernels.fused_swiglu_fp8", "0", "SwiGLU writes FP8", ("fp8", "mxfp4")),
                  ("train.wgrad_accumulation_fusion", "False", "wgrad accumulation fusion", ("bf16", "fp8", "mxfp4")))
 
 
