@@ -84,3 +84,29 @@ def test_gaps_find_the_host_work_the_gpu_waited_for():
     assert 12.0e3 < length < 12.5e3 and nxt == "Memcpy HtoD (Pinned -> Device)"
     assert host[0].startswith("GroupedExpertMLP (12.2") and any(h.startswith("aten::pin_memory") for h in host)
     assert pa.idle_gaps(ev, 20e3)[2] == []  # nothing of 20 ms
+
+
+COPY = ROOT / "tests/data/profile/h100_fp8_full_mb32_a2a_copy_excerpt.json"
+
+
+def test_memcpys_count_as_gpu_time_and_are_attributed(capsys):
+    """An excerpt of the H100 profile of the T1 proxy (fp8, full recompute, micro-batch 32, b0112f1; results/
+    train_proxy/profile_h100_mb32_b0112f1/): two 2.8 ms device-to-device memcpys (the world-size-1 all-to-all's copy
+    of the routed rows, which no kernel runs), a small one, a memset and four kernels. The GPU time and its groups
+    count the copy engine's work (the tool's kernel-only total hid 73.5 ms of those two steps), and --kernels
+    attributes a memcpy to the autograd function that issued it."""
+    ev = pa.load(str(COPY))
+    work = pa.gpu_events(ev)
+    copies = [e for e in work if e["cat"] != "kernel"]
+    assert len(work) == 8 and len(copies) == 4
+    rows = pa.kernel_rows(ev, "Memcpy DtoD")
+    big = [r for r in rows if r[3] / r[4] > 2000]
+    assert big and all(r[2].startswith("_QuantizedAllToAll") for r in big)
+    assert sum(r[4] for r in rows) == 3 and abs(sum(r[3] for r in rows) - sum(
+        e["dur"] for e in copies if e["name"].startswith("Memcpy DtoD"))) < 1e-6
+    assert pa.group_of("Memcpy DtoD (Device -> Device)", "gpu_memcpy") == "memcpys and memsets (copy engine)"
+    assert pa.main([str(COPY), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    total = sum(e["dur"] for e in work) / 1e3
+    assert out.startswith(f"GPU time {total:.1f} ms") and "4 memcpys / memsets" in out
+    assert "memcpys and memsets (copy engine)" in out and "_QuantizedAllToAll" in out

