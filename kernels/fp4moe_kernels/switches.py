@@ -21,6 +21,9 @@ fused_swiglu_fp4   FP4MOE_FUSED_SWIGLU_FP4    1 (the SwiGLU writes its input's M
 fused_swiglu_fp8   FP4MOE_FUSED_SWIGLU_FP8    0 (the routed experts' SwiGLU writes z, and its backward dh, in BF16 for
                                               the FP8 quantizers), 1 (it writes their FP8 rows and columns itself,
                                               where fused_swiglu is 1: the same bits, z and dh never in memory)
+gather_sum         FP4MOE_GATHER_SUM          torch (each token's k rows of the MoE permutation gathered, then summed:
+                                              index_select + sum), triton (one kernel, rows read once, on CUDA;
+                                              summed in row order, which torch's CUDA reduction may not keep)
 grouped_gemm       FP4MOE_GROUPED_GEMM        triton (one grouped launch per expert GEMM on CUDA), deepgemm
                                               (fprop / dgrad through DeepGEMM on rows padded to 128 per expert,
                                               wgrad Triton; fp4moe_kernels.deepgemm), loop (one GEMM per expert)
@@ -52,7 +55,7 @@ ENV = {"cuda_col": "FP4MOE_CUDA_COL", "dispatch_quantize": "FP4MOE_DISPATCH_QUAN
        "fused_swiglu": "FP4MOE_FUSED_SWIGLU", "fused_swiglu_fp4": "FP4MOE_FUSED_SWIGLU_FP4",
        "grouped_gemm": "FP4MOE_GROUPED_GEMM", "tiles": "FP4MOE_TILES", "gemm_tiles": "FP4MOE_GEMM_TILES",
        "bf16_moe": "FP4MOE_BF16_MOE", "wgrad_gemm": "FP4MOE_WGRAD_GEMM", "fp8_row_col": "FP4MOE_FP8_ROW_COL",
-       "fused_swiglu_fp8": "FP4MOE_FUSED_SWIGLU_FP8"}
+       "fused_swiglu_fp8": "FP4MOE_FUSED_SWIGLU_FP8", "gather_sum": "FP4MOE_GATHER_SUM"}
 # the values each choice switch takes (the first is the default) and what each means, for the error message
 CHOICES = {
     "cuda_col": (("auto", "1", "0"), "auto (the default: CUDA C++ where it builds), 1 (CUDA C++, warn when it cannot "
@@ -67,6 +70,8 @@ CHOICES = {
                                 "kernel for both)"),
     "fused_swiglu_fp8": (("0", "1"), "0 (the default: the experts' SwiGLU writes BF16 for the FP8 quantizers) or 1 "
                                      "(it writes the FP8 rows and columns itself)"),
+    "gather_sum": (("torch", "triton"), "'torch' (the default: a gather, then a sum) or 'triton' (one kernel reading "
+                                         "each row once)"),
     "wgrad_gemm": (("triton", "loop"), "'triton' (the default: the grouped Triton wgrad) or 'loop' (one cuBLAS GEMM "
                                        "per expert)"),
     "bf16_moe": (("megatron", "fp4moe"), "'megatron' (the default: the bf16 recipe keeps megatron-core's MoE layers) "
@@ -98,6 +103,7 @@ class Switches:
     wgrad_gemm: str = "triton"
     fp8_row_col: str = "0"
     fused_swiglu_fp8: str = "0"
+    gather_sum: str = "torch"
 
     def __post_init__(self) -> None:
         for f in fields(self):

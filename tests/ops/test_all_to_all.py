@@ -468,3 +468,86 @@ def test_dispatch_quantize_mode(monkeypatch):
     monkeypatch.setenv("FP4MOE_DISPATCH_QUANTIZE", "token")
     with pytest.raises(ValueError, match="FP4MOE_DISPATCH_QUANTIZE='token': use tokens"):
         dispatch_quantize_mode()
+
+
+def _gather_sum_on_cpu(monkeypatch):
+    """Route sum_rows_by_token through the Triton kernel on CPU tensors (run by the interpreter), as on CUDA."""
+    import fp4moe.ops.all_to_all as a2a
+    from fp4moe_kernels import switches
+
+    monkeypatch.setattr(a2a, "gather_sum_fused",
+                        lambda g: g.dtype == torch.bfloat16 and switches.current().gather_sum == "triton")
+    import fp4moe.moe.dispatch as dispatch
+    monkeypatch.setattr(dispatch, "gather_sum_fused", a2a.gather_sum_fused)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="runs the kernel under TRITON_INTERPRET=1")
+def test_gather_sum_kernel_equals_the_gather_and_sum(monkeypatch):
+    """gather_sum=triton: sum_rows_by_token's k rows per token summed in row order by one kernel, the bits of the
+    gather + float32 sum + cast (torch's CPU order is the row order), NaN and Inf included, through a padded layout
+    (order indexing more rows than T*k) and through the MoE layer's inverse permutation and its gradient, chunked or
+    not; against float64 within a BF16 rounding."""
+    from fp4moe.moe.dispatch import permutation_from_topk, unpermute_tokens
+    from fp4moe.ops.all_to_all import sum_rows_by_token
+    from fp4moe_kernels import switches
+    from fp4moe_kernels.triton_kernels.permute import gather_sum_rows
+
+    _gather_sum_on_cpu(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    t, k, h = 45, 6, 160
+    rows = (torch.randn(t * k + 10, h, generator=g) * torch.logspace(-30, 30, h)).to(torch.bfloat16)
+    rows[2, 3], rows[5, 7], rows[9, 7] = float("nan"), float("inf"), -float("inf")
+    order = torch.randperm(t * k + 10, generator=g)[: t * k]   # 10 rows never read (a padded layout's padding)
+    want = rows.index_select(0, order).view(t, k, h).sum(1, dtype=torch.float32).to(torch.bfloat16)
+    got = {}
+    for value in ("torch", "triton"):
+        with switches.use(switches.Switches(gather_sum=value)):
+            got[value] = sum_rows_by_token(rows, order, t, k)
+    nan = torch.isnan(want.float())
+    for v in got.values():
+        assert torch.equal(torch.isnan(v.float()), nan) and torch.equal(v.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    exact = rows.double().index_select(0, order).view(t, k, h).sum(1)
+    fin = torch.isfinite(exact)
+    assert torch.equal(got["triton"][fin], exact[fin].to(torch.bfloat16)) or (
+        (got["triton"][fin].double() - exact[fin]).abs() <= exact[fin].abs() * 2.0 ** -8 + 1e-300).all()
+    # the layer's inverse permutation (chunked: the kernel takes every token at once) and its gradient
+    idx = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(t)])
+    perm, _ = permutation_from_topk(idx, torch.rand(t, k, generator=g))
+    y = torch.randn(t * k, h, generator=g).to(torch.bfloat16)
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    outs = []
+    for value, chunk in (("torch", None), ("triton", None), ("triton", 7)):
+        yy = y.clone().requires_grad_()
+        with switches.use(switches.Switches(gather_sum=value)):
+            out = unpermute_tokens(yy, perm, chunk_tokens=chunk)
+            out.backward(dy)
+        outs.append((out.detach(), yy.grad))
+    for out, grad in outs[1:]:
+        assert torch.equal(out.view(torch.int16), outs[0][0].view(torch.int16)) and torch.equal(grad, outs[0][1])
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        gather_sum_rows(rows.float(), order, t, k)
+    with pytest.raises(ValueError, match="t \\* k = 270"):
+        gather_sum_rows(rows, order[:-1], t, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gather_sum_kernel_on_the_gpu():
+    """On CUDA: the kernel's sums in row order against torch's gather + sum (whose CUDA reduction may add the k
+    terms in another order): at most one BF16 unit apart, and within a BF16 rounding of the float64 sum; the
+    proxy's shape (131072 tokens x 8 rows x 2048)."""
+    from fp4moe.ops.all_to_all import sum_rows_by_token
+    from fp4moe_kernels import switches
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    t, k, h = 131072, 8, 2048
+    rows = torch.randn(t * k, h, device="cuda", generator=g).to(torch.bfloat16)
+    order = torch.randperm(t * k, device="cuda", generator=g)
+    with switches.use(switches.Switches(gather_sum="torch")):
+        want = sum_rows_by_token(rows, order, t, k)
+    with switches.use(switches.Switches(gather_sum="triton")):
+        got = sum_rows_by_token(rows, order, t, k)
+    ulp = (got.float() - want.float()).abs() / (want.float().abs() * 2.0 ** -8).clamp_min(2.0 ** -133)
+    assert float(ulp.max()) <= 1.0 and float((got != want).float().mean()) < 1e-3
+    exact = rows.index_select(0, order[: 1024 * k]).double().view(1024, k, h).sum(1)
+    assert float(((got[:1024].double() - exact).abs() / exact.abs().clamp_min(1e-30)).max()) <= 2.0 ** -8

@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import col, fused_swiglu, gemm, launchers, row, weight
+from . import col, fused_swiglu, gemm, launchers, permute, row, weight
 
 _FP8 = {"M": "i32", "K": "constexpr", "R": "constexpr"}
 
@@ -90,6 +90,9 @@ KERNELS = {
                         "qs_ptr": "*fp32", "o_ptr": "*u8", "os_ptr": "*fp32", "dp_ptr": "*fp32", "tiles_ptr": "*i32",
                         "T": "i32", "F": "constexpr", "BN": "constexpr", "HAS_P": "constexpr", "H_FP4": "constexpr",
                         "COLS": "constexpr", "EMULATE": "constexpr"}),
+    "gather_sum_rows": (permute.gather_sum_rows_kernel,
+                        {"g_ptr": "*i16", "order_ptr": "*i64", "out_ptr": "*i16", "T": "i32", "H": "constexpr",
+                         "K": "constexpr", "BT": "constexpr", "BH": "constexpr"}),
     "grouped_fp8_rows": (gemm.grouped_rows_kernel,
                          {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
                           "tiles_ptr": "*i32", "seg_off_ptr": "*i32", "N": "i32", "n_tiles": "i32", "KC": "constexpr",
@@ -156,6 +159,9 @@ def compile_kernel(name: str, k: int = 7168, tile=None, **flags) -> Report:
     stages = 3
     if name.startswith("grouped_fp8_"):
         consts, warps, stages = _gemm_consts(name, k)
+    elif name == "gather_sum_rows":  # k = H; top-8 rows per token, the launcher's tile
+        bt, bh, warps = tile or permute.TILE
+        consts = {"H": k, "K": flags.get("K", 8), "BT": bt, "BH": bh}
     elif name.startswith("swiglu_"):  # k = the FFN width F, the launcher's tiles, weighted by routing probabilities
         bt, bf, warps = fused_swiglu.FWD_TILE if name.startswith("swiglu_fwd") else fused_swiglu.BWD_TILE
         consts = {"F": k, "HAS_P": flags.get("HAS_P", True), "BT": bt, "BF": bf}

@@ -22,8 +22,8 @@ expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights
   ``fp8@deepgemm`` runs that recipe under that switch value, beside the others in the same run (its row is labelled
   so, with ``tokens_per_s <entry>/<recipe>`` and ``/bf16`` ratios); ``+wloop`` (e.g. ``fp8@deepgemm+wloop``) runs
   the experts' wgrad as one cuBLAS ``F.scaled_mm`` per expert (the ``wgrad_gemm`` switch, ``FP4MOE_WGRAD_GEMM=loop``),
-  with its ratio to the same entry without it; ``+rowcol`` and ``+swq`` likewise set ``fp8_row_col`` /
-  ``fused_swiglu_fp8`` to 1;
+  with its ratio to the same entry without it; ``+rowcol``, ``+swq`` and ``+gsum`` likewise set ``fp8_row_col`` /
+  ``fused_swiglu_fp8`` to 1, ``gather_sum`` to triton;
 * ``profile``: CUDA kernel time per iteration by category (FP8/BF16 GEMMs, our Triton kernels, NCCL,
   elementwise/other) and the top kernels, from ``torch.profiler`` (``--no-profile`` skips it).
 * ``memory_peak`` (``--memtrace``, CUDA): what is live at the peak above the base, by allocation site, from the
@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                         "and +fused (with --main-grads: the experts' wgrad added into the main gradients by the GEMM) "
                         "or +wloop (the experts' wgrad as one cuBLAS GEMM per expert), e.g. fp8@deepgemm+wloop, or "
                         "+rowcol (FP8 rows and columns of an operand from one kernel) or +swq (the experts' SwiGLU "
-                        "writes the FP8 copies of its output and of its input's gradient itself)")
+                        "writes the FP8 copies of its output and of its input's gradient itself) or +gsum (the "
+                        "permutation's per-token sums in one kernel)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -213,10 +214,11 @@ def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str,
     ``RECIPE[@GROUPED_GEMM][+MODIFIER...]``, e.g. ``fp8``, ``fp8@deepgemm``, ``fp8@deepgemm+fused`` (``+fused``
     only with ``--main-grads``), ``fp8@deepgemm+wloop`` (the wgrad as one cuBLAS GEMM per expert: ``wgrad_gemm``
     loop), ``+rowcol`` (an operand's FP8 rows and columns from one kernel: ``fp8_row_col`` 1), ``+swq`` (the experts'
-    SwiGLU writes z's and dH's FP8 copies itself: ``fused_swiglu_fp8`` 1)."""
+    SwiGLU writes z's and dH's FP8 copies itself: ``fused_swiglu_fp8`` 1), ``+gsum`` (the permutation's per-token
+    sums in one kernel: ``gather_sum`` triton)."""
     from fp4moe_kernels.switches import CHOICES
 
-    modifiers = {"fused", "wloop", "rowcol", "swq"}
+    modifiers = {"fused", "wloop", "rowcol", "swq", "gsum"}
     out = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
@@ -236,7 +238,8 @@ def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str,
                              f"{' / '.join(CHOICES['grouped_gemm'][0])}")
         switch = (({"grouped_gemm": backend} if backend else {}) | ({"wgrad_gemm": "loop"} if "wloop" in mods else {})
                   | ({"fp8_row_col": "1"} if "rowcol" in mods else {})
-                  | ({"fused_swiglu_fp8": "1"} if "swq" in mods else {}))
+                  | ({"fused_swiglu_fp8": "1"} if "swq" in mods else {})
+                  | ({"gather_sum": "triton"} if "gsum" in mods else {}))
         out.append((item, Recipe.preset(name), switch, fused))
     return out
 
@@ -666,7 +669,8 @@ def main(argv=None) -> dict:
             rows.append(_bench_recipe(layer, r, x, dy, args, dev, fused))
             rows[-1].update(recipe=label, grouped_gemm=gemm_backend(dev), fused_wgrad=fused,
                             wgrad_gemm=switches.current().wgrad_gemm, fp8_row_col=switches.current().fp8_row_col,
-                            fused_swiglu_fp8=switches.current().fused_swiglu_fp8)
+                            fused_swiglu_fp8=switches.current().fused_swiglu_fp8,
+                            gather_sum=switches.current().gather_sum)
         if rank == 0:
             print(f"{label}: {rows[-1]['tokens_per_s']:.0f} tokens/s, saved {rows[-1]['saved_bytes'] / 2**20:.1f} MiB",
                   flush=True)

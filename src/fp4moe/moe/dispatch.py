@@ -51,8 +51,8 @@ import torch.distributed as dist
 
 from fp4moe_kernels.formats import Segments, host_to_device
 
-from ..ops.all_to_all import (A2AStats, DispatchedMXFP4, inverse_permutation, permute_rows, quantize_gather_rows,
-                              quantized_all_to_all, sum_rows_by_token)
+from ..ops.all_to_all import (A2AStats, DispatchedMXFP4, gather_sum_fused, inverse_permutation, permute_rows,
+                              quantize_gather_rows, quantized_all_to_all, sum_rows_by_token)
 from ..ops.grouped_experts import RowPadding, map_rows, padded_rows
 from ..recipe import Recipe
 
@@ -170,8 +170,9 @@ class _UnpermuteTokens(torch.autograd.Function):
 def _sum_by_token(g: torch.Tensor, order: torch.Tensor, t: int, k: int, chunk: Optional[int]) -> torch.Tensor:
     """``sum_rows_by_token(g, order, t, k)``; with ``chunk`` tokens at a time, so that the gathered copy alive at once
     is ``[chunk*k, H]`` instead of ``[T*k, H]``. Each token's k rows are reduced by the same ``sum(1, float32)`` over
-    a ``[c, k, H]`` view either way (the order of its k additions depends on k only), so the bits are the same."""
-    if chunk is None or chunk >= t:
+    a ``[c, k, H]`` view either way (the order of its k additions depends on k only), so the bits are the same. The
+    one-kernel sum (``gather_sum_fused``) makes no gathered copy: it takes every token at once."""
+    if chunk is None or chunk >= t or gather_sum_fused(g):
         return sum_rows_by_token(g, order, t, k)
     out = torch.empty((t, g.shape[1]), dtype=g.dtype, device=g.device)
     for lo in range(0, t, chunk):

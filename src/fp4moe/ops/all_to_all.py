@@ -267,10 +267,22 @@ def _exchange_gradient(g: torch.Tensor, meta: tuple) -> torch.Tensor:
     return _decode(recv, h, bwd_codec, dtype)
 
 
+def gather_sum_fused(g: torch.Tensor) -> bool:
+    """Whether :func:`sum_rows_by_token` runs as one Triton kernel for ``g`` (``fp4moe_kernels.triton_kernels.permute``):
+    the ``gather_sum`` switch says triton and g is a CUDA bfloat16 tensor."""
+    return g.is_cuda and g.dtype == torch.bfloat16 and switches.current().gather_sum == "triton"
+
+
 def sum_rows_by_token(g: torch.Tensor, order: torch.Tensor, t: int, k: int) -> torch.Tensor:
     """``[T, H]``: the k rows of each token of ``g [T*k, H]`` summed in float32 and rounded once to ``g.dtype``;
-    ``order`` (a permutation of ``range(T*k)``) lists the rows grouped by token. A gather and a reduction, no
-    atomics: the gradient of a top-k token permutation."""
+    ``order`` (a permutation of ``range(T*k)``, or of the rows of a padded layout) lists the rows grouped by token.
+    A gather and a reduction, no atomics: the gradient of a top-k token permutation. Under ``gather_sum_fused`` one
+    kernel reads each row once (summed in row order: torch's CPU order; its CUDA reduction may add them in another,
+    so within one BF16 unit)."""
+    if gather_sum_fused(g):
+        from fp4moe_kernels.triton_kernels.permute import gather_sum_rows
+
+        return gather_sum_rows(g.contiguous(), order, t, k)
     return g.index_select(0, order).view(t, k, g.shape[1]).sum(1, dtype=torch.float32).to(g.dtype)
 
 

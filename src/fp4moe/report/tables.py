@@ -64,6 +64,7 @@ CODE_SETTINGS = (("kernels.bf16_moe", "megatron", "BF16 experts", ("bf16",)),
                  ("kernels.wgrad_gemm", "triton", "expert wgrad", ("fp8", "mxfp4")),
                  ("kernels.fp8_row_col", "0", "FP8 rows + columns in one kernel", ("fp8", "mxfp4")),
                  ("kernels.fused_swiglu_fp8", "0", "SwiGLU writes FP8", ("fp8", "mxfp4")),
+                 ("kernels.gather_sum", "torch", "permutation sums", ("bf16", "fp8", "mxfp4")),
                  ("train.wgrad_accumulation_fusion", "False", "wgrad accumulation fusion", ("bf16", "fp8", "mxfp4")))
 
 

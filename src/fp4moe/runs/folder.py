@@ -60,7 +60,7 @@ EXCLUDED: dict[str, str] = {
 # folders of runs composed before the switch existed stay where they were (a non-default value is part of it).
 ABSENT_WHEN_DEFAULT: dict[str, Any] = {"kernels.bf16_moe": "megatron", "train.wgrad_accumulation_fusion": False,
                                        "kernels.wgrad_gemm": "triton", "kernels.fp8_row_col": "0",
-                                       "kernels.fused_swiglu_fp8": "0"}
+                                       "kernels.fused_swiglu_fp8": "0", "kernels.gather_sum": "torch"}
 HASH_DIGITS = 12
 
 
