@@ -21,7 +21,9 @@ taken from ``fp4moe.ops.weight_cache`` when it is enabled: one quantizer pass pe
     fc2 input z        z (2TF)         FP8 rows + FP8 cols              MXFP4 when save_fp4
     probs              fp32 (4T)       fp32                             fp32
 
-``expert_saved_bytes`` gives these bytes from the formats (everything but the weights). The FP8 row copies are
+``expert_saved_bytes`` gives these bytes from the formats (everything but the weights). Under the kernel switch
+``fused_swiglu_fp8`` (``fp4moe.ops.swiglu.fused_fp8_enabled``) the SwiGLU writes the FP8 rows and columns of z
+(forward, fp8) and of dH (backward, every FP8 recipe) itself, z and dH never in memory in BF16: the same bits. The FP8 row copies are
 kept although backward does not read them (Transformer Engine's Float8BlockScaling holds both; see
 ``fp8_linear``). Under ``activation_fp4_store`` the forward SwiGLU uses the exact h; backward uses the decoded
 MXFP4 h (``fp4_to_bf16``), so dprobs and dh carry the E2M1 error of h.

@@ -62,7 +62,8 @@ def fused_fp8_enabled(is_cuda: bool, f: int) -> bool:
     """Whether the routed experts' SwiGLU writes the FP8 copies of its output (forward) and of its input's gradient
     (backward) itself (``swiglu_fp8`` / ``swiglu_backward_fp8`` through the fused Triton kernels) for CUDA tensors
     (``is_cuda``) of FFN width ``f``: the fused kernels on (``FP4MOE_FUSED_SWIGLU`` not 0), ``FP4MOE_FUSED_SWIGLU_FP8``
-    1, and whole 1x128 groups per half (f % 128 == 0). Off by default until measured on a GPU."""
+    1, and whole 1x128 groups per half (f % 128 == 0). Off by default until measured on a GPU (and the paper-scale
+    memory model, ``fp4moe.scale.memory``, counts the default's BF16 dH at the experts' backward peak)."""
     s = switches.current()
     return is_cuda and f % 128 == 0 and s.fused_swiglu == "1" and s.fused_swiglu_fp8 == "1"
 
