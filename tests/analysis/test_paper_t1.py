@@ -69,6 +69,14 @@ def test_cell_outcome_and_error_by_hand():
     assert not over.fits and not over.matches_paper and over.error_pp is None
     oom = pt.Cell("s", "r", "g", None, 81.0, 80.5, 60.0, 3, 29, parts)
     assert oom.matches_paper and oom.error_pp is None
+    # at the edge: the allocated peak within the model's measured error of the GPU less the memory outside PyTorch
+    lo, hi = pt.PEAK_ERR_RANGE
+    room = pt.GPU_GIB - 8.0
+    assert not pt.Cell("s", "r", "g", 60.0, 8.0 + room * (1 + lo) * 0.99, room * (1 + lo) * 0.99, 1, 3, 29,
+                       parts).at_edge
+    assert pt.Cell("s", "r", "g", None, 8.0 + room, room, 1, 3, 29, parts).at_edge
+    assert not pt.Cell("s", "r", "g", None, 8.0 + room * (1 + hi) * 1.01, room * (1 + hi) * 1.01, 1, 3, 29,
+                       parts).at_edge
 
 
 def test_variants_change_what_they_name(base, variants):

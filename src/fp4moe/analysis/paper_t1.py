@@ -29,7 +29,7 @@ from .. import paper
 from ..scale.memory import (CONF, GB, LAB_STACK, NOT_MEASURED, MemoryAssumptions, experiment_cfg, mean_total_bytes,
                             per_stage_memory)
 from ..scale.outside_torch import nccl_peer_bytes_from_source
-from .calibration import h200_memory
+from .calibration import PEAK_ERR_RANGE, fit_outcome, h200_memory
 from .output import markdown_cli
 from .outside_torch_measured import measured_assumptions
 
@@ -160,6 +160,13 @@ class Cell:
     @property
     def matches_paper(self) -> bool:
         return self.fits == (self.paper_pct is not None)
+
+    @property
+    def at_edge(self) -> bool:
+        """Whether the model's peak error measured on H200s (``calibration.PEAK_ERR_RANGE`` of the allocated peak,
+        ``fit_outcome``; not checked at this scale) puts the cell on either side of the GPU's memory less the memory
+        outside PyTorch: the model does not decide its fit / OOM outcome."""
+        return fit_outcome(self.allocated_gib, GPU_GIB - (self.total_gib - self.allocated_gib)) == "edge"
 
     @property
     def error_pp(self) -> float | None:
@@ -557,6 +564,15 @@ def summary(rows: Sequence[Cell], variants: Sequence[tuple[Variant, list[Cell]]]
     miss = [f"{r.scope} {r.recipe} (paper {'OOM' if r.paper_pct is None else f'{r.paper_pct:.2f} %'}, model "
             f"{_pct(r)})" for r in rows if not r.matches_paper]
     out = [f"- Fit / OOM: {ok} of {len(rows)} as in the paper" + (f"; not {'; '.join(miss)}." if miss else ".")]
+    edge = [r for r in rows if r.at_edge]
+    if edge:
+        lo, hi = (100 * e for e in PEAK_ERR_RANGE)
+        out.append("- At the edge: " + "; ".join(
+            f"{r.scope} {r.recipe} ({_pct(r)}, paper {'OOM' if r.paper_pct is None else f'{r.paper_pct:.2f} %'})"
+            for r in edge) + f" lies within the model's peak error measured on H200s ({lo:+.1f} % to {hi:+.1f} % of "
+            "the allocated peak, the calibration's rule for an undecided cell) of the GPU's memory, so the model "
+            "does not decide its outcome (the dry run warns of such a cell); that error is not checked at this "
+            "scale.")
     far = [r for r in rows if r.error_pp is not None and abs(r.error_pp) > TARGET_PP]
     near = [r for r in rows if r.error_pp is not None and abs(r.error_pp) <= TARGET_PP]
     if near:
