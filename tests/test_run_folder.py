@@ -60,6 +60,9 @@ def test_one_config_spelled_two_ways_and_overrides_that_do_not_change_the_run_sh
     # an after-step hook (train.hooks) watches or stops a run, it does not change what is trained: a run a hook slowed
     # or failed resumes in its folder without it (tests/faults.py)
     assert _run_dir("+train.hooks.fail={factory: faults:fail_at_step, step: 3}") == d
+    # a kernel switch spelled as it runs or as written: true / false for 1 / 0, a choice in capitals
+    assert _run_dir("kernels.fused_swiglu=false") == _run_dir("kernels.fused_swiglu=0") != d
+    assert _run_dir("kernels.dispatch_quantize=ROWS") == _run_dir("kernels.dispatch_quantize=rows") != d
     same = {"train.progress_bar": False, "train.log_interval": 5, "train.checkpoint_interval": 3,
             "train.keep_checkpoints": 5, "train.resume": False, "train.checkpoint_dir": "/elsewhere",
             "tracking.tags.note": "x", "tracking.experiment": "other",

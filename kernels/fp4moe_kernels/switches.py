@@ -114,6 +114,8 @@ class Switches:
             if f.name in CHOICES:
                 values, words = CHOICES[f.name]
                 text = text.lower() or values[0]
+                if set(values) == {"0", "1"} and text in ("true", "false"):  # a bool the str-typed config spelled out
+                    text = "1" if text == "true" else "0"
                 if text not in values:
                     raise SwitchError(f"{ENV[f.name]}={raw!r}: use {words}", f.name, raw, words)
             object.__setattr__(self, f.name, text)

@@ -50,6 +50,12 @@ def test_the_config_group_defaults_to_the_environment(monkeypatch):
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("train")
         over = compose("train", overrides=["kernels.dispatch_quantize=tokens", "kernels.fused_swiglu=0"])
+        # the command line's true / false reach the str-typed schema as 'True' / 'False': a 0 / 1 switch takes them
+        spelled = compose("train", overrides=["kernels.fused_swiglu=false", "kernels.fused_swiglu_fp8=true"])
     assert set(cfg.kernels) == set(sw.ENV)
     assert kernel_switches(cfg.kernels) == sw.Switches(dispatch_quantize="rows")
     assert kernel_switches(over.kernels) == sw.Switches(fused_swiglu="0")
+    assert kernel_switches(spelled.kernels) == sw.Switches(dispatch_quantize="rows", fused_swiglu="0",
+                                                          fused_swiglu_fp8="1")
+    with pytest.raises(sw.SwitchError, match="use 'torch'"):  # a choice of words takes no bool
+        sw.Switches(gather_sum="true")

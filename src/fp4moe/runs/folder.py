@@ -64,8 +64,24 @@ ABSENT_WHEN_DEFAULT: dict[str, Any] = {"kernels.bf16_moe": "megatron", "train.wg
 HASH_DIGITS = 12
 
 
+def _kernels_as_run(node: Any) -> Any:
+    """The ``kernels`` node with each switch as it runs (``fp4moe_kernels.switches.Switches``' normal form: a 0 / 1
+    switch given as true / false, a choice in capitals), so that one setting spelled two ways is one run; a node with
+    a value no switch takes is left as written (the config check refuses it)."""
+    from fp4moe_kernels.switches import Switches, SwitchError
+
+    if not isinstance(node, dict):
+        return node
+    try:
+        norm = Switches.from_config(node)
+    except SwitchError:
+        return node
+    return {k: getattr(norm, k) for k in node}
+
+
 def identity(cfg: Any) -> dict[str, Any]:
-    """The composed config ``cfg`` (the task's, or the root with ``hydra``), resolved, without :data:`EXCLUDED`."""
+    """The composed config ``cfg`` (the task's, or the root with ``hydra``), resolved, without :data:`EXCLUDED`;
+    the kernel switches in their normal form (:func:`_kernels_as_run`)."""
     from omegaconf import OmegaConf
 
     out: dict[str, Any] = {}
@@ -74,7 +90,7 @@ def identity(cfg: Any) -> dict[str, Any]:
             continue
         node = cfg[key]
         value = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-        out[str(key)] = drop_absent(str(key), value)
+        out[str(key)] = drop_absent(str(key), _kernels_as_run(value) if key == "kernels" else value)
     for dotted in EXCLUDED:
         holder, leaf = _holder(out, dotted)
         if holder is not None and holder is not out:
