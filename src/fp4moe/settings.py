@@ -594,6 +594,10 @@ class BundledCorpus(_Group):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.path:  # the key exists so that every data group has one; a bundled corpus is built, never pointed at
+            raise ConfigError(f"data={self.name} builds its corpus from {self.source} and reads no data.path (got "
+                              f"{self.path!r}): to train on that file, pass data=user_corpus data.path=... (or export "
+                              "FP4MOE_CORPUS with data=user_corpus)")
         if not self.cache_dir.strip():  # the folder is the config's (conf/data/*.yaml), never guessed from data.dir
             raise ConfigError("data.cache_dir is empty: set it to the folder that keeps the downloaded sdist, e.g. "
                               "data.cache_dir='${paths.data_dir}/cache' (the shipped configs' value)")
