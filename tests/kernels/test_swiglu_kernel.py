@@ -409,3 +409,13 @@ def test_bench_fp8_cases_time_equal_computations():
         if got[1] is None:  # rows only: the unfused side is the row quantizer alone
             got = got[0]
         assert not selfcheck.compare(got, want), name
+
+
+def test_bench_refuses_a_misspelled_tile_before_any_gpu_work(capsys):
+    """fp4moe.bench.swiglu_fusion checks --shapes and the tile lists first, on any machine (exit 2 naming the form)."""
+    from fp4moe.bench.swiglu_fusion import main
+
+    for bad in (["--fp8-tiles", "32x"], ["--fp8-tiles", "32x4x2"], ["--shapes", "1024"], ["--bwd-fp4-tiles", "b8x4"]):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2 and "AxB" in capsys.readouterr().err, bad

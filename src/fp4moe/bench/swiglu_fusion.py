@@ -172,13 +172,24 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("BENCH_OUT", "results/kernels"))
     ap.add_argument("--commit", default=None, help="commit to record (default: git, or FP4MOE_COMMIT)")
     a = ap.parse_args(argv)
+    try:  # the spellings first: a typo is refused before any GPU work, on any machine
+        shapes, fp4_tiles, fp8_tiles = _shapes(a.shapes), _tiles(a.fp4_tiles), _tiles(a.fp8_tiles)
+        bwd_fp4_tiles = _bwd_tiles(a.bwd_fp4_tiles)
+    except ValueError as e:
+        ap.error(f"{e}: --shapes are TxF (e.g. 524288x1024), --fp4-tiles / --fp8-tiles AxB (e.g. 32x4), "
+                 "--bwd-fp4-tiles bCxRxN or 'tiles'")
+    if any(len(t) != 2 for t in (*fp4_tiles, *fp8_tiles)) or any(len(s) != 2 for s in shapes):
+        ap.error("--shapes are TxF, --fp4-tiles / --fp8-tiles AxB: two numbers each")
+    if any(t != "tiles" and len(t) != 4 for t in bwd_fp4_tiles):
+        ap.error("--bwd-fp4-tiles are bCxRxN (blocks x rows x warps, e.g. b32x4x4) or 'tiles'; the AxB forms are "
+                 "--fp4-tiles / --fp8-tiles")
     if not torch.cuda.is_available():
         print("fp4moe.bench.swiglu_fusion needs a CUDA GPU (the fused kernels and the timings are GPU-only)", file=sys.stderr)
         return 2
     command = "python -m fp4moe.bench.swiglu_fusion " + " ".join(argv if argv is not None else sys.argv[1:])
     env = environment(command.strip(), a.commit)
-    copy, rows = run(_shapes(a.shapes), a.warmup_ms, a.rep_ms, fp4_tiles=_tiles(a.fp4_tiles),
-                     bwd_fp4_tiles=_bwd_tiles(a.bwd_fp4_tiles), experts=a.experts, fp8_tiles=_tiles(a.fp8_tiles))
+    copy, rows = run(shapes, a.warmup_ms, a.rep_ms, fp4_tiles=fp4_tiles, bwd_fp4_tiles=bwd_fp4_tiles,
+                     experts=a.experts, fp8_tiles=fp8_tiles)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"swiglu_{gpu_file_name(env['gpu'])}_{env['date'][:10]}_{env['commit'][:7]}"
