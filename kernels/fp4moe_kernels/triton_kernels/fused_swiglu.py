@@ -17,6 +17,11 @@ equal the unfused torch formula up to float32 rounding (exp and the order of the
 (rounded to nearest-even by integer arithmetic, ``_bf16_bits``) equal it or differ by one BF16 unit in the last
 place; tests/kernels/test_swiglu_kernel.py checks both against
 a float64 evaluation. Runs under ``TRITON_INTERPRET=1`` on CPU tensors (tests).
+
+The routed experts' FP8 GEMMs take z (fc2's input) and dh (fc1's output gradient) as FP8 1x128 rows and FP8 columns
+per expert; ``swiglu_fwd_fp8`` / ``swiglu_bwd_fp8`` write those copies instead of z / dh (``kernels.fused_swiglu_fp8``):
+one program per 128 tokens of an expert x 128 channels of z, as ``col.row_col_tile``, bit for bit the kernels above
+followed by ``bf16_to_fp8_row`` / ``bf16_to_fp8_col``.
 """
 from __future__ import annotations
 
