@@ -13,8 +13,8 @@ from the ``hydra.launcher`` values exactly as hydra-submitit-launcher hands them
 export (``cluster.env``: NCCL/InfiniBand, host threads) are printed once, each with its origin. Exits 1 with the
 ``ConfigError`` message(s) when a cell fails the check, 2 when the config does not compose (or a value cannot go
 into an sbatch script: fp4moe.launch.shell), 3 under ``--strict`` when a cell is predicted not to fit the GPU (without
-``--strict`` such a cell is a warning). A cell that the model's measured error puts on either side of the GPU's
-memory (``Memory.outcome`` 'edge') is a warning, with or without ``--strict``.
+``--strict`` such a cell is a warning). A cell predicted to fit that the model's measured error puts on either
+side of the GPU's memory (``Memory.outcome`` 'edge') is a warning, with or without ``--strict``.
 
 Without a corpus (``data=user_corpus`` and neither ``FP4MOE_CORPUS`` nor ``data.path`` set) the cells are checked
 with a placeholder path, and the dry run says once what the jobs will need.
@@ -59,9 +59,10 @@ class Memory:
     micro-batches) and the mean over the job's GPUs, both as nvidia-smi would show them; ``gpu_gib`` the cluster's
     GPU (``cluster.gpu_memory_gb``, None: unknown); ``source`` where the outside-PyTorch terms come from.
 
-    ``outcome``: 'fits' / 'OOM' when the allocated peak lies on that side of the GPU (less the memory outside
-    PyTorch) across the model's error measured on 1-2 H200s (``fp4moe.analysis.calibration.PEAK_ERR_RANGE``,
-    ``fit_outcome``), 'edge' when that error straddles it; ``fits`` is False only for 'OOM'."""
+    ``fits``: the predicted peak is within the GPU (what ``--strict`` goes by). ``outcome``: 'fits' / 'OOM' when
+    the allocated peak lies on that side of the GPU (less the memory outside PyTorch) across the model's error
+    measured on 1-2 H200s (``fp4moe.analysis.calibration.PEAK_ERR_RANGE``, ``fit_outcome``), 'edge' when that error
+    straddles it."""
     peak_gib: float
     allocated_gib: float
     mean_gib: float
@@ -80,17 +81,18 @@ class Memory:
 
     @property
     def fits(self) -> bool | None:
-        return None if self.outcome is None else self.outcome != "OOM"
+        return None if self.gpu_gib is None else self.peak_gib <= self.gpu_gib
 
     def text(self, world: int) -> str:
         from fp4moe.analysis.calibration import PEAK_ERR_RANGE
 
         pct = "" if self.gpu_gib is None else f" ({100 * self.peak_gib / self.gpu_gib:.1f} % of the GPU's {self.gpu_gib:g} GiB)"
         lo, hi = (100 * e for e in PEAK_ERR_RANGE)
-        verdict = {None: "no GPU size to check against (cluster.gpu_memory_gb)", "fits": "fits",
-                   "OOM": "PREDICTED NOT TO FIT",
-                   "edge": f"AT THE EDGE (the model's error measured on 1-2 H200s, {lo:+.1f} % to {hi:+.1f} % of the "
-                           "allocated peak, puts it on either side of the GPU; not checked at this scale)"}[self.outcome]
+        verdict = {None: "no GPU size to check against (cluster.gpu_memory_gb)", True: "fits",
+                   False: "PREDICTED NOT TO FIT"}[self.fits]
+        if self.outcome == "edge":
+            verdict += (f", AT THE EDGE (the model's error measured on 1-2 H200s, {lo:+.1f} % to {hi:+.1f} % of the "
+                        "allocated peak, puts it on either side of the GPU; not checked at this scale)")
         return (f"most loaded GPU {self.peak_gib:.1f} GiB{pct} (pipeline rank {self.rank}, {self.in_flight} "
                 f"micro-batch(es) in flight; allocated {self.allocated_gib:.1f}), mean over the {world} GPU(s) "
                 f"{self.mean_gib:.1f} GiB: {verdict}")
@@ -498,7 +500,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for need in needs:
             print(f"- {need}")
         print()
-    edge = [c for c in cells if isinstance(c.memory, Memory) and c.memory.outcome == "edge"]
+    # cells that fit as predicted but not across the model's error (those that do not fit are warned of below)
+    edge = [c for c in cells if isinstance(c.memory, Memory) and c.memory.outcome == "edge" and c.memory.fits]
     for c in edge:
         print(f"fp4moe.launch: WARNING: cell {' '.join(c.overrides)} is at the edge of the GPU's memory: "
               f"{c.memory.text(int(c.derived['world_size']))}. It may run out of memory; lighten it to be sure "
