@@ -278,6 +278,16 @@ def store_row_col_chunk(x, k_row, q_ptr, o_ptr, os_ptr, r, ch, mask, p_e, mp_e, 
 
 
 @triton.jit
+def row_col_tile_header(tiles_ptr):
+    """This program's tile of a ``ROW_COL_TILE_FIELDS`` table: ``_tile``'s (rows [128, 1] int64, their mask, P_e,
+    Mp_e, t0), then the segment's first row and its token count (where ``store_row_scales`` puts the row scales)."""
+    r, mask, p_e, mp_e, tok0 = _tile(tiles_ptr, ROW_COL_TILE_FIELDS)
+    s0 = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS).to(tl.int64) - tok0
+    count = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS + 5).to(tl.int64)
+    return r, mask, p_e, mp_e, tok0, s0, count
+
+
+@triton.jit
 def row_col_tile(src_ptr, p_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.constexpr, BN: tl.constexpr,
                  COLS: tl.constexpr, EMULATE: tl.constexpr, LOAD: tl.constexpr, FLAG: tl.constexpr):
     """One program of the FP8 row (+ column) quantizers: 128 tokens of one segment (a column tile,
@@ -288,9 +298,7 @@ def row_col_tile(src_ptr, p_ptr, q_ptr, qs_ptr, o_ptr, os_ptr, tiles_ptr, K: tl.
     when COLS, its column copy), so at most one ``[128, BN]`` float32 chunk is live (BN = 128: one pass over the
     whole tile in registers)."""
     pid_n = tl.program_id(0)
-    r, mask, p_e, mp_e, tok0 = _tile(tiles_ptr, ROW_COL_TILE_FIELDS)
-    s0 = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS).to(tl.int64) - tok0  # the segment's first row
-    count = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS + 5).to(tl.int64)  # and its tokens
+    r, mask, p_e, mp_e, tok0, s0, count = row_col_tile_header(tiles_ptr)
     # ---- the row scales: each token's finite amax over its 128-channel group
     amax = tl.zeros([128], dtype=tl.int32)
     for c in range(128 // BN):

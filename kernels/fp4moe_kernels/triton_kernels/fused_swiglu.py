@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..formats import FP8ColTensor, FP8RowTensor, Segments
 from . import launchers
-from .col import ROW_COL_TILE_FIELDS, _tile, finite_amax_bits, row_col_tile, store_row_col_chunk, store_row_scales
+from .col import finite_amax_bits, row_col_tile, row_col_tile_header, store_row_col_chunk, store_row_scales
 from .common import INTERPRET, bf16_rne_bits, e2m1_value, e8m0_value, fp8_exp_from_amax_bits
 from .row import _bf16_block_words, _bf16_mxfp4_encode
 
@@ -359,9 +359,7 @@ def _swiglu_bwd_fp8_kernel(h_ptr, hs_ptr, dz_ptr, p_ptr, q_ptr, qs_ptr, o_ptr, o
     ``col.row_col_tile``; the first also sums the dprobs terms of its channels into ``dp_ptr`` ``[F/128, T]``
     float32 (the launcher adds the F/128 partial sums). Grid (F/128, column tiles)."""
     pid = tl.program_id(0)
-    r, mask, p_e, mp_e, tok0 = _tile(tiles_ptr, ROW_COL_TILE_FIELDS)
-    s0 = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS).to(tl.int64) - tok0  # the segment's first row
-    count = tl.load(tiles_ptr + tl.program_id(1) * ROW_COL_TILE_FIELDS + 5).to(tl.int64)  # and its tokens
+    r, mask, p_e, mp_e, tok0, s0, count = row_col_tile_header(tiles_ptr)
     p = 0.0
     if HAS_P:
         p = tl.load(p_ptr + r, mask=mask, other=0.0)
@@ -474,17 +472,6 @@ def swiglu_bwd_fp4(data: torch.Tensor, scales: torch.Tensor, dz: torch.Tensor, p
     return dh, dp
 
 
-def _fp8_outputs(t: int, k: int, seg: Segments, cols: bool, device):
-    """Empty FP8 row data ``[t, k]`` and segment-major scales, and (cols) column data ``[k * Mp]`` and scales
-    ``[Mp/128, k]``, as ``launchers.bf16_to_fp8_row_col`` allocates them (else one-element stand-ins)."""
-    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=device)
-    qs = torch.empty(t * (k // 128), dtype=torch.float32, device=device)
-    mp = seg.padded_total
-    o = torch.empty(k * mp if cols else 1, dtype=torch.float8_e4m3fn, device=device)
-    s = torch.empty((mp // 128, k) if cols else (1, 1), dtype=torch.float32, device=device)
-    return q, qs, o, s
-
-
 def _check_fp8(name: str, t: int, f: int, seg: Segments) -> None:
     if f % 128:
         raise ValueError(f"{name} needs F (= {f}) a multiple of 128 (whole FP8 1x128 groups per half)")
@@ -501,7 +488,7 @@ def swiglu_fwd_fp8(h: torch.Tensor, probs: Optional[torch.Tensor], seg: Segments
     t, f2 = h.shape
     f = f2 // 2
     _check_fp8("swiglu_fwd_fp8", t, f, seg)
-    q, qs, o, s = _fp8_outputs(t, f, seg, cols, h.device)
+    q, qs, o, s = launchers.fp8_row_col_outputs(t, f, seg, cols, h.device)
     tiles = launchers._col_tiles(seg, h.device, with_count=True)
     if tiles.shape[0] and f:
         bn, warps = tile or FWD_FP8_TILE
@@ -530,7 +517,7 @@ def swiglu_bwd_fp8(h, dz: torch.Tensor, probs: Optional[torch.Tensor], seg: Segm
     if dz.dtype != torch.bfloat16 or tuple(dz.shape) != (t, f) or not dz.is_contiguous():
         raise ValueError(f"swiglu_bwd_fp8: dz must be contiguous bfloat16 [T, F] = {(t, f)}, got {dz.dtype} "
                          f"{tuple(dz.shape)}{'' if dz.is_contiguous() else ' (not contiguous)'}")
-    q, qs, o, s = _fp8_outputs(t, 2 * f, seg, cols, data.device)
+    q, qs, o, s = launchers.fp8_row_col_outputs(t, 2 * f, seg, cols, data.device)
     part = torch.zeros(f // 128, t, dtype=torch.float32, device=data.device) if probs is not None else None
     tiles = launchers._col_tiles(seg, data.device, with_count=True)
     bn, warps = tile or BWD_FP8_TILE

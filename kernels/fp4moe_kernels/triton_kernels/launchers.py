@@ -290,6 +290,18 @@ def bf16_to_fp8_col(x: torch.Tensor, seg: Segments) -> FP8ColTensor:
     return FP8ColTensor(o, s, seg, k)
 
 
+def fp8_row_col_outputs(m: int, k: int, seg: Segments, cols: bool, device):
+    """Empty outputs of a kernel that writes an ``[m, k]`` operand's FP8 copies (``col.row_col_tile``): row data
+    ``[m, k]`` and segment-major scales ``[m * k/128]``, and with ``cols`` column data ``[k * Mp]`` and scales
+    ``[Mp/128, k]`` (Mp: the segments padded to 128), else one-element stand-ins the kernel never writes."""
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device)
+    qs = torch.empty(m * (k // 128), dtype=torch.float32, device=device)
+    mp = seg.padded_total
+    o = torch.empty(k * mp if cols else 1, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty((mp // 128, k) if cols else (1, 1), dtype=torch.float32, device=device)
+    return q, qs, o, s
+
+
 def bf16_to_fp8_row_col(x: torch.Tensor, seg: Segments) -> tuple[FP8RowTensor, FP8ColTensor]:
     """``(bf16_to_fp8_row(x, seg), bf16_to_fp8_col(x, seg))`` in one launch reading x once
     (``col.bf16_to_fp8_row_col_kernel``)."""
@@ -297,11 +309,7 @@ def bf16_to_fp8_row_col(x: torch.Tensor, seg: Segments) -> tuple[FP8RowTensor, F
     xa, xb = _x16(x)
     _ensure_gpu_tiles()
     bn, _, warps = TILES["bf16_to_fp8_row_col"]
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    qs = torch.empty(m * (k // 128), dtype=torch.float32, device=x.device)
-    mp = seg.padded_total
-    o = torch.empty(k * mp, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(mp // 128, k, dtype=torch.float32, device=x.device)
+    q, qs, o, s = fp8_row_col_outputs(m, k, seg, True, x.device)
     tiles = _col_tiles(seg, x.device, with_count=True)
     if tiles.shape[0]:
         col.bf16_to_fp8_row_col_kernel[(k // 128, tiles.shape[0])](

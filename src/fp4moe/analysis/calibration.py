@@ -81,6 +81,14 @@ def fit_outcome(pred_peak_gib: float, usable_gib: float | None = None) -> str:
     lo, hi = (pred_peak_gib / (1 + e) for e in reversed(PEAK_ERR_RANGE))
     return "fits" if hi <= usable_gib else ("OOM" if lo > usable_gib else "edge")
 
+
+def gpu_outcome(total_gib: float, allocated_gib: float, gpu_gib: float) -> str:
+    """``fit_outcome`` of a predicted peak as nvidia-smi shows it (``total_gib``: ``allocated_gib`` plus the memory
+    outside PyTorch) on a GPU of ``gpu_gib``: the allocated part moved across the model's error, against the GPU less
+    the memory outside PyTorch."""
+    return fit_outcome(allocated_gib, gpu_gib - (total_gib - allocated_gib))
+
+
 # What fp4moe.train kept on one GPU before megatron's DDP (its own optimizer, every archive of the manifest): 2 B BF16
 # weight + 4 B FP32 master + 8 B AdamW m, v per parameter, no distributed optimizer (one GPU); 4 B FP32 gradient
 # accumulators only once a step's first micro-batch has finished its backward; FP8 column copies padded per expert

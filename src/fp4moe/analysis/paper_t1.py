@@ -29,7 +29,7 @@ from .. import paper
 from ..scale.memory import (CONF, GB, LAB_STACK, NOT_MEASURED, MemoryAssumptions, experiment_cfg, mean_total_bytes,
                             per_stage_memory)
 from ..scale.outside_torch import nccl_peer_bytes_from_source
-from .calibration import PEAK_ERR_RANGE, fit_outcome, h200_memory
+from .calibration import PEAK_ERR_RANGE, gpu_outcome, h200_memory
 from .output import markdown_cli
 from .outside_torch_measured import measured_assumptions
 
@@ -164,9 +164,9 @@ class Cell:
     @property
     def at_edge(self) -> bool:
         """Whether the model's peak error measured on H200s (``calibration.PEAK_ERR_RANGE`` of the allocated peak,
-        ``fit_outcome``; not checked at this scale) puts the cell on either side of the GPU's memory less the memory
+        ``gpu_outcome``; not checked at this scale) puts the cell on either side of the GPU's memory less the memory
         outside PyTorch: the model does not decide its fit / OOM outcome."""
-        return fit_outcome(self.allocated_gib, GPU_GIB - (self.total_gib - self.allocated_gib)) == "edge"
+        return gpu_outcome(self.total_gib, self.allocated_gib, GPU_GIB) == "edge"
 
     @property
     def error_pp(self) -> float | None:

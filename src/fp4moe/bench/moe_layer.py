@@ -209,6 +209,11 @@ def _profile(step, dev, iters: int = 2) -> dict:
 # --------------------------------------------------------------------------------------------- the cases
 
 
+# the --recipes modifiers that set kernel switches (``+fused`` is the benchmark's own: the wgrad into main gradients)
+MODIFIER_SWITCHES = {"wloop": {"wgrad_gemm": "loop"}, "rowcol": {"fp8_row_col": "1"},
+                     "swq": {"fused_swiglu_fp8": "1"}, "gsum": {"gather_sum": "triton"}}
+
+
 def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str, Recipe, dict, bool]]:
     """``--recipes`` -> [(label, Recipe, kernel switches to set (e.g. {"grouped_gemm": "deepgemm"}), fused wgrad)]:
     ``RECIPE[@GROUPED_GEMM][+MODIFIER...]``, e.g. ``fp8``, ``fp8@deepgemm``, ``fp8@deepgemm+fused`` (``+fused``
@@ -218,7 +223,7 @@ def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str,
     sums in one kernel: ``gather_sum`` triton)."""
     from fp4moe_kernels.switches import CHOICES
 
-    modifiers = {"fused", "wloop", "rowcol", "swq", "gsum"}
+    modifiers = {"fused", *MODIFIER_SWITCHES}
     out = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
@@ -236,10 +241,9 @@ def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str,
         if backend and backend not in CHOICES["grouped_gemm"][0]:
             raise SystemExit(f"--recipes {item}: the part after @ is a grouped_gemm value, "
                              f"{' / '.join(CHOICES['grouped_gemm'][0])}")
-        switch = (({"grouped_gemm": backend} if backend else {}) | ({"wgrad_gemm": "loop"} if "wloop" in mods else {})
-                  | ({"fp8_row_col": "1"} if "rowcol" in mods else {})
-                  | ({"fused_swiglu_fp8": "1"} if "swq" in mods else {})
-                  | ({"gather_sum": "triton"} if "gsum" in mods else {}))
+        switch = {"grouped_gemm": backend} if backend else {}
+        for m in mods:
+            switch |= MODIFIER_SWITCHES.get(m, {})
         out.append((item, Recipe.preset(name), switch, fused))
     return out
 
@@ -668,9 +672,7 @@ def main(argv=None) -> dict:
         with _switched(switched):
             rows.append(_bench_recipe(layer, r, x, dy, args, dev, fused))
             rows[-1].update(recipe=label, grouped_gemm=gemm_backend(dev), fused_wgrad=fused,
-                            wgrad_gemm=switches.current().wgrad_gemm, fp8_row_col=switches.current().fp8_row_col,
-                            fused_swiglu_fp8=switches.current().fused_swiglu_fp8,
-                            gather_sum=switches.current().gather_sum)
+                            **{k: getattr(switches.current(), k) for m in MODIFIER_SWITCHES.values() for k in m})
         if rank == 0:
             print(f"{label}: {rows[-1]['tokens_per_s']:.0f} tokens/s, saved {rows[-1]['saved_bytes'] / 2**20:.1f} MiB",
                   flush=True)

@@ -61,7 +61,7 @@ class Memory:
 
     ``fits``: the predicted peak is within the GPU (what ``--strict`` goes by). ``outcome``: 'fits' / 'OOM' when
     the allocated peak lies on that side of the GPU (less the memory outside PyTorch) across the model's error
-    measured on 1-2 H200s (``fp4moe.analysis.calibration.PEAK_ERR_RANGE``, ``fit_outcome``), 'edge' when that error
+    measured on 1-2 H200s (``fp4moe.analysis.calibration.PEAK_ERR_RANGE``, ``gpu_outcome``), 'edge' when that error
     straddles it."""
     peak_gib: float
     allocated_gib: float
@@ -73,11 +73,9 @@ class Memory:
 
     @property
     def outcome(self) -> str | None:
-        from fp4moe.analysis.calibration import fit_outcome
+        from fp4moe.analysis.calibration import gpu_outcome
 
-        if self.gpu_gib is None:
-            return None
-        return fit_outcome(self.allocated_gib, self.gpu_gib - (self.peak_gib - self.allocated_gib))
+        return None if self.gpu_gib is None else gpu_outcome(self.peak_gib, self.allocated_gib, self.gpu_gib)
 
     @property
     def fits(self) -> bool | None:
