@@ -184,6 +184,14 @@ def test_a_typo_in_a_precision_recompute_kernels_or_paths_file_is_one_line(tmp_p
                                      "'triton'"),
     ("data.cache_dir=''", "data.cache_dir is empty: set it to the folder that keeps the downloaded sdist, e.g. "
                           "data.cache_dir='${paths.data_dir}/cache'"),
+    # megatron-core's own refusals of these came from deep inside the model's construction, as tracebacks
+    ("model.normalization=rmsnorm", "model.normalization='rmsnorm': pick one of RMSNorm, LayerNorm"),
+    ("model.mla.rope_type=yarn2", "model.mla.rope_type='yarn2': pick one of rope, yarn"),
+    ("model.moe.score_function=relu", "model.moe.score_function='relu': pick one of softmax, sigmoid"),
+    ("model.moe.load_balancing_type=aux", "model.moe.load_balancing_type='aux': pick one of aux_loss, seq_aux_loss"),
+    ("model.moe.router_dtype=bf16", "model.moe.router_dtype='bf16': pick one of fp32, fp64, or null"),
+    ("model.moe.score_function=softmax", "model.moe.expert_bias=true (aux-loss-free routing) needs "
+                                         "score_function=sigmoid, not 'softmax'"),
 ])
 def test_a_value_its_group_refuses_is_one_line_when_the_settings_are_built(override, message):
     with pytest.raises(ConfigError) as err:
@@ -242,3 +250,21 @@ def test_a_group_option_that_does_not_exist_lists_the_files_not_the_schemas():
         _compose("precision=mxfp5")
     assert explain(err.value) == ("In 'train': Could not find 'precision/mxfp5'; Available options in 'precision': "
                                   "bf16, fp8, mxfp4, mxfp4_mlp_shared")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.hidden_size=1000"], "model.hidden_size=1000: precision=mxfp4 runs the experts' GEMMs in FP8"),
+    (["precision=fp8", "model.moe.ffn_hidden_size=192"], "model.moe.ffn_hidden_size=192: precision=fp8"),
+    # under expert tensor parallelism the size each GPU holds counts: 256 / 4 = 64
+    (["precision=fp8", "parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=4",
+      "parallel.expert_tensor=4", "parallel.global_batch=8"], "model.moe.ffn_hidden_size=128 / 4 (its tensor-parallel split) = 32"),
+])
+def test_an_expert_size_the_fp8_blocks_cannot_tile_is_refused_before_the_run(overrides, message):
+    """The FP8 recipes' expert GEMMs need every weight dim a multiple of 128 on each GPU; without this check the run
+    started (folder, MLflow run) and failed at the first forward with a traceback."""
+    with pytest.raises(ConfigError) as err:
+        check(_compose(*overrides))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+    # the same sizes are fine where nothing runs in FP8
+    check(_compose(*overrides, "precision=bf16"))
+

@@ -200,6 +200,29 @@ def derived(cfg: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- check
 
+FP8_BLOCK = 128  # the FP8 recipes' 1x128 activation groups and 128x128 weight blocks (fp4moe_kernels.constants)
+
+
+def _check_fp8_shapes(s: Settings) -> None:
+    """The FP8 recipes' GEMMs take 128-wide groups along both dims of every weight they quantize: the routed experts'
+    [2F/ETP, H] and [H, F/ETP], and the shared expert's [2Fs/TP, H] / [H, Fs/TP] when the recipe's scope covers it.
+    (The dense linears of ``scope: all_linears`` whose dims are not multiples of 128 stay BF16 instead:
+    fp4moe.model.recipe_dense.) Refused here, before a run folder or an MLflow run exists, rather than at the first
+    forward."""
+    recipe, m, p = s.precision, s.model, s.parallel
+    if not recipe.fp8_compute:
+        return
+    dims = {"model.hidden_size": (m.hidden_size, 1),
+            "model.moe.ffn_hidden_size": (m.moe.ffn_hidden_size, p.etp)}
+    if m.moe.shared_experts and recipe.applies_to("shared_expert"):
+        dims["model.moe.ffn_hidden_size x shared_experts"] = (m.moe.ffn_hidden_size * m.moe.shared_experts, p.tensor)
+    for key, (value, split) in dims.items():
+        if value % split or (value // split) % FP8_BLOCK:
+            per = f" / {split} (its tensor-parallel split) = {value / split:g}" if split > 1 else ""
+            raise ConfigError(
+                f"{key}={value}{per}: precision={recipe.name} runs the experts' GEMMs in FP8, whose 1x128 / 128x128 "
+                f"scale blocks need a multiple of {FP8_BLOCK} on every GPU: pick such a size, or precision=bf16")
+
 def check(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
     """Raise ``ConfigError`` naming the fix when ``cfg`` cannot run; return ``derived(cfg)`` otherwise. ``settings``:
     ``Settings.from_config(cfg)`` where the caller built it already."""
@@ -286,6 +309,7 @@ def check(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
             f"backend.transformer_impl='local' ({why}): {fix}, or pick another recompute scope")
     # 8. precision and data: the recipe was parsed (and its combinations checked) once, into s.precision
     recipe = s.precision
+    _check_fp8_shapes(s)
     # 9. token dispatcher
     dispatcher = p.dispatcher
     if dispatcher not in DISPATCHERS:

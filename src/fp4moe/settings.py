@@ -250,6 +250,21 @@ class Cluster(_Group):
 
 # ---------------------------------------------------------------------------------------------- model
 
+def _check_choice(key: str, value: Any, choices: tuple[str, ...], why: str = "") -> None:
+    """Refuse ``key=value`` unless ``value`` is one of ``choices`` (compared as written), naming them all."""
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r}: pick one of {', '.join(choices)}{why}")
+
+
+# what megatron-core 0.16.1 builds without Transformer Engine (its own checks otherwise fail deep inside the model's
+# construction, with a traceback instead of the key)
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")         # torch_norm.WrappedTorchNorm (L2Norm is for q/k only)
+ROPE_TYPES = ("rope", "yarn")                     # multi_latent_attention.MLASelfAttention
+SCORE_FUNCTIONS = ("softmax", "sigmoid")          # moe.router.TopKRouter
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+ROUTER_DTYPES = ("fp32", "fp64")                  # or null: the router in the parameters' dtype
+
+
 @dataclass(frozen=True)
 class MLA(_Group):
     PREFIX: ClassVar[str] = "model.mla"
@@ -261,6 +276,10 @@ class MLA(_Group):
     rope_type: str = MISSING
     rotary_base: int = _rule("a rotary base", 1)
     rotary_scaling_factor: int = _rule("a rotary scaling factor", 1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_choice("model.mla.rope_type", self.rope_type, ROPE_TYPES, " (yarn: DeepSeek-V2/V3's scaled RoPE)")
 
 
 @dataclass(frozen=True)
@@ -279,11 +298,19 @@ class MoE(_Group):
     bias_update_rate: Optional[float] = _rule("a rate, or null for megatron's 1e-3", 0, default=None)
     load_balancing_type: str = MISSING
     aux_loss_coeff: float = _rule("a loss coefficient", 0)
-    router_dtype: str = MISSING
+    router_dtype: Optional[str] = MISSING
     pre_softmax: Optional[bool] = None   # null: false (softmax after the top-k)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_choice("model.moe.score_function", self.score_function, SCORE_FUNCTIONS)
+        _check_choice("model.moe.load_balancing_type", self.load_balancing_type, LOAD_BALANCING_TYPES)
+        if self.router_dtype is not None:
+            _check_choice("model.moe.router_dtype", self.router_dtype, ROUTER_DTYPES, ", or null")
+        if self.expert_bias and self.score_function != "sigmoid":
+            raise ConfigError(f"model.moe.expert_bias=true (aux-loss-free routing) needs score_function=sigmoid, not "
+                              f"{self.score_function!r} (megatron-core's rule): set model.moe.score_function=sigmoid "
+                              "or model.moe.expert_bias=false")
         if self.router_topk > self.num_experts:
             raise ConfigError(f"model.moe.router_topk={self.router_topk} > num_experts={self.num_experts}: "
                               "a token cannot pick more experts than there are")
@@ -309,6 +336,10 @@ class Model(_Group):
     mtp_loss_scaling_factor: Optional[float] = _rule("a loss factor, or null for megatron's 0.1", 0, default=None)
     mla: MLA = MISSING
     moe: MoE = MISSING
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_choice("model.normalization", self.normalization, NORMALIZATIONS)
 
 
 # ---------------------------------------------------------------------------------------------- precision

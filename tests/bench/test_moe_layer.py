@@ -112,6 +112,26 @@ def test_bench_eight_ranks_on_gloo(tmp_path):
         assert len(row["expert_counts"]) == EL
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--recipes", "bf16,fp9"], "--recipes fp9: 'fp9' is not a recipe; the part before @ / + is one of bf16 / fp8"),
+    (["--tokens", "0"], "--tokens 0: give a whole number >= 1"),
+    (["--top-k", "9", "--local-experts", "8"], "--top-k 9 > 8 experts"),
+    (["--hidden", "1000", "--recipes", "bf16,fp8"], "--hidden 1000: the fp8 recipe's FP8 GEMMs need a multiple of 128"),
+    (["--ffn", "96", "--recipes", "mxfp4"], "--ffn 96: the mxfp4 recipe's FP8 GEMMs need a multiple of 128"),
+])
+def test_a_shape_or_recipe_the_layer_cannot_run_is_one_line_before_any_work(tmp_path, args, message):
+    """Before, a misspelled recipe was a RecipeError traceback and --tokens 0 a ZeroDivisionError after the run."""
+    with pytest.raises(SystemExit) as err:
+        main(["--device", "cpu", "--no-gemm", "--no-profile", "--out", str(tmp_path), *args])
+    assert str(err.value.code).startswith(message), err.value.code
+    assert not list(tmp_path.iterdir())
+    # BF16 alone takes any positive size (no FP8 blocks)
+    from fp4moe.bench.moe_layer import _check_shape, _parser
+    from fp4moe.recipe import Recipe
+
+    _check_shape(_parser().parse_args(["--hidden", "1000", "--ffn", "96"]), [Recipe.preset("bf16")], 1)
+
+
 def test_shape_tag_names_what_differs_from_the_default_shape():
     from fp4moe.bench.moe_layer import _parser, _shape_tag
 

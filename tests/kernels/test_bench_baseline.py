@@ -111,6 +111,19 @@ def test_two_baselines_with_one_label_are_refused_before_anything_runs(capsys):
     assert "the label 'old' is taken by another --baseline" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", "0"], "--tokens 0: give a whole number >= 1"),
+    (["--sweep", "--sweep-kernels", "fp8_row_to_fp4,fp8_row_to_fp5"], "--sweep-kernels: fp8_row_to_fp5 not among"),
+    (["--sweep-kernels", "fp8_row_to_fp4"], "--sweep-kernels picks what --sweep sweeps: add --sweep"),
+])
+def test_a_bad_argument_is_refused_before_the_gpu_check(capsys, args, message):
+    """On the GPU machine a typo used to start the benchmark (or sweep nothing); here, without a GPU, it used to be
+    the 'needs a CUDA GPU' line: either way the mistake showed only after device time was spent."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_a_second_run_of_the_day_at_one_commit_keeps_the_first(tmp_path):
     """bench.write names files by GPU, date and commit; a second run that day at that commit (make reproduce-table
     --rerun) gets its time appended instead of replacing the first run's files."""

@@ -516,6 +516,19 @@ def main(argv=None) -> int:
             p.error(f"--baseline {spec}: the label {label!r} is taken by another --baseline; give each its own "
                     "(DIR:LABEL)")
         specs[label] = path
+    # the arguments first, so that a typo costs no GPU time
+    for flag, value in (("--tokens", args.tokens), ("--experts", args.experts), ("--warmup-ms", args.warmup_ms),
+                        ("--rep-ms", args.rep_ms)):
+        if value < 1:
+            p.error(f"{flag} {value}: give a whole number >= 1")
+    if args.sweep_kernels:
+        from ..triton_kernels.launchers import TILES
+
+        if not args.sweep:
+            p.error("--sweep-kernels picks what --sweep sweeps: add --sweep")
+        bad = [k for k in args.sweep_kernels.split(",") if k and k not in TILES]
+        if bad:
+            p.error(f"--sweep-kernels: {', '.join(bad)} not among the kernels with tiles: {', '.join(TILES)}")
     if not torch.cuda.is_available():
         print("the kernel benchmark needs a CUDA GPU (H100/H200); results measured on an H200 are in results/kernels/",
               file=sys.stderr)

@@ -65,7 +65,7 @@ from ..ops.fp8_gemm import fp8_mm
 from ..ops.grouped_experts import expert_saved_bytes, gemm_backend, quantize_experts_128x128
 from ..ops.weight_cache import CACHE as WEIGHT_CACHE
 from ..ops.weight_cache import enabled_for
-from ..recipe import Recipe
+from ..recipe import Recipe, RecipeError
 from ..tracking.mlflow_store import portable
 from ..moe.layer import MoELayer
 
@@ -244,8 +244,35 @@ def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str,
         switch = {"grouped_gemm": backend} if backend else {}
         for m in mods:
             switch |= MODIFIER_SWITCHES.get(m, {})
-        out.append((item, Recipe.preset(name), switch, fused))
+        try:
+            recipe = Recipe.preset(name)
+        except RecipeError:
+            raise SystemExit(f"--recipes {item}: {name!r} is not a recipe; the part before @ / + is one of "
+                             f"{' / '.join(RECIPES)}") from None
+        out.append((item, recipe, switch, fused))
     return out
+
+
+def _check_shape(args: argparse.Namespace, recipes: list[Recipe], world: int) -> None:
+    """Refuse a shape the layer cannot run, before any GPU work: sizes >= 1, top-k <= experts, and the FP8
+    recipes' 128-wide scale blocks along hidden, ffn (and the shared expert's ffn when a recipe covers it)."""
+    for flag, value, lowest in (("--hidden", args.hidden, 1), ("--ffn", args.ffn, 1), ("--tokens", args.tokens, 1),
+                                ("--local-experts", args.local_experts, 1), ("--top-k", args.top_k, 1),
+                                ("--shared-ffn", args.shared_ffn, 0), ("--iters", args.iters, 1),
+                                ("--warmup", args.warmup, 0)):
+        if value < lowest:
+            raise SystemExit(f"{flag} {value}: give a whole number >= {lowest}")
+    if args.top_k > args.local_experts * world:
+        raise SystemExit(f"--top-k {args.top_k} > {args.local_experts * world} experts (--local-experts x ranks): a "
+                         "token cannot pick more experts than there are")
+    fp8 = [r for r in recipes if r.fp8_compute]
+    sizes = [("--hidden", args.hidden), ("--ffn", args.ffn)]
+    if args.shared_ffn and any(r.applies_to("shared_expert") for r in fp8):
+        sizes.append(("--shared-ffn", args.shared_ffn))
+    for flag, value in sizes if fp8 else ():
+        if value % 128:
+            raise SystemExit(f"{flag} {value}: the {fp8[0].name} recipe's FP8 GEMMs need a multiple of 128 (their "
+                             "1x128 / 128x128 scale blocks)")
 
 
 class MainGrads:
@@ -654,6 +681,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--micro-batches {args.micro_batches}: give a count >= 1 that divides --iters {args.iters} "
                          "(the timing covers whole optimizer steps)")
     recipes = [r for _, r, _, _ in entries]
+    _check_shape(args, recipes, world)
     experts = args.local_experts * world
     layer = MoELayer(args.hidden, args.ffn, experts, args.top_k, recipes[0], shared_ffn=args.shared_ffn,
                      score="sigmoid", seed=args.seed, init_device=dev)
