@@ -192,10 +192,15 @@ def test_a_typo_in_a_precision_recompute_kernels_or_paths_file_is_one_line(tmp_p
     ("model.moe.router_dtype=bf16", "model.moe.router_dtype='bf16': pick one of fp32, fp64, or null"),
     ("model.moe.score_function=softmax", "model.moe.expert_bias=true (aux-loss-free routing) needs "
                                          "score_function=sigmoid, not 'softmax'"),
+    ("model.moe.num_groups=4", "model.moe.num_groups=4 and group_topk=None: group-limited routing needs both"),
+    ("model.moe.num_groups=3 model.moe.group_topk=2", "model.moe.num_groups=3 does not divide num_experts=8"),
+    ("model.moe.num_groups=4 model.moe.group_topk=8", "model.moe.group_topk=8 > num_groups=4"),
+    ("model.moe.num_groups=8 model.moe.group_topk=1", "model.moe.router_topk=2 > group_topk x experts per group = "
+                                                      "1 x 1"),
 ])
 def test_a_value_its_group_refuses_is_one_line_when_the_settings_are_built(override, message):
     with pytest.raises(ConfigError) as err:
-        Settings.from_config(_compose(override))
+        Settings.from_config(_compose(*override.split()))
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
@@ -268,3 +273,10 @@ def test_an_expert_size_the_fp8_blocks_cannot_tile_is_refused_before_the_run(ove
     # the same sizes are fine where nothing runs in FP8
     check(_compose(*overrides, "precision=bf16"))
 
+
+
+def test_a_profiler_window_past_the_last_step_is_refused():
+    """The window closes only at its last step: one that ends after the run wrote nothing, silently."""
+    with pytest.raises(ConfigError, match=r"train.profile.steps=\[4, 6\] ends after the run's last step, 5"):
+        check(_compose("train.steps=5", "train.profile.steps=[4,6]"))
+    assert check(_compose("train.steps=5", "train.profile.steps=[4,5]"))["steps"] == 5

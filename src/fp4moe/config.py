@@ -328,7 +328,14 @@ def check(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
     if s.data.name == "user_corpus" and not s.data.path:
         raise ConfigError("data=user_corpus needs a corpus: export FP4MOE_CORPUS=/path/to/text-or-jsonl-or-prefix "
                           "or pass data.path=...")
-    return derived(cfg)
+    d = derived(cfg)
+    # 11. a profiler window the run never closes writes nothing (fp4moe.train.profile stops it silently at the end)
+    window = s.train.profile.steps
+    if window and int(window[-1]) > d["steps"]:
+        raise ConfigError(f"train.profile.steps={list(window)} ends after the run's last step, {d['steps']}: the "
+                          "window would never close and no profile would be written; profile steps <= "
+                          f"{d['steps']} or train more steps")
+    return d
 
 
 __all__ = ["ConfigError", "check", "Settings",

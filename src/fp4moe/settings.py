@@ -314,6 +314,22 @@ class MoE(_Group):
         if self.router_topk > self.num_experts:
             raise ConfigError(f"model.moe.router_topk={self.router_topk} > num_experts={self.num_experts}: "
                               "a token cannot pick more experts than there are")
+        # group-limited routing (megatron-core's moe_router_num_groups / group_topk; its own asserts otherwise)
+        groups, picked = self.num_groups, self.group_topk
+        if (groups is None) != (picked is None):
+            raise ConfigError(f"model.moe.num_groups={groups} and group_topk={picked}: group-limited routing needs "
+                              "both (experts in num_groups equal groups, group_topk of them picked per token), or "
+                              "both null for none")
+        if groups is not None:
+            if self.num_experts % groups:
+                raise ConfigError(f"model.moe.num_groups={groups} does not divide num_experts={self.num_experts}: "
+                                  "the groups are equal; pick a divisor")
+            if picked > groups:
+                raise ConfigError(f"model.moe.group_topk={picked} > num_groups={groups}: a token cannot pick more "
+                                  "groups than there are")
+            if self.router_topk > picked * (self.num_experts // groups):
+                raise ConfigError(f"model.moe.router_topk={self.router_topk} > group_topk x experts per group = "
+                                  f"{picked} x {self.num_experts // groups}: the picked groups hold too few experts")
 
 
 @dataclass(frozen=True)
