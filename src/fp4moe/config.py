@@ -43,6 +43,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from fp4moe_kernels.constants import FP8_GROUP
+
 from fp4moe.settings import (FP4MOE_RECOMPUTE_MODULES, GRAD_DTYPES, MEGATRON_RECOMPUTE_MODULES,
                              NESTED_IN_SELF_ATTENTION, TE_ONLY_RECOMPUTE_MODULES, ConfigError, OptimizerSetting,
                              Settings, nested_in_self_attention)
@@ -200,28 +202,23 @@ def derived(cfg: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- check
 
-FP8_BLOCK = 128  # the FP8 recipes' 1x128 activation groups and 128x128 weight blocks (fp4moe_kernels.constants)
-
-
 def _check_fp8_shapes(s: Settings) -> None:
-    """The FP8 recipes' GEMMs take 128-wide groups along both dims of every weight they quantize: the routed experts'
-    [2F/ETP, H] and [H, F/ETP], and the shared expert's [2Fs/TP, H] / [H, Fs/TP] when the recipe's scope covers it.
-    (The dense linears of ``scope: all_linears`` whose dims are not multiples of 128 stay BF16 instead:
-    fp4moe.model.recipe_dense.) Refused here, before a run folder or an MLflow run exists, rather than at the first
-    forward."""
-    recipe, m, p = s.precision, s.model, s.parallel
+    """The FP8 recipes' GEMMs take 128-wide groups (``FP8_GROUP``) along both dims of every weight they quantize: the
+    routed experts' [2F/ETP, H] and [H, F/ETP] on each GPU (the shared expert's F x shared_experts follows, at TP 1,
+    which these recipes need; the dense linears of ``scope: all_linears`` whose dims are not multiples of 128 stay
+    BF16 instead: fp4moe.model.recipe_dense). Refused here, before a run folder or an MLflow run exists, rather than
+    at the first forward."""
+    recipe, m, etp = s.precision, s.model, s.parallel.etp
     if not recipe.fp8_compute:
         return
-    dims = {"model.hidden_size": (m.hidden_size, 1),
-            "model.moe.ffn_hidden_size": (m.moe.ffn_hidden_size, p.etp)}
-    if m.moe.shared_experts and recipe.applies_to("shared_expert"):
-        dims["model.moe.ffn_hidden_size x shared_experts"] = (m.moe.ffn_hidden_size * m.moe.shared_experts, p.tensor)
-    for key, (value, split) in dims.items():
-        if value % split or (value // split) % FP8_BLOCK:
+    for key, value, split in (("model.hidden_size", m.hidden_size, 1),
+                              ("model.moe.ffn_hidden_size", m.moe.ffn_hidden_size, etp)):
+        if value % split or (value // split) % FP8_GROUP:
             per = f" / {split} (its tensor-parallel split) = {value / split:g}" if split > 1 else ""
             raise ConfigError(
                 f"{key}={value}{per}: precision={recipe.name} runs the experts' GEMMs in FP8, whose 1x128 / 128x128 "
-                f"scale blocks need a multiple of {FP8_BLOCK} on every GPU: pick such a size, or precision=bf16")
+                f"scale blocks need a multiple of {FP8_GROUP} on every GPU: pick such a size, or precision=bf16")
+
 
 def check(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
     """Raise ``ConfigError`` naming the fix when ``cfg`` cannot run; return ``derived(cfg)`` otherwise. ``settings``:
