@@ -18,11 +18,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Write the report (Markdown, CSV, PNG): the paper's T1/F3/F4/F5 numbers (conf/paper/numbers.yaml) beside "
         "the runs measured in MLflow and the paper-scale model's prediction."))
     ap.add_argument("--tracking-uri", default=None, metavar="URI",
-                    help="MLflow store: a URI, a .db file or a folder holding mlflow.db (default: "
-                         "$MLFLOW_TRACKING_URI, else <repo>/mlruns/mlflow.db)")
+                    help="MLflow store: a URI, an existing .db file or a folder holding mlflow.db (default: "
+                         "$MLFLOW_TRACKING_URI, else <repo>/mlruns/mlflow.db, empty if absent)")
     ap.add_argument("--out", default=None, metavar="DIR", help="output folder (default: <repo>/results/report)")
     ap.add_argument("--no-model", action="store_true", help="leave out the paper-scale model's columns")
     args = ap.parse_args(argv)
+    if args.tracking_uri is not None:
+        # a store named here that does not exist is a typo, not an empty store: the report would be written (over
+        # results/report/ by default) without a single run
+        from fp4moe.tracking.mlflow_store import normalize_uri, sqlite_file
+
+        db = sqlite_file(normalize_uri(args.tracking_uri))
+        if db is not None and not db.is_file():
+            print(f"fp4moe.report: --tracking-uri {args.tracking_uri}: no MLflow store there ({db} does not exist); "
+                  "give a URI, a .db file or a folder holding mlflow.db (without the option: $MLFLOW_TRACKING_URI, "
+                  "else <repo>/mlruns/mlflow.db)", file=sys.stderr)
+            return 2
     try:
         rep = build_report(args.tracking_uri, with_model=not args.no_model)
     except TrackingUnavailable as e:  # one line naming the store and the fix (no traceback)
