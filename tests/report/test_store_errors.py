@@ -79,16 +79,19 @@ def test_a_wrong_store_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["mlrun", "notes.txt", "gone.db"])
-def test_a_store_named_that_does_not_exist_is_refused_not_read_as_empty(tmp_path, where):
+def test_a_store_named_that_does_not_exist_is_refused_not_read_as_empty(tmp_path, monkeypatch, capsys, where):
     """--tracking-uri with a misspelled folder or file used to give an empty store: a report without a single run,
     written over the output folder."""
+    from fp4moe.report.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("a file, not a folder holding mlflow.db")
     out = tmp_path / "r"
     out.mkdir()
     (out / "report.md").write_text("the last report")
-    proc = subprocess.run([sys.executable, "-m", "fp4moe.report", "--tracking-uri", where, "--out", str(out)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 2 and proc.stdout == ""
-    (line,) = proc.stderr.splitlines()
+    assert main(["--tracking-uri", where, "--out", str(out)]) == 2
+    got = capsys.readouterr()
+    assert got.out == ""
+    (line,) = got.err.splitlines()
     assert line.startswith(f"fp4moe.report: --tracking-uri {where}: no MLflow store there (") and "does not exist" in line
     assert [p.name for p in out.iterdir()] == ["report.md"] and (out / "report.md").read_text() == "the last report"
