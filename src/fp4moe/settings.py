@@ -49,6 +49,12 @@ def _rule(what: str, lowest: Any = 1, *, default: Any = MISSING) -> Any:
     return field(default=default, metadata={"what": what, "lowest": lowest})
 
 
+def _check_choice(key: str, value: Any, choices: tuple[str, ...], why: str = "") -> None:
+    """Refuse ``key=value`` unless ``value`` is one of ``choices`` (compared as written), naming them all."""
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r}: pick one of {', '.join(choices)}{why}")
+
+
 def _kind(tp: Any) -> str:
     """'int', 'float', 'bool', 'str' or '' of a field's annotation (a string under ``from __future__``)."""
     text = str(tp)
@@ -185,13 +191,9 @@ class Train(_Group):
         super().__post_init__()
         if self.steps is None and self.tokens is None:
             raise ConfigError("train.steps and train.tokens are both null: set one (a step count or a token budget)")
-        if self.params_dtype not in PARAMS_DTYPES:
-            raise ConfigError(f"train.params_dtype={self.params_dtype!r}: pick one of {', '.join(PARAMS_DTYPES)}")
-        if self.checkpoint_format not in CHECKPOINT_FORMATS:
-            raise ConfigError(f"train.checkpoint_format={self.checkpoint_format!r}: pick one of "
-                              f"{', '.join(CHECKPOINT_FORMATS)}")
-        if self.schedule.name not in SCHEDULES:
-            raise ConfigError(f"train.schedule.name={self.schedule.name!r}: pick one of {', '.join(SCHEDULES)}")
+        _check_choice("train.params_dtype", self.params_dtype, PARAMS_DTYPES)
+        _check_choice("train.checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
+        _check_choice("train.schedule.name", self.schedule.name, SCHEDULES)
 
 
 # ---------------------------------------------------------------------------------------------- parallel, cluster
@@ -249,12 +251,6 @@ class Cluster(_Group):
 
 
 # ---------------------------------------------------------------------------------------------- model
-
-def _check_choice(key: str, value: Any, choices: tuple[str, ...], why: str = "") -> None:
-    """Refuse ``key=value`` unless ``value`` is one of ``choices`` (compared as written), naming them all."""
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r}: pick one of {', '.join(choices)}{why}")
-
 
 # what megatron-core 0.16.1 builds without Transformer Engine (its own checks otherwise fail deep inside the model's
 # construction, with a traceback instead of the key)
@@ -565,9 +561,7 @@ class OptimizerSetting(_Group):
         for key in ("distributed", "cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "overlap_grad_reduce"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"optimizer.{key}={getattr(self, key)!r} (optimizer={name}): use true or false")
-        if self.main_grads_dtype not in GRAD_DTYPES:
-            raise ConfigError(f"optimizer.main_grads_dtype={self.main_grads_dtype!r}: pick one of "
-                              f"{', '.join(GRAD_DTYPES)}")
+        _check_choice("optimizer.main_grads_dtype", self.main_grads_dtype, GRAD_DTYPES)
         for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             if str(getattr(self, key)) != "fp32":
                 raise ConfigError(
@@ -670,8 +664,7 @@ class UserCorpus(_Group):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.format not in CORPUS_FORMATS:
-            raise ConfigError(f"data.format={self.format!r}: pick one of {', '.join(CORPUS_FORMATS)}")
+        _check_choice("data.format", self.format, CORPUS_FORMATS)
         if self.valid_fraction >= 1:
             raise ConfigError(f"data.valid_fraction={self.valid_fraction}: a share of the documents below 1")
 
