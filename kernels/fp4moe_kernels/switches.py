@@ -21,9 +21,9 @@ fused_swiglu_fp4   FP4MOE_FUSED_SWIGLU_FP4    1 (the SwiGLU writes its input's M
 fused_swiglu_fp8   FP4MOE_FUSED_SWIGLU_FP8    0 (the routed experts' SwiGLU writes z, and its backward dh, in BF16 for
                                               the FP8 quantizers), 1 (it writes their FP8 rows and columns itself,
                                               where fused_swiglu is 1: the same bits, z and dh never in memory)
-gather_sum         FP4MOE_GATHER_SUM          torch (each token's k rows of the MoE permutation gathered, then summed:
-                                              index_select + sum), triton (one kernel, rows read once, on CUDA;
-                                              summed in row order, which torch's CUDA reduction may not keep)
+gather_sum         FP4MOE_GATHER_SUM          triton (each token's k rows of the MoE permutation summed by one kernel,
+                                              rows read once, on CUDA; summed in row order, which torch's CUDA
+                                              reduction may not keep), torch (index_select, then sum)
 grouped_gemm       FP4MOE_GROUPED_GEMM        triton (one grouped launch per expert GEMM on CUDA), deepgemm
                                               (fprop / dgrad through DeepGEMM on rows padded to 128 per expert,
                                               wgrad Triton; fp4moe_kernels.deepgemm), loop (one GEMM per expert)
@@ -70,8 +70,8 @@ CHOICES = {
                                 "kernel for both)"),
     "fused_swiglu_fp8": (("0", "1"), "0 (the default: the experts' SwiGLU writes BF16 for the FP8 quantizers) or 1 "
                                      "(it writes the FP8 rows and columns itself)"),
-    "gather_sum": (("torch", "triton"), "'torch' (the default: a gather, then a sum) or 'triton' (one kernel reading "
-                                         "each row once)"),
+    "gather_sum": (("triton", "torch"), "'triton' (the default: one kernel reading each row once) or 'torch' (a "
+                                         "gather, then a sum)"),
     "wgrad_gemm": (("triton", "loop"), "'triton' (the default: the grouped Triton wgrad) or 'loop' (one cuBLAS GEMM "
                                        "per expert)"),
     "bf16_moe": (("megatron", "fp4moe"), "'megatron' (the default: the bf16 recipe keeps megatron-core's MoE layers) "
@@ -103,7 +103,7 @@ class Switches:
     wgrad_gemm: str = "triton"
     fp8_row_col: str = "0"
     fused_swiglu_fp8: str = "0"
-    gather_sum: str = "torch"
+    gather_sum: str = "triton"
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -186,17 +186,18 @@ def test_bench_wgrad_loop_entries(tmp_path):
     common = ["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k", str(K),
               "--tokens", str(T), "--shared-ffn", "0", "--warmup", "1", "--iters", "2", "--micro-batches", "2",
               "--no-gemm", "--no-profile", "--out", str(tmp_path), "--commit", "test", "--main-grads", "fp32"]
-    doc = main(common + ["--recipes", "fp8@loop,fp8@loop+wloop,mxfp4+wloop+fused,fp8@loop+rowcol,fp8@loop+swq,bf16+gsum"])
+    doc = main(common + ["--recipes", "fp8@loop,fp8@loop+wloop,mxfp4+wloop+fused,fp8@loop+rowcol,fp8@loop+swq,bf16+gsum,bf16+tsum"])
     assert [(r["recipe"], r["grouped_gemm"], r["wgrad_gemm"], r["fused_wgrad"]) for r in doc["recipes"]] == [
         ("fp8@loop", "loop", "triton", False), ("fp8@loop+wloop", "loop", "loop", False),
         ("mxfp4+wloop+fused", "loop", "loop", True), ("fp8@loop+rowcol", "loop", "triton", False),
-        ("fp8@loop+swq", "loop", "triton", False), ("bf16+gsum", "loop", "triton", False)]
-    assert [r["fp8_row_col"] for r in doc["recipes"]] == ["0", "0", "0", "1", "0", "0"]
-    assert [r["fused_swiglu_fp8"] for r in doc["recipes"]] == ["0", "0", "0", "0", "1", "0"]
-    assert [r["gather_sum"] for r in doc["recipes"]] == ["torch"] * 5 + ["triton"]
+        ("fp8@loop+swq", "loop", "triton", False), ("bf16+gsum", "loop", "triton", False),
+        ("bf16+tsum", "loop", "triton", False)]
+    assert [r["fp8_row_col"] for r in doc["recipes"]] == ["0", "0", "0", "1", "0", "0", "0"]
+    assert [r["fused_swiglu_fp8"] for r in doc["recipes"]] == ["0", "0", "0", "0", "1", "0", "0"]
+    assert [r["gather_sum"] for r in doc["recipes"]] == ["triton"] * 6 + ["torch"]
     assert {"tokens_per_s fp8@loop+wloop/fp8@loop", "tokens_per_s fp8@loop+rowcol/fp8@loop",
             "tokens_per_s fp8@loop+swq/fp8@loop"} <= set(doc["ratios"])
-    with pytest.raises(SystemExit, match=r"fp8\+wlop: unknown modifier\(s\) \['wlop'\]; after \+ come fused / gsum / rowcol / swq / wloop"):
+    with pytest.raises(SystemExit, match=r"fp8\+wlop: unknown modifier\(s\) \['wlop'\]; after \+ come fused / gsum / rowcol / swq / tsum / wloop"):
         main(common + ["--recipes", "fp8+wlop"])
 
 

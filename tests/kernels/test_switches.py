@@ -57,5 +57,5 @@ def test_the_config_group_defaults_to_the_environment(monkeypatch):
     assert kernel_switches(over.kernels) == sw.Switches(fused_swiglu="0")
     assert kernel_switches(spelled.kernels) == sw.Switches(dispatch_quantize="rows", fused_swiglu="0",
                                                           fused_swiglu_fp8="1")
-    with pytest.raises(sw.SwitchError, match="use 'torch'"):  # a choice of words takes no bool
+    with pytest.raises(sw.SwitchError, match="use 'triton'"):  # a choice of words takes no bool
         sw.Switches(gather_sum="true")

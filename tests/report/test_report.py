@@ -560,6 +560,17 @@ def test_t1_cells_name_non_default_kernels():
         "bf16": "BF16 experts: fp4moe", "fp8": "expert GEMMs: deepgemm", "mxfp4": "expert GEMMs: deepgemm"}
     plain = RunRecord("p", "e", "p", "FINISHED", 1, {}, {}, {"recipe": "fp8"})  # logged before the settings existed
     assert code_note(plain) == ""
+    # an archive whose runs set kernels.gather_sum both ways (torch: the default before 2026-12-06) names the old one
+    doc = load(ROOT / "results/train_proxy/proxy_t1_mb32_gsum_h100_2026-12-06_09feb1b.json.xz")
+    notes = sorted((r["tags"]["recipe"], r["params"]["kernels.gather_sum"],
+                    code_note(RunRecord(r["run_id"], "e", "n", "FINISHED", 1, r["params"], {}, r["tags"])))
+                   for r in doc["runs"])
+    assert notes == [("bf16", "torch", "BF16 experts: fp4moe, permutation sums: torch"),
+                     ("bf16", "triton", "BF16 experts: fp4moe"),
+                     ("fp8", "torch", "expert GEMMs: deepgemm, permutation sums: torch"),
+                     ("fp8", "triton", "expert GEMMs: deepgemm"),
+                     ("mxfp4", "torch", "expert GEMMs: deepgemm, permutation sums: torch"),
+                     ("mxfp4", "triton", "expert GEMMs: deepgemm")]
 
 
 def test_f3_newest_benchmark_is_the_last_measured_not_the_last_logged():

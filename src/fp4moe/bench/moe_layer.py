@@ -23,7 +23,7 @@ expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights
   so, with ``tokens_per_s <entry>/<recipe>`` and ``/bf16`` ratios); ``+wloop`` (e.g. ``fp8@deepgemm+wloop``) runs
   the experts' wgrad as one cuBLAS ``F.scaled_mm`` per expert (the ``wgrad_gemm`` switch, ``FP4MOE_WGRAD_GEMM=loop``),
   with its ratio to the same entry without it; ``+rowcol``, ``+swq`` and ``+gsum`` likewise set ``fp8_row_col`` /
-  ``fused_swiglu_fp8`` to 1, ``gather_sum`` to triton;
+  ``fused_swiglu_fp8`` to 1, ``gather_sum`` to triton; ``+tsum`` sets ``gather_sum`` to torch;
 * ``profile``: CUDA kernel time per iteration by category (FP8/BF16 GEMMs, our Triton kernels, NCCL,
   elementwise/other) and the top kernels, from ``torch.profiler`` (``--no-profile`` skips it).
 * ``memory_peak`` (``--memtrace``, CUDA): what is live at the peak above the base, by allocation site, from the
@@ -89,8 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                         "and +fused (with --main-grads: the experts' wgrad added into the main gradients by the GEMM) "
                         "or +wloop (the experts' wgrad as one cuBLAS GEMM per expert), e.g. fp8@deepgemm+wloop, or "
                         "+rowcol (FP8 rows and columns of an operand from one kernel) or +swq (the experts' SwiGLU "
-                        "writes the FP8 copies of its output and of its input's gradient itself) or +gsum (the "
-                        "permutation's per-token sums in one kernel)")
+                        "writes the FP8 copies of its output and of its input's gradient itself) or +gsum / +tsum "
+                        "(the permutation's per-token sums in one kernel, the default / as a gather then a sum)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -211,7 +211,8 @@ def _profile(step, dev, iters: int = 2) -> dict:
 
 # the --recipes modifiers that set kernel switches (``+fused`` is the benchmark's own: the wgrad into main gradients)
 MODIFIER_SWITCHES = {"wloop": {"wgrad_gemm": "loop"}, "rowcol": {"fp8_row_col": "1"},
-                     "swq": {"fused_swiglu_fp8": "1"}, "gsum": {"gather_sum": "triton"}}
+                     "swq": {"fused_swiglu_fp8": "1"}, "gsum": {"gather_sum": "triton"},
+                     "tsum": {"gather_sum": "torch"}}
 
 
 def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str, Recipe, dict, bool]]:
@@ -219,8 +220,8 @@ def _recipe_entries(text: str, main_grads: str | None = None) -> list[tuple[str,
     ``RECIPE[@GROUPED_GEMM][+MODIFIER...]``, e.g. ``fp8``, ``fp8@deepgemm``, ``fp8@deepgemm+fused`` (``+fused``
     only with ``--main-grads``), ``fp8@deepgemm+wloop`` (the wgrad as one cuBLAS GEMM per expert: ``wgrad_gemm``
     loop), ``+rowcol`` (an operand's FP8 rows and columns from one kernel: ``fp8_row_col`` 1), ``+swq`` (the experts'
-    SwiGLU writes z's and dH's FP8 copies itself: ``fused_swiglu_fp8`` 1), ``+gsum`` (the permutation's per-token
-    sums in one kernel: ``gather_sum`` triton)."""
+    SwiGLU writes z's and dH's FP8 copies itself: ``fused_swiglu_fp8`` 1), ``+gsum`` / ``+tsum`` (the permutation's
+    per-token sums in one kernel, the default / as a gather then a sum: ``gather_sum`` triton / torch)."""
     from fp4moe_kernels.switches import CHOICES
 
     modifiers = {"fused", *MODIFIER_SWITCHES}

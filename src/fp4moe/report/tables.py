@@ -64,13 +64,15 @@ CODE_SETTINGS = (("kernels.bf16_moe", "megatron", "BF16 experts", ("bf16",)),
                  ("kernels.wgrad_gemm", "triton", "expert wgrad", ("fp8", "mxfp4")),
                  ("kernels.fp8_row_col", "0", "FP8 rows + columns in one kernel", ("fp8", "mxfp4")),
                  ("kernels.fused_swiglu_fp8", "0", "SwiGLU writes FP8", ("fp8", "mxfp4")),
-                 ("kernels.gather_sum", "torch", "permutation sums", ("bf16", "fp8", "mxfp4")),
+                 ("kernels.gather_sum", "triton", "permutation sums", ("bf16", "fp8", "mxfp4")),
                  ("train.wgrad_accumulation_fusion", "False", "wgrad accumulation fusion", ("bf16", "fp8", "mxfp4")))
 
 
 def code_note(run: RunRecord) -> str:
     """The run's non-default code choices among CODE_SETTINGS for its recipe, e.g. "BF16 experts: fp4moe"; "" if
-    none (runs logged before a setting existed read as its default)."""
+    none. Runs logged before a setting existed read as its default, also where that default changed since
+    (kernels.gather_sum, torch until 2026-12-06): such runs are set apart by their archive and commit, like any
+    other change of the code."""
     recipe = run.tags.get("recipe", "")
     return ", ".join(f"{label}: {run.params[key]}" for key, default, label, recipes in CODE_SETTINGS
                      if recipe in recipes and run.params.get(key, default) != default)
