@@ -419,3 +419,28 @@ def test_bench_refuses_a_misspelled_tile_before_any_gpu_work(capsys):
         with pytest.raises(SystemExit) as e:
             main(bad)
         assert e.value.code == 2 and "AxB" in capsys.readouterr().err, bad
+
+
+def test_bench_results_are_rewritten_after_each_row_and_marked_until_complete(tmp_path):
+    """fp4moe.bench.swiglu_fusion's results files as main writes them after each row: a run cut short (a device
+    call's limit: on an H100 four --fp8-tiles needed more than 200 s and the old code wrote only at the end, so the
+    whole sweep was lost) leaves the rows so far, marked incomplete in both files; the last write marks it complete.
+    No temporary file is left beside them."""
+    import json
+
+    from fp4moe.bench.swiglu_fusion import write_results
+
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abcdef0123", "date": "2026-12-06T02:30:00", "command": "x"}
+    row = {"shape": "32768x2048", "pass": "forward", "probs": True, "fused_ms": 0.14, "unfused_ms": 1.27,
+           "bytes": 1, "gbps": 2856.0, "pct_copy": 95.2, "speedup": 9.01}
+    stem = tmp_path / "out" / "swiglu_h100_2026-12-06_abcdef0"
+    write_results(stem, env, 3000.0, [row], complete=False)
+    doc = json.loads(stem.with_suffix(".json").read_text())
+    assert doc["complete"] is False and doc["rows"] == [row]
+    assert "**Incomplete**: the run stopped after these 1 rows" in stem.with_suffix(".md").read_text()
+    write_results(stem, env, 3000.0, [row, dict(row, probs=False)], complete=True)
+    doc = json.loads(stem.with_suffix(".json").read_text())
+    md = stem.with_suffix(".md").read_text()
+    assert doc["complete"] is True and len(doc["rows"]) == 2 and "Incomplete" not in md
+    assert md.count("| 32768x2048 | forward |") == 2
+    assert sorted(p.name for p in stem.parent.iterdir()) == [stem.name + ".json", stem.name + ".md"]

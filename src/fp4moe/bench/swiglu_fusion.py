@@ -16,7 +16,8 @@ default, 2-D tiles) beside the default's row. The SwiGLU that writes the FP8 cop
 against the kernels it fuses: forward ``swiglu_fwd`` + ``bf16_to_fp8_row`` + ``bf16_to_fp8_col`` of z (and without
 columns, + the row quantizer only), backward ``swiglu_bwd`` (or ``swiglu_bwd_fp4`` from h's MXFP4) + the row and
 column quantizers of dh; ``--fp8-tiles`` times those at each listed tile (BN channels per chunk x warps).
-Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default results/kernels/).
+Writes ``<out>/swiglu_<gpu>_<date>_<commit>.{json,md}`` (default results/kernels/), again after every row: a run cut
+short (a device call's time limit) leaves the rows it measured, marked incomplete.
 """
 from __future__ import annotations
 
@@ -109,7 +110,9 @@ def _fp8_cases(t: int, f: int, h, dz, p, q4, experts: int, fp8_tiles, pb: int):
 
 
 def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_tiles=(), experts: int = 32,
-        fp8_tiles=()) -> tuple[float, list[dict]]:
+        fp8_tiles=(), on_row=None) -> tuple[float, list[dict]]:
+    """(copy bandwidth GB/s, one row per case); ``on_row(copy, rows)`` is called after each row (main writes the
+    results files there, so a run cut short keeps what it measured)."""
     from fp4moe_kernels import convert as kops
     from fp4moe_kernels.formats import MXFP4Tensor
     from fp4moe_kernels.triton_kernels.fused_swiglu import swiglu_bwd, swiglu_bwd_fp4, swiglu_fwd, swiglu_fwd_fp4
@@ -149,6 +152,8 @@ def run(shapes, warmup_ms: int, rep_ms: int, log=print, fp4_tiles=(), bwd_fp4_ti
                 row = {"shape": f"{t}x{f}" + (f" ragged {experts}e" if "FP8" in name else ""), "pass": name, "probs": weighted, "fused_ms": ms_f, "unfused_ms": ms_u,
                        "bytes": nbytes, "gbps": gbps, "pct_copy": 100 * gbps / copy, "speedup": ms_u / ms_f}
                 rows.append(row)
+                if on_row is not None:
+                    on_row(copy, rows)
                 log(f"{row['shape']:>12s} {name:40s} probs={weighted!s:5s} fused {ms_f:.3f} ms ({gbps:.0f} GB/s, "
                     f"{row['pct_copy']:.1f} % of copy), unfused {ms_u:.3f} ms, speedup {row['speedup']:.2f}x")
     return copy, rows
@@ -188,20 +193,30 @@ def main(argv=None) -> int:
         return 2
     command = "python -m fp4moe.bench.swiglu_fusion " + " ".join(argv if argv is not None else sys.argv[1:])
     env = environment(command.strip(), a.commit)
+    stem = Path(a.out) / f"swiglu_{gpu_file_name(env['gpu'])}_{env['date'][:10]}_{env['commit'][:7]}"
     copy, rows = run(shapes, a.warmup_ms, a.rep_ms, fp4_tiles=fp4_tiles, bwd_fp4_tiles=bwd_fp4_tiles,
-                     experts=a.experts, fp8_tiles=fp8_tiles)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"swiglu_{gpu_file_name(env['gpu'])}_{env['date'][:10]}_{env['commit'][:7]}"
-    stem.with_suffix(".json").write_text(json.dumps({"env": env, "copy_gbps": copy, "rows": rows}, indent=1))
-    lines = [f"# Fused SwiGLU vs unfused torch, {env['gpu']}, commit {env['commit'][:7]}, {env['date']}", "",
-             f"Command: `{env['command']}`. Copy bandwidth in the same run: {copy:.0f} GB/s.", "",
-             "| shape | pass | probs | fused ms | GB/s | % of copy | unfused ms | speedup |", "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['pass']} | {r['probs']} | {r['fused_ms']:.3f} | {r['gbps']:.0f} | {r['pct_copy']:.1f} "
-              f"| {r['unfused_ms']:.3f} | {r['speedup']:.2f}x |" for r in rows]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+                     experts=a.experts, fp8_tiles=fp8_tiles,
+                     on_row=lambda copy, rows: write_results(stem, env, copy, rows, complete=False))
+    write_results(stem, env, copy, rows, complete=True)
     print(f"wrote {stem}.json and .md")
     return 0
+
+
+def write_results(stem: Path, env: dict, copy: float, rows: list[dict], complete: bool) -> None:
+    """``<stem>.json`` and ``.md``, each replaced atomically; main writes them after every row with ``complete``
+    false (the JSON's ``complete`` field, a line in the Markdown saying the run stopped there), then once at the end."""
+    from fp4moe.atomic_write import write_bytes_atomic
+
+    doc = {"env": env, "copy_gbps": copy, "complete": complete, "rows": rows}
+    write_bytes_atomic(stem.with_suffix(".json"), json.dumps(doc, indent=1).encode())
+    lines = [f"# Fused SwiGLU vs unfused torch, {env['gpu']}, commit {env['commit'][:7]}, {env['date']}", "",
+             f"Command: `{env['command']}`. Copy bandwidth in the same run: {copy:.0f} GB/s.", ""]
+    if not complete:
+        lines += [f"**Incomplete**: the run stopped after these {len(rows)} rows (the file is rewritten after each).", ""]
+    lines += ["| shape | pass | probs | fused ms | GB/s | % of copy | unfused ms | speedup |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['pass']} | {r['probs']} | {r['fused_ms']:.3f} | {r['gbps']:.0f} | {r['pct_copy']:.1f} "
+              f"| {r['unfused_ms']:.3f} | {r['speedup']:.2f}x |" for r in rows]
+    write_bytes_atomic(stem.with_suffix(".md"), ("\n".join(lines) + "\n").encode())
 
 
 if __name__ == "__main__":
