@@ -34,7 +34,8 @@ def test_bench_cpu_smoke(tmp_path):
     with pytest.raises(SystemExit, match="fp8@cublas: the part after @ is a grouped_gemm value"):
         main(["--device", "cpu", "--recipes", "fp8@cublas", "--out", str(tmp_path)])
     on_disk = json.loads((tmp_path / files[0]).read_text())
-    assert [r["recipe"] for r in on_disk["recipes"]] == ["bf16", "fp8", "mxfp4"]
+    assert [r["recipe"] for r in on_disk["recipes"]] == ["bf16", "fp8", "mxfp4"] and on_disk["complete"] is True
+    assert "Incomplete" not in (tmp_path / files[1]).read_text()
     rows = T * K
     for r in on_disk["recipes"]:
         codec = "mxfp4" if r["recipe"] == "mxfp4" else "bf16"
@@ -51,6 +52,31 @@ def test_bench_cpu_smoke(tmp_path):
     assert [g["gemm"] for g in on_disk["gemm"]] == ["fc1 fprop", "fc2 fprop", "fc1 dgrad", "fc1 wgrad"]
     for g in on_disk["gemm"]:  # every variant ran (the Triton one under the interpreter)
         assert g["triton_tflops"] > 0 and g["loop_tflops"] > 0 and g["dense_tflops"] > 0
+
+
+def test_bench_cut_short_keeps_the_recipes_it_measured(tmp_path, monkeypatch):
+    """A run stopped after its first recipe (on the GPU: a device call's time limit) has written that recipe's row,
+    marked incomplete in the JSON and the Markdown; the real first recipe runs, the second is interrupted."""
+    import fp4moe.bench.moe_layer as bench
+
+    real, calls = bench._bench_recipe, []
+
+    def first_then_stop(*a, **k):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # what a timeout's signal leaves: the process ends here
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench, "_bench_recipe", first_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        main(["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k", str(K),
+              "--tokens", str(T), "--shared-ffn", "0", "--warmup", "1", "--iters", "1", "--recipes", "bf16,fp8@loop",
+              "--no-profile", "--out", str(tmp_path), "--commit", "test"])
+    (js,) = tmp_path.glob("*.json")
+    doc = json.loads(js.read_text())
+    assert doc["complete"] is False and [r["recipe"] for r in doc["recipes"]] == ["bf16"] and doc["gemm"] is None
+    assert "**Incomplete**: the run stopped after the 1 recipe(s) below" in js.with_suffix(".md").read_text()
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md"]  # no temporary file left
 
 
 def test_bench_fp8_weight_cache(tmp_path):

@@ -39,7 +39,8 @@ rows padded to 128 per expert (the padding not timed), against one dense ``F.sca
 (M = all routed rows): TFLOP/s and ratios, for fc1/fc2 fprop, dgrad and wgrad.
 
 Output: ``<out>/moe_layer_<gpu>_ep<W>[<shape>]_<date>_<commit>.{json,md}`` (rank 0 writes; ``<shape>`` names what
-differs from the default shape, e.g. ``_t8192_e16``). On CPU (``--device cpu``
+differs from the default shape, e.g. ``_t8192_e16``), rewritten after each recipe with ``complete`` false until the
+end, so a run cut short keeps the recipes it measured. On CPU (``--device cpu``
 and small ``--hidden/--ffn``) the same code runs as a smoke test; times are then meaningless and memory is
 not measured (null).
 """
@@ -604,6 +605,8 @@ def _markdown(doc: dict) -> str:
     L = [f"# MoE layer benchmark: {env['gpu']} x{env['world_size']} (EP={env['world_size']}), {env['date']}, "
          f"commit {env['commit']}", "",
          f"Command: `{env['command']}`", "",
+         *([f"**Incomplete**: the run stopped after the {len(rows)} recipe(s) below (the files are rewritten after "
+            "each recipe).", ""] if doc.get("complete") is False else []),
          f"Shape (per GPU): hidden {doc['shape']['hidden']}, expert ffn {doc['shape']['ffn']}, top-"
          f"{doc['shape']['top_k']} of {doc['shape']['experts']} experts ({doc['shape']['local_experts']} local), "
          f"{doc['shape']['tokens']} tokens, shared ffn {doc['shape']['shared_ffn']}. torch {env['torch']}, "
@@ -665,6 +668,33 @@ def _shape_tag(args) -> str:
                    if getattr(args, k) != DEFAULT_SHAPE[k])
 
 
+def _ratios(entries, rows: list[dict]) -> dict:
+    """Throughput (and bytes) ratios among the recipes measured so far (``rows``, in ``entries``' order)."""
+    by = {r["recipe"]: r for r in rows}
+    ratios = {}
+    for label, r, switched, fused in entries:
+        if label not in by:
+            continue
+        # an entry with switches or +fused against bf16, the recipe itself, the entry without its + modifiers, and
+        # without each one of them
+        head, *mods = label.split("+")
+        for base in dict.fromkeys(("bf16", r.name, head, *(label.replace(f"+{m}", "") for m in mods))):
+            if (switched or fused) and base in by and base != label:
+                ratios[f"tokens_per_s {label}/{base}"] = by[label]["tokens_per_s"] / by[base]["tokens_per_s"]
+    if "fp8" in by and "mxfp4" in by:
+        ratios["tokens_per_s mxfp4/fp8"] = by["mxfp4"]["tokens_per_s"] / by["fp8"]["tokens_per_s"]
+        ratios["saved_bytes mxfp4/fp8"] = by["mxfp4"]["saved_bytes"] / by["fp8"]["saved_bytes"]
+        ratios["expert_saved_bytes mxfp4/fp8"] = by["mxfp4"]["expert_saved_bytes"] / by["fp8"]["expert_saved_bytes"]
+        if by["mxfp4"]["peak_over_base_gib"] is not None:
+            ratios["peak_over_base mxfp4/fp8"] = by["mxfp4"]["peak_over_base_gib"] / by["fp8"]["peak_over_base_gib"]
+    for name in ("fp8", "mxfp4"):
+        if "bf16" in by and name in by:
+            ratios[f"tokens_per_s {name}/bf16"] = by[name]["tokens_per_s"] / by["bf16"]["tokens_per_s"]
+    if "bf16" in by and "mxfp4" in by:
+        ratios["dispatch_fwd_bytes mxfp4/bf16"] = by["mxfp4"]["dispatch_fwd_bytes"] / by["bf16"]["dispatch_fwd_bytes"]
+    return ratios
+
+
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -696,41 +726,6 @@ def main(argv=None) -> dict:
         sweep = _sweep_gemm(layer, _local_counts(layer, layer.last_routing[0]), args, dev)
     from fp4moe_kernels import switches
 
-    rows = []
-    for label, r, switched, fused in entries:
-        with _switched(switched):
-            rows.append(_bench_recipe(layer, r, x, dy, args, dev, fused))
-            rows[-1].update(recipe=label, grouped_gemm=gemm_backend(dev), fused_wgrad=fused,
-                            **{k: getattr(switches.current(), k) for m in MODIFIER_SWITCHES.values() for k in m})
-        if rank == 0:
-            print(f"{label}: {rows[-1]['tokens_per_s']:.0f} tokens/s, saved {rows[-1]['saved_bytes'] / 2**20:.1f} MiB",
-                  flush=True)
-    by = {r["recipe"]: r for r in rows}
-    ratios = {}
-    for label, r, switched, fused in entries:
-        # an entry with switches or +fused against bf16, the recipe itself, the entry without its + modifiers, and
-        # without each one of them
-        head, *mods = label.split("+")
-        for base in dict.fromkeys(("bf16", r.name, head, *(label.replace(f"+{m}", "") for m in mods))):
-            if (switched or fused) and base in by and base != label:
-                ratios[f"tokens_per_s {label}/{base}"] = by[label]["tokens_per_s"] / by[base]["tokens_per_s"]
-    if "fp8" in by and "mxfp4" in by:
-        ratios["tokens_per_s mxfp4/fp8"] = by["mxfp4"]["tokens_per_s"] / by["fp8"]["tokens_per_s"]
-        ratios["saved_bytes mxfp4/fp8"] = by["mxfp4"]["saved_bytes"] / by["fp8"]["saved_bytes"]
-        ratios["expert_saved_bytes mxfp4/fp8"] = by["mxfp4"]["expert_saved_bytes"] / by["fp8"]["expert_saved_bytes"]
-        if by["mxfp4"]["peak_over_base_gib"] is not None:
-            ratios["peak_over_base mxfp4/fp8"] = by["mxfp4"]["peak_over_base_gib"] / by["fp8"]["peak_over_base_gib"]
-    for name in ("fp8", "mxfp4"):
-        if "bf16" in by and name in by:
-            ratios[f"tokens_per_s {name}/bf16"] = by[name]["tokens_per_s"] / by["bf16"]["tokens_per_s"]
-    if "bf16" in by and "mxfp4" in by:
-        ratios["dispatch_fwd_bytes mxfp4/bf16"] = by["mxfp4"]["dispatch_fwd_bytes"] / by["bf16"]["dispatch_fwd_bytes"]
-    gemm = None
-    if not args.no_gemm:
-        layer.recipe = recipes[0]
-        with torch.no_grad():
-            layer(x)
-        gemm = _gemm_compare(layer, _local_counts(layer, layer.last_routing[0]), args, dev)
     cmd = " ".join(["python -m fp4moe.bench.moe_layer"] + list(sys.argv[1:] if argv is None else argv))
     if world > 1:
         cmd = f"python -m torch.distributed.run --nproc-per-node {world} -m fp4moe.bench.moe_layer " + cmd.split(" ", 3)[-1]
@@ -743,19 +738,39 @@ def main(argv=None) -> dict:
                 "micro_batches_per_step": args.micro_batches, "main_grads": args.main_grads},
         "shape": {"hidden": args.hidden, "ffn": args.ffn, "local_experts": args.local_experts, "experts": experts,
                   "top_k": args.top_k, "tokens": args.tokens, "shared_ffn": args.shared_ffn},
-        "recipes": rows, "ratios": ratios, "gemm": gemm, "gemm_sweep": sweep,
+        "complete": False, "recipes": [], "ratios": {}, "gemm": None, "gemm_sweep": sweep,
     }
+    out = Path(args.out)
+    cache = ("_wcache" + (f"_mb{args.micro_batches}" if args.micro_batches > 1 else "")) if args.fp8_weight_cache else ""
+    cache += f"_mg{args.main_grads}" if args.main_grads else ""
+    stem = f"moe_layer_{doc['env']['gpu']}_ep{world}{_shape_tag(args)}{cache}_{doc['env']['date']}_{doc['env']['commit']}"
+    if (out / (stem + ".json")).exists():  # measured again the same day at the same commit: keep both
+        stem += datetime.datetime.now().strftime("_%H%M%S")
+
+    def write() -> None:  # rank 0, after each recipe and at the end: a run cut short keeps the recipes it measured
+        if rank == 0:
+            for suffix, text in ((".json", json.dumps(doc, indent=1)), (".md", _markdown(doc))):
+                write_bytes_atomic(out / (stem + suffix), text.encode())
+
+    rows = doc["recipes"]
+    for label, r, switched, fused in entries:
+        with _switched(switched):
+            rows.append(_bench_recipe(layer, r, x, dy, args, dev, fused))
+            rows[-1].update(recipe=label, grouped_gemm=gemm_backend(dev), fused_wgrad=fused,
+                            **{k: getattr(switches.current(), k) for m in MODIFIER_SWITCHES.values() for k in m})
+        if rank == 0:
+            print(f"{label}: {rows[-1]['tokens_per_s']:.0f} tokens/s, saved {rows[-1]['saved_bytes'] / 2**20:.1f} MiB",
+                  flush=True)
+        doc["ratios"] = _ratios(entries, rows)
+        write()
+    if not args.no_gemm:
+        layer.recipe = recipes[0]
+        with torch.no_grad():
+            layer(x)
+        doc["gemm"] = _gemm_compare(layer, _local_counts(layer, layer.last_routing[0]), args, dev)
+    doc["complete"] = True
+    write()
     if rank == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        cache = ("_wcache" + (f"_mb{args.micro_batches}" if args.micro_batches > 1 else "")) if args.fp8_weight_cache else ""
-        cache += f"_mg{args.main_grads}" if args.main_grads else ""
-        stem = (f"moe_layer_{doc['env']['gpu']}_ep{world}{_shape_tag(args)}{cache}_{doc['env']['date']}_"
-                f"{doc['env']['commit']}")
-        if (out / (stem + ".json")).exists():  # measured again the same day at the same commit: keep both
-            stem += datetime.datetime.now().strftime("_%H%M%S")
-        for suffix, text in ((".json", json.dumps(doc, indent=1)), (".md", _markdown(doc))):
-            write_bytes_atomic(out / (stem + suffix), text.encode())
         print(_markdown(doc))
         doc["files"] = [str(out / (stem + s)) for s in (".json", ".md")]
     if world > 1:
