@@ -96,6 +96,18 @@ def test_targets_read_each_recipes_fastest_gemm_backend(tmp_path):
     assert dg["tokens_per_s_fp8_over_bf16"] == pytest.approx(30 / 35)  # the plain recipe's ratio is kept
     text = "\n".join(render._f4_targets([plain, dg]))
     assert "1.200 (fp8@deepgemm, mxfp4@deepgemm) missed" in text and "0.857 missed" in text
+    # a bf16 entry with a kernel switch (bf16+gsum) faster than plain bf16: fp8's fastest is read against it
+    doc["env"]["commit"] = "0a1b2c3"
+    doc["recipes"].append({"recipe": "bf16+gsum", "ms_per_iter": 28.0, "tokens_per_s": 4096 / 28.0 * 1e3,
+                           "saved_bytes": 10})
+    c = tmp_path / "moe_layer_h200_ep2_2026-11-30_0a1b2c3.json"
+    c.write_text(json.dumps(doc))
+    assert L.log_file(c, uri) == (6, 0)
+    gs = {r["commit"]: r for r in f4_rows([r for r in load(uri).runs if r.experiment == L.EXPERIMENT])}["0a1b2c3"]
+    assert (gs["bf16_best"], gs["fp8_best"]) == ("bf16+gsum", "fp8@deepgemm")
+    assert gs["tokens_per_s_fp8_best_over_bf16"] == pytest.approx(28 / 25)
+    assert gs["tokens_per_s_fp8_over_bf16"] == pytest.approx(30 / 35)
+    assert "1.120 (bf16+gsum, fp8@deepgemm, mxfp4@deepgemm) missed" in "\n".join(render._f4_targets([gs]))
 
 
 def test_bad_files(tmp_path):

@@ -180,8 +180,9 @@ F3_PCT_COPY_TARGET = 85.0
 F3_PCT_COPY_KERNELS = ("bf16_to_fp4_row", "fp4_to_bf16", "fp4_row_to_fp8_row", "fp4_row_to_fp8_col", "fp8_row_to_fp4",
                        "bf16_to_fp4_and_fp8_row")
 F3_VS_TORCHAO_KERNELS = ("bf16_to_fp8_row", "bf16_to_fp8_col")
-# the targets read each recipe's fastest entry of the benchmark (fp8 or fp8@<GEMM backend>: f4_rows' *_best keys);
-# a benchmark without backend entries gives the plain recipes' ratios
+# the targets read each recipe's fastest entry of the benchmark (fp8, fp8@<GEMM backend>, fp8+<switch>: f4_rows'
+# *_best keys), bf16's included (bf16+gsum ran the same permutation kernel as fp8@deepgemm+gsum); a benchmark without
+# such entries gives the plain recipes' ratios
 F4_TARGETS = (("tokens_per_s_fp8_best_over_bf16", "fp8 / bf16 tokens/s", 1.3),
               ("tokens_per_s_mxfp4_best_over_fp8_best", "mxfp4 / fp8 tokens/s", 1.0))
 
@@ -238,8 +239,8 @@ F4_COLUMNS = ("gpu", "world_size", "commit", "variant", "date", "tokens", "local
               "tokens_per_s_fp8_over_bf16",
               "tokens_per_s_mxfp4_over_fp8", "saved_bytes_per_token_bf16", "saved_bytes_per_token_fp8",
               "saved_bytes_per_token_mxfp4", "saved_bytes_mxfp4_over_fp8", "expert_saved_bytes_mxfp4_over_fp8",
-              "dispatch_fwd_bytes_mxfp4_over_bf16", "peak_over_base_mxfp4_over_fp8", "fp8_best", "mxfp4_best",
-              "tokens_per_s_fp8_best", "tokens_per_s_mxfp4_best", "tokens_per_s_fp8_best_over_bf16",
+              "dispatch_fwd_bytes_mxfp4_over_bf16", "peak_over_base_mxfp4_over_fp8", "bf16_best", "fp8_best", "mxfp4_best",
+              "tokens_per_s_bf16_best", "tokens_per_s_fp8_best", "tokens_per_s_mxfp4_best", "tokens_per_s_fp8_best_over_bf16",
               "tokens_per_s_mxfp4_best_over_fp8_best")
 
 
@@ -249,8 +250,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _fastest(tokens_per_s: dict[str, float | None], recipe: str) -> tuple[str, float | None]:
     """(entry, tokens/s) of ``recipe``'s fastest entry: the recipe itself, ``<recipe>@<GEMM backend>`` or either
-    ``+fused`` (the layer benchmark's ``--recipes fp8@deepgemm``, ``fp8+fused``); ('', None) when none was
-    measured."""
+    with ``+`` modifiers (the layer benchmark's ``--recipes fp8@deepgemm``, ``fp8+fused``, ``bf16+gsum``); ('', None)
+    when none was measured."""
     got = [(v, e) for e, v in tokens_per_s.items()
            if v is not None and (e == recipe or e.startswith((recipe + "@", recipe + "+")))]
     if not got:
@@ -261,8 +262,8 @@ def _fastest(tokens_per_s: dict[str, float | None], recipe: str) -> tuple[str, f
 
 def f4_rows(layer_runs: list[RunRecord]) -> list[dict]:
     """One row per layer benchmark (gpu, EP world size, commit): tokens/s and saved bytes per recipe, ratios; and
-    each FP8 recipe's fastest entry (``fp8_best``: the recipe or ``fp8@<GEMM backend>``) with its ratios, which the
-    targets read."""
+    each recipe's fastest entry (``fp8_best``: the recipe, ``fp8@<GEMM backend>`` or with kernel switches) with the
+    ratios the targets read: fp8's fastest over bf16's fastest, mxfp4's fastest over fp8's."""
     by_bench: dict[str, dict[str, RunRecord]] = defaultdict(dict)
     for r in sorted(layer_runs, key=lambda r: (r.start_time, r.run_id)):
         if r.status == "FINISHED" and r.tags.get("layer_bench_id"):
@@ -274,6 +275,7 @@ def f4_rows(layer_runs: list[RunRecord]) -> list[dict]:
         m = {rec: run.metrics for rec, run in recs.items()}
         g = lambda rec, key: m.get(rec, {}).get(key)  # noqa: E731
         tps = {rec: g(rec, "tokens_per_s") for rec in m}
+        bf16_best, bf16_best_tps = _fastest(tps, "bf16")
         fp8_best, fp8_best_tps = _fastest(tps, "fp8")
         mxfp4_best, mxfp4_best_tps = _fastest(tps, "mxfp4")
         out.append({"gpu": p.get("gpu", "?"), "world_size": p.get("world_size", "?"), "commit": p.get("commit", "?"),
@@ -292,9 +294,10 @@ def f4_rows(layer_runs: list[RunRecord]) -> list[dict]:
                                                                  g("bf16", "dispatch_fwd_bytes")),
                     "peak_over_base_mxfp4_over_fp8": _ratio(g("mxfp4", "peak_over_base_gib"),
                                                             g("fp8", "peak_over_base_gib")),
-                    "fp8_best": fp8_best, "mxfp4_best": mxfp4_best,
-                    "tokens_per_s_fp8_best": fp8_best_tps, "tokens_per_s_mxfp4_best": mxfp4_best_tps,
-                    "tokens_per_s_fp8_best_over_bf16": _ratio(fp8_best_tps, g("bf16", "tokens_per_s")),
+                    "bf16_best": bf16_best, "fp8_best": fp8_best, "mxfp4_best": mxfp4_best,
+                    "tokens_per_s_bf16_best": bf16_best_tps, "tokens_per_s_fp8_best": fp8_best_tps,
+                    "tokens_per_s_mxfp4_best": mxfp4_best_tps,
+                    "tokens_per_s_fp8_best_over_bf16": _ratio(fp8_best_tps, bf16_best_tps),
                     "tokens_per_s_mxfp4_best_over_fp8_best": _ratio(mxfp4_best_tps, fp8_best_tps)})
     out.sort(key=lambda x: (str(x["gpu"]), str(x["world_size"]), str(x["date"]), str(x["commit"]),
                             _int_or(x["tokens"]), _int_or(x["local_experts"]), x["variant"]))
