@@ -15,6 +15,14 @@ from pathlib import Path
 if not (os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi")):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One OpenMP / BLAS thread per process, set before torch and numpy load: this process (each of `make test`'s
+# workers) and every process a test starts, which inherit it (torchrun sets the same for its workers; the Slurm jobs
+# get it from tests/test_slurm.py). torch's default is one thread per core; each parallel region's second thread then
+# spin-waits for the next one and takes the core the other worker's processes need: on the 2-core CI machine, with
+# other processes running, tests/train/test_train.py took 68 CPU-seconds with the default instead of 40 (wall 85 s
+# instead of 71). The tiny models' tensors are too small for a second thread to gain anything.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 TESTS = str(Path(__file__).resolve().parent)
 if TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
