@@ -206,6 +206,34 @@ def _hostnames(nodelist: str) -> list[str]:
                           check=True).stdout.split()
 
 
+def _forensics(job_id: str, folder: Path) -> str:
+    """What the job's logs, Slurm and the kernel said about ``job_id``, for a failure message (pytest shows a string
+    message whole, where it cuts a tuple's repr to one line): the last 6000 characters of each of the job's
+    logs/slurm files under ``folder``, slurmctld's and every slurmd's log lines naming the job (log paths from
+    ``scontrol show config``; unreadable ones say so), and the kernel's OOM-killer lines (``dmesg``, where readable).
+    A task that ends ``Killed`` (SIGKILL) with no word of its own is explained only by these."""
+    import re
+
+    parts = [f"--- forensics of job {job_id}"]
+    for f in sorted((folder / "logs" / "slurm").glob("*")):
+        parts.append(f"--- {f.name} (last 6000 characters)\n{f.read_text(errors='replace')[-6000:]}")
+    config = {k.strip(): v.strip() for k, _, v in (ln.partition("=") for ln in subprocess.run(
+        ["scontrol", "show", "config"], capture_output=True, text=True).stdout.splitlines())}
+    logs = [config.get("SlurmctldLogFile", "")] + [config.get("SlurmdLogFile", "").replace("%n", n) for n in NODES]
+    names_job = re.compile(rf"(?:JobId=|StepId=|job_id=|\[|[Jj]ob |JOB |STEP ){job_id}(?![0-9])")
+    for log in filter(None, logs):
+        try:
+            lines = [ln for ln in Path(log).read_text(errors="replace").splitlines() if names_job.search(ln)]
+        except OSError as e:
+            lines = [f"(unreadable: {e})"]
+        parts.append(f"--- {log}: the lines naming job {job_id}\n" + "\n".join(lines[-80:]))
+    dmesg = subprocess.run(["dmesg"], capture_output=True, text=True)
+    oom = [ln for ln in dmesg.stdout.splitlines() if re.search(r"oom|out of memory|killed process", ln, re.I)]
+    parts.append("--- dmesg: OOM-killer lines\n" + ("\n".join(oom[-20:]) if dmesg.returncode == 0 else
+                                                     f"(not readable: {dmesg.stderr.strip()})"))
+    return "\n".join(parts)
+
+
 def _runs(uri: str, experiment: str):
     import mlflow
 
@@ -816,9 +844,9 @@ def test_two_node_job_requeued_timed_out_and_node_failed_resumes_on_the_nodes_le
     out = "".join(p.read_text() for p in (job.folder / "logs" / "slurm").glob("*.out"))
     err = "".join(p.read_text() for p in (job.folder / "logs" / "slurm").glob("*.err"))
     if job.error is not None:
-        raise AssertionError(f"{job.error}\n{out[-3000:]}\n{err[-3000:]}") from job.error
-    assert [a[0] for a in attempts] == ["REQUEUED", "REQUEUED", "NODE_FAIL", "COMPLETED"], (attempts, out[-3000:],
-                                                                                           err[-3000:])
+        raise AssertionError(f"{job.error}\n{_forensics(job.id, job.folder)}") from job.error
+    assert [a[0] for a in attempts] == ["REQUEUED", "REQUEUED", "NODE_FAIL", "COMPLETED"], (
+        f"attempts {attempts}\n{_forensics(job.id, job.folder)}")
     (ckpt,) = job.folder.glob("logs/*/runs/*/checkpoints")
     # where each attempt ran, rank by rank: the run folder's record (rank 0 appends a line per attempt), the
     # attempt's nodes in sacct, and the template's rendezvous line (the log is appended to: --open-mode=append)
