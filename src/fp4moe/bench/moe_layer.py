@@ -698,7 +698,8 @@ def _ratios(entries, rows: list[dict]) -> dict:
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
+    own_group = world > 1 and not dist.is_initialized()   # set up here, so torn down here (after the last barrier)
+    if own_group:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
@@ -775,6 +776,8 @@ def main(argv=None) -> dict:
         doc["files"] = [str(out / (stem + s)) for s in (".json", ".md")]
     if world > 1:
         dist.barrier()
+    if own_group:   # torch's rule (NCCL warns otherwise): left to interpreter exit, the group's connections are
+        dist.destroy_process_group()   # torn down in whatever order the ranks happen to exit
     return doc
 
 
