@@ -24,8 +24,9 @@ expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights
   the experts' wgrad as one cuBLAS ``F.scaled_mm`` per expert (the ``wgrad_gemm`` switch, ``FP4MOE_WGRAD_GEMM=loop``),
   with its ratio to the same entry without it; ``+rowcol``, ``+swq`` and ``+gsum`` likewise set ``fp8_row_col`` /
   ``fused_swiglu_fp8`` to 1, ``gather_sum`` to triton; ``+tsum`` sets ``gather_sum`` to torch;
-* ``profile``: CUDA kernel time per iteration by category (FP8/BF16 GEMMs, our Triton kernels, NCCL,
-  elementwise/other) and the top kernels, from ``torch.profiler`` (``--no-profile`` skips it).
+* ``profile``: CUDA kernel time per iteration by category (``_category``: FP8/BF16 GEMMs, fp4moe's own included;
+  fp4moe's other kernels; NCCL; copies; index/sort; elementwise/other) and the top kernels, from ``torch.profiler``
+  (``--no-profile`` skips it).
 * ``memory_peak`` (``--memtrace``, CUDA): what is live at the peak above the base, by allocation site, from the
   allocator's history (``fp4moe.tracking.memtrace``); ``fp4moe.scale.memory.standalone_moe_layer_peak`` models it.
 * ``--main-grads fp32`` (or ``bf16``): the gradients go where the trainer's go, into one main-gradient buffer as
@@ -163,14 +164,24 @@ def _max_over_ranks(v: float, dev) -> float:
     return v
 
 
+OWN_OTHER = "fp4moe (non-GEMM)"   # the profile's category of fp4moe_kernels' kernels that are not GEMMs
+
+
 def _category(name: str) -> str:
+    """The profile's category of a CUDA kernel by the name the profiler gives it: ``gemm`` (cuBLAS, DeepGEMM,
+    CUTLASS and fp4moe's own grouped FP8 GEMMs), ``OWN_OTHER`` (fp4moe's other kernels: conversions, SwiGLU,
+    permutation sums, the weight quantizer; ``fp4moe_kernels.kernel_names``), ``nccl``, ``triton_other`` (inductor),
+    ``copy``, ``index/sort``, else ``elementwise/other``."""
+    from fp4moe_kernels.kernel_names import kernel_kind
+
+    own = kernel_kind(name)
+    if own is not None:
+        return "gemm" if own == "gemm" else OWN_OTHER
     n = name.lower()
     if "nccl" in n:
         return "nccl"
     if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "wgmma", "matmul")):
         return "gemm"
-    if n.endswith("_kernel") and ("fp4" in n or "fp8" in n):  # ours: fp4moe_kernels.triton_kernels
-        return "fp4moe_triton"
     if n.startswith("triton"):  # torch.compile / inductor
         return "triton_other"
     if any(s in n for s in ("copy", "memcpy", "memset")):
