@@ -54,7 +54,7 @@ def test_compare_rows_are_each_traces_sums_by_name():
 
 def test_the_three_modes_print(capsys):
     assert pa.main([str(MXFP4), "--top", "5"]) == 0
-    assert "fp4moe conversion kernels" in capsys.readouterr().out
+    assert "fp4moe kernels (conversions, SwiGLU, sums)" in capsys.readouterr().out
     assert pa.main([str(MXFP4), "--kernels", "fp4_row_to_fp8_col"]) == 0
     out = capsys.readouterr().out
     assert "fp4_row_to_fp8_col_kernel" in out and "FP8LinearBackward" in out
@@ -110,3 +110,23 @@ def test_memcpys_count_as_gpu_time_and_are_attributed(capsys):
     total = sum(e["dur"] for e in work) / 1e3
     assert out.startswith(f"GPU time {total:.1f} ms") and "4 memcpys / memsets" in out
     assert "memcpys and memsets (copy engine)" in out and "_QuantizedAllToAll" in out
+
+
+def test_groups_name_fp4moe_kernels_from_the_package_and_deepgemm_apart_from_cublas():
+    """fp4moe's kernels by name (fp4moe_kernels.kernel_names, loaded without torch): its grouped GEMMs, then the rest,
+    the SwiGLU, the permutation sums and the CUDA kernel included (by pattern they were torch's); DeepGEMM apart."""
+    own = "fp4moe kernels (conversions, SwiGLU, sums)"
+    assert pa.group_of("grouped_wgrad_tma_kernel") == pa.group_of("grouped_rows_kernel") == "grouped FP8 GEMMs (Triton)"
+    for name in ("bf16_to_fp4_row_kernel", "quantize_weight_128x128_kernel", "_swiglu_bwd_kernel",
+                 "gather_sum_rows_kernel", "void fp4_row_to_fp8_col<4>(unsigned char const*, int)"):
+        assert pa.group_of(name) == own, name
+    assert pa.group_of("void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0, 0u>(...)") == "DeepGEMM GEMMs"
+    assert pa.group_of("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "cuBLAS GEMMs"
+    assert pa.group_of("void at::native::vectorized_gather_kernel<16, long>(char*, char*, long*, int, long)") == \
+        "torch elementwise / copy / cat / index / reductions"
+    import subprocess   # the tool still imports no torch (standard library only)
+    import sys
+    probe = ("import runpy, sys; runpy.run_path('tools/profile_attribution.py', run_name='probe'); "
+             "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

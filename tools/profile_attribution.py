@@ -8,10 +8,13 @@
 
 The traces come from the trainer's ``train.profile.steps`` (fp4moe/train/profile.py). Prints:
 1. the GPU time (sum of the durations of kernels and of the copy engine's memcpys / memsets; the kernels' own sum
-   beside it) and its split into groups: grouped FP8 GEMMs (our Triton ``grouped_*`` kernels), cuBLAS GEMMs
-   (``nvjet``/``gemm``/``cutlass``/``xmma`` names), attention (cuDNN/flash ``sdpa``), fp4moe conversion kernels
-   (``*_kernel`` names with fp4/fp8/quantize), memcpys and memsets (``Memcpy DtoD``, e.g. a ``clone`` of a
-   contiguous tensor, which no kernel runs), and the rest (torch elementwise, copies, cat, index, reductions);
+   beside it) and its split into groups (``group_of``): grouped FP8 GEMMs (fp4moe's Triton GEMMs), fp4moe's other
+   kernels (conversions, SwiGLU, permutation sums, the weight quantizer; both by name from
+   ``fp4moe_kernels.kernel_names``), DeepGEMM's GEMMs, cuBLAS GEMMs (``nvjet``/``gemm``/``cutlass``/``xmma``
+   names), attention (cuDNN/flash ``sdpa``), memcpys and memsets (``Memcpy DtoD``, e.g. a ``clone`` of a
+   contiguous tensor, which no kernel runs), and the rest (torch elementwise, copies, cat, index, reductions).
+   Before 2026-12-06 the groups were by pattern alone: the SwiGLU kernels, the permutation sums and the CUDA
+   FP4RowToFP8Col were in the rest, DeepGEMM in cuBLAS (results/train_proxy/README.md's tables up to section 39);
 2. the top (innermost aten op, its input shapes, the nearest enclosing non-aten frame, e.g. an autograd Function)
    by the GPU time of the kernels and memcpys it launched. Each is tied to the op through its launch's correlation
    id; ``--kernels`` matches memcpy / memset names too (e.g. ``'Memcpy DtoD'``).
@@ -44,18 +47,40 @@ def gpu_events(ev: list[dict]) -> list[dict]:
     return [e for e in ev if e.get("cat") in GPU_CATS]
 
 
+def _kernel_kind():
+    """fp4moe_kernels.kernel_names.kernel_kind, loaded from its file (standard library only, as this tool; importing
+    the package would import torch)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "kernels" / "fp4moe_kernels" / "kernel_names.py"
+    spec = importlib.util.spec_from_file_location("_fp4moe_kernel_names", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kernel_kind
+
+
+KERNEL_KIND = _kernel_kind()
+
+
 def group_of(name: str, cat: str = "kernel") -> str:
+    """The group of a GPU event: fp4moe's own kernels by name (``fp4moe_kernels.kernel_names``: its grouped GEMMs,
+    and the rest: conversions, SwiGLU, permutation sums, the weight quantizer, the CUDA FP4RowToFP8Col), then
+    DeepGEMM, cuBLAS and attention by pattern, then torch's."""
     if cat != "kernel":
         return "memcpys and memsets (copy engine)"
-    low = name.lower()
-    if name.startswith("grouped_"):
+    own = KERNEL_KIND(name)
+    if own == "gemm":
         return "grouped FP8 GEMMs (Triton)"
+    if own is not None:
+        return "fp4moe kernels (conversions, SwiGLU, sums)"
+    low = name.lower()
+    if "deep_gemm" in low:
+        return "DeepGEMM GEMMs"
     if any(s in low for s in ("nvjet", "gemm", "cutlass", "xmma")):
         return "cuBLAS GEMMs"
     if "sdpa" in low or "flash" in low:
         return "attention (cuDNN)"
-    if name.endswith("_kernel") and any(s in name for s in ("fp4", "fp8", "quantize")):
-        return "fp4moe conversion kernels"
     return "torch elementwise / copy / cat / index / reductions"
 
 
