@@ -13,8 +13,9 @@ The traces come from the trainer's ``train.profile.steps`` (fp4moe/train/profile
    ``fp4moe_kernels.kernel_names``), DeepGEMM's GEMMs, cuBLAS GEMMs (``nvjet``/``gemm``/``cutlass``/``xmma``
    names), attention (cuDNN/flash ``sdpa``), memcpys and memsets (``Memcpy DtoD``, e.g. a ``clone`` of a
    contiguous tensor, which no kernel runs), and the rest (torch elementwise, copies, cat, index, reductions).
-   Before 2026-12-06 the groups were by pattern alone: the SwiGLU kernels, the permutation sums and the CUDA
-   FP4RowToFP8Col were in the rest, DeepGEMM in cuBLAS (results/train_proxy/README.md's tables up to section 39);
+   Before 2026-12-06 the groups were by pattern alone: the BF16 SwiGLU kernels (``_swiglu_fwd_kernel``,
+   ``_swiglu_bwd_kernel``), the permutation sums and the CUDA FP4RowToFP8Col were in the rest, DeepGEMM in cuBLAS
+   (results/train_proxy/README.md's tables up to section 39);
 2. the top (innermost aten op, its input shapes, the nearest enclosing non-aten frame, e.g. an autograd Function)
    by the GPU time of the kernels and memcpys it launched. Each is tied to the op through its launch's correlation
    id; ``--kernels`` matches memcpy / memset names too (e.g. ``'Memcpy DtoD'``).
