@@ -38,8 +38,12 @@ $(STAMP): pyproject.toml
 test: venv ## run the CPU test suite in $(TEST_WORKERS) processes, one file each at a time (GPU tests skip themselves)
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# Every file with a test marked gpu lies under one of these (tests/test_gpu_test_list.py checks it; the device
+# runbook's `tests` phase, tools/device/h200_p3.sh, reads this line too)
+GPU_TESTS = tests/kernels tests/ops tests/moe tests/bench/test_moe_layer.py tests/train/test_train_gpu.py tests/train/test_memtrace.py
+
 test-gpu: ## run the GPU tests with the system python3 (GPU machine)
-	PYTHONPATH=src:kernels $(GPU_PYTHON) -m pytest -q -m gpu tests/kernels tests/ops tests/moe tests/train/test_train_gpu.py
+	PYTHONPATH=src:kernels $(GPU_PYTHON) -m pytest -q -m gpu $(GPU_TESTS)
 
 # The benchmark writes $(BENCH_OUT)/kernels_<gpu>_<date>_<commit>.{json,csv,md}; set BENCH_OUT, not --out, to
 # move it. Then its JSON is logged to MLflow with the first python that imports mlflow (the venv's,

@@ -132,8 +132,8 @@ setup)
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" > "$OUT/versions.txt"
   ;;
 tests)  # [PATHS and pytest args, e.g. tests/ops -k "row_col or wgrad_loop"]: the GPU tests (default: every GPU test)
-  if [ $# -eq 0 ]; then
-    set -- tests/kernels tests/ops tests/moe tests/train/test_train_gpu.py tests/train/test_memtrace.py
+  if [ $# -eq 0 ]; then   # every GPU test: the Makefile's GPU_TESTS
+    set -- $(sed -n 's/^GPU_TESTS *= *//p' Makefile)
   fi
   python3 -m pytest -q -m gpu --durations=12 "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
   ;;
