@@ -227,10 +227,11 @@ def _forensics(job_id: str, folder: Path) -> str:
         except OSError as e:
             lines = [f"(unreadable: {e})"]
         parts.append(f"--- {log}: the lines naming job {job_id}\n" + "\n".join(lines[-80:]))
-    dmesg = subprocess.run(["dmesg"], capture_output=True, text=True)
-    oom = [ln for ln in dmesg.stdout.splitlines() if re.search(r"oom|out of memory|killed process", ln, re.I)]
-    parts.append("--- dmesg: OOM-killer lines\n" + ("\n".join(oom[-20:]) if dmesg.returncode == 0 else
-                                                     f"(not readable: {dmesg.stderr.strip()})"))
+    if shutil.which("dmesg"):
+        dmesg = subprocess.run(["dmesg"], capture_output=True, text=True)
+        oom = [ln for ln in dmesg.stdout.splitlines() if re.search(r"oom|out of memory|killed process", ln, re.I)]
+        parts.append("--- dmesg: OOM-killer lines\n" + ("\n".join(oom[-20:]) if dmesg.returncode == 0 else
+                                                         f"(not readable: {dmesg.stderr.strip()})"))
     return "\n".join(parts)
 
 
