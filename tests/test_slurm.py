@@ -208,25 +208,40 @@ def _hostnames(nodelist: str) -> list[str]:
 
 def _forensics(job_id: str, folder: Path) -> str:
     """What the job's logs, Slurm and the kernel said about ``job_id``, for a failure message (pytest shows a string
-    message whole, where it cuts a tuple's repr to one line): the last 6000 characters of each of the job's
-    logs/slurm files under ``folder``, slurmctld's and every slurmd's log lines naming the job (log paths from
-    ``scontrol show config``; unreadable ones say so), and the kernel's OOM-killer lines (``dmesg``, where readable).
-    A task that ends ``Killed`` (SIGKILL) with no word of its own is explained only by these."""
+    message whole, where it cuts a tuple's repr to one line): each of the job's logs/slurm files under ``folder``
+    (its last 6000 characters, and 6000 from each ``Fatal Python error``: faulthandler's stacks of a rank that
+    crashed), slurmctld's and every slurmd's log lines naming the job (log paths from ``scontrol show config``;
+    unreadable ones say so; slurmd's say how each task ended, e.g. ``task 0 died by signal: 11``), slurmctld's last
+    lines about nodes going down or drained, and the kernel's OOM-killer lines (``dmesg``, where readable). A task
+    that ends ``Killed`` with no word of its own is explained only by these: in the one CI failure so far the other
+    rank had crashed (SIGSEGV), srun cancelled the step and Slurm killed this one after KillWait, its SIGTERM being
+    kept by the trainer's start-up handler (fp4moe.launch.slurm.catch_early)."""
     import re
 
     parts = [f"--- forensics of job {job_id}"]
     for f in sorted((folder / "logs" / "slurm").glob("*")):
-        parts.append(f"--- {f.name} (last 6000 characters)\n{f.read_text(errors='replace')[-6000:]}")
+        text = f.read_text(errors="replace")
+        # a rank's native crash: faulthandler's stacks (the trainer enables it), which a long log's tail can miss
+        for k, at in enumerate(m.start() for m in re.finditer("Fatal Python error", text)):
+            parts.append(f"--- {f.name}: fatal error {k + 1}\n{text[at:at + 6000]}")
+        parts.append(f"--- {f.name} (last 6000 characters)\n{text[-6000:]}")
     config = {k.strip(): v.strip() for k, _, v in (ln.partition("=") for ln in subprocess.run(
         ["scontrol", "show", "config"], capture_output=True, text=True).stdout.splitlines())}
     logs = [config.get("SlurmctldLogFile", "")] + [config.get("SlurmdLogFile", "").replace("%n", n) for n in NODES]
     names_job = re.compile(rf"(?:JobId=|StepId=|job_id=|\[|[Jj]ob |JOB |STEP ){job_id}(?![0-9])")
-    for log in filter(None, logs):
+    # a node that went down or was drained kills or strands what runs there without naming the job (a task ended
+    # by SIGKILL with no word of its own: tools/local_slurm.sh node-stop kills every process of its node)
+    names_node_event = re.compile(r"not responding|state set to (?:DOWN|DRAIN)|NODE_FAIL|node_did_resp")
+    for i, log in enumerate(filter(None, logs)):
         try:
-            lines = [ln for ln in Path(log).read_text(errors="replace").splitlines() if names_job.search(ln)]
+            text = Path(log).read_text(errors="replace").splitlines()
         except OSError as e:
-            lines = [f"(unreadable: {e})"]
+            text = [f"(unreadable: {e})"]
+        lines = [ln for ln in text if names_job.search(ln) or ln.startswith("(unreadable")]
         parts.append(f"--- {log}: the lines naming job {job_id}\n" + "\n".join(lines[-80:]))
+        if i == 0:   # slurmctld's
+            events = [ln for ln in text if names_node_event.search(ln)]
+            parts.append(f"--- {log}: its last lines about nodes down or drained\n" + "\n".join(events[-20:]))
     if shutil.which("dmesg"):
         dmesg = subprocess.run(["dmesg"], capture_output=True, text=True)
         oom = [ln for ln in dmesg.stdout.splitlines() if re.search(r"oom|out of memory|killed process", ln, re.I)]
