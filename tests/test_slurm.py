@@ -236,8 +236,9 @@ def _forensics(job_id: str, folder: Path) -> str:
         try:
             text = Path(log).read_text(errors="replace").splitlines()
         except OSError as e:
-            text = [f"(unreadable: {e})"]
-        lines = [ln for ln in text if names_job.search(ln) or ln.startswith("(unreadable")]
+            parts.append(f"--- {log}: unreadable: {e}")
+            continue
+        lines = [ln for ln in text if names_job.search(ln)]
         parts.append(f"--- {log}: the lines naming job {job_id}\n" + "\n".join(lines[-80:]))
         if i == 0:   # slurmctld's
             events = [ln for ln in text if names_node_event.search(ln)]
