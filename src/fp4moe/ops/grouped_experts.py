@@ -47,8 +47,9 @@ columns per expert (tokens padded to 128). Shapes: H, F multiples of 128 on the 
 Gradient-accumulation fusion (megatron's ``gradient_accumulation_fusion``, Transformer Engine's
 ``fuse_wgrad_accumulation``): for expert weights registered by :func:`fuse_wgrad_accumulation` that carry megatron
 DDP's ``main_grad`` (its FP32 or BF16 gradient buffer) the wgrad is added into ``main_grad`` where it is made
-(the grouped kernel's epilogue reads and writes it: 8 B per FP32 element where the unfused path writes the BF16
-gradient and DDP's hook then adds it, 12 B), the sum formed in FP32 and rounded once; the weight's
+(the grouped kernel's epilogue, or for bf16 cuBLAS's ``C = A B + C``, reads and writes it: 8 B per FP32 element
+where the unfused path writes the BF16 gradient and DDP's hook then adds it, 12 B), the sum formed in FP32 and
+rounded once; the weight's
 ``grad_added_to_main_grad`` is set and autograd gets an uninitialized stand-in gradient (zeros under
 ``zero_out_wgrad``), which DDP's hook drops, as megatron's own linears do.
 """
@@ -248,6 +249,20 @@ def _accumulate(target: torch.Tensor, part: torch.Tensor) -> None:
         target.copy_(target.float() + part.float())
 
 
+def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """target ``[n, k]`` += a ``[n, m]`` @ b ``[m, k]`` (BF16 operands), the sum formed in FP32 and rounded once to
+    target's dtype (FP32 or BF16). CUDA: cuBLAS's beta=1 epilogue reads and writes target in place (4 B + 4 B per
+    FP32 element; the unfused path writes a BF16 product and ``add_`` reads it back with target: 2 + 2 + 8 B)."""
+    if target.device.type == "cuda" and a.dtype == b.dtype == _BF16:
+        if target.dtype == torch.float32:
+            torch.addmm(target, a, b, out_dtype=torch.float32, out=target)
+            return
+        if target.dtype == _BF16:
+            target.addmm_(a, b)
+            return
+    _accumulate(target, a @ b)
+
+
 def _bf16_mm_per_expert(x: torch.Tensor, w: Experts, seg: Segments, transpose_w: bool) -> torch.Tensor:
     """BF16 path: out_e = x_e @ W_e^T (transpose_w) or x_e @ W_e, ``[T, n]``. Each product is written into its rows
     of the output (``torch.mm(..., out=)``: no temporary and no copy per expert; every row belongs to an expert,
@@ -265,11 +280,14 @@ def _bf16_mm_per_expert(x: torch.Tensor, w: Experts, seg: Segments, transpose_w:
 def _bf16_wgrad(dy: torch.Tensor, x: torch.Tensor, seg: Segments, like: torch.Tensor,
                 into: list[torch.Tensor] | None = None) -> torch.Tensor | None:
     """dW ``[E, n, k]`` in ``like.dtype``: per expert dY_e^T X_e written into its slice (zeros for empty experts);
-    with ``into`` (E main gradients) each product (BF16, one expert at a time) is added into its own instead."""
+    with ``into`` (E main gradients) each product is added into its own instead and None is returned: on CUDA in
+    the GEMM's epilogue (cuBLAS ``C = A B + C``, FP32 accumulation, one rounding to the main gradient's dtype: an
+    FP32 main gradient through ``torch.addmm``'s ``out_dtype``), so no BF16 product is written and read again;
+    elsewhere (CPU: no mixed-dtype addmm) the BF16 product, then ``_accumulate``."""
     if into is not None:
         for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
             if r1 > r0:
-                _accumulate(into[e], dy[r0:r1].t() @ x[r0:r1])
+                _add_product(into[e], dy[r0:r1].t(), x[r0:r1])
         return None
     out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
