@@ -81,7 +81,7 @@ def test_overrides_that_change_the_run_give_another_folder(monkeypatch):
     assert _run_dir("precision=bf16").name.startswith("tiny_cpu-bf16-none-")
     changed = {"train.seed": 7, "train.steps": 21, "train.tokens": 10240, "train.adamw.lr": 0.001,
                "train.eval_interval": 5, "train.measure.warmup_steps": 0, "train.profile.steps": [2, 3],
-               "train.fp8_weight_cache": True, "train.wgrad_accumulation_fusion": True, "train.params_dtype": "fp32",
+               "train.fp8_weight_cache": True, "train.wgrad_accumulation_fusion": False, "train.params_dtype": "fp32",
                "model.num_layers": 3,
                "parallel.micro_batch": 1, "data.seed": 1, "optimizer.distributed": True,
                "backend.transformer_impl": "transformer_engine", "kernels.dispatch_quantize": "rows",

@@ -550,14 +550,18 @@ def test_t1_cells_name_non_default_kernels():
     runs = [RunRecord(r["run_id"], r["experiment"], r["name"], r["status"], r["start_time"], r["params"],
                       {k: v[-1][1] for k, v in r["metrics"].items()}, r["tags"]) for r in doc["runs"]]
     notes = {(r.tags["recipe"], r.params["kernels.bf16_moe"]): code_note(r) for r in runs}
-    assert notes == {("bf16", "megatron"): "", ("bf16", "fp4moe"): "BF16 experts: fp4moe",
-                     ("fp8", "megatron"): "expert GEMMs: deepgemm", ("mxfp4", "megatron"): "expert GEMMs: deepgemm"}
+    # (they ran before the wgrad accumulation fusion became the default: it acts on fp4moe's experts, not megatron's)
+    off = "wgrad accumulation fusion: False"
+    assert notes == {("bf16", "megatron"): "", ("bf16", "fp4moe"): f"BF16 experts: fp4moe, {off}",
+                     ("fp8", "megatron"): f"expert GEMMs: deepgemm, {off}",
+                     ("mxfp4", "megatron"): f"expert GEMMs: deepgemm, {off}"}
     cell = measured_cell(runs, setup_of(runs[0]), "full", "bf16")  # the latest bf16 run: fp4moe's experts
-    assert cell["code"] == "BF16 experts: fp4moe" and round(cell["tgs"]) == 144005
-    assert _measured_cells(cell)[0].endswith("[BF16 experts: fp4moe]")
+    assert cell["code"] == f"BF16 experts: fp4moe, {off}" and round(cell["tgs"]) == 144005
+    assert _measured_cells(cell)[0].endswith(f"[BF16 experts: fp4moe, {off}]")
     rows, _ = t1_rows([], runs, None, "x", 80.0)
     assert {r["recipe"]: r["code"] for r in rows if r["source"] == "measured"} == {
-        "bf16": "BF16 experts: fp4moe", "fp8": "expert GEMMs: deepgemm", "mxfp4": "expert GEMMs: deepgemm"}
+        "bf16": f"BF16 experts: fp4moe, {off}", "fp8": f"expert GEMMs: deepgemm, {off}",
+        "mxfp4": f"expert GEMMs: deepgemm, {off}"}
     plain = RunRecord("p", "e", "p", "FINISHED", 1, {}, {}, {"recipe": "fp8"})  # logged before the settings existed
     assert code_note(plain) == ""
     # an archive whose runs set kernels.gather_sum both ways (torch: the default before 2026-12-06) names the old one
@@ -565,12 +569,20 @@ def test_t1_cells_name_non_default_kernels():
     notes = sorted((r["tags"]["recipe"], r["params"]["kernels.gather_sum"],
                     code_note(RunRecord(r["run_id"], "e", "n", "FINISHED", 1, r["params"], {}, r["tags"])))
                    for r in doc["runs"])
-    assert notes == [("bf16", "torch", "BF16 experts: fp4moe, permutation sums: torch"),
-                     ("bf16", "triton", "BF16 experts: fp4moe"),
-                     ("fp8", "torch", "expert GEMMs: deepgemm, permutation sums: torch"),
-                     ("fp8", "triton", "expert GEMMs: deepgemm"),
-                     ("mxfp4", "torch", "expert GEMMs: deepgemm, permutation sums: torch"),
-                     ("mxfp4", "triton", "expert GEMMs: deepgemm")]
+    assert notes == [("bf16", "torch", f"BF16 experts: fp4moe, permutation sums: torch, {off}"),
+                     ("bf16", "triton", f"BF16 experts: fp4moe, {off}"),
+                     ("fp8", "torch", f"expert GEMMs: deepgemm, permutation sums: torch, {off}"),
+                     ("fp8", "triton", f"expert GEMMs: deepgemm, {off}"),
+                     ("mxfp4", "torch", f"expert GEMMs: deepgemm, permutation sums: torch, {off}"),
+                     ("mxfp4", "triton", f"expert GEMMs: deepgemm, {off}")]
+    # this session's archive: the fusion both ways, on fp4moe's BF16 experts and the FP8 recipes
+    doc = load(ROOT / "results/train_proxy/proxy_t1_mb32_fusion_h100_2026-12-06_3cc6160.json.xz")
+    notes = sorted((r["tags"]["recipe"], r["params"]["train.wgrad_accumulation_fusion"],
+                    code_note(RunRecord(r["run_id"], "e", "n", "FINISHED", 1, r["params"], {}, r["tags"])))
+                   for r in doc["runs"])
+    assert notes == [("bf16", "False", f"BF16 experts: fp4moe, {off}"), ("bf16", "True", "BF16 experts: fp4moe"),
+                     ("fp8", "False", f"expert GEMMs: deepgemm, {off}"), ("fp8", "True", "expert GEMMs: deepgemm"),
+                     ("mxfp4", "False", f"expert GEMMs: deepgemm, {off}"), ("mxfp4", "True", "expert GEMMs: deepgemm")]
 
 
 def test_f3_newest_benchmark_is_the_last_measured_not_the_last_logged():

@@ -207,7 +207,8 @@ def test_wgrad_accumulation_fusion_trains_as_ddps_hook_does(tmp_path, store, set
 
     base = [*COMMON, "train.checkpoint_interval=null", "train.eval_interval=null", "train.steps=2", "precision=mxfp4",
             f"optimizer={setting}"]
-    hook = train(_compose(*base, "task_name=hook", f"train.checkpoint_dir={tmp_path / 'a'}"))
+    hook = train(_compose(*base, "task_name=hook", "train.wgrad_accumulation_fusion=false",
+                          f"train.checkpoint_dir={tmp_path / 'a'}"))
     fused = train(_compose(*base, "task_name=fused", "train.wgrad_accumulation_fusion=true",
                            f"train.checkpoint_dir={tmp_path / 'b'}"))
     assert fused.losses[1] == hook.losses[1]

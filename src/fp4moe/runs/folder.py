@@ -58,9 +58,9 @@ EXCLUDED: dict[str, str] = {
 }
 # Switches added after their group, each with its default: left out of the identity while at that default, so the
 # folders of runs composed before the switch existed stay where they were (a non-default value is part of it). A
-# default that changed later (kernels.gather_sum: torch until 2026-12-06) moves with it: a folder names a config,
-# the code that ran it is the run's commit tag.
-ABSENT_WHEN_DEFAULT: dict[str, Any] = {"kernels.bf16_moe": "megatron", "train.wgrad_accumulation_fusion": False,
+# default that changed later (kernels.gather_sum: torch until 2026-12-06; train.wgrad_accumulation_fusion: false
+# until 2026-12-06) moves with it: a folder names a config, the code that ran it is the run's commit tag.
+ABSENT_WHEN_DEFAULT: dict[str, Any] = {"kernels.bf16_moe": "megatron", "train.wgrad_accumulation_fusion": True,
                                        "kernels.wgrad_gemm": "triton", "kernels.fp8_row_col": "0",
                                        "kernels.fused_swiglu_fp8": "0", "kernels.gather_sum": "triton"}
 HASH_DIGITS = 12
