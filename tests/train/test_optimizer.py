@@ -215,3 +215,34 @@ def test_wgrad_accumulation_fusion_trains_as_ddps_hook_does(tmp_path, store, set
     for s in (1, 2):
         assert abs(fused.grad_norms[s] / hook.grad_norms[s] - 1) < 2e-3, (s, fused.grad_norms, hook.grad_norms)
     assert fused.losses[2] != hook.losses[2] and abs(fused.losses[2] / hook.losses[2] - 1) < 1e-3
+
+
+def test_wgrad_accumulation_fusion_takes_megatrons_linears_and_keeps_the_tied_embeddings_lookup(tmp_path, store,
+                                                                                              monkeypatch):
+    """bf16 on megatron-core's own layers with tied embeddings: the fusion (the default) turns on megatron's
+    gradient_accumulation_fusion in its linears, which add their weight gradients into DDP's main_grad through
+    fp4moe's stand-in for apex's extension (called: the real arithmetic, counted); the output layer, whose weight is
+    the embedding's, adds into the same main gradient as the embedding lookup's autograd gradient, which is not lost
+    (zero_out_wgrad): the same first loss, gradient norms and later losses within the hook's rounding."""
+    from fp4moe.ops import wgrad_accumulation
+    from fp4moe.train.loop import train
+
+    calls = {"fp32": 0}
+    real = wgrad_accumulation.wgrad_gemm_accum_fp32
+
+    def counted(*args):
+        calls["fp32"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(wgrad_accumulation, "wgrad_gemm_accum_fp32", counted)
+    base = [*COMMON, "train.checkpoint_interval=null", "train.eval_interval=null", "train.steps=3", "precision=bf16",
+            "model.tie_embeddings=true"]
+    hook = train(_compose(*base, "task_name=hook", "train.wgrad_accumulation_fusion=false",
+                          f"train.checkpoint_dir={tmp_path / 'a'}"))
+    assert calls["fp32"] == 0
+    fused = train(_compose(*base, "task_name=fused", f"train.checkpoint_dir={tmp_path / 'b'}"))
+    assert calls["fp32"] > 0   # megatron's linears went through the stand-in
+    assert fused.losses[1] == hook.losses[1]
+    for s in (1, 2, 3):
+        assert abs(fused.grad_norms[s] / hook.grad_norms[s] - 1) < 2e-3, (s, fused.grad_norms, hook.grad_norms)
+    assert abs(fused.losses[3] / hook.losses[3] - 1) < 1e-3, (fused.losses, hook.losses)

@@ -34,6 +34,13 @@ Without Transformer Engine (on any machine, CPU or GPU):
    recompute module crashes without TE (its fp8 flag), and both store their cache MXFP4 inside a layer that asks
    for it (the mxfp4 recipe's ``recompute_cache_fp4``); elsewhere they are megatron's. Applied with TE too (the
    MXFP4 cache).
+0f. ``megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda`` -> :mod:`fp4moe.ops.wgrad_accumulation`
+   and ``_grad_accum_fusion_available`` -> True, when apex's extension is absent (layers.py:44-48 imports it).
+   megatron's linears under ``gradient_accumulation_fusion`` (layers.py:561-580) add their weight gradient into
+   DDP's ``main_grad`` through its ``wgrad_gemm_accum_fp32`` / ``_fp16``; without apex the flag is refused at
+   construction (layers.py:924) and the functions are missing. fp4moe's stand-ins do the same arithmetic
+   (cuBLAS's ``C = A B + C`` on CUDA; the product, then the add, on CPU), so ``train.wgrad_accumulation_fusion``
+   covers megatron's own linears too (``fp4moe.train.optim.fuse_wgrads``).
 
 Only when CUDA is absent (CPU machine, gloo):
 
@@ -362,6 +369,18 @@ def _apply_no_te() -> None:
     _set(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_states)
 
 
+def _apply_no_apex() -> None:
+    """Shim 0f (module docstring): apex's gradient-accumulation GEMMs for megatron's linears, where apex is absent."""
+    from megatron.core.tensor_parallel import layers
+
+    if layers._grad_accum_fusion_available:
+        return
+    from fp4moe.ops import wgrad_accumulation
+
+    _set(layers, "fused_weight_gradient_mlp_cuda", wgrad_accumulation)
+    _set(layers, "_grad_accum_fusion_available", True)
+
+
 def _apply_checkpoints() -> None:
     """Shim 0e: megatron's checkpoint functions as fp4moe.model.recompute's."""
     from megatron.core import tensor_parallel
@@ -424,6 +443,7 @@ def _apply_cpu() -> None:
 def _apply_all() -> None:
     try:
         _apply_no_te()
+        _apply_no_apex()
         _apply_checkpoints()
         if needed():
             _apply_cpu()

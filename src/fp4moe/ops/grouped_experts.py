@@ -72,6 +72,7 @@ from .fp8_linear import fp8_rows
 from .swiglu import (fused_fp8_enabled, swiglu_backward_fp8, swiglu_fp8, swiglu_math, swiglu_math_backward,
                      swiglu_math_backward_fp4, swiglu_math_fp4)
 from .weight_cache import CACHE
+from .wgrad_accumulation import add_fp32, add_product
 
 _BF16 = torch.bfloat16
 
@@ -237,30 +238,8 @@ def _wgrad(dy_col: FP8ColTensor, x_col: FP8ColTensor, seg: Segments, like: torch
         if into is None:
             out[e] = fp8_mm(a, sa, b, sb, "wgrad", out_dtype=like.dtype, check=False)
         else:
-            _accumulate(into[e], fp8_mm(a, sa, b, sb, "wgrad", out_dtype=torch.float32, check=False))
+            add_fp32(into[e], fp8_mm(a, sa, b, sb, "wgrad", out_dtype=torch.float32, check=False))
     return out
-
-
-def _accumulate(target: torch.Tensor, part: torch.Tensor) -> None:
-    """target += part (FP32), one rounding to target's dtype (the grouped kernel's ACCUMULATE epilogue)."""
-    if target.dtype == torch.float32:
-        target.add_(part)
-    else:
-        target.copy_(target.float() + part.float())
-
-
-def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """target ``[n, k]`` += a ``[n, m]`` @ b ``[m, k]`` (BF16 operands), the sum formed in FP32 and rounded once to
-    target's dtype (FP32 or BF16). CUDA: cuBLAS's beta=1 epilogue reads and writes target in place (4 B + 4 B per
-    FP32 element; the unfused path writes a BF16 product and ``add_`` reads it back with target: 2 + 2 + 8 B)."""
-    if target.device.type == "cuda" and a.dtype == b.dtype == _BF16:
-        if target.dtype == torch.float32:
-            torch.addmm(target, a, b, out_dtype=torch.float32, out=target)
-            return
-        if target.dtype == _BF16:
-            target.addmm_(a, b)
-            return
-    _accumulate(target, a @ b)
 
 
 def _bf16_mm_per_expert(x: torch.Tensor, w: Experts, seg: Segments, transpose_w: bool) -> torch.Tensor:
@@ -283,11 +262,11 @@ def _bf16_wgrad(dy: torch.Tensor, x: torch.Tensor, seg: Segments, like: torch.Te
     with ``into`` (E main gradients) each product is added into its own instead and None is returned: on CUDA in
     the GEMM's epilogue (cuBLAS ``C = A B + C``, FP32 accumulation, one rounding to the main gradient's dtype: an
     FP32 main gradient through ``torch.addmm``'s ``out_dtype``), so no BF16 product is written and read again;
-    elsewhere (CPU: no mixed-dtype addmm) the BF16 product, then ``_accumulate``."""
+    elsewhere (CPU: no mixed-dtype addmm) the BF16 product, then the add (``fp4moe.ops.wgrad_accumulation``)."""
     if into is not None:
         for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):
             if r1 > r0:
-                _add_product(into[e], dy[r0:r1].t(), x[r0:r1])
+                add_product(into[e], dy[r0:r1].t(), x[r0:r1])
         return None
     out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     for e, (r0, r1) in enumerate(zip(seg.offsets[:-1], seg.offsets[1:])):

@@ -56,8 +56,7 @@ def setup_of(run: RunRecord) -> Setup:
 
 
 # Settings that choose which code a trainer run timed, each with its default (conf/kernels/default.yaml,
-# conf/train/default.yaml), a label and the recipes it acts on ("bf16@fp4moe": bf16 on fp4moe's BF16 experts only,
-# not megatron-core's SequentialMLP): a measured cell run with another value names it, so
+# conf/train/default.yaml), a label and the recipes it acts on: a measured cell run with another value names it, so
 # that runs of one setup with different kernels are not read as the same code (e.g. bf16 on megatron-core's
 # SequentialMLP experts against bf16 on fp4moe's grouped BF16 layer, results/train_proxy/README.md section 35).
 CODE_SETTINGS = (("kernels.bf16_moe", "megatron", "BF16 experts", ("bf16",)),
@@ -66,7 +65,7 @@ CODE_SETTINGS = (("kernels.bf16_moe", "megatron", "BF16 experts", ("bf16",)),
                  ("kernels.fp8_row_col", "0", "FP8 rows + columns in one kernel", ("fp8", "mxfp4")),
                  ("kernels.fused_swiglu_fp8", "0", "SwiGLU writes FP8", ("fp8", "mxfp4")),
                  ("kernels.gather_sum", "triton", "permutation sums", ("bf16", "fp8", "mxfp4")),
-                 ("train.wgrad_accumulation_fusion", "True", "wgrad accumulation fusion", ("bf16@fp4moe", "fp8", "mxfp4")))
+                 ("train.wgrad_accumulation_fusion", "True", "wgrad accumulation fusion", ("bf16", "fp8", "mxfp4")))
 
 
 def code_note(run: RunRecord) -> str:
@@ -75,12 +74,8 @@ def code_note(run: RunRecord) -> str:
     (kernels.gather_sum, torch until 2026-12-06; train.wgrad_accumulation_fusion, False until 2026-12-06): such runs
     are set apart by their archive and commit, like any other change of the code."""
     recipe = run.tags.get("recipe", "")
-    if recipe == "bf16" and run.params.get("kernels.bf16_moe", "megatron") == "fp4moe":
-        acts = {"bf16", "bf16@fp4moe"}
-    else:
-        acts = {recipe}
     return ", ".join(f"{label}: {run.params[key]}" for key, default, label, recipes in CODE_SETTINGS
-                     if acts & set(recipes) and run.params.get(key, default) != default)
+                     if recipe in recipes and run.params.get(key, default) != default)
 
 
 def _usable(run: RunRecord) -> bool:

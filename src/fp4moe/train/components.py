@@ -110,8 +110,8 @@ def build(cfg: Any, derived: dict[str, Any], info: Any, output_dir: Any, setting
     mcfg = model.config
     setting = settings.optimizer
     ddp = optim.wrap_model(model, setting)  # megatron-core's DDP: gradient buffers (and parameter buffers)
-    if t.wgrad_accumulation_fusion:  # the routed experts' wgrad added into DDP's main_grad where it is made
-        optim.fuse_expert_wgrads(model)
+    if t.wgrad_accumulation_fusion:  # weight gradients added into DDP's main_grad where they are made
+        optim.fuse_wgrads(model)
     opt = optim.build_optimizer(ddp, setting, t.adamw)
     sched = optim.build_scheduler(opt, t, derived)
     if setting.overlap_grad_reduce:  # as megatron-lm: only the last micro-batch's backward starts the reduction

@@ -98,19 +98,40 @@ def optimizer_config(setting: OptimizerSetting, adamw: Any, params_dtype: torch.
         overlap_cpu_optimizer_d2h_h2d=setting.overlap_cpu_optimizer_d2h_h2d)
 
 
-def fuse_expert_wgrads(model: torch.nn.Module) -> int:
-    """Register the routed experts' weights of fp4moe's MoE layers (``RecipeGroupedMLP``) for gradient-accumulation
-    fusion (``fp4moe.ops.grouped_experts.fuse_wgrad_accumulation``: their wgrad is added into DDP's ``main_grad``
-    where it is made; ``train.wgrad_accumulation_fusion``). Call after the DDP wrap. Returns the weights registered."""
+def fuse_wgrads(model: torch.nn.Module) -> tuple[int, int]:
+    """Gradient-accumulation fusion (``train.wgrad_accumulation_fusion``): weight gradients added into megatron
+    DDP's ``main_grad`` where they are made, not written and then added by DDP's hook. Registers the routed experts'
+    weights of fp4moe's MoE layers (``RecipeGroupedMLP``; ``fp4moe.ops.grouped_experts.fuse_wgrad_accumulation``)
+    and turns on megatron's own ``gradient_accumulation_fusion`` in every megatron linear (attention, dense MLP,
+    shared experts, ``SequentialMLP`` experts, output layer; through ``fp4moe.ops.wgrad_accumulation`` where apex is
+    absent, ``fp4moe.model.cpu_shims`` 0f), which reads it at each call. The FP8 linears of the recipes compute
+    their gradients themselves and leave them to the hook. With tied embeddings the output layer adds into the
+    embedding's weight, which also gets the embedding lookup's gradient through autograd (the first stage's, or an
+    MTP stage's copy): that weight gets ``zero_out_wgrad``, as megatron sets it itself only at PP = 1, so the hook
+    still adds what autograd gathered and the fused GEMM's stand-in gradient is zeros, not uninitialized memory.
+    Call after the DDP wrap, under the shims. Returns (expert weights registered, megatron linears fused)."""
+    from megatron.core.tensor_parallel import layers
+
     from fp4moe.model.recipe_moe import RecipeGroupedMLP
     from fp4moe.ops.grouped_experts import fuse_wgrad_accumulation
 
-    n = 0
+    if not layers._grad_accum_fusion_available:
+        raise RuntimeError("megatron's gradient_accumulation_fusion needs apex or fp4moe.model.cpu_shims.active(): "
+                           "call fuse_wgrads inside the shims' scope")
+    experts = linears = 0
     for m in model.modules():
         if isinstance(m, RecipeGroupedMLP):
             w1, w2 = m.grouped_weights()
-            n += fuse_wgrad_accumulation([*w1, *w2])
-    return n
+            experts += fuse_wgrad_accumulation([*w1, *w2])
+        elif isinstance(m, (layers.ColumnParallelLinear, layers.RowParallelLinear)) and not getattr(
+                m, "computes_fp8", False):
+            m.gradient_accumulation_fusion = True
+            linears += 1
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        shared = model.shared_embedding_or_output_weight()
+        if shared is not None:
+            shared.zero_out_wgrad = True
+    return experts, linears
 
 
 def wrap_model(model: torch.nn.Module, setting: OptimizerSetting):
