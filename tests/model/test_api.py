@@ -116,3 +116,36 @@ def test_the_spec_alone_carries_the_recipe(mp):
     with pytest.raises(ConfigError, match="not built from the spec of recipe 'fp8'"):
         api.finish(own, Recipe.preset("fp8"))
     assert api.finish(own, recipe) == ref.fp4moe_bf16_linears
+
+
+@pytest.mark.parametrize("main_dtype", ["float32", "bfloat16"])
+def test_megatron_gradient_accumulation_fusion_without_apex(mp, main_dtype):
+    """Under fp4moe's patches (``api.prepare()``'s), a megatron linear built with ``gradient_accumulation_fusion``,
+    which megatron refuses without apex, builds, and its backward adds the weight gradient into the weight's
+    ``main_grad`` (DDP's buffer) through fp4moe's stand-in for apex's extension: earlier values plus the unfused
+    linear's gradient (rounded once into BF16), ``grad_added_to_main_grad`` set; input gradients the same bits."""
+    import torch
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    def linear(fusion):
+        cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                                gradient_accumulation_fusion=fusion, params_dtype=torch.bfloat16, bf16=True)
+        torch.manual_seed(0)
+        return ColumnParallelLinear(64, 96, config=cfg, init_method=torch.nn.init.xavier_normal_, bias=False,
+                                    gather_output=False)
+
+    fused, plain = linear(True), linear(False)
+    assert torch.equal(fused.weight, plain.weight)
+    dtype = getattr(torch, main_dtype)
+    g = torch.Generator().manual_seed(1)
+    earlier = torch.randn(96, 64, generator=g).to(dtype)
+    fused.weight.main_grad, fused.weight.grad_added_to_main_grad = earlier.clone(), False
+    x = torch.randn(16, 2, 64, generator=g).bfloat16()   # [sequence, batch, hidden]
+    dy = torch.randn(16, 2, 96, generator=g).bfloat16()
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    for lin, xx in zip((fused, plain), xs):
+        lin(xx)[0].backward(dy)
+    assert fused.weight.grad_added_to_main_grad
+    assert torch.equal(fused.weight.main_grad, (earlier.float() + plain.weight.grad.float()).to(dtype))
+    assert torch.equal(xs[0].grad, xs[1].grad)

@@ -18,12 +18,18 @@ routed rows), FP8 attention and dense-MLP linears under ``scope: all_linears``, 
 under ``recompute_cache_fp4``; parameter names and checkpoint keys stay megatron's, so a checkpoint moves between
 recipes. With MTP, ``api.mtp_block_spec(config, spec, recipe)`` is megatron's MTP block spec on that spec.
 
-``prepare()`` holds fp4moe's patches of megatron-core and torch (``fp4moe.model.cpu_shims``: the no-TE fixes, the
-checkpoint functions of the recompute modules, the CPU / gloo shims without CUDA) from the call: ``with`` undoes them
+``prepare()`` holds fp4moe's patches of megatron-core and torch (``fp4moe.model.cpu_shims``: the no-TE fixes, apex's
+gradient-accumulation GEMMs, the checkpoint functions of the recompute modules, the CPU / gloo shims without CUDA)
+from the call: ``with`` undoes them
 all at the block's end; a bare ``api.prepare()`` keeps them for the rest of the process. ``finish`` checks that the
 model was built from the recipe's spec and instruments megatron's own MoE layers (the bf16 recipe's: routed-row
 counters, ``fp4moe.model.gpt_model.a2a_stats``; dropping what their dispatchers keep once each layer's forward returns).
 examples/megatron_own_model.py runs all of it (CPU or GPU); tests/model/test_api.py runs that example.
+
+Gradient-accumulation fusion: ``config.gradient_accumulation_fusion=True`` builds under ``prepare()`` without apex
+(fp4moe stands in for its extension) and needs megatron DDP's ``main_grad``, as with apex; the recipe's routed
+experts take it through ``fp4moe.ops.grouped_experts.fuse_wgrad_accumulation(their weights)`` after the DDP wrap
+(``fp4moe.train.optim.fuse_wgrads`` does both for fp4moe's trainer).
 
 Recompute: set megatron's own modules in ``config.recompute_modules`` as usual (``core_attn``, ``mla_up_proj``,
 ``mlp``; ``layernorm`` only under ``prepare()``, which fixes megatron's no-TE crash), and pass fp4moe's own
