@@ -204,6 +204,51 @@ def test_bench_main_grads_as_ddp_adds_them_and_fused(tmp_path):
         main(common + ["--recipes", "fp8+fused"])
 
 
+@pytest.mark.gpu
+def test_gpu_profile_covers_one_optimizer_step(tmp_path):
+    """On a GPU the profile runs over one optimizer step's iterations (the weight quantizer in the first of four, as
+    in the timed loop), and the GPU time per iteration is positive and not above the wall time per iteration by
+    more than the profiler's own spread; the gpu_time ratio is there."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    doc = main(["--hidden", "1024", "--ffn", "256", "--local-experts", "8", "--tokens", "2048", "--shared-ffn", "256",
+                "--warmup", "4", "--iters", "8", "--micro-batches", "4", "--fp8-weight-cache", "--no-gemm",
+                "--recipes", "bf16,fp8", "--out", str(tmp_path), "--commit", "test"])
+    for r in doc["recipes"]:
+        assert 0 < r["gpu_ms_per_iter"] <= 1.2 * r["ms_per_iter"], (r["recipe"], r["gpu_ms_per_iter"], r["ms_per_iter"])
+        assert r["profile"]["iterations"] == 4
+    assert {"gpu_time fp8/bf16"} <= set(doc["ratios"])
+
+
+def test_gpu_time_beside_wall_time_with_its_ratios(tmp_path):
+    """Profiled entries carry their GPU time per iteration (the profile's total): the table shows it beside the wall
+    time, and every pair with a tokens/s ratio also gets a gpu_time ratio (base's GPU ms over the entry's, a
+    speed-up); entries without a profile get neither. The rows are a real CPU run's, the GPU times set as a
+    profile would (the profiler's CUDA events need a GPU: tests/bench GPU run)."""
+    from fp4moe.bench.moe_layer import _markdown, _ratios, _recipe_entries
+
+    common = ["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k", str(K),
+              "--tokens", str(T), "--shared-ffn", "0", "--warmup", "1", "--iters", "2", "--micro-batches", "2",
+              "--no-gemm", "--no-profile", "--out", str(tmp_path), "--commit", "test", "--main-grads", "fp32"]
+    spec = "bf16,bf16+fused,fp8,fp8+fused,mxfp4"
+    doc = main(common + ["--recipes", spec])
+    assert not any(k.startswith("gpu_time") for k in doc["ratios"]) and "GPU ms/iter: CUDA" not in _markdown(doc)
+    gpu = {"bf16": 20.0, "bf16+fused": 16.0, "fp8": 25.0, "fp8+fused": 20.0, "mxfp4": 12.5}
+    for r in doc["recipes"]:
+        r["gpu_ms_per_iter"] = gpu[r["recipe"]]
+    ratios = _ratios(_recipe_entries(spec, "fp32"), doc["recipes"])
+    assert ratios["gpu_time bf16+fused/bf16"] == 20.0 / 16.0
+    assert ratios["gpu_time fp8+fused/fp8"] == 25.0 / 20.0 and ratios["gpu_time fp8+fused/bf16"] == 20.0 / 20.0
+    assert ratios["gpu_time fp8/bf16"] == 0.8 and ratios["gpu_time mxfp4/fp8"] == 2.0
+    assert {k.replace("gpu_time", "tokens_per_s") for k in ratios if k.startswith("gpu_time")} <= set(ratios)
+    text = _markdown(dict(doc, ratios=ratios))
+    assert "| recipe | ms/iter | GPU ms/iter | tokens/s |" in text and "| fp8+fused | " in text
+    row = next(line for line in text.splitlines() if line.startswith("| fp8+fused | "))
+    assert row.split(" | ")[2] == "20.00"
+
+
 def test_bench_wgrad_loop_entries(tmp_path):
     """+wloop / +rowcol / +swq: the entry runs with the wgrad_gemm switch at loop / fp8_row_col at 1 /
     fused_swiglu_fp8 at 1 (recorded per row),

@@ -26,7 +26,9 @@ expert of ffn 2048. Per recipe (bf16, fp8, mxfp4, each on the same layer weights
   ``fused_swiglu_fp8`` to 1, ``gather_sum`` to triton; ``+tsum`` sets ``gather_sum`` to torch;
 * ``profile``: CUDA kernel time per iteration by category (``_category``: FP8/BF16 GEMMs, fp4moe's own included;
   fp4moe's other kernels; NCCL; copies; index/sort; elementwise/other) and the top kernels, from ``torch.profiler``
-  (``--no-profile`` skips it).
+  over one optimizer step's ``--micro-batches`` iterations (the timed loop's mix; before 2026-12-06 its first two,
+  which counted the weight quantizer of the first in half of them); its total is ``gpu_ms_per_iter``, beside the
+  wall time, with ``gpu_time`` ratios wherever there are ``tokens_per_s`` ratios (``--no-profile`` skips it).
 * ``memory_peak`` (``--memtrace``, CUDA): what is live at the peak above the base, by allocation site, from the
   allocator's history (``fp4moe.tracking.memtrace``); ``fp4moe.scale.memory.standalone_moe_layer_peak`` models it.
 * ``--main-grads fp32`` (or ``bf16``): the gradients go where the trainer's go, into one main-gradient buffer as
@@ -191,9 +193,11 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
-def _profile(step, dev, iters: int = 2) -> dict:
-    """CUDA kernel time per iteration by category and the 12 longest kernels (us per iteration), over the first
-    ``iters`` iterations of an optimizer step (``step(i)``: iteration i; the first quantizes the cached weights)."""
+def _profile(step, dev, iters: int) -> dict:
+    """CUDA kernel time per iteration by category and the 12 longest kernels (us per iteration), over ``iters``
+    iterations from the start of an optimizer step (``step(i)``: iteration i; the first quantizes the cached
+    weights): given a whole step, the same mix of iterations as the timed loop, so ``total_us`` is the GPU time
+    beside its wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -211,6 +215,7 @@ def _profile(step, dev, iters: int = 2) -> dict:
         cats[_category(k)] += v / iters
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
     return {
+        "iterations": iters,
         "total_us": sum(cats.values()),
         "by_category_us": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
         "top_kernels": [{"name": k[:120], "us": v / iters, "calls": counts[k] // iters, "category": _category(k)}
@@ -416,7 +421,8 @@ def _bench_recipe_in(layer: MoELayer, recipe: Recipe, x, dy, args, dev, params, 
         res[f"{name}_bwd_remote_bytes"] = d["backward_sent_remote_bytes"]
     res.update(_a2a_times(layer, recipe, idx, x, args, dev))
     if not args.no_profile and dev.type == "cuda":
-        res["profile"] = _profile(step, dev)
+        res["profile"] = _profile(step, dev, iters=args.micro_batches)
+        res["gpu_ms_per_iter"] = res["profile"]["total_us"] / 1e3
     return res
 
 
@@ -624,18 +630,23 @@ def _markdown(doc: dict) -> str:
          f"timing: {'CUDA events' if env['gpu'] != 'cpu' else 'perf_counter'}, {env['iters']} iterations after {env['warmup']} warm-up. Expert GEMMs: "
          f"{env.get('grouped_gemm')}, tiles {env.get('gemm_tiles')}. FP8 weight cache: {cache}. Gradients: {grads}.",
          "",
-         "| recipe | ms/iter | tokens/s | vs fp8 | peak GiB | peak over base GiB | saved MiB | saved B/token "
-         "| expert saved MiB | dispatch fwd MiB | dispatch ms | combine ms |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| recipe | ms/iter | GPU ms/iter | tokens/s | vs fp8 | peak GiB | peak over base GiB | saved MiB "
+         "| saved B/token | expert saved MiB | dispatch fwd MiB | dispatch ms | combine ms |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fp8 = next((r for r in rows if r["recipe"] == "fp8"), None)
     for r in rows:
         vs = f"{r['tokens_per_s'] / fp8['tokens_per_s']:.3f}" if fp8 else "-"
         pk = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         po = "-" if r["peak_over_base_gib"] is None else f"{r['peak_over_base_gib']:.2f}"
-        L.append(f"| {r['recipe']} | {r['ms_per_iter']:.2f} | {r['tokens_per_s']:.0f} | {vs} | {pk} | {po} | "
+        gpu = f"{r['gpu_ms_per_iter']:.2f}" if r.get("gpu_ms_per_iter") is not None else "-"
+        L.append(f"| {r['recipe']} | {r['ms_per_iter']:.2f} | {gpu} | {r['tokens_per_s']:.0f} | {vs} | {pk} | {po} | "
                  f"{r['saved_bytes'] / 2**20:.1f} | {r['saved_bytes_per_token']:.0f} | "
                  f"{r['expert_saved_bytes'] / 2**20:.1f} | {r['dispatch_fwd_bytes'] / 2**20:.1f} | "
                  f"{r['dispatch_ms']:.3f} | {r['combine_ms']:.3f} |")
+    if any(r.get("gpu_ms_per_iter") is not None for r in rows):
+        L += ["", "GPU ms/iter: CUDA kernel time per iteration over one optimizer step (the profiles below); wall "
+              "time well above it means the host, not the GPU, set that entry's pace (`gpu_time` ratios compare "
+              "the GPU's work alone)."]
     if doc.get("ratios"):
         L += ["", "Ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in doc["ratios"].items())]
     for r in rows:
@@ -679,6 +690,13 @@ def _shape_tag(args) -> str:
                    if getattr(args, k) != DEFAULT_SHAPE[k])
 
 
+def _gpu_time_ratio(by: dict, label: str, base: str) -> dict:
+    """``{"gpu_time label/base": base's GPU ms / label's}`` (a speed-up, as the tokens/s ratios) when both entries
+    were profiled, else {}."""
+    a, b = by[label].get("gpu_ms_per_iter"), by[base].get("gpu_ms_per_iter")
+    return {f"gpu_time {label}/{base}": b / a} if a and b else {}
+
+
 def _ratios(entries, rows: list[dict]) -> dict:
     """Throughput (and bytes) ratios among the recipes measured so far (``rows``, in ``entries``' order)."""
     by = {r["recipe"]: r for r in rows}
@@ -692,8 +710,10 @@ def _ratios(entries, rows: list[dict]) -> dict:
         for base in dict.fromkeys(("bf16", r.name, head, *(label.replace(f"+{m}", "") for m in mods))):
             if (switched or fused) and base in by and base != label:
                 ratios[f"tokens_per_s {label}/{base}"] = by[label]["tokens_per_s"] / by[base]["tokens_per_s"]
+                ratios.update(_gpu_time_ratio(by, label, base))
     if "fp8" in by and "mxfp4" in by:
         ratios["tokens_per_s mxfp4/fp8"] = by["mxfp4"]["tokens_per_s"] / by["fp8"]["tokens_per_s"]
+        ratios.update(_gpu_time_ratio(by, "mxfp4", "fp8"))
         ratios["saved_bytes mxfp4/fp8"] = by["mxfp4"]["saved_bytes"] / by["fp8"]["saved_bytes"]
         ratios["expert_saved_bytes mxfp4/fp8"] = by["mxfp4"]["expert_saved_bytes"] / by["fp8"]["expert_saved_bytes"]
         if by["mxfp4"]["peak_over_base_gib"] is not None:
@@ -701,6 +721,7 @@ def _ratios(entries, rows: list[dict]) -> dict:
     for name in ("fp8", "mxfp4"):
         if "bf16" in by and name in by:
             ratios[f"tokens_per_s {name}/bf16"] = by[name]["tokens_per_s"] / by["bf16"]["tokens_per_s"]
+            ratios.update(_gpu_time_ratio(by, name, "bf16"))
     if "bf16" in by and "mxfp4" in by:
         ratios["dispatch_fwd_bytes mxfp4/bf16"] = by["mxfp4"]["dispatch_fwd_bytes"] / by["bf16"]["dispatch_fwd_bytes"]
     return ratios
