@@ -149,3 +149,37 @@ def test_megatron_gradient_accumulation_fusion_without_apex(mp, main_dtype):
     assert fused.weight.grad_added_to_main_grad
     assert torch.equal(fused.weight.main_grad, (earlier.float() + plain.weight.grad.float()).to(dtype))
     assert torch.equal(xs[0].grad, xs[1].grad)
+
+
+def test_fused_megatron_linear_behind_saved_tensor_hooks_still_gives_ddp_a_gradient(mp):
+    """Behind ``saved_tensors_hooks`` (fp4moe's saved-bytes accounting, the MXFP4 store) autograd hands megatron's
+    backward a new weight object without the Parameter's attributes; megatron's fused path then adds into main_grad
+    but returns no weight gradient, which DDP's hook refuses under overlap_grad_reduce. Under fp4moe's patches the
+    Parameter gets its stand-in gradient (zeros under zero_out_wgrad) and grad_added_to_main_grad, and main_grad the
+    same sum as without the hooks."""
+    from contextlib import nullcontext
+
+    import torch
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                            gradient_accumulation_fusion=True, params_dtype=torch.bfloat16, bf16=True)
+    lin = ColumnParallelLinear(64, 96, config=cfg, init_method=torch.nn.init.xavier_normal_, bias=False,
+                               gather_output=False)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 2, 64, generator=g).bfloat16()
+    dy = torch.randn(16, 2, 96, generator=g).bfloat16()
+    sums = []
+    for hooks in (False, True):
+        lin.weight.grad = None
+        lin.weight.main_grad, lin.weight.grad_added_to_main_grad = torch.zeros(96, 64), False
+        lin.weight.zero_out_wgrad = True
+        scope = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if hooks else nullcontext()
+        with scope:
+            y = lin(x.clone().requires_grad_())[0]
+        y.backward(dy)
+        assert lin.weight.grad is not None and not lin.weight.grad.any(), hooks   # the stand-in: zeros
+        assert lin.weight.grad_added_to_main_grad, hooks
+        sums.append(lin.weight.main_grad.clone())
+    assert torch.equal(sums[0], sums[1]) and sums[0].any()

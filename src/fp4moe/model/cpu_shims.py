@@ -40,7 +40,14 @@ Without Transformer Engine (on any machine, CPU or GPU):
    DDP's ``main_grad`` through its ``wgrad_gemm_accum_fp32`` / ``_fp16``; without apex the flag is refused at
    construction (layers.py:924) and the functions are missing. fp4moe's stand-ins do the same arithmetic
    (cuBLAS's ``C = A B + C`` on CUDA; the product, then the add, on CPU), so ``train.wgrad_accumulation_fusion``
-   covers megatron's own linears too (``fp4moe.train.optim.fuse_wgrads``).
+   covers megatron's own linears too (``fp4moe.train.optim.fuse_wgrads``). With them,
+   ``LinearWithGradAccumulationAndAsyncCommunication``'s forward and backward (with apex too): the backward finds
+   the weight in ``ctx.saved_tensors``, which under any ``saved_tensors_hooks`` (fp4moe's saved-bytes accounting,
+   the MXFP4 store) is a new tensor object without the Parameter's attributes, so megatron's fused path
+   (layers.py:582-612) sees no ``grad_added_to_main_grad`` and returns no weight gradient: DDP's hook then fails
+   under ``overlap_grad_reduce`` ("param.grad being None is not safe"). The forward keeps the Parameter in ctx, and
+   where megatron returned None after adding into ``main_grad`` the backward returns its stand-in gradient and sets
+   ``grad_added_to_main_grad`` on the Parameter, as megatron does when it sees it.
 
 Only when CUDA is absent (CPU machine, gloo):
 
@@ -370,15 +377,35 @@ def _apply_no_te() -> None:
 
 
 def _apply_no_apex() -> None:
-    """Shim 0f (module docstring): apex's gradient-accumulation GEMMs for megatron's linears, where apex is absent."""
+    """Shim 0f (module docstring): apex's gradient-accumulation GEMMs for megatron's linears, where apex is absent,
+    and the Parameter their fused backward loses behind saved-tensor hooks."""
     from megatron.core.tensor_parallel import layers
 
-    if layers._grad_accum_fusion_available:
-        return
-    from fp4moe.ops import wgrad_accumulation
+    if not layers._grad_accum_fusion_available:
+        from fp4moe.ops import wgrad_accumulation
 
-    _set(layers, "fused_weight_gradient_mlp_cuda", wgrad_accumulation)
-    _set(layers, "_grad_accum_fusion_available", True)
+        _set(layers, "fused_weight_gradient_mlp_cuda", wgrad_accumulation)
+        _set(layers, "_grad_accum_fusion_available", True)
+    fn = layers.LinearWithGradAccumulationAndAsyncCommunication
+    upstream_forward, upstream_backward = fn.forward, fn.backward
+
+    def forward(ctx, input, weight, *args):
+        ctx.fp4moe_param, ctx.fp4moe_input_dtype = weight, input.dtype   # ctx.saved_tensors' weight may be a copy
+        return upstream_forward(ctx, input, weight, *args)
+
+    def backward(ctx, *grads):
+        out = upstream_backward(ctx, *grads)
+        param = ctx.fp4moe_param
+        if (ctx.gradient_accumulation_fusion and out[1] is None and ctx.main_grad is not None
+                and hasattr(param, "grad_added_to_main_grad")):   # megatron added into main_grad, then lost param
+            make = torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty
+            stand_in = make(ctx.main_grad.shape, dtype=ctx.fp4moe_input_dtype, device=ctx.main_grad.device)
+            param.grad_added_to_main_grad = True
+            out = (out[0], stand_in, *out[2:])
+        return out
+
+    _set(fn, "forward", staticmethod(forward))
+    _set(fn, "backward", staticmethod(backward))
 
 
 def _apply_checkpoints() -> None:
