@@ -49,9 +49,8 @@ Gradient-accumulation fusion (megatron's ``gradient_accumulation_fusion``, Trans
 DDP's ``main_grad`` (its FP32 or BF16 gradient buffer) the wgrad is added into ``main_grad`` where it is made
 (the grouped kernel's epilogue, or for bf16 cuBLAS's ``C = A B + C``, reads and writes it: 8 B per FP32 element
 where the unfused path writes the BF16 gradient and DDP's hook then adds it, 12 B), the sum formed in FP32 and
-rounded once; the weight's
-``grad_added_to_main_grad`` is set and autograd gets an uninitialized stand-in gradient (zeros under
-``zero_out_wgrad``), which DDP's hook drops, as megatron's own linears do.
+rounded once; the weight's ``grad_added_to_main_grad`` is set and autograd gets an uninitialized stand-in gradient
+(zeros under ``zero_out_wgrad``), which DDP's hook drops, as megatron's own linears do.
 """
 from __future__ import annotations
 
