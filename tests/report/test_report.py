@@ -537,6 +537,42 @@ def test_f4_newest_benchmark_per_variant():
     assert [r["commit"] for r in latest] == ["b", "c"] and [r["commit"] for r in older] == ["a"]
 
 
+def test_f4_gpu_time_beside_the_wall_time_ratio_where_profiled():
+    """A layer benchmark whose rows carry their GPU time (fp4moe.bench.moe_layer since 2026-12-06) gets, beside the
+    tokens/s ratios of the fastest entries, the same pairs in GPU time, shown in the F4 table's cells; rows without
+    it show the tokens/s ratio alone. The rows are 3cc6160's H100 run (FP8 entries host-bound: 0.903x in tokens/s),
+    each given its profile's total as a newer file carries it."""
+    import json
+
+    from fp4moe.report.render import _f4_table
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import f4_rows
+
+    doc = json.loads((ROOT / "results/moe_layer/moe_layer_h100_ep1_wcache_mb8_mgfp32_2026-12-06_3cc6160.json")
+                     .read_text())
+    params = {"gpu": "h100", "world_size": "1", "commit": "3cc6160", "date": "2026-12-06", "shape.tokens": "4096",
+              "shape.local_experts": "32"}
+
+    def runs(with_gpu):
+        return [RunRecord(f"r{i}", "moe_layer", r["recipe"], "FINISHED", i, dict(params, recipe=r["recipe"]),
+                          {"tokens_per_s": r["tokens_per_s"],
+                           **({"gpu_ms_per_iter": r["profile"]["total_us"] / 1e3} if with_gpu else {})},
+                          {"layer_bench_id": "x"}) for i, r in enumerate(doc["recipes"])]
+
+    (row,) = f4_rows(runs(True))
+    gpu = {r["recipe"]: r["profile"]["total_us"] / 1e3 for r in doc["recipes"]}
+    assert (row["bf16_best"], row["fp8_best"], row["mxfp4_best"]) == (
+        "bf16+fused", "fp8@deepgemm+fused", "mxfp4@deepgemm+fused")
+    assert row["gpu_time_fp8_best_over_bf16"] == gpu["bf16+fused"] / gpu["fp8@deepgemm+fused"]
+    assert row["gpu_time_mxfp4_best_over_fp8_best"] == gpu["fp8@deepgemm+fused"] / gpu["mxfp4@deepgemm+fused"]
+    assert round(row["tokens_per_s_fp8_best_over_bf16"], 3) == 0.903
+    cells = "\n".join(_f4_table([row]))
+    assert "fp8@deepgemm+fused 177828 (0.903x; GPU time 0.994x)" in cells
+    (plain,) = f4_rows(runs(False))
+    assert plain["gpu_time_fp8_best_over_bf16"] is None
+    assert "fp8@deepgemm+fused 177828 (0.903x) |" in "\n".join(_f4_table([plain]))
+
+
 def test_t1_cells_name_non_default_kernels():
     """A measured T1 cell names the code choices that differ from the defaults for its recipe (fp4moe's BF16 experts,
     DeepGEMM), in its row and beside its tokens/s in the rendered table; default runs and settings that do not act

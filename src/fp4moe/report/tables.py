@@ -241,7 +241,7 @@ F4_COLUMNS = ("gpu", "world_size", "commit", "variant", "date", "tokens", "local
               "saved_bytes_per_token_mxfp4", "saved_bytes_mxfp4_over_fp8", "expert_saved_bytes_mxfp4_over_fp8",
               "dispatch_fwd_bytes_mxfp4_over_bf16", "peak_over_base_mxfp4_over_fp8", "bf16_best", "fp8_best", "mxfp4_best",
               "tokens_per_s_bf16_best", "tokens_per_s_fp8_best", "tokens_per_s_mxfp4_best", "tokens_per_s_fp8_best_over_bf16",
-              "tokens_per_s_mxfp4_best_over_fp8_best")
+              "tokens_per_s_mxfp4_best_over_fp8_best", "gpu_time_fp8_best_over_bf16", "gpu_time_mxfp4_best_over_fp8_best")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -263,7 +263,9 @@ def _fastest(tokens_per_s: dict[str, float | None], recipe: str) -> tuple[str, f
 def f4_rows(layer_runs: list[RunRecord]) -> list[dict]:
     """One row per layer benchmark (gpu, EP world size, commit): tokens/s and saved bytes per recipe, ratios; and
     each recipe's fastest entry (``fp8_best``: the recipe, ``fp8@<GEMM backend>`` or with kernel switches) with the
-    ratios the targets read: fp8's fastest over bf16's fastest, mxfp4's fastest over fp8's."""
+    ratios the targets read: fp8's fastest over bf16's fastest, mxfp4's fastest over fp8's; where the benchmark
+    profiled those entries, the same pairs in GPU time (``gpu_time_*``: the slower entry's GPU ms per iteration over
+    the faster's, a speed-up as the tokens/s ratios; a wall-time ratio far below it means the host set the pace)."""
     by_bench: dict[str, dict[str, RunRecord]] = defaultdict(dict)
     for r in sorted(layer_runs, key=lambda r: (r.start_time, r.run_id)):
         if r.status == "FINISHED" and r.tags.get("layer_bench_id"):
@@ -298,7 +300,10 @@ def f4_rows(layer_runs: list[RunRecord]) -> list[dict]:
                     "tokens_per_s_bf16_best": bf16_best_tps, "tokens_per_s_fp8_best": fp8_best_tps,
                     "tokens_per_s_mxfp4_best": mxfp4_best_tps,
                     "tokens_per_s_fp8_best_over_bf16": _ratio(fp8_best_tps, bf16_best_tps),
-                    "tokens_per_s_mxfp4_best_over_fp8_best": _ratio(mxfp4_best_tps, fp8_best_tps)})
+                    "tokens_per_s_mxfp4_best_over_fp8_best": _ratio(mxfp4_best_tps, fp8_best_tps),
+                    "gpu_time_fp8_best_over_bf16": _ratio(g(bf16_best, "gpu_ms_per_iter"), g(fp8_best, "gpu_ms_per_iter")),
+                    "gpu_time_mxfp4_best_over_fp8_best": _ratio(g(fp8_best, "gpu_ms_per_iter"),
+                                                                g(mxfp4_best, "gpu_ms_per_iter"))})
     out.sort(key=lambda x: (str(x["gpu"]), str(x["world_size"]), str(x["date"]), str(x["commit"]),
                             _int_or(x["tokens"]), _int_or(x["local_experts"]), x["variant"]))
     return out

@@ -3,7 +3,7 @@
 Reads what ``fp4moe.bench.moe_layer`` writes (``moe_layer_<gpu>_ep<W>_<date>_<commit>.json``: ``env``, ``shape``,
 ``recipes`` rows, ``ratios``, ``gemm``) and logs, into the MLflow experiment ``moe_layer``, one run per recipe
 row, named ``<gpu> EP=<W> <recipe>``: params gpu, world_size, commit, date, recipe, command, the shape; metrics
-ms_per_iter, tokens_per_s, peak_gib, peak_over_base_gib, saved_bytes(_per_token), expert_saved_bytes,
+ms_per_iter, gpu_ms_per_iter (where profiled), tokens_per_s, peak_gib, peak_over_base_gib, saved_bytes(_per_token), expert_saved_bytes,
 dispatch/combine bytes and ms; tag ``layer_bench_id`` (hash of date, commit, gpu, world size, a non-default shape: one benchmark
 run). Idempotent: rows whose (layer_bench_id, recipe) is already logged are skipped.
 """
@@ -20,7 +20,7 @@ from fp4moe.tracking import bench_log
 
 EXPERIMENT = "moe_layer"
 GLOB = "moe_layer_*.json"
-METRICS = ("ms_per_iter", "tokens_per_s", "peak_gib", "peak_over_base_gib", "saved_bytes", "saved_bytes_per_token",
+METRICS = ("ms_per_iter", "gpu_ms_per_iter", "tokens_per_s", "peak_gib", "peak_over_base_gib", "saved_bytes", "saved_bytes_per_token",
            "expert_saved_bytes", "dispatch_fwd_bytes", "dispatch_bwd_bytes", "combine_fwd_bytes", "combine_bwd_bytes",
            "dispatch_ms", "combine_ms")
 
