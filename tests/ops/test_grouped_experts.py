@@ -499,7 +499,7 @@ def _fused_run(x, counts, w1, w2, p, dy, recipe, grads, *, stacked, recompute, z
     from fp4moe.ops.grouped_experts import fuse_wgrad_accumulation
 
     sizes = [grads[0].numel(), grads[1].numel()]
-    buf = torch.zeros(sum(sizes) + 64, dtype=dtype)
+    buf = torch.zeros(sum(sizes) + 64, dtype=dtype, device=x.device)
     mg1 = buf[sizes[1] + 64:].view(grads[0].shape)   # fc2 first: DDP's buffer holds the parameters backwards
     mg2 = buf[:sizes[1]].view(grads[1].shape)
     mg1.copy_(grads[0]), mg2.copy_(grads[1])
@@ -660,31 +660,14 @@ def test_gpu_bf16_experts_fused_wgrad_matches_the_unfused_gradient(stacked):
     """The bf16 recipe's routed experts on CUDA with fused weights: every weight's main gradient (FP32, from earlier
     values) grows by the unfused BF16 gradient to within its rounding, empty experts' not at all, and
     grad_added_to_main_grad is set."""
-    from fp4moe.ops.grouped_experts import fuse_wgrad_accumulation
-
     recipe = Recipe.preset("bf16")
     x, w1, w2, p, dy = (t.cuda() for t in case(COUNTS, seed=4))
     want = run(x, COUNTS, w1, w2, p, dy, recipe)
-    if stacked:
-        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-        ws = [a, b]
-    else:
-        a, b = [w.clone().requires_grad_() for w in w1], [w.clone().requires_grad_() for w in w2]
-        ws = [*a, *b]
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    earlier = {id(w): torch.randn(w.shape, generator=gen, device="cuda") for w in ws}
-    for w in ws:
-        w.main_grad, w.grad_added_to_main_grad = earlier[id(w)].clone(), False
-    fuse_wgrad_accumulation(ws)
-    try:
-        grouped_expert_mlp(x.clone().requires_grad_(), COUNTS, a, b, p.clone().requires_grad_(), recipe).backward(dy)
-    finally:
-        fuse_wgrad_accumulation(ws, enabled=False)
+    g = torch.Generator().manual_seed(6)
+    earlier = (torch.randn(w1.shape, generator=g).cuda(), torch.randn(w2.shape, generator=g).cuda())
+    (g1, g2), ws = _fused_run(x, COUNTS, w1, w2, p, dy, recipe, earlier, stacked=stacked, recompute=False)
     assert all(w.grad_added_to_main_grad for w in ws)
-    def added(w):   # [E, N, K]: what the backward added into the main gradients of one GEMM's weights
-        return w.main_grad - earlier[id(w)] if stacked else torch.stack([e.main_grad - earlier[id(e)] for e in w])
-
-    got = {"dw1": added(a), "dw2": added(b)}
+    got = {"dw1": g1 - earlier[0].double(), "dw2": g2 - earlier[1].double()}   # what the backward added
     for k in ("dw1", "dw2"):
         assert rel(got[k].cpu(), want[k].to(F64).cpu()) < 2e-3, k
         for e, c in enumerate(COUNTS):
