@@ -307,3 +307,45 @@ def test_main_grads_hold_the_micro_batches_sum_hooked_or_fused(recipe):
             else:   # one rounding (FP32) where the hook adds two BF16-rounded passes
                 assert ((gg - w).norm() / w.norm()).item() < 5e-3, p.shape
     assert not any(hasattr(p, "main_grad") for p in params)
+
+
+def test_host_profile_attributes_each_recipes_python_time(tmp_path):
+    """--host-profile: per recipe, the issue time of one optimizer step's iterations and the functions with the most
+    own time under cProfile, per iteration, named from their package on (fp4moe's own code among them on CPU, where
+    the FP8 arithmetic is Python-driven emulation); the file shows them."""
+    doc = main(["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k",
+                str(K), "--tokens", str(T), "--shared-ffn", "0", "--warmup", "1", "--iters", "2", "--micro-batches",
+                "2", "--recipes", "bf16,fp8", "--no-gemm", "--no-profile", "--fp8-weight-cache", "--host-profile",
+                "--out", str(tmp_path), "--commit", "test"])
+    md = Path(doc["files"][1]).read_text()
+    for r in doc["recipes"]:
+        hp = r["host_profile"]
+        assert hp["iterations"] == 2 and hp["issue_ms_per_iter"] > 0 and hp["profiled_ms_per_iter"] > 0
+        own = [f["own_ms"] for f in hp["top"]]
+        assert len(own) == 25 and own == sorted(own, reverse=True)
+        assert sum(own) <= hp["profiled_ms_per_iter"] * (1 + 1e-9)
+        assert all(f["cum_ms"] >= f["own_ms"] * (1 - 1e-9) and f["calls"] > 0 for f in hp["top"])
+        assert any(f["function"].startswith("fp4moe/") for f in hp["top"]), hp["top"]
+        cum = [f["cum_ms"] for f in hp["ours_cumulative"]]
+        assert cum == sorted(cum, reverse=True)
+        assert all(f["function"].startswith(("fp4moe/", "fp4moe_kernels/")) for f in hp["ours_cumulative"])
+        names = [f["function"] for f in hp["ours_cumulative"]]
+        assert names[0].endswith("(step)") and any(n.startswith("fp4moe/moe/layer.py:") for n in names)
+        assert not any(f["function"].startswith("/") for f in hp["top"])  # no machine's folders in results/
+        assert f"## Host {r['recipe']}: {hp['issue_ms_per_iter']:.2f} ms per iteration to issue" in md
+    plain = main(["--device", "cpu", "--hidden", str(H), "--ffn", str(F), "--local-experts", str(EL), "--top-k",
+                  str(K), "--tokens", str(T), "--shared-ffn", "0", "--warmup", "1", "--iters", "1", "--recipes",
+                  "bf16", "--no-gemm", "--no-profile", "--out", str(tmp_path), "--commit", "test"])
+    assert "host_profile" not in plain["recipes"][0] and "## Host" not in Path(plain["files"][1]).read_text()
+
+
+def test_host_profile_names_files_from_their_package_on(monkeypatch):
+    from fp4moe.bench.moe_layer import _short_path
+
+    monkeypatch.setattr("sys.path", ["", "/tmp/site", "/tmp"])
+    assert _short_path("/tmp/site/triton/runtime/jit.py") == "triton/runtime/jit.py"  # the longest entry holding it
+    monkeypatch.setattr("sys.path", [])
+    assert _short_path("/usr/lib/python3.12/site-packages/torch/nn/modules/module.py") == "torch/nn/modules/module.py"
+    assert _short_path("/work/repo/src/fp4moe/ops/grouped_experts.py") == "fp4moe/ops/grouped_experts.py"
+    assert _short_path("/work/repo/kernels/fp4moe_kernels/launchers.py") == "fp4moe_kernels/launchers.py"
+    assert _short_path("/tmp/site/triton/runtime/jit.py") == "/tmp/site/triton/runtime/jit.py"

@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu (smoke test)")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler kernel breakdown")
     p.add_argument("--no-gemm", action="store_true", help="skip the grouped-vs-dense GEMM comparison")
+    p.add_argument("--host-profile", action="store_true",
+                   help="where each recipe's host (Python) time goes: one optimizer step's iterations issued "
+                        "without a sync (their issue time), then again under cProfile (the functions' own time)")
     p.add_argument("--sweep-gemm", action="store_true",
                    help="first time the grouped Triton GEMMs under several tile configs and use the fastest")
     p.add_argument("--memtrace", action="store_true",
@@ -423,7 +426,64 @@ def _bench_recipe_in(layer: MoELayer, recipe: Recipe, x, dy, args, dev, params, 
     if not args.no_profile and dev.type == "cuda":
         res["profile"] = _profile(step, dev, iters=args.micro_batches)
         res["gpu_ms_per_iter"] = res["profile"]["total_us"] / 1e3
+    if args.host_profile:
+        res["host_profile"] = _host_profile(step, dev, iters=args.micro_batches)
     return res
+
+
+HOST_PROFILE_ROWS = 25  # functions listed per recipe, by their own time
+
+
+def _host_profile(step, dev, iters: int) -> dict:
+    """The host's side of ``iters`` iterations from the start of an optimizer step. ``issue_ms_per_iter``: wall time
+    of the Python that issues them, after a sync and without one between iterations (where the GPU is ahead, as in
+    a host-bound entry, this is the host's own work plus any synchronisation the code makes: a ``.tolist()`` of a
+    device tensor waits for the GPU). Then the same iterations under cProfile: ``top``, the functions with the most
+    own time (``own_ms`` / ``cum_ms`` / ``calls``, per iteration; cProfile's per-call overhead inflates call-heavy
+    Python, so compare rows, not totals), ``ours_cumulative``, fp4moe's and fp4moe_kernels' functions with the most
+    time including their callees (where in our code the host time accrues), and ``profiled_ms_per_iter``, the total
+    under cProfile."""
+    import cProfile
+    import pstats
+    import time
+
+    _sync(dev)
+    t0 = time.perf_counter()
+    for i in range(iters):
+        step(i)
+    issue = (time.perf_counter() - t0) * 1e3 / iters
+    _sync(dev)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(iters):
+        step(i)
+    _sync(dev)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, func), (_, calls, own, cum, _) in stats.stats.items():
+        where = func if path == "~" else f"{portable(_short_path(path))}:{line}({func})"
+        rows.append({"function": where, "calls": calls / iters, "own_ms": own * 1e3 / iters,
+                     "cum_ms": cum * 1e3 / iters})
+    ours = sorted((r for r in rows if r["function"].startswith(("fp4moe/", "fp4moe_kernels/"))),
+                  key=lambda r: -r["cum_ms"])
+    rows.sort(key=lambda r: -r["own_ms"])
+    return {"iterations": iters, "issue_ms_per_iter": issue, "profiled_ms_per_iter": stats.total_tt * 1e3 / iters,
+            "top": rows[:HOST_PROFILE_ROWS], "ours_cumulative": ours[:HOST_PROFILE_ROWS]}
+
+
+def _short_path(path: str) -> str:
+    """A source path as its import name's file: from a ``site-packages`` / ``src`` / ``kernels`` folder on (this
+    repository's two packages, installed ones), else relative to the longest ``sys.path`` entry holding it
+    (``/tmp/site/triton/runtime/jit.py`` -> ``triton/runtime/jit.py`` with ``/tmp/site`` on the path); other paths
+    as they are."""
+    parts = Path(path).parts
+    for anchor in ("site-packages", "dist-packages", "src", "kernels"):
+        if anchor in parts[:-1]:
+            i = len(parts) - 1 - parts[::-1].index(anchor)
+            return "/".join(parts[i + 1:])
+    roots = [r for r in (os.path.abspath(e) for e in sys.path if e) if path.startswith(r.rstrip("/") + "/")]
+    return path[len(max(roots, key=len).rstrip("/")) + 1:] if roots else path
 
 
 MEMTRACE_SITES = 16  # allocation sites listed per recipe (then one <other> row)
@@ -678,6 +738,19 @@ def _markdown(doc: dict) -> str:
         L += [f"| {k} | {v / 1e3:.3f} |" for k, v in pr["by_category_us"].items()]
         L += ["", "| kernel | category | calls | ms |", "|---|---|---|---|"]
         L += [f"| `{k['name'][:80]}` | {k['category']} | {k['calls']} | {k['us'] / 1e3:.3f} |" for k in pr["top_kernels"]]
+    for r in rows:
+        hp = r.get("host_profile")
+        if not hp:
+            continue
+        L += ["", f"## Host {r['recipe']}: {hp['issue_ms_per_iter']:.2f} ms per iteration to issue (`--host-profile`, "
+              f"{hp['iterations']} iterations); under cProfile {hp['profiled_ms_per_iter']:.2f}", "",
+              "| function | calls/iter | own ms/iter | cumulative ms/iter |", "|---|---:|---:|---:|"]
+        L += [f"| `{f['function'][:100]}` | {f['calls']:.1f} | {f['own_ms']:.3f} | {f['cum_ms']:.3f} |"
+              for f in hp["top"]]
+        L += ["", f"fp4moe's functions in {r['recipe']}'s iterations by cumulative time (with their callees):", "",
+              "| function | calls/iter | own ms/iter | cumulative ms/iter |", "|---|---:|---:|---:|"]
+        L += [f"| `{f['function'][:100]}` | {f['calls']:.1f} | {f['own_ms']:.3f} | {f['cum_ms']:.3f} |"
+              for f in hp.get("ours_cumulative", [])]
     return "\n".join(L) + "\n"
 
 
