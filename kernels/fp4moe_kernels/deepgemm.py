@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from .constants import FP8_GROUP
-from .formats import FormatError, FP8RowTensor, Segments
+from .formats import FormatError, FP8RowTensor, Segments, host_to_device
 
 ALIGN = 128  # rows per block of DeepGEMM's m-grouped contiguous layout (get_mk_alignment_for_contiguous_layout)
 ENV_DIR = "FP4MOE_DEEPGEMM_DIR"
@@ -124,7 +124,7 @@ def row_aligned(seg: Segments) -> bool:
 def expert_of_rows(seg: Segments, device: torch.device) -> torch.Tensor:
     """m_indices int32 ``[M]``: each row's expert (DeepGEMM's grouped layout), built on ``device``. Cached for the
     last few segmentations: one micro-batch's fc1 / fc2 fprop and dgrad share one."""
-    counts = torch.tensor(seg.counts, dtype=torch.int64, device=device)
+    counts = host_to_device(torch.tensor(seg.counts, dtype=torch.int64), device)  # queued: no stream drain
     return torch.repeat_interleave(torch.arange(seg.num, dtype=torch.int32, device=device), counts,
                                    output_size=seg.total)
 
@@ -135,7 +135,7 @@ def _scale_chunks(seg: Segments, groups: int, device: torch.device) -> torch.Ten
     ``(kb, t)`` (k-block kb, row tile t of 128 rows) is chunk ``groups * T0_e + kb * n_e + (t - T0_e)`` of the
     segment-major scales, where tile t lies in expert e, which starts at tile T0_e and has n_e tiles (row-aligned
     segments: no tile spans two experts). Built with a few device ops whatever the expert count."""
-    n = torch.tensor([c // ALIGN for c in seg.counts], dtype=torch.int64, device=device)
+    n = host_to_device(torch.tensor([c // ALIGN for c in seg.counts], dtype=torch.int64), device)
     t0 = torch.cumsum(n, 0) - n
     tiles = seg.total // ALIGN
     e = torch.repeat_interleave(torch.arange(seg.num, device=device), n, output_size=tiles)

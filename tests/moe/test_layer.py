@@ -242,3 +242,34 @@ def test_ep2_nccl_matches_single_gpu(tmp_path):
                 exact &= torch.equal(a, b)
                 assert rel(a, b.to(F64)) < 1e-2, (name, rank, k, rel(a, b.to(F64)))
         print(f"EP=2 NCCL {name}: bit-exact vs one GPU: {exact}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="needs a CUDA GPU with blockwise FP8 GEMMs (sm_90)")
+def test_gpu_every_recipe_waits_for_the_gpu_as_often_as_bf16():
+    """One forward + backward of the layer on CUDA: the FP8 and MXFP4 recipes make as many synchronizing CUDA calls as
+    bf16, i.e. only the dispatch's (the per-expert counts the host needs to size the grouped GEMMs); each further
+    wait would leave the GPU idle while the host issues what follows (results/moe_layer/README.md, the
+    thirty-fourth session)."""
+    import warnings
+
+    x, dy = (t.cuda() for t in tokens(200, seed=3))
+    syncs = {}
+    for name in NAMES:
+        layer = make_layer(name).cuda()
+
+        def once():
+            xx = x.clone().requires_grad_()
+            layer(xx).backward(dy)
+        once()   # first calls compile and fill the caches
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                once()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs[name] = sum("synchroniz" in str(w.message) for w in seen)
+    assert syncs["bf16"] >= 1 and syncs["fp8"] == syncs["bf16"] and syncs["mxfp4"] == syncs["bf16"], syncs

@@ -560,4 +560,4 @@ def _accumulation_targets(targets: Sequence[torch.Tensor], e_num: int, n: int, k
     size = t0.element_size()
     flat = torch.empty(0, dtype=t0.dtype, device=device).set_(storage, 0, (storage.nbytes() // size,), (1,))
     offsets = [(t.data_ptr() - storage.data_ptr()) // size for t in targets]
-    return flat, torch.tensor(offsets, dtype=torch.int64, device=device)
+    return flat, host_to_device(torch.tensor(offsets, dtype=torch.int64), device)  # queued, not a pageable copy's sync

@@ -62,7 +62,7 @@ import torch
 from fp4moe_kernels import convert as kops
 from fp4moe_kernels import switches
 from fp4moe_kernels.constants import FP8_GROUP
-from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments
+from fp4moe_kernels.formats import FormatError, FP8ColTensor, FP8RowTensor, MXFP4Tensor, Segments, host_to_device
 from fp4moe_kernels.sizes import fp8_row_col_bytes, mxfp4_bytes
 
 from ..recipe import Recipe
@@ -519,15 +519,17 @@ class RowPadding:
 def padded_rows(seg: Segments, align: int, device) -> RowPadding:
     """The :class:`RowPadding` of ``seg`` with every count rounded up to a multiple of ``align``."""
     padded = Segments(tuple(-(-c // align) * align for c in seg.counts))
-    shift = torch.tensor([p - o for p, o in zip(padded.offsets[:-1], seg.offsets[:-1])], dtype=torch.int64, device=device)
-    counts = torch.tensor(seg.counts, dtype=torch.int64, device=device)
+    # host tables go through host_to_device: a pageable copy would wait for the stream to drain (GPU idle after)
+    shift = host_to_device(torch.tensor([p - o for p, o in zip(padded.offsets[:-1], seg.offsets[:-1])],
+                                        dtype=torch.int64), device)
+    counts = host_to_device(torch.tensor(seg.counts, dtype=torch.int64), device)
     dst = torch.arange(seg.total, device=device) + torch.repeat_interleave(shift, counts, output_size=seg.total)
     src = torch.zeros(padded.total, dtype=torch.int64, device=device).index_copy_(
         0, dst, torch.arange(seg.total, device=device))
     # the padding rows from the host's counts (fewer than align per expert): no device-to-host sync, as a mask's
     # nonzero() would be
     pad = [i for p0, c, p1 in zip(padded.offsets[:-1], seg.counts, padded.offsets[1:]) for i in range(p0 + c, p1)]
-    return RowPadding(padded, dst, src, torch.tensor(pad, dtype=torch.int64, device=device))
+    return RowPadding(padded, dst, src, host_to_device(torch.tensor(pad, dtype=torch.int64), device))
 
 
 class _RowMap(torch.autograd.Function):
