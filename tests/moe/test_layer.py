@@ -271,5 +271,5 @@ def test_gpu_every_recipe_waits_for_the_gpu_as_often_as_bf16():
                 once()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs[name] = sum("synchroniz" in str(w.message) for w in seen)
+        syncs[name] = sum("called a synchronizing" in str(w.message) for w in seen)
     assert syncs["bf16"] >= 1 and syncs["fp8"] == syncs["bf16"] and syncs["mxfp4"] == syncs["bf16"], syncs

@@ -774,19 +774,30 @@ def test_fused_swiglu_fp8_switch_changes_no_bit(name, device, monkeypatch):
 
 
 def _sync_calls(fn) -> list[str]:
-    """The synchronizing CUDA calls ``fn()`` makes (torch's sync debug mode, one warning each): a wait of the host for
-    the stream, e.g. a ``.tolist()`` or a copy from pageable host memory."""
+    """The synchronizing CUDA calls ``fn()`` makes (torch's sync debug mode, one warning each: a wait of the host
+    for the stream, e.g. a ``.tolist()`` or a copy from pageable host memory), each with the innermost frames of
+    fp4moe's code that made it."""
+    import traceback
     import warnings
 
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "called a synchronizing" in str(message):
+            ours = [f"{fr.filename.rsplit('/', 2)[-2]}/{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno} {fr.name}"
+                    for fr in traceback.extract_stack() if "fp4moe" in fr.filename and "/tests/" not in fr.filename]
+            found.append(f"{str(message).splitlines()[0]} at {filename}:{lineno} <- " + " <- ".join(ours[::-1][:4]))
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as seen:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+    return found
 
 
 @pytest.mark.gpu
