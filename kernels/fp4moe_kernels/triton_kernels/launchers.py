@@ -333,7 +333,7 @@ def _expert_offsets(ws, device, unit: int = 1) -> torch.Tensor:
     if t is None:
         if len(_OFFSETS) > 4096:
             _OFFSETS.clear()
-        t = _OFFSETS[key] = torch.tensor(offs, dtype=torch.int64).to(device)
+        t = _OFFSETS[key] = host_to_device(torch.tensor(offs, dtype=torch.int64), device)
     return t
 
 
