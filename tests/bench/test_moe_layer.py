@@ -346,6 +346,6 @@ def test_host_profile_names_files_from_their_package_on(monkeypatch):
     assert _short_path("/tmp/site/triton/runtime/jit.py") == "triton/runtime/jit.py"  # the longest entry holding it
     monkeypatch.setattr("sys.path", [])
     assert _short_path("/usr/lib/python3.12/site-packages/torch/nn/modules/module.py") == "torch/nn/modules/module.py"
-    assert _short_path("/work/repo/src/fp4moe/ops/grouped_experts.py") == "fp4moe/ops/grouped_experts.py"
-    assert _short_path("/work/repo/kernels/fp4moe_kernels/launchers.py") == "fp4moe_kernels/launchers.py"
+    assert _short_path("/home/user/repo/src/fp4moe/ops/grouped_experts.py") == "fp4moe/ops/grouped_experts.py"
+    assert _short_path("/home/user/repo/kernels/fp4moe_kernels/launchers.py") == "fp4moe_kernels/launchers.py"
     assert _short_path("/tmp/site/triton/runtime/jit.py") == "/tmp/site/triton/runtime/jit.py"
