@@ -53,9 +53,9 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from ..moe.dispatch import (as_int_list, combine_rows, dispatch_probs, dispatch_rows, local_expert_permutation,
-                            pad_probs, permutation_from_routing_map, permute_tokens, reorder_rows, row_padding,
-                            unpermute_tokens)
+from ..moe.dispatch import (as_int_list, combine_rows, dispatch_probs, dispatch_rows, host_to_device,
+                            local_expert_permutation, pad_probs, permutation_from_routing_map, permute_tokens,
+                            reorder_rows, row_padding, unpermute_tokens)
 from ..moe.experts import routed_experts, shared_expert
 from ..ops.all_to_all import A2AStats, DispatchedMXFP4, dispatch_quantize_mode
 from ..ops.grouped_experts import gemm_row_align
@@ -221,8 +221,8 @@ class QuantizedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.tokens_per_expert = None
         rp = self._fp4moe_pad1 if self._fp4moe_pad1 is not None else self._fp4moe_pad2
         if rp is not None:  # the experts' counts are the padded ones
-            tokens_per_expert = torch.tensor(rp.padded.counts, dtype=torch.int64,
-                                             device=getattr(tokens_per_expert, "device", "cpu"))
+            tokens_per_expert = host_to_device(torch.tensor(rp.padded.counts, dtype=torch.int64),
+                                               getattr(tokens_per_expert, "device", "cpu"))  # queued if on a GPU
         return global_input_tokens, tokens_per_expert, global_probs
 
     def combine_preprocess(self, hidden_states):
