@@ -47,6 +47,7 @@ environment's, read at each call (so a change of the environment, e.g. a test's,
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass, fields
 from typing import Iterator, Mapping
@@ -161,8 +162,17 @@ _SET: list[Switches] = []
 
 
 def current() -> Switches:
-    """The switches in force: the innermost ``use``, else the environment's (read now)."""
-    return _SET[-1] if _SET else Switches.from_env()
+    """The switches in force: the innermost ``use``, else the environment's (read now; parsed once per distinct set
+    of values: the kernels ask on every call, tens of times per layer and step)."""
+    if _SET:
+        return _SET[-1]
+    return _parsed(tuple(os.environ.get(var) for var in ENV.values()))
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(values: tuple[str | None, ...]) -> Switches:
+    """``Switches.from_env`` of the environment whose ``ENV`` variables hold ``values`` (None: unset)."""
+    return Switches.from_env({var: v for var, v in zip(ENV.values(), values) if v is not None})
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
-"""fp4moe_kernels.switches: the kernel switches in one place. The environment's are read at each call, a ``use``
-block overrides them, the trainer's ``kernels`` config group defaults to the environment and records what ran, and
-every bad value is one error naming the key, the variable and the values."""
+"""fp4moe_kernels.switches: the kernel switches in one place. The environment's are read at each call (parsed once
+per set of values), a ``use`` block overrides them, the trainer's ``kernels`` config group defaults to the environment
+and records what ran, and every bad value is one error naming the key, the variable and the values."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +20,14 @@ def test_defaults_environment_and_use(monkeypatch):
             assert sw.current().cuda_col == "0" and sw.current().grouped_gemm == "triton"
         assert sw.current() is s
     assert sw.current().grouped_gemm == "loop"
+    assert sw.current() is sw.current()  # parsed once while the environment holds the same values
+    monkeypatch.setenv("FP4MOE_GROUPED_GEMM", "triton")
+    assert sw.current().grouped_gemm == "triton"  # a change is seen at the next call
+    monkeypatch.setenv("FP4MOE_GROUPED_GEMM", "typo")
+    for _ in range(2):  # a bad value is refused at every call, not remembered
+        with pytest.raises(sw.SwitchError, match="FP4MOE_GROUPED_GEMM='typo'"):
+            sw.current()
+    monkeypatch.setenv("FP4MOE_GROUPED_GEMM", " LOOP ")
     assert sw.Switches(dispatch_quantize="rows", tiles=" {} ").as_env() == {"FP4MOE_DISPATCH_QUANTIZE": "rows",
                                                                              "FP4MOE_TILES": "{}"}
 
