@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cuda_syncs import sync_calls
 from fp4moe.moe import MoELayer
 from fp4moe.recipe import Recipe
 
@@ -252,8 +253,6 @@ def test_gpu_every_recipe_waits_for_the_gpu_as_often_as_bf16():
     bf16, i.e. only the dispatch's (the per-expert counts the host needs to size the grouped GEMMs); each further
     wait would leave the GPU idle while the host issues what follows (results/moe_layer/README.md, the
     thirty-fourth session)."""
-    import warnings
-
     x, dy = (t.cuda() for t in tokens(200, seed=3))
     syncs = {}
     for name in NAMES:
@@ -263,13 +262,5 @@ def test_gpu_every_recipe_waits_for_the_gpu_as_often_as_bf16():
             xx = x.clone().requires_grad_()
             layer(xx).backward(dy)
         once()   # first calls compile and fill the caches
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                once()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs[name] = sum("called a synchronizing" in str(w.message) for w in seen)
+        syncs[name] = len(sync_calls(once))
     assert syncs["bf16"] >= 1 and syncs["fp8"] == syncs["bf16"] and syncs["mxfp4"] == syncs["bf16"], syncs

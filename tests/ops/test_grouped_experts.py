@@ -27,6 +27,7 @@ from fp4moe.ops.all_to_all import quantized_all_to_all
 from fp4moe.ops.grouped_experts import expert_saved_bytes, grouped_expert_mlp
 from fp4moe.ops.accounting import saved_bytes_during
 from fp4moe.recipe import Recipe
+from cuda_syncs import sync_calls
 from fp4moe_kernels import reference as R
 
 F64 = torch.float64
@@ -773,33 +774,6 @@ def test_fused_swiglu_fp8_switch_changes_no_bit(name, device, monkeypatch):
             assert torch.equal(have.view(torch.int16), want.view(torch.int16)), k
 
 
-def _sync_calls(fn) -> list[str]:
-    """The synchronizing CUDA calls ``fn()`` makes (torch's sync debug mode, one warning each: a wait of the host
-    for the stream, e.g. a ``.tolist()`` or a copy from pageable host memory), each with the innermost frames of
-    fp4moe's code that made it."""
-    import traceback
-    import warnings
-
-    found = []
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "called a synchronizing" in str(message):
-            ours = [f"{fr.filename.rsplit('/', 2)[-2]}/{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno} {fr.name}"
-                    for fr in traceback.extract_stack() if "fp4moe" in fr.filename and "/tests/" not in fr.filename]
-            found.append(f"{str(message).splitlines()[0]} at {filename}:{lineno} <- " + " <- ".join(ours[::-1][:4]))
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return found
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with blockwise FP8 GEMMs (sm_90)")
 @pytest.mark.parametrize("name,gemm", [("bf16", "triton"), ("fp8", "triton"), ("mxfp4", "triton"),
@@ -822,6 +796,6 @@ def test_gpu_expert_pass_never_waits_for_the_gpu(name, gemm):
         _fused_run(x, COUNTS, w1, w2, p, dy, recipe, zeros, stacked=False, recompute=False)
     with switches.use(switches.Switches(grouped_gemm=gemm)):
         once()   # first calls compile and fill the caches
-        assert _sync_calls(once) == []
+        assert sync_calls(once) == []
     # the check sees a pageable copy (what the offsets were)
-    assert _sync_calls(lambda: torch.tensor(COUNTS, device="cuda")) != []
+    assert sync_calls(lambda: torch.tensor(COUNTS, device="cuda")) != []

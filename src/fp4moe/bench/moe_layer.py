@@ -750,7 +750,7 @@ def _markdown(doc: dict) -> str:
         L += ["", f"fp4moe's functions in {r['recipe']}'s iterations by cumulative time (with their callees):", "",
               "| function | calls/iter | own ms/iter | cumulative ms/iter |", "|---|---:|---:|---:|"]
         L += [f"| `{f['function'][:100]}` | {f['calls']:.1f} | {f['own_ms']:.3f} | {f['cum_ms']:.3f} |"
-              for f in hp.get("ours_cumulative", [])]
+              for f in hp["ours_cumulative"]]
     return "\n".join(L) + "\n"
 
 

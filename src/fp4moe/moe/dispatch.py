@@ -356,8 +356,9 @@ def dispatch_probs(probs: torch.Tensor, input_splits, output_splits, group, worl
     return _ProbsAllToAll.apply(probs, as_int_list(input_splits), as_int_list(output_splits), group)
 
 
+# host_to_device: fp4moe_kernels.formats' queued host-to-GPU copy, re-exported for fp4moe.model (which imports no
+# kernels)
 __all__ = ["TokenPermutation", "as_int_list", "chunk_orders", "combine_rows", "dispatch_probs", "dispatch_rows",
-           "ep_world", "expert_splits", "inverse_permutation", "local_expert_permutation", "pad_probs",
-           "permutation_from_routing_map", "permutation_from_topk", "permute_tokens", "reorder_rows", "row_padding",
-           "unpermute_tokens",
-           "host_to_device"]  # fp4moe_kernels.formats' queued host-to-GPU copy, for fp4moe.model (which imports no kernels)
+           "ep_world", "expert_splits", "host_to_device", "inverse_permutation", "local_expert_permutation",
+           "pad_probs", "permutation_from_routing_map", "permutation_from_topk", "permute_tokens", "reorder_rows",
+           "row_padding", "unpermute_tokens"]
