@@ -69,6 +69,34 @@ def test_a_variant_of_one_commit_is_its_own_benchmark(tmp_path):
     assert sorted(r["variant"] for r in rows) == ["", "fp8_weight_cache"]
 
 
+def test_two_runs_of_one_day_and_commit_are_two_benchmarks_the_newest_measured_last(tmp_path):
+    """Two files of one day, commit, GPU and variant (the benchmark run twice, or on two machines) with their
+    ``measured_at``: both are logged (without it the second shared the first's id and was skipped as 'already
+    there'), and the report's newest is the one measured last even when it is logged first (make reproduce-table logs
+    files by name); a file without ``measured_at`` keeps its id and sorts before them."""
+    from fp4moe.report import render
+    from fp4moe.report.store import load
+    from fp4moe.report.tables import f4_rows
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    old = _doc(tmp_path)
+    early, late = (json.loads(old.read_text()) for _ in range(2))
+    early["env"]["measured_at"], late["env"]["measured_at"] = "2026-11-30T09:00:05Z", "2026-11-30T17:30:00Z"
+    late["recipes"][0]["tokens_per_s"] = 1.0  # tell the two apart
+    a = tmp_path / "moe_layer_h200_ep2_2026-11-30_abc1234_173000.json"
+    b = tmp_path / "moe_layer_h200_ep2_2026-11-30_abc1234_090005.json"
+    a.write_text(json.dumps(late))
+    b.write_text(json.dumps(early))
+    ids = {L.layer_bench_id(d["env"]) for d in (json.loads(old.read_text()), early, late)}
+    assert len(ids) == 3
+    assert L.log_file(a, uri) == (3, 0) and L.log_file(b, uri) == (3, 0) and L.log_file(old, uri) == (3, 0)
+    rows = f4_rows([r for r in load(uri).runs if r.experiment == L.EXPERIMENT])
+    assert sorted(r["date"] for r in rows) == ["2026-11-30", "2026-11-30T09:00:05Z", "2026-11-30T17:30:00Z"]
+    newest, rest = render._f4_latest(rows)
+    assert [r["date"] for r in newest] == ["2026-11-30T17:30:00Z"] and newest[0]["tokens_per_s_bf16"] == 1.0
+    assert len(rest) == 2
+
+
 def test_targets_read_each_recipes_fastest_gemm_backend(tmp_path):
     """A benchmark with fp8@deepgemm / mxfp4@deepgemm entries: the F4 targets read each recipe's fastest entry
     (fp8@deepgemm over bf16; mxfp4's fastest over fp8's fastest), the plain recipes' ratios stay as they were, and the

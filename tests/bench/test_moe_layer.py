@@ -12,6 +12,7 @@ from fp4moe.bench.moe_layer import main
 from fp4moe.ops.all_to_all import a2a_payload_bytes
 from fp4moe.ops.grouped_experts import expert_saved_bytes
 from fp4moe.recipe import Recipe
+from fp4moe.tracking.layer_bench_log import layer_bench_id
 
 H, F, EL, K, T = 256, 128, 4, 2, 48
 
@@ -28,6 +29,9 @@ def test_bench_cpu_smoke(tmp_path):
                   "bf16,fp8@loop", "--no-gemm", "--no-profile", "--out", str(tmp_path), "--commit", "test"])
     kept = Path(again["files"][0])  # the same day and commit: written beside the first run, which is kept
     assert kept.name.startswith(stem + "_") and (tmp_path / files[0]).exists() and len(list(tmp_path.iterdir())) == 4
+    # ... and logged as a benchmark of its own: the time it was measured is part of its id (layer_bench_log)
+    assert doc["env"]["measured_at"] < again["env"]["measured_at"]
+    assert layer_bench_id(doc["env"], doc["shape"]) != layer_bench_id(again["env"], again["shape"])
     # a recipe @ a grouped_gemm value: its own row, run under that switch, with its ratio to bf16
     assert [(r["recipe"], r["grouped_gemm"]) for r in again["recipes"]] == [("bf16", "loop"), ("fp8@loop", "loop")]
     assert list(again["ratios"]) == ["tokens_per_s fp8@loop/bf16"]

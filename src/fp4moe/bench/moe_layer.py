@@ -838,6 +838,9 @@ def main(argv=None) -> dict:
     cmd = portable(cmd)  # <repo>/..., $OUT/...: no machine's folders in results/
     doc = {
         "env": {"date": datetime.date.today().isoformat(), "commit": _commit(args.commit), "gpu": _gpu_name(dev),
+                # when it was measured (UTC, ISO, to the millisecond): two runs of one day and commit are two benchmarks
+                "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+                .replace("+00:00", "Z"),
                 "world_size": world, "torch": torch.__version__, "python": platform.python_version(),
                 "command": cmd, "warmup": args.warmup, "iters": args.iters, "device": str(dev),
                 "grouped_gemm": gemm_backend(dev), "gemm_tiles": _tiles(), "fp8_weight_cache": args.fp8_weight_cache,

@@ -50,14 +50,18 @@ DEFAULT_SHAPE = {"hidden": 7168, "ffn": 2048, "local_experts": 32, "top_k": 8, "
 
 def layer_bench_id(env: dict, shape: dict | None = None) -> str:
     """One benchmark run: date, commit, gpu, world size and, where it differs from DEFAULT_SHAPE, the shape, and the
-    variant (``variant(env)``) when there is one (files of the default shape and no variant keep the id they were
-    logged under before shapes and variants were part of it)."""
+    variant (``variant(env)``) when there is one, and the time it was measured (``measured_at``) where the file has
+    it (files of the default shape and no variant keep the id they were logged under before shapes and variants were
+    part of it; files written before ``measured_at`` keep theirs, so two of one day, commit, GPU and variant share one
+    id and the second logged is taken for the first)."""
     key = f"{env['date']}|{env['commit']}|{env['gpu']}|{env['world_size']}"
     other = {k: v for k, v in sorted((shape or {}).items()) if k in DEFAULT_SHAPE and DEFAULT_SHAPE[k] != v}
     if other:
         key += "|" + ",".join(f"{k}={v}" for k, v in other.items())
     if variant(env):
         key += "|" + variant(env)
+    if env.get("measured_at"):
+        key += "|" + env["measured_at"]
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -99,7 +103,10 @@ def log_file(path: str | Path, uri: str | None = None) -> tuple[int, int]:
     for row in doc["recipes"]:
         if row["recipe"] in done:
             continue
-        params = {"gpu": env["gpu"], "world_size": env["world_size"], "commit": env["commit"], "date": env["date"],
+        # date: the measuring time where the file has it (an ISO time, as the kernel benchmark's), so that the report's
+        # newest benchmark of a day is the one measured last, not the one whose file name sorts last
+        params = {"gpu": env["gpu"], "world_size": env["world_size"], "commit": env["commit"],
+                  "date": env.get("measured_at") or env["date"],
                   "recipe": row["recipe"], "command": env.get("command", ""), "variant": variant(env),
                   **{f"shape.{k}": v for k, v in doc["shape"].items()}}
         metrics = {k: row.get(k) for k in METRICS}
