@@ -73,7 +73,8 @@ def test_two_runs_of_one_day_and_commit_are_two_benchmarks_the_newest_measured_l
     """Two files of one day, commit, GPU and variant (the benchmark run twice, or on two machines) with their
     ``measured_at``: both are logged (without it the second shared the first's id and was skipped as 'already
     there'), and the report's newest is the one measured last even when it is logged first (make reproduce-table logs
-    files by name); a file without ``measured_at`` keeps its id and sorts before them."""
+    files by name); a file without ``measured_at`` keeps its id and sorts before them, and one written as the second
+    run of its day and commit before ``measured_at`` existed takes the time in its name."""
     from fp4moe.report import render
     from fp4moe.report.store import load
     from fp4moe.report.tables import f4_rows
@@ -95,6 +96,11 @@ def test_two_runs_of_one_day_and_commit_are_two_benchmarks_the_newest_measured_l
     newest, rest = render._f4_latest(rows)
     assert [r["date"] for r in newest] == ["2026-11-30T17:30:00Z"] and newest[0]["tokens_per_s_bf16"] == 1.0
     assert len(rest) == 2
+    # a file of before measured_at, a second run of its day and commit (_HHMMSS, the local time it was written)
+    second = tmp_path / "moe_layer_h200_ep2_2026-11-30_abc1234_083201.json"
+    second.write_text(old.read_text())
+    assert L.load(second)["env"]["measured_at"] == "2026-11-30T08:32:01" and "measured_at" not in L.load(old)["env"]
+    assert L.log_file(second, uri) == (3, 0)
 
 
 def test_targets_read_each_recipes_fastest_gemm_backend(tmp_path):
@@ -149,7 +155,8 @@ def test_bad_files(tmp_path):
 
 
 def test_repo_results_load():
-    """Every layer benchmark file committed under results/moe_layer/ is readable."""
+    """Every layer benchmark file committed under results/moe_layer/ is readable, and is a benchmark of its own (no
+    two share an id: make reproduce-table would log only the first)."""
     from fp4moe.paths import results_dir
 
     from fp4moe.bench.moe_layer import _recipe_entries
@@ -164,3 +171,5 @@ def test_repo_results_load():
         entries = [e for r in doc["recipes"] for e in _recipe_entries(r["recipe"], doc["env"].get("main_grads"))]
         names = {recipe.name for _, recipe, _, _ in entries}
         assert {"fp8", "mxfp4"} <= names <= {"bf16", "fp8", "mxfp4"}, f
+    ids = [L.layer_bench_id(d["env"], d["shape"]) for d in map(L.load, files)]
+    assert len(set(ids)) == len(files)

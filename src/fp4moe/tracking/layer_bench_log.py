@@ -4,8 +4,9 @@ Reads what ``fp4moe.bench.moe_layer`` writes (``moe_layer_<gpu>_ep<W>_<date>_<co
 ``recipes`` rows, ``ratios``, ``gemm``) and logs, into the MLflow experiment ``moe_layer``, one run per recipe
 row, named ``<gpu> EP=<W> <recipe>``: params gpu, world_size, commit, date, recipe, command, the shape; metrics
 ms_per_iter, gpu_ms_per_iter (where profiled), tokens_per_s, peak_gib, peak_over_base_gib, saved_bytes(_per_token), expert_saved_bytes,
-dispatch/combine bytes and ms; tag ``layer_bench_id`` (hash of date, commit, gpu, world size, a non-default shape: one benchmark
-run). Idempotent: rows whose (layer_bench_id, recipe) is already logged are skipped.
+dispatch/combine bytes and ms; tag ``layer_bench_id`` (hash of date, commit, gpu, world size, a non-default shape, the
+variant and the time it was measured: one benchmark run). Idempotent: rows whose (layer_bench_id, recipe) is already
+logged are skipped. ``date`` is the measuring time (``env.measured_at``, UTC ISO) where the file has it.
 """
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def load(path: str | Path) -> dict:
     for key in ("date", "commit", "gpu", "world_size"):
         if key not in doc["env"]:
             raise LayerBenchFileError(f"{p}: env has no '{key}'")
+    env = doc["env"]
+    # a file written before the benchmark recorded measured_at, as a second run of its day and commit: the benchmark
+    # named it <...>_<date>_<commit>_<HHMMSS>.json, the local time it was written; that time tells the runs apart
+    stem, tail = p.stem.rsplit("_", 1) if "_" in p.stem else (p.stem, "")
+    if ("measured_at" not in env and len(tail) == 6 and tail.isdigit()
+            and stem.endswith(f"_{env['date']}_{env['commit']}")):
+        env["measured_at"] = f"{env['date']}T{tail[:2]}:{tail[2:4]}:{tail[4:]}"
     return doc
 
 
