@@ -60,8 +60,8 @@ def layer_bench_id(env: dict, shape: dict | None = None) -> str:
     """One benchmark run: date, commit, gpu, world size and, where it differs from DEFAULT_SHAPE, the shape, and the
     variant (``variant(env)``) when there is one, and the time it was measured (``measured_at``) where the file has
     it (files of the default shape and no variant keep the id they were logged under before shapes and variants were
-    part of it; files written before ``measured_at`` keep theirs, so two of one day, commit, GPU and variant share one
-    id and the second logged is taken for the first)."""
+    part of it, and files written before ``measured_at`` theirs; :func:`load` gives such a file written as a second run
+    of its day and commit, ``..._<HHMMSS>.json``, the time in its name)."""
     key = f"{env['date']}|{env['commit']}|{env['gpu']}|{env['world_size']}"
     other = {k: v for k, v in sorted((shape or {}).items()) if k in DEFAULT_SHAPE and DEFAULT_SHAPE[k] != v}
     if other:
