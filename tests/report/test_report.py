@@ -322,6 +322,38 @@ def test_runs_from_different_archives_are_different_setups():
     assert "archive `t1_h200_ad6fb3f.json`" in setup_of(b).label and "archive" not in setup_of(here).label
 
 
+def test_an_archive_with_an_ab_pair_shows_both_sides_of_a_cell():
+    """One archive (one setup) holding a cell at two commits and with a kernel switch off: the setup's grid shows the
+    latest run, then the latest of each other code (another commit named, a switch by its note), newest first; a
+    repeat of one code shows only its latest run; the CSV keeps one row per cell."""
+    from fp4moe.report import render
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import T1_COLUMNS, measured_cell, setup_of
+
+    params = {"parallel.tensor": "1", "parallel.pipeline": "1", "parallel.expert": "1", "parallel.data": "1",
+              "parallel.micro_batch": "32", "parallel.seq_length": "4096", "parallel.global_batch": "32"}
+    tags = {"model": "proxy_h200", "hardware": "1 x NVIDIA H100", "recipe": "fp8", "recompute": "full",
+            "world_size": "1", "fp4moe.archive": "pair.json.xz"}
+
+    def run(rid, t, commit, tgs, **p):
+        return RunRecord(rid, "proxy_t1_1gpu", rid, "FINISHED", t, dict(params, **p),
+                         {"summary/tgs_median": tgs, "summary/tgs_min": tgs - 1, "summary/tgs_max": tgs + 1},
+                         dict(tags, **{"mlflow.source.git.commit": commit}))
+
+    runs = [run("a", 1, "076d6c3", 100.0), run("b", 2, "1e71700", 160.0), run("c", 3, "1e71700", 150.0),
+            run("d", 4, "1e71700", 103.0, **{"train.wgrad_accumulation_fusion": "False"}),
+            run("e", 5, "1e71700", 104.0)]
+    cell = measured_cell(runs, setup_of(runs[0]), "full", "fp8")
+    assert cell["run_id"] == "e" and [(o["run_id"], o["commit"], o["code"]) for o in cell["others"]] == [
+        ("d", "", "wgrad accumulation fusion: False"), ("a", "076d6c3", "")]
+    text = render._grid_cell(cell)
+    assert text.startswith("104 (103-105)") and "; also: 103 (102-104) [wgrad accumulation fusion: False]" in text
+    assert text.endswith("; also at 076d6c3: 100 (99-101); not measured")  # no peak logged in this test
+    assert "150" not in text and "160" not in text  # repeats of the latest code: the latest only
+    assert measured_cell(runs[:1], setup_of(runs[0]), "full", "fp8")["others"] == []
+    assert "others" not in T1_COLUMNS
+
+
 def test_withdrawn_peak_reads_withdrawn_and_a_cpu_run_not_measured():
     """A run whose peak was withdrawn from its archive shows that, not the method tag; a CPU run keeps its note."""
     from fp4moe.report.store import RunRecord

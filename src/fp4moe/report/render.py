@@ -173,9 +173,13 @@ def _headline_setup(rep: Report, labels: list[str]) -> str | None:
 
 
 def _grid_cell(c: dict | None) -> str:
-    """One measured cell of a setup's scope x recipe grid: "tokens/GPU/s (min-max); peak", OOM or not measured."""
+    """One measured cell of a setup's scope x recipe grid: "tokens/GPU/s (min-max); peak", OOM or not measured; then
+    the cell's runs of other code (``others``: another commit or kernel switch in the same archive), newest first."""
     tgs, mem = _measured_cells(c)
-    return tgs if tgs in (tables.NOT_MEASURED, "OOM") else f"{tgs}; {mem}"
+    text = tgs if tgs in (tables.NOT_MEASURED, "OOM") else f"{tgs}; {mem}"
+    for o in (c or {}).get("others") or []:
+        text += f"; also{' at ' + o['commit'] if o['commit'] else ''}: {_grid_cell(o)}"
+    return text
 
 
 def _model_cells(c: dict | None) -> tuple[str, str]:

@@ -94,13 +94,37 @@ def setups(trainer_runs: Iterable[RunRecord]) -> list[Setup]:
 
 # ---------------------------------------------------------------------------------------------- T1
 
+def code_key(run: RunRecord) -> tuple[str, str]:
+    """Which code a trainer run timed: (its commit, :func:`code_note`)."""
+    return run.tags.get("mlflow.source.git.commit", ""), code_note(run)
+
+
 def measured_cell(runs: Iterable[RunRecord], setup: Setup, scope: str, recipe: str) -> dict[str, Any]:
-    """The latest usable trainer run of (setup, scope, recipe): status measured / OOM / not measured."""
-    run = _latest(r for r in runs if _usable(r) and r.tags["recompute"] == scope and r.tags["recipe"] == recipe
-                  and setup_of(r) == setup)
+    """The latest usable trainer run of (setup, scope, recipe): status measured / OOM / not measured. ``others``: the
+    latest run of each other code (:func:`code_key`) among the cell's runs, newest first, each a cell of its own with
+    its ``commit`` ("" where it is the latest run's): an archive that holds an A/B pair (two commits, or a kernel
+    switch on and off) shows both sides, while repeats of one code still show the latest only."""
+    mine = [r for r in runs if _usable(r) and r.tags["recompute"] == scope and r.tags["recipe"] == recipe
+            and setup_of(r) == setup]
+    run = _latest(mine)
+    cell = _cell_of(run)
+    if run is not None:
+        by_code: dict[tuple[str, str], RunRecord] = {}
+        for r in sorted(mine, key=lambda r: (r.start_time, r.run_id)):
+            by_code[code_key(r)] = r
+        by_code.pop(code_key(run))
+        for r in sorted(by_code.values(), key=lambda r: (r.start_time, r.run_id), reverse=True):
+            other = _cell_of(r)
+            other.update(note=other["memory_note"],  # the key t1_rows gives it
+                         commit="" if code_key(r)[0] == code_key(run)[0] else code_key(r)[0])
+            cell["others"].append(other)
+    return cell
+
+
+def _cell_of(run: RunRecord | None) -> dict[str, Any]:
     cell: dict[str, Any] = {"status": NOT_MEASURED, "tgs": None, "tgs_min": None, "tgs_max": None,
                             "peak_memory_gb": None, "peak_memory_pct": None, "run_id": None, "memory_note": "",
-                            "code": ""}
+                            "code": "", "others": []}
     if run is None:
         return cell
     cell.update(run_id=run.run_id, code=code_note(run))
@@ -149,7 +173,8 @@ def t1_rows(paper_cells: list[dict], trainer_runs: list[RunRecord], model_rows: 
                              "tgs": cell["tgs"], "tgs_min": cell["tgs_min"], "tgs_max": cell["tgs_max"],
                              "peak_memory_gb": cell["peak_memory_gb"], "peak_memory_pct": cell["peak_memory_pct"],
                              "pct_basis": "the GPU's memory" if cell["peak_memory_pct"] is not None else "",
-                             "note": cell["memory_note"], "code": cell["code"], "run_id": cell["run_id"] or ""})
+                             "note": cell["memory_note"], "code": cell["code"], "run_id": cell["run_id"] or "",
+                             "others": cell["others"]})  # not in the CSV: one row per cell there
             m = model.get((scope, recipe))
             if model_rows is not None:
                 if m is None:
@@ -425,5 +450,5 @@ def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]
 
 __all__ = ["CODE_SETTINGS", "code_note",
            "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
-           "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "setup_of", "setups", "split_store",
+           "code_key", "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "setup_of", "setups", "split_store",
            "t1_rows"]
