@@ -83,11 +83,6 @@ def _usable(run: RunRecord) -> bool:
     return run.tags.get("outcome") == OOM or (run.status == "FINISHED" and "summary/tgs_median" in run.metrics)
 
 
-def _latest(runs: Iterable[RunRecord]) -> RunRecord | None:
-    runs = list(runs)
-    return max(runs, key=lambda r: (r.start_time, r.run_id)) if runs else None
-
-
 def setups(trainer_runs: Iterable[RunRecord]) -> list[Setup]:
     return sorted({setup_of(r) for r in trainer_runs if _usable(r)})
 
@@ -104,20 +99,20 @@ def measured_cell(runs: Iterable[RunRecord], setup: Setup, scope: str, recipe: s
     latest run of each other code (:func:`code_key`) among the cell's runs, newest first, each a cell of its own with
     its ``commit`` ("" where it is the latest run's): an archive that holds an A/B pair (two commits, or a kernel
     switch on and off) shows both sides, while repeats of one code still show the latest only."""
-    mine = [r for r in runs if _usable(r) and r.tags["recompute"] == scope and r.tags["recipe"] == recipe
-            and setup_of(r) == setup]
-    run = _latest(mine)
+    newest_first = sorted((r for r in runs if _usable(r) and r.tags["recompute"] == scope
+                           and r.tags["recipe"] == recipe and setup_of(r) == setup),
+                          key=lambda r: (r.start_time, r.run_id), reverse=True)
+    latest_of: dict[tuple[str, str], RunRecord] = {}  # code -> its newest run, codes in the order of those runs
+    for r in newest_first:
+        latest_of.setdefault(code_key(r), r)
+    if not latest_of:
+        return _cell_of(None)
+    (code, run), *others = latest_of.items()
     cell = _cell_of(run)
-    if run is not None:
-        by_code: dict[tuple[str, str], RunRecord] = {}
-        for r in sorted(mine, key=lambda r: (r.start_time, r.run_id)):
-            by_code[code_key(r)] = r
-        by_code.pop(code_key(run))
-        for r in sorted(by_code.values(), key=lambda r: (r.start_time, r.run_id), reverse=True):
-            other = _cell_of(r)
-            other.update(note=other["memory_note"],  # the key t1_rows gives it
-                         commit="" if code_key(r)[0] == code_key(run)[0] else code_key(r)[0])
-            cell["others"].append(other)
+    for (commit, _), r in others:
+        other = _cell_of(r)
+        other.update(note=other["memory_note"], commit="" if commit == code[0] else commit)  # note: t1_rows' key
+        cell["others"].append(other)
     return cell
 
 
