@@ -124,9 +124,7 @@ def row_aligned(seg: Segments) -> bool:
 def expert_of_rows(seg: Segments, device: torch.device) -> torch.Tensor:
     """m_indices int32 ``[M]``: each row's expert (DeepGEMM's grouped layout), built on ``device``. Cached for the
     last few segmentations: one micro-batch's fc1 / fc2 fprop and dgrad share one."""
-    counts = host_to_device(torch.tensor(seg.counts, dtype=torch.int64), device)  # queued: no stream drain
-    return torch.repeat_interleave(torch.arange(seg.num, dtype=torch.int32, device=device), counts,
-                                   output_size=seg.total)
+    return seg.row_segments(device)
 
 
 @functools.lru_cache(maxsize=4)

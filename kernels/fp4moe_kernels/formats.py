@@ -167,6 +167,14 @@ class Segments:
     def padded_total(self) -> int:
         return sum(self.padded_counts)
 
+    def row_segments(self, device) -> torch.Tensor:
+        """int32 ``[M]``: each row's segment (0 .. E-1; an empty segment owns no row), expanded on ``device`` from
+        the E counts (one queued copy of E ints, no M-long host tensor). The FP8 row kernels' ``row_seg`` and
+        DeepGEMM's ``m_indices``."""
+        counts = host_to_device(torch.tensor(self.counts, dtype=torch.int64), device)
+        return torch.repeat_interleave(torch.arange(self.num, dtype=torch.int32, device=device), counts,
+                                       output_size=self.total)
+
 
 def check_2d(x: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], k_multiple: int) -> None:
     """Validate a [M, K] input: 2-D, one of ``dtypes``, contiguous, K a multiple of ``k_multiple``."""

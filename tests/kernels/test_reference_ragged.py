@@ -146,6 +146,17 @@ def test_segments_offsets_by_hand():
     assert Segments.of(None, 7).counts == (7,)
 
 
+@pytest.mark.parametrize("counts", [(7,), (0, 5, 128, 0, 129), (3, 0), (0, 0, 4)])
+def test_row_segments_name_each_rows_segment(counts):
+    """Each row's segment (the FP8 row kernels' row_seg, DeepGEMM's m_indices), int32 on the asked device, with
+    empty segments first, between and last: segment e owns rows offsets[e] .. offsets[e+1]."""
+    s = Segments(counts)
+    ids = s.row_segments(torch.device("cpu"))
+    assert ids.dtype == torch.int32 and ids.shape == (s.total,)
+    assert ids.tolist() == [e for e, c in enumerate(counts) for _ in range(c)]
+    assert Segments((0, 0)).row_segments("cpu").shape == (0,)
+
+
 def test_empty_inputs():
     for counts in (None, [0], [0, 0, 0]):
         x = torch.zeros(0, 256, dtype=torch.bfloat16)

@@ -114,16 +114,14 @@ def _ensure_gpu_tiles() -> None:
 # grows by 0.4 GiB from micro-batch 16 to 64: results/scale/calibration.md; not yet re-measured with 16 entries).
 # A step reuses one Segments per MoE layer and micro-batch, forward and backward.
 @functools.lru_cache(maxsize=16)
-def _seg_args(seg: Segments, m: int, device):
-    """(single, row_seg int32 [M], seg_off int32 [E+1]) for the segment-major FP8 row scales. row_seg is expanded
-    on ``device`` from the E counts (no M-long host tensor)."""
+def _seg_args(seg: Segments, device):
+    """(single, row_seg int32 [M], seg_off int32 [E+1]) for the segment-major FP8 row scales (row_seg:
+    ``Segments.row_segments``)."""
     if seg.num == 1:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return True, dummy, dummy
-    counts = host_to_device(torch.tensor(seg.counts, dtype=torch.int64), device)
-    row_seg = torch.repeat_interleave(torch.arange(seg.num, dtype=torch.int32, device=device), counts, output_size=m)
     seg_off = host_to_device(torch.tensor(seg.offsets, dtype=torch.int32), device)
-    return False, row_seg, seg_off
+    return False, seg.row_segments(device), seg_off
 
 
 def _segment_tiles(sizes: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +187,7 @@ def bf16_to_fp8_row(x: torch.Tensor, seg: Segments) -> FP8RowTensor:
     xa, xb = _x(x)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m * (k // 128), dtype=torch.float32, device=x.device)
-    single, row_seg, seg_off = _seg_args(seg, m, x.device)
+    single, row_seg, seg_off = _seg_args(seg, x.device)
     if m:
         grid, meta = _row_launch("bf16_to_fp8_row", m, k, 128)
         row.bf16_to_fp8_row_kernel[grid](xa, q.view(torch.int16), s, row_seg, seg_off, m, k,
@@ -206,7 +204,7 @@ def bf16_to_fp4_and_fp8_row(x: torch.Tensor, seg: Segments, rule: str = "ceil"):
     s4 = torch.empty(m, k // 32, dtype=torch.uint8, device=x.device)
     q8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s8 = torch.empty(m * (k // 128), dtype=torch.float32, device=x.device)
-    single, row_seg, seg_off = _seg_args(seg, m, x.device)
+    single, row_seg, seg_off = _seg_args(seg, x.device)
     if m:
         grid, meta = _row_launch("bf16_to_fp4_and_fp8_row", m, k, 128)
         row.bf16_to_fp4_and_fp8_row_kernel[grid](
@@ -219,7 +217,7 @@ def fp4_row_to_fp8_row(a: MXFP4Tensor, seg: Segments) -> FP8RowTensor:
     m, k = a.shape
     o = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=a.device)
     s = torch.empty(m * (k // 128), dtype=torch.float32, device=a.device)
-    single, row_seg, seg_off = _seg_args(seg, m, a.device)
+    single, row_seg, seg_off = _seg_args(seg, a.device)
     if m:
         # the kernel reads data and scales as int32 words (a group's four UE8M0 codes in one load): 4-byte aligned
         data = a.data if a.data.data_ptr() % 4 == 0 else a.data.clone()
@@ -245,7 +243,7 @@ def fp8_row_to_fp4(f: FP8RowTensor, rule: str = "ceil") -> MXFP4Tensor:
     m, k = f.shape
     q = torch.empty(m, k // 2, dtype=torch.uint8, device=f.data.device)
     s = torch.empty(m, k // 32, dtype=torch.uint8, device=f.data.device)
-    single, row_seg, seg_off = _seg_args(f.segments, m, f.data.device)
+    single, row_seg, seg_off = _seg_args(f.segments, f.data.device)
     if m * (k // 128) >= 2**31:  # the kernel numbers groups in int32 (that is 256 GiB of FP8 data)
         raise ValueError(f"fp8_row_to_fp4: {m} x {k} has 2**31 or more 128-groups")
     data = f.data if f.data.data_ptr() % 8 == 0 else f.data.clone()  # the kernel reads int64 pairs of words
