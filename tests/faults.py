@@ -20,15 +20,30 @@ from typing import Any
 FAIL = "faults.fail_at_step"  # the start of fail_at_step's message, which tests look for in a run's output
 
 
-def fail_at_step(cfg: Any, step: int):
-    """A hook that raises RuntimeError ``faults.fail_at_step: step=<step>`` after step ``step`` (1-based; after the
-    hooks before it, e.g. MLflow's log of the step, and before that step's periodic checkpoint)."""
+# What NCCL 2.28.9 raised, through torch, in a run that three processes shared an 80 GB H100 with
+# (results/train_proxy/README.md section 43): the GPU's memory ran out inside the optimizer's all-reduce
+NCCL_ALLOC = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, unhandled cuda error (run with "
+              "NCCL_DEBUG=INFO for details), NCCL version 2.28.9\nncclUnhandledCudaError: Call to CUDA function "
+              "failed.\nLast error:\nFailed to CUDA calloc async 608 bytes")
+
+
+def fail_at_step(cfg: Any, step: int, error: str = "runtime"):
+    """A hook that raises after step ``step`` (1-based; after the hooks before it, e.g. MLflow's log of the step, and
+    before that step's periodic checkpoint). ``error``: ``runtime``, RuntimeError ``faults.fail_at_step:
+    step=<step>``; ``nccl_alloc``, torch's DistBackendError with NCCL's words for a failed GPU allocation
+    (``NCCL_ALLOC``)."""
     step = int(step)
     if step < 1:
         raise ValueError(f"step={step}: a step of the run, >= 1")
+    if error not in ("runtime", "nccl_alloc"):
+        raise ValueError(f"error={error!r}: runtime or nccl_alloc")
 
     def hook(s: Any) -> None:
         if s.step == step:
+            if error == "nccl_alloc":
+                import torch.distributed
+
+                raise torch.distributed.DistBackendError(NCCL_ALLOC)
             raise RuntimeError(f"{FAIL}: step={step}")
     return hook
 

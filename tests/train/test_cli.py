@@ -131,6 +131,32 @@ def test_a_hook_that_cannot_be_loaded_is_one_message(tmp_path, monkeypatch, app)
     assert "Traceback" not in err and "step 1" not in err and not (tmp_path / "out" / "checkpoints").exists()
 
 
+def test_nccl_out_of_gpu_memory_is_an_oom_outcome_in_one_line(tmp_path, monkeypatch, app):
+    """NCCL failing to allocate GPU memory (a DistBackendError whose first line says only "unhandled cuda error", as
+    three runs sharing an 80 GB H100 raised it: results/train_proxy/README.md section 43), raised after step 2 by
+    tests/faults.py: exit 3 with one line that says out of GPU memory and names the failed allocation, the MLflow
+    run tagged outcome=OOM at step 3 (a table's OOM cell, not a crash); an ordinary error after step 2 is not one."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    common = ["train=short_cpu", "precision=bf16", "parallel.global_batch=2", "parallel.seq_length=64", "train.steps=4",
+              "train.eval_interval=null", "train.progress_bar=false", f"hydra.run.dir={tmp_path / 'out'}"]
+    code, out, err = app(*common, "+train.hooks.fail={factory: faults:fail_at_step, step: 2, error: nccl_alloc}")
+    assert code == 3, err[-3000:]
+    assert ("fp4moe.train: out of GPU memory (recorded in MLflow as outcome=OOM): NCCL error in: "
+            in err and "unhandled cuda error" in err and "... Failed to CUDA calloc async 608 bytes\n" in err)
+    assert "Traceback" not in err
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs(client.get_experiment_by_name("train").experiment_id)
+    assert run.data.tags["outcome"] == "OOM" and run.data.tags["oom_step"] == "3"
+
+    code, out, err = app(*common, "train.seed=7", "+train.hooks.fail={factory: faults:fail_at_step, step: 2}")
+    assert code == 1 and "faults.fail_at_step: step=2" in err and "out of GPU memory" not in err
+    runs = client.search_runs(client.get_experiment_by_name("train").experiment_id, order_by=["attributes.start_time DESC"])
+    assert len(runs) == 2 and "outcome" not in runs[0].data.tags
+
+
 @pytest.mark.parametrize("server, reason", [("closed", "Connection refused"), ("silent", "timed out")])
 def test_unreachable_mlflow_server(tmp_path, monkeypatch, app, server, reason):
     """An MLflow server that is not there (a closed port) or does not answer (a port that accepts connections and

@@ -116,7 +116,8 @@ def test_sleep_after_step_slows_the_first_attempts_only(monkeypatch):
                                       "PYTHONPATH"),
     ({"x": "faults.fail_at_step"}, "train.hooks.x='faults.fail_at_step': name the factory as "
                                    "'package.module:factory'"),
-    ({"x": {"factory": "faults:fail_at_step"}}, "train.hooks.x='faults:fail_at_step': fail_at_step(cfg, step) "
+    ({"x": {"factory": "faults:fail_at_step"}}, "train.hooks.x='faults:fail_at_step': fail_at_step(cfg, step, "
+                                                "error='runtime') "
                                                 "cannot be called as fail_at_step(cfg) (missing a "
                                                 "required argument: 'step'): a hook factory takes the composed "
                                                 "config, then the entry's other keys as keyword arguments"),

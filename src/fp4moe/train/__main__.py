@@ -167,7 +167,7 @@ def task(cfg: DictConfig) -> dict | None:
         except ConfigError as e:
             print(f"fp4moe.train: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(EXIT_CONFIG)
-    from fp4moe.train.loop import is_oom, train
+    from fp4moe.train.loop import is_oom, oom_line, train
 
     try:
         result = train(cfg, multirun_cell=cell, output_dir=out, resume_hint=_resume_hint(cfg, out, refind))
@@ -177,8 +177,7 @@ def task(cfg: DictConfig) -> dict | None:
     except Exception as e:  # noqa: BLE001 - only out-of-memory is a result (an OOM cell of a table); the rest raises
         if not is_oom(e):
             raise
-        print(f"fp4moe.train: out of GPU memory (recorded in MLflow as outcome=OOM): {e}".splitlines()[0],
-              file=sys.stderr)
+        print(f"fp4moe.train: out of GPU memory (recorded in MLflow as outcome=OOM): {oom_line(e)}", file=sys.stderr)
         if not multirun:
             sys.exit(EXIT_OOM)
         return {"outcome": "OOM"}

@@ -75,14 +75,25 @@ class TrainResult:
     recipe: str = ""                     # the recipe's name in results (Recipe.tag); "" when nothing was trained
 
 
-_OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+# NCCL's own allocations (communicator buffers, the grad-norm all-reduce's scratch) fail with "Failed to CUDA
+# calloc / malloc ... bytes" under a generic "unhandled cuda error" (NCCL 2.28's alloc.h)
+_OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "Failed to CUDA calloc",
+                 "Failed to CUDA malloc")
 
 
 def is_oom(e: BaseException) -> bool:
     """Whether ``e`` means the GPU ran out of memory: torch's ``OutOfMemoryError``, or a library's allocation failure
-    that torch reports as a plain RuntimeError (cuBLAS/cuDNN workspace, a Triton launch)."""
+    that torch reports as a RuntimeError (cuBLAS/cuDNN workspace, a Triton launch, NCCL's DistBackendError)."""
     return type(e).__name__ == "OutOfMemoryError" or (
         isinstance(e, RuntimeError) and any(m in str(e) for m in _OOM_MESSAGES))
+
+
+def oom_line(e: BaseException) -> str:
+    """One line for an out-of-memory ``e``: its first line, and the line that says it failed to allocate where that
+    is another (NCCL names the allocation on its last line)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    said = next((ln for ln in lines if any(m in ln for m in _OOM_MESSAGES)), None)
+    return lines[0] if said in (None, lines[0]) else f"{lines[0]} ... {said}"
 
 
 def preflight(cfg: Any, settings: Settings | None = None) -> dict[str, Any]:
@@ -331,4 +342,4 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
     return result
 
 
-__all__ = ["train", "preflight", "is_oom", "TrainResult", "PARAMS_DTYPES"]
+__all__ = ["train", "preflight", "is_oom", "oom_line", "TrainResult", "PARAMS_DTYPES"]
