@@ -419,6 +419,37 @@ def test_f5_seed_spread_from_runs_that_differ_only_in_the_seed():
     assert spread["mxfp4"]["eval_spread_pct"] == pytest.approx(100 * (4.04 - 4.0392) / 4.0392)
 
 
+def test_f5_seeds_run_on_other_gpu_models_are_one_family():
+    """Part D's seeds on an H200 and a third on an H100 (one model, corpus build, layout and batch): one family of
+    three seeds whose hardware lists both GPUs; the same config run on CPU stays a family of its own; the family's
+    label names the GPU count, not a model. Loss values made up."""
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import f5_rows, f5_seed_spread, family_hardware
+
+    h200, h100 = "1 x NVIDIA H200 (140 GiB)", "1 x NVIDIA H100 80GB HBM3 (79 GiB)"
+    cpu = "1 process(es) on CPU: Test CPU, 2 cores"
+    assert family_hardware(h100) == family_hardware(h200) == "1 x GPU" and family_hardware(cpu) == cpu
+    params = {"parallel.tensor": "1", "parallel.pipeline": "1", "parallel.expert": "1", "parallel.data": "1",
+              "parallel.micro_batch": "32", "parallel.seq_length": "4096", "parallel.global_batch": "32",
+              "derived.steps": "2289", "data.name": "user_corpus", "data.dataset_prefix": "/x/code_docs/hf-aaaa/train"}
+    runs = []
+    for i, (seed, hw, dev) in enumerate((("1234", h200, 0.6), ("4321", h200, 0.2), ("5678", h100, 0.1),
+                                         ("1234", cpu, 3.0))):
+        for rec, loss in (("bf16", 2.0), ("mxfp4", 2.0 * (1 + dev / 100))):
+            runs.append(RunRecord(f"r{i}{rec}", "proxy_t1_conv_1gpu", "r", "FINISHED", i,
+                                  dict(params, **{"train.seed": seed}),
+                                  {"summary/final_loss": loss, "summary/final_eval_loss": loss},
+                                  {"model": "proxy_conv", "recipe": rec, "recompute": "attn_ln_experts",
+                                   "world_size": "1", "hardware": hw, "fp4moe.archive": f"{seed}-{i}.json"}))
+    rows = f5_rows(runs, lambda run_id, key: [], {"mxfp4": 0.61})
+    assert len({r["family"] for r in rows}) == 2
+    (spread,) = [s for s in f5_seed_spread(rows) if s["recipe"] == "mxfp4"]
+    assert spread["seeds"] == "1234, 4321, 5678" and spread["hardware"] == f"{h200}, {h100}"
+    assert "on 1 x GPU, world size 1" in spread["family"] and "H100" not in spread["family"]
+    assert spread["eval_dev_pct_per_seed"] == pytest.approx([0.6, 0.2, 0.1])
+    assert spread["eval_dev_mean_pct"] == pytest.approx(0.3)
+
+
 def test_f5_config_of_a_run_set_by_tokens_names_its_steps():
     """A run given ``train.tokens`` logs ``train.steps`` = 'None' and the steps it ran as ``derived.steps``: the F5
     config names those steps (the label said 'None steps' before)."""

@@ -639,12 +639,15 @@ def markdown(rep: Report) -> str:
         spread = tables.f5_seed_spread(rep.f5)
         if spread:
             out += ["Across seeds (configs that differ only in the seed: other initial weights, the same data "
-                    "order; each seed's recipes compared within one archive, i.e. one session and commit): bf16's own "
+                    "order; each seed's recipes compared within one archive, i.e. one session, commit and GPU model, "
+                    "the seeds' GPU models listed): bf16's own "
                     "spread is the size of a deviation that noise makes at this length; a recipe's deviation is its "
                     "own when it keeps its sign and size from seed to seed.", ""]
-            out += [_md_table(["config", "archives", "recipe", "seeds", "eval loss spread", "train loss spread",
-                               "eval deviation from bf16, per seed", "mean", "range of the deviations"],
-                              [[s["family"], s["archives"], s["recipe"], s["seeds"], _pct(s["eval_spread_pct"]),
+            out += [_md_table(["config", "archives", "hardware", "recipe", "seeds", "eval loss spread",
+                               "train loss spread", "eval deviation from bf16, per seed", "mean",
+                               "range of the deviations"],
+                              [[s["family"], s["archives"], s["hardware"], s["recipe"], s["seeds"],
+                                _pct(s["eval_spread_pct"]),
                                 _pct(s["train_spread_pct"]),
                                 "reference" if s["eval_dev_pct_per_seed"] is None else
                                 " / ".join("-" if v is None else f"{v:+.2f} %" for v in s["eval_dev_pct_per_seed"]),

@@ -7,6 +7,7 @@ measured``); nothing is filled in.
 """
 from __future__ import annotations
 
+import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -366,6 +367,14 @@ def config_label(key: tuple) -> str:
     return f"{setup.label}; recompute {scope}; {steps} steps, seed {seed}, data {data}"
 
 
+def family_hardware(hardware: str) -> str:
+    """The hardware of an F5 family: ``N x <GPU> (M GiB)`` becomes ``N x GPU`` (a seed run on an H100 and one on an
+    H200 belong to one family: the model, data, layout, batch and recipe make the losses, and each seed's GPU is
+    listed beside, ``f5_seed_spread``'s ``hardware``); anything else (CPU runs) stays as it is."""
+    m = re.fullmatch(r"(\d+) x .+ \(\d+ GiB\)", hardware)
+    return f"{m.group(1)} x GPU" if m else hardware
+
+
 def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tuple[int, float]]],
             paper_dev: dict[str, float]) -> list[dict]:
     """Per config (same setup, recompute, steps, seed, data) that has a finished bf16 run and another recipe, all with
@@ -391,8 +400,10 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
         order = ["bf16", "fp8", "mxfp4"] + sorted(set(recs) - {"bf16", "fp8", "mxfp4"})
         for rec in (r for r in order if r in recs):
             t, e = vals[rec]
-            # a family: the configs that differ only in the seed (and the archive, i.e. the session and commit)
-            family = config_label((replace(key[0], archive=""),) + key[1:3] + ("*",) + key[4:])
+            # a family: the configs that differ only in the seed (and the archive, i.e. the session and commit, and
+            # the GPU model: family_hardware)
+            family = config_label((replace(key[0], archive="", hardware=family_hardware(key[0].hardware)),)
+                                  + key[1:3] + ("*",) + key[4:])
             out.append({"config": config_label(key), "recipe": rec, "steps": key[2], "seed": key[3],
                         "archive": key[0].archive, "family": family, "hardware": key[0].hardware,
                         "train_loss_smoothed": t,
@@ -405,7 +416,7 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
 
 def f5_seed_spread(rows: list[dict]) -> list[dict]:
     """F5 rows of configs that differ only in the seed (``family``; the runs of each seed may come from another
-    archive, i.e. session and commit: ``archives``), per recipe run from two seeds or more: the range of the final
+    archive, i.e. session and commit: ``archives``, and another GPU model: ``hardware``), per recipe run from two seeds or more: the range of the final
     eval loss (and of the smoothed training loss) over the seeds, as (max - min) / min in %, the recipe's eval
     deviation from bf16 in each seed, their mean and their range (max - min, in percentage points). bf16's own spread
     says how large a deviation noise makes at that length; a recipe's deviation is its own when it keeps its sign and
@@ -426,6 +437,7 @@ def f5_seed_spread(rows: list[dict]) -> list[dict]:
         train_devs = None if recipe == "bf16" else [r["train_loss_dev_pct"] for r in rs]
         out.append({"family": family, "recipe": recipe, "seeds": ", ".join(str(r["seed"]) for r in rs),
                     "archives": ", ".join(dict.fromkeys(r.get("archive") or "-" for r in rs)),
+                    "hardware": ", ".join(dict.fromkeys(str(r.get("hardware") or "-") for r in rs)),
                     "eval_spread_pct": 100.0 * (max(ev) - min(ev)) / min(ev) if len(ev) > 1 else None,
                     "train_spread_pct": 100.0 * (max(tr) - min(tr)) / min(tr),
                     "eval_dev_pct_per_seed": devs,
@@ -443,7 +455,7 @@ def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]
             [r for r in runs if r.experiment == MOE_LAYER])
 
 
-__all__ = ["CODE_SETTINGS", "code_note",
+__all__ = ["CODE_SETTINGS", "code_note", "family_hardware",
            "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
            "code_key", "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "setup_of", "setups", "split_store",
            "t1_rows"]
