@@ -20,8 +20,8 @@ from typing import Any
 FAIL = "faults.fail_at_step"  # the start of fail_at_step's message, which tests look for in a run's output
 
 
-# What NCCL 2.28.9 raised, through torch, in a run that three processes shared an 80 GB H100 with
-# (results/train_proxy/README.md section 43): the GPU's memory ran out inside the optimizer's all-reduce
+# What NCCL 2.28.9 raised, through torch, in three runs sharing one 80 GB H100 (results/train_proxy/README.md
+# section 43): the GPU's memory ran out inside the optimizer's all-reduce
 NCCL_ALLOC = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, unhandled cuda error (run with "
               "NCCL_DEBUG=INFO for details), NCCL version 2.28.9\nncclUnhandledCudaError: Call to CUDA function "
               "failed.\nLast error:\nFailed to CUDA calloc async 608 bytes")
