@@ -417,11 +417,12 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
 def f5_seed_spread(rows: list[dict]) -> list[dict]:
     """F5 rows of configs that differ only in the seed (``family``; the runs of each seed may come from another
     archive, i.e. session and commit: ``archives``, and another GPU model: ``hardware``), per recipe run from two
-    seeds or more: the range of the final eval loss (and of the smoothed training loss) over the seeds, as
-    (max - min) / min in %, the recipe's eval deviation from bf16 in each seed, their mean and their range
-    (max - min, in percentage points). bf16's own spread says how large a deviation noise makes at that length; a recipe's deviation is its own when it keeps its sign and
-    size from seed to seed, i.e. when the range of its deviations is smaller than their mean. The same for the
-    smoothed training loss (``train_dev_*``: what the paper reports); ``start_time``: the family's newest run (ms)."""
+    seeds or more: the range of the final eval loss (and of the smoothed training loss) over the seeds, as (max -
+    min) / min in %, the recipe's eval deviation from bf16 in each seed, their mean and their range (max - min, in
+    percentage points). bf16's own spread says how large a deviation noise makes at that length; a recipe's
+    deviation is its own when it keeps its sign and size from seed to seed, i.e. when the range of its deviations is
+    smaller than their mean. The same for the smoothed training loss (``train_dev_*``: what the paper reports);
+    ``start_time``: the family's newest run (ms)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["family"], r["recipe"])].append(r)
