@@ -114,7 +114,7 @@ def test_report_leads_with_one_table_of_the_papers_numbers(report):
     # the fixture's one F5 family ran from one seed: its training-loss gap beside the paper's, the held-out one too
     assert rows["F5: final loss deviation from bf16, mxfp4"].split(" | ")[1:4] == [
         "+0.61 % (training loss)", "+2.00 % (training loss; held-out +2.50 %), one seed (1234)", "-"]
-    assert "; 20 steps, seed 1234, data shakespeare." in first
+    assert "; 20 steps, seed 1234, data shakespeare, run on 1 process(es) on CPU" in first   # the family's hardware
 
 
 def test_t1_csv_rows_say_their_source(report):

@@ -520,9 +520,12 @@ def markdown(rep: Report) -> str:
     family5, spread5, single5 = _f5_headline(rep.f5)
     seeds5 = next(iter(spread5.values()))["seeds"] if spread5 else (
         ", ".join(dict.fromkeys(str(r["seed"]) for r in single5.values())) if single5 else "")
+    # a family names the GPU count only (tables.family_hardware): the GPUs its seeds ran on, named
+    gpus5 = next(iter(spread5.values()))["hardware"] if spread5 else (
+        ", ".join(dict.fromkeys(str(r["hardware"]) for r in single5.values())) if single5 else "")
     ours += ["F3 and F4: the newest benchmark of each GPU (sections F3, F4)",
-             f"F5: {family5.replace('seed *', 'seeds ' + seeds5 if spread5 else 'seed ' + seeds5)}" if family5
-             else "F5: no convergence comparison in the store yet"]
+             f"F5: {family5.replace('seed *', 'seeds ' + seeds5 if spread5 else 'seed ' + seeds5)}, run on {gpus5}"
+             if family5 else "F5: no convergence comparison in the store yet"]
     out += ["Ours: " + "; ".join(ours) + ".", "",
             "A one-GPU proxy's tokens/GPU/s are not the paper's 671B model's on 256 GPUs, its peak memory is a share "
             "of its own GPU, and its loss gaps are a small model's after a short run: none of these has a ratio. "
