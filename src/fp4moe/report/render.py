@@ -333,6 +333,14 @@ def _measured_headline_pair(rep: Report, head: str | None) -> tuple[dict | None,
     return best, b, best["scope"]
 
 
+def _f5_headline_field(spread: dict[str, dict], single: dict[str, dict], spread_key: str, row_key: str) -> str:
+    """A field of ``_f5_headline``'s family: ``spread_key`` of its seed spread (the same in every recipe's), or,
+    from one seed, the distinct ``row_key`` values of its rows; "" for none."""
+    if spread:
+        return next(iter(spread.values()))[spread_key]
+    return ", ".join(dict.fromkeys(str(r[row_key]) for r in single.values()))
+
+
 def _f5_headline(rows: list[dict]) -> tuple[str | None, dict[str, dict], dict[str, dict]]:
     """The F5 numbers set beside the paper's: (family, {recipe: seed spread}, {recipe: row}). The newest family run
     from two seeds or more (each recipe's mean over the seeds, tables.f5_seed_spread), GPU runs before CPU ones;
@@ -518,11 +526,9 @@ def markdown(rep: Report) -> str:
     ours = [f"T1 from **{head}**: {rep.setups[labels.index(head)].label}" if head else
             "T1: no trainer runs in the store yet"]
     family5, spread5, single5 = _f5_headline(rep.f5)
-    seeds5 = next(iter(spread5.values()))["seeds"] if spread5 else (
-        ", ".join(dict.fromkeys(str(r["seed"]) for r in single5.values())) if single5 else "")
+    seeds5 = _f5_headline_field(spread5, single5, "seeds", "seed")
     # a family names the GPU count only (tables.family_hardware): the GPUs its seeds ran on, named
-    gpus5 = next(iter(spread5.values()))["hardware"] if spread5 else (
-        ", ".join(dict.fromkeys(str(r["hardware"]) for r in single5.values())) if single5 else "")
+    gpus5 = _f5_headline_field(spread5, single5, "hardware", "hardware")
     ours += ["F3 and F4: the newest benchmark of each GPU (sections F3, F4)",
              f"F5: {family5.replace('seed *', 'seeds ' + seeds5 if spread5 else 'seed ' + seeds5)}, run on {gpus5}"
              if family5 else "F5: no convergence comparison in the store yet"]
