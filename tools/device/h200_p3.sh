@@ -383,13 +383,16 @@ convprobe)  # [STEPS]: issue 27 part D, which model trains 300 M tokens in one c
   ;;
 convrun3)  # SEED [RECIPES] [OVERRIDES]: issue 27 part D, the recipes' runs of one seed at once on the one GPU (three
   # processes get ~1.6x one's throughput from this small model: section 23), each with its own checkpoint folder, run
-  # folder and store; SIGTERM 575 s after CALL_START (or at CONV_SECS) checkpoints them, the same command in the next
+  # folder and store; SIGTERM 25 s before the call's limit (CALL_START + CALL_LIMIT, the `timeout_s` the call was given,
+  # default 600: pass the smaller one when the budget left is below it, or the call is killed before the tar below
+  # returns the stores) or at CONV_SECS checkpoints them, the same command in the next
   # call resumes each, and a run whose log says it is done is not started again. Their tokens/s are not a recipe's
   # (the MLflow tag gpu_shared_by says how many runs shared the GPU); their losses are. Checkpoints per rank, the
   # format every H200 run so far resumed from: the sharded default (dist_checkpointing) has not run on a GPU yet.
   seed=$1 recipes=${2:-"bf16 fp8 mxfp4"}; shift 1; [ $# -gt 0 ] && shift 1
   secs=${CONV_SECS:-570}
-  if [ -n "${CALL_START:-}" ]; then secs=$((CALL_START + 575 - $(date +%s))); fi
+  if [ -n "${CALL_START:-}" ]; then secs=$((CALL_START + ${CALL_LIMIT:-600} - 25 - $(date +%s))); fi
+  if [ "$secs" -lt 60 ]; then echo "convrun3: only $secs s before the call's limit: not started" >&2; exit 2; fi
   n=0; for recipe in $recipes; do n=$((n + 1)); done
   declare -A pids=()
   for recipe in $recipes; do
