@@ -197,3 +197,80 @@ def test_export_names_the_checkout_portably_and_the_store_keeps_its_paths(tmp_pa
     assert data_label(run["params"]) == data_label({"data.dataset_prefix": prefix, "data.name": "code_docs"}) \
         == "code_docs (hf-f525a8e40ed2)"
     assert c.get_run(r.info.run_id).data.params["data.dataset_prefix"] == prefix
+
+
+def test_one_run_is_in_one_archive(tmp_path):
+    """A store and a store that imported its runs (or one store twice) cannot go into one archive, and archives that
+    share a run are refused before anything is imported: the report compares runs within an archive, so a run in two
+    would be read under one of them only."""
+    uri, ids = _store_with_runs(tmp_path)
+    first = tmp_path / "first.json"
+    archive.export(uri, first, note="")
+    imported = f"sqlite:///{tmp_path / 'imported.db'}"
+    archive.import_files([first], imported, log=lambda s: None)
+    for stores in ([uri, imported], [uri, uri]):
+        with pytest.raises(archive.ArchiveError, match=rf"run ({ids[0]}|{ids[1]}) \(cell \w+\) is in both .*one run, one archive"):
+            archive.export(stores, tmp_path / "both.json", note="")
+        assert not (tmp_path / "both.json").exists()
+    second = tmp_path / "second.json"
+    archive.export(imported, second, note="the same runs, archived again")
+    target = f"sqlite:///{tmp_path / 'dst.db'}"
+    with pytest.raises(archive.ArchiveError, match=f"is in both {first} and {second}: one run, one archive"):
+        archive.import_files([first, second], target, log=lambda s: None)
+    from fp4moe.report.store import load
+
+    assert load(target).runs == []   # refused before anything was imported
+    assert archive.main(["import", str(first), str(tmp_path / "." / first.name), "--uri", target]) == 0
+    assert sorted(_runs(target)) == sorted(ids)   # one file named twice: imported once
+
+
+def test_an_archive_that_replaces_another_takes_its_runs_over(tmp_path):
+    """Runs merged into a new archive (the old one removed): a store that imported the old one reports them under the
+    new name, beside the run they were merged with, as a fresh store would."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    uri_a, ids_a = _store_with_runs(tmp_path / "a")
+    uri_b, ids_b = _store_with_runs(tmp_path / "b")
+    old = tmp_path / "seed_part.json"
+    archive.export(uri_a, old, note="two runs of a seed")
+    target = f"sqlite:///{tmp_path / 'dst.db'}"
+    assert archive.import_files([old], target, log=lambda s: None) == (2, 0)
+    # the merge: the old archive's runs (imported into a store) and the new runs, in one file; the old file goes
+    merged_store = f"sqlite:///{tmp_path / 'merge.db'}"
+    archive.import_files([old], merged_store, log=lambda s: None)
+    merged = tmp_path / "seed.json"
+    assert archive.export([merged_store, uri_b], merged, note="the whole seed") == 4
+    old.unlink()
+    lines = []
+    assert archive.import_files([merged], target, log=lines.append) == (2, 2)
+    assert sum("now reported as this archive's" in line for line in lines) == 2
+    runs = _runs(target)
+    assert sorted(runs) == sorted(ids_a + ids_b)
+    assert {r.tags[archive.ARCHIVE_FILE] for r in runs.values()} == {"seed.json"}
+    lines.clear()
+    assert archive.import_files([merged], target, log=lines.append) == (0, 4)   # again: nothing moves
+    assert not any("now reported" in line for line in lines)
+
+
+def test_reproduce_names_archives_that_share_a_run_in_one_line(tmp_path, monkeypatch, capsys):
+    """make reproduce-table's archive step: two archives in results/train_proxy/ holding one run fail the step with
+    the message (both files and the fix), no traceback, and nothing imported."""
+    from fp4moe.reproduce import pipeline
+
+    uri, _ = _store_with_runs(tmp_path)
+    home = tmp_path / "home"
+    folder = home / pipeline.RESULTS_TRAIN
+    folder.mkdir(parents=True)
+    archive.export(uri, folder / "a.json.xz", note="")
+    archive.export(uri, folder / "b.json.xz", note="the same runs again")
+    target = tmp_path / "store.db"
+    monkeypatch.setenv("FP4MOE_HOME", str(home))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{target}")
+    assert pipeline.load_trainer_archives(track=True) is False
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    failed = [line for line in out.out.splitlines() if "FAILED" in line]
+    assert len(failed) == 1 and "a.json.xz and" in failed[0] and "b.json.xz: one run, one archive" in failed[0]
+    from fp4moe.report.store import load
+
+    assert load(f"sqlite:///{target}").runs == []

@@ -338,6 +338,9 @@ def load_trainer_archives(track: bool) -> bool:
         added, skipped = archive.import_files(files, log=lambda line: print(f"trainer runs: {line}"))
         print(f"trainer runs: {added} loaded into MLflow, {skipped} already there")
         return True
+    except archive.ArchiveError as exc:  # a file that is not an archive, two archives sharing a run: the message says
+        print(f"trainer runs: loading into MLflow FAILED: {exc}")
+        return False
     except Exception:
         traceback.print_exc()
         print("trainer runs: loading into MLflow FAILED (traceback above)")

@@ -27,6 +27,13 @@ kept when an imported run is archived again; plus ``fp4moe.archive`` = the file 
 already in the target experiment is skipped, so
 rerunning ``make reproduce-table`` never duplicates runs. A folder stands for its ``*.json`` files that are archives
 (other JSON files are left alone). Import never needs torch.
+
+One run, one archive: the report compares runs within an archive (one seed's recipes, one session's cells), so a run
+held by two archives would be read under one of them only. Export refuses a run that two of its stores hold (a store
+and a store that imported its runs, or one store named twice); import refuses archives that share a run, naming both
+files, before it imports anything. When an archive replaces another (runs merged into a new file, the old file
+removed), importing it into a store that holds the old file's runs moves their ``fp4moe.archive`` tag to the new
+name, so the store reports them with the runs they were merged with.
 """
 from __future__ import annotations
 
@@ -64,7 +71,16 @@ def export(store: str | os.PathLike | Sequence[str | os.PathLike], out: str | os
     stores = [store] if isinstance(store, (str, os.PathLike)) else list(store)
     if not stores:
         raise ArchiveError("no store to export: name at least one tracking URI, .db file or folder")
-    runs = [run for s in stores for run in _runs_of(s, experiments)]
+    runs, held_by = [], {}
+    for s in stores:
+        for run in _runs_of(s, experiments):
+            origin = _origin(run)
+            if origin in held_by:
+                raise ArchiveError(f"run {origin} ({run['name'] or 'unnamed'}) is in both {held_by[origin]} and {s}: "
+                                   "one run, one archive; name each store once, and not both a store and one that "
+                                   "imported its runs")
+            held_by[origin] = s
+            runs.append(run)
     runs.sort(key=lambda r: (r["experiment"], r["start_time"] or 0, r["run_id"]))
     portable = mlflow_store.portable_paths()
     for run in runs:
@@ -74,6 +90,24 @@ def export(store: str | os.PathLike | Sequence[str | os.PathLike], out: str | os
            "note": portable(note), "runs": runs}
     _write(doc, Path(out))
     return len(runs)
+
+
+def _origin(run: dict) -> str:
+    """The id of ``run`` (an archive record) in the store where it was measured, kept through re-archiving."""
+    return run["tags"].get(ARCHIVED_ID, run["run_id"])
+
+
+def _shared_runs(paths: Sequence[str | os.PathLike]) -> None:
+    """ArchiveError when two of the archives ``paths`` (or one of them twice) hold the same run."""
+    held_by: dict[str, Path] = {}
+    for path in map(Path, paths):
+        for run in load(path)["runs"]:
+            origin = _origin(run)
+            if origin in held_by:
+                raise ArchiveError(f"run {origin} ({run.get('name') or 'unnamed'}) is in both {held_by[origin]} and "
+                                   f"{path}: one run, one archive (the report would read it under one of them only); "
+                                   "remove the archive that the other replaces, or export the stores into one")
+            held_by[origin] = path
 
 
 def _runs_of(store: str | os.PathLike, experiments: Sequence[str] | None) -> list[dict]:
@@ -189,7 +223,8 @@ def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log=print) -> tuple[int, int]:
     """Load every run of the archives ``paths`` into the store ``uri`` (default fp4moe.tracking.mlflow_store's); returns
-    (runs added, runs already there)."""
+    (runs added, runs already there). ArchiveError, before anything is imported, when two archives share a run; a run
+    already there from an archive of another name takes this one's name (the archive that replaced it)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param, RunTag
@@ -197,15 +232,21 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
     uri = uri or mlflow_store.tracking_uri()
     mlflow_store.check_reachable(uri)
     client = MlflowClient(tracking_uri=uri)
+    paths = list({Path(p).resolve(): Path(p) for p in paths}.values())  # a file named twice is imported once
+    _shared_runs(paths)
     added = skipped = 0
     for path in paths:
         doc = load(path)
         gone = withdrawn(doc)
         for run in doc["runs"]:
             exp_id = mlflow_store._experiment_id(client, run["experiment"], uri)
-            origin = run["tags"].get(ARCHIVED_ID, run["run_id"])  # the id where it was measured, kept through re-archiving
+            origin = _origin(run)
             found = client.search_runs([exp_id], filter_string=f"tags.`{ARCHIVED_ID}` = '{origin}'", max_results=1)
             if found:
+                if found[0].data.tags.get(ARCHIVE_FILE) != Path(path).name:
+                    client.set_tag(found[0].info.run_id, ARCHIVE_FILE, Path(path).name)
+                    log(f"{path}: run {origin} was imported from {found[0].data.tags.get(ARCHIVE_FILE)}; "
+                        "now reported as this archive's")
                 skipped += 1
                 continue
             new = client.create_run(exp_id, start_time=run.get("start_time"), run_name=run.get("name") or None)
