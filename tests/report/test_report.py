@@ -698,3 +698,31 @@ def test_f3_newest_benchmark_is_the_last_measured_not_the_last_logged():
     assert [r["commit"] for r in latest] == ["49fc0f7"] and {r["commit"] for r in older} == {"f67c4e6", "old"}
     same_day = [bench("a", "2026-12-04", 2), bench("b", "2026-12-04", 1)]
     assert [r["commit"] for r in _latest(same_day, lambda r: (r["gpu"],), _f3_bench)[0]] == ["a"]
+
+
+def test_f5_recipes_of_one_seed_on_two_gpu_models_are_one_config():
+    """A seed's recipes merged into one archive from two sessions on other GPU models (bf16 and fp8 on an H100, mxfp4
+    on an H200) are one config: each deviation against that seed's bf16, each row with its run's GPU, the config
+    naming both. Runs of one seed in two archives stay apart, as before. Loss values made up."""
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import f5_rows
+
+    h200, h100 = "1 x NVIDIA H200 (140 GiB)", "1 x NVIDIA H100 80GB HBM3 (79 GiB)"
+    params = {"parallel.micro_batch": "32", "parallel.seq_length": "4096", "parallel.global_batch": "32",
+              "derived.steps": "2289", "train.seed": "5678"}
+
+    def run(i, rec, hw, loss, archive="seed.json"):
+        return RunRecord(f"r{i}", "proxy_t1_conv_1gpu", f"r{i}", "FINISHED", i, params,
+                         {"summary/final_loss": loss, "summary/final_eval_loss": loss},
+                         {"model": "proxy_conv", "recipe": rec, "recompute": "attn_ln_experts", "world_size": "1",
+                          "hardware": hw, "fp4moe.archive": archive})
+
+    runs = [run(0, "bf16", h100, 2.0), run(1, "fp8", h100, 1.99), run(2, "mxfp4", h200, 2.01)]
+    rows = f5_rows(runs, lambda run_id, key: [], {"mxfp4": 0.61})
+    assert [r["recipe"] for r in rows] == ["bf16", "fp8", "mxfp4"] and len({r["config"] for r in rows}) == 1
+    assert [r["hardware"] for r in rows] == [h100, h100, h200]
+    assert f"on {h100}, {h200}, world size 1" in rows[0]["config"] and "on 1 x GPU, world size 1" in rows[0]["family"]
+    assert rows[2]["eval_loss_dev_pct"] == pytest.approx(0.5)
+    # the same mxfp4 run in another archive: no bf16 beside it there, so no comparison
+    rows = f5_rows(runs[:2] + [run(2, "mxfp4", h200, 2.01, archive="other.json")], lambda run_id, key: [], {})
+    assert [r["recipe"] for r in rows] == ["bf16", "fp8"]

@@ -380,17 +380,22 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
     """Per config (same setup, recompute, steps, seed, data) that has a finished bf16 run and another recipe, all with
     a held-out eval loss (throughput-only runs are left out):
     smoothed final training loss (mean of the last LOSS_SMOOTH_STEPS logged values) and final eval loss per recipe,
-    and (x - bf16) / bf16 in %. The paper's deviation (F5, 16B model, 160B tokens) is beside it."""
+    and (x - bf16) / bf16 in %. The paper's deviation (F5, 16B model, 160B tokens) is beside it. A config's recipes
+    come from one archive, on one GPU count; their GPU models may differ (a seed's last recipe run on another card
+    and merged into the seed's archive): the config names each, and each row its run's."""
     groups: dict[tuple, dict[str, RunRecord]] = defaultdict(dict)
     for r in sorted(trainer_runs, key=lambda r: (r.start_time, r.run_id)):
         # only runs that evaluated held-out loss: throughput-only runs (T1 cells, a few steps) are not comparisons
         if r.status == "FINISHED" and "summary/final_loss" in r.metrics and "summary/final_eval_loss" in r.metrics:
-            groups[config_key(r)][r.tags["recipe"]] = r
+            key = config_key(r)
+            groups[(replace(key[0], hardware=family_hardware(key[0].hardware)),) + key[1:]][r.tags["recipe"]] = r
     out = []
-    for key in sorted(groups):
-        recs = groups[key]
+    for group in sorted(groups):
+        recs = groups[group]
         if "bf16" not in recs or len(recs) < 2:
             continue
+        gpus = ", ".join(dict.fromkeys(run.tags["hardware"] for run in recs.values()))
+        key = (replace(group[0], hardware=gpus),) + group[1:]
         vals = {}
         for rec, run in recs.items():
             tail = [v for _, v in history(run.run_id, "loss")][-LOSS_SMOOTH_STEPS:]
@@ -401,11 +406,10 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
         for rec in (r for r in order if r in recs):
             t, e = vals[rec]
             # a family: the configs that differ only in the seed (and the archive, i.e. the session and commit, and
-            # the GPU model: family_hardware)
-            family = config_label((replace(key[0], archive="", hardware=family_hardware(key[0].hardware)),)
-                                  + key[1:3] + ("*",) + key[4:])
+            # the GPU model: family_hardware, as in the group's key)
+            family = config_label((replace(group[0], archive=""),) + key[1:3] + ("*",) + key[4:])
             out.append({"config": config_label(key), "recipe": rec, "steps": key[2], "seed": key[3],
-                        "archive": key[0].archive, "family": family, "hardware": key[0].hardware,
+                        "archive": key[0].archive, "family": family, "hardware": recs[rec].tags["hardware"],
                         "train_loss_smoothed": t,
                         "train_loss_dev_pct": 100.0 * (t - tb) / tb,
                         "eval_loss": e, "eval_loss_dev_pct": 100.0 * (e - eb) / eb if e is not None and eb else None,
