@@ -648,8 +648,8 @@ def markdown(rep: Report) -> str:
         spread = tables.f5_seed_spread(rep.f5)
         if spread:
             out += ["Across seeds (configs that differ only in the seed: other initial weights, the same data "
-                    "order; each seed's recipes compared within one archive, i.e. one session and commit or a seed's runs "
-                    "merged into one, on one GPU count, the GPU models listed): bf16's own "
+                    "order; each seed's recipes compared within one archive, i.e. one session and commit or a "
+                    "seed's runs merged into one, on one GPU count, the GPU models listed): bf16's own "
                     "spread is the size of a deviation that noise makes at this length; a recipe's deviation is its "
                     "own when it keeps its sign and size from seed to seed.", ""]
             out += [_md_table(["config", "archives", "hardware", "recipe", "seeds", "eval loss spread",
