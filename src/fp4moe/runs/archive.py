@@ -71,16 +71,10 @@ def export(store: str | os.PathLike | Sequence[str | os.PathLike], out: str | os
     stores = [store] if isinstance(store, (str, os.PathLike)) else list(store)
     if not stores:
         raise ArchiveError("no store to export: name at least one tracking URI, .db file or folder")
-    runs, held_by = [], {}
-    for s in stores:
-        for run in _runs_of(s, experiments):
-            origin = _origin(run)
-            if origin in held_by:
-                raise ArchiveError(f"run {origin} ({run['name'] or 'unnamed'}) is in both {held_by[origin]} and {s}: "
-                                   "one run, one archive; name each store once, and not both a store and one that "
-                                   "imported its runs")
-            held_by[origin] = s
-            runs.append(run)
+    per_store = [(s, _runs_of(s, experiments)) for s in stores]
+    _one_archive_per_run(((s, run) for s, runs in per_store for run in runs),
+                         "name each store once, and not both a store and one that imported its runs")
+    runs = [run for _, runs in per_store for run in runs]
     runs.sort(key=lambda r: (r["experiment"], r["start_time"] or 0, r["run_id"]))
     portable = mlflow_store.portable_paths()
     for run in runs:
@@ -97,17 +91,16 @@ def _origin(run: dict) -> str:
     return run["tags"].get(ARCHIVED_ID, run["run_id"])
 
 
-def _shared_runs(paths: Sequence[str | os.PathLike]) -> None:
-    """ArchiveError when two of the archives ``paths`` (or one of them twice) hold the same run."""
-    held_by: dict[str, Path] = {}
-    for path in map(Path, paths):
-        for run in load(path)["runs"]:
-            origin = _origin(run)
-            if origin in held_by:
-                raise ArchiveError(f"run {origin} ({run.get('name') or 'unnamed'}) is in both {held_by[origin]} and "
-                                   f"{path}: one run, one archive (the report would read it under one of them only); "
-                                   "remove the archive that the other replaces, or export the stores into one")
-            held_by[origin] = path
+def _one_archive_per_run(held: Iterable[tuple[object, dict]], fix: str) -> None:
+    """ArchiveError naming the run, both places and ``fix`` when one run (by ``_origin``) comes from two places of
+    ``held`` ((store or archive file, run record) pairs)."""
+    first: dict[str, object] = {}
+    for where, run in held:
+        origin = _origin(run)
+        if origin in first:
+            raise ArchiveError(f"run {origin} ({run.get('name') or 'unnamed'}) is in both {first[origin]} and "
+                               f"{where}: one run, one archive; {fix}")
+        first[origin] = where
 
 
 def _runs_of(store: str | os.PathLike, experiments: Sequence[str] | None) -> list[dict]:
@@ -233,7 +226,10 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
     mlflow_store.check_reachable(uri)
     client = MlflowClient(tracking_uri=uri)
     paths = list({Path(p).resolve(): Path(p) for p in paths}.values())  # a file named twice is imported once
-    _shared_runs(paths)
+    # every archive read once here for the check (only the run ids kept), then again below, one at a time
+    _one_archive_per_run(((p, run) for p in paths for run in load(p)["runs"]),
+                         "the report would read it under one of them only: remove the archive that the other "
+                         "replaces, or export the stores into one")
     added = skipped = 0
     for path in paths:
         doc = load(path)
@@ -243,10 +239,10 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
             origin = _origin(run)
             found = client.search_runs([exp_id], filter_string=f"tags.`{ARCHIVED_ID}` = '{origin}'", max_results=1)
             if found:
-                if found[0].data.tags.get(ARCHIVE_FILE) != Path(path).name:
+                before = found[0].data.tags.get(ARCHIVE_FILE)
+                if before != Path(path).name:  # the archive that replaced the one it came from
                     client.set_tag(found[0].info.run_id, ARCHIVE_FILE, Path(path).name)
-                    log(f"{path}: run {origin} was imported from {found[0].data.tags.get(ARCHIVE_FILE)}; "
-                        "now reported as this archive's")
+                    log(f"{path}: run {origin} was imported from {before}; now reported as this archive's")
                 skipped += 1
                 continue
             new = client.create_run(exp_id, start_time=run.get("start_time"), run_name=run.get("name") or None)
