@@ -396,6 +396,9 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
             continue
         gpus = ", ".join(dict.fromkeys(run.tags["hardware"] for run in recs.values()))
         key = (replace(group[0], hardware=gpus),) + group[1:]
+        # a family: the configs that differ only in the seed (and the archive, i.e. the session and commit, and the
+        # GPU model: family_hardware, as in the group's key)
+        family = config_label((replace(group[0], archive=""),) + group[1:3] + ("*",) + group[4:])
         vals = {}
         for rec, run in recs.items():
             tail = [v for _, v in history(run.run_id, "loss")][-LOSS_SMOOTH_STEPS:]
@@ -405,9 +408,6 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
         order = ["bf16", "fp8", "mxfp4"] + sorted(set(recs) - {"bf16", "fp8", "mxfp4"})
         for rec in (r for r in order if r in recs):
             t, e = vals[rec]
-            # a family: the configs that differ only in the seed (and the archive, i.e. the session and commit, and
-            # the GPU model: family_hardware, as in the group's key)
-            family = config_label((replace(group[0], archive=""),) + key[1:3] + ("*",) + key[4:])
             out.append({"config": config_label(key), "recipe": rec, "steps": key[2], "seed": key[3],
                         "archive": key[0].archive, "family": family, "hardware": recs[rec].tags["hardware"],
                         "train_loss_smoothed": t,
