@@ -726,3 +726,61 @@ def test_f5_recipes_of_one_seed_on_two_gpu_models_are_one_config():
     # the same mxfp4 run in another archive: no bf16 beside it there, so no comparison
     rows = f5_rows(runs[:2] + [run(2, "mxfp4", h200, 2.01, archive="other.json")], lambda run_id, key: [], {})
     assert [r["recipe"] for r in rows] == ["bf16", "fp8"]
+
+
+def test_f5_training_loss_deviation_at_the_end_of_each_pass_over_the_training_split():
+    """Runs of 30 steps over a 10-step training split (100 tokens a step, 1000 training tokens): three passes. mxfp4's
+    training loss equals bf16's in the first pass and rises in the later ones (+1 / +2 % in seed 1, +2 / +3 % in seed
+    2): f5_rows gives each seed's deviation at the end of each pass, smoothed over its last 10 logged steps;
+    f5_seed_spread their mean; the F5 section's table and headline show them. A run of one pass has none, nor a
+    family with a seed whose run logged no history. Losses made up, arithmetic by hand."""
+    from fp4moe.report.render import _f5_by_pass
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import f5_rows, f5_seed_spread, passes_of
+
+    params = {"parallel.tensor": "1", "parallel.pipeline": "1", "parallel.expert": "1", "parallel.data": "1",
+              "parallel.micro_batch": "1", "parallel.seq_length": "100", "parallel.global_batch": "1",
+              "derived.steps": "30", "data.name": "user_corpus", "data.dataset_prefix": "/x/c/hf-aaaa/train",
+              "data.train_tokens": "1000"}
+    assert passes_of(params) == pytest.approx(3.0)
+    assert passes_of(dict(params, **{"data.train_tokens": "3000"})) == pytest.approx(1.0)
+    assert passes_of({k: v for k, v in params.items() if k != "data.train_tokens"}) is None
+    per_pass_loss = {("1", "bf16"): (2.0, 2.0, 2.0), ("1", "mxfp4"): (2.0, 2.02, 2.04),
+                     ("2", "bf16"): (2.0, 2.0, 2.0), ("2", "mxfp4"): (2.0, 2.04, 2.06)}
+    runs, hist = [], {}
+    for i, ((seed, rec), losses) in enumerate(per_pass_loss.items()):
+        for build, tokens in (("aaaa", "1000"), ("bbbb", "3000")):   # three passes; one pass of a bigger split
+            rid = f"r{i}{build}"
+            p = dict(params, **{"train.seed": seed, "data.dataset_prefix": f"/x/c/hf-{build}/train",
+                                "data.train_tokens": tokens})
+            runs.append(RunRecord(rid, "proxy_t1_conv_1gpu", rid, "FINISHED", i, p,
+                                  {"summary/final_loss": losses[-1], "summary/final_eval_loss": 2.5},
+                                  {"model": "proxy_conv", "recipe": rec, "recompute": "attn_ln_experts",
+                                   "world_size": "1", "hardware": "1 x NVIDIA H200 (140 GiB)",
+                                   "fp4moe.archive": f"s{seed}.json"}))
+            hist[rid] = [(step, losses[(step - 1) // 10]) for step in range(1, 31)]
+    rows = f5_rows(runs, lambda run_id, key: hist[run_id], {"mxfp4": 0.61})
+    three = [r for r in rows if "hf-aaaa" in r["family"]]
+    one = [r for r in rows if "hf-bbbb" in r["family"]]
+    by_seed = {r["seed"]: r["train_dev_by_pass_pct"] for r in three if r["recipe"] == "mxfp4"}
+    assert by_seed["1"] == pytest.approx([0.0, 1.0, 2.0], abs=1e-9)
+    assert by_seed["2"] == pytest.approx([0.0, 2.0, 3.0], abs=1e-9)
+    assert all(r["passes"] == pytest.approx(3.0) for r in three)
+    assert [r["train_dev_by_pass_pct"] for r in three if r["recipe"] == "bf16"] == [None, None]
+    assert all(r["train_dev_by_pass_pct"] is None and r["passes"] == pytest.approx(1.0) for r in one)
+    spread = {(s["family"], s["recipe"]): s for s in f5_seed_spread(rows)}
+    (mx,) = [s for (fam, rec), s in spread.items() if rec == "mxfp4" and "hf-aaaa" in fam]
+    assert mx["train_dev_by_pass_mean_pct"] == pytest.approx([0.0, 1.5, 2.5], abs=1e-9)
+    assert mx["train_dev_mean_pct"] == pytest.approx(2.5)   # the final deviation is the last pass's here
+    (mx1,) = [s for (fam, rec), s in spread.items() if rec == "mxfp4" and "hf-bbbb" in fam]
+    assert mx1["train_dev_by_pass_mean_pct"] is None
+    lines = _f5_by_pass(list(spread.values()))
+    table = _table("\n".join(lines))
+    assert table[0].endswith("| passes | end of pass 1 | end of pass 2 | end of pass 3 |")
+    assert len(table) == 3 and table[2].endswith("| mxfp4 | 1, 2 | 3.00 | +0.00 % | +1.50 % | +2.50 % |")
+    assert _f5_by_pass([mx1]) == []
+    # a seed without logged history: the family's per-pass mean is not given
+    hist["r2aaaa"] = []
+    rows = f5_rows(runs, lambda run_id, key: hist[run_id], {"mxfp4": 0.61})
+    (mx,) = [s for s in f5_seed_spread(rows) if s["recipe"] == "mxfp4" and "hf-aaaa" in s["family"]]
+    assert mx["train_dev_by_pass_mean_pct"] is None

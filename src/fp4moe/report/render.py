@@ -299,6 +299,9 @@ def headline_rows(rep: Report, head: str | None) -> list[list[str]]:
         if s is not None:
             got = (f"{s['train_dev_mean_pct']:+.2f} % (training loss; held-out {_num_pct(s['eval_dev_mean_pct'])}), "
                    f"mean of {len(s['train_dev_pct_per_seed'])} seeds")
+            if s.get("train_dev_by_pass_mean_pct"):
+                got += (f"; training loss {s['train_dev_by_pass_mean_pct'][0]:+.2f} % at the end of the first of "
+                        f"{s['passes']:.1f} passes over the training split")
         elif r is not None:
             got = (f"{r['train_loss_dev_pct']:+.2f} % (training loss; held-out {_num_pct(r['eval_loss_dev_pct'])}), "
                    f"one seed ({r['seed']})")
@@ -665,6 +668,7 @@ def markdown(rep: Report) -> str:
                                 "reference" if s["eval_dev_pct_per_seed"] is None else
                                 ("-" if s["eval_dev_range_pts"] is None else f"{s['eval_dev_range_pts']:.2f} pts")]
                                for s in spread]), ""]
+            out += _f5_by_pass(spread)
         out += [(f"Older configurations ({len({r['config'] for r in older5})}): Appendix E. " if older5 else "")
                 + "Plot: `f5_loss.png`. CSV: `f5_loss.csv` (every configuration).", ""]
 
@@ -688,6 +692,24 @@ def markdown(rep: Report) -> str:
     if older5:
         out += ["## Appendix E: older F5 configurations", ""] + _f5_configs(older5)
     return "\n".join(out)
+
+
+def _f5_by_pass(spread: list[dict]) -> list[str]:
+    """Lines of the F5 section: for seed families whose runs pass over their training split twice or more, each
+    recipe's training-loss deviation from bf16 at the end of each whole pass, mean over the seeds; [] if none."""
+    rows = [s for s in spread if s.get("train_dev_by_pass_mean_pct")]
+    if not rows:
+        return []
+    n = max(len(s["train_dev_by_pass_mean_pct"]) for s in rows)
+    return [f"Runs that pass over their training split more than once (`data.train_tokens` / (global batch x "
+            f"sequence length) steps a pass): the training-loss deviation from bf16 at the end of each whole pass "
+            f"(smoothed the same way, over the steps of the passes so far), mean over the seeds. The training loss "
+            f"of a second pass is the loss on text the run has trained on before; compare the end of the first "
+            f"pass, and the held-out deviation above, with the final training-loss deviation.", "",
+            _md_table(["config", "recipe", "seeds", "passes"] + [f"end of pass {k}" for k in range(1, n + 1)],
+                      [[s["family"], s["recipe"], s["seeds"], f"{s['passes']:.2f}"]
+                       + [f"{v:+.2f} %" for v in s["train_dev_by_pass_mean_pct"]]
+                       + ["-"] * (n - len(s["train_dev_by_pass_mean_pct"])) for s in rows]), ""]
 
 
 def _pct(v: float | None) -> str:

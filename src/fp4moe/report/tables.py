@@ -375,6 +375,34 @@ def family_hardware(hardware: str) -> str:
     return f"{m.group(1)} x GPU" if m else hardware
 
 
+def steps_per_pass(params: dict[str, str]) -> float | None:
+    """Optimizer steps per pass over a run's training split: ``data.train_tokens`` / (global batch x sequence
+    length); None where any of them is unknown."""
+    try:
+        per_step = int(params["parallel.global_batch"]) * int(params["parallel.seq_length"])
+        train_tokens = int(params["data.train_tokens"])
+    except (KeyError, ValueError):
+        return None
+    return train_tokens / per_step if per_step > 0 and train_tokens > 0 else None
+
+
+def passes_of(params: dict[str, str]) -> float | None:
+    """How many passes over its training split a run's schedule makes (its steps / ``steps_per_pass``); None where
+    unknown."""
+    per_pass = steps_per_pass(params)
+    try:
+        steps = int(params.get("derived.steps") or params.get("train.steps", ""))
+    except ValueError:
+        return None
+    return steps / per_pass if per_pass else None
+
+
+def _smoothed_to(hist: list[tuple[int, float]], last_step: float) -> float | None:
+    """Mean of the last LOSS_SMOOTH_STEPS logged values at steps <= ``last_step``; None if none."""
+    tail = [v for s, v in hist if s <= last_step][-LOSS_SMOOTH_STEPS:]
+    return statistics.fmean(tail) if tail else None
+
+
 def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tuple[int, float]]],
             paper_dev: dict[str, float]) -> list[dict]:
     """Per config (same setup, recompute, steps, seed, data) that has a finished bf16 run and another recipe, all with
@@ -382,7 +410,10 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
     smoothed final training loss (mean of the last LOSS_SMOOTH_STEPS logged values) and final eval loss per recipe,
     and (x - bf16) / bf16 in %. The paper's deviation (F5, 16B model, 160B tokens) is beside it. A config's recipes
     come from one archive, on one GPU count; their GPU models may differ (a seed's last recipe run on another card
-    and merged into the seed's archive): the config names each, and each row its run's."""
+    and merged into the seed's archive): the config names each, and each row its run's. A config whose schedule
+    passes over its training split twice or more (``passes_of``) also gives, per recipe but bf16, the training-loss
+    deviation at the end of each whole pass (``train_dev_by_pass_pct``, the same smoothing, over the logged steps up
+    to the pass's last step; None where a run logged no history)."""
     groups: dict[tuple, dict[str, RunRecord]] = defaultdict(dict)
     for r in sorted(trainer_runs, key=lambda r: (r.start_time, r.run_id)):
         # only runs that evaluated held-out loss: throughput-only runs (T1 cells, a few steps) are not comparisons
@@ -399,12 +430,22 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
         # a family: the configs that differ only in the seed (and the archive, i.e. the session and commit, and the
         # GPU model: family_hardware, as in the group's key)
         family = config_label((replace(group[0], archive=""),) + group[1:3] + ("*",) + group[4:])
+        hists = {rec: history(run.run_id, "loss") for rec, run in recs.items()}
         vals = {}
         for rec, run in recs.items():
-            tail = [v for _, v in history(run.run_id, "loss")][-LOSS_SMOOTH_STEPS:]
+            tail = [v for _, v in hists[rec]][-LOSS_SMOOTH_STEPS:]
             vals[rec] = (statistics.fmean(tail) if tail else run.metrics["summary/final_loss"],
                          run.metrics.get("summary/final_eval_loss"))
         tb, eb = vals["bf16"]
+        passes, per_pass = passes_of(recs["bf16"].params), steps_per_pass(recs["bf16"].params)
+        by_pass: dict[str, list[float] | None] = {}
+        if passes is not None and passes >= 2:
+            # the steps of pass k are those up to k x per_pass (step s trains on tokens (s-1) x B .. s x B)
+            for rec in recs:
+                ends = [(_smoothed_to(hists[rec], k * per_pass), _smoothed_to(hists["bf16"], k * per_pass))
+                        for k in range(1, int(passes) + 1)]
+                by_pass[rec] = (None if any(x is None or b is None for x, b in ends)
+                                else [100.0 * (x - b) / b for x, b in ends])
         order = ["bf16", "fp8", "mxfp4"] + sorted(set(recs) - {"bf16", "fp8", "mxfp4"})
         for rec in (r for r in order if r in recs):
             t, e = vals[rec]
@@ -414,6 +455,8 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
                         "train_loss_dev_pct": 100.0 * (t - tb) / tb,
                         "eval_loss": e, "eval_loss_dev_pct": 100.0 * (e - eb) / eb if e is not None and eb else None,
                         "paper_dev_pct": 0.0 if rec == "bf16" else paper_dev.get(rec), "run_id": recs[rec].run_id,
+                        "passes": passes,
+                        "train_dev_by_pass_pct": None if rec == "bf16" else by_pass.get(rec),
                         "start_time": max(run.start_time for run in recs.values())})  # the config's newest run (ms)
     return out
 
@@ -426,7 +469,9 @@ def f5_seed_spread(rows: list[dict]) -> list[dict]:
     percentage points). bf16's own spread says how large a deviation noise makes at that length; a recipe's
     deviation is its own when it keeps its sign and size from seed to seed, i.e. when the range of its deviations is
     smaller than their mean. The same for the smoothed training loss (``train_dev_*``: what the paper reports);
-    ``start_time``: the family's newest run (ms)."""
+    ``train_dev_by_pass_mean_pct``: the mean over the seeds of the training-loss deviation at the end of each whole
+    pass over the training split (f5_rows; None unless every seed has it for the same passes), ``passes`` the
+    family's (its data build and steps fix it); ``start_time``: the family's newest run (ms)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["family"], r["recipe"])].append(r)
@@ -450,8 +495,17 @@ def f5_seed_spread(rows: list[dict]) -> list[dict]:
                     "eval_dev_range_pts": max(known) - min(known) if devs is not None and len(known) > 1 else None,
                     "train_dev_pct_per_seed": train_devs,
                     "train_dev_mean_pct": statistics.fmean(train_devs) if train_devs is not None else None,
+                    "passes": rs[0].get("passes"),
+                    "train_dev_by_pass_mean_pct": _mean_by_pass([r.get("train_dev_by_pass_pct") for r in rs]),
                     "start_time": max(r["start_time"] for r in rs)})
     return out
+
+
+def _mean_by_pass(per_seed: list[list[float] | None]) -> list[float] | None:
+    """Element-wise mean of the seeds' per-pass deviations; None unless every seed has them, for the same passes."""
+    if not per_seed or any(d is None for d in per_seed) or len({len(d) for d in per_seed}) != 1:
+        return None
+    return [statistics.fmean(col) for col in zip(*per_seed)]
 
 
 def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord], list[RunRecord]]:
@@ -462,5 +516,5 @@ def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]
 
 __all__ = ["CODE_SETTINGS", "code_note", "family_hardware",
            "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
-           "code_key", "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "setup_of", "setups", "split_store",
+           "code_key", "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "passes_of", "setup_of", "setups", "split_store", "steps_per_pass",
            "t1_rows"]
