@@ -441,7 +441,7 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
         by_pass: dict[str, list[float] | None] = {}
         if passes is not None and passes >= 2:
             # the steps of pass k are those up to k x per_pass (step s trains on tokens (s-1) x B .. s x B)
-            for rec in recs:
+            for rec in (r for r in recs if r != "bf16"):
                 ends = [(_smoothed_to(hists[rec], k * per_pass), _smoothed_to(hists["bf16"], k * per_pass))
                         for k in range(1, int(passes) + 1)]
                 by_pass[rec] = (None if any(x is None or b is None for x, b in ends)
