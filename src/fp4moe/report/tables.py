@@ -7,6 +7,7 @@ measured``); nothing is filled in.
 """
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections import defaultdict
@@ -355,11 +356,15 @@ def data_label(params: dict[str, str]) -> str:
     return name
 
 
+def planned_steps(params: dict[str, str]) -> str:
+    """The steps a run was set to run: ``derived.steps``, also when given as ``train.tokens`` (then ``train.steps``
+    is 'None'), else ``train.steps``; '?' when neither was logged."""
+    return params.get("derived.steps") or params.get("train.steps", "?")
+
+
 def config_key(run: RunRecord) -> tuple:
     p = run.params
-    # derived.steps: what the run was set to run, also when given as train.tokens (then train.steps is 'None')
-    steps = p.get("derived.steps") or p.get("train.steps", "?")
-    return (setup_of(run), run.tags["recompute"], steps, p.get("train.seed", "?"), data_label(p))
+    return (setup_of(run), run.tags["recompute"], planned_steps(p), p.get("train.seed", "?"), data_label(p))
 
 
 def config_label(key: tuple) -> str:
@@ -391,7 +396,7 @@ def passes_of(params: dict[str, str]) -> float | None:
     unknown."""
     per_pass = steps_per_pass(params)
     try:
-        steps = int(params.get("derived.steps") or params.get("train.steps", ""))
+        steps = int(planned_steps(params))
     except ValueError:
         return None
     return steps / per_pass if per_pass else None
@@ -433,19 +438,20 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
         hists = {rec: history(run.run_id, "loss") for rec, run in recs.items()}
         vals = {}
         for rec, run in recs.items():
-            tail = [v for _, v in hists[rec]][-LOSS_SMOOTH_STEPS:]
-            vals[rec] = (statistics.fmean(tail) if tail else run.metrics["summary/final_loss"],
+            t = _smoothed_to(hists[rec], math.inf)
+            vals[rec] = (run.metrics["summary/final_loss"] if t is None else t,
                          run.metrics.get("summary/final_eval_loss"))
         tb, eb = vals["bf16"]
         passes, per_pass = passes_of(recs["bf16"].params), steps_per_pass(recs["bf16"].params)
         by_pass: dict[str, list[float] | None] = {}
         if passes is not None and passes >= 2:
             # the steps of pass k are those up to k x per_pass (step s trains on tokens (s-1) x B .. s x B)
+            ends = [k * per_pass for k in range(1, int(passes) + 1)]
+            base = [_smoothed_to(hists["bf16"], end) for end in ends]
             for rec in (r for r in recs if r != "bf16"):
-                ends = [(_smoothed_to(hists[rec], k * per_pass), _smoothed_to(hists["bf16"], k * per_pass))
-                        for k in range(1, int(passes) + 1)]
-                by_pass[rec] = (None if any(x is None or b is None for x, b in ends)
-                                else [100.0 * (x - b) / b for x, b in ends])
+                own = [_smoothed_to(hists[rec], end) for end in ends]
+                by_pass[rec] = (None if None in own or None in base
+                                else [100.0 * (x - b) / b for x, b in zip(own, base)])
         order = ["bf16", "fp8", "mxfp4"] + sorted(set(recs) - {"bf16", "fp8", "mxfp4"})
         for rec in (r for r in order if r in recs):
             t, e = vals[rec]
@@ -516,5 +522,5 @@ def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]
 
 __all__ = ["CODE_SETTINGS", "code_note", "family_hardware",
            "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
-           "code_key", "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "passes_of", "setup_of", "setups", "split_store", "steps_per_pass",
+           "code_key", "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "passes_of", "planned_steps", "setup_of", "setups", "split_store", "steps_per_pass",
            "t1_rows"]
