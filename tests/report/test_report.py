@@ -467,6 +467,34 @@ def test_f5_config_of_a_run_set_by_tokens_names_its_steps():
     assert {r["steps"] for r in rows} == {"2289"} and "; 2289 steps, seed 1234" in rows[0]["config"]
 
 
+def test_f5_runs_with_other_learning_rate_schedules_are_not_compared():
+    """Two pairs of one seed, steps and data, one under the cosine schedule and one at a constant learning rate: two
+    configs, each recipe compared with the bf16 run of its own schedule (the later pair used to replace the earlier
+    one's runs in one config), each label naming its schedule. Losses made up."""
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import f5_rows, schedule_label
+
+    params = {"parallel.micro_batch": "32", "parallel.seq_length": "4096", "parallel.global_batch": "32",
+              "derived.steps": "1200", "train.seed": "1234", "train.adamw.lr": "0.0006",
+              "train.adamw.min_lr": "6e-05", "train.schedule.name": "cosine", "derived.warmup_steps": "100"}
+    constant = dict(params, **{"train.schedule.name": "constant"})
+    assert schedule_label(params) == "lr 0.0006 cosine to 6e-05 after 100 warm-up steps"
+    assert schedule_label(constant) == "lr 0.0006 constant after 100 warm-up steps"
+    assert schedule_label({"train.seed": "1"}) == ""
+    runs = [RunRecord(f"r{i}", "proxy_t1_conv_1gpu", f"r{i}", "FINISHED", i, p,
+                      {"summary/final_loss": loss, "summary/final_eval_loss": loss},
+                      {"model": "proxy_conv", "recipe": rec, "recompute": "attn_ln_experts", "world_size": "1",
+                       "hardware": "1 x NVIDIA H100 80GB HBM3 (79 GiB)"})
+            for i, (p, rec, loss) in enumerate(((params, "bf16", 2.0), (params, "mxfp4", 2.02),
+                                                (constant, "bf16", 2.1), (constant, "mxfp4", 2.205)))]
+    rows = f5_rows(runs, lambda run_id, key: [], {"mxfp4": 0.61})
+    dev = {r["config"]: r["train_loss_dev_pct"] for r in rows if r["recipe"] == "mxfp4"}
+    assert len(dev) == 2 and len({r["family"] for r in rows}) == 2
+    (cos,) = [c for c in dev if "1200 steps (lr 0.0006 cosine to 6e-05 after 100 warm-up steps), seed 1234" in c]
+    (const,) = [c for c in dev if "1200 steps (lr 0.0006 constant after 100 warm-up steps), seed 1234" in c]
+    assert dev[cos] == pytest.approx(1.0) and dev[const] == pytest.approx(5.0)
+
+
 def test_headline_setup_prefers_paper_cells_then_tokens_per_micro_batch(report):
     """Two setups that measured the same cells: the one with more tokens per micro-batch stands beside the paper
     (a short probe at a small micro-batch fits every cell, so it says less about the paper's memory pressure);

@@ -362,14 +362,29 @@ def planned_steps(params: dict[str, str]) -> str:
     return params.get("derived.steps") or params.get("train.steps", "?")
 
 
+def schedule_label(params: dict[str, str]) -> str:
+    """A run's learning-rate schedule, e.g. "lr 0.0006 cosine to 6e-05 after 100 warm-up steps" or "lr 0.0006
+    constant after 100 warm-up steps"; "" when the run logged no ``train.adamw.lr`` / ``train.schedule.name``."""
+    lr, name = params.get("train.adamw.lr"), params.get("train.schedule.name")
+    if not lr or not name:
+        return ""
+    floor = f" to {params['train.adamw.min_lr']}" if name != "constant" and params.get("train.adamw.min_lr") else ""
+    warmup = params.get("derived.warmup_steps") or params.get("train.schedule.warmup_steps")
+    return f"lr {lr} {name}{floor}" + (f" after {warmup} warm-up steps" if warmup not in (None, "None") else "")
+
+
 def config_key(run: RunRecord) -> tuple:
+    """(setup, recompute, planned steps, seed, data, schedule): runs compared in F5 agree on all of them but the
+    recipe; the seed is the fourth (a family is the configs that differ only in it)."""
     p = run.params
-    return (setup_of(run), run.tags["recompute"], planned_steps(p), p.get("train.seed", "?"), data_label(p))
+    return (setup_of(run), run.tags["recompute"], planned_steps(p), p.get("train.seed", "?"), data_label(p),
+            schedule_label(p))
 
 
 def config_label(key: tuple) -> str:
-    setup, scope, steps, seed, data = key
-    return f"{setup.label}; recompute {scope}; {steps} steps, seed {seed}, data {data}"
+    setup, scope, steps, seed, data, schedule = key
+    steps = f"{steps} steps ({schedule})" if schedule else f"{steps} steps"
+    return f"{setup.label}; recompute {scope}; {steps}, seed {seed}, data {data}"
 
 
 def family_hardware(hardware: str) -> str:
@@ -410,7 +425,7 @@ def _smoothed_to(hist: list[tuple[int, float]], last_step: float) -> float | Non
 
 def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tuple[int, float]]],
             paper_dev: dict[str, float]) -> list[dict]:
-    """Per config (same setup, recompute, steps, seed, data) that has a finished bf16 run and another recipe, all with
+    """Per config (same setup, recompute, steps, learning-rate schedule, seed, data) that has a finished bf16 run and another recipe, all with
     a held-out eval loss (throughput-only runs are left out):
     smoothed final training loss (mean of the last LOSS_SMOOTH_STEPS logged values) and final eval loss per recipe,
     and (x - bf16) / bf16 in %. The paper's deviation (F5, 16B model, 160B tokens) is beside it. A config's recipes
@@ -522,5 +537,5 @@ def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]
 
 __all__ = ["CODE_SETTINGS", "code_note", "family_hardware",
            "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
-           "code_key", "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "passes_of", "planned_steps", "setup_of", "setups", "split_store", "steps_per_pass",
+           "code_key", "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "passes_of", "planned_steps", "schedule_label", "setup_of", "setups", "split_store", "steps_per_pass",
            "t1_rows"]
