@@ -812,3 +812,45 @@ def test_f5_training_loss_deviation_at_the_end_of_each_pass_over_the_training_sp
     rows = f5_rows(runs, lambda run_id, key: hist[run_id], {"mxfp4": 0.61})
     (mx,) = [s for s in f5_seed_spread(rows) if s["recipe"] == "mxfp4" and "hf-aaaa" in s["family"]]
     assert mx["train_dev_by_pass_mean_pct"] is None
+
+
+def test_f5_section_shows_the_headlines_family_and_a_newer_one_seed_family_in_its_pass_table(report):
+    """A family of two seeds under the cosine schedule and a newer one of one seed at a constant learning rate (three
+    passes each): the headline and the F5 section's seed-by-seed tables are the two-seed family's, the newer family
+    goes to Appendix E, and the per-pass table gives both, the one-seed family with its seed's own values. Losses made
+    up: mxfp4's gap is +0 / +1 / +2 % at the ends of the passes (seed 1), +0 / +2 / +3 % (seed 2), +0 / +0.5 / +0.5 %
+    at the constant rate."""
+    from dataclasses import replace
+
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import f5_rows
+
+    params = {"parallel.tensor": "1", "parallel.pipeline": "1", "parallel.expert": "1", "parallel.data": "1",
+              "parallel.micro_batch": "1", "parallel.seq_length": "100", "parallel.global_batch": "1",
+              "derived.steps": "30", "data.name": "user_corpus", "data.dataset_prefix": "/x/c/hf-aaaa/train",
+              "data.train_tokens": "1000", "train.adamw.lr": "0.0006", "train.adamw.min_lr": "6e-05",
+              "train.schedule.name": "cosine", "derived.warmup_steps": "3"}
+    per_pass = {("cosine", "1", "bf16"): (2.0, 2.0, 2.0), ("cosine", "1", "mxfp4"): (2.0, 2.02, 2.04),
+                ("cosine", "2", "bf16"): (2.0, 2.0, 2.0), ("cosine", "2", "mxfp4"): (2.0, 2.04, 2.06),
+                ("constant", "3", "bf16"): (2.0, 2.0, 2.0), ("constant", "3", "mxfp4"): (2.0, 2.01, 2.01)}
+    runs, hist = [], {}
+    for i, ((schedule, seed, rec), losses) in enumerate(per_pass.items()):
+        rid = f"r{i}"
+        runs.append(RunRecord(rid, "proxy_t1_conv_1gpu", rid, "FINISHED", i,
+                              dict(params, **{"train.seed": seed, "train.schedule.name": schedule}),
+                              {"summary/final_loss": losses[-1], "summary/final_eval_loss": 2.5},
+                              {"model": "proxy_conv", "recipe": rec, "recompute": "attn_ln_experts",
+                               "world_size": "1", "hardware": "1 x NVIDIA H100 80GB HBM3 (79 GiB)",
+                               "fp4moe.archive": f"{schedule}{seed}.json"}))
+        hist[rid] = [(step, losses[(step - 1) // 10]) for step in range(1, 31)]
+    md = markdown(replace(report, f5=f5_rows(runs, lambda run_id, key: hist[run_id], {"mxfp4": 0.61})))
+    head = _section(md, "The paper's numbers beside ours")
+    assert "F5: proxy_conv on 1 x GPU" in head and "(lr 0.0006 cosine to 6e-05 after 3 warm-up steps), seeds 1, 2" in head
+    f5 = _section(md, "F5")
+    configs = [line for line in f5.splitlines() if line.startswith("Config: ")]
+    assert len(configs) == 2 and all("cosine" in c for c in configs)
+    assert "Other configurations (1): Appendix E." in f5
+    assert "constant after 3 warm-up steps), seed 3" in _section(md, "Appendix E: other F5 configurations")
+    passes = {line.split(" | ")[2]: line for line in _table(f5.split("end of each whole pass", 1)[1])[2:]}
+    assert passes["1, 2"].endswith("| mxfp4 | 1, 2 | 3.00 | +0.00 % | +1.50 % | +2.50 % |")
+    assert passes["3"].endswith("| mxfp4 | 3 | 3.00 | +0.00 % | +0.50 % | +0.50 % |") and "constant" in passes["3"]

@@ -524,11 +524,13 @@ def markdown(rep: Report) -> str:
            "(`fp4moe.scale`). Where each number comes from, in full: Appendix A.", ""]
 
     # ---- headline
-    newest5, older5 = _f5_latest(rep.f5)
     out += ["## The paper's numbers beside ours", ""]
     ours = [f"T1 from **{head}**: {rep.setups[labels.index(head)].label}" if head else
             "T1: no trainer runs in the store yet"]
     family5, spread5, single5 = _f5_headline(rep.f5)
+    # the F5 section shows the headline's family seed by seed, every other configuration in Appendix E
+    shown5 = [r for r in rep.f5 if r["family"] == family5]
+    other5 = [r for r in rep.f5 if r["family"] != family5]
     seeds5 = _f5_headline_field(spread5, single5, "seeds", "seed")
     # a family names the GPU count only (tables.family_hardware): the GPUs its seeds ran on, named
     gpus5 = _f5_headline_field(spread5, single5, "hardware", "hardware")
@@ -646,8 +648,9 @@ def markdown(rep: Report) -> str:
         out += [f"Measured: deviation = (loss - loss_bf16) / loss_bf16 at the end of the run, on the training loss "
                 f"smoothed over the last {tables.LOSS_SMOOTH_STEPS} logged steps (`summary/final_loss` where no "
                 "history was logged) and on the final held-out eval loss. "
-                "Short runs of small models: not the paper's scale. The newest configuration, each seed:", ""]
-        out += _f5_configs(newest5)
+                "Short runs of small models: not the paper's scale. The configurations set beside the paper's above "
+                "(the newest family run from two seeds or more; without one, the newest), each seed:", ""]
+        out += _f5_configs(shown5)
         spread = tables.f5_seed_spread(rep.f5)
         if spread:
             out += ["Across seeds (configs that differ only in the seed: other initial weights, the same data "
@@ -668,8 +671,8 @@ def markdown(rep: Report) -> str:
                                 "reference" if s["eval_dev_pct_per_seed"] is None else
                                 ("-" if s["eval_dev_range_pts"] is None else f"{s['eval_dev_range_pts']:.2f} pts")]
                                for s in spread]), ""]
-            out += _f5_by_pass(spread)
-        out += [(f"Older configurations ({len({r['config'] for r in older5})}): Appendix E. " if older5 else "")
+        out += _f5_by_pass(_f5_pass_rows(rep.f5, spread))
+        out += [(f"Other configurations ({len({r['config'] for r in other5})}): Appendix E. " if other5 else "")
                 + "Plot: `f5_loss.png`. CSV: `f5_loss.csv` (every configuration).", ""]
 
     # ---- appendix
@@ -689,21 +692,31 @@ def markdown(rep: Report) -> str:
         out += ["## Appendix C: older F3 benchmarks", ""] + _f3_tables(older3)
     if older4:
         out += ["## Appendix D: older F4 benchmarks", ""] + _f4_table(older4)
-    if older5:
-        out += ["## Appendix E: older F5 configurations", ""] + _f5_configs(older5)
+    if other5:
+        out += ["## Appendix E: other F5 configurations", ""] + _f5_configs(other5)
     return "\n".join(out)
 
 
+def _f5_pass_rows(rows: list[dict], spread: list[dict]) -> list[dict]:
+    """What ``_f5_by_pass`` shows: the seed families' per-pass means (``tables.f5_seed_spread``'s rows) and, for a
+    family run from one seed, that seed's per-pass deviations (``tables.f5_rows``' rows) in the same fields."""
+    multi = {(s["family"], s["recipe"]) for s in spread}
+    return spread + [{"family": r["family"], "recipe": r["recipe"], "seeds": str(r["seed"]), "passes": r["passes"],
+                      "train_dev_by_pass_mean_pct": r["train_dev_by_pass_pct"]}
+                     for r in rows if r.get("train_dev_by_pass_pct") and (r["family"], r["recipe"]) not in multi]
+
+
 def _f5_by_pass(spread: list[dict]) -> list[str]:
-    """Lines of the F5 section: for seed families whose runs pass over their training split twice or more, each
-    recipe's training-loss deviation from bf16 at the end of each whole pass, mean over the seeds; [] if none."""
+    """Lines of the F5 section: for families whose runs pass over their training split twice or more, each recipe's
+    training-loss deviation from bf16 at the end of each whole pass, mean over the seeds; [] if none."""
     rows = [s for s in spread if s.get("train_dev_by_pass_mean_pct")]
     if not rows:
         return []
     n = max(len(s["train_dev_by_pass_mean_pct"]) for s in rows)
     return [f"Runs that pass over their training split more than once (`data.train_tokens` / (global batch x "
             f"sequence length) steps a pass): the training-loss deviation from bf16 at the end of each whole pass "
-            f"(smoothed the same way, over the steps of the passes so far), mean over the seeds. The training loss "
+            f"(smoothed the same way, over the steps of the passes so far), mean over the seeds (a family of one "
+            f"seed: that seed's). The training loss "
             f"of a second pass is the loss on text the run has trained on before; compare the end of the first "
             f"pass, and the held-out deviation above, with the final training-loss deviation.", "",
             _md_table(["config", "recipe", "seeds", "passes"] + [f"end of pass {k}" for k in range(1, n + 1)],
