@@ -425,8 +425,8 @@ def _smoothed_to(hist: list[tuple[int, float]], last_step: float) -> float | Non
 
 def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tuple[int, float]]],
             paper_dev: dict[str, float]) -> list[dict]:
-    """Per config (same setup, recompute, steps, learning-rate schedule, seed, data) that has a finished bf16 run and another recipe, all with
-    a held-out eval loss (throughput-only runs are left out):
+    """Per config (same setup, recompute, steps, learning-rate schedule, seed, data: ``config_key``) that has a
+    finished bf16 run and another recipe, all with a held-out eval loss (throughput-only runs are left out):
     smoothed final training loss (mean of the last LOSS_SMOOTH_STEPS logged values) and final eval loss per recipe,
     and (x - bf16) / bf16 in %. The paper's deviation (F5, 16B model, 160B tokens) is beside it. A config's recipes
     come from one archive, on one GPU count; their GPU models may differ (a seed's last recipe run on another card
