@@ -710,6 +710,15 @@ def test_t1_cells_name_non_default_kernels():
     assert notes == [("bf16", "False", f"BF16 experts: fp4moe, {off}"), ("bf16", "True", "BF16 experts: fp4moe"),
                      ("fp8", "False", f"expert GEMMs: deepgemm, {off}"), ("fp8", "True", "expert GEMMs: deepgemm"),
                      ("mxfp4", "False", f"expert GEMMs: deepgemm, {off}"), ("mxfp4", "True", "expert GEMMs: deepgemm")]
+    # part D's runs side by side on one GPU (tag gpu_shared_by): their tokens/s are named as shared, alone ones not
+    doc = load(ROOT / "results/train_proxy/proxy_t1_conv_constlr_h100_2026-12-07_f41ff38.json.xz")
+    runs = [RunRecord(r["run_id"], r["experiment"], r["name"], r["status"], r["start_time"], r["params"],
+                      {k: v[-1][1] for k, v in r["metrics"].items()}, r["tags"]) for r in doc["runs"]]
+    assert {code_note(r) for r in runs} == {"GPU shared by 2 runs"}
+    cell = measured_cell(runs, setup_of(runs[0]), "attn_ln_experts", "bf16")   # seed 4321's was stopped: 1234's
+    assert _measured_cells(cell)[0].endswith("[GPU shared by 2 runs]")
+    alone = RunRecord("a", "e", "a", "FINISHED", 1, {}, {}, {"recipe": "bf16", "gpu_shared_by": "1"})
+    assert code_note(alone) == ""
 
 
 def test_f3_newest_benchmark_is_the_last_measured_not_the_last_logged():

@@ -138,7 +138,7 @@ def _paper_cells(c: dict) -> tuple[str, str]:
 
 
 def _code(c: dict) -> str:
-    """" [<the cell's non-default kernels>]" (tables.code_note) to follow its tokens/s, or ""."""
+    """" [<the cell's non-default kernels, and "GPU shared by N runs">]" (tables.code_note) to follow its tokens/s, or ""."""
     return f" [{c['code']}]" if c.get("code") else ""
 
 

@@ -71,13 +71,19 @@ CODE_SETTINGS = (("kernels.bf16_moe", "megatron", "BF16 experts", ("bf16",)),
 
 
 def code_note(run: RunRecord) -> str:
-    """The run's non-default code choices among CODE_SETTINGS for its recipe, e.g. "BF16 experts: fp4moe"; "" if
-    none. Runs logged before a setting existed read as its default, also where that default changed since
-    (kernels.gather_sum, torch until 2026-12-06; train.wgrad_accumulation_fusion, False until 2026-12-06): such runs
-    are set apart by their archive and commit, like any other change of the code."""
+    """The run's non-default code choices among CODE_SETTINGS for its recipe, e.g. "BF16 experts: fp4moe", and
+    "GPU shared by N runs" where its tag ``gpu_shared_by`` says that N > 1 runs trained on its GPU at once (convergence
+    runs side by side: their tokens/s are not the recipe's alone); "" if none. Runs logged before a setting existed
+    read as its default, also where that default changed since (kernels.gather_sum, torch until 2026-12-06;
+    train.wgrad_accumulation_fusion, False until 2026-12-06): such runs are set apart by their archive and commit,
+    like any other change of the code."""
     recipe = run.tags.get("recipe", "")
-    return ", ".join(f"{label}: {run.params[key]}" for key, default, label, recipes in CODE_SETTINGS
-                     if recipe in recipes and run.params.get(key, default) != default)
+    notes = [f"{label}: {run.params[key]}" for key, default, label, recipes in CODE_SETTINGS
+             if recipe in recipes and run.params.get(key, default) != default]
+    shared = run.tags.get("gpu_shared_by", "1")
+    if shared.isdigit() and int(shared) > 1:
+        notes.append(f"GPU shared by {shared} runs")
+    return ", ".join(notes)
 
 
 def _usable(run: RunRecord) -> bool:
