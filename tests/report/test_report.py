@@ -773,7 +773,7 @@ def test_f5_training_loss_deviation_at_the_end_of_each_pass_over_the_training_sp
     family with a seed whose run logged no history. Losses made up, arithmetic by hand."""
     from fp4moe.report.render import _f5_by_pass
     from fp4moe.report.store import RunRecord
-    from fp4moe.report.tables import f5_rows, f5_seed_spread, passes_of
+    from fp4moe.report.tables import f5_pass_rows, f5_rows, f5_seed_spread, passes_of
 
     params = {"parallel.tensor": "1", "parallel.pipeline": "1", "parallel.expert": "1", "parallel.data": "1",
               "parallel.micro_batch": "1", "parallel.seq_length": "100", "parallel.global_batch": "1",
@@ -811,11 +811,18 @@ def test_f5_training_loss_deviation_at_the_end_of_each_pass_over_the_training_sp
     assert mx["train_dev_mean_pct"] == pytest.approx(2.5)   # the final deviation is the last pass's here
     (mx1,) = [s for (fam, rec), s in spread.items() if rec == "mxfp4" and "hf-bbbb" in fam]
     assert mx1["train_dev_by_pass_mean_pct"] is None
-    lines = _f5_by_pass(list(spread.values()))
+    # the pass table's rows: the two-seed family's mean; the one-pass family has none
+    (pass_row,) = f5_pass_rows(rows, list(spread.values()))
+    assert (pass_row["family"], pass_row["seeds"]) == (mx["family"], "1, 2")
+    lines = _f5_by_pass([pass_row])
     table = _table("\n".join(lines))
     assert table[0].endswith("| passes | end of pass 1 | end of pass 2 | end of pass 3 |")
     assert len(table) == 3 and table[2].endswith("| mxfp4 | 1, 2 | 3.00 | +0.00 % | +1.50 % | +2.50 % |")
-    assert _f5_by_pass([mx1]) == []
+    assert f5_pass_rows(one, [mx1]) == [] and _f5_by_pass([]) == []
+    # one seed of the three-pass family alone: its own values, in the same fields
+    (own,) = f5_pass_rows([r for r in three if r["seed"] == "2"], [])
+    assert (own["seeds"], own["recipe"]) == ("2", "mxfp4")
+    assert own["train_dev_by_pass_mean_pct"] == pytest.approx([0.0, 2.0, 3.0], abs=1e-9)
     # a seed without logged history: the family's per-pass mean is not given
     hist["r2aaaa"] = []
     rows = f5_rows(runs, lambda run_id, key: hist[run_id], {"mxfp4": 0.61})

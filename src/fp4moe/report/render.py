@@ -671,7 +671,7 @@ def markdown(rep: Report) -> str:
                                 "reference" if s["eval_dev_pct_per_seed"] is None else
                                 ("-" if s["eval_dev_range_pts"] is None else f"{s['eval_dev_range_pts']:.2f} pts")]
                                for s in spread]), ""]
-        out += _f5_by_pass(_f5_pass_rows(rep.f5, spread))
+        out += _f5_by_pass(tables.f5_pass_rows(rep.f5, spread))
         out += [(f"Other configurations ({len({r['config'] for r in other5})}): Appendix E. " if other5 else "")
                 + "Plot: `f5_loss.png`. CSV: `f5_loss.csv` (every configuration).", ""]
 
@@ -697,19 +697,9 @@ def markdown(rep: Report) -> str:
     return "\n".join(out)
 
 
-def _f5_pass_rows(rows: list[dict], spread: list[dict]) -> list[dict]:
-    """What ``_f5_by_pass`` shows: the seed families' per-pass means (``tables.f5_seed_spread``'s rows) and, for a
-    family run from one seed, that seed's per-pass deviations (``tables.f5_rows``' rows) in the same fields."""
-    multi = {(s["family"], s["recipe"]) for s in spread}
-    return spread + [{"family": r["family"], "recipe": r["recipe"], "seeds": str(r["seed"]), "passes": r["passes"],
-                      "train_dev_by_pass_mean_pct": r["train_dev_by_pass_pct"]}
-                     for r in rows if r.get("train_dev_by_pass_pct") and (r["family"], r["recipe"]) not in multi]
-
-
-def _f5_by_pass(spread: list[dict]) -> list[str]:
-    """Lines of the F5 section: for families whose runs pass over their training split twice or more, each recipe's
-    training-loss deviation from bf16 at the end of each whole pass, mean over the seeds; [] if none."""
-    rows = [s for s in spread if s.get("train_dev_by_pass_mean_pct")]
+def _f5_by_pass(rows: list[dict]) -> list[str]:
+    """Lines of the F5 section: ``tables.f5_pass_rows``, each recipe's training-loss deviation from bf16 at the end
+    of each whole pass over the training split, mean over the seeds (one seed: its own); [] if none."""
     if not rows:
         return []
     n = max(len(s["train_dev_by_pass_mean_pct"]) for s in rows)

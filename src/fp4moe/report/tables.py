@@ -412,10 +412,10 @@ def steps_per_pass(params: dict[str, str]) -> float | None:
     return train_tokens / per_step if per_step > 0 and train_tokens > 0 else None
 
 
-def passes_of(params: dict[str, str]) -> float | None:
-    """How many passes over its training split a run's schedule makes (its steps / ``steps_per_pass``); None where
-    unknown."""
-    per_pass = steps_per_pass(params)
+def passes_of(params: dict[str, str], per_pass: float | None = None) -> float | None:
+    """How many passes over its training split a run's schedule makes (its steps / ``steps_per_pass``, or
+    ``per_pass`` where the caller has it); None where unknown."""
+    per_pass = steps_per_pass(params) if per_pass is None else per_pass
     try:
         steps = int(planned_steps(params))
     except ValueError:
@@ -463,7 +463,8 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
             vals[rec] = (run.metrics["summary/final_loss"] if t is None else t,
                          run.metrics.get("summary/final_eval_loss"))
         tb, eb = vals["bf16"]
-        passes, per_pass = passes_of(recs["bf16"].params), steps_per_pass(recs["bf16"].params)
+        per_pass = steps_per_pass(recs["bf16"].params)
+        passes = passes_of(recs["bf16"].params, per_pass)
         by_pass: dict[str, list[float] | None] = {}
         if passes is not None and passes >= 2:
             # the steps of pass k are those up to k x per_pass (step s trains on tokens (s-1) x B .. s x B)
@@ -528,6 +529,19 @@ def f5_seed_spread(rows: list[dict]) -> list[dict]:
     return out
 
 
+def f5_pass_rows(rows: list[dict], spread: list[dict]) -> list[dict]:
+    """Per family (``f5_rows``' ``family``) and recipe but bf16 whose runs pass over their training split twice or
+    more: the training-loss deviation from bf16 at the end of each whole pass, in f5_seed_spread's fields
+    (``family``, ``recipe``, ``seeds``, ``passes``, ``train_dev_by_pass_mean_pct``): ``spread``'s row, i.e. the mean
+    over the seeds, for a family run from two seeds or more; for a family of one seed, that seed's values
+    (``rows``). Families without per-pass values are left out."""
+    multi = {(s["family"], s["recipe"]) for s in spread}
+    one_seed = [{"family": r["family"], "recipe": r["recipe"], "seeds": str(r["seed"]), "passes": r["passes"],
+                 "train_dev_by_pass_mean_pct": r["train_dev_by_pass_pct"]}
+                for r in rows if (r["family"], r["recipe"]) not in multi]
+    return [s for s in spread + one_seed if s.get("train_dev_by_pass_mean_pct")]
+
+
 def _mean_by_pass(per_seed: list[list[float] | None]) -> list[float] | None:
     """Element-wise mean of the seeds' per-pass deviations; None unless every seed has them, for the same passes."""
     if not per_seed or any(d is None for d in per_seed) or len({len(d) for d in per_seed}) != 1:
@@ -542,6 +556,6 @@ def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]
 
 
 __all__ = ["CODE_SETTINGS", "code_note", "family_hardware",
-           "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
+           "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_pass_rows", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
            "code_key", "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "passes_of", "planned_steps", "schedule_label", "setup_of", "setups", "split_store", "steps_per_pass",
            "t1_rows"]
