@@ -176,9 +176,11 @@ t1cells)  # GPU MB "recipe:scope ..." [OVERRIDES...]: T1 cells, each in its own 
       "${COMMON[@]}" hydra.mode=RUN "$(fresh)" parallel.micro_batch=$mb parallel.global_batch=$mb precision=$recipe \
       recompute=$scope train.checkpoint_dir="${log%.log}_ckpt" "$@" > "$log" 2>&1 || true
     echo "$recipe $scope ${FP4MOE_DISPATCH_QUANTIZE:-}: $(grep -h 'done:\|out of GPU memory\|Error' "$log" | tail -1 | cut -c1-160)"
+    # after every cell, so that a call stopped by its limit (or a `timeout` around this phase) in a later cell still
+    # returns the cells that finished
+    keep
+    (cd "$STATE" && tar czf "$OUT/t1cells_logs.tgz" t1_*.log)
   done
-  keep
-  (cd "$STATE" && tar czf "$OUT/t1cells_logs.tgz" t1_*.log)
   ;;
 hostab)  # GPU MB ROUNDS "recipe:scope[@VAR=v,VAR=v] ..." [OVERRIDES...]: fp8's host stalls (results/train_proxy/README.md
   # section 17), e.g. hostab 0 32 2 "fp8:attn_ln_mlp fp8:attn_ln_mlp@TORCHINDUCTOR_COMPILE_THREADS=1 mxfp4:attn_ln_mlp"
