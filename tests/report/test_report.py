@@ -830,6 +830,54 @@ def test_f5_training_loss_deviation_at_the_end_of_each_pass_over_the_training_sp
     assert mx["train_dev_by_pass_mean_pct"] is None
 
 
+def test_f5_runs_stopped_before_their_end_give_the_passes_both_completed():
+    """Runs of 30 steps over a 10-step training split (three passes) that a device call's budget stopped (status
+    KILLED, the trainer's SIGTERM): f5_rows leaves them out (no finished pair), f5_stopped_pass_rows gives the
+    deviation at the end of each pass that both runs of the pair completed, says where each stopped, and sits after
+    its family's row in the per-pass table. Out of memory, no common whole pass, a finished pair or a run without
+    held-out loss: no row. Losses made up, arithmetic by hand: mxfp4 +0 % / +3 % at the ends of passes 1 and 2."""
+    from fp4moe.report.render import _f5_by_pass
+    from fp4moe.report.store import RunRecord
+    from fp4moe.report.tables import f5_pass_rows, f5_rows, f5_seed_spread, f5_stopped_pass_rows
+
+    params = {"parallel.tensor": "1", "parallel.pipeline": "1", "parallel.expert": "1", "parallel.data": "1",
+              "parallel.micro_batch": "1", "parallel.seq_length": "100", "parallel.global_batch": "1",
+              "derived.steps": "30", "data.name": "user_corpus", "data.dataset_prefix": "/x/c/hf-aaaa/train",
+              "data.train_tokens": "1000"}
+    losses = {"bf16": (2.0, 2.0, 2.0), "mxfp4": (2.0, 2.06, 2.08)}
+    runs, hist = [], {}
+
+    def run(seed, rec, status, last_step, outcome=None, evaluates=True):
+        rid = f"s{seed}{rec}"
+        tags = {"model": "proxy_conv", "recipe": rec, "recompute": "attn_ln_experts", "world_size": "1",
+                "hardware": "1 x NVIDIA H100 80GB HBM3 (79 GiB)", "fp4moe.archive": "a.json"}
+        metrics = {"loss": losses[rec][0], "summary/final_loss": 2.0} | ({"eval_loss": 2.5} if evaluates else {})
+        if status == "FINISHED":
+            metrics["summary/final_eval_loss"] = 2.5
+        runs.append(RunRecord(rid, "proxy_t1_conv_1gpu", rid, status, len(runs), dict(params, **{"train.seed": seed}),
+                              metrics, tags | ({"outcome": outcome} if outcome else {})))
+        hist[rid] = [(step, losses[rec][(step - 1) // 10]) for step in range(1, last_step + 1)]
+
+    run("1", "bf16", "FINISHED", 30), run("1", "mxfp4", "FINISHED", 30)     # a finished pair: f5_rows' own
+    run("2", "bf16", "KILLED", 25), run("2", "mxfp4", "KILLED", 22)         # stopped in pass 3: passes 1 and 2
+    run("3", "bf16", "FINISHED", 30), run("3", "mxfp4", "KILLED", 9)        # stopped in pass 1: nothing in common
+    run("4", "bf16", "KILLED", 30), run("4", "mxfp4", "FAILED", 12, outcome="OOM")
+    run("5", "bf16", "KILLED", 30, evaluates=False), run("5", "mxfp4", "KILLED", 30, evaluates=False)
+    history = lambda run_id, key: hist[run_id]  # noqa: E731
+    rows = f5_rows(runs, history, {"mxfp4": 0.61})
+    assert {r["seed"] for r in rows} == {"1"}
+    (stopped,) = f5_stopped_pass_rows(runs, history)
+    assert stopped["recipe"] == "mxfp4" and stopped["passes"] == pytest.approx(3.0)
+    assert stopped["seeds"] == "2 (bf16 killed at step 25, mxfp4 killed at step 22)"
+    assert stopped["train_dev_by_pass_mean_pct"] == pytest.approx([0.0, 3.0], abs=1e-9)
+    assert stopped["family"] == rows[0]["family"]
+    table = f5_pass_rows(rows, f5_seed_spread(rows), [stopped])
+    assert [r["seeds"] for r in table] == ["1", stopped["seeds"]]
+    lines = _table("\n".join(_f5_by_pass(table)))
+    assert lines[3].endswith("| mxfp4 | 2 (bf16 killed at step 25, mxfp4 killed at step 22) | 3.00 | +0.00 % | "
+                             "+3.00 % | - |")
+
+
 def test_f5_section_shows_the_headlines_family_and_a_newer_one_seed_family_in_its_pass_table(report):
     """A family of two seeds under the cosine schedule and a newer one of one seed at a constant learning rate (three
     passes each): the headline and the F5 section's seed-by-seed tables are the two-seed family's, the newer family

@@ -50,6 +50,7 @@ class Report:
     throughput_cases: list[str] = field(default_factory=list)
     throughput_error: str | None = None
     model_assumptions: str = ""    # the model column's assumption set in words (fp4moe.report.predictions.assumption_set)
+    f5_stopped: list[dict] = field(default_factory=list)   # tables.f5_stopped_pass_rows: runs stopped before their end
 
 
 def _store_label(uri: str) -> str:
@@ -94,7 +95,7 @@ def build_report(where: str | os.PathLike | None = None, *, with_model: bool = T
     rep = Report(_store_label(st.uri), numbers, gpu_gb, t1, found, model_rows, model_error,
                  tables.f3_rows(kernels), tables.f4_rows(layer), f5, curves,
                  {"trainer": len(trainer), "kernels": len(kernels), "moe_layer": len(layer), "all": len(st.runs)},
-                 model_assumptions=model_assumptions)
+                 model_assumptions=model_assumptions, f5_stopped=tables.f5_stopped_pass_rows(trainer, st.history))
     if with_model:
         from fp4moe.analysis import throughput_calibration as throughput
 
@@ -671,7 +672,7 @@ def markdown(rep: Report) -> str:
                                 "reference" if s["eval_dev_pct_per_seed"] is None else
                                 ("-" if s["eval_dev_range_pts"] is None else f"{s['eval_dev_range_pts']:.2f} pts")]
                                for s in spread]), ""]
-        out += _f5_by_pass(tables.f5_pass_rows(rep.f5, spread))
+        out += _f5_by_pass(tables.f5_pass_rows(rep.f5, spread, rep.f5_stopped))
         out += [(f"Other configurations ({len({r['config'] for r in other5})}): Appendix E. " if other5 else "")
                 + "Plot: `f5_loss.png`. CSV: `f5_loss.csv` (every configuration).", ""]
 
@@ -699,14 +700,16 @@ def markdown(rep: Report) -> str:
 
 def _f5_by_pass(rows: list[dict]) -> list[str]:
     """Lines of the F5 section: ``tables.f5_pass_rows``, each recipe's training-loss deviation from bf16 at the end
-    of each whole pass over the training split, mean over the seeds (one seed: its own); [] if none."""
+    of each whole pass over the training split, mean over the seeds (one seed: its own; stopped runs: the passes
+    they completed); [] if none."""
     if not rows:
         return []
     n = max(len(s["train_dev_by_pass_mean_pct"]) for s in rows)
     return [f"Runs that pass over their training split more than once (`data.train_tokens` / (global batch x "
             f"sequence length) steps a pass): the training-loss deviation from bf16 at the end of each whole pass "
             f"(smoothed the same way, over the steps of the passes so far), mean over the seeds (a family of one "
-            f"seed: that seed's). The training loss "
+            f"seed: that seed's; a seed whose runs stopped before their end, e.g. when a device call's budget ran "
+            f"out, gives the passes both its runs completed and says where they stopped). The training loss "
             f"of a second pass is the loss on text the run has trained on before; compare the end of the first "
             f"pass, and the held-out deviation above, with the final training-loss deviation.", "",
             _md_table(["config", "recipe", "seeds", "passes"] + [f"end of pass {k}" for k in range(1, n + 1)],

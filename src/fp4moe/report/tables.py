@@ -429,6 +429,28 @@ def _smoothed_to(hist: list[tuple[int, float]], last_step: float) -> float | Non
     return statistics.fmean(tail) if tail else None
 
 
+def _f5_group(run: RunRecord) -> tuple:
+    """An F5 config's key: ``config_key`` with the GPU model left out (``family_hardware``)."""
+    key = config_key(run)
+    return (replace(key[0], hardware=family_hardware(key[0].hardware)),) + key[1:]
+
+
+def _f5_family(group: tuple) -> str:
+    """A family's label: the configs that differ only in the seed (and the archive, i.e. the session and commit, and
+    the GPU model: family_hardware, as in the group's key)."""
+    return config_label((replace(group[0], archive=""),) + group[1:3] + ("*",) + group[4:])
+
+
+def _dev_at_pass_ends(base: list[tuple[int, float]], own: list[tuple[int, float]], per_pass: float,
+                      passes: int) -> list[float] | None:
+    """(own - base) / base in % of the smoothed training loss at the end of passes 1..``passes``; None where a run
+    logged no history."""
+    ends = [k * per_pass for k in range(1, passes + 1)]
+    b = [_smoothed_to(base, end) for end in ends]
+    o = [_smoothed_to(own, end) for end in ends]
+    return None if None in b or None in o else [100.0 * (x - y) / y for x, y in zip(o, b)]
+
+
 def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tuple[int, float]]],
             paper_dev: dict[str, float]) -> list[dict]:
     """Per config (same setup, recompute, steps, learning-rate schedule, seed, data: ``config_key``) that has a
@@ -444,8 +466,7 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
     for r in sorted(trainer_runs, key=lambda r: (r.start_time, r.run_id)):
         # only runs that evaluated held-out loss: throughput-only runs (T1 cells, a few steps) are not comparisons
         if r.status == "FINISHED" and "summary/final_loss" in r.metrics and "summary/final_eval_loss" in r.metrics:
-            key = config_key(r)
-            groups[(replace(key[0], hardware=family_hardware(key[0].hardware)),) + key[1:]][r.tags["recipe"]] = r
+            groups[_f5_group(r)][r.tags["recipe"]] = r
     out = []
     for group in sorted(groups):
         recs = groups[group]
@@ -453,9 +474,7 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
             continue
         gpus = ", ".join(dict.fromkeys(run.tags["hardware"] for run in recs.values()))
         key = (replace(group[0], hardware=gpus),) + group[1:]
-        # a family: the configs that differ only in the seed (and the archive, i.e. the session and commit, and the
-        # GPU model: family_hardware, as in the group's key)
-        family = config_label((replace(group[0], archive=""),) + group[1:3] + ("*",) + group[4:])
+        family = _f5_family(group)
         hists = {rec: history(run.run_id, "loss") for rec, run in recs.items()}
         vals = {}
         for rec, run in recs.items():
@@ -468,12 +487,8 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
         by_pass: dict[str, list[float] | None] = {}
         if passes is not None and passes >= 2:
             # the steps of pass k are those up to k x per_pass (step s trains on tokens (s-1) x B .. s x B)
-            ends = [k * per_pass for k in range(1, int(passes) + 1)]
-            base = [_smoothed_to(hists["bf16"], end) for end in ends]
             for rec in (r for r in recs if r != "bf16"):
-                own = [_smoothed_to(hists[rec], end) for end in ends]
-                by_pass[rec] = (None if None in own or None in base
-                                else [100.0 * (x - b) / b for x, b in zip(own, base)])
+                by_pass[rec] = _dev_at_pass_ends(hists["bf16"], hists[rec], per_pass, int(passes))
         order = ["bf16", "fp8", "mxfp4"] + sorted(set(recs) - {"bf16", "fp8", "mxfp4"})
         for rec in (r for r in order if r in recs):
             t, e = vals[rec]
@@ -529,17 +544,60 @@ def f5_seed_spread(rows: list[dict]) -> list[dict]:
     return out
 
 
-def f5_pass_rows(rows: list[dict], spread: list[dict]) -> list[dict]:
+def f5_pass_rows(rows: list[dict], spread: list[dict], stopped: list[dict] = ()) -> list[dict]:
     """Per family (``f5_rows``' ``family``) and recipe but bf16 whose runs pass over their training split twice or
     more: the training-loss deviation from bf16 at the end of each whole pass, in f5_seed_spread's fields
     (``family``, ``recipe``, ``seeds``, ``passes``, ``train_dev_by_pass_mean_pct``): ``spread``'s row, i.e. the mean
     over the seeds, for a family run from two seeds or more; for a family of one seed, that seed's values
-    (``rows``). Families without per-pass values are left out."""
+    (``rows``). Families without per-pass values are left out. ``stopped`` (``f5_stopped_pass_rows``) go after
+    their family's row of the same recipe (after the family's last row; at the end if the family has none)."""
     multi = {(s["family"], s["recipe"]) for s in spread}
     one_seed = [{"family": r["family"], "recipe": r["recipe"], "seeds": str(r["seed"]), "passes": r["passes"],
                  "train_dev_by_pass_mean_pct": r["train_dev_by_pass_pct"]}
                 for r in rows if (r["family"], r["recipe"]) not in multi]
-    return [s for s in spread + one_seed if s.get("train_dev_by_pass_mean_pct")]
+    out = [s for s in spread + one_seed if s.get("train_dev_by_pass_mean_pct")]
+    for row in stopped:
+        same = [i for i, o in enumerate(out) if o["family"] == row["family"] and o["recipe"] == row["recipe"]]
+        same = same or [i for i, o in enumerate(out) if o["family"] == row["family"]]
+        out.insert(same[-1] + 1 if same else len(out), row)
+    return out
+
+
+def f5_stopped_pass_rows(trainer_runs: list[RunRecord],
+                         history: Callable[[str, str], list[tuple[int, float]]]) -> list[dict]:
+    """The per-pass deviations of runs that stopped before their end (status KILLED or FAILED, not out of memory: a
+    device call's budget ran out), which ``f5_rows`` leaves out: per F5 config (``config_key``) of runs that evaluate
+    held-out loss and pass over their training split twice or more, for each recipe but bf16 whose pair with bf16
+    did not both finish, the training-loss deviation from bf16 at the end of each whole pass that both runs completed
+    (their last logged step at or past the pass's last step), in ``f5_pass_rows``' fields; ``seeds`` names where
+    each run stopped. Pairs with no whole pass in common are left out."""
+    groups: dict[tuple, dict[str, RunRecord]] = defaultdict(dict)
+    for r in sorted(trainer_runs, key=lambda r: (r.start_time, r.run_id)):
+        if (r.status in ("FINISHED", "KILLED", "FAILED") and r.tags.get("outcome") != OOM
+                and "eval_loss" in r.metrics):
+            groups[_f5_group(r)][r.tags["recipe"]] = r
+    out = []
+    for group in sorted(groups):
+        recs = groups[group]
+        if "bf16" not in recs:
+            continue
+        per_pass = steps_per_pass(recs["bf16"].params)
+        passes = passes_of(recs["bf16"].params, per_pass)
+        if passes is None or passes < 2:
+            continue
+        base = history(recs["bf16"].run_id, "loss")
+        for rec in (r for r in ["fp8", "mxfp4"] + sorted(set(recs) - {"bf16", "fp8", "mxfp4"}) if r in recs):
+            if recs["bf16"].status == recs[rec].status == "FINISHED":
+                continue   # f5_rows has the pair
+            own = history(recs[rec].run_id, "loss")
+            done = 0 if not base or not own else int(min(base[-1][0], own[-1][0], passes * per_pass) // per_pass)
+            devs = _dev_at_pass_ends(base, own, per_pass, done) if done else None
+            if devs:
+                where = ", ".join(f"{name} {run.status.lower()} at step {h[-1][0]}"
+                                  for name, run, h in (("bf16", recs["bf16"], base), (rec, recs[rec], own)))
+                out.append({"family": _f5_family(group), "recipe": rec, "seeds": f"{group[3]} ({where})",
+                            "passes": passes, "train_dev_by_pass_mean_pct": devs})
+    return out
 
 
 def _mean_by_pass(per_seed: list[list[float] | None]) -> list[float] | None:
@@ -556,6 +614,6 @@ def split_store(runs: list[RunRecord]) -> tuple[list[RunRecord], list[RunRecord]
 
 
 __all__ = ["CODE_SETTINGS", "code_note", "family_hardware",
-           "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_pass_rows", "f5_seed_spread", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
+           "F3_PCT_COPY_TARGET", "F3_PCT_COPY_KERNELS", "F3_VS_TORCHAO_KERNELS", "F4_TARGETS", "f3_target", "F3_COLUMNS", "F4_COLUMNS", "F5_COLUMNS", "f5_pass_rows", "f5_seed_spread", "f5_stopped_pass_rows", "LOSS_SMOOTH_STEPS", "NOT_MEASURED", "OOM", "Setup", "T1_COLUMNS",
            "code_key", "config_label", "data_label", "f3_rows", "f4_rows", "f5_rows", "measured_cell", "passes_of", "planned_steps", "schedule_label", "setup_of", "setups", "split_store", "steps_per_pass",
            "t1_rows"]
