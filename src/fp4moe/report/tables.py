@@ -435,6 +435,20 @@ def _f5_group(run: RunRecord) -> tuple:
     return (replace(key[0], hardware=family_hardware(key[0].hardware)),) + key[1:]
 
 
+def _f5_groups(runs: list[RunRecord], usable: Callable[[RunRecord], bool]) -> dict[tuple, dict[str, RunRecord]]:
+    """{``_f5_group``: {recipe: run}} over the ``usable`` runs; of a recipe's runs in one config, the newest."""
+    groups: dict[tuple, dict[str, RunRecord]] = defaultdict(dict)
+    for r in sorted(runs, key=lambda r: (r.start_time, r.run_id)):
+        if usable(r):
+            groups[_f5_group(r)][r.tags["recipe"]] = r
+    return groups
+
+
+def _recipe_order(recipes) -> list[str]:
+    """``recipes`` as the tables list them: bf16, fp8, mxfp4, then any other by name."""
+    return [r for r in ("bf16", "fp8", "mxfp4") if r in recipes] + sorted(set(recipes) - {"bf16", "fp8", "mxfp4"})
+
+
 def _f5_family(group: tuple) -> str:
     """A family's label: the configs that differ only in the seed (and the archive, i.e. the session and commit, and
     the GPU model: family_hardware, as in the group's key)."""
@@ -462,11 +476,9 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
     passes over its training split twice or more (``passes_of``) also gives, per recipe but bf16, the training-loss
     deviation at the end of each whole pass (``train_dev_by_pass_pct``, the same smoothing, over the logged steps up
     to the pass's last step; None where a run logged no history)."""
-    groups: dict[tuple, dict[str, RunRecord]] = defaultdict(dict)
-    for r in sorted(trainer_runs, key=lambda r: (r.start_time, r.run_id)):
-        # only runs that evaluated held-out loss: throughput-only runs (T1 cells, a few steps) are not comparisons
-        if r.status == "FINISHED" and "summary/final_loss" in r.metrics and "summary/final_eval_loss" in r.metrics:
-            groups[_f5_group(r)][r.tags["recipe"]] = r
+    # only runs that evaluated held-out loss: throughput-only runs (T1 cells, a few steps) are not comparisons
+    groups = _f5_groups(trainer_runs, lambda r: r.status == "FINISHED" and "summary/final_loss" in r.metrics
+                        and "summary/final_eval_loss" in r.metrics)
     out = []
     for group in sorted(groups):
         recs = groups[group]
@@ -489,8 +501,7 @@ def f5_rows(trainer_runs: list[RunRecord], history: Callable[[str, str], list[tu
             # the steps of pass k are those up to k x per_pass (step s trains on tokens (s-1) x B .. s x B)
             for rec in (r for r in recs if r != "bf16"):
                 by_pass[rec] = _dev_at_pass_ends(hists["bf16"], hists[rec], per_pass, int(passes))
-        order = ["bf16", "fp8", "mxfp4"] + sorted(set(recs) - {"bf16", "fp8", "mxfp4"})
-        for rec in (r for r in order if r in recs):
+        for rec in _recipe_order(recs):
             t, e = vals[rec]
             out.append({"config": config_label(key), "recipe": rec, "steps": key[2], "seed": key[3],
                         "archive": key[0].archive, "family": family, "hardware": recs[rec].tags["hardware"],
@@ -571,11 +582,8 @@ def f5_stopped_pass_rows(trainer_runs: list[RunRecord],
     did not both finish, the training-loss deviation from bf16 at the end of each whole pass that both runs completed
     (their last logged step at or past the pass's last step), in ``f5_pass_rows``' fields; ``seeds`` names where
     each run stopped. Pairs with no whole pass in common are left out."""
-    groups: dict[tuple, dict[str, RunRecord]] = defaultdict(dict)
-    for r in sorted(trainer_runs, key=lambda r: (r.start_time, r.run_id)):
-        if (r.status in ("FINISHED", "KILLED", "FAILED") and r.tags.get("outcome") != OOM
-                and "eval_loss" in r.metrics):
-            groups[_f5_group(r)][r.tags["recipe"]] = r
+    groups = _f5_groups(trainer_runs, lambda r: r.status in ("FINISHED", "KILLED", "FAILED")
+                        and r.tags.get("outcome") != OOM and "eval_loss" in r.metrics)
     out = []
     for group in sorted(groups):
         recs = groups[group]
@@ -586,7 +594,7 @@ def f5_stopped_pass_rows(trainer_runs: list[RunRecord],
         if passes is None or passes < 2:
             continue
         base = history(recs["bf16"].run_id, "loss")
-        for rec in (r for r in ["fp8", "mxfp4"] + sorted(set(recs) - {"bf16", "fp8", "mxfp4"}) if r in recs):
+        for rec in _recipe_order(set(recs) - {"bf16"}):
             if recs["bf16"].status == recs[rec].status == "FINISHED":
                 continue   # f5_rows has the pair
             own = history(recs[rec].run_id, "loss")
