@@ -685,6 +685,18 @@ SCHEMAS: Dict[str, Dict[str, type]] = {
     "paths": {"base_paths": Paths},
 }
 
+# The root keys beside the typed groups (conf/train.yaml and the experiments compose them), each with its keys where
+# those are fixed: task_name a string; backend and tracking read by fp4moe.config and fp4moe.tracking; bench the
+# F3/F4 benchmark's call (fp4moe.launch.bench_job); hydra present only when a caller composed it in.
+OTHER_ROOT_KEYS: Dict[str, tuple[str, ...]] = {
+    "task_name": (),
+    "backend": ("transformer_impl",),
+    "tracking": ("uri", "experiment", "tags"),
+    "bench": (),
+    "hydra": (),
+}
+ROOT_KEYS = frozenset({*SCHEMAS, *OTHER_ROOT_KEYS})
+
 
 def register() -> None:
     """Store every schema in Hydra's ConfigStore as ``<group>/<name>`` (the files of conf/<group>/ extend it). Its
@@ -792,6 +804,9 @@ class Settings:
         key, its value, what it must be) for the first value of the wrong type, out of its range, or a combination
         its group refuses."""
         cfg = _as_cfg(cfg)
+        unknown = _unknown_root_keys(cfg)
+        if unknown:
+            raise ConfigError(unknown_key_message(unknown[0]))
         missing = [g for g in SCHEMAS if cfg.get(g) is None]
         if missing:
             raise ConfigError(f"the config has no {', '.join(missing)} group: compose it from conf/train.yaml")
@@ -841,14 +856,44 @@ def _fields_of(dotted_parent: str) -> list[str]:
     return sorted(names)
 
 
+def _keys_under(parent: str) -> list[str]:
+    """The keys the config may have under the dotted ``parent`` ('' for the root); [] where they are free-form."""
+    if not parent:
+        return sorted(ROOT_KEYS)
+    if parent in OTHER_ROOT_KEYS:
+        return list(OTHER_ROOT_KEYS[parent])
+    return _fields_of(parent)
+
+
 def unknown_key_message(dotted: str) -> str:
-    """One line for a key no schema has: the nearest spelling, or the keys there are."""
-    parent, _, leaf = dotted.rpartition(".")
-    known = _fields_of(parent)
-    near = list(dict.fromkeys(difflib.get_close_matches(leaf, known, n=3, cutoff=0.8) + [k for k in known if leaf and leaf in k]))
-    fix = (f"did you mean {' or '.join(f'{parent}.{k}' for k in near[:3])}?" if near else
-           f"the keys of {parent} are {', '.join(known)}")
-    return f"{dotted} is not a key of the {parent} schema (fp4moe.settings): {fix}"
+    """One line for a key no schema has: its first part that the config does not know (``trian`` of
+    ``trian.steps``), with the nearest spelling or the keys there are."""
+    parts = dotted.split(".")
+    for i, leaf in enumerate(parts):
+        parent, known = ".".join(parts[:i]), _keys_under(".".join(parts[:i]))
+        if leaf not in known:
+            break
+    key = ".".join(parts[:i + 1])
+    where = f"the {parent} schema (fp4moe.settings)" if parent else "the root config (conf/train.yaml)"
+    if not known:  # free-form (tracking.tags, bench): a new key must be added explicitly
+        return f"{key} is not a key of {where}: {parent} has no fixed keys; add one with +{key}=..."
+    near = list(dict.fromkeys(difflib.get_close_matches(leaf, known, n=3, cutoff=0.8)
+                              + [k for k in known if leaf and leaf in k]))
+    dot = f"{parent}." if parent else ""
+    fix = (f"did you mean {' or '.join(dot + k for k in near[:3])}?" if near else
+           f"the keys of {parent or 'the root config'} are {', '.join(known)}")
+    return f"{key} is not a key of {where}: {fix}"
+
+
+def _unknown_root_keys(cfg: DictConfig) -> list[str]:
+    """Root keys, and keys of the untyped root groups with fixed keys (tracking, backend), that the config does not
+    know: a ``+key=`` on the command line gets past Hydra's struct check, and nothing would read the value."""
+    out = [str(k) for k in cfg.keys() if k not in ROOT_KEYS]
+    for group, keys in OTHER_ROOT_KEYS.items():
+        node = cfg.get(group)
+        if keys and isinstance(node, DictConfig):
+            out += [f"{group}.{k}" for k in node.keys() if k not in keys]
+    return out
 
 
 def _full_key(e: OmegaConfBaseException, group: str = "") -> str:

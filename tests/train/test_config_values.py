@@ -62,6 +62,20 @@ def _refusal(*overrides) -> str:
     ("+train.stpes=3", "train.stpes is not a key of the train schema (fp4moe.settings): did you mean train.steps?"),
     ("+model.moe.topk=3", "model.moe.topk is not a key of the model.moe schema (fp4moe.settings): did you mean "
                           "model.moe.group_topk or model.moe.router_topk or model.moe.topk_scaling_factor?"),
+    # a root key misspelt: Hydra refuses it while composing, or (with +) it composes and Settings refuses it; both
+    # name the first unknown part. Before: "trian.steps is not a key of the trian schema: the keys of trian are " (no
+    # keys), and +trian.steps=3 / +tracking.uir=... trained with the value unread
+    ("trian.steps=3", "trian is not a key of the root config (conf/train.yaml): did you mean train?"),
+    ("+trian.steps=3", "trian is not a key of the root config (conf/train.yaml): did you mean train?"),
+    ("trian=default", "trian is not a key of the root config (conf/train.yaml): did you mean train?"),
+    ("+model.mooe.num_experts=4", "model.mooe is not a key of the model schema (fp4moe.settings): did you mean "
+                                  "model.moe?"),
+    ("+tracking.uir=http://x", "tracking.uir is not a key of the tracking schema (fp4moe.settings): the keys of "
+                               "tracking are uri, experiment, tags"),
+    ("+backend.transformer=local", "backend.transformer is not a key of the backend schema (fp4moe.settings): did you "
+                                   "mean backend.transformer_impl?"),
+    ("tracking.tags.team=a", "tracking.tags.team is not a key of the tracking.tags schema (fp4moe.settings): "
+                             "tracking.tags has no fixed keys; add one with +tracking.tags.team=..."),
 ])
 def test_bad_values_are_refused_with_the_key_and_the_fix(override, message):
     said = _refusal(override)
@@ -70,8 +84,9 @@ def test_bad_values_are_refused_with_the_key_and_the_fix(override, message):
 
 
 def test_good_values_pass():
-    """An integral float (1e3 steps), a token budget instead of steps, null intervals: accepted."""
+    """An integral float (1e3 steps), a token budget instead of steps, null intervals, a tag added: accepted."""
     assert check(_compose("train.steps=1000"))["steps"] == 1000
+    check(_compose("+tracking.tags.team=a", "tracking.uri=sqlite:///x.db", "backend.transformer_impl=local"))
     assert check(_compose("train.steps=null", "train.tokens=1e6"))["steps"] == 1954  # ceil(1e6 / (4 x 128))
     check(_compose("train.eval_interval=null", "train.checkpoint_interval=null", "train.adamw.grad_clip=null"))
     with pytest.raises(ConfigError, match=r"train.steps and train.tokens are both null: set one"):
