@@ -274,6 +274,28 @@ def test_reproduce_help_exits_zero():
     assert "usage: python -m fp4moe.reproduce" in proc.stdout
 
 
+def test_reproduce_refuses_a_store_it_cannot_use_before_running_anything(tmp_path, capsys, monkeypatch):
+    """A tracking server that does not answer, or a file that is not an MLflow store: one line naming the store and
+    the fix, exit 2, before any part runs (it used to run the minute-long self-check and then print a traceback per
+    part, each failing on the store). --no-tracking --no-report need no store."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with socket.socket() as sock:  # a free port, closed again: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    not_a_store = tmp_path / "notes.db"
+    not_a_store.write_text("not a database\n")
+    for where, said in ((f"http://127.0.0.1:{port}", f"MLflow tracking server http://127.0.0.1:{port} is not reachable"),
+                        (str(not_a_store), f"{not_a_store} cannot be read as an SQLite database")):
+        assert pipeline.main(["--skip-bench", "--tracking-uri", where]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""  # nothing ran: not even the hardware line
+        assert err.startswith("reproduce: MLflow ") and said in err and err.count("\n") == 1, err
+        assert "--tracking-uri (or $MLFLOW_TRACKING_URI) names the store" in err
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    assert pipeline.store_unusable(uses_store=False) is None
+    assert "is not reachable" in pipeline.store_unusable()
+
+
 BENCH_JSON = {  # the shape of fp4moe_kernels.bench.conversions's JSON output, trimmed
     "env": {"date": "2026-11-30T00:00:00Z", "commit": "abc123", "gpu": "NVIDIA H200",
             "torch": "2.11.0", "triton": "3.6.0", "cuda": "13.0",

@@ -400,6 +400,24 @@ def print_not_yet_implemented() -> None:
     print("  Paper numbers to compare with: conf/paper/numbers.yaml")
 
 
+def store_unusable(uses_store: bool = True) -> str | None:
+    """Why the MLflow store that the logging steps write and the report reads cannot be used (a server that does not
+    answer, a folder that is not writable, a file that is not an MLflow store), in one line with the fix; None when it
+    can be, or when no step will use it (``uses_store`` False: --no-tracking and --no-report)."""
+    if not uses_store:
+        return None
+    from fp4moe.tracking import mlflow_store
+
+    uri = mlflow_store.tracking_uri()
+    hint = "--tracking-uri (or $MLFLOW_TRACKING_URI) names the store; --no-tracking --no-report run without one."
+    try:
+        mlflow_store.check_reachable(uri, hint)
+        mlflow_store.check_readable(uri, hint)
+    except mlflow_store.TrackingUnavailable as e:
+        return str(e)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fp4moe.reproduce",
@@ -434,6 +452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fp4moe.tracking.mlflow_store import normalize_uri
 
         os.environ["MLFLOW_TRACKING_URI"] = normalize_uri(args.tracking_uri)
+    unusable = store_unusable(uses_store=not (args.no_tracking and args.no_report))
+    if unusable:  # before any part runs: each would fail on the store, after the self-check's minute
+        print(f"reproduce: {unusable}", file=sys.stderr)
+        return 2
 
     gpu = print_hardware()
     results: dict[str, bool] = {}
