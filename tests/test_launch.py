@@ -189,6 +189,19 @@ def test_requeue_must_be_a_bool(capsys):
                                        "true or false: use true or false\n")
 
 
+def test_a_slurm_launcher_over_a_cluster_without_slurm_values_is_one_line(capsys):
+    """hydra/launcher=slurm_h100 with the CPU cluster group (tiny_t1_cpu's): the launcher's time limit reads
+    cluster.time_limit_min, null there; the dry run names it and the fix (it printed OmegaConf's two lines)."""
+    assert dry_run.main(["dry-run", "experiment=tiny_t1_cpu", "hydra/launcher=slurm_h100"]) == 2
+    assert capsys.readouterr().err == (
+        "fp4moe.launch: the config does not compose: hydra.launcher.timeout_min=${cluster.time_limit_min} is null in "
+        "this config: the launcher profile takes its values from the cluster group; pick a cluster profile that sets "
+        "cluster.time_limit_min (cluster=slurm_h100, cluster=slurm_h200, cluster=slurm_local or one of yours in "
+        "conf/cluster/), or set cluster.time_limit_min=...\n")
+    cells, failures = dry_run.dry_run(["experiment=tiny_t1_cpu", "cluster=slurm_local", "hydra/launcher=slurm_h100"])
+    assert len(cells) == 9 and not failures  # with a Slurm cluster group: the 3 x 3 cells compose and check
+
+
 def test_local_slurm_profile_has_no_gpus_or_nccl():
     cells, failures = dry_run.dry_run(["experiment=tiny_cpu", "cluster=slurm_local", "hydra/launcher=slurm_local"])
     assert not failures and len(cells) == 3

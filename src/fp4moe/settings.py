@@ -918,6 +918,12 @@ def explain(e: BaseException, group: str = "") -> str:
         return first + (f"; {rest[0]} {', '.join(rest[1:])}" if rest else "")
     key = _full_key(cur, group)
     text = str(cur)
+    ref = re.search(r"While dereferencing interpolation '\$\{([^}]+)\}'", text)
+    if key.startswith("hydra.launcher.") and ref and "'None'" in text:  # a Slurm profile over a cluster without Slurm
+        src = ref.group(1)
+        return (f"{key}=${{{src}}} is null in this config: the launcher profile takes its values from the cluster "
+                f"group; pick a cluster profile that sets {src} (cluster=slurm_h100, cluster=slurm_h200, "
+                f"cluster=slurm_local or one of yours in conf/cluster/), or set {src}=...")
     if isinstance(cur, (ConfigAttributeError, ConfigKeyError)) and ("not in struct" in text or "Missing key" in text
                                                                      or "Key '" in text):
         override = re.search(r"override '([^']+)'", str(e))

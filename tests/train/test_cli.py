@@ -43,9 +43,15 @@ def _run(args, tmp_path, env=None, timeout=120):
     ("precision=mxfp5", "Could not find 'precision/mxfp5'; Available options in 'precision': bf16, fp8, mxfp4, "
                         "mxfp4_mlp_shared"),
     ("parallel.micro_batch=3", "parallel.global_batch=4 is not a multiple of micro_batch x data = 3 x 1 = 3"),
+    # a Slurm launcher profile over the CPU cluster group: Hydra resolves the launcher's values after composing (it
+    # used to print a 50-line traceback ending in InterpolationValidationError)
+    ("-m experiment=tiny_t1_cpu hydra/launcher=slurm_h100",
+     "ConfigError: hydra.launcher.timeout_min=${cluster.time_limit_min} is null in this config: the launcher profile "
+     "takes its values from the cluster group; pick a cluster profile that sets cluster.time_limit_min "
+     "(cluster=slurm_h100, cluster=slurm_h200, cluster=slurm_local or one of yours in conf/cluster/)"),
 ])
 def test_config_typos_are_one_message(tmp_path, override, message):
-    r = _run(["-m", "fp4moe.train", override], tmp_path)
+    r = _run(["-m", "fp4moe.train", *override.split()], tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("fp4moe.train: "), r.stderr[-2000:]

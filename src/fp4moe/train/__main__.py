@@ -110,15 +110,18 @@ def _resume_hint(cfg: DictConfig, out: str | None, refind: str | None) -> str:
 
 
 def one_line_config_errors() -> None:
-    """Make a config Hydra cannot compose (a value of the wrong type, a key no schema of fp4moe.settings has) end the
-    process like every other bad input: one line naming the key and the fix, exit 2, no traceback, no MLflow run
-    (fp4moe.settings.explain; a missing config file keeps Hydra's list of the options, on the same line).
+    """Make a config Hydra cannot compose (a value of the wrong type, a key no schema of fp4moe.settings has), or a
+    value of Hydra's own config that cannot be resolved (a Slurm launcher profile over a cluster group without Slurm
+    values), end the process like every other bad input: one line naming the key and the fix, exit 2, no traceback,
+    no MLflow run (fp4moe.settings.explain; a missing config file keeps Hydra's list of the options, on the same
+    line).
 
     Hydra (1.3.8, pinned) prints a composition error as two or three lines and exits 1 inside
     ``hydra._internal.utils.run_and_report``, before the task function runs, so this wraps that function; any other
     error keeps Hydra's own report."""
     from hydra._internal import utils as hydra_utils
     from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import OmegaConfBaseException
 
     from fp4moe.settings import explain
 
@@ -131,6 +134,11 @@ def one_line_config_errors() -> None:
             try:
                 return func()
             except ConfigCompositionException as e:
+                print(f"fp4moe.train: ConfigError: {explain(e)}", file=sys.stderr)
+                sys.exit(EXIT_CONFIG)
+            except OmegaConfBaseException as e:  # Hydra's own config (the launcher's values), read after composing
+                if not str(getattr(e, "full_key", "") or "").startswith("hydra."):
+                    raise
                 print(f"fp4moe.train: ConfigError: {explain(e)}", file=sys.stderr)
                 sys.exit(EXIT_CONFIG)
         return report(composed)
