@@ -383,7 +383,15 @@ def test_cli(tmp_path, capsys):
     m = json.loads(capsys.readouterr().out)
     assert 257 < m["tokenizer"]["vocab_size"] <= 512 and m["splits"]["train"]["tokens"] > 0 and not m["reused"]
     assert main(args) == 0 and json.loads(capsys.readouterr().out)["reused"]
+    capsys.readouterr()
     assert main(["prepare", "nosuchgroup=x"]) == 2
+    assert main(["prepare", "trian.x=1"]) == 2  # a misspelt key, in one line with the fix (fp4moe.settings.explain)
+    assert capsys.readouterr().err.splitlines() == [
+        "fp4moe.data: the config does not compose: nosuchgroup is not a key of the root config (conf/train.yaml): the "
+        "keys of the root config are backend, bench, cluster, data, hydra, kernels, model, optimizer, parallel, paths, "
+        "precision, recompute, task_name, tracking, train",
+        "fp4moe.data: the config does not compose: trian is not a key of the root config (conf/train.yaml): did you "
+        "mean train?"]
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "prepare" in capsys.readouterr().out

@@ -42,11 +42,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from fp4moe.data.build import prepare
     from fp4moe.data.errors import DataError
-    from fp4moe.settings import ConfigError, Settings
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from fp4moe.settings import ConfigError, Settings, explain
 
     try:
         cfg = compose(args.overrides)
-    except Exception as e:  # hydra raises several types for a bad override
+    except (HydraException, OmegaConfBaseException) as e:  # a typo'd key or group, a wrong type: one line, the fix
+        print(f"fp4moe.data: the config does not compose: {explain(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - Hydra raises other types for some bad overrides (a grammar error)
         print(f"fp4moe.data: the config does not compose: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     try:
