@@ -95,3 +95,18 @@ def test_a_store_named_that_does_not_exist_is_refused_not_read_as_empty(tmp_path
     (line,) = got.err.splitlines()
     assert line.startswith(f"fp4moe.report: --tracking-uri {where}: no MLflow store there (") and "does not exist" in line
     assert [p.name for p in out.iterdir()] == ["report.md"] and (out / "report.md").read_text() == "the last report"
+
+
+def test_an_output_folder_that_cannot_be_made_is_refused_before_the_report_is_built(tmp_path, capsys):
+    """--out under a file: one line naming it, exit 2, before the store is read or the model run (it used to build the
+    whole report, then stop in mkdir with FileExistsError's traceback)."""
+    from fp4moe.report.__main__ import main
+
+    blocker = tmp_path / "report.md"
+    blocker.write_text("a file where a folder was meant")
+    assert main(["--out", str(blocker / "r")]) == 2
+    got = capsys.readouterr()
+    assert got.out == ""
+    assert got.err == (f"fp4moe.report: --out {blocker / 'r'}: {blocker} is not a folder; give a folder this process "
+                       "can create or write (default: <repo>/results/report)\n")
+    assert blocker.read_text() == "a file where a folder was meant"

@@ -1,16 +1,19 @@
 """``python -m fp4moe.report [--tracking-uri URI] [--out DIR]``: write results/report/ from MLflow + numbers.yaml.
 
-Exit status: 0 written; 2 the store cannot be read (one line on stderr naming it and the fix, within seconds)."""
+Exit status: 0 written; 2 the store cannot be read or the output folder cannot be written (one line on stderr naming
+it and the fix, within seconds, before anything is written)."""
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from .render import build_report, write_report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from fp4moe.atomic_write import writable_ancestor
     from fp4moe.paths import results_dir
     from fp4moe.tracking.mlflow_store import TrackingUnavailable
 
@@ -34,12 +37,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "give a URI, a .db file or a folder holding mlflow.db (without the option: $MLFLOW_TRACKING_URI, "
                   "else <repo>/mlruns/mlflow.db)", file=sys.stderr)
             return 2
+    out = Path(args.out) if args.out else results_dir() / "report"
+    existing, writable = writable_ancestor(out)
+    if not writable:  # before the report is built (tens of seconds with the model): nothing could be written
+        what = "is not a folder" if existing.exists() and not existing.is_dir() else "is not writable"
+        print(f"fp4moe.report: --out {out}: {existing} {what}; give a folder this process can create or write "
+              "(default: <repo>/results/report)", file=sys.stderr)
+        return 2
     try:
         rep = build_report(args.tracking_uri, with_model=not args.no_model)
     except TrackingUnavailable as e:  # one line naming the store and the fix (no traceback)
         print(f"fp4moe.report: {e}", file=sys.stderr)
         return 2
-    out = args.out or results_dir() / "report"
     paths = write_report(rep, out)
     print(f"report: {rep.counts['trainer']} trainer, {rep.counts['kernels']} kernels, {rep.counts['moe_layer']} "
           f"moe_layer runs from {rep.store_label} -> {out}/ ({', '.join(p.name for p in paths)})")
