@@ -84,7 +84,14 @@ def test_bad_input_is_a_clear_error_and_nothing_is_half_imported(tmp_path):
         archive.export(tmp_path / "nowhere.db", tmp_path / "x.json", note="")
     with pytest.raises(archive.ArchiveError, match="no runs in experiments"):
         archive.export(uri, tmp_path / "x.json", note="", experiments=["absent"])
+    notes = tmp_path / "notes.db"  # a file that is not an SQLite database: SQLAlchemy's traceback before
+    notes.write_text("not a database\n")
+    with pytest.raises(archive.ArchiveError, match=f"^{notes}: MLflow store .* cannot be read as an SQLite database"):
+        archive.export(notes, tmp_path / "x.json", note="")
     assert not (tmp_path / "x.json").exists()
+    # a file that is not an archive is refused before the target store is opened: no new empty store is left behind
+    assert archive.main(["import", str(other / "kernels.json"), "--uri", f"sqlite:///{tmp_path / 'new.db'}"]) == 2
+    assert not (tmp_path / "new.db").exists()
     out = tmp_path / "a.json"
     archive.export(uri, out, note="")
     doc = json.loads(out.read_text())

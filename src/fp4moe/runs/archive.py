@@ -112,6 +112,10 @@ def _runs_of(store: str | os.PathLike, experiments: Sequence[str] | None) -> lis
     uri = mlflow_store.normalize_uri(store)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         raise ArchiveError(f"{store}: no MLflow store there (looked for {uri.removeprefix('sqlite:///')})")
+    try:  # a file that is not an MLflow store, a server that does not answer: one line, not SQLAlchemy's traceback
+        mlflow_store.check_readable(uri)
+    except mlflow_store.TrackingUnavailable as e:
+        raise ArchiveError(f"{store}: {e}") from None
     client = MlflowClient(tracking_uri=uri)
     runs = []
     for exp in client.search_experiments(view_type=ViewType.ACTIVE_ONLY):
@@ -224,12 +228,13 @@ def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log
 
     uri = uri or mlflow_store.tracking_uri()
     mlflow_store.check_reachable(uri)
-    client = MlflowClient(tracking_uri=uri)
     paths = list({Path(p).resolve(): Path(p) for p in paths}.values())  # a file named twice is imported once
-    # every archive read once here for the check (only the run ids kept), then again below, one at a time
+    # every archive read once here for the check (only the run ids kept), then again below, one at a time; before the
+    # store is opened, which creates it: a file that is not an archive leaves no new empty store behind
     _one_archive_per_run(((p, run) for p in paths for run in load(p)["runs"]),
                          "the report would read it under one of them only: remove the archive that the other "
                          "replaces, or export the stores into one")
+    client = MlflowClient(tracking_uri=uri)
     added = skipped = 0
     for path in paths:
         doc = load(path)
