@@ -870,7 +870,8 @@ def unknown_key_message(dotted: str) -> str:
     ``trian.steps``), with the nearest spelling or the keys there are."""
     parts = dotted.split(".")
     for i, leaf in enumerate(parts):
-        parent, known = ".".join(parts[:i]), _keys_under(".".join(parts[:i]))
+        parent = ".".join(parts[:i])
+        known = _keys_under(parent)
         if leaf not in known:
             break
     key = ".".join(parts[:i + 1])

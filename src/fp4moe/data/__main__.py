@@ -49,11 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = compose(args.overrides)
-    except (HydraException, OmegaConfBaseException) as e:  # a typo'd key or group, a wrong type: one line, the fix
-        print(f"fp4moe.data: the config does not compose: {explain(e)}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - Hydra raises other types for some bad overrides (a grammar error)
-        print(f"fp4moe.data: the config does not compose: {type(e).__name__}: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - a resolver may raise any type; Hydra's and OmegaConf's in one line, the fix
+        said = explain(e) if isinstance(e, (HydraException, OmegaConfBaseException)) else f"{type(e).__name__}: {e}"
+        print(f"fp4moe.data: the config does not compose: {said}", file=sys.stderr)
         return 2
     try:
         settings = Settings.from_config(cfg)  # the typed config, once

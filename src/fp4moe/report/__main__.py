@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if args.out else results_dir() / "report"
     existing, writable = writable_ancestor(out)
     if not writable:  # before the report is built (tens of seconds with the model): nothing could be written
-        what = "is not a folder" if existing.exists() and not existing.is_dir() else "is not writable"
+        what = "is not writable" if existing.is_dir() else "is not a folder"
         print(f"fp4moe.report: --out {out}: {existing} {what}; give a folder this process can create or write "
               "(default: <repo>/results/report)", file=sys.stderr)
         return 2

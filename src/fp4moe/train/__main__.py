@@ -133,11 +133,11 @@ def one_line_config_errors() -> None:
         def composed():
             try:
                 return func()
-            except ConfigCompositionException as e:
-                print(f"fp4moe.train: ConfigError: {explain(e)}", file=sys.stderr)
-                sys.exit(EXIT_CONFIG)
-            except OmegaConfBaseException as e:  # Hydra's own config (the launcher's values), read after composing
-                if not str(getattr(e, "full_key", "") or "").startswith("hydra."):
+            except (ConfigCompositionException, OmegaConfBaseException) as e:
+                # an OmegaConf error here is either Hydra's own config (the launcher's values, read after composing)
+                # or the task's: only the first is a config error
+                if isinstance(e, OmegaConfBaseException) and not str(getattr(e, "full_key", "") or "").startswith(
+                        "hydra."):
                     raise
                 print(f"fp4moe.train: ConfigError: {explain(e)}", file=sys.stderr)
                 sys.exit(EXIT_CONFIG)
