@@ -36,7 +36,7 @@ from .. import switches
 from ..formats import MXFP4Tensor, Segments
 from ..selfcheck import make_counts
 from . import timing
-from .timing import copy_bandwidth_gbps, do_bench, environment, gpu_file_name
+from .timing import copy_bandwidth_gbps, do_bench, environment, gpu_file_name, out_problem
 
 # ----------------------------------------------------------------------------------------- bytes
 
@@ -181,6 +181,14 @@ def default_shapes(tokens: int = 32768, experts: int = 32, seed: int = 0) -> lis
     ]
 
 
+def baseline_problem(path: str) -> str | None:
+    """Why ``path`` is not a copy of this package that ``--baseline`` can load, else None (asked before any GPU work)."""
+    if os.path.isfile(os.path.join(path, "__init__.py")) and os.path.isfile(os.path.join(path, "formats.py")):
+        return None
+    return (f"--baseline {path}: no fp4moe_kernels package there (__init__.py and formats.py); give the unpacked "
+            "fp4moe_kernels folder of the other commit (git archive <commit> kernels/fp4moe_kernels | tar x)")
+
+
 def load_baseline(path: str, name: str = BASELINE_MODULE):
     """An older copy of this package (e.g. ``git archive <commit> kernels/fp4moe_kernels``, unpacked) imported
     under another name (``name``: one per copy, so that several load side by side), so that its kernels run side
@@ -188,10 +196,10 @@ def load_baseline(path: str, name: str = BASELINE_MODULE):
     import importlib
     import importlib.util
 
+    why = baseline_problem(path)
+    if why:
+        raise FileNotFoundError(why)
     init = os.path.join(path, "__init__.py")
-    if not os.path.isfile(init):
-        raise FileNotFoundError(f"--baseline {path}: no __init__.py there; give the unpacked fp4moe_kernels folder "
-                                "of the other commit (git archive <commit> kernels/fp4moe_kernels | tar x)")
     spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[path])
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
@@ -517,6 +525,9 @@ def main(argv=None) -> int:
                     "(DIR:LABEL)")
         specs[label] = path
     # the arguments first, so that a typo costs no GPU time
+    for why in [out_problem(args.out)] + [baseline_problem(path) for path in specs.values()]:
+        if why:
+            p.error(why)
     for flag, value in (("--tokens", args.tokens), ("--experts", args.experts), ("--warmup-ms", args.warmup_ms),
                         ("--rep-ms", args.rep_ms)):
         if value < 1:

@@ -19,7 +19,7 @@ from .. import convert as ops
 from ..triton_kernels import launchers
 from ..cuda_kernels import VARIANTS, available, fp4_row_to_fp8_col
 from .conversions import default_shapes, min_bytes
-from .timing import copy_bandwidth_gbps, do_bench, environment, gpu_file_name
+from .timing import copy_bandwidth_gbps, do_bench, environment, gpu_file_name, out_problem
 
 
 def main(argv=None) -> int:
@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-ms", type=int, default=25)
     ap.add_argument("--rep-ms", type=int, default=50)
     a = ap.parse_args(argv)
+    if out_problem(a.out):  # before the build and the timings
+        ap.error(out_problem(a.out))
     why = available()
     if why:
         print(f"fp4moe_kernels.bench.cuda_col: {why}", file=sys.stderr)

@@ -4,7 +4,8 @@
   CUDA events instead, the conversions benchmark's ``--timing events``);
 * :func:`copy_bandwidth_gbps`: the device-to-device copy bandwidth of this GPU in this run, the yardstick every
   benchmark divides its GB/s by;
-* :func:`environment`: date, commit, GPU, versions and the command, the ``env`` object of every results file.
+* :func:`environment`: date, commit, GPU, versions and the command, the ``env`` object of every results file;
+* :func:`out_problem`: why ``--out`` cannot take the results, asked before any GPU time is spent.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import datetime as _dt
 import os
 import platform
 import subprocess
+from pathlib import Path
 
 import torch
 
@@ -47,6 +49,17 @@ def copy_bandwidth_gbps(warmup_ms: int, rep_ms: int, nbytes: int = 1 << 30) -> f
     ms = min(do_bench(lambda: dst.copy_(src), warmup_ms, rep_ms),
              float(_db(lambda: dst.copy_(src), warmup=warmup_ms, rep=rep_ms, return_mode="median")))
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def out_problem(out: str | os.PathLike) -> str | None:
+    """Why the results folder ``out`` cannot be created or written (its nearest existing ancestor is a file, or a
+    folder this process cannot write), else None. Creates nothing: the benchmarks ask before measuring, so that a
+    wrong ``--out`` costs no GPU time and no run ends with its results unwritten."""
+    out = Path(out).absolute()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    what = ("is not a folder" if not existing.is_dir() else
+            "is not writable" if not os.access(existing, os.W_OK | os.X_OK) else None)
+    return what and f"--out {out}: {existing} {what}; give a folder this process can create or write"
 
 
 def gpu_file_name(gpu: str) -> str:

@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from fp4moe_kernels.bench.timing import out_problem
 
 from ..atomic_write import write_bytes_atomic
 from ..tracking.layer_bench_log import DEFAULT_SHAPE
@@ -802,6 +803,8 @@ def _ratios(entries, rows: list[dict]) -> dict:
 
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
+    if out_problem(args.out):  # before any work: a run whose results cannot be written is not started
+        raise SystemExit(out_problem(args.out))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     own_group = world > 1 and not dist.is_initialized()   # set up here, so torn down here (after the last barrier)
     if own_group:
