@@ -70,6 +70,21 @@ def test_export_then_import_round_trips_and_is_idempotent(tmp_path):
     assert archive.import_files([again], third, log=lambda s: None) == (0, 2)
 
 
+def test_import_takes_its_target_as_export_takes_a_store(tmp_path, capsys):
+    """``import --uri`` takes a folder or a ``.db`` file as ``export`` and the report do (before, a folder went to
+    MLflow as a file store, which refuses to open: a traceback)."""
+    uri, ids = _store_with_runs(tmp_path)
+    out = tmp_path / "proxy_t1.json"
+    archive.export(uri, out, note="H200")
+    folder, db = tmp_path / "store", tmp_path / "other" / "runs.db"
+    folder.mkdir()
+    for target in (folder, db):
+        assert archive.main(["import", str(out), "--uri", str(target)]) == 0
+        assert capsys.readouterr().out.endswith("imported 2 runs, 0 already there\n")
+    assert sorted(_runs(f"sqlite:///{folder / 'mlflow.db'}")) == sorted(_runs(f"sqlite:///{db}")) == sorted(ids)
+    assert sorted(p.name for p in folder.iterdir()) == ["mlflow.db"]
+
+
 def test_bad_input_is_a_clear_error_and_nothing_is_half_imported(tmp_path):
     uri, _ = _store_with_runs(tmp_path)
     other = tmp_path / "results"

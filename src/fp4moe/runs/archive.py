@@ -219,14 +219,15 @@ def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def import_files(paths: Sequence[str | os.PathLike], uri: str | None = None, log=print) -> tuple[int, int]:
-    """Load every run of the archives ``paths`` into the store ``uri`` (default fp4moe.tracking.mlflow_store's); returns
+    """Load every run of the archives ``paths`` into the store ``uri`` (a tracking URI, a ``.db`` file or a folder
+    holding ``mlflow.db``, as for ``export``; default fp4moe.tracking.mlflow_store's); returns
     (runs added, runs already there). ArchiveError, before anything is imported, when two archives share a run; a run
     already there from an archive of another name takes this one's name (the archive that replaced it)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param, RunTag
 
-    uri = uri or mlflow_store.tracking_uri()
+    uri = mlflow_store.normalize_uri(uri)  # a bare folder would be MLflow's file store, which refuses to open
     mlflow_store.check_reachable(uri)
     paths = list({Path(p).resolve(): Path(p) for p in paths}.values())  # a file named twice is imported once
     # every archive read once here for the check (only the run ids kept), then again below, one at a time; before the
@@ -283,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--experiment", action="append", help="only this MLflow experiment (repeatable)")
     i = sub.add_parser("import", help="load archives into a store (idempotent)")
     i.add_argument("paths", nargs="+", help="archive files, or folders holding them")
-    i.add_argument("--uri", help="target tracking URI (default: MLFLOW_TRACKING_URI or <repo>/mlruns/mlflow.db)")
+    i.add_argument("--uri", help="target: tracking URI, .db file, or folder holding mlflow.db (default: "
+                                  "MLFLOW_TRACKING_URI or <repo>/mlruns/mlflow.db)")
     w = sub.add_parser("withdraw", help="mark metrics of an archive as wrong (import leaves them out)")
     w.add_argument("archive", help="the archive (.json or .json.xz), rewritten atomically")
     w.add_argument("--metric", action="append", required=True, help="metric key (repeatable)")
