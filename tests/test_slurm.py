@@ -741,6 +741,22 @@ def test_failed_job_is_failed_in_sacct_and_in_the_launcher(store, time_limit_run
     assert list(runs["status"]) == ["FAILED"] and list(runs["tags.slurm_job_id"]) == [job_id]
 
 
+def test_a_job_slurm_refuses_is_one_line_naming_sbatchs_reason(tmp_path):
+    """sbatch refusing the launcher's script (here a partition the cluster does not have) used to end the multirun in
+    submitit's traceback; the trainer says sbatch's reason and where the profile sets it, exit 2, no job queued."""
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout.split()
+    r = subprocess.run([*APP, "-m", *BASE, "cluster.partition=fp4moe_no_such_partition", "train.steps=1",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith("fp4moe.train: Slurm refused the job: sbatch: error: "), last
+    assert "fp4moe_no_such_partition" in last and "the cluster profile sets it (cluster=<profile>" in last, last
+    assert "Traceback" not in r.stderr + r.stdout
+    after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout.split()
+    assert set(after) <= set(before)
+
+
 @two_nodes
 def test_two_nodes_train_ep2_x_dp2_through_the_sbatch_template_like_one_process(store, two_node_run,
                                                                                 one_process_losses):

@@ -58,6 +58,47 @@ def test_config_typos_are_one_message(tmp_path, override, message):
     assert "Traceback" not in r.stderr + r.stdout
 
 
+def test_a_slurm_launcher_without_slurm_here_is_one_message(tmp_path):
+    """A Slurm launcher profile on a machine without Slurm's commands (PATH without srun / sbatch): submitit's
+    RuntimeError used to end the multirun in a traceback; now one line naming the fix, exit 2, nothing submitted."""
+    bare = tmp_path / "bin"   # a PATH with nothing on it: the interpreter is called by its full path
+    bare.mkdir()
+    r = _run(["-m", "fp4moe.train", "-m", "experiment=tiny_t1_cpu", "hydra/launcher=slurm_h100", "cluster=slurm_h100",
+              f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path, env={"PATH": str(bare)})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.splitlines()[-1] == (
+        "fp4moe.train: Slurm's commands (srun, sbatch) are not on PATH, so a Slurm launcher (hydra/launcher=slurm_*) "
+        "cannot submit from this machine: run on a Slurm login node, or pick hydra/launcher=local")
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_only_a_refused_submission_is_one_line():
+    """submission_refused names sbatch refusing the script (submitit's FailedJobError raised from sbatch's
+    CalledProcessError) and Slurm's commands missing; a job that ran and failed (FailedJobError of its result) keeps
+    its traceback, as do other errors. The refusal from a real Slurm: tests/test_slurm.py."""
+    from submitit.core.utils import FailedJobError
+
+    from fp4moe.train.__main__ import submission_refused
+
+    def raised(error, cause=None):
+        try:
+            raise error from cause
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    refused = raised(FailedJobError("sbatch: error: Invalid partition name specified\n"),
+                     subprocess.CalledProcessError(1, ["sbatch", "/x/.submission_file_1.sh"]))
+    assert submission_refused(refused).startswith(
+        "Slurm refused the job: sbatch: error: Invalid partition name specified; where it names a resource "
+        "(partition, account, qos, GPUs: gres), the cluster profile sets it (cluster=<profile>, conf/cluster/")
+    assert submission_refused(raised(FileNotFoundError(2, "No such file or directory", "sbatch"))).startswith(
+        "Slurm's commands (srun, sbatch) are not on PATH")
+    ran_and_failed = raised(FailedJobError("Job (task=0) failed during processing with trace: ..."))
+    assert submission_refused(ran_and_failed) is None
+    assert submission_refused(raised(FailedJobError("x"), subprocess.CalledProcessError(1, ["sacct"]))) is None
+    assert submission_refused(raised(RuntimeError("CUDA error"))) is None
+
+
 @pytest.fixture
 def app(monkeypatch, capsys):
     """``app(*overrides)``: the command ``python tests/train/cli.py *overrides`` run in this process (its Hydra app,

@@ -141,10 +141,38 @@ def one_line_config_errors() -> None:
                     raise
                 print(f"fp4moe.train: ConfigError: {explain(e)}", file=sys.stderr)
                 sys.exit(EXIT_CONFIG)
+            except Exception as e:  # noqa: BLE001 - only a submission Slurm refused is one line; the rest raises
+                why = submission_refused(e)
+                if why is None:
+                    raise
+                print(f"fp4moe.train: {why}", file=sys.stderr)
+                sys.exit(EXIT_CONFIG)
         return report(composed)
 
     run_and_report.fp4moe_one_line = True
     hydra_utils.run_and_report = run_and_report
+
+
+def submission_refused(e: BaseException) -> str | None:
+    """The one line for a Slurm launcher whose ``sbatch`` could not submit the multirun's jobs (``sbatch`` not on
+    PATH, or sbatch refusing the script: a partition, GPU (gres) or account this cluster does not have, or Slurm's own
+    trouble, which sbatch's message names), with the fix; None for anything else. A job that was submitted and then failed (submitit's FailedJobError from the job's
+    result) is not this: it keeps the job's traceback."""
+    import subprocess
+
+    cause = e.__cause__
+    fix = ("where it names a resource (partition, account, qos, GPUs: gres), the cluster profile sets it "
+           "(cluster=<profile>, conf/cluster/; FP4MOE_SLURM_* where it reads them), and `python -m fp4moe.launch "
+           "dry-run --scripts <the same overrides>` prints the sbatch script without submitting")
+    if (type(e).__name__ == "FailedJobError" and isinstance(cause, subprocess.CalledProcessError)
+            and Path(str(list(cause.cmd)[0])).name == "sbatch"):
+        return f"Slurm refused the job: {' '.join(str(e).split())}; {fix}"
+    # submitit (1.5.4, pinned) looks for srun before it submits; sbatch missing alone is Popen's FileNotFoundError
+    if (isinstance(e, RuntimeError) and 'Could not detect "srun"' in str(e)) or (
+            isinstance(e, FileNotFoundError) and Path(str(e.filename or "")).name == "sbatch"):
+        return ("Slurm's commands (srun, sbatch) are not on PATH, so a Slurm launcher (hydra/launcher=slurm_*) "
+                "cannot submit from this machine: run on a Slurm login node, or pick hydra/launcher=local")
+    return None
 
 
 def main(*args, **kwargs):
