@@ -296,6 +296,25 @@ def test_reproduce_refuses_a_store_it_cannot_use_before_running_anything(tmp_pat
     assert "is not reachable" in pipeline.store_unusable()
 
 
+def test_reproduce_refuses_a_slurm_profile_it_cannot_use_before_running_anything(tmp_path, capsys, monkeypatch):
+    """make reproduce-table SLURM=<profile>: a profile that does not exist, or a machine without Slurm's commands,
+    used to fail in the Slurm step after the minute-long self-check and the archives; now one line, exit 2, first.
+    --no-train (no Slurm step) does not ask."""
+    store = ["--skip-bench", "--tracking-uri", str(tmp_path / "store")]
+    assert pipeline.main([*store, "--slurm", "slurm_h10"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("reproduce: --slurm slurm_h10: needs conf/cluster/slurm_h10.yaml and "
+                                 "conf/hydra/launcher/slurm_h10.yaml; Slurm profiles here: slurm_h100, slurm_h200, "
+                                 "slurm_local (make reproduce-table SLURM=<profile>)\n")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, no srun
+    assert pipeline.main([*store, "--slurm", "slurm_local"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("reproduce: --slurm slurm_local: Slurm's commands (sbatch, srun) are not on "
+                                        "PATH") and err.count("\n") == 1
+    assert pipeline.slurm_unusable("slurm_local").endswith("leave out --slurm (SLURM=) to run the cells here")
+    assert not (tmp_path / "store").exists()
+
+
 BENCH_JSON = {  # the shape of fp4moe_kernels.bench.conversions's JSON output, trimmed
     "env": {"date": "2026-11-30T00:00:00Z", "commit": "abc123", "gpu": "NVIDIA H200",
             "torch": "2.11.0", "triton": "3.6.0", "cuda": "13.0",

@@ -72,8 +72,10 @@ def test_a_failing_cell_is_reported_with_its_log(tmp_path):
     ran, reused, failures = train_runs.run([bad], uri, trainer=TRAINER, log_dir=tmp_path / "logs", log=lambda s: None)
     assert (ran, reused, len(failures)) == (1, 0, 1)
     log = tmp_path / "logs" / f"{bad.key}.log"
-    assert str(log) in failures[0] and "exit" in failures[0]
-    assert "precision" in log.read_text()   # the trainer's one-line config error is in the cell's log
+    last = log.read_text().strip().splitlines()[-1]
+    assert last.startswith("fp4moe.train: ConfigError: ") and "precision" in last  # the trainer's one line
+    # the failure line says why (the log's last line) beside where the rest is
+    assert failures[0] == f"typo (exit 2: {last[:237] + '...' if len(last) > 240 else last}; {log})"
 
 
 def test_a_run_loaded_from_an_archive_does_not_stand_in_for_this_machines(tmp_path):

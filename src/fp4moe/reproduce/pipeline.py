@@ -418,6 +418,24 @@ def store_unusable(uses_store: bool = True) -> str | None:
     return None
 
 
+def slurm_unusable(profile: str) -> str | None:
+    """Why the trainer cells cannot go to Slurm as ``profile`` (no such cluster / launcher profile, or no ``sbatch`` on
+    this machine to submit with), in one line with the fix; None when they can."""
+    import shutil
+
+    from fp4moe.config import ConfigError
+    from fp4moe.reproduce import train_runs
+
+    try:
+        train_runs.slurm_plan(profile)
+    except ConfigError as e:
+        return f"{e} (make reproduce-table SLURM=<profile>)"
+    if shutil.which("sbatch") is None or shutil.which("srun") is None:
+        return (f"--slurm {profile}: Slurm's commands (sbatch, srun) are not on PATH, so no job can be submitted from "
+                "this machine; run it on a Slurm login node, or leave out --slurm (SLURM=) to run the cells here")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fp4moe.reproduce",
@@ -456,6 +474,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unusable:  # before any part runs: each would fail on the store, after the self-check's minute
         print(f"reproduce: {unusable}", file=sys.stderr)
         return 2
+    if args.slurm and not (args.no_train or args.no_tracking):
+        unusable = slurm_unusable(args.slurm)
+        if unusable:  # before the self-check and the archives' minutes: the Slurm step would fail on it
+            print(f"reproduce: {unusable}", file=sys.stderr)
+            return 2
 
     gpu = print_hardware()
     results: dict[str, bool] = {}

@@ -241,6 +241,17 @@ def _start(cell: Cell, uri: str, trainer: Sequence[str], log_dir: Path) -> tuple
     return path, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=repo_root())
 
 
+def _last_line(log: Path, width: int = 240) -> str:
+    """The last non-empty line of a cell's log (the trainer's one-line error, or the last line of a traceback), cut to
+    ``width`` characters: what a failure line shows of why, beside the log's path."""
+    with open(log, "rb") as fh:  # its end only: a trainer's log can be long
+        fh.seek(max(0, fh.seek(0, os.SEEK_END) - 16384))
+        tail = fh.read().decode(errors="replace")
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    last = lines[-1] if lines else "(the log is empty)"
+    return last if len(last) <= width else last[:width - 3] + "..."
+
+
 def run(cells: Sequence[Cell], uri: str, *, rerun: bool = False, trainer: Sequence[str] | None = None,
         log_dir: Path | None = None, log=print, at_once: bool = False) -> tuple[int, int, list[str]]:
     """Run the cells not yet in the store ``uri``; returns (ran, reused, failures: 'label (log path)'). One after
@@ -268,7 +279,8 @@ def run(cells: Sequence[Cell], uri: str, *, rerun: bool = False, trainer: Sequen
             say(f"reproduce: {cell.label}: launcher exit {rc}")
         bar.close()
         finished = finished_keys(uri, {c.experiment for c in cells})
-        failures = [f"{c.label} (not finished in MLflow; {path})" for c, path, _, _ in started if c.key not in finished]
+        failures = [f"{c.label} (not finished in MLflow: {_last_line(path)}; {path})" for c, path, _, _ in started
+                    if c.key not in finished]
         return len(todo), len(cells) - len(todo), failures
     bar = tqdm(cells, desc="reproduce: trainer runs", unit="run", dynamic_ncols=True)
     say = bar.write if log is print else log
@@ -283,7 +295,7 @@ def run(cells: Sequence[Cell], uri: str, *, rerun: bool = False, trainer: Sequen
         rc = proc.wait()
         out.close()
         if rc not in (0, 3):  # 3: out of GPU memory, recorded as an OOM cell
-            failures.append(f"{cell.label} (exit {rc}, {path})")
+            failures.append(f"{cell.label} (exit {rc}: {_last_line(path)}; {path})")
         say(f"reproduce: {cell.label}: {'OOM' if rc == 3 else 'done' if rc == 0 else 'FAILED'} in {time.time() - t0:.0f} s")
     return len(todo), len(cells) - len(todo), failures
 
