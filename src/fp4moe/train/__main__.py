@@ -19,6 +19,7 @@ on a finished one says so and exits 0 without training. ``hydra.run.dir=...`` pi
 Exit status: 0 finished (or already finished: nothing trained); 2 the config, a switch (``kernels.*`` or its
 ``FP4MOE_*`` variable, ``FP4MOE_TRACKING_THREAD``), the data or the MLflow store cannot be used, or
 ``train.resume=false`` where the run's checkpoints exist (one message, no traceback, before training starts), or a
+Slurm launcher cannot submit (sbatch refuses the job, saying why, or Slurm's commands are not on PATH), or a
 checkpoint cannot be written mid-run (a full disk: one message naming the folder and the newest complete checkpoint,
 which stays); 3 out
 of GPU memory (recorded in MLflow as ``outcome=OOM``; in a multirun the sweep goes on); 128 + N stopped by signal N
