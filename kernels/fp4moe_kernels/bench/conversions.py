@@ -182,7 +182,7 @@ def default_shapes(tokens: int = 32768, experts: int = 32, seed: int = 0) -> lis
 
 
 def baseline_problem(path: str) -> str | None:
-    """Why ``path`` is not a copy of this package that ``--baseline`` can load, else None (asked before any GPU work)."""
+    """Why ``path`` is not a copy of this package that ``--baseline`` can load, else None (asked before GPU work)."""
     if os.path.isfile(os.path.join(path, "__init__.py")) and os.path.isfile(os.path.join(path, "formats.py")):
         return None
     return (f"--baseline {path}: no fp4moe_kernels package there (__init__.py and formats.py); give the unpacked "

@@ -419,8 +419,8 @@ def store_unusable(uses_store: bool = True) -> str | None:
 
 
 def slurm_unusable(profile: str) -> str | None:
-    """Why the trainer cells cannot go to Slurm as ``profile`` (no such cluster / launcher profile, or no ``sbatch`` on
-    this machine to submit with), in one line with the fix; None when they can."""
+    """Why the trainer cells cannot go to Slurm as ``profile`` (no such cluster / launcher profile, or no ``sbatch`` /
+    ``srun`` on this machine to submit with), in one line with the fix; None when they can."""
     import shutil
 
     from fp4moe.config import ConfigError

@@ -155,10 +155,10 @@ def one_line_config_errors() -> None:
 
 
 def submission_refused(e: BaseException) -> str | None:
-    """The one line for a Slurm launcher whose ``sbatch`` could not submit the multirun's jobs (``sbatch`` not on
-    PATH, or sbatch refusing the script: a partition, GPU (gres) or account this cluster does not have, or Slurm's own
-    trouble, which sbatch's message names), with the fix; None for anything else. A job that was submitted and then failed (submitit's FailedJobError from the job's
-    result) is not this: it keeps the job's traceback."""
+    """The one line for a Slurm launcher whose ``sbatch`` could not submit the multirun's jobs (Slurm's commands not
+    on PATH, or sbatch refusing the script: a partition, GPU (gres) or account this cluster does not have, or Slurm's
+    own trouble, which sbatch's message names), with the fix; None for anything else. A job that was submitted and
+    then failed (submitit's FailedJobError from the job's result) is not this: it keeps the job's traceback."""
     import subprocess
 
     cause = e.__cause__
@@ -166,7 +166,7 @@ def submission_refused(e: BaseException) -> str | None:
            "(cluster=<profile>, conf/cluster/; FP4MOE_SLURM_* where it reads them), and `python -m fp4moe.launch "
            "dry-run --scripts <the same overrides>` prints the sbatch script without submitting")
     if (type(e).__name__ == "FailedJobError" and isinstance(cause, subprocess.CalledProcessError)
-            and Path(str(list(cause.cmd)[0])).name == "sbatch"):
+            and Path(str(cause.cmd).split()[0] if isinstance(cause.cmd, str) else str(cause.cmd[0])).name == "sbatch"):
         return f"Slurm refused the job: {' '.join(str(e).split())}; {fix}"
     # submitit (1.5.4, pinned) looks for srun before it submits; sbatch missing alone is Popen's FileNotFoundError
     if (isinstance(e, RuntimeError) and 'Could not detect "srun"' in str(e)) or (
