@@ -38,7 +38,7 @@ from omegaconf import OmegaConf
 from ..paths import source_root
 from ..scale.memory import GB, NOT_IN_STANDALONE_LAYER, Breakdown, MemoryAssumptions, compose_cfg, per_stage_memory
 from . import manifest
-from .output import write_markdown
+from .output import out_problem, write_markdown
 
 TARGET_PCT = 5.0  # issue 6: predicted peak within 5 % of measured for every recipe x recompute cell run
 GROUPS = ("model", "parallel", "precision", "recompute", "optimizer", "train")
@@ -647,7 +647,7 @@ def document(date: str | None = None, commit: str | None = None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m fp4moe.analysis.calibration", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="Markdown file to write (default: the manifest's output for "
                                                 "calibration; relative to the repository root)")
     ap.add_argument("--date", default=None, help="date written in the header (default: today)")
@@ -660,6 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         text, _ = check(args.check)
         print(text)
         return 0
+    if out_problem(args.out, "calibration"):  # before the runs are read and the model is run
+        ap.error(out_problem(args.out, "calibration"))
     write_markdown(args.out, "calibration", document(args.date, args.commit))
     return 0
 
