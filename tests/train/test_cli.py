@@ -72,6 +72,30 @@ def test_a_slurm_launcher_without_slurm_here_is_one_message(tmp_path):
     assert "Traceback" not in r.stderr + r.stdout
 
 
+@pytest.mark.parametrize("args", [["hydra.run.dir={blocker}/run"], ["-m", "hydra.sweep.dir={blocker}/sweep",
+                                                                     "precision=bf16,fp8"]])
+def test_a_run_folder_that_cannot_be_made_is_one_message(tmp_path, args):
+    """hydra.run.dir (or a multirun's hydra.sweep.dir) under a file: Hydra's short traceback of NotADirectoryError
+    before; one line naming the folder and the key, exit 2, nothing trained."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    e = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    r = subprocess.run([sys.executable, "-m", "fp4moe.train", *(a.format(blocker=blocker) for a in args),
+                        "train.steps=1"], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.splitlines()[-1] == (
+        f"fp4moe.train: cannot create the run's folder: Not a directory: {blocker}/{'sweep' if '-m' in args else 'run'}"
+        "; hydra.run.dir (hydra.sweep.dir in a multirun) must be a folder this process can create or write")
+    assert "Traceback" not in r.stderr
+    # nothing trained: no run (a multirun creates the store's schema first, before its jobs race to: fp4moe.tracking)
+    assert "-m" in args or not (tmp_path / "mlflow.db").exists()
+    if (tmp_path / "mlflow.db").exists():
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=e["MLFLOW_TRACKING_URI"])
+        assert not client.search_runs([x.experiment_id for x in client.search_experiments()])
+
+
 def test_only_a_refused_submission_is_one_line():
     """submission_refused names sbatch refusing the script (submitit's FailedJobError raised from sbatch's
     CalledProcessError) and Slurm's commands missing; a job that ran and failed (FailedJobError of its result) keeps

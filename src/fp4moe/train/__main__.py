@@ -51,6 +51,7 @@ from fp4moe.tracking.mlflow_store import TrackingUnavailable
 
 CONF_DIR = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
 EXIT_CONFIG, EXIT_OOM = 2, 3
+_TASKS_STARTED = 0  # tasks this process has started: an OSError before the first is Hydra's setup (main's wrapper)
 log = logging.getLogger("fp4moe.train")
 known_warnings.install()  # before megatron-core is imported (most of its known warnings come at import) and MLflow
 
@@ -142,6 +143,15 @@ def one_line_config_errors() -> None:
                     raise
                 print(f"fp4moe.train: ConfigError: {explain(e)}", file=sys.stderr)
                 sys.exit(EXIT_CONFIG)
+            except OSError as e:
+                # before any task started, an OSError naming a file is Hydra's own: the run (sweep) folder or the
+                # files it writes there (a path under a file, a folder this process cannot write)
+                if _TASKS_STARTED or e.filename is None:
+                    raise
+                print(f"fp4moe.train: cannot create the run's folder: {e.strerror}: {e.filename}; hydra.run.dir "
+                      "(hydra.sweep.dir in a multirun) must be a folder this process can create or write",
+                      file=sys.stderr)
+                sys.exit(EXIT_CONFIG)
             except Exception as e:  # noqa: BLE001 - only a submission Slurm refused is one line; the rest raises
                 why = submission_refused(e)
                 if why is None:
@@ -185,6 +195,8 @@ def main(*args, **kwargs):
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def task(cfg: DictConfig) -> dict | None:
     """Train; returns a short result (in a multirun it reaches the launcher, e.g. through submitit)."""
+    global _TASKS_STARTED
+    _TASKS_STARTED += 1
     # A crash inside a C extension (segmentation fault, abort) otherwise ends the process with no word in its log and
     # its MLflow run left RUNNING: print every thread's Python stack to stderr first.
     if not faulthandler.is_enabled():
