@@ -1,8 +1,10 @@
 """P4 dry run (fp4moe.launch): the sbatch scripts of the paper's T1 sweep, built by submitit from the
 conf/hydra/launcher profiles, and the check's refusal of a broken cell. No Slurm needed, nothing submitted."""
+import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -320,6 +322,34 @@ def test_templates_log_where_the_submit_helper_creates_the_folder():
         assert len(paths) == 2 and {p.rsplit("/", 1)[0] for p in paths} == {"logs/slurm"}, t.name
         assert "slurm/submit.sh" in t.read_text(), t.name
     assert "\nmkdir -p logs/slurm\nexec sbatch \"$@\"\n" in (slurm / "submit.sh").read_text()
+
+
+@pytest.mark.parametrize("python, overrides, said", [
+    (None, ["experiment=tiny_cpu", "precison=fp8"],
+     "slurm/submit.sh: the overrides experiment=tiny_cpu precison=fp8 are not a config the trainer can run (above); "
+     "nothing submitted"),
+    ("{tmp}/venv/bin/python", ["experiment=tiny_cpu"],
+     "slurm/submit.sh: no Python at {tmp}/venv/bin/python, which the job would run: create the venv there (make venv, "
+     "on the filesystem the nodes share) or export PYTHON=...; nothing submitted"),
+])
+def test_the_submit_helper_refuses_a_cell_that_could_not_run_before_queueing_it(tmp_path, python, overrides, said):
+    """slurm/submit.sh checks, before sbatch, the Python the job runs and that the cell's overrides compose (the dry
+    run's check): a typo used to be found only when the job started, after its wait in the queue. Nothing is
+    submitted and no logs/slurm/ is made; the dry run's reason comes first. A cell that passes goes to sbatch
+    (tests/test_slurm.py submits through it)."""
+    import pathlib
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRAIN", "FP4MOE_ROOT")}
+    env["PYTHON"] = (python or sys.executable).format(tmp=tmp_path)
+    r = subprocess.run([str(repo / "slurm" / "submit.sh"), "--nodes=1", str(repo / "slurm" / "train.sbatch"),
+                        *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1] == said.format(tmp=tmp_path)
+    if python is None:
+        assert "precison is not a key of the root config (conf/train.yaml): did you mean precision?" in lines[-2]
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------------------- shell safety (P10)
