@@ -241,6 +241,25 @@ def test_check_reachable_local_store(tmp_path):
         mlflow_store.check_reachable(f"sqlite:///{blocker / 'mlflow.db'}")
 
 
+def test_a_file_store_is_refused_with_the_sqlite_uri_to_use(tmp_path, monkeypatch):
+    """MLFLOW_TRACKING_URI=./mlruns (MLflow 2's default: a file store) used to pass the check and then end the trainer
+    in MLflow's MlflowException traceback (MLflow 3 refuses file stores); now TrackingUnavailable names the SQLite URI
+    for the same folder. MLFLOW_ALLOW_FILE_STORE=true (MLflow's own opt-out) lets it through, and MLflow opens it."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    for uri in (str(tmp_path / "mlruns"), f"file://{tmp_path / 'mlruns'}"):
+        with pytest.raises(mlflow_store.TrackingUnavailable) as err:
+            mlflow_store.check_reachable(uri)
+        assert str(err.value).startswith(f"MLflow store {uri} is a file store (a folder of files), which MLflow 3 no "
+                                         f"longer opens: point MLFLOW_TRACKING_URI (or tracking.uri) at "
+                                         f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}, "), err.value
+    with pytest.raises(Exception, match="filesystem tracking backend"):  # what the check stands in front of
+        from mlflow import MlflowClient
+
+        MlflowClient(tracking_uri=str(tmp_path / "mlruns")).search_experiments()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow_store.check_reachable(str(tmp_path / "mlruns"))
+
+
 def test_portable_names_the_checkout_out_and_home_folders_not_the_machine(tmp_path, monkeypatch):
     """What goes into results/ names the checkout ``<repo>``, the device's output folder ``$OUT`` and the home ``~``;
     only whole folders (a sibling ``checkout2`` is not the checkout), other absolute paths stay."""

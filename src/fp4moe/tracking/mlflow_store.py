@@ -135,7 +135,8 @@ def check_reachable(uri: str, hint: str = "") -> None:
     """Raise TrackingUnavailable unless ``uri`` can take runs.
 
     http(s): the server answers ``GET <uri>/health`` within HTTP_TIMEOUT_S seconds.
-    sqlite / file / plain path: the store's folder (or its nearest existing parent) is writable.
+    sqlite: the store's folder (or its nearest existing parent) is writable. file / plain path: MLflow's file store,
+    which MLflow 3 refuses unless ``MLFLOW_ALLOW_FILE_STORE`` is true (then: writable, as sqlite).
     Other schemes (databricks, ...) are left to mlflow. ``hint``: a sentence appended to the message (another fix).
     """
     if urlparse(uri).scheme in ("http", "https"):
@@ -159,6 +160,13 @@ def check_reachable(uri: str, hint: str = "") -> None:
     folder = _local_store_dir(uri)
     if folder is None:
         return
+    if not uri.startswith("sqlite:") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
+        # MLflow 3 (mlflow-skinny 3.17, pinned) refuses to open a file store: an MlflowException at the first call
+        raise TrackingUnavailable(
+            f"MLflow store {uri} is a file store (a folder of files), which MLflow 3 no longer opens: point "
+            f"MLFLOW_TRACKING_URI (or tracking.uri) at sqlite:///{folder / 'mlflow.db'}, an SQLite store in that "
+            f"folder (`mlflow migrate-filestore` moves an old file store's runs into one), or at a server; "
+            f"MLFLOW_ALLOW_FILE_STORE=true opens it anyway.{hint and ' ' + hint}")
     existing, writable = writable_ancestor(folder)
     if not writable:
         raise TrackingUnavailable(
