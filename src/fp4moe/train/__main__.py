@@ -143,17 +143,13 @@ def one_line_config_errors() -> None:
                     raise
                 print(f"fp4moe.train: ConfigError: {explain(e)}", file=sys.stderr)
                 sys.exit(EXIT_CONFIG)
-            except OSError as e:
-                # before any task started, an OSError naming a file is Hydra's own: the run (sweep) folder or the
-                # files it writes there (a path under a file, a folder this process cannot write)
-                if _TASKS_STARTED or e.filename is None:
-                    raise
-                print(f"fp4moe.train: cannot create the run's folder: {e.strerror}: {e.filename}; hydra.run.dir "
-                      "(hydra.sweep.dir in a multirun) must be a folder this process can create or write",
-                      file=sys.stderr)
-                sys.exit(EXIT_CONFIG)
-            except Exception as e:  # noqa: BLE001 - only a submission Slurm refused is one line; the rest raises
+            except Exception as e:  # noqa: BLE001 - a refused submission or Hydra's folder: one line; else raise
                 why = submission_refused(e)
+                if why is None and isinstance(e, OSError) and e.filename is not None and not _TASKS_STARTED:
+                    # before any task started, an OSError naming a file is Hydra's own: the run (sweep) folder or
+                    # the files it writes there (a path under a file, a folder this process cannot write)
+                    why = (f"cannot create the run's folder: {e.strerror}: {e.filename}; hydra.run.dir "
+                           "(hydra.sweep.dir in a multirun) must be a folder this process can create or write")
                 if why is None:
                     raise
                 print(f"fp4moe.train: {why}", file=sys.stderr)
