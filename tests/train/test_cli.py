@@ -123,6 +123,24 @@ def test_only_a_refused_submission_is_one_line():
     assert submission_refused(raised(RuntimeError("CUDA error"))) is None
 
 
+def test_the_wrapper_says_sbatch_missing_as_such_not_as_a_run_folder(capsys):
+    """sbatch missing while srun is there is Popen's FileNotFoundError naming sbatch: an OSError with a file name
+    before any task started, which the wrapper must say as Slurm's, not as a run folder it could not create."""
+    from hydra._internal import utils as hydra_utils
+
+    from fp4moe.train.__main__ import one_line_config_errors
+
+    one_line_config_errors()
+
+    def submit():
+        raise FileNotFoundError(2, "No such file or directory", "sbatch")
+
+    with pytest.raises(SystemExit) as err:
+        hydra_utils.run_and_report(submit)
+    assert err.value.code == 2
+    assert capsys.readouterr().err.startswith("fp4moe.train: Slurm's commands (srun, sbatch) are not on PATH")
+
+
 @pytest.fixture
 def app(monkeypatch, capsys):
     """``app(*overrides)``: the command ``python tests/train/cli.py *overrides`` run in this process (its Hydra app,
