@@ -268,6 +268,28 @@ def test_unreachable_mlflow_server(tmp_path, monkeypatch, app, server, reason):
     assert took < 30, took  # the 3 s probe (mlflow alone: 120 s for one try at a silent server)
 
 
+@pytest.mark.parametrize("store", ["not_a_db", "file_store"])
+def test_a_store_mlflow_cannot_open_is_one_line(tmp_path, monkeypatch, app, store):
+    """MLFLOW_TRACKING_URI at a file that is not a database (SQLAlchemy's 'file is not a database' traceback before)
+    or at a folder (MLflow 3 refuses file stores: its MlflowException traceback before): one line naming the store
+    and the fix, exit 2, nothing trained, the file left as it was."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    if store == "not_a_db":
+        where = tmp_path / "notes.db"
+        where.write_text("not a database\n")
+        uri, said = f"sqlite:///{where}", f"{where} cannot be read as an SQLite database (file is not a database)"
+    else:
+        where = tmp_path / "mlruns"
+        uri, said = str(where), f"{where} is a file store (a folder of files), which MLflow 3 no longer opens"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    code, out, err = app(f"hydra.run.dir={tmp_path / 'out'}")
+    assert code == 2 and out == ""
+    (line,) = err.splitlines()
+    assert line.startswith("fp4moe.train: TrackingUnavailable: MLflow store ") and said in line, line
+    assert "sqlite:///" in line  # the fix
+    assert store == "file_store" or where.read_text() == "not a database\n"
+
+
 def test_ctrl_c_checkpoints_then_the_same_command_resumes(tmp_path, monkeypatch, app):
     """SIGINT (Ctrl-C) to the command: checkpoint at the next step, exit 130 (128 + 2, as SIGTERM gives 143: the same
     path, tests/train/test_train.py), and print the command that resumes: the same one, since the run's folder

@@ -197,8 +197,8 @@ def check_readable(uri: str, hint: str = "") -> None:
     db = sqlite_file(uri)
     if db is None or not db.is_file():
         return
-    fix = ("Point MLFLOW_TRACKING_URI at an MLflow store (sqlite:///<folder>/mlflow.db, a folder holding mlflow.db, "
-           f"or an http(s) server).{hint and ' ' + hint}")
+    fix = ("Point MLFLOW_TRACKING_URI at an MLflow store (sqlite:///<folder>/mlflow.db or an http(s) server)."
+           f"{hint and ' ' + hint}")
     import sqlite3
 
     try:
