@@ -241,6 +241,20 @@ def test_check_reachable_local_store(tmp_path):
         mlflow_store.check_reachable(f"sqlite:///{blocker / 'mlflow.db'}")
 
 
+def test_a_default_store_under_a_file_is_one_error_not_a_traceback(tmp_path, monkeypatch):
+    """FP4MOE_HOME under a file: tracking_uri() used to raise NotADirectoryError making the default store's folder
+    (a traceback from every entry point); it names the store and check_reachable says what is wrong, with the fix."""
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("FP4MOE_HOME", str(tmp_path / "a_file" / "home"))
+    uri = mlflow_store.tracking_uri()
+    assert uri == f"sqlite:///{tmp_path / 'a_file' / 'home' / 'mlruns' / 'mlflow.db'}"
+    with pytest.raises(mlflow_store.TrackingUnavailable, match=r"is not writable: .*a_file is not a writable folder\. "
+                                                               r"Fix its permissions, or point MLFLOW_TRACKING_URI "
+                                                               r"\(or FP4MOE_HOME\) elsewhere"):
+        mlflow_store.check_reachable(uri)
+
+
 def test_a_file_store_is_refused_with_the_sqlite_uri_to_use(tmp_path, monkeypatch):
     """MLFLOW_TRACKING_URI=./mlruns (MLflow 2's default: a file store) used to pass the check and then end the trainer
     in MLflow's MlflowException traceback (MLflow 3 refuses file stores); now TrackingUnavailable names the SQLite URI

@@ -71,11 +71,14 @@ def portable_paths() -> Callable[[str], str]:
 
 
 def tracking_uri() -> str:
-    """``$MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo>/mlruns/mlflow.db`` (dir created)."""
+    """``$MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo>/mlruns/mlflow.db`` (dir created where it can be)."""
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
         return uri
     store = mlruns_dir()
-    store.mkdir(parents=True, exist_ok=True)
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except OSError:  # under a file, or not writable: check_reachable says so in one line, with the fix
+        pass
     return f"sqlite:///{store / 'mlflow.db'}"
 
 
