@@ -148,6 +148,8 @@ def test_bench_eight_ranks_on_gloo(tmp_path):
     (["--top-k", "9", "--local-experts", "8"], "--top-k 9 > 8 experts"),
     (["--hidden", "1000", "--recipes", "bf16,fp8"], "--hidden 1000: the fp8 recipe's FP8 GEMMs need a multiple of 128"),
     (["--ffn", "96", "--recipes", "mxfp4"], "--ffn 96: the mxfp4 recipe's FP8 GEMMs need a multiple of 128"),
+    # torch's own errors before: 'Expected one of cpu, cuda, ...' and, without a GPU, 'Torch not compiled with CUDA'
+    (["--device", "tpu"], "--device tpu: not a device this benchmark runs on; give --device cpu, or leave it out"),
 ])
 def test_a_shape_or_recipe_the_layer_cannot_run_is_one_line_before_any_work(tmp_path, args, message):
     """Before, a misspelled recipe was a RecipeError traceback and --tokens 0 a ZeroDivisionError after the run."""
@@ -160,6 +162,15 @@ def test_a_shape_or_recipe_the_layer_cannot_run_is_one_line_before_any_work(tmp_
     from fp4moe.recipe import Recipe
 
     _check_shape(_parser().parse_args(["--hidden", "1000", "--ffn", "96"]), [Recipe.preset("bf16")], 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU that is not there")
+def test_device_cuda_without_a_gpu_is_one_line(tmp_path):
+    with pytest.raises(SystemExit) as err:
+        main(["--device", "cuda", "--out", str(tmp_path)])
+    assert err.value.code == ("--device cuda: no CUDA GPU here; give --device cpu, or leave it out (cuda when there is "
+                              "a GPU, else cpu)")
+    assert not list(tmp_path.iterdir())
 
 
 def test_shape_tag_names_what_differs_from_the_default_shape():

@@ -805,6 +805,10 @@ def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
     if out_problem(args.out):  # before any work: a run whose results cannot be written is not started
         raise SystemExit(out_problem(args.out))
+    if args.device not in (None, "cpu") and not (args.device.split(":")[0] == "cuda" and torch.cuda.is_available()):
+        raise SystemExit(f"--device {args.device}: " + ("no CUDA GPU here" if args.device.startswith("cuda") else
+                         "not a device this benchmark runs on") + "; give --device cpu, or leave it out (cuda when "
+                         "there is a GPU, else cpu)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     own_group = world > 1 and not dist.is_initialized()   # set up here, so torn down here (after the last barrier)
     if own_group:
