@@ -1,6 +1,7 @@
 """Atomic file writes: a reader sees the old file or the new one, never a half-written one, and a failed write
 leaves nothing behind. Used by the report (fp4moe.report.render) and the runs archives (fp4moe.runs.archive).
-Also where a folder can be created (``writable_ancestor``: the MLflow store's and the checkpoints' preflight)."""
+Also where a folder can be created (``writable_ancestor``: the MLflow store's and the checkpoints' preflight;
+``unwritable``: the same, said for a message)."""
 from __future__ import annotations
 
 import os
@@ -33,4 +34,13 @@ def writable_ancestor(path: str | os.PathLike) -> tuple[Path, bool]:
     return existing, existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
 
 
-__all__ = ["writable_ancestor", "write_bytes_atomic"]
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be created or written, as the end of a message: ``"<ancestor> is not a folder"`` (a file
+    on the way) or ``"<ancestor> is not writable"``; None when it can be (:func:`writable_ancestor`)."""
+    existing, writable = writable_ancestor(path)
+    if writable:
+        return None
+    return f"{existing} {'is not writable' if existing.is_dir() else 'is not a folder'}"
+
+
+__all__ = ["unwritable", "writable_ancestor", "write_bytes_atomic"]

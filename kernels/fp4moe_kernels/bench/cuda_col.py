@@ -29,8 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-ms", type=int, default=25)
     ap.add_argument("--rep-ms", type=int, default=50)
     a = ap.parse_args(argv)
-    if out_problem(a.out):  # before the build and the timings
-        ap.error(out_problem(a.out))
+    why = out_problem(a.out)
+    if why:  # before the build and the timings
+        ap.error(why)
     why = available()
     if why:
         print(f"fp4moe_kernels.bench.cuda_col: {why}", file=sys.stderr)

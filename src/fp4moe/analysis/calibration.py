@@ -660,8 +660,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         text, _ = check(args.check)
         print(text)
         return 0
-    if out_problem(args.out, "calibration"):  # before the runs are read and the model is run
-        ap.error(out_problem(args.out, "calibration"))
+    why = out_problem(args.out, "calibration")
+    if why:  # before the runs are read and the model is run
+        ap.error(why)
     write_markdown(args.out, "calibration", document(args.date, args.commit))
     return 0
 

@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..atomic_write import writable_ancestor
+from ..atomic_write import unwritable
 from ..paths import source_root
 from . import manifest
 
@@ -22,11 +22,8 @@ def out_problem(out: str | Path | None, analysis: str) -> str | None:
     path = target(out, analysis)
     if path.is_dir():
         return f"--out {out}: {path} is a folder; give the Markdown file to write"
-    existing, writable = writable_ancestor(path.parent)
-    if not writable:
-        what = "is not writable" if existing.is_dir() else "is not a folder"
-        return f"--out {out}: {existing} {what}; give a file in a folder this process can create or write"
-    return None
+    why = unwritable(path.parent)
+    return why and f"--out {out}: {why}; give a file in a folder this process can create or write"
 
 
 def write_markdown(out: str | Path | None, analysis: str, text: str) -> Path:
@@ -47,8 +44,9 @@ def markdown_cli(argv: Sequence[str] | None, doc: str, analysis: str, text: Call
     ap.add_argument("--out", default=None, help="Markdown file to write, relative to the repository root (default: "
                                                 f"the manifest's output for {analysis})")
     args = ap.parse_args(argv)
-    if out_problem(args.out, analysis):  # before the study's work
-        ap.error(out_problem(args.out, analysis))
+    why = out_problem(args.out, analysis)
+    if why:  # before the study's work
+        ap.error(why)
     write_markdown(args.out, analysis, text())
     return 0
 

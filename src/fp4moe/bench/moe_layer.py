@@ -803,8 +803,9 @@ def _ratios(entries, rows: list[dict]) -> dict:
 
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
-    if out_problem(args.out):  # before any work: a run whose results cannot be written is not started
-        raise SystemExit(out_problem(args.out))
+    why = out_problem(args.out)
+    if why:  # before any work: a run whose results cannot be written is not started
+        raise SystemExit(why)
     if args.device not in (None, "cpu") and not (args.device.split(":")[0] == "cuda" and torch.cuda.is_available()):
         raise SystemExit(f"--device {args.device}: " + ("no CUDA GPU here" if args.device.startswith("cuda") else
                          "not a device this benchmark runs on") + "; give --device cpu, or leave it out (cuda when "

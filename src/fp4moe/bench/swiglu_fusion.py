@@ -188,8 +188,9 @@ def main(argv=None) -> int:
     if any(t != "tiles" and len(t) != 4 for t in bwd_fp4_tiles):
         ap.error("--bwd-fp4-tiles are bCxRxN (blocks x rows x warps, e.g. b32x4x4) or 'tiles'; the AxB forms are "
                  "--fp4-tiles / --fp8-tiles")
-    if out_problem(a.out):
-        ap.error(out_problem(a.out))
+    why = out_problem(a.out)
+    if why:
+        ap.error(why)
     if not torch.cuda.is_available():
         print("fp4moe.bench.swiglu_fusion needs a CUDA GPU (the fused kernels and the timings are GPU-only)", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fp4moe.atomic_write import writable_ancestor
+from fp4moe.atomic_write import unwritable
 from fp4moe.data import corpus as C
 from fp4moe.data import tokenizer as T
 from fp4moe.data.errors import DataError
@@ -265,10 +265,9 @@ def prepare(s: Settings, log=print) -> dict:
     if (final / MANIFEST).is_file():
         return {**load_manifest(final), "reused": True}
     root = final.parent
-    existing, writable = writable_ancestor(root)
-    if not writable:  # a finished build above is read without writing; a new one is built in this folder
-        what = "is not writable" if existing.is_dir() else "is not a folder"
-        raise DataError(f"data.dir {root}: {existing} {what}, and the build of this corpus is not there yet "
+    why = unwritable(root)
+    if why:  # a finished build above is read without writing; a new one is built in this folder
+        raise DataError(f"data.dir {root}: {why}, and the build of this corpus is not there yet "
                         f"({final.name}): set FP4MOE_DATA_DIR (or data.dir=...) to a folder this process can create or "
                         "write, or data.prebuilt=<a finished build>")
     with _locked(root):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from fp4moe.atomic_write import writable_ancestor
+from fp4moe.atomic_write import unwritable
 from fp4moe.data.errors import DataError
 
 DOC_SEPARATOR = "<|endoftext|>"        # a line holding only this splits a text file into documents
@@ -107,10 +107,9 @@ def fetch_sdist(source: str, cache_dir: str | os.PathLike, timeout_s: int = 15) 
         if got != want:
             raise DataError(f"{path} has sha256 {got}, expected {want}: delete it to download again, or {manual}")
         return path
-    existing, writable = writable_ancestor(cache)
-    if not writable:
-        what = "is not writable" if existing.is_dir() else "is not a folder"
-        raise DataError(f"data.cache_dir {cache}: {existing} {what}, so the corpus cannot be downloaded into it: set "
+    why = unwritable(cache)
+    if why:
+        raise DataError(f"data.cache_dir {cache}: {why}, so the corpus cannot be downloaded into it: set "
                         f"data.cache_dir=... (or FP4MOE_DATA_DIR) to a folder this process can create or write, or "
                         f"{manual}")
     cache.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from .render import build_report, write_report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fp4moe.atomic_write import writable_ancestor
+    from fp4moe.atomic_write import unwritable
     from fp4moe.paths import results_dir
     from fp4moe.tracking.mlflow_store import TrackingUnavailable
 
@@ -38,10 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "else <repo>/mlruns/mlflow.db)", file=sys.stderr)
             return 2
     out = Path(args.out) if args.out else results_dir() / "report"
-    existing, writable = writable_ancestor(out)
-    if not writable:  # before the report is built (tens of seconds with the model): nothing could be written
-        what = "is not writable" if existing.is_dir() else "is not a folder"
-        print(f"fp4moe.report: --out {out}: {existing} {what}; give a folder this process can create or write "
+    why = unwritable(out)
+    if why:  # before the report is built (tens of seconds with the model): nothing could be written
+        print(f"fp4moe.report: --out {out}: {why}; give a folder this process can create or write "
               "(default: <repo>/results/report)", file=sys.stderr)
         return 2
     try:

@@ -412,7 +412,6 @@ def store_unusable(uses_store: bool = True) -> str | None:
     hint = "--tracking-uri (or $MLFLOW_TRACKING_URI) names the store; --no-tracking --no-report run without one."
     try:
         mlflow_store.check_reachable(uri, hint)
-        mlflow_store.check_readable(uri, hint)
     except mlflow_store.TrackingUnavailable as e:
         return str(e)
     return None

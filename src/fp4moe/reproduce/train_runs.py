@@ -337,7 +337,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     uri = a.tracking_uri or mlflow_store.tracking_uri()
     mlflow_store.check_reachable(uri)
-    mlflow_store.check_readable(uri)
     try:
         cells, notes = slurm_plan(a.slurm) if a.slurm else plan()
     except ConfigError as e:

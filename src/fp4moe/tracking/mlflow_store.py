@@ -138,8 +138,9 @@ def check_reachable(uri: str, hint: str = "") -> None:
     """Raise TrackingUnavailable unless ``uri`` can take runs.
 
     http(s): the server answers ``GET <uri>/health`` within HTTP_TIMEOUT_S seconds.
-    sqlite: the store's folder (or its nearest existing parent) is writable. file / plain path: MLflow's file store,
-    which MLflow 3 refuses unless ``MLFLOW_ALLOW_FILE_STORE`` is true (then: writable, as sqlite).
+    sqlite: the store's folder (or its nearest existing parent) is writable, and an existing file is an MLflow store
+    (:func:`check_readable`'s look). file / plain path: MLflow's file store, which MLflow 3 refuses unless
+    ``MLFLOW_ALLOW_FILE_STORE`` is true (then: writable, as sqlite).
     Other schemes (databricks, ...) are left to mlflow. ``hint``: a sentence appended to the message (another fix).
     """
     if urlparse(uri).scheme in ("http", "https"):
@@ -176,6 +177,7 @@ def check_reachable(uri: str, hint: str = "") -> None:
             f"MLflow store {uri} is not writable: {existing} is not a writable folder. "
             f"Fix its permissions, or point MLFLOW_TRACKING_URI (or FP4MOE_HOME) elsewhere."
         )
+    _check_sqlite_store(uri, hint)
 
 
 def limit_http_retries() -> dict[str, str]:
@@ -197,6 +199,12 @@ def check_readable(uri: str, hint: str = "") -> None:
     if urlparse(uri).scheme in ("http", "https"):
         check_reachable(uri, hint)
         return
+    _check_sqlite_store(uri, hint)
+
+
+def _check_sqlite_store(uri: str, hint: str) -> None:
+    """TrackingUnavailable unless the file of a ``sqlite:///<file>`` store is missing (a new, empty store), empty, or
+    an SQLite database with MLflow's ``experiments`` table; other URIs pass."""
     db = sqlite_file(uri)
     if db is None or not db.is_file():
         return
