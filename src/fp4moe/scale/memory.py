@@ -1195,28 +1195,29 @@ def _backward_depth(letters: str, first_layer: int, d: _Dims, tensors: list, a: 
     return max(depth) - depth[-1] if depth else 0
 
 
-def _rank_state(cfg: DictConfig, chunks: list[int], a: MemoryAssumptions) -> tuple[optimizer_state.RankBytes, int, int]:
-    """(the most loaded data-parallel rank's RankBytes summed over its model chunks, the mean over the data-parallel
-    ranks of their optimizer state on the GPU, that rank's state in host memory). Data-parallel rank r of a stage is
-    expert-data-parallel rank r // EP (megatron's rank order with TP = CP = 1)."""
+def _state_key(cfg: DictConfig, a: MemoryAssumptions) -> tuple[str, int]:
+    """What :func:`_rank_state_of` reads of ``cfg``, as a key (the same model / layout / optimizer gives the same
+    bytes whatever the recipe, but the expert order, bf16 or not, and the recompute scope), and the parameters'
+    bytes per element."""
     params_bytes = 4 if str(cfg.get("train", {}).get("params_dtype", "bf16")) == "fp32" else a.param_bytes
-    # what rank_bytes reads, as a key: the same model / layout / optimizer gives the same bytes whatever the recipe
-    # (but the expert order, bf16 or not) and the recompute scope
     key = {g: OmegaConf.to_container(cfg[g], resolve=True) if cfg.get(g) is not None else None
            for g in ("model", "parallel", "optimizer")}
     key["precision"] = {"name": str(cfg.get("precision", {}).get("name", "bf16"))}
-    return _rank_state_of(json.dumps(key, sort_keys=True), tuple(chunks), params_bytes)
+    return json.dumps(key, sort_keys=True), params_bytes
 
 
 @functools.lru_cache(maxsize=1024)
 def _rank_state_of(key: str, chunks: tuple[int, ...], params_bytes: int) -> tuple[optimizer_state.RankBytes, int, int]:
+    """(the most loaded data-parallel rank's RankBytes summed over its model ``chunks``, the mean over the
+    data-parallel ranks of their optimizer state on the GPU, that rank's state in host memory), for the config
+    :func:`_state_key` made ``key`` of. Data-parallel rank r of a stage is expert-data-parallel rank r // EP
+    (megatron's rank order with TP = CP = 1)."""
     cfg = OmegaConf.create(json.loads(key))
     dp, ep = int(cfg.parallel.data) * int(cfg.parallel.context), int(cfg.parallel.expert)
-    per_rank = []
-    for r in range(dp):
-        rb = [optimizer_state.rank_bytes(cfg, i, r, r // ep, params_bytes=params_bytes) for i in chunks]
-        per_rank.append(optimizer_state.RankBytes(*(sum(getattr(x, f) for x in rb) for f in
-                                                    ("params", "grads", "state_device", "state_host"))))
+    by_chunk = [optimizer_state.ranks_bytes(cfg, i, [(r, r // ep) for r in range(dp)], params_bytes=params_bytes)
+                for i in chunks]
+    per_rank = [optimizer_state.RankBytes(*(sum(getattr(c[r], f) for c in by_chunk) for f in
+                                            ("params", "grads", "state_device", "state_host"))) for r in range(dp)]
     top = max(per_rank, key=lambda x: (x.params + x.grads + x.state_device, x.state_host))
     return top, round(sum(x.state_device for x in per_rank) / dp), top.state_host
 
@@ -1287,6 +1288,7 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None,
                 tensors.append(("E", SavedTensor("embed.ids", (d.t_tok,), "int64", INT64 * d.t_tok, {"embedding"})))
         return tensors, trans, has_moe
 
+    state_key, params_bytes = _state_key(cfg, a)
     out = []
     for rank in range(pp):
         chunks = [rank + j * pp for j in range(vpp)]
@@ -1307,7 +1309,7 @@ def per_stage_memory(cfg: Any, assumptions: MemoryAssumptions | None = None,
         else:
             in_flight = min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, n_micro * vpp)
             per_mb = act_sum // vpp  # mean over the rank's chunks
-        held, held_mean, host = _rank_state(cfg, chunks, a)
+        held, held_mean, host = _rank_state_of(state_key, tuple(chunks), params_bytes)
         if a.main_grad_resident == "after_first_micro_batch" and n_micro == 1:
             held = replace(held, grads=0)
         has_head = any("L" in stages[i] or "m" in stages[i] for i in chunks)

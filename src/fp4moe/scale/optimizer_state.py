@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -236,6 +236,14 @@ def rank_bytes(cfg: Any, stage: int, dp_rank: int = 0, edp_rank: int = 0, *, par
     """The bytes one rank of pipeline stage ``stage`` holds (module docstring), at data-parallel rank ``dp_rank``
     and expert-data-parallel rank ``edp_rank`` (which slice of every bucket the distributed optimizer gives it).
     ``params_bytes``: 2 for BF16 parameters (``train.params_dtype``), 4 for FP32."""
+    (one,) = ranks_bytes(cfg, stage, [(dp_rank, edp_rank)], params_bytes=params_bytes)
+    return one
+
+
+def ranks_bytes(cfg: Any, stage: int, ranks: Sequence[tuple[int, int]], *,
+                params_bytes: int = BF16) -> list[RankBytes]:
+    """:func:`rank_bytes` of each ``(dp_rank, edp_rank)`` in ``ranks``, in that order: the optimizer setting, the
+    stage's parameters and its two buffers' layouts are built once for all of them."""
     cfg = _as_cfg(cfg)
     s = OptimizerSetting.from_config(cfg)
     dp, edp = shard_sizes(cfg)
@@ -244,22 +252,25 @@ def rank_bytes(cfg: Any, stage: int, dp_rank: int = 0, edp_rank: int = 0, *, par
         bucket = max(DEFAULT_BUCKET, 1_000_000 * int(cfg.parallel.data))
     if stage > 0:
         bucket = None  # megatron DDP: no bucketing after the first pipeline stage
-    fp32_params = params_bytes == FP32
-    params = grads = device = host = 0
-    for group, shards, rank in zip(_groups(cfg, stage), (dp, edp), (dp_rank, edp_rank)):
-        if not group:
-            continue
-        lay = buffer_layout(group, shards=shards, distributed=s.distributed, bucket_size=bucket)
-        total = sum(x.numel for x in group)
-        params += (lay.numel if s.distributed else total) * params_bytes
-        grads += lay.numel * s.grad_bytes
-        owned = lay.owned(shards, rank) if s.distributed else total
-        per = (8 if fp32_params else 12) + (FP32 if s.precision_aware else 0)
-        on_host = round(owned * s.host_fraction)
-        device += (owned - on_host) * per
-        host += on_host * per
-    return RankBytes(params, grads, device, host)
+    per = (8 if params_bytes == FP32 else 12) + (FP32 if s.precision_aware else 0)
+    held = []  # (shards, group's layout, its element count, which of the pair is this group's rank)
+    for group, shards, which in zip(_groups(cfg, stage), (dp, edp), (0, 1)):
+        if group:
+            held.append((shards, buffer_layout(group, shards=shards, distributed=s.distributed, bucket_size=bucket),
+                         sum(x.numel for x in group), which))
+    params = sum((lay.numel if s.distributed else total) * params_bytes for _, lay, total, _ in held)
+    grads = sum(lay.numel * s.grad_bytes for _, lay, _, _ in held)
+    out = []
+    for pair in ranks:
+        device = host = 0
+        for shards, lay, total, which in held:
+            owned = lay.owned(shards, pair[which]) if s.distributed else total
+            on_host = round(owned * s.host_fraction)
+            device += (owned - on_host) * per
+            host += on_host * per
+        out.append(RankBytes(params, grads, device, host))
+    return out
 
 
 __all__ = ["Param", "Layout", "RankBytes", "buffer_layout", "stage_parameters", "stages", "shard_sizes", "rank_bytes",
-           "PARAM_ALIGN", "BUCKET_ALIGN", "DEFAULT_BUCKET"]
+           "ranks_bytes", "PARAM_ALIGN", "BUCKET_ALIGN", "DEFAULT_BUCKET"]
