@@ -101,6 +101,15 @@ def test_unknown_experiment_is_refused(capsys):
     assert "no conf/experiment/paper_t9.yaml" in capsys.readouterr().err
 
 
+def test_a_groups_schema_picked_is_refused_before_composing(capsys):
+    """``model=base_model`` (Hydra lists the schema among the options): "1 of 1 cells cannot run" with "model.name
+    has no value" before; now the line that says to pick a file of conf/model/, exit 2."""
+    assert dry_run.main(["dry-run", "experiment=tiny_cpu", "model=base_model", "--summary"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "fp4moe.launch: the config does not compose: ConfigError: model=base_model is the schema that the files of "
+        "conf/model/ build on (fp4moe.settings.Model), not an option to pick: pick one of ")
+
+
 def test_dry_run_prints_config_and_script_only_with_scripts(capsys):
     cell = ["experiment=paper_t1", "precision=fp8", "recompute=mla_up_proj"]
     assert dry_run.main(["dry-run", *cell]) == 0

@@ -17,7 +17,8 @@ from fp4moe.config import ConfigError, check
 from fp4moe.runs.folder import digest
 from fp4moe.recipe import Recipe
 from fp4moe.settings import (SCHEMAS, BundledCorpus, Cluster, Model, OptimizerSetting, Parallel, Paths, Precision,
-                             Recompute, Settings, Train, UserCorpus, explain)
+                             Recompute, Settings, Train, UserCorpus, explain,
+                             schema_picked)
 from fp4moe_kernels import switches
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -255,6 +256,32 @@ def test_a_group_option_that_does_not_exist_lists_the_files_not_the_schemas():
         _compose("precision=mxfp5")
     assert explain(err.value) == ("In 'train': Could not find 'precision/mxfp5'; Available options in 'precision': "
                                   "bf16, fp8, mxfp4, mxfp4_mlp_shared")
+
+
+def test_picking_a_groups_schema_is_refused_with_the_files_to_pick():
+    """Every group's schema (a ConfigStore node that Hydra lists among the group's options) is refused as a choice,
+    however the override spells it; the group's files and other keys pass."""
+    for group, names in SCHEMAS.items():
+        files = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+        for name, cls in names.items():
+            for o in (f"{group}={name}", f"+{group}={name}", f"{group}@{group}={name}", f"{group}={files[0]},{name}",
+                      f"{group}=choice({files[0]},{name})"):
+                assert schema_picked(["train.steps=1", o], CONF) == (
+                    f"{group}={name} is the schema that the files of conf/{group}/ build on (fp4moe.settings."
+                    f"{cls.__name__}), not an option to pick: pick one of {', '.join(files)}"), o
+        assert schema_picked([f"{group}={f}" for f in files], CONF) is None
+    assert schema_picked(["model.name=base_model", "hydra/launcher=base_model", "experiment=tiny_cpu"], CONF) is None
+
+
+def test_a_value_left_without_one_names_the_key_to_set():
+    """``???`` reached through an interpolation: the key to set is the one without a value, not the one read."""
+    cfg = OmegaConf.create({"a": "???", "b": "${a}", "c": "???"})
+    for key, said in (("b", "b refers to a, which has no value: set it in its YAML file or on the command line "
+                            "(a=...)"),
+                      ("c", "c has no value: set it in its YAML file or on the command line (c=...)")):
+        with pytest.raises(Exception) as err:
+            getattr(cfg, key)
+        assert explain(err.value) == said
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -28,7 +28,8 @@ import difflib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional
+from pathlib import Path
+from typing import Any, ClassVar, Dict, List, Optional, Sequence
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -865,6 +866,25 @@ def _keys_under(parent: str) -> list[str]:
     return _fields_of(parent)
 
 
+def schema_picked(overrides: Sequence[str], conf: Path) -> Optional[str]:
+    """The one line for a command-line override that picks a group's schema (``model=base_model``: a node of
+    ``SCHEMAS``, which Hydra lists among the group's options because the files of conf/<group>/ extend it) instead of
+    one of the group's files, naming the files to pick from (``conf``: the config folder); None when no override
+    does. A sweep's values (``model=tiny_cpu,base_model``) are looked at one by one."""
+    for o in overrides:
+        m = re.fullmatch(r"[+~]*([\w/]+)(?:@[\w.]*)?=(.*)", o.strip(), re.S)
+        if not m or m.group(1) not in SCHEMAS:
+            continue
+        group, value = m.groups()
+        value = re.sub(r"^\w+\((.*)\)$", r"\1", value.strip())  # choice(a,b), range(...): the values inside
+        for v in (x.strip().strip("'\"") for x in value.split(",")):
+            if v in SCHEMAS[group]:
+                files = sorted(p.stem for p in (conf / group).glob("*.yaml"))
+                return (f"{group}={v} is the schema that the files of conf/{group}/ build on (fp4moe.settings."
+                        f"{SCHEMAS[group][v].__name__}), not an option to pick: pick one of {', '.join(files)}")
+    return None
+
+
 def unknown_key_message(dotted: str) -> str:
     """One line for a key no schema has: its first part that the config does not know (``trian`` of
     ``trian.steps``), with the nearest spelling or the keys there are."""
@@ -949,12 +969,16 @@ def explain(e: BaseException, group: str = "") -> str:
         if "None" in text or "Optional" in text:
             return f"{key}=None may not be null: use {_need(f)}"
     if "missing mandatory value" in text.lower():
-        return f"{key} has no value: set it in its YAML file or on the command line ({key}=...)"
+        # through an interpolation (train.checkpoint_dir: ${paths.checkpoint_dir}) the value missing is another key's
+        m = re.search(r"Missing mandatory value: ([\w.]+)", text)
+        missing = m.group(1) if m else key
+        said = f"{key} refers to {missing}, which" if key and missing != key else missing
+        return f"{said} has no value: set it in its YAML file or on the command line ({missing}=...)"
     return f"{key}: {text.splitlines()[0]}" if key else text.splitlines()[0]
 
 
 __all__ = ["ConfigError", "Settings", "Train", "AdamW", "Schedule", "Measure", "Profile", "Parallel", "Cluster",
-           "Model", "MLA", "MoE", "OptimizerSetting", "Precision", "Recompute", "Paths", "build_group",
+           "Model", "MLA", "MoE", "OptimizerSetting", "Precision", "Recompute", "Paths", "build_group", "schema_picked",
            "MEGATRON_RECOMPUTE_MODULES", "TE_ONLY_RECOMPUTE_MODULES", "FP4MOE_RECOMPUTE_MODULES",
            "nested_in_self_attention", "GRAD_DTYPES", "BundledCorpus", "UserCorpus", "Tokenizer", "UserTokenizer",
            "SCHEMAS", "ABSENT_WHEN_NULL", "drop_absent", "register", "explain", "unknown_key_message"]

@@ -403,6 +403,9 @@ def test_cli(tmp_path, capsys):
     assert 257 < m["tokenizer"]["vocab_size"] <= 512 and m["splits"]["train"]["tokens"] > 0 and not m["reused"]
     assert main(args) == 0 and json.loads(capsys.readouterr().out)["reused"]
     capsys.readouterr()
+    assert main(["prepare", "data=base_user_corpus"]) == 2  # a group's schema: "data.name has no value" before
+    assert capsys.readouterr().err.startswith("fp4moe.data: the config does not compose: data=base_user_corpus is the "
+                                              "schema that the files of conf/data/ build on")
     assert main(["prepare", "nosuchgroup=x"]) == 2
     assert main(["prepare", "trian.x=1"]) == 2  # a misspelt key, in one line with the fix (fp4moe.settings.explain)
     assert capsys.readouterr().err.splitlines() == [

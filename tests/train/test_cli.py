@@ -43,6 +43,16 @@ def _run(args, tmp_path, env=None, timeout=120):
     ("precision=mxfp5", "Could not find 'precision/mxfp5'; Available options in 'precision': bf16, fp8, mxfp4, "
                         "mxfp4_mlp_shared"),
     ("parallel.micro_batch=3", "parallel.global_batch=4 is not a multiple of micro_batch x data = 3 x 1 = 3"),
+    # a group's schema, which Hydra lists among its options (--help): composed, it left the first value it does not
+    # set to be found by whoever read it first (Hydra's run folder: a 60-line traceback; the task: "model.name has
+    # no value", which names no fix)
+    ("model=base_model", "ConfigError: model=base_model is the schema that the files of conf/model/ build on "
+                         "(fp4moe.settings.Model), not an option to pick: pick one of dsv2_236b, dsv3_671b, moe_16b"),
+    ("-m precision=bf16,base_precision", "ConfigError: precision=base_precision is the schema that the files of "
+                                         "conf/precision/ build on (fp4moe.settings.Precision), not an option"),
+    # a value with none (???) that another key interpolates: Hydra's short traceback from the task before
+    ("paths.checkpoint_dir=???", "ConfigError: train.checkpoint_dir refers to paths.checkpoint_dir, which has no "
+                                 "value: set it in its YAML file or on the command line (paths.checkpoint_dir=...)"),
     # a Slurm launcher profile over the CPU cluster group: Hydra resolves the launcher's values after composing (it
     # used to print a 50-line traceback ending in InterpolationValidationError)
     ("-m experiment=tiny_t1_cpu hydra/launcher=slurm_h100",
@@ -56,6 +66,19 @@ def test_config_typos_are_one_message(tmp_path, override, message):
     assert message in r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("fp4moe.train: "), r.stderr[-2000:]
     assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_a_value_the_run_folders_name_reads_without_one_is_one_message(tmp_path):
+    """The run folder's name (``${fp4moe.run_name:}``, the default hydra.run.dir) reads the config before any task
+    runs: a value left without one there (``model.vocab_size=???``, through data.tokenizer.vocab_size) was a 60-line
+    traceback from Hydra; now one line naming the key to set, exit 2, no run folder."""
+    e = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "FP4MOE_ROOT": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "fp4moe.train", "model.vocab_size=???"], cwd=tmp_path, env=e,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr == ("fp4moe.train: ConfigError: data.tokenizer.vocab_size refers to model.vocab_size, which has no "
+                        "value: set it in its YAML file or on the command line (model.vocab_size=...)\n")
+    assert not (tmp_path / "logs").exists()
 
 
 def test_a_slurm_launcher_without_slurm_here_is_one_message(tmp_path):

@@ -45,8 +45,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from fp4moe.settings import ConfigError, Settings, explain
+    from fp4moe.settings import ConfigError, Settings, explain, schema_picked
 
+    from fp4moe.paths import conf_dir
+
+    why = schema_picked(args.overrides, conf_dir())
+    if why is not None:
+        print(f"fp4moe.data: the config does not compose: {why}", file=sys.stderr)
+        return 2
     try:
         cfg = compose(args.overrides)
     except Exception as e:  # noqa: BLE001 - a resolver may raise any type; Hydra's and OmegaConf's in one line, the fix

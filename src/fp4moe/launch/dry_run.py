@@ -44,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from fp4moe.config import ConfigError, check
 from fp4moe.paths import conf_dir
 from fp4moe.launch.shell import UnsafeValue
-from fp4moe.settings import Settings
+from fp4moe.settings import Settings, schema_picked
 
 CONF_DIR = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
 TRAIN_MODULE = "fp4moe.train"
@@ -160,6 +160,9 @@ def sweep_cells(overrides: Sequence[str]) -> list[list[str]]:
     and takes the command line's value), cartesian product in that order. Adds the Slurm launcher (see module)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
+    why = schema_picked(overrides, CONF_DIR)
+    if why is not None:
+        raise ConfigError(why)
     parser = _parser()
     for o in parser.parse_overrides(list(overrides)):  # `optional experiment` would silently skip a typo
         if o.get_key_element().lstrip("+") == "experiment" and not o.is_sweep_override():

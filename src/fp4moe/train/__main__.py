@@ -40,13 +40,14 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
+from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 
 from fp4moe import known_warnings
 from fp4moe.config import ConfigError
 from fp4moe.data.errors import DataError
 from fp4moe.paths import conf_dir
 from fp4moe.recipe import RecipeError
-from fp4moe.settings import Settings
+from fp4moe.settings import Settings, explain
 from fp4moe.tracking.mlflow_store import TrackingUnavailable
 
 CONF_DIR = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
@@ -125,8 +126,6 @@ def one_line_config_errors() -> None:
     from hydra.errors import ConfigCompositionException
     from omegaconf.errors import OmegaConfBaseException
 
-    from fp4moe.settings import explain
-
     report = hydra_utils.run_and_report
     if getattr(report, "fp4moe_one_line", False):
         return
@@ -136,10 +135,12 @@ def one_line_config_errors() -> None:
             try:
                 return func()
             except (ConfigCompositionException, OmegaConfBaseException) as e:
-                # an OmegaConf error here is either Hydra's own config (the launcher's values, read after composing)
-                # or the task's: only the first is a config error
-                if isinstance(e, OmegaConfBaseException) and not str(getattr(e, "full_key", "") or "").startswith(
-                        "hydra."):
+                # an OmegaConf error here is Hydra's own config (the launcher's values, read after composing), a
+                # value that has none (`???`, read by Hydra's run folder or by the task), or a bug of the task's:
+                # only the last keeps its traceback
+                missing = isinstance(e, (MissingMandatoryValue, InterpolationToMissingValueError))
+                if isinstance(e, OmegaConfBaseException) and not missing and not str(
+                        getattr(e, "full_key", "") or "").startswith("hydra."):
                     raise
                 print(f"fp4moe.train: ConfigError: {explain(e)}", file=sys.stderr)
                 sys.exit(EXIT_CONFIG)
@@ -184,6 +185,12 @@ def submission_refused(e: BaseException) -> str | None:
 
 def main(*args, **kwargs):
     """``python -m fp4moe.train [overrides]``: Hydra's app (:func:`task`), its composition errors in one line."""
+    from fp4moe.settings import schema_picked
+
+    why = schema_picked([a for a in sys.argv[1:] if not a.startswith("-")], CONF_DIR)
+    if why is not None:  # Hydra would compose it, and the first value the schema leaves unset would say less
+        print(f"fp4moe.train: ConfigError: {why}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     one_line_config_errors()
     return task(*args, **kwargs)
 
@@ -191,6 +198,16 @@ def main(*args, **kwargs):
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def task(cfg: DictConfig) -> dict | None:
     """Train; returns a short result (in a multirun it reaches the launcher, e.g. through submitit)."""
+    try:
+        return _task(cfg)
+    except (MissingMandatoryValue, InterpolationToMissingValueError) as e:
+        # a value left `???` that is read before the typed config is built (the resume hint reads
+        # train.checkpoint_dir, the cluster's environment its group): one line as the typed config says it
+        print(f"fp4moe.train: ConfigError: {explain(e)}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+
+
+def _task(cfg: DictConfig) -> dict | None:
     global _TASKS_STARTED
     _TASKS_STARTED += 1
     # A crash inside a C extension (segmentation fault, abort) otherwise ends the process with no word in its log and
