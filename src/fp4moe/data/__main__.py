@@ -45,9 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from fp4moe.settings import ConfigError, Settings, explain, schema_picked
-
     from fp4moe.paths import conf_dir
+    from fp4moe.settings import ConfigError, Settings, explain, schema_picked
 
     why = schema_picked(args.overrides, conf_dir())
     if why is not None:

@@ -47,7 +47,7 @@ from fp4moe.config import ConfigError
 from fp4moe.data.errors import DataError
 from fp4moe.paths import conf_dir
 from fp4moe.recipe import RecipeError
-from fp4moe.settings import Settings, explain
+from fp4moe.settings import Settings, explain, schema_picked
 from fp4moe.tracking.mlflow_store import TrackingUnavailable
 
 CONF_DIR = conf_dir()   # fp4moe.paths: $FP4MOE_CONF_DIR, else the checkout's conf/
@@ -185,8 +185,6 @@ def submission_refused(e: BaseException) -> str | None:
 
 def main(*args, **kwargs):
     """``python -m fp4moe.train [overrides]``: Hydra's app (:func:`task`), its composition errors in one line."""
-    from fp4moe.settings import schema_picked
-
     why = schema_picked([a for a in sys.argv[1:] if not a.startswith("-")], CONF_DIR)
     if why is not None:  # Hydra would compose it, and the first value the schema leaves unset would say less
         print(f"fp4moe.train: ConfigError: {why}", file=sys.stderr)
