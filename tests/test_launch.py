@@ -96,9 +96,13 @@ def test_broken_parallel_layout_exits_nonzero_with_the_check_message(capsys):
         dry_run.sbatch_scripts("paper_t1", ["parallel.tensor=3"])
 
 
-def test_unknown_experiment_is_refused(capsys):
-    assert dry_run.main(["dry-run", "experiment=paper_t9"]) == 2
-    assert "no conf/experiment/paper_t9.yaml" in capsys.readouterr().err
+@pytest.mark.parametrize("experiment", ["paper_t9", "tiny_cpu,paper_t9"])
+def test_unknown_experiment_is_refused(capsys, experiment):
+    """An experiment without a file in conf/experiment/, alone or in a sweep, is refused with the ones there are."""
+    assert dry_run.main(["dry-run", f"experiment={experiment}"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "fp4moe.launch: the config does not compose: In 'train': Could not find 'experiment/paper_t9'; Available "
+        "options in 'experiment': paper_f3, paper_f4, paper_f5, paper_t1, paper_t2, ")
 
 
 def test_a_groups_schema_picked_is_refused_before_composing(capsys):

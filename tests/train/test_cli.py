@@ -42,6 +42,11 @@ def _run(args, tmp_path, env=None, timeout=120):
     ("train.adamw.lr=fast", "ConfigError: train.adamw.lr='fast' is not a number: use a number > 0 (a learning rate)"),
     ("precision=mxfp5", "Could not find 'precision/mxfp5'; Available options in 'precision': bf16, fp8, mxfp4, "
                         "mxfp4_mlp_shared"),
+    # an experiment without a file: conf/train.yaml took it as `optional`, so Hydra composed without it and the
+    # default (tiny_cpu, mxfp4) trained in its place; in a sweep the cells before it ran first
+    ("experiment=paper_t9", "ConfigError: In 'train': Could not find 'experiment/paper_t9'; Available options in "
+                            "'experiment': paper_f3, paper_f4, paper_f5, paper_t1, paper_t2, "),
+    ("-m experiment=tiny_t1_cpu,paper_t9", "ConfigError: In 'train': Could not find 'experiment/paper_t9'"),
     ("parallel.micro_batch=3", "parallel.global_batch=4 is not a multiple of micro_batch x data = 3 x 1 = 3"),
     # a group's schema, which Hydra lists among its options (--help): composed, it left the first value it does not
     # set to be found by whoever read it first (Hydra's run folder: a 60-line traceback; the task: "model.name has

@@ -164,12 +164,6 @@ def sweep_cells(overrides: Sequence[str]) -> list[list[str]]:
     if why is not None:
         raise ConfigError(why)
     parser = _parser()
-    for o in parser.parse_overrides(list(overrides)):  # `optional experiment` would silently skip a typo
-        if o.get_key_element().lstrip("+") == "experiment" and not o.is_sweep_override():
-            if not (CONF_DIR / "experiment" / f"{o.get_value_element_as_str()}.yaml").is_file():
-                raise ConfigError(f"experiment={o.get_value_element_as_str()}: no conf/experiment/"
-                                  f"{o.get_value_element_as_str()}.yaml; pick one of "
-                                  f"{', '.join(sorted(p.stem for p in (CONF_DIR / 'experiment').glob('*.yaml')))}")
     overrides = _with_launcher(overrides)
     fixed = [o.input_line for o in parser.parse_overrides(overrides) if not o.is_sweep_override()]
     params = OmegaConf.select(_compose(fixed), "hydra.sweeper.params") or {}
