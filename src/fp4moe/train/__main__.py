@@ -136,8 +136,8 @@ def one_line_config_errors() -> None:
                 return func()
             except (ConfigCompositionException, OmegaConfBaseException) as e:
                 # an OmegaConf error here is Hydra's own config (the launcher's values, read after composing), a
-                # value that has none (`???`, read by Hydra's run folder or by the task), or a bug of the task's:
-                # only the last keeps its traceback
+                # value that has none (`???`, read by the run folder's name before any task; the task says its own,
+                # see task), or a bug of the task's: only the last keeps its traceback
                 missing = isinstance(e, (MissingMandatoryValue, InterpolationToMissingValueError))
                 if isinstance(e, OmegaConfBaseException) and not missing and not str(
                         getattr(e, "full_key", "") or "").startswith("hydra."):
