@@ -14,6 +14,10 @@
 
 ``${fp4moe.export_lines:${cluster.env}}`` and ``${fp4moe.sbatch_value:<value>}``: a launcher profile's ``export``
 lines, shell-quoted, and its ``#SBATCH`` values, refused when they hold a line break (fp4moe.launch.shell).
+
+``${fp4moe.config_groups:}``: the trainer's ``--help`` list of config groups, one ``group: option, ...`` line each,
+as Hydra lists them (``$APP_CONFIG_GROUPS``) less the schemas of fp4moe.settings.SCHEMAS (``base_model``: the files
+extend them; picking one is refused) and the ``hydra/`` groups (conf/train.yaml, ``hydra.help``).
 """
 from __future__ import annotations
 
@@ -38,6 +42,28 @@ def dirname(text: Any) -> str:
     return f"{text[:80]}...{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
+def config_groups() -> str:
+    from hydra.core.global_hydra import GlobalHydra
+
+    from fp4moe.settings import SCHEMAS
+
+    loader = GlobalHydra.instance().config_loader()
+    lines = []
+
+    def walk(parent: str) -> None:
+        for name in sorted(loader.list_groups(parent)):
+            group = f"{parent}/{name}" if parent else name
+            if group == "hydra":
+                continue
+            options = [o for o in loader.get_group_options(group) if o not in SCHEMAS.get(group, {})]
+            if options:
+                lines.append(f"{group}: {', '.join(options)}")
+            walk(group)
+
+    walk("")
+    return "\n".join(lines)
+
+
 def register() -> None:
     from omegaconf import OmegaConf
 
@@ -59,3 +85,5 @@ def register() -> None:
         OmegaConf.register_new_resolver("fp4moe.export_lines", shell.export_lines)
     if not OmegaConf.has_resolver("fp4moe.sbatch_value"):
         OmegaConf.register_new_resolver("fp4moe.sbatch_value", shell.sbatch_value)
+    if not OmegaConf.has_resolver("fp4moe.config_groups"):
+        OmegaConf.register_new_resolver("fp4moe.config_groups", config_groups)

@@ -868,9 +868,9 @@ def _keys_under(parent: str) -> list[str]:
 
 def schema_picked(overrides: Sequence[str], conf: Path) -> Optional[str]:
     """The one line for a command-line override that picks a group's schema (``model=base_model``: a node of
-    ``SCHEMAS``, which Hydra lists among the group's options because the files of conf/<group>/ extend it) instead of
-    one of the group's files, naming the files to pick from (``conf``: the config folder); None when no override
-    does. A sweep's values (``model=tiny_cpu,base_model``) are looked at one by one."""
+    ``SCHEMAS``, which Hydra takes as one of the group's options because the files of conf/<group>/ extend it)
+    instead of one of the group's files, naming the files to pick from (``conf``: the config folder); None when no
+    override does. A sweep's values (``model=tiny_cpu,base_model``) are looked at one by one."""
     for o in overrides:
         m = re.fullmatch(r"[+~]*([\w/]+)(?:@[\w.]*)?=(.*)", o.strip(), re.S)
         if not m or m.group(1) not in SCHEMAS:

@@ -48,9 +48,9 @@ def _run(args, tmp_path, env=None, timeout=120):
                             "'experiment': paper_f3, paper_f4, paper_f5, paper_t1, paper_t2, "),
     ("-m experiment=tiny_t1_cpu,paper_t9", "ConfigError: In 'train': Could not find 'experiment/paper_t9'"),
     ("parallel.micro_batch=3", "parallel.global_batch=4 is not a multiple of micro_batch x data = 3 x 1 = 3"),
-    # a group's schema, which Hydra lists among its options (--help): composed, it left the first value it does not
-    # set to be found by whoever read it first (Hydra's run folder: a 60-line traceback; the task: "model.name has
-    # no value", which names no fix)
+    # a group's schema, which Hydra takes as one of its options (--help does not list it): composed, it left the
+    # first value it does not set to be found by whoever read it first (Hydra's run folder: a 60-line traceback; the
+    # task: "model.name has no value", which names no fix)
     ("model=base_model", "ConfigError: model=base_model is the schema that the files of conf/model/ build on "
                          "(fp4moe.settings.Model), not an option to pick: pick one of dsv2_236b, dsv3_671b, moe_16b"),
     ("-m precision=bf16,base_precision", "ConfigError: precision=base_precision is the schema that the files of "
@@ -71,6 +71,26 @@ def test_config_typos_are_one_message(tmp_path, override, message):
     assert message in r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("fp4moe.train: "), r.stderr[-2000:]
     assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_help_lists_the_files_of_each_group_and_no_schema(tmp_path):
+    """``--help`` lists each group's options as the files of conf/<group>/ (what Hydra composes), not the schemas
+    they extend (``model: base_model, ...``: picking one is refused above), and the config it composes."""
+    from fp4moe.settings import SCHEMAS
+
+    r = _run(["-m", "fp4moe.train", "--help"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("python -m fp4moe.train [experiment=<name>]")
+    listed = dict(line.split(": ", 1) for line in r.stdout.split("== Configuration groups ==")[1]
+                  .split("== Config ==")[0].splitlines()[3:] if line)
+    conf = ROOT / "conf"
+    groups = sorted(p.name for p in conf.iterdir() if p.is_dir() and p.name != "hydra")
+    assert sorted(listed) == groups
+    for group in groups:
+        assert listed[group].split(", ") == sorted(f.stem for f in (conf / group).glob("*.yaml")), group
+    assert set(SCHEMAS) <= set(listed)
+    assert "base_" not in r.stdout.split("== Config ==")[0]
+    assert "\nmodel:\n  name: tiny_cpu\n" in r.stdout  # the composed config follows
 
 
 def test_a_value_the_run_folders_name_reads_without_one_is_one_message(tmp_path):
