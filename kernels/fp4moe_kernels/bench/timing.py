@@ -13,6 +13,7 @@ import datetime as _dt
 import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -53,13 +54,23 @@ def copy_bandwidth_gbps(warmup_ms: int, rep_ms: int, nbytes: int = 1 << 30) -> f
 
 def out_problem(out: str | os.PathLike) -> str | None:
     """Why the results folder ``out`` cannot be created or written (its nearest existing ancestor is a file, or a
-    folder this process cannot write), else None. Creates nothing: the benchmarks ask before measuring, so that a
-    wrong ``--out`` costs no GPU time and no run ends with its results unwritten."""
+    folder this process cannot write), else None. Leaves nothing behind (an empty folder made there and removed:
+    root passes every permission check, yet cannot write in /proc or an NFS export that squashes root): the
+    benchmarks ask before measuring, so that a wrong ``--out`` costs no GPU time and no run ends with its results
+    unwritten."""
     out = Path(out).absolute()
     existing = next(p for p in (out, *out.parents) if p.exists())
     what = ("is not a folder" if not existing.is_dir() else
-            "is not writable" if not os.access(existing, os.W_OK | os.X_OK) else None)
+            None if os.access(existing, os.W_OK | os.X_OK) and _can_create_in(existing) else "is not writable")
     return what and f"--out {out}: {existing} {what}; give a folder this process can create or write"
+
+
+def _can_create_in(folder: Path) -> bool:
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fp4moe-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 def gpu_file_name(gpu: str) -> str:

@@ -18,7 +18,7 @@ def target(out: str | Path | None, analysis: str) -> Path:
 
 def out_problem(out: str | Path | None, analysis: str) -> str | None:
     """Why the study's file (:func:`target`) cannot be written (a folder there, or above it a file or a folder this
-    process cannot write), else None; asked before the study computes anything. Creates nothing."""
+    process cannot write), else None; asked before the study computes anything. Leaves nothing behind."""
     path = target(out, analysis)
     if path.is_dir():
         return f"--out {out}: {path} is a folder; give the Markdown file to write"

@@ -135,7 +135,7 @@ CHECKPOINT_BYTES_PER_PARAM = 2 + 4 + 4 + 4
 def check_writable(root: Path, params_total: int | None = None) -> None:
     """Refuse (ConfigError) a checkpoint folder ``root`` that cannot be written, before anything trains: its nearest
     existing ancestor must be a writable folder and, given ``params_total``, hold the free space of one checkpoint
-    (``CHECKPOINT_BYTES_PER_PARAM`` per parameter, an upper bound). Creates nothing."""
+    (``CHECKPOINT_BYTES_PER_PARAM`` per parameter, an upper bound). Leaves nothing behind."""
     existing, writable = writable_ancestor(root)
     fix = "point train.checkpoint_dir (or FP4MOE_CKPT_DIR) at a writable folder"
     if not writable:
