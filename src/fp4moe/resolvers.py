@@ -47,6 +47,8 @@ def config_groups() -> str:
 
     from fp4moe.settings import SCHEMAS
 
+    if not GlobalHydra.instance().is_initialized():  # read outside a Hydra app (a saved config resolved whole)
+        return "(the groups of conf/: python -m fp4moe.train --help)"
     loader = GlobalHydra.instance().config_loader()
     lines = []
 

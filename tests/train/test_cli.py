@@ -93,6 +93,21 @@ def test_help_lists_the_files_of_each_group_and_no_schema(tmp_path):
     assert "\nmodel:\n  name: tiny_cpu\n" in r.stdout  # the composed config follows
 
 
+def test_the_help_templates_group_list_inside_and_outside_a_hydra_app():
+    """``${fp4moe.config_groups:}`` as Hydra resolves it for --help (in a composed config: the groups, no schema), and
+    resolved outside any Hydra app (a saved config read whole): a pointer to --help, not GlobalHydra's error."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True)
+        inside = cfg.hydra.help.template
+    assert "\nmodel: dsv2_236b, dsv3_671b, moe_16b, proxy_conv, proxy_h200, tiny_cpu\n" in inside
+    assert "base_" not in inside
+    outside = OmegaConf.create({"t": "${fp4moe.config_groups:}"}).t
+    assert outside == "(the groups of conf/: python -m fp4moe.train --help)"
+
+
 def test_a_value_the_run_folders_name_reads_without_one_is_one_message(tmp_path):
     """The run folder's name (``${fp4moe.run_name:}``, the default hydra.run.dir) reads the config before any task
     runs: a value left without one there (``model.vocab_size=???``, through data.tokenizer.vocab_size) was a 60-line
