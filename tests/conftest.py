@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 if not (os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi")):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -26,3 +28,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 TESTS = str(Path(__file__).resolve().parent)
 if TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+
+
+CHECKOUT_STORE = Path(__file__).resolve().parents[1] / "mlruns"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_store_made_in_the_checkout():
+    """The tests' MLflow stores live under tmp_path. A test that asks for the default store (``tracking_uri()``
+    without ``MLFLOW_TRACKING_URI`` or ``FP4MOE_HOME``) creates ``<checkout>/mlruns``: an error at the end, not a
+    folder left behind (each xdist worker checks; one whose session started after the folder appeared cannot tell)."""
+    existed = CHECKOUT_STORE.exists()
+    yield
+    if not existed and CHECKOUT_STORE.exists():
+        pytest.fail(f"a test created {CHECKOUT_STORE}: point it at tmp_path (monkeypatch FP4MOE_HOME or "
+                    "MLFLOW_TRACKING_URI) before it asks for the default store", pytrace=False)

@@ -23,24 +23,31 @@ def _make_n(target: str, **env: str) -> list[str]:
                           text=True, env={**e, **env}, check=True, timeout=30).stdout.splitlines()
 
 
-def test_mlflow_ui_opens_the_projects_store(monkeypatch):
+def _ui_line(uri: str) -> str:
+    # one worker, no job runner: four supervised workers never came up on two cores (tests/mlflow_server.py runs it)
+    return ("MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false .venv/bin/mlflow ui "
+            f"--backend-store-uri '{uri}' --host 127.0.0.1 --port 5000 --workers 1")
+
+
+def test_mlflow_ui_opens_the_projects_store(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("FP4MOE_HOME", raising=False)
     lines = _make_n("mlflow-ui")
     assert ".venv/bin/python -m pip install -q --no-compile -e '.[ui]'" in lines  # the extra, on first use
-    # one worker, no job runner: four supervised workers never came up on two cores (tests/mlflow_server.py runs it)
-    assert lines[-1] == ("MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false .venv/bin/mlflow ui "
-                         f"--backend-store-uri '{tracking_uri()}' --host 127.0.0.1 --port 5000 --workers 1")
+    # the checkout's store (not asked of tracking_uri(), which would create mlruns/ in the checkout)
+    assert lines[-1] == _ui_line(f"sqlite:///{ROOT}/mlruns/mlflow.db")
+    monkeypatch.setenv("FP4MOE_HOME", str(tmp_path))  # the same rule as the Python side's, FP4MOE_HOME included
+    assert _make_n("mlflow-ui", FP4MOE_HOME=str(tmp_path))[-1] == _ui_line(tracking_uri())
     other = "sqlite:////srv/team/mlruns/mlflow.db"
     assert f"--backend-store-uri '{other}'" in _make_n("mlflow-ui", MLFLOW_TRACKING_URI=other, UI_PORT="5001")[-1]
     server = _make_n("mlflow-ui", MLFLOW_TRACKING_URI="http://mlflow.lab:5000")
     assert len(server) == 1 and "is an MLflow server" in server[0]  # its own UI: nothing to start
 
 
-def test_notebooks_open_jupyterlab_on_the_store(monkeypatch):
+def test_notebooks_open_jupyterlab_on_the_store(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("FP4MOE_HOME", raising=False)
-    lines = _make_n("notebooks")
+    monkeypatch.setenv("FP4MOE_HOME", str(tmp_path))  # tracking_uri() creates the store's folder: not in the checkout
+    lines = _make_n("notebooks", FP4MOE_HOME=str(tmp_path))
     assert ".venv/bin/python -m pip install -q --no-compile -e '.[notebooks]'" in lines
     assert lines[-1].startswith(f"MLFLOW_TRACKING_URI='{tracking_uri()}' .venv/bin/jupyter lab "
                                 "--ServerApp.root_dir=notebooks ")
