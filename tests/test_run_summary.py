@@ -4,7 +4,9 @@ job's result; and the known-harmless warnings filtered in one place (fp4moe.know
 from __future__ import annotations
 
 import logging
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -108,6 +110,18 @@ def test_known_warnings_are_silenced_only_from_their_library(monkeypatch):
     assert records == [(layer, "Unknown something else"),
                        (other, "Unknown MLP type: <class 'ModuleSpec'>. Using default kwargs."),
                        (other, "Unknown something else")]
+
+
+def test_the_collectives_whose_deprecation_is_silenced_are_not_fp4moes():
+    """known_warnings hides torch's deprecation of all_gather_into_tensor / reduce_scatter_tensor from every caller
+    (torch's own wrapper emits it): megatron-core calls them; fp4moe and its kernels must not."""
+    root = Path(__file__).resolve().parents[1]
+    silenced = {m.group(1) for k in known_warnings.KNOWN if k.source.startswith(r"torch\.distributed\.c10d")
+                for m in [re.search(r"torch\\\.distributed\\\.(\w+)", k.message)] if m}
+    assert silenced == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+    sources = [path for folder in ("src", "kernels") for path in (root / folder).rglob("*.py")]
+    calls = [f"{path.relative_to(root)}: {name}" for path in sources for name in silenced if re.search(rf"\b{name}\s*\(", path.read_text())]
+    assert calls == []
 
 
 @pytest.mark.parametrize("value, text", [(None, "n/a"), (0.5, "0.5000")])

@@ -1,8 +1,10 @@
-"""The known-harmless warnings and log lines of megatron-core 0.16.1, MLflow and urllib3, silenced in one place.
+"""The known-harmless warnings and log lines of megatron-core 0.16.1 (some of them torch's, about megatron's calls),
+MLflow and urllib3, silenced in one place.
 
 Every run printed ~17 of them; each entry below says where it comes from and why it is harmless here. Nothing else
-is hidden: a filter matches its message *and* the library that emits it, so the same words from fp4moe, torch or
-another library still show. ``install()`` must run before ``megatron.core`` is imported (most of them are emitted
+is hidden: a filter matches its message *and* the module that emits it, so the same words from fp4moe or another
+library still show (torch's deprecation of two collectives is emitted by torch's own wrapper for every caller:
+fp4moe calls neither). ``install()`` must run before ``megatron.core`` is imported (most of them are emitted
 at import time); the trainer (``python -m fp4moe.train``, and the benchmark jobs it runs), the data pipeline
 (``fp4moe.data.indexed``) call it first. Idempotent; imports nothing heavy.
 """
@@ -42,6 +44,28 @@ KNOWN: tuple[Known, ...] = (
     Known("warning", r"megatron\.core\.transformer\.transformer_config", re.escape("full scope is deprecated"),
           "TransformerConfig's default cuda_graph_scope='full' (every config, megatron-core 0.16.1's own default): "
           "no CUDA graphs are captured (cuda_graph_impl is none)"),
+    Known("warning", r"megatron\.core\.optimizer\.",
+          re.escape("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"),
+          "DistributedOptimizer.zero_grad with FP32 parameters (train.params_dtype=fp32, a distributed optimizer "
+          "setting): its shard_fp32_groups are views of the FP32 parameters, not leaves, and megatron's "
+          "_zero_grad_group_helper reads their .grad (megatron's own comment there: 'throws grad-access warning'); "
+          "the gradients live in DDP's main_grad buffers, which it zeroes separately"),
+    *(Known("warning", r"torch\.distributed\.c10d_logger",
+            re.escape(f"`torch.distributed.{old}` is deprecated. Please use `torch.distributed.{new}`"),
+            f"megatron-core 0.16.1's DDP and distributed optimizer (every step) call {old}, which torch 2.13 renames "
+            f"{new} (the same collective); torch's deprecation wrapper emits it, whoever calls, and fp4moe calls "
+            "neither (tests/test_run_summary.py checks its sources)")
+      for old, new in (("all_gather_into_tensor", "all_gather_single"),
+                       ("reduce_scatter_tensor", "reduce_scatter_single"))),
+    Known("warning", r"megatron\.core\.dist_checkpointing\.",
+          re.escape("`load_state_dict` is deprecated and will be removed in future versions. Please use `load`"),
+          "resuming from a sharded checkpoint: megatron-core 0.16.1's torch_dist strategy reads it with "
+          "torch.distributed.checkpoint.load_state_dict, which torch deprecates in favour of load (the same reader)"),
+    Known("warning", r"torch\.distributed\.checkpoint\.",
+          re.escape("Please use DTensor instead and we are deprecating ShardedTensor"),
+          "resuming from a sharded checkpoint: megatron-core 0.16.1's torch_dist format hands its shards to torch as "
+          "ShardedTensors (megatron's on-disk format); fp4moe makes none itself (fp4moe.train.checkpoint goes through "
+          "megatron's dist_checkpointing)"),
     Known("log", "megatron.core.transformer.transformer_layer", re.escape("Unknown MLP type"),
           "TransformerLayer building fp4moe's MoE layer (fp4moe.model.gpt_model: RecipeMoELayer, a subclass of "
           "megatron's MoELayer, which that check compares by identity): it passes the default kwargs, so the layer takes its "
