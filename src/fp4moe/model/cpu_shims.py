@@ -49,6 +49,14 @@ Without Transformer Engine (on any machine, CPU or GPU):
    where megatron returned None after adding into ``main_grad`` the backward returns its stand-in gradient and sets
    ``grad_added_to_main_grad`` on the Parameter, as megatron does when it sees it.
 
+0g. ``DistributedOptimizer.state_dict`` of an optimizer that holds no parameter on this rank: the expert optimizer of
+   a pipeline stage without MoE layers at EP > 1 (the paper's layouts: an embedding-only first stage). Without apex
+   and TE (distrib_optimizer.py:640-642, the ``not HAVE_APEX_OR_TE`` branch) it asserts that its parameters' states
+   hold exactly one ``step``, and it has no state: every checkpoint save failed with a bare AssertionError, and so
+   would the load (megatron's ``sharded_state_dict`` starts with ``load_state_dict(state_dict())``). Such an
+   optimizer's state dict records step 0 (it steps nothing; its load then gives that step to none of its zero
+   states); TE's branch records None, which the no-apex load could not take. Every other optimizer: megatron's.
+
 Only when CUDA is absent (CPU machine, gloo):
 
 1. ``torch.cuda.current_device`` -> ``"cpu"``. MLA builds its RotaryEmbedding / YarnRotaryEmbedding without
@@ -344,7 +352,7 @@ def needed() -> bool:
 
 
 def _apply_no_te() -> None:
-    """Shims 0-0d (module docstring): needed whenever Transformer Engine is absent."""
+    """Shims 0-0d and 0g (module docstring): needed whenever Transformer Engine is absent (0g: and apex)."""
     from megatron.core.extensions import transformer_engine as mte
 
     if mte.HAVE_TE:
@@ -374,6 +382,23 @@ def _apply_no_te() -> None:
             dst[key].copy_(value)
 
     _set(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_states)
+    from megatron.core.optimizer import distrib_optimizer
+
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        upstream_state_dict = DistributedOptimizer.state_dict
+
+        def state_dict(self):  # 0g: no parameter here, no state: megatron's no-apex branch asserts one step
+            inner = self.optimizer
+            if inner is None or inner.state or any(group["params"] for group in inner.param_groups):
+                return upstream_state_dict(self)
+            real = inner.state_dict
+            inner.state_dict = lambda: {**real(), "state": {0: {"step": torch.tensor(0.0)}}}  # the step it reads
+            try:
+                return upstream_state_dict(self)
+            finally:
+                del inner.state_dict
+
+        _set(DistributedOptimizer, "state_dict", state_dict)
 
 
 def _apply_no_apex() -> None:
