@@ -257,7 +257,8 @@ def _task(cfg: DictConfig) -> dict | None:
             "final_eval_loss": s.get("summary/final_eval_loss"), "tokens_per_gpu_s": s.get("summary/tgs_median"),
             "peak_mem_gib": s.get("summary/peak_mem_allocated_gb"), "output_dir": out,
             "tracking_uri": without_credentials(config_uri(cfg))}
-    log.info("%s", done_line(done))
+    if result.is_main:  # one line for the run, not one per process (a Slurm job's tasks share one output file)
+        log.info("%s", done_line(done))
     return done
 
 

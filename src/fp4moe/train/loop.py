@@ -73,6 +73,7 @@ class TrainResult:
     already_finished: bool = False       # the checkpoint was at train.steps already: nothing trained, nothing logged
     summary: dict[str, float | None] = field(default_factory=dict)
     recipe: str = ""                     # the recipe's name in results (Recipe.tag); "" when nothing was trained
+    is_main: bool = True                 # rank 0 (or the only process): the one that reports the run
 
 
 # NCCL's own allocations (communicator buffers, the grad-norm all-reduce's scratch) fail with "Failed to CUDA
@@ -243,7 +244,7 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
                 replay_if_pending(root / PENDING_FILE, mlflow_store.config_uri(cfg))
             return TrainResult(run_id=meta.get("mlflow_run_id"), start_step=int(meta["step"]),
                                step=int(meta["step"]), total_steps=total_steps, checkpoint=folder,
-                               already_finished=True)
+                               already_finished=True, is_main=info.is_main)
     # ---- build, then resume: the newest checkpoint whose files every rank can read
     parts = components.build(cfg, derived, info, output_dir, settings)
     start = resume.load_newest(root, found, info, parts, fp)
@@ -258,7 +259,7 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
     if tracker.run_id is not None:  # rank 0: the folder's record names the MLflow run it trains now
         claim.record(tracker.run_id, record.store)
     result = TrainResult(run_id=tracker.run_id, start_step=start.step, step=start.step, total_steps=total_steps,
-                         recipe=record.recipe)
+                         recipe=record.recipe, is_main=info.is_main)
     # every rank learns the run id (it goes into every checkpoint's meta via rank 0 only)
     (result.run_id,) = resume.from_rank0([tracker.run_id], info)
 
