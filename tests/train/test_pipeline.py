@@ -3,8 +3,9 @@
 tiny model to the same losses as one process; a PP=2 run killed after its checkpoint resumes to the same losses;
 four processes (DP=2 x PP=2) on an uneven ``parallel.pipeline_layout`` (an embedding-only first stage and MTP on
 the last, as the paper's) with tied embeddings (their gradient summed over megatron's embedding group) train like
-one process too, and so do four processes of PP=2 x DP=2 with EP=2 under mxfp4 with the distributed optimizer,
-killed and resumed. Every layout starts from the same weights through ``train.layout_invariant_init``."""
+one process too, and so does experiment=paper_t1's setting in small (PP=2 x DP=2 with EP=2, an embedding-only first
+stage, mxfp4 over every linear, the offloading optimizer), resumed bit for bit. Every layout starts from the same
+weights through ``train.layout_invariant_init``."""
 from __future__ import annotations
 
 import json
@@ -141,28 +142,45 @@ def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkey
     assert got["moe/seq_load_balancing_loss"] == pytest.approx(ref["moe/seq_load_balancing_loss"], rel=1e-6)
 
 
-def test_ep2_dp2_pp2_mxfp4_killed_and_resumed_equals_one_process(tmp_path, monkeypatch):
-    """The paper's kind of layout (pipeline x expert x data) in small: 4 processes, PP=2 x DP=2 with EP=2 over the DP
-    ranks, mxfp4 (MXFP4 payloads through the recipe's all-to-all on each stage), micro-batch 1, the distributed
-    optimizer. The first stage holds no MoE layer, so its expert optimizer holds no parameter (its checkpoint
-    failed, fp4moe.model.cpu_shims 0g). Killed at step 3 after the step-2 checkpoint and resumed by the same
-    command: the same losses as one process (the layout-invariant weights key experts by their global index)
-    within 1e-5: an expert's GEMMs see both DP ranks' tokens at once, so fp32 sums run in another order."""
-    model = ["parallel.micro_batch=1", "train.steps=3", "train.eval_interval=3", "optimizer=distributed"]
-    layout = ["parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=2", "parallel.expert=2"]
-    r = _torchrun(tmp_path, [*model, *layout, "+train.hooks.fail={factory: faults:fail_at_step, step: 3}"], "ep2pp2",
-                  nproc=4)
-    assert r.returncode != 0 and "faults.fail_at_step: step=3" in r.stderr, r.stderr[-3000:]
-    assert {"0", "2"} <= _shard_ranks(tmp_path / "ckpt" / "ep2pp2" / "step_0000002")  # both stages (ranks 0-1, 2-3)
-    r = _torchrun(tmp_path, [*model, *layout], "ep2pp2", nproc=4)
+def test_paper_t1_setting_in_small_trains_like_one_process_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """experiment=paper_t1's setting in small: 4 processes, PP=2 x DP=2 with EP=2 over the DP ranks on the paper's
+    kind of layout (an embedding-only first stage, 'E|ttL'), mxfp4 over every linear (precision.scope=all_linears),
+    the whole attention block, the layernorms and the experts recomputed, BF16 parameters and megatron's offloading
+    optimizer (BF16 main grads) with overlapped gradient reduction, micro-batch 1. The first stage holds no
+    transformer layer and no MoE layer: the recipe check passes it (it refused it as built from another recipe's
+    spec), and its expert optimizer, which holds no parameter, checkpoints (a bare AssertionError before,
+    fp4moe.model.cpu_shims 0g).
+
+    3 steps, then step 3 again from the step-2 checkpoint (step 3's removed): the same loss and gradient norm, bit
+    for bit. Against one process: step 1's loss within 1e-5 (fp32 sums in another order: an expert's GEMMs see both
+    DP ranks' tokens at once); after updates within 1e-3, since the BF16 main grads are summed over the DP ranks in
+    BF16 (rel 1.4e-4 measured at step 2)."""
+    from mlflow import MlflowClient
+
+    model = ["parallel.micro_batch=1", "train.steps=3", "train.eval_interval=3", "train.params_dtype=bf16",
+             "optimizer=offload", "optimizer.overlap_grad_reduce=true", "+precision.scope=all_linears",
+             "precision.recompute_cache_fp4=false", "recompute=attn_block_ln_experts"]
+    layout = ["parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=2", "parallel.expert=2",
+              "parallel.pipeline_layout='E|ttL'"]
+    r = _torchrun(tmp_path, [*model, *layout], "paper", nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpts = tmp_path / "ckpt" / "paper"
+    assert {"0", "2"} <= _shard_ranks(ckpts / "step_0000002")  # both stages (ranks 0-1, 2-3)
+    shutil.rmtree(ckpts / "step_0000003", ignore_errors=True)
+    r = _torchrun(tmp_path, [*model, *layout], "paper", nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr + r.stdout
-    run, got = _run_metrics(tmp_path, "ep2pp2")
+    run, got = _run_metrics(tmp_path, "paper")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for key in ("loss", "grad_norm"):
+        twice = [m.value for m in client.get_metric_history(run.info.run_id, key) if m.step == 3]
+        assert len(twice) == 2 and twice[0] == twice[1], (key, twice)
     assert run.data.metrics["a2a/dispatch_forward_sent_remote_bytes"] > 0
     one = _one_process(tmp_path, monkeypatch, model)
     assert sorted(got["loss"]) == [1, 2, 3]
-    assert got["loss"] == pytest.approx(one.losses, rel=1e-5, abs=0)
-    assert got["eval_loss"] == pytest.approx(one.eval_losses, rel=1e-5, abs=0)
+    assert got["loss"][1] == pytest.approx(one.losses[1], rel=1e-5, abs=0)
+    assert got["loss"] == pytest.approx(one.losses, rel=1e-3, abs=0)
+    assert got["eval_loss"] == pytest.approx(one.eval_losses, rel=1e-3, abs=0)
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -407,8 +407,9 @@ def decoder_block_spec(config: Any, recipe: Any = None, recompute_modules: tuple
 
 def check_built_from_spec(model: Any, recipe: Any) -> None:
     """ConfigError unless ``model``'s modules are those :func:`decoder_block_spec` gives for ``recipe`` (the recipe's
-    MoE layers, FP8 dense linears under all_linears, MXFP4-cache layers under recompute_cache_fp4): the recipe is in
-    the spec, so a model built from another spec does not get it afterwards."""
+    MoE layers, FP8 dense linears under all_linears, MXFP4-cache layers under recompute_cache_fp4; a pipeline stage
+    without transformer layers passes): the recipe is in the spec, so a model built from another spec does not get it
+    afterwards."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -422,7 +423,8 @@ def check_built_from_spec(model: Any, recipe: Any) -> None:
     wrong = []
     if any(isinstance(m, RecipeMoELayer) != recipe_moe_layers(recipe) for m in moe):
         wrong.append("its MoE layers")
-    if bool(fp8_linears(model) or bf16_linears(model)) != recipe.applies_to("dense"):
+    # a pipeline stage without transformer layers (the paper's embedding-only first stage, 'E|...') has no such linears
+    if layers and bool(fp8_linears(model) or bf16_linears(model)) != recipe.applies_to("dense"):
         wrong.append("its attention and dense-MLP linears")
     if any(isinstance(m, MXFP4CacheTransformerLayer) != recipe.recompute_cache_fp4 for m in layers):
         wrong.append("its layers' recompute caches")
