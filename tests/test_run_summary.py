@@ -120,7 +120,8 @@ def test_the_collectives_whose_deprecation_is_silenced_are_not_fp4moes():
                 for m in [re.search(r"torch\\\.distributed\\\.(\w+)", k.message)] if m}
     assert silenced == {"all_gather_into_tensor", "reduce_scatter_tensor"}
     sources = [path for folder in ("src", "kernels") for path in (root / folder).rglob("*.py")]
-    calls = [f"{path.relative_to(root)}: {name}" for path in sources for name in silenced if re.search(rf"\b{name}\s*\(", path.read_text())]
+    calls = [f"{path.relative_to(root)}: {name}" for path in sources for name in silenced
+             if re.search(rf"\b{name}\s*\(", path.read_text())]
     assert calls == []
 
 

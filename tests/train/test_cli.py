@@ -467,10 +467,10 @@ def test_the_resume_command_adds_the_folder_only_where_the_same_command_would_no
 def test_two_processes_data_parallel_equal_one_process(tmp_path, monkeypatch):
     """torchrun, 2 gloo processes, DP=2 x micro 2 (no accumulation) = 1 process, micro 2 x 2 accumulation steps:
     the same samples, the same averaged gradients, so the same losses (fp32 params); both ranks write their
-    checkpoint shards and rank 0 alone logs to MLflow and prints the ``done:`` line. Each process holds half of the experts (EP2 inside DP2) and the
-    recipe's dispatcher sends tokens (MXFP4 payloads under the default recipe) to the other process: EP2 x DP2
-    computes what one process computes (DP without EP: test_distributed_optimizer's unsharded runs against the
-    sharded ones, and test_eight_processes_ep8_dp8_equal_one_process's DP8)."""
+    checkpoint shards and rank 0 alone logs to MLflow and prints the ``done:`` line. Each process holds half of the
+    experts (EP2 inside DP2) and the recipe's dispatcher sends tokens (MXFP4 payloads under the default recipe) to
+    the other process: EP2 x DP2 computes what one process computes (DP without EP: test_distributed_optimizer's
+    unsharded runs against the sharded ones, and test_eight_processes_ep8_dp8_equal_one_process's DP8)."""
     from hydra import compose, initialize_config_dir
     from mlflow import MlflowClient
 

@@ -3,9 +3,9 @@
 tiny model to the same losses as one process; a PP=2 run killed after its checkpoint resumes to the same losses;
 four processes (DP=2 x PP=2) on an uneven ``parallel.pipeline_layout`` (an embedding-only first stage and MTP on
 the last, as the paper's) with tied embeddings (their gradient summed over megatron's embedding group) train like
-one process too, and so does experiment=paper_t1's setting in small (PP=2 x DP=2 with EP=2, an embedding-only first
-stage, mxfp4 over every linear, the offloading optimizer), resumed bit for bit. Every layout starts from the same
-weights through ``train.layout_invariant_init``."""
+one process too, and so do four processes of PP=2 x DP=2 with EP=2 under mxfp4, and experiment=paper_t1's setting
+in small (the same layout with an embedding-only first stage, mxfp4 over every linear, the offloading optimizer),
+resumed bit for bit. Every layout starts from the same weights through ``train.layout_invariant_init``."""
 from __future__ import annotations
 
 import json
@@ -125,7 +125,7 @@ def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkey
     kept in sync through megatron's embedding group. Same losses and MoE aux loss (reduced over the stages and
     the DP ranks) as one process with 4 micro-batches, with the distributed optimizer (each stage shards its own
     parameters over its DP group, the two copies of the tied embedding included; the replicated optimizer under PP
-    runs in test_pp2_killed_and_resumed_equals_one_process)."""
+    runs in test_pp2_killed_and_resumed_equals_one_process and test_ep2_dp2_pp2_mxfp4_equals_one_process)."""
     model = ["precision=bf16", "model.tie_embeddings=true", "model.mtp_num_layers=1", "parallel.micro_batch=1",
              "train.steps=3", "train.eval_interval=3", "train.checkpoint_interval=null"]
     r = _torchrun(tmp_path, [*model, "parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=2",
@@ -140,6 +140,24 @@ def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkey
     assert got["loss"] == pytest.approx(one.losses, rel=1e-6, abs=0)
     assert got["eval_loss"] == pytest.approx(one.eval_losses, rel=1e-6, abs=0)
     assert got["moe/seq_load_balancing_loss"] == pytest.approx(ref["moe/seq_load_balancing_loss"], rel=1e-6)
+
+
+def test_ep2_dp2_pp2_mxfp4_equals_one_process(tmp_path, monkeypatch):
+    """The paper's kind of layout (pipeline x expert x data) in small: 4 processes, PP=2 x DP=2 with EP=2 over the DP
+    ranks, mxfp4 (MXFP4 payloads through the recipe's all-to-all on each stage), micro-batch 1. Same losses as one
+    process (the layout-invariant weights key experts by their global index) within 1e-5: an expert's GEMMs see both
+    DP ranks' tokens at once, so fp32 sums run in another order."""
+    model = ["parallel.micro_batch=1", "train.steps=3", "train.eval_interval=3", "train.checkpoint_interval=null"]
+    r = _torchrun(tmp_path, [*model, "parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=2",
+                             "parallel.expert=2"], "ep2pp2", nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run, got = _run_metrics(tmp_path, "ep2pp2")
+    assert run.data.metrics["a2a/dispatch_forward_sent_remote_bytes"] > 0
+    one = _one_process(tmp_path, monkeypatch, model)
+    assert sorted(got["loss"]) == [1, 2, 3]
+    assert got["loss"] == pytest.approx(one.losses, rel=1e-5, abs=0)
+    assert got["eval_loss"] == pytest.approx(one.eval_losses, rel=1e-5, abs=0)
+
 
 
 def test_paper_t1_setting_in_small_trains_like_one_process_and_resumes_bit_for_bit(tmp_path, monkeypatch):

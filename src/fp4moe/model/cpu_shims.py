@@ -368,7 +368,7 @@ def _apply_no_te() -> None:
 
     for module in (mopt, optimizer_config):  # 0c: is_te_min_version raises TypeError without TE
         _set(module, "is_te_min_version", lambda *args, **kwargs: False)
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
 
     upstream_set = DistributedOptimizer._set_main_param_and_optimizer_states
 
@@ -382,9 +382,7 @@ def _apply_no_te() -> None:
             dst[key].copy_(value)
 
     _set(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_states)
-    from megatron.core.optimizer import distrib_optimizer
-
-    if not distrib_optimizer.HAVE_APEX_OR_TE:
+    if not HAVE_APEX_OR_TE:
         upstream_state_dict = DistributedOptimizer.state_dict
 
         def state_dict(self):  # 0g: no parameter here, no state: megatron's no-apex branch asserts one step
