@@ -541,6 +541,7 @@ class OptimizerSetting(_Group):
     bucket_size: Optional[int]           # elements per DDP bucket (None: megatron's choice)
     exp_avg_dtype: str = "fp32"          # Adam moments: fp32 only (bf16 needs Transformer Engine's FusedAdam)
     exp_avg_sq_dtype: str = "fp32"
+    overlap_param_gather: bool = False   # DDP: all-gather updated parameters during the next forward (distributed)
 
     @property
     def precision_aware(self) -> bool:
@@ -559,7 +560,8 @@ class OptimizerSetting(_Group):
 
     def __post_init__(self) -> None:
         name = self.name
-        for key in ("distributed", "cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "overlap_grad_reduce"):
+        for key in ("distributed", "cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "overlap_grad_reduce",
+                    "overlap_param_gather"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"optimizer.{key}={getattr(self, key)!r} (optimizer={name}): use true or false")
         _check_choice("optimizer.main_grads_dtype", self.main_grads_dtype, GRAD_DTYPES)
@@ -585,6 +587,12 @@ class OptimizerSetting(_Group):
                 "set optimizer.main_grads_dtype=bf16 (the lab's setup, optimizer=offload)")
         if self.overlap_cpu_optimizer_d2h_h2d and not self.cpu_offload:
             raise ConfigError(f"optimizer={name}: overlap_cpu_optimizer_d2h_h2d needs optimizer.cpu_offload=true")
+        if self.overlap_param_gather and not self.distributed:
+            raise ConfigError(
+                f"optimizer={name}: overlap_param_gather all-gathers the distributed optimizer's updated shards; "
+                "without it every rank updates whole parameters and there is nothing to gather: set "
+                "optimizer.distributed=true (optimizer=distributed, distributed_bf16_grads or offload) or "
+                "optimizer.overlap_param_gather=false")
 
     @classmethod
     def from_config(cls, cfg: Any) -> "OptimizerSetting":

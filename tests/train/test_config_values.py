@@ -58,6 +58,8 @@ def _refusal(*overrides) -> str:
                                   "expert count)"),
     ("cluster.requeue=maybe", "cluster.requeue='maybe' is not true or false: use true or false"),
     ("optimizer.offload_fraction=2", "optimizer.offload_fraction=2.0: a share of the state in [0, 1]"),
+    ("optimizer.overlap_param_gather=true", "optimizer=gpu_fp32: overlap_param_gather all-gathers the distributed "
+                                            "optimizer's updated shards"),
     ("train.adamw.min_lr=1", "train.adamw.min_lr=1.0 and lr=0.0003: need 0 <= min_lr <= lr"),
     ("+train.stpes=3", "train.stpes is not a key of the train schema (fp4moe.settings): did you mean train.steps?"),
     ("+model.moe.topk=3", "model.moe.topk is not a key of the model.moe schema (fp4moe.settings): did you mean "

@@ -164,7 +164,7 @@ def test_paper_t1_setting_in_small_trains_like_one_process_and_resumes_bit_for_b
     """experiment=paper_t1's setting in small: 4 processes, PP=2 x DP=2 with EP=2 over the DP ranks on the paper's
     kind of layout (an embedding-only first stage, 'E|ttL'), mxfp4 over every linear (precision.scope=all_linears),
     the whole attention block, the layernorms and the experts recomputed, BF16 parameters and megatron's offloading
-    optimizer (BF16 main grads) with overlapped gradient reduction, micro-batch 1. The first stage holds no
+    optimizer (BF16 main grads) with overlapped gradient reduction and parameter all-gather, micro-batch 1. The first stage holds no
     transformer layer and no MoE layer: the recipe check passes it (it refused it as built from another recipe's
     spec), and its expert optimizer, which holds no parameter, checkpoints (a bare AssertionError before,
     fp4moe.model.cpu_shims 0g).
@@ -176,7 +176,8 @@ def test_paper_t1_setting_in_small_trains_like_one_process_and_resumes_bit_for_b
     from mlflow import MlflowClient
 
     model = ["parallel.micro_batch=1", "train.steps=3", "train.eval_interval=3", "train.params_dtype=bf16",
-             "optimizer=offload", "optimizer.overlap_grad_reduce=true", "+precision.scope=all_linears",
+             "optimizer=offload", "optimizer.overlap_grad_reduce=true", "optimizer.overlap_param_gather=true",
+             "+precision.scope=all_linears",
              "precision.recompute_cache_fp4=false", "recompute=attn_block_ln_experts"]
     layout = ["parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=2", "parallel.expert=2",
               "parallel.pipeline_layout='E|ttL'"]

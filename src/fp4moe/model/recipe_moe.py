@@ -39,7 +39,10 @@ recipe::
 
 The grouped experts read each expert's weights where it lies (``fp4moe.ops.grouped_experts``: the FP8 weight
 quantizer takes one address per expert), so the parameters may sit anywhere, in particular in megatron's DDP
-buffer, where the distributed optimizer moves them: no stacked copy of a layer's experts is made.
+buffer, where the distributed optimizer moves them: no stacked copy of a layer's experts is made. Since the
+experts' and the shared expert's forwards read the weights of ``linear_fc1`` / ``linear_fc2`` modules they never
+call, they run those modules' forward pre-hooks first (:func:`await_parameters`): that is where megatron's DDP
+waits for a parameter's all-gather under ``overlap_param_gather``.
 
 Limits: tensor parallelism and expert tensor parallelism 1 (no TP all-gather of MXFP4 rows), no token
 dropping/padding, no shared-expert overlap; ``gpt_model.py`` refuses these with a ConfigError (the dispatcher still
@@ -337,6 +340,27 @@ class RecipeMoELayer(MoELayer):
 # ------------------------------------------------------------------------------------------ experts
 
 
+def await_parameters(modules) -> None:
+    """Run the forward pre-hooks of ``modules`` (in the given order), whose parameters a parent's forward reads
+    without calling them. megatron-core's DDP with ``overlap_param_gather`` (the distributed optimizer's updated
+    shards all-gathered during the next forward) waits for a parameter's all-gather, and dispatches the next
+    bucket's, in a forward pre-hook of the module that owns the parameter (``recurse=False``). The grouped experts
+    read ``local_experts.{e}.linear_fc1/fc2.weight`` and the shared expert its ``linear_fc1/fc2.weight`` without
+    calling those linears: without this they would compute with the previous step's weights and leave the
+    all-gather in flight (megatron asserts at the next step's dispatch). Pre-hooks get empty positional arguments
+    (and keyword arguments where registered ``with_kwargs``); a module without hooks costs a dict lookup."""
+    for m in modules:
+        hooks = m._forward_pre_hooks
+        if not hooks:
+            continue
+        with_kwargs = m._forward_pre_hooks_with_kwargs
+        for hook_id, hook in list(hooks.items()):
+            if hook_id in with_kwargs:
+                hook(m, (), {})
+            else:
+                hook(m, ())
+
+
 class RecipeGroupedMLP(SequentialMLP):
     """megatron's ``SequentialMLP`` parameters (``local_experts.{e}.linear_fc1/fc2.weight``) computed by
     ``fp4moe.moe.experts.routed_experts`` under ``recipe`` (spec params ``recipe``, ``recompute``).
@@ -362,6 +386,7 @@ class RecipeGroupedMLP(SequentialMLP):
         return ([e.linear_fc1.weight for e in self.local_experts], [e.linear_fc2.weight for e in self.local_experts])
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        await_parameters(m for e in self.local_experts for m in (e.linear_fc1, e.linear_fc2))
         w1, w2 = self.grouped_weights()
         y = routed_experts(permuted_local_hidden_states, as_int_list(tokens_per_expert), w1, w2,
                            permuted_probs.float(), self.recipe, self.recompute, row_align=self.row_align)
@@ -384,11 +409,12 @@ class RecipeSharedExpertMLP(SharedExpertMLP):
         self.recipe = recipe
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        await_parameters((self.linear_fc1, self.linear_fc2))
         lead, h = hidden_states.shape[:-1], hidden_states.shape[-1]
         y = shared_expert(hidden_states.reshape(-1, h), self.linear_fc1.weight, self.linear_fc2.weight, self.recipe)
         return y.reshape(*lead, y.shape[-1])
 
 
-__all__ = ["QuantizedAlltoAllTokenDispatcher", "RecipeMoELayer", "RecipeGroupedMLP", "RecipeSharedExpertMLP",
-           "WHOLE_FORWARD", "DISPATCHER_STEP_TENSORS", "RELEASES_DISPATCHER", "drop_step_tensors",
+__all__ = ["await_parameters", "QuantizedAlltoAllTokenDispatcher", "RecipeMoELayer", "RecipeGroupedMLP",
+           "RecipeSharedExpertMLP", "WHOLE_FORWARD", "DISPATCHER_STEP_TENSORS", "RELEASES_DISPATCHER", "drop_step_tensors",
            "release_after_forward"]

@@ -62,7 +62,8 @@ EXCLUDED: dict[str, str] = {
 # until 2026-12-06) moves with it: a folder names a config, the code that ran it is the run's commit tag.
 ABSENT_WHEN_DEFAULT: dict[str, Any] = {"kernels.bf16_moe": "megatron", "train.wgrad_accumulation_fusion": True,
                                        "kernels.wgrad_gemm": "triton", "kernels.fp8_row_col": "0",
-                                       "kernels.fused_swiglu_fp8": "0", "kernels.gather_sum": "triton"}
+                                       "kernels.fused_swiglu_fp8": "0", "kernels.gather_sum": "triton",
+                                       "optimizer.overlap_param_gather": False}
 HASH_DIGITS = 12
 
 

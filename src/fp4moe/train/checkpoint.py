@@ -89,13 +89,17 @@ FINGERPRINT_KEYS = ("model", "precision", "recompute", "parallel", "data", "back
 LAYOUT_KEYS = ("world_size", "tensor", "pipeline", "virtual_pipeline", "pipeline_layout", "context", "expert",
                "expert_tensor", "data", "sequence_parallel", "micro_batch")
 TRAINED_PARALLEL = "parallel.trained"  # fingerprint entry: the parallel group without LAYOUT_KEYS
+# keys of a FINGERPRINT_KEYS group that change neither what is trained nor what a checkpoint holds (the same bits
+# either way): a run resumes with them changed, and checkpoints written before they existed still match
+NOT_FINGERPRINTED = {"optimizer": ("overlap_param_gather",)}
 FORMATS = ("sharded", "per_rank")  # train.checkpoint_format; the first is the default
 SHARDED = "torch_dist"  # meta.json's "format" of a sharded checkpoint (per-rank checkpoints have no "format")
 
 
 def fingerprint(cfg: Any) -> dict[str, str]:
     """sha256 (16 hex digits) of each FINGERPRINT_KEYS entry of the resolved config (without the nulls of
-    fp4moe.settings.ABSENT_WHEN_NULL), and (``parallel.trained``) of the parallel group without its LAYOUT_KEYS."""
+    fp4moe.settings.ABSENT_WHEN_NULL and the keys of NOT_FINGERPRINTED), and (``parallel.trained``) of the parallel
+    group without its LAYOUT_KEYS."""
     def digest(value: Any) -> str:
         return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -103,8 +107,10 @@ def fingerprint(cfg: Any) -> dict[str, str]:
     for key in FINGERPRINT_KEYS:
         node = OmegaConf.select(cfg, key)
         # a null the groups' schemas add for a key not given is left out: checkpoints from before them still match
-        out[key] = digest(drop_absent(key, OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node)
-                                      else node))
+        value = drop_absent(key, OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
+        if isinstance(value, dict) and key in NOT_FINGERPRINTED:
+            value = {k: v for k, v in value.items() if k not in NOT_FINGERPRINTED[key]}
+        out[key] = digest(value)
     par = OmegaConf.select(cfg, "parallel")
     par = OmegaConf.to_container(par, resolve=True) if OmegaConf.is_config(par) else dict(par or {})
     out[TRAINED_PARALLEL] = digest({k: v for k, v in par.items() if k not in LAYOUT_KEYS})

@@ -221,7 +221,7 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
     before the periodic checkpoint), the end (a last evaluation and checkpoint, the summary)."""
     from fp4moe.ops.weight_cache import CACHE as wcache
     from fp4moe.train import checkpoint as ckpt
-    from fp4moe.train import components, hooks
+    from fp4moe.train import components, hooks, optim
     from fp4moe.train.metrics import PENDING_FILE, Tracker, replay_if_pending
     from fp4moe.train.run_record import describe
     from fp4moe.train.step import Stepper
@@ -271,6 +271,7 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
     def save() -> Path:
         tracker.flush()  # every logged step up to the checkpoint's is in the store (or the pending file) before
         #                  the checkpoint exists
+        optim.gather_updated_params(parts.ddp)  # overlap_param_gather: the step's update is in every shard
         return ckpt.save(root, step=step, consumed_samples=consumed, rank=info.rank, world_size=info.world_size,
                          model=parts.model, optimizer=parts.opt, schedule=parts.sched, mlflow_run_id=result.run_id,
                          fingerprint_=fp, keep=keep, meter=parts.meter, format_=ckpt_format)

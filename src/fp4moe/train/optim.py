@@ -75,7 +75,8 @@ def ddp_config(setting: OptimizerSetting):
 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=setting.main_grads_dtype == "fp32", overlap_grad_reduce=setting.overlap_grad_reduce,
-        use_distributed_optimizer=setting.distributed, bucket_size=setting.bucket_size)
+        use_distributed_optimizer=setting.distributed, overlap_param_gather=setting.overlap_param_gather,
+        bucket_size=setting.bucket_size)
 
 
 def optimizer_config(setting: OptimizerSetting, adamw: Any, params_dtype: torch.dtype):
@@ -141,6 +142,18 @@ def wrap_model(model: torch.nn.Module, setting: OptimizerSetting):
     from megatron.core.distributed import DistributedDataParallel
 
     return DistributedDataParallel(model.config, ddp_config(setting), model)
+
+
+def gather_updated_params(ddp: Any) -> None:
+    """Make every rank's parameters the updated ones now. With ``optimizer.overlap_param_gather`` megatron's
+    distributed optimizer step updates each rank's own shard of the parameter buffer only; the other ranks' shards
+    are all-gathered during the next forward, each bucket awaited in the forward pre-hook of the first module that
+    owns one of its parameters. What reads the parameters before that forward (a checkpoint's model state) calls
+    this first: a synchronous all-gather of every bucket (megatron's own ``disable_forward_pre_hook`` does the same
+    before a save); the next forward then finds them gathered. Collective over DP / expert-DP; nothing without
+    ``overlap_param_gather``, where the step itself gathered."""
+    if getattr(ddp, "use_forward_hook", False):
+        ddp.start_param_sync(force_sync=True)
 
 
 def build_optimizer(ddp: Any, setting: OptimizerSetting, adamw: Any):
