@@ -158,43 +158,37 @@ def test_dp2_distributed_killed_and_resumed_equals_unsharded(tmp_path):
     _assert_predicted(run, [*sharded, "parallel.world_size=2", "cluster.gpus_per_node=2"])
 
 
-def test_dp4_ep2_shards_experts_over_expert_data_parallel(tmp_path):
-    """4 processes, DP=4 with EP=2 (megatron carves EP out of DP), mxfp4, the lab's offload setting: the host holds
-    each rank's quarter of the dense state and half of its experts' (expert-data-parallel group of 2)."""
-    layout = ["precision=mxfp4", "parallel.data=4", "parallel.expert=2", "train.checkpoint_interval=null",
-              "optimizer=offload"]
-    r = _torchrun(tmp_path, layout, "offload", 4)
-    assert r.returncode == 0, r.stderr[-3000:]
-    run, got = _metrics(tmp_path, "offload")
-    assert sorted(got["loss"]) == [1, 2, 3, 4] and got["loss"][4] < got["loss"][1]
-    assert run.data.metrics["summary/optimizer_state_bytes"] == 0
-    _assert_predicted(run, [*layout, "parallel.world_size=4", "cluster.gpus_per_node=4"])
+def test_dp4_ep2_shards_experts_and_overlaps_the_param_gather_bit_for_bit(tmp_path):
+    """4 processes, DP=4 with EP=2 (megatron carves EP out of DP), mxfp4, the lab's offload setting with overlapped
+    gradient reduction, small buckets: the host holds each rank's quarter of the dense state and half of its
+    experts' (expert-data-parallel group of 2), as predicted.
 
-
-def test_overlapped_param_gather_trains_and_resumes_bit_for_bit(tmp_path):
-    """The paper lab's setting (paper_t1 / paper_f5: the distributed optimizer with overlapped gradient reduction and
-    parameter all-gather), offloaded as paper_t1's, on 4 processes (DP=4 with EP=2), mxfp4, small buckets (the
-    all-gathers chained bucket to bucket by the forward's pre-hooks): the same bits as with the parameters gathered
-    in the optimizer step, also across a kill after step 3 and a resume from step 2's checkpoint, written with no
-    forward between the update and the save. Before: the experts' and the shared expert's forwards read weights
+    Then the same with the parameter all-gather overlapped too (paper_t1 / paper_f5: the updated shards gathered
+    during the next forward, bucket after bucket by megatron's forward pre-hooks), killed after step 3 and resumed
+    from step 2's checkpoint, written with no forward between the update and the save: the same bits as with the
+    parameters gathered in the optimizer step. Before: the experts' and the shared expert's forwards read weights
     of modules they do not call, so megatron's pre-hooks never awaited their all-gather: step 2 computed with
     step 1's expert weights (loss 6.0382 instead of 6.0324; with other bucket sizes megatron's next dispatch
     asserted; fp4moe.model.recipe_moe.await_parameters), and the checkpoint held the other ranks' shards as
     before step 2's update (the resumed step 3's loss 5.846 instead of 5.584; fp4moe.train.optim.
     gather_updated_params)."""
-    base = ["precision=mxfp4", "parallel.data=4", "parallel.expert=2", "optimizer=offload",
-            "optimizer.overlap_grad_reduce=true", "optimizer.bucket_size=20000"]
-    r = _torchrun(tmp_path, [*base, "train.checkpoint_interval=null"], "in_step", 4)
+    layout = ["precision=mxfp4", "parallel.data=4", "parallel.expert=2", "optimizer=offload",
+              "optimizer.overlap_grad_reduce=true", "optimizer.bucket_size=20000"]
+    r = _torchrun(tmp_path, [*layout, "train.checkpoint_interval=null"], "in_step", 4)
     assert r.returncode == 0, r.stderr[-3000:]
-    overlapped = [*base, "optimizer.overlap_param_gather=true"]
+    run, want = _metrics(tmp_path, "in_step")
+    assert sorted(want["loss"]) == [1, 2, 3, 4] and want["loss"][4] < want["loss"][1]
+    assert run.data.metrics["summary/optimizer_state_bytes"] == 0
+    _assert_predicted(run, [*layout, "parallel.world_size=4", "cluster.gpus_per_node=4"])
+
+    overlapped = [*layout, "optimizer.overlap_param_gather=true"]
     r = _torchrun(tmp_path, [*overlapped, "+train.hooks.fail={factory: faults:fail_at_step, step: 3}"], "overlap", 4)
     assert r.returncode != 0 and "faults.fail_at_step: step=3" in r.stderr, r.stderr[-3000:]
     r = _torchrun(tmp_path, overlapped, "overlap", 4)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr + r.stdout
-    _, want = _metrics(tmp_path, "in_step")
     run, got = _metrics(tmp_path, "overlap")
-    assert sorted(got["loss"]) == [1, 2, 3, 4] and sorted(got["eval_loss"]) == [4]
+    assert sorted(got["eval_loss"]) == [4]
     assert got == want
     assert run.data.params["optimizer.overlap_param_gather"] == "True"
 
