@@ -533,8 +533,28 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
         position_embedding_type="none",  # MLA applies its own (decoupled) RoPE
         mtp_block_spec=mtp,
     )
+    drop_unused_output_weight(model)
     finish(model, recipe)  # routed-row counters and the dispatcher release of megatron's own MoE layers (bf16)
     return model
+
+
+def drop_unused_output_weight(model) -> bool:
+    """Remove ``output_layer.weight`` from a stage that megatron-core 0.16.1 gives one it never uses: with tied
+    embeddings, a pipeline stage that holds the MTP block and the output layer but not the embedding computes the
+    logits with its copy of the embedding (``shared_embedding_or_output_weight``), as megatron's own
+    ``tie_embeddings_and_output_weights_state_dict`` says ("the output layer will not have any weight"), yet
+    ``GPTModel`` allocates the output weight there all the same (``skip_weight_param_allocation`` only on the first
+    stage). Left in place, that [vocab, hidden] weight gets no gradient, so DDP with ``overlap_grad_reduce``
+    asserts at the next step (its bucket never becomes ready), every checkpoint save asserts in megatron's sharded
+    state dict, and it costs its parameter, gradient and optimizer bytes for nothing. Returns whether it dropped
+    one."""
+    if not (model.share_embeddings_and_output_weights and getattr(model, "mtp_process", False)
+            and model.post_process and not model.pre_process):
+        return False
+    if getattr(model.output_layer, "weight", None) is None:
+        return False
+    model.output_layer.weight = None
+    return True
 
 
 def _moe_dispatchers(model):
@@ -636,8 +656,8 @@ def release_dispatcher_tensors(model) -> int:
     return sum(drop_step_tensors(d) for _, d in _moe_dispatchers(model))
 
 
-__all__ = ["transformer_config", "build_gpt_model", "to_bf16_params", "layer_spec", "mtp_block_spec", "recipe_of",
-           "recipe_moe_layers", "recompute_of",
+__all__ = ["transformer_config", "build_gpt_model", "drop_unused_output_weight", "to_bf16_params", "layer_spec",
+           "mtp_block_spec", "recipe_of", "recipe_moe_layers", "recompute_of",
            "a2a_stats", "fp4moe_recompute_modules", "DISPATCHERS", "release_dispatcher_after_forward",
            "release_dispatcher_tensors", "count_routed_rows", "prepare", "Prepared", "decoder_block_spec", "finish",
            "check_built_from_spec"]

@@ -200,8 +200,10 @@ def stage_parameters(cfg: Any, stage: int) -> list[Param]:
         out += [Param(f"{x}.enorm.weight", h), Param(f"{x}.hnorm.weight", h), Param(f"{x}.eh_proj.weight", 2 * h * h)]
         out += _layer(f"{x}.transformer_layer", cfg, True, ep_on)
         out.append(Param(f"{x}.final_layernorm.weight", h))
-    if post and not (pre and tied):
-        marked = shares and tied and not pre and not mtp
+    # tied: the output layer computes with the stage's embedding where it has one (the first stage's, or the MTP
+    # block's: fp4moe.model.gpt_model.drop_unused_output_weight)
+    if post and not (tied and (pre or mtp)):
+        marked = shares and tied and not pre
         out.append(Param("output_layer.weight", vocab * h, shared_embedding=marked))
     return out
 

@@ -415,8 +415,12 @@ def _layout() -> dict[str, int]:
 
 def _sharded_state_dict(model: torch.nn.Module, optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
     """megatron's sharded state dict of the model (global names; experts by global index; layers by global number)
-    and of the optimizer over it (OPTIMIZER_METADATA)."""
-    model_sd = model.sharded_state_dict()
+    and of the optimizer over it (OPTIMIZER_METADATA). The model's metadata names its data-parallel group, as
+    megatron-lm's checkpointing passes it: megatron-core 0.16.1's ``GPTModel.sharded_state_dict`` reads
+    ``metadata['dp_cp_group']`` itself on a stage with the MTP block but not the embedding, where None fails."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    model_sd = model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
     return {"model": model_sd, "optimizer": optim.sharded_optimizer_state_dict(
         optimizer, model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))}
 
