@@ -92,6 +92,17 @@ def test_every_setting_trains_and_holds_the_predicted_bytes(uninterrupted, setti
     assert run.data.params["optimizer.distributed"] == str(setting != "gpu_fp32")
 
 
+def test_bf16_main_grads_have_the_fp32_norm_of_their_values(uninterrupted):
+    """megatron's global gradient norm (logged, and the clipping factor) with BF16 main grads reads each gradient in
+    FP32 (fp4moe.model.cpu_shims 0h), as apex's kernel does: megatron's own stand-in without apex rounded every
+    per-tensor norm to BF16 (one process, mxfp4: 2.390625 where FP32 main grads give 2.38772). Step 1, before the
+    settings' updates differ: the norms differ only by the gradients' BF16 rounding (rel 2e-6 there)."""
+    _, fp32, _ = uninterrupted("gpu_fp32")
+    for setting in ("distributed_bf16_grads", "offload"):
+        _, bf16, _ = uninterrupted(setting)
+        assert bf16.grad_norms[1] == pytest.approx(fp32.grad_norms[1], rel=1e-4, abs=0), setting
+
+
 @pytest.mark.parametrize("setting", ["distributed", "offload"])
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, store, uninterrupted, setting):
     """The run fails at step 2 after its step-1 checkpoint and resumes from it: steps 2-3 give the uninterrupted

@@ -57,6 +57,14 @@ Without Transformer Engine (on any machine, CPU or GPU):
    optimizer's state dict records step 0 (it steps nothing; its load then gives that step to none of its zero
    states); TE's branch records None, which the no-apex load could not take. Every other optimizer: megatron's.
 
+0h. ``megatron.core.optimizer.clip_grads.l2_norm_impl`` (the gradient norm of ``get_grad_norm_fp32``: megatron's
+   global norm, logged and used for clipping) -> :func:`l2_norm_fp32`, where neither apex nor TE provides
+   ``multi_tensor_l2norm``. megatron's stand-in (utils.py ``local_multi_tensor_l2_norm``) returns each tensor's
+   ``torch.norm`` in the tensor's dtype: with BF16 main grads (optimizer=distributed_bf16_grads / offload, the
+   lab's setup) every per-tensor norm is rounded to BF16 (one process: 2.390625 where the FP32 sum is 2.3877), and
+   it copies each norm to the host (one device sync per gradient tensor). apex's kernel sums BF16 gradients in
+   FP32 on the device; so does :func:`l2_norm_fp32`.
+
 Only when CUDA is absent (CPU machine, gloo):
 
 1. ``torch.cuda.current_device`` -> ``"cpu"``. MLA builds its RotaryEmbedding / YarnRotaryEmbedding without
@@ -399,9 +407,24 @@ def _apply_no_te() -> None:
         _set(DistributedOptimizer, "state_dict", state_dict)
 
 
+def l2_norm_fp32(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Shim 0h: apex's ``multi_tensor_l2norm`` as megatron calls it (``multi_tensor_applier``; ``chunk_size``,
+    ``noop_flag`` and ``per_tensor=False`` as there): the L2 norm over every tensor of ``tensor_lists[0]``, each
+    read in FP32, as a ``[1]`` float32 tensor on the first tensor's device, and None (no per-tensor norms)."""
+    tensors = tensor_lists[0]
+    device = tensors[0].device
+    norms = [torch.linalg.vector_norm(t, dtype=torch.float32).to(device) for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
 def _apply_no_apex() -> None:
-    """Shim 0f (module docstring): apex's gradient-accumulation GEMMs for megatron's linears, where apex is absent,
-    and the Parameter their fused backward loses behind saved-tensor hooks."""
+    """Shims 0f and 0h (module docstring): apex's gradient-accumulation GEMMs for megatron's linears, where apex is
+    absent, and the Parameter their fused backward loses behind saved-tensor hooks; the gradient norm in FP32."""
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm:  # 0h: neither apex's nor TE's kernel
+        _set(clip_grads, "l2_norm_impl", l2_norm_fp32)
     from megatron.core.tensor_parallel import layers
 
     if not layers._grad_accum_fusion_available:
@@ -536,4 +559,4 @@ def patched() -> list[tuple[Any, str]]:
         return [(owner, name) for owner, name, _, _ in _SAVED]
 
 
-__all__ = ["active", "depth", "needed", "patched", "CPURNGStatesTracker"]
+__all__ = ["active", "depth", "needed", "patched", "l2_norm_fp32", "CPURNGStatesTracker"]
