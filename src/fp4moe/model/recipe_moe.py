@@ -416,5 +416,5 @@ class RecipeSharedExpertMLP(SharedExpertMLP):
 
 
 __all__ = ["await_parameters", "QuantizedAlltoAllTokenDispatcher", "RecipeMoELayer", "RecipeGroupedMLP",
-           "RecipeSharedExpertMLP", "WHOLE_FORWARD", "DISPATCHER_STEP_TENSORS", "RELEASES_DISPATCHER", "drop_step_tensors",
-           "release_after_forward"]
+           "RecipeSharedExpertMLP", "WHOLE_FORWARD", "DISPATCHER_STEP_TENSORS", "RELEASES_DISPATCHER",
+           "drop_step_tensors", "release_after_forward"]
