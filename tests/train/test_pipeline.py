@@ -140,8 +140,8 @@ def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkey
 
     model = ["precision=bf16", "model.tie_embeddings=true", "model.mtp_num_layers=1", "parallel.micro_batch=1",
              "train.steps=3", "train.eval_interval=3", "train.checkpoint_interval=null"]
-    layout = ["parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=2", "parallel.pipeline_layout='E|ttmL'",
-              "optimizer=distributed", "optimizer.overlap_grad_reduce=true", "optimizer.overlap_param_gather=true",
+    layout = ["parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=2",
+              "parallel.pipeline_layout='E|ttmL'", "optimizer=distributed", "optimizer.overlap_grad_reduce=true", "optimizer.overlap_param_gather=true",
               "optimizer.bucket_size=20000"]
     r = _torchrun(tmp_path, [*model, *layout, "train.checkpoint_interval=2"], "uneven", nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -187,10 +187,10 @@ def test_paper_t1_setting_in_small_trains_like_one_process_and_resumes_bit_for_b
     """experiment=paper_t1's setting in small: 4 processes, PP=2 x DP=2 with EP=2 over the DP ranks on the paper's
     kind of layout (an embedding-only first stage, 'E|ttL'), mxfp4 over every linear (precision.scope=all_linears),
     the whole attention block, the layernorms and the experts recomputed, BF16 parameters and megatron's offloading
-    optimizer (BF16 main grads) with overlapped gradient reduction and parameter all-gather, micro-batch 1. The first stage holds no
-    transformer layer and no MoE layer: the recipe check passes it (it refused it as built from another recipe's
-    spec), and its expert optimizer, which holds no parameter, checkpoints (a bare AssertionError before,
-    fp4moe.model.cpu_shims 0g).
+    optimizer (BF16 main grads) with overlapped gradient reduction and parameter all-gather, micro-batch 1. The
+    first stage holds no transformer layer and no MoE layer: the recipe check passes it (it refused it as built
+    from another recipe's spec), and its expert optimizer, which holds no parameter, checkpoints (a bare
+    AssertionError before, fp4moe.model.cpu_shims 0g).
 
     3 steps, then step 3 again from the step-2 checkpoint (step 3's removed): the same loss and gradient norm, bit
     for bit. Against one process: step 1's loss within 1e-5 (fp32 sums in another order: an expert's GEMMs see both
