@@ -141,8 +141,8 @@ def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkey
     model = ["precision=bf16", "model.tie_embeddings=true", "model.mtp_num_layers=1", "parallel.micro_batch=1",
              "train.steps=3", "train.eval_interval=3", "train.checkpoint_interval=null"]
     layout = ["parallel.world_size=4", "cluster.gpus_per_node=4", "parallel.data=2",
-              "parallel.pipeline_layout='E|ttmL'", "optimizer=distributed", "optimizer.overlap_grad_reduce=true", "optimizer.overlap_param_gather=true",
-              "optimizer.bucket_size=20000"]
+              "parallel.pipeline_layout='E|ttmL'", "optimizer=distributed", "optimizer.overlap_grad_reduce=true",
+              "optimizer.overlap_param_gather=true", "optimizer.bucket_size=20000"]
     r = _torchrun(tmp_path, [*model, *layout, "train.checkpoint_interval=2"], "uneven", nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "ckpt" / "uneven" / "step_0000002" / "meta.json").is_file()
