@@ -538,7 +538,7 @@ def build_gpt_model(cfg: Any, *, params_dtype: torch.dtype = torch.float32,
     return model
 
 
-def drop_unused_output_weight(model) -> bool:
+def drop_unused_output_weight(model) -> None:
     """Remove ``output_layer.weight`` from a stage that megatron-core 0.16.1 gives one it never uses: with tied
     embeddings, a pipeline stage that holds the MTP block and the output layer but not the embedding computes the
     logits with its copy of the embedding (``shared_embedding_or_output_weight``), as megatron's own
@@ -546,15 +546,10 @@ def drop_unused_output_weight(model) -> bool:
     ``GPTModel`` allocates the output weight there all the same (``skip_weight_param_allocation`` only on the first
     stage). Left in place, that [vocab, hidden] weight gets no gradient, so DDP with ``overlap_grad_reduce``
     asserts at the next step (its bucket never becomes ready), every checkpoint save asserts in megatron's sharded
-    state dict, and it costs its parameter, gradient and optimizer bytes for nothing. Returns whether it dropped
-    one."""
-    if not (model.share_embeddings_and_output_weights and getattr(model, "mtp_process", False)
-            and model.post_process and not model.pre_process):
-        return False
-    if getattr(model.output_layer, "weight", None) is None:
-        return False
-    model.output_layer.weight = None
-    return True
+    state dict, and it costs its parameter, gradient and optimizer bytes for nothing."""
+    if (model.share_embeddings_and_output_weights and getattr(model, "mtp_process", False) and model.post_process
+            and not model.pre_process):
+        model.output_layer.weight = None
 
 
 def _moe_dispatchers(model):
