@@ -44,11 +44,12 @@ def _compose(*overrides):
 
 def _predicted(cfg) -> dict[str, list[int]]:
     """``KEYS`` -> the predicted bytes of every rank of ``cfg``'s layout (every pipeline stage, DP and expert-DP
-    rank), from the config alone."""
+    rank, parameters of ``train.params_dtype``), from the config alone."""
     plain = OmegaConf.to_container(cfg, resolve=True)
     dp, edp = shard_sizes(plain)
     stages = int(cfg.parallel.pipeline)
-    ranks = [rank_bytes(plain, s, d, d % edp) for s in range(stages) for d in range(dp)]
+    params_bytes = 4 if cfg.train.params_dtype == "fp32" else 2
+    ranks = [rank_bytes(plain, s, d, d % edp, params_bytes=params_bytes) for s in range(stages) for d in range(dp)]
     return {"optimizer_state_bytes": [r.state_device for r in ranks],
             "optimizer_state_host_bytes": [r.state_host for r in ranks], "grad_buffer_bytes": [r.grads for r in ranks]}
 
@@ -143,7 +144,13 @@ def _metrics(tmp_path, name):
 
 
 def _assert_predicted(run, overrides):
-    want = _predicted(_compose(*COMMON, *overrides))
+    _assert_bytes_as_predicted(run, _compose(*COMMON, *overrides))
+
+
+def _assert_bytes_as_predicted(run, cfg):
+    """The MLflow ``run``'s summary (largest and smallest rank) of every ``KEYS`` entry is :func:`_predicted`'s for
+    ``cfg``, the run's composed config."""
+    want = _predicted(cfg)
     m = run.data.metrics
     for key in KEYS:
         assert (m[f"summary/{key}"], m[f"summary/{key}_min"]) == (max(want[key]), min(want[key])), key

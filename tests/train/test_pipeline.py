@@ -134,9 +134,9 @@ def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkey
     not given: fp4moe.train.checkpoint passes it) and held 0.5 MB of optimizer state per rank here (a [vocab,
     hidden] weight: 0.93 G parameters at DeepSeek-V3's size); each rank's optimizer and gradient bytes are
     fp4moe.scale.optimizer_state's, exactly."""
-    from omegaconf import OmegaConf
+    from hydra import compose, initialize_config_dir
 
-    from fp4moe.scale.optimizer_state import rank_bytes, shard_sizes
+    from tests.train.test_optimizer import _assert_bytes_as_predicted
 
     model = ["precision=bf16", "model.tie_embeddings=true", "model.mtp_num_layers=1", "parallel.micro_batch=1",
              "train.steps=3", "train.eval_interval=3", "train.checkpoint_interval=null"]
@@ -148,15 +148,8 @@ def test_dp2_pp2_uneven_layout_tied_mtp_bf16_equals_one_process(tmp_path, monkey
     assert (tmp_path / "ckpt" / "uneven" / "step_0000002" / "meta.json").is_file()
     run, got = _run_metrics(tmp_path, "uneven")
     assert run.data.tags["world_size"] == "4"
-    from hydra import compose, initialize_config_dir
-
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = OmegaConf.to_container(compose("train", overrides=[*COMMON, *PP2, *model, *layout]), resolve=True)
-    dp, edp = shard_sizes(cfg)
-    ranks = [rank_bytes(cfg, stage, d, d % edp, params_bytes=4) for stage in (0, 1) for d in range(dp)]  # FP32
-    for key, field in (("optimizer_state_bytes", "state_device"), ("grad_buffer_bytes", "grads")):
-        want = [getattr(x, field) for x in ranks]
-        assert (run.data.metrics[f"summary/{key}"], run.data.metrics[f"summary/{key}_min"]) == (max(want), min(want))
+        _assert_bytes_as_predicted(run, compose("train", overrides=[*COMMON, *PP2, *model, *layout]))
     one = _one_process(tmp_path, monkeypatch, model)
     _, ref = _run_metrics(tmp_path, "pp1")
     assert sorted(got["loss"]) == [1, 2, 3]
@@ -180,7 +173,6 @@ def test_ep2_dp2_pp2_mxfp4_equals_one_process(tmp_path, monkeypatch):
     assert sorted(got["loss"]) == [1, 2, 3]
     assert got["loss"] == pytest.approx(one.losses, rel=1e-5, abs=0)
     assert got["eval_loss"] == pytest.approx(one.eval_losses, rel=1e-5, abs=0)
-
 
 
 def test_paper_t1_setting_in_small_trains_like_one_process_and_resumes_bit_for_bit(tmp_path, monkeypatch):
