@@ -174,9 +174,49 @@ def test_a_layout_change_is_refused_for_per_rank_checkpoints_only():
     with pytest.raises(ConfigError, match=r"belongs to a run with other parallel \(a per-rank checkpoint resumes "
                                           r"only at its own parallel layout\)"):
         ckpt.check_compatible(Path("p"), {**saved, "world_size": 1}, world_size=1, fingerprint_=here)
-    other = ckpt.fingerprint(_compose("parallel.global_batch=8"))
-    with pytest.raises(ConfigError, match=r"belongs to a run with other parallel.trained: "):
-        ckpt.check_compatible(Path("s"), {**saved, "format": ckpt.SHARDED}, world_size=1, fingerprint_=other)
+    other = _compose("parallel.global_batch=8")
+    with pytest.raises(ConfigError, match=r"belongs to a run with other parallel: "):
+        ckpt.check_compatible(Path("s"), {**saved, "format": ckpt.SHARDED}, world_size=1,
+                              fingerprint_=ckpt.fingerprint(other))
+    # with the settings in meta.json (since 2026-12-08) the error names the keys that differ, and both values; for a
+    # sharded checkpoint not the layout's
+    saved["settings"] = ckpt.fingerprinted(ep2)
+    with pytest.raises(ConfigError, match=r"belongs to a run with other parallel \(parallel.global_batch: 4 in the "
+                                          r"checkpoint, 8 here\): resume with the same config"):
+        ckpt.check_compatible(Path("s"), {**saved, "format": ckpt.SHARDED}, world_size=1,
+                              fingerprint_=ckpt.fingerprint(other), settings=ckpt.fingerprinted(other))
+
+
+def test_other_gradient_buckets_resume_a_sharded_checkpoint_only():
+    """optimizer.overlap_grad_reduce and optimizer.bucket_size set megatron DDP's gradient buckets: a sharded
+    checkpoint (the optimizer state per parameter) resumes with other ones; a per-rank one (each rank's bucket
+    shards) does not, and says which key differs. A sharded checkpoint from before the ``optimizer.trained`` entry
+    compares the whole optimizer group, as it did when it was written."""
+    from fp4moe.config import ConfigError
+
+    buckets = _compose("optimizer=distributed", "optimizer.overlap_grad_reduce=true", "optimizer.bucket_size=100000")
+    one = _compose("optimizer=distributed")
+    fp, here, settings = ckpt.fingerprint(buckets), ckpt.fingerprint(one), ckpt.fingerprinted(one)
+    assert fp["optimizer"] != here["optimizer"] and fp["optimizer.trained"] == here["optimizer.trained"]
+    saved = {"step": 2, "world_size": 1, "fingerprint": fp, "settings": ckpt.fingerprinted(buckets)}
+    ckpt.check_compatible(Path("s"), {**saved, "format": ckpt.SHARDED}, world_size=1, fingerprint_=here,
+                          settings=settings)
+    with pytest.raises(ConfigError, match=r"other optimizer \(optimizer.bucket_size: 100000 in the checkpoint, null "
+                                          r"here; optimizer.overlap_grad_reduce: true in the checkpoint, false here\)"):
+        ckpt.check_compatible(Path("p"), saved, world_size=1, fingerprint_=here, settings=settings)
+    older = {k: v for k, v in fp.items() if k != "optimizer.trained"}
+    with pytest.raises(ConfigError, match=r"other optimizer \(optimizer.bucket_size: 100000"):
+        ckpt.check_compatible(Path("s"), {**saved, "fingerprint": older, "format": ckpt.SHARDED}, world_size=1,
+                              fingerprint_=here, settings=settings)
+    # what a sharded checkpoint may not change is named even beside a bucket change; no settings: the group only
+    fp8 = _compose("optimizer=distributed", "precision=fp8")
+    with pytest.raises(ConfigError, match=r"other precision \(precision.name: \"mxfp4\" in the checkpoint, \"fp8\" "
+                                          r"here\): "):
+        ckpt.check_compatible(Path("s"), {**saved, "format": ckpt.SHARDED}, world_size=1,
+                              fingerprint_=ckpt.fingerprint(fp8), settings=ckpt.fingerprinted(fp8))
+    with pytest.raises(ConfigError, match=r"other precision: resume"):
+        ckpt.check_compatible(Path("s"), {**saved, "format": ckpt.SHARDED, "settings": None}, world_size=1,
+                              fingerprint_=ckpt.fingerprint(fp8), settings=ckpt.fingerprinted(fp8))
 
 
 def test_the_schemas_leave_checkpoint_fingerprints_as_they_were():

@@ -165,15 +165,20 @@ def test_dp2_distributed_killed_and_resumed_equals_unsharded(tmp_path):
     megatron's pre-hooks never awaited their all-gather (step 2 computed with step 1's expert weights; with other
     bucket sizes megatron's next dispatch asserted: fp4moe.model.recipe_moe.await_parameters), and the checkpoint
     held the other rank's shards as before step 2's update (the resumed step 3 differed: fp4moe.train.optim.
-    gather_updated_params)."""
+    gather_updated_params).
+
+    The resumed run has other gradient buckets (megatron's one bucket, no overlapped reduction): the sharded
+    checkpoint holds the optimizer state per parameter, so it resumes (fp4moe.train.checkpoint.SCHEDULING_KEYS),
+    with the same bits at DP2 (a sum of two gradients has one order)."""
     dp2 = ["precision=fp8", "parallel.data=2", "train.adamw.grad_clip=null"]
     r = _torchrun(tmp_path, [*dp2, "optimizer=gpu_fp32"], "full", 2)
     assert r.returncode == 0, r.stderr[-3000:]
-    sharded = [*dp2, "optimizer=distributed", "optimizer.overlap_grad_reduce=true", "optimizer.bucket_size=100000",
-               "optimizer.overlap_param_gather=true"]
-    r = _torchrun(tmp_path, [*sharded, "+train.hooks.fail={factory: faults:fail_at_step, step: 3}"], "sharded", 2)
+    gather = [*dp2, "optimizer=distributed", "optimizer.overlap_param_gather=true"]
+    buckets = ["optimizer.overlap_grad_reduce=true", "optimizer.bucket_size=100000"]
+    r = _torchrun(tmp_path, [*gather, *buckets, "+train.hooks.fail={factory: faults:fail_at_step, step: 3}"],
+                  "sharded", 2)
     assert r.returncode != 0 and "faults.fail_at_step: step=3" in r.stderr, r.stderr[-3000:]
-    r = _torchrun(tmp_path, sharded, "sharded", 2)
+    r = _torchrun(tmp_path, gather, "sharded", 2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr + r.stdout
     _, full = _metrics(tmp_path, "full")
@@ -183,8 +188,9 @@ def test_dp2_distributed_killed_and_resumed_equals_unsharded(tmp_path):
     assert got["loss"] == full["loss"] and got["eval_loss"] == full["eval_loss"]
     # megatron's norm: fp32 sums of squares per rank and shard, then over the ranks (measured: rel 2e-6)
     assert got["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-5, abs=0)
-    _assert_predicted(run, [*sharded, "parallel.world_size=2", "cluster.gpus_per_node=2"])
+    _assert_predicted(run, [*gather, "parallel.world_size=2", "cluster.gpus_per_node=2"])  # the resumed process's
     assert run.data.params["optimizer.overlap_param_gather"] == "True"
+    assert run.data.tags["resume.changed_params"] == "optimizer.bucket_size,optimizer.overlap_grad_reduce"
 
 
 def test_dp4_ep2_shards_experts_over_expert_data_parallel(tmp_path):

@@ -155,7 +155,9 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, store):
     # one bf16 step of 2 x 64 tokens makes the checkpoint; the refusals come before the model is built
     small = ["parallel.global_batch=2", "parallel.seq_length=64", "train.eval_interval=null"]
     train(_compose(tmp_path, *small, "precision=bf16", "train.steps=1", "train.checkpoint_interval=1"))
-    with pytest.raises(ConfigError, match=r"belongs to a run with other precision"):
+    # the checkpoint keeps the settings behind its fingerprint: the refusal names what differs, with both values
+    with pytest.raises(ConfigError, match=r"belongs to a run with other precision \(precision.name: \"bf16\" in the "
+                                          r"checkpoint, \"mxfp4\" here\): resume"):
         train(_compose(tmp_path, *small, "train.steps=4", "precision=mxfp4"))
     with pytest.raises(ConfigError, match=r"train.resume=false but .* holds checkpoints"):
         train(_compose(tmp_path, *small, "train.steps=4", "precision=bf16", "train.resume=false"))

@@ -27,11 +27,11 @@ size and layout only. Rank files are read with ``torch.load(weights_only=True)``
 strings, plus the classes of :data:`SAFE_GLOBALS`.
 
 Both are written into a hidden temporary folder ``.step_NNNNNNN.tmp``; after a barrier rank 0 writes ``meta.json``
-(step, consumed samples, MLflow run id, the run's fingerprint, world size, format, each file's size in bytes: the
-commit marker, written last) and renames the folder into place. A run killed mid-save leaves only the hidden
-folder, so it resumes from the previous checkpoint (the next save removes the hidden folder). The newest ``keep``
-whole checkpoints are kept, damaged folders older than those removed. A save that cannot be written (a full disk)
-removes its unfinished folder and stops the run with one line (:class:`Unwritable`).
+(step, consumed samples, MLflow run id, the run's fingerprint and the settings behind it, world size, format, each
+file's size in bytes: the commit marker, written last) and renames the folder into place. A run killed mid-save
+leaves only the hidden folder, so it resumes from the previous checkpoint (the next save removes the hidden folder).
+The newest ``keep`` whole checkpoints are kept, damaged folders older than those removed. A save that cannot be
+written (a full disk) removes its unfinished folder and stops the run with one line (:class:`Unwritable`).
 
 A ``step_NNNNNNN`` folder that is damaged (no ``meta.json``, a ``meta.json`` that does not parse, a file missing or
 shorter than ``meta.json`` says, a rank file that is not a whole torch.save archive, or a file that torch cannot
@@ -40,7 +40,8 @@ read) is skipped with a warning naming it, and the run resumes from the newest c
 
 Resuming needs the same fingerprint (:func:`fingerprint`: the config groups that change what is trained, the
 optimizer group included); run length, intervals and logging may differ, and for a sharded checkpoint the parallel
-layout (:data:`LAYOUT_KEYS`: world size, TP / PP / CP / EP / DP sizes, micro-batch) too.
+layout (:data:`LAYOUT_KEYS`: world size, TP / PP / CP / EP / DP sizes, micro-batch) and DDP's gradient buckets
+(:data:`SCHEDULING_KEYS`) too. A refusal names the keys that differ, with both values.
 """
 from __future__ import annotations
 
@@ -88,7 +89,13 @@ FINGERPRINT_KEYS = ("model", "precision", "recompute", "parallel", "data", "back
 # resumes when only these differ (global_batch, seq_length, dispatcher and any other parallel.* key must match).
 LAYOUT_KEYS = ("world_size", "tensor", "pipeline", "virtual_pipeline", "pipeline_layout", "context", "expert",
                "expert_tensor", "data", "sequence_parallel", "micro_batch")
-TRAINED_PARALLEL = "parallel.trained"  # fingerprint entry: the parallel group without LAYOUT_KEYS
+# Per group, the keys a sharded checkpoint may resume with changed: the layout, and megatron DDP's gradient buckets
+# (overlap_grad_reduce and bucket_size set them: without overlap megatron makes one bucket). A sharded checkpoint
+# holds the optimizer state per parameter (fully_reshardable), whatever the buckets; a per-rank one holds each
+# rank's bucket shards as they are (dp_reshardable), so it needs the same buckets. Either changes the order of some
+# fp32 sums only, as another layout does. Fingerprint entry ``<group>.trained``: the group without these keys.
+SCHEDULING_KEYS: dict[str, tuple[str, ...]] = {"parallel": LAYOUT_KEYS,
+                                               "optimizer": ("overlap_grad_reduce", "bucket_size")}
 # keys of a FINGERPRINT_KEYS group that change neither what is trained nor what a checkpoint holds (the same bits
 # either way): a run resumes with them changed, and checkpoints written before they existed still match
 NOT_FINGERPRINTED = {"optimizer": ("overlap_param_gather",)}
@@ -96,13 +103,10 @@ FORMATS = ("sharded", "per_rank")  # train.checkpoint_format; the first is the d
 SHARDED = "torch_dist"  # meta.json's "format" of a sharded checkpoint (per-rank checkpoints have no "format")
 
 
-def fingerprint(cfg: Any) -> dict[str, str]:
-    """sha256 (16 hex digits) of each FINGERPRINT_KEYS entry of the resolved config (without the nulls of
-    fp4moe.settings.ABSENT_WHEN_NULL and the keys of NOT_FINGERPRINTED), and (``parallel.trained``) of the parallel
-    group without its LAYOUT_KEYS."""
-    def digest(value: Any) -> str:
-        return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
+def fingerprinted(cfg: Any) -> dict[str, Any]:
+    """The values behind :func:`fingerprint`: each FINGERPRINT_KEYS entry of the resolved config as plain JSON data,
+    without the nulls of fp4moe.settings.ABSENT_WHEN_NULL and the keys of NOT_FINGERPRINTED. A checkpoint keeps
+    them (meta.json ``"settings"``) so that a refused resume can name the keys that differ."""
     out = {}
     for key in FINGERPRINT_KEYS:
         node = OmegaConf.select(cfg, key)
@@ -110,10 +114,24 @@ def fingerprint(cfg: Any) -> dict[str, str]:
         value = drop_absent(key, OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
         if isinstance(value, dict) and key in NOT_FINGERPRINTED:
             value = {k: v for k, v in value.items() if k not in NOT_FINGERPRINTED[key]}
-        out[key] = digest(value)
-    par = OmegaConf.select(cfg, "parallel")
-    par = OmegaConf.to_container(par, resolve=True) if OmegaConf.is_config(par) else dict(par or {})
-    out[TRAINED_PARALLEL] = digest({k: v for k, v in par.items() if k not in LAYOUT_KEYS})
+        out[key] = value
+    return json.loads(json.dumps(out, default=str))
+
+
+def fingerprint(cfg: Any) -> dict[str, str]:
+    """sha256 (16 hex digits) of each entry of :func:`fingerprinted`, and (``<group>.trained``) of each group of
+    SCHEDULING_KEYS without those keys."""
+    def digest(value: Any) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    values = fingerprinted(cfg)
+    out = {key: digest(value) for key, value in values.items()}
+    for group, keys in SCHEDULING_KEYS.items():
+        whole = values[group]
+        if group == "parallel":  # as checkpoints have had it from the start: the resolved group, nulls included
+            node = OmegaConf.select(cfg, group)
+            whole = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
+        out[f"{group}.trained"] = digest({k: v for k, v in whole.items() if k not in keys})
     return out
 
 
@@ -265,14 +283,14 @@ def _agree(err: str | None, world_size: int) -> str | None:
 
 def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size: int, model: torch.nn.Module,
          optimizer: Any, schedule: Any, mlflow_run_id: str | None, fingerprint_: dict[str, str],
-         keep: int = 2, meter: Any = None, format_: str = FORMATS[0]) -> Path:
+         keep: int = 2, meter: Any = None, format_: str = FORMATS[0], settings: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank calls it). Returns the final folder. ``model``: the
     megatron model (not its DDP wrapper); ``optimizer``: megatron's; ``schedule``: megatron's scheduler; ``meter``:
-    the run's throughput / memory measurements so far (``fp4moe.train.metrics.Meter``), carried into a resumed
-    run; ``format_``: ``sharded`` (megatron-core dist_checkpointing, any layout resumes) or ``per_rank`` (one
-    torch.save file per rank, the same layout resumes). A write that fails on any rank (disk full, folder gone)
-    raises :class:`Unwritable` on every rank, after rank 0 removed the unfinished folder; the checkpoints before
-    stay."""
+    the run's throughput / memory measurements so far (``fp4moe.train.metrics.Meter``), carried into a resumed run;
+    ``format_``: ``sharded`` (megatron-core dist_checkpointing, any layout resumes) or ``per_rank`` (one torch.save
+    file per rank, the same layout resumes); ``settings``: the run's :func:`fingerprinted` values, kept in meta.json
+    for the error of a resume that does not match. A write that fails on any rank (disk full, folder gone) raises
+    :class:`Unwritable` on every rank, after rank 0 removed the unfinished folder; the checkpoints before stay."""
     _check_format(format_)
     final = _step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
@@ -319,6 +337,8 @@ def save(root: Path, *, step: int, consumed_samples: int, rank: int, world_size:
                     "mlflow_run_id": mlflow_run_id, "fingerprint": fingerprint_, "time": time.time(), "files": files}
             if format_ == "sharded":
                 meta["format"] = SHARDED
+            if settings is not None:
+                meta["settings"] = settings
             with open(tmp / "meta.json", "w") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
@@ -651,23 +671,64 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return meta
 
 
-def check_compatible(folder: Path, meta: dict[str, Any], *, world_size: int, fingerprint_: dict[str, str]) -> None:
+def check_compatible(folder: Path, meta: dict[str, Any], *, world_size: int, fingerprint_: dict[str, str],
+                     settings: dict[str, Any] | None = None) -> None:
     """ConfigError naming what differs when the checkpoint in ``folder`` belongs to another run. A sharded checkpoint
-    resumes at any world size and parallel layout (LAYOUT_KEYS); a per-rank one only at its own."""
+    resumes at any world size and parallel layout and with other DDP buckets (SCHEDULING_KEYS); a per-rank one only
+    at its own. ``settings``: this run's :func:`fingerprinted` values; where the checkpoint has its own (meta.json
+    ``"settings"``, written since 2026-12-08), the error names each key that differs and both values."""
     sharded = meta.get("format") == SHARDED
     if not sharded and int(meta["world_size"]) != world_size:
         raise ConfigError(f"checkpoint {folder} was written by {meta['world_size']} processes, this run has "
                           f"{world_size}: a per-rank checkpoint resumes only at its own parallel layout; resume with "
                           "it, or use another train.checkpoint_dir")
     saved = meta.get("fingerprint") or {}
-    keys = [k for k in FINGERPRINT_KEYS if k != "parallel"] + [TRAINED_PARALLEL] if sharded else FINGERPRINT_KEYS
+    keys = list(FINGERPRINT_KEYS)
+    if sharded:  # <group>.trained instead of the group, where the checkpoint has it (optimizer.trained: 2026-12-08)
+        keys = [f"{k}.trained" if k in SCHEDULING_KEYS and f"{k}.trained" in saved else k for k in keys]
     differs = [k for k in keys if saved.get(k) != fingerprint_.get(k)]
-    if differs:
-        layout = "" if sharded or "parallel" not in differs else (
-            " (a per-rank checkpoint resumes only at its own parallel layout)")
-        raise ConfigError(f"checkpoint {folder} belongs to a run with other {', '.join(differs)}{layout}: resume with "
-                          "the same config, point train.checkpoint_dir elsewhere, or set train.resume=false with an "
-                          "empty checkpoint folder")
+    if not differs:
+        return
+    groups = [k.removesuffix(".trained") for k in differs]
+    layout = "" if sharded or "parallel" not in groups else (
+        " (a per-rank checkpoint resumes only at its own parallel layout)")
+    skip = {g: SCHEDULING_KEYS[g] for g, k in zip(groups, differs) if k != g}  # compared as <group>.trained
+    said = _differences(meta.get("settings"), settings, groups, skip=skip)
+    raise ConfigError(f"checkpoint {folder} belongs to a run with other {', '.join(groups)}{layout}{said}: resume "
+                      "with the same config, point train.checkpoint_dir elsewhere, or set train.resume=false with an "
+                      "empty checkpoint folder")
+
+
+def _differences(saved: Any, now: dict[str, Any] | None, groups: list[str], *, skip: dict[str, tuple[str, ...]],
+                 most: int = 6) -> str:
+    """`` (key: <value> in the checkpoint, <value> here; ...)`` for the keys of ``groups`` whose values differ
+    between a checkpoint's settings and this run's (not those of ``skip[group]``); '' where either is unknown."""
+    if not isinstance(saved, dict) or not now:
+        return ""
+
+    def leaves(value: Any, path: str) -> dict[str, Any]:
+        if isinstance(value, dict) and value:
+            return {k: v for key, sub in value.items() for k, v in leaves(sub, f"{path}.{key}").items()}
+        return {path: value}
+
+    def show(value: Any) -> str:
+        return "absent" if value is _ABSENT else json.dumps(value)
+
+    lines = []
+    for group in groups:
+        a, b = leaves(saved.get(group, _ABSENT), group), leaves(now.get(group, _ABSENT), group)
+        for key in sorted(set(a) | set(b)):
+            if key[len(group) + 1:].split(".")[0] in skip.get(group, ()):
+                continue
+            if a.get(key, _ABSENT) != b.get(key, _ABSENT):
+                lines.append(f"{key}: {show(a.get(key, _ABSENT))} in the checkpoint, {show(b.get(key, _ABSENT))} here")
+    if not lines:
+        return ""
+    more = f"; and {len(lines) - most} more" if len(lines) > most else ""
+    return " (" + "; ".join(lines[:most]) + more + ")"
+
+
+_ABSENT = object()
 
 
 def read_payload(folder: Path, rank: int) -> dict[str, Any]:
@@ -711,7 +772,8 @@ def load(folder: Path, *, rank: int, model: torch.nn.Module, optimizer: Any, sch
     return meta
 
 
-__all__ = ["fingerprint", "run_dir", "save", "load", "read_meta",
+__all__ = ["fingerprint", "fingerprinted", "run_dir", "save", "load", "read_meta",
            "read_payload", "verify", "scan", "step_folders", "none_usable", "Damaged", "check_compatible",
            "rng_state", "set_rng_state", "FINGERPRINT_KEYS", "SAFE_GLOBALS", "Unwritable", "load_sharded",
-           "check_sharded_files", "LAYOUT_KEYS", "FORMATS", "format_of", "SHARDED", "OPTIMIZER_METADATA"]
+           "check_sharded_files", "LAYOUT_KEYS", "SCHEDULING_KEYS", "FORMATS", "format_of", "SHARDED",
+           "OPTIMIZER_METADATA"]

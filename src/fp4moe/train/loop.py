@@ -231,11 +231,11 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
     total_steps = int(derived["steps"])
     # ---- where it starts (before data and model): which checkpoint; a finished run stops here
     root = ckpt.run_dir(cfg, multirun_cell, output_dir)
-    fp = ckpt.fingerprint(cfg)
+    fp, fp_settings = ckpt.fingerprint(cfg), ckpt.fingerprinted(cfg)
     found = resume.candidates(root, info, resume=t.resume)
     if found:
         folder, meta = found[0]
-        ckpt.check_compatible(folder, meta, world_size=info.world_size, fingerprint_=fp)
+        ckpt.check_compatible(folder, meta, world_size=info.world_size, fingerprint_=fp, settings=fp_settings)
         if int(meta["step"]) >= total_steps:
             if info.is_main:
                 log.info("already finished at step %d/%d (checkpoint %s); nothing to train", int(meta["step"]),
@@ -247,7 +247,7 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
                                already_finished=True, is_main=info.is_main)
     # ---- build, then resume: the newest checkpoint whose files every rank can read
     parts = components.build(cfg, derived, info, output_dir, settings)
-    start = resume.load_newest(root, found, info, parts, fp)
+    start = resume.load_newest(root, found, info, parts, fp, fp_settings)
 
     # ---- MLflow (rank 0): a store that fails mid-run does not stop the training, what it could not take waits in
     # the checkpoint folder
@@ -274,7 +274,7 @@ def _loop(cfg: Any, settings: Settings, derived: dict[str, Any], info: Any, mult
         optim.gather_updated_params(parts.ddp)  # overlap_param_gather: the step's update is in every shard
         return ckpt.save(root, step=step, consumed_samples=consumed, rank=info.rank, world_size=info.world_size,
                          model=parts.model, optimizer=parts.opt, schedule=parts.sched, mlflow_run_id=result.run_id,
-                         fingerprint_=fp, keep=keep, meter=parts.meter, format_=ckpt_format)
+                         fingerprint_=fp, keep=keep, meter=parts.meter, format_=ckpt_format, settings=fp_settings)
 
     state = hooks.LoopState(step=step, total_steps=total_steps, save=save, eval_losses=result.eval_losses)
     bar = None

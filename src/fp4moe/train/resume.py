@@ -86,7 +86,7 @@ def candidates(root: Path, info: Any, *, resume: bool) -> list[tuple[Path, dict[
 
 
 def load_newest(root: Path, found: list[tuple[Path, dict[str, Any]]], info: Any, parts: Any,
-                fingerprint: str) -> Start:
+                fingerprint: dict[str, str], settings: dict[str, Any] | None = None) -> Start:
     """Load the newest of ``found`` (from :func:`candidates`) whose files every rank can read into ``parts``
     (fp4moe.train.components.Components: model, optimizer, scheduler, meter); a damaged one is warned about and
     the previous one tried. Collective. No candidates: :class:`Start` at step 0. Every candidate damaged: the
@@ -95,7 +95,7 @@ def load_newest(root: Path, found: list[tuple[Path, dict[str, Any]]], info: Any,
 
     unreadable: list[tuple[Path, str]] = []
     for folder, meta in found:
-        ckpt.check_compatible(folder, meta, world_size=info.world_size, fingerprint_=fingerprint)
+        ckpt.check_compatible(folder, meta, world_size=info.world_size, fingerprint_=fingerprint, settings=settings)
         sharded = meta.get("format") == ckpt.SHARDED
         payload = why = None
         if sharded:  # collective: torch's loader reports a rank's failure to every rank
