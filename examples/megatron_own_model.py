@@ -6,9 +6,11 @@
 Your own ``MLATransformerConfig`` (here a small DeepSeek-V3-shaped one: MLA, 8 experts top-2, a shared expert, the
 first layer dense), megatron-core's ``GPTModel``, and fp4moe in three calls: ``with api.prepare():`` around building
 and training, ``api.decoder_block_spec(config, recipe, ...)`` as the layer spec (the whole recipe is in it),
-``api.finish(model, recipe)`` after building (a check and instrumentation of megatron's own MoE layers). Prints the
-loss per step and the all-to-all payload the MoE layers sent (MXFP4 rows under mxfp4). Needs megatron-core 0.16.1
-and torch; no Transformer Engine.
+``api.finish(model, recipe)`` after building (a check and instrumentation of megatron's own MoE layers). Trained with
+megatron-core's ``DistributedDataParallel``, ``finalize_model_grads`` and distributed optimizer (at EP=2 every rank
+holds a replica of the dense weights, which DDP keeps one model). Prints the loss and gradient norm per step, whether
+the dense weights are equal on every rank, and the all-to-all payload the MoE layers sent (MXFP4 rows under mxfp4).
+Needs megatron-core 0.16.1 and torch; no Transformer Engine.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--recompute", choices=("none", "attn_ln_experts", "attn_block_ln_experts"), default="none",
                     help="none; core attention + layernorms + routed experts; the whole attention block instead")
+    ap.add_argument("--overlap", action="store_true",
+                    help="megatron DDP's overlapped gradient reduction and parameter all-gather (small buckets)")
     args = ap.parse_args()
 
     from megatron.core import parallel_state
@@ -49,7 +53,10 @@ def main() -> None:
 
 
 def _build_and_train(args, world: int, rank: int, cuda: bool) -> None:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -88,20 +95,39 @@ def _build_and_train(args, world: int, rank: int, cuda: bool) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     model.to(device)
 
-    # 4. train: each rank its own tokens (batch 2 x 64)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # 4. megatron's DDP and distributed optimizer: every rank holds all dense weights (data-parallel replicas, their
+    #    gradients averaged over the ranks) and its own experts; FP32 main params and AdamW moments sharded over the
+    #    replicas. With --overlap the gradients reduce during the backward and the updated weights are all-gathered
+    #    during the next forward (the recipe's experts wait for theirs: fp4moe.model.recipe_moe.await_parameters)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+                                               overlap_grad_reduce=args.overlap, overlap_param_gather=args.overlap,
+                                               bucket_size=20000 if args.overlap else None)
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True,
+                                                 clip_grad=1.0), [ddp])
+
+    # 5. train: each rank its own tokens (batch 2 x 64)
     g = torch.Generator().manual_seed(rank)
     pos = torch.arange(64, device=device).unsqueeze(0).expand(2, -1)
     for step in range(1, args.steps + 1):
         ids = torch.randint(0, 512, (2, 64), generator=g).to(device)
-        loss = model(ids, pos, None, labels=torch.roll(ids, -1, 1)).float().mean()
-        opt.zero_grad(set_to_none=True)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss = ddp(ids, pos, None, labels=torch.roll(ids, -1, 1)).float().mean()
         loss.backward()
-        opt.step()
+        finalize_model_grads([ddp])   # the gradients' reduction over the replicas, the router's expert-bias update
+        ok, grad_norm, _ = opt.step()
         if rank == 0:
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
+            print(f"step {step} loss {loss.item():.4f} grad_norm {grad_norm:.4f}", flush=True)
+    ddp.start_param_sync(force_sync=True)   # --overlap: the last update's all-gather, before reading the weights
     stats = a2a_stats(model)
+    # the dense weights are one model on every rank (the experts' are each rank's own): fp64 sums, gathered
+    dense = torch.stack([p.detach().double().sum() for p in model.parameters() if getattr(p, "allreduce", True)])
+    sums = [torch.zeros_like(dense) for _ in range(world)]
+    dist.all_gather(sums, dense)
     if rank == 0:
+        same = all(torch.equal(s, sums[0]) for s in sums)
+        print(f"recipe {recipe.name}, EP={world}: dense weights equal on every rank: {same}", flush=True)
         print(f"recipe {recipe.name}, EP={world}: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.items())),
               flush=True)
 

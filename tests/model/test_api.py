@@ -1,6 +1,7 @@
 """fp4moe.model.api, the recipe in a megatron-core model the user builds: examples/megatron_own_model.py trains
-with it (one process and EP=2 over two gloo processes, under bf16 and mxfp4, with the whole-block recompute), the
-MoE dispatch sends MXFP4 rows under mxfp4, and what the recipe's modules cannot run is a ConfigError."""
+with it through megatron's DDP and distributed optimizer (one process and EP=2 over two gloo processes, under bf16
+and mxfp4, with the whole-block recompute), the MoE dispatch sends MXFP4 rows under mxfp4, and what the recipe's
+modules cannot run is a ConfigError."""
 from __future__ import annotations
 
 import os
@@ -25,8 +26,10 @@ def _run(args, nproc=1, port=29611):
                str(EXAMPLE), *args]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", r.stdout, re.M)]
+    losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+) grad_norm \S+$", r.stdout, re.M)]
     stats = dict((k, int(v)) for k, v in re.findall(r"(\w+)=(\d+)", r.stdout.splitlines()[-1]))
+    # megatron's DDP keeps the dense weights one model on every rank (each rank trains on its own tokens)
+    assert "dense weights equal on every rank: True" in r.stdout, r.stdout[-2000:]
     return losses, stats
 
 
@@ -45,8 +48,11 @@ def test_example_trains_with_the_recipe(recipe):
 
 
 def test_example_with_ep2_and_the_whole_attention_block_recomputed():
-    losses, stats = _run(["--recipe", "mxfp4", "--recompute", "attn_block_ln_experts", "--steps", "2"], nproc=2,
-                         port=29621)
+    """EP=2 over two processes, each its own tokens, with megatron's DDP overlapping the gradient reduction and the
+    parameter all-gather in small buckets: the dense weights stay one model (the example's torch AdamW without DDP
+    let the two copies drift apart after the first step)."""
+    losses, stats = _run(["--recipe", "mxfp4", "--recompute", "attn_block_ln_experts", "--steps", "2", "--overlap"],
+                         nproc=2, port=29621)
     assert len(losses) == 2 and stats["dispatch_forward_sent_remote_bytes"] > 0   # rows crossed to the other rank
 
 
