@@ -116,10 +116,13 @@ def _build_and_train(args, world: int, rank: int, cuda: bool) -> None:
         loss = ddp(ids, pos, None, labels=torch.roll(ids, -1, 1)).float().mean()
         loss.backward()
         finalize_model_grads([ddp])   # the gradients' reduction over the replicas, the router's expert-bias update
-        ok, grad_norm, _ = opt.step()
+        updated, grad_norm, _ = opt.step()   # the global gradient norm, clipping, AdamW
+        if not updated:
+            raise FloatingPointError(f"step {step}: megatron's optimizer skipped the update (non-finite gradients)")
         if rank == 0:
             print(f"step {step} loss {loss.item():.4f} grad_norm {grad_norm:.4f}", flush=True)
-    ddp.start_param_sync(force_sync=True)   # --overlap: the last update's all-gather, before reading the weights
+    if args.overlap:   # the last update's all-gather would wait for the next forward: now, before reading weights
+        ddp.start_param_sync(force_sync=True)
     stats = a2a_stats(model)
     # the dense weights are one model on every rank (the experts' are each rank's own): fp64 sums, gathered
     dense = torch.stack([p.detach().double().sum() for p in model.parameters() if getattr(p, "allreduce", True)])
