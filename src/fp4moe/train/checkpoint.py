@@ -702,33 +702,25 @@ def check_compatible(folder: Path, meta: dict[str, Any], *, world_size: int, fin
 def _differences(saved: Any, now: dict[str, Any] | None, groups: list[str], *, skip: dict[str, tuple[str, ...]],
                  most: int = 6) -> str:
     """`` (key: <value> in the checkpoint, <value> here; ...)`` for the keys of ``groups`` whose values differ
-    between a checkpoint's settings and this run's (not those of ``skip[group]``); '' where either is unknown."""
+    between a checkpoint's settings and this run's (not those of ``skip[group]``), values as JSON; '' where either is
+    unknown."""
+    from fp4moe.train.metrics import flatten
+
     if not isinstance(saved, dict) or not now:
         return ""
-
-    def leaves(value: Any, path: str) -> dict[str, Any]:
-        if isinstance(value, dict) and value:
-            return {k: v for key, sub in value.items() for k, v in leaves(sub, f"{path}.{key}").items()}
-        return {path: value}
-
-    def show(value: Any) -> str:
-        return "absent" if value is _ABSENT else json.dumps(value)
-
     lines = []
     for group in groups:
-        a, b = leaves(saved.get(group, _ABSENT), group), leaves(now.get(group, _ABSENT), group)
+        a, b = (flatten(side.get(group, {}), f"{group}.", json.dumps) for side in (saved, now))
         for key in sorted(set(a) | set(b)):
             if key[len(group) + 1:].split(".")[0] in skip.get(group, ()):
                 continue
-            if a.get(key, _ABSENT) != b.get(key, _ABSENT):
-                lines.append(f"{key}: {show(a.get(key, _ABSENT))} in the checkpoint, {show(b.get(key, _ABSENT))} here")
+            was, is_ = a.get(key, "absent"), b.get(key, "absent")
+            if was != is_:
+                lines.append(f"{key}: {was} in the checkpoint, {is_} here")
     if not lines:
         return ""
     more = f"; and {len(lines) - most} more" if len(lines) > most else ""
     return " (" + "; ".join(lines[:most]) + more + ")"
-
-
-_ABSENT = object()
 
 
 def read_payload(folder: Path, rank: int) -> dict[str, Any]:

@@ -50,7 +50,7 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from fp4moe.tracking import mlflow_store
 
@@ -58,15 +58,19 @@ log = logging.getLogger("fp4moe.train")
 GB = 1024 ** 3
 
 
-def flatten(node: Any, prefix: str = "") -> dict[str, str]:
-    """Dotted keys -> string values of a nested dict (lists and scalars as JSON-ish strings)."""
+def flatten(node: Any, prefix: str = "", show: Callable[[Any], str] | None = None) -> dict[str, str]:
+    """Dotted keys -> string values of a nested dict (``prefix``: ending in '.'); each leaf written by ``show``
+    (default: lists as JSON, scalars with ``str``)."""
     out: dict[str, str] = {}
     if isinstance(node, Mapping):
         for k, v in node.items():
-            out.update(flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}.", show))
         return out
     key = prefix[:-1]
-    out[key] = json.dumps(node) if isinstance(node, list) else str(node)
+    if show is not None:
+        out[key] = show(node)
+    else:
+        out[key] = json.dumps(node) if isinstance(node, list) else str(node)
     return out
 
 
